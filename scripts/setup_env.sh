@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create (or update) the project's CPU environment in .venv.
+# torch is pinned to 2.13.0 through constraints-cpu.txt so pip never resolves a multi-GB CUDA
+# build on CPU machines. Extras: dev (pytest, ruff), local (CPU backend), megatron, triton.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/pip install -c constraints-cpu.txt -e '.[dev,local,megatron,triton]' \
+  > .venv/pip-install.log 2>&1 || { tail -n 40 .venv/pip-install.log; echo "setup_env: pip install failed (full log: .venv/pip-install.log)" >&2; exit 1; }
+.venv/bin/python -c "import torch, nemo_jetrl; print('env ready: torch', torch.__version__)"
