@@ -1,0 +1,173 @@
+"""The config keys this package reads: NeMo-RL's own keys and our `jetrl:` section.
+
+NeMo-RL users already describe precision with these keys (meanings as in NeMo-RL):
+
+- ``policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe, fp8_param}``: Megatron/TE training FP8.
+  ``fp8`` is TE's format knob ("e4m3" or "hybrid"), ``fp8_recipe`` the scaling ("blockwise" is the
+  one that matches vLLM's block-quantized linears).
+- ``policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES``: "1" makes TE's blockwise
+  scales exact FP32 quotients; unset or "0" keeps TE's default power-of-two scales.
+- ``policy.generation.vllm_cfg.precision`` ("fp8" quantizes vLLM's linears, 128x128 weight blocks
+  and 1x128 activation groups), ``kv_cache_dtype`` ("auto" | "fp8" | "fp8_e4m3"),
+  ``pow2_weight_scaling_factors`` / ``pow2_activation_scaling_factors`` (default false: FP32),
+  ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16``, ``use_deep_gemm``.
+- ``loss_fn.{use_importance_sampling_correction, truncated_importance_sampling_type,
+  truncated_importance_sampling_ratio, truncated_importance_sampling_ratio_min,
+  sequence_level_importance_ratios}``: importance-sampling correction (NeMo-RL's
+  ClippedPGLossConfig rules apply).
+
+What NeMo-RL has no key for lives under ``jetrl:``; `JETRL_KEYS` documents every key there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from nemo_jetrl.recipe import KV_MASKS, KV_SCALE_SOURCES, PRESET_NAMES
+
+# NeMo-RL key paths (dotted), one constant each so messages and align use the same spelling.
+FP8_CFG = "policy.megatron_cfg.fp8_cfg"
+FP8_ENABLED = f"{FP8_CFG}.enabled"
+FP8_FORMAT = f"{FP8_CFG}.fp8"
+FP8_RECIPE = f"{FP8_CFG}.fp8_recipe"
+FP8_PARAM = f"{FP8_CFG}.fp8_param"
+MEGATRON_ENABLED = "policy.megatron_cfg.enabled"
+ENV_VARS = "policy.megatron_cfg.env_vars"
+FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+FP32_SCALES_KEY = f"{ENV_VARS}.{FP32_SCALES_ENV}"
+VLLM_CFG = "policy.generation.vllm_cfg"
+VLLM_PRECISION = f"{VLLM_CFG}.precision"
+VLLM_KV_DTYPE = f"{VLLM_CFG}.kv_cache_dtype"
+VLLM_POW2_W = f"{VLLM_CFG}.pow2_weight_scaling_factors"
+VLLM_POW2_A = f"{VLLM_CFG}.pow2_activation_scaling_factors"
+VLLM_FIRST_BF16 = f"{VLLM_CFG}.num_first_layers_in_bf16"
+VLLM_LAST_BF16 = f"{VLLM_CFG}.num_last_layers_in_bf16"
+VLLM_DEEP_GEMM = f"{VLLM_CFG}.use_deep_gemm"
+VLLM_IS_MX = f"{VLLM_CFG}.is_mx"
+MODEL_NAME = "policy.model_name"
+LOSS_FN = "loss_fn"
+IS_CORRECTION = "loss_fn.use_importance_sampling_correction"
+TIS_TYPE = "loss_fn.truncated_importance_sampling_type"
+TIS_RATIO = "loss_fn.truncated_importance_sampling_ratio"
+TIS_RATIO_MIN = "loss_fn.truncated_importance_sampling_ratio_min"
+SEQ_LEVEL_IS = "loss_fn.sequence_level_importance_ratios"
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("blockwise", "mxfp8", "tensorwise", "delayed")
+VLLM_PRECISIONS = ("bfloat16", "float16", "float32", "fp8")
+VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
+TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
+ENV_FLAG_VALUES = ("0", "1")
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One key of the `jetrl:` section."""
+
+    # Python types accepted (None in the tuple means null is allowed).
+    types: tuple[Any, ...]
+    # Default when the key is absent.
+    default: Any
+    # Plain-words meaning, shown in docs and error messages.
+    doc: str
+    # Allowed values for enumerations (empty: any value of the types).
+    choices: tuple[Any, ...] = ()
+
+
+_NULL = type(None)
+
+KV_CALIBRATION_KEYS: Mapping[str, KeySpec] = MappingProxyType(
+    {
+        "enabled": KeySpec((bool,), True, "recalibrate Q/K/V scales on the trainer every step"),
+        "data_fraction": KeySpec(
+            (int, float), 1.0, "fraction (0, 1] of the step's sequences the observers see"
+        ),
+        "percentile": KeySpec(
+            (int, float), 99.9, "percentile (0, 100] of per-micro-batch amax; 100 = max"
+        ),
+        "margin": KeySpec((int, float), 1.05, "factor >= 1 applied to amax before the scale"),
+        "mask": KeySpec(
+            (str,),
+            "prompt_and_response",
+            "tokens observed: response only, all real tokens, or none masked (with padding)",
+            KV_MASKS,
+        ),
+    }
+)
+
+JETRL_KEYS: Mapping[str, KeySpec] = MappingProxyType(
+    {
+        "recipe": KeySpec(
+            (str, _NULL),
+            None,
+            "the recipe this config is meant to be (a label); the NeMo-RL keys decide, and "
+            "`jetrl check` warns when they describe something else",
+            (*PRESET_NAMES, None),
+        ),
+        "vllm_patch": KeySpec(
+            (bool,),
+            False,
+            "apply nemo_jetrl's vLLM patch: vLLM quantizes activations with TE's formula and "
+            "loads trainer-quantized weights without requantizing",
+        ),
+        "onpolicy_kv": KeySpec(
+            (bool,),
+            False,
+            "the trainer's attention applies the rollout's FP8 KV quantization (same scales)",
+        ),
+        "kv_scale_source": KeySpec(
+            (str, _NULL),
+            None,
+            "where FP8 KV scales come from; null = trainer_calibrated when kv_calibration."
+            "enabled, else dynamic",
+            (*(s for s in KV_SCALE_SOURCES if s != "none"), None),
+        ),
+        "kv_calibration": KeySpec(
+            (Mapping, _NULL), None, "trainer-side Q/K/V scale calibration (see below)"
+        ),
+        "refit_parity_check": KeySpec(
+            (bool,),
+            True,
+            "after each refit, compare the rollout engine's FP8 weights with the trainer's",
+        ),
+        "allow_off_policy": KeySpec(
+            (bool,), False, "let `jetrl train` run a recipe that `jetrl check` finds off-policy"
+        ),
+        "train_num_first_layers_in_bf16": KeySpec(
+            (int,),
+            0,
+            "leading decoder layers kept BF16 in training (Megatron's num_layers_at_start_in_bf16)",
+        ),
+        "train_num_last_layers_in_bf16": KeySpec(
+            (int,),
+            0,
+            "trailing decoder layers kept BF16 in training (Megatron's num_layers_at_end_in_bf16)",
+        ),
+        "unaligned_layers": KeySpec(
+            (str,),
+            "error",
+            "linears whose dims are not multiples of 128: reject the config, or keep them BF16 "
+            "on both sides",
+            ("error", "bf16"),
+        ),
+        "model_config": KeySpec(
+            (str, _NULL),
+            None,
+            "path to a HuggingFace config.json describing the model (default: the built-in "
+            "description matching policy.model_name)",
+        ),
+        "local": KeySpec(
+            (Mapping, _NULL),
+            None,
+            "settings of the embedded CPU backend; validated by that backend's own schema",
+        ),
+    }
+)
+
+# Module that owns the `jetrl.local` schema; it defines
+# `validate_local_config(section: DictConfig, path: str) -> list[ConfigIssue]`.
+LOCAL_SCHEMA_MODULE = "nemo_jetrl.backends.local.config"
+LOCAL_SCHEMA_FUNCTION = "validate_local_config"
