@@ -1,0 +1,411 @@
+"""GRPO loss with the rollout/training importance-sampling correction.
+
+GRPO samples a group of G responses per prompt and scores each with a reward r. The advantage
+of a response is how much better it did than its group:
+
+    A_i = r_i - b_i,   b_i = mean of the group's rewards (leave-one-out: of the *other* G-1)
+    if normalize_rewards and std_i > 0:  A_i = A_i / (std_i + 1e-6)
+
+where std_i is the unbiased (n-1) standard deviation of the same rewards the baseline used.
+Groups of one response, and groups whose rewards are all equal, give A = 0 / are not sharpened.
+This is NeMo-RL's GRPOAdvantageEstimator (``grpo.normalize_rewards``,
+``grpo.use_leave_one_out_baseline``, both true by default there).
+
+Every token t of response i carries A_i. With the PPO ratio r_t = pi_theta(t) / pi_old(t)
+(pi_old = ``prev_logprobs``, the trainer's logprobs before this update):
+
+    clip_loss_t = max(-A r_t, -A clip(r_t, 1 - ratio_clip_min, 1 + ratio_clip_max))
+    dual clip (ratio_clip_c = c > 1, only where A < 0):  clip_loss_t = min(clip_loss_t, -A c)
+
+The importance weight w_t of `nemo_jetrl.correction` re-weights each token for the rollout/train
+mismatch (w = 1 when the correction is off). The optional KL penalty to a frozen reference policy
+uses the k3 estimator (k1/k2 available) on x = ref - curr, optionally clamped:
+
+    kl_t = e^x - x - 1,   penalty = reference_policy_kl_penalty * mean(kl_t)
+
+and, like NeMo-RL, multiplies kl_t by exp(curr - sg(curr)) (value 1) so its gradient includes
+the score-function term of sampling from the current policy (or exp(curr - gen) with
+``use_on_policy_kl_approximation``). Aggregation is NeMo-RL's token mean over the *global* batch:
+
+    loss = sum_{valid t} w_t clip_loss_t / global_valid_tokens + beta * sum kl_t / global_valid_tokens
+
+so summing the losses of micro-batches gives the batch's token mean (pass ``global_valid_tokens``;
+by default it is this call's own valid-token count). With ``token_level_loss: false`` (needed for
+sequence-level IS) each sequence is first averaged over its tokens and the loss is the mean over
+sequences (``global_valid_seqs``); the PPO ratio then is per sequence too,
+r_s = exp(mean_t (curr - prev)) (GSPO).
+
+Padding never enters: invalid positions are replaced by 0 before any arithmetic, so NaN/-inf in
+padding cannot poison the loss or its gradient. The returned metrics use NeMo-RL's names
+(``train/loss``, ``train/probs_ratio``...), plus the correction stats; see docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nemo_jetrl.correction import (
+    CorrectionConfig,
+    CorrectionConfigError,
+    importance_weights,
+    validate_loss_fn_cfg,
+)
+from nemo_jetrl.metrics import NEMO_RL_PREFIX, check_logprobs, k3, mismatch_metrics, valid_mask
+
+KL_TYPES = ("k1", "k2", "k3")
+#: NeMo-RL loss_fn switches this loss does not implement; true/non-zero is an error, not ignored.
+_UNSUPPORTED_FLAGS = (
+    "disable_ppo_ratio",
+    "force_on_policy_ratio",
+    "use_cispo",
+    "use_kl_in_reward",
+)
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """GRPO loss settings; field names are NeMo-RL's ``loss_fn`` keys (same defaults)."""
+
+    #: PPO clip: ratios are clipped to [1 - ratio_clip_min, 1 + ratio_clip_max].
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    #: dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; None: off.
+    ratio_clip_c: float | None = None
+    #: beta of the KL penalty to the reference policy; 0 disables it.
+    reference_policy_kl_penalty: float = 0.01
+    #: "k1", "k2" or "k3" (Schulman's estimators).
+    reference_policy_kl_type: str = "k3"
+    #: clamp of x = ref - curr before the KL estimator; None: no clamp.
+    kl_input_clamp_value: float | None = 20.0
+    #: clamp of each token's (weighted) KL term; None: no clamp.
+    kl_output_clamp_value: float | None = 10.0
+    #: weight the KL by exp(curr - generation) instead of exp(curr - sg(curr)).
+    use_on_policy_kl_approximation: bool = False
+    #: token mean over the global batch (true) or mean over sequences of token means (false).
+    token_level_loss: bool = True
+    #: importance-sampling correction of the rollout/train mismatch.
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+
+    def __post_init__(self) -> None:
+        errs = _loss_rule_errors(
+            {
+                "ratio_clip_min": self.ratio_clip_min,
+                "ratio_clip_max": self.ratio_clip_max,
+                "ratio_clip_c": self.ratio_clip_c,
+                "reference_policy_kl_penalty": self.reference_policy_kl_penalty,
+                "reference_policy_kl_type": self.reference_policy_kl_type,
+                "kl_input_clamp_value": self.kl_input_clamp_value,
+                "kl_output_clamp_value": self.kl_output_clamp_value,
+            },
+            "",
+        )
+        if self.correction.token_level_loss != self.token_level_loss:
+            errs.append(
+                f"token_level_loss={self.token_level_loss} but correction.token_level_loss="
+                f"{self.correction.token_level_loss}: they must agree"
+            )
+        if errs:
+            raise CorrectionConfigError(errs)
+
+    @classmethod
+    def from_loss_fn_cfg(cls, cfg: Mapping[str, Any], *, path: str = "loss_fn") -> GRPOLossConfig:
+        """Build from a NeMo-RL ``loss_fn`` mapping; raise `CorrectionConfigError` with all errors."""
+        if not isinstance(cfg, Mapping) and hasattr(cfg, "items"):
+            cfg = dict(cfg.items())
+        if not isinstance(cfg, Mapping):
+            raise CorrectionConfigError([f"{path} must be a mapping, got {type(cfg).__name__}"])
+        k = f"{path}." if path else ""
+        errs = validate_loss_fn_cfg(cfg, path=path)
+        errs += _loss_rule_errors(cfg, path)
+        for flag in _UNSUPPORTED_FLAGS:
+            if cfg.get(flag):
+                errs.append(
+                    f"{k}{flag}={cfg[flag]!r} is not implemented by nemo_jetrl's GRPO loss "
+                    "(local backend): set it to false, or train with the nemo_rl backend"
+                )
+        nll = cfg.get("positive_example_nll_weight")
+        if nll not in (None, 0, 0.0):
+            errs.append(
+                f"{k}positive_example_nll_weight={nll!r} is not implemented by nemo_jetrl's GRPO "
+                "loss (local backend): set it to 0, or train with the nemo_rl backend"
+            )
+        if errs:
+            raise CorrectionConfigError(errs)
+        kw: dict[str, Any] = {}
+        for name in (
+            "ratio_clip_min",
+            "ratio_clip_max",
+            "ratio_clip_c",
+            "reference_policy_kl_penalty",
+            "reference_policy_kl_type",
+            "kl_input_clamp_value",
+            "kl_output_clamp_value",
+            "use_on_policy_kl_approximation",
+            "token_level_loss",
+        ):
+            if name in cfg and (
+                cfg[name] is not None or name in ("ratio_clip_c",) or "clamp" in name
+            ):
+                kw[name] = cfg[name]
+        return cls(**kw, correction=CorrectionConfig.from_loss_fn_cfg(cfg, path=path))
+
+
+def _loss_rule_errors(cfg: Mapping[str, Any], path: str) -> list[str]:
+    k = f"{path}." if path else ""
+    errs: list[str] = []
+
+    def num(name: str, *, optional: bool) -> float | None:
+        v = cfg.get(name)
+        if v is None:
+            if not optional and name in cfg:
+                errs.append(f"{k}{name} must be a number, got null")
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            errs.append(f"{k}{name} must be a number{' or null' if optional else ''}, got {v!r}")
+            return None
+        return float(v)
+
+    for name in ("ratio_clip_min", "ratio_clip_max"):
+        v = num(name, optional=False)
+        if v is not None and v < 0:
+            errs.append(f"{k}{name} must be >= 0 (the clip range is [1 - min, 1 + max]), got {v}")
+    c = num("ratio_clip_c", optional=True)
+    if c is not None and not c > 1:
+        errs.append(
+            f"{k}ratio_clip_c must be > 1 (usually 3) or null to disable dual clipping, got {c}"
+        )
+    num("reference_policy_kl_penalty", optional=False)
+    t = cfg.get("reference_policy_kl_type", "k3")
+    if t not in KL_TYPES:
+        errs.append(f"{k}reference_policy_kl_type must be one of {', '.join(KL_TYPES)}, got {t!r}")
+    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        v = num(name, optional=True)
+        if v is not None and v <= 0:
+            errs.append(f"{k}{name} must be > 0 or null, got {v}")
+    return errs
+
+
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: torch.Tensor | Sequence[Hashable],
+    *,
+    normalize_rewards: bool = True,
+    leave_one_out_baseline: bool = True,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """Per-response GRPO advantages [B] (float64) from rewards [B] and group (prompt) ids [B].
+
+    See the module docstring for the formula; it matches NeMo-RL's GRPOAdvantageEstimator.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float64).detach().flatten()
+    ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if len(ids) != r.numel():
+        raise ValueError(
+            f"group_ids has {len(ids)} entries but rewards has {r.numel()}: one group id per response"
+        )
+    if not torch.isfinite(r).all():
+        bad = torch.nonzero(~torch.isfinite(r)).flatten().tolist()
+        raise ValueError(f"rewards must be finite; non-finite at indices {bad[:10]}")
+    groups: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(ids):
+        key = tuple(g) if isinstance(g, list) else g
+        groups.setdefault(key, []).append(i)
+    adv = torch.zeros_like(r)
+    for idx in groups.values():
+        n = len(idx)
+        if n <= 1:
+            continue  # no one to compare with: advantage 0
+        v = r[idx]
+        # M[i, j] = 1 when response j is in i's baseline
+        m = (
+            1.0 - torch.eye(n, dtype=torch.float64)
+            if leave_one_out_baseline
+            else torch.ones(n, n, dtype=torch.float64)
+        )
+        cnt = m.sum(-1)
+        base = (m @ v) / cnt
+        a = v - base
+        if normalize_rewards:
+            dev2 = m * (v.unsqueeze(0) - base.unsqueeze(1)) ** 2  # two-pass: stable
+            var = torch.where(cnt > 1, dev2.sum(-1) / (cnt - 1).clamp(min=1), torch.zeros_like(cnt))
+            std = var.sqrt()
+            a = torch.where(std > 0, a / (std + epsilon), a)
+        adv[idx] = a
+    return adv
+
+
+def _kl_term(x: torch.Tensor, kl_type: str) -> torch.Tensor:
+    if kl_type == "k1":
+        return -x
+    if kl_type == "k2":
+        return 0.5 * x * x
+    return k3(x)
+
+
+def grpo_loss(
+    curr_logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor | None = None,
+    *,
+    reference_logprobs: torch.Tensor | None = None,
+    config: GRPOLossConfig | None = None,
+    global_valid_tokens: float | None = None,
+    global_valid_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO loss of one (micro-)batch and its metrics.
+
+    Args:
+        curr_logprobs: [B, T] logprobs of the sampled tokens under the policy being optimised
+            (carries the gradient).
+        prev_logprobs: [B, T] trainer logprobs before the update (pi_old; the PPO ratio's base).
+        generation_logprobs: [B, T] rollout engine logprobs (the IS correction's base).
+        advantages: [B] (per response, e.g. from `group_advantages`) or [B, T].
+        token_mask: [B, T] 1 for response tokens that count.
+        sample_mask: optional [B]; 0 drops a response.
+        reference_logprobs: [B, T] reference-policy logprobs; required when
+            config.reference_policy_kl_penalty != 0.
+        config: loss settings (defaults: NeMo-RL's).
+        global_valid_tokens / global_valid_seqs: denominators of the token / sequence mean over
+            the whole batch when this call sees one micro-batch; default: this call's counts.
+
+    Returns:
+        (loss, metrics): scalar loss tensor in curr_logprobs' dtype, and {tag: float} with
+        NeMo-RL's loss metric names under ``train/`` plus the correction stats.
+    """
+    cfg = config or GRPOLossConfig()
+    tensors = {
+        "curr_logprobs": curr_logprobs,
+        "prev_logprobs": prev_logprobs,
+        "generation_logprobs": generation_logprobs,
+    }
+    beta = float(cfg.reference_policy_kl_penalty)
+    if beta != 0.0:
+        if reference_logprobs is None:
+            raise ValueError(
+                "reference_logprobs is required when loss_fn.reference_policy_kl_penalty != 0 "
+                f"(it is {beta}); pass the reference policy's logprobs or set the penalty to 0"
+            )
+        tensors["reference_logprobs"] = reference_logprobs
+    shape = check_logprobs(**tensors)
+    mask = valid_mask(token_mask, sample_mask, shape)
+    dt = curr_logprobs.dtype
+    if advantages.shape == (shape[0],):
+        adv = advantages.to(dt).unsqueeze(-1).expand(shape)
+    elif tuple(advantages.shape) == tuple(shape):
+        adv = advantages.to(dt)
+    else:
+        raise ValueError(
+            f"advantages has shape {list(advantages.shape)}; expected [{shape[0]}] (one per "
+            f"response) or {list(shape)} (one per token)"
+        )
+    zero = torch.zeros((), dtype=dt, device=curr_logprobs.device)
+
+    def clean(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, t.to(dt), zero)
+
+    curr = clean(curr_logprobs)
+    prev = clean(prev_logprobs.detach())
+    gen = clean(generation_logprobs.detach())
+    adv = clean(adv.detach())
+    maskf = mask.to(dt)
+    n_tok = float(mask.sum())
+    seq_ok = (
+        mask.any(-1)
+        if sample_mask is None
+        else valid_mask(
+            torch.ones(shape, dtype=torch.bool, device=mask.device), sample_mask, shape
+        )[:, 0]
+    )
+    n_seq = float(seq_ok.sum())
+    tok_den = float(global_valid_tokens) if global_valid_tokens is not None else max(n_tok, 1.0)
+    seq_den = float(global_valid_seqs) if global_valid_seqs is not None else max(n_seq, 1.0)
+
+    def aggregate(per_token: torch.Tensor) -> torch.Tensor:
+        if cfg.token_level_loss:
+            return (per_token * maskf).sum() / tok_den
+        cnt = maskf.sum(-1).clamp(min=1.0)
+        per_seq = (per_token * maskf).sum(-1) / cnt
+        return (per_seq * seq_ok.to(dt)).sum() / seq_den
+
+    # PPO ratio (token, or GSPO sequence-level)
+    log_ratio = curr - prev
+    if cfg.correction.sequence_level_importance_ratios:
+        cnt = maskf.sum(-1, keepdim=True).clamp(min=1.0)
+        ratios = torch.exp((log_ratio * maskf).sum(-1, keepdim=True) / cnt).expand(shape)
+    else:
+        ratios = torch.exp(log_ratio)
+    ratios_clamped = ratios.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+    clip_loss = torch.maximum(-adv * ratios, -adv * ratios_clamped)
+    if cfg.ratio_clip_c is not None:
+        clip_loss = torch.where(
+            adv < 0, torch.minimum(clip_loss, -adv * cfg.ratio_clip_c), clip_loss
+        )
+
+    corr = importance_weights(
+        generation_logprobs, prev_logprobs, token_mask, sample_mask, config=cfg.correction
+    )
+    w = corr.weights.to(dt)
+    actor_loss = aggregate(w * clip_loss)
+
+    if beta != 0.0:
+        assert reference_logprobs is not None
+        ref = clean(reference_logprobs.detach())
+        x = ref - curr
+        kl_w = (
+            torch.exp(curr - gen)
+            if cfg.use_on_policy_kl_approximation
+            else torch.exp(curr - curr.detach())
+        )
+        kl_w = torch.nan_to_num(kl_w, nan=0.0, posinf=0.0, neginf=0.0)
+        if cfg.kl_input_clamp_value is not None:
+            c = cfg.kl_input_clamp_value
+            xc = x.clamp(-c, c)
+            kl_w = torch.where(x == xc, kl_w, kl_w.detach())  # clamped: no gradient through it
+            x = xc
+        kl = _kl_term(x, cfg.reference_policy_kl_type) * kl_w
+        if cfg.kl_output_clamp_value is not None:
+            kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+        kl_mean = aggregate(kl)
+        loss = actor_loss + beta * kl_mean
+    else:
+        kl_mean = None
+        loss = actor_loss
+
+    with torch.no_grad():
+        sel = mask
+        r_v = ratios.detach()[sel].double()
+        rc_v = ratios_clamped.detach()[sel].double()
+        c64, g64 = curr.detach().double(), gen.double()
+        p = NEMO_RL_PREFIX
+        metrics: dict[str, float] = {
+            p + "loss": float(loss.detach()),
+            p + "probs_ratio": float(r_v.mean()) if n_tok else math.nan,
+            p + "probs_ratio_clamped": float(rc_v.mean()) if n_tok else math.nan,
+            p + "probs_ratio_min": float(r_v.min()) if n_tok else math.nan,
+            p + "probs_ratio_max": float(r_v.max()) if n_tok else math.nan,
+            p + "probs_ratio_clamped_min": float(rc_v.min()) if n_tok else math.nan,
+            p + "probs_ratio_clamped_max": float(rc_v.max()) if n_tok else math.nan,
+            p + "kl_penalty": float(kl_mean.detach()) if kl_mean is not None else 0.0,
+            p + "approx_entropy": float(-(torch.exp(c64 - g64) * c64)[sel].mean())
+            if n_tok
+            else math.nan,
+            p + "num_valid_samples": n_seq,
+        }
+        mm = mismatch_metrics(generation_logprobs, prev_logprobs, token_mask, sample_mask)
+        for key in (
+            "token_mult_prob_error",
+            "gen_kl_error",
+            "policy_kl_error",
+            "js_divergence_error",
+        ):
+            metrics[p + key] = mm[p + key]
+        metrics.update(corr.stats)
+    return loss, metrics

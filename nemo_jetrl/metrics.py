@@ -1,0 +1,237 @@
+"""Train/rollout mismatch metrics: how far the rollout engine's policy is from the trainer's.
+
+The rollout engine (vLLM) samples a response and reports, for every sampled token, its logprob
+under the *rollout* policy: ``generation_logprobs`` (g). The trainer then scores the same tokens
+with the *training* forward: ``prev_logprobs`` (p). In a truly on-policy FP8 flow both sides see
+the same numbers and p == g up to GEMM accumulation order; with BF16-train + FP8-rollout they
+drift apart, and the metrics below say by how much.
+
+Everything is computed from the per-token log-ratio ``d = p - g`` (log of the importance ratio
+``rho = pi_train / pi_rollout``) over the *valid* tokens only: ``token_mask * sample_mask``.
+Padding, prompt tokens and dropped samples never enter a sum, and a padded position holding NaN or
+-inf cannot leak in (we select, we do not multiply by the mask). Tokens that are valid but whose
+``d`` is NaN/Inf (e.g. a -inf logprob from a filtered token) are excluded from every statistic and
+counted in ``jetrl/mismatch/nonfinite_tokens``. All arithmetic is float64 whatever the input dtype.
+
+Names. Where NeMo-RL logs the same quantity, we use its exact tag (NeMo-RL's ClippedPGLossFn
+returns ``token_mult_prob_error`` etc. and grpo.py logs them with prefix ``train/``). Everything
+else lives under the one prefix ``jetrl/mismatch/``. docs/metrics.md has the full table.
+
+NeMo-RL's metrics (same definitions, default ``reference_policy_kl_type: k3``):
+  token_mult_prob_error  mean_t exp(|p - g|)                     1.0 means identical
+  gen_kl_error           mean_t k3(g -> p) = e^(p-g) - (p-g) - 1   KL(P_gen || P_train), k3
+  policy_kl_error        mean_t e^(g-p) - (g-p) - 1             KL(P_train || P_gen), k3
+  js_divergence_error    with log m = log((e^p + e^g)/2):
+                         mean_t 0.5*[e^(p-m) - (p-m) - 1] + 0.5*[e^(g-m) - (g-m) - 1]
+  {min,mean,max}_seq_mult_prob_error  per sequence s: mean_{t in s} exp(|p - g|), then the
+                         min/mean/max over sequences with at least one valid token.
+The ``train/`` means are over all valid tokens of the batch (NeMo-RL's global token mean).
+
+Ours (``jetrl/mismatch/...``), all documented in docs/metrics.md:
+  k1_kl                  mean_t (g - p): the plain (k1) estimate of KL(P_gen || P_train); it can
+                         be negative on a finite sample, which k3 cannot.
+  train_log_ppl          mean over sequences of the per-sequence mean of -p (log-perplexity).
+  rollout_log_ppl        same with g.
+  log_ppl_diff           mean over sequences of (train_log_ppl_s - rollout_log_ppl_s).
+  log_ppl_abs_diff       mean over sequences of |train_log_ppl_s - rollout_log_ppl_s|.
+  ppl_ratio              mean over sequences of exp(train_log_ppl_s - rollout_log_ppl_s).
+  chi2_token             mean_t rho^2 - 1 (chi-square divergence of the token importance ratio,
+                         the variance an IS correction would add).
+  chi2_seq               mean_s (prod_t rho)^2 - 1, with sum_t d clamped to +-SEQ_LOG_RATIO_CLAMP.
+  is_ratio_{mean,std,min,max}      of rho over valid tokens (std: population, ddof=0).
+  is_ratio_frac_above / _below     fraction of valid tokens with rho > max / rho < min bound.
+  is_ratio_ess           effective sample size of rho as a fraction: (sum rho)^2 / (n sum rho^2),
+                         1.0 when all weights are equal, -> 1/n when one weight dominates.
+  is_ratio_trunc_{mean,std,min,max,ess}  the same after truncation rho -> clamp(rho, min, max)
+                         (what ``tis`` would use).
+  num_valid_tokens, num_valid_seqs, nonfinite_tokens   counts.
+A statistic with no valid token is NaN (never a silent 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+#: prefix of every metric NeMo-RL also logs (grpo.py logs the loss metrics under ``train``).
+NEMO_RL_PREFIX = "train/"
+#: the one prefix of every metric NeMo-RL does not have.
+JETRL_PREFIX = "jetrl/mismatch/"
+#: default importance-ratio bounds for the "fraction outside" and "after truncation" statistics.
+DEFAULT_RATIO_BOUNDS = (0.5, 2.0)
+#: |sum_t log rho| is clamped to this before exp(2*.) in chi2_seq, so one runaway sequence gives
+#: a huge but finite number (e^100 ~ 2.7e43) instead of inf (float64 overflows at e^709).
+SEQ_LOG_RATIO_CLAMP = 50.0
+
+
+def _name(key: str) -> str:
+    return NEMO_RL_PREFIX + key
+
+
+def _ours(key: str) -> str:
+    return JETRL_PREFIX + key
+
+
+def valid_mask(
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor | None,
+    shape: torch.Size | Sequence[int],
+) -> torch.Tensor:
+    """Bool [B, T] mask of tokens that count: token_mask and (if given) the sample's mask.
+
+    Raises ValueError naming the tensor when a shape does not fit ``shape`` ([B, T]).
+    """
+    shape = tuple(shape)
+    if len(shape) != 2:
+        raise ValueError(f"logprobs must be 2-D [batch, tokens], got shape {list(shape)}")
+    if tuple(token_mask.shape) != shape:
+        raise ValueError(
+            f"token_mask has shape {list(token_mask.shape)} but the logprobs have {list(shape)}; "
+            "pass one 0/1 entry per token"
+        )
+    mask = token_mask.to(torch.bool) if token_mask.dtype == torch.bool else token_mask != 0
+    if sample_mask is not None:
+        if tuple(sample_mask.shape) != (shape[0],):
+            raise ValueError(
+                f"sample_mask has shape {list(sample_mask.shape)}; expected [{shape[0]}] "
+                "(one 0/1 entry per sequence)"
+            )
+        keep = sample_mask.to(torch.bool) if sample_mask.dtype == torch.bool else sample_mask != 0
+        mask = mask & keep.to(mask.device).unsqueeze(-1)
+    return mask
+
+
+def check_logprobs(**tensors: torch.Tensor) -> torch.Size:
+    """Check that the named logprob tensors are 2-D and share one shape; return it."""
+    shape = None
+    first = None
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [batch, tokens], got shape {list(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if shape is None:
+            shape, first = t.shape, name
+        elif t.shape != shape:
+            raise ValueError(
+                f"{name} has shape {list(t.shape)} but {first} has {list(shape)}; "
+                "both must be [batch, tokens] over the same tokens"
+            )
+    assert shape is not None
+    return shape
+
+
+def _mean(x: torch.Tensor) -> float:
+    return float(x.mean()) if x.numel() else math.nan
+
+
+def _ratio_stats(rho: torch.Tensor, prefix: str) -> dict[str, float]:
+    """mean/std/min/max/ess of a 1-D float64 tensor of positive weights."""
+    if rho.numel() == 0:
+        return {_ours(f"{prefix}_{k}"): math.nan for k in ("mean", "std", "min", "max", "ess")}
+    s1 = rho.sum()
+    s2 = (rho * rho).sum()
+    ess = float(s1 * s1 / (rho.numel() * s2)) if s2 > 0 else math.nan
+    return {
+        _ours(f"{prefix}_mean"): float(rho.mean()),
+        _ours(f"{prefix}_std"): float(rho.std(unbiased=False)),
+        _ours(f"{prefix}_min"): float(rho.min()),
+        _ours(f"{prefix}_max"): float(rho.max()),
+        _ours(f"{prefix}_ess"): ess,
+    }
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator term e^x - x - 1 (>= 0), for x = log(q/p) with samples from p."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def mismatch_metrics(
+    generation_logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor | None = None,
+    *,
+    ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS,
+) -> dict[str, float]:
+    """All train/rollout mismatch metrics of one batch, as {tag: float}.
+
+    Args:
+        generation_logprobs: [B, T] logprobs of the sampled tokens under the rollout policy.
+        prev_logprobs: [B, T] logprobs of the same tokens under the training forward.
+        token_mask: [B, T] 1 for tokens that count (response tokens), 0 for prompt/padding.
+        sample_mask: optional [B], 0 drops a whole sequence.
+        ratio_bounds: (min, max) of the importance ratio for the "fraction outside" and
+            "after truncation" statistics (0 <= min <= max).
+
+    Returns:
+        {tag: value}. NeMo-RL's metrics under ``train/`` (its exact names), ours under
+        ``jetrl/mismatch/``. Tags are complete: log them with an empty prefix.
+    """
+    shape = check_logprobs(generation_logprobs=generation_logprobs, prev_logprobs=prev_logprobs)
+    lo, hi = (float(b) for b in ratio_bounds)
+    if not (0.0 <= lo <= hi) or math.isnan(hi):
+        raise ValueError(f"ratio_bounds must satisfy 0 <= min <= max, got {ratio_bounds}")
+    mask = valid_mask(token_mask, sample_mask, shape)
+    g = generation_logprobs.detach().to(torch.float64)
+    p = prev_logprobs.detach().to(torch.float64)
+    d = p - g  # log rho
+    # exp(d) overflows float64 for d > ~709: such a token is as unusable as a NaN one
+    finite = torch.isfinite(d) & torch.isfinite(torch.exp(d))
+    nonfinite = int((mask & ~finite).sum())
+    ok = mask & finite
+
+    # token level: 1-D tensors of the valid tokens, in batch order
+    dv, pv, gv = d[ok], p[ok], g[ok]
+    out: dict[str, float] = {}
+    out[_name("token_mult_prob_error")] = _mean(torch.exp(dv.abs()))
+    out[_name("gen_kl_error")] = _mean(k3(dv))
+    out[_name("policy_kl_error")] = _mean(k3(-dv))
+    log_m = torch.logaddexp(pv, gv) - math.log(2.0)
+    out[_name("js_divergence_error")] = _mean(0.5 * k3(pv - log_m) + 0.5 * k3(gv - log_m))
+
+    # sequence level: per-row sums over the valid tokens
+    okf = ok.to(torch.float64)
+    n_tok = okf.sum(dim=-1)
+    has = n_tok > 0
+    zero = torch.zeros_like(d)
+    seq_mpe = torch.where(ok, torch.exp(d.abs()), zero).sum(-1)[has] / n_tok[has]
+    out[_name("min_seq_mult_prob_error")] = float(seq_mpe.min()) if seq_mpe.numel() else math.nan
+    out[_name("mean_seq_mult_prob_error")] = _mean(seq_mpe)
+    out[_name("max_seq_mult_prob_error")] = float(seq_mpe.max()) if seq_mpe.numel() else math.nan
+
+    out[_ours("k1_kl")] = _mean(-dv)
+    train_lppl = -torch.where(ok, p, zero).sum(-1)[has] / n_tok[has]
+    roll_lppl = -torch.where(ok, g, zero).sum(-1)[has] / n_tok[has]
+    diff = train_lppl - roll_lppl
+    out[_ours("train_log_ppl")] = _mean(train_lppl)
+    out[_ours("rollout_log_ppl")] = _mean(roll_lppl)
+    out[_ours("log_ppl_diff")] = _mean(diff)
+    out[_ours("log_ppl_abs_diff")] = _mean(diff.abs())
+    out[_ours("ppl_ratio")] = _mean(torch.exp(diff))
+
+    rho = torch.exp(dv)
+    out[_ours("chi2_token")] = _mean(rho * rho) - 1.0
+    seq_log = torch.where(ok, d, zero).sum(-1)[has].clamp(-SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP)
+    out[_ours("chi2_seq")] = _mean(torch.exp(2.0 * seq_log)) - 1.0
+
+    out.update(_ratio_stats(rho, "is_ratio"))
+    n = rho.numel()
+    out[_ours("is_ratio_frac_above")] = float((rho > hi).sum()) / n if n else math.nan
+    out[_ours("is_ratio_frac_below")] = float((rho < lo).sum()) / n if n else math.nan
+    out.update(_ratio_stats(rho.clamp(lo, hi), "is_ratio_trunc"))
+
+    out[_ours("num_valid_tokens")] = float(n)
+    out[_ours("num_valid_seqs")] = float(has.sum())
+    out[_ours("nonfinite_tokens")] = float(nonfinite)
+    return out
+
+
+def metric_names() -> list[str]:
+    """Every tag `mismatch_metrics` returns, in its order (for docs and tests)."""
+    one = torch.zeros(1, 1)
+    return list(mismatch_metrics(one, one, torch.ones(1, 1)).keys())
