@@ -1,0 +1,630 @@
+"""The precision-flow graph of a model under a recipe, and the on-policy (subgraph) check.
+
+Jet-RL's rule: rollout is on-policy only if its quantization graph is a *subgraph of the training
+forward graph*. Concretely, every tensor entering a GEMM or the KV cache must carry, in rollout,
+exactly the numbers it carries in the training forward: same precision (BF16/FP8), same format,
+same block shape, same scale rule, and code that computes the same bits for them.
+
+The graph here has one node per weight and per op (a linear's GEMM, the KV cache write) and one
+edge per tensor flowing into an op; each edge carries a `Precision` (dtype, format, block, scale
+mode, implementation). `build_flow` builds it for three phases:
+
+- ``rollout``: the inference engine's forward;
+- ``train_fwd``: the training forward (what the policy being optimised computes);
+- ``train_bwd``: the training backward (DGrad: dY 1x128 x W 128x128 reused; WGrad: dY and x
+  128x1), shown for completeness: backward precision does not decide on-policyness.
+
+`check_on_policy` compares every rollout edge with its training-forward edge and returns the
+differences grouped, each with a plain-words reason and the YAML keys that fix it.
+
+Identical implementations matter: TE (and nemo_jetrl.fp8) compute ``q = x * RN(448/amax)``,
+vLLM's own kernels ``q = x / RN(amax/448)``. With power-of-two scales both are exact and agree
+(except groups whose amax is tiny, where vLLM floors its scale); with FP32 scales they round
+differently (measured: 28% of dequantized activations, 23% of weights differ). So FP32 scales
+are on-policy only when our vLLM patch supplies TE's formula to vLLM.
+
+Edges are produced by *builders* (functions ``(arch, recipe, phase) -> list[Edge]``); the KV
+cache edges are one builder, so other parts can pass extra builders (e.g. a Q edge for FP8
+attention) without editing this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from nemo_jetrl import config_schema as S
+from nemo_jetrl.arch import ModelArch
+from nemo_jetrl.recipe import QUANTIZER_FORMULA, Recipe, SideRecipe
+
+Phase = Literal["rollout", "train_fwd", "train_bwd"]
+PHASES: tuple[str, ...] = ("rollout", "train_fwd", "train_bwd")
+
+BLOCK_1x128 = (1, 128)
+BLOCK_128x128 = (128, 128)
+BLOCK_128x1 = (128, 1)
+BLOCK_MX = (1, 32)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a tensor looks like on an edge."""
+
+    # "bf16" or "fp8".
+    dtype: str
+    # FP8 element format ("e4m3"/"e5m2"); None for BF16.
+    fmt: str | None = None
+    # Scaling block (rows, cols) of the 2-D operand; None for per-tensor or BF16.
+    block: tuple[int, int] | None = None
+    # "pow2", "fp32", "e8m0" for block scales; for per-tensor KV the scale source
+    # ("trainer_calibrated", "checkpoint", "dynamic", "unit"); None for BF16.
+    scale: str | None = None
+    # Code that quantizes: "te", "jetrl", "vllm"; None for BF16.
+    impl: str | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    def short(self) -> str:
+        """Compact text, e.g. "FP8 e4m3 1x128 pow2 [te]"."""
+        if not self.is_fp8:
+            return "BF16"
+        block = f"{self.block[0]}x{self.block[1]}" if self.block else "per-tensor"
+        return f"FP8 {self.fmt} {block} {self.scale} [{self.impl}]"
+
+
+BF16 = Precision("bf16")
+
+# Per-tensor KV quantization has one semantics on both sides (vLLM's cache write: x / scale,
+# saturating RNE cast), implemented by vLLM in rollout and by nemo_jetrl.kvcache in training.
+_KV_SCALES = ("trainer_calibrated", "checkpoint", "dynamic", "unit")
+
+
+def formula(p: Precision) -> str | None:
+    """Which quantization formula produces this edge's numbers (None for BF16)."""
+    if not p.is_fp8:
+        return None
+    if p.block is None and p.scale in _KV_SCALES:
+        return "kv_per_tensor"
+    return QUANTIZER_FORMULA.get(p.impl or "", p.impl)
+
+
+def same_numbers(a: Precision, b: Precision) -> bool:
+    """True when two edges carry bit-identical tensors for the same input: same dtype, format,
+    block and scale rule, computed by implementations of the same formula."""
+    return (a.dtype, a.fmt, a.block, a.scale) == (b.dtype, b.fmt, b.block, b.scale) and formula(
+        a
+    ) == formula(b)
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A tensor flowing into an op."""
+
+    # The op (node) the tensor flows into, e.g. "model.layers.3.self_attn.q_proj".
+    op: str
+    # Which operand: "weight", "input", "dgrad.grad_output", "dgrad.weight",
+    # "wgrad.grad_output", "wgrad.input", "k_cache", "v_cache".
+    role: str
+    # Decoder layer, or None for embeddings / lm_head.
+    layer: int | None
+    # Row label of the flow table: "attn", "mlp", "kv", "embed", "lm_head".
+    group: str
+    # Module kind, e.g. "q_proj" or "attn".
+    kind: str
+    # Precision of the tensor on this edge.
+    precision: Precision
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Identity of the edge across phases."""
+        return (self.op, self.role)
+
+    @property
+    def source(self) -> str:
+        """The node the tensor comes from: the weight itself, or the previous activation."""
+        return f"{self.op}.weight" if self.role.endswith("weight") else f"{self.op}:{self.role}"
+
+
+@dataclass(frozen=True)
+class PrecisionFlow:
+    """All edges of one phase of a model under a recipe."""
+
+    # "rollout", "train_fwd" or "train_bwd".
+    phase: str
+    # Model name.
+    model: str
+    # Recipe name.
+    recipe: str
+    # The edges, in model order.
+    edges: tuple[Edge, ...]
+
+    def by_key(self) -> dict[tuple[str, str], Edge]:
+        return {e.key: e for e in self.edges}
+
+    def nodes(self) -> list[str]:
+        """Weights and ops (graph nodes), in model order."""
+        seen: dict[str, None] = {}
+        for e in self.edges:
+            seen.setdefault(e.source, None)
+            seen.setdefault(e.op, None)
+        return list(seen)
+
+    def fp8_edges(self) -> list[Edge]:
+        return [e for e in self.edges if e.precision.is_fp8]
+
+
+EdgeBuilder = Callable[[ModelArch, Recipe, str], "list[Edge]"]
+
+
+# ---------------------------------------------------------------------------------------------
+# builders
+
+
+def _linear_is_fp8(side: SideRecipe, recipe: Recipe, layer: int, n: int, aligned: bool) -> bool:
+    if not side.is_fp8_layer(layer, n):
+        return False
+    # Unaligned linears stay BF16 on both sides when configured; otherwise the config is invalid
+    # (validation says so) and we still draw what was asked for.
+    return aligned or not recipe.unaligned_layers_bf16
+
+
+def _fwd_precisions(side: SideRecipe, impl: str) -> tuple[Precision, Precision]:
+    """(weight, input) precision of an FP8 linear's forward on one side."""
+    if side.scaling == "mxfp8":
+        return (
+            Precision("fp8", "e4m3", BLOCK_MX, "e8m0", impl),
+            Precision("fp8", "e4m3", BLOCK_MX, "e8m0", impl),
+        )
+    if side.scaling in ("tensorwise", "delayed"):
+        return (
+            Precision("fp8", "e4m3", None, side.scaling, impl),
+            Precision("fp8", "e4m3", None, side.scaling, impl),
+        )
+    return (
+        Precision("fp8", "e4m3", BLOCK_128x128, side.scale_mode("weight"), impl),
+        Precision("fp8", "e4m3", BLOCK_1x128, side.scale_mode("activation"), impl),
+    )
+
+
+def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
+    """Edges into every decoder linear (weight and input; backward operands for train_bwd)."""
+    side = recipe.rollout if phase == "rollout" else recipe.train
+    n = arch.num_layers
+    out: list[Edge] = []
+    for layer in range(n):
+        for lin in arch.layer_linears(layer):
+            fp8 = _linear_is_fp8(side, recipe, layer, n, lin.aligned)
+            grp = lin.group
+
+            def add(role: str, p: Precision, lin=lin, grp=grp) -> None:
+                out.append(Edge(lin.name, role, lin.layer, grp, lin.kind, p))
+
+            if phase in ("rollout", "train_fwd"):
+                w, x = _fwd_precisions(side, side.quantizer) if fp8 else (BF16, BF16)
+                add("weight", w)
+                add("input", x)
+                continue
+            if not fp8:
+                for role in (
+                    "dgrad.grad_output",
+                    "dgrad.weight",
+                    "wgrad.grad_output",
+                    "wgrad.input",
+                ):
+                    add(role, BF16)
+                continue
+            gfmt = "e5m2" if side.fmt == "hybrid" else "e4m3"
+            w_fwd, _ = _fwd_precisions(side, side.quantizer)
+            a_scale = side.scale_mode("activation")
+            block = side.scaling == "blockwise"
+            add(
+                "dgrad.grad_output",
+                Precision(
+                    "fp8", gfmt, BLOCK_1x128 if block else w_fwd.block, a_scale, side.quantizer
+                ),
+            )
+            add("dgrad.weight", w_fwd)  # same 128x128 blocks, transposed: no requantization
+            add(
+                "wgrad.grad_output",
+                Precision(
+                    "fp8", gfmt, BLOCK_128x1 if block else w_fwd.block, a_scale, side.quantizer
+                ),
+            )
+            add(
+                "wgrad.input",
+                Precision(
+                    "fp8", "e4m3", BLOCK_128x1 if block else w_fwd.block, a_scale, side.quantizer
+                ),
+            )
+    return out
+
+
+def bf16_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
+    """Embedding lookup and lm_head: BF16 on every side, always."""
+    del recipe
+    roles = ("weight", "input") if phase != "train_bwd" else ("dgrad.grad_output",)
+    out = [Edge("model.embed_tokens", "weight", None, "embed", "embed_tokens", BF16)]
+    out += [Edge("lm_head", r, None, "lm_head", "lm_head", BF16) for r in roles]
+    if phase == "train_bwd":
+        out = out[1:]
+    del arch
+    return out
+
+
+def kv_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
+    """K and V entering the attention (rollout: the KV cache write/read).
+
+    Rollout: FP8 E4M3 per-tensor when the KV cache is FP8, scales from `kv_scale_source`, written
+    by vLLM's cache kernels. Training forward: BF16, unless on-policy KV makes the trainer's
+    attention apply the same per-tensor quantization (nemo_jetrl.kvcache, vLLM's cache semantics)
+    with the trainer-calibrated scales it sends to the rollout.
+    """
+    if phase == "train_bwd":
+        return []
+    if phase == "rollout":
+        p = (
+            Precision("fp8", "e4m3", None, recipe.kv_scale_source, "vllm")
+            if recipe.kv_fp8
+            else BF16
+        )
+    elif recipe.onpolicy_kv and recipe.kv_fp8:
+        # The trainer uses the scales it calibrates (or 1.0): it cannot know scales vLLM computes
+        # itself ("dynamic") or reads from a checkpoint the trainer never loads.
+        src = recipe.kv_scale_source
+        known = src in ("trainer_calibrated", "unit")
+        p = Precision("fp8", "e4m3", None, src if known else "trainer_calibrated", "jetrl")
+    else:
+        p = BF16
+    out = []
+    for layer in range(arch.num_layers):
+        op = f"model.layers.{layer}.self_attn.attn"
+        out.append(Edge(op, "k_cache", layer, "kv", "attn", p))
+        out.append(Edge(op, "v_cache", layer, "kv", "attn", p))
+    return out
+
+
+DEFAULT_BUILDERS: tuple[EdgeBuilder, ...] = (bf16_edges, linear_edges, kv_edges)
+
+
+def build_flow(
+    arch: ModelArch,
+    recipe: Recipe,
+    phase: str,
+    builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS,
+) -> PrecisionFlow:
+    """The precision flow of `arch` under `recipe` for one phase."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    edges: list[Edge] = []
+    for b in builders:
+        edges.extend(b(arch, recipe, phase))
+    return PrecisionFlow(phase, arch.name, recipe.name, tuple(edges))
+
+
+# ---------------------------------------------------------------------------------------------
+# the check
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Rollout edges whose numbers differ from the training forward's, for one reason."""
+
+    # Plain-words reason.
+    reason: str
+    # YAML keys that control this difference.
+    keys: tuple[str, ...]
+    # Suggested settings (key=value) that make the edges identical.
+    fixes: tuple[str, ...]
+    # Training-forward precision on the first of these edges.
+    train: Precision
+    # Rollout precision on the first of these edges.
+    rollout: Precision
+    # The edges ("op:role"), in model order.
+    edges: tuple[str, ...] = field(repr=False)
+    # Decoder layers involved.
+    layers: tuple[int, ...] = ()
+    # Operands involved ("attn input", "mlp weight", "kv k_cache", ...).
+    operands: tuple[str, ...] = ()
+    # "always": numbers differ systematically; "rare": only on blocks with tiny amax.
+    severity: str = "always"
+    # Every distinct (operand role, training precision, rollout precision) among the edges.
+    pairs: tuple[tuple[str, Precision, Precision], ...] = ()
+
+    def summary(self) -> str:
+        """One line: what, where."""
+        where = f"layers {format_ranges(self.layers)}" if self.layers else "all layers"
+        return f"{', '.join(self.operands)} ({where}, {len(self.edges)} edges)"
+
+    def details(self) -> list[str]:
+        """One line per distinct precision pair: "input: training X vs rollout Y"."""
+        return [f"{role}: training {t.short()} vs rollout {r.short()}" for role, t, r in self.pairs]
+
+
+@dataclass(frozen=True)
+class FlowCheck:
+    """Result of `check_on_policy`."""
+
+    # Model and recipe checked.
+    model: str
+    recipe: Recipe
+    # The three flows.
+    rollout: PrecisionFlow
+    train_fwd: PrecisionFlow
+    train_bwd: PrecisionFlow
+    # Every difference, grouped by reason.
+    mismatches: tuple[Mismatch, ...]
+
+    @property
+    def on_policy(self) -> bool:
+        """True when every rollout edge equals its training-forward edge."""
+        return not self.mismatches
+
+    @property
+    def keys(self) -> list[str]:
+        """Every YAML key named by some mismatch (deduplicated, in order)."""
+        return list(dict.fromkeys(k for m in self.mismatches for k in m.keys))
+
+
+def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> tuple | None:
+    """(reason, keys, fixes, severity) when rollout `roll` differs from training `train`."""
+    if edge.group == "kv":
+        return _compare_kv(train, roll, recipe)
+    t, r = recipe.train, recipe.rollout
+    n_first = (S.VLLM_FIRST_BF16, "jetrl.train_num_first_layers_in_bf16")
+    n_last = (S.VLLM_LAST_BF16, "jetrl.train_num_last_layers_in_bf16")
+    if train.is_fp8 != roll.is_fp8:
+        if r.fp8_linears and not t.fp8_linears:
+            return (
+                "rollout runs these linears in FP8 but training keeps them in BF16: the sampler "
+                "is a different (quantized) policy than the one being optimised",
+                (S.FP8_ENABLED, S.VLLM_PRECISION),
+                (f"{S.FP8_ENABLED}=true", f"or {S.VLLM_PRECISION}=bfloat16"),
+                "always",
+            )
+        if t.fp8_linears and not r.fp8_linears:
+            return (
+                "training runs these linears in FP8 but rollout keeps them in BF16: the sampler "
+                "never sees the quantization the optimised policy has",
+                (S.VLLM_PRECISION, S.FP8_ENABLED),
+                (f"{S.VLLM_PRECISION}=fp8", f"or {S.FP8_ENABLED}=false"),
+                "always",
+            )
+        side = "rollout" if roll.is_fp8 else "training"
+        return (
+            f"the sides keep different decoder layers in BF16; these layers are FP8 only in {side}",
+            (*n_first, *n_last),
+            (
+                f"{S.VLLM_FIRST_BF16}={t.bf16_first_layers}",
+                f"{S.VLLM_LAST_BF16}={t.bf16_last_layers}",
+            ),
+            "always",
+        )
+    if not roll.is_fp8:
+        return None
+    if (train.fmt, train.block) != (roll.fmt, roll.block):
+        return (
+            f"different FP8 scaling granularity (training {train.short()}, rollout "
+            f"{roll.short()}): blocks or formats differ, so the quantized values differ",
+            (S.FP8_RECIPE, S.VLLM_IS_MX),
+            (f"{S.FP8_RECIPE}=blockwise", f"{S.VLLM_IS_MX}=false"),
+            "always",
+        )
+    is_weight = edge.role == "weight"
+    if train.scale != roll.scale:
+        vkey = S.VLLM_POW2_W if is_weight else S.VLLM_POW2_A
+        what = "weight" if is_weight else "activation"
+        return (
+            f"{what} scales differ: training rounds them to {train.scale}, rollout uses "
+            f"{roll.scale}; the same block gets a different scale, hence different FP8 values",
+            (vkey, S.FP32_SCALES_KEY),
+            (f"{vkey}={'true' if train.scale == 'pow2' else 'false'}",),
+            "always",
+        )
+    if formula(train) == formula(roll):
+        return None
+    if train.scale == "fp32":
+        share = "23% of weight values" if is_weight else "28% of activation values"
+        return (
+            "FP32 scales with vLLM's own quantizer are not TE's numbers: TE computes "
+            "x * RN(448/amax), vLLM x / RN(amax/448), which round differently (measured: "
+            f"{share} dequantize differently). Our vLLM patch makes vLLM use TE's formula",
+            ("jetrl.vllm_patch",),
+            ("jetrl.vllm_patch=true",),
+            "always",
+        )
+    if train.scale == "pow2":
+        return (
+            "power-of-two scales make TE's and vLLM's formulas agree, except on blocks with a "
+            "tiny amax, where vLLM's own kernels clamp the scale (activation groups with amax "
+            "< 1/512 differ in every measured case). Our vLLM patch removes the difference",
+            ("jetrl.vllm_patch",),
+            ("jetrl.vllm_patch=true",),
+            "rare",
+        )
+    return (
+        f"different quantizer implementations ({train.impl} vs {roll.impl}) for "
+        f"{train.scale} scales are not known to produce the same bits",
+        ("jetrl.vllm_patch",),
+        ("jetrl.vllm_patch=true",),
+        "always",
+    )
+
+
+def _compare_kv(train: Precision, roll: Precision, recipe: Recipe) -> tuple | None:
+    if roll.is_fp8 and not train.is_fp8:
+        return (
+            "the rollout's KV cache is FP8 but the trainer's attention uses BF16 K/V: attention "
+            "in rollout sees quantized keys/values the optimised policy never sees",
+            ("jetrl.onpolicy_kv", S.VLLM_KV_DTYPE),
+            ("jetrl.onpolicy_kv=true", f"or {S.VLLM_KV_DTYPE}=auto"),
+            "always",
+        )
+    if train.is_fp8 and not roll.is_fp8:  # cannot happen from a valid Recipe; kept for builders
+        return (
+            "the trainer quantizes K/V but the rollout's KV cache is BF16",
+            ("jetrl.onpolicy_kv", S.VLLM_KV_DTYPE),
+            ("jetrl.onpolicy_kv=false",),
+            "always",
+        )
+    if roll.is_fp8 and train.scale != roll.scale:
+        return (
+            f"the rollout's KV scales come from {roll.scale!r}, which the trainer does not use; "
+            "trainer and rollout must share the trainer-calibrated scales",
+            ("jetrl.kv_scale_source", "jetrl.kv_calibration.enabled"),
+            ("jetrl.kv_scale_source=trainer_calibrated", "jetrl.kv_calibration.enabled=true"),
+            "always",
+        )
+    del recipe
+    return None
+
+
+def check_on_policy(
+    arch: ModelArch,
+    recipe: Recipe,
+    builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS,
+) -> FlowCheck:
+    """Compare every rollout edge with its training-forward edge; group the differences."""
+    roll = build_flow(arch, recipe, "rollout", builders)
+    fwd = build_flow(arch, recipe, "train_fwd", builders)
+    bwd = build_flow(arch, recipe, "train_bwd", builders)
+    train_by_key = fwd.by_key()
+    groups: dict[tuple, dict] = {}
+    for e in roll.edges:
+        t = train_by_key.get(e.key)
+        if t is None:
+            res: tuple | None = (
+                f"the rollout has {e.op}:{e.role} but the training forward has no such edge",
+                (),
+                (),
+                "always",
+            )
+            tp = BF16
+        else:
+            tp = t.precision
+            same = same_numbers(tp, e.precision)
+            res = None if same else _compare(e, tp, e.precision, recipe)
+            if res is None and not same:
+                res = (
+                    f"precision differs (training {tp.short()}, rollout {e.precision.short()})",
+                    (),
+                    (),
+                    "always",
+                )
+        if res is None:
+            continue
+        gkey = (res[0], res[1])
+        g = groups.setdefault(
+            gkey,
+            {
+                "res": res,
+                "edges": [],
+                "layers": {},
+                "ops": {},
+                "pairs": {},
+                "tr": (tp, e.precision),
+            },
+        )
+        g["pairs"][(e.role, tp, e.precision)] = None
+        g["edges"].append(f"{e.op}:{e.role}")
+        if e.layer is not None:
+            g["layers"][e.layer] = None
+        g["ops"][f"{e.group} {e.role}"] = None
+    mismatches = tuple(
+        Mismatch(
+            reason=g["res"][0],
+            keys=tuple(g["res"][1]),
+            fixes=tuple(g["res"][2]),
+            train=g["tr"][0],
+            rollout=g["tr"][1],
+            edges=tuple(g["edges"]),
+            layers=tuple(sorted(g["layers"])),
+            operands=tuple(g["ops"]),
+            severity=g["res"][3],
+            pairs=tuple(g["pairs"]),
+        )
+        for g in groups.values()
+    )
+    return FlowCheck(arch.name, recipe, roll, fwd, bwd, mismatches)
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def format_ranges(xs: Sequence[int]) -> str:
+    """[0,1,2,5,7,8] -> "0-2, 5, 7-8"."""
+    xs = sorted(xs)
+    if not xs:
+        return "-"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in [*xs[1:], None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ", ".join(parts)
+
+
+def flow_table(check: FlowCheck) -> list[tuple[str, str, str, str, str]]:
+    """Rows (layers, group, training forward, rollout, status), consecutive layers merged.
+
+    A cell describes all edges of the group in that layer (weights and inputs of attn or mlp
+    linears, K and V for kv); status is "same" when every rollout edge equals its training one.
+    """
+    fwd = check.train_fwd.by_key()
+    per: dict[tuple[int | None, str], dict[str, list]] = {}
+    for e in check.rollout.edges:
+        t = fwd.get(e.key)
+        d = per.setdefault((e.layer, e.group), {"t": [], "r": [], "same": []})
+        d["t"].append((e.role, t.precision if t else BF16))
+        d["r"].append((e.role, e.precision))
+        d["same"].append(t is not None and same_numbers(t.precision, e.precision))
+    cells = {k: (_cell_text(d["t"]), _cell_text(d["r"]), all(d["same"])) for k, d in per.items()}
+    rows: list[tuple[str, str, str, str, str]] = []
+    for grp in ("embed", "attn", "kv", "mlp", "lm_head"):
+        items = sorted(
+            ((lay, v) for (lay, g), v in cells.items() if g == grp),
+            key=lambda kv: -1 if kv[0] is None else kv[0],
+        )
+        run: list[int] = []
+        last = None
+        for lay, v in items:
+            if lay is None:
+                rows.append(("-", grp, v[0], v[1], "same" if v[2] else "DIFFERS"))
+                continue
+            if last is not None and v != last:
+                rows.append(_row(run, grp, last))
+                run = []
+            run.append(lay)
+            last = v
+        if run and last is not None:
+            rows.append(_row(run, grp, last))
+    return rows
+
+
+def _row(layers: list[int], grp: str, v: tuple[str, str, bool]) -> tuple[str, str, str, str, str]:
+    return (format_ranges(layers), grp, v[0], v[1], "same" if v[2] else "DIFFERS")
+
+
+def _cell_text(edges: list[tuple[str, Precision]]) -> str:
+    fp8 = [(role, p) for role, p in edges if p.is_fp8]
+    if not fp8:
+        return "BF16"
+    if len(fp8) < len(edges):
+        return "mixed " + ", ".join(f"{r}={p.short()}" for r, p in edges)
+    p0 = fp8[0][1]
+    if p0.block is None:
+        return f"FP8 {p0.fmt} per-tensor {p0.scale} ({p0.impl})"
+    scales = dict.fromkeys(p.scale for _, p in fp8)
+    impls = dict.fromkeys(p.impl for _, p in fp8)
+    fmts = dict.fromkeys(p.fmt for _, p in fp8)
+    if len(scales) == 1:
+        scale = p0.scale
+    else:
+        scale = "/".join(f"{'w' if r == 'weight' else 'x'} {p.scale}" for r, p in fp8)
+    return f"FP8 {'/'.join(fmts)} {scale} ({'/'.join(impls)})"
