@@ -1,0 +1,297 @@
+"""Triton kernels for blockwise FP8 quantization, bit-exact to `quantize_blockwise`.
+
+The math is the spec in `nemo_jetrl.fp8.quantize`; this module only makes it one memory pass on a
+GPU. Every step that could round differently from the torch reference is written so that it
+cannot:
+
+* amax is taken on the fp32 *bit patterns* with an integer max. For non-negative floats the
+  integer order is the float order, and +inf/NaN patterns sort above every finite value, so a
+  non-finite input always shows up in amax (a float ``max`` on GPU may silently drop NaN).
+* ``scale = fmax / amax`` uses ``tl.math.div_rn`` (IEEE round-to-nearest). Triton's plain ``/``
+  on fp32 lowers to an approximate division on NVIDIA GPUs and would change scales in the last
+  bit; the interpreter cannot tell the two apart, so a test checks the kernel source instead.
+* power-of-two scales keep only the sign and exponent bits of the fp32 scale (bit mask), which
+  is exactly ``2**floor(log2(scale))``.
+* the FP8 cast is done in integer arithmetic (round to nearest, ties to even, normal and
+  subnormal ranges) after an explicit clamp to ``[-fmax, fmax]``. This is what the hardware
+  ``cvt.rn.satfinite`` instruction does, but written out it gives the same bits on every GPU
+  generation and in Triton's CPU interpreter, whose own FP8/BF16 conversions do not round to
+  nearest-even. ``native_cast=True`` uses the hardware instruction instead (GPU only; a `gpu`
+  test checks it agrees).
+
+A block with a non-finite value stores its (non-finite) amax as ``scale_inv``, so even unchecked
+output can never look valid; the Python wrappers check ``scale_inv`` and re-run the torch
+reference on the input, which raises the reference's ValueError naming the tensor and block.
+
+Layouts: by default the compact layout of `BlockQuantized` (``data`` in the input shape,
+``scale_inv`` ``[ceil(M/bm), ceil(K/bk)]``). ``transpose=True`` (128x1 only) writes ``data`` as
+``[K, M]`` and returns the transposed `BlockQuantized` (block 1x128 of the transpose), which is
+TE's columnwise layout (what WGrad consumes). ``scale_layout="mn_major"`` writes ``scale_inv``
+M-major with the M stride padded to a multiple of 4 (16 bytes): the TMA-aligned layout DeepGEMM's
+SM90 kernels and ``torch._scaled_mm``'s 1x128 operand read without a copy.
+
+Triton is an optional dependency: it is imported inside functions only, so ``nemo_jetrl.fp8``
+imports without it. On CPU the kernels run under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+
+from nemo_jetrl.fp8.formats import Fp8Format, get_format
+from nemo_jetrl.fp8.quantize import (
+    INPUT_DTYPES,
+    Block,
+    BlockQuantized,
+    _as_2d,
+    _check_block,
+    quantize_blockwise,
+)
+
+# Kernel "modes": which axes of a tile one scale covers.
+_MODE = {(1, 128): 0, (128, 128): 1, (128, 1): 2}
+SCALE_LAYOUTS = ("compact", "mn_major")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> bool:
+    """True when triton imports (never raises)."""
+    from nemo_jetrl._optional import available
+
+    return available("triton")
+
+
+def can_run(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on ``x``: CUDA tensor, or CPU tensor under the interpreter."""
+    if x.dtype not in INPUT_DTYPES or not triton_available():
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and interpreting())
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """The module holding the jitted kernels; imports triton lazily (once)."""
+    from nemo_jetrl._optional import require
+
+    require("triton", feature="Triton FP8 quantization kernels")
+    from nemo_jetrl.fp8 import _triton_jit
+
+    return _triton_jit
+
+
+def _format_constants(f: Fp8Format, input_dtype: torch.dtype, native_cast: bool) -> dict:
+    tl = _kernels().tl
+    mant, bias = (3, 7) if f.name == "e4m3" else (2, 15)
+    fp8 = tl.float8e4nv if f.name == "e4m3" else tl.float8e5
+    return {
+        "FMAX": float(f.fmax),
+        "MAXV": float(torch.finfo(input_dtype).max),
+        "MANT": mant,
+        "BIAS": bias,
+        "NATIVE": bool(native_cast),
+        "FP8": fp8,
+        "IN_BF16": input_dtype == torch.bfloat16,
+    }
+
+
+def _fp32(v: float) -> float:
+    """``v`` rounded to fp32 (what torch does with a Python scalar against an fp32 tensor)."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def _bits_if_bf16(t: torch.Tensor) -> torch.Tensor:
+    """bf16 is handed to the kernels as its int16 bit pattern (see ``to_fp32``)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _check_device(x: torch.Tensor, label: str) -> None:
+    if x.device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            f"{label}: the Triton kernels need a CUDA tensor (got a CPU tensor); use "
+            "nemo_jetrl.fp8.quantize_blockwise on CPU, or set TRITON_INTERPRET=1 before "
+            "importing triton to run them in Triton's CPU interpreter"
+        )
+
+
+def _scale_buffer(mb: int, kb: int, layout: str, device: torch.device) -> torch.Tensor:
+    """``[mb, kb]`` fp32 tensor in the requested layout (a strided view for ``mn_major``)."""
+    if layout == "compact":
+        return torch.empty(mb, kb, dtype=torch.float32, device=device)
+    if layout == "mn_major":
+        pad = -(-mb // 4) * 4
+        return torch.empty(kb, pad, dtype=torch.float32, device=device)[:, :mb].t()
+    raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
+
+
+def _raise_like_reference(x, block, f, pow2_scales, eps, name) -> None:
+    # Delegate to the reference so the error (tensor name, index, block) is identical.
+    quantize_blockwise(x.cpu(), block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name)
+    raise RuntimeError(  # pragma: no cover - the reference found nothing wrong
+        "Triton quantizer flagged a non-finite block but the reference accepted the input"
+    )
+
+
+def _tile(mode: int) -> tuple[int, int, int]:
+    """(TM, TK, num_warps) per mode; bigger tiles under the interpreter (fewer Python programs)."""
+    if interpreting():
+        return {0: (64, 128, 4), 1: (128, 128, 4), 2: (128, 128, 4)}[mode]
+    return {0: (16, 128, 4), 1: (128, 128, 8), 2: (128, 32, 4)}[mode]
+
+
+def quantize_blockwise_triton(
+    x: torch.Tensor,
+    block: Block,
+    *,
+    fmt: str | Fp8Format = "e4m3",
+    pow2_scales: bool = True,
+    eps: float = 0.0,
+    name: str | None = None,
+    check_finite: bool = True,
+    transpose: bool = False,
+    scale_layout: str = "compact",
+    native_cast: bool = False,
+) -> BlockQuantized:
+    """`quantize_blockwise` in one Triton kernel: same arguments, same bits, same errors.
+
+    ``check_finite=False`` skips the host-side check (a device sync; not allowed while a CUDA
+    graph is captured): a non-finite block then shows as a non-finite ``scale_inv``.
+    ``transpose`` (128x1 only) returns ``quantize_blockwise(x, (128, 1)).t()`` with contiguous
+    ``[K, M]`` data (TE's columnwise layout). ``scale_layout`` is ``"compact"`` or
+    ``"mn_major"`` (see the module docstring).
+    """
+    block = _check_block(block)
+    f = get_format(fmt)
+    label = f"quantize_blockwise(tensor {name!r})" if name else "quantize_blockwise"
+    x2 = _as_2d(x, block, label)
+    _check_device(x, label)
+    if x.dim() != 2 and scale_layout != "compact":
+        raise ValueError(f"{label}: scale_layout={scale_layout!r} needs 2-D input")
+    if transpose and block != (128, 1):
+        raise ValueError(f"{label}: transpose=True is only for block (128, 1), got {block}")
+    m, k = x2.shape
+    bm, bk = block
+    mb, kb = -(-m // bm), -(-k // bk)
+    mode = _MODE[block]
+    tm, tk, warps = _tile(mode)
+    if transpose:
+        data_t = torch.empty(k, m, dtype=f.dtype, device=x.device)
+        q_u8 = data_t.view(torch.uint8)
+        sqm, sqk = 1, max(m, 1)
+        # scale_inv of the transposed result is [K, mb]; the kernel indexes it as [mb, K].
+        scale_t = _scale_buffer(k, mb, scale_layout, x.device)
+        s_view, ssm, ssk = scale_t, scale_t.stride(1), scale_t.stride(0)
+    else:
+        data = torch.empty(m, k, dtype=f.dtype, device=x.device)
+        q_u8 = data.view(torch.uint8)
+        sqm, sqk = max(k, 1), 1
+        s_view = _scale_buffer(mb, kb, scale_layout, x.device)
+        ssm, ssk = s_view.stride(0), s_view.stride(1)
+    if m and k:
+        grid = (-(-m // tm), -(-k // tk))
+        _kernels().quantize_kernel[grid](
+            _bits_if_bf16(x2),
+            q_u8,
+            s_view,
+            m,
+            k,
+            x2.stride(0),
+            x2.stride(1),
+            sqm,
+            sqk,
+            ssm,
+            ssk,
+            MODE=mode,
+            TM=tm,
+            TK=tk,
+            EPS=_fp32(eps) if eps > 0 else 0.0,
+            POW2=bool(pow2_scales),
+            num_warps=warps,
+            **_format_constants(f, x.dtype, native_cast),
+        )
+        if check_finite and not bool(torch.isfinite(s_view).all()):
+            _raise_like_reference(x, block, f, pow2_scales, eps, name)
+    if transpose:
+        return BlockQuantized(data_t, scale_t, (1, 128), f.name, bool(pow2_scales))
+    scale_inv = s_view
+    if x.dim() != 2:  # compact only (checked above)
+        scale_inv = scale_inv.reshape(*x.shape[:-1], kb)
+    return BlockQuantized(data.reshape(x.shape), scale_inv, block, f.name, bool(pow2_scales))
+
+
+def rmsnorm_quantize_1x128(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_eps: float = 1e-6,
+    fmt: str | Fp8Format = "e4m3",
+    pow2_scales: bool = True,
+    eps: float = 0.0,
+    name: str | None = None,
+    check_finite: bool = True,
+    scale_layout: str = "compact",
+    native_cast: bool = False,
+) -> tuple[torch.Tensor, BlockQuantized]:
+    """Fused RMSNorm + 1x128 quantization of its output.
+
+    Returns ``(y, q)`` where ``y = x * rsqrt(mean(x**2, -1) + norm_eps) * weight`` is computed in
+    fp32 and rounded once to ``x.dtype`` (bf16 or fp16; TE's RMSNorm rounding), and ``q`` is
+    bit-for-bit ``quantize_blockwise(y, (1, 128), ...)``. ``y`` itself agrees with a float64
+    RMSNorm within one unit in the last place of ``x.dtype`` (the sum of squares is accumulated
+    in fp32 in a different order than torch's).
+    """
+    f = get_format(fmt)
+    label = f"rmsnorm_quantize_1x128(tensor {name!r})" if name else "rmsnorm_quantize_1x128"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{label}: x must be bfloat16 or float16, got {x.dtype}")
+    k = x.shape[-1]
+    if weight.shape != (k,):
+        raise ValueError(f"{label}: weight must have shape ({k},), got {tuple(weight.shape)}")
+    _check_device(x, label)
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    mb, kb = m, -(-k // 128)
+    y = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    data = torch.empty(m, k, dtype=f.dtype, device=x.device)
+    s_view = _scale_buffer(mb, kb, scale_layout, x.device)
+    tm = 32 if interpreting() else 8
+    if m and k:
+        y_store = y.view(torch.int16) if x.dtype == torch.bfloat16 else y
+        _kernels().rmsnorm_quantize_kernel[(-(-m // tm),)](
+            _bits_if_bf16(x2),
+            _bits_if_bf16(weight.to(x.dtype).contiguous()),
+            y_store,
+            data.view(torch.uint8),
+            s_view,
+            m,
+            k,
+            x2.stride(0),
+            k,
+            k,
+            s_view.stride(0),
+            s_view.stride(1),
+            _fp32(norm_eps),
+            TM=tm,
+            OUT_BF16=x.dtype == torch.bfloat16,
+            EPS=_fp32(eps) if eps > 0 else 0.0,
+            POW2=bool(pow2_scales),
+            num_warps=4,
+            **_format_constants(f, x.dtype, native_cast),
+        )
+        if check_finite and not bool(torch.isfinite(s_view).all()):
+            if not bool(torch.isfinite(x).all()):
+                _raise_like_reference(x, (1, 128), f, pow2_scales, eps, name)
+            _raise_like_reference(y, (1, 128), f, pow2_scales, eps, name)
+    y = y.reshape(x.shape)
+    scale_inv = s_view if x.dim() == 2 else s_view.reshape(*x.shape[:-1], kb)
+    q = BlockQuantized(data.reshape(x.shape), scale_inv, (1, 128), f.name, bool(pow2_scales))
+    return y, q
