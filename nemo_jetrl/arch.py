@@ -327,3 +327,18 @@ def resolve_arch(model_name: str | None, model_config: str | None = None) -> Mod
     if (p / "config.json").is_file():
         return ModelArch.from_json(p)
     return None
+
+
+def generic_arch(num_layers: int) -> ModelArch:
+    """A stand-in with 128-aligned shapes, for checking recipes of models we cannot describe."""
+    return ModelArch(
+        name="<generic aligned model>",
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=num_layers,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    )

@@ -626,5 +626,6 @@ def _cell_text(edges: list[tuple[str, Precision]]) -> str:
     if len(scales) == 1:
         scale = p0.scale
     else:
-        scale = "/".join(f"{'w' if r == 'weight' else 'x'} {p.scale}" for r, p in fp8)
+        parts = {f"{'w' if r == 'weight' else 'x'} {p.scale}": None for r, p in fp8}
+        scale = "/".join(parts)
     return f"FP8 {'/'.join(fmts)} {scale} ({'/'.join(impls)})"

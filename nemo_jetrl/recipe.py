@@ -263,6 +263,53 @@ class Recipe:
         changes.setdefault("name", "custom")
         return dataclasses.replace(self, **changes)
 
+    def aligned_to_training(self, kv: Literal["onpolicy", "bf16"] = "onpolicy") -> Recipe:
+        """The on-policy recipe whose rollout is derived from this recipe's training side.
+
+        Training is the source of truth: the rollout runs FP8 exactly where training does, with
+        the same scale modes and BF16 layers, through our quantizer (the vLLM patch). An FP8 KV
+        cache is kept with on-policy KV and trainer-calibrated scales (``kv="onpolicy"``) or
+        dropped (``kv="bf16"``); it is always dropped when training is BF16 (NeMo-RL allows an
+        FP8 KV cache only with FP8 weights). Raises ValueError when the training scaling has no
+        matching rollout (only blockwise can be aligned).
+        """
+        if kv not in ("onpolicy", "bf16"):
+            raise ValueError(f"kv must be 'onpolicy' or 'bf16', got {kv!r}")
+        t = self.train
+        if t.fp8_linears and t.scaling != "blockwise":
+            raise ValueError(
+                f"training uses {t.scaling!r} FP8, which no rollout quantizer reproduces; "
+                "only 'blockwise' training can be aligned"
+            )
+        rollout = SideRecipe(
+            fp8_linears=t.fp8_linears,
+            fmt="e4m3",
+            scaling="blockwise",
+            pow2_weight_scales=t.pow2_weight_scales,
+            pow2_activation_scales=t.pow2_activation_scales,
+            quantizer="jetrl" if t.fp8_linears else "vllm",
+            bf16_first_layers=t.bf16_first_layers,
+            bf16_last_layers=t.bf16_last_layers,
+            use_deep_gemm=self.rollout.use_deep_gemm and t.fp8_linears,
+        )
+        keep_kv = self.kv_fp8 and kv == "onpolicy" and t.fp8_linears
+        src = self.kv_scale_source if self.kv_scale_source == "unit" else "trainer_calibrated"
+        aligned = dataclasses.replace(
+            self,
+            rollout=rollout,
+            kv_cache_dtype="fp8" if keep_kv else "auto",
+            kv_scale_source=src if keep_kv else "none",
+            onpolicy_kv=keep_kv,
+        )
+        for name, preset in PRESETS.items():
+            if dataclasses.replace(aligned, name=name, kv_calibration=preset.kv_calibration) == (
+                dataclasses.replace(
+                    preset, train=dataclasses.replace(preset.train, quantizer=t.quantizer)
+                )
+            ):
+                return dataclasses.replace(aligned, name=name)
+        return dataclasses.replace(aligned, name="custom")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (for logs and YAML)."""
         return dataclasses.asdict(self)

@@ -1,0 +1,97 @@
+"""`jetrl align CONFIG [overrides...] -o OUT.yaml`: derive the rollout from training, then check.
+
+Training is the source of truth: the rollout runs FP8 exactly where training does, with the same
+scale modes and BF16 layers, through this package's vLLM patch; an FP8 KV cache is kept with
+on-policy KV (or dropped with ``--kv bf16``). ``--recipe NAME`` writes a preset's keys instead.
+The output is the full merged config (``${...}`` interpolations kept); it is checked like
+`jetrl check` and the exit code is the check's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NAME = "align"
+HELP = "write a config whose rollout settings follow the training settings, then check it"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from nemo_jetrl.recipe import PRESET_NAMES
+
+    parser.add_argument("config", help="NeMo-RL-shaped YAML")
+    parser.add_argument("overrides", nargs="*", help="key=value, +key=value, ++key=value, ~key")
+    parser.add_argument("-o", "--output", required=True, help="where to write the aligned YAML")
+    parser.add_argument(
+        "--kv",
+        choices=("onpolicy", "bf16"),
+        default="onpolicy",
+        help="keep an FP8 KV cache with on-policy KV (default) or drop it to BF16",
+    )
+    parser.add_argument(
+        "--recipe", choices=PRESET_NAMES, default=None, help="write this preset's keys instead"
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.commands.check import load_and_check, report
+    from nemo_jetrl.config import merge_updates, recipe_to_config_updates
+    from nemo_jetrl.recipe import Recipe
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise UserError(f"{out} exists; pass --force to overwrite it")
+    if out.resolve() == Path(args.config).resolve():
+        raise UserError("the output must not be the input file")
+    before = load_and_check(args.config, list(args.overrides))
+    if args.recipe:
+        target = Recipe.preset(args.recipe)
+    else:
+        try:
+            target = before.recipe.aligned_to_training(kv=args.kv)
+        except ValueError as exc:
+            raise UserError(f"cannot align {args.config}: {exc}") from None
+    updates = recipe_to_config_updates(target)
+    cfg = merge_updates(before.cfg, updates)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"# Written by `jetrl align` from {args.config}"
+        + (f" with overrides {' '.join(args.overrides)}" if args.overrides else "")
+        + f"\n# recipe: {target.name}; rollout derived from training"
+        + ("" if not args.recipe else f" (preset {args.recipe})")
+        + "\n"
+    )
+    out.write_text(header + OmegaConf.to_yaml(cfg))
+    changed = _changed_keys(before.cfg, cfg)
+    print(f"wrote {out} (recipe {target.name})", file=sys.stdout)
+    for key, old, new in changed:
+        print(f"  {key}: {old!r} -> {new!r}", file=sys.stdout)
+    if not changed:
+        print("  (no key changed)", file=sys.stdout)
+    print(file=sys.stdout)
+    after = load_and_check(str(out), [])
+    return report(after, str(out), sys.stdout)
+
+
+def _changed_keys(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+    """Leaf keys whose resolved value differs between two configs."""
+    from omegaconf import DictConfig, OmegaConf
+
+    da = OmegaConf.to_container(a, resolve=True) if isinstance(a, DictConfig) else a
+    db = OmegaConf.to_container(b, resolve=True) if isinstance(b, DictConfig) else b
+    out: list[tuple[str, object, object]] = []
+
+    def walk(x, y, p):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in dict.fromkeys([*x, *y]):
+                walk(x.get(k, "<unset>"), y.get(k, "<unset>"), f"{p}{k}.")
+        elif x != y:
+            out.append((p[:-1], x, y))
+
+    walk(da, db, prefix)
+    return out

@@ -1,0 +1,155 @@
+"""`jetrl check CONFIG [overrides...]`: is this config's rollout on-policy?
+
+Prints the recipe of each side, the precision flow per layer group (training forward vs rollout),
+the verdict and every mismatch with the YAML keys that fix it. Exit code 0: on-policy; 1:
+off-policy; 2: the config is invalid (every problem listed, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+NAME = "check"
+HELP = "check that a NeMo-RL config's FP8 rollout is on-policy (exit 0 on, 1 off, 2 invalid)"
+
+EXIT_ON_POLICY = 0
+EXIT_OFF_POLICY = 1
+EXIT_INVALID = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="NeMo-RL-shaped YAML (defaults: inheritance supported)")
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value, +key=value (add), ++key=value, ~key (delete)"
+    )
+    parser.add_argument(
+        "--backward", action="store_true", help="also print the training backward precisions"
+    )
+    parser.add_argument(
+        "--edges", action="store_true", help="list every mismatched edge, not just a summary"
+    )
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A loaded, validated config and its flow check (what `check` and `align` print)."""
+
+    cfg: object  # DictConfig
+    recipe: object  # Recipe
+    arch: object  # ModelArch
+    arch_note: str | None
+    issues: tuple  # ConfigIssue, non-errors
+    check: object  # FlowCheck
+
+
+def load_and_check(path: str, overrides: list[str]) -> Checked:
+    """Load, validate and flow-check; UserError listing every problem when invalid."""
+    from nemo_jetrl.arch import ArchError, generic_arch, resolve_arch
+    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.config import ConfigError, errors, load_config, recipe_from_config, validate
+    from nemo_jetrl.flow import check_on_policy
+
+    try:
+        cfg = load_config(path, overrides)
+        issues = validate(cfg)
+        if errors(issues):
+            raise ConfigError(issues, path)
+        recipe = recipe_from_config(cfg)
+    except ConfigError as exc:
+        raise UserError(f"invalid config\n{exc}") from None
+    note = None
+    try:
+        model = cfg.get("policy", {}).get("model_name") if "policy" in cfg else None
+        jetrl = cfg.get("jetrl") or {}
+        arch = resolve_arch(model, jetrl.get("model_config") if jetrl else None)
+    except ArchError as exc:
+        raise UserError(f"invalid config\n  - {exc.key}: {exc}") from None
+    if arch is None:
+        n = max(
+            2,
+            recipe.train.bf16_first_layers + recipe.train.bf16_last_layers + 1,
+            recipe.rollout.bf16_first_layers + recipe.rollout.bf16_last_layers + 1,
+        )
+        arch = generic_arch(n)
+        note = (
+            f"model {model!r} has no built-in description: checked with {n} generic aligned "
+            "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
+        )
+    return Checked(cfg, recipe, arch, note, tuple(issues), check_on_policy(arch, recipe))
+
+
+def _table(rows: list[tuple[str, ...]], out: TextIO, indent: str = "  ") -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for j, r in enumerate(rows):
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
+        if j == 0:
+            print(indent + "  ".join("-" * w for w in widths), file=out)
+
+
+def report(
+    c: Checked, source: str, out: TextIO, *, backward: bool = False, edges: bool = False
+) -> int:
+    """Print the check and return the exit code (0 on-policy, 1 off-policy)."""
+    from nemo_jetrl.flow import flow_table, format_ranges
+
+    check = c.check
+    arch = c.arch
+    print(f"config: {source}", file=out)
+    print(
+        f"model:  {arch.name} ({arch.num_layers} layers, hidden {arch.hidden_size}, "
+        f"intermediate {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads})",
+        file=out,
+    )
+    if c.arch_note:
+        print(f"note:   {c.arch_note}", file=out)
+    for i in c.issues:
+        print(f"{i.level}: {i}", file=out)
+    print(c.recipe.describe(), file=out)
+    print("\nprecision flow (training forward vs rollout):", file=out)
+    _table([("layers", "group", "training forward", "rollout", "status"), *flow_table(check)], out)
+    if backward:
+        print("\ntraining backward (does not decide on-policyness):", file=out)
+        rows = {}
+        for e in check.train_bwd.edges:
+            if e.layer is None:
+                continue
+            rows.setdefault((e.group, e.role, e.precision.short()), []).append(e.layer)
+        _table(
+            [("layers", "group", "operand", "precision")]
+            + [(format_ranges(sorted(set(v))), g, r, p) for (g, r, p), v in rows.items()],
+            out,
+        )
+    print(file=out)
+    if check.on_policy:
+        print(
+            "verdict: ON-POLICY: every rollout tensor equals its training-forward tensor", file=out
+        )
+        return EXIT_ON_POLICY
+    n = len(check.mismatches)
+    print(f"verdict: OFF-POLICY ({n} mismatch{'es' if n != 1 else ''})", file=out)
+    for k, m in enumerate(check.mismatches, 1):
+        sev = " [differs only on blocks with tiny amax]" if m.severity == "rare" else ""
+        print(f"\n{k}. {m.summary()}{sev}", file=out)
+        for d in m.details():
+            print(f"   {d}", file=out)
+        print(f"   why:  {m.reason}", file=out)
+        if m.keys:
+            print(f"   keys: {', '.join(m.keys)}", file=out)
+        if m.fixes:
+            print(f"   fix:  {' '.join(m.fixes)}", file=out)
+        if edges:
+            for e in m.edges:
+                print(f"     {e}", file=out)
+    print(
+        f"\n`jetrl align {source} -o OUT.yaml` writes a config whose rollout follows training.",
+        file=out,
+    )
+    return EXIT_OFF_POLICY
+
+
+def run(args: argparse.Namespace) -> int:
+    checked = load_and_check(args.config, list(args.overrides))
+    return report(checked, args.config, sys.stdout, backward=args.backward, edges=args.edges)
