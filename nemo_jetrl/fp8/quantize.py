@@ -151,15 +151,28 @@ def quantize_blockwise(
     pow2_scales: bool = True,
     eps: float = 0.0,
     name: str | None = None,
+    backend: str | None = None,
 ) -> BlockQuantized:
     """Quantize ``x`` to FP8 with one scale per ``block`` (see the module docstring for the math).
 
     ``block`` is ``(1, 128)`` (per token along K; N-D input allowed), ``(128, 128)`` (weights) or
     ``(128, 1)`` (128 tokens of one channel, for WGrad). The result is never transposed: for
     ``(128, 1)`` it equals TE's columnwise output transposed back.
+
+    CUDA tensors go to the bit-identical Triton kernel when triton is installed;
+    ``backend="torch"`` (or ``JETRL_FP8_QUANT_BACKEND=torch``) forces this reference
+    (see `nemo_jetrl.fp8.dispatch`).
     """
     block = _check_block(block)
     f = get_format(fmt)
+    if backend != "torch" and (x.is_cuda or backend is not None):
+        from nemo_jetrl.fp8.dispatch import fast_quantize  # lazy: triton is optional
+
+        fast = fast_quantize(
+            x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name, backend=backend
+        )
+        if fast is not None:
+            return fast
     label = f"quantize_blockwise(tensor {name!r})" if name else "quantize_blockwise"
     x2 = _as_2d(x, block, label)
     xb = _blocks(x2, block)
