@@ -1,0 +1,43 @@
+"""FP8 KV cache: per-tensor quantization as vLLM does it, Q/K/V scale calibration on the
+trainer, scale naming for vLLM and Megatron, and the HuggingFace attention integration.
+
+``quant``, ``calibration`` and ``names`` need torch only; ``hf`` imports transformers lazily.
+"""
+
+from nemo_jetrl.kvcache.calibration import (
+    AmaxObserver,
+    CalibrationResult,
+    CalibrationSettings,
+    KVScaleRefusedWarning,
+    KVScales,
+    masked_amax,
+    reduce_samples,
+    scale_from_amax,
+    scales_from_amax,
+    select_sequences,
+    token_mask,
+)
+from nemo_jetrl.kvcache.quant import (
+    dequantize_kv,
+    fake_quantize_kv,
+    fake_quantize_kv_ste,
+    quantize_kv,
+)
+
+__all__ = [
+    "AmaxObserver",
+    "CalibrationResult",
+    "CalibrationSettings",
+    "KVScaleRefusedWarning",
+    "KVScales",
+    "dequantize_kv",
+    "fake_quantize_kv",
+    "fake_quantize_kv_ste",
+    "masked_amax",
+    "quantize_kv",
+    "reduce_samples",
+    "scale_from_amax",
+    "scales_from_amax",
+    "select_sequences",
+    "token_mask",
+]

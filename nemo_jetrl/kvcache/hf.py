@@ -1,0 +1,466 @@
+"""FP8 KV cache and Q/K/V observers inside HuggingFace transformers models, reversibly.
+
+transformers routes every attention computation of Llama/Qwen2/Qwen3-style models through one
+function looked up by name in its ``AttentionInterface`` (``config._attn_implementation``). That
+function receives exactly what we need: the attention module (with its ``layer_idx``) and the
+query, key and value after the projections, any q/k norm and RoPE, with keys/values already
+concatenated with the KV cache. `attach_kv` registers a wrapper under a fresh name that
+
+1. feeds an `AmaxObserver` (calibration),
+2. fake-quantizes keys and values (and optionally queries) to FP8 with the layer's scales,
+   exactly as vLLM's cache write/read does (`quant.py`); with a straight-through gradient when
+   the trainer runs on-policy KV,
+3. calls the implementation the model used before (``eager`` or ``sdpa`` ...),
+
+and switches the model to it; the handle's `restore` switches back and unregisters the name.
+
+KV cache during generation. transformers writes new keys/values into the cache *before* calling
+the attention function. `KVHandle.new_cache` returns a cache whose layers fake-quantize what is
+written, so the cache holds exactly the values vLLM's FP8 cache would hand back and each token is
+quantized once, when written, as in vLLM. The wrapper recognises tensors coming from that cache
+and does not quantize them again (for the ``cuda`` kernel re-quantizing would be harmless, fake
+quantization being idempotent; vLLM's ``cpu`` kernel truncates and is not).
+
+Nothing here runs at import time; transformers is imported lazily.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nemo_jetrl._optional import require
+from nemo_jetrl.kvcache.calibration import (
+    AmaxObserver,
+    CalibrationResult,
+    CalibrationSettings,
+    KVScales,
+    MaskMode,
+    scales_from_amax,
+    select_sequences,
+    token_mask,
+)
+from nemo_jetrl.kvcache.quant import KERNELS, Kernel, fake_quantize_kv, fake_quantize_kv_ste
+
+MIN_TRANSFORMERS = (4, 48)  # AttentionInterface / AttentionMaskInterface
+_HANDLE_ATTR = "_jetrl_kv_handle"
+
+
+def _transformers() -> Any:
+    tf = require("transformers", feature="FP8 KV cache on HuggingFace models")
+    version = tuple(int(p) for p in tf.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_TRANSFORMERS:
+        raise RuntimeError(
+            f"FP8 KV on HF models needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} "
+            f"(AttentionInterface); found {tf.__version__}"
+        )
+    return tf
+
+
+@dataclass
+class KVAttentionState:
+    """Mutable per-model state read by the attention wrapper and the FP8 cache layers."""
+
+    # Per-layer scales; None means vLLM's default 1.0 everywhere.
+    scales: KVScales | None = None
+    # Fake-quantize keys/values (and queries if quantize_q) in attention and in the cache.
+    quantize: bool = False
+    # Straight-through gradient through the fake quantization (trainer, on-policy KV).
+    ste: bool = False
+    # Also fake-quantize queries with q_scale (engines whose attention kernel takes FP8 Q).
+    quantize_q: bool = False
+    # Which vLLM cache writer to reproduce: "cuda" (round to nearest even) or "cpu" (truncate).
+    kernel: Kernel = "cuda"
+    fmt: str = "e4m3"
+    # Observer fed on every attention call while set (calibration).
+    observer: AmaxObserver | None = None
+    # Last (keys, values) returned by our cache per layer: already quantized, skip in attention.
+    cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def scale(self, layer: int, tensor: str) -> float:
+        if self.scales is None:
+            return 1.0
+        s = self.scales.get(layer, tensor, default=None)
+        if s is None:
+            if tensor == "q":
+                raise ValueError(
+                    f"FP8 queries: layer {layer} has no q_scale; calibrate with include_q=True "
+                    "or attach with quantize_q=False"
+                )
+            return 1.0  # vLLM's default for a layer without a loaded scale
+        return s
+
+    def fake_quant(self, x: torch.Tensor, layer: int, tensor: str) -> torch.Tensor:
+        fn = fake_quantize_kv_ste if (self.ste and torch.is_grad_enabled()) else fake_quantize_kv
+        return fn(x, self.scale(layer, tensor), fmt=self.fmt, kernel=self.kernel)
+
+
+def _inner_attention(previous: str, tf_modeling_utils: Any) -> Callable[..., Any]:
+    """The attention function the model used before: its own eager one, or a registered one."""
+    if previous == "eager":
+        cache: dict[type, Callable[..., Any]] = {}
+
+        def eager(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            fn = cache.get(type(module))
+            if fn is None:
+                fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+                if fn is None:
+                    raise RuntimeError(
+                        f"{type(module).__name__} has no eager_attention_forward in its modeling "
+                        "module; attach FP8 KV with attn_implementation 'sdpa' instead"
+                    )
+                cache[type(module)] = fn
+            return fn(module, *args, **kwargs)
+
+        return eager
+    return tf_modeling_utils.ALL_ATTENTION_FUNCTIONS[previous]
+
+
+def _make_attention(state: KVAttentionState, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def jetrl_kv_attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> Any:
+        layer = int(module.layer_idx)
+        if state.observer is not None:
+            state.observer.observe(layer, query, key, value)
+        if state.quantize:
+            from_cache = state.cached.get(layer)
+            if from_cache is None or from_cache[0] is not key or from_cache[1] is not value:
+                if state.kernel == "cpu" and key.shape[-2] > query.shape[-2]:
+                    raise RuntimeError(
+                        f"layer {layer}: FP8 KV with kernel='cpu' read a KV cache that did not "
+                        "quantize on write; generate with past_key_values=handle.new_cache()"
+                    )
+                key = state.fake_quant(key, layer, "k")
+                value = state.fake_quant(value, layer, "v")
+            if state.quantize_q:
+                query = state.fake_quant(query, layer, "q")
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    return jetrl_kv_attention
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    mods = [
+        (n, m)
+        for n, m in model.named_modules()
+        if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+    ]
+    if not mods:
+        raise ValueError(
+            f"{type(model).__name__}: no attention modules with a layer_idx found; FP8 KV needs a "
+            "transformers model that dispatches attention through AttentionInterface "
+            "(Llama, Qwen2, Qwen3, ...)"
+        )
+    return mods
+
+
+class KVHandle:
+    """FP8 KV / observers attached to one model; `restore` puts the model back as it was."""
+
+    def __init__(self, model: torch.nn.Module, state: KVAttentionState) -> None:
+        tf = _transformers()
+        from transformers import masking_utils, modeling_utils
+
+        self.model = model
+        self.state = state
+        self.layers = sorted(int(m.layer_idx) for _, m in _attention_modules(model))
+        self.previous = model.config._attn_implementation or "eager"
+        if self.previous.startswith("jetrl_kv_"):
+            raise RuntimeError("model already runs a jetrl_kv attention not owned by a live handle")
+        mask_fns = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
+        if self.previous not in mask_fns:
+            raise ValueError(
+                f"attn_implementation {self.previous!r} has no mask function in transformers "
+                f"{tf.__version__}; use 'eager' or 'sdpa' for FP8 KV"
+            )
+        self.name = f"jetrl_kv_{self.previous}_{id(state):x}"
+        modeling_utils.AttentionInterface.register(
+            self.name, _make_attention(state, _inner_attention(self.previous, modeling_utils))
+        )
+        masking_utils.AttentionMaskInterface.register(self.name, mask_fns[self.previous])
+        model.set_attn_implementation(self.name)
+        setattr(model, _HANDLE_ATTR, self)
+        self.active = True
+
+    # -- settings --------------------------------------------------------------------------------
+
+    def set_scales(self, scales: KVScales | None) -> None:
+        """Scales used from the next forward on (None: vLLM's default 1.0)."""
+        self.state.scales = scales
+
+    def set_mode(
+        self, *, quantize: bool, ste: bool = False, quantize_q: bool | None = None
+    ) -> None:
+        """Fake-quantize K/V (``quantize``), with straight-through gradient (``ste``)."""
+        self.state.quantize = bool(quantize)
+        self.state.ste = bool(ste)
+        if quantize_q is not None:
+            self.state.quantize_q = bool(quantize_q)
+
+    @contextmanager
+    def observing(self, observer: AmaxObserver) -> Iterator[AmaxObserver]:
+        """Feed ``observer`` from every attention call inside the block."""
+        prev, self.state.observer = self.state.observer, observer
+        try:
+            yield observer
+        finally:
+            self.state.observer = prev
+
+    def new_cache(self) -> Any:
+        """A transformers DynamicCache whose layers store FP8-fake-quantized keys and values."""
+        _transformers()
+        from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+        state = self.state
+
+        class Fp8KVLayer(DynamicLayer):
+            """Quantizes on write, like vLLM's reshape_and_cache; reads return the stored values."""
+
+            def __init__(self, layer: int) -> None:
+                super().__init__()
+                self.layer = layer
+
+            def update(self, key_states, value_states, *args, **kwargs):  # type: ignore[override]
+                if state.quantize:
+                    key_states = state.fake_quant(key_states, self.layer, "k")
+                    value_states = state.fake_quant(value_states, self.layer, "v")
+                keys, values = super().update(key_states, value_states, *args, **kwargs)
+                state.cached[self.layer] = (keys, values)
+                return keys, values
+
+        class Fp8KVCache(DynamicCache):
+            def __init__(self, layers: list[int]) -> None:
+                Cache.__init__(self, layers=[Fp8KVLayer(i) for i in range(max(layers) + 1)])
+
+        state.cached.clear()
+        return Fp8KVCache(self.layers)
+
+    # -- revert ----------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Put the previous attention implementation back and unregister ours (idempotent)."""
+        if not self.active:
+            return
+        from transformers import masking_utils, modeling_utils
+
+        self.model.set_attn_implementation(self.previous)
+        modeling_utils.AttentionInterface._global_mapping.pop(self.name, None)
+        masking_utils.AttentionMaskInterface._global_mapping.pop(self.name, None)
+        if getattr(self.model, _HANDLE_ATTR, None) is self:
+            delattr(self.model, _HANDLE_ATTR)
+        self.state.cached.clear()
+        self.state.observer = None
+        self.active = False
+
+    def __enter__(self) -> KVHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def attach_kv(
+    model: torch.nn.Module,
+    *,
+    scales: KVScales | None = None,
+    quantize: bool = False,
+    ste: bool = False,
+    quantize_q: bool = False,
+    kernel: Kernel = "cuda",
+    fmt: str = "e4m3",
+) -> KVHandle:
+    """Route ``model``'s attention through the FP8 KV wrapper; returns the revert handle.
+
+    Idempotent: attaching to a model that already has a live handle updates and returns it.
+    ``quantize=False`` attaches observers only (calibration without changing the numbers).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}")
+    existing = getattr(model, _HANDLE_ATTR, None)
+    if isinstance(existing, KVHandle) and existing.active:
+        existing.set_scales(scales if scales is not None else existing.state.scales)
+        existing.set_mode(quantize=quantize, ste=ste, quantize_q=quantize_q)
+        existing.state.kernel, existing.state.fmt = kernel, fmt
+        return existing
+    state = KVAttentionState(
+        scales=scales, quantize=quantize, ste=ste, quantize_q=quantize_q, kernel=kernel, fmt=fmt
+    )
+    return KVHandle(model, state)
+
+
+@torch.no_grad()
+def calibrate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    *,
+    settings: CalibrationSettings | None = None,
+    previous: KVScales | None = None,
+    position_ids: torch.Tensor | None = None,
+    mask: MaskMode | None = None,
+) -> CalibrationResult:
+    """Observe post-RoPE Q/K/V amax over a batch and turn them into per-layer FP8 scales.
+
+    ``input_ids``/``attention_mask``/``response_mask`` are ``[batch, tokens]`` (prompt +
+    response, padded). The model runs full-sequence forwards in micro-batches of
+    ``settings.micro_batch_size`` on ``settings.data_fraction`` of the sequences, under whatever
+    FP8 KV mode its handle is in (on-policy KV keeps the rollout's numbers in deeper layers).
+    ``mask`` overrides ``settings.mask`` (e.g. "prompt_and_response" before the first rollout).
+    Invalid layers are refused with a `KVScaleRefusedWarning` and keep ``previous``.
+    """
+    settings = settings or CalibrationSettings()
+    t0 = time.perf_counter()
+    existing = getattr(model, _HANDLE_ATTR, None)
+    handle = existing if isinstance(existing, KVHandle) and existing.active else attach_kv(model)
+    try:
+        idx = select_sequences(input_ids.shape[0], settings.data_fraction)
+        sel = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
+        ids, am, rm, pos = (
+            sel(input_ids),
+            sel(attention_mask),
+            sel(response_mask),
+            sel(position_ids),
+        )
+        tmask = token_mask(am, rm, mask or settings.mask)
+        observer = AmaxObserver(include_q=settings.include_q)
+        was_training = model.training
+        model.eval()
+        with handle.observing(observer):
+            for start in range(0, ids.shape[0], settings.micro_batch_size):
+                mb = slice(start, start + settings.micro_batch_size)
+                observer.set_mask(None if tmask is None else tmask[mb])
+                kwargs: dict[str, Any] = {"input_ids": ids[mb], "use_cache": False}
+                if am is not None:
+                    kwargs["attention_mask"] = am[mb]
+                if pos is not None:
+                    kwargs["position_ids"] = pos[mb]
+                model(**kwargs)
+        model.train(was_training)
+        amax = observer.amax(settings.reduction, settings.percentile)
+        scales, refused = scales_from_amax(amax, settings, previous)
+    finally:
+        if handle is not existing:
+            handle.restore()
+    return CalibrationResult(
+        scales=scales,
+        amax=amax,
+        refused=refused,
+        micro_batches=observer.micro_batches,
+        sequences=int(ids.shape[0]),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+class KVCacheController:
+    """FP8 KV for one RL run: scales, calibration, and the models they apply to.
+
+    Typical local-backend use::
+
+        ctl = KVCacheController(CalibrationSettings.from_recipe(recipe.kv_calibration))
+        ctl.attach(rollout_model, role="rollout")                      # FP8 cache, no grad
+        ctl.attach(train_model, role="train", onpolicy=recipe.onpolicy_kv)
+        ctl.calibrate(train_model, prompt_ids, prompt_mask, mask="prompt_and_response")  # step 0
+        ...
+        cache = ctl.rollout_cache()     # pass as past_key_values= to generate()
+        ...                             # score, update
+        res = ctl.calibrate(train_model, ids, attention_mask, response_mask)   # after the update
+        log("timing/kv_calibration", res.seconds)
+
+    `calibrate` installs the new scales on every attached model at once, so the next rollout and
+    the next trainer forward use the same scales (the refit ships them together with the weights).
+    """
+
+    def __init__(
+        self,
+        settings: CalibrationSettings | None = None,
+        *,
+        kernel: Kernel = "cuda",
+        quantize_q: bool = False,
+        scales: KVScales | None = None,
+    ) -> None:
+        self.settings = settings or CalibrationSettings()
+        if quantize_q and not self.settings.include_q:
+            raise ValueError("quantize_q=True needs calibration settings with include_q=True")
+        self.kernel = kernel
+        self.quantize_q = quantize_q
+        self.scales = scales
+        self.handles: dict[str, KVHandle] = {}
+        self.last: CalibrationResult | None = None
+
+    def attach(
+        self, model: torch.nn.Module, *, role: str = "rollout", onpolicy: bool = False
+    ) -> KVHandle:
+        """Attach to a model. ``role="rollout"``: FP8 KV always on (inference, no gradient).
+
+        ``role="train"``: FP8 KV with straight-through gradient when ``onpolicy``; otherwise the
+        trainer's attention stays unquantized (observers only; an off-policy KV edge).
+        """
+        if role not in ("rollout", "train"):
+            raise ValueError(f"role={role!r}: use 'rollout' or 'train'")
+        quantize = role == "rollout" or onpolicy
+        h = attach_kv(
+            model,
+            scales=self.scales,
+            quantize=quantize,
+            ste=role == "train" and onpolicy,
+            quantize_q=self.quantize_q and quantize,
+            kernel=self.kernel,
+        )
+        self.handles[role] = h
+        return h
+
+    def set_scales(self, scales: KVScales | None) -> None:
+        """Install scales on every attached model (refit path)."""
+        self.scales = scales
+        for h in self.handles.values():
+            h.set_scales(scales)
+
+    def calibrate(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        response_mask: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        mask: MaskMode | None = None,
+    ) -> CalibrationResult:
+        """Recalibrate on this batch, install the scales everywhere, return the result."""
+        res = calibrate(
+            model,
+            input_ids,
+            attention_mask,
+            response_mask,
+            settings=self.settings,
+            previous=self.scales,
+            position_ids=position_ids,
+            mask=mask,
+        )
+        self.set_scales(res.scales)
+        self.last = res
+        return res
+
+    def rollout_cache(self) -> Any:
+        """A fresh FP8 KV cache for one `generate` call of the rollout model."""
+        if "rollout" not in self.handles:
+            raise RuntimeError("attach the rollout model first: ctl.attach(model, role='rollout')")
+        return self.handles["rollout"].new_cache()
+
+    def detach(self) -> None:
+        """Restore every attached model."""
+        for h in self.handles.values():
+            h.restore()
+        self.handles.clear()

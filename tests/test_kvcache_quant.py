@@ -1,0 +1,156 @@
+"""FP8 KV quantization against a float64 statement of vLLM's cache semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_jetrl.kvcache import dequantize_kv, fake_quantize_kv, fake_quantize_kv_ste, quantize_kv
+from nemo_jetrl.kvcache.quant import scale_tensor
+
+# All finite non-negative E4M3 values, indexed by their byte code 0x00..0x7E.
+GRID = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Round float64 values to fp32 (one correct rounding), back in float64."""
+    return t.float().double()
+
+
+def ref_cuda_bytes(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """vLLM CUDA write in float64: v = fp32(x / s); saturate; round to nearest E4M3, ties even."""
+    s = _fp32(torch.tensor(scale, dtype=torch.float64))
+    # float64 division then rounding to fp32 equals IEEE fp32 division (53 >= 2*24+2 bits).
+    v = _fp32(x.double() / s)
+    mag = v.abs().clamp(max=448.0)
+    hi = torch.searchsorted(GRID, mag).clamp(max=0x7E)  # first grid value >= mag
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = mag - GRID[lo], GRID[hi] - mag
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    code = torch.where(pick_hi, hi, lo)
+    code = torch.where(GRID[lo] == mag, lo, code)
+    sign = torch.signbit(v).to(torch.int64) << 7
+    out = (code | sign).to(torch.uint8)
+    return torch.where(torch.isnan(v), torch.tensor(0x7F, dtype=torch.uint8), out)
+
+
+def ref_cpu_bytes(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """vLLM CPU write in float64: v = fp32(x * fp32(1/s)); clamp (NaN -> 448); the exponent
+    rebias multiply rounds |v| < 2**-6 to a multiple of 2**-29 (fp32 subnormals, nearest even);
+    then truncate toward zero onto the E4M3 grid; zero of either sign is +0."""
+    s = _fp32(torch.tensor(scale, dtype=torch.float64))
+    inv = _fp32(1.0 / s)
+    v = _fp32(x.double() * inv).clamp(-448.0, 448.0)
+    v = torch.where(torch.isnan(v), torch.full_like(v, 448.0), v)
+    step = 2.0**-29
+    small = v.abs() < 2.0**-6
+    v = torch.where(small, torch.round(v / step) * step, v)  # torch.round is half-to-even
+    mag = v.abs()
+    code = (torch.searchsorted(GRID, mag, right=True) - 1).clamp(min=0)  # largest grid <= mag
+    sign = torch.signbit(v).to(torch.int64) << 7
+    out = (code | sign).to(torch.uint8)
+    return torch.where(v == 0, torch.zeros_like(out), out)
+
+
+def _inputs(dtype: torch.dtype, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    parts = [
+        torch.randn(4000, generator=g) * scale * 100,  # typical
+        torch.randn(1000, generator=g) * scale * 2000,  # saturating
+        torch.randn(1000, generator=g) * scale * 2.0**-7,  # E4M3 subnormal range
+        torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 448 * scale, -449 * scale]),
+        # ties between neighbouring grid values (exact when scale is a power of two)
+        ((GRID[1:] + GRID[:-1]) / 2).float() * scale,
+        -((GRID[1:] + GRID[:-1]) / 2).float() * scale,
+    ]
+    return torch.cat(parts).to(dtype)
+
+
+SCALES = [0.25, 1.0, 0.0123456, 3.3e-3, 17.5, 2.0**-20]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", SCALES)
+def test_cuda_write_matches_float64(dtype: torch.dtype, scale: float) -> None:
+    x = _inputs(dtype, scale)
+    got = quantize_kv(x, scale, kernel="cuda").view(torch.uint8)
+    ref = ref_cuda_bytes(x, scale)
+    bad = (got != ref).nonzero()
+    assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at x={x[bad[0]].item()!r}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", SCALES)
+def test_cpu_write_matches_float64(dtype: torch.dtype, scale: float) -> None:
+    x = _inputs(dtype, scale)
+    got = quantize_kv(x, scale, kernel="cpu").view(torch.uint8)
+    ref = ref_cpu_bytes(x, scale)
+    bad = (got != ref).nonzero()
+    assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at x={x[bad[0]].item()!r}"
+
+
+def test_cpu_kernel_truncates_where_cuda_rounds() -> None:
+    # 1.97 lies between E4M3 values 1.875 and 2.0, nearer 2.0: CUDA rounds up, the CPU kernel truncates.
+    x = torch.tensor([1.97, -1.97])
+    assert quantize_kv(x, 1.0, kernel="cuda").float().tolist() == [2.0, -2.0]
+    assert quantize_kv(x, 1.0, kernel="cpu").float().tolist() == [1.875, -1.875]
+
+
+def test_nan_and_inf_follow_the_kernels() -> None:
+    x = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    assert quantize_kv(x, 0.5, kernel="cuda").view(torch.uint8).tolist() == [0x7F, 0x7E, 0xFE]
+    assert quantize_kv(x, 0.5, kernel="cpu").float().tolist() == [448.0, 448.0, -448.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_read_back_is_one_fp32_multiply(dtype: torch.dtype) -> None:
+    scale = 0.0123456
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    q = q[~torch.isnan(q.float())]
+    got = dequantize_kv(q, scale, dtype)
+    s = _fp32(torch.tensor(scale, dtype=torch.float64))
+    ref = _fp32(q.double() * s).to(dtype)  # exact product (4 x 24 bits), one fp32 rounding
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [0.0123456, 0.25, 7.0])
+def test_fake_quant_is_idempotent(dtype: torch.dtype, scale: float) -> None:
+    x = _inputs(dtype, scale)
+    x = x[torch.isfinite(x)]
+    y = fake_quantize_kv(x, scale)
+    assert y.dtype == dtype
+    assert torch.equal(fake_quantize_kv(y, scale), y)
+
+
+def test_straight_through_gradient_is_identity() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 16, generator=g) * 3).requires_grad_()
+    w = torch.randn(64, 16, generator=g)
+    y = fake_quantize_kv_ste(x, 0.02)
+    assert torch.equal(y.detach(), fake_quantize_kv(x.detach(), 0.02))
+    (y * w).sum().backward()
+    assert torch.equal(x.grad, w)
+
+
+def test_straight_through_attention_gradient() -> None:
+    """d loss / d k under STE equals the plain gradient evaluated at the quantized keys."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    w = torch.randn(1, 2, 8, 16, generator=g)
+    k1 = k.clone().requires_grad_()
+    out = torch.nn.functional.scaled_dot_product_attention(q, fake_quantize_kv_ste(k1, 0.01), v)
+    (out * w).sum().backward()
+    k2 = fake_quantize_kv(k, 0.01).requires_grad_()
+    out2 = torch.nn.functional.scaled_dot_product_attention(q, k2, v)
+    (out2 * w).sum().backward()
+    assert torch.equal(k1.grad, k2.grad)
+    assert not torch.equal(fake_quantize_kv(k, 0.01), k)  # the quantization did change the keys
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_invalid_scale_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="finite positive"):
+        scale_tensor(bad, name="model.layers.3.self_attn.k_scale")
+    with pytest.raises(ValueError, match="finite positive"):
+        quantize_kv(torch.ones(3), bad)
