@@ -521,11 +521,23 @@ def _matches_preset(recipe: Recipe, name: str) -> bool:
     return not preset_differences(recipe, preset)
 
 
+def _normalized(recipe: Recipe) -> Recipe:
+    """Blank out settings that have no effect (FP8 details of a BF16 side, KV details of a BF16
+    cache) so that comparisons only see what changes numbers."""
+    sides = {}
+    for which in ("train", "rollout"):
+        s = recipe.side(which)
+        sides[which] = s if s.fp8_linears else SideRecipe(quantizer=s.quantizer)
+    if sides["rollout"].fp8_linears is False:
+        sides["rollout"] = SideRecipe(quantizer="vllm")
+    return recipe.with_(name=recipe.name, **sides)
+
+
 def preset_differences(recipe: Recipe, preset: Recipe) -> list[str]:
     """Fields (dotted) where `recipe` differs from `preset`, ignoring name, KV calibration and
     the training quantizer implementation (TE and nemo_jetrl compute the same bits)."""
     diffs: list[str] = []
-    a, b = recipe.to_dict(), preset.to_dict()
+    a, b = _normalized(recipe).to_dict(), _normalized(preset).to_dict()
     for key in a:
         if key in _PRESET_COMPARE_IGNORES:
             continue
@@ -713,6 +725,59 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _default_for(path: str) -> Any:
+    """What NeMo-RL / nemo_jetrl assume when `path` is absent."""
+    if path.startswith("jetrl.kv_calibration."):
+        return S.KV_CALIBRATION_KEYS[path.rsplit(".", 1)[1]].default
+    if path.startswith("jetrl."):
+        spec = S.JETRL_KEYS.get(path.split(".", 1)[1])
+        return spec.default if spec else None
+    return {
+        S.FP32_SCALES_KEY: "0",
+        S.VLLM_FIRST_BF16: 0,
+        S.VLLM_LAST_BF16: 0,
+        S.VLLM_DEEP_GEMM: False,
+        S.VLLM_POW2_W: False,
+        S.VLLM_POW2_A: False,
+        S.VLLM_KV_DTYPE: "auto",
+        S.FP8_ENABLED: False,
+        S.FP8_PARAM: False,
+    }.get(path, _MISSING)
+
+
+def minimal_updates(cfg: DictConfig, updates: Mapping[str, Any]) -> dict[str, Any]:
+    """The dotted keys of `updates` whose value differs from what `cfg` means today (an absent
+    key counts as its default), so that align only writes what changes."""
+    r = _Reader(cfg)
+    out: dict[str, Any] = {}
+    for path, new in _flatten(updates).items():
+        cur = r.get(path, _default_for(path)) if r.has(path) else _default_for(path)
+        if path == S.FP32_SCALES_KEY:
+            cur = None if cur is None else str(cur)
+            cur = "0" if cur is None else cur
+        if cur is _MISSING or cur != new:
+            out[path] = new
+    return out
+
+
 def merge_updates(cfg: DictConfig, updates: Mapping[str, Any]) -> DictConfig:
-    """A new config: `cfg` with `updates` merged in (interpolations left in place elsewhere)."""
-    return OmegaConf.merge(cfg, OmegaConf.create(dict(updates)))  # type: ignore[return-value]
+    """A new config: `cfg` with `updates` (nested, or flat dotted keys) merged in.
+
+    Interpolations elsewhere are kept; a key being set replaces its interpolation."""
+    new = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for path, value in _flatten(updates).items():
+        parent = path.rpartition(".")[0]
+        if parent and OmegaConf.select(new, parent, default=None) is None and _exists(new, parent):
+            OmegaConf.update(new, parent, {}, merge=False)  # e.g. env_vars: null
+        OmegaConf.update(new, path, value, merge=False, force_add=True)
+    return new  # type: ignore[return-value]

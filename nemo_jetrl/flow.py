@@ -393,13 +393,16 @@ def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> t
                 "always",
             )
         side = "rollout" if roll.is_fp8 else "training"
+        at_start = edge.layer is not None and edge.layer < max(
+            t.bf16_first_layers, r.bf16_first_layers
+        )
+        keys, tval = (n_first, t.bf16_first_layers) if at_start else (n_last, t.bf16_last_layers)
+        where = "leading" if at_start else "trailing"
         return (
-            f"the sides keep different decoder layers in BF16; these layers are FP8 only in {side}",
-            (*n_first, *n_last),
-            (
-                f"{S.VLLM_FIRST_BF16}={t.bf16_first_layers}",
-                f"{S.VLLM_LAST_BF16}={t.bf16_last_layers}",
-            ),
+            f"the sides keep different {where} decoder layers in BF16; these layers are FP8 "
+            f"only in {side}",
+            keys,
+            (f"{keys[0]}={tval}",),
             "always",
         )
     if not roll.is_fp8:

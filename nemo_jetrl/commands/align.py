@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from nemo_jetrl.cli import UserError
     from nemo_jetrl.commands.check import load_and_check, report
-    from nemo_jetrl.config import merge_updates, recipe_to_config_updates
+    from nemo_jetrl.config import merge_updates, minimal_updates, recipe_to_config_updates
     from nemo_jetrl.recipe import Recipe
 
     out = Path(args.output)
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             target = before.recipe.aligned_to_training(kv=args.kv)
         except ValueError as exc:
             raise UserError(f"cannot align {args.config}: {exc}") from None
-    updates = recipe_to_config_updates(target)
+    updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     cfg = merge_updates(before.cfg, updates)
     out.parent.mkdir(parents=True, exist_ok=True)
     header = (
