@@ -87,5 +87,5 @@ def test_inference_conversion_matches_training_set_and_forward():
 
 
 def test_converting_a_bare_linear_is_an_error():
-    with pytest.raises(ValueError, match="contains the nn.Linear"):
+    with pytest.raises(ValueError, match=r"contains the nn\.Linear"):
         convert_to_fp8_training(nn.Linear(128, 128))
