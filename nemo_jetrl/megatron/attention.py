@@ -1,0 +1,277 @@
+"""Q/K/V observers and on-policy FP8 KV on Megatron-Core attention, reversibly.
+
+Where the numbers are. In Megatron-Core 0.16 ``SelfAttention.forward`` computes
+``linear_qkv`` -> split into query/key/value (``get_query_key_value_tensors``, which also applies
+the optional q/k layernorm of Qwen3) -> RoPE (``apply_rotary_pos_emb``) and then calls
+``self.core_attention(query, key, value, attention_mask, attn_mask_type=..., ...)``. The core
+attention module (``DotProductAttention`` in the local spec, ``TEDotProductAttention`` in the TE
+spec) therefore receives, as its first three positional arguments, exactly what an inference
+engine's KV cache stores: post-norm, post-RoPE keys and values, one head per KV group
+(``[s, b, num_query_groups, head_dim]``, "sbhd"; ``[t, groups, head_dim]`` with packed
+sequences, "thd"). A forward *pre*-hook on that module sees them before attention runs and may
+replace them. NeMo-RL's own KV calibration hooks the same module.
+
+What the hook does, per decoder layer (global index = local index + the pipeline stage's
+``layer_offset``):
+
+1. observe: with an `AmaxObserver` attached, record the masked amax of q, k, v for this
+   micro-batch (the math and the token masks live in `nemo_jetrl.kvcache.calibration`);
+2. on-policy KV: when enabled, replace k and v (and q if asked) by
+   ``fake_quantize_kv_ste(x, scale)``, i.e. the values vLLM's FP8 cache gives back for them,
+   with a straight-through gradient (`nemo_jetrl.kvcache.quant`). Observation happens first, on
+   the unquantized tensors, as the rollout engine's cache sees them before writing.
+
+`attach_megatron_kv` registers the hooks and returns a handle (``restore()`` removes them;
+attaching twice returns the same live handle). Nothing is patched: hooks are PyTorch's public
+module-hook API, so any Megatron version whose core attention takes (q, k, v, ...) works;
+the module is found by name (``*.self_attention.core_attention``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nemo_jetrl.kvcache import names
+from nemo_jetrl.kvcache.calibration import (
+    AmaxObserver,
+    CalibrationResult,
+    CalibrationSettings,
+    KVScales,
+    scales_from_amax,
+)
+from nemo_jetrl.kvcache.quant import KERNELS, Kernel, fake_quantize_kv, fake_quantize_kv_ste
+
+CORE_ATTENTION_SUFFIX = "self_attention.core_attention"
+_HANDLE_ATTR = "_jetrl_megatron_kv_handle"
+
+
+@dataclass
+class MegatronKVState:
+    """Mutable settings the hooks read at every call (owned by one `MegatronKVHandle`)."""
+
+    # Per-layer scales (global decoder index); a missing layer uses vLLM's default 1.0.
+    scales: KVScales | None = None
+    # Apply the rollout's FP8 KV fake quantization to k and v (on-policy KV).
+    quantize: bool = False
+    # Also fake-quantize queries (only when the rollout's attention takes FP8 queries).
+    quantize_q: bool = False
+    # Straight-through gradient (training) instead of a plain forward-only replacement.
+    ste: bool = True
+    # Which vLLM cache writer to reproduce: "cuda" (H100 rollouts) or "cpu".
+    kernel: Kernel = "cuda"
+    fmt: str = "e4m3"
+    # Attached during calibration.
+    observer: AmaxObserver | None = None
+    # Calls seen per layer (diagnostics and tests).
+    calls: dict[int, int] = field(default_factory=dict)
+
+    def scale(self, layer: int, tensor: str) -> float:
+        s = None if self.scales is None else self.scales.get(layer, tensor)
+        return 1.0 if s is None else float(s)
+
+    def fake_quant(self, x: torch.Tensor, layer: int, tensor: str) -> torch.Tensor:
+        s = self.scale(layer, tensor)
+        if self.ste:
+            return fake_quantize_kv_ste(x, s, fmt=self.fmt, kernel=self.kernel)
+        return fake_quantize_kv(x, s, fmt=self.fmt, kernel=self.kernel)
+
+
+def core_attention_modules(
+    model: torch.nn.Module, *, layer_offset: int = 0
+) -> list[tuple[int, str, torch.nn.Module]]:
+    """``(global layer index, module name, module)`` of every core attention in ``model``."""
+    out = []
+    for name, mod in model.named_modules():
+        if not name.endswith(CORE_ATTENTION_SUFFIX):
+            continue
+        layer = names.layer_index_from_megatron(name, layer_offset=layer_offset)
+        if layer is None:
+            raise ValueError(f"cannot read the decoder layer index from module name {name!r}")
+        out.append((layer, name, mod))
+    return out
+
+
+def _observe(
+    observer: AmaxObserver, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    if k.dim() == 4:  # [s, b, h, d]
+        observer.observe(layer, q, k, v, layout="sbhd")
+    elif k.dim() == 3:  # packed [t, h, d]: one "sequence" of t tokens
+        observer.observe(layer, q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), layout="sbhd")
+    else:
+        raise ValueError(
+            f"layer {layer}: core attention got keys of shape {tuple(k.shape)}; expected "
+            "[s, b, groups, head_dim] or packed [t, groups, head_dim]"
+        )
+
+
+def _make_hook(state: MegatronKVState, layer: int) -> Callable[..., Any]:
+    def jetrl_kv_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        if len(args) < 3:
+            raise TypeError(
+                f"layer {layer}: core attention was called with {len(args)} positional arguments; "
+                "nemo_jetrl expects (query, key, value, ...) as Megatron-Core 0.16 passes them"
+            )
+        q, k, v = args[0], args[1], args[2]
+        state.calls[layer] = state.calls.get(layer, 0) + 1
+        if state.observer is not None:
+            _observe(state.observer, layer, q, k, v)
+        if not state.quantize:
+            return None
+        k2 = state.fake_quant(k, layer, "k")
+        v2 = state.fake_quant(v, layer, "v")
+        q2 = state.fake_quant(q, layer, "q") if state.quantize_q else q
+        return (q2, k2, v2, *args[3:]), kwargs
+
+    return jetrl_kv_pre_hook
+
+
+class MegatronKVHandle:
+    """Hooks on every core attention of one Megatron model; `restore` removes them."""
+
+    def __init__(
+        self, model: torch.nn.Module, state: MegatronKVState, *, layer_offset: int = 0
+    ) -> None:
+        mods = core_attention_modules(model, layer_offset=layer_offset)
+        if not mods:
+            raise ValueError(
+                f"no '*.{CORE_ATTENTION_SUFFIX}' module in {type(model).__name__}: is this a "
+                "Megatron-Core GPTModel (or a wrapper of one)?"
+            )
+        self.model = model
+        self.state = state
+        self.layer_offset = layer_offset
+        self.layers = [layer for layer, _, _ in mods]
+        self.module_names = [n for _, n, _ in mods]
+        self._handles = [
+            mod.register_forward_pre_hook(_make_hook(state, layer), with_kwargs=True)
+            for layer, _, mod in mods
+        ]
+        setattr(model, _HANDLE_ATTR, self)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def set_scales(self, scales: KVScales | None) -> None:
+        """Scales used by on-policy KV from the next forward on."""
+        self.state.scales = scales
+
+    def set_mode(self, *, quantize: bool, ste: bool = True, quantize_q: bool = False) -> None:
+        """Turn on-policy KV fake quantization on or off."""
+        self.state.quantize = quantize
+        self.state.ste = ste
+        self.state.quantize_q = quantize_q
+
+    @contextmanager
+    def observing(self, observer: AmaxObserver) -> Iterator[AmaxObserver]:
+        """Feed ``observer`` during the block."""
+        if self.state.observer is not None:
+            raise RuntimeError("an observer is already attached to this model's attention")
+        self.state.observer = observer
+        try:
+            yield observer
+        finally:
+            self.state.observer = None
+
+    def restore(self) -> None:
+        """Remove every hook (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if getattr(self.model, _HANDLE_ATTR, None) is self:
+            delattr(self.model, _HANDLE_ATTR)
+
+    def __enter__(self) -> MegatronKVHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def attach_megatron_kv(
+    model: torch.nn.Module,
+    *,
+    scales: KVScales | None = None,
+    onpolicy: bool = False,
+    quantize_q: bool = False,
+    kernel: Kernel = "cuda",
+    layer_offset: int = 0,
+) -> MegatronKVHandle:
+    """Hook every Megatron core attention of ``model`` (idempotent: a live handle is reused).
+
+    ``onpolicy=True`` applies the rollout's FP8 KV quantization with ``scales`` (straight-through
+    gradient). ``layer_offset`` is the pipeline stage's first global layer.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}")
+    existing = getattr(model, _HANDLE_ATTR, None)
+    if isinstance(existing, MegatronKVHandle) and existing.active:
+        if existing.layer_offset != layer_offset:
+            raise ValueError(
+                f"model already hooked with layer_offset={existing.layer_offset}, not {layer_offset}"
+            )
+        existing.state.kernel = kernel
+        existing.set_scales(scales if scales is not None else existing.state.scales)
+        existing.set_mode(quantize=onpolicy, quantize_q=quantize_q)
+        return existing
+    state = MegatronKVState(scales=scales, quantize=onpolicy, quantize_q=quantize_q, kernel=kernel)
+    return MegatronKVHandle(model, state, layer_offset=layer_offset)
+
+
+def calibrate_megatron(
+    model: torch.nn.Module,
+    micro_batches: Iterable[tuple[Callable[[], Any], torch.Tensor | None]],
+    *,
+    settings: CalibrationSettings | None = None,
+    previous: KVScales | None = None,
+    layer_offset: int = 0,
+    reduce_amax: Callable[[dict[int, dict[str, float]]], dict[int, dict[str, float]]] | None = None,
+) -> CalibrationResult:
+    """Observe post-RoPE Q/K/V amax over micro-batches and turn them into per-layer FP8 scales.
+
+    ``micro_batches`` yields ``(forward, token_mask)``: ``forward()`` runs the model on one
+    micro-batch (the caller knows how: plain GPTModel call, NeMo-RL's ``get_logprobs``...),
+    ``token_mask`` is that micro-batch's ``[batch, tokens]`` bool mask (None: every token, e.g.
+    packed sequences without padding). Build it with `nemo_jetrl.kvcache.token_mask`.
+    ``reduce_amax`` combines per-rank results (data/pipeline parallel: elementwise max across
+    ranks) before scales are computed. Invalid layers keep ``previous`` (with a warning).
+    """
+    settings = settings or CalibrationSettings()
+    t0 = time.perf_counter()
+    existing = getattr(model, _HANDLE_ATTR, None)
+    handle = (
+        existing
+        if isinstance(existing, MegatronKVHandle) and existing.active
+        else attach_megatron_kv(model, layer_offset=layer_offset)
+    )
+    observer = AmaxObserver(include_q=settings.include_q)
+    sequences = 0
+    try:
+        with handle.observing(observer), torch.no_grad():
+            for forward, mask in micro_batches:
+                observer.set_mask(mask)
+                if mask is not None:
+                    sequences += int(mask.shape[0])
+                forward()
+        amax = observer.amax(settings.reduction, settings.percentile)
+        if reduce_amax is not None:
+            amax = reduce_amax(amax)
+        scales, refused = scales_from_amax(amax, settings, previous)
+    finally:
+        if handle is not existing:
+            handle.restore()
+    return CalibrationResult(
+        scales=scales,
+        amax=amax,
+        refused=refused,
+        micro_batches=observer.micro_batches,
+        sequences=sequences,
+        seconds=time.perf_counter() - t0,
+    )
