@@ -1,0 +1,230 @@
+"""Our block-FP8 linear kernel for vLLM: activations quantized by ``nemo_jetrl.fp8``.
+
+vLLM builds each block-FP8 linear layer (``Fp8LinearMethod``) around a *kernel* object chosen
+from a per-platform registry (``vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``):
+the first class whose ``is_supported()`` and ``can_implement(config)`` both say yes wins. vLLM's
+own kernels quantize activations with ``QuantFP8`` (``x / RN(amax/448)``, scale floor
+``1/(448*512)``), which is not TE's formula (``x * RN(448/amax)``, no floor). Our kernel is put
+first in that registry by ``apply_patches``; it
+
+* quantizes each token's activations in groups of 128 along K with
+  ``nemo_jetrl.fp8.quantize_blockwise(x, (1, 128))`` in the recipe's scale mode (pow2 or fp32),
+  i.e. the exact bits the trainer's FP8 forward produces for the same input;
+* multiplies with ``nemo_jetrl.fp8.gemm.blockwise_matmul`` against the layer's FP8 ``weight``
+  and ``weight_scale_inv`` exactly as loaded (no repacking, no requantization, parameters kept
+  in place so refits can overwrite them);
+* works on every platform (it is plain torch), which also gives vLLM's CPU build a block-FP8 path
+  on CPUs without AMX, where vLLM's own CPU kernels refuse to run.
+
+Both steps run as opaque torch custom ops (``torch.ops.nemo_jetrl.*``) so that vLLM's
+torch.compile/inductor cannot trace into and re-derive the quantizer. In eager mode a layer can
+record what enters the GEMM (``layer._jetrl_capture``, set by the worker extension) so tests can
+compare it bit for bit with ``nemo_jetrl.fp8`` on the same input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nemo_jetrl.fp8 import BlockQuantized, quantize_blockwise
+from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.vllm_patch.settings import ACT_BLOCK, WEIGHT_BLOCK, PatchSettings
+
+OP_NAMESPACE = "nemo_jetrl"
+# Marks our kernel classes in vLLM's registry (so revert and idempotence need no global state).
+MARKER = "_nemo_jetrl_kernel"
+
+
+def _quantize_act_impl(
+    x: torch.Tensor, pow2_scales: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q = quantize_blockwise(
+        x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, name="activation"
+    )
+    return q.data, q.scale_inv
+
+
+def _gemm_impl(
+    a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    qa = BlockQuantized(a, a_s, ACT_BLOCK, "e4m3", False)
+    qb = BlockQuantized(b, b_s, WEIGHT_BLOCK, "e4m3", False)
+    return blockwise_matmul(qa, qb, out_dtype=out_dtype)
+
+
+def ensure_ops() -> Any:
+    """Define ``torch.ops.nemo_jetrl.{quantize_act_1x128, fp8_block_gemm}`` once per process.
+
+    Defining operators in our own namespace changes nothing of vLLM's; they stay defined (torch
+    has no public way to undefine an operator), which is harmless.
+    """
+    ns = getattr(torch.ops, OP_NAMESPACE)
+    try:
+        ns.fp8_block_gemm.default  # noqa: B018  (lookup raises when undefined)
+        return ns
+    except (AttributeError, RuntimeError):
+        pass
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::quantize_act_1x128", mutates_args=())
+    def quantize_act_1x128(
+        x: torch.Tensor, pow2_scales: bool, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _quantize_act_impl(x, pow2_scales, eps)
+
+    @quantize_act_1x128.register_fake
+    def _(x: torch.Tensor, pow2_scales: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        kb = -(-x.shape[-1] // ACT_BLOCK[1])
+        return (
+            torch.empty_like(x, dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], kb), dtype=torch.float32),
+        )
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::fp8_block_gemm", mutates_args=())
+    def fp8_block_gemm(
+        a: torch.Tensor,
+        a_s: torch.Tensor,
+        b: torch.Tensor,
+        b_s: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return _gemm_impl(a, a_s, b, b_s, out_dtype)
+
+    @fp8_block_gemm.register_fake
+    def _(a, a_s, b, b_s, out_dtype):  # type: ignore[no-untyped-def]
+        return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+    return ns
+
+
+def make_kernel_class(settings: PatchSettings) -> type:
+    """A vLLM ``Fp8BlockScaledMMLinearKernel`` subclass bound to ``settings`` (needs vLLM)."""
+    from vllm.model_executor.kernels.linear.base import MMLinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+
+    ops = ensure_ops()
+    pow2, eps = settings.pow2_scales, settings.eps
+
+    class JetRLFp8BlockLinearKernel(Fp8BlockScaledMMLinearKernel):
+        """Block-FP8 linear with activations quantized by nemo_jetrl.fp8 (see kernel.py)."""
+
+        jetrl_settings_json = settings.to_json()
+        apply_input_quant = True
+
+        def __init__(self, config: Any) -> None:
+            # Skip the parent's __init__: it builds vLLM's QuantFP8, which we never use.
+            MMLinearKernel.__init__(self, config)
+            self.weight_group_shape = config.weight_quant_key.scale.group_shape
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+            return True, None
+
+        @classmethod
+        def can_implement(cls, config: Any) -> tuple[bool, str | None]:
+            act, wgt = config.activation_quant_key, config.weight_quant_key
+            if act.scale.static:
+                return False, "nemo_jetrl kernel: needs dynamic activation scales"
+            a_shape = (act.scale.group_shape.row, act.scale.group_shape.col)
+            w_shape = (wgt.scale.group_shape.row, wgt.scale.group_shape.col)
+            if a_shape != ACT_BLOCK or w_shape != WEIGHT_BLOCK:
+                return False, (
+                    f"nemo_jetrl kernel: needs activation groups {ACT_BLOCK} and weight blocks "
+                    f"{WEIGHT_BLOCK}, got {a_shape} and {w_shape}"
+                )
+            if wgt.dtype != torch.float8_e4m3fn or act.dtype != torch.float8_e4m3fn:
+                return False, "nemo_jetrl kernel: needs float8_e4m3fn weights and activations"
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            # Nothing to transform: the loaded FP8 data and scales are used as they are, and the
+            # parameters stay the same objects (refit writes into them in place).
+            w, s = layer.weight, layer.weight_scale_inv
+            n, k = w.shape
+            want = (-(-n // WEIGHT_BLOCK[0]), -(-k // WEIGHT_BLOCK[1]))
+            if w.dtype != torch.float8_e4m3fn or tuple(s.shape) != want or s.dtype != torch.float32:
+                raise ValueError(
+                    f"nemo_jetrl kernel: layer weight {tuple(w.shape)} {w.dtype} with "
+                    f"weight_scale_inv {tuple(s.shape)} {s.dtype}; expected float8_e4m3fn and "
+                    f"fp32 scales of shape {want}"
+                )
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):  # type: ignore[no-untyped-def]
+            return ops.fp8_block_gemm(A, As, B, Bs, self.config.out_dtype)
+
+        def apply_weights(
+            self,
+            layer: torch.nn.Module,
+            x: torch.Tensor,
+            bias: torch.Tensor | None = None,
+            **kw: Any,
+        ) -> torch.Tensor:
+            x2 = x.reshape(-1, x.shape[-1])
+            q, q_s = ops.quantize_act_1x128(x2, pow2, eps)
+            capture = getattr(layer, "_jetrl_capture", None)
+            if capture is not None and len(capture) < capture.maxlen:
+                capture.append((x2.detach().clone(), q.detach().clone(), q_s.detach().clone()))
+            out = ops.fp8_block_gemm(
+                q, q_s, layer.weight, layer.weight_scale_inv, self.config.out_dtype
+            )
+            if bias is not None:
+                out = out + bias
+            return out.view(*x.shape[:-1], layer.weight.shape[0])
+
+    setattr(JetRLFp8BlockLinearKernel, MARKER, True)
+    return JetRLFp8BlockLinearKernel
+
+
+def fp8_block_registry() -> dict:
+    """vLLM's per-platform list of block-FP8 linear kernels (checked, clear error if moved)."""
+    import vllm.model_executor.kernels.linear as kl
+
+    reg = getattr(kl, "_POSSIBLE_FP8_BLOCK_KERNELS", None)
+    if not isinstance(reg, dict):
+        raise RuntimeError(
+            "vLLM's block-FP8 kernel registry "
+            "(vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS) was not found; "
+            "this vLLM is outside the range nemo_jetrl.vllm_patch supports"
+        )
+    return reg
+
+
+def registered_kernel(platform: Any = None) -> type | None:
+    """Our kernel class if it is in the registry for ``platform`` (default: current)."""
+    from vllm.platforms import current_platform
+
+    plat = current_platform._enum if platform is None else platform
+    for cls in fp8_block_registry().get(plat, []):
+        if getattr(cls, MARKER, False):
+            return cls
+    return None
+
+
+def register_kernel(settings: PatchSettings) -> type:
+    """Put our kernel first in the current platform's block-FP8 list (idempotent)."""
+    from vllm.platforms import current_platform
+
+    existing = registered_kernel()
+    if existing is not None:
+        if existing.jetrl_settings_json != settings.to_json():
+            raise RuntimeError(
+                "nemo_jetrl kernel already registered with different settings "
+                f"({existing.jetrl_settings_json}); revert the previous patch first"
+            )
+        return existing
+    cls = make_kernel_class(settings)
+    fp8_block_registry().setdefault(current_platform._enum, []).insert(0, cls)
+    return cls
+
+
+def unregister_kernel() -> int:
+    """Remove our kernel classes from every platform's list; returns how many were removed."""
+    removed = 0
+    for kernels in fp8_block_registry().values():
+        for cls in [c for c in kernels if getattr(c, MARKER, False)]:
+            kernels.remove(cls)
+            removed += 1
+    return removed

@@ -1,0 +1,141 @@
+"""Apply and revert the vLLM patch: one explicit call, a handle, nothing at import time.
+
+``apply_patches(recipe)`` does three things and ``PatchHandle.revert()`` undoes them:
+
+1. checks that the installed vLLM is in the supported range (the patch relies on vLLM internals:
+   the block-FP8 kernel registry and the kernel base class; outside the range it refuses with an
+   error that says which versions work);
+2. registers our block-FP8 linear kernel first in vLLM's kernel registry of this process
+   (``kernel.register_kernel``), so every block-FP8 linear layer quantizes its activations with
+   ``nemo_jetrl.fp8`` and runs our GEMM;
+3. sets ``NEMO_JETRL_VLLM_PATCH`` (the settings as JSON) in the environment. vLLM starts its
+   engine-core and worker processes itself and loads ``vllm.general_plugins`` entry points in
+   each; ours (``plugin.load_in_worker``) applies step 2 there only when this variable is set.
+   So the patch reaches exactly the engines created while it is applied.
+
+Applying twice with the same settings is a no-op that returns an equivalent handle; applying with
+different settings while applied is refused. ``revert()`` is idempotent. Engines created while
+the patch was applied keep their kernels (their layers were built with them); engines created
+after ``revert()`` are plain vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_jetrl._optional import require
+from nemo_jetrl.vllm_patch.settings import ENV_VAR, PatchSettings, settings_from_recipe
+
+# Supported vLLM versions: [MIN, MAX) by release number (checked against vllm.__version__).
+SUPPORTED_MIN = (0, 32, 0)
+SUPPORTED_MAX = (0, 33, 0)
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """The installed vLLM is outside the range the patch was written and tested for."""
+
+
+class PatchConflict(RuntimeError):
+    """The patch is already applied with different settings."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string like '0.32.0', '0.32.1rc1+cpu', '0.33.0.dev5'."""
+    head = version.split("+", 1)[0]
+    nums: list[int] = []
+    for part in head.split(".")[:3]:
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        nums.append(int(digits))
+        if len(digits) != len(part):
+            break
+    if not nums:
+        raise UnsupportedVllmVersion(f"cannot parse the vLLM version {version!r}")
+    return tuple(nums + [0] * (3 - len(nums)))
+
+
+def supported_range() -> str:
+    lo, hi = (".".join(map(str, v)) for v in (SUPPORTED_MIN, SUPPORTED_MAX))
+    return f">={lo},<{hi}"
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise UnsupportedVllmVersion unless ``version`` is in the supported range."""
+    rel = _release(version)
+    if not (SUPPORTED_MIN <= rel < SUPPORTED_MAX):
+        raise UnsupportedVllmVersion(
+            f"nemo_jetrl.vllm_patch supports vLLM {supported_range()}, but vLLM {version} is "
+            "installed. The patch relies on vLLM internals (the block-FP8 kernel registry) that "
+            "change between releases. Install a supported version (CPU: bash "
+            "scripts/setup_vllm_env.sh; GPU: the Docker image) or leave the patch off "
+            "(jetrl.vllm_patch: false), which makes the rollout quantizer vLLM's own (off-policy "
+            "with FP32 scales)."
+        )
+
+
+@dataclass
+class PatchHandle:
+    """What ``apply_patches`` changed; ``revert()`` (or leaving the ``with`` block) undoes it."""
+
+    settings: PatchSettings
+    vllm_version: str
+    _set_env: bool = field(default=False, repr=False)
+    _reverted: bool = field(default=False, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return not self._reverted and os.environ.get(ENV_VAR) == self.settings.to_json()
+
+    def revert(self) -> None:
+        """Remove our kernel from vLLM's registry and clear the environment variable."""
+        if self._reverted:
+            return
+        from nemo_jetrl.vllm_patch.kernel import unregister_kernel
+
+        unregister_kernel()
+        if os.environ.get(ENV_VAR) == self.settings.to_json():
+            del os.environ[ENV_VAR]
+        self._reverted = True
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.revert()
+
+
+def apply_in_process(settings: PatchSettings) -> type:
+    """Register our kernel in this process's vLLM (used by apply_patches and by the plugin)."""
+    vllm = require("vllm", feature="nemo_jetrl.vllm_patch")
+    check_vllm_version(vllm.__version__)
+    from nemo_jetrl.vllm_patch.kernel import register_kernel
+
+    return register_kernel(settings)
+
+
+def apply_patches(recipe: Any, *, num_layers: int | None = None) -> PatchHandle:
+    """Patch vLLM (this process and engines started from now on) for ``recipe``.
+
+    ``recipe`` is a ``nemo_jetrl.recipe.Recipe`` or a ``PatchSettings``. Returns a handle; use it
+    as a context manager or call ``revert()``.
+    """
+    settings = settings_from_recipe(recipe, num_layers=num_layers)
+    vllm = require("vllm", feature="nemo_jetrl.vllm_patch")
+    check_vllm_version(vllm.__version__)
+    current = os.environ.get(ENV_VAR)
+    if current is not None and current != settings.to_json():
+        raise PatchConflict(
+            f"the nemo_jetrl vLLM patch is already applied with other settings ({ENV_VAR}="
+            f"{current}); revert that handle first (or unset {ENV_VAR} if it leaked in from a "
+            "parent process)"
+        )
+    apply_in_process(settings)
+    os.environ[ENV_VAR] = settings.to_json()
+    return PatchHandle(settings=settings, vllm_version=vllm.__version__, _set_env=current is None)

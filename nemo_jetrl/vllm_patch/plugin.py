@@ -1,0 +1,24 @@
+"""The ``vllm.general_plugins`` entry point: applies the patch in vLLM's own processes.
+
+vLLM calls every general plugin in each process it starts (engine core, workers) and in the
+main process. This one does nothing unless ``apply_patches`` set ``NEMO_JETRL_VLLM_PATCH`` in the
+environment the process inherited; then it registers our kernel with those settings. It never
+fails silently: a malformed variable or an unsupported vLLM raises, which stops the engine with
+the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+from nemo_jetrl.vllm_patch.settings import ENV_VAR, PatchSettings
+
+
+def load_in_worker() -> None:
+    """Entry point named in pyproject.toml; safe to call many times."""
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        return
+    from nemo_jetrl.vllm_patch.patch import apply_in_process
+
+    apply_in_process(PatchSettings.from_json(text))

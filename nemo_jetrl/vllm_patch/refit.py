@@ -1,0 +1,304 @@
+"""Refit: trainer weights -> ``nemo_jetrl.fp8`` -> guards -> the running vLLM engine -> parity.
+
+One refit does, in order (nothing is sent unless every check before it passed):
+
+1. KV scales (optional) are validated first: every attention layer named, each q/k/v scale a
+   finite number > 0, and the recipe's KV cache must be FP8. Invalid scales refuse the whole
+   refit and the engine keeps its previous weights and scales.
+2. ``quantize_state_dict``: every linear weight the recipe runs in FP8 is quantized with
+   ``quantize_blockwise(w, (128, 128))`` in the recipe's scale mode, the same call the trainer's
+   FP8 forward uses, giving the FP8 ``weight`` and fp32 ``weight_scale_inv`` vLLM stores. Other
+   tensors (embeddings, norms, lm_head, BF16 layers) are sent in the model dtype. Non-finite values
+   are refused naming the tensor; FP8 weights whose dims are not multiples of 128 are refused
+   (they must be in the BF16 set on both sides).
+3. Shape guard: each tensor's shape and dtype is compared with the engine's parameter slice it
+   will land in; all mismatches are reported together, naming the layers.
+4. Load: the model's own ``load_weights`` copies into the existing parameters (parameter identity
+   is checked: a refit that replaced a parameter object is an error). No requantization happens
+   in vLLM: FP8 bytes and scales are copied as they are.
+5. Parity (on by default): the engine's FP8 bytes and scales are read back through an independent
+   path and compared bit for bit with what the trainer quantized; any differing layer is named.
+
+Tensors cross to the worker processes through ``LLM.collective_rpc`` (FP8 as uint8 bytes), which
+is fine for small models and CPU tests; large GPU models go through NeMo-RL's own transport,
+calling the same worker methods.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_jetrl.fp8 import quantize_blockwise
+from nemo_jetrl.vllm_patch.settings import (
+    ATTN_PROJS,
+    MLP_PROJS,
+    WEIGHT_BLOCK,
+    PatchSettings,
+    settings_from_recipe,
+)
+from nemo_jetrl.vllm_patch.worker_ext import from_wire, to_wire
+
+FP8_PROJS = ATTN_PROJS + MLP_PROJS
+SCALE_SUFFIX = "weight_scale_inv"
+
+
+class RefitError(ValueError):
+    """A refit input was refused (non-finite, wrong shape/dims, bad KV scale); nothing loaded."""
+
+
+class ParityError(RuntimeError):
+    """The engine's FP8 weights or scales differ from the trainer's quantization."""
+
+
+@dataclass(frozen=True)
+class QuantizedStateDict:
+    """What a refit sends: HF names -> tensors (FP8 weights + their ``weight_scale_inv``)."""
+
+    tensors: dict[str, torch.Tensor]
+    fp8_layers: tuple[str, ...]
+    """HF module names whose weights are FP8 (e.g. ``model.layers.0.self_attn.q_proj``)."""
+    other_names: tuple[str, ...]
+    """Tensors sent in the model dtype (embeddings, norms, lm_head, BF16 layers, biases)."""
+
+    def fp8_names(self) -> list[str]:
+        return [f"{m}.{s}" for m in self.fp8_layers for s in ("weight", SCALE_SUFFIX)]
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    compared: int
+    """Number of tensors (FP8 weights and scales) compared bit for bit."""
+    differing: tuple[str, ...]
+    """Names of tensors whose bits differ (empty when parity holds)."""
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    fp8_layers: int
+    other_tensors: int
+    bytes_sent: int
+    seconds: float
+    kv_layers: tuple[str, ...]
+    parity: ParityReport | None
+
+
+def is_fp8_weight(name: str, settings: PatchSettings) -> bool:
+    """True if HF tensor ``name`` is a linear weight the recipe runs in FP8 in the rollout."""
+    if not settings.fp8_weights or not name.endswith(".weight"):
+        return False
+    module = name[: -len(".weight")]
+    return module.rsplit(".", 1)[-1] in FP8_PROJS and module not in settings.modules_to_not_convert
+
+
+def quantize_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    recipe: Any,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedStateDict:
+    """Quantize a trainer state dict (HF names, BF16/FP32) for the rollout engine (guards 2)."""
+    settings = settings_from_recipe(recipe)
+    errors: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+    fp8_layers: list[str] = []
+    others: list[str] = []
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            errors.append(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            continue
+        if is_fp8_weight(name, settings):
+            if t.dim() != 2 or any(d % b for d, b in zip(t.shape, WEIGHT_BLOCK, strict=True)):
+                errors.append(
+                    f"{name}: shape {tuple(t.shape)} is not a 2-D multiple of {WEIGHT_BLOCK}; "
+                    "128x128 block FP8 needs both dims divisible by 128. Keep this layer in BF16 "
+                    "on both sides (add it to the recipe's BF16 layers)"
+                )
+                continue
+            try:
+                q = quantize_blockwise(
+                    t.detach(),
+                    WEIGHT_BLOCK,
+                    fmt=settings.fmt,
+                    pow2_scales=settings.pow2_scales,
+                    eps=settings.eps,
+                    name=name,
+                )
+            except (ValueError, TypeError) as exc:
+                errors.append(str(exc))
+                continue
+            module = name[: -len(".weight")]
+            tensors[name] = q.data
+            tensors[f"{module}.{SCALE_SUFFIX}"] = q.scale_inv
+            fp8_layers.append(module)
+        else:
+            if t.is_floating_point():
+                if not bool(torch.isfinite(t).all()):
+                    bad = int((~torch.isfinite(t)).sum())
+                    errors.append(f"{name}: {bad} non-finite value(s); refusing to refit")
+                    continue
+                t = t.detach().to(dtype)
+            tensors[name] = t
+            others.append(name)
+    if errors:
+        raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
+    return QuantizedStateDict(tensors, tuple(fp8_layers), tuple(others))
+
+
+def normalize_kv_scales(
+    kv_scales: Mapping[Any, Mapping[str, float]], prefix: str = "model.layers"
+) -> dict[str, dict[str, float]]:
+    """{layer index or attention module name: {q, k, v}} -> {attention module name: ...}.
+
+    Validates every entry (finite, > 0, all of q/k/v present) and reports all problems at once.
+    """
+    out: dict[str, dict[str, float]] = {}
+    errors = []
+    for key, s in kv_scales.items():
+        name = f"{prefix}.{key}.self_attn.attn" if isinstance(key, int) else str(key)
+        entry = {}
+        for k in ("q", "k", "v"):
+            v = s.get(k) if isinstance(s, Mapping) else None
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = float(v)
+            if (
+                not isinstance(v, (int, float))
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or v <= 0
+            ):
+                errors.append(f"{name}.{k}_scale={v!r}: must be a finite number > 0")
+            else:
+                entry[k] = float(v)
+        out[name] = entry
+    if errors:
+        raise RefitError("KV scales refused, previous scales kept:\n  - " + "\n  - ".join(errors))
+    return out
+
+
+def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tuple[str, ...]:
+    """Send validated q/k/v scales to every worker (all-or-nothing per worker)."""
+    scales = normalize_kv_scales(kv_scales)
+    try:
+        results = llm.collective_rpc("jetrl_set_kv_scales", args=(scales,))
+    except ValueError as exc:
+        raise RefitError(str(exc)) from exc
+    return tuple(results[0])
+
+
+def kv_scales(llm: Any) -> dict[str, dict[str, float]]:
+    """The q/k/v scales each attention layer of the first worker uses now."""
+    return llm.collective_rpc("jetrl_kv_scales")[0]
+
+
+def guard_shapes(llm: Any, qsd: QuantizedStateDict) -> None:
+    """Compare every tensor's shape/dtype with the engine slice it lands in; report all."""
+    names = list(qsd.tensors)
+    engine = llm.collective_rpc("jetrl_shapes", args=(names,))[0]
+    errors = []
+    for name in names:
+        info = engine.get(name)
+        t = qsd.tensors[name]
+        if isinstance(info, str):
+            errors.append(f"{name}: {info}")
+            continue
+        shape, dtype = info
+        if tuple(shape) != tuple(t.shape):
+            errors.append(f"{name}: trainer shape {tuple(t.shape)}, engine expects {tuple(shape)}")
+        elif (t.element_size() == 1 or name.endswith(SCALE_SUFFIX)) and str(t.dtype) != dtype:
+            # FP8 bytes and their scales must land in identically typed parameters (copying would
+            # otherwise convert them); BF16 tensors are cast by vLLM's loader as usual.
+            errors.append(
+                f"{name}: trainer dtype {t.dtype}, engine holds {dtype} (is the engine running "
+                "with the recipe's engine kwargs, quantization fp8 with 128x128 blocks?)"
+            )
+    if errors:
+        raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
+
+
+def check_parity(llm: Any, qsd: QuantizedStateDict) -> ParityReport:
+    """Read the engine's FP8 weights and scales back; compare bit for bit (raise ParityError)."""
+    names = qsd.fp8_names()
+    back = llm.collective_rpc("jetrl_read_back", args=(names,))[0]
+    differing = []
+    for name in names:
+        got = from_wire(*back[name])
+        want = qsd.tensors[name]
+        if got.dtype != want.dtype or got.shape != want.shape:
+            differing.append(f"{name} (engine {got.dtype} {tuple(got.shape)})")
+            continue
+        gb, wb = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+        n = int((gb != wb).sum())
+        if n:
+            differing.append(f"{name} ({n} of {wb.numel()} bytes differ)")
+    if differing:
+        raise ParityError(
+            "refit parity check failed: the engine's FP8 weights/scales differ from the trainer's "
+            "quantization in:\n  - " + "\n  - ".join(differing)
+        )
+    return ParityReport(compared=len(names), differing=())
+
+
+def refit(
+    llm: Any,
+    state_dict: Mapping[str, torch.Tensor],
+    recipe: Any,
+    *,
+    kv_scales: Mapping[Any, Mapping[str, float]] | None = None,
+    parity: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> RefitReport:
+    """Quantize, guard, load into ``llm`` (a ``vllm.LLM`` started with our engine kwargs)."""
+    t0 = time.perf_counter()
+    settings = settings_from_recipe(recipe)
+    scales = None
+    if kv_scales is not None:
+        if not settings.fp8_kv_cache:
+            raise RefitError(
+                f"KV scales given but the recipe's kv_cache_dtype is {settings.kv_cache_dtype!r}; "
+                "vLLM ignores them for a BF16 KV cache. Set kv_cache_dtype fp8 or drop kv_scales"
+            )
+        scales = normalize_kv_scales(kv_scales)
+    qsd = quantize_state_dict(state_dict, settings, dtype=dtype)
+    guard_shapes(llm, qsd)
+    items = [(n, *to_wire(t)) for n, t in qsd.tensors.items()]
+    results = llm.collective_rpc("jetrl_load_weights", args=(items,))
+    moved = sorted({m for r in results for m in r["moved"]})
+    if moved:
+        raise RefitError(f"refit replaced parameter objects instead of copying into them: {moved}")
+    kv_layers: tuple[str, ...] = ()
+    if scales is not None:
+        kv_layers = set_kv_scales(llm, scales)
+    report = check_parity(llm, qsd) if parity else None
+    return RefitReport(
+        fp8_layers=len(qsd.fp8_layers),
+        other_tensors=len(qsd.other_names),
+        bytes_sent=sum(t.numel() * t.element_size() for t in qsd.tensors.values()),
+        seconds=time.perf_counter() - t0,
+        kv_layers=kv_layers,
+        parity=report,
+    )
+
+
+def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint directory (``*.safetensors``)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise RefitError(f"{model_dir}: no *.safetensors files to refit from")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def refit_from_checkpoint(llm: Any, model_dir: str | Path, recipe: Any, **kw: Any) -> RefitReport:
+    """First load of an engine started with ``load_format='dummy'``: refit from a HF checkpoint."""
+    return refit(llm, load_hf_state_dict(model_dir), recipe, **kw)

@@ -1,0 +1,131 @@
+"""What the vLLM patch needs to know, in one frozen value that can cross process boundaries.
+
+vLLM runs the model in worker processes it spawns itself. The patch reaches them through vLLM's
+plugin entry point (see ``plugin.py``), which can only read the environment, so the settings are
+serialized to JSON in one environment variable. Everything here is plain data: no torch, no vLLM.
+
+The numbers are fixed by the design (DESIGN.md, "The quantization spec"): weights in 128x128
+blocks, activations in 1x128 blocks (per token, along K), E4M3 for every forward tensor (the
+``hybrid`` training format only changes gradients, which the rollout never sees). What varies per
+recipe is the scale mode (power-of-two or FP32 scales), which linear layers stay BF16, and the KV
+cache dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# The environment variable that carries the settings to vLLM's worker processes.
+ENV_VAR = "NEMO_JETRL_VLLM_PATCH"
+WEIGHT_BLOCK = (128, 128)
+ACT_BLOCK = (1, 128)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+# HF projection names of a Llama/Qwen decoder layer, and the module that holds each.
+ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class PatchSettings:
+    """How the patched vLLM quantizes; built from a Recipe by ``settings_from_recipe``."""
+
+    fp8_weights: bool = True
+    """Block-FP8 linear layers in the rollout. False (BF16 rollout) needs no quantizer patch."""
+    pow2_scales: bool = True
+    """Power-of-two scales (TE's default, exact in both formulas) or FP32 scales (TE's formula,
+    which vLLM's own quantizer does not reproduce: the patch supplies it)."""
+    fmt: str = "e4m3"
+    """FP8 format of forward tensors (weights and activations). Always e4m3 for the rollout."""
+    modules_to_not_convert: tuple[str, ...] = ("lm_head",)
+    """vLLM module prefixes kept in BF16 (exact names, e.g. ``model.layers.0.self_attn.q_proj``);
+    must be the same set the training side keeps in BF16."""
+    kv_cache_dtype: str = "auto"
+    """vLLM ``kv_cache_dtype``: ``auto`` (model dtype) or ``fp8``/``fp8_e4m3`` (per-tensor scales
+    calibrated by the trainer and sent at refit)."""
+    eps: float = 0.0
+    """Floor on per-block amax before the scale is computed (the spec's eps; 0 = none)."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """Free-form notes carried along (never read by the patch)."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.fmt != "e4m3":
+            errors.append(f"fmt={self.fmt!r}: the rollout forward is always 'e4m3'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            errors.append(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES}")
+        if not (math.isfinite(self.eps) and self.eps >= 0.0):
+            errors.append(f"eps={self.eps!r}: must be a finite number >= 0")
+        bad = [m for m in self.modules_to_not_convert if not isinstance(m, str) or not m]
+        if bad:
+            errors.append(f"modules_to_not_convert has non-string or empty entries: {bad}")
+        if errors:
+            raise ValueError("invalid PatchSettings: " + "; ".join(errors))
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["modules_to_not_convert"] = list(self.modules_to_not_convert)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PatchSettings:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}): {text[:200]!r}") from exc
+        d["modules_to_not_convert"] = tuple(d.get("modules_to_not_convert", ()))
+        return cls(**d)
+
+
+def bf16_layer_modules(layer_indices: list[int] | range, prefix: str = "model.layers") -> list[str]:
+    """vLLM module names of every linear in the given decoder layers (for first-N/last-M BF16)."""
+    out = []
+    for i in layer_indices:
+        out += [f"{prefix}.{i}.self_attn.{p}" for p in ATTN_PROJS]
+        out += [f"{prefix}.{i}.mlp.{p}" for p in MLP_PROJS]
+    return out
+
+
+def settings_from_recipe(recipe: Any, *, num_layers: int | None = None) -> PatchSettings:
+    """PatchSettings for the rollout side of a ``nemo_jetrl.recipe.Recipe`` (or a PatchSettings).
+
+    Reads the recipe's rollout scale mode, KV cache dtype and BF16 layer choices. ``num_layers``
+    (the model's decoder layer count) is needed when the recipe keeps the last M layers in BF16.
+    """
+    if isinstance(recipe, PatchSettings):
+        return recipe
+    rollout = getattr(recipe, "rollout", recipe)
+    pow2 = _first_attr(rollout, ("pow2_scales", "pow2_weight_scaling_factors"), True)
+    kv = _first_attr(rollout, ("kv_cache_dtype",), "auto")
+    first_n = int(_first_attr(rollout, ("bf16_first_layers", "num_first_layers_in_bf16"), 0) or 0)
+    last_m = int(_first_attr(rollout, ("bf16_last_layers", "num_last_layers_in_bf16"), 0) or 0)
+    layers: list[int] = list(range(first_n))
+    if last_m:
+        if num_layers is None:
+            raise ValueError(
+                f"the recipe keeps the last {last_m} decoder layers in BF16: pass num_layers= "
+                "(the model's num_hidden_layers) so their names can be listed for vLLM"
+            )
+        layers += [i for i in range(num_layers - last_m, num_layers) if i not in layers]
+    fp8 = _first_attr(rollout, ("fp8_linears", "fp8", "fp8_weights"), True)
+    if isinstance(fp8, str):  # e.g. vllm_cfg.precision "fp8" | "bfloat16"
+        fp8 = fp8.lower() == "fp8"
+    return PatchSettings(
+        fp8_weights=bool(fp8),
+        pow2_scales=bool(pow2),
+        kv_cache_dtype=str(kv),
+        modules_to_not_convert=("lm_head", *bf16_layer_modules(layers)),
+    )
+
+
+def _first_attr(obj: Any, names: tuple[str, ...], default: Any) -> Any:
+    for n in names:
+        if hasattr(obj, n):
+            return getattr(obj, n)
+    return default

@@ -1,0 +1,191 @@
+"""Methods added to vLLM's worker (``worker_extension_cls``), called through ``collective_rpc``.
+
+vLLM mixes this class into its worker class in each worker process, so ``self`` is the worker
+and ``self.model_runner.model`` the model. Names start with ``jetrl_`` to avoid clashes.
+
+* ``jetrl_load_weights``: hands (HF name, tensor) pairs to the model's own ``load_weights``,
+  which routes q/k/v and gate/up into the fused vLLM parameters and copies into them in place.
+  FP8 tensors arrive already quantized (``weight`` FP8 + ``weight_scale_inv`` fp32), so the copy
+  is exact and nothing is requantized; parameter identity is checked before/after.
+* ``jetrl_read_back``: the engine's current bytes for given HF names, sliced out of the fused
+  parameters with the model's ``packed_modules_mapping`` and each layer's ``logical_widths`` (an
+  independent path from the loader, so a misrouted load shows up in the parity check).
+* ``jetrl_set_kv_scales`` / ``jetrl_kv_scales``: per-layer q/k/v scales on the attention layers
+  (vLLM convention: the dequantization multiplier, k_fp8 = k / k_scale), all-or-nothing.
+* ``jetrl_capture`` / ``jetrl_captured``: record what enters our FP8 GEMM (eager mode).
+* ``jetrl_kernels``: which kernel class each linear layer runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+import torch
+
+from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
+
+FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def to_wire(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """FP8 tensors travel as their uint8 bytes (vLLM's RPC serializers may not know float8)."""
+    name = str(t.dtype).removeprefix("torch.")
+    return (t.contiguous().view(torch.uint8) if name in FP8_DTYPES else t.contiguous()), name
+
+
+def from_wire(t: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    return t.view(FP8_DTYPES[dtype_name]) if dtype_name in FP8_DTYPES else t
+
+
+def _model(worker: Any) -> torch.nn.Module:
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def _attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in model.named_modules() if hasattr(m, "_k_scale_float")}
+
+
+def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Tensor, int, int]:
+    """(vLLM param name, param, row start, row count) holding the HF tensor ``hf_name``."""
+    module_path, _, leaf = hf_name.rpartition(".")
+    parent, _, proj = module_path.rpartition(".")
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    modules = dict(model.named_modules())
+    for fused, shards in packed.items():
+        if proj in shards:
+            fused_path = f"{parent}.{fused}"
+            layer = modules.get(fused_path)
+            if layer is None:
+                continue
+            param = getattr(layer, leaf)
+            widths = list(layer.logical_widths)
+            i = shards.index(proj)
+            start, rows = sum(widths[:i]), widths[i]
+            if leaf == "weight_scale_inv":
+                start, rows = start // WEIGHT_BLOCK[0], -(-rows // WEIGHT_BLOCK[0])
+            elif leaf == "bias" or leaf == "weight":
+                pass
+            else:
+                raise KeyError(f"{hf_name}: no fused slice rule for parameter {leaf!r}")
+            return f"{fused_path}.{leaf}", param, start, rows
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if hf_name in params:
+        p = params[hf_name]
+        return hf_name, p, 0, p.shape[0] if p.dim() else 0
+    layer = modules.get(module_path)
+    if layer is not None and isinstance(getattr(layer, leaf, None), torch.Tensor):
+        p = getattr(layer, leaf)
+        return hf_name, p, 0, p.shape[0] if p.dim() else 0
+    raise KeyError(f"{hf_name}: no such parameter in the vLLM model")
+
+
+class JetRLWorkerExtension:
+    """Mixed into vLLM's worker class by ``worker_extension_cls``; see the module docstring."""
+
+    def jetrl_tp_size(self) -> int:
+        return int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
+
+    def jetrl_shapes(self, hf_names: list[str]) -> dict[str, Any]:
+        """Engine-side shape and dtype for each HF name (or an error string)."""
+        model = _model(self)
+        out: dict[str, Any] = {}
+        for name in hf_names:
+            try:
+                _, p, _, rows = resolve_hf_name(model, name)
+                shape = (rows, *p.shape[1:]) if p.dim() else ()
+                out[name] = (tuple(shape), str(p.dtype))
+            except (KeyError, AttributeError) as exc:
+                out[name] = str(exc)
+        return out
+
+    def jetrl_load_weights(self, items: list[tuple[str, torch.Tensor, str]]) -> dict[str, Any]:
+        """Load (HF name, wire tensor, dtype name) triples in place; report names and identity."""
+        model = _model(self)
+        before = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
+        loaded = model.load_weights((n, from_wire(t, d)) for n, t, d in items)
+        after = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
+        moved = sorted(n for n in before if after.get(n) != before[n])
+        return {"loaded": sorted(loaded or []), "moved": moved}
+
+    def jetrl_read_back(self, hf_names: list[str]) -> dict[str, tuple[torch.Tensor, str]]:
+        """Copies of the engine's tensors for ``hf_names``, in wire form (see ``to_wire``)."""
+        if self.jetrl_tp_size() != 1:
+            raise NotImplementedError("jetrl_read_back supports tensor_parallel_size=1 only")
+        model = _model(self)
+        out = {}
+        for name in hf_names:
+            _, p, start, rows = resolve_hf_name(model, name)
+            t = p.data if p.dim() == 0 else p.data[start : start + rows]
+            out[name] = to_wire(t.detach().clone().cpu())
+        return out
+
+    def jetrl_kv_scales(self) -> dict[str, dict[str, float]]:
+        """The q/k/v scales each attention layer currently uses (host floats and tensors)."""
+        out = {}
+        for name, m in _attention_layers(_model(self)).items():
+            out[name] = {
+                "q": float(m._q_scale_float),
+                "k": float(m._k_scale_float),
+                "v": float(m._v_scale_float),
+                "k_tensor": float(m._k_scale.item()),
+                "v_tensor": float(m._v_scale.item()),
+                "q_tensor": float(m._q_scale.item()),
+            }
+        return out
+
+    def jetrl_set_kv_scales(self, scales: dict[str, dict[str, float]]) -> list[str]:
+        """Set q/k/v scales per attention layer; refuses the whole set if any entry is bad."""
+        layers = _attention_layers(_model(self))
+        errors = []
+        unknown = sorted(set(scales) - set(layers))
+        if unknown:
+            errors.append(f"unknown attention layers {unknown} (known: {sorted(layers)[:4]}...)")
+        for name, s in scales.items():
+            for key in ("q", "k", "v"):
+                v = s.get(key)
+                if v is None or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    errors.append(f"{name}.{key}_scale={v!r}: must be a finite number > 0")
+        if errors:
+            raise ValueError("KV scales refused, previous scales kept: " + "; ".join(errors))
+        for name, s in scales.items():
+            m = layers[name]
+            for key in ("q", "k", "v"):
+                val = float(s[key])
+                getattr(m, f"_{key}_scale").fill_(val)
+                setattr(m, f"_{key}_scale_float", val)
+                cpu = getattr(m, f"_{key}_scale_cpu", None)
+                if isinstance(cpu, torch.Tensor):
+                    cpu.fill_(val)
+        return sorted(scales)
+
+    def jetrl_capture(self, max_calls: int) -> int:
+        """Start (max_calls > 0) or stop (0) recording GEMM inputs of our FP8 linear layers."""
+        n = 0
+        for _, m in _model(self).named_modules():
+            if hasattr(m, "weight_scale_inv"):
+                m._jetrl_capture = collections.deque(maxlen=max_calls) if max_calls > 0 else None
+                n += 1
+        return n
+
+    def jetrl_captured(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """Recorded (bf16 input, FP8 bytes as uint8, fp32 scale_inv) per layer, in call order."""
+        out = {}
+        for name, m in _model(self).named_modules():
+            cap = getattr(m, "_jetrl_capture", None)
+            if cap:
+                out[name] = [(x, q.view(torch.uint8), s) for x, q, s in cap]
+        return out
+
+    def jetrl_kernels(self) -> dict[str, str]:
+        """Linear layer name -> kernel class (FP8 layers) or quant method class (others)."""
+        out = {}
+        for name, m in _model(self).named_modules():
+            qm = getattr(m, "quant_method", None)
+            if qm is None or not hasattr(m, "weight"):
+                continue
+            kernel = getattr(qm, "fp8_linear", None)
+            out[name] = type(kernel).__name__ if kernel is not None else type(qm).__name__
+        return out

