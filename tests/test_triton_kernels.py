@@ -1,0 +1,296 @@
+"""Triton quantization kernels: bit-exact to `quantize_blockwise` (golden vectors, random inputs).
+
+Without a GPU the kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set here,
+before triton is first imported (Triton reads it when a kernel is defined). With a GPU the same
+tests run the compiled kernels on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nemo_jetrl.fp8 import E4M3, E5M2, fp8_bits, quantize_blockwise
+
+pytestmark = [
+    pytest.mark.triton,
+    # the interpreter runs kernels in numpy, which warns on the 448/0 it computes for zero blocks
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCKS = [(1, 128), (128, 128), (128, 1)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _triton(*args, **kwargs):
+    from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
+
+    return quantize_blockwise_triton(*args, **kwargs)
+
+
+def assert_same(got, want, label=""):
+    """Same FP8 bytes, same fp32 scale bits, same shapes and metadata."""
+    assert got.data.shape == want.data.shape, label
+    assert got.data.dtype == want.data.dtype, label
+    assert got.block == want.block and got.fmt == want.fmt, label
+    assert got.scale_inv.shape == want.scale_inv.shape, label
+    gb, wb = fp8_bits(got.data.cpu().contiguous()), fp8_bits(want.data.cpu().contiguous())
+    n_bad = int((gb != wb).sum())
+    assert n_bad == 0, f"{label}: {n_bad} of {gb.numel()} FP8 bytes differ"
+    gs = got.scale_inv.cpu().contiguous().view(torch.int32)
+    ws = want.scale_inv.cpu().contiguous().view(torch.int32)
+    assert torch.equal(gs, ws), f"{label}: {int((gs != ws).sum())} scale_inv values differ"
+
+
+# ------------------------------------------------------------------------------ golden vectors
+
+
+@pytest.fixture(scope="module")
+def golden(golden_dir):
+    te = load_file(str(golden_dir / "te_golden_seed0.safetensors"))
+    meta = json.loads((golden_dir / "te_golden_seed0.json").read_text())["cases"]
+    return te, meta
+
+
+def test_golden_all_te_cases_bit_exact(golden):
+    te, meta = golden
+    assert len(meta) == 18
+    for case, m in sorted(meta.items()):
+        x = te[f"input.{m['input']}"].to(DEVICE)
+        block = tuple(m["block"])
+        colwise = block == (128, 1)  # golden columnwise is stored transposed: TE's layout
+        q = _triton(x, block, pow2_scales=m["pow2"], eps=m["eps"], transpose=colwise)
+        want_q, want_s = te[f"{case}.q"], te[f"{case}.scale_inv"]
+        assert q.data.shape == want_q.shape, case
+        n_bad = int((fp8_bits(q.data.cpu()) != want_q).sum())
+        assert n_bad == 0, f"{case}: {n_bad} FP8 bytes differ from TE"
+        assert torch.equal(q.scale_inv.cpu().view(torch.int32), want_s.view(torch.int32)), case
+        # and the compact layout equals the reference exactly
+        if not colwise:
+            assert_same(q, quantize_blockwise(x.cpu(), block, pow2_scales=m["pow2"]), case)
+
+
+# ------------------------------------------------------------------------------ random inputs
+
+
+def _random_input(shape, dtype, seed):
+    """Per-128-group magnitudes 10**U(lo, hi), outliers, exact zeros, zero blocks, ties."""
+    g = torch.Generator().manual_seed(seed)
+    m, k = shape
+    lo, hi = (-5.0, 2.0) if dtype == torch.float16 else (-30.0, 30.0)  # fp16: room for x100
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    groups = -(-k // 128)
+    mag = 10.0 ** (lo + (hi - lo) * torch.rand(m, groups, generator=g, dtype=torch.float64))
+    x *= mag.repeat_interleave(128, dim=1)[:, :k]
+    x[torch.rand(m, k, generator=g) < 0.01] *= 100.0  # outliers
+    x[torch.rand(m, k, generator=g) < 0.05] = 0.0
+    x[:, : min(k, 128)][: min(m, 40)] = 0.0  # zero 1x128 groups and a mostly-zero 128x128 block
+    if m > 130 and k > 130:
+        x[128:, 128:256] = 0.0  # a full zero 128x128 block (and 128x1 columns)
+    x = x.to(dtype)
+    # exact ties for the FP8 rounding: with amax 448 the pow2 scale is 1, these are midpoints
+    if m > 45 and k > 10:
+        x[45, :10] = torch.tensor(
+            [448, 17, -17, 58, 127.5, 3 * 2**-10, 2**-10, -(2**-10), 0.5625, 9]
+        )
+    return x
+
+
+CASES = [
+    (dtype, fmt, pow2, block)
+    for dtype in DTYPES
+    for fmt in ("e4m3", "e5m2")
+    for pow2 in (True, False)
+    for block in BLOCKS
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fmt", "pow2", "block"),
+    CASES,
+    ids=[f"{str(d)[6:]}-{f}-{'pow2' if p else 'fp32'}-{b[0]}x{b[1]}" for d, f, p, b in CASES],
+)
+def test_random_ragged_bit_exact(dtype, fmt, pow2, block):
+    shape = (200, 330) if block != (1, 128) else (70, 330)
+    x = _random_input(shape, dtype, seed=hash((str(dtype), fmt, pow2, block)) % 2**31)
+    want = quantize_blockwise(x, block, fmt=fmt, pow2_scales=pow2)
+    got = _triton(x.to(DEVICE), block, fmt=fmt, pow2_scales=pow2)
+    assert_same(got, want, f"{dtype} {fmt} pow2={pow2} {block}")
+
+
+def test_every_fp8_rounding_boundary_matches_torch_cast():
+    """All midpoints between adjacent FP8 values (and their fp32 neighbours) round like torch."""
+    for f in (E4M3, E5M2):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(f.dtype).float()
+        grid = codes[torch.isfinite(codes) & (codes >= 0)].unique().sort().values
+        mids = (grid[:-1] + grid[1:]) / 2  # exact in fp32
+        pts = torch.cat([grid, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(grid[1:])])
+        pts = torch.cat([pts, -pts, torch.tensor([f.fmax])])
+        n = pts.numel() // 128 * 128
+        x = pts[:n].reshape(-1, 128).clone()
+        x[:, 0] = f.fmax  # amax = fmax: pow2 and fp32 scales are exactly 1, values unscaled
+        got = _triton(x.to(DEVICE), (1, 128), fmt=f.name)
+        assert bool((got.scale_inv == 1).all())
+        assert torch.equal(fp8_bits(got.data.cpu()), fp8_bits(x.to(f.dtype)))
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1.0])
+def test_eps_floor_matches_reference(eps):
+    x = _random_input((64, 256), torch.bfloat16, seed=3)
+    for pow2 in (True, False):
+        want = quantize_blockwise(x, (1, 128), pow2_scales=pow2, eps=eps)
+        assert_same(_triton(x.to(DEVICE), (1, 128), pow2_scales=pow2, eps=eps), want, str(eps))
+
+
+def test_nd_input_and_non_contiguous_input():
+    x = _random_input((6 * 7, 300), torch.bfloat16, seed=5).reshape(6, 7, 300)
+    assert_same(_triton(x.to(DEVICE), (1, 128)), quantize_blockwise(x, (1, 128)), "3-D")
+    w = _random_input((260, 300), torch.float32, seed=6)
+    wt = w.t()  # strides (1, 300): the kernel reads strided input
+    for block in BLOCKS:
+        assert_same(_triton(wt.to(DEVICE).t().t(), block), quantize_blockwise(wt, block), "T")
+
+
+def test_transposed_and_mn_major_layouts():
+    x = _random_input((250, 390), torch.bfloat16, seed=7)
+    ref_col = quantize_blockwise(x, (128, 1))
+    got_t = _triton(x.to(DEVICE), (128, 1), transpose=True)
+    assert got_t.data.shape == (390, 250) and got_t.data.is_contiguous()
+    assert_same(got_t, ref_col.t(), "transpose")
+    got = _triton(x.to(DEVICE), (1, 128), scale_layout="mn_major")
+    assert got.scale_inv.stride() == (1, 252)  # M padded to a multiple of 4 (16 bytes)
+    assert_same(got, quantize_blockwise(x, (1, 128)), "mn_major")
+    with pytest.raises(ValueError, match="only for block"):
+        _triton(x.to(DEVICE), (1, 128), transpose=True)
+    with pytest.raises(ValueError, match="scale_layout"):
+        _triton(x.to(DEVICE), (1, 128), scale_layout="swizzled")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("block", BLOCKS)
+def test_non_finite_raises_the_reference_error(bad, block):
+    x = _random_input((150, 260), torch.bfloat16, seed=8)
+    x[137, 201] = bad
+    with pytest.raises(ValueError) as want:
+        quantize_blockwise(x, block, name="layers.3.mlp.up_proj.weight")
+    with pytest.raises(ValueError) as got:
+        _triton(x.to(DEVICE), block, name="layers.3.mlp.up_proj.weight")
+    assert str(got.value) == str(want.value)
+    assert "layers.3.mlp.up_proj.weight" in str(got.value) and "[137, 201]" in str(got.value)
+
+
+def test_unchecked_non_finite_block_has_non_finite_scale():
+    x = torch.ones(4, 256, dtype=torch.bfloat16)
+    x[2, 130] = float("nan")
+    q = _triton(x.to(DEVICE), (1, 128), check_finite=False)
+    finite = torch.isfinite(q.scale_inv.cpu())
+    assert not bool(finite[2, 1]) and int(finite.sum()) == 7
+
+
+def test_empty_and_bad_dtype():
+    q = _triton(torch.zeros(0, 256, device=DEVICE), (1, 128))
+    assert q.data.shape == (0, 256) and q.scale_inv.shape == (0, 2)
+    with pytest.raises(TypeError, match="cannot be quantized"):
+        _triton(torch.zeros(4, 128, dtype=torch.int32, device=DEVICE), (1, 128))
+
+
+# ------------------------------------------------------------------------- fused RMSNorm + 1x128
+
+
+def _rmsnorm64(x, w, eps):
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fused_rmsnorm_quantize(dtype, fmt):
+    from nemo_jetrl.fp8.triton_kernels import rmsnorm_quantize_1x128
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 23, 330, generator=g) * 4).to(dtype)
+    x[0, 0] = 0  # an all-zero row: y = 0, scale 1
+    w = (1 + 0.1 * torch.randn(330, generator=g)).to(dtype)
+    for pow2 in (True, False):
+        y, q = rmsnorm_quantize_1x128(x.to(DEVICE), w.to(DEVICE), norm_eps=1e-5, fmt=fmt,
+                                      pow2_scales=pow2)  # fmt: skip
+        y = y.cpu()
+        assert y.dtype == dtype and y.shape == x.shape
+        ref = _rmsnorm64(x, w, 1e-5)
+        # one unit in the last place of the output dtype (relative 2**-7 bf16, 2**-10 fp16;
+        # absolute ulp * smallest_normal in the subnormal range)
+        ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+        bound = ulp * torch.maximum(ref.abs(), torch.tensor(torch.finfo(dtype).smallest_normal))
+        err = (y.double() - ref).abs()
+        assert bool((err <= bound).all()), float((err - bound).max())
+        assert_same(q, quantize_blockwise(y, (1, 128), fmt=fmt, pow2_scales=pow2), "fused")
+
+
+def test_fused_rmsnorm_rejects_non_finite_with_reference_error():
+    from nemo_jetrl.fp8.triton_kernels import rmsnorm_quantize_1x128
+
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    x[3, 7] = float("inf")
+    with pytest.raises(ValueError, match=r"tensor 'h'.*\[3, 7\]"):
+        rmsnorm_quantize_1x128(x.to(DEVICE), torch.ones(256, dtype=torch.bfloat16,
+                               device=DEVICE), name="h")  # fmt: skip
+    with pytest.raises(ValueError, match=r"weight must have shape \(256,\)"):
+        rmsnorm_quantize_1x128(x.to(DEVICE), torch.ones(255, device=DEVICE))
+
+
+# --------------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_backend_argument_selects_triton_and_torch():
+    from nemo_jetrl.fp8 import dispatch
+
+    x = _random_input((64, 256), torch.bfloat16, seed=12).to(DEVICE)
+    assert dispatch.quant_backend(x, "triton") == "triton"
+    assert dispatch.quant_backend(x, "torch") == "torch"
+    assert dispatch.quant_backend(x, "auto") == ("triton" if x.is_cuda else "torch")
+    a = quantize_blockwise(x, (1, 128), backend="triton")
+    b = quantize_blockwise(x, (1, 128), backend="torch")
+    assert_same(a, b, "backends")
+    with pytest.raises(ValueError, match="use one of"):
+        quantize_blockwise(x, (1, 128), backend="cuda")
+
+
+def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
+    from nemo_jetrl.fp8 import dispatch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="need a CUDA tensor"):
+        _triton(torch.ones(2, 128), (1, 128))
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        dispatch.quant_backend(torch.ones(2, 128), "triton")
+
+
+# ------------------------------------------------------------------------- source invariants
+
+
+def test_kernels_use_ieee_division_only():
+    """Triton's fp32 `/` is approximate on NVIDIA GPUs and the interpreter cannot show it."""
+    import nemo_jetrl.fp8._triton_jit as jit_module
+
+    tree = ast.parse(Path(jit_module.__file__).read_text())
+    kernels = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and any("jit" in ast.unparse(d) for d in node.decorator_list)
+    ]
+    assert len(kernels) >= 6
+    for fn in kernels:
+        divs = [n for n in ast.walk(fn) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)]
+        assert not divs, f"{fn.name}: use tl.math.div_rn, not '/' (line {divs[0].lineno})"
+    assert "div_rn" in ast.unparse(tree)
