@@ -1,0 +1,86 @@
+"""`jetrl compare RUN_DIR... [-o OUT] [--metric ...]`: put NeMo-RL runs side by side.
+
+Reads each run directory (TensorBoard scalars anywhere under it, train_data_step*.jsonl to
+recompute missing mismatch metrics), prints a table per run and metric (last, mean, median,
+max, steps covered), and writes summary.json / summary.csv and one PNG per metric into OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NAME = "compare"
+HELP = "Compare runs: table of mismatch metrics/reward/accuracy, JSON/CSV summary, PNG plots."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="NeMo-RL logger.log_dir of each run"
+    )
+    parser.add_argument(
+        "-o", "--out", default="jetrl_compare", help="output directory (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--metric",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="metric tag or short name, repeatable or comma-separated (default: "
+        "token_mult_prob_error, gen_kl_error, reward, validation accuracy)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("json", "csv", "both"),
+        default="both",
+        help="machine-readable summary format (default: %(default)s)",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--recompute",
+        choices=("missing", "always", "never"),
+        default="missing",
+        help="recompute mismatch metrics from train_data_step*.jsonl: where missing (default), "
+        "always, or never",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    from nemo_jetrl._optional import MissingDependencyError
+    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.logs import RunDataWarning
+    from nemo_jetrl.report import DEFAULT_METRICS, compare_runs
+
+    missing = [d for d in args.run_dirs if not Path(d).is_dir()]
+    if missing:
+        raise UserError("run directory not found: " + ", ".join(missing))
+    metrics = [m.strip() for arg in (args.metric or []) for m in arg.split(",") if m.strip()]
+    formats = ("json", "csv") if args.format == "both" else (args.format,)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RunDataWarning)  # printed below, once
+            res = compare_runs(
+                args.run_dirs,
+                args.out,
+                metrics=metrics or list(DEFAULT_METRICS),
+                formats=formats,
+                plots=not args.no_plots,
+                recompute=args.recompute,
+            )
+    except MissingDependencyError as exc:
+        raise UserError(str(exc)) from None
+    if all(s.tag is None for s in res.summaries):
+        tags = sorted({t for r in res.runs for t in r.scalars})
+        hint = ", ".join(tags[:20]) + (" ..." if len(tags) > 20 else "") if tags else "none"
+        for m in res.warnings:
+            print(f"warning: {m}", file=sys.stderr)
+        raise UserError(f"none of the requested metrics was found in any run (tags found: {hint})")
+    print(res.table)
+    for m in res.warnings:
+        print(f"warning: {m}", file=sys.stderr)
+    for p in [*res.files, *res.plots]:
+        print(f"wrote {p}")
+    return 0
