@@ -247,7 +247,7 @@ def test_attach_without_quantization_changes_nothing() -> None:
 @pytest.mark.parametrize("kernel", ["cuda", "cpu"])
 def test_rollout_cache_holds_fp8_values_and_matches_full_forward(kernel: str) -> None:
     model = _model("llama")
-    ids, am, rm = _batch(lengths=(6, 6, 6), prompt_len=6, total=6)
+    ids, am, _ = _batch(lengths=(6, 6, 6), prompt_len=6, total=6)
     ctl = KVCacheController(CalibrationSettings(margin=1.05), kernel=kernel)
     h = ctl.attach(model, role="rollout")
     ctl.calibrate(model, ids, am, mask="prompt_and_response")
