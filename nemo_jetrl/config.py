@@ -137,12 +137,17 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def _parse_value(value: str) -> Any:
+    """Parse like Hydra: YAML values, but only true/false are booleans (`yes`/`on` stay
+    strings); `${...}` interpolations are kept as text."""
     if value.strip() == "":
         return ""
+    if value.strip().lower() in ("yes", "no", "on", "off", "y", "n"):
+        return value.strip()
     try:
-        return yaml.safe_load(value)
-    except yaml.YAMLError:
+        node = OmegaConf.create("v: " + value)
+    except (yaml.YAMLError, OmegaConfBaseException):
         return value
+    return OmegaConf.to_container(node, resolve=False)["v"]  # type: ignore[index]
 
 
 def apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
@@ -500,9 +505,12 @@ def _read_recipe(r: _Reader) -> Recipe:
         kv_calibration=cal,
         unaligned_layers_bf16=r.get("jetrl.unaligned_layers", "error") == "bf16",
     )
+    # Name it after the declared preset when the keys match it, else after any preset they
+    # match (a config without the label), else "custom".
     label = r.get("jetrl.recipe", None)
-    if isinstance(label, str) and _matches_preset(recipe, label):
-        recipe = recipe.with_(name=label)
+    for name in ([label] if isinstance(label, str) else []) + list(S.JETRL_KEYS["recipe"].choices):
+        if isinstance(name, str) and _matches_preset(recipe, name):
+            return recipe.with_(name=name)
     return recipe
 
 

@@ -439,10 +439,14 @@ def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> t
             "always",
         )
     if train.scale == "pow2":
+        tiny = (
+            "128x128 weight blocks with amax < 1e-4 (vLLM floors the amax)"
+            if is_weight
+            else "1x128 activation groups with amax < 1/512 (vLLM floors the scale at 1/(448*512))"
+        )
         return (
-            "power-of-two scales make TE's and vLLM's formulas agree, except on blocks with a "
-            "tiny amax, where vLLM's own kernels clamp the scale (activation groups with amax "
-            "< 1/512 differ in every measured case). Our vLLM patch removes the difference",
+            "power-of-two scales make TE's and vLLM's own formulas agree except on "
+            f"{tiny}; there vLLM's numbers differ. Our vLLM patch removes the difference",
             ("jetrl.vllm_patch",),
             ("jetrl.vllm_patch=true",),
             "rare",

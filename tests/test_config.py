@@ -1,0 +1,515 @@
+"""Config loading (defaults: inheritance, overrides), validation, Recipe mapping, examples."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_jetrl.config import (
+    ConfigError,
+    ConfigIssue,
+    apply_overrides,
+    errors,
+    load_config,
+    merge_updates,
+    minimal_updates,
+    parse_override,
+    recipe_from_config,
+    recipe_to_config_updates,
+    validate,
+)
+from nemo_jetrl.recipe import PRESET_NAMES, Recipe
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "configs"
+BASE = EXAMPLES / "base" / "grpo_megatron.yaml"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def cfg_with(*overrides: str):
+    return load_config(BASE, list(overrides))
+
+
+def issue_paths(cfg) -> dict[str, list[ConfigIssue]]:
+    out: dict[str, list[ConfigIssue]] = {}
+    for i in errors(validate(cfg)):
+        out.setdefault(i.path, []).append(i)
+    return out
+
+
+# ------------------------------------------------------------------------------ inheritance
+
+
+def test_defaults_chain_with_relative_paths(tmp_path):
+    write(tmp_path / "a" / "grand.yaml", "x: 1\ny: {p: 1, q: 1}\nz: ${x}\n")
+    write(tmp_path / "a" / "b" / "parent.yaml", "defaults: ../grand.yaml\ny: {q: 2}\n")
+    child = write(tmp_path / "c" / "child.yaml", "defaults: ../a/b/parent.yaml\nx: 3\n")
+    cfg = load_config(child)
+    assert OmegaConf.to_container(cfg, resolve=True) == {"x": 3, "y": {"p": 1, "q": 2}, "z": 3}
+    assert "defaults" not in cfg
+
+
+def test_defaults_list_later_wins_and_absolute_paths(tmp_path):
+    p1 = write(tmp_path / "p1.yaml", "k: 1\nonly1: true\n")
+    write(tmp_path / "p2.yaml", "k: 2\n")
+    child = write(tmp_path / "child.yaml", f"defaults:\n  - {p1}\n  - p2.yaml\n")
+    cfg = load_config(child)
+    assert cfg.k == 2 and cfg.only1 is True
+    child2 = write(tmp_path / "child2.yaml", "defaults: [p1.yaml, p2.yaml]\nk: 9\n")
+    assert load_config(child2).k == 9
+
+
+def test_override_marker_replaces_a_section(tmp_path):
+    write(tmp_path / "p.yaml", "s: {a: 1, b: 2}\n")
+    child = write(tmp_path / "c.yaml", "defaults: p.yaml\ns: {_override_: true, c: 3}\n")
+    assert OmegaConf.to_container(load_config(child)) == {"s": {"c": 3}}
+
+
+def test_inheritance_errors(tmp_path):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\n")
+    write(tmp_path / "b.yaml", "defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="inheritance cycle"):
+        load_config(tmp_path / "a.yaml")
+    write(tmp_path / "m.yaml", "defaults: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing\.yaml.*named in defaults: of"):
+        load_config(tmp_path / "m.yaml")
+    write(tmp_path / "bad.yaml", "a: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot parse YAML"):
+        load_config(tmp_path / "bad.yaml")
+    write(tmp_path / "list.yaml", "- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+# -------------------------------------------------------------------------------- overrides
+
+
+def test_parse_override():
+    assert parse_override("a.b=1") == ("set", "a.b", 1)
+    assert parse_override("+a.c='1'") == ("add", "a.c", "1")
+    assert parse_override("++a.d=null") == ("force", "a.d", None)
+    assert parse_override("a=[1, 2]") == ("set", "a", [1, 2])
+    assert parse_override("a=e4m3") == ("set", "a", "e4m3")
+    assert parse_override("~a.b")[:2] == ("delete", "a.b")
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_override("novalue")
+
+
+def test_overrides_apply_in_order(tmp_path):
+    cfg = OmegaConf.create({"a": {"b": 1, "c": 2}, "p": "${a.b}"})
+    apply_overrides(cfg, ["a.b=5", "+a.new=x", "++a.c=3", "++z.y=1", "~a.new"])
+    assert OmegaConf.to_container(cfg, resolve=True) == {
+        "a": {"b": 5, "c": 3},
+        "p": 5,
+        "z": {"y": 1},
+    }
+
+
+def test_bad_overrides_are_reported_together():
+    cfg = OmegaConf.create({"jetrl": {"vllm_patch": False}, "a": 1})
+    with pytest.raises(ConfigError) as exc:
+        apply_overrides(cfg, ["jetrl.vllm_pach=true", "+a=2", "~nope", "garbage"])
+    msg = str(exc.value)
+    assert "4 problems" in msg
+    assert "did you mean jetrl.vllm_patch" in msg
+    assert "use +jetrl.vllm_pach" in msg
+    assert "already set; use a=" in msg
+    assert "cannot delete" in msg
+    assert "not key=value" in msg
+
+
+def test_load_config_applies_overrides():
+    cfg = load_config(EXAMPLES / "qwen3_8b_base" / "jetrl.yaml", ["jetrl.vllm_patch=false"])
+    assert cfg.jetrl.vllm_patch is False
+    assert cfg.policy.model_name == "Qwen/Qwen3-8B-Base"
+
+
+# ------------------------------------------------------------------------------- validation
+
+
+def test_base_config_is_valid_and_bf16():
+    cfg = cfg_with()
+    assert errors(validate(cfg)) == []
+    assert recipe_from_config(cfg).name == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path", "needle"),
+    [
+        (["+jetrl.vlm_patch=true"], "jetrl.vlm_patch", "did you mean jetrl.vllm_patch"),
+        (["jetrl.vllm_patch=yes"], "jetrl.vllm_patch", "must be bool"),
+        (["jetrl.recipe=fast"], "jetrl.recipe", "unknown value 'fast'"),
+        (["jetrl.unaligned_layers=skip"], "jetrl.unaligned_layers", "unknown value"),
+        (
+            ["jetrl.train_num_first_layers_in_bf16=-1"],
+            "jetrl.train_num_first_layers_in_bf16",
+            ">= 0",
+        ),
+        (
+            ["+jetrl.kv_calibration.percentil=99"],
+            "jetrl.kv_calibration.percentil",
+            "did you mean jetrl.kv_calibration.percentile",
+        ),
+        (["jetrl.kv_calibration.data_fraction=0"], "jetrl.kv_calibration.data_fraction", "(0, 1]"),
+        (["jetrl.kv_calibration.percentile=101"], "jetrl.kv_calibration.percentile", "(0, 100]"),
+        (["jetrl.kv_calibration.margin=0.5"], "jetrl.kv_calibration.margin", ">= 1"),
+        (["jetrl.kv_calibration.mask=padding"], "jetrl.kv_calibration.mask", "unknown value"),
+        (["jetrl.onpolicy_kv=true"], "jetrl.onpolicy_kv", "needs an FP8 KV cache"),
+        (
+            ["policy.generation.vllm_cfg.kv_cache_dtype=fp8"],
+            "policy.generation.vllm_cfg.kv_cache_dtype",
+            "needs policy.generation.vllm_cfg.precision=fp8",
+        ),
+        (
+            ["policy.generation.vllm_cfg.kv_cache_dtype=int8"],
+            "policy.generation.vllm_cfg.kv_cache_dtype",
+            "unknown value",
+        ),
+        (
+            ["policy.generation.vllm_cfg.precision=fp4"],
+            "policy.generation.vllm_cfg.precision",
+            "unknown value",
+        ),
+        (
+            ["policy.megatron_cfg.fp8_cfg.enabled=true", "policy.megatron_cfg.fp8_cfg.fp8=e5m2"],
+            "policy.megatron_cfg.fp8_cfg.fp8",
+            "unknown value",
+        ),
+        (
+            ["policy.megatron_cfg.fp8_cfg.enabled=true", "~policy.megatron_cfg.fp8_cfg.fp8_recipe"],
+            "policy.megatron_cfg.fp8_cfg.fp8_recipe",
+            "required when fp8_cfg.enabled",
+        ),
+        (
+            ["policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=yes"],
+            "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES",
+            "unknown value",
+        ),
+        (
+            ["policy.generation.vllm_cfg.num_first_layers_in_bf16=-2"],
+            "policy.generation.vllm_cfg.num_first_layers_in_bf16",
+            "integer >= 0",
+        ),
+        (
+            [
+                "policy.generation.vllm_cfg.num_first_layers_in_bf16=20",
+                "policy.generation.vllm_cfg.num_last_layers_in_bf16=20",
+            ],
+            "policy.generation.vllm_cfg.num_first_layers_in_bf16",
+            "exceed the model's 32 layers",
+        ),
+        (
+            [
+                "loss_fn.truncated_importance_sampling_type=tis",
+                "loss_fn.truncated_importance_sampling_ratio=2.0",
+            ],
+            "loss_fn.truncated_importance_sampling_type",
+            "use_importance_sampling_correction=true",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=icepop",
+                "loss_fn.truncated_importance_sampling_ratio=5.0",
+            ],
+            "loss_fn.truncated_importance_sampling_ratio_min",
+            "set a lower bound",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+                "loss_fn.truncated_importance_sampling_ratio=5.0",
+            ],
+            "loss_fn.truncated_importance_sampling_ratio_min",
+            "set a lower bound",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=tis",
+            ],
+            "loss_fn.truncated_importance_sampling_ratio",
+            "must be a positive number",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=tis",
+                "loss_fn.truncated_importance_sampling_ratio=-1",
+            ],
+            "loss_fn.truncated_importance_sampling_ratio",
+            "must be a positive number",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=tis",
+                "loss_fn.truncated_importance_sampling_ratio=2.0",
+                "loss_fn.truncated_importance_sampling_ratio_min=3.0",
+            ],
+            "loss_fn.truncated_importance_sampling_ratio_min",
+            "must be <=",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=clip",
+                "loss_fn.truncated_importance_sampling_ratio=2.0",
+            ],
+            "loss_fn.truncated_importance_sampling_type",
+            "unknown value 'clip'",
+        ),
+        (
+            [
+                "loss_fn.use_importance_sampling_correction=true",
+                "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+                "loss_fn.truncated_importance_sampling_ratio=2.0",
+                "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+                "loss_fn.sequence_level_importance_ratios=true",
+            ],
+            "loss_fn.sequence_level_importance_ratios",
+            "seq-mask-tis",
+        ),
+        (
+            [
+                "jetrl.vllm_patch=true",
+                "policy.generation.vllm_cfg.precision=fp8",
+                "+policy.generation.vllm_cfg.is_mx=true",
+            ],
+            "jetrl.vllm_patch",
+            "blockwise FP8 only",
+        ),
+    ],
+)
+def test_validation_rules(overrides, path, needle):
+    found = issue_paths(cfg_with(*overrides))
+    assert path in found, f"no error at {path}; got {sorted(found)}"
+    assert any(needle in str(i) for i in found[path]), [str(i) for i in found[path]]
+
+
+def test_valid_is_correction_settings_pass():
+    cfg = cfg_with(
+        "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.truncated_importance_sampling_type=icepop",
+        "loss_fn.truncated_importance_sampling_ratio=5.0",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+    )
+    assert errors(validate(cfg)) == []
+
+
+def test_allowed_values_are_listed():
+    (issue,) = issue_paths(
+        cfg_with(
+            "policy.megatron_cfg.fp8_cfg.enabled=true",
+            "policy.megatron_cfg.fp8_cfg.fp8_recipe=perrow",
+        )
+    )["policy.megatron_cfg.fp8_cfg.fp8_recipe"]
+    assert issue.allowed == ("blockwise", "mxfp8", "tensorwise", "delayed")
+    assert "(allowed: blockwise, mxfp8, tensorwise, delayed)" in str(issue)
+
+
+def test_all_errors_are_reported_together():
+    cfg = cfg_with(
+        "+jetrl.foo=1",
+        "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+        "loss_fn.truncated_importance_sampling_type=icepop",
+        "jetrl.kv_calibration.margin=0.1",
+    )
+    with pytest.raises(ConfigError) as exc:
+        recipe_from_config(cfg)
+    msg = str(exc.value)
+    for needle in (
+        "jetrl.foo: unknown key",
+        "policy.generation.vllm_cfg.kv_cache_dtype:",
+        "loss_fn.truncated_importance_sampling_type:",
+        "loss_fn.truncated_importance_sampling_ratio:",
+        "loss_fn.truncated_importance_sampling_ratio_min:",
+        "jetrl.kv_calibration.margin:",
+    ):
+        assert needle in msg
+    assert msg.startswith("6 problems in config")
+
+
+def test_unaligned_model_is_rejected_unless_bf16_fallback(tmp_path):
+    cfgjson = write(
+        tmp_path / "tiny" / "config.json",
+        '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, '
+        '"num_hidden_layers": 4, "num_attention_heads": 2, "vocab_size": 1000}',
+    )
+    ov = [f"+jetrl.model_config={cfgjson}", "policy.megatron_cfg.fp8_cfg.enabled=true"]
+    found = issue_paths(cfg_with(*ov))
+    (issue,) = found["policy.megatron_cfg.fp8_cfg.enabled"]
+    assert "multiples of 128" in issue.message and "gate_proj" in issue.message
+    assert "jetrl.unaligned_layers=bf16" in issue.message
+    assert errors(validate(cfg_with(*ov, "jetrl.unaligned_layers=bf16"))) == []
+    # the same model in BF16 has nothing to complain about
+    assert errors(validate(cfg_with(f"+jetrl.model_config={cfgjson}"))) == []
+
+
+def test_bad_model_config_path_is_an_error():
+    found = issue_paths(cfg_with("+jetrl.model_config=/nonexistent/config.json"))
+    assert "not found" in found["jetrl.model_config"][0].message
+
+
+def test_unknown_model_is_a_note_not_an_error():
+    issues = validate(cfg_with("policy.model_name=org/private-model"))
+    assert errors(issues) == []
+    assert any(i.level == "note" and i.path == "policy.model_name" for i in issues)
+
+
+def test_interpolation_errors_are_reported():
+    found = issue_paths(cfg_with("policy.generation.vllm_cfg.precision=${policy.nope}"))
+    assert "cannot resolve" in found["policy.generation.vllm_cfg.precision"][0].message
+
+
+def test_jetrl_local_uses_a_registered_schema(monkeypatch):
+    mod = types.ModuleType("nemo_jetrl.backends.local.config")
+
+    def validate_local_config(section, path):
+        bad = [k for k in section if k not in ("model", "steps")]
+        return [ConfigIssue(f"{path}.{k}", "unknown key", ("model", "steps")) for k in bad]
+
+    mod.validate_local_config = validate_local_config
+    monkeypatch.setitem(sys.modules, "nemo_jetrl.backends.local.config", mod)
+    cfg = cfg_with("+jetrl.local={model: tiny, steps: 3, colour: red}")
+    found = issue_paths(cfg)
+    assert list(found) == ["jetrl.local.colour"]
+
+
+def test_jetrl_local_without_schema_is_noted(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nemo_jetrl.backends.local.config", None)
+    issues = validate(cfg_with("+jetrl.local={anything: 1}"))
+    assert errors(issues) == []
+    assert any(i.path == "jetrl.local" and i.level == "note" for i in issues)
+    assert errors(validate(cfg_with("+jetrl.local=3")))[0].path == "jetrl.local"
+
+
+def test_recipe_label_disagreeing_with_keys_is_a_warning():
+    issues = validate(
+        load_config(EXAMPLES / "qwen3_8b_base" / "jetrl.yaml", ["jetrl.vllm_patch=false"])
+    )
+    (w,) = [i for i in issues if i.path == "jetrl.recipe"]
+    assert w.level == "warning" and "rollout.quantizer" in w.message
+
+
+# ------------------------------------------------------------------------------ key mapping
+
+
+def test_keys_map_onto_the_recipe():
+    r = recipe_from_config(
+        cfg_with(
+            "policy.megatron_cfg.fp8_cfg.enabled=true",
+            "policy.megatron_cfg.fp8_cfg.fp8=hybrid",
+            "policy.megatron_cfg.fp8_cfg.fp8_param=true",
+            "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES='1'",
+            "policy.generation.vllm_cfg.precision=fp8",
+            "policy.generation.vllm_cfg.pow2_activation_scaling_factors=true",
+            "policy.generation.vllm_cfg.num_last_layers_in_bf16=2",
+            "policy.generation.vllm_cfg.use_deep_gemm=true",
+            "policy.generation.vllm_cfg.kv_cache_dtype=fp8_e4m3",
+            "jetrl.vllm_patch=true",
+            "jetrl.kv_calibration.enabled=false",
+            "jetrl.train_num_first_layers_in_bf16=1",
+        )
+    )
+    t, ro = r.train, r.rollout
+    assert (t.fp8_linears, t.fmt, t.fp8_param, t.quantizer) == (True, "hybrid", True, "te")
+    assert t.scale_mode("weight") == t.scale_mode("activation") == "fp32"
+    assert t.bf16_first_layers == 1
+    assert ro.fp8_linears and ro.quantizer == "jetrl" and ro.use_deep_gemm
+    assert ro.scale_mode("weight") == "fp32" and ro.scale_mode("activation") == "pow2"
+    assert ro.bf16_last_layers == 2
+    assert r.kv_fp8 and r.kv_scale_source == "dynamic" and not r.onpolicy_kv
+    assert not r.kv_calibration.enabled
+
+
+def test_numeric_env_var_value_is_accepted():
+    r = recipe_from_config(
+        cfg_with(
+            "policy.megatron_cfg.fp8_cfg.enabled=true",
+            "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
+        )
+    )
+    assert r.train.scale_mode("weight") == "fp32"
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_preset_round_trips_through_config_keys(name):
+    preset = Recipe.preset(name)
+    cfg = merge_updates(cfg_with(), recipe_to_config_updates(preset))
+    assert errors(validate(cfg)) == []
+    assert recipe_from_config(cfg) == preset
+
+
+def test_minimal_updates_skip_what_already_holds():
+    cfg = load_config(EXAMPLES / "qwen3_8b_base" / "jetrl.yaml")
+    assert minimal_updates(cfg, recipe_to_config_updates(Recipe.preset("jetrl"))) == {}
+    upd = minimal_updates(cfg, recipe_to_config_updates(Recipe.preset("jetrl_kv")))
+    assert upd == {
+        "policy.generation.vllm_cfg.kv_cache_dtype": "fp8",
+        "jetrl.recipe": "jetrl_kv",
+        "jetrl.onpolicy_kv": True,
+        "jetrl.kv_scale_source": "trainer_calibrated",
+    }
+
+
+def test_merge_updates_replaces_null_sections():
+    cfg = OmegaConf.create({"policy": {"megatron_cfg": {"env_vars": None}}})
+    out = merge_updates(
+        cfg, {"policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
+    )
+    assert out.policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES == "0"
+    assert cfg.policy.megatron_cfg.env_vars is None  # input untouched
+
+
+# --------------------------------------------------------------------------- shipped examples
+
+EXPECTED = {
+    "bf16": ("bf16", True),
+    "fp8_rollout": ("fp8_rollout", False),
+    "jetrl": ("jetrl", True),
+    "jetrl_kv": ("jetrl_kv", True),
+}
+ALL_YAML = sorted(EXAMPLES.rglob("*.yaml"))
+
+
+def test_every_model_has_every_recipe():
+    for model in ("qwen3_8b_base", "llama3.1_8b_instruct", "qwen2.5_7b"):
+        assert sorted(p.stem for p in (EXAMPLES / model).glob("*.yaml")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_shipped_yaml_loads_validates_and_has_its_verdict(path):
+    from nemo_jetrl.arch import generic_arch, resolve_arch
+    from nemo_jetrl.flow import check_on_policy
+
+    cfg = load_config(path)
+    issues = validate(cfg)
+    assert errors(issues) == [], [str(i) for i in issues]
+    assert not [i for i in issues if i.level == "warning"], [str(i) for i in issues]
+    recipe = recipe_from_config(cfg)
+    arch = resolve_arch(cfg.policy.get("model_name") if "policy" in cfg else None) or generic_arch(
+        4
+    )
+    check = check_on_policy(arch, recipe)
+    if path.stem == "nemo_rl_fp8_e2e":
+        assert recipe.train.scale_mode("activation") == "fp32"
+        assert recipe.rollout.quantizer == "vllm"
+        assert not check.on_policy and check.keys == ["jetrl.vllm_patch"]
+        return
+    stem = "bf16" if path.parent.name in ("base", "models") else path.stem
+    name, on_policy = EXPECTED[stem]
+    assert recipe.name == name
+    assert check.on_policy is on_policy
+    if not on_policy:
+        assert "policy.megatron_cfg.fp8_cfg.enabled" in check.keys

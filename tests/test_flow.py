@@ -1,0 +1,291 @@
+"""Model architectures and the precision-flow check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nemo_jetrl.arch import BUILTIN_ARCHS, ArchError, ModelArch, builtin_arch, resolve_arch
+from nemo_jetrl.flow import (
+    BF16,
+    Edge,
+    Precision,
+    build_flow,
+    check_on_policy,
+    flow_table,
+    format_ranges,
+    same_numbers,
+)
+from nemo_jetrl.recipe import PRESET_NAMES, Recipe, SideRecipe
+
+QWEN3 = builtin_arch("Qwen/Qwen3-8B-Base")
+
+# Parameter counts of the public checkpoints (model cards: 8.03B, 7.62B, 8.19B).
+PUBLIC_PARAMS = {
+    "meta-llama/Llama-3.1-8B": 8_030_261_248,
+    "meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
+    "Qwen/Qwen2.5-7B": 7_615_616_512,
+    "Qwen/Qwen3-8B-Base": 8_190_735_360,
+}
+
+
+# ------------------------------------------------------------------------------------- arch
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_ARCHS))
+def test_builtin_arch_matches_a_real_transformers_model(name):
+    """Build the HF model from our description (meta device, no memory) and compare every
+    nn.Linear's name and shape, the q/k/v biases, and the parameter count."""
+    transformers = pytest.importorskip("transformers")
+    arch = BUILTIN_ARCHS[name]
+    cfg_dict = arch.to_hf_config()
+    cfg = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    real = {
+        n: (tuple(m.weight.shape), m.bias is not None)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    ours = {lin.name: ((lin.out_features, lin.in_features), lin.bias) for lin in arch.linears()}
+    assert real == ours
+    total = sum(p.numel() for p in model.parameters())
+    assert total == arch.num_params() == PUBLIC_PARAMS[name]
+
+
+def test_from_hf_config_and_json(tmp_path):
+    cfg = {
+        "model_type": "qwen2",
+        "hidden_size": 256,
+        "intermediate_size": 200,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = ModelArch.from_json(tmp_path)
+    assert arch.head_dim == 64 and arch.qkv_bias and arch.num_layers == 3
+    # 200 is not a multiple of 128: gate/up/down are unaligned, attention is not.
+    assert {lin.kind for lin in arch.unaligned_linears()} == {"gate_proj", "up_proj", "down_proj"}
+    q = arch.layer_linears(0)[0]
+    assert (q.kind, q.in_features, q.out_features) == ("q_proj", 256, 256)
+    k = arch.layer_linears(2)[1]
+    assert (k.name, k.out_features) == ("model.layers.2.self_attn.k_proj", 128)
+    assert resolve_arch("anything", str(tmp_path / "config.json")) == arch
+    assert resolve_arch(str(tmp_path)) == arch  # a local model directory
+
+
+def test_arch_errors_name_the_problem(tmp_path):
+    with pytest.raises(ArchError, match="lacks intermediate_size"):
+        ModelArch.from_hf_config(
+            {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 2}
+        )
+    with pytest.raises(ArchError, match="not found") as exc:
+        ModelArch.from_json(tmp_path / "nope.json")
+    assert exc.value.key == "jetrl.model_config"
+    with pytest.raises(ArchError, match="multiple of num_key_value_heads"):
+        ModelArch("x", "llama", 128, 128, 1, 6, 4, 32, 10)
+    assert resolve_arch("org/unknown-model") is None
+    assert builtin_arch("qwen/qwen3-8b-base") is QWEN3
+
+
+# ------------------------------------------------------------------------------------- flows
+
+
+@pytest.mark.parametrize("phase", ["rollout", "train_fwd"])
+def test_forward_flow_has_every_linear_operand_and_kv(phase):
+    flow = build_flow(QWEN3, Recipe.preset("jetrl_kv"), phase)
+    n = QWEN3.num_layers
+    linear = [e for e in flow.edges if e.group in ("attn", "mlp")]
+    assert len(linear) == n * 7 * 2
+    assert len([e for e in flow.edges if e.group == "kv"]) == 2 * n
+    for e in linear:
+        assert e.precision.is_fp8 and e.precision.fmt == "e4m3"
+        assert e.precision.block == ((128, 128) if e.role == "weight" else (1, 128))
+        assert e.precision.scale == "pow2"
+    # embeddings and lm_head stay BF16 on every side
+    assert all(e.precision == BF16 for e in flow.edges if e.group in ("embed", "lm_head"))
+    assert "model.layers.0.self_attn.q_proj.weight" in flow.nodes()
+
+
+def test_training_backward_blocks_and_hybrid_formats():
+    r = Recipe.preset("jetrl").with_(train=SideRecipe(fp8_linears=True, fmt="hybrid"))
+    bwd = build_flow(QWEN3, r, "train_bwd").by_key()
+    fwd = build_flow(QWEN3, r, "train_fwd").by_key()
+    op = "model.layers.5.mlp.down_proj"
+    assert bwd[(op, "dgrad.grad_output")].precision.block == (1, 128)
+    assert bwd[(op, "dgrad.grad_output")].precision.fmt == "e5m2"
+    assert bwd[(op, "wgrad.grad_output")].precision.block == (128, 1)
+    assert bwd[(op, "wgrad.input")].precision.block == (128, 1)
+    assert bwd[(op, "wgrad.input")].precision.fmt == "e4m3"
+    # DGrad reuses the forward's 128x128 weight blocks (transposed, no requantization).
+    assert bwd[(op, "dgrad.weight")].precision == fwd[(op, "weight")].precision
+    # hybrid changes only gradients: the forward is the same as e4m3's, so still on-policy.
+    assert check_on_policy(QWEN3, r).on_policy
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_ARCHS))
+@pytest.mark.parametrize(
+    ("preset", "on_policy"),
+    [("bf16", True), ("fp8_rollout", False), ("jetrl", True), ("jetrl_kv", True)],
+)
+def test_preset_verdicts(name, preset, on_policy):
+    assert check_on_policy(BUILTIN_ARCHS[name], Recipe.preset(preset)).on_policy is on_policy
+
+
+def test_fp8_rollout_mismatch_says_why_and_which_keys():
+    c = check_on_policy(QWEN3, Recipe.preset("fp8_rollout"))
+    (m,) = c.mismatches
+    assert "training keeps them in BF16" in m.reason
+    assert m.keys == ("policy.megatron_cfg.fp8_cfg.enabled", "policy.generation.vllm_cfg.precision")
+    assert m.layers == tuple(range(36)) and len(m.edges) == 36 * 7 * 2
+    assert m.severity == "always"
+
+
+def _fp32(quantizer):
+    side = SideRecipe(fp8_linears=True, pow2_weight_scales=False, pow2_activation_scales=False)
+    return Recipe(train=side, rollout=side.with_(quantizer=quantizer))
+
+
+def test_fp32_scales_with_vllms_own_quantizer_are_off_policy():
+    c = check_on_policy(QWEN3, _fp32("vllm"))
+    assert not c.on_policy
+    assert {m.operands for m in c.mismatches} == {
+        ("attn weight", "mlp weight"),
+        ("attn input", "mlp input"),
+    }
+    for m in c.mismatches:
+        assert m.keys == ("jetrl.vllm_patch",) and m.fixes == ("jetrl.vllm_patch=true",)
+        assert "RN(448/amax)" in m.reason and "RN(amax/448)" in m.reason
+    # the same settings through our patch: identical formula, on-policy
+    assert check_on_policy(QWEN3, _fp32("jetrl")).on_policy
+
+
+def test_pow2_scales_with_vllms_own_quantizer_differ_only_rarely():
+    r = Recipe.preset("jetrl").with_(rollout=Recipe.preset("jetrl").rollout.with_(quantizer="vllm"))
+    c = check_on_policy(QWEN3, r)
+    assert not c.on_policy
+    assert {m.severity for m in c.mismatches} == {"rare"}
+    assert any("1/512" in m.reason for m in c.mismatches)
+    assert any("1e-4" in m.reason for m in c.mismatches)
+
+
+def test_the_flow_claims_match_the_numerics():
+    """What the check says about vLLM's own quantizer holds for the real formulas: FP32 scales
+    differ from TE's on ordinary data, pow2 scales agree except on groups with amax < 1/512."""
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.fp8.vllm_native import quantize_group_native
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 1024, generator=g) * torch.logspace(-1, 2, 64)[:, None]).bfloat16()
+    te32 = quantize_blockwise(x, (1, 128), pow2_scales=False).dequantize(torch.float32)
+    vl32 = quantize_group_native(x, ue8m0=False).dequantize(torch.float32)
+    assert (te32 != vl32).float().mean() > 0.05
+    te2 = quantize_blockwise(x, (1, 128), pow2_scales=True).dequantize(torch.float32)
+    vl2 = quantize_group_native(x, ue8m0=True).dequantize(torch.float32)
+    assert torch.equal(te2, vl2)
+    tiny = x[:4] * 1e-4  # every group's amax < 1/512
+    assert not torch.equal(
+        quantize_blockwise(tiny, (1, 128), pow2_scales=True).dequantize(torch.float32),
+        quantize_group_native(tiny, ue8m0=True).dequantize(torch.float32),
+    )
+
+
+def test_scale_mode_mismatch_names_the_right_key():
+    r = Recipe.preset("jetrl").with_(
+        rollout=Recipe.preset("jetrl").rollout.with_(pow2_weight_scales=False)
+    )
+    (m,) = check_on_policy(QWEN3, r).mismatches
+    assert m.operands == ("attn weight", "mlp weight")
+    assert m.keys[0] == "policy.generation.vllm_cfg.pow2_weight_scaling_factors"
+    assert m.fixes == ("policy.generation.vllm_cfg.pow2_weight_scaling_factors=true",)
+
+
+def test_bf16_layers_must_agree():
+    j = Recipe.preset("jetrl")
+    r = j.with_(
+        rollout=j.rollout.with_(bf16_first_layers=2), train=j.train.with_(bf16_last_layers=1)
+    )
+    ms = check_on_policy(QWEN3, r).mismatches
+    by_layers = {m.layers: m for m in ms}
+    assert set(by_layers) == {(0, 1), (35,)}
+    assert by_layers[(0, 1)].keys[0] == "policy.generation.vllm_cfg.num_first_layers_in_bf16"
+    assert by_layers[(0, 1)].fixes == ("policy.generation.vllm_cfg.num_first_layers_in_bf16=0",)
+    assert by_layers[(35,)].fixes == ("policy.generation.vllm_cfg.num_last_layers_in_bf16=1",)
+    same = j.with_(
+        rollout=j.rollout.with_(bf16_first_layers=2), train=j.train.with_(bf16_first_layers=2)
+    )
+    assert check_on_policy(QWEN3, same).on_policy
+
+
+def test_fp8_kv_without_onpolicy_kv_is_off_policy():
+    r = Recipe.preset("jetrl_kv").with_(onpolicy_kv=False)
+    (m,) = check_on_policy(QWEN3, r).mismatches
+    assert m.keys[0] == "jetrl.onpolicy_kv" and m.fixes[0] == "jetrl.onpolicy_kv=true"
+    assert m.operands == ("kv k_cache", "kv v_cache") and len(m.edges) == 72
+
+
+def test_onpolicy_kv_needs_scales_the_trainer_knows():
+    r = Recipe.preset("jetrl_kv").with_(kv_scale_source="dynamic")
+    (m,) = check_on_policy(QWEN3, r).mismatches
+    assert "jetrl.kv_scale_source" in m.keys
+    assert check_on_policy(QWEN3, Recipe.preset("jetrl_kv").with_(kv_scale_source="unit")).on_policy
+
+
+def test_unaligned_layers_stay_bf16_on_both_sides():
+    toy = ModelArch("toy", "llama", 256, 200, 2, 2, 2, 128, 512)
+    r = Recipe.preset("jetrl").with_(unaligned_layers_bf16=True)
+    roll = build_flow(toy, r, "rollout").by_key()
+    assert roll[("model.layers.0.mlp.up_proj", "input")].precision == BF16
+    assert roll[("model.layers.0.self_attn.q_proj", "input")].precision.is_fp8
+    assert check_on_policy(toy, r).on_policy
+
+
+def test_extra_builders_plug_in_new_edges():
+    """A further edge kind (here: Q entering FP8 attention) without editing flow.py."""
+    from nemo_jetrl.flow import DEFAULT_BUILDERS
+
+    def q_edges(arch, recipe, phase):
+        if phase == "train_bwd":
+            return []
+        fp8 = recipe.kv_fp8 and (phase == "rollout" or recipe.onpolicy_kv)
+        p = Precision("fp8", "e4m3", None, "trainer_calibrated", "jetrl") if fp8 else BF16
+        return [
+            Edge(f"model.layers.{i}.self_attn.attn", "q", i, "kv", "attn", p)
+            for i in range(arch.num_layers)
+        ]
+
+    builders = (*DEFAULT_BUILDERS, q_edges)
+    assert check_on_policy(QWEN3, Recipe.preset("jetrl_kv"), builders).on_policy
+    ms = check_on_policy(QWEN3, Recipe.preset("jetrl_kv").with_(onpolicy_kv=False), builders)
+    assert {op for m in ms.mismatches for op in m.operands} == {"kv k_cache", "kv v_cache", "kv q"}
+
+
+def test_same_numbers_needs_the_same_formula():
+    a = Precision("fp8", "e4m3", (1, 128), "fp32", "te")
+    assert same_numbers(a, Precision("fp8", "e4m3", (1, 128), "fp32", "jetrl"))
+    assert not same_numbers(a, Precision("fp8", "e4m3", (1, 128), "fp32", "vllm"))
+    assert not same_numbers(a, Precision("fp8", "e4m3", (128, 128), "fp32", "te"))
+    assert same_numbers(BF16, Precision("bf16"))
+
+
+def test_flow_table_merges_layer_ranges():
+    j = Recipe.preset("jetrl")
+    r = j.with_(rollout=j.rollout.with_(bf16_last_layers=2))
+    rows = flow_table(check_on_policy(QWEN3, r))
+    attn = [row for row in rows if row[1] == "attn"]
+    assert attn == [
+        ("0-33", "attn", "FP8 e4m3 pow2 (te)", "FP8 e4m3 pow2 (jetrl)", "same"),
+        ("34-35", "attn", "FP8 e4m3 pow2 (te)", "BF16", "DIFFERS"),
+    ]
+    assert format_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert format_ranges([]) == "-"
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_flows_are_deterministic(preset):
+    r = Recipe.preset(preset)
+    assert build_flow(QWEN3, r, "rollout") == build_flow(QWEN3, r, "rollout")

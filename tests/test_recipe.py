@@ -1,0 +1,168 @@
+"""Recipe, SideRecipe, KvCalibration: invariants, presets, layer rules, alignment."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+
+import pytest
+
+from nemo_jetrl import recipe as recipe_mod
+from nemo_jetrl.recipe import PRESET_NAMES, PRESETS, KvCalibration, Recipe, SideRecipe
+
+
+def test_presets_are_the_four_named_ones():
+    assert tuple(PRESETS) == PRESET_NAMES == ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
+    for name in PRESET_NAMES:
+        assert Recipe.preset(name).name == name
+
+
+def test_preset_contents():
+    bf16 = Recipe.preset("bf16")
+    assert not bf16.any_fp8
+    fr = Recipe.preset("fp8_rollout")
+    assert not fr.train.fp8_linears and fr.rollout.fp8_linears
+    assert fr.rollout.quantizer == "vllm"
+    assert fr.rollout.scale_mode("weight") == fr.rollout.scale_mode("activation") == "fp32"
+    j = Recipe.preset("jetrl")
+    assert j.train.fp8_linears and j.rollout.fp8_linears
+    assert j.train.pow2_scales and j.rollout.pow2_scales
+    assert j.train.quantizer == "te" and j.rollout.quantizer == "jetrl"
+    assert j.train.formula == j.rollout.formula == "te"
+    assert not j.kv_fp8
+    kv = Recipe.preset("jetrl_kv")
+    assert kv.kv_fp8 and kv.onpolicy_kv and kv.kv_scale_source == "trainer_calibrated"
+    assert kv.train == j.train and kv.rollout == j.rollout
+
+
+def test_unknown_preset_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="jetrl_kv"):
+        Recipe.preset("jet")
+
+
+def test_recipes_are_frozen():
+    r = Recipe.preset("jetrl")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.name = "x"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.train.fp8_linears = False  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"fmt": "e5m2"}, "fmt='e5m2'"),
+        ({"scaling": "per_row"}, "scaling='per_row'"),
+        ({"quantizer": "torchao"}, "quantizer='torchao'"),
+        ({"bf16_first_layers": -1}, "bf16_first_layers=-1"),
+        ({"bf16_last_layers": True}, "bf16_last_layers=True"),
+    ],
+)
+def test_side_recipe_rejects_bad_fields(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        SideRecipe(**kwargs)
+
+
+def test_side_recipe_reports_all_bad_fields_at_once():
+    with pytest.raises(ValueError) as exc:
+        SideRecipe(fmt="x", quantizer="y", bf16_first_layers=-2)
+    msg = str(exc.value)
+    assert "fmt='x'" in msg and "quantizer='y'" in msg and "bf16_first_layers=-2" in msg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"kv_cache_dtype": "fp8"}, "needs a kv_scale_source"),
+        ({"kv_scale_source": "dynamic"}, "must be 'none'"),
+        ({"onpolicy_kv": True}, "onpolicy_kv=True needs"),
+        ({"train": SideRecipe(quantizer="vllm")}, "train.quantizer='vllm'"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype='int8'"),
+    ],
+)
+def test_recipe_invariants(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        Recipe(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"data_fraction": 0.0}, "data_fraction"),
+        ({"percentile": 100.5}, "percentile"),
+        ({"margin": 0.9}, "margin"),
+        ({"mask": "padding"}, "mask"),
+    ],
+)
+def test_kv_calibration_ranges(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        KvCalibration(**kwargs)
+
+
+def test_fp8_layers_respect_first_and_last_bf16():
+    s = SideRecipe(fp8_linears=True, bf16_first_layers=2, bf16_last_layers=1)
+    assert s.fp8_layers(6) == [2, 3, 4]
+    assert not s.is_fp8_layer(0, 6) and s.is_fp8_layer(2, 6) and not s.is_fp8_layer(5, 6)
+    assert SideRecipe(fp8_linears=False).fp8_layers(4) == []
+    with pytest.raises(ValueError, match="out of range"):
+        s.is_fp8_layer(6, 6)
+    r = Recipe(train=s, rollout=s.with_(quantizer="jetrl"))
+    assert r.rollout_fp8_layers(6) == r.train_fp8_layers(6) == [2, 3, 4]
+    assert r.is_bf16_layer(1, 6) and not r.is_bf16_layer(3, 6, side="train")
+
+
+def test_mixed_scale_modes_are_explicit():
+    s = SideRecipe(fp8_linears=True, pow2_weight_scales=True, pow2_activation_scales=False)
+    assert s.scale_mode("weight") == "pow2" and s.scale_mode("activation") == "fp32"
+    with pytest.raises(ValueError, match="mixes scale modes"):
+        _ = s.pow2_scales
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_dict_round_trip(name):
+    r = Recipe.preset(name)
+    assert Recipe.from_dict(r.to_dict()) == r
+
+
+def test_aligned_to_training():
+    assert Recipe.preset("fp8_rollout").aligned_to_training().name == "bf16"
+    off = Recipe.preset("jetrl").with_(
+        rollout=SideRecipe(fp8_linears=True, quantizer="vllm", pow2_weight_scales=False)
+    )
+    assert off.aligned_to_training() == Recipe.preset("jetrl")
+    kv_off = Recipe.preset("jetrl_kv").with_(onpolicy_kv=False, kv_scale_source="dynamic")
+    assert kv_off.aligned_to_training() == Recipe.preset("jetrl_kv")
+    assert kv_off.aligned_to_training(kv="bf16") == Recipe.preset("jetrl")
+    # FP32 training scales are kept: the rollout follows training, through the patch.
+    fp32 = Recipe.preset("jetrl").with_(
+        train=SideRecipe(fp8_linears=True, pow2_weight_scales=False, pow2_activation_scales=False)
+    )
+    al = fp32.aligned_to_training()
+    assert al.rollout.scale_mode("activation") == "fp32" and al.rollout.quantizer == "jetrl"
+    with pytest.raises(ValueError, match="only 'blockwise'"):
+        Recipe(train=SideRecipe(fp8_linears=True, scaling="tensorwise")).aligned_to_training()
+
+
+@pytest.mark.parametrize("cls", [SideRecipe, KvCalibration, Recipe])
+def test_every_field_is_documented_in_place(cls):
+    """Each dataclass field has a comment on the line(s) just above it."""
+    src = inspect.getsource(cls)
+    lines = src.splitlines()
+    tree = ast.parse(src)
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    seen = set()
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name = node.target.id
+            if name in fields:
+                above = lines[node.lineno - 2].strip()
+                assert above.startswith("#"), f"{cls.__name__}.{name} has no comment above it"
+                seen.add(name)
+    assert seen == fields
+
+
+def test_recipe_module_does_not_import_torch():
+    src = inspect.getsource(recipe_mod)
+    assert "import torch" not in src
