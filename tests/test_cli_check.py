@@ -1,0 +1,175 @@
+"""`jetrl check` and `jetrl align`: output, exit codes, no tracebacks for user errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_jetrl.cli import main
+from nemo_jetrl.config import load_config, recipe_from_config
+
+REPO = Path(__file__).resolve().parents[1]
+EX = REPO / "examples" / "configs"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_on_policy_config(capsys):
+    code, out, _ = run(capsys, "check", EX / "qwen3_8b_base" / "jetrl_kv.yaml")
+    assert code == 0
+    assert "model:  Qwen/Qwen3-8B-Base (36 layers" in out
+    assert "recipe: jetrl_kv" in out
+    assert "train   linears fp8 e4m3 blockwise, scales pow2, quantizer te" in out
+    assert "rollout linears fp8 e4m3 blockwise, scales pow2, quantizer jetrl" in out
+    assert "kv cache: fp8 e4m3 per-tensor, scales trainer_calibrated" in out
+    assert "0-35    attn     FP8 e4m3 pow2 (te)" in out
+    assert "verdict: ON-POLICY" in out
+    assert "DIFFERS" not in out
+
+
+def test_check_fp8_rollout_is_off_policy_with_keys(capsys):
+    code, out, _ = run(capsys, "check", EX / "llama3.1_8b_instruct" / "fp8_rollout.yaml")
+    assert code == 1
+    assert "verdict: OFF-POLICY (1 mismatch)" in out
+    assert "keys: policy.megatron_cfg.fp8_cfg.enabled, policy.generation.vllm_cfg.precision" in out
+    assert "0-31    attn     BF16" in out and "DIFFERS" in out
+
+
+def test_check_nemo_rl_fp8_e2e_is_off_policy(capsys):
+    code, out, _ = run(capsys, "check", EX / "nemo_rl_fp8_e2e.yaml")
+    assert code == 1
+    assert "OFF-POLICY (2 mismatches)" in out
+    assert "fix:  jetrl.vllm_patch=true" in out
+    assert "RN(448/amax)" in out
+    # the suggested fix works
+    code, out, _ = run(capsys, "check", EX / "nemo_rl_fp8_e2e.yaml", "jetrl.vllm_patch=true")
+    assert code == 0 and "scales fp32, quantizer jetrl" in out
+
+
+def test_check_with_overrides_reports_kv_edge(capsys):
+    code, out, _ = run(
+        capsys, "check", EX / "qwen2.5_7b" / "jetrl_kv.yaml", "jetrl.onpolicy_kv=false", "--edges"
+    )
+    assert code == 1
+    assert "kv k_cache, kv v_cache (layers 0-27, 56 edges)" in out
+    assert "fix:  jetrl.onpolicy_kv=true" in out
+    assert "model.layers.27.self_attn.attn:v_cache" in out  # --edges lists them
+
+
+def test_check_backward_table(capsys):
+    code, out, _ = run(capsys, "check", EX / "qwen3_8b_base" / "jetrl.yaml", "--backward")
+    assert code == 0
+    assert "wgrad.input" in out and "FP8 e4m3 128x1 pow2 [te]" in out
+
+
+def test_check_invalid_config_lists_every_problem(capsys):
+    code, out, err = run(
+        capsys,
+        "check",
+        EX / "qwen3_8b_base" / "jetrl.yaml",
+        "+jetrl.vllm_pach=true",
+        "loss_fn.truncated_importance_sampling_type=icepop",
+        "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+        "policy.generation.vllm_cfg.precision=bfloat16",
+    )
+    assert code == 2
+    assert out == ""
+    assert "jetrl check: error: invalid config" in err
+    for needle in (
+        "jetrl.vllm_pach: unknown key; did you mean jetrl.vllm_patch?",
+        "loss_fn.truncated_importance_sampling_type:",
+        "loss_fn.truncated_importance_sampling_ratio_min:",
+        "policy.generation.vllm_cfg.kv_cache_dtype:",
+    ):
+        assert needle in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["check", "/nonexistent.yaml"], "config file not found"),
+        (["check", EX / "qwen3_8b_base" / "jetrl.yaml", "jetrl.nope=1"], "key not in config"),
+        (
+            ["check", EX / "qwen3_8b_base" / "jetrl.yaml", "+jetrl.model_config=/x/config.json"],
+            "model config not found",
+        ),
+    ],
+)
+def test_user_errors_exit_2(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_align_nemo_rl_e2e_keeps_training_and_fixes_rollout(capsys, tmp_path):
+    out_yaml = tmp_path / "aligned.yaml"
+    code, out, _ = run(capsys, "align", EX / "nemo_rl_fp8_e2e.yaml", "-o", out_yaml)
+    assert code == 0, out
+    assert "jetrl.vllm_patch: False -> True" in out
+    assert "verdict: ON-POLICY" in out
+    r = recipe_from_config(load_config(out_yaml))
+    # training unchanged (source of truth): FP32 scales; rollout follows through the patch
+    assert r.train.scale_mode("weight") == r.train.scale_mode("activation") == "fp32"
+    assert r.rollout.quantizer == "jetrl" and r.rollout.scale_mode("activation") == "fp32"
+    code, _, _ = run(capsys, "check", out_yaml)
+    assert code == 0
+
+
+def test_align_bf16_training_turns_rollout_bf16(capsys, tmp_path):
+    out_yaml = tmp_path / "a.yaml"
+    code, out, _ = run(capsys, "align", EX / "qwen3_8b_base" / "fp8_rollout.yaml", "-o", out_yaml)
+    assert code == 0
+    assert "policy.generation.vllm_cfg.precision: 'fp8' -> 'bfloat16'" in out
+    assert recipe_from_config(load_config(out_yaml)).name == "bf16"
+
+
+def test_align_kv_options_and_presets(capsys, tmp_path):
+    src = EX / "qwen3_8b_base" / "jetrl_kv.yaml"
+    a = tmp_path / "kv.yaml"
+    code, _, _ = run(capsys, "align", src, "jetrl.onpolicy_kv=false", "-o", a)
+    assert code == 0 and recipe_from_config(load_config(a)).name == "jetrl_kv"
+    b = tmp_path / "nokv.yaml"
+    code, _, _ = run(capsys, "align", src, "jetrl.onpolicy_kv=false", "--kv", "bf16", "-o", b)
+    assert code == 0 and recipe_from_config(load_config(b)).name == "jetrl"
+    c = tmp_path / "preset.yaml"
+    code, out, _ = run(
+        capsys, "align", EX / "llama3.1_8b_instruct" / "bf16.yaml", "--recipe", "jetrl_kv", "-o", c
+    )
+    assert code == 0 and "recipe: jetrl_kv" in out
+
+
+def test_align_refuses_to_overwrite(capsys, tmp_path):
+    out_yaml = tmp_path / "x.yaml"
+    out_yaml.write_text("keep: me\n")
+    code, _, err = run(capsys, "align", EX / "qwen3_8b_base" / "jetrl.yaml", "-o", out_yaml)
+    assert code == 2 and "--force" in err
+    assert out_yaml.read_text() == "keep: me\n"
+
+
+def test_console_exit_codes_in_a_subprocess(tmp_path):
+    """The real entry point: 0 / 1 / 2 and no traceback for a user error."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: ../nowhere.yaml\n")
+    script = "import sys; from nemo_jetrl.cli import main; sys.exit(main(sys.argv[1:]))"
+    codes = {}
+    for name, path in (
+        ("on", EX / "qwen2.5_7b" / "jetrl.yaml"),
+        ("off", EX / "qwen2.5_7b" / "fp8_rollout.yaml"),
+        ("bad", bad),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-c", script, "check", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        codes[name] = p.returncode
+        assert "Traceback" not in p.stderr
+    assert codes == {"on": 0, "off": 1, "bad": 2}
