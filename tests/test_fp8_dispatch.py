@@ -94,8 +94,10 @@ def test_gemm_on_cpu_is_the_reference(monkeypatch):
 def test_fast_gemm_refuses_unsupported_operands():
     a, b = _operands()
     a5 = quantize_blockwise(a.dequantize(torch.bfloat16), (1, 128), fmt="e5m2")
-    with pytest.raises(ValueError, match="backend 'scaled_mm' needs a: E4M3 1x128"):
+    with pytest.raises(ValueError, match="backend 'scaled_mm' needs E4M3 operands"):
         dispatch.fp8_gemm(a5, b, backend="scaled_mm")
+    with pytest.raises(ValueError, match="backend 'deep_gemm' needs E4M3 operands"):
+        dispatch.fp8_gemm(a, a, backend="deep_gemm")  # WGrad pair: not a DeepGEMM SM90 path
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -163,3 +165,17 @@ def test_fast_gemm_backends_within_stated_bound():
             excess = float(((out - ref).abs() - bound).max())
             assert excess <= 0, f"{name} pow2={pow2}: exceeds bound by {excess}"
         assert dispatch.gemm_backend(a, b) in (*backends, "reference")
+    # WGrad pair: dy and x quantized 128x1 along tokens, passed transposed (1x128 along tokens)
+    if "scaled_mm" in backends:
+        from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
+
+        g = torch.Generator().manual_seed(4)
+        dy = torch.randn(1024, 512, generator=g).to(torch.bfloat16).cuda()
+        x = torch.randn(1024, 768, generator=g).to(torch.bfloat16).cuda()
+        qa = quantize_blockwise_triton(dy, (128, 1), transpose=True)  # [512, 1024]
+        qb = quantize_blockwise_triton(x, (128, 1), transpose=True)  # [768, 1024]
+        a64, b64 = qa.dequantize(torch.float64), qb.dequantize(torch.float64)
+        ref = a64 @ b64.t()
+        bound = tol["REL"] * (a64.abs() @ b64.abs().t()) + tol["OUT"] * ref.abs()
+        out = dispatch.fp8_gemm(qa, qb, backend="scaled_mm").double()
+        assert float(((out - ref).abs() - bound).max()) <= 0

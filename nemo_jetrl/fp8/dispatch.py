@@ -7,19 +7,22 @@ small hook) for CUDA tensors or when ``backend`` is given, which picks:
 * ``"torch"`` - the reference in `quantize.py` (always available, any device).
 * ``"auto"`` (default) - Triton for CUDA tensors when triton imports, else torch.
 
-The environment variable ``JETRL_FP8_QUANT_BACKEND`` (``auto``/``triton``/``torch``) overrides the
-default for CUDA tensors; an explicit ``backend=`` argument overrides both. Backends are bit-identical by
-construction and by test, so the choice changes speed only.
+The environment variable ``JETRL_FP8_QUANT_BACKEND`` (``auto``/``triton``/``torch``) overrides
+the default for CUDA tensors; an explicit ``backend=`` argument overrides both. Backends are
+bit-identical by construction and by test, so the choice changes speed only.
 
 GEMM. `fp8_gemm(a, b)` computes ``a @ b.T`` for ``a`` 1x128-blocked ``[M, K]`` and ``b``
-128x128-blocked ``[N, K]`` (FProp and DGrad of an FP8 linear), choosing:
+128x128-blocked ``[N, K]`` (FProp and DGrad of an FP8 linear) or 1x128-blocked (WGrad, both
+operands blocked along tokens), choosing:
 
-1. ``"deep_gemm"`` - DeepGEMM's ``fp8_gemm_nt`` when ``deep_gemm`` imports, both operands are E4M3
-   on CUDA, and the GPU is SM90, or SM100 with power-of-two scales (SM100 DeepGEMM stores scales
-   as UE8M0, exact only for powers of two).
+1. ``"deep_gemm"`` - DeepGEMM's ``fp8_gemm_nt`` (FProp/DGrad pair) when ``deep_gemm`` imports,
+   both operands are E4M3 on CUDA, and the GPU is SM90, or SM100 with power-of-two scales
+   (SM100 DeepGEMM stores scales as UE8M0, exact only for powers of two).
 2. ``"scaled_mm"`` - ``torch.nn.functional.scaled_mm`` with DeepSeek-style blockwise scaling
-   (cuBLASLt; SM90 only, CUDA >= 12.9, E4M3).
+   (cuBLASLt; SM90 only, CUDA >= 12.9, E4M3; also the WGrad 1x128 x 1x128 pair).
 3. ``"reference"`` - `gemm.blockwise_matmul` (dequantize + fp32 matmul; any device).
+
+``JETRL_FP8_GEMM_BACKEND`` or ``backend=`` forces one (an unrunnable choice fails loudly).
 
 GEMM output bits differ between kernels (accumulation order, Hopper's reduced-precision FP8
 tensor-core accumulator); only the quantized inputs are part of the on-policy promise. The `gpu`
@@ -100,15 +103,15 @@ def fast_quantize(
 # ----------------------------------------------------------------------------------------- GEMM
 
 
-def _is_fprop_pair(a: BlockQuantized, b: BlockQuantized) -> bool:
-    return (
-        a.block == (1, 128)
-        and b.block == (128, 128)
-        and a.data.dim() == 2
-        and b.data.dim() == 2
-        and a.fmt == "e4m3"
-        and b.fmt == "e4m3"
-    )
+def _pair_kind(a: BlockQuantized, b: BlockQuantized) -> str | None:
+    """``"fprop"`` (1x128 x 128x128: FProp, DGrad), ``"wgrad"`` (1x128 x 1x128), or None."""
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.fmt != "e4m3" or b.fmt != "e4m3":
+        return None
+    if a.block == (1, 128) and b.block == (128, 128):
+        return "fprop"
+    if a.block == (1, 128) and b.block == (1, 128):
+        return "wgrad"
+    return None
 
 
 def gemm_backend(a: BlockQuantized, b: BlockQuantized, backend: str | None = None) -> str:
@@ -118,10 +121,12 @@ def gemm_backend(a: BlockQuantized, b: BlockQuantized, backend: str | None = Non
     choice = _choice(backend, ENV_GEMM_BACKEND, GEMM_BACKENDS)
     if choice != "auto":
         return choice
-    if not (a.data.is_cuda and b.data.is_cuda and _is_fprop_pair(a, b)):
+    kind = _pair_kind(a, b)
+    if not (a.data.is_cuda and b.data.is_cuda and kind):
         return "reference"
     major, _ = torch.cuda.get_device_capability(a.data.device)
-    if available("deep_gemm") and (major == 9 or (major == 10 and a.pow2_scales and b.pow2_scales)):
+    pow2 = a.pow2_scales and b.pow2_scales
+    if kind == "fprop" and available("deep_gemm") and (major == 9 or (major == 10 and pow2)):
         return "deep_gemm"
     if major == 9 and _cuda_at_least(12, 9) and hasattr(torch.nn.functional, "scaled_mm"):
         return "scaled_mm"
@@ -143,21 +148,27 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """``a @ b.T`` (``a`` ``[M, K]`` 1x128, ``b`` ``[N, K]`` 128x128) on the chosen backend."""
+    """``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` blocked along K, on the chosen backend.
+
+    Fast backends take E4M3 ``a`` 1x128 with ``b`` 128x128 (FProp, DGrad) or 1x128 (WGrad, as
+    ``qdy_colwise.t()`` and ``qx_colwise.t()``; scaled_mm only); anything else runs the reference.
+    """
     chosen = gemm_backend(a, b, backend)
     if chosen == "reference":
         from nemo_jetrl.fp8.gemm import blockwise_matmul
 
         return blockwise_matmul(a, b, out_dtype=out_dtype)
-    if not _is_fprop_pair(a, b):
+    kind = _pair_kind(a, b)
+    if kind is None or (chosen == "deep_gemm" and kind != "fprop"):
         raise ValueError(
-            f"fp8_gemm backend {chosen!r} needs a: E4M3 1x128 [M, K] and b: E4M3 128x128 [N, K]; "
-            f"got a {a.fmt} {a.block} {tuple(a.data.shape)}, b {b.fmt} {b.block} "
-            f"{tuple(b.data.shape)}; use backend='reference'"
+            f"fp8_gemm backend {chosen!r} needs E4M3 operands a: 1x128 [M, K] and b: 128x128 "
+            f"[N, K]{' or 1x128 [N, K]' if chosen == 'scaled_mm' else ''}; got a {a.fmt} "
+            f"{a.block} {tuple(a.data.shape)}, b {b.fmt} {b.block} {tuple(b.data.shape)}; "
+            "use backend='reference'"
         )
     if chosen == "deep_gemm":
         return _deep_gemm(a, b, out_dtype)
-    return _scaled_mm(a, b, out_dtype)
+    return _scaled_mm(a, b, kind, out_dtype)
 
 
 def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -176,23 +187,34 @@ def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> 
     return out
 
 
-def _scaled_mm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
+def _mn_major(s: torch.Tensor) -> torch.Tensor:
+    """``[R, kb]`` scales with strides ``(1, R)`` (cuBLASLt's 1x128 scale layout)."""
+    s = s.float()
+    return s if s.stride() == (1, s.shape[0]) else s.t().contiguous().t()
+
+
+def _scaled_mm(
+    a: BlockQuantized, b: BlockQuantized, kind: str, out_dtype: torch.dtype
+) -> torch.Tensor:
     import torch.nn.functional as F
 
     k = a.data.shape[1]
     kb = -(-k // 128)
-    kb4 = -(-kb // 4) * 4
-    # cuBLASLt layouts: scale_a [M, kb] with strides (1, M); scale_b [round_up(kb, 4), N/128]
-    # with strides (1, round_up(kb, 4)); b given as [K, N] column-major (= b.data.t()).
-    scale_a = a.scale_inv.float().t().contiguous().t()
-    sb = torch.zeros(b.scale_inv.shape[0], kb4, dtype=torch.float32, device=b.data.device)
-    sb[:, :kb] = b.scale_inv
+    if kind == "fprop":
+        # scale_b: [round_up(kb, 4), N/128] with strides (1, round_up(kb, 4)).
+        kb4 = -(-kb // 4) * 4
+        sb = torch.zeros(b.scale_inv.shape[0], kb4, dtype=torch.float32, device=b.data.device)
+        sb[:, :kb] = b.scale_inv
+        scale_b, recipe_b = sb.t(), F.ScalingType.BlockWise128x128
+    else:
+        scale_b, recipe_b = _mn_major(b.scale_inv), F.ScalingType.BlockWise1x128
+    # b is passed as [K, N] column-major (= b.data.t()), scale_a as [M, kb] strides (1, M).
     return F.scaled_mm(
         a.data.contiguous(),
         b.data.contiguous().t(),
-        scale_a,
+        _mn_major(a.scale_inv),
         F.ScalingType.BlockWise1x128,
-        sb.t(),
-        F.ScalingType.BlockWise128x128,
+        scale_b,
+        recipe_b,
         output_dtype=out_dtype,
     )
