@@ -30,279 +30,54 @@ attention) without editing this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 from nemo_jetrl import config_schema as S
 from nemo_jetrl.arch import ModelArch
-from nemo_jetrl.recipe import QUANTIZER_FORMULA, Recipe, SideRecipe
+from nemo_jetrl.flow_graph import (
+    BF16,
+    DEFAULT_BUILDERS,
+    PHASES,
+    BLOCK_1x128,
+    BLOCK_128x1,
+    BLOCK_128x128,
+    Edge,
+    EdgeBuilder,
+    Precision,
+    PrecisionFlow,
+    bf16_edges,
+    build_flow,
+    formula,
+    kv_edges,
+    linear_edges,
+    same_numbers,
+)
+from nemo_jetrl.recipe import Recipe
 
-Phase = Literal["rollout", "train_fwd", "train_bwd"]
-PHASES: tuple[str, ...] = ("rollout", "train_fwd", "train_bwd")
-
-BLOCK_1x128 = (1, 128)
-BLOCK_128x128 = (128, 128)
-BLOCK_128x1 = (128, 1)
-BLOCK_MX = (1, 32)
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What a tensor looks like on an edge."""
-
-    # "bf16" or "fp8".
-    dtype: str
-    # FP8 element format ("e4m3"/"e5m2"); None for BF16.
-    fmt: str | None = None
-    # Scaling block (rows, cols) of the 2-D operand; None for per-tensor or BF16.
-    block: tuple[int, int] | None = None
-    # "pow2", "fp32", "e8m0" for block scales; for per-tensor KV the scale source
-    # ("trainer_calibrated", "checkpoint", "dynamic", "unit"); None for BF16.
-    scale: str | None = None
-    # Code that quantizes: "te", "jetrl", "vllm"; None for BF16.
-    impl: str | None = None
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.dtype == "fp8"
-
-    def short(self) -> str:
-        """Compact text, e.g. "FP8 e4m3 1x128 pow2 [te]"."""
-        if not self.is_fp8:
-            return "BF16"
-        block = f"{self.block[0]}x{self.block[1]}" if self.block else "per-tensor"
-        return f"FP8 {self.fmt} {block} {self.scale} [{self.impl}]"
-
-
-BF16 = Precision("bf16")
-
-# Per-tensor KV quantization has one semantics on both sides (vLLM's cache write: x / scale,
-# saturating RNE cast), implemented by vLLM in rollout and by nemo_jetrl.kvcache in training.
-_KV_SCALES = ("trainer_calibrated", "checkpoint", "dynamic", "unit")
-
-
-def formula(p: Precision) -> str | None:
-    """Which quantization formula produces this edge's numbers (None for BF16)."""
-    if not p.is_fp8:
-        return None
-    if p.block is None and p.scale in _KV_SCALES:
-        return "kv_per_tensor"
-    return QUANTIZER_FORMULA.get(p.impl or "", p.impl)
-
-
-def same_numbers(a: Precision, b: Precision) -> bool:
-    """True when two edges carry bit-identical tensors for the same input: same dtype, format,
-    block and scale rule, computed by implementations of the same formula."""
-    return (a.dtype, a.fmt, a.block, a.scale) == (b.dtype, b.fmt, b.block, b.scale) and formula(
-        a
-    ) == formula(b)
-
-
-@dataclass(frozen=True)
-class Edge:
-    """A tensor flowing into an op."""
-
-    # The op (node) the tensor flows into, e.g. "model.layers.3.self_attn.q_proj".
-    op: str
-    # Which operand: "weight", "input", "dgrad.grad_output", "dgrad.weight",
-    # "wgrad.grad_output", "wgrad.input", "k_cache", "v_cache".
-    role: str
-    # Decoder layer, or None for embeddings / lm_head.
-    layer: int | None
-    # Row label of the flow table: "attn", "mlp", "kv", "embed", "lm_head".
-    group: str
-    # Module kind, e.g. "q_proj" or "attn".
-    kind: str
-    # Precision of the tensor on this edge.
-    precision: Precision
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """Identity of the edge across phases."""
-        return (self.op, self.role)
-
-    @property
-    def source(self) -> str:
-        """The node the tensor comes from: the weight itself, or the previous activation."""
-        return f"{self.op}.weight" if self.role.endswith("weight") else f"{self.op}:{self.role}"
-
-
-@dataclass(frozen=True)
-class PrecisionFlow:
-    """All edges of one phase of a model under a recipe."""
-
-    # "rollout", "train_fwd" or "train_bwd".
-    phase: str
-    # Model name.
-    model: str
-    # Recipe name.
-    recipe: str
-    # The edges, in model order.
-    edges: tuple[Edge, ...]
-
-    def by_key(self) -> dict[tuple[str, str], Edge]:
-        return {e.key: e for e in self.edges}
-
-    def nodes(self) -> list[str]:
-        """Weights and ops (graph nodes), in model order."""
-        seen: dict[str, None] = {}
-        for e in self.edges:
-            seen.setdefault(e.source, None)
-            seen.setdefault(e.op, None)
-        return list(seen)
-
-    def fp8_edges(self) -> list[Edge]:
-        return [e for e in self.edges if e.precision.is_fp8]
-
-
-EdgeBuilder = Callable[[ModelArch, Recipe, str], "list[Edge]"]
-
-
-# ---------------------------------------------------------------------------------------------
-# builders
-
-
-def _linear_is_fp8(side: SideRecipe, recipe: Recipe, layer: int, n: int, aligned: bool) -> bool:
-    if not side.is_fp8_layer(layer, n):
-        return False
-    # Unaligned linears stay BF16 on both sides when configured; otherwise the config is invalid
-    # (validation says so) and we still draw what was asked for.
-    return aligned or not recipe.unaligned_layers_bf16
-
-
-def _fwd_precisions(side: SideRecipe, impl: str) -> tuple[Precision, Precision]:
-    """(weight, input) precision of an FP8 linear's forward on one side."""
-    if side.scaling == "mxfp8":
-        return (
-            Precision("fp8", "e4m3", BLOCK_MX, "e8m0", impl),
-            Precision("fp8", "e4m3", BLOCK_MX, "e8m0", impl),
-        )
-    if side.scaling in ("tensorwise", "delayed"):
-        return (
-            Precision("fp8", "e4m3", None, side.scaling, impl),
-            Precision("fp8", "e4m3", None, side.scaling, impl),
-        )
-    return (
-        Precision("fp8", "e4m3", BLOCK_128x128, side.scale_mode("weight"), impl),
-        Precision("fp8", "e4m3", BLOCK_1x128, side.scale_mode("activation"), impl),
-    )
-
-
-def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
-    """Edges into every decoder linear (weight and input; backward operands for train_bwd)."""
-    side = recipe.rollout if phase == "rollout" else recipe.train
-    n = arch.num_layers
-    out: list[Edge] = []
-    for layer in range(n):
-        for lin in arch.layer_linears(layer):
-            fp8 = _linear_is_fp8(side, recipe, layer, n, lin.aligned)
-            grp = lin.group
-
-            def add(role: str, p: Precision, lin=lin, grp=grp) -> None:
-                out.append(Edge(lin.name, role, lin.layer, grp, lin.kind, p))
-
-            if phase in ("rollout", "train_fwd"):
-                w, x = _fwd_precisions(side, side.quantizer) if fp8 else (BF16, BF16)
-                add("weight", w)
-                add("input", x)
-                continue
-            if not fp8:
-                for role in (
-                    "dgrad.grad_output",
-                    "dgrad.weight",
-                    "wgrad.grad_output",
-                    "wgrad.input",
-                ):
-                    add(role, BF16)
-                continue
-            gfmt = "e5m2" if side.fmt == "hybrid" else "e4m3"
-            w_fwd, _ = _fwd_precisions(side, side.quantizer)
-            a_scale = side.scale_mode("activation")
-            block = side.scaling == "blockwise"
-            add(
-                "dgrad.grad_output",
-                Precision(
-                    "fp8", gfmt, BLOCK_1x128 if block else w_fwd.block, a_scale, side.quantizer
-                ),
-            )
-            add("dgrad.weight", w_fwd)  # same 128x128 blocks, transposed: no requantization
-            add(
-                "wgrad.grad_output",
-                Precision(
-                    "fp8", gfmt, BLOCK_128x1 if block else w_fwd.block, a_scale, side.quantizer
-                ),
-            )
-            add(
-                "wgrad.input",
-                Precision(
-                    "fp8", "e4m3", BLOCK_128x1 if block else w_fwd.block, a_scale, side.quantizer
-                ),
-            )
-    return out
-
-
-def bf16_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
-    """Embedding lookup and lm_head: BF16 on every side, always."""
-    del recipe
-    roles = ("weight", "input") if phase != "train_bwd" else ("dgrad.grad_output",)
-    out = [Edge("model.embed_tokens", "weight", None, "embed", "embed_tokens", BF16)]
-    out += [Edge("lm_head", r, None, "lm_head", "lm_head", BF16) for r in roles]
-    if phase == "train_bwd":
-        out = out[1:]
-    del arch
-    return out
-
-
-def kv_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
-    """K and V entering the attention (rollout: the KV cache write/read).
-
-    Rollout: FP8 E4M3 per-tensor when the KV cache is FP8, scales from `kv_scale_source`, written
-    by vLLM's cache kernels. Training forward: BF16, unless on-policy KV makes the trainer's
-    attention apply the same per-tensor quantization (nemo_jetrl.kvcache, vLLM's cache semantics)
-    with the trainer-calibrated scales it sends to the rollout.
-    """
-    if phase == "train_bwd":
-        return []
-    if phase == "rollout":
-        p = (
-            Precision("fp8", "e4m3", None, recipe.kv_scale_source, "vllm")
-            if recipe.kv_fp8
-            else BF16
-        )
-    elif recipe.onpolicy_kv and recipe.kv_fp8:
-        # The trainer uses the scales it calibrates (or 1.0): it cannot know scales vLLM computes
-        # itself ("dynamic") or reads from a checkpoint the trainer never loads.
-        src = recipe.kv_scale_source
-        known = src in ("trainer_calibrated", "unit")
-        p = Precision("fp8", "e4m3", None, src if known else "trainer_calibrated", "jetrl")
-    else:
-        p = BF16
-    out = []
-    for layer in range(arch.num_layers):
-        op = f"model.layers.{layer}.self_attn.attn"
-        out.append(Edge(op, "k_cache", layer, "kv", "attn", p))
-        out.append(Edge(op, "v_cache", layer, "kv", "attn", p))
-    return out
-
-
-DEFAULT_BUILDERS: tuple[EdgeBuilder, ...] = (bf16_edges, linear_edges, kv_edges)
-
-
-def build_flow(
-    arch: ModelArch,
-    recipe: Recipe,
-    phase: str,
-    builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS,
-) -> PrecisionFlow:
-    """The precision flow of `arch` under `recipe` for one phase."""
-    if phase not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    edges: list[Edge] = []
-    for b in builders:
-        edges.extend(b(arch, recipe, phase))
-    return PrecisionFlow(phase, arch.name, recipe.name, tuple(edges))
-
+__all__ = [
+    "BF16",
+    "DEFAULT_BUILDERS",
+    "PHASES",
+    "BLOCK_1x128",
+    "BLOCK_128x1",
+    "BLOCK_128x128",
+    "Edge",
+    "EdgeBuilder",
+    "FlowCheck",
+    "Mismatch",
+    "Precision",
+    "PrecisionFlow",
+    "bf16_edges",
+    "build_flow",
+    "check_on_policy",
+    "flow_table",
+    "format_ranges",
+    "formula",
+    "kv_edges",
+    "linear_edges",
+    "same_numbers",
+]
 
 # ---------------------------------------------------------------------------------------------
 # the check

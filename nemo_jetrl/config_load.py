@@ -1,0 +1,215 @@
+"""Loading NeMo-RL-shaped YAML: `defaults:` inheritance and Hydra-style overrides.
+
+The rules are NeMo-RL's, so that its users' files work unchanged:
+
+- ``defaults:`` names one parent file or a list of them, relative to the file that names them
+  (absolute paths allowed). Parents load depth-first with their own defaults; later parents and
+  then the child win. A mapping marked ``_override_: true`` replaces the parent's mapping instead
+  of merging into it. ``${...}`` interpolations resolve against the merged result.
+- Overrides are Hydra-style strings: ``a.b=value`` changes an existing key, ``+a.b=value`` adds a
+  key that does not exist yet, ``++a.b=value`` sets it either way, ``~a.b`` deletes it. Values are
+  parsed like Hydra's (YAML, but only ``true``/``false`` are booleans; ``'1'`` is a string).
+
+Every problem becomes a `ConfigIssue`; `ConfigError` carries all of them at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem found in a config."""
+
+    # Full dotted key path, e.g. "policy.generation.vllm_cfg.kv_cache_dtype".
+    path: str
+    # What is wrong and what to change, in plain words.
+    message: str
+    # The values the key accepts, when it is an enumeration.
+    allowed: tuple[Any, ...] = ()
+    # "error" makes the config invalid; "warning" and "note" are advice.
+    level: Literal["error", "warning", "note"] = "error"
+
+    def __str__(self) -> str:
+        allowed = ""
+        if self.allowed:
+            allowed = " (allowed: " + ", ".join(_fmt(a) for a in self.allowed) + ")"
+        return f"{self.path}: {self.message}{allowed}"
+
+
+class ConfigError(ValueError):
+    """A config with one or more errors; str() lists every one of them."""
+
+    def __init__(self, issues: Sequence[ConfigIssue], source: str | None = None) -> None:
+        self.issues = list(issues)
+        self.source = source
+        errors = [i for i in self.issues if i.level == "error"] or self.issues
+        head = f"{len(errors)} problem{'s' if len(errors) != 1 else ''} in config"
+        head += f" {source}" if source else ""
+        super().__init__(head + ":\n" + "\n".join(f"  - {i}" for i in errors))
+
+
+def _fmt(v: Any) -> str:
+    return "null" if v is None else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _merge_with_override(base: DictConfig, child: DictConfig) -> DictConfig:
+    """Merge `child` into `base`; mappings marked `_override_: true` replace instead of merge."""
+    for key in list(child.keys()):
+        if OmegaConf.is_missing(child, key):
+            continue
+        val = child._get_node(key)
+        if isinstance(val, DictConfig) and val.get("_override_", False):
+            val.pop("_override_")
+            if key in base:
+                base.pop(key)
+    return OmegaConf.merge(base, child)  # type: ignore[return-value]
+
+
+def _load_with_inheritance(path: Path, chain: tuple[Path, ...]) -> DictConfig:
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError([ConfigIssue("defaults", f"inheritance cycle: {cycle}")], str(path))
+    if not path.is_file():
+        where = f" (named in defaults: of {chain[-1]})" if chain else ""
+        raise ConfigError([ConfigIssue("defaults", f"config file not found: {path}{where}")])
+    try:
+        cfg = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError([ConfigIssue("<file>", f"cannot parse YAML: {exc}")], str(path)) from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError([ConfigIssue("<file>", "top level must be a mapping")], str(path))
+    if "defaults" not in cfg:
+        return cfg
+    defaults = cfg.pop("defaults")
+    if isinstance(defaults, (str, Path)):
+        defaults = [defaults]
+    elif isinstance(defaults, ListConfig):
+        defaults = [str(d) for d in defaults]
+    else:
+        raise ConfigError(
+            [ConfigIssue("defaults", "must be a file path or a list of file paths")], str(path)
+        )
+    base: DictConfig = OmegaConf.create({})
+    for parent in defaults:
+        ppath = Path(str(parent))
+        ppath = ppath if ppath.is_absolute() else path.parent / ppath
+        base = _merge_with_override(base, _load_with_inheritance(ppath, (*chain, path)))
+    return _merge_with_override(base, cfg)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split one override into (op, key, value); op is "set", "add", "force" or "delete"."""
+    s = text.strip()
+    if s.startswith("~"):
+        key, _, value = s[1:].partition("=")
+        return "delete", key.strip(), (_parse_value(value) if value else _MISSING)
+    op = "set"
+    if s.startswith("++"):
+        op, s = "force", s[2:]
+    elif s.startswith("+"):
+        op, s = "add", s[1:]
+    key, eq, value = s.partition("=")
+    if not eq or not key.strip():
+        raise ValueError(f"override {text!r} is not key=value, +key=value, ++key=value or ~key")
+    return op, key.strip(), _parse_value(value)
+
+
+def _parse_value(value: str) -> Any:
+    """Parse like Hydra: YAML values, but only true/false are booleans (`yes`/`on` stay
+    strings); `${...}` interpolations are kept as text."""
+    if value.strip() == "":
+        return ""
+    if value.strip().lower() in ("yes", "no", "on", "off", "y", "n"):
+        return value.strip()
+    try:
+        node = OmegaConf.create("v: " + value)
+    except (yaml.YAMLError, OmegaConfBaseException):
+        return value
+    return OmegaConf.to_container(node, resolve=False)["v"]  # type: ignore[index]
+
+
+def apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
+    """Apply Hydra-style overrides in order; every bad override is reported together."""
+    issues: list[ConfigIssue] = []
+    for text in overrides:
+        try:
+            op, key, value = parse_override(text)
+        except ValueError as exc:
+            issues.append(ConfigIssue("<override>", str(exc)))
+            continue
+        exists = _exists(cfg, key)
+        if op == "delete":
+            if not exists:
+                issues.append(ConfigIssue(key, f"override {text!r}: cannot delete, key not set"))
+                continue
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            node.pop(leaf)
+            continue
+        if op == "set" and not exists:
+            near = _near_keys(cfg, key)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            issues.append(
+                ConfigIssue(
+                    key,
+                    f"override {text!r}: key not in config; use +{key}=... to add it{hint}",
+                )
+            )
+            continue
+        if op == "add" and exists:
+            issues.append(
+                ConfigIssue(key, f"override {text!r}: key already set; use {key}=... to change it")
+            )
+            continue
+        try:
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        except OmegaConfBaseException as exc:
+            issues.append(ConfigIssue(key, f"override {text!r} failed: {exc}"))
+    if issues:
+        raise ConfigError(issues, "overrides")
+    return cfg
+
+
+def _exists(cfg: DictConfig, key: str) -> bool:
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node._get_node(part)
+    return True
+
+
+def _near_keys(cfg: DictConfig, key: str) -> list[str]:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return []
+    prefix = f"{parent}." if parent else ""
+    return [prefix + k for k in difflib.get_close_matches(leaf, [str(k) for k in node], n=3)]
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """Load a NeMo-RL-shaped YAML with `defaults:` inheritance, then apply overrides.
+
+    Raises ConfigError (never a bare YAML/OmegaConf traceback) for missing files, parse errors,
+    inheritance cycles and bad overrides. Validation is separate: see `validate`.
+    """
+    cfg = _load_with_inheritance(Path(path), ())
+    return apply_overrides(cfg, overrides)

@@ -1,0 +1,485 @@
+"""Validation of a loaded config, and reading the Recipe it describes.
+
+`validate` never stops at the first problem: it walks the `jetrl:` section (schema in
+`config_schema`), NeMo-RL's precision keys, NeMo-RL's importance-sampling rules for ``loss_fn``
+(its ClippedPGLossConfig checks), the recipe's internal consistency, and, when the model is
+known, the architecture (layer counts, 128-alignment for blockwise FP8). Each finding is a
+`ConfigIssue` with the full key path, a message saying what to change, and the allowed values.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from nemo_jetrl import config_schema as S
+from nemo_jetrl.config_load import ConfigError, ConfigIssue, _exists
+from nemo_jetrl.recipe import KvCalibration, Recipe, SideRecipe
+
+# ---------------------------------------------------------------------------------------------
+# reading with a record of problems
+
+
+class _Reader:
+    """Reads typed values from a config, recording every problem instead of raising."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.issues: list[ConfigIssue] = []
+
+    def get(self, path: str, default: Any = None) -> Any:
+        if not _exists(self.cfg, path):
+            return default
+        try:
+            val = OmegaConf.select(self.cfg, path, throw_on_missing=True)
+        except MissingMandatoryValue:
+            self.error(path, "mandatory value (???) is not set")
+            return default
+        except OmegaConfBaseException as exc:
+            self.error(path, f"cannot resolve value: {exc}")
+            return default
+        if isinstance(val, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(val, resolve=True)
+        return val
+
+    def has(self, path: str) -> bool:
+        return _exists(self.cfg, path)
+
+    def error(self, path: str, message: str, allowed: Sequence[Any] = ()) -> None:
+        self.issues.append(ConfigIssue(path, message, tuple(allowed)))
+
+    def warn(self, path: str, message: str, allowed: Sequence[Any] = ()) -> None:
+        self.issues.append(ConfigIssue(path, message, tuple(allowed), "warning"))
+
+    def note(self, path: str, message: str) -> None:
+        self.issues.append(ConfigIssue(path, message, (), "note"))
+
+    def boolean(self, path: str, default: bool) -> bool:
+        v = self.get(path, default)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            self.error(path, f"must be true or false, got {v!r}", (True, False))
+            return default
+        return v
+
+    def choice(self, path: str, choices: Sequence[Any], default: Any) -> Any:
+        v = self.get(path, default)
+        if v not in choices:
+            self.error(path, f"unknown value {v!r}", choices)
+            return default
+        return v
+
+    def count(self, path: str, default: int = 0) -> int:
+        v = self.get(path, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            self.error(path, f"must be an integer >= 0, got {v!r}")
+            return default
+        return v
+
+    def number(self, path: str, default: float | None) -> float | None:
+        v = self.get(path, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            self.error(path, f"must be a number, got {v!r}")
+            return default
+        return float(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_jetrl_section(r: _Reader) -> None:
+    section = r.get("jetrl", None)
+    if section is None:
+        return
+    if not isinstance(section, Mapping):
+        r.error("jetrl", f"must be a mapping, got {type(section).__name__}")
+        return
+    for key in section:
+        if key not in S.JETRL_KEYS:
+            near = difflib.get_close_matches(str(key), list(S.JETRL_KEYS), n=1)
+            hint = f"; did you mean jetrl.{near[0]}?" if near else ""
+            r.error(f"jetrl.{key}", f"unknown key{hint}", tuple(S.JETRL_KEYS))
+    for key, spec in S.JETRL_KEYS.items():
+        if key not in section or key in ("kv_calibration", "local"):
+            continue
+        v = section[key]
+        path = f"jetrl.{key}"
+        types = tuple(t for t in spec.types if t is not type(None))
+        if v is None and type(None) in spec.types:
+            continue
+        ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+        if not ok:
+            want = " or ".join(
+                "null" if t is type(None) else getattr(t, "__name__", str(t)) for t in spec.types
+            )
+            r.error(path, f"must be {want}, got {v!r}", spec.choices)
+            continue
+        if spec.choices and v not in spec.choices:
+            r.error(path, f"unknown value {v!r}", spec.choices)
+        if spec.types == (int,) and v < 0:
+            r.error(path, f"must be >= 0, got {v}")
+    cal = section.get("kv_calibration")
+    if cal is not None:
+        if not isinstance(cal, Mapping):
+            r.error("jetrl.kv_calibration", "must be a mapping")
+        else:
+            _check_kv_calibration(r, cal)
+    local = section.get("local")
+    if local is not None:
+        _check_local(r, local)
+
+
+def _check_kv_calibration(r: _Reader, cal: Mapping[str, Any]) -> None:
+    base = "jetrl.kv_calibration"
+    for key in cal:
+        if key not in S.KV_CALIBRATION_KEYS:
+            near = difflib.get_close_matches(str(key), list(S.KV_CALIBRATION_KEYS), n=1)
+            hint = f"; did you mean {base}.{near[0]}?" if near else ""
+            r.error(f"{base}.{key}", f"unknown key{hint}", tuple(S.KV_CALIBRATION_KEYS))
+    r.boolean(f"{base}.enabled", True)
+    r.choice(f"{base}.mask", S.KV_CALIBRATION_KEYS["mask"].choices, "prompt_and_response")
+    frac = r.number(f"{base}.data_fraction", 1.0)
+    if frac is not None and not 0.0 < frac <= 1.0:
+        r.error(f"{base}.data_fraction", f"must be in (0, 1], got {frac}")
+    pct = r.number(f"{base}.percentile", 99.9)
+    if pct is not None and not 0.0 < pct <= 100.0:
+        r.error(f"{base}.percentile", f"must be in (0, 100], got {pct}")
+    margin = r.number(f"{base}.margin", 1.05)
+    if margin is not None and not margin >= 1.0:
+        r.error(f"{base}.margin", f"must be >= 1 (a safety factor on amax), got {margin}")
+
+
+def _check_local(r: _Reader, local: Any) -> None:
+    if not isinstance(local, Mapping):
+        r.error("jetrl.local", f"must be a mapping, got {type(local).__name__}")
+        return
+    try:
+        mod = importlib.import_module(S.LOCAL_SCHEMA_MODULE)
+        fn = getattr(mod, S.LOCAL_SCHEMA_FUNCTION)
+    except (ImportError, AttributeError):
+        r.note(
+            "jetrl.local",
+            f"not validated here: the local backend's schema ({S.LOCAL_SCHEMA_MODULE}."
+            f"{S.LOCAL_SCHEMA_FUNCTION}) is not available",
+        )
+        return
+    r.issues.extend(fn(r.cfg.jetrl.local, "jetrl.local"))
+
+
+def _check_nemo_rl_keys(r: _Reader) -> None:
+    # Training FP8 (Megatron/TE).
+    fp8_on = r.boolean(S.FP8_ENABLED, False)
+    if fp8_on:
+        for key, choices in ((S.FP8_FORMAT, S.FP8_FORMATS), (S.FP8_RECIPE, S.FP8_RECIPES)):
+            if not r.has(key):
+                r.error(key, "required when fp8_cfg.enabled is true (NeMo-RL reads it)", choices)
+            else:
+                r.choice(key, choices, choices[0])
+        r.boolean(S.FP8_PARAM, False)
+        if r.get(S.MEGATRON_ENABLED, None) is False:
+            r.warn(
+                S.FP8_ENABLED,
+                "NeMo-RL applies fp8_cfg only with the Megatron backend "
+                f"({S.MEGATRON_ENABLED}=false here); the local backend honours it",
+            )
+    env = r.get(S.FP32_SCALES_KEY, None)
+    if env is not None and str(env) not in S.ENV_FLAG_VALUES:
+        r.error(S.FP32_SCALES_KEY, f"unknown value {env!r}", S.ENV_FLAG_VALUES)
+    # Rollout (vLLM).
+    prec = r.choice(S.VLLM_PRECISION, S.VLLM_PRECISIONS, "bfloat16")
+    kv = r.choice(S.VLLM_KV_DTYPE, S.VLLM_KV_DTYPES, "auto")
+    if str(kv).startswith("fp8") and prec != "fp8":
+        r.error(
+            S.VLLM_KV_DTYPE,
+            f"kv_cache_dtype={kv!r} needs {S.VLLM_PRECISION}=fp8 (NeMo-RL only supports an FP8 KV "
+            f"cache together with FP8 weights); set precision to fp8 or kv_cache_dtype to auto",
+        )
+    for key in (S.VLLM_POW2_W, S.VLLM_POW2_A, S.VLLM_DEEP_GEMM):
+        r.boolean(key, False)
+    for key in (S.VLLM_FIRST_BF16, S.VLLM_LAST_BF16):
+        r.count(key, 0)
+    if r.boolean(S.VLLM_IS_MX, False) and prec != "fp8":
+        r.error(S.VLLM_IS_MX, "is_mx=true needs precision=fp8")
+
+
+def _check_loss_fn(r: _Reader) -> None:
+    """NeMo-RL's ClippedPGLossConfig rules for importance-sampling correction."""
+    is_on = r.boolean(S.IS_CORRECTION, False)
+    tis = r.get(S.TIS_TYPE, None)
+    ratio = r.number(S.TIS_RATIO, None)
+    rmin = r.number(S.TIS_RATIO_MIN, None)
+    seq = r.boolean(S.SEQ_LEVEL_IS, False)
+    if tis is None:
+        return
+    if tis not in S.TIS_TYPES:
+        r.error(S.TIS_TYPE, f"unknown value {tis!r}", (*S.TIS_TYPES, None))
+    if not is_on:
+        r.error(
+            S.TIS_TYPE,
+            f"{tis!r} truncates importance weights, which only exist when "
+            f"{S.IS_CORRECTION}=true; enable it or set the type to null",
+        )
+    if ratio is None or ratio <= 0:
+        r.error(S.TIS_RATIO, f"must be a positive number when {S.TIS_TYPE} is set, got {ratio}")
+    if rmin is not None and ratio is not None and rmin > ratio:
+        r.error(S.TIS_RATIO_MIN, f"must be <= {S.TIS_RATIO} ({ratio}), got {rmin}")
+    if tis in ("icepop", "seq-mask-tis") and rmin is None:
+        r.error(
+            S.TIS_RATIO_MIN,
+            f"{tis!r} drops tokens/sequences whose weight is outside [min, max]: set a lower "
+            "bound (e.g. 0.5)",
+        )
+    if tis == "seq-mask-tis" and seq:
+        r.error(
+            S.SEQ_LEVEL_IS,
+            "seq-mask-tis uses token-level IS weights with sequence-level masking; set "
+            "sequence_level_importance_ratios=false",
+        )
+
+
+def _read_recipe(r: _Reader) -> Recipe:
+    """Build the Recipe from the keys (issues recorded in `r`, defaults where invalid)."""
+    fp8_train = r.get(S.FP8_ENABLED, False) is True
+    fmt = r.get(S.FP8_FORMAT, "e4m3")
+    scaling = r.get(S.FP8_RECIPE, "blockwise")
+    fp32_env = str(r.get(S.FP32_SCALES_KEY, "0")) == "1"
+    train = SideRecipe(
+        fp8_linears=fp8_train,
+        fmt=fmt if fmt in S.FP8_FORMATS else "e4m3",
+        scaling=scaling if scaling in S.FP8_RECIPES else "blockwise",
+        pow2_weight_scales=not fp32_env,
+        pow2_activation_scales=not fp32_env,
+        quantizer="te",
+        bf16_first_layers=_safe_count(r.get("jetrl.train_num_first_layers_in_bf16", 0)),
+        bf16_last_layers=_safe_count(r.get("jetrl.train_num_last_layers_in_bf16", 0)),
+        fp8_param=fp8_train and r.get(S.FP8_PARAM, False) is True,
+    )
+    fp8_roll = r.get(S.VLLM_PRECISION, "bfloat16") == "fp8"
+    patch = r.get("jetrl.vllm_patch", False) is True
+    rollout = SideRecipe(
+        fp8_linears=fp8_roll,
+        fmt="e4m3",
+        scaling="mxfp8" if r.get(S.VLLM_IS_MX, False) is True else "blockwise",
+        pow2_weight_scales=r.get(S.VLLM_POW2_W, False) is True,
+        pow2_activation_scales=r.get(S.VLLM_POW2_A, False) is True,
+        quantizer="jetrl" if patch and fp8_roll else "vllm",
+        bf16_first_layers=_safe_count(r.get(S.VLLM_FIRST_BF16, 0)),
+        bf16_last_layers=_safe_count(r.get(S.VLLM_LAST_BF16, 0)),
+        use_deep_gemm=r.get(S.VLLM_DEEP_GEMM, False) is True,
+    )
+    kv_fp8 = str(r.get(S.VLLM_KV_DTYPE, "auto")).startswith("fp8") and fp8_roll
+    cal_enabled = r.get("jetrl.kv_calibration.enabled", True) is not False
+    src = r.get("jetrl.kv_scale_source", None)
+    if not kv_fp8:
+        src = "none"
+    elif src not in ("trainer_calibrated", "checkpoint", "dynamic", "unit"):
+        src = "trainer_calibrated" if cal_enabled else "dynamic"
+    onpolicy = r.get("jetrl.onpolicy_kv", False) is True
+    try:
+        cal = KvCalibration(
+            enabled=cal_enabled,
+            data_fraction=float(r.get("jetrl.kv_calibration.data_fraction", 1.0)),
+            percentile=float(r.get("jetrl.kv_calibration.percentile", 99.9)),
+            margin=float(r.get("jetrl.kv_calibration.margin", 1.05)),
+            mask=r.get("jetrl.kv_calibration.mask", "prompt_and_response"),
+        )
+    except (ValueError, TypeError):
+        cal = KvCalibration()  # the problem is already recorded by _check_kv_calibration
+    recipe = Recipe(
+        name="custom",
+        train=train,
+        rollout=rollout,
+        kv_cache_dtype="fp8" if kv_fp8 else "auto",
+        kv_scale_source=src,
+        onpolicy_kv=onpolicy and kv_fp8,
+        kv_calibration=cal,
+        unaligned_layers_bf16=r.get("jetrl.unaligned_layers", "error") == "bf16",
+    )
+    # Name it after the declared preset when the keys match it, else after any preset they
+    # match (a config without the label), else "custom".
+    label = r.get("jetrl.recipe", None)
+    for name in ([label] if isinstance(label, str) else []) + list(S.JETRL_KEYS["recipe"].choices):
+        if isinstance(name, str) and _matches_preset(recipe, name):
+            return recipe.with_(name=name)
+    return recipe
+
+
+def _safe_count(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+_PRESET_COMPARE_IGNORES = ("name", "kv_calibration")
+
+
+def _matches_preset(recipe: Recipe, name: str) -> bool:
+    try:
+        preset = Recipe.preset(name)
+    except ValueError:
+        return False
+    return not preset_differences(recipe, preset)
+
+
+def _normalized(recipe: Recipe) -> Recipe:
+    """Blank out settings that have no effect (FP8 details of a BF16 side, KV details of a BF16
+    cache) so that comparisons only see what changes numbers."""
+    sides = {}
+    for which in ("train", "rollout"):
+        s = recipe.side(which)
+        sides[which] = s if s.fp8_linears else SideRecipe(quantizer=s.quantizer)
+    if sides["rollout"].fp8_linears is False:
+        sides["rollout"] = SideRecipe(quantizer="vllm")
+    return recipe.with_(name=recipe.name, **sides)
+
+
+def preset_differences(recipe: Recipe, preset: Recipe) -> list[str]:
+    """Fields (dotted) where `recipe` differs from `preset`, ignoring name, KV calibration and
+    the training quantizer implementation (TE and nemo_jetrl compute the same bits)."""
+    diffs: list[str] = []
+    a, b = _normalized(recipe).to_dict(), _normalized(preset).to_dict()
+    for key in a:
+        if key in _PRESET_COMPARE_IGNORES:
+            continue
+        if isinstance(a[key], dict):
+            for sub in a[key]:
+                if key == "train" and sub == "quantizer":
+                    continue
+                if key == "rollout" and sub == "use_deep_gemm":
+                    continue
+                if a[key][sub] != b[key][sub]:
+                    diffs.append(f"{key}.{sub}: config {a[key][sub]!r}, preset {b[key][sub]!r}")
+        elif a[key] != b[key]:
+            diffs.append(f"{key}: config {a[key]!r}, preset {b[key]!r}")
+    return diffs
+
+
+def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:
+    label = r.get("jetrl.recipe", None)
+    if isinstance(label, str) and label in S.JETRL_KEYS["recipe"].choices:
+        diffs = preset_differences(recipe, Recipe.preset(label))
+        if diffs:
+            r.warn(
+                "jetrl.recipe",
+                f"the keys describe a different recipe than {label!r}: "
+                + "; ".join(diffs)
+                + f" (run `jetrl align --recipe {label}` to write the preset's keys)",
+            )
+    if r.get("jetrl.onpolicy_kv", False) is True and not recipe.kv_fp8:
+        r.error(
+            "jetrl.onpolicy_kv",
+            f"on-policy KV needs an FP8 KV cache: set {S.VLLM_KV_DTYPE}=fp8 (with "
+            f"{S.VLLM_PRECISION}=fp8) or jetrl.onpolicy_kv=false",
+        )
+    if r.get("jetrl.vllm_patch", False) is True:
+        if not recipe.rollout.fp8_linears:
+            r.warn("jetrl.vllm_patch", f"has no effect unless {S.VLLM_PRECISION}=fp8")
+        elif recipe.rollout.scaling != "blockwise":
+            r.error(
+                "jetrl.vllm_patch",
+                f"the patch supplies blockwise FP8 only; set {S.VLLM_IS_MX}=false or "
+                "jetrl.vllm_patch=false",
+            )
+    if recipe.train.fp8_linears and recipe.train.scaling != "blockwise":
+        r.warn(
+            S.FP8_RECIPE,
+            f"{recipe.train.scaling!r} training FP8 never matches vLLM's blockwise rollout; "
+            "nemo_jetrl's unified flow needs 'blockwise'",
+            S.FP8_RECIPES,
+        )
+
+
+def _check_arch(r: _Reader, recipe: Recipe) -> None:
+    from nemo_jetrl.arch import ArchError, resolve_arch
+
+    try:
+        arch = resolve_arch(r.get(S.MODEL_NAME, None), r.get("jetrl.model_config", None))
+    except ArchError as exc:
+        r.error(exc.key or "jetrl.model_config", str(exc))
+        return
+    if arch is None:
+        r.note(
+            S.MODEL_NAME,
+            f"no built-in description of {r.get(S.MODEL_NAME, None)!r}; set jetrl.model_config "
+            "to its config.json to check layer counts and 128-alignment",
+        )
+        return
+    n = arch.num_layers
+    for key, first, last in (
+        (
+            "jetrl.train_num_first_layers_in_bf16",
+            recipe.train.bf16_first_layers,
+            recipe.train.bf16_last_layers,
+        ),
+        (S.VLLM_FIRST_BF16, recipe.rollout.bf16_first_layers, recipe.rollout.bf16_last_layers),
+    ):
+        if first + last > n:
+            r.error(
+                key, f"first ({first}) + last ({last}) BF16 layers exceed the model's {n} layers"
+            )
+    blockwise = [
+        s
+        for s in (recipe.train, recipe.rollout)
+        if s.fp8_linears and s.scaling in ("blockwise", "mxfp8")
+    ]
+    if not blockwise or recipe.unaligned_layers_bf16:
+        return
+    bad = arch.unaligned_linears()
+    if bad:
+        names = ", ".join(f"{lin.name} {lin.out_features}x{lin.in_features}" for lin in bad[:6])
+        more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+        key = S.FP8_ENABLED if recipe.train.fp8_linears else S.VLLM_PRECISION
+        r.error(
+            key,
+            f"blockwise FP8 needs every linear's dims to be multiples of 128; {arch.name} has "
+            f"{names}{more}. Set jetrl.unaligned_layers=bf16 to keep them BF16 on both sides, "
+            "or turn FP8 off",
+        )
+
+
+def _validate(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
+    r = _Reader(cfg)
+    _check_jetrl_section(r)
+    _check_nemo_rl_keys(r)
+    _check_loss_fn(r)
+    try:
+        recipe = _read_recipe(r)
+    except ValueError as exc:  # a Recipe invariant the checks above did not name
+        r.error("jetrl", str(exc))
+        recipe = Recipe()
+    _check_recipe_consistency(r, recipe)
+    _check_arch(r, recipe)
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for i in r.issues:
+        if (i.path, i.message) not in seen:
+            seen.add((i.path, i.message))
+            unique.append(i)
+    return unique, recipe
+
+
+def validate(cfg: DictConfig) -> list[ConfigIssue]:
+    """Every problem in `cfg` (errors, warnings, notes), in the order found."""
+    return _validate(cfg)[0]
+
+
+def errors(issues: Iterable[ConfigIssue]) -> list[ConfigIssue]:
+    """Only the issues of level "error"."""
+    return [i for i in issues if i.level == "error"]
+
+
+def recipe_from_config(cfg: DictConfig) -> Recipe:
+    """The Recipe a valid config describes; ConfigError listing every error otherwise."""
+    issues, recipe = _validate(cfg)
+    if errors(issues):
+        raise ConfigError(issues)
+    return recipe
