@@ -30,6 +30,7 @@ from nemo_jetrl.config_load import (
 )
 from nemo_jetrl.config_validate import (
     _Reader,
+    arch_from_config,
     errors,
     preset_differences,
     recipe_from_config,
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigError",
     "ConfigIssue",
     "apply_overrides",
+    "arch_from_config",
     "errors",
     "load_config",
     "merge_updates",

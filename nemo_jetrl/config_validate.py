@@ -279,6 +279,10 @@ def _read_recipe(r: _Reader) -> Recipe:
         use_deep_gemm=r.get(S.VLLM_DEEP_GEMM, False) is True,
     )
     kv_fp8 = str(r.get(S.VLLM_KV_DTYPE, "auto")).startswith("fp8") and fp8_roll
+    if r.get(S.GEN_BACKEND, "vllm") == "megatron":
+        # NeMo-RL's Megatron generation samples with the training model itself: the rollout
+        # is the training forward (vllm_cfg does not apply), with a BF16 KV cache.
+        rollout, kv_fp8 = train.with_(fp8_param=False), False
     cal_enabled = r.get("jetrl.kv_calibration.enabled", True) is not False
     src = r.get("jetrl.kv_scale_source", None)
     if not kv_fp8:
@@ -398,13 +402,47 @@ def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:
         )
 
 
-def _check_arch(r: _Reader, recipe: Recipe) -> None:
+def _arch(r: _Reader) -> tuple[Any, bool]:
+    """(ModelArch or None, ok); a bad jetrl.model_config is recorded as an error."""
     from nemo_jetrl.arch import ArchError, resolve_arch
 
+    model, path = r.get(S.MODEL_NAME, None), r.get("jetrl.model_config", None)
     try:
-        arch = resolve_arch(r.get(S.MODEL_NAME, None), r.get("jetrl.model_config", None))
+        return resolve_arch(model if isinstance(model, str) else None, path), True
     except ArchError as exc:
         r.error(exc.key or "jetrl.model_config", str(exc))
+        return None, False
+
+
+def arch_from_config(cfg: DictConfig) -> Any:
+    """The model's ModelArch (jetrl.model_config, else the built-in for policy.model_name, else
+    None); ConfigError when jetrl.model_config cannot be read."""
+    r = _Reader(cfg)
+    arch, ok = _arch(r)
+    if not ok:
+        raise ConfigError(r.issues)
+    return arch
+
+
+def _check_backend(r: _Reader) -> None:
+    backend = r.get(S.GEN_BACKEND, "vllm")
+    if backend not in ("vllm", "megatron"):
+        r.warn(
+            S.GEN_BACKEND,
+            f"nemo_jetrl models vLLM and Megatron rollouts; with {backend!r} the check reads "
+            "vllm_cfg, which may not describe that engine's quantization",
+            ("vllm", "megatron"),
+        )
+    elif backend == "megatron" and r.get(S.VLLM_PRECISION, None) == "fp8":
+        r.note(
+            S.VLLM_PRECISION,
+            "ignored: generation.backend=megatron samples with the training model",
+        )
+
+
+def _check_arch(r: _Reader, recipe: Recipe) -> None:
+    arch, ok = _arch(r)
+    if not ok:
         return
     if arch is None:
         r.note(
@@ -451,6 +489,7 @@ def _validate(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
     _check_jetrl_section(r)
     _check_nemo_rl_keys(r)
     _check_loss_fn(r)
+    _check_backend(r)
     try:
         recipe = _read_recipe(r)
     except ValueError as exc:  # a Recipe invariant the checks above did not name

@@ -402,6 +402,34 @@ def test_recipe_label_disagreeing_with_keys_is_a_warning():
     assert w.level == "warning" and "rollout.quantizer" in w.message
 
 
+def test_megatron_generation_backend_samples_with_the_training_model():
+    cfg = cfg_with(
+        "policy.generation.backend=megatron",
+        "policy.megatron_cfg.fp8_cfg.enabled=true",
+        "policy.generation.vllm_cfg.precision=fp8",
+    )
+    issues = validate(cfg)
+    assert any(i.level == "note" and "backend=megatron" in i.message for i in issues)
+    r = recipe_from_config(cfg)
+    assert r.rollout.fp8_linears and r.rollout.quantizer == "te"
+    assert r.rollout.scale_mode("weight") == r.train.scale_mode("weight")
+
+
+def test_other_generation_backends_get_a_warning():
+    issues = validate(cfg_with("policy.generation.backend=sglang"))
+    (w,) = [i for i in issues if i.path == "policy.generation.backend"]
+    assert w.level == "warning" and w.allowed == ("vllm", "megatron")
+
+
+def test_arch_from_config():
+    from nemo_jetrl.config import arch_from_config
+
+    assert arch_from_config(cfg_with()).name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert arch_from_config(cfg_with("policy.model_name=org/x")) is None
+    with pytest.raises(ConfigError, match="model config not found"):
+        arch_from_config(cfg_with("+jetrl.model_config=/nope/config.json"))
+
+
 # ------------------------------------------------------------------------------ key mapping
 
 

@@ -47,9 +47,12 @@ class Checked:
 
 def load_and_check(path: str, overrides: list[str]) -> Checked:
     """Load, validate and flow-check; UserError listing every problem when invalid."""
-    from nemo_jetrl.arch import ArchError, generic_arch, resolve_arch
+    from omegaconf import OmegaConf
+
+    from nemo_jetrl.arch import generic_arch
     from nemo_jetrl.cli import UserError
     from nemo_jetrl.config import ConfigError, errors, load_config, recipe_from_config, validate
+    from nemo_jetrl.config_validate import arch_from_config
     from nemo_jetrl.flow import check_on_policy
 
     try:
@@ -62,11 +65,10 @@ def load_and_check(path: str, overrides: list[str]) -> Checked:
         raise UserError(f"invalid config\n{exc}") from None
     note = None
     try:
-        model = cfg.get("policy", {}).get("model_name") if "policy" in cfg else None
-        jetrl = cfg.get("jetrl") or {}
-        arch = resolve_arch(model, jetrl.get("model_config") if jetrl else None)
-    except ArchError as exc:
-        raise UserError(f"invalid config\n  - {exc.key}: {exc}") from None
+        arch = arch_from_config(cfg)
+    except ConfigError as exc:
+        raise UserError(f"invalid config\n{exc}") from None
+    model = OmegaConf.select(cfg, "policy.model_name", default=None)
     if arch is None:
         n = max(
             2,
