@@ -464,6 +464,23 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
             r.error(
                 key, f"first ({first}) + last ({last}) BF16 layers exceed the model's {n} layers"
             )
+    t = recipe.train
+    if t.fp8_linears and t.bf16_first_layers + t.bf16_last_layers == n:
+        r.error(
+            "jetrl.train_num_first_layers_in_bf16",
+            f"BF16 first ({t.bf16_first_layers}) + last ({t.bf16_last_layers}) layers cover all "
+            f"{n} layers: no layer would run in FP8; lower them or set {S.FP8_ENABLED}=false",
+        )
+    pp = r.get("policy.megatron_cfg.pipeline_model_parallel_size", 1)
+    if t.fp8_linears and isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1:
+        per_stage = n // pp
+        for what, k in (("first", t.bf16_first_layers), ("last", t.bf16_last_layers)):
+            if k > per_stage:
+                r.error(
+                    f"jetrl.train_num_{what}_layers_in_bf16",
+                    f"{k} BF16 {what} layers exceed the {per_stage} layers of a pipeline stage "
+                    "(Megatron allows at most num_layers // pipeline_model_parallel_size)",
+                )
     blockwise = [
         s
         for s in (recipe.train, recipe.rollout)

@@ -209,6 +209,24 @@ def test_base_config_is_valid_and_bf16():
         ),
         (
             [
+                "policy.megatron_cfg.fp8_cfg.enabled=true",
+                "jetrl.train_num_first_layers_in_bf16=16",
+                "jetrl.train_num_last_layers_in_bf16=16",
+            ],
+            "jetrl.train_num_first_layers_in_bf16",
+            "no layer would run in FP8",
+        ),
+        (
+            [
+                "policy.megatron_cfg.fp8_cfg.enabled=true",
+                "policy.megatron_cfg.pipeline_model_parallel_size=4",
+                "jetrl.train_num_last_layers_in_bf16=9",
+            ],
+            "jetrl.train_num_last_layers_in_bf16",
+            "layers of a pipeline stage",
+        ),
+        (
+            [
                 "loss_fn.truncated_importance_sampling_type=tis",
                 "loss_fn.truncated_importance_sampling_ratio=2.0",
             ],
