@@ -234,6 +234,27 @@ def test_handle_restores_original_attention() -> None:
         assert torch.equal(after, before)
 
 
+def test_models_sharing_a_config_are_attached_independently() -> None:
+    cfg = _config("llama")
+    torch.manual_seed(0)
+    a = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    torch.manual_seed(0)
+    b = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    assert a.config is b.config
+    ids, am, _ = _batch()
+    with torch.no_grad():
+        before = b(input_ids=ids, attention_mask=am).logits
+    ha = attach_kv(a, scales=KVScales({i: {"k": 0.01, "v": 0.01} for i in range(3)}), quantize=True)
+    hb = attach_kv(b)  # observers only: b's numbers must not change
+    assert ha is not hb and ha.name != hb.name
+    with torch.no_grad():
+        assert torch.equal(b(input_ids=ids, attention_mask=am).logits, before)
+        assert not torch.equal(a(input_ids=ids, attention_mask=am).logits, before)
+    ha.restore()
+    hb.restore()
+    assert a.config is cfg and b.config is cfg and cfg._attn_implementation == "eager"
+
+
 def test_attach_without_quantization_changes_nothing() -> None:
     model = _model("qwen3", "sdpa")
     ids, am, _ = _batch()

@@ -12,7 +12,9 @@ concatenated with the KV cache. `attach_kv` registers a wrapper under a fresh na
    the trainer runs on-policy KV,
 3. calls the implementation the model used before (``eager`` or ``sdpa`` ...),
 
-and switches the model to it; the handle's `restore` switches back and unregisters the name.
+and switches the model to it (on a private copy of its config: models built from one config
+object share their attention implementation); the handle's `restore` puts the original config
+object back and unregisters the name.
 
 KV cache during generation. transformers writes new keys/values into the cache *before* calling
 the attention function. `KVHandle.new_cache` returns a cache whose layers fake-quantize what is
@@ -26,6 +28,7 @@ Nothing here runs at import time; transformers is imported lazily.
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -186,6 +189,14 @@ class KVHandle:
                 f"{tf.__version__}; use 'eager' or 'sdpa' for FP8 KV"
             )
         self.name = f"jetrl_kv_{self.previous}_{id(state):x}"
+        # transformers keeps the attention implementation on the config object, and models built
+        # from one config object share it: give this model a private copy so attaching to (say)
+        # the rollout model leaves a trainer model built from the same config untouched.
+        self._config = model.config
+        private = copy.deepcopy(model.config)
+        self._repointed = [m for m in model.modules() if getattr(m, "config", None) is self._config]
+        for m in self._repointed:
+            m.config = private
         modeling_utils.AttentionInterface.register(
             self.name, _make_attention(state, _inner_attention(self.previous, modeling_utils))
         )
@@ -255,7 +266,8 @@ class KVHandle:
             return
         from transformers import masking_utils, modeling_utils
 
-        self.model.set_attn_implementation(self.previous)
+        for m in self._repointed:
+            m.config = self._config  # the original object, never modified
         modeling_utils.AttentionInterface._global_mapping.pop(self.name, None)
         masking_utils.AttentionMaskInterface._global_mapping.pop(self.name, None)
         if getattr(self.model, _HANDLE_ATTR, None) is self:
