@@ -1,0 +1,146 @@
+"""Is our FP8 quantizer nearly free? Triton kernel time vs a device-to-device copy of its input.
+
+Quantization is memory-bound: it reads the input once and writes FP8 data plus scales. The floor
+is a plain copy of the input (read + write of the same bytes). For each shape, block, format and
+scale mode this prints the kernel time, the copy time, their ratio, and the achieved bandwidth
+of both; plus the torch reference (eager ops) for contrast and the fused RMSNorm + 1x128 kernel
+against an unfused torch RMSNorm followed by our 1x128 kernel. All numbers come from one run.
+
+Usage: python benchmarks/gpu/bench_quantizer_bandwidth.py [--iters 50] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+
+import _common
+import torch
+
+# (label, M, K): decode/prefill activations of 8B models and their weight matrices.
+SHAPES = (
+    ("act decode 128 tok x 4096", 128, 4096),
+    ("act prefill 8192 tok x 4096", 8192, 4096),
+    ("act 8192 tok x 14336 (down_proj in)", 8192, 14336),
+    ("weight 4096 x 4096 (o_proj)", 4096, 4096),
+    ("weight 28672 x 4096 (gate_up)", 28672, 4096),
+)
+BLOCKS = ((1, 128), (128, 128), (128, 1))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="E4M3 pow2 only, first 3 shapes")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    return ap
+
+
+def _bytes_moved(m: int, k: int, block: tuple[int, int], elem: int) -> int:
+    bm, bk = block
+    return m * k * elem + m * k + (-(-m // bm)) * (-(-k // bk)) * 4
+
+
+def _rmsnorm_then_quantize(x: torch.Tensor, w: torch.Tensor) -> None:
+    from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
+
+    y = torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)
+    quantize_blockwise_triton(y, (1, 128), check_finite=False)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton, rmsnorm_quantize_1x128
+
+    dtype = getattr(torch, args.dtype)
+    elem = torch.finfo(dtype).bits // 8
+    shapes = SHAPES[:3] if args.quick else SHAPES
+    modes = (
+        [("e4m3", True)]
+        if args.quick
+        else [(f, p) for f in ("e4m3", "e5m2") for p in (True, False)]
+    )
+    rows = []
+    for label, m, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        dst = torch.empty_like(x)
+        copy_ms = _common.cuda_time_ms(partial(dst.copy_, x), iters=args.iters)
+        copy_gbs = 2 * x.numel() * elem / copy_ms / 1e6
+        for block in BLOCKS:
+            if label.startswith("weight") and block == (128, 1):
+                continue
+            for fmt, pow2 in modes:
+                kw = {"fmt": fmt, "pow2_scales": pow2}
+
+                tri = partial(quantize_blockwise_triton, x, block, check_finite=False, **kw)
+                tri_checked = partial(quantize_blockwise_triton, x, block, **kw)
+                ref = partial(quantize_blockwise, x, block, backend="torch", **kw)
+                t_ms = _common.cuda_time_ms(tri, iters=args.iters)
+                rows.append(
+                    {
+                        "shape": label,
+                        "block": f"{block[0]}x{block[1]}",
+                        "fmt": fmt,
+                        "scales": "pow2" if pow2 else "fp32",
+                        "triton_us": 1e3 * t_ms,
+                        "copy_us": 1e3 * copy_ms,
+                        "triton/copy": t_ms / copy_ms,
+                        "triton_GB/s": _bytes_moved(m, k, block, elem) / t_ms / 1e6,
+                        "copy_GB/s": copy_gbs,
+                        "checked_us": 1e3 * _common.cuda_time_ms(tri_checked, iters=args.iters),
+                        "torch_ref/triton": _common.cuda_time_ms(ref, iters=max(5, args.iters // 5))
+                        / t_ms,
+                    }
+                )
+        if dtype in (torch.bfloat16, torch.float16) and label.startswith("act"):
+            w = torch.ones(k, device="cuda", dtype=dtype)
+
+            fused = partial(rmsnorm_quantize_1x128, x, w, check_finite=False)
+            unfused = partial(_rmsnorm_then_quantize, x, w)
+            f_ms = _common.cuda_time_ms(fused, iters=args.iters)
+            u_ms = _common.cuda_time_ms(unfused, iters=args.iters)
+            rows.append(
+                {
+                    "shape": label,
+                    "block": "rmsnorm+1x128",
+                    "fmt": "e4m3",
+                    "scales": "pow2",
+                    "triton_us": 1e3 * f_ms,
+                    "copy_us": 1e3 * copy_ms,
+                    "triton/copy": f_ms / copy_ms,
+                    # reads x (twice: sum of squares, then normalize), writes y, q and scales
+                    "triton_GB/s": (3 * m * k * elem + m * k + m * (-(-k // 128)) * 4) / f_ms / 1e6,
+                    "copy_GB/s": copy_gbs,
+                    "unfused/fused": u_ms / f_ms,
+                }
+            )
+    return rows
+
+
+COLUMNS = (
+    "shape",
+    "block",
+    "fmt",
+    "scales",
+    "triton_us",
+    "copy_us",
+    "triton/copy",
+    "triton_GB/s",
+    "copy_GB/s",
+    "checked_us",
+    "torch_ref/triton",
+    "unfused/fused",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _common.require_cuda("bench_quantizer_bandwidth")
+    print(f"# {_common.gpu_name()}, input {args.dtype}")
+    _common.print_table(run(args), COLUMNS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
