@@ -70,6 +70,7 @@ __all__ = [
     "PrecisionFlow",
     "bf16_edges",
     "build_flow",
+    "check_config",
     "check_on_policy",
     "flow_table",
     "format_ranges",
@@ -411,3 +412,38 @@ def _cell_text(edges: list[tuple[str, Precision]]) -> str:
         parts = {f"{'w' if r == 'weight' else 'x'} {p.scale}": None for r, p in fp8}
         scale = "/".join(parts)
     return f"FP8 {'/'.join(fmts)} {scale} ({'/'.join(impls)})"
+
+
+def check_config(cfg, builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS) -> FlowCheck:
+    """Validate a loaded config and check its recipe on its model (generic aligned layers when
+    the model is unknown). Raises `nemo_jetrl.config.ConfigError` listing every error.
+
+    What backends call before launching (`jetrl train` refuses an off-policy result unless
+    ``jetrl.allow_off_policy`` is set).
+    """
+    from nemo_jetrl.arch import generic_arch
+    from nemo_jetrl.config import (
+        ConfigError,
+        arch_from_config,
+        errors,
+        recipe_from_config,
+        validate,
+    )
+
+    issues = validate(cfg)
+    if errors(issues):
+        raise ConfigError(issues)
+    recipe = recipe_from_config(cfg)
+    arch = arch_from_config(cfg)
+    if arch is None:
+        arch = generic_arch(generic_layers_for(recipe))
+    return check_on_policy(arch, recipe, builders)
+
+
+def generic_layers_for(recipe: Recipe) -> int:
+    """Enough generic layers to show every side's BF16 first/last layers and one more."""
+    return max(
+        2,
+        recipe.train.bf16_first_layers + recipe.train.bf16_last_layers + 1,
+        recipe.rollout.bf16_first_layers + recipe.rollout.bf16_last_layers + 1,
+    )

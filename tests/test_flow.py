@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +290,23 @@ def test_flow_table_merges_layer_ranges():
 def test_flows_are_deterministic(preset):
     r = Recipe.preset(preset)
     assert build_flow(QWEN3, r, "rollout") == build_flow(QWEN3, r, "rollout")
+
+
+def test_check_config_validates_then_checks(tmp_path):
+    from nemo_jetrl.config import ConfigError, load_config
+    from nemo_jetrl.flow import check_config
+
+    ex = Path(__file__).resolve().parents[1] / "examples" / "configs"
+    assert check_config(load_config(ex / "qwen3_8b_base" / "jetrl.yaml")).on_policy
+    off = check_config(load_config(ex / "qwen3_8b_base" / "fp8_rollout.yaml"))
+    assert not off.on_policy and off.model == "Qwen/Qwen3-8B-Base"
+    unknown = check_config(
+        load_config(
+            ex / "qwen3_8b_base" / "jetrl.yaml",
+            ["policy.model_name=org/x", "policy.generation.vllm_cfg.num_last_layers_in_bf16=3"],
+        )
+    )
+    assert unknown.rollout.edges and not unknown.on_policy
+    assert {m.layers for m in unknown.mismatches} == {(1, 2, 3)}  # generic 4-layer stand-in
+    with pytest.raises(ConfigError, match=r"jetrl\.nope"):
+        check_config(load_config(ex / "qwen3_8b_base" / "jetrl.yaml", ["+jetrl.nope=1"]))

@@ -53,7 +53,7 @@ def load_and_check(path: str, overrides: list[str]) -> Checked:
     from nemo_jetrl.cli import UserError
     from nemo_jetrl.config import ConfigError, errors, load_config, recipe_from_config, validate
     from nemo_jetrl.config_validate import arch_from_config
-    from nemo_jetrl.flow import check_on_policy
+    from nemo_jetrl.flow import check_on_policy, generic_layers_for
 
     try:
         cfg = load_config(path, overrides)
@@ -70,11 +70,7 @@ def load_and_check(path: str, overrides: list[str]) -> Checked:
         raise UserError(f"invalid config\n{exc}") from None
     model = OmegaConf.select(cfg, "policy.model_name", default=None)
     if arch is None:
-        n = max(
-            2,
-            recipe.train.bf16_first_layers + recipe.train.bf16_last_layers + 1,
-            recipe.rollout.bf16_first_layers + recipe.rollout.bf16_last_layers + 1,
-        )
+        n = generic_layers_for(recipe)
         arch = generic_arch(n)
         note = (
             f"model {model!r} has no built-in description: checked with {n} generic aligned "
