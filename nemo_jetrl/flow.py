@@ -123,8 +123,9 @@ class Mismatch:
 class FlowCheck:
     """Result of `check_on_policy`."""
 
-    # Model and recipe checked.
+    # Name of the model checked.
     model: str
+    # The recipe checked.
     recipe: Recipe
     # The three flows.
     rollout: PrecisionFlow

@@ -144,7 +144,31 @@ def test_aligned_to_training():
         Recipe(train=SideRecipe(fp8_linears=True, scaling="tensorwise")).aligned_to_training()
 
 
-@pytest.mark.parametrize("cls", [SideRecipe, KvCalibration, Recipe])
+def _documented_classes():
+    from nemo_jetrl.arch import Linear, ModelArch
+    from nemo_jetrl.commands.check import Checked
+    from nemo_jetrl.config import ConfigIssue
+    from nemo_jetrl.config_schema import KeySpec
+    from nemo_jetrl.flow import Edge, FlowCheck, Mismatch, Precision, PrecisionFlow
+
+    return [
+        SideRecipe,
+        KvCalibration,
+        Recipe,
+        Linear,
+        ModelArch,
+        Checked,
+        ConfigIssue,
+        KeySpec,
+        Edge,
+        FlowCheck,
+        Mismatch,
+        Precision,
+        PrecisionFlow,
+    ]
+
+
+@pytest.mark.parametrize("cls", _documented_classes(), ids=lambda c: c.__name__)
 def test_every_field_is_documented_in_place(cls):
     """Each dataclass field has a comment on the line(s) just above it."""
     src = inspect.getsource(cls)

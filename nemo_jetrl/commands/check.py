@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 NAME = "check"
 HELP = "check that a NeMo-RL config's FP8 rollout is on-policy (exit 0 on, 1 off, 2 invalid)"
@@ -37,12 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Checked:
     """A loaded, validated config and its flow check (what `check` and `align` print)."""
 
-    cfg: object  # DictConfig
-    recipe: object  # Recipe
-    arch: object  # ModelArch
+    # The loaded config (omegaconf DictConfig, overrides applied).
+    cfg: Any
+    # The Recipe it describes.
+    recipe: Any
+    # The model's ModelArch (a generic stand-in when the model is unknown).
+    arch: Any
+    # Why a generic stand-in was used, or None.
     arch_note: str | None
-    issues: tuple  # ConfigIssue, non-errors
-    check: object  # FlowCheck
+    # Warnings and notes from validation (errors never reach here).
+    issues: tuple
+    # The flow check (nemo_jetrl.flow.FlowCheck).
+    check: Any
 
 
 def load_and_check(path: str, overrides: list[str]) -> Checked:
