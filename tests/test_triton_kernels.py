@@ -176,6 +176,23 @@ def test_transposed_and_mn_major_layouts():
         _triton(x.to(DEVICE), (1, 128), scale_layout="swizzled")
 
 
+def test_direct_writes_match_the_layout_converters():
+    """mn_major == DeepGEMM's SM90 sf layout; its storage == TE's GEMM-ready scale arrays."""
+    from nemo_jetrl.fp8 import layouts
+    from nemo_jetrl.fp8.triton_kernels import mn_major_storage
+
+    x = _random_input((250, 390), torch.bfloat16, seed=9)
+    ref_row, ref_col = quantize_blockwise(x, (1, 128)), quantize_blockwise(x, (128, 1))
+    te = layouts.to_te(ref_row, ref_col)
+    row = _triton(x.to(DEVICE), (1, 128), scale_layout="mn_major")
+    dg = layouts.deepgemm_sf_fp32(ref_row)
+    assert row.scale_inv.stride() == dg.stride() and torch.equal(row.scale_inv.cpu(), dg)
+    assert torch.equal(mn_major_storage(row.scale_inv).cpu(), te.rowwise_scale_inv)
+    col = _triton(x.to(DEVICE), (128, 1), transpose=True, scale_layout="mn_major")
+    assert torch.equal(fp8_bits(col.data.cpu()), te.columnwise_data)
+    assert torch.equal(mn_major_storage(col.scale_inv).cpu(), te.columnwise_scale_inv)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("block", BLOCKS)
 def test_non_finite_raises_the_reference_error(bad, block):

@@ -28,7 +28,9 @@ Layouts: by default the compact layout of `BlockQuantized` (``data`` in the inpu
 ``[K, M]`` and returns the transposed `BlockQuantized` (block 1x128 of the transpose), which is
 TE's columnwise layout (what WGrad consumes). ``scale_layout="mn_major"`` writes ``scale_inv``
 M-major with the M stride padded to a multiple of 4 (16 bytes): the TMA-aligned layout DeepGEMM's
-SM90 kernels and ``torch._scaled_mm``'s 1x128 operand read without a copy.
+SM90 kernels read without a copy (``layouts.deepgemm_sf_fp32``); its padded storage
+(`mn_major_storage`) is TE's GEMM-ready 1x128 ``scale_inv``, and with ``transpose=True`` TE's
+columnwise (128x1) ``scale_inv``, so TE's layouts are written directly too.
 
 Triton is an optional dependency: it is imported inside functions only, so ``nemo_jetrl.fp8``
 imports without it. On CPU the kernels run under ``TRITON_INTERPRET=1``.
@@ -127,8 +129,24 @@ def _scale_buffer(mb: int, kb: int, layout: str, device: torch.device) -> torch.
         return torch.empty(mb, kb, dtype=torch.float32, device=device)
     if layout == "mn_major":
         pad = -(-mb // 4) * 4
-        return torch.empty(kb, pad, dtype=torch.float32, device=device)[:, :mb].t()
+        # zero padding (as layouts.py writes it); the kernel fills the [kb, mb] part
+        return torch.zeros(kb, pad, dtype=torch.float32, device=device)[:, :mb].t()
     raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
+
+
+def mn_major_storage(scale_inv: torch.Tensor) -> torch.Tensor:
+    """The padded ``[kb, pad4(mb)]`` array an ``mn_major`` ``scale_inv`` view lives in.
+
+    For a 1x128 quantization this is TE's GEMM-ready rowwise ``scale_inv``; for ``transpose=True``
+    (128x1) it is TE's columnwise ``scale_inv`` (see `nemo_jetrl.fp8.layouts`).
+    """
+    mb, kb = scale_inv.shape
+    pad = scale_inv.stride(1)
+    if scale_inv.stride(0) != 1 or pad != -(-mb // 4) * 4:
+        raise ValueError(
+            f"mn_major_storage: expected strides (1, {-(-mb // 4) * 4}), got {scale_inv.stride()}"
+        )
+    return scale_inv.as_strided((kb, pad), (pad, 1))
 
 
 def _raise_like_reference(x, block, f, pow2_scales, eps, name) -> None:
