@@ -127,9 +127,11 @@ class FlowCheck:
     model: str
     # The recipe checked.
     recipe: Recipe
-    # The three flows.
+    # The rollout's flow.
     rollout: PrecisionFlow
+    # The training forward's flow (what rollout edges are compared with).
     train_fwd: PrecisionFlow
+    # The training backward's flow (shown, not compared).
     train_bwd: PrecisionFlow
     # Every difference, grouped by reason.
     mismatches: tuple[Mismatch, ...]
