@@ -106,7 +106,7 @@ def make_kernel_class(settings: PatchSettings) -> type:
     )
 
     ops = ensure_ops()
-    pow2, eps = settings.pow2_scales, settings.eps
+    pow2, eps = settings.pow2_activation_scales, settings.eps
 
     class JetRLFp8BlockLinearKernel(Fp8BlockScaledMMLinearKernel):
         """Block-FP8 linear with activations quantized by nemo_jetrl.fp8 (see kernel.py)."""

@@ -43,7 +43,7 @@ from nemo_jetrl.vllm_patch.settings import (
     PatchSettings,
     settings_from_recipe,
 )
-from nemo_jetrl.vllm_patch.worker_ext import from_wire, to_wire
+from nemo_jetrl.vllm_patch.worker_ext import pack, unpack
 
 FP8_PROJS = ATTN_PROJS + MLP_PROJS
 SCALE_SUFFIX = "weight_scale_inv"
@@ -126,7 +126,7 @@ def quantize_state_dict(
                     t.detach(),
                     WEIGHT_BLOCK,
                     fmt=settings.fmt,
-                    pow2_scales=settings.pow2_scales,
+                    pow2_scales=settings.pow2_weight_scales,
                     eps=settings.eps,
                     name=name,
                 )
@@ -225,10 +225,10 @@ def guard_shapes(llm: Any, qsd: QuantizedStateDict) -> None:
 def check_parity(llm: Any, qsd: QuantizedStateDict) -> ParityReport:
     """Read the engine's FP8 weights and scales back; compare bit for bit (raise ParityError)."""
     names = qsd.fp8_names()
-    back = llm.collective_rpc("jetrl_read_back", args=(names,))[0]
+    back = unpack(llm.collective_rpc("jetrl_read_back", args=(names,))[0])
     differing = []
     for name in names:
-        got = from_wire(*back[name])
+        got = back[name]
         want = qsd.tensors[name]
         if got.dtype != want.dtype or got.shape != want.shape:
             differing.append(f"{name} (engine {got.dtype} {tuple(got.shape)})")
@@ -267,8 +267,7 @@ def refit(
         scales = normalize_kv_scales(kv_scales)
     qsd = quantize_state_dict(state_dict, settings, dtype=dtype)
     guard_shapes(llm, qsd)
-    items = [(n, *to_wire(t)) for n, t in qsd.tensors.items()]
-    results = llm.collective_rpc("jetrl_load_weights", args=(items,))
+    results = llm.collective_rpc("jetrl_load_weights", args=(pack(qsd.tensors),))
     moved = sorted({m for r in results for m in r["moved"]})
     if moved:
         raise RefitError(f"refit replaced parameter objects instead of copying into them: {moved}")

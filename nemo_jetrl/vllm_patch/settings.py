@@ -34,9 +34,11 @@ class PatchSettings:
 
     fp8_weights: bool = True
     """Block-FP8 linear layers in the rollout. False (BF16 rollout) needs no quantizer patch."""
-    pow2_scales: bool = True
-    """Power-of-two scales (TE's default, exact in both formulas) or FP32 scales (TE's formula,
-    which vLLM's own quantizer does not reproduce: the patch supplies it)."""
+    pow2_weight_scales: bool = True
+    """Weight (128x128) block scales are powers of two (TE's default) or exact FP32 quotients."""
+    pow2_activation_scales: bool = True
+    """Activation (1x128) scales are powers of two or FP32 quotients. With FP32 scales vLLM's own
+    quantizer differs from TE's formula; the patch supplies TE's formula (nemo_jetrl.fp8)."""
     fmt: str = "e4m3"
     """FP8 format of forward tensors (weights and activations). Always e4m3 for the rollout."""
     modules_to_not_convert: tuple[str, ...] = ("lm_head",)
@@ -95,37 +97,46 @@ def bf16_layer_modules(layer_indices: list[int] | range, prefix: str = "model.la
 def settings_from_recipe(recipe: Any, *, num_layers: int | None = None) -> PatchSettings:
     """PatchSettings for the rollout side of a ``nemo_jetrl.recipe.Recipe`` (or a PatchSettings).
 
-    Reads the recipe's rollout scale mode, KV cache dtype and BF16 layer choices. ``num_layers``
-    (the model's decoder layer count) is needed when the recipe keeps the last M layers in BF16.
+    Uses the rollout's FP8 switch, scale modes and BF16 first/last layers, and the recipe's KV
+    cache dtype. ``num_layers`` (the model's decoder layer count) is needed when the recipe keeps
+    the last M layers in BF16, to name them for vLLM. Raises ValueError for rollout settings the
+    patch cannot serve (non-blockwise scaling, vLLM's own quantizer).
     """
     if isinstance(recipe, PatchSettings):
         return recipe
-    rollout = getattr(recipe, "rollout", recipe)
-    pow2 = _first_attr(rollout, ("pow2_scales", "pow2_weight_scaling_factors"), True)
-    kv = _first_attr(rollout, ("kv_cache_dtype",), "auto")
-    first_n = int(_first_attr(rollout, ("bf16_first_layers", "num_first_layers_in_bf16"), 0) or 0)
-    last_m = int(_first_attr(rollout, ("bf16_last_layers", "num_last_layers_in_bf16"), 0) or 0)
+    rollout = getattr(recipe, "rollout", None)
+    if rollout is None or not hasattr(rollout, "fp8_linears"):
+        raise TypeError(
+            f"expected a nemo_jetrl.recipe.Recipe or a PatchSettings, got {type(recipe).__name__}"
+        )
+    name = getattr(recipe, "name", "custom")
+    if rollout.fp8_linears:
+        problems = []
+        if rollout.scaling != "blockwise":
+            problems.append(
+                f"rollout.scaling={rollout.scaling!r}: the patch serves 'blockwise' only"
+            )
+        if rollout.quantizer != "jetrl":
+            problems.append(
+                f"rollout.quantizer={rollout.quantizer!r}: the patch is what makes the rollout "
+                "quantizer 'jetrl'; with 'vllm' run vLLM unpatched (off-policy)"
+            )
+        if problems:
+            raise ValueError(f"recipe {name!r} cannot use the vLLM patch: " + "; ".join(problems))
+    first_n, last_m = int(rollout.bf16_first_layers), int(rollout.bf16_last_layers)
     layers: list[int] = list(range(first_n))
     if last_m:
         if num_layers is None:
             raise ValueError(
-                f"the recipe keeps the last {last_m} decoder layers in BF16: pass num_layers= "
-                "(the model's num_hidden_layers) so their names can be listed for vLLM"
+                f"recipe {name!r} keeps the last {last_m} decoder layers in BF16: pass "
+                "num_layers= (the model's num_hidden_layers) so their names can be listed for vLLM"
             )
         layers += [i for i in range(num_layers - last_m, num_layers) if i not in layers]
-    fp8 = _first_attr(rollout, ("fp8_linears", "fp8", "fp8_weights"), True)
-    if isinstance(fp8, str):  # e.g. vllm_cfg.precision "fp8" | "bfloat16"
-        fp8 = fp8.lower() == "fp8"
+    kv = str(getattr(recipe, "kv_cache_dtype", "auto"))
     return PatchSettings(
-        fp8_weights=bool(fp8),
-        pow2_scales=bool(pow2),
-        kv_cache_dtype=str(kv),
+        fp8_weights=bool(rollout.fp8_linears),
+        pow2_weight_scales=bool(rollout.pow2_weight_scales),
+        pow2_activation_scales=bool(rollout.pow2_activation_scales),
+        kv_cache_dtype=kv,
         modules_to_not_convert=("lm_head", *bf16_layer_modules(layers)),
     )
-
-
-def _first_attr(obj: Any, names: tuple[str, ...], default: Any) -> Any:
-    for n in names:
-        if hasattr(obj, n):
-            return getattr(obj, n)
-    return default

@@ -26,17 +26,23 @@ import torch
 
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
-FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+def pack(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Tensors -> one safetensors blob (keeps float8 dtypes; vLLM's RPC path carries bytes).
+
+    Tensors cannot go through ``collective_rpc`` as they are: with the engine core in its own
+    process, vLLM decodes them as zero-copy views that its worker broadcast then fails to pickle
+    ("cannot pickle memoryview objects"). Bytes survive both hops.
+    """
+    from safetensors.torch import save
+
+    return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
 
 
-def to_wire(t: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """FP8 tensors travel as their uint8 bytes (vLLM's RPC serializers may not know float8)."""
-    name = str(t.dtype).removeprefix("torch.")
-    return (t.contiguous().view(torch.uint8) if name in FP8_DTYPES else t.contiguous()), name
+def unpack(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
 
-
-def from_wire(t: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    return t.view(FP8_DTYPES[dtype_name]) if dtype_name in FP8_DTYPES else t
+    return load(bytes(blob))
 
 
 def _model(worker: Any) -> torch.nn.Module:
@@ -101,17 +107,17 @@ class JetRLWorkerExtension:
                 out[name] = str(exc)
         return out
 
-    def jetrl_load_weights(self, items: list[tuple[str, torch.Tensor, str]]) -> dict[str, Any]:
-        """Load (HF name, wire tensor, dtype name) triples in place; report names and identity."""
+    def jetrl_load_weights(self, blob: bytes) -> dict[str, Any]:
+        """Load a ``pack``ed {HF name: tensor} blob in place; report names and identity."""
         model = _model(self)
         before = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
-        loaded = model.load_weights((n, from_wire(t, d)) for n, t, d in items)
+        loaded = model.load_weights(iter(unpack(blob).items()))
         after = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
         moved = sorted(n for n in before if after.get(n) != before[n])
         return {"loaded": sorted(loaded or []), "moved": moved}
 
-    def jetrl_read_back(self, hf_names: list[str]) -> dict[str, tuple[torch.Tensor, str]]:
-        """Copies of the engine's tensors for ``hf_names``, in wire form (see ``to_wire``)."""
+    def jetrl_read_back(self, hf_names: list[str]) -> bytes:
+        """The engine's tensors for ``hf_names`` as a ``pack``ed blob."""
         if self.jetrl_tp_size() != 1:
             raise NotImplementedError("jetrl_read_back supports tensor_parallel_size=1 only")
         model = _model(self)
@@ -119,8 +125,8 @@ class JetRLWorkerExtension:
         for name in hf_names:
             _, p, start, rows = resolve_hf_name(model, name)
             t = p.data if p.dim() == 0 else p.data[start : start + rows]
-            out[name] = to_wire(t.detach().clone().cpu())
-        return out
+            out[name] = t.detach().clone().cpu()
+        return pack(out)
 
     def jetrl_kv_scales(self) -> dict[str, dict[str, float]]:
         """The q/k/v scales each attention layer currently uses (host floats and tensors)."""
@@ -170,14 +176,15 @@ class JetRLWorkerExtension:
                 n += 1
         return n
 
-    def jetrl_captured(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-        """Recorded (bf16 input, FP8 bytes as uint8, fp32 scale_inv) per layer, in call order."""
+    def jetrl_captured(self) -> bytes:
+        """Recorded GEMM inputs as a ``pack``ed blob: ``{layer}|{i}|{x,q,s}`` -> bf16 input,
+        FP8 data, fp32 scale_inv, for call ``i`` of each layer."""
         out = {}
         for name, m in _model(self).named_modules():
             cap = getattr(m, "_jetrl_capture", None)
-            if cap:
-                out[name] = [(x, q.view(torch.uint8), s) for x, q, s in cap]
-        return out
+            for i, (x, q, s) in enumerate(cap or ()):
+                out[f"{name}|{i}|x"], out[f"{name}|{i}|q"], out[f"{name}|{i}|s"] = x, q, s
+        return pack(out)
 
     def jetrl_kernels(self) -> dict[str, str]:
         """Linear layer name -> kernel class (FP8 layers) or quant method class (others)."""
