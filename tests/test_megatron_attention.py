@@ -100,6 +100,13 @@ def test_observer_amax_equals_direct_masked_computation(gpt):
             assert res.amax[layer][t] == pytest.approx(direct, rel=0, abs=0)
             want = float(torch.tensor(direct * 1.05 / 448.0, dtype=torch.float64).float())
             assert res.scales.get(layer, t) == want
+    # Real lengths instead of a mask (the mask is then built at the width Megatron runs).
+    by_len = calibrate_megatron(
+        gpt,
+        [(lambda s=s: forward(gpt, ids[s]), lengths[s]) for s in (slice(0, 3), slice(3, 6))],
+        settings=settings,
+    )
+    assert by_len.amax == res.amax and by_len.sequences == 6
 
 
 def test_masking_padding_outliers_changes_result(gpt):

@@ -225,6 +225,42 @@ def attach_megatron_kv(
     return MegatronKVHandle(model, state, layer_offset=layer_offset)
 
 
+class LengthsObserver(AmaxObserver):
+    """An `AmaxObserver` that also accepts per-sequence real lengths instead of a token mask.
+
+    Megatron pads micro-batches to a length it chooses (``make_sequence_length_divisible_by``,
+    context parallel alignment...), which a caller building a ``[batch, tokens]`` mask in
+    advance cannot know. With ``set_lengths`` the mask is built when the keys arrive: token
+    ``t`` of sequence ``b`` counts iff ``t < lengths[b]`` (right padding).
+    """
+
+    def __init__(self, include_q: bool = True) -> None:
+        super().__init__(include_q=include_q)
+        self._lengths: torch.Tensor | None = None
+
+    def set_mask(self, mask: torch.Tensor | None) -> None:
+        self._lengths = None
+        super().set_mask(mask)
+
+    def set_lengths(self, lengths: torch.Tensor) -> None:
+        """Real (unpadded) length of each sequence of the next micro-batch, right-padded."""
+        super().set_mask(None)
+        self._lengths = lengths.reshape(-1).to(torch.long)
+
+    def observe(self, layer, q, k, v, *, layout="bhtd") -> None:  # type: ignore[override]
+        if self._lengths is not None:
+            tokens = {"bhtd": k.shape[2], "bthd": k.shape[1], "sbhd": k.shape[0]}[layout]
+            batch = {"bhtd": k.shape[0], "bthd": k.shape[0], "sbhd": k.shape[1]}[layout]
+            if batch != self._lengths.numel():
+                raise ValueError(
+                    f"KV observer, layer {layer}: {self._lengths.numel()} lengths for a "
+                    f"micro-batch of {batch} sequences"
+                )
+            pos = torch.arange(tokens, device=self._lengths.device)
+            self._mask = pos[None, :] < self._lengths[:, None]
+        super().observe(layer, q, k, v, layout=layout)
+
+
 def calibrate_megatron(
     model: torch.nn.Module,
     micro_batches: Iterable[tuple[Callable[[], Any], torch.Tensor | None]],
@@ -238,8 +274,10 @@ def calibrate_megatron(
 
     ``micro_batches`` yields ``(forward, token_mask)``: ``forward()`` runs the model on one
     micro-batch (the caller knows how: plain GPTModel call, NeMo-RL's ``get_logprobs``...),
-    ``token_mask`` is that micro-batch's ``[batch, tokens]`` bool mask (None: every token, e.g.
-    packed sequences without padding). Build it with `nemo_jetrl.kvcache.token_mask`.
+    ``token_mask`` is that micro-batch's ``[batch, tokens]`` bool mask (build it with
+    `nemo_jetrl.kvcache.token_mask`), or a 1-D integer tensor of real sequence lengths (right
+    padding; the mask is then built at the width Megatron actually runs, see `LengthsObserver`),
+    or None (every token, e.g. packed sequences without padding).
     ``reduce_amax`` combines per-rank results (data/pipeline parallel: elementwise max across
     ranks) before scales are computed. Invalid layers keep ``previous`` (with a warning).
     """
@@ -251,12 +289,20 @@ def calibrate_megatron(
         if isinstance(existing, MegatronKVHandle) and existing.active
         else attach_megatron_kv(model, layer_offset=layer_offset)
     )
-    observer = AmaxObserver(include_q=settings.include_q)
+    observer = LengthsObserver(include_q=settings.include_q)
     sequences = 0
     try:
         with handle.observing(observer), torch.no_grad():
             for forward, mask in micro_batches:
-                observer.set_mask(mask)
+                if (
+                    mask is not None
+                    and mask.dim() == 1
+                    and not mask.dtype.is_floating_point
+                    and mask.dtype != torch.bool
+                ):
+                    observer.set_lengths(mask)
+                else:
+                    observer.set_mask(mask)
                 if mask is not None:
                     sequences += int(mask.shape[0])
                 forward()

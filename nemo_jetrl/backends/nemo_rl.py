@@ -1,0 +1,329 @@
+"""``jetrl train --backend nemo-rl``: run a config through NeMo-RL's GRPO (v0.7.0).
+
+Steps, in order (each user error ends the run with a message, no traceback):
+
+1. load the NeMo-RL-shaped YAML with overrides and validate it (`nemo_jetrl.config`);
+2. check the precision flow; an off-policy recipe is refused unless ``jetrl.allow_off_policy``;
+3. translate into NeMo-RL keys and worker plumbing (`nemo_rl_translate.translate`);
+4. check that NeMo-RL (and Ray) import; if not, say what is missing and how to get it (the
+   Docker image built from docker/Dockerfile);
+5. launch as NeMo-RL's ``examples/run_grpo.py`` does (config -> ``MasterConfig``, ``init_ray``,
+   tokenizer, ``configure_generation_config``, ``setup_response_data``, ``grpo.setup`` with our
+   ``policy_factory``, ``grpo_train``), with our policy worker registered, the loss function
+   wrapped to add mismatch metrics and the logger proxied (`nemo_rl_metrics`).
+
+Entry point for the CLI: ``run_nemo_rl(cfg, overrides) -> int``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_jetrl.backends.nemo_rl_translate import (
+    NEMO_RL_IMAGE,
+    NEMO_RL_VERSION,
+    POLICY_WORKER_FQN,
+    STOCK_POLICY_WORKER,
+    VLLM_PATCH_ENV,
+    NemoRlPlan,
+    TranslationError,
+    translate,
+)
+
+VLLM_WORKER = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
+# Modules the backend needs in the driver process, with what each is for.
+REQUIRED_MODULES: tuple[tuple[str, str], ...] = (
+    ("nemo_rl", "NeMo-RL itself"),
+    ("nemo_rl.algorithms.grpo", "NeMo-RL's GRPO (the PyPI 'nemo-rl' name is an empty placeholder)"),
+    ("ray", "the Ray cluster NeMo-RL runs on"),
+)
+
+
+def _user_error(msg: str) -> Exception:
+    from nemo_jetrl.cli import UserError
+
+    return UserError(msg)
+
+
+def missing_dependencies(find_spec: Any = importlib.util.find_spec) -> list[str]:
+    """Names (with what they are for) of required modules that cannot be found."""
+    out = []
+    for mod, what in REQUIRED_MODULES:
+        try:
+            ok = find_spec(mod) is not None
+        except (ImportError, ValueError):
+            ok = False
+        if not ok:
+            out.append(f"{mod} ({what})")
+    return out
+
+
+def missing_message(missing: Sequence[str]) -> str:
+    return (
+        "the nemo-rl backend needs NeMo-RL " + NEMO_RL_VERSION + ", which is not installed here; "
+        "missing: " + ", ".join(missing) + ".\n"
+        "Run inside the Docker image, built on " + NEMO_RL_IMAGE + ":\n"
+        "  docker build -f docker/Dockerfile -t nemo-jetrl:latest .\n"
+        "  docker run --gpus all --rm -it -v $PWD:/workspace nemo-jetrl:latest \\\n"
+        "    jetrl train CONFIG --backend nemo-rl\n"
+        "(on SLURM: slurm/jetrl.sub, see docs/cluster.md). On a machine without GPUs use "
+        "--backend local."
+    )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A config ready for NeMo-RL."""
+
+    plan: NemoRlPlan
+    source: str
+    warnings: tuple[str, ...] = ()
+
+
+def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
+    """Steps 1-3: load, validate, check on-policy, translate. UserError on any user problem."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from nemo_jetrl.arch import ArchError, generic_arch, resolve_arch
+    from nemo_jetrl.config import ConfigError, errors, load_config, recipe_from_config, validate
+    from nemo_jetrl.flow import check_on_policy
+
+    source = str(cfg) if not isinstance(cfg, DictConfig) else "<config>"
+    try:
+        if isinstance(cfg, DictConfig):
+            from nemo_jetrl.config_load import apply_overrides
+
+            conf = apply_overrides(cfg, overrides) if overrides else cfg
+        else:
+            conf = load_config(cfg, list(overrides))
+        issues = validate(conf)
+        if errors(issues):
+            raise ConfigError(issues, source)
+        recipe = recipe_from_config(conf)
+    except ConfigError as exc:
+        raise _user_error(f"invalid config\n{exc}") from None
+    jetrl = conf.get("jetrl") or {}
+    model = conf.get("policy", {}).get("model_name") if "policy" in conf else None
+    try:
+        arch = resolve_arch(model, jetrl.get("model_config") if jetrl else None)
+    except ArchError as exc:
+        raise _user_error(f"invalid config\n  - {exc.key}: {exc}") from None
+    notes = []
+    if arch is None:
+        n = max(2, recipe.rollout.bf16_first_layers + recipe.rollout.bf16_last_layers + 1)
+        arch = generic_arch(n)
+        notes.append(
+            f"model {model!r} has no built-in description: the flow was checked on a generic "
+            "aligned model; set jetrl.model_config to its config.json for exact layer names"
+        )
+    check = check_on_policy(arch, recipe)
+    if not check.on_policy and not bool(jetrl.get("allow_off_policy", False)):
+        lines = [
+            f"  - {m.reason} ({m.summary()}); keys: {', '.join(m.keys) or '-'}"
+            + (f"; fix: {' '.join(m.fixes)}" if m.fixes else "")
+            for m in check.mismatches
+        ]
+        raise _user_error(
+            f"recipe {recipe.name!r} is OFF-POLICY (the rollout's numbers differ from the "
+            "training forward's):\n"
+            + "\n".join(lines)
+            + "\nChange those keys (`jetrl align CONFIG -o OUT.yaml` writes a config that fixes "
+            "them), or set jetrl.allow_off_policy=true to run it anyway."
+        )
+    if not check.on_policy:
+        notes.append(f"running off-policy recipe {recipe.name!r} (jetrl.allow_off_policy=true)")
+    container = OmegaConf.to_container(conf, resolve=True)
+    assert isinstance(container, dict)
+    try:
+        plan = translate(container, recipe, num_layers=arch.num_layers)
+    except TranslationError as exc:
+        raise _user_error(str(exc)) from None
+    return Prepared(plan=plan, source=source, warnings=tuple(notes))
+
+
+# -- worker registration (driver process) ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def registered_policy_worker(
+    registry: MutableMapping[str, str], fqn: str = POLICY_WORKER_FQN
+) -> Iterator[str]:
+    """Register our policy worker with the stock Megatron worker's Python environment; revert after.
+
+    NeMo-RL refuses to start an actor whose class has no entry in ``ACTOR_ENVIRONMENT_REGISTRY``.
+    """
+    if STOCK_POLICY_WORKER not in registry:
+        raise RuntimeError(
+            f"NeMo-RL's actor registry has no {STOCK_POLICY_WORKER}: this NeMo-RL is not the "
+            f"{NEMO_RL_VERSION} layout nemo_jetrl targets"
+        )
+    had = fqn in registry
+    old = registry.get(fqn)
+    registry[fqn] = registry[STOCK_POLICY_WORKER]
+    try:
+        yield registry[fqn]
+    finally:
+        if had:
+            registry[fqn] = old  # type: ignore[assignment]
+        else:
+            registry.pop(fqn, None)
+
+
+def vllm_worker_python(registry: Mapping[str, str], venv_dir: str | None = None) -> str:
+    """The Python that NeMo-RL's vLLM workers run (prebuilt venv in the image, else the entry)."""
+    entry = registry.get(VLLM_WORKER, "python")
+    if entry.startswith("uv"):
+        base = venv_dir or os.environ.get("NEMO_RL_VENV_DIR", "venvs")
+        return str(Path(base) / VLLM_WORKER / "bin" / "python")
+    return entry
+
+
+def preflight_vllm_patch(python: str, run: Any = subprocess.run) -> None:
+    """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range."""
+    from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
+
+    proc = run(
+        [python, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        raise _user_error(
+            f"cannot import vLLM with NeMo-RL's vLLM worker Python {python}: "
+            f"{(proc.stderr or '').strip()[-500:]}"
+        )
+    version = proc.stdout.strip().splitlines()[-1]
+    try:
+        check_vllm_version(version)
+    except UnsupportedVllmVersion as exc:
+        raise _user_error(f"{exc} (found in NeMo-RL's vLLM worker environment {python})") from None
+
+
+def nemo_rl_defaults_path(environ: Mapping[str, str] | None = None) -> Path:
+    """NeMo-RL's Megatron GRPO example config inside its checkout (``$NEMO_RL_DIR``, image: /opt/nemo-rl)."""
+    env = os.environ if environ is None else environ
+    return (
+        Path(env.get("NEMO_RL_DIR", "/opt/nemo-rl")) / "examples/configs/grpo_math_1B_megatron.yaml"
+    )
+
+
+def merge_nemo_rl_defaults(master: Mapping[str, Any], base_yaml: Path) -> dict[str, Any]:
+    """``master`` on top of NeMo-RL's own example config (its ``defaults:`` chain resolved).
+
+    Our example configs spell out only the keys that matter for precision and GRPO; NeMo-RL's
+    ``MasterConfig`` needs the rest (data, env, cluster, logger...), which its example supplies.
+    """
+    from omegaconf import OmegaConf
+
+    from nemo_jetrl.config import load_config
+
+    if not base_yaml.is_file():
+        raise _user_error(
+            f"NeMo-RL's default config {base_yaml} is missing: set NEMO_RL_DIR to the NeMo-RL "
+            "checkout (the image has it at /opt/nemo-rl)"
+        )
+    merged = OmegaConf.merge(load_config(base_yaml), OmegaConf.create(dict(master)))
+    out = OmegaConf.to_container(merged, resolve=True)
+    assert isinstance(out, dict)
+    return out
+
+
+# -- launch (needs NeMo-RL) ----------------------------------------------------------------------
+
+
+def launch(prepared: Prepared) -> int:  # pragma: no cover - runs in the Docker image (nemo_rl test)
+    """Step 5: NeMo-RL's GRPO, as examples/run_grpo.py runs it, with our pieces plugged in."""
+    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.distributed import ray_actor_environment_registry as reg
+    from nemo_rl.distributed.virtual_cluster import init_ray
+    from nemo_rl.models.generation import configure_generation_config
+    from nemo_rl.models.policy.lm_policy import Policy
+    from nemo_rl.utils.config import register_omegaconf_resolvers
+    from nemo_rl.utils.logger import get_next_experiment_dir
+
+    from nemo_jetrl.backends.nemo_rl_metrics import JetrlLoggerProxy, MismatchMetricsLoss
+
+    plan = prepared.plan
+    if VLLM_PATCH_ENV in plan.workers.vllm_env:
+        preflight_vllm_patch(vllm_worker_python(reg.ACTOR_ENVIRONMENT_REGISTRY))
+    register_omegaconf_resolvers()
+    config = MasterConfig(**merge_nemo_rl_defaults(plan.master_config, nemo_rl_defaults_path()))
+    config.logger["log_dir"] = get_next_experiment_dir(config.logger["log_dir"])
+    print(f"jetrl: recipe {plan.recipe.name}; NeMo-RL log dir {config.logger['log_dir']}")
+    for w in prepared.warnings:
+        print(f"jetrl: note: {w}")
+
+    def policy_factory(**kwargs: Any) -> Any:
+        return Policy(**kwargs, worker_extension_cls_fqn=plan.workers.policy_worker_fqn)
+
+    with registered_policy_worker(reg.ACTOR_ENVIRONMENT_REGISTRY):
+        init_ray()
+        tokenizer = get_tokenizer(config.policy["tokenizer"])
+        megatron_cfg = config.policy.get("megatron_cfg") or {}
+        config.policy["generation"] = configure_generation_config(
+            config.policy["generation"],
+            tokenizer,
+            has_refit_draft_weights=bool(config.policy["draft"]["enabled"]),
+            trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
+        )
+        dataset, val_dataset, task_to_env, val_task_to_env = setup_response_data(
+            tokenizer, config.data, config.env
+        )
+        (
+            policy,
+            policy_generation,
+            _gym,
+            _cluster,
+            dataloader,
+            val_dataloader,
+            loss_fn,
+            logger,
+            checkpointer,
+            grpo_state,
+            master_config,
+            _teachers,
+            _aliases,
+        ) = setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory)
+        loss_fn = MismatchMetricsLoss(loss_fn, plan.workers.ratio_bounds)
+        logger = JetrlLoggerProxy(logger)
+        try:
+            grpo_train(
+                policy,
+                policy_generation,
+                dataloader,
+                val_dataloader,
+                tokenizer,
+                loss_fn,
+                task_to_env,
+                val_task_to_env,
+                logger,
+                checkpointer,
+                grpo_state,
+                master_config,
+            )
+        finally:
+            policy_generation.shutdown()
+    return 0
+
+
+def run_nemo_rl(cfg: Any, overrides: Sequence[str] = ()) -> int:
+    """``jetrl train --backend nemo-rl``: prepare, check dependencies, launch; returns exit code.
+
+    ``cfg`` is a YAML path or an OmegaConf DictConfig; ``overrides`` are ``key=value`` strings.
+    User errors raise ``nemo_jetrl.cli.UserError`` (the CLI prints them, exit code 2).
+    """
+    prepared = prepare(cfg, overrides)
+    missing = missing_dependencies()
+    if missing:
+        raise _user_error(missing_message(missing))
+    return launch(prepared)

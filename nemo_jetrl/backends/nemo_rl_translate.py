@@ -1,0 +1,269 @@
+"""A validated config + Recipe -> the NeMo-RL master config and the worker plumbing to run it.
+
+Targets NeMo-RL v0.7.0 (tag ``v0.7.0``, commit 81aa43dda4765b0429cf31dab44441e4e4383911, the
+NGC image ``nvcr.io/nvidia/nemo-rl:v0.7.0``). What NeMo-RL reads, and how our pieces reach its
+Ray workers (all read from that source, file paths relative to its repository):
+
+- ``policy.megatron_cfg.fp8_cfg.{enabled,fp8,fp8_recipe,fp8_param}`` -> Megatron-Bridge's model
+  provider (``nemo_rl/models/megatron/setup.py``). NeMo-RL has no key for Megatron's
+  ``first_last_layers_bf16``: training-side BF16 first/last layers are refused here.
+- ``policy.megatron_cfg.env_vars`` -> ``runtime_env.env_vars`` of every Megatron policy worker
+  (``lm_policy.Policy`` -> ``RayWorkerGroup``), set before the worker process imports anything:
+  this is how ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` is in place before TE is imported, and how
+  the worker extension receives the recipe (``NEMO_JETRL_RECIPE``, JSON).
+- ``policy.generation.vllm_cfg.env_vars`` -> env of the vLLM generation workers *and* vLLM's own
+  non-leader workers (``vllm_generation.py``). vLLM loads the ``vllm.general_plugins`` entry point
+  of this package in each of its processes; the plugin applies our vLLM patch only when
+  ``NEMO_JETRL_VLLM_PATCH`` (the patch settings, JSON) is set (``nemo_jetrl/vllm_patch/plugin.py``).
+  (``vllm_kwargs`` cannot carry a worker extension: NeMo-RL passes its own
+  ``worker_extension_cls`` to ``vllm.LLM`` next to ``**vllm_kwargs``.)
+- The Megatron policy worker class: ``grpo.setup(..., policy_factory=...)`` builds the policy with
+  our factory, which passes ``worker_extension_cls_fqn`` to ``Policy`` (a subclass of
+  ``MegatronPolicyWorkerImpl``, see ``nemo_rl_worker.py``). Ray actors need a Python environment
+  registered in ``ACTOR_ENVIRONMENT_REGISTRY``; we register ours with the same executable as the
+  stock ``MegatronPolicyWorker`` (an explicit, revertible call), and the Docker image links
+  ``$NEMO_RL_VENV_DIR/<our class FQN>`` to the stock worker's prebuilt venv.
+- KV scales: grpo.py calls ``policy.calibrate_qkv_fp8_scales(data, include_q=True)`` when
+  ``kv_cache_dtype`` is fp8 and ships ``result["layers"]`` with the refit; our worker overrides
+  that method (masking, refusal of invalid scales, our settings).
+- Metrics: grpo.py sums every loss-function metric over micro-batches; our loss wrapper adds
+  additive ``jetrl/mismatch/*`` contributions, and a logger proxy writes them without the
+  ``train/`` prefix, as the local backend does (``nemo_rl_metrics.py``).
+
+Everything here is plain Python (no NeMo-RL import), so it is unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_jetrl.megatron.config import FP32_SCALES_ENV, MegatronRecipeError, megatron_fp8_settings
+from nemo_jetrl.recipe import Recipe
+
+NEMO_RL_VERSION = "0.7.0"
+NEMO_RL_COMMIT = "81aa43dda4765b0429cf31dab44441e4e4383911"
+NEMO_RL_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.7.0"
+STOCK_POLICY_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
+POLICY_WORKER_FQN = "nemo_jetrl.backends.nemo_rl_worker.JetrlMegatronPolicyWorker"
+RECIPE_ENV = "NEMO_JETRL_RECIPE"
+VLLM_PATCH_ENV = "NEMO_JETRL_VLLM_PATCH"
+
+
+class TranslationError(ValueError):
+    """Every reason a config cannot run on NeMo-RL, each with its YAML key."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__(
+            "the config cannot run on the NeMo-RL backend:\n"
+            + "\n".join(f"  - {key}: {msg}" for key, msg in problems)
+        )
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """How our code becomes active inside NeMo-RL's Ray workers."""
+
+    # Policy worker class passed to Policy(worker_extension_cls_fqn=...).
+    policy_worker_fqn: str = POLICY_WORKER_FQN
+    # Env vars every Megatron policy worker starts with (already merged into the config).
+    policy_env: Mapping[str, str] = field(default_factory=dict)
+    # Env vars of the vLLM workers (already merged into the config).
+    vllm_env: Mapping[str, str] = field(default_factory=dict)
+    # Importance-ratio bounds for the additive mismatch metrics (from loss_fn's TIS keys).
+    ratio_bounds: tuple[float, float] = (0.0, 2.0)
+
+
+@dataclass(frozen=True)
+class NemoRlPlan:
+    """The NeMo-RL master config (plain containers) plus the worker plumbing."""
+
+    master_config: dict[str, Any]
+    workers: WorkerSetup
+    recipe: Recipe
+
+
+def recipe_to_json(recipe: Recipe) -> str:
+    return json.dumps(recipe.to_dict(), sort_keys=True)
+
+
+def recipe_from_json(text: str) -> Recipe:
+    try:
+        return Recipe.from_dict(json.loads(text))
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{RECIPE_ENV} does not hold a valid recipe ({exc}): {text[:200]!r}"
+        ) from exc
+
+
+def _get(d: Mapping[str, Any], path: str, default: Any = None) -> Any:
+    cur: Any = d
+    for part in path.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return default
+        cur = cur[part]
+    return cur
+
+
+def _set(d: dict[str, Any], path: str, value: Any) -> None:
+    parts = path.split(".")
+    cur = d
+    for part in parts[:-1]:
+        nxt = cur.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            cur[part] = nxt
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def _vllm_patch_json(recipe: Recipe, num_layers: int) -> str:
+    from nemo_jetrl.vllm_patch.settings import settings_from_recipe
+
+    s = settings_from_recipe(recipe, num_layers=num_layers)
+    want_kv = "fp8" if recipe.kv_fp8 else "auto"
+    if s.kv_cache_dtype != want_kv:
+        s = dataclasses.replace(s, kv_cache_dtype=want_kv)
+    return s.to_json()
+
+
+def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> NemoRlPlan:
+    """NeMo-RL master config and worker setup for ``recipe``; TranslationError lists all problems.
+
+    ``config`` is the resolved config as plain containers (``OmegaConf.to_container``);
+    ``num_layers`` the model's decoder layer count. The input is not modified.
+    """
+    problems: list[tuple[str, str]] = []
+    cfg = copy.deepcopy(dict(config))
+    cfg.pop("jetrl", None)  # ours; NeMo-RL's MasterConfig would carry it along unread
+
+    if _get(cfg, "policy.megatron_cfg.enabled") is not True:
+        problems.append(
+            (
+                "policy.megatron_cfg.enabled",
+                "the nemo-rl backend trains with Megatron-Core: set it to true",
+            )
+        )
+    backend = _get(cfg, "policy.generation.backend", "vllm")
+    if backend != "vllm":
+        problems.append(
+            ("policy.generation.backend", f"{backend!r}: the vLLM patch and KV scales need 'vllm'")
+        )
+    t = recipe.train
+    for which, n in (("first", t.bf16_first_layers), ("last", t.bf16_last_layers)):
+        if n:
+            problems.append(
+                (
+                    f"jetrl.train_num_{which}_layers_in_bf16",
+                    f"{n}: NeMo-RL {NEMO_RL_VERSION} has no key for Megatron's first_last_layers_bf16 "
+                    "(its fp8_cfg passes only fp8, fp8_recipe, fp8_param); set 0 and keep the rollout's "
+                    "BF16 layers at 0 too, or use the local backend",
+                )
+            )
+    pp = int(_get(cfg, "policy.megatron_cfg.pipeline_model_parallel_size", 1) or 1)
+    try:
+        settings = megatron_fp8_settings(
+            recipe.with_(train=t.with_(bf16_first_layers=0, bf16_last_layers=0)),
+            num_layers=num_layers,
+            pipeline_parallel_size=pp,
+        )
+    except MegatronRecipeError as exc:
+        problems.append(("policy.megatron_cfg.fp8_cfg", str(exc)))
+        settings = None
+    if recipe.kv_fp8:
+        if recipe.kv_scale_source != "trainer_calibrated":
+            problems.append(
+                (
+                    "jetrl.kv_scale_source",
+                    f"{recipe.kv_scale_source!r}: with an FP8 KV cache NeMo-RL always recalibrates "
+                    "Q/K/V scales on the trainer and sends them at refit; use trainer_calibrated",
+                )
+            )
+        if recipe.kv_calibration.mask == "response":
+            problems.append(
+                (
+                    "jetrl.kv_calibration.mask",
+                    "'response': NeMo-RL's calibration batch carries input_ids and input_lengths only "
+                    "(no response mask); use prompt_and_response (padding excluded) or none",
+                )
+            )
+    ro = recipe.rollout
+    patch_json = None
+    if ro.fp8_linears and ro.quantizer == "jetrl":
+        try:
+            patch_json = _vllm_patch_json(recipe, num_layers)
+        except ValueError as exc:
+            problems.append(("jetrl.vllm_patch", str(exc)))
+    if problems:
+        raise TranslationError(problems)
+    assert settings is not None
+
+    fp8_cfg = dict(_get(cfg, "policy.megatron_cfg.fp8_cfg", {}) or {})
+    fp8_cfg["enabled"] = t.fp8_linears
+    if t.fp8_linears:
+        fp8_cfg.update(
+            fp8=settings.transformer_config["fp8"],
+            fp8_recipe=settings.transformer_config["fp8_recipe"],
+            fp8_param=settings.transformer_config["fp8_param"],
+        )
+    _set(cfg, "policy.megatron_cfg.fp8_cfg", fp8_cfg)
+
+    policy_env = {RECIPE_ENV: recipe_to_json(recipe), **settings.env_vars}
+    env = dict(_get(cfg, "policy.megatron_cfg.env_vars", {}) or {})
+    env.update(policy_env)
+    _set(cfg, "policy.megatron_cfg.env_vars", {str(k): str(v) for k, v in env.items()})
+
+    vllm = {
+        "precision": "fp8"
+        if ro.fp8_linears
+        else _get(cfg, "policy.generation.vllm_cfg.precision", "bfloat16"),
+        "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
+        "pow2_weight_scaling_factors": ro.pow2_weight_scales,
+        "pow2_activation_scaling_factors": ro.pow2_activation_scales,
+        "num_first_layers_in_bf16": ro.bf16_first_layers,
+        "num_last_layers_in_bf16": ro.bf16_last_layers,
+        "use_deep_gemm": ro.use_deep_gemm,
+    }
+    for k, v in vllm.items():
+        _set(cfg, f"policy.generation.vllm_cfg.{k}", v)
+    vllm_env: dict[str, str] = {}
+    if patch_json is not None:
+        vllm_env[VLLM_PATCH_ENV] = patch_json
+    venv = dict(_get(cfg, "policy.generation.vllm_cfg.env_vars", {}) or {})
+    venv.update(vllm_env)
+    _set(cfg, "policy.generation.vllm_cfg.env_vars", {str(k): str(v) for k, v in venv.items()})
+
+    lo = _get(cfg, "loss_fn.truncated_importance_sampling_ratio_min", None)
+    hi = _get(cfg, "loss_fn.truncated_importance_sampling_ratio", None)
+    bounds = (float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 2.0)
+    workers = WorkerSetup(
+        policy_env=policy_env,
+        vllm_env=vllm_env,
+        ratio_bounds=bounds,
+    )
+    return NemoRlPlan(master_config=cfg, workers=workers, recipe=recipe)
+
+
+def check_policy_env(env: Mapping[str, str]) -> Recipe:
+    """Inside a policy worker: the recipe from the env, with the TE variable consistent with it."""
+    text = env.get(RECIPE_ENV)
+    if not text:
+        raise RuntimeError(
+            f"{RECIPE_ENV} is not set in this worker: it must be started through "
+            "nemo_jetrl.backends.nemo_rl (policy.megatron_cfg.env_vars carries it)"
+        )
+    recipe = recipe_from_json(text)
+    if recipe.train.fp8_linears and recipe.train.scaling == "blockwise":
+        want = "0" if recipe.train.pow2_weight_scales else "1"
+        have = env.get(FP32_SCALES_ENV, "0")
+        if have != want:
+            raise RuntimeError(
+                f"{FP32_SCALES_ENV}={have!r} in this worker but the recipe needs {want!r}: set "
+                f"policy.megatron_cfg.env_vars.{FP32_SCALES_ENV}={want!r}"
+            )
+    return recipe

@@ -1,0 +1,150 @@
+"""Our Megatron policy worker for NeMo-RL: the stock worker plus the recipe's training-side duties.
+
+NeMo-RL (v0.7.0) builds its Megatron policy workers from a class name it gives Ray
+(``Policy(worker_extension_cls_fqn=...)``); ``@ray.remote`` classes cannot be subclassed, so the
+stock worker splits its implementation into ``MegatronPolicyWorkerImpl`` and we subclass that and
+decorate it the same way (same runtime_env helper). What the subclass adds:
+
+1. before anything imports Transformer Engine: reads the recipe from ``NEMO_JETRL_RECIPE`` and
+   checks ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` against it (both put into the worker's
+   ``runtime_env`` by ``policy.megatron_cfg.env_vars``), then `ensure_te_scale_env`, which fails
+   if TE was somehow imported with the other scale rule;
+2. after the model is built: our hooks on every ``core_attention`` (on-policy KV when the recipe
+   asks for it, with the scales of the last calibration);
+3. ``calibrate_qkv_fp8_scales`` (what grpo.py calls before each refit when the KV cache is FP8):
+   our calibration, one forward per micro-batch through the stock ``get_logprobs``, padding masked
+   from ``input_lengths``, invalid layers refused (previous scales kept), max across ranks; returns
+   NeMo-RL's result shape so the refit ships the scales to vLLM.
+
+The class is created on first access (module ``__getattr__``), so importing this module without
+NeMo-RL is harmless; Ray resolves ``nemo_jetrl.backends.nemo_rl_worker.JetrlMegatronPolicyWorker``
+through that.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from nemo_jetrl._optional import require
+
+CLASS_NAME = "JetrlMegatronPolicyWorker"
+
+
+def _layer_offset(model: Any) -> int:
+    """First global decoder layer of this pipeline stage (Megatron's layer_number is 1-based)."""
+    for _, mod in model.named_modules():
+        n = getattr(mod, "layer_number", None)
+        if isinstance(n, int):
+            return n - 1
+    return 0
+
+
+def _merge_max(amax: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """Elementwise max of per-rank amax over every rank (NeMo-RL's conservative merge)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return amax
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, amax)
+    out: dict[int, dict[str, float]] = {}
+    for part in gathered:
+        for layer, per in (part or {}).items():
+            dst = out.setdefault(int(layer), {})
+            for t, v in per.items():
+                dst[t] = max(dst.get(t, float("-inf")), float(v))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def make_worker_class() -> type:
+    """Build the Ray actor class (needs NeMo-RL and Ray)."""
+    mpw = require(
+        "nemo_rl.models.policy.workers.megatron_policy_worker",
+        feature="the NeMo-RL backend's policy worker",
+    )
+    ray = require("ray", feature="the NeMo-RL backend's policy worker")
+    from nemo_jetrl.backends.nemo_rl_translate import check_policy_env
+    from nemo_jetrl.kvcache import CalibrationSettings, KVScales
+    from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
+    from nemo_jetrl.megatron.config import ensure_te_scale_env
+
+    class _Impl(mpw.MegatronPolicyWorkerImpl):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            recipe = check_policy_env(os.environ)
+            if recipe.train.fp8_linears and recipe.train.scaling == "blockwise":
+                ensure_te_scale_env(recipe.train.pow2_weight_scales)
+            self._jetrl_recipe = recipe
+            self._jetrl_scales: KVScales | None = None
+            super().__init__(*args, **kwargs)
+            self._jetrl_kv = attach_megatron_kv(
+                self.model,
+                onpolicy=recipe.onpolicy_kv,
+                layer_offset=_layer_offset(self.model),
+            )
+
+        def calibrate_qkv_fp8_scales(
+            self,
+            *,
+            data: Any,
+            micro_batch_size: int | None = None,
+            percentile: float = 99.9,
+            margin: float = 1.05,
+            include_q: bool = False,
+        ) -> dict[str, Any]:
+            import torch
+
+            recipe = self._jetrl_recipe
+            settings = CalibrationSettings.from_recipe(recipe.kv_calibration, include_q=include_q)
+            mbs = micro_batch_size or self.cfg["logprob_batch_size"]
+            n = int(data["input_ids"].shape[0])
+            # Packed sequences carry no padding between sequences; dynamic batching reorders
+            # sequences inside get_logprobs, so per-sequence lengths would not line up: in both
+            # cases every token is observed (NeMo-RL's own behaviour), which the docs state.
+            packed = bool(self.cfg.get("sequence_packing", {}).get("enabled", False))
+            dynamic = bool(self.cfg.get("dynamic_batching", {}).get("enabled", False))
+            by_lengths = settings.mask != "none" and not packed and not dynamic
+
+            def run(part: Any, size: int) -> Any:
+                return self.get_logprobs(
+                    data=part, micro_batch_size=size, require_router_replay=False
+                )
+
+            def batches():
+                for start in range(0, n, mbs):
+                    part = data.slice(start, min(start + mbs, n))
+                    lengths = part["input_lengths"].reshape(-1).to(torch.long).cpu()
+                    size = int(lengths.numel())
+                    yield functools.partial(run, part, size), (lengths if by_lengths else None)
+
+            self.model.eval()
+            res = calibrate_megatron(
+                self.model,
+                batches(),
+                settings=settings,
+                previous=self._jetrl_scales,
+                layer_offset=_layer_offset(self.model),
+                reduce_amax=_merge_max,
+            )
+            self._jetrl_scales = res.scales
+            self._jetrl_kv.set_scales(res.scales)
+            out = res.to_nemo_rl(settings)
+            out["jetrl"] = {
+                "refused": dict(res.refused),
+                "seconds": res.seconds,
+                "micro_batches": res.micro_batches,
+            }
+            return out
+
+    worker_cls = ray.remote(
+        runtime_env=mpw.get_runtime_env_for_policy_worker("megatron_policy_worker")
+    )(type(CLASS_NAME, (_Impl,), {"__module__": __name__, "__qualname__": CLASS_NAME}))
+    return worker_cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == CLASS_NAME:
+        return make_worker_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

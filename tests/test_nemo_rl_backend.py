@@ -1,0 +1,282 @@
+"""The NeMo-RL backend on CPU: validation, off-policy refusal, translation, worker plumbing,
+metrics wrapper. The end-to-end run is the `nemo_rl` + `gpu` test at the bottom (Docker image)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_jetrl.backends import nemo_rl as nr
+from nemo_jetrl.backends import nemo_rl_metrics as nm
+from nemo_jetrl.backends import nemo_rl_translate as nt
+from nemo_jetrl.cli import UserError
+from nemo_jetrl.metrics import mismatch_metrics
+from nemo_jetrl.recipe import Recipe
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "examples" / "configs"
+QWEN = CONFIGS / "qwen3_8b_base"
+
+
+def test_translate_jetrl_kv_config():
+    p = nr.prepare(str(QWEN / "jetrl_kv.yaml"))
+    plan = p.plan
+    mc = plan.master_config
+    assert "jetrl" not in mc
+    assert mc["policy"]["megatron_cfg"]["fp8_cfg"] == {
+        "enabled": True,
+        "fp8": "e4m3",
+        "fp8_recipe": "blockwise",
+        "fp8_param": False,
+    }
+    env = mc["policy"]["megatron_cfg"]["env_vars"]
+    assert env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "0"
+    assert nt.recipe_from_json(env[nt.RECIPE_ENV]) == plan.recipe
+    assert plan.recipe.onpolicy_kv and plan.recipe.kv_fp8
+    vc = mc["policy"]["generation"]["vllm_cfg"]
+    assert (vc["precision"], vc["kv_cache_dtype"]) == ("fp8", "fp8")
+    assert vc["pow2_weight_scaling_factors"] and vc["pow2_activation_scaling_factors"]
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    ps = PatchSettings.from_json(vc["env_vars"][nt.VLLM_PATCH_ENV])
+    assert ps.pow2_weight_scales and ps.pow2_activation_scales and ps.fp8_weights
+    assert ps.kv_cache_dtype == "fp8"
+    assert plan.workers.policy_worker_fqn == nt.POLICY_WORKER_FQN
+    assert dict(plan.workers.policy_env) == {k: env[k] for k in plan.workers.policy_env}
+
+
+def test_translate_bf16_config_turns_fp8_off_and_sets_no_patch():
+    plan = nr.prepare(str(QWEN / "bf16.yaml")).plan
+    mc = plan.master_config
+    assert mc["policy"]["megatron_cfg"]["fp8_cfg"]["enabled"] is False
+    assert nt.VLLM_PATCH_ENV not in mc["policy"]["generation"]["vllm_cfg"].get("env_vars", {})
+    assert "NVTE_FP8_BLOCK_SCALING_FP32_SCALES" not in plan.workers.policy_env
+
+
+def test_translation_problems_are_collected_with_keys():
+    recipe = Recipe.preset("jetrl_kv")
+    recipe = recipe.with_(
+        train=recipe.train.with_(bf16_first_layers=1),
+        kv_calibration=dataclass_replace(recipe.kv_calibration, mask="response"),
+    )
+    cfg = {"policy": {"megatron_cfg": {"enabled": False}, "generation": {"backend": "sglang"}}}
+    with pytest.raises(nt.TranslationError) as ei:
+        nt.translate(cfg, recipe, num_layers=36)
+    keys = [k for k, _ in ei.value.problems]
+    assert keys == [
+        "policy.megatron_cfg.enabled",
+        "policy.generation.backend",
+        "jetrl.train_num_first_layers_in_bf16",
+        "jetrl.kv_calibration.mask",
+    ]
+    assert cfg == {
+        "policy": {"megatron_cfg": {"enabled": False}, "generation": {"backend": "sglang"}}
+    }
+
+
+def dataclass_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def test_off_policy_refused_unless_allowed():
+    with pytest.raises(UserError) as ei:
+        nr.prepare(str(QWEN / "fp8_rollout.yaml"))
+    msg = str(ei.value)
+    assert "OFF-POLICY" in msg and "jetrl.allow_off_policy" in msg
+    assert "policy.generation.vllm_cfg" in msg or "policy.megatron_cfg" in msg
+    p = nr.prepare(str(QWEN / "fp8_rollout.yaml"), ["jetrl.allow_off_policy=true"])
+    assert any("off-policy" in w for w in p.warnings)
+    assert p.plan.master_config["policy"]["megatron_cfg"]["fp8_cfg"]["enabled"] is False
+
+
+def test_invalid_config_is_a_user_error():
+    with pytest.raises(UserError, match="invalid config"):
+        nr.prepare(str(QWEN / "jetrl.yaml"), ["policy.generation.vllm_cfg.precision=fp9"])
+
+
+def test_without_nemo_rl_exits_with_instructions(monkeypatch):
+    # Block the imports (works the same with or without NeMo-RL installed).
+    for mod in ("nemo_rl", "nemo_rl.algorithms", "nemo_rl.algorithms.grpo"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    with pytest.raises(UserError) as ei:
+        nr.run_nemo_rl(str(QWEN / "jetrl.yaml"), [])
+    msg = str(ei.value)
+    assert "nemo_rl" in msg and "docker build -f docker/Dockerfile" in msg
+    assert nt.NEMO_RL_IMAGE in msg
+
+
+def test_missing_dependencies_names_each_module():
+    present = {"ray"}
+    missing = nr.missing_dependencies(lambda m: object() if m in present else None)
+    assert [m.split(" ")[0] for m in missing] == ["nemo_rl", "nemo_rl.algorithms.grpo"]
+    assert nr.missing_dependencies(lambda m: object()) == []
+
+
+def test_policy_worker_registration_is_reverted():
+    reg = {nt.STOCK_POLICY_WORKER: "uv run --locked --extra mcore --directory /opt/nemo-rl"}
+    with nr.registered_policy_worker(reg) as exe:
+        assert reg[nt.POLICY_WORKER_FQN] == exe == reg[nt.STOCK_POLICY_WORKER]
+    assert nt.POLICY_WORKER_FQN not in reg
+    with pytest.raises(RuntimeError, match="MegatronPolicyWorker"), nr.registered_policy_worker({}):
+        pass
+
+
+def test_worker_env_check():
+    recipe = Recipe.preset("jetrl")
+    env = {nt.RECIPE_ENV: nt.recipe_to_json(recipe), "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
+    assert nt.check_policy_env(env) == recipe
+    with pytest.raises(RuntimeError, match="needs '0'"):
+        nt.check_policy_env({**env, "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"})
+    with pytest.raises(RuntimeError, match="NEMO_JETRL_RECIPE is not set"):
+        nt.check_policy_env({})
+
+
+def test_worker_class_needs_nemo_rl(monkeypatch):
+    from nemo_jetrl._optional import MissingDependencyError
+    from nemo_jetrl.backends import nemo_rl_worker
+
+    monkeypatch.setitem(sys.modules, "nemo_rl", None)
+    nemo_rl_worker.make_worker_class.cache_clear()
+    with pytest.raises(MissingDependencyError, match="Docker image"):
+        nemo_rl_worker.JetrlMegatronPolicyWorker  # noqa: B018
+    nemo_rl_worker.make_worker_class.cache_clear()
+    with pytest.raises(AttributeError):
+        nemo_rl_worker.NoSuchThing  # noqa: B018
+
+
+def test_vllm_preflight_refuses_unsupported_version():
+    def fake_run(version):
+        return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=version + "\n", stderr="")
+
+    with pytest.raises(UserError, match=r"vLLM 0\.20\.0 is installed"):
+        nr.preflight_vllm_patch("/opt/ray_venvs/x/bin/python", run=fake_run("0.20.0"))
+    nr.preflight_vllm_patch("/x/python", run=fake_run("0.32.1"))
+    reg = {nr.VLLM_WORKER: "uv run --locked --extra vllm --directory /opt/nemo-rl"}
+    assert (
+        nr.vllm_worker_python(reg, "/opt/ray_venvs")
+        == f"/opt/ray_venvs/{nr.VLLM_WORKER}/bin/python"
+    )
+
+
+def test_merge_onto_nemo_rl_defaults(tmp_path):
+    (tmp_path / "grpo_math_1B.yaml").write_text(
+        "policy:\n  model_name: x\n  tokenizer:\n    name: ${policy.model_name}\n"
+        "cluster:\n  gpus_per_node: 8\ndata:\n  dataset_name: math\n"
+    )
+    base = tmp_path / "grpo_math_1B_megatron.yaml"
+    base.write_text("defaults: grpo_math_1B.yaml\ncluster:\n  num_nodes: 1\n")
+    out = nr.merge_nemo_rl_defaults({"policy": {"model_name": "Qwen/Qwen3-8B-Base"}}, base)
+    assert out["policy"]["tokenizer"]["name"] == "Qwen/Qwen3-8B-Base"
+    assert out["cluster"] == {"gpus_per_node": 8, "num_nodes": 1}
+    assert out["data"] == {"dataset_name": "math"}
+    with pytest.raises(UserError, match="NEMO_RL_DIR"):
+        nr.merge_nemo_rl_defaults({}, tmp_path / "nope.yaml")
+
+
+def _batch(seed, b=3, t=9):
+    g = torch.Generator().manual_seed(seed)
+    gen = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    prev = gen + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.2
+    mask = (torch.rand(b, t, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    return {
+        "generation_logprobs": gen,
+        "prev_logprobs": prev,
+        "token_mask": mask,
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0][:b]),
+    }
+
+
+class _FakePG:
+    """Stands in for NeMo-RL's ClippedPGLossFn (its attributes and call signature)."""
+
+    input_type = "LOGPROB"
+    loss_type = "TOKEN_LEVEL"
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
+        return next_token_logprobs.sum() * 0 + 1.5, {"loss": 1.5, "token_mult_prob_error": 1.0}
+
+
+def test_loss_wrapper_sums_to_step_token_means():
+    parts = [_batch(1), _batch(2)]
+    ratio_bounds = (0.5, 1.5)
+    whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    vm = (whole["token_mask"][:, 1:] * whole["sample_mask"][:, None]).sum()
+    wrapped = pickle.loads(pickle.dumps(nm.MismatchMetricsLoss(_FakePG(), ratio_bounds)))
+    assert wrapped.input_type == "LOGPROB" and wrapped.loss_type == "TOKEN_LEVEL"
+    summed: dict[str, float] = {}
+    for p in parts:
+        loss, m = wrapped(
+            next_token_logprobs=torch.zeros(3, 8),
+            data=p,
+            global_valid_seqs=torch.tensor(4.0),
+            global_valid_toks=vm,
+        )
+        assert loss.item() == 1.5 and m["loss"] == 1.5
+        for k in nm.TOKEN_MEANS + nm.COUNTS:
+            summed[k] = summed.get(k, 0.0) + m[k]
+    ref = mismatch_metrics(
+        whole["generation_logprobs"][:, 1:],
+        whole["prev_logprobs"][:, 1:],
+        whole["token_mask"][:, 1:],
+        whole["sample_mask"],
+        ratio_bounds=ratio_bounds,
+    )
+    for k in nm.TOKEN_MEANS + nm.COUNTS:
+        assert summed[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
+    assert summed["jetrl/mismatch/num_valid_tokens"] == float(vm)
+
+
+def test_logger_proxy_moves_our_tags_out_of_train_prefix():
+    calls = []
+    inner = types.SimpleNamespace(
+        log_metrics=lambda m, step, prefix="", *a, **k: calls.append((dict(m), step, prefix)),
+        log_dir="/x",
+    )
+    proxy = nm.JetrlLoggerProxy(inner)
+    proxy.log_metrics({"loss": 1.0, "jetrl/mismatch/k1_kl": 0.1}, 3, prefix="train")
+    assert calls == [({"loss": 1.0}, 3, "train"), ({"jetrl/mismatch/k1_kl": 0.1}, 3, "")]
+    assert proxy.log_dir == "/x"
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.gpu
+def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
+    """Two GRPO steps of Qwen3-0.6B with the jetrl_kv recipe on one GPU through NeMo-RL.
+
+    Runs in the Docker image (scripts/run_gpu_tests.sh). Asserts the run finished, our mismatch
+    tags reached NeMo-RL's TensorBoard logs, and the on-policy recipe keeps the train/rollout
+    logprob error small.
+    """
+    from nemo_jetrl.logs import read_scalars
+
+    log_dir = tmp_path / "logs"
+    rc = nr.run_nemo_rl(
+        str(QWEN / "jetrl_kv.yaml"),
+        [
+            "policy.model_name=Qwen/Qwen3-0.6B",
+            "grpo.max_num_steps=2",
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=4",
+            "policy.train_global_batch_size=16",
+            "policy.max_total_sequence_length=1024",
+            "cluster.gpus_per_node=1",
+            f"logger.log_dir={log_dir}",
+            "logger.tensorboard_enabled=true",
+            f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+            "checkpointing.enabled=false",
+        ],
+    )
+    assert rc == 0
+    scalars, _ = read_scalars(log_dir)
+    assert "jetrl/mismatch/k1_kl" in scalars
+    err = list(scalars["train/token_mult_prob_error"].values)
+    assert len(err) == 2 and all(math.isfinite(e) for e in err) and max(err) < 1.05
