@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -195,7 +196,22 @@ def _check_nemo_rl_keys(r: _Reader) -> None:
             )
     env = r.get(S.FP32_SCALES_KEY, None)
     if env is not None and str(env) not in S.ENV_FLAG_VALUES:
-        r.error(S.FP32_SCALES_KEY, f"unknown value {env!r}", S.ENV_FLAG_VALUES)
+        r.error(
+            S.FP32_SCALES_KEY,
+            f"unknown value {env!r}: TE treats only '1' as FP32 scales and anything else as "
+            "power-of-two scales, so write '1' or '0'",
+            S.ENV_FLAG_VALUES,
+        )
+    # Ray workers inherit the launching environment: a different value there changes TE's
+    # scale rule behind the config's back.
+    outer = os.environ.get(S.FP32_SCALES_ENV)
+    if outer is not None and fp8_on and (outer == "1") != (str(env) == "1"):
+        r.warn(
+            S.FP32_SCALES_KEY,
+            f"the current environment sets {S.FP32_SCALES_ENV}={outer!r}, which disagrees with "
+            f"the config ({env!r}); workers that inherit it would use the other scale rule. "
+            "Unset it or make the two agree",
+        )
     # Rollout (vLLM).
     prec = r.choice(S.VLLM_PRECISION, S.VLLM_PRECISIONS, "bfloat16")
     kv = r.choice(S.VLLM_KV_DTYPE, S.VLLM_KV_DTYPES, "auto")

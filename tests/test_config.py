@@ -420,6 +420,18 @@ def test_recipe_label_disagreeing_with_keys_is_a_warning():
     assert w.level == "warning" and "rollout.quantizer" in w.message
 
 
+def test_launch_environment_disagreeing_with_the_config_is_a_warning(monkeypatch):
+    ov = ("policy.megatron_cfg.fp8_cfg.enabled=true", "jetrl.recipe=null")
+    key = "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    (w,) = [i for i in validate(cfg_with(*ov)) if i.level == "warning"]
+    assert w.path == key and "current environment" in w.message
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0")
+    assert not [i for i in validate(cfg_with(*ov)) if i.level == "warning"]
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
+    assert not [i for i in validate(cfg_with(*ov)) if i.level == "warning"]
+
+
 def test_megatron_generation_backend_samples_with_the_training_model():
     cfg = cfg_with(
         "policy.generation.backend=megatron",
