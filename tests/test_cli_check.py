@@ -15,6 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples" / "configs"
 
 
+@pytest.fixture(autouse=True)
+def _clean_te_scale_env(monkeypatch):
+    """Validation warns when the process environment sets TE's scale rule; other tests in the
+    same process may have set it (nemo_jetrl.megatron does, on purpose)."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+
+
 def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()

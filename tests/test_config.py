@@ -29,6 +29,13 @@ EXAMPLES = REPO / "examples" / "configs"
 BASE = EXAMPLES / "base" / "grpo_megatron.yaml"
 
 
+@pytest.fixture(autouse=True)
+def _clean_te_scale_env(monkeypatch):
+    """Validation warns when the process environment sets TE's scale rule; other tests in the
+    same process may have set it (nemo_jetrl.megatron does, on purpose)."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+
+
 def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

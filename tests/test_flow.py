@@ -23,6 +23,14 @@ from nemo_jetrl.recipe import PRESET_NAMES, Recipe, SideRecipe
 
 QWEN3 = builtin_arch("Qwen/Qwen3-8B-Base")
 
+
+@pytest.fixture(autouse=True)
+def _clean_te_scale_env(monkeypatch):
+    """Validation warns when the process environment sets TE's scale rule; other tests in the
+    same process may have set it (nemo_jetrl.megatron does, on purpose)."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+
+
 # Parameter counts of the public checkpoints (model cards: 8.03B, 7.62B, 8.19B).
 PUBLIC_PARAMS = {
     "meta-llama/Llama-3.1-8B": 8_030_261_248,
