@@ -181,6 +181,63 @@ def test_merge_onto_nemo_rl_defaults(tmp_path):
         nr.merge_nemo_rl_defaults({}, tmp_path / "nope.yaml")
 
 
+def test_slurm_launch_builds_ray_sub_submission():
+    import subprocess
+
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DRY_RUN": "1",
+        "CONTAINER": "/images/nemo-jetrl.sqsh",
+        "ACCOUNT": "acct",
+        "PARTITION": "batch",
+        "NODES": "2",
+        "HF_HOME": "/hf",
+    }
+    cfg = "examples/configs/qwen3_8b_base/jetrl.yaml"
+    proc = subprocess.run(
+        ["bash", "slurm/launch.sh", cfg, "grpo.max_num_steps=3"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for part in (
+        "--nodes=2",
+        "--account=acct",
+        "--partition=batch",
+        "--gres=gpu:8",
+        "--job-name=jetrl-qwen3_8b_base-jetrl",
+        "./ray.sub",
+    ):
+        assert part in out, part
+    assert "jetrl\\ train" in out or "jetrl train" in out
+    assert "--backend\\ nemo-rl" in out or "--backend nemo-rl" in out
+    assert "grpo.max_num_steps=3" in out and "HF_HOME=/hf" in out
+    bad = subprocess.run(
+        ["bash", "slurm/launch.sh", "nope.yaml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "config not found" in bad.stderr
+
+
+def test_example_launcher_refuses_off_policy(capsys):
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("run_grpo_jetrl", REPO / "examples" / "run_grpo_jetrl.py")
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--config", str(QWEN / "fp8_rollout.yaml")])
+    assert rc == 2
+    assert "OFF-POLICY" in capsys.readouterr().err
+
+
 def _batch(seed, b=3, t=9):
     g = torch.Generator().manual_seed(seed)
     gen = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3

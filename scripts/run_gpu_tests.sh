@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Run the GPU tiers inside the nemo-jetrl Docker image (docker/Dockerfile), on a machine with an
+# NVIDIA GPU (H100 for the blockwise-FP8 TE paths):
+#
+#   docker run --gpus all --rm -v $HOME/.cache/huggingface:/root/.cache/huggingface \
+#     nemo-jetrl:latest bash scripts/run_gpu_tests.sh [extra pytest args]
+#
+# Each tier runs with the Python environment that has its dependencies:
+#   1. megatron + gpu  -> the Megatron policy worker venv (megatron-core, Transformer Engine):
+#      real TE recipe, TE FP8 weights (fp8_param) re-laid out for refit with the parity check,
+#      the CPU megatron tests again on this megatron-core, and every other `gpu` test;
+#   2. nemo_rl (+ gpu) -> the driver env (/opt/nemo_rl_venv, NeMo-RL + Ray): two GRPO steps
+#      through `run_nemo_rl` with the jetrl_kv recipe (downloads Qwen/Qwen3-0.6B once).
+# Exit code: non-zero if any tier failed (all tiers run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+venv_dir=${NEMO_RL_VENV_DIR:-/opt/ray_venvs}
+mcore_py="$venv_dir/nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker/bin/python"
+driver_py=${DRIVER_PYTHON:-/opt/nemo_rl_venv/bin/python}
+
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+  || "$driver_py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+  || { echo "run_gpu_tests: no CUDA GPU visible (docker run --gpus all ...)" >&2; exit 2; }
+
+status=0
+run_tier() {
+  local name=$1 py=$2; shift 2
+  if [[ ! -x "$py" ]]; then
+    echo "run_gpu_tests: [$name] python not found: $py (are you inside the nemo-jetrl image?)" >&2
+    status=1
+    return
+  fi
+  echo "=== [$name] $py -m pytest $*"
+  "$py" -m pytest -ra "$@" || status=1
+}
+
+run_tier "megatron+gpu" "$mcore_py" -m "gpu or megatron" tests "$@"
+run_tier "nemo_rl" "$driver_py" -m "nemo_rl" tests/test_nemo_rl_backend.py "$@"
+
+if [[ $status -ne 0 ]]; then
+  echo "run_gpu_tests: some tier failed" >&2
+fi
+exit $status
