@@ -337,6 +337,7 @@ def calibrate(
     t0 = time.perf_counter()
     existing = getattr(model, _HANDLE_ATTR, None)
     handle = existing if isinstance(existing, KVHandle) and existing.active else attach_kv(model)
+    was_training = model.training
     try:
         idx = select_sequences(input_ids.shape[0], settings.data_fraction)
         sel = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
@@ -348,7 +349,6 @@ def calibrate(
         )
         tmask = token_mask(am, rm, mask or settings.mask)
         observer = AmaxObserver(include_q=settings.include_q)
-        was_training = model.training
         model.eval()
         with handle.observing(observer):
             for start in range(0, ids.shape[0], settings.micro_batch_size):
@@ -360,10 +360,10 @@ def calibrate(
                 if pos is not None:
                     kwargs["position_ids"] = pos[mb]
                 model(**kwargs)
-        model.train(was_training)
         amax = observer.amax(settings.reduction, settings.percentile)
         scales, refused = scales_from_amax(amax, settings, previous)
     finally:
+        model.train(was_training)
         if handle is not existing:
             handle.restore()
     return CalibrationResult(
