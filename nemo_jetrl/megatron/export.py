@@ -44,6 +44,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -55,23 +56,27 @@ from nemo_jetrl.recipe import Recipe
 BLOCK = 128
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Per-layer Megatron suffix -> HF suffix (after "model.layers.{i}.") for 1:1 tensors.
-_LAYER_MAP = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
-}
-_GLOBAL_MAP = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",
-}
+_LAYER_MAP: Mapping[str, str] = MappingProxyType(
+    {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+        "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+        "mlp.linear_fc2.bias": "mlp.down_proj.bias",
+    }
+)
+_GLOBAL_MAP: Mapping[str, str] = MappingProxyType(
+    {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight",
+    }
+)
 # HF linear weights of a decoder layer that can be FP8 (the rest stays BF16 on both sides).
 FP8_LINEARS = (
     "self_attn.q_proj.weight",
