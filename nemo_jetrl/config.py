@@ -32,11 +32,10 @@ from nemo_jetrl.config_validate import (
     _Reader,
     arch_from_config,
     errors,
-    preset_differences,
     recipe_from_config,
     validate,
 )
-from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.recipe import Recipe, preset_differences
 
 __all__ = [
     "ConfigError",
@@ -89,7 +88,7 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
             "recipe": recipe.name if recipe.name in S.JETRL_KEYS["recipe"].choices else None,
             "vllm_patch": ro.fp8_linears and ro.quantizer == "jetrl",
             "onpolicy_kv": recipe.onpolicy_kv,
-            "kv_scale_source": None if recipe.kv_scale_source == "none" else recipe.kv_scale_source,
+            "kv_scale_source": _kv_source_key(recipe),
             "kv_calibration": {
                 "enabled": recipe.kv_calibration.enabled,
                 "data_fraction": recipe.kv_calibration.data_fraction,
@@ -102,6 +101,14 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
             "unaligned_layers": "bf16" if recipe.unaligned_layers_bf16 else "error",
         },
     }
+
+
+def _kv_source_key(recipe: Recipe) -> str | None:
+    """`jetrl.kv_scale_source` for a recipe: null when it is what null means (trainer_calibrated
+    with calibration enabled, dynamic without) or when the KV cache is BF16."""
+    src = recipe.kv_scale_source
+    auto = "trainer_calibrated" if recipe.kv_calibration.enabled else "dynamic"
+    return None if src in ("none", auto) else src
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

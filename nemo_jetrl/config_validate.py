@@ -20,7 +20,13 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from nemo_jetrl import config_schema as S
 from nemo_jetrl.config_load import ConfigError, ConfigIssue, _exists
-from nemo_jetrl.recipe import KvCalibration, Recipe, SideRecipe
+from nemo_jetrl.recipe import (
+    KvCalibration,
+    Recipe,
+    SideRecipe,
+    matching_preset,
+    preset_differences,
+)
 
 # ---------------------------------------------------------------------------------------------
 # reading with a record of problems
@@ -329,58 +335,12 @@ def _read_recipe(r: _Reader) -> Recipe:
     # Name it after the declared preset when the keys match it, else after any preset they
     # match (a config without the label), else "custom".
     label = r.get("jetrl.recipe", None)
-    for name in ([label] if isinstance(label, str) else []) + list(S.JETRL_KEYS["recipe"].choices):
-        if isinstance(name, str) and _matches_preset(recipe, name):
-            return recipe.with_(name=name)
-    return recipe
+    name = matching_preset(recipe, prefer=label if isinstance(label, str) else None)
+    return recipe.with_(name=name) if name else recipe
 
 
 def _safe_count(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
-
-
-_PRESET_COMPARE_IGNORES = ("name", "kv_calibration")
-
-
-def _matches_preset(recipe: Recipe, name: str) -> bool:
-    try:
-        preset = Recipe.preset(name)
-    except ValueError:
-        return False
-    return not preset_differences(recipe, preset)
-
-
-def _normalized(recipe: Recipe) -> Recipe:
-    """Blank out settings that have no effect (FP8 details of a BF16 side, KV details of a BF16
-    cache) so that comparisons only see what changes numbers."""
-    sides = {}
-    for which in ("train", "rollout"):
-        s = recipe.side(which)
-        sides[which] = s if s.fp8_linears else SideRecipe(quantizer=s.quantizer)
-    if sides["rollout"].fp8_linears is False:
-        sides["rollout"] = SideRecipe(quantizer="vllm")
-    return recipe.with_(name=recipe.name, **sides)
-
-
-def preset_differences(recipe: Recipe, preset: Recipe) -> list[str]:
-    """Fields (dotted) where `recipe` differs from `preset`, ignoring name, KV calibration and
-    the training quantizer implementation (TE and nemo_jetrl compute the same bits)."""
-    diffs: list[str] = []
-    a, b = _normalized(recipe).to_dict(), _normalized(preset).to_dict()
-    for key in a:
-        if key in _PRESET_COMPARE_IGNORES:
-            continue
-        if isinstance(a[key], dict):
-            for sub in a[key]:
-                if key == "train" and sub == "quantizer":
-                    continue
-                if key == "rollout" and sub == "use_deep_gemm":
-                    continue
-                if a[key][sub] != b[key][sub]:
-                    diffs.append(f"{key}.{sub}: config {a[key][sub]!r}, preset {b[key][sub]!r}")
-        elif a[key] != b[key]:
-            diffs.append(f"{key}: config {a[key]!r}, preset {b[key]!r}")
-    return diffs
 
 
 def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:

@@ -301,14 +301,7 @@ class Recipe:
             kv_scale_source=src if keep_kv else "none",
             onpolicy_kv=keep_kv,
         )
-        for name, preset in PRESETS.items():
-            if dataclasses.replace(aligned, name=name, kv_calibration=preset.kv_calibration) == (
-                dataclasses.replace(
-                    preset, train=dataclasses.replace(preset.train, quantizer=t.quantizer)
-                )
-            ):
-                return dataclasses.replace(aligned, name=name)
-        return dataclasses.replace(aligned, name="custom")
+        return dataclasses.replace(aligned, name=matching_preset(aligned) or "custom")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (for logs and YAML)."""
@@ -352,6 +345,46 @@ def describe_side(s: SideRecipe) -> str:
     if s.bf16_first_layers or s.bf16_last_layers:
         parts.append(f"bf16 first {s.bf16_first_layers} / last {s.bf16_last_layers} layers")
     return ", ".join(parts)
+
+
+def _normalized(recipe: Recipe) -> Recipe:
+    """Blank out settings without effect on numbers: FP8 details of a BF16 side, the training
+    quantizer (TE and nemo_jetrl compute the same bits), DeepGEMM (a kernel choice)."""
+    train = recipe.train.with_(quantizer="te")
+    if not train.fp8_linears:
+        train = SideRecipe()
+    rollout = recipe.rollout.with_(use_deep_gemm=False)
+    if not rollout.fp8_linears:
+        rollout = SideRecipe(quantizer="vllm")
+    return dataclasses.replace(
+        recipe, name="", train=train, rollout=rollout, kv_calibration=KvCalibration()
+    )
+
+
+def preset_differences(recipe: Recipe, preset: Recipe) -> list[str]:
+    """Fields (dotted) where `recipe` differs from `preset` in something that changes numbers
+    (name, KV calibration settings, training quantizer and DeepGEMM are ignored)."""
+    a, b = _normalized(recipe).to_dict(), _normalized(preset).to_dict()
+    diffs: list[str] = []
+    for key, va in a.items():
+        if isinstance(va, dict):
+            diffs += [
+                f"{key}.{sub}: config {va[sub]!r}, preset {b[key][sub]!r}"
+                for sub in va
+                if va[sub] != b[key][sub]
+            ]
+        elif va != b[key]:
+            diffs.append(f"{key}: config {va!r}, preset {b[key]!r}")
+    return diffs
+
+
+def matching_preset(recipe: Recipe, prefer: str | None = None) -> str | None:
+    """The preset `recipe` is equivalent to (`prefer` first when it matches), or None."""
+    names = ([prefer] if prefer in PRESETS else []) + list(PRESETS)
+    for name in names:
+        if not preset_differences(recipe, PRESETS[name]):
+            return name
+    return None
 
 
 def _presets() -> Mapping[str, Recipe]:

@@ -180,3 +180,60 @@ def test_console_exit_codes_in_a_subprocess(tmp_path):
         codes[name] = p.returncode
         assert "Traceback" not in p.stderr
     assert codes == {"on": 0, "off": 1, "bad": 2}
+
+
+def test_check_json_summary(capsys):
+    import json
+
+    code, out, _ = run(capsys, "check", EX / "nemo_rl_fp8_e2e.yaml", "--json")
+    assert code == 1
+    data = json.loads(out)
+    assert data["on_policy"] is False and data["model"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert {tuple(m["keys"]) for m in data["mismatches"]} == {("jetrl.vllm_patch",)}
+    assert data["recipe"]["train"]["pow2_weight_scales"] is False
+
+
+def test_check_prints_is_correction(capsys):
+    _, out, _ = run(
+        capsys,
+        "check",
+        EX / "qwen3_8b_base" / "fp8_rollout.yaml",
+        "loss_fn.truncated_importance_sampling_type=icepop",
+        "loss_fn.truncated_importance_sampling_ratio=5.0",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+    )
+    assert "importance-sampling correction: on (icepop, weights in [0.5, 5.0])" in out
+
+
+def test_align_as_child_inherits_the_input(capsys, tmp_path):
+    out_yaml = tmp_path / "child.yaml"
+    code, _, _ = run(
+        capsys,
+        "align",
+        EX / "qwen3_8b_base" / "jetrl_kv.yaml",
+        "jetrl.onpolicy_kv=false",
+        "policy.generation.vllm_cfg.use_deep_gemm=true",
+        "--as-child",
+        "-o",
+        out_yaml,
+    )
+    assert code == 0
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(out_yaml)
+    assert Path(str(raw.defaults)).name == "jetrl_kv.yaml"
+    assert OmegaConf.to_container(raw.jetrl) == {"onpolicy_kv": True}
+    assert raw.policy.generation.vllm_cfg.use_deep_gemm is True
+    assert "megatron_cfg" not in raw.policy  # only what the overrides and align changed
+    r = recipe_from_config(load_config(out_yaml))
+    assert r.name == "jetrl_kv" and r.rollout.use_deep_gemm
+    code, _, err = run(
+        capsys,
+        "align",
+        EX / "qwen3_8b_base" / "jetrl.yaml",
+        "~jetrl.recipe",
+        "--as-child",
+        "-o",
+        tmp_path / "d.yaml",
+    )
+    assert code == 2 and "cannot express the deletion" in err

@@ -524,7 +524,6 @@ def test_minimal_updates_skip_what_already_holds():
         "policy.generation.vllm_cfg.kv_cache_dtype": "fp8",
         "jetrl.recipe": "jetrl_kv",
         "jetrl.onpolicy_kv": True,
-        "jetrl.kv_scale_source": "trainer_calibrated",
     }
 
 

@@ -190,3 +190,24 @@ def test_every_field_is_documented_in_place(cls):
 def test_recipe_module_does_not_import_torch():
     src = inspect.getsource(recipe_mod)
     assert "import torch" not in src
+
+
+def test_matching_preset_ignores_what_does_not_change_numbers():
+    from nemo_jetrl.recipe import matching_preset, preset_differences
+
+    j = Recipe.preset("jetrl")
+    same = j.with_(
+        train=j.train.with_(quantizer="jetrl"),  # CPU emulation of TE: same bits
+        rollout=j.rollout.with_(use_deep_gemm=True),  # a kernel choice
+        kv_calibration=KvCalibration(margin=1.2),  # unused without an FP8 KV cache
+    )
+    assert matching_preset(same) == "jetrl" and preset_differences(same, j) == []
+    # a BF16 side's FP8 details do not matter
+    b = Recipe.preset("bf16").with_(rollout=SideRecipe(quantizer="vllm", pow2_weight_scales=False))
+    assert matching_preset(b) == "bf16"
+    off = j.with_(rollout=j.rollout.with_(pow2_activation_scales=False))
+    assert matching_preset(off) is None
+    assert preset_differences(off, j) == [
+        "rollout.pow2_activation_scales: config False, preset True"
+    ]
+    assert matching_preset(Recipe.preset("jetrl_kv"), prefer="jetrl") == "jetrl_kv"

@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recipe", choices=PRESET_NAMES, default=None, help="write this preset's keys instead"
     )
+    parser.add_argument(
+        "--as-child",
+        action="store_true",
+        help="write a small file that inherits CONFIG through defaults: and holds only the "
+        "overrides and the changed keys",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
 
@@ -59,14 +65,17 @@ def run(args: argparse.Namespace) -> int:
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     cfg = merge_updates(before.cfg, updates)
     out.parent.mkdir(parents=True, exist_ok=True)
+    origin = "preset " + args.recipe if args.recipe else "rollout derived from training"
     header = (
         f"# Written by `jetrl align` from {args.config}"
         + (f" with overrides {' '.join(args.overrides)}" if args.overrides else "")
-        + f"\n# recipe: {target.name}; rollout derived from training"
-        + ("" if not args.recipe else f" (preset {args.recipe})")
-        + "\n"
+        + f"\n# recipe: {target.name} ({origin})\n"
     )
-    out.write_text(header + OmegaConf.to_yaml(cfg))
+    if args.as_child:
+        text = OmegaConf.to_yaml(_child(Path(args.config), out, list(args.overrides), updates))
+    else:
+        text = OmegaConf.to_yaml(cfg)
+    out.write_text(header + text)
     changed = _changed_keys(before.cfg, cfg)
     print(f"wrote {out} (recipe {target.name})", file=sys.stdout)
     for key, old, new in changed:
@@ -76,6 +85,28 @@ def run(args: argparse.Namespace) -> int:
     print(file=sys.stdout)
     after = load_and_check(str(out), [])
     return report(after, str(out), sys.stdout)
+
+
+def _child(parent: Path, out: Path, overrides: list[str], updates: dict):
+    """`defaults: <parent relative to out>` + the overrides + the updates."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.config import merge_updates, parse_override
+
+    rel = os.path.relpath(parent.resolve(), out.resolve().parent)
+    if rel.startswith(os.path.join("..", "..", "..")):
+        rel = str(parent.resolve())  # far apart: an absolute path reads better
+    flat: dict = {}
+    for text in overrides:
+        op, key, value = parse_override(text)
+        if op == "delete":
+            raise UserError(f"--as-child cannot express the deletion {text!r}; drop --as-child")
+        flat[key] = value
+    flat.update(updates)
+    return merge_updates(OmegaConf.create({"defaults": rel}), flat)
 
 
 def _changed_keys(a, b, prefix: str = "") -> list[tuple[str, object, object]]:

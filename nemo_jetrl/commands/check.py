@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--edges", action="store_true", help="list every mismatched edge, not just a summary"
     )
+    parser.add_argument(
+        "--json", action="store_true", help="print a JSON summary instead of the text report"
+    )
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def report(
             continue  # said above
         print(f"{i.level}: {i}", file=out)
     print(c.recipe.describe(), file=out)
+    print(f"  importance-sampling correction: {_is_correction(c.cfg)}", file=out)
     print("\nprecision flow (training forward vs rollout):", file=out)
     _table([("layers", "group", "training forward", "rollout", "status"), *flow_table(check)], out)
     if backward:
@@ -159,6 +163,56 @@ def report(
     return EXIT_OFF_POLICY
 
 
+def _is_correction(cfg: Any) -> str:
+    """One phrase on NeMo-RL's loss_fn IS correction (it reweights; it does not align)."""
+    from omegaconf import OmegaConf
+
+    def sel(key: str) -> Any:
+        return OmegaConf.select(cfg, f"loss_fn.{key}", default=None)
+
+    if sel("use_importance_sampling_correction") is not True:
+        return "off"
+    kind = sel("truncated_importance_sampling_type")
+    if kind is None:
+        return "on (untruncated)"
+    lo = sel("truncated_importance_sampling_ratio_min")
+    hi = sel("truncated_importance_sampling_ratio")
+    return f"on ({kind}, weights in [{0 if lo is None else lo}, {hi}])"
+
+
+def summary(c: Checked) -> dict[str, Any]:
+    """The check as plain data (what --json prints)."""
+    check = c.check
+    return {
+        "model": c.arch.name,
+        "model_note": c.arch_note,
+        "recipe": c.recipe.to_dict(),
+        "on_policy": check.on_policy,
+        "issues": [
+            {"level": i.level, "path": i.path, "message": i.message, "allowed": list(i.allowed)}
+            for i in c.issues
+        ],
+        "mismatches": [
+            {
+                "reason": m.reason,
+                "keys": list(m.keys),
+                "fixes": list(m.fixes),
+                "severity": m.severity,
+                "layers": list(m.layers),
+                "operands": list(m.operands),
+                "edges": len(m.edges),
+                "pairs": [[role, t.short(), r.short()] for role, t, r in m.pairs],
+            }
+            for m in check.mismatches
+        ],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     checked = load_and_check(args.config, list(args.overrides))
+    if args.json:
+        import json
+
+        print(json.dumps(summary(checked), indent=2))
+        return EXIT_ON_POLICY if checked.check.on_policy else EXIT_OFF_POLICY
     return report(checked, args.config, sys.stdout, backward=args.backward, edges=args.edges)
