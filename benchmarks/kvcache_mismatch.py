@@ -94,9 +94,7 @@ def run(args, num_ops: int) -> None:
         hr = ctl.attach(rollout, role="rollout")
         ctl.attach(train, role="train", onpolicy=onpolicy)
         t0 = time.perf_counter()
-        res = ctl.calibrate(
-            train, calib_ids, torch.ones_like(calib_ids), mask="prompt_and_response"
-        )
+        ctl.calibrate(train, calib_ids, torch.ones_like(calib_ids), mask="prompt_and_response")
         t_cal = time.perf_counter() - t0
         hr.set_mode(quantize=kv)
         torch.manual_seed(args.seed + 2)
