@@ -106,6 +106,36 @@ class CalibrationSettings:
         return out
 
     @staticmethod
+    def from_cfg(
+        cfg: Mapping[str, Any] | None, prefix: str = "jetrl.kv_calibration"
+    ) -> CalibrationSettings | list[str]:
+        """Settings from a YAML mapping, or the list of every problem with its full key path.
+
+        Accepts the recipe keys (``enabled`` is the caller's business and ignored here) plus
+        ``reduction``, ``include_q``, ``micro_batch_size`` and ``fmt``. ``reduction`` defaults
+        to "max" when ``percentile`` is 100, else "percentile".
+        """
+        cfg = dict(cfg or {})
+        fields = {f for f in CalibrationSettings.__dataclass_fields__}
+        problems = [
+            f"{prefix}.{k}: unknown key (allowed: {', '.join(sorted(fields | {'enabled'}))})"
+            for k in cfg
+            if k not in fields and k != "enabled"
+        ]
+        kw = {k: v for k, v in cfg.items() if k in fields}
+        if "reduction" not in kw and _is_number(kw.get("percentile", 99.9)):
+            kw["reduction"] = "max" if float(kw.get("percentile", 99.9)) >= 100.0 else "percentile"
+        if "include_q" in kw and not isinstance(kw["include_q"], bool):
+            problems.append(f"{prefix}.include_q={kw['include_q']!r} (must be true or false)")
+        probe = object.__new__(CalibrationSettings)
+        for name, f in CalibrationSettings.__dataclass_fields__.items():
+            object.__setattr__(probe, name, kw.get(name, f.default))
+        problems += [f"{prefix}.{p}" for p in probe.problems()]
+        if problems:
+            return problems
+        return CalibrationSettings(**kw)
+
+    @staticmethod
     def from_recipe(kv_calibration: Any, **overrides: Any) -> CalibrationSettings:
         """From `nemo_jetrl.recipe.KvCalibration` (or anything with the same attributes).
 
