@@ -3,7 +3,8 @@
 - `load_config(path, overrides)`: YAML with NeMo-RL's ``defaults:`` inheritance and Hydra-style
   overrides (`nemo_jetrl.config_load`).
 - `validate(cfg)` -> every `ConfigIssue`; `recipe_from_config(cfg)` -> `Recipe` or a
-  `ConfigError` listing all errors (`nemo_jetrl.config_validate`).
+  `ConfigError` listing all errors (`nemo_jetrl.config_validate`, reading through
+  `nemo_jetrl.config_reader`); `arch_from_config(cfg)` -> the model's `ModelArch` or None.
 - `recipe_to_config_updates(recipe)`: the NeMo-RL and ``jetrl:`` keys expressing a recipe (the
   inverse mapping, used by `jetrl align`); `minimal_updates` keeps only what changes;
   `merge_updates` applies them.
@@ -28,13 +29,8 @@ from nemo_jetrl.config_load import (
     load_config,
     parse_override,
 )
-from nemo_jetrl.config_validate import (
-    _Reader,
-    arch_from_config,
-    errors,
-    recipe_from_config,
-    validate,
-)
+from nemo_jetrl.config_reader import _Reader, arch_from_config
+from nemo_jetrl.config_validate import errors, recipe_from_config, validate
 from nemo_jetrl.recipe import Recipe, preset_differences
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Validation of a loaded config, and reading the Recipe it describes.
+"""Validation of a loaded config: every problem, reported together.
 
 `validate` never stops at the first problem: it walks the `jetrl:` section (schema in
 `config_schema`), NeMo-RL's precision keys, NeMo-RL's importance-sampling rules for ``loss_fn``
@@ -12,97 +12,17 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf import DictConfig
 
 from nemo_jetrl import config_schema as S
-from nemo_jetrl.config_load import ConfigError, ConfigIssue, _exists
-from nemo_jetrl.recipe import (
-    KvCalibration,
-    Recipe,
-    SideRecipe,
-    matching_preset,
-    preset_differences,
-)
+from nemo_jetrl.config_load import ConfigError, ConfigIssue
+from nemo_jetrl.config_reader import _arch, _Reader, arch_from_config, read_recipe
+from nemo_jetrl.recipe import Recipe, preset_differences
 
-# ---------------------------------------------------------------------------------------------
-# reading with a record of problems
-
-
-class _Reader:
-    """Reads typed values from a config, recording every problem instead of raising."""
-
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
-        self.issues: list[ConfigIssue] = []
-
-    def get(self, path: str, default: Any = None) -> Any:
-        if not _exists(self.cfg, path):
-            return default
-        try:
-            val = OmegaConf.select(self.cfg, path, throw_on_missing=True)
-        except MissingMandatoryValue:
-            self.error(path, "mandatory value (???) is not set")
-            return default
-        except OmegaConfBaseException as exc:
-            self.error(path, f"cannot resolve value: {exc}")
-            return default
-        if isinstance(val, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(val, resolve=True)
-        return val
-
-    def has(self, path: str) -> bool:
-        return _exists(self.cfg, path)
-
-    def error(self, path: str, message: str, allowed: Sequence[Any] = ()) -> None:
-        self.issues.append(ConfigIssue(path, message, tuple(allowed)))
-
-    def warn(self, path: str, message: str, allowed: Sequence[Any] = ()) -> None:
-        self.issues.append(ConfigIssue(path, message, tuple(allowed), "warning"))
-
-    def note(self, path: str, message: str) -> None:
-        self.issues.append(ConfigIssue(path, message, (), "note"))
-
-    def boolean(self, path: str, default: bool) -> bool:
-        v = self.get(path, default)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            self.error(path, f"must be true or false, got {v!r}", (True, False))
-            return default
-        return v
-
-    def choice(self, path: str, choices: Sequence[Any], default: Any) -> Any:
-        v = self.get(path, default)
-        if v not in choices:
-            self.error(path, f"unknown value {v!r}", choices)
-            return default
-        return v
-
-    def count(self, path: str, default: int = 0) -> int:
-        v = self.get(path, default)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            self.error(path, f"must be an integer >= 0, got {v!r}")
-            return default
-        return v
-
-    def number(self, path: str, default: float | None) -> float | None:
-        v = self.get(path, default)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self.error(path, f"must be a number, got {v!r}")
-            return default
-        return float(v)
-
-
-# ---------------------------------------------------------------------------------------------
-# validation
+__all__ = ["arch_from_config", "errors", "recipe_from_config", "validate"]
 
 
 def _check_jetrl_section(r: _Reader) -> None:
@@ -270,79 +190,6 @@ def _check_loss_fn(r: _Reader) -> None:
         )
 
 
-def _read_recipe(r: _Reader) -> Recipe:
-    """Build the Recipe from the keys (issues recorded in `r`, defaults where invalid)."""
-    fp8_train = r.get(S.FP8_ENABLED, False) is True
-    fmt = r.get(S.FP8_FORMAT, "e4m3")
-    scaling = r.get(S.FP8_RECIPE, "blockwise")
-    fp32_env = str(r.get(S.FP32_SCALES_KEY, "0")) == "1"
-    train = SideRecipe(
-        fp8_linears=fp8_train,
-        fmt=fmt if fmt in S.FP8_FORMATS else "e4m3",
-        scaling=scaling if scaling in S.FP8_RECIPES else "blockwise",
-        pow2_weight_scales=not fp32_env,
-        pow2_activation_scales=not fp32_env,
-        quantizer="te",
-        bf16_first_layers=_safe_count(r.get("jetrl.train_num_first_layers_in_bf16", 0)),
-        bf16_last_layers=_safe_count(r.get("jetrl.train_num_last_layers_in_bf16", 0)),
-        fp8_param=fp8_train and r.get(S.FP8_PARAM, False) is True,
-    )
-    fp8_roll = r.get(S.VLLM_PRECISION, "bfloat16") == "fp8"
-    patch = r.get("jetrl.vllm_patch", False) is True
-    rollout = SideRecipe(
-        fp8_linears=fp8_roll,
-        fmt="e4m3",
-        scaling="mxfp8" if r.get(S.VLLM_IS_MX, False) is True else "blockwise",
-        pow2_weight_scales=r.get(S.VLLM_POW2_W, False) is True,
-        pow2_activation_scales=r.get(S.VLLM_POW2_A, False) is True,
-        quantizer="jetrl" if patch and fp8_roll else "vllm",
-        bf16_first_layers=_safe_count(r.get(S.VLLM_FIRST_BF16, 0)),
-        bf16_last_layers=_safe_count(r.get(S.VLLM_LAST_BF16, 0)),
-        use_deep_gemm=r.get(S.VLLM_DEEP_GEMM, False) is True,
-    )
-    kv_fp8 = str(r.get(S.VLLM_KV_DTYPE, "auto")).startswith("fp8") and fp8_roll
-    if r.get(S.GEN_BACKEND, "vllm") == "megatron":
-        # NeMo-RL's Megatron generation samples with the training model itself: the rollout
-        # is the training forward (vllm_cfg does not apply), with a BF16 KV cache.
-        rollout, kv_fp8 = train.with_(fp8_param=False), False
-    cal_enabled = r.get("jetrl.kv_calibration.enabled", True) is not False
-    src = r.get("jetrl.kv_scale_source", None)
-    if not kv_fp8:
-        src = "none"
-    elif src not in ("trainer_calibrated", "checkpoint", "dynamic", "unit"):
-        src = "trainer_calibrated" if cal_enabled else "dynamic"
-    onpolicy = r.get("jetrl.onpolicy_kv", False) is True
-    try:
-        cal = KvCalibration(
-            enabled=cal_enabled,
-            data_fraction=float(r.get("jetrl.kv_calibration.data_fraction", 1.0)),
-            percentile=float(r.get("jetrl.kv_calibration.percentile", 99.9)),
-            margin=float(r.get("jetrl.kv_calibration.margin", 1.05)),
-            mask=r.get("jetrl.kv_calibration.mask", "prompt_and_response"),
-        )
-    except (ValueError, TypeError):
-        cal = KvCalibration()  # the problem is already recorded by _check_kv_calibration
-    recipe = Recipe(
-        name="custom",
-        train=train,
-        rollout=rollout,
-        kv_cache_dtype="fp8" if kv_fp8 else "auto",
-        kv_scale_source=src,
-        onpolicy_kv=onpolicy and kv_fp8,
-        kv_calibration=cal,
-        unaligned_layers_bf16=r.get("jetrl.unaligned_layers", "error") == "bf16",
-    )
-    # Name it after the declared preset when the keys match it, else after any preset they
-    # match (a config without the label), else "custom".
-    label = r.get("jetrl.recipe", None)
-    name = matching_preset(recipe, prefer=label if isinstance(label, str) else None)
-    return recipe.with_(name=name) if name else recipe
-
-
-def _safe_count(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
-
-
 def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:
     label = r.get("jetrl.recipe", None)
     if isinstance(label, str) and label in S.JETRL_KEYS["recipe"].choices:
@@ -376,28 +223,6 @@ def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:
             "nemo_jetrl's unified flow needs 'blockwise'",
             S.FP8_RECIPES,
         )
-
-
-def _arch(r: _Reader) -> tuple[Any, bool]:
-    """(ModelArch or None, ok); a bad jetrl.model_config is recorded as an error."""
-    from nemo_jetrl.arch import ArchError, resolve_arch
-
-    model, path = r.get(S.MODEL_NAME, None), r.get("jetrl.model_config", None)
-    try:
-        return resolve_arch(model if isinstance(model, str) else None, path), True
-    except ArchError as exc:
-        r.error(exc.key or "jetrl.model_config", str(exc))
-        return None, False
-
-
-def arch_from_config(cfg: DictConfig) -> Any:
-    """The model's ModelArch (jetrl.model_config, else the built-in for policy.model_name, else
-    None); ConfigError when jetrl.model_config cannot be read."""
-    r = _Reader(cfg)
-    arch, ok = _arch(r)
-    if not ok:
-        raise ConfigError(r.issues)
-    return arch
 
 
 def _check_backend(r: _Reader) -> None:
@@ -484,7 +309,7 @@ def _validate(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
     _check_loss_fn(r)
     _check_backend(r)
     try:
-        recipe = _read_recipe(r)
+        recipe = read_recipe(r)
     except ValueError as exc:  # a Recipe invariant the checks above did not name
         r.error("jetrl", str(exc))
         recipe = Recipe()
