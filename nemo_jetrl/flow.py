@@ -25,7 +25,8 @@ are on-policy only when our vLLM patch supplies TE's formula to vLLM.
 
 Edges are produced by *builders* (functions ``(arch, recipe, phase) -> list[Edge]``); the KV
 cache edges are one builder, so other parts can pass extra builders (e.g. a Q edge for FP8
-attention) without editing this module.
+attention) without editing this module. The graph types and builders live in
+`nemo_jetrl.flow_graph` and are re-exported here.
 """
 
 from __future__ import annotations
