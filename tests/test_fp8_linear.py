@@ -77,7 +77,9 @@ def test_relative_error_vs_bf16_linear(key, grad_bound):
     wr = base.weight.detach().bfloat16().requires_grad_(True)
     yr = nn.functional.linear(xr, wr, base.bias.detach().bfloat16())
     yr.backward(dy)
-    rel = lambda a, b: float((a.detach().float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    rel = lambda a, b: float(
+        (a.detach().float() - b.detach().float()).norm() / b.detach().float().norm()
+    )  # noqa: E731
     assert rel(y, yr) < 0.06
     assert rel(gx, xr.grad) < grad_bound
     assert rel(gw, wr.grad) < grad_bound
