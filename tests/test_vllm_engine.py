@@ -1,0 +1,292 @@
+"""The vLLM patch against a real engine (vLLM 0.32 CPU build; run with scripts/test_vllm.sh).
+
+One small Llama built from a config (hidden 256, 2 layers, head_dim 128: every linear is a
+multiple of 128) is saved with a character tokenizer to a temporary directory and served by
+``vllm.LLM`` with the patch applied. The engine runs with vLLM's default process layout (engine
+core and worker in their own processes), so everything below also shows that the patch reached
+those processes through the plugin entry point.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+# CPU build: KV cache size in GiB of host memory (keep small: shared machine); no core pinning.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+MAX_TOKENS = 6
+PROMPTS = ["Hello wor", "The cat s"]
+USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for c in map(chr, range(32, 127)):
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def _hf_model(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.08,  # larger than usual so logits are far from uniform
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    _hf_model(0).save_pretrained(d)
+    _tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    from nemo_jetrl.recipe import Recipe
+
+    return Recipe.preset("jetrl")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, recipe):
+    """A patched engine, refit once from the checkpoint. Yields (llm, patch handle)."""
+    from vllm import LLM
+
+    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs
+    from nemo_jetrl.vllm_patch.refit import refit_from_checkpoint
+
+    ek = build_engine_kwargs(recipe, USER_KWARGS)
+    handle = apply_patches(recipe)
+    llm = LLM(model=str(model_dir), **ek.kwargs)
+    refit_from_checkpoint(llm, model_dir, recipe)
+    yield llm, handle
+    handle.revert()
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _generate(llm, logprobs=0):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=logprobs, ignore_eos=True)
+    return llm.generate(PROMPTS, sp, use_tqdm=False)
+
+
+def _token_logprobs(out):
+    return [
+        [lp[tid].logprob for tid, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+        for o in out
+    ]
+
+
+def test_every_fp8_linear_runs_our_kernel_in_the_worker(engine):
+    llm, _ = engine
+    kernels = llm.collective_rpc("jetrl_kernels")[0]
+    fp8 = {n: k for n, k in kernels.items() if n.startswith("model.layers.")}
+    assert len(fp8) == 8  # 2 layers x (qkv, o, gate_up, down)
+    assert set(fp8.values()) == {"JetRLFp8BlockLinearKernel"}
+    assert kernels["lm_head"] == "UnquantizedEmbeddingMethod"  # kept BF16
+
+
+def test_generation_with_per_token_logprobs_matches_fp8_trainer(engine, model_dir, recipe):
+    """Each generated token carries a logprob, and it agrees with the trainer's FP8 forward."""
+    from nemo_jetrl.fp8.config import Fp8LinearConfig
+    from nemo_jetrl.fp8.convert import convert_to_fp8_training
+
+    llm, _ = engine
+    out = _generate(llm)
+    lps = _token_logprobs(out)
+    assert all(len(t) == MAX_TOKENS for t in lps)
+    assert all(math.isfinite(v) and v <= 0.0 for t in lps for v in t)
+
+    # Trainer side: the same checkpoint under nemo_jetrl.fp8's FP8 linears (same quantizer; the
+    # attention/norm/GEMM kernels differ, so logprobs agree to a tolerance), and in plain BF16.
+    fp8_trainer = _hf_model(0)
+    convert_to_fp8_training(
+        fp8_trainer, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
+    )
+    bf16_trainer = _hf_model(0)
+    tok = _tokenizer()
+    diff_fp8, diff_bf16 = 0.0, 0.0
+    for o, engine_lps in zip(out, lps, strict=True):
+        assert tok.decode(o.outputs[0].token_ids) == o.outputs[0].text
+        eng = torch.tensor(engine_lps)
+        diff_fp8 = max(diff_fp8, float((eng - _hf_logprobs(fp8_trainer, o)).abs().max()))
+        diff_bf16 = max(diff_bf16, float((eng - _hf_logprobs(bf16_trainer, o)).abs().max()))
+    # Measured on this model: ~0.12 nats to the FP8 trainer, ~0.39 to the BF16 one (BF16 rounding
+    # differences upstream of an FP8 cast flip some FP8 values). The FP8 trainer must be clearly
+    # closer, and within a quarter nat.
+    assert diff_fp8 < 0.25, f"engine vs FP8 trainer logprobs differ by {diff_fp8}"
+    assert diff_fp8 < 0.6 * diff_bf16, (diff_fp8, diff_bf16)
+
+
+def _hf_logprobs(model, o) -> torch.Tensor:
+    n = len(o.prompt_token_ids)
+    ids = torch.tensor([list(o.prompt_token_ids) + list(o.outputs[0].token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    logp = torch.log_softmax(logits[0, n - 1 : -1], dim=-1)
+    return logp.gather(1, torch.tensor(o.outputs[0].token_ids)[:, None])[:, 0]
+
+
+def test_two_refits_change_outputs_and_pass_parity(engine, recipe):
+    from nemo_jetrl.vllm_patch.refit import ParityError, check_parity, quantize_state_dict, refit
+
+    llm, _ = engine
+    results = []
+    for seed in (1, 2):
+        sd = _hf_model(seed).state_dict()
+        report = refit(llm, sd, recipe)
+        assert report.parity is not None and report.parity.compared == 2 * 14
+        assert report.parity.differing == ()
+        results.append(_token_logprobs(_generate(llm)))
+    assert results[0] != results[1], "different weights must change the outputs"
+
+    # The parity check is not vacuous: against the other refit's quantization it names layers.
+    other = quantize_state_dict(_hf_model(1).state_dict(), recipe)
+    with pytest.raises(ParityError) as ei:
+        check_parity(llm, other)
+    assert "model.layers.0.self_attn.q_proj.weight" in str(ei.value)
+    assert "model.layers.1.mlp.down_proj.weight_scale_inv" in str(ei.value)
+
+
+def test_refit_keeps_parameter_identity(engine, recipe):
+    llm, _ = engine
+    sd = _hf_model(3).state_dict()
+    from nemo_jetrl.vllm_patch.refit import pack, quantize_state_dict
+
+    qsd = quantize_state_dict(sd, recipe)
+    result = llm.collective_rpc("jetrl_load_weights", args=(pack(qsd.tensors),))[0]
+    assert result["moved"] == []
+    assert "model.layers.0.self_attn.qkv_proj.weight_scale_inv" in result["loaded"]
+
+
+def test_activations_entering_the_gemm_are_nemo_jetrl_fp8_bits(engine):
+    from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
+    from nemo_jetrl.vllm_patch.refit import unpack
+
+    llm, _ = engine
+    assert llm.collective_rpc("jetrl_capture", args=(4,))[0] == 8
+    try:
+        _generate(llm)
+        blob = unpack(llm.collective_rpc("jetrl_captured")[0])
+    finally:
+        llm.collective_rpc("jetrl_capture", args=(0,))
+    layers = {k.split("|")[0] for k in blob}
+    assert len(layers) == 8, layers
+    checked = 0
+    for key in [k for k in blob if k.endswith("|x")]:
+        base = key[:-2]
+        x, q, s = blob[key], blob[base + "|q"], blob[base + "|s"]
+        assert x.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn
+        ref = quantize_blockwise(x, (1, 128), pow2_scales=True)
+        assert torch.equal(fp8_bits(q), fp8_bits(ref.data)), base
+        assert torch.equal(s, ref.scale_inv), base
+        checked += x.shape[0]
+    assert checked > 0
+
+
+def test_kv_scales_reach_the_attention_layers_and_bad_ones_are_refused(engine):
+    from nemo_jetrl.vllm_patch.refit import RefitError, kv_scales, set_kv_scales
+
+    llm, _ = engine
+    good = {0: {"q": 0.5, "k": 0.125, "v": 0.25}, 1: {"q": 0.75, "k": 0.375, "v": 0.0625}}
+    assert set_kv_scales(llm, good) == ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    used = kv_scales(llm)
+    for i, s in good.items():
+        got = used[f"model.layers.{i}.self_attn.attn"]
+        for k in "qkv":
+            # what Attention.forward hands the backend (host float) and the device tensor
+            assert got[k] == s[k] and got[f"{k}_tensor"] == s[k]
+    with pytest.raises(RefitError, match="v_scale=nan"):
+        set_kv_scales(llm, {0: {"q": 1.0, "k": 1.0, "v": float("nan")}, 1: {"q": 1.0, "k": 1.0, "v": 1.0}})
+    with pytest.raises(RefitError, match="unknown attention layers"):
+        set_kv_scales(llm, {"model.layers.9.self_attn.attn": {"q": 1.0, "k": 1.0, "v": 1.0}})
+    assert kv_scales(llm) == used, "refused scales must leave the previous ones in place"
+
+
+def test_patch_is_idempotent_and_refuses_other_settings(engine, recipe):
+    from nemo_jetrl.vllm_patch import PatchConflict, apply_patches
+    from nemo_jetrl.vllm_patch.kernel import fp8_block_registry, registered_kernel
+
+    before = {k: list(v) for k, v in fp8_block_registry().items()}
+    again = apply_patches(recipe)
+    assert again.active and {k: list(v) for k, v in fp8_block_registry().items()} == before
+    assert registered_kernel() is not None
+    fp32 = recipe.with_(rollout=recipe.rollout.with_(pow2_weight_scales=False, pow2_activation_scales=False))
+    with pytest.raises(PatchConflict, match="already applied"):
+        apply_patches(fp32)
+
+
+def test_after_revert_vllm_is_unpatched(engine, model_dir, recipe, monkeypatch):
+    """Last test of the module: revert, then a block-FP8 engine is plain vLLM again."""
+    from nemo_jetrl.vllm_patch import build_engine_kwargs
+    from nemo_jetrl.vllm_patch.kernel import registered_kernel
+    from nemo_jetrl.vllm_patch.settings import ENV_VAR
+
+    llm, handle = engine
+    handle.revert()
+    handle.revert()  # idempotent
+    assert not handle.active
+    assert ENV_VAR not in os.environ
+    assert registered_kernel() is None
+    llm.llm_engine.engine_core.shutdown()
+
+    from vllm import LLM
+
+    # Plain vLLM 0.32 CPU has no block-FP8 kernel for CPUs without AMX: engine start fails the
+    # way it does without our package. (On AMX machines vLLM's own CPU kernel would be chosen.)
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has AMX: vLLM's own block-FP8 kernel exists here")
+    kw = build_engine_kwargs(recipe, USER_KWARGS).kwargs
+    # Engine core in this process, so the root cause arrives as the exception itself.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm.envs
+
+    try:
+        with pytest.raises(Exception) as ei:
+            LLM(model=str(model_dir), **kw)
+    finally:
+        vllm.envs.disable_envs_cache()
+    assert "Failed to find a kernel that can implement the ScaledMM linear layer" in _chain(ei.value)
+
+
+def _chain(exc: BaseException) -> str:
+    parts = []
+    while exc is not None:
+        parts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
