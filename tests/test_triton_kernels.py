@@ -1,8 +1,7 @@
 """Triton quantization kernels: bit-exact to `quantize_blockwise` (golden vectors, random inputs).
 
-Without a GPU the kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set here,
-before triton is first imported (Triton reads it when a kernel is defined). With a GPU the same
-tests run the compiled kernels on CUDA tensors.
+Without a GPU the kernels run in Triton's CPU interpreter: a module fixture sets
+TRITON_INTERPRET=1 for these tests only. With a GPU the same tests run the compiled kernels.
 """
 
 from __future__ import annotations
@@ -16,18 +15,30 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from nemo_jetrl.fp8 import E4M3, E5M2, fp8_bits, quantize_blockwise
 
 pytestmark = [
     pytest.mark.triton,
-    # the interpreter runs kernels in numpy, which warns on the 448/0 it computes for zero blocks
+    # the interpreter runs kernels in numpy, which warns on 448/0 (zero blocks) and inf*0 (bad input)
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
 ]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_on_cpu():
+    """TRITON_INTERPRET=1 for this module only. Triton reads it when the kernels are defined,
+    i.e. at the first kernel call (the kernel module is imported lazily), inside these tests."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
 BLOCKS = [(1, 128), (128, 128), (128, 1)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
