@@ -185,10 +185,14 @@ def normalize_kv_scales(
 def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tuple[str, ...]:
     """Send validated q/k/v scales to every worker (all-or-nothing per worker)."""
     scales = normalize_kv_scales(kv_scales)
-    try:
-        results = llm.collective_rpc("jetrl_set_kv_scales", args=(scales,))
-    except ValueError as exc:
-        raise RefitError(str(exc)) from exc
+    known = llm.collective_rpc("jetrl_kv_scales")[0]
+    unknown = sorted(set(scales) - set(known))
+    if unknown:
+        raise RefitError(
+            f"KV scales refused, previous scales kept: unknown attention layers {unknown} "
+            f"(the engine has {sorted(known)})"
+        )
+    results = llm.collective_rpc("jetrl_set_kv_scales", args=(scales,))
     return tuple(results[0])
 
 

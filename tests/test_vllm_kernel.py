@@ -1,0 +1,133 @@
+"""Our block-FP8 kernel as a vLLM kernel class, without an engine (fast; needs vLLM).
+
+The engine test (test_vllm_engine.py) runs power-of-two scales end to end; this one covers the
+FP32-scale mode and the kernel's contract with vLLM's selector directly on vLLM's own config and
+quant-key types.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+def _config(act_group=(1, 128), weight_group=(128, 128), static=False, shape=(256, 384)):
+    from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (
+        FP8ScaledMMLinearLayerConfig,
+    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        GroupShape,
+        create_fp8_quant_key,
+    )
+
+    return FP8ScaledMMLinearLayerConfig(
+        weight_quant_key=create_fp8_quant_key(static=True, group_shape=GroupShape(*weight_group)),
+        activation_quant_key=create_fp8_quant_key(
+            static=static, group_shape=GroupShape(*act_group)
+        ),
+        weight_shape=shape,
+        input_dtype=torch.bfloat16,
+        out_dtype=torch.bfloat16,
+    )
+
+
+def _layer(w_bf16, pow2):
+    from nemo_jetrl.fp8 import quantize_blockwise
+
+    q = quantize_blockwise(w_bf16, (128, 128), pow2_scales=pow2)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(q.data, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(q.scale_inv, requires_grad=False)
+    return layer, q
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_kernel_quantizes_with_nemo_jetrl_in_both_scale_modes(pow2):
+    from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
+    from nemo_jetrl.vllm_patch.kernel import make_kernel_class
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    cls = make_kernel_class(PatchSettings(pow2_weight_scales=pow2, pow2_activation_scales=pow2))
+    kernel = cls(_config())
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16)
+    # Rows with tiny magnitudes: vLLM's own quantizer floors their scale, ours must not.
+    x = torch.randn(3, 5, 384, generator=g).to(torch.bfloat16)
+    x[0, 0] *= 1e-4
+    layer, qw = _layer(w, pow2)
+    weight_before = layer.weight
+    kernel.process_weights_after_loading(layer)
+    assert layer.weight is weight_before  # nothing repacked or replaced
+    layer._jetrl_capture = collections.deque(maxlen=4)
+    y = kernel.apply_weights(layer, x)
+    assert y.shape == (3, 5, 256) and y.dtype == torch.bfloat16
+
+    ((x2, q, s),) = layer._jetrl_capture
+    ref = quantize_blockwise(x.reshape(-1, 384), (1, 128), pow2_scales=pow2)
+    assert torch.equal(x2, x.reshape(-1, 384))
+    assert torch.equal(fp8_bits(q), fp8_bits(ref.data))
+    assert torch.equal(s, ref.scale_inv)
+    # Output against float64 on the dequantized operands: fp32 accumulation over K=384 plus the
+    # final bf16 rounding (relative 2**-8).
+    exact = ref.dequantize(torch.float64) @ qw.dequantize(torch.float64).t()
+    bound = (
+        384
+        * 2**-24
+        * (ref.dequantize(torch.float64).abs() @ qw.dequantize(torch.float64).abs().t())
+    )
+    err = (y.reshape(-1, 256).double() - exact).abs()
+    assert bool((err <= bound + exact.abs() * 2**-8 + 1e-30).all())
+
+
+def test_kernel_accepts_only_block_fp8_dynamic():
+    from nemo_jetrl.vllm_patch.kernel import make_kernel_class
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    cls = make_kernel_class(PatchSettings())
+    assert cls.is_supported() == (True, None)
+    assert cls.can_implement(_config()) == (True, None)
+    ok, why = cls.can_implement(_config(act_group=(1, 64), weight_group=(64, 64)))
+    assert not ok and "(1, 128)" in why
+    ok, why = cls.can_implement(_config(static=True))
+    assert not ok and "dynamic" in why
+
+
+def test_kernel_refuses_wrong_scale_layout():
+    from nemo_jetrl.vllm_patch.kernel import make_kernel_class
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    kernel = make_kernel_class(PatchSettings())(_config())
+    layer, _ = _layer(torch.randn(256, 384).to(torch.bfloat16), True)
+    layer.weight_scale_inv = torch.nn.Parameter(torch.ones(1, 3), requires_grad=False)
+    with pytest.raises(
+        ValueError, match=r"expected float8_e4m3fn and fp32 scales of shape \(2, 3\)"
+    ):
+        kernel.process_weights_after_loading(layer)
+
+
+def test_register_and_unregister_in_vllm_registry():
+    from vllm.platforms import current_platform
+
+    from nemo_jetrl.vllm_patch.kernel import (
+        fp8_block_registry,
+        register_kernel,
+        registered_kernel,
+        unregister_kernel,
+    )
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    assert registered_kernel() is None, "an earlier test left the patch applied"
+    before = list(fp8_block_registry()[current_platform._enum])
+    cls = register_kernel(PatchSettings())
+    try:
+        assert fp8_block_registry()[current_platform._enum][0] is cls
+        assert register_kernel(PatchSettings()) is cls  # idempotent
+        with pytest.raises(RuntimeError, match="different settings"):
+            register_kernel(PatchSettings(pow2_activation_scales=False))
+    finally:
+        assert unregister_kernel() == 1
+    assert fp8_block_registry()[current_platform._enum] == before
