@@ -83,6 +83,25 @@ def test_kernel_quantizes_with_nemo_jetrl_in_both_scale_modes(pow2):
     assert bool((err <= bound + exact.abs() * 2**-8 + 1e-30).all())
 
 
+def test_kernel_propagates_nan_like_vllm_without_stopping_the_engine():
+    """A NaN token (vLLM's warm-up feeds placeholders) gives NaN in its row only."""
+    from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
+    from nemo_jetrl.vllm_patch.kernel import make_kernel_class
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    kernel = make_kernel_class(PatchSettings())(_config())
+    layer, _ = _layer((torch.randn(256, 384) * 0.05).to(torch.bfloat16), True)
+    x = torch.randn(4, 384).to(torch.bfloat16)
+    x[1, 7] = float("nan")
+    layer._jetrl_capture = collections.deque(maxlen=1)
+    y = kernel.apply_weights(layer, x)
+    assert bool(y[1].isnan().all()) and bool(torch.isfinite(y[[0, 2, 3]]).all())
+    ((_, q, s),) = layer._jetrl_capture
+    ref = quantize_blockwise(x[[0, 2, 3]], (1, 128))
+    assert torch.equal(fp8_bits(q[[0, 2, 3]]), fp8_bits(ref.data))
+    assert torch.equal(s[[0, 2, 3]], ref.scale_inv)
+
+
 def test_kernel_accepts_only_block_fp8_dynamic():
     from nemo_jetrl.vllm_patch.kernel import make_kernel_class
     from nemo_jetrl.vllm_patch.settings import PatchSettings

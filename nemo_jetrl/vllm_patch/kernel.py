@@ -7,11 +7,13 @@ own kernels quantize activations with ``QuantFP8`` (``x / RN(amax/448)``, scale 
 ``1/(448*512)``), which is not TE's formula (``x * RN(448/amax)``, no floor). Our kernel is put
 first in that registry by ``apply_patches``; it
 
-* quantizes each token's activations in groups of 128 along K with
-  ``nemo_jetrl.fp8.quantize_blockwise(x, (1, 128))`` in the recipe's scale mode (pow2 or fp32),
-  i.e. the exact bits the trainer's FP8 forward produces for the same input;
-* multiplies with ``nemo_jetrl.fp8.gemm.blockwise_matmul`` against the layer's FP8 ``weight``
-  and ``weight_scale_inv`` exactly as loaded (no repacking, no requantization, parameters kept
+* quantizes each token's activations in groups of 128 along K with nemo_jetrl.fp8's formula
+  (``compute_scale`` + ``cast_to_fp8``: bit-identical to ``quantize_blockwise(x, (1, 128))``) in
+  the recipe's scale mode (pow2 or fp32), i.e. the exact bits the trainer's FP8 forward produces
+  for the same input;
+* multiplies with ``nemo_jetrl.fp8.dispatch.fp8_gemm`` (DeepGEMM / cuBLAS blockwise on GPUs
+  that have them, ``nemo_jetrl.fp8.gemm.blockwise_matmul`` elsewhere) against the layer's FP8
+  ``weight`` and ``weight_scale_inv`` exactly as loaded (no repacking, no requantization, parameters kept
   in place so refits can overwrite them);
 * works on every platform (it is plain torch), which also gives vLLM's CPU build a block-FP8 path
   on CPUs without AMX, where vLLM's own CPU kernels refuse to run.
@@ -27,9 +29,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from nemo_jetrl.fp8 import BlockQuantized, quantize_blockwise
-from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.fp8 import E4M3, BlockQuantized, cast_to_fp8, compute_scale, quantize_blockwise
+from nemo_jetrl.fp8.dispatch import fp8_gemm
 from nemo_jetrl.vllm_patch.settings import ACT_BLOCK, WEIGHT_BLOCK, PatchSettings
 
 OP_NAMESPACE = "nemo_jetrl"
@@ -40,18 +43,40 @@ MARKER = "_nemo_jetrl_kernel"
 def _quantize_act_impl(
     x: torch.Tensor, pow2_scales: bool, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q = quantize_blockwise(
-        x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, name="activation"
-    )
-    return q.data, q.scale_inv
+    """1x128 activation quantization with nemo_jetrl.fp8's formula (bit-identical to
+    ``quantize_blockwise(x, (1, 128))``; the tests compare them on captured inputs).
+
+    Unlike ``quantize_blockwise`` it does not stop on non-finite input: inside a serving engine a
+    finiteness check is a host sync per layer (and breaks CUDA graphs), and vLLM's own warm-up and
+    profiling runs feed placeholder data. NaN propagates to the output as it would in vLLM's own
+    kernels; the refit guard is what keeps non-finite *weights* out. CUDA tensors go through
+    ``quantize_blockwise`` so nemo_jetrl.fp8's Triton kernel is used there.
+    """
+    if x.is_cuda:
+        q = quantize_blockwise(x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps)
+        return q.data, q.scale_inv
+    m, k = x.shape
+    kb = -(-k // ACT_BLOCK[1])
+    xp = F.pad(x, (0, kb * ACT_BLOCK[1] - k)) if kb * ACT_BLOCK[1] != k else x
+    xb = xp.reshape(m, kb, ACT_BLOCK[1])
+    amax = xb.abs().amax(dim=-1).float()
+    scale = compute_scale(amax, E4M3, pow2_scales=pow2_scales, eps=eps, input_dtype=x.dtype)
+    q = cast_to_fp8(xb.float() * scale[:, :, None], E4M3).reshape(m, kb * ACT_BLOCK[1])[:, :k]
+    return q.contiguous(), 1.0 / scale
 
 
 def _gemm_impl(
-    a: torch.Tensor, a_s: torch.Tensor, b: torch.Tensor, b_s: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    out_dtype: torch.dtype,
+    a_pow2: bool,
+    b_pow2: bool,
 ) -> torch.Tensor:
-    qa = BlockQuantized(a, a_s, ACT_BLOCK, "e4m3", False)
-    qb = BlockQuantized(b, b_s, WEIGHT_BLOCK, "e4m3", False)
-    return blockwise_matmul(qa, qb, out_dtype=out_dtype)
+    qa = BlockQuantized(a, a_s, ACT_BLOCK, "e4m3", a_pow2)
+    qb = BlockQuantized(b, b_s, WEIGHT_BLOCK, "e4m3", b_pow2)
+    return fp8_gemm(qa, qb, out_dtype=out_dtype)
 
 
 def ensure_ops() -> Any:
@@ -88,11 +113,13 @@ def ensure_ops() -> Any:
         b: torch.Tensor,
         b_s: torch.Tensor,
         out_dtype: torch.dtype,
+        a_pow2: bool,
+        b_pow2: bool,
     ) -> torch.Tensor:
-        return _gemm_impl(a, a_s, b, b_s, out_dtype)
+        return _gemm_impl(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2)
 
     @fp8_block_gemm.register_fake
-    def _(a, a_s, b, b_s, out_dtype):  # type: ignore[no-untyped-def]
+    def _(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2):  # type: ignore[no-untyped-def]
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
     return ns
@@ -106,7 +133,7 @@ def make_kernel_class(settings: PatchSettings) -> type:
     )
 
     ops = ensure_ops()
-    pow2, eps = settings.pow2_activation_scales, settings.eps
+    pow2, w_pow2, eps = settings.pow2_activation_scales, settings.pow2_weight_scales, settings.eps
 
     class JetRLFp8BlockLinearKernel(Fp8BlockScaledMMLinearKernel):
         """Block-FP8 linear with activations quantized by nemo_jetrl.fp8 (see kernel.py)."""
@@ -153,7 +180,7 @@ def make_kernel_class(settings: PatchSettings) -> type:
                 )
 
         def apply_block_scaled_mm(self, A, B, As, Bs):  # type: ignore[no-untyped-def]
-            return ops.fp8_block_gemm(A, As, B, Bs, self.config.out_dtype)
+            return ops.fp8_block_gemm(A, As, B, Bs, self.config.out_dtype, pow2, w_pow2)
 
         def apply_weights(
             self,
@@ -168,7 +195,7 @@ def make_kernel_class(settings: PatchSettings) -> type:
             if capture is not None and len(capture) < capture.maxlen:
                 capture.append((x2.detach().clone(), q.detach().clone(), q_s.detach().clone()))
             out = ops.fp8_block_gemm(
-                q, q_s, layer.weight, layer.weight_scale_inv, self.config.out_dtype
+                q, q_s, layer.weight, layer.weight_scale_inv, self.config.out_dtype, pow2, w_pow2
             )
             if bias is not None:
                 out = out + bias
