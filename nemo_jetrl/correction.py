@@ -62,9 +62,12 @@ MODES = ("none", "token", "tis", "icepop", "seq-mask-tis", "sequence")
 class CorrectionConfigError(ValueError):
     """Invalid importance-sampling settings; ``errors`` lists every problem, each naming its key."""
 
+    #: what the errors are about (the message's first line); subclasses change it.
+    what = "importance-sampling settings"
+
     def __init__(self, errors: list[str]):
         self.errors = list(errors)
-        super().__init__("invalid importance-sampling settings:\n  - " + "\n  - ".join(self.errors))
+        super().__init__(f"invalid {self.what}:\n  - " + "\n  - ".join(self.errors))
 
 
 def _is_number(v: Any) -> bool:

@@ -67,6 +67,12 @@ _UNSUPPORTED_FLAGS = (
 )
 
 
+class LossConfigError(CorrectionConfigError):
+    """Invalid ``loss_fn`` settings (loss and IS keys); ``errors`` lists every problem."""
+
+    what = "loss_fn settings"
+
+
 @dataclass(frozen=True)
 class GRPOLossConfig:
     """GRPO loss settings; field names are NeMo-RL's ``loss_fn`` keys (same defaults)."""
@@ -110,15 +116,15 @@ class GRPOLossConfig:
                 f"{self.correction.token_level_loss}: they must agree"
             )
         if errs:
-            raise CorrectionConfigError(errs)
+            raise LossConfigError(errs)
 
     @classmethod
     def from_loss_fn_cfg(cls, cfg: Mapping[str, Any], *, path: str = "loss_fn") -> GRPOLossConfig:
-        """Build from a NeMo-RL ``loss_fn`` mapping; raise `CorrectionConfigError` with all errors."""
+        """Build from a NeMo-RL ``loss_fn`` mapping; raise `LossConfigError` with all errors."""
         if not isinstance(cfg, Mapping) and hasattr(cfg, "items"):
             cfg = dict(cfg.items())
         if not isinstance(cfg, Mapping):
-            raise CorrectionConfigError([f"{path} must be a mapping, got {type(cfg).__name__}"])
+            raise LossConfigError([f"{path} must be a mapping, got {type(cfg).__name__}"])
         k = f"{path}." if path else ""
         errs = validate_loss_fn_cfg(cfg, path=path)
         errs += _loss_rule_errors(cfg, path)
@@ -135,23 +141,22 @@ class GRPOLossConfig:
                 "loss (local backend): set it to 0, or train with the nemo_rl backend"
             )
         if errs:
-            raise CorrectionConfigError(errs)
-        kw: dict[str, Any] = {}
-        for name in (
-            "ratio_clip_min",
-            "ratio_clip_max",
-            "ratio_clip_c",
-            "reference_policy_kl_penalty",
-            "reference_policy_kl_type",
-            "kl_input_clamp_value",
-            "kl_output_clamp_value",
-            "use_on_policy_kl_approximation",
-            "token_level_loss",
-        ):
-            if name in cfg and (
-                cfg[name] is not None or name in ("ratio_clip_c",) or "clamp" in name
-            ):
-                kw[name] = cfg[name]
+            raise LossConfigError(errs)
+        # None means "off" for the optional keys, "use the default" for the others
+        optional = ("ratio_clip_c", "kl_input_clamp_value", "kl_output_clamp_value")
+        kw: dict[str, Any] = {
+            name: cfg[name]
+            for name in (
+                "ratio_clip_min",
+                "ratio_clip_max",
+                "reference_policy_kl_penalty",
+                "reference_policy_kl_type",
+                "use_on_policy_kl_approximation",
+                "token_level_loss",
+                *optional,
+            )
+            if name in cfg and (cfg[name] is not None or name in optional)
+        }
         return cls(**kw, correction=CorrectionConfig.from_loss_fn_cfg(cfg, path=path))
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from nemo_jetrl.correction import CorrectionConfig, CorrectionConfigError
-from nemo_jetrl.loss import GRPOLossConfig, group_advantages, grpo_loss
+from nemo_jetrl.correction import CorrectionConfig
+from nemo_jetrl.loss import GRPOLossConfig, LossConfigError, group_advantages, grpo_loss
 
 LN = math.log
 NAN = float("nan")
@@ -216,7 +216,7 @@ def test_loss_config_from_nemo_rl_loss_fn():
         "reference_policy_kl_type": "k9",
         "truncated_importance_sampling_ratio": -2.0,
     }
-    with pytest.raises(CorrectionConfigError) as ei:
+    with pytest.raises(LossConfigError, match="invalid loss_fn settings") as ei:
         GRPOLossConfig.from_loss_fn_cfg(bad)
     text = str(ei.value)
     for needle in (
@@ -364,3 +364,17 @@ def test_advantages_match_nemo_rl():
     import nemo_rl.algorithms.advantage_estimator as ae
 
     check_advantages_against_nemo_rl(ae)
+
+
+def test_empty_batch_gives_zero_loss_and_nan_metrics():
+    curr, prev, gen, adv, _ = worked()
+    loss, m = grpo_loss(curr, prev, gen, adv, torch.zeros(2, 3), config=NO_KL)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert curr.grad.abs().sum() == 0
+    assert math.isnan(m["train/probs_ratio"]) and math.isnan(m["train/token_mult_prob_error"])
+
+
+def test_token_level_flags_must_agree():
+    with pytest.raises(LossConfigError, match="token_level_loss=False but correction"):
+        GRPOLossConfig(token_level_loss=False)
