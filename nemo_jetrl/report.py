@@ -29,7 +29,7 @@ from typing import Any
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.logs import RunData, read_run
-from nemo_jetrl.metrics import JETRL_PREFIX
+from nemo_jetrl.metrics import JETRL_PREFIX, metric_names
 
 #: NeMo-RL tags (grpo.py logs loss metrics and reward with prefix "train", validation with
 #: "validation").
@@ -100,10 +100,14 @@ def resolve_tag(name: str, available: Iterable[str]) -> str | None:
 
 
 def canonical_metric(name: str) -> str:
-    """The tag to show for a requested name when no run resolves it."""
+    """The full tag a requested name stands for (used to ask for recomputation, name files, and
+    show metrics no run has): aliases, then `mismatch_metrics`' tags, else ``train/<name>``."""
     if "/" in name:
         return name
-    return ALIASES.get(name, "train/" + name)
+    if name in ALIASES:
+        return ALIASES[name]
+    known = [t for t in metric_names() if t.rsplit("/", 1)[-1] == name]
+    return known[0] if known else "train/" + name
 
 
 def unique_labels(runs: Sequence[RunData]) -> list[str]:

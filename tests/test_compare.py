@@ -198,7 +198,9 @@ def test_compare_recomputes_from_jsonl_when_scalar_missing(tmp_path):
                 }
             ],
         )
-    res = compare_runs([run], None, metrics=["token_mult_prob_error", "reward"])
-    t, r = res.summaries
+    res = compare_runs([run], None, metrics=["token_mult_prob_error", "reward", "chi2_token"])
+    t, r, c = res.summaries
     assert t.last == pytest.approx(1.5, rel=1e-14) and t.source == "jsonl"
     assert r.last == 1.0
+    # a jetrl-only metric by its short name: rho = 2 and 1 -> (4 + 1) / 2 - 1 = 1.5
+    assert c.tag == "jetrl/mismatch/chi2_token" and c.last == pytest.approx(1.5, rel=1e-14)
