@@ -274,9 +274,12 @@ def plot_metric(runs: Sequence[RunData], metric: str, path: str | Path) -> Path 
     # markers only when every line is short enough for them to stay readable (same style for all)
     marker = "o" if lines and max(len(p) for _, p in lines) <= 30 else None
     shown = []
-    for label, pts in lines:
+    styles = ("-", "--", "-.", ":")  # so runs that coincide stay distinguishable
+    for i, (label, pts) in enumerate(lines):
         xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, marker=marker, markersize=3, linewidth=1.6, label=label)
+        ax.plot(
+            xs, ys, styles[i % len(styles)], marker=marker, markersize=3, linewidth=1.6, label=label
+        )
         shown.append(label)
     if not shown:
         return None
