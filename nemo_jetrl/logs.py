@@ -77,13 +77,16 @@ class RunData:
     """What `read_run` found in one run directory."""
 
     path: Path
-    #: display name: the config's ``jetrl.recipe`` when present, else the directory name.
+    #: display name: ``jetrl.run_name`` / ``jetrl.recipe`` from config.yaml or the TensorBoard
+    #: hparams when present, else the directory name.
     label: str
     scalars: dict[str, Series] = field(default_factory=dict)
     #: the run's config.yaml as a plain dict (None when absent or unreadable).
     config: dict[str, Any] | None = None
     #: steps that have a train_data_step{N}.jsonl file.
     train_data_steps: tuple[int, ...] = ()
+    #: NeMo-RL's ``add_hparams`` record (flattened config), {} when absent.
+    hparams: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def tags(self) -> list[str]:
@@ -203,6 +206,35 @@ def read_scalars(run_dir: str | Path) -> tuple[dict[str, Series], list[str]]:
         for tag, pts in merged.items()
     }
     return series, msgs
+
+
+def read_hparams(run_dir: str | Path) -> dict[str, Any]:
+    """Hyper-parameters NeMo-RL logged with ``add_hparams`` (its config, flattened with ".").
+
+    Read from the TensorBoard hparams plugin records under ``run_dir``; {} when there are none.
+    Unreadable files are skipped (`read_scalars` already reports them).
+    """
+    loader_mod = require(
+        "tensorboard.backend.event_processing.event_file_loader", feature="reading TensorBoard logs"
+    )
+    pb = require("tensorboard.plugins.hparams.plugin_data_pb2", feature="reading TensorBoard logs")
+    out: dict[str, Any] = {}
+    for f in find_event_files(run_dir):
+        try:
+            for ev in loader_mod.LegacyEventFileLoader(str(f)).Load():
+                for v in ev.summary.value:
+                    if v.metadata.plugin_data.plugin_name != "hparams":
+                        continue
+                    data = pb.HParamsPluginData.FromString(v.metadata.plugin_data.content)
+                    if not data.HasField("session_start_info"):
+                        continue
+                    for key, val in data.session_start_info.hparams.items():
+                        kind = val.WhichOneof("kind")
+                        if kind is not None:
+                            out[key] = getattr(val, kind)
+        except Exception:
+            continue
+    return out
 
 
 # ----------------------------------------------------------------------------- jsonl
@@ -365,9 +397,13 @@ def read_config(run_dir: str | Path) -> tuple[dict[str, Any] | None, list[str]]:
     return (cfg if isinstance(cfg, dict) else None), []
 
 
-def run_label(run_dir: str | Path, config: Mapping[str, Any] | None) -> str:
-    """``jetrl.recipe`` (or ``jetrl.run_name``) from the config, else the directory name."""
-    name = Path(run_dir).resolve().name
+def run_label(
+    run_dir: str | Path,
+    config: Mapping[str, Any] | None,
+    hparams: Mapping[str, Any] | None = None,
+) -> str:
+    """``jetrl.run_name`` or ``jetrl.recipe`` from the config (then from NeMo-RL's flattened
+    hparams), else the directory name."""
     jet = (config or {}).get("jetrl")
     if isinstance(jet, Mapping):
         for key in ("run_name", "recipe"):
@@ -376,7 +412,11 @@ def run_label(run_dir: str | Path, config: Mapping[str, Any] | None) -> str:
                 v = v.get("name")
             if isinstance(v, str) and v.strip():
                 return v.strip()
-    return name
+    for key in ("jetrl.run_name", "jetrl.recipe", "jetrl.recipe.name"):
+        v = (hparams or {}).get(key)
+        if isinstance(v, str) and v.strip():
+            return v.strip()
+    return Path(run_dir).resolve().name
 
 
 def read_run(
@@ -412,9 +452,11 @@ def read_run(
     for m in w:
         _warn(msgs, m)
     files = train_data_files(run_dir)
+    hparams = read_hparams(run_dir) if series else {}
     run = RunData(
         path=run_dir,
-        label=run_label(run_dir, config),
+        label=run_label(run_dir, config, hparams),
+        hparams=hparams,
         scalars=series,
         config=config,
         train_data_steps=tuple(files),

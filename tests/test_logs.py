@@ -74,7 +74,7 @@ def make_nemo_rl_run(root: Path, steps=(1, 2, 3)) -> Path:
         w.add_scalar("timing/train/total_step_time", 10.0 + s, s)
         if s % 2 == 1:
             w.add_scalar("validation/accuracy", 0.2 * s, s)
-    w.add_hparams({"grpo.num_prompts_per_step": 2}, {})
+    w.add_hparams({"grpo.num_prompts_per_step": 2, "policy.model_name": "tiny"}, {})
     w.close()
     for s in steps:
         write_nemo_rl_jsonl(run / f"train_data_step{s}.jsonl", step_samples(s))
@@ -85,7 +85,8 @@ def test_reads_nemo_rl_layout_and_recomputes_missing_metrics(tmp_path):
     run_dir = make_nemo_rl_run(tmp_path)
     assert len(find_event_files(run_dir)) >= 2  # scalars + add_hparams' sub-directory
     run = read_run(run_dir)
-    assert run.label == "exp_001" and run.warnings == []
+    assert run.label == "exp_001" and run.warnings == []  # no jetrl.recipe anywhere
+    assert run.hparams == {"grpo.num_prompts_per_step": 2, "policy.model_name": "tiny"}
     r = run.scalars["train/reward"]
     assert r.source == "tensorboard" and r.steps == (1, 2, 3)
     assert r.values == pytest.approx([0.6, 0.7, 0.8], rel=1e-6)  # float32 in the events file
@@ -219,3 +220,14 @@ def test_run_writer_round_trip_and_label(tmp_path):
     # exp(0.1) from the written float32 values, via the float32 events file
     assert tmpe.values[0] == pytest.approx(m["train/token_mult_prob_error"], rel=1e-6)
     assert run.scalars["jetrl/mismatch/num_valid_tokens"].values == (2.0, 2.0)
+
+
+def test_label_from_nemo_rl_hparams_when_no_config(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(log_dir=str(tmp_path / "exp_007" / "tensorboard"))
+    w.add_scalar("train/reward", 1.0, 1)
+    w.add_hparams({"jetrl.recipe": "jetrl_kv", "grpo.seed": 42}, {})  # NeMo-RL's flatten_dict
+    w.close()
+    run = read_run(tmp_path / "exp_007")
+    assert run.label == "jetrl_kv" and run.hparams["grpo.seed"] == 42
