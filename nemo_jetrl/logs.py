@@ -131,12 +131,13 @@ def _tfrecord_intact_bytes(path: Path) -> tuple[int, int, int]:
 
 
 def read_event_file(
-    path: str | Path,
+    path: str | Path, *, hparams_out: dict[str, Any] | None = None
 ) -> tuple[dict[str, dict[int, tuple[float, float]]], list[str]]:
     """Scalars of one events file: {tag: {step: (wall_time, value)}}, and warnings.
 
     Uses TensorBoard's own event reader. A truncated or corrupt file yields the records before
-    the damage plus a warning naming the file and the byte offset.
+    the damage plus a warning naming the file and the byte offset. With ``hparams_out``, the
+    ``add_hparams`` record (NeMo-RL's flattened config) is added to it.
     """
     loader_mod = require(
         "tensorboard.backend.event_processing.event_file_loader", feature="reading TensorBoard logs"
@@ -152,6 +153,9 @@ def read_event_file(
             if not ev.HasField("summary"):
                 continue
             for v in ev.summary.value:
+                if hparams_out is not None and v.metadata.plugin_data.plugin_name == "hparams":
+                    _collect_hparams(v.metadata.plugin_data.content, hparams_out)
+                    continue
                 kind = v.WhichOneof("value")
                 if kind == "simple_value":
                     val = float(v.simple_value)
@@ -189,12 +193,14 @@ def read_event_file(
     return out, msgs
 
 
-def read_scalars(run_dir: str | Path) -> tuple[dict[str, Series], list[str]]:
+def read_scalars(
+    run_dir: str | Path, *, hparams_out: dict[str, Any] | None = None
+) -> tuple[dict[str, Series], list[str]]:
     """All scalars of all events files under ``run_dir``, merged per tag, and warnings."""
     merged: dict[str, dict[int, tuple[float, float]]] = {}
     msgs: list[str] = []
     for f in find_event_files(run_dir):
-        scal, w = read_event_file(f)
+        scal, w = read_event_file(f, hparams_out=hparams_out)
         msgs.extend(w)
         for tag, pts in scal.items():
             dst = merged.setdefault(tag, {})
@@ -208,32 +214,24 @@ def read_scalars(run_dir: str | Path) -> tuple[dict[str, Series], list[str]]:
     return series, msgs
 
 
-def read_hparams(run_dir: str | Path) -> dict[str, Any]:
-    """Hyper-parameters NeMo-RL logged with ``add_hparams`` (its config, flattened with ".").
-
-    Read from the TensorBoard hparams plugin records under ``run_dir``; {} when there are none.
-    Unreadable files are skipped (`read_scalars` already reports them).
-    """
-    loader_mod = require(
-        "tensorboard.backend.event_processing.event_file_loader", feature="reading TensorBoard logs"
-    )
+def _collect_hparams(content: bytes, out: dict[str, Any]) -> None:
     pb = require("tensorboard.plugins.hparams.plugin_data_pb2", feature="reading TensorBoard logs")
+    try:
+        data = pb.HParamsPluginData.FromString(content)
+    except Exception:
+        return
+    if data.HasField("session_start_info"):
+        for key, val in data.session_start_info.hparams.items():
+            kind = val.WhichOneof("kind")
+            if kind is not None:
+                out[key] = getattr(val, kind)
+
+
+def read_hparams(run_dir: str | Path) -> dict[str, Any]:
+    """Hyper-parameters NeMo-RL logged with ``add_hparams`` (its config, flattened with ".");
+    {} when there are none."""
     out: dict[str, Any] = {}
-    for f in find_event_files(run_dir):
-        try:
-            for ev in loader_mod.LegacyEventFileLoader(str(f)).Load():
-                for v in ev.summary.value:
-                    if v.metadata.plugin_data.plugin_name != "hparams":
-                        continue
-                    data = pb.HParamsPluginData.FromString(v.metadata.plugin_data.content)
-                    if not data.HasField("session_start_info"):
-                        continue
-                    for key, val in data.session_start_info.hparams.items():
-                        kind = val.WhichOneof("kind")
-                        if kind is not None:
-                            out[key] = getattr(val, kind)
-        except Exception:
-            continue
+    read_scalars(run_dir, hparams_out=out)
     return out
 
 
@@ -448,11 +446,11 @@ def read_run(
     config, w = read_config(run_dir)
     for m in w:
         _warn(msgs, m)
-    series, w = read_scalars(run_dir)
+    hparams: dict[str, Any] = {}
+    series, w = read_scalars(run_dir, hparams_out=hparams)
     for m in w:
         _warn(msgs, m)
     files = train_data_files(run_dir)
-    hparams = read_hparams(run_dir) if series else {}
     run = RunData(
         path=run_dir,
         label=run_label(run_dir, config, hparams),
