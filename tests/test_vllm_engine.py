@@ -284,14 +284,16 @@ def test_after_revert_vllm_is_unpatched(engine, model_dir, recipe, monkeypatch):
     from vllm import LLM
 
     # Plain vLLM 0.32 CPU has no block-FP8 kernel for CPUs without AMX: engine start fails the
-    # way it does without our package. On AMX machines vLLM's own CPU kernel is chosen instead.
+    # way it does without our package. On AMX CPUs and GPUs vLLM's own kernel is chosen instead.
     kw = build_engine_kwargs(recipe, USER_KWARGS).kwargs
     # Engine core in this process, so the root cause arrives as the exception itself.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm.envs
 
     try:
-        if torch.cpu._is_amx_tile_supported():
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or torch.cpu._is_amx_tile_supported():
             plain = LLM(model=str(model_dir), **kw)
             kernels = set(plain.collective_rpc("jetrl_kernels")[0].values())
             assert "JetRLFp8BlockLinearKernel" not in kernels, kernels
