@@ -84,22 +84,20 @@ def recipe():
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, recipe):
-    """A patched engine, refit once from the checkpoint. Yields (llm, patch handle)."""
-    from vllm import LLM
+def rollout(model_dir, recipe):
+    """A patched engine (VllmRolloutEngine: patch + engine kwargs + first refit)."""
+    from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
 
-    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs
-    from nemo_jetrl.vllm_patch.refit import refit_from_checkpoint
-
-    ek = build_engine_kwargs(recipe, USER_KWARGS)
-    handle = apply_patches(recipe)
-    llm = LLM(model=str(model_dir), **ek.kwargs)
-    refit_from_checkpoint(llm, model_dir, recipe)
-    yield llm, handle
-    handle.revert()
-    llm.llm_engine.engine_core.shutdown()
-    del llm
+    eng = VllmRolloutEngine(model_dir, recipe, engine_kwargs=USER_KWARGS)
+    yield eng
+    eng.close()
     gc.collect()
+
+
+@pytest.fixture
+def engine(rollout):
+    """(llm, patch handle) of the module's engine."""
+    return rollout.llm, rollout.patch
 
 
 def _generate(llm, logprobs=0):
@@ -126,6 +124,23 @@ def test_every_fp8_linear_runs_our_kernel_in_the_worker(engine):
     assert len(fp8) == 8  # 2 layers x (qkv, o, gate_up, down)
     assert set(fp8.values()) == {"JetRLFp8BlockLinearKernel"}
     assert kernels["lm_head"] == "UnquantizedEmbeddingMethod"  # kept BF16
+
+
+def test_rollout_engine_generate_api(rollout):
+    tok = _tokenizer()
+    assert rollout.last_refit is not None and rollout.last_refit.parity.differing == ()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    gens = rollout.generate(prompts, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [g.prompt_token_ids for g in gens] == [tuple(p) for p in prompts]
+    for g in gens:
+        assert len(g.token_ids) == len(g.logprobs) == MAX_TOKENS
+        assert all(math.isfinite(v) and v <= 0.0 for v in g.logprobs)
+        assert tok.decode(list(g.token_ids)) == g.text
+    # Sampling at temperature 1 with a seed is reproducible and returns the sampled token's logprob
+    a = rollout.generate(prompts, max_tokens=4, temperature=1.0, seed=7)
+    b = rollout.generate(prompts, max_tokens=4, temperature=1.0, seed=7)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.logprobs for g in a] == [g.logprobs for g in b]
 
 
 def test_generation_with_per_token_logprobs_matches_fp8_trainer(engine, model_dir, recipe):
@@ -267,19 +282,19 @@ def test_patch_is_idempotent_and_refuses_other_settings(engine, recipe):
         apply_patches(fp32)
 
 
-def test_after_revert_vllm_is_unpatched(engine, model_dir, recipe, monkeypatch):
+def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch):
     """Last test of the module: revert, then a block-FP8 engine is plain vLLM again."""
     from nemo_jetrl.vllm_patch import build_engine_kwargs
     from nemo_jetrl.vllm_patch.kernel import registered_kernel
     from nemo_jetrl.vllm_patch.settings import ENV_VAR
 
-    llm, handle = engine
+    handle = rollout.patch
     handle.revert()
     handle.revert()  # idempotent
     assert not handle.active
     assert ENV_VAR not in os.environ
     assert registered_kernel() is None
-    llm.llm_engine.engine_core.shutdown()
+    rollout.close()  # shuts the engine down (the patch is already reverted)
 
     from vllm import LLM
 

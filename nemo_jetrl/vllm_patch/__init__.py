@@ -4,6 +4,7 @@ Nothing here patches anything at import time. ``apply_patches(recipe)`` returns 
 reverts. vLLM itself is imported lazily, only by the functions that need it.
 """
 
+from nemo_jetrl.vllm_patch.engine import Generation, VllmRolloutEngine
 from nemo_jetrl.vllm_patch.engine_args import EngineArgsConflict, EngineKwargs, build_engine_kwargs
 from nemo_jetrl.vllm_patch.patch import (
     PatchConflict,
@@ -18,10 +19,12 @@ from nemo_jetrl.vllm_patch.settings import PatchSettings, settings_from_recipe
 __all__ = [
     "EngineArgsConflict",
     "EngineKwargs",
+    "Generation",
     "PatchConflict",
     "PatchHandle",
     "PatchSettings",
     "UnsupportedVllmVersion",
+    "VllmRolloutEngine",
     "apply_patches",
     "build_engine_kwargs",
     "check_vllm_version",

@@ -1,0 +1,140 @@
+"""A patched vLLM rollout engine in one object: patch, engine kwargs, first load, refit, sample.
+
+This is what a backend (the local CPU backend's ``rollout.engine: vllm``, or a NeMo-RL worker)
+needs from vLLM for one RL step: sample responses with per-token logprobs, then take the
+trainer's new weights. ``close()`` shuts the engine down and reverts the patch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_jetrl._optional import require
+from nemo_jetrl.vllm_patch.engine_args import EngineKwargs, build_engine_kwargs
+from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
+from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled response."""
+
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    """Generated token ids (the response)."""
+    logprobs: tuple[float, ...]
+    """Log-probability of each generated token under the rollout policy (NeMo-RL's
+    ``generation_logprobs``)."""
+    text: str
+    finish_reason: str | None
+
+
+def _num_layers(model_dir: str | Path) -> int | None:
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("num_hidden_layers")
+
+
+class VllmRolloutEngine:
+    """``vllm.LLM`` started under the patch for ``recipe`` and loaded by a first refit."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        recipe: Any,
+        *,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        num_layers: int | None = None,
+        initial_refit: bool = True,
+    ) -> None:
+        vllm = require("vllm", feature="the vLLM rollout engine")
+        self.model_dir = str(model_dir)
+        self.recipe = recipe
+        n = num_layers if num_layers is not None else _num_layers(model_dir)
+        self.engine_kwargs: EngineKwargs = build_engine_kwargs(recipe, engine_kwargs, num_layers=n)
+        self.settings = self.engine_kwargs.settings
+        self.patch: PatchHandle | None = apply_patches(self.settings)
+        try:
+            self.llm = vllm.LLM(model=self.model_dir, **self.engine_kwargs.kwargs)
+            self.last_refit: RefitReport | None = (
+                refit_from_checkpoint(self.llm, self.model_dir, self.settings)
+                if initial_refit
+                else None
+            )
+        except BaseException:
+            self.patch.revert()
+            raise
+
+    def refit(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        kv_scales: Mapping[Any, Mapping[str, float]] | None = None,
+        parity: bool = True,
+    ) -> RefitReport:
+        """Load the trainer's weights (HF names) and optional KV scales; see ``refit.refit``."""
+        self.last_refit = refit(
+            self.llm, state_dict, self.settings, kv_scales=kv_scales, parity=parity
+        )
+        return self.last_refit
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> list[Generation]:
+        """Sample one response per prompt, with the logprob of every generated token."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            logprobs=0,  # the sampled token's own logprob
+            stop_token_ids=list(stop_token_ids or []),
+            ignore_eos=ignore_eos,
+        )
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        result = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = tuple(
+                float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs, strict=True)
+            )
+            result.append(
+                Generation(
+                    tuple(o.prompt_token_ids), tuple(c.token_ids), lps, c.text, c.finish_reason
+                )
+            )
+        return result
+
+    def close(self) -> None:
+        """Shut the engine down and revert the patch (idempotent)."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+        if self.patch is not None:
+            self.patch.revert()
+            self.patch = None
+
+    def __enter__(self) -> VllmRolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
