@@ -49,7 +49,11 @@ def main() -> None:
     dy = torch.randn(t, f, generator=g).to(torch.bfloat16)
     torch.manual_seed(0)
     ref = nn.Linear(f, f, dtype=torch.bfloat16)
-    rows = [("nn.Linear bf16", _step_time(ref, x, dy, args.reps))]
+    print(f"Linear {f}x{f}, {t} tokens, fwd+bwd, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, median of {args.reps}")  # fmt: skip
+    print(f"{'layer':30} {'s/step':>8} {'vs bf16':>8}", flush=True)
+    base = _step_time(ref, x, dy, args.reps)
+    print(f"{'nn.Linear bf16':30} {base:8.3f} {1.0:8.2f}", flush=True)
     layers = [
         ("Fp8BlockLinear pow2, bf16 W", Fp8BlockLinear.from_linear(ref, Fp8LinearConfig())),
         ("Fp8BlockLinear fp32 scales", Fp8BlockLinear.from_linear(ref, Fp8LinearConfig.te_blockwise_fp32_scales())),
@@ -59,13 +63,8 @@ def main() -> None:
         cfg = Fp8LinearConfig(exact_gemm=True)
         layers.append(("Fp8BlockLinear exact_gemm", Fp8BlockLinear.from_linear(ref, cfg)))
     for label, layer in layers:
-        rows.append((label, _step_time(layer, x, dy, args.reps)))
-    base = rows[0][1]
-    print(f"Linear {f}x{f}, {t} tokens, fwd+bwd, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.reps}")  # fmt: skip
-    print(f"{'layer':30} {'s/step':>8} {'vs bf16':>8}")
-    for label, s in rows:
-        print(f"{label:30} {s:8.3f} {s / base:8.2f}")
+        s = _step_time(layer, x, dy, args.reps)
+        print(f"{label:30} {s:8.3f} {s / base:8.2f}", flush=True)
 
 
 if __name__ == "__main__":
