@@ -1,0 +1,332 @@
+"""Settings of the local backend: the ``jetrl.local:`` section and the NeMo-RL keys it reads.
+
+A local run is described by the same NeMo-RL-shaped YAML as a cluster run. What NeMo-RL has keys
+for (batch sizes, steps, temperature, optimizer, loss, checkpointing, log dir) is read from those
+keys (`RunSettings`); what only the local backend needs (which small model, the synthetic task,
+the warm start, the compute dtype) lives under ``jetrl.local:`` (`LocalSettings`). Both
+``from_cfg`` constructors collect *every* problem with its full key path and raise one
+`ConfigError`; `validate_local_config` is the hook `jetrl check` calls for ``jetrl.local``.
+Every key is documented in docs/local_backend.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_jetrl.backends.local.task import TaskConfig
+from nemo_jetrl.config_load import ConfigError, ConfigIssue
+
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class WarmStartSettings:
+    """Short supervised warm start so GRPO begins with a non-zero reward (cached on disk)."""
+
+    enabled: bool = True
+    """Run (or load from the cache) the warm start; False starts GRPO from random weights."""
+    steps: int = 150
+    """Supervised steps (teacher forcing on the task's step-by-step targets)."""
+    batch_size: int = 64
+    """Problems per supervised step."""
+    lr: float = 3.0e-3
+    """AdamW learning rate of the warm start (20-step linear warm-up)."""
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """Everything under ``jetrl.local:`` (see docs/local_backend.md)."""
+
+    model_config: str | None = None
+    """HF config.json (Llama or Qwen2) of the policy; None: the repo's 2-layer Llama."""
+    tokenizer: str | None = None
+    """tokenizers JSON file; None: the repo's character-level tokenizer."""
+    dtype: str = "bfloat16"
+    """Activation/weight dtype of the BF16 parts of both sides ("bfloat16", or "float32" to
+    trade the BF16 rounding for speed on CPUs without native BF16 GEMMs)."""
+    num_threads: int | None = 1
+    """torch intra-op threads. 1 (default): this model's ops are far too small to gain from
+    threads, and on a shared CPU OpenMP spin-waiting made 2 threads 10-30x slower (measured);
+    None leaves torch's default."""
+    cache_dir: str | None = None
+    """Warm-start cache; None: $JETRL_CACHE_DIR or ~/.cache/nemo_jetrl."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The synthetic arithmetic task (``jetrl.local.task.*``)."""
+    warmstart: WarmStartSettings = field(default_factory=WarmStartSettings)
+    """The cached supervised warm start (``jetrl.local.warmstart.*``)."""
+    val_greedy: bool = True
+    """Validation decodes greedily (deterministic accuracy); False samples at the temperature."""
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        env = os.environ.get("JETRL_CACHE_DIR")
+        return Path(env).expanduser() if env else Path.home() / ".cache" / "nemo_jetrl"
+
+    @classmethod
+    def from_cfg(
+        cls, section: Mapping[str, Any] | None, path: str = "jetrl.local"
+    ) -> LocalSettings:
+        """Settings from the ``jetrl.local`` mapping; `ConfigError` listing every problem."""
+        issues: list[ConfigIssue] = []
+        out = _read_local(section, path, issues)
+        if [i for i in issues if i.level == "error"]:
+            raise ConfigError(issues)
+        assert out is not None
+        return out
+
+
+def _as_dict(section: Any) -> dict[str, Any] | None:
+    if section is None:
+        return {}
+    if isinstance(section, DictConfig):
+        return OmegaConf.to_container(section, resolve=True)  # type: ignore[return-value]
+    if isinstance(section, Mapping):
+        return dict(section)
+    return None
+
+
+def _check_type(value: Any, kinds: tuple[type, ...]) -> bool:
+    if bool in kinds:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, kinds)
+
+
+_NUM = (int, float)
+
+
+def _read_dataclass(
+    cls: type,
+    raw: Mapping[str, Any],
+    path: str,
+    issues: list[ConfigIssue],
+    rules: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Typed kwargs for ``cls`` from ``raw``; unknown keys and wrong types become issues."""
+    names = {f.name for f in fields(cls)}
+    kw: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in names:
+            issues.append(ConfigIssue(f"{path}.{key}", "unknown key", tuple(sorted(names))))
+            continue
+        kinds, check, what = rules.get(key, ((object,), None, ""))
+        if value is None and type(None) in kinds:
+            kw[key] = None
+            continue
+        if not _check_type(value, tuple(k for k in kinds if k is not type(None))) or (
+            check is not None and not check(value)
+        ):
+            issues.append(ConfigIssue(f"{path}.{key}", f"got {value!r}; expected {what}"))
+            continue
+        kw[key] = float(value) if float in kinds and int in kinds and key != "val_size" else value
+    return kw
+
+
+def _pos_int(v: Any) -> bool:
+    return v >= 1
+
+
+_TASK_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
+    "num_ops": ((int,), lambda v: 1 <= v <= 32, "an integer in [1, 32]"),
+    "ops": ((str,), lambda v: bool(v) and set(v) <= set("+-*"), "a non-empty string of + - *"),
+    "show_steps": ((bool,), None, "true or false"),
+    "format_reward": (_NUM, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "val_size": ((int,), _pos_int, "an integer >= 1"),
+}
+_WS_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
+    "enabled": ((bool,), None, "true or false"),
+    "steps": ((int,), lambda v: v >= 0, "an integer >= 0"),
+    "batch_size": ((int,), _pos_int, "an integer >= 1"),
+    "lr": (_NUM, lambda v: 0 < v < 1, "a number in (0, 1)"),
+}
+_LOCAL_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
+    "model_config": ((str, type(None)), None, "a path to a config.json, or null"),
+    "tokenizer": ((str, type(None)), None, "a path to a tokenizers JSON file, or null"),
+    "dtype": ((str,), lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
+    "num_threads": ((int, type(None)), _pos_int, "an integer >= 1, or null"),
+    "cache_dir": ((str, type(None)), None, "a directory path, or null"),
+    "task": ((Mapping,), None, "a mapping"),
+    "warmstart": ((Mapping,), None, "a mapping"),
+    "val_greedy": ((bool,), None, "true or false"),
+}
+
+
+def _read_local(section: Any, path: str, issues: list[ConfigIssue]) -> LocalSettings | None:
+    raw = _as_dict(section)
+    if raw is None:
+        issues.append(ConfigIssue(path, f"must be a mapping, got {type(section).__name__}"))
+        return None
+    kw = _read_dataclass(LocalSettings, raw, path, issues, _LOCAL_RULES)
+    task_kw = _read_dataclass(
+        TaskConfig, kw.pop("task", {}) or {}, f"{path}.task", issues, _TASK_RULES
+    )
+    ws_kw = _read_dataclass(
+        WarmStartSettings, kw.pop("warmstart", {}) or {}, f"{path}.warmstart", issues, _WS_RULES
+    )
+    for key in ("model_config", "tokenizer"):
+        p = kw.get(key)
+        if p and not Path(p).expanduser().is_file():
+            issues.append(ConfigIssue(f"{path}.{key}", f"file {p!r} not found"))
+    if "num_ops" in task_kw:
+        task_kw["num_ops"] = int(task_kw["num_ops"])
+    return LocalSettings(**kw, task=TaskConfig(**task_kw), warmstart=WarmStartSettings(**ws_kw))
+
+
+def validate_local_config(section: Any, path: str = "jetrl.local") -> list[ConfigIssue]:
+    """Every problem of a ``jetrl.local`` section (the hook `nemo_jetrl.config` calls)."""
+    issues: list[ConfigIssue] = []
+    _read_local(section, path, issues)
+    return issues
+
+
+# ---------------------------------------------------------------------------------------------
+# NeMo-RL keys the local backend reads
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The NeMo-RL keys of a GRPO run, as the local backend uses them (NeMo-RL's defaults)."""
+
+    num_prompts_per_step: int = 8
+    """``grpo.num_prompts_per_step``: distinct prompts per step."""
+    num_generations_per_prompt: int = 4
+    """``grpo.num_generations_per_prompt``: responses per prompt (the GRPO group)."""
+    max_num_steps: int = 10
+    """``grpo.max_num_steps``: GRPO steps to run."""
+    val_period: int = 5
+    """``grpo.val_period``: validate every N steps (0: never)."""
+    val_at_start: bool = True
+    """``grpo.val_at_start``: validate before the first step (logged at step 0)."""
+    seed: int = 42
+    """``grpo.seed``: seeds model init, warm start, data and sampling."""
+    normalize_rewards: bool = True
+    """``grpo.normalize_rewards``: divide advantages by the group's std."""
+    use_leave_one_out_baseline: bool = True
+    """``grpo.use_leave_one_out_baseline``: baseline = mean of the other responses."""
+    temperature: float = 1.0
+    """``policy.generation.temperature``: sampling temperature (logprobs use logits / T)."""
+    max_new_tokens: int | None = None
+    """``policy.generation.max_new_tokens``; None: the task's answer length + 4."""
+    lr: float = 1.0e-4
+    """``policy.optimizer.kwargs.lr`` (AdamW on the fp32 master weights)."""
+    weight_decay: float = 0.0
+    """``policy.optimizer.kwargs.weight_decay``."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """``policy.optimizer.kwargs.betas``."""
+    eps: float = 1e-8
+    """``policy.optimizer.kwargs.eps``."""
+    max_grad_norm: float | None = 1.0
+    """``policy.max_grad_norm``: gradient clipping (None: off)."""
+    checkpoint_enabled: bool = True
+    """``checkpointing.enabled``."""
+    checkpoint_dir: str | None = None
+    """``checkpointing.checkpoint_dir``; None: ``<log_dir>/checkpoints``."""
+    save_period: int = 1
+    """``checkpointing.save_period``: checkpoint every N steps (1: lose at most the step in
+    flight when killed)."""
+    keep_top_k: int | None = 2
+    """``checkpointing.keep_top_k``: most recent checkpoints kept (None: all)."""
+    log_dir: str = "logs/local"
+    """``logger.log_dir``: the run directory (TensorBoard, train_data_step{N}.jsonl, config)."""
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> RunSettings:
+        """Read the NeMo-RL keys; `ConfigError` listing every problem."""
+        issues: list[ConfigIssue] = []
+        kw: dict[str, Any] = {}
+
+        def read(key: str, field_name: str, kinds: tuple[type, ...], ok, what: str) -> None:
+            val = OmegaConf.select(cfg, key, default="__absent__")
+            if val == "__absent__":
+                return
+            if val is None and type(None) in kinds:
+                kw[field_name] = None
+                return
+            if (
+                isinstance(val, (DictConfig,))
+                or not _check_type(val, tuple(k for k in kinds if k is not type(None)))
+                or (ok is not None and not ok(val))
+            ):
+                issues.append(ConfigIssue(key, f"got {val!r}; expected {what}"))
+                return
+            kw[field_name] = val
+
+        pos = (lambda v: v >= 1, "an integer >= 1")
+        read("grpo.num_prompts_per_step", "num_prompts_per_step", (int,), *pos)
+        read("grpo.num_generations_per_prompt", "num_generations_per_prompt", (int,), *pos)
+        read("grpo.max_num_steps", "max_num_steps", (int,), lambda v: v >= 0, "an integer >= 0")
+        read("grpo.val_period", "val_period", (int,), lambda v: v >= 0, "an integer >= 0")
+        read("grpo.val_at_start", "val_at_start", (bool,), None, "true or false")
+        read("grpo.seed", "seed", (int,), lambda v: v >= 0, "an integer >= 0")
+        read("grpo.normalize_rewards", "normalize_rewards", (bool,), None, "true or false")
+        read(
+            "grpo.use_leave_one_out_baseline", "use_leave_one_out_baseline", (bool,), None,
+            "true or false",
+        )  # fmt: skip
+        read("policy.generation.temperature", "temperature", _NUM, lambda v: v > 0, "a number > 0")
+        read("policy.generation.max_new_tokens", "max_new_tokens", (int, type(None)), *pos)
+        read("policy.optimizer.kwargs.lr", "lr", _NUM, lambda v: v > 0, "a number > 0")
+        read(
+            "policy.optimizer.kwargs.weight_decay", "weight_decay", _NUM, lambda v: v >= 0,
+            "a number >= 0",
+        )  # fmt: skip
+        read("policy.optimizer.kwargs.eps", "eps", _NUM, lambda v: v > 0, "a number > 0")
+        betas = OmegaConf.select(cfg, "policy.optimizer.kwargs.betas", default=None)
+        if betas is not None:
+            try:
+                b = tuple(float(x) for x in betas)
+                if len(b) != 2 or not all(0 <= x < 1 for x in b):
+                    raise ValueError
+                kw["betas"] = b
+            except (TypeError, ValueError):
+                issues.append(
+                    ConfigIssue(
+                        "policy.optimizer.kwargs.betas",
+                        f"got {betas!r}; expected [b1, b2] in [0, 1)",
+                    )
+                )
+        name = OmegaConf.select(cfg, "policy.optimizer.name", default=None)
+        if name not in (None, "torch.optim.AdamW", "adamw", "AdamW"):
+            issues.append(
+                ConfigIssue(
+                    "policy.optimizer.name",
+                    f"the local backend trains with torch.optim.AdamW, got {name!r}",
+                    ("torch.optim.AdamW",),
+                )
+            )
+        read(
+            "policy.max_grad_norm",
+            "max_grad_norm",
+            (*_NUM, type(None)),
+            lambda v: v > 0,
+            "a number > 0 or null",
+        )
+        read("checkpointing.enabled", "checkpoint_enabled", (bool,), None, "true or false")
+        read("checkpointing.checkpoint_dir", "checkpoint_dir", (str, type(None)), None, "a path")
+        read("checkpointing.save_period", "save_period", (int,), *pos)
+        read("checkpointing.keep_top_k", "keep_top_k", (int, type(None)), *pos)
+        read("logger.log_dir", "log_dir", (str,), None, "a directory path")
+        if issues:
+            raise ConfigError(issues)
+        for k in ("lr", "weight_decay", "eps", "temperature"):
+            if k in kw:
+                kw[k] = float(kw[k])
+        return cls(**kw)
+
+    @property
+    def batch_size(self) -> int:
+        """Responses per step (prompts x generations)."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    def resolved_checkpoint_dir(self) -> Path:
+        return (
+            Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.log_dir) / "checkpoints"
+        )

@@ -1,0 +1,86 @@
+"""The local backend's model: a small HuggingFace causal LM built from a config kept in the repo.
+
+``assets/model_config.json`` describes a 2-layer Llama (hidden 256, MLP 512, 4 query heads and 2
+KV heads of 64) whose every decoder linear has both dimensions a multiple of 128, so every one of
+them can run as a 128x128-block FP8 linear; embeddings, norms, attention math and ``lm_head`` stay
+in BF16 as in the recipe. Any Llama or Qwen2 ``config.json`` can be used instead
+(``jetrl.local.model_config``); weights are initialised from a seed, never downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_jetrl._optional import require
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+MODEL_CONFIG_JSON = ASSETS / "model_config.json"
+SUPPORTED_TYPES = ("llama", "qwen2")
+BLOCK = 128
+
+
+def load_model_config(path: str | Path | None = None) -> Any:
+    """A transformers ``PretrainedConfig`` (Llama or Qwen2) from a JSON file."""
+    transformers = require("transformers", feature="the local backend's model")
+    path = Path(path) if path else MODEL_CONFIG_JSON
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"model config {path} not found; set jetrl.local.model_config to a config.json"
+        ) from None
+    mtype = raw.pop("model_type", None)
+    if mtype not in SUPPORTED_TYPES:
+        raise ValueError(
+            f"{path}: model_type {mtype!r} is not supported by the local backend; "
+            f"use one of {SUPPORTED_TYPES}"
+        )
+    raw.pop("architectures", None)
+    return transformers.AutoConfig.for_model(mtype, **raw)
+
+
+def decoder_linear_shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """``{name: (out_features, in_features)}`` of one decoder layer's linears."""
+    h, inter = config.hidden_size, config.intermediate_size
+    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (inter, h),
+        "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+    }
+
+
+def non_fp8_able_linears(config: Any) -> list[str]:
+    """Decoder linears whose dims are not multiples of 128 (they would have to stay BF16)."""
+    return [
+        f"{name} {shape}"
+        for name, shape in decoder_linear_shapes(config).items()
+        if shape[0] % BLOCK or shape[1] % BLOCK
+    ]
+
+
+def build_model(
+    config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> torch.nn.Module:
+    """A freshly initialised causal LM (seeded, eager attention, in eval mode, on CPU)."""
+    transformers = require("transformers", feature="the local backend's model")
+    config._attn_implementation = "eager"  # same math in rollout and trainer; no SDPA variants
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.to(dtype).eval()
+
+
+def is_fp8_linear_name(name: str) -> bool:
+    """True for the decoder linears an FP8 recipe quantizes (never embeddings or ``lm_head``)."""
+    return ".layers." in name and name.rsplit(".", 1)[-1].endswith("_proj")

@@ -1,0 +1,148 @@
+"""Refit: the one guarded path that moves the trainer's weights into the rollout model.
+
+Every step, before sampling, the rollout engine receives the weights the trainer will score
+with. In two phases, so that a bad update can never reach the rollout:
+
+1. stage: for every tensor the rollout model holds, take the trainer's tensor of the same name
+   and check that it exists, has the expected shape and is finite. FP8 layers are quantized
+   *here, once*, with 128x128 blocks: through `nemo_jetrl.fp8.quantize_blockwise` with the
+   trainer's own `Fp8LinearConfig` (the exact call `Fp8BlockLinear` makes in its forward, so
+   the rollout's FP8 weight equals the trainer's bit for bit), or, for a rollout that emulates
+   unpatched vLLM, through vLLM's own weight quantizer (`vllm_native`).
+2. commit: only when *every* tensor passed, load them all (FP8 layers via
+   ``Fp8InferenceLinear.load_quantized``: no requantization).
+
+If anything fails, nothing is loaded: `RefitRefused` names every offending layer and the rollout
+keeps its last good weights. The caller logs the refusal and carries on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nemo_jetrl.fp8 import BlockQuantized, Fp8InferenceLinear, quantize_blockwise
+from nemo_jetrl.fp8.vllm_native import per_block_cast_native
+
+
+class RefitRefused(RuntimeError):
+    """The trainer's weights were refused; ``problems`` lists one message per bad tensor."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        head = f"refit refused ({len(problems)} problem{'s' if len(problems) != 1 else ''}); "
+        super().__init__(
+            head
+            + "the rollout keeps its last good weights:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+@dataclass
+class RefitResult:
+    """What one refit did."""
+
+    seconds: float
+    tensors: int
+    fp8_layers: int
+    quantized: dict[str, BlockQuantized] = field(default_factory=dict)
+
+
+def export_weights(trainer_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's weights as the rollout would receive them (detached, no copy)."""
+    return {k: v.detach() for k, v in trainer_model.state_dict().items()}
+
+
+def quantize_for_rollout(layer: Fp8InferenceLinear, weight: torch.Tensor) -> BlockQuantized:
+    """Quantize ``weight`` 128x128 exactly as ``layer``'s quantizer and config say."""
+    cfg = layer.config
+    name = f"{layer.name}.weight"
+    if layer.quantizer == "vllm_native":
+        return per_block_cast_native(weight, ue8m0=cfg.pow2_scales, name=name)
+    return quantize_blockwise(
+        weight,
+        cfg.WEIGHT_BLOCK,
+        fmt=cfg.forward_format,
+        pow2_scales=cfg.pow2_scales,
+        eps=cfg.eps,
+        name=name,
+    )
+
+
+def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> str | None:
+    if t is None:
+        return f"{name}: missing from the trainer's weights"
+    if tuple(t.shape) != shape:
+        return f"{name}: shape {tuple(t.shape)} but the rollout model expects {shape}"
+    if not t.is_floating_point():
+        return f"{name}: dtype {t.dtype} is not a floating-point weight"
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        return (
+            f"{name}: {int(bad.sum())} non-finite value(s) (first {float(t[idx])} at {list(idx)}); "
+            "the update that produced it diverged"
+        )
+    return None
+
+
+@torch.no_grad()
+def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> RefitResult:
+    """Load ``weights`` (trainer names) into ``rollout_model`` through the guard (see module doc).
+
+    Raises `RefitRefused` (nothing loaded) when any tensor is missing, mis-shaped or non-finite.
+    """
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    fp8_layers: dict[str, Fp8InferenceLinear] = {
+        n: m for n, m in rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
+    }
+    staged_fp8: dict[str, tuple[BlockQuantized, torch.Tensor | None]] = {}
+    for name, layer in fp8_layers.items():
+        w = weights.get(f"{name}.weight")
+        msg = _check(f"{name}.weight", w, (layer.out_features, layer.in_features))
+        b = weights.get(f"{name}.bias") if layer.bias is not None else None
+        if msg is None and layer.bias is not None:
+            msg = _check(f"{name}.bias", b, (layer.out_features,))
+        if msg is not None:
+            problems.append(msg)
+            continue
+        assert w is not None
+        try:
+            q = quantize_for_rollout(layer, w)
+        except ValueError as exc:  # the quantizer refuses non-finite input, naming the tensor
+            problems.append(str(exc))
+            continue
+        s = q.scale_inv
+        if not bool((torch.isfinite(s) & (s > 0)).all()):
+            problems.append(f"{name}.weight: quantization produced non-finite or zero scales")
+            continue
+        staged_fp8[name] = (q, b)
+    fp8_prefixes = tuple(f"{n}." for n in fp8_layers)
+    staged_plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, param in rollout_model.named_parameters():
+        if name.startswith(fp8_prefixes):
+            continue
+        src = weights.get(name)
+        msg = _check(name, src, tuple(param.shape))
+        if msg is not None:
+            problems.append(msg)
+        else:
+            staged_plain.append((param, src))  # type: ignore[arg-type]
+    if problems:
+        raise RefitRefused(problems)
+    for name, (q, b) in staged_fp8.items():
+        fp8_layers[name].load_quantized(q.data, q.scale_inv, b)
+    for param, src in staged_plain:
+        param.copy_(src)
+    quantized = {n: q for n, (q, _) in staged_fp8.items()}
+    return RefitResult(
+        seconds=time.perf_counter() - t0,
+        tensors=len(staged_plain) + len(staged_fp8),
+        fp8_layers=len(staged_fp8),
+        quantized=quantized,
+    )

@@ -1,0 +1,109 @@
+"""Supervised warm start, cached on disk, so that GRPO starts from a non-zero reward.
+
+A randomly initialised model never writes a correct answer, and GRPO learns nothing from a group
+whose rewards are all zero. So before RL the policy is trained briefly by teacher forcing on the
+task's step-by-step targets (cross-entropy on response tokens, fp32, AdamW with a short warm-up),
+the way an RL run starts from an SFT checkpoint. The result is stored as safetensors under the
+cache directory, keyed by a hash of everything that determines it (model config, tokenizer,
+task, warm-start settings, seed, torch version), and reused by every recipe of a comparison:
+all recipes start from the same weights. Writes are atomic (temporary file + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from nemo_jetrl.backends.local.config import WarmStartSettings
+from nemo_jetrl.backends.local.model import build_model
+from nemo_jetrl.backends.local.task import (
+    TaskConfig,
+    encode_prompts,
+    encode_targets,
+    sample_problems,
+)
+
+CACHE_VERSION = 1  # bump when the warm-start procedure changes
+
+
+def cache_key(
+    model_config: Any, tokenizer_json: str, task: TaskConfig, ws: WarmStartSettings, seed: int
+) -> str:
+    """Hex digest of everything that determines the warm-start weights."""
+    blob = json.dumps(
+        {
+            "v": CACHE_VERSION,
+            "model": model_config.to_dict(),
+            "tokenizer": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+            "task": asdict(task),
+            "warmstart": asdict(ws),
+            "seed": seed,
+            "torch": torch.__version__.split("+")[0],
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def train_warmstart(
+    model_config: Any, tokenizer: Any, task: TaskConfig, ws: WarmStartSettings, seed: int
+) -> dict[str, torch.Tensor]:
+    """Run the supervised warm start (fp32) and return the weights."""
+    model = build_model(model_config, dtype=torch.float32, seed=seed).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warm = 20
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(ws.steps):
+        problems = sample_problems(ws.batch_size, task, g)
+        prompts = encode_prompts(problems, tokenizer)
+        targets = encode_targets(problems, tokenizer)
+        ids = torch.cat([prompts, targets], dim=1)
+        logits = model(input_ids=ids, use_cache=False).logits[:, prompts.shape[1] - 1 : -1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def load_or_train(
+    model_config: Any,
+    tokenizer: Any,
+    tokenizer_json: str,
+    task: TaskConfig,
+    ws: WarmStartSettings,
+    seed: int,
+    cache_dir: Path,
+    log=print,
+) -> tuple[dict[str, torch.Tensor], Path, bool]:
+    """(weights, cache file, loaded_from_cache). Trains and stores on a cache miss."""
+    from safetensors.torch import load_file, save_file
+
+    key = cache_key(model_config, tokenizer_json, task, ws, seed)
+    path = Path(cache_dir) / f"warmstart-{key}.safetensors"
+    if path.is_file():
+        try:
+            return load_file(str(path)), path, True
+        except Exception as exc:  # a corrupt cache entry is retrained, never trusted
+            log(f"warm start cache {path} unreadable ({exc}); retraining")
+    t0 = time.perf_counter()
+    log(f"warm start: {ws.steps} supervised steps (cached afterwards in {path.parent})")
+    weights = train_warmstart(model_config, tokenizer, task, ws, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(weights, str(tmp), metadata={"key": key})
+    tmp.replace(path)
+    log(f"warm start done in {time.perf_counter() - t0:.1f}s")
+    return weights, path, False
