@@ -18,9 +18,19 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
-# CPU build: KV cache size in GiB of host memory (keep small: shared machine); no core pinning.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_cpu_env():
+    """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in (
+            ("VLLM_CPU_KVCACHE_SPACE", "1"),
+            ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        ):
+            if key not in os.environ:
+                mp.setenv(key, value)
+        yield
+
 
 MAX_TOKENS = 6
 PROMPTS = ["Hello wor", "The cat s"]
