@@ -154,3 +154,29 @@ def test_invalid_scale_is_refused(bad: float) -> None:
         scale_tensor(bad, name="model.layers.3.self_attn.k_scale")
     with pytest.raises(ValueError, match="finite positive"):
         quantize_kv(torch.ones(3), bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vllm_cuda_cache_write_matches_bit_for_bit(dtype: torch.dtype) -> None:
+    """The real thing: vLLM's CUDA `reshape_and_cache_flash` stores the bytes `quantize_kv` does."""
+    from vllm import _custom_ops as ops
+
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, dim, block = 40, 2, 128, 16
+    ks, vs = 0.0123456, 0.00456
+    key = (torch.randn(tokens, heads, dim, generator=g) * 3).to(dtype)
+    value = (torch.randn(tokens, heads, dim, generator=g) * 0.5).to(dtype)
+    key[0, 0, :4] = torch.tensor([1.97 * ks, 1e4, 1e-7, -0.0], dtype=dtype)
+    nb = -(-tokens // block)
+    kc = torch.zeros(nb, block, heads, dim, dtype=torch.uint8, device="cuda")
+    vc = torch.zeros_like(kc)
+    ops.reshape_and_cache_flash(
+        key.cuda(), value.cuda(), kc, vc, torch.arange(tokens, device="cuda"), "fp8",
+        torch.tensor([ks], device="cuda"), torch.tensor([vs], device="cuda"),
+    )  # fmt: skip
+    got_k = kc.reshape(-1, heads, dim)[:tokens].cpu()
+    got_v = vc.reshape(-1, heads, dim)[:tokens].cpu()
+    assert torch.equal(got_k, quantize_kv(key, ks, kernel="cuda").view(torch.uint8))
+    assert torch.equal(got_v, quantize_kv(value, vs, kernel="cuda").view(torch.uint8))
