@@ -86,7 +86,6 @@ class PatchHandle:
 
     settings: PatchSettings
     vllm_version: str
-    _set_env: bool = field(default=False, repr=False)
     _reverted: bool = field(default=False, repr=False)
 
     @property
@@ -138,4 +137,4 @@ def apply_patches(recipe: Any, *, num_layers: int | None = None) -> PatchHandle:
         )
     apply_in_process(settings)
     os.environ[ENV_VAR] = settings.to_json()
-    return PatchHandle(settings=settings, vllm_version=vllm.__version__, _set_env=current is None)
+    return PatchHandle(settings=settings, vllm_version=vllm.__version__)
