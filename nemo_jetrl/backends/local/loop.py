@@ -287,7 +287,10 @@ class LocalRun:
             cache_factory=self._cache_factory(),
         )
         texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
-        results = [score(p, t, f, self.task) for p, t, f in zip(self.val_problems, texts, finished, strict=True)]
+        results = [
+            score(p, t, f, self.task)
+            for p, t, f in zip(self.val_problems, texts, finished, strict=True)
+        ]
         return {
             "validation/accuracy": sum(c for _, c in results) / len(results),
             "validation/avg_reward": sum(r for r, _ in results) / len(results),
@@ -336,7 +339,9 @@ class LocalRun:
         t0, c0 = time.perf_counter(), time.process_time()
         texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
         owners = [p for p in problems for _ in range(G)]
-        scored = [score(p, t, f, self.task) for p, t, f in zip(owners, texts, finished, strict=True)]
+        scored = [
+            score(p, t, f, self.task) for p, t, f in zip(owners, texts, finished, strict=True)
+        ]
         rewards = torch.tensor([r for r, _ in scored], dtype=torch.float64)
         group_ids = torch.arange(len(problems)).repeat_interleave(G)
         adv = group_advantages(

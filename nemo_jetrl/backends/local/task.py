@@ -77,7 +77,9 @@ def sample_problems(n: int, cfg: TaskConfig, generator: torch.Generator) -> list
     """``n`` random problems drawn with ``generator`` (so runs and resumes are reproducible)."""
     digits = torch.randint(0, 10, (n, cfg.num_ops + 1), generator=generator).tolist()
     op_idx = torch.randint(0, len(cfg.ops), (n, cfg.num_ops), generator=generator).tolist()
-    return [make_problem(d, [cfg.ops[i] for i in o], cfg) for d, o in zip(digits, op_idx, strict=True)]
+    return [
+        make_problem(d, [cfg.ops[i] for i in o], cfg) for d, o in zip(digits, op_idx, strict=True)
+    ]
 
 
 def validation_problems(cfg: TaskConfig, seed: int) -> list[Problem]:

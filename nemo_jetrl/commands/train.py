@@ -1,0 +1,91 @@
+"""`jetrl train CONFIG [overrides...] [--backend auto|local|nemo-rl] [--resume]`.
+
+Runs a GRPO config. ``--backend local`` runs the embedded CPU backend in this process
+(`nemo_jetrl.backends.local`); ``nemo-rl`` hands the same config to NeMo-RL on a GPU cluster
+(`nemo_jetrl.backends.nemo_rl`); ``auto`` (default) picks nemo-rl when NeMo-RL's GRPO imports
+and local otherwise. Overrides are NeMo-RL/Hydra style ``key=value`` (``+key=value`` adds a key).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "train"
+HELP = "Run GRPO from a NeMo-RL-shaped config (local CPU backend or NeMo-RL)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="NeMo-RL-shaped YAML config")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (Hydra style)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "local", "nemo-rl"),
+        default="auto",
+        help="where to run: auto (nemo-rl if NeMo-RL is importable, else local), local, nemo-rl",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="local backend: continue from the latest checkpoint in checkpointing.checkpoint_dir",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def pick_backend(requested: str) -> str:
+    """``auto`` -> ``nemo-rl`` when NeMo-RL's GRPO entry point imports, else ``local``."""
+    if requested != "auto":
+        return requested
+    from nemo_jetrl._optional import available
+
+    return "nemo-rl" if available("nemo_rl.algorithms.grpo") else "local"
+
+
+def _run_nemo_rl(args: argparse.Namespace) -> int:
+    from nemo_jetrl.cli import UserError
+
+    try:
+        from nemo_jetrl.backends.nemo_rl import run_nemo_rl
+    except ImportError as exc:
+        raise UserError(
+            f"the nemo-rl backend is not available in this install ({exc}); "
+            "use --backend local, or run inside the Docker image (docs/cluster.md)"
+        ) from None
+    if args.resume:
+        print("note: --resume is handled by NeMo-RL's own checkpointing (checkpointing.*)")
+    return int(run_nemo_rl(args.config, list(args.overrides)) or 0)
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from nemo_jetrl._optional import MissingDependencyError
+    from nemo_jetrl.backends.local.loop import run_local
+    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, list(args.overrides))
+        result = run_local(cfg, resume=args.resume, progress=not args.no_progress)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    except (MissingDependencyError, FileNotFoundError) as exc:
+        raise UserError(str(exc)) from None
+    last = result.history[-1] if result.history else {}
+    print(
+        f"{result.recipe}: steps {result.first_step}..{result.last_step} in "
+        f"{result.seconds:.1f}s; logs in {result.log_dir}"
+        + (
+            f"; last reward {last['train/reward']:.3f}, token_mult_prob_error "
+            f"{last['train/token_mult_prob_error']:.6f}"
+            if last
+            else ""
+        )
+    )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    backend = pick_backend(args.backend)
+    if backend == "nemo-rl":
+        return _run_nemo_rl(args)
+    return _run_local(args)
