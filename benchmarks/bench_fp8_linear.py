@@ -3,7 +3,8 @@
 Run: .venv/bin/python benchmarks/bench_fp8_linear.py [--features 4096] [--tokens 2048] [--reps 3]
 
 One step = forward on [tokens, features] bf16 input plus backward with a random bf16 output
-gradient (dX and dW). Both layers hold bf16 weights; a third row uses an fp32 master weight.
+gradient (dX and dW). Both layers hold bf16 weights; further rows use an fp32 master weight and
+a plain fp32 nn.Linear (the GEMM precision the CPU emulation actually runs).
 On CPU the FP8 layer is an emulation (quantize, dequantize, fp32 GEMM), so a ratio above 1 is
 expected; on GPU TE runs real FP8 GEMMs.
 """
@@ -54,6 +55,11 @@ def main() -> None:
     print(f"{'layer':30} {'s/step':>8} {'vs bf16':>8}", flush=True)
     base = _step_time(ref, x, dy, args.reps)
     print(f"{'nn.Linear bf16':30} {base:8.3f} {1.0:8.2f}", flush=True)
+    # fp32 reference: on CPUs without native bf16 GEMMs, bf16 matmul is far slower than fp32,
+    # and the FP8 emulation runs fp32 GEMMs; this row separates emulation cost from that effect.
+    ref32 = nn.Linear(f, f, dtype=torch.float32)
+    s32 = _step_time(ref32, x.float(), dy.float(), args.reps)
+    print(f"{'nn.Linear fp32 (x, W fp32)':30} {s32:8.3f} {s32 / base:8.2f}", flush=True)
     layers = [
         ("Fp8BlockLinear pow2, bf16 W", Fp8BlockLinear.from_linear(ref, Fp8LinearConfig())),
         ("Fp8BlockLinear fp32 scales", Fp8BlockLinear.from_linear(ref, Fp8LinearConfig.te_blockwise_fp32_scales())),
