@@ -32,7 +32,7 @@ _OPS = {
 class TaskConfig:
     """What problems look like and how responses are rewarded."""
 
-    num_ops: int = 3
+    num_ops: int = 2
     """Operations per problem = intermediate steps written out (answer length 6*num_ops+3)."""
     ops: str = "+-"
     """Operators drawn uniformly; any of '+', '-', '*' (all modulo 10)."""
