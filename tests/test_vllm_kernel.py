@@ -129,8 +129,12 @@ def test_kernel_refuses_wrong_scale_layout():
 
 
 def test_register_and_unregister_in_vllm_registry():
+    """Ours goes first for this platform; revert restores vLLM's registry exactly, including
+    vLLM 0.20's missing CPU entry (which we create, then delete again)."""
+    import vllm
     from vllm.platforms import current_platform
 
+    from nemo_jetrl.vllm_patch.compat import release
     from nemo_jetrl.vllm_patch.kernel import (
         fp8_block_registry,
         register_kernel,
@@ -140,13 +144,19 @@ def test_register_and_unregister_in_vllm_registry():
     from nemo_jetrl.vllm_patch.settings import PatchSettings
 
     assert registered_kernel() is None, "an earlier test left the patch applied"
-    before = list(fp8_block_registry()[current_platform._enum])
+    plat = current_platform._enum
+    before = {k: list(v) for k, v in fp8_block_registry().items()}
+    if current_platform.is_cpu():
+        # vLLM 0.20 has no CPU block-FP8 kernel list at all; 0.32 has one (AMX kernels).
+        assert (plat in before) == (release(vllm.__version__) >= (0, 32, 0))
     cls = register_kernel(PatchSettings())
     try:
-        assert fp8_block_registry()[current_platform._enum][0] is cls
+        assert fp8_block_registry()[plat][0] is cls
+        assert fp8_block_registry()[plat][1:] == before.get(plat, [])
         assert register_kernel(PatchSettings()) is cls  # idempotent
         with pytest.raises(RuntimeError, match="different settings"):
             register_kernel(PatchSettings(pow2_activation_scales=False))
     finally:
         assert unregister_kernel() == 1
-    assert fp8_block_registry()[current_platform._enum] == before
+    assert {k: list(v) for k, v in fp8_block_registry().items()} == before
+    assert unregister_kernel() == 0

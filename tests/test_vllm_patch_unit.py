@@ -186,12 +186,18 @@ def test_engine_kwargs_bad_hf_overrides_type():
 # -- version checks and apply without vLLM ------------------------------------------------------
 
 
-@pytest.mark.parametrize("v", ["0.32.0", "0.32.3", "0.32.0+cpu", "0.32.1rc1", "0.32.0.dev7"])
+@pytest.mark.parametrize(
+    "v",
+    ["0.32.0", "0.32.3", "0.32.0+cpu", "0.32.1rc1", "0.32.0.dev7", "0.20.0", "0.20.0+cpu"],
+)
 def test_version_supported(v):
     check_vllm_version(v)
 
 
-@pytest.mark.parametrize("v", ["0.31.9", "0.33.0", "0.33.0rc1", "1.0.0", "0.10.2"])
+# 0.20.1/0.20.2 and 0.25.x were not run against a real build, so they are refused.
+@pytest.mark.parametrize(
+    "v", ["0.31.9", "0.33.0", "0.33.0rc1", "1.0.0", "0.10.2", "0.19.1", "0.20.1", "0.25.1"]
+)
 def test_version_refused_with_range(v):
     with pytest.raises(UnsupportedVllmVersion) as ei:
         check_vllm_version(v)
@@ -353,3 +359,57 @@ def test_pack_roundtrip_keeps_fp8_bits():
     assert back["w"].dtype == torch.float8_e4m3fn
     assert torch.equal(fp8_bits(back["w"]), fp8_bits(q.data))
     assert torch.equal(back["s"], q.scale_inv)
+
+
+# -- version adapters (compat.py) that need no vLLM ----------------------------------------------
+
+
+def test_supported_ranges_cover_the_tested_releases_only():
+    from nemo_jetrl.vllm_patch import compat
+
+    assert supported_range() == ">=0.20.0,<0.20.1 or >=0.32.0,<0.33.0"
+    assert compat.release("0.20.0+cpu") == (0, 20, 0)
+    assert compat.release("0.33.0.dev5") == (0, 33, 0)
+    assert compat.release("1") == (1, 0, 0)
+    with pytest.raises(ValueError, match="cannot parse"):
+        compat.release("v0.20")
+
+
+def test_engine_kwargs_refuse_calculate_kv_scales_with_fp8_kv():
+    kv = Recipe.preset("jetrl_kv")
+    with pytest.raises(EngineArgsConflict, match="calculate_kv_scales: you set True"):
+        build_engine_kwargs(kv, {"calculate_kv_scales": True})
+    # With a BF16 KV cache the flag changes nothing of ours: passed through untouched.
+    assert build_engine_kwargs(JETRL, {"calculate_kv_scales": True}).kwargs["calculate_kv_scales"]
+
+
+@pytest.mark.parametrize("line", ["0.20", "0.32"])
+def test_set_attention_kv_scales_writes_every_copy_each_vllm_line_keeps(line):
+    """The attributes vLLM 0.20 and 0.32 put on an attention layer (read from their
+    ``set_default_quant_scales``), on a plain module: every copy gets the scale, and 0.20's
+    ``calculate_kv_scales`` is switched off so the first batch cannot overwrite it."""
+    from nemo_jetrl.vllm_patch import compat
+
+    layer = torch.nn.Module()
+    for k in "qkv":
+        layer.register_buffer(f"_{k}_scale", torch.tensor(1.0))
+        setattr(layer, f"_{k}_scale_float", 1.0)
+        if line == "0.32":
+            setattr(layer, f"_{k}_scale_cpu", torch.tensor(1.0))
+    if line == "0.20":
+        layer.calculate_kv_scales = True
+    assert compat.is_attention_layer(layer) and not compat.is_attention_layer(torch.nn.Linear(2, 2))
+    compat.set_attention_kv_scales(layer, {"q": 0.5, "k": 0.25, "v": 0.125})
+    got = compat.read_attention_kv_scales(layer)
+    assert got == {
+        "q": 0.5,
+        "q_tensor": 0.5,
+        "k": 0.25,
+        "k_tensor": 0.25,
+        "v": 0.125,
+        "v_tensor": 0.125,
+    }
+    if line == "0.32":
+        assert [float(getattr(layer, f"_{k}_scale_cpu")) for k in "qkv"] == [0.5, 0.25, 0.125]
+    else:
+        assert layer.calculate_kv_scales is False

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from nemo_jetrl._optional import require
+from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.engine_args import EngineKwargs, build_engine_kwargs
 from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
 from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
+from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,28 @@ class Generation:
     ``generation_logprobs``)."""
     text: str
     finish_reason: str | None
+
+
+class KvCacheDtypeMismatch(RuntimeError):
+    """The engine runs a different KV cache dtype than the recipe asked for."""
+
+
+def check_engine_kv_cache_dtype(llm: Any, settings: PatchSettings) -> None:
+    """Refuse an engine that silently dropped the recipe's FP8 KV cache.
+
+    vLLM 0.20's CPU platform replaces ``kv_cache_dtype=fp8`` with the model dtype (a warning in
+    its log only). The trainer then models an FP8 KV cache the rollout does not have: off-policy.
+    """
+    if not settings.fp8_kv_cache:
+        return
+    used = compat.engine_kv_cache_dtype(llm)
+    if not used.startswith("fp8"):
+        raise KvCacheDtypeMismatch(
+            f"the recipe asks for kv_cache_dtype={settings.kv_cache_dtype!r} but this vLLM "
+            f"engine runs kv_cache_dtype={used!r} (vLLM replaced it on this platform, e.g. vLLM "
+            "0.20's CPU backend has no FP8 KV cache). Use a recipe without FP8 KV cache "
+            "(jetrl instead of jetrl_kv) here, or run on a GPU"
+        )
 
 
 def _num_layers(model_dir: str | Path) -> int | None:
@@ -63,6 +87,11 @@ class VllmRolloutEngine:
         self.patch: PatchHandle | None = apply_patches(self.settings)
         try:
             self.llm = vllm.LLM(model=self.model_dir, **self.engine_kwargs.kwargs)
+            try:
+                check_engine_kv_cache_dtype(self.llm, self.settings)
+            except KvCacheDtypeMismatch:
+                self.llm.llm_engine.engine_core.shutdown()
+                raise
             self.last_refit: RefitReport | None = (
                 refit_from_checkpoint(self.llm, self.model_dir, self.settings)
                 if initial_refit

@@ -18,7 +18,8 @@ What we set and why:
   (and attention output) with *vLLM's* FP8 quantizer are switched off, so no fused kernel can
   quantize activations behind our back. Our quantizer and GEMM are opaque custom ops, so
   torch.compile cannot rewrite them either.
-* ``kv_cache_dtype`` from the recipe.
+* ``kv_cache_dtype`` from the recipe. With an FP8 KV cache a user ``calculate_kv_scales=True``
+  (a vLLM 0.20 engine argument) is a conflict: vLLM would replace the calibrated scales.
 
 Merging rules (NeMo-RL lost user ``hf_overrides`` three times; we never drop anything):
 user keys we do not set pass through untouched; nested dicts (``hf_overrides``,
@@ -169,6 +170,12 @@ def build_engine_kwargs(
     elif user_hf is not None and not isinstance(user_hf, Mapping):
         conflicts.append(
             f"hf_overrides: expected a dict or a callable, got {type(user_hf).__name__}"
+        )
+    if settings.fp8_kv_cache and user.get("calculate_kv_scales"):
+        # vLLM 0.20 (absent in 0.32): the first forward would replace the calibrated scales.
+        conflicts.append(
+            "calculate_kv_scales: you set True; vLLM would overwrite the trainer-calibrated KV "
+            "scales with its own from the first batch. Remove it (scales come with each refit)"
         )
     merged = _merge(required, user, "", required=True, conflicts=conflicts, notes=notes)
     merged = _merge(

@@ -1,8 +1,8 @@
 """Our block-FP8 linear kernel for vLLM: activations quantized by ``nemo_jetrl.fp8``.
 
 vLLM builds each block-FP8 linear layer (``Fp8LinearMethod``) around a *kernel* object chosen
-from a per-platform registry (``vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``):
-the first class whose ``is_supported()`` and ``can_implement(config)`` both say yes wins. vLLM's
+from a per-platform registry (``vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``;
+version differences of that registry are handled in ``compat.py``): the first class whose ``is_supported()`` and ``can_implement(config)`` both say yes wins. vLLM's
 own kernels quantize activations with ``QuantFP8`` (``x / RN(amax/448)``, scale floor
 ``1/(448*512)``), which is not TE's formula (``x * RN(448/amax)``, no floor). Our kernel is put
 first in that registry by ``apply_patches``; it
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from nemo_jetrl.fp8 import E4M3, BlockQuantized, cast_to_fp8, compute_scale, quantize_blockwise
 from nemo_jetrl.fp8.dispatch import fp8_gemm
+from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.settings import ACT_BLOCK, WEIGHT_BLOCK, PatchSettings
 
 OP_NAMESPACE = "nemo_jetrl"
@@ -127,11 +128,7 @@ def ensure_ops() -> Any:
 
 def make_kernel_class(settings: PatchSettings) -> type:
     """A vLLM ``Fp8BlockScaledMMLinearKernel`` subclass bound to ``settings`` (needs vLLM)."""
-    from vllm.model_executor.kernels.linear.base import MMLinearKernel
-    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
-        Fp8BlockScaledMMLinearKernel,
-    )
-
+    Fp8BlockScaledMMLinearKernel, MMLinearKernel = compat.kernel_base_classes()
     ops = ensure_ops()
     pow2, w_pow2, eps = settings.pow2_activation_scales, settings.pow2_weight_scales, settings.eps
 
@@ -206,24 +203,13 @@ def make_kernel_class(settings: PatchSettings) -> type:
 
 
 def fp8_block_registry() -> dict:
-    """vLLM's per-platform list of block-FP8 linear kernels (checked, clear error if moved)."""
-    import vllm.model_executor.kernels.linear as kl
-
-    reg = getattr(kl, "_POSSIBLE_FP8_BLOCK_KERNELS", None)
-    if not isinstance(reg, dict):
-        raise RuntimeError(
-            "vLLM's block-FP8 kernel registry "
-            "(vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS) was not found; "
-            "this vLLM is outside the range nemo_jetrl.vllm_patch supports"
-        )
-    return reg
+    """vLLM's per-platform list of block-FP8 linear kernels (see ``compat.fp8_block_registry``)."""
+    return compat.fp8_block_registry()
 
 
 def registered_kernel(platform: Any = None) -> type | None:
     """Our kernel class if it is in the registry for ``platform`` (default: current)."""
-    from vllm.platforms import current_platform
-
-    plat = current_platform._enum if platform is None else platform
+    plat = compat.current_platform_key() if platform is None else platform
     for cls in fp8_block_registry().get(plat, []):
         if getattr(cls, MARKER, False):
             return cls
@@ -232,8 +218,6 @@ def registered_kernel(platform: Any = None) -> type | None:
 
 def register_kernel(settings: PatchSettings) -> type:
     """Put our kernel first in the current platform's block-FP8 list (idempotent)."""
-    from vllm.platforms import current_platform
-
     existing = registered_kernel()
     if existing is not None:
         if existing.jetrl_settings_json != settings.to_json():
@@ -243,15 +227,11 @@ def register_kernel(settings: PatchSettings) -> type:
             )
         return existing
     cls = make_kernel_class(settings)
-    fp8_block_registry().setdefault(current_platform._enum, []).insert(0, cls)
+    compat.registry_insert_first(cls)
     return cls
 
 
 def unregister_kernel() -> int:
-    """Remove our kernel classes from every platform's list; returns how many were removed."""
-    removed = 0
-    for kernels in fp8_block_registry().values():
-        for cls in [c for c in kernels if getattr(c, MARKER, False)]:
-            kernels.remove(cls)
-            removed += 1
-    return removed
+    """Remove our kernel classes from every platform's list (and any list we had to create);
+    returns how many classes were removed."""
+    return compat.registry_remove_ours(MARKER)

@@ -2,9 +2,10 @@
 
 ``apply_patches(recipe)`` does three things and ``PatchHandle.revert()`` undoes them:
 
-1. checks that the installed vLLM is in the supported range (the patch relies on vLLM internals:
-   the block-FP8 kernel registry and the kernel base class; outside the range it refuses with an
-   error that says which versions work);
+1. checks that the installed vLLM is in a supported range (``compat.SUPPORTED_RANGES``: the patch
+   relies on vLLM internals, the block-FP8 kernel registry and the kernel base class, whose
+   version-dependent details live in ``compat.py``; outside the ranges it refuses with an error
+   that says which versions work);
 2. registers our block-FP8 linear kernel first in vLLM's kernel registry of this process
    (``kernel.register_kernel``), so every block-FP8 linear layer quantizes its activations with
    ``nemo_jetrl.fp8`` and runs our GEMM;
@@ -26,57 +27,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_jetrl._optional import require
+from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.settings import ENV_VAR, PatchSettings, settings_from_recipe
-
-# Supported vLLM versions: [MIN, MAX) by release number (checked against vllm.__version__).
-SUPPORTED_MIN = (0, 32, 0)
-SUPPORTED_MAX = (0, 33, 0)
 
 
 class UnsupportedVllmVersion(RuntimeError):
-    """The installed vLLM is outside the range the patch was written and tested for."""
+    """The installed vLLM is outside the ranges the patch was written and tested for."""
 
 
 class PatchConflict(RuntimeError):
     """The patch is already applied with different settings."""
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """(major, minor, patch) of a version string like '0.32.0', '0.32.1rc1+cpu', '0.33.0.dev5'."""
-    head = version.split("+", 1)[0]
-    nums: list[int] = []
-    for part in head.split(".")[:3]:
-        digits = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        nums.append(int(digits))
-        if len(digits) != len(part):
-            break
-    if not nums:
-        raise UnsupportedVllmVersion(f"cannot parse the vLLM version {version!r}")
-    return tuple(nums + [0] * (3 - len(nums)))
-
-
 def supported_range() -> str:
-    lo, hi = (".".join(map(str, v)) for v in (SUPPORTED_MIN, SUPPORTED_MAX))
-    return f">={lo},<{hi}"
+    """The supported vLLM versions, e.g. '>=0.20.0,<0.20.1 or >=0.32.0,<0.33.0'."""
+    return compat.supported_range()
 
 
 def check_vllm_version(version: str) -> None:
-    """Raise UnsupportedVllmVersion unless ``version`` is in the supported range."""
-    rel = _release(version)
-    if not (SUPPORTED_MIN <= rel < SUPPORTED_MAX):
+    """Raise UnsupportedVllmVersion unless ``version`` is in a supported range."""
+    try:
+        ok = compat.is_supported(version)
+    except ValueError as exc:
+        raise UnsupportedVllmVersion(str(exc)) from None
+    if not ok:
         raise UnsupportedVllmVersion(
             f"nemo_jetrl.vllm_patch supports vLLM {supported_range()}, but vLLM {version} is "
             "installed. The patch relies on vLLM internals (the block-FP8 kernel registry) that "
             "change between releases. Install a supported version (CPU: bash "
-            "scripts/setup_vllm_env.sh; GPU: the Docker image) or leave the patch off "
-            "(jetrl.vllm_patch: false), which makes the rollout quantizer vLLM's own (off-policy "
-            "with FP32 scales)."
+            "scripts/setup_vllm_env.sh, or VLLM_VERSION=0.20.0 for the 0.20 line; GPU: the "
+            "Docker image) or leave the patch off (jetrl.vllm_patch: false), which makes the "
+            "rollout quantizer vLLM's own (off-policy with FP32 scales)."
         )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
 
@@ -51,7 +52,7 @@ def _model(worker: Any) -> torch.nn.Module:
 
 
 def _attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in model.named_modules() if hasattr(m, "_k_scale_float")}
+    return {n: m for n, m in model.named_modules() if compat.is_attention_layer(m)}
 
 
 def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Tensor, int, int]:
@@ -130,17 +131,10 @@ class JetRLWorkerExtension:
 
     def jetrl_kv_scales(self) -> dict[str, dict[str, float]]:
         """The q/k/v scales each attention layer currently uses (host floats and tensors)."""
-        out = {}
-        for name, m in _attention_layers(_model(self)).items():
-            out[name] = {
-                "q": float(m._q_scale_float),
-                "k": float(m._k_scale_float),
-                "v": float(m._v_scale_float),
-                "k_tensor": float(m._k_scale.item()),
-                "v_tensor": float(m._v_scale.item()),
-                "q_tensor": float(m._q_scale.item()),
-            }
-        return out
+        return {
+            name: compat.read_attention_kv_scales(m)
+            for name, m in _attention_layers(_model(self)).items()
+        }
 
     def jetrl_set_kv_scales(self, scales: dict[str, dict[str, float]]) -> list[str]:
         """Set q/k/v scales per attention layer; refuses the whole set if any entry is bad."""
@@ -157,14 +151,7 @@ class JetRLWorkerExtension:
         if errors:
             raise ValueError("KV scales refused, previous scales kept: " + "; ".join(errors))
         for name, s in scales.items():
-            m = layers[name]
-            for key in ("q", "k", "v"):
-                val = float(s[key])
-                getattr(m, f"_{key}_scale").fill_(val)
-                setattr(m, f"_{key}_scale_float", val)
-                cpu = getattr(m, f"_{key}_scale_cpu", None)
-                if isinstance(cpu, torch.Tensor):
-                    cpu.fill_(val)
+            compat.set_attention_kv_scales(layers[name], s)
         return sorted(scales)
 
     def jetrl_capture(self, max_calls: int) -> int:

@@ -1,0 +1,210 @@
+"""Every vLLM-version-dependent access of the patch, one function per concern.
+
+The patch touches a handful of vLLM internals. Between the two release lines we support they are
+the same in shape but differ in a few details, which are handled here and nowhere else:
+
+* **Supported versions** (``SUPPORTED_RANGES``). Each range was run against a real vLLM CPU build
+  with the whole ``vllm`` test tier (see docs/vllm_patch.md for the exact commands):
+  vLLM 0.20.0 (the version NeMo-RL v0.7.0 ships) and vLLM 0.32.x.
+* **Block-FP8 kernel registry** (``vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``,
+  a dict platform -> kernel classes in priority order) exists in both lines, but 0.20 has no entry
+  for the CPU platform at all (vLLM 0.20 has no CPU block-FP8 kernel; 0.32 has AMX-only ones).
+  ``registry_insert_first`` creates the entry when it is missing and marks our class so that
+  ``registry_remove_ours`` deletes the entry again on revert: the registry is then exactly what
+  vLLM built.
+* **Kernel base classes** (``Fp8BlockScaledMMLinearKernel`` and ``MMLinearKernel``) live at the
+  same import paths in both lines; ``kernel_base_classes`` is the one place that imports them.
+* **KV scales on attention layers.** Both lines keep ``_q/_k/_v_scale`` (device tensors) and
+  ``_q/_k/_v_scale_float`` (host floats, what ``Attention.forward`` hands the backend). 0.32 also
+  keeps ``_k/_v_scale_cpu`` tensors; 0.20 instead has ``calculate_kv_scales``, a flag that makes
+  the first forward *overwrite* the scales from that batch's amax. ``set_attention_kv_scales``
+  writes every copy the running version has and switches that flag off, so calibrated scales stay.
+* **KV cache dtype actually used.** vLLM 0.32's CPU backend refuses an FP8 KV cache it cannot run
+  (an error at start); 0.20's CPU platform silently falls back to the model dtype. A rollout with
+  a BF16 KV cache while the trainer models FP8 KV is off-policy, so ``engine_kv_cache_dtype``
+  reads what the engine really uses and the rollout engine refuses a mismatch.
+
+Everything else the patch uses (``Fp8LinearMethod`` calling ``init_fp8_linear_kernel`` for
+block-FP8 layers, the ``weight``/``weight_scale_inv`` parameter names and ``logical_widths``,
+``worker_extension_cls``, ``vllm.general_plugins`` entry points, ``collective_rpc``, the
+``pass_config`` keys ``fuse_norm_quant``/``fuse_act_quant``/``fuse_attn_quant``) was read in both
+releases' source and is identical where we touch it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# Supported vLLM release ranges, [min, max) by (major, minor, patch). Widen only after the vllm
+# test tier passed on a real build of the new version (docs/vllm_patch.md, "Supported versions").
+SUPPORTED_RANGES: tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...] = (
+    ((0, 20, 0), (0, 20, 1)),
+    ((0, 32, 0), (0, 33, 0)),
+)
+# Marks a registry entry (platform key) that did not exist before we registered our kernel.
+CREATED_KEY_MARKER = "_nemo_jetrl_created_registry_key"
+KV_KEYS = ("q", "k", "v")
+
+
+def release(version: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version string like '0.32.0', '0.20.0+cpu', '0.33.0.dev5'.
+
+    Raises ValueError when no leading release number can be read.
+    """
+    head = version.split("+", 1)[0]
+    nums: list[int] = []
+    for part in head.split(".")[:3]:
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        nums.append(int(digits))
+        if len(digits) != len(part):
+            break
+    if not nums:
+        raise ValueError(f"cannot parse the vLLM version {version!r}")
+    padded = nums + [0] * (3 - len(nums))
+    return (padded[0], padded[1], padded[2])
+
+
+def is_supported(version: str) -> bool:
+    rel = release(version)
+    return any(lo <= rel < hi for lo, hi in SUPPORTED_RANGES)
+
+
+def supported_range() -> str:
+    """Human-readable supported ranges, e.g. '>=0.20.0,<0.20.1 or >=0.32.0,<0.33.0'."""
+    parts = []
+    for lo, hi in SUPPORTED_RANGES:
+        a, b = (".".join(map(str, v)) for v in (lo, hi))
+        parts.append(f">={a},<{b}")
+    return " or ".join(parts)
+
+
+# -- block-FP8 kernel registry ---------------------------------------------------------------
+
+
+def fp8_block_registry() -> dict:
+    """vLLM's per-platform list of block-FP8 linear kernels (clear error if it moved)."""
+    import vllm.model_executor.kernels.linear as kl
+
+    reg = getattr(kl, "_POSSIBLE_FP8_BLOCK_KERNELS", None)
+    if not isinstance(reg, dict):
+        raise RuntimeError(
+            "vLLM's block-FP8 kernel registry "
+            "(vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS) was not found; "
+            "this vLLM is outside the range nemo_jetrl.vllm_patch supports"
+        )
+    return reg
+
+
+def current_platform_key() -> Any:
+    """The registry key of the platform this process runs on (a ``PlatformEnum``)."""
+    from vllm.platforms import current_platform
+
+    return current_platform._enum
+
+
+def registry_insert_first(cls: type, platform: Any = None) -> None:
+    """Put ``cls`` first in ``platform``'s list, creating the list if this vLLM has none."""
+    reg = fp8_block_registry()
+    key = current_platform_key() if platform is None else platform
+    if key not in reg:
+        reg[key] = []
+        setattr(cls, CREATED_KEY_MARKER, key)
+    reg[key].insert(0, cls)
+
+
+def registry_remove_ours(marker: str) -> int:
+    """Remove every class carrying ``marker`` from every platform's list, and delete the lists
+    that only existed because we created them. Returns how many classes were removed."""
+    reg = fp8_block_registry()
+    removed = 0
+    for key in list(reg):
+        kernels = reg[key]
+        ours = [c for c in kernels if getattr(c, marker, False)]
+        created = any(getattr(c, CREATED_KEY_MARKER, None) == key for c in ours)
+        for cls in ours:
+            kernels.remove(cls)
+            removed += 1
+        if created and not kernels:
+            del reg[key]
+    return removed
+
+
+def kernel_base_classes() -> tuple[type, type]:
+    """(Fp8BlockScaledMMLinearKernel, MMLinearKernel) of the installed vLLM."""
+    from vllm.model_executor.kernels.linear.base import MMLinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+
+    return Fp8BlockScaledMMLinearKernel, MMLinearKernel
+
+
+# -- attention KV scales ----------------------------------------------------------------------
+
+
+def is_attention_layer(module: torch.nn.Module) -> bool:
+    """A vLLM attention layer that carries per-tensor q/k/v scales."""
+    return hasattr(module, "_k_scale_float") and isinstance(
+        getattr(module, "_k_scale", None), torch.Tensor
+    )
+
+
+def read_attention_kv_scales(module: torch.nn.Module) -> dict[str, float]:
+    """Host floats (what the backend receives) and device tensors of the q/k/v scales."""
+    out = {}
+    for k in KV_KEYS:
+        out[k] = float(getattr(module, f"_{k}_scale_float"))
+        out[f"{k}_tensor"] = float(getattr(module, f"_{k}_scale").item())
+    return out
+
+
+def set_attention_kv_scales(module: torch.nn.Module, scales: dict[str, float]) -> None:
+    """Write q/k/v scales into every copy the running vLLM keeps, and stop vLLM (0.20) from
+    recomputing them from the next batch."""
+    for k in KV_KEYS:
+        val = float(scales[k])
+        getattr(module, f"_{k}_scale").fill_(val)
+        setattr(module, f"_{k}_scale_float", val)
+        cpu = getattr(module, f"_{k}_scale_cpu", None)  # 0.32
+        if isinstance(cpu, torch.Tensor):
+            cpu.fill_(val)
+    if getattr(module, "calculate_kv_scales", False):  # 0.20: would overwrite ours
+        module.calculate_kv_scales = False
+
+
+# -- engine introspection ---------------------------------------------------------------------
+
+
+def engine_kv_cache_dtype(llm: Any) -> str:
+    """The KV cache dtype the engine really uses (after platform fallbacks), e.g. 'auto'/'fp8'."""
+    return str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
+
+
+# -- CPU build environment --------------------------------------------------------------------
+
+
+def cpu_omp_threads_bind(version: str | None = None) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value that does not restrict the CPU engine's threads.
+
+    ``nobind`` (0.32) leaves OpenMP alone; the default ``auto`` pins and reserves cores, which
+    starves everything else on a small shared machine. vLLM 0.20.0's CPU executor crashes on
+    ``nobind`` (``IndexError`` in ``OMPProcessManager._parse_omp_threads_bind_env``: it indexes an
+    empty core list), so there the value is the explicit list of every CPU this process may use,
+    which binds the worker to all of them.
+    """
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if release(version) < (0, 21, 0):
+        return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return "nobind"
