@@ -337,6 +337,12 @@ def test_resume_reproduces_uninterrupted_run_exactly(tmp_path, cache_dir):
     for step in (3, 4):
         name = f"train_data_step{step}.jsonl"
         assert (tmp_path / "full" / name).read_text() == (tmp_path / "part" / name).read_text()
+    from nemo_jetrl.logs import read_scalars
+
+    sf, _ = read_scalars(tmp_path / "full")
+    sp, _ = read_scalars(tmp_path / "part")
+    for tag in ("train/reward", "train/token_mult_prob_error", "validation/accuracy"):
+        assert sf[tag].steps == sp[tag].steps and sf[tag].values == sp[tag].values, tag
     (_, fa), (_, pa) = (
         ckpt.list_checkpoints(tmp_path / d / "checkpoints")[-1] for d in ("full", "part")
     )
