@@ -39,6 +39,13 @@ _TIERS = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Triton reads TRITON_INTERPRET when a kernel is first defined, which may happen in any test
+    # module that touches the dispatch; set it once for the session on CPU-only machines.
+    if not _cuda():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="run tests marked slow")
 
