@@ -156,10 +156,11 @@ def test_vllm_preflight_refuses_unsupported_version():
     def fake_run(version):
         return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=version + "\n", stderr="")
 
-    with pytest.raises(UserError, match=r"vLLM 0\.25\.1 is installed"):
-        nr.preflight_vllm_patch("/opt/ray_venvs/x/bin/python", run=fake_run("0.25.1"))
+    with pytest.raises(UserError, match=r"vLLM 0\.30\.0 is installed"):
+        nr.preflight_vllm_patch("/opt/ray_venvs/x/bin/python", run=fake_run("0.30.0"))
     nr.preflight_vllm_patch("/x/python", run=fake_run("0.32.1"))
     nr.preflight_vllm_patch("/x/python", run=fake_run("0.20.0"))  # NeMo-RL v0.7.0's vLLM
+    nr.preflight_vllm_patch("/x/python", run=fake_run("0.25.1"))  # NeMo-RL main's vLLM
     reg = {nr.VLLM_WORKER: "uv run --locked --extra vllm --directory /opt/nemo-rl"}
     assert (
         nr.vllm_worker_python(reg, "/opt/ray_venvs")

@@ -312,7 +312,7 @@ def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch,
     # Plain vLLM CPU has no block-FP8 kernel for this CPU: engine start fails the way it does
     # without our package (0.32: only AMX kernels, the selector says so; 0.20: no CPU entry in the
     # registry at all, the worker dies on the missing key, the one we created and removed). On
-    # AMX CPUs (0.32) and GPUs vLLM's own kernel is chosen instead.
+    # AMX CPUs (0.25, 0.32) and GPUs vLLM's own kernel is chosen instead.
     import vllm as _vllm
     from vllm import LLM
 
@@ -332,7 +332,7 @@ def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch,
         from vllm.platforms import current_platform
 
         amx_kernels = (
-            release(_vllm.__version__) >= (0, 32, 0) and torch.cpu._is_amx_tile_supported()
+            release(_vllm.__version__) >= (0, 21, 0) and torch.cpu._is_amx_tile_supported()
         )
         if not current_platform.is_cpu() or amx_kernels:
             plain = LLM(model=str(model_dir), **kw)

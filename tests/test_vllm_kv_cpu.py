@@ -2,8 +2,8 @@
 
 Where the behaviour differs by vLLM version (real engines, vLLM CPU builds, marker ``vllm``):
 
-* vLLM 0.32's CPU attention refuses an FP8 KV cache it cannot run (needs AVX-512 or AMX) with
-  its own error at engine start.
+* vLLM 0.25's and 0.32's CPU attention refuses an FP8 KV cache it cannot run (needs AVX-512 or
+  AMX) with its own error at engine start.
 * vLLM 0.20's CPU platform *replaces* ``kv_cache_dtype=fp8`` by the model dtype and only logs a
   warning (when chunked prefill and prefix caching are off; with either on it refuses). The
   trainer would then model an FP8 KV cache the rollout does not have, so ``VllmRolloutEngine``

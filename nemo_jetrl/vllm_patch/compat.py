@@ -5,10 +5,10 @@ the same in shape but differ in a few details, which are handled here and nowher
 
 * **Supported versions** (``SUPPORTED_RANGES``). Each range was run against a real vLLM CPU build
   with the whole ``vllm`` test tier (see docs/vllm_patch.md for the exact commands):
-  vLLM 0.20.0 (the version NeMo-RL v0.7.0 ships) and vLLM 0.32.x.
+  vLLM 0.20.0 (the version NeMo-RL v0.7.0 ships), 0.25.1 (NeMo-RL main) and 0.32.x.
 * **Block-FP8 kernel registry** (``vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``,
-  a dict platform -> kernel classes in priority order) exists in both lines, but 0.20 has no entry
-  for the CPU platform at all (vLLM 0.20 has no CPU block-FP8 kernel; 0.32 has AMX-only ones).
+  a dict platform -> kernel classes in priority order) exists in all of them, but 0.20 has no
+  entry for the CPU platform at all (no CPU block-FP8 kernel; 0.25 and 0.32 have AMX-only ones).
   ``registry_insert_first`` creates the entry when it is missing and marks our class so that
   ``registry_remove_ours`` deletes the entry again on revert: the registry is then exactly what
   vLLM built.
@@ -16,19 +16,19 @@ the same in shape but differ in a few details, which are handled here and nowher
   same import paths in both lines; ``kernel_base_classes`` is the one place that imports them.
 * **KV scales on attention layers.** Both lines keep ``_q/_k/_v_scale`` (device tensors) and
   ``_q/_k/_v_scale_float`` (host floats, what ``Attention.forward`` hands the backend). 0.32 also
-  keeps ``_k/_v_scale_cpu`` tensors; 0.20 instead has ``calculate_kv_scales``, a flag that makes
-  the first forward *overwrite* the scales from that batch's amax. ``set_attention_kv_scales``
+  keeps ``_k/_v_scale_cpu`` tensors; 0.20 and 0.25 instead have ``calculate_kv_scales``, a flag
+  that makes the first forward *overwrite* the scales from that batch's amax. ``set_attention_kv_scales``
   writes every copy the running version has and switches that flag off, so calibrated scales stay.
-* **KV cache dtype actually used.** vLLM 0.32's CPU backend refuses an FP8 KV cache it cannot run
-  (an error at start); 0.20's CPU platform silently falls back to the model dtype. A rollout with
+* **KV cache dtype actually used.** vLLM 0.25/0.32's CPU backend refuses an FP8 KV cache it cannot
+  run (an error at start); 0.20's CPU platform silently falls back to the model dtype. A rollout with
   a BF16 KV cache while the trainer models FP8 KV is off-policy, so ``engine_kv_cache_dtype``
   reads what the engine really uses and the rollout engine refuses a mismatch.
 
 Everything else the patch uses (``Fp8LinearMethod`` calling ``init_fp8_linear_kernel`` for
 block-FP8 layers, the ``weight``/``weight_scale_inv`` parameter names and ``logical_widths``,
 ``worker_extension_cls``, ``vllm.general_plugins`` entry points, ``collective_rpc``, the
-``pass_config`` keys ``fuse_norm_quant``/``fuse_act_quant``/``fuse_attn_quant``) was read in both
-releases' source and is identical where we touch it.
+``pass_config`` keys ``fuse_norm_quant``/``fuse_act_quant``/``fuse_attn_quant``) was read in each
+release's source and is identical where we touch it.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 # test tier passed on a real build of the new version (docs/vllm_patch.md, "Supported versions").
 SUPPORTED_RANGES: tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...] = (
     ((0, 20, 0), (0, 20, 1)),
+    ((0, 25, 1), (0, 25, 2)),
     ((0, 32, 0), (0, 33, 0)),
 )
 # Marks a registry entry (platform key) that did not exist before we registered our kernel.
@@ -79,7 +80,7 @@ def is_supported(version: str) -> bool:
 
 
 def supported_range() -> str:
-    """Human-readable supported ranges, e.g. '>=0.20.0,<0.20.1 or >=0.32.0,<0.33.0'."""
+    """Human-readable supported ranges, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.0'."""
     parts = []
     for lo, hi in SUPPORTED_RANGES:
         a, b = (".".join(map(str, v)) for v in (lo, hi))

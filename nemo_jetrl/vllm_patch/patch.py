@@ -40,7 +40,7 @@ class PatchConflict(RuntimeError):
 
 
 def supported_range() -> str:
-    """The supported vLLM versions, e.g. '>=0.20.0,<0.20.1 or >=0.32.0,<0.33.0'."""
+    """The supported vLLM versions, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.0'."""
     return compat.supported_range()
 
 
@@ -55,9 +55,9 @@ def check_vllm_version(version: str) -> None:
             f"nemo_jetrl.vllm_patch supports vLLM {supported_range()}, but vLLM {version} is "
             "installed. The patch relies on vLLM internals (the block-FP8 kernel registry) that "
             "change between releases. Install a supported version (CPU: bash "
-            "scripts/setup_vllm_env.sh, or VLLM_VERSION=0.20.0 for the 0.20 line; GPU: the "
-            "Docker image) or leave the patch off (jetrl.vllm_patch: false), which makes the "
-            "rollout quantizer vLLM's own (off-policy with FP32 scales)."
+            "scripts/setup_vllm_env.sh, with VLLM_VERSION=0.20.0 or 0.25.1 for those; GPU: "
+            "the Docker image) or leave the patch off (jetrl.vllm_patch: false), which makes "
+            "the rollout quantizer vLLM's own (off-policy with FP32 scales)."
         )
 
 
