@@ -97,7 +97,7 @@ def _loss_config(cfg: DictConfig) -> GRPOLossConfig:
     try:
         return GRPOLossConfig.from_loss_fn_cfg(OmegaConf.to_container(section, resolve=True))
     except CorrectionConfigError as exc:
-        raise ConfigError([ConfigIssue("loss_fn", str(e)) for e in exc.args[0]]) from None
+        raise ConfigError([ConfigIssue("loss_fn", e) for e in exc.errors]) from None
 
 
 def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GRPOLossConfig]:
@@ -106,16 +106,20 @@ def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GR
 
     issues: list[ConfigIssue] = []
     out: list[Any] = []
-    for fn in (
+    checks = (
         lambda: recipe_from_config(cfg),
         lambda: RunSettings.from_cfg(cfg),
         lambda: LocalSettings.from_cfg(OmegaConf.select(cfg, "jetrl.local", default=None)),
         lambda: _loss_config(cfg),
-    ):
+    )
+    for fn in checks:
         try:
             out.append(fn())
         except ConfigError as exc:
-            issues.extend(i for i in exc.issues if i.level == "error")
+            new = [i for i in exc.issues if i.level == "error"]
+            if fn is checks[-1] and any(i.path.startswith("loss_fn") for i in issues):
+                new = []  # the config validator already named these loss_fn problems
+            issues.extend(new)
             out.append(None)
     if issues:
         seen, unique = set(), []
