@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The test command. On a fresh machine it creates both environments it needs:
+# The test command. On a fresh machine it creates the environments it needs:
 #   .venv       torch 2.13.0+cpu, megatron-core, triton (interpreter), transformers, tensorboard
-#   .venv-vllm  the real vLLM 0.32 CPU build with the patch (scripts/setup_vllm_env.sh)
+#   .venv-vllm     the real vLLM 0.32 CPU build with the patch (scripts/setup_vllm_env.sh)
+#   .venv-vllm020  vLLM 0.20, the version NeMo-RL v0.7.0 ships (PyPI's torch 2.11, ~6 GB)
 # and runs:
 #   1. the default suite (unit, megatron-core on CPU, Triton interpreter, slow tests included);
-#   2. the vLLM tier against a real engine.
+#   2. the vLLM tier against a real engine, once per version in $JETRL_VLLM_VERSIONS
+#      (default "0.32.0 0.20.0").
 # gpu and nemo_rl tests skip with a reason here; they run in the Docker image
 # (scripts/run_gpu_tests.sh).
 #
@@ -21,11 +23,19 @@ rc=0
 echo "== default suite (.venv) =="
 .venv/bin/python -m pytest -q --runslow || rc=$?
 if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
-  echo "== vLLM tier (.venv-vllm, real vLLM CPU engine) =="
-  if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
-    bash scripts/setup_vllm_env.sh > "${TMPDIR:-/tmp}/jetrl-vllm-setup.log" 2>&1 \
-      || { tail -n 40 "${TMPDIR:-/tmp}/jetrl-vllm-setup.log"; echo "test.sh: vLLM environment setup failed" >&2; exit 1; }
-  fi
-  bash scripts/test_vllm.sh --runslow || rc=$?
+  # 0.32: the current vLLM CPU build; 0.20: the vLLM NeMo-RL v0.7.0 ships (the cluster target).
+  for version in ${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}; do
+    case "$version" in
+      0.32.*) venv=.venv-vllm ;;
+      *) venv=.venv-vllm$(echo "$version" | cut -d. -f1-2 | tr -d .) ;;
+    esac
+    echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
+    log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+      VLLM_VERSION="$version" VLLM_VENV="$venv" bash scripts/setup_vllm_env.sh > "$log" 2>&1 \
+        || { tail -n 40 "$log"; echo "test.sh: vLLM $version environment setup failed" >&2; exit 1; }
+    fi
+    VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow || rc=$?
+  done
 fi
 exit $rc
