@@ -1,7 +1,7 @@
 """FP8 KV cache: per-tensor quantization as vLLM does it, Q/K/V scale calibration on the
 trainer, scale naming for vLLM and Megatron, and the HuggingFace attention integration.
 
-``quant``, ``calibration`` and ``names`` need torch only; ``hf`` imports transformers lazily.
+``quant``, ``calibration``, ``names`` and ``state`` need torch only; ``hf`` imports transformers lazily.
 """
 
 from nemo_jetrl.kvcache.calibration import (
@@ -23,11 +23,13 @@ from nemo_jetrl.kvcache.quant import (
     fake_quantize_kv_ste,
     quantize_kv,
 )
+from nemo_jetrl.kvcache.state import KVQuantState
 
 __all__ = [
     "AmaxObserver",
     "CalibrationResult",
     "CalibrationSettings",
+    "KVQuantState",
     "KVScaleRefusedWarning",
     "KVScales",
     "dequantize_kv",

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,7 +49,8 @@ from nemo_jetrl.kvcache.calibration import (
     select_sequences,
     token_mask,
 )
-from nemo_jetrl.kvcache.quant import KERNELS, Kernel, fake_quantize_kv, fake_quantize_kv_ste
+from nemo_jetrl.kvcache.quant import KERNELS, Kernel
+from nemo_jetrl.kvcache.state import KVQuantState
 
 MIN_TRANSFORMERS = (4, 48)  # AttentionInterface / AttentionMaskInterface
 _HANDLE_ATTR = "_jetrl_kv_handle"
@@ -67,41 +68,14 @@ def _transformers() -> Any:
 
 
 @dataclass
-class KVAttentionState:
-    """Mutable per-model state read by the attention wrapper and the FP8 cache layers."""
+class KVAttentionState(KVQuantState):
+    """`KVQuantState` of one transformers model, plus what its FP8 cache layers returned."""
 
-    # Per-layer scales; None means vLLM's default 1.0 everywhere.
-    scales: KVScales | None = None
-    # Fake-quantize keys/values (and queries if quantize_q) in attention and in the cache.
-    quantize: bool = False
-    # Straight-through gradient through the fake quantization (trainer, on-policy KV).
-    ste: bool = False
-    # Also fake-quantize queries with q_scale (engines whose attention kernel takes FP8 Q).
-    quantize_q: bool = False
-    # Which vLLM cache writer to reproduce: "cuda" (round to nearest even) or "cpu" (truncate).
-    kernel: Kernel = "cuda"
-    fmt: str = "e4m3"
-    # Observer fed on every attention call while set (calibration).
-    observer: AmaxObserver | None = None
+    # Quantizing queries without a calibrated q_scale is refused (see `KVQuantState.scale`).
+    require_q_scale: ClassVar[bool] = True
+
     # Last (keys, values) returned by our cache per layer: already quantized, skip in attention.
     cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def scale(self, layer: int, tensor: str) -> float:
-        if self.scales is None:
-            return 1.0
-        s = self.scales.get(layer, tensor, default=None)
-        if s is None:
-            if tensor == "q":
-                raise ValueError(
-                    f"FP8 queries: layer {layer} has no q_scale; calibrate with include_q=True "
-                    "or attach with quantize_q=False"
-                )
-            return 1.0  # vLLM's default for a layer without a loaded scale
-        return s
-
-    def fake_quant(self, x: torch.Tensor, layer: int, tensor: str) -> torch.Tensor:
-        fn = fake_quantize_kv_ste if (self.ste and torch.is_grad_enabled()) else fake_quantize_kv
-        return fn(x, self.scale(layer, tensor), fmt=self.fmt, kernel=self.kernel)
 
 
 def _inner_attention(previous: str, tf_modeling_utils: Any) -> Callable[..., Any]:

@@ -45,41 +45,21 @@ from nemo_jetrl.kvcache.calibration import (
     KVScales,
     scales_from_amax,
 )
-from nemo_jetrl.kvcache.quant import KERNELS, Kernel, fake_quantize_kv, fake_quantize_kv_ste
+from nemo_jetrl.kvcache.quant import KERNELS, Kernel
+from nemo_jetrl.kvcache.state import KVQuantState
 
 CORE_ATTENTION_SUFFIX = "self_attention.core_attention"
 _HANDLE_ATTR = "_jetrl_megatron_kv_handle"
 
 
 @dataclass
-class MegatronKVState:
-    """Mutable settings the hooks read at every call (owned by one `MegatronKVHandle`)."""
+class MegatronKVState(KVQuantState):
+    """`KVQuantState` owned by one `MegatronKVHandle`; a missing q_scale uses vLLM's 1.0."""
 
-    # Per-layer scales (global decoder index); a missing layer uses vLLM's default 1.0.
-    scales: KVScales | None = None
-    # Apply the rollout's FP8 KV fake quantization to k and v (on-policy KV).
-    quantize: bool = False
-    # Also fake-quantize queries (only when the rollout's attention takes FP8 queries).
-    quantize_q: bool = False
-    # Straight-through gradient (training) instead of a plain forward-only replacement.
+    # Straight-through gradient by default: the trainer's forward feeds a backward.
     ste: bool = True
-    # Which vLLM cache writer to reproduce: "cuda" (H100 rollouts) or "cpu".
-    kernel: Kernel = "cuda"
-    fmt: str = "e4m3"
-    # Attached during calibration.
-    observer: AmaxObserver | None = None
     # Calls seen per layer (diagnostics and tests).
     calls: dict[int, int] = field(default_factory=dict)
-
-    def scale(self, layer: int, tensor: str) -> float:
-        s = None if self.scales is None else self.scales.get(layer, tensor)
-        return 1.0 if s is None else float(s)
-
-    def fake_quant(self, x: torch.Tensor, layer: int, tensor: str) -> torch.Tensor:
-        s = self.scale(layer, tensor)
-        if self.ste:
-            return fake_quantize_kv_ste(x, s, fmt=self.fmt, kernel=self.kernel)
-        return fake_quantize_kv(x, s, fmt=self.fmt, kernel=self.kernel)
 
 
 def core_attention_modules(
