@@ -9,7 +9,13 @@
 #   1. megatron + gpu  -> the Megatron policy worker venv (megatron-core, Transformer Engine):
 #      real TE recipe, TE FP8 weights (fp8_param) re-laid out for refit with the parity check,
 #      the CPU megatron tests again on this megatron-core, and every other `gpu` test;
-#   2. nemo_rl (+ gpu) -> the driver env (/opt/nemo_rl_venv, NeMo-RL + Ray): two GRPO steps
+#   2. fp8 kernels     -> the same venv (CUDA torch + triton): tests/test_fp8_dispatch.py and
+#      tests/test_triton_kernels.py in full, so the Triton quantizers run compiled on the GPU
+#      (TRITON_INTERPRET is unset) and dispatch picks DeepGEMM / scaled_mm / triton for real;
+#   3. vllm            -> the image's vLLM worker venv (NeMo-RL's VllmGenerationWorker env, or
+#      $VLLM_PYTHON): every `vllm` test on the CUDA build, except tests/test_vllm_kv_cpu.py
+#      (it checks what vLLM's CPU build does with an FP8 KV cache);
+#   4. nemo_rl (+ gpu) -> the driver env (/opt/nemo_rl_venv, NeMo-RL + Ray): two GRPO steps
 #      through `run_nemo_rl` with the jetrl_kv recipe (downloads Qwen/Qwen3-0.6B once).
 # Exit code: non-zero if any tier failed (all tiers run).
 set -uo pipefail
@@ -18,6 +24,9 @@ cd "$(dirname "$0")/.."
 venv_dir=${NEMO_RL_VENV_DIR:-/opt/ray_venvs}
 mcore_py="$venv_dir/nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker/bin/python"
 driver_py=${DRIVER_PYTHON:-/opt/nemo_rl_venv/bin/python}
+vllm_py=${VLLM_PYTHON:-"$venv_dir/nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker/bin/python"}
+# The GPU tiers must run the compiled Triton kernels, never the CPU interpreter.
+unset TRITON_INTERPRET
 
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
   || "$driver_py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
@@ -35,7 +44,11 @@ run_tier() {
   "$py" -m pytest -ra "$@" || status=1
 }
 
-run_tier "megatron+gpu" "$mcore_py" -m "gpu or megatron" tests "$@"
+fp8_kernel_tests=(tests/test_fp8_dispatch.py tests/test_triton_kernels.py)
+run_tier "megatron+gpu" "$mcore_py" -m "gpu or megatron" tests \
+  "${fp8_kernel_tests[@]/#/--ignore=}" "$@"
+run_tier "fp8 kernels" "$mcore_py" "${fp8_kernel_tests[@]}" "$@"
+run_tier "vllm" "$vllm_py" -m vllm tests --ignore=tests/test_vllm_kv_cpu.py "$@"
 run_tier "nemo_rl" "$driver_py" -m "nemo_rl" tests/test_nemo_rl_backend.py "$@"
 
 if [[ $status -ne 0 ]]; then
