@@ -202,3 +202,73 @@ def test_config_validation_collects_errors():
     assert Fp8LinearConfig.te_blockwise_fp32_scales().pow2_scales is False
     with pytest.raises(AttributeError):
         cfg.fmt = "e4m3"  # type: ignore[misc]
+
+
+def _grads_bits(layer, seed=1):
+    x, y, _ = _run(layer, seed=seed)
+    out = [y, x.grad, layer.weight.grad]
+    if layer.bias is not None:
+        out.append(layer.bias.grad)
+    return [fp8_bits(t) if t.dtype.itemsize == 1 else t.detach().clone() for t in out]
+
+
+def test_cpu_gemms_stay_the_reference_whatever_the_gemm_backend_env(monkeypatch):
+    """On CPU the layer never consults the GEMM dispatch: a forced fast backend changes nothing."""
+    _, layer = _layer(config=CONFIGS["hybrid-exact"])
+    before = _grads_bits(layer)
+    layer.weight.grad = layer.bias.grad = None
+    monkeypatch.setenv("JETRL_FP8_GEMM_BACKEND", "scaled_mm")  # would raise if consulted on CPU
+    after = _grads_bits(layer)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_cuda_path_sends_all_three_gemms_through_dispatch(monkeypatch, bias):
+    """With operands treated as CUDA, FProp/DGrad/WGrad call dispatch.fp8_gemm with the right
+    operand pairs and output dtypes; fp8_gemm's reference backend then gives the CPU bits."""
+    from nemo_jetrl.fp8 import dispatch, linear
+
+    torch.manual_seed(0)
+    base = nn.Linear(256, 384, bias=bias, dtype=torch.float32)
+    cfg = CONFIGS["pow2"]
+    layer = Fp8BlockLinear.from_linear(base, cfg, name="blk.fc1")
+    before = _grads_bits(layer)
+    layer.weight.grad = None
+    if bias:
+        layer.bias.grad = None
+    calls = []
+
+    def recording_gemm(a, b, *, out_dtype, exact=False, backend=None):
+        calls.append((a.block, b.block, a.fmt, out_dtype, exact))
+        return dispatch.fp8_gemm(a, b, out_dtype=out_dtype, exact=exact, backend=backend)
+
+    monkeypatch.setattr(linear, "_on_gpu", lambda a: True)
+    monkeypatch.setattr(linear, "fp8_gemm", recording_gemm)
+    after = _grads_bits(layer)
+    assert calls == [
+        ((1, 128), (128, 128), "e4m3", torch.float32 if bias else torch.bfloat16, False),  # FProp
+        ((1, 128), (128, 128), "e4m3", torch.bfloat16, False),  # DGrad: dy x W (W.T's blocks)
+        ((1, 128), (1, 128), "e4m3", torch.float32, False),  # WGrad: dy.T x x.T, fp32 master
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [True, False])
+def test_cuda_linear_within_gemm_bound_of_float64(bias):
+    """On a GPU the layer's FProp (dispatched GEMM) stays within dispatch.GEMM_TOLERANCE of the
+    float64 product of the same FP8 operands, plus the bias."""
+    from nemo_jetrl.fp8 import dispatch
+
+    torch.manual_seed(0)
+    base = nn.Linear(1024, 512, bias=bias, dtype=torch.bfloat16).cuda()
+    cfg = CONFIGS["pow2"]
+    layer = Fp8BlockLinear.from_linear(base, cfg, name="blk.fc1")
+    x = torch.randn(300, 1024, device="cuda").to(torch.bfloat16)
+    y = layer(x).double()
+    a64 = _q(x, (1, 128), cfg, "e4m3").dequantize(torch.float64)
+    b64 = _q(layer.weight.detach(), (128, 128), cfg, "e4m3").dequantize(torch.float64)
+    ref = a64 @ b64.t() + (layer.bias.double() if bias else 0.0)
+    tol = dispatch.GEMM_TOLERANCE
+    bound = tol["REL"] * (a64.abs() @ b64.abs().t()) + tol["OUT"] * ref.abs()
+    assert float(((y - ref).abs() - bound).max()) <= 0

@@ -147,17 +147,20 @@ def fp8_gemm(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` blocked along K, on the chosen backend.
 
     Fast backends take E4M3 ``a`` 1x128 with ``b`` 128x128 (FProp, DGrad) or 1x128 (WGrad, as
     ``qdy_colwise.t()`` and ``qx_colwise.t()``; scaled_mm only); anything else runs the reference.
+    ``exact`` is the reference's flag (per-tile fp32 accumulation, `gemm.blockwise_matmul`); the
+    fast kernels always accumulate per K tile.
     """
     chosen = gemm_backend(a, b, backend)
     if chosen == "reference":
         from nemo_jetrl.fp8.gemm import blockwise_matmul
 
-        return blockwise_matmul(a, b, out_dtype=out_dtype)
+        return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
     kind = _pair_kind(a, b)
     if kind is None or (chosen == "deep_gemm" and kind != "fprop"):
         raise ValueError(

@@ -16,6 +16,13 @@ the high-precision input itself is not kept. Gradients passed between layers sta
 activation dtype (BF16). The master weight stays in its own dtype (an fp32 master gets fp32
 gradients). Under ``hybrid`` the gradient ``dy`` is quantized to E5M2; x and W are always E4M3.
 
+Where the GEMMs run. On CPU every GEMM is the torch reference `gemm.blockwise_matmul`. On CUDA
+they go through `dispatch.fp8_gemm`, which picks DeepGEMM, ``scaled_mm`` (cuBLASLt) or the same
+reference (``JETRL_FP8_GEMM_BACKEND`` forces one). Only the GEMM's accumulation differs between
+them; the FP8 operands, i.e. the on-policy promise, are the same bits on every backend. FProp
+asks the GEMM for fp32 output only when a bias must be added in fp32 (TE's epilogue), else for the
+activation dtype directly (one rounding of the fp32 accumulator, as before).
+
 The rollout side (``Fp8InferenceLinear``) quantizes the weight once per refit and activations
 1x128 per call, then runs the same forward function as training: with the same quantizer this is
 bit-identical to ``Fp8BlockLinear``'s forward, which is the on-policy promise at layer level.
@@ -29,12 +36,27 @@ import torch
 from torch import nn
 
 from nemo_jetrl.fp8.config import Fp8LinearConfig
+from nemo_jetrl.fp8.dispatch import fp8_gemm
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_blockwise
 from nemo_jetrl.fp8.vllm_native import per_block_cast_native, quantize_group_native
 
 Quantizer = Literal["jetrl", "vllm_native"]
 QUANTIZERS: tuple[str, ...] = ("jetrl", "vllm_native")
+
+
+def _on_gpu(a: BlockQuantized) -> bool:
+    """Whether a GEMM on ``a`` goes through the backend dispatch (CUDA operands)."""
+    return a.data.is_cuda
+
+
+def linear_gemm(
+    a: BlockQuantized, b: BlockQuantized, *, out_dtype: torch.dtype, exact: bool = False
+) -> torch.Tensor:
+    """``a @ b.T`` for the layers' GEMMs: `dispatch.fp8_gemm` on CUDA, the reference on CPU."""
+    if _on_gpu(a):
+        return fp8_gemm(a, b, out_dtype=out_dtype, exact=exact)
+    return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
 
 
 def fp8_linear_forward(
@@ -46,7 +68,14 @@ def fp8_linear_forward(
     exact: bool = False,
 ) -> torch.Tensor:
     """FProp on quantized operands: fp32 GEMM, bias added in fp32 (GEMM epilogue), cast once."""
-    out = blockwise_matmul(qx, qw, out_dtype=torch.float32, exact=exact)
+    if _on_gpu(qx):
+        # Fast kernels write the output dtype from their fp32 accumulator; ask for fp32 only
+        # when the bias still has to be added in fp32.
+        out = linear_gemm(
+            qx, qw, out_dtype=out_dtype if bias is None else torch.float32, exact=exact
+        )
+    else:
+        out = blockwise_matmul(qx, qw, out_dtype=torch.float32, exact=exact)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
@@ -97,12 +126,12 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
             qdy = quantize_blockwise(
                 dy2, config.ACTIVATION_BLOCK, name=f"{ctx.name}.grad_output", **kw
             )
-            dx = blockwise_matmul(qdy, qw.t(), out_dtype=ctx.x_dtype, exact=config.exact_gemm)
+            dx = linear_gemm(qdy, qw.t(), out_dtype=ctx.x_dtype, exact=config.exact_gemm)
             dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             qxc = BlockQuantized(saved[2], saved[3], config.WGRAD_BLOCK, fwd, pow2)
             qdyc = quantize_blockwise(dy2, config.WGRAD_BLOCK, name=f"{ctx.name}.grad_output", **kw)
-            dw = blockwise_matmul(qdyc.t(), qxc.t(), out_dtype=ctx.w_dtype, exact=config.exact_gemm)
+            dw = linear_gemm(qdyc.t(), qxc.t(), out_dtype=ctx.w_dtype, exact=config.exact_gemm)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None
