@@ -139,6 +139,9 @@ def read_recipe(r: _Reader) -> Recipe:
             percentile=float(r.get("jetrl.kv_calibration.percentile", 99.9)),
             margin=float(r.get("jetrl.kv_calibration.margin", 1.05)),
             mask=r.get("jetrl.kv_calibration.mask", "prompt_and_response"),
+            reduction=r.get("jetrl.kv_calibration.reduction", None),
+            include_q=r.get("jetrl.kv_calibration.include_q", None),
+            micro_batch_size=r.get("jetrl.kv_calibration.micro_batch_size", None),
         )
     except (ValueError, TypeError):
         cal = KvCalibration()  # the problem is already recorded by _check_kv_calibration

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from nemo_jetrl.recipe import KV_MASKS, KV_SCALE_SOURCES, PRESET_NAMES
+from nemo_jetrl.recipe import KV_MASKS, KV_REDUCTIONS, KV_SCALE_SOURCES, PRESET_NAMES
 
 # NeMo-RL key paths (dotted), one constant each so messages and align use the same spelling.
 FP8_CFG = "policy.megatron_cfg.fp8_cfg"
@@ -95,6 +95,26 @@ KV_CALIBRATION_KEYS: Mapping[str, KeySpec] = MappingProxyType(
             "prompt_and_response",
             "tokens observed: response only, all real tokens, or none masked (with padding)",
             KV_MASKS,
+        ),
+        "reduction": KeySpec(
+            (str, _NULL),
+            None,
+            "how per-micro-batch amax samples combine: max, or the percentile above; "
+            "null = max when percentile is 100, else percentile",
+            (*KV_REDUCTIONS, None),
+        ),
+        "include_q": KeySpec(
+            (bool, _NULL),
+            None,
+            "also calibrate q_scale (attention kernels taking FP8 queries); null = the backend "
+            "decides (local: true; NeMo-RL: when NeMo-RL asks)",
+        ),
+        "micro_batch_size": KeySpec(
+            (int, _NULL),
+            None,
+            "sequences per calibration forward pass (> 0, one amax sample each); null = the "
+            "backend's default (local: 32; NeMo-RL: its calibration batch, else "
+            "policy.logprob_batch_size)",
         ),
     }
 )

@@ -85,6 +85,21 @@ def _check_kv_calibration(r: _Reader, cal: Mapping[str, Any]) -> None:
     margin = r.number(f"{base}.margin", 1.05)
     if margin is not None and not margin >= 1.0:
         r.error(f"{base}.margin", f"must be >= 1 (a safety factor on amax), got {margin}")
+    reductions = tuple(c for c in S.KV_CALIBRATION_KEYS["reduction"].choices if c is not None)
+    reduction = r.get(f"{base}.reduction", None)
+    if reduction is not None:
+        reduction = r.choice(f"{base}.reduction", reductions, None)
+    if reduction == "max" and pct is not None and pct != 100.0 and r.has(f"{base}.percentile"):
+        r.warn(
+            f"{base}.percentile",
+            f"ignored: reduction is max (the percentile {pct} applies only with "
+            "reduction: percentile)",
+        )
+    if r.get(f"{base}.include_q", None) is not None:
+        r.boolean(f"{base}.include_q", True)
+    mbs = r.get(f"{base}.micro_batch_size", None)
+    if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+        r.error(f"{base}.micro_batch_size", f"must be an integer > 0 (or null), got {mbs!r}")
 
 
 def _check_local(r: _Reader, local: Any) -> None:

@@ -37,6 +37,7 @@ Quantizer = Literal["te", "jetrl", "vllm"]
 KvCacheDtype = Literal["auto", "fp8"]
 KvScaleSource = Literal["none", "trainer_calibrated", "checkpoint", "dynamic", "unit"]
 KvMask = Literal["response", "prompt_and_response", "none"]
+KvReduction = Literal["max", "percentile"]
 
 FP8_RECIPE_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
 SCALINGS: tuple[str, ...] = ("blockwise", "mxfp8", "tensorwise", "delayed")
@@ -44,6 +45,7 @@ QUANTIZERS: tuple[str, ...] = ("te", "jetrl", "vllm")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 KV_SCALE_SOURCES: tuple[str, ...] = ("none", "trainer_calibrated", "checkpoint", "dynamic", "unit")
 KV_MASKS: tuple[str, ...] = ("response", "prompt_and_response", "none")
+KV_REDUCTIONS: tuple[str, ...] = ("max", "percentile")
 PRESET_NAMES: tuple[str, ...] = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
 
 # Blockwise FP8 needs every GEMM dimension to be a multiple of this (TE Float8BlockScaling,
@@ -153,9 +155,27 @@ class KvCalibration:
     # Tokens the observers see: "response" (generated tokens only), "prompt_and_response"
     # (all real tokens), "none" (everything including padding, NeMo-RL's behaviour).
     mask: KvMask = "prompt_and_response"
+    # How the per-micro-batch amax samples are reduced: "max" or "percentile". None: "max" when
+    # percentile is 100, else "percentile".
+    reduction: KvReduction | None = None
+    # Also calibrate the query scale (attention kernels that take FP8 queries). None: the
+    # backend decides (local backend: yes; NeMo-RL: when NeMo-RL asks for it). Under NeMo-RL,
+    # true adds q_scale; false cannot drop a q_scale NeMo-RL asks for (its engine needs it).
+    include_q: bool | None = None
+    # Sequences per calibration forward pass (> 0; one amax sample per pass). None: the
+    # backend's default (local backend: 32; NeMo-RL: what NeMo-RL passes, else its
+    # logprob_batch_size); a value here wins over both.
+    micro_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
+        if self.reduction is not None and self.reduction not in KV_REDUCTIONS:
+            problems.append(f"reduction={self.reduction!r} (allowed: {', '.join(KV_REDUCTIONS)})")
+        if self.include_q is not None and not isinstance(self.include_q, bool):
+            problems.append(f"include_q={self.include_q!r} (must be true or false)")
+        mbs = self.micro_batch_size
+        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
+            problems.append(f"micro_batch_size={mbs!r} (must be an integer > 0)")
         if not 0.0 < float(self.data_fraction) <= 1.0:
             problems.append(f"data_fraction={self.data_fraction!r} (must be in (0, 1])")
         if not 0.0 < float(self.percentile) <= 100.0:

@@ -581,3 +581,67 @@ def test_shipped_yaml_loads_validates_and_has_its_verdict(path):
     assert check.on_policy is on_policy
     if not on_policy:
         assert "policy.megatron_cfg.fp8_cfg.enabled" in check.keys
+
+
+def test_kv_calibration_extra_keys_reach_the_recipe_and_the_settings():
+    from nemo_jetrl.kvcache import CalibrationSettings
+
+    kv = (
+        "policy.generation.vllm_cfg.precision=fp8",
+        "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+    )
+    cfg = cfg_with(
+        *kv,
+        "jetrl.kv_calibration.reduction=max",
+        "jetrl.kv_calibration.percentile=100",
+        "jetrl.kv_calibration.include_q=false",
+        "jetrl.kv_calibration.micro_batch_size=8",
+    )
+    assert errors(validate(cfg)) == []
+    cal = recipe_from_config(cfg).kv_calibration
+    assert (cal.reduction, cal.include_q, cal.micro_batch_size) == ("max", False, 8)
+    s = CalibrationSettings.from_recipe(cal)
+    assert (s.reduction, s.include_q, s.micro_batch_size) == ("max", False, 8)
+    # Unset (null) keys keep the derived / backend defaults.
+    default = CalibrationSettings.from_recipe(recipe_from_config(cfg_with(*kv)).kv_calibration)
+    assert (default.reduction, default.include_q, default.micro_batch_size) == (
+        "percentile",
+        CalibrationSettings.include_q,
+        CalibrationSettings.micro_batch_size,
+    )
+    # The config written back from a recipe carries the keys (round trip).
+    back = merge_updates(cfg_with(), recipe_to_config_updates(recipe_from_config(cfg)))
+    assert recipe_from_config(back).kv_calibration == cal
+
+
+def test_kv_calibration_extra_keys_are_validated_together():
+    found = issue_paths(
+        cfg_with(
+            "jetrl.kv_calibration.reduction=mean",
+            "jetrl.kv_calibration.include_q=yes",
+            "jetrl.kv_calibration.micro_batch_size=0",
+        )
+    )
+    base = "jetrl.kv_calibration"
+    assert "unknown value 'mean'" in str(found[f"{base}.reduction"][0])
+    assert found[f"{base}.reduction"][0].allowed == ("max", "percentile")
+    assert "true or false" in str(found[f"{base}.include_q"][0])
+    assert "integer > 0" in str(found[f"{base}.micro_batch_size"][0])
+    for bad in ("-3", "2.5", "true"):
+        got = issue_paths(cfg_with(f"{base}.micro_batch_size={bad}"))
+        assert f"{base}.micro_batch_size" in got, bad
+    with pytest.raises(ConfigError, match="3 problems in config"):
+        recipe_from_config(
+            cfg_with(
+                f"{base}.reduction=mean", f"{base}.include_q=yes", f"{base}.micro_batch_size=0"
+            )
+        )
+
+
+def test_kv_calibration_percentile_ignored_under_max_is_a_warning():
+    issues = validate(
+        cfg_with("jetrl.kv_calibration.reduction=max", "jetrl.kv_calibration.percentile=99.0")
+    )
+    assert errors(issues) == []
+    (issue,) = [i for i in issues if i.path == "jetrl.kv_calibration.percentile"]
+    assert issue.level == "warning" and "ignored" in str(issue)

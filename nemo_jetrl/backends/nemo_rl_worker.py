@@ -97,8 +97,12 @@ def make_worker_class() -> type:
             import torch
 
             recipe = self._jetrl_recipe
-            settings = CalibrationSettings.from_recipe(recipe.kv_calibration, include_q=include_q)
-            mbs = micro_batch_size or self.cfg["logprob_batch_size"]
+            cal = recipe.kv_calibration
+            # jetrl.kv_calibration.include_q=true adds q_scale; NeMo-RL's request is never dropped.
+            settings = CalibrationSettings.from_recipe(
+                cal, include_q=bool(include_q) or cal.include_q is True
+            )
+            mbs = cal.micro_batch_size or micro_batch_size or self.cfg["logprob_batch_size"]
             n = int(data["input_ids"].shape[0])
             # Packed sequences carry no padding between sequences; dynamic batching reorders
             # sequences inside get_logprobs, so per-sequence lengths would not line up: in both

@@ -141,20 +141,21 @@ class CalibrationSettings:
     def from_recipe(kv_calibration: Any, **overrides: Any) -> CalibrationSettings:
         """From `nemo_jetrl.recipe.KvCalibration` (or anything with the same attributes).
 
-        The recipe has no ``reduction`` field: percentile 100 means the maximum.
+        A missing or None ``reduction`` means "max" when percentile is 100, else "percentile";
+        a missing or None ``include_q``, ``micro_batch_size`` or ``fmt`` keeps this class's
+        default. ``overrides`` win over both.
         """
         pct = float(getattr(kv_calibration, "percentile", 99.9))
+        reduction = getattr(kv_calibration, "reduction", None)
         kw: dict[str, Any] = {
             "data_fraction": float(getattr(kv_calibration, "data_fraction", 1.0)),
             "percentile": pct,
-            "reduction": getattr(
-                kv_calibration, "reduction", "max" if pct >= 100.0 else "percentile"
-            ),
+            "reduction": reduction or ("max" if pct >= 100.0 else "percentile"),
             "margin": float(getattr(kv_calibration, "margin", 1.05)),
             "mask": getattr(kv_calibration, "mask", "prompt_and_response"),
         }
         for key in ("include_q", "micro_batch_size", "fmt"):
-            if hasattr(kv_calibration, key):
+            if getattr(kv_calibration, key, None) is not None:
                 kw[key] = getattr(kv_calibration, key)
         kw.update(overrides)
         return CalibrationSettings(**kw)
