@@ -5,6 +5,8 @@
 - `validate(cfg)` -> every `ConfigIssue`; `recipe_from_config(cfg)` -> `Recipe` or a
   `ConfigError` listing all errors (`nemo_jetrl.config_validate`, reading through
   `nemo_jetrl.config_reader`); `arch_from_config(cfg)` -> the model's `ModelArch` or None.
+- `load_valid_config(path_or_cfg, overrides)`: all of the above in one call for commands and
+  backends -> `ValidConfig` (config, recipe, architecture, warnings) or a `ConfigError`.
 - `recipe_to_config_updates(recipe)`: the NeMo-RL and ``jetrl:`` keys expressing a recipe (the
   inverse mapping, used by `jetrl align`); `minimal_updates` keeps only what changes;
   `merge_updates` applies them.
@@ -14,7 +16,9 @@ Key names and meanings: `nemo_jetrl.config_schema` and docs/configs.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,10 +40,12 @@ from nemo_jetrl.recipe import Recipe, preset_differences
 __all__ = [
     "ConfigError",
     "ConfigIssue",
+    "ValidConfig",
     "apply_overrides",
     "arch_from_config",
     "errors",
     "load_config",
+    "load_valid_config",
     "merge_updates",
     "minimal_updates",
     "parse_override",
@@ -48,6 +54,35 @@ __all__ = [
     "recipe_to_config_updates",
     "validate",
 ]
+
+
+@dataclass(frozen=True)
+class ValidConfig:
+    """A loaded config without errors, with what commands and backends need from it."""
+
+    # The config, defaults resolved and overrides applied.
+    cfg: DictConfig
+    # The precision recipe its keys describe.
+    recipe: Recipe
+    # The model's architecture (jetrl.model_config or a built-in), None for an unknown model.
+    arch: Any
+    # Every issue `validate` found (warnings and notes only: errors raise).
+    issues: tuple[ConfigIssue, ...]
+
+
+def load_valid_config(
+    cfg: str | os.PathLike[str] | DictConfig, overrides: Sequence[str] = ()
+) -> ValidConfig:
+    """Load ``cfg`` (a YAML path, or a loaded config to apply ``overrides`` to), validate it and
+    build its recipe and architecture; a `ConfigError` lists every error."""
+    if isinstance(cfg, DictConfig):
+        conf, source = (apply_overrides(cfg, list(overrides)) if overrides else cfg), None
+    else:
+        conf, source = load_config(cfg, list(overrides)), str(cfg)
+    issues = validate(conf)
+    if errors(issues):
+        raise ConfigError(issues, source)
+    return ValidConfig(conf, recipe_from_config(conf), arch_from_config(conf), tuple(issues))
 
 
 def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
@@ -68,17 +103,7 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
                 },
                 "env_vars": {S.FP32_SCALES_ENV: "1" if fp32 else "0"},
             },
-            "generation": {
-                "vllm_cfg": {
-                    "precision": "fp8" if ro.fp8_linears else "bfloat16",
-                    "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
-                    "pow2_weight_scaling_factors": ro.pow2_weight_scales,
-                    "pow2_activation_scaling_factors": ro.pow2_activation_scales,
-                    "num_first_layers_in_bf16": ro.bf16_first_layers,
-                    "num_last_layers_in_bf16": ro.bf16_last_layers,
-                    "use_deep_gemm": ro.use_deep_gemm,
-                }
-            },
+            "generation": {"vllm_cfg": vllm_cfg_for(recipe)},
         },
         "jetrl": {
             "recipe": recipe.name if recipe.name in S.JETRL_KEYS["recipe"].choices else None,
@@ -99,6 +124,24 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
             "train_num_last_layers_in_bf16": t.bf16_last_layers,
             "unaligned_layers": "bf16" if recipe.unaligned_layers_bf16 else "error",
         },
+    }
+
+
+def vllm_cfg_for(recipe: Recipe, unquantized_precision: str = "bfloat16") -> dict[str, Any]:
+    """The ``policy.generation.vllm_cfg`` keys expressing the recipe's rollout side and KV cache.
+
+    ``unquantized_precision`` is the ``precision`` written when the rollout's linears are not
+    FP8 (a translation keeps the config's own value, e.g. float16).
+    """
+    ro = recipe.rollout
+    return {
+        "precision": "fp8" if ro.fp8_linears else unquantized_precision,
+        "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
+        "pow2_weight_scaling_factors": ro.pow2_weight_scales,
+        "pow2_activation_scaling_factors": ro.pow2_activation_scales,
+        "num_first_layers_in_bf16": ro.bf16_first_layers,
+        "num_last_layers_in_bf16": ro.bf16_last_layers,
+        "use_deep_gemm": ro.use_deep_gemm,
     }
 
 

@@ -91,34 +91,21 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
     """Steps 1-3: load, validate, check on-policy, translate. UserError on any user problem."""
     from omegaconf import DictConfig, OmegaConf
 
-    from nemo_jetrl.arch import ArchError, generic_arch, resolve_arch
-    from nemo_jetrl.config import ConfigError, errors, load_config, recipe_from_config, validate
-    from nemo_jetrl.flow import check_on_policy
+    from nemo_jetrl.arch import generic_arch
+    from nemo_jetrl.config import ConfigError, load_valid_config
+    from nemo_jetrl.flow import check_on_policy, generic_layers_for
 
     source = str(cfg) if not isinstance(cfg, DictConfig) else "<config>"
     try:
-        if isinstance(cfg, DictConfig):
-            from nemo_jetrl.config_load import apply_overrides
-
-            conf = apply_overrides(cfg, overrides) if overrides else cfg
-        else:
-            conf = load_config(cfg, list(overrides))
-        issues = validate(conf)
-        if errors(issues):
-            raise ConfigError(issues, source)
-        recipe = recipe_from_config(conf)
+        valid = load_valid_config(cfg, overrides)
     except ConfigError as exc:
         raise _user_error(f"invalid config\n{exc}") from None
+    conf, recipe, arch = valid.cfg, valid.recipe, valid.arch
     jetrl = conf.get("jetrl") or {}
-    model = conf.get("policy", {}).get("model_name") if "policy" in conf else None
-    try:
-        arch = resolve_arch(model, jetrl.get("model_config") if jetrl else None)
-    except ArchError as exc:
-        raise _user_error(f"invalid config\n  - {exc.key}: {exc}") from None
+    model = OmegaConf.select(conf, "policy.model_name", default=None)
     notes = []
     if arch is None:
-        n = max(2, recipe.rollout.bf16_first_layers + recipe.rollout.bf16_last_layers + 1)
-        arch = generic_arch(n)
+        arch = generic_arch(generic_layers_for(recipe))
         notes.append(
             f"model {model!r} has no built-in description: the flow was checked on a generic "
             "aligned model; set jetrl.model_config to its config.json for exact layer names"

@@ -218,18 +218,10 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
     env.update(policy_env)
     _set(cfg, "policy.megatron_cfg.env_vars", {str(k): str(v) for k, v in env.items()})
 
-    vllm = {
-        "precision": "fp8"
-        if ro.fp8_linears
-        else _get(cfg, "policy.generation.vllm_cfg.precision", "bfloat16"),
-        "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
-        "pow2_weight_scaling_factors": ro.pow2_weight_scales,
-        "pow2_activation_scaling_factors": ro.pow2_activation_scales,
-        "num_first_layers_in_bf16": ro.bf16_first_layers,
-        "num_last_layers_in_bf16": ro.bf16_last_layers,
-        "use_deep_gemm": ro.use_deep_gemm,
-    }
-    for k, v in vllm.items():
+    from nemo_jetrl.config import vllm_cfg_for
+
+    precision = _get(cfg, "policy.generation.vllm_cfg.precision", "bfloat16")
+    for k, v in vllm_cfg_for(recipe, unquantized_precision=precision).items():
         _set(cfg, f"policy.generation.vllm_cfg.{k}", v)
     vllm_env: dict[str, str] = {}
     if patch_json is not None:

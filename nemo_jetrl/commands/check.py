@@ -60,23 +60,15 @@ def load_and_check(path: str, overrides: list[str]) -> Checked:
 
     from nemo_jetrl.arch import generic_arch
     from nemo_jetrl.cli import UserError
-    from nemo_jetrl.config import ConfigError, errors, load_config, recipe_from_config, validate
-    from nemo_jetrl.config_validate import arch_from_config
+    from nemo_jetrl.config import ConfigError, load_valid_config
     from nemo_jetrl.flow import check_on_policy, generic_layers_for
 
     try:
-        cfg = load_config(path, overrides)
-        issues = validate(cfg)
-        if errors(issues):
-            raise ConfigError(issues, path)
-        recipe = recipe_from_config(cfg)
+        valid = load_valid_config(path, overrides)
     except ConfigError as exc:
         raise UserError(f"invalid config\n{exc}") from None
+    cfg, recipe, arch, issues = valid.cfg, valid.recipe, valid.arch, valid.issues
     note = None
-    try:
-        arch = arch_from_config(cfg)
-    except ConfigError as exc:
-        raise UserError(f"invalid config\n{exc}") from None
     model = OmegaConf.select(cfg, "policy.model_name", default=None)
     if arch is None:
         n = generic_layers_for(recipe)
