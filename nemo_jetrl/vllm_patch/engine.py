@@ -121,23 +121,33 @@ class VllmRolloutEngine:
         max_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
     ) -> list[Generation]:
-        """Sample one response per prompt, with the logprob of every generated token."""
+        """Sample one response per prompt, with the logprob of every generated token.
+
+        ``seed``: one seed for every prompt, or one per prompt (so that repeated prompts, e.g. the
+        samples of one GRPO group, draw different responses reproducibly).
+        """
         from vllm import SamplingParams
 
-        sp = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            logprobs=0,  # the sampled token's own logprob
-            stop_token_ids=list(stop_token_ids or []),
-            ignore_eos=ignore_eos,
-        )
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        sp = [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=s,
+                logprobs=0,  # the sampled token's own logprob
+                stop_token_ids=list(stop_token_ids or []),
+                ignore_eos=ignore_eos,
+            )
+            for s in seeds
+        ]
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         result = []
         for o in outs:

@@ -81,6 +81,11 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
     params = dict(model.named_parameters(remove_duplicate=False))
     if hf_name in params:
         p = params[hf_name]
+        # vLLM pads the vocab dim of the embedding / lm_head (to a multiple of 64); the loader
+        # expects the checkpoint's org_vocab_size rows, and only those hold real tokens.
+        vocab = getattr(modules.get(module_path), "org_vocab_size", None)
+        if leaf == "weight" and isinstance(vocab, int) and p.dim() and vocab < p.shape[0]:
+            return hf_name, p, 0, vocab
         return hf_name, p, 0, p.shape[0] if p.dim() else 0
     layer = modules.get(module_path)
     if layer is not None and isinstance(getattr(layer, leaf, None), torch.Tensor):

@@ -1,0 +1,225 @@
+"""The local loop's rollout on a real, patched vLLM engine (``jetrl.local.rollout_engine: vllm``).
+
+Instead of the HF rollout model, sampling runs in ``vllm.LLM`` (the CPU build) started under the
+nemo_jetrl patch through `nemo_jetrl.vllm_patch.engine.VllmRolloutEngine`. What the engine serves:
+
+* **the model directory**: the run's HF config (with its ``architectures`` entry, which vLLM needs
+  to pick the model class) and tokenizer, written to ``<log_dir>/vllm_model``. No weights: the
+  engine starts with ``load_format="dummy"`` placeholders and every weight arrives by refit.
+* **the weights**: every step the trainer's HF-named tensors first pass the local backend's guarded
+  refit (`nemo_jetrl.backends.local.refit.refit`, which refuses missing / mis-shaped / non-finite
+  tensors before anything is loaded), then the vLLM refit (quantize 128x128 with
+  `nemo_jetrl.fp8`, its own finite/shape/dtype guards against the engine's parameters, load in
+  place), then the parity check: the engine's FP8 weights and scales are read back and compared
+  bit for bit with the trainer's quantization. A parity failure is an error (the engine then holds
+  weights the trainer never produced), never a silent warning.
+* **the logprobs**: vLLM returns, for every sampled token, ``log softmax(logits / T)`` at that token
+  (``logprobs_mode="processed_logprobs"``: after temperature, the quantity the trainer recomputes);
+  they become ``generation_logprobs``. vLLM's attention and GEMM kernels are not HF's, so they
+  match the trainer to a tolerance, not bit for bit (docs/local_backend.md has the measured
+  ``token_mult_prob_error``).
+* **sampling**: each request gets its own seed drawn from the run's sampling generator, so the
+  G samples of one prompt differ and a rerun with the same seed draws the same seeds.
+
+What this CPU cannot run (checked by `vllm_recipe_issues` before anything starts): an FP8 KV
+cache (vLLM's CPU FP8 KV path needs AVX-512, ``jetrl_kv``) and FP8 linears with vLLM's own
+quantizer (``fp8_rollout``: unpatched vLLM's block-FP8 CPU kernels need AMX).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_jetrl.backends.local.rollout import RolloutBatch
+from nemo_jetrl.config_load import ConfigIssue
+from nemo_jetrl.recipe import Recipe
+
+KEY = "jetrl.local.rollout_engine"
+MODEL_DIR_NAME = "vllm_model"
+
+
+def vllm_recipe_issues(recipe: Recipe, dtype: str) -> list[ConfigIssue]:
+    """Why ``recipe`` (and the compute ``dtype``) cannot run with the vLLM engine here (or [])."""
+    issues = []
+    if recipe.kv_fp8:
+        issues.append(
+            ConfigIssue(
+                KEY,
+                f"recipe {recipe.name!r} uses an FP8 KV cache (kv_cache_dtype="
+                f"{recipe.kv_cache_dtype!r}), which vLLM's CPU backend runs only on CPUs with "
+                "AVX-512 (not this one): set jetrl.local.rollout_engine=hf for this recipe, or "
+                "use a recipe without FP8 KV cache (jetrl, bf16)",
+            )
+        )
+    if recipe.rollout.fp8_linears and recipe.rollout.quantizer != "jetrl":
+        issues.append(
+            ConfigIssue(
+                KEY,
+                f"recipe {recipe.name!r} runs FP8 rollout linears with vLLM's own quantizer "
+                f"(rollout quantizer {recipe.rollout.quantizer!r}); unpatched vLLM's block-FP8 CPU "
+                "kernels need AMX (not this CPU): set jetrl.local.rollout_engine=hf for this "
+                "recipe, or use jetrl / bf16",
+            )
+        )
+    if dtype != "bfloat16":
+        issues.append(
+            ConfigIssue(
+                KEY,
+                f"the vLLM engine serves the policy in bfloat16, but jetrl.local.dtype is "
+                f"{dtype!r}: set jetrl.local.dtype=bfloat16 (or rollout_engine=hf)",
+            )
+        )
+    return issues
+
+
+def require_vllm() -> None:
+    """Clear error when vLLM is not importable in this environment."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            f"{KEY}=vllm needs vLLM, which this Python environment cannot import ({exc}). Run "
+            "in the vLLM environment: bash scripts/setup_vllm_env.sh once, then use "
+            ".venv-vllm/bin/python (or set jetrl.local.rollout_engine=hf)"
+        ) from None
+
+
+def write_model_dir(model: torch.nn.Module, tokenizer: Any, dest: Path) -> Path:
+    """Config (with ``architectures``) and tokenizer of ``model`` in ``dest``; no weights."""
+    dest.mkdir(parents=True, exist_ok=True)
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.architectures = [type(model).__name__]
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def cpu_engine_env() -> dict[str, str]:
+    """Environment for vLLM's CPU engine on a shared machine (only keys the user did not set).
+
+    ``VLLM_CPU_KVCACHE_SPACE`` is the KV cache in GiB of host memory (1 is plenty for this model);
+    ``VLLM_CPU_OMP_THREADS_BIND`` is set to a value that pins no cores (vLLM's default reserves
+    and pins cores, starving everything else on a small machine).
+    """
+    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
+
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_omp_threads_bind()}
+    return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
+@dataclass(frozen=True)
+class EngineRefit:
+    """What one step's refit into the engine did."""
+
+    fp8_layers: int
+    parity_compared: int
+    """FP8 tensors (weights and scales) read back from the engine and found bit-identical."""
+    seconds: float
+
+
+class VllmRollout:
+    """The rollout side of a local run on `VllmRolloutEngine` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        recipe: Recipe,
+        model_dir: Path,
+        *,
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+    ) -> None:
+        require_vllm()
+        from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
+
+        for k, v in cpu_engine_env().items():
+            os.environ[k] = v  # read by vLLM's engine processes at start
+        self.model_dir = write_model_dir(model, tokenizer, model_dir)
+        kwargs = dict(
+            dtype="bfloat16",
+            load_format="dummy",  # weights come by refit only
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=True,  # no torch.compile warm-up: minutes on 2 cores
+            seed=seed,
+            logprobs_mode="processed_logprobs",  # log softmax(logits / T), as the trainer
+        )
+        self.engine: VllmRolloutEngine | None = VllmRolloutEngine(
+            self.model_dir,
+            recipe,
+            engine_kwargs=kwargs,
+            num_layers=model.config.num_hidden_layers,
+            initial_refit=False,
+        )
+        self.refits = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.engine is None
+
+    def _live(self):
+        if self.engine is None:
+            raise RuntimeError("the vLLM rollout engine was closed")
+        return self.engine
+
+    def refit(self, weights: dict[str, torch.Tensor]) -> EngineRefit:
+        """Load the trainer's (already guarded) weights; vLLM's guards, then the parity check.
+
+        Raises ``RefitError`` (nothing loaded) or ``ParityError`` (bits differ).
+        """
+        rep = self._live().refit(weights, parity=True)
+        self.refits += 1
+        return EngineRefit(
+            fp8_layers=rep.fp8_layers,
+            parity_compared=rep.parity.compared if rep.parity is not None else 0,
+            seconds=rep.seconds,
+        )
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        eos_id: int,
+        pad_id: int,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+    ) -> RolloutBatch:
+        """Sample (or decode greedily) up to ``max_new_tokens`` per row; same batch as HF rollout."""
+        bsz = prompt_ids.shape[0]
+        seeds = torch.randint(0, 2**31 - 1, (bsz,), generator=generator).tolist()
+        gens = self._live().generate(
+            prompt_ids.tolist(),
+            max_tokens=max_new_tokens,
+            temperature=0.0 if greedy else temperature,
+            seed=seeds,
+            stop_token_ids=[eos_id],
+        )
+        width = max(1, max(len(g.token_ids) for g in gens))
+        ids = torch.full((bsz, width), pad_id, dtype=torch.long)
+        lps = torch.zeros(bsz, width, dtype=torch.float32)
+        mask = torch.zeros(bsz, width, dtype=torch.bool)
+        done = torch.zeros(bsz, dtype=torch.bool)
+        for i, g in enumerate(gens):
+            n = len(g.token_ids)
+            if n:
+                ids[i, :n] = torch.tensor(g.token_ids, dtype=torch.long)
+                lps[i, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
+                mask[i, :n] = True
+                done[i] = g.token_ids[-1] == eos_id
+        return RolloutBatch(ids, lps, mask, done)
+
+    def close(self) -> None:
+        """Shut the engine down and revert the patch (idempotent)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
