@@ -86,6 +86,25 @@ def finish_scale_inv(scale, amax_bits):
 
 
 @triton.jit
+def quantize_rows(
+    x,
+    FMAX: tl.constexpr,
+    MAXV: tl.constexpr,
+    EPS: tl.constexpr,
+    POW2: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    NATIVE: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    # Each row of the fp32 tile x [TM, 128] is one 1x128 block: (FP8 codes, scale_inv per row).
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
+    q = quantize_values(x, scale[:, None], FMAX, MANT, BIAS, NATIVE, FP8)
+    return q, finish_scale_inv(scale, amax_bits)
+
+
+@triton.jit
 def quantize_kernel(
     x_ptr,
     q_ptr,
@@ -123,14 +142,8 @@ def quantize_kernel(
     x = to_fp32(x, IN_BF16)
     abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if MODE == 0:
-        amax_bits = tl.max(abits, axis=1)
-        scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
-        q = quantize_values(x, scale[:, None], FMAX, MANT, BIAS, NATIVE, FP8)
-        tl.store(
-            s_ptr + rows * ssm + pid_k * ssk,
-            finish_scale_inv(scale, amax_bits),
-            mask=rows < M,
-        )
+        q, sinv = quantize_rows(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+        tl.store(s_ptr + rows * ssm + pid_k * ssk, sinv, mask=rows < M)
     elif MODE == 1:
         amax_bits = tl.max(tl.max(abits, axis=1), axis=0)
         scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
@@ -208,13 +221,6 @@ def rmsnorm_quantize_kernel(
             tl.store(y_ptr + rows[:, None] * sym + cols[None, :], yh, mask=mask)
             yr = yh.to(tl.float32)
         yr = tl.where(mask, yr, 0.0)
-        abits = yr.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        amax_bits = tl.max(abits, axis=1)
-        scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
-        q = quantize_values(yr, scale[:, None], FMAX, MANT, BIAS, NATIVE, FP8)
+        q, sinv = quantize_rows(yr, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(q_ptr + rows[:, None] * sqm + cols[None, :], q, mask=mask)
-        tl.store(
-            s_ptr + rows * ssm + (k0 // 128) * ssk,
-            finish_scale_inv(scale, amax_bits),
-            mask=rmask,
-        )
+        tl.store(s_ptr + rows * ssm + (k0 // 128) * ssk, sinv, mask=rmask)
