@@ -99,13 +99,12 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, config: Fp8LinearConfig, name: str):  # type: ignore[override]
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        kw = {"fmt": config.forward_format, "pow2_scales": config.pow2_scales, "eps": config.eps}
-        qx = quantize_blockwise(x2, config.ACTIVATION_BLOCK, name=f"{name}.input", **kw)
-        qw = quantize_blockwise(weight, config.WEIGHT_BLOCK, name=f"{name}.weight", **kw)
+        qx = _quantize_forward(x2, config.ACTIVATION_BLOCK, config, f"{name}.input")
+        qw = _quantize_forward(weight, config.WEIGHT_BLOCK, config, f"{name}.weight")
         out = fp8_linear_forward(qx, qw, bias, x.dtype, exact=config.exact_gemm)
         tensors = [qw.data, qw.scale_inv]
         if ctx.needs_input_grad[1]:  # WGrad needs x blocked along tokens: quantize it now
-            qxc = quantize_blockwise(x2, config.WGRAD_BLOCK, name=f"{name}.input", **kw)
+            qxc = _quantize_forward(x2, config.WGRAD_BLOCK, config, f"{name}.input")
             tensors += [qxc.data, qxc.scale_inv]
         ctx.save_for_backward(*tensors)
         ctx.config, ctx.name = config, name
@@ -190,19 +189,26 @@ class Fp8BlockLinear(nn.Linear):
         return f"{super().extra_repr()}, config={self.config}"
 
 
-def _quantize_weight(
-    w: torch.Tensor, config: Fp8LinearConfig, quantizer: str, name: str
+def _quantize_forward(
+    t: torch.Tensor, block: tuple[int, int], config: Fp8LinearConfig, name: str
 ) -> BlockQuantized:
-    if quantizer == "vllm_native":
-        return per_block_cast_native(w, ue8m0=config.pow2_scales, name=name)
+    """A forward operand (weight or activation) in the config's forward format and scale rule."""
     return quantize_blockwise(
-        w,
-        config.WEIGHT_BLOCK,
+        t,
+        block,
         fmt=config.forward_format,
         pow2_scales=config.pow2_scales,
         eps=config.eps,
         name=name,
     )
+
+
+def _quantize_weight(
+    w: torch.Tensor, config: Fp8LinearConfig, quantizer: str, name: str
+) -> BlockQuantized:
+    if quantizer == "vllm_native":
+        return per_block_cast_native(w, ue8m0=config.pow2_scales, name=name)
+    return _quantize_forward(w, config.WEIGHT_BLOCK, config, name)
 
 
 def _quantize_activation(
@@ -210,14 +216,7 @@ def _quantize_activation(
 ) -> BlockQuantized:
     if quantizer == "vllm_native":
         return quantize_group_native(x2, ue8m0=config.pow2_scales, name=name)
-    return quantize_blockwise(
-        x2,
-        config.ACTIVATION_BLOCK,
-        fmt=config.forward_format,
-        pow2_scales=config.pow2_scales,
-        eps=config.eps,
-        name=name,
-    )
+    return _quantize_forward(x2, config.ACTIVATION_BLOCK, config, name)
 
 
 class Fp8InferenceLinear(nn.Module):
