@@ -69,22 +69,21 @@ def _inputs(dtype: torch.dtype, scale: float) -> torch.Tensor:
 SCALES = [0.25, 1.0, 0.0123456, 3.3e-3, 17.5, 2.0**-20]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("kernel", "dtype"),
+    [
+        ("cuda", torch.float32),
+        ("cuda", torch.bfloat16),
+        ("cuda", torch.float16),
+        ("cpu", torch.float32),
+        ("cpu", torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("scale", SCALES)
-def test_cuda_write_matches_float64(dtype: torch.dtype, scale: float) -> None:
+def test_write_matches_float64(kernel: str, dtype: torch.dtype, scale: float) -> None:
     x = _inputs(dtype, scale)
-    got = quantize_kv(x, scale, kernel="cuda").view(torch.uint8)
-    ref = ref_cuda_bytes(x, scale)
-    bad = (got != ref).nonzero()
-    assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at x={x[bad[0]].item()!r}"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scale", SCALES)
-def test_cpu_write_matches_float64(dtype: torch.dtype, scale: float) -> None:
-    x = _inputs(dtype, scale)
-    got = quantize_kv(x, scale, kernel="cpu").view(torch.uint8)
-    ref = ref_cpu_bytes(x, scale)
+    got = quantize_kv(x, scale, kernel=kernel).view(torch.uint8)
+    ref = (ref_cuda_bytes if kernel == "cuda" else ref_cpu_bytes)(x, scale)
     bad = (got != ref).nonzero()
     assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at x={x[bad[0]].item()!r}"
 
