@@ -15,23 +15,14 @@ import os
 
 import pytest
 import torch
+from vllm_fixtures import vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_cpu_env():
-    """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning
-    (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind)."""
-    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
-
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in (
-            ("VLLM_CPU_KVCACHE_SPACE", "1"),
-            ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
-        ):
-            if key not in os.environ:
-                mp.setenv(key, value)
+    with vllm_cpu_env():
         yield
 
 

@@ -20,21 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_fixtures import vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_cpu_env():
-    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
-
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in (
-            ("VLLM_CPU_KVCACHE_SPACE", "1"),
-            ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
-        ):
-            if key not in os.environ:
-                mp.setenv(key, value)
+    with vllm_cpu_env():
         yield
 
 
