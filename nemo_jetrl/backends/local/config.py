@@ -23,6 +23,7 @@ from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config_load import ConfigError, ConfigIssue
 
 DTYPES = ("bfloat16", "float32")
+ROLLOUT_ENGINES = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class LocalSettings:
     """The cached supervised warm start (``jetrl.local.warmstart.*``)."""
     val_greedy: bool = True
     """Validation decodes greedily (deterministic accuracy); False samples at the temperature."""
+    rollout_engine: str = "hf"
+    """What samples the rollouts: "hf" (the HF model with `Fp8InferenceLinear` layers, in this
+    process) or "vllm" (a real vLLM CPU engine under the nemo_jetrl patch, refit every step
+    through the guarded path with the parity check on; needs the .venv-vllm environment from
+    scripts/setup_vllm_env.sh; recipes bf16 and jetrl, bfloat16 dtype)."""
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -157,6 +163,11 @@ _LOCAL_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, st
     "task": ((Mapping,), None, "a mapping"),
     "warmstart": ((Mapping,), None, "a mapping"),
     "val_greedy": ((bool,), None, "true or false"),
+    "rollout_engine": (
+        (str,),
+        lambda v: v in ROLLOUT_ENGINES,
+        f"one of {', '.join(ROLLOUT_ENGINES)}",
+    ),
 }
 
 

@@ -15,6 +15,12 @@ One step, as in DESIGN.md ("One RL step"), timed per phase with NeMo-RL's timing
    IS correction and KL) and one AdamW step on the fp32 masters.
 5. recalibrate KV scales (``timing/train/kv_calibration``) when the KV cache is FP8.
 
+With ``jetrl.local.rollout_engine: vllm`` steps 1 and 2 run on a real vLLM CPU engine under the
+nemo_jetrl patch (`nemo_jetrl.backends.local.vllm_rollout`): the weights that passed the guarded
+refit above go through the vLLM refit (its own guards, then the bit-for-bit parity check, logged
+as ``jetrl/local/vllm_parity_tensors``), and vLLM's per-token logprobs are the
+``generation_logprobs``. Scoring, metrics, update, logs and checkpoints are unchanged.
+
 Logs go to ``logger.log_dir`` in NeMo-RL's layout through `nemo_jetrl.logs.RunWriter`;
 validation accuracy every ``grpo.val_period`` steps; a checkpoint every
 ``checkpointing.save_period`` steps; ``resume=True`` continues from the latest checkpoint with
@@ -74,6 +80,8 @@ class Hooks:
     """``fn(step, weights) -> weights``: e.g. corrupt the weights sent to the rollout."""
     after_step: Callable[[int, dict[str, float]], None] | None = None
     """``fn(step, scalars)`` after each step is logged."""
+    on_run: Callable[[LocalRun], None] | None = None
+    """``fn(run)`` once the run's state is built (e.g. to inspect its rollout engine later)."""
 
 
 @dataclass
@@ -121,6 +129,13 @@ def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GR
                 new = []  # the config validator already named these loss_fn problems
             issues.extend(new)
             out.append(None)
+    recipe, local = out[0], out[2]
+    if local is not None and local.rollout_engine == "vllm":
+        from nemo_jetrl.backends.local.vllm_rollout import vllm_importable, vllm_recipe_issues
+
+        if recipe is not None:
+            issues.extend(vllm_recipe_issues(recipe, local.dtype))
+        issues.extend(vllm_importable())
     if issues:
         seen, unique = set(), []
         for i in issues:
@@ -191,6 +206,8 @@ class LocalRun:
         rollout_model.load_state_dict(train_model.state_dict(), strict=True)
         self.rollout_plan = make_rollout_model(rollout_model, self.recipe)
         self.rollout_model = freeze(rollout_model)
+        self.engine = None  # a VllmRollout with rollout_engine=vllm
+        self.engine_parity_tensors = 0
         # FP8 KV cache
         self.kv = None
         if self.recipe.kv_fp8:
@@ -207,6 +224,41 @@ class LocalRun:
         self.step = 0
         self.refit_refused_total = 0
         self.kv_calibrated = False
+        if self.local.rollout_engine == "vllm":
+            self._start_engine()
+
+    def _start_engine(self) -> None:
+        """Start the vLLM engine on a run-local model dir and load the trainer's weights."""
+        from nemo_jetrl.backends.local.vllm_rollout import VllmRollout
+
+        prompt_len = encode_prompts(self.val_problems[:1], self.tokenizer).shape[1]
+        batch = max(self.run.batch_size, len(self.val_problems))
+        self.engine = VllmRollout(
+            self.rollout_model,
+            self.tokenizer,
+            self.recipe,
+            Path(self.run.log_dir) / "vllm_model",
+            max_model_len=min(
+                self.model_config.max_position_embeddings, prompt_len + self.max_new_tokens + 16
+            ),
+            max_num_seqs=min(batch, 256),
+            seed=self.run.seed,
+        )
+        try:
+            rep = self.engine.refit(export_weights(self.trainer.model))
+        except BaseException:
+            self.close()
+            raise
+        self.engine_parity_tensors = rep.parity_compared
+        self.log(
+            f"vLLM rollout engine started ({self.recipe.name}: {rep.fp8_layers} FP8 linears, "
+            f"parity {rep.parity_compared} tensors bit-identical)"
+        )
+
+    def close(self) -> None:
+        """Shut down the vLLM engine (if any) and revert its patch (idempotent)."""
+        if self.engine is not None:
+            self.engine.close()
 
     # -- checkpoint state ----------------------------------------------------------------------
 
@@ -270,7 +322,29 @@ class LocalRun:
         except RefitRefused as exc:
             self.refit_refused_total += 1
             return False, str(exc)
+        if self.engine is not None:
+            from nemo_jetrl.vllm_patch.refit import RefitError
+
+            try:  # vLLM's own guards; a ParityError (bits differ) is raised, never swallowed
+                self.engine_parity_tensors = self.engine.refit(weights).parity_compared
+            except RefitError as exc:
+                self.refit_refused_total += 1
+                return False, f"vLLM engine: {exc}"
         return True, None
+
+    def _generate(self, prompt_ids: torch.Tensor, generator: torch.Generator, *, greedy: bool):
+        """Rollout on the configured engine (HF model or vLLM)."""
+        kw = dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.run.temperature,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            generator=generator,
+            greedy=greedy,
+        )
+        if self.engine is not None:
+            return self.engine.generate(prompt_ids, **kw)
+        return generate(self.rollout_model, prompt_ids, cache_factory=self._cache_factory(), **kw)
 
     def _cache_factory(self):
         return self.kv.rollout_cache if self.kv is not None else None
@@ -279,17 +353,7 @@ class LocalRun:
         t0 = time.perf_counter()
         prompts = encode_prompts(self.val_problems, self.tokenizer)
         g = torch.Generator().manual_seed(self.run.seed + 1000 + self.step)
-        rb = generate(
-            self.rollout_model,
-            prompts,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.run.temperature,
-            eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id,
-            generator=g,
-            greedy=self.local.val_greedy,
-            cache_factory=self._cache_factory(),
-        )
+        rb = self._generate(prompts, g, greedy=self.local.val_greedy)
         texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
         results = [
             score(p, t, f, self.task)
@@ -318,6 +382,8 @@ class LocalRun:
         ok, why = self.do_refit(hooks)
         phase("prepare_for_generation", t0, c0)
         s["jetrl/local/refit_refused"] = 0.0 if ok else 1.0
+        if self.engine is not None:
+            s["jetrl/local/vllm_parity_tensors"] = float(self.engine_parity_tensors if ok else 0)
         if not ok:
             self.log(f"step {self.step + 1}: {why}")
         # 2. rollout + rewards
@@ -329,16 +395,7 @@ class LocalRun:
             # first step: no responses yet, so the initial KV scales come from the prompts
             self.kv.calibrate(self.trainer.model, prompt_ids, mask="prompt_and_response")
             self.kv_calibrated = True
-        rb = generate(
-            self.rollout_model,
-            prompt_ids,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.run.temperature,
-            eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id,
-            generator=self.sample_gen,
-            cache_factory=self._cache_factory(),
-        )
+        rb = self._generate(prompt_ids, self.sample_gen, greedy=False)
         phase("generation", t0, c0)
         t0, c0 = time.perf_counter(), time.process_time()
         texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
@@ -429,6 +486,8 @@ def run_local(
     write = (tqdm_mod.tqdm.write if tqdm_mod else print) if log is None else log
     t_begin = time.perf_counter()
     run = LocalRun(cfg, log=write)
+    if hooks.on_run is not None:
+        hooks.on_run(run)
     rs = run.run
     log_dir = Path(rs.log_dir)
     if resume:
@@ -482,6 +541,7 @@ def run_local(
         writer.close()
         if run.kv is not None:
             run.kv.detach()
+        run.close()
     return RunResult(
         log_dir=log_dir,
         recipe=run.recipe.name,

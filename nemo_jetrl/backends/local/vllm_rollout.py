@@ -77,16 +77,28 @@ def vllm_recipe_issues(recipe: Recipe, dtype: str) -> list[ConfigIssue]:
     return issues
 
 
-def require_vllm() -> None:
-    """Clear error when vLLM is not importable in this environment."""
+def _no_vllm_message(why: str) -> str:
+    return (
+        f"rollout_engine=vllm needs vLLM, which this Python environment cannot import ({why}). "
+        "Run in the vLLM environment: bash scripts/setup_vllm_env.sh once, then use "
+        ".venv-vllm/bin/python (or .venv-vllm/bin/jetrl); or set jetrl.local.rollout_engine=hf"
+    )
+
+
+def vllm_importable() -> list[ConfigIssue]:
+    """[] when vLLM can be imported here, else the issue saying which environment to use."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
-        raise ImportError(
-            f"{KEY}=vllm needs vLLM, which this Python environment cannot import ({exc}). Run "
-            "in the vLLM environment: bash scripts/setup_vllm_env.sh once, then use "
-            ".venv-vllm/bin/python (or set jetrl.local.rollout_engine=hf)"
-        ) from None
+        return [ConfigIssue(KEY, _no_vllm_message(str(exc)))]
+    return []
+
+
+def require_vllm() -> None:
+    """Clear error when vLLM is not importable in this environment."""
+    issues = vllm_importable()
+    if issues:
+        raise ImportError(f"{KEY}: {issues[0].message}")
 
 
 def write_model_dir(model: torch.nn.Module, tokenizer: Any, dest: Path) -> Path:

@@ -1,0 +1,126 @@
+"""The local GRPO loop with ``jetrl.local.rollout_engine: vllm`` (real vLLM CPU engine, patched).
+
+Runs in the vLLM environment (scripts/test_vllm.sh). A 2-step run of the ``jetrl`` recipe at tiny
+sizes (1-operation problems, 2x2 samples, 3-step warm start): the engine serves the repo's 2-layer
+Llama from a run-local config + tokenizer directory, gets the trainer's weights by refit every
+step (parity check on), and its per-token logprobs are the run's ``generation_logprobs``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "configs" / "local"
+# 2 decoder layers x 7 FP8 projections x (FP8 weight + weight_scale_inv), read back bit for bit.
+PARITY_TENSORS = 28
+# |token_mult_prob_error - 1| of the vLLM rollout vs the HF trainer (jetrl): measured 0.02-0.04
+# on this model over a few steps (vLLM's attention and BF16 GEMM kernels are not HF's; the FP8
+# linears are bit-identical), so 0.05 leaves room without hiding a wrong-model or
+# wrong-temperature bug (those give errors of 2x and more).
+TMPE_BOUND = 0.05
+
+
+def _cfg(recipe: str, log_dir: Path, cache_dir: Path, *extra: str):
+    from nemo_jetrl.config import load_config
+
+    return load_config(
+        EXAMPLES / f"{recipe}.yaml",
+        [
+            "grpo.max_num_steps=2",
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=2",
+            "grpo.val_period=1",
+            "jetrl.local.task.num_ops=1",
+            "jetrl.local.task.val_size=4",
+            "jetrl.local.warmstart.steps=3",
+            "jetrl.local.warmstart.batch_size=8",
+            "jetrl.local.rollout_engine=vllm",
+            f"jetrl.local.cache_dir={cache_dir}",
+            f"logger.log_dir={log_dir}",
+            *extra,
+        ],
+    )
+
+
+def test_local_run_on_vllm_engine(tmp_path):
+    from nemo_jetrl.backends.local.loop import Hooks, run_local
+    from nemo_jetrl.vllm_patch.settings import ENV_VAR
+
+    runs, steps = [], []
+    hooks = Hooks(on_run=runs.append, after_step=lambda step, s: steps.append((step, dict(s))))
+    log_dir = tmp_path / "run"
+    res = run_local(
+        _cfg("jetrl", log_dir, tmp_path / "cache"), progress=False, hooks=hooks, log=print
+    )
+    assert res.last_step == 2 and [s for s, _ in steps] == [1, 2]
+    (run,) = runs
+    # the engine served the run-local model dir: config (with architectures) + tokenizer only
+    model_dir = log_dir / "vllm_model"
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLM"
+    ]
+    assert (model_dir / "tokenizer.json").is_file()
+    assert not list(model_dir.glob("*.safetensors"))
+    assert run.engine.refits == 3  # the first load + one per step
+    for step, s in steps:
+        bad = {k: v for k, v in s.items() if not math.isfinite(v)}
+        assert not bad, f"step {step}: non-finite metrics {bad}"
+        assert s["jetrl/local/refit_refused"] == 0.0
+        assert s["jetrl/local/vllm_parity_tensors"] == PARITY_TENSORS, step
+        tmpe = s["train/token_mult_prob_error"]
+        assert abs(tmpe - 1.0) < TMPE_BOUND, f"step {step}: token_mult_prob_error {tmpe}"
+        assert "validation/accuracy" in s
+        # the rollout's logprobs came from vLLM: close to the trainer's, but not its bits
+        rows = [
+            json.loads(line)
+            for line in (log_dir / f"train_data_step{step}.jsonl").read_text().splitlines()
+        ]
+        assert len(rows) == 4
+        gen, prev = [], []
+        for r in rows:
+            m = r["token_loss_mask"]
+            gen += [g for g, k in zip(r["generation_logprobs"], m, strict=True) if k]
+            prev += [p for p, k in zip(r["prev_logprobs"], m, strict=True) if k]
+        assert gen and all(math.isfinite(g) and g <= 0.0 for g in gen)
+        assert max(abs(g - p) for g, p in zip(gen, prev, strict=True)) < 0.5
+        assert gen != prev
+    assert list(log_dir.rglob("events.out.tfevents.*")), "no TensorBoard event file"
+    # closed at the end: engine gone, patch reverted, no engine process left
+    assert run.engine.closed
+    assert ENV_VAR not in os.environ
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "needle"),
+    [
+        ("jetrl_kv", (), "recipe 'jetrl_kv' uses an FP8 KV cache"),
+        ("fp8_rollout", (), "recipe 'fp8_rollout' runs FP8 rollout linears with vLLM's own"),
+        ("jetrl", ("jetrl.local.dtype=float32",), "set jetrl.local.dtype=bfloat16"),
+    ],
+)
+def test_recipes_the_cpu_engine_cannot_run_are_refused(tmp_path, recipe, extra, needle):
+    from nemo_jetrl.backends.local.loop import resolve_run
+    from nemo_jetrl.config import ConfigError
+
+    with pytest.raises(ConfigError) as ei:
+        resolve_run(_cfg(recipe, tmp_path, tmp_path, *extra))
+    msgs = [(i.path, i.message) for i in ei.value.issues]
+    assert any(p == "jetrl.local.rollout_engine" and needle in m for p, m in msgs), msgs
+
+
+def test_unknown_rollout_engine_names_key_and_choices(tmp_path):
+    from nemo_jetrl.backends.local.config import validate_local_config
+
+    (issue,) = validate_local_config({"rollout_engine": "sglang"})
+    assert issue.path == "jetrl.local.rollout_engine"
+    assert "'sglang'" in issue.message and "hf, vllm" in issue.message
