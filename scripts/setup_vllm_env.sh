@@ -78,8 +78,9 @@ with open(out, "w") as f:
 print(f"[setup_vllm_env] {len(kept)} requirements kept, left out: {', '.join(dropped)}")
 PY
 "${PIP[@]}" -r "$REQS"
-# 4. This repo, editable, with dev tools (registers the nemo_jetrl vLLM plugin entry point).
-"${PIP[@]}" -e "$REPO[dev]"
+# 4. This repo, editable, with dev tools and the local backend's extras (tensorboard, matplotlib:
+#    the local GRPO loop with rollout_engine=vllm runs here); registers the vLLM plugin entry point.
+"${PIP[@]}" -e "$REPO[dev,local]"
 
 # 5. Sanity: the CUDA media packages must be absent and vllm must import.
 for p in torchvision torchaudio torchcodec; do
