@@ -86,10 +86,10 @@ def test_local_run_on_vllm_engine(tmp_path):
         ]
         assert len(rows) == 4
         gen, prev = [], []
-        for r in rows:
-            m = r["token_loss_mask"]
-            gen += [g for g, k in zip(r["generation_logprobs"], m, strict=True) if k]
-            prev += [p for p, k in zip(r["prev_logprobs"], m, strict=True) if k]
+        for r in rows:  # NeMo-RL's layout: every field is a list with one entry per sample
+            m = r["token_loss_mask"][0]
+            gen += [g for g, k in zip(r["generation_logprobs"][0], m, strict=True) if k]
+            prev += [p for p, k in zip(r["prev_logprobs"][0], m, strict=True) if k]
         assert gen and all(math.isfinite(g) and g <= 0.0 for g in gen)
         assert max(abs(g - p) for g, p in zip(gen, prev, strict=True)) < 0.5
         assert gen != prev
