@@ -68,7 +68,8 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
             if layer is None:
                 continue
             param = getattr(layer, leaf)
-            widths = list(layer.logical_widths)
+            # FP8 layers record logical_widths; unquantized (BF16) ones only their partition sizes
+            widths = list(getattr(layer, "logical_widths", None) or layer.output_partition_sizes)
             i = shards.index(proj)
             start, rows = sum(widths[:i]), widths[i]
             if leaf == "weight_scale_inv":
