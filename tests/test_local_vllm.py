@@ -57,6 +57,7 @@ def test_local_run_on_vllm_engine(tmp_path, recipe):
     from nemo_jetrl.backends.local.loop import Hooks, run_local
     from nemo_jetrl.vllm_patch.settings import ENV_VAR
 
+    before = {p.pid for p in multiprocessing.active_children()}  # other modules' engines
     runs, steps = [], []
     hooks = Hooks(on_run=runs.append, after_step=lambda step, s: steps.append((step, dict(s))))
     log_dir = tmp_path / "run"
@@ -100,7 +101,11 @@ def test_local_run_on_vllm_engine(tmp_path, recipe):
     # closed at the end: engine gone, patch reverted, no engine process left
     assert run.engine.closed
     assert ENV_VAR not in os.environ
-    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+    left = [p for p in multiprocessing.active_children() if p.pid not in before]
+    for p in left:  # vLLM's shutdown sends SIGTERM and may return before the process is gone
+        p.join(timeout=30)
+    left = [p for p in left if p.is_alive()]
+    assert not left, f"engine processes still alive after the run: {left}"
 
 
 @pytest.mark.parametrize(

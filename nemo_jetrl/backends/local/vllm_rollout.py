@@ -106,7 +106,6 @@ def write_model_dir(model: torch.nn.Module, tokenizer: Any, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     config = model.config.__class__.from_dict(model.config.to_dict())
     config.architectures = [type(model).__name__]
-    config.torch_dtype = "bfloat16"
     config.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return dest
@@ -152,8 +151,8 @@ class VllmRollout:
         require_vllm()
         from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
 
-        for k, v in cpu_engine_env().items():
-            os.environ[k] = v  # read by vLLM's engine processes at start
+        self._env_set = cpu_engine_env()
+        os.environ.update(self._env_set)  # read by vLLM's engine processes; removed on close
         self.model_dir = write_model_dir(model, tokenizer, model_dir)
         kwargs = dict(
             dtype="bfloat16",
@@ -164,14 +163,19 @@ class VllmRollout:
             seed=seed,
             logprobs_mode="processed_logprobs",  # log softmax(logits / T), as the trainer
         )
-        self.engine: VllmRolloutEngine | None = VllmRolloutEngine(
-            self.model_dir,
-            recipe,
-            engine_kwargs=kwargs,
-            num_layers=model.config.num_hidden_layers,
-            initial_refit=False,
-        )
         self.refits = 0
+        self.engine: VllmRolloutEngine | None = None
+        try:
+            self.engine = VllmRolloutEngine(
+                self.model_dir,
+                recipe,
+                engine_kwargs=kwargs,
+                num_layers=model.config.num_hidden_layers,
+                initial_refit=False,
+            )
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -235,3 +239,7 @@ class VllmRollout:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        for k, v in self._env_set.items():
+            if os.environ.get(k) == v:
+                del os.environ[k]
+        self._env_set = {}
