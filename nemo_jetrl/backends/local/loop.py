@@ -495,7 +495,11 @@ def run_local(
         if latest is None:
             write(f"--resume: no checkpoint in {rs.resolved_checkpoint_dir()}; starting fresh")
         else:
-            run.restore(latest)
+            try:
+                run.restore(latest)
+            except BaseException:
+                run.close()  # a vLLM engine must not outlive a failed start
+                raise
             write(f"resumed from {latest} (step {run.step})")
     first = run.step
     writer = RunWriter(
