@@ -32,7 +32,10 @@ def _nemo_rl() -> bool:
 
 _TIERS = {
     "gpu": (_cuda, "needs a CUDA GPU (run scripts/run_gpu_tests.sh in the Docker image)"),
-    "vllm": (lambda: _has("vllm"), "needs vLLM (bash scripts/setup_vllm_env.sh, then scripts/test_vllm.sh)"),
+    "vllm": (
+        lambda: _has("vllm"),
+        "needs vLLM (bash scripts/setup_vllm_env.sh, then scripts/test_vllm.sh)",
+    ),
     "megatron": (lambda: _has("megatron.core"), "needs megatron-core (pip install '.[megatron]')"),
     "nemo_rl": (_nemo_rl, "needs NeMo-RL (run in the Docker image)"),
     "triton": (lambda: _has("triton"), "needs triton (pip install '.[triton]')"),

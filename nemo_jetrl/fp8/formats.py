@@ -43,5 +43,7 @@ def get_format(fmt: str | Fp8Format) -> Fp8Format:
 def grad_format(recipe_format: str) -> Fp8Format:
     """Format of gradients under a recipe format: E5M2 for ``hybrid``, else E4M3."""
     if recipe_format not in RECIPE_FORMATS:
-        raise ValueError(f"unknown FP8 recipe format {recipe_format!r}: use one of {RECIPE_FORMATS}")
+        raise ValueError(
+            f"unknown FP8 recipe format {recipe_format!r}: use one of {RECIPE_FORMATS}"
+        )
     return E5M2 if recipe_format == "hybrid" else E4M3
