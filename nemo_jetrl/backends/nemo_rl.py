@@ -73,7 +73,7 @@ def missing_message(missing: Sequence[str]) -> str:
         "  docker build -f docker/Dockerfile -t nemo-jetrl:latest .\n"
         "  docker run --gpus all --rm -it -v $PWD:/workspace nemo-jetrl:latest \\\n"
         "    jetrl train CONFIG --backend nemo-rl\n"
-        "(on SLURM: slurm/jetrl.sub, see docs/cluster.md). On a machine without GPUs use "
+        "(on SLURM: slurm/launch.sh, see docs/cluster.md). On a machine without GPUs use "
         "--backend local."
     )
 
