@@ -97,6 +97,14 @@ def test_off_policy_refused_unless_allowed():
     assert p.plan.master_config["policy"]["megatron_cfg"]["fp8_cfg"]["enabled"] is False
 
 
+def test_fp32_weight_scales_warn_about_nemo_rl_refit_quantizer():
+    p = nr.prepare(str(CONFIGS / "nemo_rl_fp8_e2e.yaml"), ["jetrl.vllm_patch=true"])
+    assert any("pow2_weight_scaling_factors=true" in w for w in p.warnings)
+    assert not any(
+        "pow2_weight_scaling_factors" in w for w in nr.prepare(str(QWEN / "jetrl.yaml")).warnings
+    )
+
+
 def test_invalid_config_is_a_user_error():
     with pytest.raises(UserError, match="invalid config"):
         nr.prepare(str(QWEN / "jetrl.yaml"), ["policy.generation.vllm_cfg.precision=fp9"])

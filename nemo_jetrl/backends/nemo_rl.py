@@ -36,6 +36,7 @@ from nemo_jetrl.backends.nemo_rl_translate import (
     TranslationError,
     translate,
 )
+from nemo_jetrl.megatron.config import FP32_SCALES_ENV
 
 VLLM_WORKER = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
 # Modules the backend needs in the driver process, with what each is for.
@@ -126,6 +127,16 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
         )
     if not check.on_policy:
         notes.append(f"running off-policy recipe {recipe.name!r} (jetrl.allow_off_policy=true)")
+    if recipe.rollout.fp8_linears and not recipe.rollout.pow2_weight_scales:
+        # NeMo-RL's refit streams BF16 weights and quantizes them inside vLLM with its own code;
+        # measured against TE's formula it agrees bit for bit with power-of-two scales only.
+        notes.append(
+            "FP32 weight scales on the NeMo-RL backend: NeMo-RL's refit quantizes weights inside "
+            "vLLM with its own code, which differed from TE's formula on 1-1,194 FP8 bytes per "
+            "million in our CPU measurement (0 with power-of-two scales). For bit-identical "
+            "weights use policy.generation.vllm_cfg.pow2_weight_scaling_factors=true with "
+            f"policy.megatron_cfg.env_vars.{FP32_SCALES_ENV}='0'."
+        )
     container = OmegaConf.to_container(conf, resolve=True)
     assert isinstance(container, dict)
     try:
