@@ -16,41 +16,22 @@ import torch
 
 pytest.importorskip("transformers")
 
+from local_configs import EXAMPLES, tiny_cfg
+
 from nemo_jetrl.backends.local import checkpoint as ckpt
 from nemo_jetrl.backends.local.config import LocalSettings, validate_local_config
 from nemo_jetrl.backends.local.loop import Hooks, LocalRun, run_local
 from nemo_jetrl.backends.local.refit import RefitRefused, export_weights, refit
 from nemo_jetrl.backends.local.task import TaskConfig, make_problem, score
-from nemo_jetrl.config import ConfigError, load_config
+from nemo_jetrl.config import ConfigError
 from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8InferenceLinear, fp8_bits, quantize_blockwise
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples" / "configs" / "local"
 RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jetrl_cache")
-
-
-def tiny_cfg(recipe: str, log_dir: Path, cache_dir: Path, *extra: str):
-    return load_config(
-        EXAMPLES / f"{recipe}.yaml",
-        [
-            "grpo.max_num_steps=2",
-            "grpo.num_prompts_per_step=2",
-            "grpo.num_generations_per_prompt=2",
-            "grpo.val_period=1",
-            "jetrl.local.task.num_ops=1",
-            "jetrl.local.task.val_size=4",
-            "jetrl.local.warmstart.steps=3",
-            "jetrl.local.warmstart.batch_size=8",
-            f"jetrl.local.cache_dir={cache_dir}",
-            f"logger.log_dir={log_dir}",
-            *extra,
-        ],
-    )
 
 
 def _no_timing(h: dict) -> dict:

@@ -15,11 +15,10 @@ import os
 from pathlib import Path
 
 import pytest
+from local_configs import tiny_cfg
 
 pytestmark = pytest.mark.vllm
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples" / "configs" / "local"
 # FP8 tensors read back bit for bit per refit: jetrl: 2 decoder layers x 7 projections x (FP8
 # weight + weight_scale_inv); bf16: none (its refit still goes through the vLLM guards).
 PARITY_TENSORS = {"jetrl": 28, "bf16": 0}
@@ -31,25 +30,7 @@ TMPE_BOUND = 0.03
 
 
 def _cfg(recipe: str, log_dir: Path, cache_dir: Path, *extra: str):
-    from nemo_jetrl.config import load_config
-
-    return load_config(
-        EXAMPLES / f"{recipe}.yaml",
-        [
-            "grpo.max_num_steps=2",
-            "grpo.num_prompts_per_step=2",
-            "grpo.num_generations_per_prompt=2",
-            "grpo.val_period=1",
-            "jetrl.local.task.num_ops=1",
-            "jetrl.local.task.val_size=4",
-            "jetrl.local.warmstart.steps=3",
-            "jetrl.local.warmstart.batch_size=8",
-            "jetrl.local.rollout_engine=vllm",
-            f"jetrl.local.cache_dir={cache_dir}",
-            f"logger.log_dir={log_dir}",
-            *extra,
-        ],
-    )
+    return tiny_cfg(recipe, log_dir, cache_dir, "jetrl.local.rollout_engine=vllm", *extra)
 
 
 @pytest.mark.parametrize("recipe", ["jetrl", "bf16"])
