@@ -42,7 +42,8 @@ def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, mo
             llm = LLM(model=str(tmp_path), **ek.kwargs)
             try:
                 report = refit_from_checkpoint(llm, tmp_path, recipe)
-                assert report.parity is not None and report.parity.compared == 28
+                assert report.parity is not None and report.parity.fp8 == 28
+                assert report.parity.compared == 28 + 7 and report.parity.through_kernel == 2
                 kernels = llm.collective_rpc("jetrl_kernels")[0]
                 assert {k for n, k in kernels.items() if n.startswith("model.layers.")} == {
                     "JetRLFp8BlockLinearKernel"

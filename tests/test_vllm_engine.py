@@ -196,7 +196,9 @@ def test_two_refits_change_outputs_and_pass_parity(engine, recipe):
     for seed in (1, 2):
         sd = _hf_model(seed).state_dict()
         report = refit(llm, sd, recipe)
-        assert report.parity is not None and report.parity.compared == 2 * 14
+        assert report.parity is not None and report.parity.fp8 == 2 * 14
+        assert report.parity.compared == 2 * 14 + 7  # + embed, 4 norms, final norm, lm_head
+        assert report.parity.through_kernel == 2  # embed_tokens and lm_head (vLLM GEMM path)
         assert report.parity.differing == ()
         results.append(_token_logprobs(_generate(llm)))
     assert results[0] != results[1], "different weights must change the outputs"
@@ -208,6 +210,9 @@ def test_two_refits_change_outputs_and_pass_parity(engine, recipe):
     msg = str(ei.value)
     assert "model.layers.0.self_attn.q_proj.weight (" in msg
     assert "model.layers.1.mlp.down_proj.weight (" in msg
+    # BF16 tensors too: lm_head both as a parameter and through the GEMM vLLM runs it with.
+    assert "lm_head.weight (" in msg and "lm_head.weight (through the layer's GEMM:" in msg
+    assert "model.embed_tokens.weight (" in msg and "model.norm.weight" not in msg
     # (pow2 scales of two random inits of the same distribution coincide, so scales may match)
 
 

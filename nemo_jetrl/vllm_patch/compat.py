@@ -19,6 +19,17 @@ the same in shape but differ in a few details, which are handled here and nowher
   keeps ``_k/_v_scale_cpu`` tensors; 0.20 and 0.25 instead have ``calculate_kv_scales``, a flag
   that makes the first forward *overwrite* the scales from that batch's amax. ``set_attention_kv_scales``
   writes every copy the running version has and switches that flag off, so calibrated scales stay.
+* **Weight reload.** vLLM derives state from a linear layer's parameters after loading
+  (``process_weights_after_loading``). On its CPU build, unquantized (BF16/FP32) linears are
+  repacked for oneDNN (x86 with AVX-512, and any x86 for FP32 weights), for the AMX "SGL" kernel
+  or for zentorch: the layer's ``weight`` is replaced by an empty tensor and the GEMM reads a
+  packed copy; ``lm_head`` keeps its parameter *and* a packed copy. Copying new values into the
+  parameters would leave the packed copies stale. ``reload_weights`` goes through vLLM's own
+  layerwise reload (``vllm.model_executor.model_loader.reload``, 0.20 and 0.32): parameters are
+  restored to their checkpoint shapes, loaded, processed again (repacked), then copied back into
+  the original storage, so parameter identity is kept and every derived copy is rebuilt.
+* **What this CPU can run** (``cpu_fp8_kv_cache``, ``cpu_vllm_block_fp8_kernels``): the answers
+  come from vLLM's own code (its CPU attention's ISA choice, its kernels' ``is_supported``).
 * **KV cache dtype actually used.** vLLM 0.25/0.32's CPU backend refuses an FP8 KV cache it cannot
   run (an error at start); 0.20's CPU platform silently falls back to the model dtype. A rollout with
   a BF16 KV cache while the trainer models FP8 KV is off-policy, so ``engine_kv_cache_dtype``
@@ -185,9 +196,98 @@ def set_attention_kv_scales(module: torch.nn.Module, scales: dict[str, float]) -
 # -- engine introspection ---------------------------------------------------------------------
 
 
+def engine_model_dtype(llm: Any) -> torch.dtype:
+    """The dtype the engine serves the model in (after resolving ``dtype='auto'``)."""
+    return llm.llm_engine.vllm_config.model_config.dtype
+
+
 def engine_kv_cache_dtype(llm: Any) -> str:
     """The KV cache dtype the engine really uses (after platform fallbacks), e.g. 'auto'/'fp8'."""
     return str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
+
+
+# -- weight reload ----------------------------------------------------------------------------
+
+
+def reload_weights(model: torch.nn.Module, model_config: Any, weights: Any) -> set[str]:
+    """Load ``(name, tensor)`` pairs through vLLM's layerwise reload; returns the loaded names.
+
+    Every layer that receives weights is rebuilt as at first load (checkpoint-shaped parameters,
+    the model's ``load_weights`` routing, ``process_weights_after_loading``), then its processed
+    tensors are copied into the original parameters and buffers (same objects and storage).
+    Layers that receive nothing keep their tensors. See the module docstring for why.
+    """
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    with torch.no_grad():
+        initialize_layerwise_reload(model)
+        try:
+            loaded = model.load_weights(weights)
+        finally:
+            finalize_layerwise_reload(model, model_config)
+    return set(loaded or ())
+
+
+def weight_was_repacked(layer: torch.nn.Module) -> bool:
+    """True if vLLM replaced a loaded linear's ``weight`` by an empty tensor because its GEMM
+    reads a packed copy (CPU oneDNN / AMX / zentorch dispatch with ``remove_weight=True``)."""
+    w = getattr(layer, "weight", None)
+    return isinstance(w, torch.Tensor) and w.numel() == 0
+
+
+# -- what this CPU can run --------------------------------------------------------------------
+
+
+def cpu_fp8_kv_cache(head_size: int | None = None, version: str | None = None) -> tuple[bool, str]:
+    """(can vLLM's CPU backend run an FP8 KV cache here, why), asked of vLLM's own code.
+
+    vLLM 0.20's CPU platform has none (it falls back to the model dtype). From 0.25 on, its CPU
+    attention (``cpu_attn._get_attn_isa``) runs one on x86 with AVX-512 or AMX, and refuses
+    head sizes that are multiples of 16 but not of 32.
+    """
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if release(version) < (0, 21, 0):
+        return False, (
+            f"vLLM {version}'s CPU platform has no FP8 KV cache (it falls back to the model "
+            "dtype); vLLM >= 0.25 runs one on x86 CPUs with AVX-512 or AMX"
+        )
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(torch.bfloat16, 32, head_size, "fp8")
+    except NotImplementedError as exc:
+        return False, f"vLLM {version}'s CPU attention: {exc}"
+    except (ImportError, TypeError) as exc:
+        raise RuntimeError(
+            f"cannot ask vLLM {version}'s CPU attention whether it runs an FP8 KV cache "
+            f"({exc}); nemo_jetrl supports vLLM {supported_range()}"
+        ) from exc
+    return True, f"vLLM {version}'s CPU attention runs an FP8 KV cache here (ISA {isa!r})"
+
+
+def cpu_vllm_block_fp8_kernels(marker: str) -> tuple[bool, str]:
+    """(does vLLM have a block-FP8 linear kernel of its own for this CPU, why).
+
+    Asks each kernel class in vLLM's registry for this platform (ours, carrying ``marker``,
+    excluded) through its own ``is_supported()``.
+    """
+    reasons = []
+    for cls in fp8_block_registry().get(current_platform_key(), []):
+        if getattr(cls, marker, False):
+            continue
+        ok, why = cls.is_supported()
+        if ok:
+            return True, f"vLLM's {cls.__name__} runs here"
+        reasons.append(f"{cls.__name__}: {why}")
+    return False, "vLLM has no block-FP8 CPU kernel for this CPU (" + (
+        "; ".join(reasons) or "none registered"
+    ) + ")"
 
 
 # -- CPU build environment --------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 One refit does, in order (nothing is sent unless every check before it passed):
 
-1. KV scales (optional) are validated first: every attention layer named, each q/k/v scale a
-   finite number > 0, and the recipe's KV cache must be FP8. Invalid scales refuse the whole
-   refit and the engine keeps its previous weights and scales.
+1. KV scales (optional) are validated first: each q/k/v scale a finite number > 0, every layer
+   named one the engine has, and the recipe's KV cache must be FP8. Invalid scales refuse the
+   whole refit before any weight is sent: the engine keeps its previous weights and scales.
 2. ``quantize_state_dict``: every linear weight the recipe runs in FP8 is quantized with
    ``quantize_blockwise(w, (128, 128))`` in the recipe's scale mode, the same call the trainer's
    FP8 forward uses, giving the FP8 ``weight`` and fp32 ``weight_scale_inv`` vLLM stores. Other
@@ -13,11 +13,16 @@ One refit does, in order (nothing is sent unless every check before it passed):
    (they must be in the BF16 set on both sides).
 3. Shape guard: each tensor's shape and dtype is compared with the engine's parameter slice it
    will land in; all mismatches are reported together, naming the layers.
-4. Load: the model's own ``load_weights`` copies into the existing parameters (parameter identity
-   is checked: a refit that replaced a parameter object is an error). No requantization happens
-   in vLLM: FP8 bytes and scales are copied as they are.
-5. Parity (on by default): the engine's FP8 bytes and scales are read back through an independent
-   path and compared bit for bit with what the trainer quantized; any differing layer is named.
+4. Load through vLLM's own layerwise reload (``compat.reload_weights``): the model's
+   ``load_weights`` routes each tensor, every layer's ``process_weights_after_loading`` runs again
+   (what vLLM derives from a weight, such as the CPU build's packed GEMM copies, is rebuilt), and
+   the result lands in the existing parameters (parameter identity is checked: a refit that
+   replaced a parameter object is an error). FP8 bytes and scales are not requantized.
+5. Parity (on by default): every tensor is read back through paths independent of the loader and
+   compared with what the trainer sent: FP8 weights and scales byte for byte, other tensors
+   byte for byte where the parameter holds them, and unquantized linear weights also *through the
+   layer's GEMM* (identity rows in, ``W^T`` out), so a stale derived copy cannot pass. Any
+   differing tensor is named.
 
 Tensors cross to the worker processes through ``LLM.collective_rpc`` (FP8 as uint8 bytes), which
 is fine for small models and CPU tests; large GPU models go through NeMo-RL's own transport,
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.fp8 import quantize_blockwise
+from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.settings import (
     ATTN_PROJS,
     MLP_PROJS,
@@ -74,7 +80,11 @@ class QuantizedStateDict:
 @dataclass(frozen=True)
 class ParityReport:
     compared: int
-    """Number of tensors (FP8 weights and scales) compared bit for bit."""
+    """Tensors compared (every tensor the refit sent)."""
+    fp8: int
+    """Of those, FP8 weights and their scales (compared byte for byte)."""
+    through_kernel: int
+    """Unquantized linear weights also read back through the layer's own GEMM."""
     differing: tuple[str, ...]
     """Names of tensors whose bits differ (empty when parity holds)."""
 
@@ -182,16 +192,21 @@ def normalize_kv_scales(
     return out
 
 
-def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tuple[str, ...]:
-    """Send validated q/k/v scales to every worker (all-or-nothing per worker)."""
-    scales = normalize_kv_scales(kv_scales)
+def check_kv_layers(llm: Any, scales: Mapping[str, Any]) -> None:
+    """Refuse scales for attention layers the engine does not have (nothing is changed)."""
     known = llm.collective_rpc("jetrl_kv_scales")[0]
     unknown = sorted(set(scales) - set(known))
     if unknown:
         raise RefitError(
-            f"KV scales refused, previous scales kept: unknown attention layers {unknown} "
-            f"(the engine has {sorted(known)})"
+            f"KV scales refused, previous weights and scales kept: unknown attention layers "
+            f"{unknown} (the engine has {sorted(known)})"
         )
+
+
+def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tuple[str, ...]:
+    """Send validated q/k/v scales to every worker (all-or-nothing per worker)."""
+    scales = normalize_kv_scales(kv_scales)
+    check_kv_layers(llm, scales)
     results = llm.collective_rpc("jetrl_set_kv_scales", args=(scales,))
     return tuple(results[0])
 
@@ -226,27 +241,54 @@ def guard_shapes(llm: Any, qsd: QuantizedStateDict) -> None:
         raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
 
 
-def check_parity(llm: Any, qsd: QuantizedStateDict) -> ParityReport:
-    """Read the engine's FP8 weights and scales back; compare bit for bit (raise ParityError)."""
-    names = qsd.fp8_names()
-    back = unpack(llm.collective_rpc("jetrl_read_back", args=(names,))[0])
-    differing = []
-    for name in names:
-        got = back[name]
-        want = qsd.tensors[name]
-        if got.dtype != want.dtype or got.shape != want.shape:
-            differing.append(f"{name} (engine {got.dtype} {tuple(got.shape)})")
-            continue
+def _differ(got: torch.Tensor, want: torch.Tensor, *, bytewise: bool) -> str | None:
+    """None if equal, else how they differ (bytewise: raw bytes; else values, so +0 == -0)."""
+    if got.shape != want.shape:
+        return f"engine {got.dtype} {tuple(got.shape)}, trainer {tuple(want.shape)}"
+    if bytewise:
+        if got.dtype != want.dtype:
+            want = want.to(got.dtype)  # what vLLM's loader's copy_ makes of it
         gb, wb = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
         n = int((gb != wb).sum())
-        if n:
-            differing.append(f"{name} ({n} of {wb.numel()} bytes differ)")
+        return f"{n} of {wb.numel()} bytes differ" if n else None
+    n = int((got != want.to(got.dtype)).sum())
+    return f"{n} of {got.numel()} values differ" if n else None
+
+
+def check_parity(llm: Any, qsd: QuantizedStateDict) -> ParityReport:
+    """Read every sent tensor back from the engine; compare (raise ParityError naming them)."""
+    fp8_names = qsd.fp8_names()
+    other = [n for n in qsd.tensors if n not in set(fp8_names)]
+    back = unpack(llm.collective_rpc("jetrl_read_back", args=(fp8_names,))[0])
+    back.update(unpack(llm.collective_rpc("jetrl_read_back", args=(other, True))[0]))
+    differing = []
+    for name in fp8_names:
+        want = qsd.tensors[name]
+        got = back.get(name)
+        if got is None or got.dtype != want.dtype:
+            differing.append(f"{name} (engine holds {None if got is None else got.dtype})")
+        elif (why := _differ(got, want, bytewise=True)) is not None:
+            differing.append(f"{name} ({why})")
+    kernel_views = 0
+    for name in other:
+        want = qsd.tensors[name]
+        views = [(v, back[k]) for v, k in (("", name), ("kernel", f"{name}|kernel")) if k in back]
+        if not views:
+            differing.append(f"{name} (the engine has no readable copy of it)")
+        for view, got in views:
+            kernel_views += view == "kernel"
+            why = _differ(got, want, bytewise=view == "")
+            if why is not None:
+                label = "through the layer's GEMM: " if view else ""
+                differing.append(f"{name} ({label}{why})")
     if differing:
         raise ParityError(
-            "refit parity check failed: the engine's FP8 weights/scales differ from the trainer's "
-            "quantization in:\n  - " + "\n  - ".join(differing)
+            "refit parity check failed: the engine computes with tensors that differ from what "
+            "the trainer sent in:\n  - " + "\n  - ".join(differing)
         )
-    return ParityReport(compared=len(names), differing=())
+    return ParityReport(
+        compared=len(qsd.tensors), fp8=len(fp8_names), through_kernel=kernel_views, differing=()
+    )
 
 
 def refit(
@@ -256,11 +298,16 @@ def refit(
     *,
     kv_scales: Mapping[Any, Mapping[str, float]] | None = None,
     parity: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
 ) -> RefitReport:
-    """Quantize, guard, load into ``llm`` (a ``vllm.LLM`` started with our engine kwargs)."""
+    """Quantize, guard, load into ``llm`` (a ``vllm.LLM`` started with our engine kwargs).
+
+    ``dtype``: what non-FP8 tensors are sent as; default: the dtype the engine serves in.
+    """
     t0 = time.perf_counter()
     settings = settings_from_recipe(recipe)
+    if dtype is None:
+        dtype = compat.engine_model_dtype(llm)
     scales = None
     if kv_scales is not None:
         if not settings.fp8_kv_cache:
@@ -269,6 +316,7 @@ def refit(
                 "vLLM ignores them for a BF16 KV cache. Set kv_cache_dtype fp8 or drop kv_scales"
             )
         scales = normalize_kv_scales(kv_scales)
+        check_kv_layers(llm, scales)
     qsd = quantize_state_dict(state_dict, settings, dtype=dtype)
     guard_shapes(llm, qsd)
     results = llm.collective_rpc("jetrl_load_weights", args=(pack(qsd.tensors),))

@@ -3,17 +3,24 @@
 vLLM mixes this class into its worker class in each worker process, so ``self`` is the worker
 and ``self.model_runner.model`` the model. Names start with ``jetrl_`` to avoid clashes.
 
-* ``jetrl_load_weights``: hands (HF name, tensor) pairs to the model's own ``load_weights``,
-  which routes q/k/v and gate/up into the fused vLLM parameters and copies into them in place.
-  FP8 tensors arrive already quantized (``weight`` FP8 + ``weight_scale_inv`` fp32), so the copy
-  is exact and nothing is requantized; parameter identity is checked before/after.
-* ``jetrl_read_back``: the engine's current bytes for given HF names, sliced out of the fused
-  parameters with the model's ``packed_modules_mapping`` and each layer's ``logical_widths`` (an
-  independent path from the loader, so a misrouted load shows up in the parity check).
+* ``jetrl_load_weights``: hands (HF name, tensor) pairs to vLLM's own layerwise reload
+  (``compat.reload_weights``): the model's ``load_weights`` routes q/k/v and gate/up into the
+  fused parameters, each layer's ``process_weights_after_loading`` runs again (so what vLLM
+  derives from a weight, e.g. the CPU build's packed GEMM copies, is rebuilt), and the results
+  land in the original parameter storage. FP8 tensors arrive already quantized (``weight`` FP8 +
+  ``weight_scale_inv`` fp32), so nothing is requantized; parameter identity is checked.
+* ``jetrl_read_back``: what the engine computes with, for given HF names, through two
+  independent paths from the loader: the parameter bytes (sliced out of fused parameters with the
+  model's ``packed_modules_mapping`` and each layer's ``logical_widths``), and, for unquantized
+  linear layers, the weight *as the layer's GEMM sees it*: the layer's own ``quant_method.apply``
+  on identity rows, ``I @ W^T = W^T`` (every output is one product ``1 * w`` plus zeros, exact in
+  any kernel that accumulates in at least the weight's precision). A packed copy left stale by a
+  load shows up there even though the parameter looks right.
 * ``jetrl_set_kv_scales`` / ``jetrl_kv_scales``: per-layer q/k/v scales on the attention layers
   (vLLM convention: the dequantization multiplier, k_fp8 = k / k_scale), all-or-nothing.
 * ``jetrl_capture`` / ``jetrl_captured``: record what enters our FP8 GEMM (eager mode).
-* ``jetrl_kernels``: which kernel class each linear layer runs.
+* ``jetrl_kernels``: which kernel class each linear layer runs; ``jetrl_repacked``: which
+  unquantized linears vLLM repacked (their ``weight`` parameter is empty).
 """
 
 from __future__ import annotations
@@ -56,7 +63,10 @@ def _attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Tensor, int, int]:
-    """(vLLM param name, param, row start, row count) holding the HF tensor ``hf_name``."""
+    """(vLLM param name, param, row start, row count) holding the HF tensor ``hf_name``.
+
+    A repacked weight (empty parameter, see ``compat.weight_was_repacked``) still gets its
+    checkpoint row range; ``checkpoint_shape`` gives its full shape."""
     module_path, _, leaf = hf_name.rpartition(".")
     parent, _, proj = module_path.rpartition(".")
     packed = getattr(model, "packed_modules_mapping", {}) or {}
@@ -87,12 +97,64 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
         vocab = getattr(modules.get(module_path), "org_vocab_size", None)
         if leaf == "weight" and isinstance(vocab, int) and p.dim() and vocab < p.shape[0]:
             return hf_name, p, 0, vocab
+        if compat.weight_was_repacked(modules.get(module_path)) and leaf == "weight":
+            return hf_name, p, 0, checkpoint_shape(modules[module_path])[0]
         return hf_name, p, 0, p.shape[0] if p.dim() else 0
     layer = modules.get(module_path)
     if layer is not None and isinstance(getattr(layer, leaf, None), torch.Tensor):
         p = getattr(layer, leaf)
         return hf_name, p, 0, p.shape[0] if p.dim() else 0
     raise KeyError(f"{hf_name}: no such parameter in the vLLM model")
+
+
+def checkpoint_shape(layer: torch.nn.Module) -> tuple[int, int]:
+    """(rows, cols) of an unquantized linear's weight as loaded, whether or not vLLM repacked it."""
+    rows = getattr(layer, "output_size_per_partition", None)
+    cols = getattr(layer, "input_size_per_partition", None)
+    if rows is None:  # vocab-parallel embedding / lm_head
+        rows = getattr(layer, "num_embeddings_per_partition", None)
+        cols = getattr(layer, "embedding_dim", None)
+    if rows is None or cols is None:
+        raise KeyError(f"{type(layer).__name__}: unknown weight shape")
+    return int(rows), int(cols)
+
+
+def _weight_param_shape(layer: torch.nn.Module, p: torch.Tensor) -> tuple[int, ...]:
+    if compat.weight_was_repacked(layer):
+        return checkpoint_shape(layer)
+    return tuple(p.shape)
+
+
+# Identity rows per probe call: bounds the probe's memory to PROBE_ROWS x out_features.
+PROBE_ROWS = 256
+
+
+def weight_through_kernel(
+    layer: torch.nn.Module, start: int, rows: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows ``start:start+rows`` of an unquantized layer's weight, as its GEMM computes with it:
+    ``quant_method.apply(layer, I)`` gives ``W^T`` exactly (see the module docstring)."""
+    qm = layer.quant_method
+    _, cols = checkpoint_shape(layer)
+    device = next((t.device for t in layer.parameters() if t.numel()), torch.device("cpu"))
+    out = torch.empty(rows, cols, dtype=dtype)
+    for c0 in range(0, cols, PROBE_ROWS):
+        c1 = min(cols, c0 + PROBE_ROWS)
+        eye = torch.zeros(c1 - c0, cols, dtype=dtype, device=device)
+        eye[:, c0:c1] = torch.eye(c1 - c0, dtype=dtype, device=device)
+        y = qm.apply(layer, eye)  # [c1 - c0, out_features] = W[:, c0:c1]^T
+        out[:, c0:c1] = y[:, start : start + rows].t().to("cpu")
+    return out
+
+
+def _is_unquantized_linear(layer: torch.nn.Module | None) -> bool:
+    qm = getattr(layer, "quant_method", None)
+    return (
+        qm is not None
+        and hasattr(qm, "apply")
+        and not hasattr(layer, "weight_scale_inv")  # block-FP8 layers: bytes are read directly
+        and isinstance(getattr(layer, "weight", None), torch.Tensor)
+    )
 
 
 class JetRLWorkerExtension:
@@ -107,8 +169,10 @@ class JetRLWorkerExtension:
         out: dict[str, Any] = {}
         for name in hf_names:
             try:
-                _, p, _, rows = resolve_hf_name(model, name)
-                shape = (rows, *p.shape[1:]) if p.dim() else ()
+                vname, p, _, rows = resolve_hf_name(model, name)
+                layer = model.get_submodule(vname.rpartition(".")[0])
+                full = _weight_param_shape(layer, p) if vname.endswith(".weight") else p.shape
+                shape = (rows, *full[1:]) if len(full) else ()
                 out[name] = (tuple(shape), str(p.dtype))
             except (KeyError, AttributeError) as exc:
                 out[name] = str(exc)
@@ -118,21 +182,35 @@ class JetRLWorkerExtension:
         """Load a ``pack``ed {HF name: tensor} blob in place; report names and identity."""
         model = _model(self)
         before = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
-        loaded = model.load_weights(iter(unpack(blob).items()))
+        loaded = compat.reload_weights(
+            model,
+            self.vllm_config.model_config,  # type: ignore[attr-defined]
+            iter(unpack(blob).items()),
+        )
         after = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
         moved = sorted(n for n in before if after.get(n) != before[n])
         return {"loaded": sorted(loaded or []), "moved": moved}
 
-    def jetrl_read_back(self, hf_names: list[str]) -> bytes:
-        """The engine's tensors for ``hf_names`` as a ``pack``ed blob."""
+    def jetrl_read_back(self, hf_names: list[str], through_kernel: bool = False) -> bytes:
+        """The engine's tensors for ``hf_names`` as a ``pack``ed blob: ``name`` -> parameter
+        bytes (absent where vLLM repacked the weight), and with ``through_kernel`` also
+        ``name|kernel`` -> the weight as an unquantized linear's GEMM sees it."""
         if self.jetrl_tp_size() != 1:
             raise NotImplementedError("jetrl_read_back supports tensor_parallel_size=1 only")
         model = _model(self)
         out = {}
         for name in hf_names:
-            _, p, start, rows = resolve_hf_name(model, name)
-            t = p.data if p.dim() == 0 else p.data[start : start + rows]
-            out[name] = t.detach().clone().cpu()
+            vname, p, start, rows = resolve_hf_name(model, name)
+            layer = model.get_submodule(vname.rpartition(".")[0])
+            leaf = vname.rpartition(".")[2]
+            if leaf == "weight" and compat.weight_was_repacked(layer):
+                pass  # no parameter bytes to read: only the kernel view exists
+            else:
+                t = p.data if p.dim() == 0 else p.data[start : start + rows]
+                out[name] = t.detach().clone().cpu()
+            if through_kernel and leaf == "weight" and _is_unquantized_linear(layer):
+                dtype = p.dtype if p.numel() else self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
+                out[f"{name}|kernel"] = weight_through_kernel(layer, start, rows, dtype)
         return pack(out)
 
     def jetrl_kv_scales(self) -> dict[str, dict[str, float]]:
@@ -189,3 +267,11 @@ class JetRLWorkerExtension:
             kernel = getattr(qm, "fp8_linear", None)
             out[name] = type(kernel).__name__ if kernel is not None else type(qm).__name__
         return out
+
+    def jetrl_repacked(self) -> list[str]:
+        """Unquantized linear layers whose weight vLLM replaced by a packed copy (CPU build)."""
+        return sorted(
+            name
+            for name, m in _model(self).named_modules()
+            if _is_unquantized_linear(m) and compat.weight_was_repacked(m)
+        )

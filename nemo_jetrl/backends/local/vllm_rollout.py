@@ -130,7 +130,9 @@ class EngineRefit:
 
     fp8_layers: int
     parity_compared: int
-    """FP8 tensors (weights and scales) read back from the engine and found bit-identical."""
+    """Tensors read back from the engine and found identical to what the trainer sent (FP8
+    weights and scales byte for byte; other tensors from their parameter and, for linears,
+    through their GEMM)."""
     seconds: float
 
 
