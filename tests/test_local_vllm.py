@@ -19,9 +19,9 @@ from local_configs import tiny_cfg
 
 pytestmark = pytest.mark.vllm
 
-# FP8 tensors read back bit for bit per refit: jetrl: 2 decoder layers x 7 projections x (FP8
-# weight + weight_scale_inv); bf16: none (its refit still goes through the vLLM guards).
-PARITY_TENSORS = {"jetrl": 28, "bf16": 0}
+# Tensors read back per refit: every tensor sent; jetrl adds one weight_scale_inv per FP8
+# projection (2 decoder layers x 7 projections).
+EXTRA_SCALE_TENSORS = {"jetrl": 14, "bf16": 0, "jetrl_kv": 14}
 # |token_mult_prob_error - 1| of the vLLM rollout vs the HF trainer on this tiny run: measured
 # 0.0094-0.0101 (jetrl) and 0.0016-0.0024 (bf16) (vLLM's CPU attention and BF16 GEMMs are not
 # HF's eager kernels; the FP8 weights are bit-identical). 0.03 is 3x the worst measured and still
@@ -35,7 +35,32 @@ def _cfg(recipe: str, log_dir: Path, cache_dir: Path, *extra: str):
 
 @pytest.mark.parametrize("recipe", ["jetrl", "bf16"])
 def test_local_run_on_vllm_engine(tmp_path, recipe):
+    _run_on_vllm_engine(tmp_path, recipe)
+
+
+def test_jetrl_kv_on_the_vllm_engine_where_vllm_runs_fp8_kv_here(tmp_path):
+    """jetrl_kv end to end where the installed vLLM runs an FP8 KV cache on this CPU (0.25+ on
+    AVX-512/AMX); elsewhere the config is refused before anything starts, with vLLM's reason."""
+    from nemo_jetrl.backends.local.loop import resolve_run
+    from nemo_jetrl.config import ConfigError
+    from nemo_jetrl.vllm_patch.compat import cpu_fp8_kv_cache
+
+    ok, why = cpu_fp8_kv_cache()
+    if ok:
+        _run_on_vllm_engine(tmp_path, "jetrl_kv")
+        return
+    with pytest.raises(ConfigError) as ei:
+        resolve_run(_cfg("jetrl_kv", tmp_path, tmp_path))
+    msgs = [(i.path, i.message) for i in ei.value.issues]
+    assert any(
+        p == "jetrl.local.rollout_engine" and "uses an FP8 KV cache" in m and why in m
+        for p, m in msgs
+    ), msgs
+
+
+def _run_on_vllm_engine(tmp_path, recipe):
     from nemo_jetrl.backends.local.loop import Hooks, run_local
+    from nemo_jetrl.backends.local.refit import export_weights
     from nemo_jetrl.vllm_patch.settings import ENV_VAR
 
     before = {p.pid for p in multiprocessing.active_children()}  # other modules' engines
@@ -47,6 +72,7 @@ def test_local_run_on_vllm_engine(tmp_path, recipe):
     )
     assert res.last_step == 2 and [s for s, _ in steps] == [1, 2]
     (run,) = runs
+    n_tensors = len(export_weights(run.trainer.model))
     # the engine served the run-local model dir: config (with architectures) + tokenizer only
     model_dir = log_dir / "vllm_model"
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == [
@@ -59,7 +85,9 @@ def test_local_run_on_vllm_engine(tmp_path, recipe):
         bad = {k: v for k, v in s.items() if not math.isfinite(v)}
         assert not bad, f"step {step}: non-finite metrics {bad}"
         assert s["jetrl/local/refit_refused"] == 0.0
-        assert s["jetrl/local/vllm_parity_tensors"] == PARITY_TENSORS[recipe], step
+        assert s["jetrl/local/vllm_parity_tensors"] == n_tensors + EXTRA_SCALE_TENSORS[recipe]
+        if recipe == "jetrl_kv":  # the trainer's calibrated scales, set and read back
+            assert s["jetrl/local/vllm_kv_layers"] == 2.0, step
         tmpe = s["train/token_mult_prob_error"]
         print(f"{recipe} step {step}: token_mult_prob_error {tmpe:.6f}")
         assert abs(tmpe - 1.0) < TMPE_BOUND, f"step {step}: token_mult_prob_error {tmpe}"
@@ -92,7 +120,6 @@ def test_local_run_on_vllm_engine(tmp_path, recipe):
 @pytest.mark.parametrize(
     ("recipe", "extra", "needle"),
     [
-        ("jetrl_kv", (), "recipe 'jetrl_kv' uses an FP8 KV cache"),
         ("fp8_rollout", (), "recipe 'fp8_rollout' runs FP8 rollout linears with vLLM's own"),
         ("jetrl", ("jetrl.local.dtype=float32",), "set jetrl.local.dtype=bfloat16"),
     ],

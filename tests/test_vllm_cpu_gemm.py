@@ -97,7 +97,8 @@ BOUND = {("float32", "bf16"): 0.05, ("bfloat16", "bf16"): 0.25, ("bfloat16", "je
 # vLLM's fp8 quantization serves bfloat16/float16 only, so jetrl runs in bfloat16; the FP32
 # engine (BF16 recipe) is the one that repacks on every CPU, lm_head included.
 @pytest.mark.parametrize(
-    ("dtype_name", "recipe_name"), [("float32", "bf16"), ("bfloat16", "bf16"), ("bfloat16", "jetrl")]
+    ("dtype_name", "recipe_name"),
+    [("float32", "bf16"), ("bfloat16", "bf16"), ("bfloat16", "jetrl")],
 )
 def test_refit_rebuilds_what_vllm_derives_from_the_weights(tmp_path, dtype_name, recipe_name):
     from test_vllm_engine import PROMPTS, _generate, _hf_model, _tokenizer

@@ -208,6 +208,21 @@ def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tup
     scales = normalize_kv_scales(kv_scales)
     check_kv_layers(llm, scales)
     results = llm.collective_rpc("jetrl_set_kv_scales", args=(scales,))
+    # Read back what the attention layers now hold (host floats and device tensors, in fp32).
+    back = kv_scales(llm)
+    wrong = [
+        f"{name}.{k}_scale: sent {s[k]!r}, layer holds {back[name][k]!r} / {back[name][k + '_tensor']!r}"
+        for name, s in scales.items()
+        for k in ("q", "k", "v")
+        if not (
+            back[name][k] == s[k]
+            and back[name][f"{k}_tensor"] == float(torch.tensor(s[k], dtype=torch.float32))
+        )
+    ]
+    if wrong:
+        raise ParityError(
+            "KV scales did not reach the attention layers:\n  - " + "\n  - ".join(wrong)
+        )
     return tuple(results[0])
 
 

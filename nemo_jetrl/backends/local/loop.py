@@ -208,6 +208,7 @@ class LocalRun:
         self.rollout_model = freeze(rollout_model)
         self.engine = None  # a VllmRollout with rollout_engine=vllm
         self.engine_parity_tensors = 0
+        self.engine_kv_layers = 0
         # FP8 KV cache
         self.kv = None
         if self.recipe.kv_fp8:
@@ -313,6 +314,17 @@ class LocalRun:
 
     # -- phases --------------------------------------------------------------------------------
 
+    def engine_kv_scales(self) -> dict[int, dict[str, float]] | None:
+        """The trainer's calibrated KV scales for the vLLM engine (None: no FP8 KV / not yet).
+
+        A tensor without a calibrated scale gets vLLM's default 1.0, as the trainer assumes."""
+        if self.kv is None or self.kv.scales is None:
+            return None
+        return {
+            i: {t: float(per.get(t, 1.0)) for t in ("q", "k", "v")}
+            for i, per in self.kv.scales.layers.items()
+        }
+
     def do_refit(self, hooks: Hooks) -> tuple[bool, str | None]:
         weights = export_weights(self.trainer.model)
         if hooks.before_refit is not None:
@@ -326,7 +338,9 @@ class LocalRun:
             from nemo_jetrl.vllm_patch.refit import RefitError
 
             try:  # vLLM's own guards; a ParityError (bits differ) is raised, never swallowed
-                self.engine_parity_tensors = self.engine.refit(weights).parity_compared
+                rep = self.engine.refit(weights, kv_scales=self.engine_kv_scales())
+                self.engine_parity_tensors = rep.parity_compared
+                self.engine_kv_layers = rep.kv_layers
             except RefitError as exc:
                 self.refit_refused_total += 1
                 return False, f"vLLM engine: {exc}"
@@ -395,6 +409,10 @@ class LocalRun:
             # first step: no responses yet, so the initial KV scales come from the prompts
             self.kv.calibrate(self.trainer.model, prompt_ids, mask="prompt_and_response")
             self.kv_calibrated = True
+            if self.engine is not None:  # the engine's KV cache takes the same scales
+                self.engine_kv_layers = self.engine.set_kv_scales(self.engine_kv_scales())
+        if self.engine is not None and self.kv is not None:  # layers whose scales this rollout uses
+            s["jetrl/local/vllm_kv_layers"] = float(self.engine_kv_layers)
         rb = self._generate(prompt_ids, self.sample_gen, greedy=False)
         phase("generation", t0, c0)
         t0, c0 = time.perf_counter(), time.process_time()

@@ -21,9 +21,13 @@ nemo_jetrl patch through `nemo_jetrl.vllm_patch.engine.VllmRolloutEngine`. What 
 * **sampling**: each request gets its own seed drawn from the run's sampling generator, so the
   G samples of one prompt differ and a rerun with the same seed draws the same seeds.
 
-What this CPU cannot run (checked by `vllm_recipe_issues` before anything starts): an FP8 KV
-cache (vLLM's CPU FP8 KV path needs AVX-512, ``jetrl_kv``) and FP8 linears with vLLM's own
-quantizer (``fp8_rollout``: unpatched vLLM's block-FP8 CPU kernels need AMX).
+* **the KV scales** (``jetrl_kv``): the trainer's calibrated q/k/v scales go to the engine's
+  attention layers at the first calibration and with every refit, and are read back.
+
+Checked by `vllm_recipe_issues` before anything starts: an FP8 KV cache runs only where the
+installed vLLM's CPU attention runs one (vLLM >= 0.25 on x86 with AVX-512 or AMX; never 0.20),
+asked of vLLM itself; FP8 linears with vLLM's own quantizer (``fp8_rollout``) are refused on
+every CPU (this engine serves FP8 linears through the nemo_jetrl kernel only).
 """
 
 from __future__ import annotations
@@ -44,26 +48,35 @@ MODEL_DIR_NAME = "vllm_model"
 
 
 def vllm_recipe_issues(recipe: Recipe, dtype: str) -> list[ConfigIssue]:
-    """Why ``recipe`` (and the compute ``dtype``) cannot run with the vLLM engine here (or [])."""
+    """Why ``recipe`` (and the compute ``dtype``) cannot run with the vLLM engine here (or []).
+
+    What depends on the CPU is asked of the installed vLLM (``compat.cpu_fp8_kv_cache``), never
+    assumed; without an importable vLLM only the CPU-independent rules are checked.
+    """
     issues = []
-    if recipe.kv_fp8:
-        issues.append(
-            ConfigIssue(
-                KEY,
-                f"recipe {recipe.name!r} uses an FP8 KV cache (kv_cache_dtype="
-                f"{recipe.kv_cache_dtype!r}), which vLLM's CPU backend runs only on CPUs with "
-                "AVX-512 (not this one): set jetrl.local.rollout_engine=hf for this recipe, or "
-                "use a recipe without FP8 KV cache (jetrl, bf16)",
+    if recipe.kv_fp8 and not vllm_importable():
+        from nemo_jetrl.vllm_patch import compat
+
+        ok, why = compat.cpu_fp8_kv_cache()
+        if not ok:
+            issues.append(
+                ConfigIssue(
+                    KEY,
+                    f"recipe {recipe.name!r} uses an FP8 KV cache (kv_cache_dtype="
+                    f"{recipe.kv_cache_dtype!r}), which vLLM's CPU backend cannot run here ({why}): "
+                    "set jetrl.local.rollout_engine=hf for this recipe, or use a recipe without "
+                    "FP8 KV cache (jetrl, bf16)",
+                )
             )
-        )
     if recipe.rollout.fp8_linears and recipe.rollout.quantizer != "jetrl":
         issues.append(
             ConfigIssue(
                 KEY,
                 f"recipe {recipe.name!r} runs FP8 rollout linears with vLLM's own quantizer "
-                f"(rollout quantizer {recipe.rollout.quantizer!r}); unpatched vLLM's block-FP8 CPU "
-                "kernels need AMX (not this CPU): set jetrl.local.rollout_engine=hf for this "
-                "recipe, or use jetrl / bf16",
+                f"(rollout quantizer {recipe.rollout.quantizer!r}); the local backend's vLLM "
+                "engine serves FP8 linears only through the nemo_jetrl kernel (and vLLM's own "
+                "block-FP8 CPU kernels exist only for AMX CPUs): set "
+                "jetrl.local.rollout_engine=hf for this recipe, or use jetrl / bf16",
             )
         )
     if dtype != "bfloat16":
@@ -134,6 +147,12 @@ class EngineRefit:
     weights and scales byte for byte; other tensors from their parameter and, for linears,
     through their GEMM)."""
     seconds: float
+    kv_layers: int = 0
+    """Attention layers whose calibrated KV scales were set (and read back) with this refit."""
+
+
+# {decoder layer index: {"q", "k", "v": scale}} in vLLM's convention (dequantization multiplier).
+KvScaleMap = dict[int, dict[str, float]]
 
 
 class VllmRollout:
@@ -188,18 +207,28 @@ class VllmRollout:
             raise RuntimeError("the vLLM rollout engine was closed")
         return self.engine
 
-    def refit(self, weights: dict[str, torch.Tensor]) -> EngineRefit:
-        """Load the trainer's (already guarded) weights; vLLM's guards, then the parity check.
+    def refit(
+        self, weights: dict[str, torch.Tensor], kv_scales: KvScaleMap | None = None
+    ) -> EngineRefit:
+        """Load the trainer's (already guarded) weights and, for an FP8 KV cache, its calibrated
+        q/k/v scales; vLLM's guards, then the parity check (weights and KV scales read back).
 
         Raises ``RefitError`` (nothing loaded) or ``ParityError`` (bits differ).
         """
-        rep = self._live().refit(weights, parity=True)
+        rep = self._live().refit(weights, kv_scales=kv_scales, parity=True)
         self.refits += 1
         return EngineRefit(
             fp8_layers=rep.fp8_layers,
             parity_compared=rep.parity.compared if rep.parity is not None else 0,
             seconds=rep.seconds,
+            kv_layers=len(rep.kv_layers),
         )
+
+    def set_kv_scales(self, kv_scales: KvScaleMap) -> int:
+        """Send calibrated q/k/v scales without a weight refit (read back); layers set."""
+        from nemo_jetrl.vllm_patch.refit import set_kv_scales
+
+        return len(set_kv_scales(self._live().llm, kv_scales))
 
     def generate(
         self,
