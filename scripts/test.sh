@@ -20,8 +20,19 @@ if [ "$#" -gt 0 ]; then
 fi
 
 rc=0
+summary=()
+# Run one tier, keep its pytest summary line for the table at the end.
+tier() {
+  local name=$1; shift
+  local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0
+  "$@" 2>&1 | tee "$out"
+  trc=${PIPESTATUS[0]}
+  summary+=("$name: $(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|no tests ran' "$out" | tail -n 1 | tr -d '=' | xargs) (exit $trc)")
+  rm -f "$out"
+  [ "$trc" -eq 0 ] || rc=$trc
+}
 echo "== default suite (.venv) =="
-.venv/bin/python -m pytest -q --runslow || rc=$?
+tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
 if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
   # 0.32: the current vLLM CPU build; 0.20: the vLLM NeMo-RL v0.7.0 ships (the cluster target).
   for version in ${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}; do
@@ -32,10 +43,13 @@ if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
     echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
     log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+      echo "setting up $venv (vLLM $version CPU build; a few minutes, log: $log)"
       VLLM_VERSION="$version" VLLM_VENV="$venv" bash scripts/setup_vllm_env.sh > "$log" 2>&1 \
         || { tail -n 40 "$log"; echo "test.sh: vLLM $version environment setup failed" >&2; exit 1; }
     fi
-    VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow || rc=$?
+    tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
   done
 fi
+echo "== summary =="
+printf '%s\n' "${summary[@]}"
 exit $rc

@@ -9,7 +9,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN_DIR = Path(os.environ.get("JETRL_GOLDEN_DIR", REPO.parent / "shared" / "golden"))
+# The golden vectors ship in the repository (a copy of shared/golden; test_golden_copy checks
+# it against the shared original where that is checked out beside the repo).
+REPO_GOLDEN_DIR = REPO / "tests" / "data" / "golden"
+SHARED_GOLDEN_DIR = REPO.parent / "shared" / "golden"
+GOLDEN_DIR = Path(os.environ.get("JETRL_GOLDEN_DIR", REPO_GOLDEN_DIR))
+# NeMo-RL's real source trees (v0.7.0, main-*) for the tiers that import them.
+NEMO_RL_UPSTREAM_VAR = "JETRL_NEMO_RL_UPSTREAM"
+NEMO_RL_UPSTREAM = Path(
+    os.environ.get(NEMO_RL_UPSTREAM_VAR, REPO.parent / "shared" / "upstream" / "nemo-rl")
+)
+NEMO_RL_UPSTREAM_HOWTO = (
+    f"set {NEMO_RL_UPSTREAM_VAR}=DIR to a folder holding NeMo-RL checkouts named v0.7.0 and "
+    "main-<sha> (git clone https://github.com/NVIDIA-NeMo/RL DIR/v0.7.0 && git -C DIR/v0.7.0 "
+    "checkout v0.7.0), or check out ../shared beside the repository"
+)
 
 
 def _has(module: str) -> bool:
@@ -71,7 +85,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def golden_dir() -> Path:
     if not (GOLDEN_DIR / "te_golden_seed0.safetensors").is_file():
         pytest.fail(
-            f"golden vectors not found in {GOLDEN_DIR}: check out ../shared beside the repo "
-            "or set JETRL_GOLDEN_DIR"
+            f"golden vectors not found in {GOLDEN_DIR}: they ship in tests/data/golden; "
+            "unset JETRL_GOLDEN_DIR or point it at a directory that holds them"
         )
     return GOLDEN_DIR
+
+
+def nemo_rl_upstream_trees() -> list[Path]:
+    """NeMo-RL source trees found (each holds ``nemo_rl/``), newest name last."""
+    if not NEMO_RL_UPSTREAM.is_dir():
+        return []
+    return sorted(d for d in NEMO_RL_UPSTREAM.iterdir() if (d / "nemo_rl").is_dir())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    trees = nemo_rl_upstream_trees()
+    if trees:
+        names = ", ".join(t.name for t in trees)
+        line = f"NeMo-RL upstream source: {NEMO_RL_UPSTREAM} ({names})"
+    else:
+        line = f"NeMo-RL upstream source: not found at {NEMO_RL_UPSTREAM}; {NEMO_RL_UPSTREAM_HOWTO}"
+    terminalreporter.write_line(line)

@@ -32,14 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="directory with the golden vectors (default: $JETRL_GOLDEN_DIR, else "
-        "../shared/golden relative to the current directory, else relative to the repository)",
+        "the repository's tests/data/golden, else ../shared/golden)",
     )
 
 
 def _default_golden_dirs() -> list[Path]:
     repo = Path(__file__).resolve().parents[2]
     dirs = [Path(os.environ["JETRL_GOLDEN_DIR"])] if os.environ.get("JETRL_GOLDEN_DIR") else []
-    return [*dirs, Path.cwd().parent / "shared" / "golden", repo.parent / "shared" / "golden"]
+    return [
+        *dirs,
+        repo / "tests" / "data" / "golden",  # the copy a clone of the repository carries
+        Path.cwd().parent / "shared" / "golden",
+        repo.parent / "shared" / "golden",
+    ]
 
 
 def find_golden_dir(explicit: Path | None) -> Path:
