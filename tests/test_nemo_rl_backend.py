@@ -15,7 +15,7 @@ import torch
 from nemo_jetrl.backends import nemo_rl as nr
 from nemo_jetrl.backends import nemo_rl_metrics as nm
 from nemo_jetrl.backends import nemo_rl_translate as nt
-from nemo_jetrl.cli import UserError
+from nemo_jetrl.errors import UserError
 from nemo_jetrl.metrics import mismatch_metrics
 from nemo_jetrl.recipe import Recipe
 
@@ -148,8 +148,8 @@ def test_worker_env_check():
 
 
 def test_worker_class_needs_nemo_rl(monkeypatch):
-    from nemo_jetrl._optional import MissingDependencyError
     from nemo_jetrl.backends import nemo_rl_worker
+    from nemo_jetrl.errors import MissingDependencyError
 
     monkeypatch.setitem(sys.modules, "nemo_rl", None)
     nemo_rl_worker.make_worker_class.cache_clear()

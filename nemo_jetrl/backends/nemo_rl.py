@@ -48,7 +48,7 @@ REQUIRED_MODULES: tuple[tuple[str, str], ...] = (
 
 
 def _user_error(msg: str) -> Exception:
-    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.errors import UserError
 
     return UserError(msg)
 

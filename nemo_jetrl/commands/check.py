@@ -59,8 +59,8 @@ def load_and_check(path: str, overrides: list[str]) -> Checked:
     from omegaconf import OmegaConf
 
     from nemo_jetrl.arch import generic_arch
-    from nemo_jetrl.cli import UserError
     from nemo_jetrl.config import ConfigError, load_valid_config
+    from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow import check_on_policy, generic_layers_for
 
     try:

@@ -49,8 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import warnings
 
-    from nemo_jetrl._optional import MissingDependencyError
-    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.errors import MissingDependencyError, UserError
     from nemo_jetrl.logs import RunDataWarning
     from nemo_jetrl.report import DEFAULT_METRICS, compare_runs
 

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.cli import UserError
     from nemo_jetrl.config import ConfigError
+    from nemo_jetrl.errors import UserError
     from nemo_jetrl.logs import RunDataWarning
     from nemo_jetrl.recipe import PRESET_NAMES
     from nemo_jetrl.report import compare_runs

@@ -43,7 +43,7 @@ def pick_backend(requested: str) -> str:
 
 
 def _run_nemo_rl(args: argparse.Namespace) -> int:
-    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.errors import UserError
 
     try:
         from nemo_jetrl.backends.nemo_rl import run_nemo_rl
@@ -58,10 +58,9 @@ def _run_nemo_rl(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from nemo_jetrl._optional import MissingDependencyError
     from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.cli import UserError
     from nemo_jetrl.config import ConfigError, load_config
+    from nemo_jetrl.errors import MissingDependencyError, UserError
 
     try:
         cfg = load_config(args.config, list(args.overrides))

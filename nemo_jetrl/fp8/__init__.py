@@ -15,6 +15,7 @@ from nemo_jetrl.fp8.convert import (
     convert_to_fp8_inference,
     convert_to_fp8_training,
 )
+from nemo_jetrl.fp8.dispatch import quantize_blockwise
 from nemo_jetrl.fp8.formats import E4M3, E5M2, FORMATS, Fp8Format, get_format, grad_format
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.linear import Fp8BlockLinear, Fp8InferenceLinear
@@ -24,7 +25,6 @@ from nemo_jetrl.fp8.quantize import (
     cast_to_fp8,
     compute_scale,
     fp8_bits,
-    quantize_blockwise,
 )
 
 __all__ = [
