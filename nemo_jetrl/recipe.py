@@ -6,7 +6,7 @@ side (vLLM) samples. A recipe says, per side, which linear layers run in FP8, in
 with which scale rule, and which piece of code computes the quantization. The rollout is on-policy
 exactly when every tensor that is FP8 in rollout is FP8 in the training forward with the same
 format, block shape, scale rule and an implementation that produces the same bits
-(`nemo_jetrl.flow` checks that; this module only describes).
+(`nemo_jetrl.flow.check` checks that; this module only describes).
 
 Scale rules, in plain words (see DESIGN.md for the exact spec):
 

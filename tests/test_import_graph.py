@@ -120,7 +120,6 @@ def test_fp8_imports_nothing_else_of_the_package():
     assert not outside, sorted(outside)
 
 
-@pytest.mark.xfail(strict=True, reason="restructure in progress")
 def test_at_most_eight_top_level_modules():
     top = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= MAX_TOP_LEVEL, top

@@ -17,7 +17,7 @@ NeMo-RL's ``Logger`` (nemo_rl/utils/logger.py) writes, under its ``logger.log_di
 `read_run` finds event files anywhere under the run directory, merges their scalars (for a
 step logged twice, e.g. after a restart, the later wall time wins) and, where a mismatch metric
 or the reward is missing for a step that has a ``train_data_step{N}.jsonl``, recomputes it from
-the per-token logprobs with `nemo_jetrl.metrics.mismatch_metrics`. As NeMo-RL's loss does
+the per-token logprobs with `nemo_jetrl.rl.metrics.mismatch_metrics`. As NeMo-RL's loss does
 (``[:, 1:]``), position 0 of each sequence is ignored: logprob t belongs to token t, and token
 0 has no logprob.
 
@@ -361,7 +361,7 @@ def recompute_step_metrics(
     records: Sequence[Mapping[str, Any]], *, ratio_bounds: tuple[float, float] | None = None
 ) -> dict[str, float]:
     """Every `mismatch_metrics` tag, plus ``train/reward`` (mean reward), for one step's samples."""
-    from nemo_jetrl.metrics import DEFAULT_RATIO_BOUNDS, mismatch_metrics
+    from nemo_jetrl.rl.metrics import DEFAULT_RATIO_BOUNDS, mismatch_metrics
 
     t = train_data_tensors(records)
     out = mismatch_metrics(
@@ -465,7 +465,7 @@ def read_run(
     if recompute == "never" or not files:
         return run
 
-    from nemo_jetrl.metrics import metric_names
+    from nemo_jetrl.rl.metrics import metric_names
 
     recomputable = [*metric_names(), "train/reward"]
     wanted = recomputable if tags is None else [t for t in tags if t in recomputable]

@@ -26,7 +26,7 @@ are on-policy only when our vLLM patch supplies TE's formula to vLLM.
 Edges are produced by *builders* (functions ``(arch, recipe, phase) -> list[Edge]``); the KV
 cache edges are one builder, so other parts can pass extra builders (e.g. a Q edge for FP8
 attention) without editing this module. The graph types and builders live in
-`nemo_jetrl.flow_graph` and are re-exported here.
+`nemo_jetrl.flow.graph` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nemo_jetrl import config_schema as S
 from nemo_jetrl.arch import ModelArch
-from nemo_jetrl.flow_graph import (
+from nemo_jetrl.config import schema as S
+from nemo_jetrl.flow.graph import (
     BF16,
     DEFAULT_BUILDERS,
     PHASES,
@@ -71,7 +71,6 @@ __all__ = [
     "PrecisionFlow",
     "bf16_edges",
     "build_flow",
-    "check_config",
     "check_on_policy",
     "flow_table",
     "format_ranges",
@@ -416,32 +415,6 @@ def _cell_text(edges: list[tuple[str, Precision]]) -> str:
         parts = {f"{'w' if r == 'weight' else 'x'} {p.scale}": None for r, p in fp8}
         scale = "/".join(parts)
     return f"FP8 {'/'.join(fmts)} {scale} ({'/'.join(impls)})"
-
-
-def check_config(cfg, builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS) -> FlowCheck:
-    """Validate a loaded config and check its recipe on its model (generic aligned layers when
-    the model is unknown). Raises `nemo_jetrl.config.ConfigError` listing every error.
-
-    What backends call before launching (`jetrl train` refuses an off-policy result unless
-    ``jetrl.allow_off_policy`` is set).
-    """
-    from nemo_jetrl.arch import generic_arch
-    from nemo_jetrl.config import (
-        ConfigError,
-        arch_from_config,
-        errors,
-        recipe_from_config,
-        validate,
-    )
-
-    issues = validate(cfg)
-    if errors(issues):
-        raise ConfigError(issues)
-    recipe = recipe_from_config(cfg)
-    arch = arch_from_config(cfg)
-    if arch is None:
-        arch = generic_arch(generic_layers_for(recipe))
-    return check_on_policy(arch, recipe, builders)
 
 
 def generic_layers_for(recipe: Recipe) -> int:
