@@ -48,10 +48,6 @@ KV_MASKS: tuple[str, ...] = ("response", "prompt_and_response", "none")
 KV_REDUCTIONS: tuple[str, ...] = ("max", "percentile")
 PRESET_NAMES: tuple[str, ...] = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
 
-# Blockwise FP8 needs every GEMM dimension to be a multiple of this (TE Float8BlockScaling,
-# vLLM block-quantized linears, DeepGEMM).
-BLOCK = 128
-
 # Which quantization *formula* each implementation computes. TE and this package compute the
 # same one (bit-exact against TE's golden vectors); vLLM's own functions compute another.
 QUANTIZER_FORMULA: Mapping[str, str] = MappingProxyType({"te": "te", "jetrl": "te", "vllm": "vllm"})

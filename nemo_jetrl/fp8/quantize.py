@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
+from nemo_jetrl.fp8.spec import BLOCKS, Block
 
-Block = tuple[int, int]
-BLOCKS: tuple[Block, ...] = ((1, 128), (128, 128), (128, 1))
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SIGN_EXP_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of an fp32
 

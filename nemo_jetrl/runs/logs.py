@@ -227,14 +227,6 @@ def _collect_hparams(content: bytes, out: dict[str, Any]) -> None:
                 out[key] = getattr(val, kind)
 
 
-def read_hparams(run_dir: str | Path) -> dict[str, Any]:
-    """Hyper-parameters NeMo-RL logged with ``add_hparams`` (its config, flattened with ".");
-    {} when there are none."""
-    out: dict[str, Any] = {}
-    read_scalars(run_dir, hparams_out=out)
-    return out
-
-
 # ----------------------------------------------------------------------------- jsonl
 
 

@@ -34,7 +34,7 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -554,15 +554,3 @@ def run_local(
         history=history,
         seconds=time.perf_counter() - t_begin,
     )
-
-
-def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """`nemo_jetrl.config.load_config` (``defaults:`` inheritance + key=value overrides)."""
-    from nemo_jetrl.config import load_config
-
-    return load_config(path, list(overrides))
-
-
-def summarize(history: list[Mapping[str, float]], key: str) -> list[float]:
-    """Values of ``key`` over the steps of a history."""
-    return [h[key] for h in history if key in h]
