@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from nemo_jetrl.cli import main
-from nemo_jetrl.runs.logs import RunDataWarning, RunWriter, find_event_files
+from nemo_jetrl.runs.logs import RunDataWarning, find_event_files
 from nemo_jetrl.runs.report import compare_runs, format_table, resolve_tag
+from nemo_jetrl.runs.writer import RunWriter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

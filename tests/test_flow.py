@@ -15,10 +15,10 @@ from nemo_jetrl.flow.check import (
     Precision,
     build_flow,
     check_on_policy,
-    flow_table,
     format_ranges,
     same_numbers,
 )
+from nemo_jetrl.flow.table import flow_table
 from nemo_jetrl.recipe import PRESET_NAMES, Recipe, SideRecipe
 
 QWEN3 = builtin_arch("Qwen/Qwen3-8B-Base")

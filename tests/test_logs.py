@@ -13,11 +13,11 @@ import torch
 from nemo_jetrl.rl.metrics import mismatch_metrics
 from nemo_jetrl.runs.logs import (
     RunDataWarning,
-    RunWriter,
     find_event_files,
     read_run,
     train_data_tensors,
 )
+from nemo_jetrl.runs.writer import RunWriter
 
 LN = math.log
 

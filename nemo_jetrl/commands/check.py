@@ -64,7 +64,8 @@ def report(
     c: Checked, source: str, out: TextIO, *, backward: bool = False, edges: bool = False
 ) -> int:
     """Print the check and return the exit code (0 on-policy, 1 off-policy)."""
-    from nemo_jetrl.flow.check import flow_table, format_ranges
+    from nemo_jetrl.flow.check import format_ranges
+    from nemo_jetrl.flow.table import flow_table
 
     check = c.check
     arch = c.arch

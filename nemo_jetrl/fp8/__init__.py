@@ -1,5 +1,11 @@
 """FP8 numerics: formats, blockwise quantization, layouts, reference GEMM and the FP8 linear.
 
+Start here (reading order): ``spec`` (block shapes), ``formats`` (E4M3/E5M2), ``quantize`` (the
+pure reference quantizer and its math), ``dispatch`` (``quantize_blockwise``: Triton or the
+reference, chosen explicitly; the FP8 GEMM backends), ``gemm``, ``config``, ``linear``,
+``convert``; then ``layouts``, ``vllm_native``, ``triton_kernels``. Outside ``fp8/``:
+``recipe.py``, then ``flow/pipeline.py``.
+
 Depends on torch only. Everything that is FP8 on either side of an RL step goes through
 `quantize_blockwise`, so training and rollout see the same bits.
 

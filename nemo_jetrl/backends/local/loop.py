@@ -479,7 +479,7 @@ def run_local(
     log=None,
 ) -> RunResult:
     """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config."""
-    from nemo_jetrl.runs.logs import RunWriter
+    from nemo_jetrl.runs.writer import RunWriter
 
     hooks = hooks or Hooks()
     tqdm_mod = require("tqdm", feature="the training progress bar") if progress else None
