@@ -10,7 +10,7 @@ for three recipes sharing that policy and the same sampling seed:
 - ``jetrl_kv (on-policy KV)``: plus the rollout's KV quantization in the trainer's attention,
 
 the rollout samples responses (temperature 1, incremental decoding with the FP8 KV cache), the
-trainer scores the same tokens with a full-sequence forward, and `nemo_jetrl.metrics` computes
+trainer scores the same tokens with a full-sequence forward, and `nemo_jetrl.rl.metrics` computes
 ``token_mult_prob_error`` etc. over response tokens. KV scales come from trainer calibration on
 a batch of warm-start data (99.9th percentile, margin 1.05, real tokens).
 
@@ -60,7 +60,7 @@ def run(args, num_ops: int) -> None:
     from nemo_jetrl.fp8.convert import convert_to_fp8_inference, convert_to_fp8_training
     from nemo_jetrl.kvcache import CalibrationSettings
     from nemo_jetrl.kvcache.hf import KVCacheController
-    from nemo_jetrl.metrics import mismatch_metrics
+    from nemo_jetrl.rl.metrics import mismatch_metrics
 
     dtype = getattr(torch, args.dtype)
     tok = load_tokenizer()

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="NeMo-RL-shaped YAML")
     args, overrides = parser.parse_known_args(argv)
 
-    from nemo_jetrl.backends.nemo_rl import run_nemo_rl
+    from nemo_jetrl.backends.nemo_rl.launch import run_nemo_rl
     from nemo_jetrl.cli import UserError
 
     try:

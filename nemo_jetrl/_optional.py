@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from nemo_jetrl.errors import MissingDependencyError
+
+__all__ = ["MissingDependencyError", "available", "require"]
+
 # module -> how a user gets it
 _INSTALL_HINTS = {
     "vllm": "bash scripts/setup_vllm_env.sh (vLLM lives in its own environment, .venv-vllm)",
@@ -14,13 +18,7 @@ _INSTALL_HINTS = {
     "transformers": "pip install 'nemo-jetrl[local]' -c constraints-cpu.txt",
     "tensorboard": "pip install 'nemo-jetrl[logs]' -c constraints-cpu.txt",
     "matplotlib": "pip install 'nemo-jetrl[logs]' -c constraints-cpu.txt",
-    "triton": "pip install 'nemo-jetrl[triton]' -c constraints-cpu.txt",
-    "deep_gemm": "build DeepGEMM from source inside the Docker image (the PyPI name is a placeholder)",
 }
-
-
-class MissingDependencyError(ImportError):
-    """An optional dependency is not installed; the message says how to get it."""
 
 
 def require(module: str, *, feature: str) -> ModuleType:

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-BLOCK = 128
+from nemo_jetrl.fp8.spec import BLOCK
 
 # Per-layer linears in execution order, with the HF module path under `model.layers.{i}.`.
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")

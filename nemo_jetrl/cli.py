@@ -9,10 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from nemo_jetrl import commands
-
-
-class UserError(Exception):
-    """A problem with the user's input: printed without a traceback, exit code 2."""
+from nemo_jetrl.errors import UserError
 
 
 def _command_modules() -> list:

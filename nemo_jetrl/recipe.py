@@ -6,7 +6,7 @@ side (vLLM) samples. A recipe says, per side, which linear layers run in FP8, in
 with which scale rule, and which piece of code computes the quantization. The rollout is on-policy
 exactly when every tensor that is FP8 in rollout is FP8 in the training forward with the same
 format, block shape, scale rule and an implementation that produces the same bits
-(`nemo_jetrl.flow` checks that; this module only describes).
+(`nemo_jetrl.flow.check` checks that; this module only describes).
 
 Scale rules, in plain words (see DESIGN.md for the exact spec):
 
@@ -47,10 +47,6 @@ KV_SCALE_SOURCES: tuple[str, ...] = ("none", "trainer_calibrated", "checkpoint",
 KV_MASKS: tuple[str, ...] = ("response", "prompt_and_response", "none")
 KV_REDUCTIONS: tuple[str, ...] = ("max", "percentile")
 PRESET_NAMES: tuple[str, ...] = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
-
-# Blockwise FP8 needs every GEMM dimension to be a multiple of this (TE Float8BlockScaling,
-# vLLM block-quantized linears, DeepGEMM).
-BLOCK = 128
 
 # Which quantization *formula* each implementation computes. TE and this package compute the
 # same one (bit-exact against TE's golden vectors); vLLM's own functions compute another.

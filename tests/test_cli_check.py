@@ -237,3 +237,14 @@ def test_align_as_child_inherits_the_input(capsys, tmp_path):
         tmp_path / "d.yaml",
     )
     assert code == 2 and "cannot express the deletion" in err
+
+
+def test_train_refuses_off_policy_on_every_backend(tmp_path, capsys):
+    """The allow_off_policy gate is the pipeline's, so the local backend applies it too."""
+    cfg = (
+        Path(__file__).resolve().parents[1] / "examples" / "configs" / "local" / "fp8_rollout.yaml"
+    )
+    rc = main(["train", str(cfg), "jetrl.allow_off_policy=false", "--backend", "local"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "OFF-POLICY" in err and "jetrl.allow_off_policy=true" in err

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from nemo_jetrl.cli import main
-from nemo_jetrl.logs import RunDataWarning, RunWriter, find_event_files
-from nemo_jetrl.report import compare_runs, format_table, resolve_tag
+from nemo_jetrl.runs.logs import RunDataWarning, find_event_files
+from nemo_jetrl.runs.report import compare_runs, format_table, resolve_tag
+from nemo_jetrl.runs.writer import RunWriter
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -114,7 +115,7 @@ def test_plot_has_one_labelled_line_per_run(tmp_path, monkeypatch):
     # draw the same plot again, recording the lines of the figure as it is saved
     from matplotlib.figure import Figure
 
-    from nemo_jetrl.report import plot_metric
+    from nemo_jetrl.runs.report import plot_metric
 
     lines = {}
     orig = Figure.savefig

@@ -559,7 +559,7 @@ def test_shipped_yaml_loads_validates_and_has_its_verdict(path):
     the FP32-formula reason only."""
     from nemo_jetrl.arch import generic_arch
     from nemo_jetrl.config import arch_from_config
-    from nemo_jetrl.flow import check_on_policy
+    from nemo_jetrl.flow.check import check_on_policy
 
     cfg = load_config(path)
     issues = validate(cfg)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from nemo_jetrl.correction import (
+from nemo_jetrl.rl.correction import (
     CorrectionConfig,
     CorrectionConfigError,
     importance_weights,

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from nemo_jetrl.arch import BUILTIN_ARCHS, ArchError, ModelArch, builtin_arch, resolve_arch
-from nemo_jetrl.flow import (
+from nemo_jetrl.flow.check import (
     BF16,
     Edge,
     Precision,
     build_flow,
     check_on_policy,
-    flow_table,
     format_ranges,
     same_numbers,
 )
+from nemo_jetrl.flow.table import flow_table
 from nemo_jetrl.recipe import PRESET_NAMES, Recipe, SideRecipe
 
 QWEN3 = builtin_arch("Qwen/Qwen3-8B-Base")
@@ -255,7 +255,7 @@ def test_unaligned_layers_stay_bf16_on_both_sides():
 
 def test_extra_builders_plug_in_new_edges():
     """A further edge kind (here: Q entering FP8 attention) without editing flow.py."""
-    from nemo_jetrl.flow import DEFAULT_BUILDERS
+    from nemo_jetrl.flow.check import DEFAULT_BUILDERS
 
     def q_edges(arch, recipe, phase):
         if phase == "train_bwd":
@@ -302,18 +302,18 @@ def test_flows_are_deterministic(preset):
 
 def test_check_config_validates_then_checks(tmp_path):
     from nemo_jetrl.config import ConfigError, load_config
-    from nemo_jetrl.flow import check_config
+    from nemo_jetrl.flow.pipeline import check_config
 
     ex = Path(__file__).resolve().parents[1] / "examples" / "configs"
-    assert check_config(load_config(ex / "qwen3_8b_base" / "jetrl.yaml")).on_policy
-    off = check_config(load_config(ex / "qwen3_8b_base" / "fp8_rollout.yaml"))
+    assert check_config(load_config(ex / "qwen3_8b_base" / "jetrl.yaml")).check.on_policy
+    off = check_config(load_config(ex / "qwen3_8b_base" / "fp8_rollout.yaml")).check
     assert not off.on_policy and off.model == "Qwen/Qwen3-8B-Base"
     unknown = check_config(
         load_config(
             ex / "qwen3_8b_base" / "jetrl.yaml",
             ["policy.model_name=org/x", "policy.generation.vllm_cfg.num_last_layers_in_bf16=3"],
         )
-    )
+    ).check
     assert unknown.rollout.edges and not unknown.on_policy
     assert {m.layers for m in unknown.mismatches} == {(1, 2, 3)}  # generic 4-layer stand-in
     with pytest.raises(ConfigError, match=r"jetrl\.nope"):

@@ -32,7 +32,7 @@ def test_fp8_imports_and_quantizes_without_triton():
         sys.modules["triton"] = None  # import triton -> ImportError
         import torch
         from nemo_jetrl.fp8 import quantize_blockwise, dispatch, triton_kernels
-        from nemo_jetrl._optional import MissingDependencyError
+        from nemo_jetrl.fp8._deps import Fp8DependencyError
         q = quantize_blockwise(torch.ones(4, 128), (1, 128))
         assert float(q.scale_inv[0, 0]) == 1 / 256  # pow2: 448 rounds down to 256
         assert not triton_kernels.triton_available()
@@ -46,10 +46,10 @@ def test_fp8_imports_and_quantizes_without_triton():
         os.environ["TRITON_INTERPRET"] = "1"
         try:
             triton_kernels.quantize_blockwise_triton(torch.ones(4, 128), (1, 128))
-        except MissingDependencyError as e:
+        except Fp8DependencyError as e:
             assert "pip install" in str(e), e
         else:
-            raise AssertionError("expected MissingDependencyError")
+            raise AssertionError("expected Fp8DependencyError")
         print("ok")
         """
     )

@@ -104,7 +104,7 @@ def test_packaged_base_matches_example():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_short_run_logs_metrics_checkpoints(recipe, tmp_path, cache_dir):
-    from nemo_jetrl.logs import read_scalars, train_data_files
+    from nemo_jetrl.runs.logs import read_scalars, train_data_files
 
     res = run_local(tiny_cfg(recipe, tmp_path / "run", cache_dir), progress=False, log=print)
     assert res.recipe == recipe and res.last_step == 2 and len(res.history) == 2
@@ -318,7 +318,7 @@ def test_resume_reproduces_uninterrupted_run_exactly(tmp_path, cache_dir):
     for step in (3, 4):
         name = f"train_data_step{step}.jsonl"
         assert (tmp_path / "full" / name).read_text() == (tmp_path / "part" / name).read_text()
-    from nemo_jetrl.logs import read_scalars
+    from nemo_jetrl.runs.logs import read_scalars
 
     sf, _ = read_scalars(tmp_path / "full")
     sp, _ = read_scalars(tmp_path / "part")

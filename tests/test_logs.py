@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_jetrl.logs import (
+from nemo_jetrl.rl.metrics import mismatch_metrics
+from nemo_jetrl.runs.logs import (
     RunDataWarning,
-    RunWriter,
     find_event_files,
     read_run,
     train_data_tensors,
 )
-from nemo_jetrl.metrics import mismatch_metrics
+from nemo_jetrl.runs.writer import RunWriter
 
 LN = math.log
 

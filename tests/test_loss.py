@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from nemo_jetrl.correction import CorrectionConfig
-from nemo_jetrl.loss import GRPOLossConfig, LossConfigError, group_advantages, grpo_loss
+from nemo_jetrl.rl.correction import CorrectionConfig
+from nemo_jetrl.rl.loss import GRPOLossConfig, LossConfigError, group_advantages, grpo_loss
 
 LN = math.log
 NAN = float("nan")

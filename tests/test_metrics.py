@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nemo_jetrl.metrics import JETRL_PREFIX, metric_names, mismatch_metrics
+from nemo_jetrl.rl.metrics import JETRL_PREFIX, metric_names, mismatch_metrics
 
 LN2 = math.log(2.0)
 NAN = float("nan")

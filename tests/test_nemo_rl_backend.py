@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_jetrl.backends import nemo_rl as nr
-from nemo_jetrl.backends import nemo_rl_metrics as nm
-from nemo_jetrl.backends import nemo_rl_translate as nt
-from nemo_jetrl.cli import UserError
-from nemo_jetrl.metrics import mismatch_metrics
+from nemo_jetrl.backends.nemo_rl import launch as nr
+from nemo_jetrl.backends.nemo_rl import metrics as nm
+from nemo_jetrl.backends.nemo_rl import translate as nt
+from nemo_jetrl.errors import UserError
 from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.rl.metrics import mismatch_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
@@ -148,8 +148,8 @@ def test_worker_env_check():
 
 
 def test_worker_class_needs_nemo_rl(monkeypatch):
-    from nemo_jetrl._optional import MissingDependencyError
-    from nemo_jetrl.backends import nemo_rl_worker
+    from nemo_jetrl.backends.nemo_rl import worker as nemo_rl_worker
+    from nemo_jetrl.errors import MissingDependencyError
 
     monkeypatch.setitem(sys.modules, "nemo_rl", None)
     nemo_rl_worker.make_worker_class.cache_clear()
@@ -323,7 +323,7 @@ def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
     tags reached NeMo-RL's TensorBoard logs, and the on-policy recipe keeps the train/rollout
     logprob error small.
     """
-    from nemo_jetrl.logs import read_scalars
+    from nemo_jetrl.runs.logs import read_scalars
 
     log_dir = tmp_path / "logs"
     rc = nr.run_nemo_rl(

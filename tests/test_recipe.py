@@ -148,8 +148,8 @@ def _documented_classes():
     from nemo_jetrl.arch import Linear, ModelArch
     from nemo_jetrl.commands.check import Checked
     from nemo_jetrl.config import ConfigIssue
-    from nemo_jetrl.config_schema import KeySpec
-    from nemo_jetrl.flow import Edge, FlowCheck, Mismatch, Precision, PrecisionFlow
+    from nemo_jetrl.config.schema import KeySpec
+    from nemo_jetrl.flow.check import Edge, FlowCheck, Mismatch, Precision, PrecisionFlow
 
     return [
         SideRecipe,

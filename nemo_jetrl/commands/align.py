@@ -44,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from nemo_jetrl.cli import UserError
     from nemo_jetrl.commands.check import load_and_check, report
     from nemo_jetrl.config import merge_updates, minimal_updates, recipe_to_config_updates
+    from nemo_jetrl.errors import UserError
     from nemo_jetrl.recipe import Recipe
 
     out = Path(args.output)
@@ -93,8 +93,8 @@ def _child(parent: Path, out: Path, overrides: list[str], updates: dict):
 
     from omegaconf import OmegaConf
 
-    from nemo_jetrl.cli import UserError
     from nemo_jetrl.config import merge_updates, parse_override
+    from nemo_jetrl.errors import UserError
 
     rel = os.path.relpath(parent.resolve(), out.resolve().parent)
     if rel.startswith(os.path.join("..", "..", "..")):

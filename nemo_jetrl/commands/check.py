@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from typing import Any, TextIO
+
+from nemo_jetrl.flow.pipeline import Checked
 
 NAME = "check"
 HELP = "check that a NeMo-RL config's FP8 rollout is on-policy (exit 0 on, 1 off, 2 invalid)"
@@ -36,48 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass(frozen=True)
-class Checked:
-    """A loaded, validated config and its flow check (what `check` and `align` print)."""
-
-    # The loaded config (omegaconf DictConfig, overrides applied).
-    cfg: Any
-    # The Recipe it describes.
-    recipe: Any
-    # The model's ModelArch (a generic stand-in when the model is unknown).
-    arch: Any
-    # Why a generic stand-in was used, or None.
-    arch_note: str | None
-    # Warnings and notes from validation (errors never reach here).
-    issues: tuple
-    # The flow check (nemo_jetrl.flow.FlowCheck).
-    check: Any
-
-
 def load_and_check(path: str, overrides: list[str]) -> Checked:
-    """Load, validate and flow-check; UserError listing every problem when invalid."""
-    from omegaconf import OmegaConf
-
-    from nemo_jetrl.arch import generic_arch
-    from nemo_jetrl.cli import UserError
-    from nemo_jetrl.config import ConfigError, load_valid_config
-    from nemo_jetrl.flow import check_on_policy, generic_layers_for
+    """The pipeline (`nemo_jetrl.flow.pipeline`); UserError listing every problem when invalid."""
+    from nemo_jetrl.config import ConfigError
+    from nemo_jetrl.errors import UserError
+    from nemo_jetrl.flow.pipeline import check_config
 
     try:
-        valid = load_valid_config(path, overrides)
+        return check_config(path, overrides)
     except ConfigError as exc:
         raise UserError(f"invalid config\n{exc}") from None
-    cfg, recipe, arch, issues = valid.cfg, valid.recipe, valid.arch, valid.issues
-    note = None
-    model = OmegaConf.select(cfg, "policy.model_name", default=None)
-    if arch is None:
-        n = generic_layers_for(recipe)
-        arch = generic_arch(n)
-        note = (
-            f"model {model!r} has no built-in description: checked with {n} generic aligned "
-            "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
-        )
-    return Checked(cfg, recipe, arch, note, tuple(issues), check_on_policy(arch, recipe))
 
 
 def _table(rows: list[tuple[str, ...]], out: TextIO, indent: str = "  ") -> None:
@@ -95,7 +64,8 @@ def report(
     c: Checked, source: str, out: TextIO, *, backward: bool = False, edges: bool = False
 ) -> int:
     """Print the check and return the exit code (0 on-policy, 1 off-policy)."""
-    from nemo_jetrl.flow import flow_table, format_ranges
+    from nemo_jetrl.flow.check import format_ranges
+    from nemo_jetrl.flow.table import flow_table
 
     check = c.check
     arch = c.arch

@@ -49,10 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import warnings
 
-    from nemo_jetrl._optional import MissingDependencyError
-    from nemo_jetrl.cli import UserError
-    from nemo_jetrl.logs import RunDataWarning
-    from nemo_jetrl.report import DEFAULT_METRICS, compare_runs
+    from nemo_jetrl.errors import MissingDependencyError, UserError
+    from nemo_jetrl.runs.logs import RunDataWarning
+    from nemo_jetrl.runs.report import DEFAULT_METRICS, compare_runs
 
     missing = [d for d in args.run_dirs if not Path(d).is_dir()]
     if missing:

@@ -3,7 +3,7 @@
 Runs the same short GRPO job on the embedded local backend under the recipes ``bf16``,
 ``fp8_rollout`` (BF16 training + FP8 rollout with vLLM's own quantizer: off-policy), ``jetrl``
 (unified FP8 flow) and ``jetrl_kv`` (jetrl + FP8 KV cache with on-policy KV), all from the same
-cached warm start, then compares them (`nemo_jetrl.report.compare_runs`): prints the table of
+cached warm start, then compares them (`nemo_jetrl.runs.report.compare_runs`): prints the table of
 ``token_mult_prob_error``, ``gen_kl_error``, reward and validation accuracy, and writes
 summary.json/csv and one PNG per metric under ``OUT/compare``. Each run directory
 (``OUT/runs/<recipe>``) is a NeMo-RL-layout log dir that `jetrl compare` and TensorBoard read.
@@ -83,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.cli import UserError
     from nemo_jetrl.config import ConfigError
-    from nemo_jetrl.logs import RunDataWarning
+    from nemo_jetrl.errors import UserError
     from nemo_jetrl.recipe import PRESET_NAMES
-    from nemo_jetrl.report import compare_runs
+    from nemo_jetrl.runs.logs import RunDataWarning
+    from nemo_jetrl.runs.report import compare_runs
 
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in PRESET_NAMES]

@@ -48,7 +48,7 @@ def _default_golden_dirs() -> list[Path]:
 
 
 def find_golden_dir(explicit: Path | None) -> Path:
-    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.errors import UserError
 
     candidates = [explicit] if explicit is not None else _default_golden_dirs()
     for d in candidates:

@@ -2,7 +2,7 @@
 
 Runs a GRPO config. ``--backend local`` runs the embedded CPU backend in this process
 (`nemo_jetrl.backends.local`); ``nemo-rl`` hands the same config to NeMo-RL on a GPU cluster
-(`nemo_jetrl.backends.nemo_rl`); ``auto`` (default) picks nemo-rl when NeMo-RL's GRPO imports
+(`nemo_jetrl.backends.nemo_rl.launch`); ``auto`` (default) picks nemo-rl when NeMo-RL's GRPO imports
 and local otherwise. Overrides are NeMo-RL/Hydra style ``key=value`` (``+key=value`` adds a key).
 """
 
@@ -43,10 +43,10 @@ def pick_backend(requested: str) -> str:
 
 
 def _run_nemo_rl(args: argparse.Namespace) -> int:
-    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.errors import UserError
 
     try:
-        from nemo_jetrl.backends.nemo_rl import run_nemo_rl
+        from nemo_jetrl.backends.nemo_rl.launch import run_nemo_rl
     except ImportError as exc:
         raise UserError(
             f"the nemo-rl backend is not available in this install ({exc}); "
@@ -58,14 +58,24 @@ def _run_nemo_rl(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from nemo_jetrl._optional import MissingDependencyError
-    from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.backends.local.loop import resolve_run, run_local
     from nemo_jetrl.config import ConfigError, load_config
+    from nemo_jetrl.errors import MissingDependencyError, UserError
+    from nemo_jetrl.flow.pipeline import check_config, off_policy_refusal, run_notes
 
     try:
         cfg = load_config(args.config, list(args.overrides))
-        result = run_local(cfg, resume=args.resume, progress=not args.no_progress)
+        try:
+            checked = check_config(cfg)
+        except ConfigError:
+            resolve_run(cfg)  # lists every problem, the local run settings' own included
+            raise
+        refusal = off_policy_refusal(checked)
+        if refusal:
+            raise UserError(refusal)
+        for note in run_notes(checked):
+            print(f"note: {note}")
+        result = run_local(checked.cfg, resume=args.resume, progress=not args.no_progress)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
     except (MissingDependencyError, FileNotFoundError) as exc:

@@ -1,5 +1,11 @@
 """FP8 numerics: formats, blockwise quantization, layouts, reference GEMM and the FP8 linear.
 
+Start here (reading order): ``spec`` (block shapes), ``formats`` (E4M3/E5M2), ``quantize`` (the
+pure reference quantizer and its math), ``dispatch`` (``quantize_blockwise``: Triton or the
+reference, chosen explicitly; the FP8 GEMM backends), ``gemm``, ``config``, ``linear``,
+``convert``; then ``layouts``, ``vllm_native``, ``triton_kernels``. Outside ``fp8/``:
+``recipe.py``, then ``flow/pipeline.py``.
+
 Depends on torch only. Everything that is FP8 on either side of an RL step goes through
 `quantize_blockwise`, so training and rollout see the same bits.
 
@@ -9,23 +15,45 @@ GEMM), ``config`` (``Fp8LinearConfig``), ``linear`` (``Fp8BlockLinear``, ``Fp8In
 (emulation of an unpatched vLLM's own quantizers, for off-policy baselines).
 """
 
-from nemo_jetrl.fp8.config import Fp8LinearConfig
-from nemo_jetrl.fp8.convert import (
-    ConversionReport,
-    convert_to_fp8_inference,
-    convert_to_fp8_training,
-)
-from nemo_jetrl.fp8.formats import E4M3, E5M2, FORMATS, Fp8Format, get_format, grad_format
-from nemo_jetrl.fp8.gemm import blockwise_matmul
-from nemo_jetrl.fp8.linear import Fp8BlockLinear, Fp8InferenceLinear
-from nemo_jetrl.fp8.quantize import (
-    BLOCKS,
-    BlockQuantized,
-    cast_to_fp8,
-    compute_scale,
-    fp8_bits,
-    quantize_blockwise,
-)
+import importlib
+from typing import Any
+
+# public name -> the module that defines it; loaded on first use, so importing
+# ``nemo_jetrl.fp8.spec`` (plain numbers) does not load torch.
+_EXPORTS = {
+    "BLOCKS": "spec",
+    "E4M3": "formats",
+    "E5M2": "formats",
+    "FORMATS": "formats",
+    "BlockQuantized": "quantize",
+    "ConversionReport": "convert",
+    "Fp8BlockLinear": "linear",
+    "Fp8Format": "formats",
+    "Fp8InferenceLinear": "linear",
+    "Fp8LinearConfig": "config",
+    "blockwise_matmul": "gemm",
+    "cast_to_fp8": "quantize",
+    "compute_scale": "quantize",
+    "convert_to_fp8_inference": "convert",
+    "convert_to_fp8_training": "convert",
+    "fp8_bits": "quantize",
+    "get_format": "formats",
+    "grad_format": "formats",
+    "quantize_blockwise": "dispatch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = [
     "BLOCKS",

@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from nemo_jetrl.fp8 import spec
 from nemo_jetrl.fp8.formats import E4M3, RECIPE_FORMATS, Fp8Format, grad_format
-from nemo_jetrl.fp8.quantize import Block
+from nemo_jetrl.fp8.spec import Block
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,12 @@ class Fp8LinearConfig:
     TE/DeepGEMM reference, slower on CPU). ``False``: dequantize then one fp32 matmul."""
 
     # Block shapes are fixed by the TE recipe, not configurable.
-    ACTIVATION_BLOCK: ClassVar[Block] = (1, 128)  # FProp x, DGrad dY: per token along K
-    WEIGHT_BLOCK: ClassVar[Block] = (128, 128)  # W, reused transposed for DGrad
-    WGRAD_BLOCK: ClassVar[Block] = (128, 1)  # WGrad x and dY: 128 tokens per block
-    DIM_MULTIPLE: ClassVar[int] = 128  # in/out features must be multiples of this
+    ACTIVATION_BLOCK: ClassVar[Block] = (
+        spec.ACTIVATION_BLOCK
+    )  # FProp x, DGrad dY: per token along K
+    WEIGHT_BLOCK: ClassVar[Block] = spec.WEIGHT_BLOCK  # W, reused transposed for DGrad
+    WGRAD_BLOCK: ClassVar[Block] = spec.WGRAD_BLOCK  # WGrad x and dY: 128 tokens per block
+    DIM_MULTIPLE: ClassVar[int] = spec.BLOCK  # in/out features must be multiples of this
 
     def __post_init__(self) -> None:
         errors = []

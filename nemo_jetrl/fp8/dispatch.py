@@ -1,10 +1,11 @@
 """Which implementation runs: Triton kernels on CUDA, the torch reference elsewhere.
 
-Quantization. `nemo_jetrl.fp8.quantize_blockwise(..., backend=None)` calls `fast_quantize` (a
-small hook) for CUDA tensors or when ``backend`` is given, which picks:
+Quantization. `quantize_blockwise(..., backend=None)` (exported as
+`nemo_jetrl.fp8.quantize_blockwise`) is the entry point: CPU tensors without ``backend`` go
+straight to the reference; CUDA tensors, or an explicit ``backend``, pick:
 
 * ``"triton"`` - `triton_kernels.quantize_blockwise_triton`: one memory pass, same bits.
-* ``"torch"`` - the reference in `quantize.py` (always available, any device).
+* ``"torch"`` - `quantize.quantize_reference` (always available, any device).
 * ``"auto"`` (default) - Triton for CUDA tensors when triton imports, else torch.
 
 The environment variable ``JETRL_FP8_QUANT_BACKEND`` (``auto``/``triton``/``torch``) overrides
@@ -35,8 +36,10 @@ import os
 
 import torch
 
-from nemo_jetrl.fp8.formats import Fp8Format
-from nemo_jetrl.fp8.quantize import Block, BlockQuantized
+from nemo_jetrl.fp8._deps import available, require
+from nemo_jetrl.fp8.formats import Fp8Format, get_format
+from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.fp8.quantize import Block, BlockQuantized, check_block, quantize_reference
 
 QUANT_BACKENDS = ("auto", "triton", "torch")
 GEMM_BACKENDS = ("auto", "deep_gemm", "scaled_mm", "reference")
@@ -78,26 +81,32 @@ def quant_backend(x: torch.Tensor, backend: str | None = None) -> str:
     return "triton" if runnable and x.is_cuda else "torch"
 
 
-def fast_quantize(
+def quantize_blockwise(
     x: torch.Tensor,
     block: Block,
     *,
-    fmt: Fp8Format,
-    pow2_scales: bool,
-    eps: float,
-    name: str | None,
-    backend: str | None,
-) -> BlockQuantized | None:
-    """Hook called by `quantize_blockwise`: the Triton result, or None to run the reference.
+    fmt: str | Fp8Format = "e4m3",
+    pow2_scales: bool = True,
+    eps: float = 0.0,
+    name: str | None = None,
+    backend: str | None = None,
+) -> BlockQuantized:
+    """Quantize ``x`` with one scale per ``block``: `quantize.quantize_reference`'s bits.
 
-    `quantize_blockwise` calls this only for CUDA tensors or an explicit ``backend``; CPU calls
-    without ``backend`` never reach it.
+    CUDA tensors go to the bit-identical Triton kernel when triton is installed;
+    ``backend="torch"`` (or ``JETRL_FP8_QUANT_BACKEND=torch``) forces the reference. CPU calls
+    without ``backend`` run the reference directly.
     """
-    if quant_backend(x, backend) != "triton":
-        return None
-    from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
+    block = check_block(block)
+    f = get_format(fmt)
+    fast = backend != "torch" and (x.is_cuda or backend is not None)
+    if fast and quant_backend(x, backend) == "triton":
+        from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
 
-    return quantize_blockwise_triton(x, block, fmt=fmt, pow2_scales=pow2_scales, eps=eps, name=name)
+        return quantize_blockwise_triton(
+            x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name
+        )
+    return quantize_reference(x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name)
 
 
 # ----------------------------------------------------------------------------------------- GEMM
@@ -116,8 +125,6 @@ def _pair_kind(a: BlockQuantized, b: BlockQuantized) -> str | None:
 
 def gemm_backend(a: BlockQuantized, b: BlockQuantized, backend: str | None = None) -> str:
     """The GEMM backend `fp8_gemm` would use for ``a @ b.T`` (see the module docstring)."""
-    from nemo_jetrl._optional import available
-
     choice = _choice(backend, ENV_GEMM_BACKEND, GEMM_BACKENDS)
     if choice != "auto":
         return choice
@@ -158,8 +165,6 @@ def fp8_gemm(
     """
     chosen = gemm_backend(a, b, backend)
     if chosen == "reference":
-        from nemo_jetrl.fp8.gemm import blockwise_matmul
-
         return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
     kind = _pair_kind(a, b)
     if kind is None or (chosen == "deep_gemm" and kind != "fprop"):
@@ -175,8 +180,6 @@ def fp8_gemm(
 
 
 def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
-    from nemo_jetrl._optional import require
-
     deep_gemm = require("deep_gemm", feature="the DeepGEMM FP8 GEMM backend")
     m, n = a.data.shape[0], b.data.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.data.device)

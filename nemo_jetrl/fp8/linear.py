@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from nemo_jetrl.fp8.config import Fp8LinearConfig
-from nemo_jetrl.fp8.dispatch import fp8_gemm
+from nemo_jetrl.fp8.dispatch import fp8_gemm, quantize_blockwise
 from nemo_jetrl.fp8.gemm import blockwise_matmul
-from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_blockwise
+from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.vllm_native import per_block_cast_native, quantize_group_native
 
 Quantizer = Literal["jetrl", "vllm_native"]

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
+from nemo_jetrl.fp8.spec import BLOCKS, Block
 
-Block = tuple[int, int]
-BLOCKS: tuple[Block, ...] = ((1, 128), (128, 128), (128, 1))
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SIGN_EXP_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of an fp32
 
@@ -98,14 +97,16 @@ def cast_to_fp8(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return torch.clamp(x, -fmt.fmax, fmt.fmax).to(fmt.dtype)
 
 
-def _check_block(block: Block) -> Block:
+def check_block(block: Block) -> Block:
+    """``block`` as a tuple of ints, or ValueError when it is not one of `BLOCKS`."""
     block = tuple(int(b) for b in block)  # type: ignore[assignment]
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
     return block
 
 
-def _as_2d(x: torch.Tensor, block: Block, label: str) -> torch.Tensor:
+def as_2d(x: torch.Tensor, block: Block, label: str) -> torch.Tensor:
+    """``x`` as the 2-D matrix the blocks tile (N-D input only for 1x128), dtype checked."""
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(
             f"{label}: dtype {x.dtype} cannot be quantized; pass bfloat16, float16 or float32"
@@ -143,7 +144,7 @@ def _raise_non_finite(x2: torch.Tensor, amax: torch.Tensor, block: Block, label:
     )
 
 
-def quantize_blockwise(
+def quantize_reference(
     x: torch.Tensor,
     block: Block,
     *,
@@ -151,7 +152,6 @@ def quantize_blockwise(
     pow2_scales: bool = True,
     eps: float = 0.0,
     name: str | None = None,
-    backend: str | None = None,
 ) -> BlockQuantized:
     """Quantize ``x`` to FP8 with one scale per ``block`` (see the module docstring for the math).
 
@@ -159,22 +159,14 @@ def quantize_blockwise(
     ``(128, 1)`` (128 tokens of one channel, for WGrad). The result is never transposed: for
     ``(128, 1)`` it equals TE's columnwise output transposed back.
 
-    CUDA tensors go to the bit-identical Triton kernel when triton is installed;
-    ``backend="torch"`` (or ``JETRL_FP8_QUANT_BACKEND=torch``) forces this reference
-    (see `nemo_jetrl.fp8.dispatch`).
+    This is the pure torch reference on any device. Callers use
+    `nemo_jetrl.fp8.quantize_blockwise` (`dispatch.py`), which chooses between this function
+    and the bit-identical Triton kernel.
     """
-    block = _check_block(block)
+    block = check_block(block)
     f = get_format(fmt)
-    if backend != "torch" and (x.is_cuda or backend is not None):
-        from nemo_jetrl.fp8.dispatch import fast_quantize  # lazy: triton is optional
-
-        fast = fast_quantize(
-            x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name, backend=backend
-        )
-        if fast is not None:
-            return fast
     label = f"quantize_blockwise(tensor {name!r})" if name else "quantize_blockwise"
-    x2 = _as_2d(x, block, label)
+    x2 = as_2d(x, block, label)
     xb = _blocks(x2, block)
     amax = xb.abs().amax(dim=(1, 3)).float()
     if not bool(torch.isfinite(amax).all()):

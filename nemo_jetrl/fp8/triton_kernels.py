@@ -44,14 +44,15 @@ from types import ModuleType
 
 import torch
 
+from nemo_jetrl.fp8._deps import available, require
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.quantize import (
     INPUT_DTYPES,
     Block,
     BlockQuantized,
-    _as_2d,
-    _check_block,
-    quantize_blockwise,
+    as_2d,
+    check_block,
+    quantize_reference,
 )
 
 # Kernel "modes": which axes of a tile one scale covers.
@@ -66,8 +67,6 @@ def interpreting() -> bool:
 
 def triton_available() -> bool:
     """True when triton imports (never raises)."""
-    from nemo_jetrl._optional import available
-
     return available("triton")
 
 
@@ -81,8 +80,6 @@ def can_run(x: torch.Tensor) -> bool:
 @functools.cache
 def _kernels() -> ModuleType:
     """The module holding the jitted kernels; imports triton lazily (once)."""
-    from nemo_jetrl._optional import require
-
     require("triton", feature="Triton FP8 quantization kernels")
     from nemo_jetrl.fp8 import _triton_jit
 
@@ -151,7 +148,7 @@ def mn_major_storage(scale_inv: torch.Tensor) -> torch.Tensor:
 
 def _raise_like_reference(x, block, f, pow2_scales, eps, name) -> None:
     # Delegate to the reference so the error (tensor name, index, block) is identical.
-    quantize_blockwise(x.cpu(), block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name)
+    quantize_reference(x.cpu(), block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name)
     raise RuntimeError(  # pragma: no cover - the reference found nothing wrong
         "Triton quantizer flagged a non-finite block but the reference accepted the input"
     )
@@ -185,10 +182,10 @@ def quantize_blockwise_triton(
     ``[K, M]`` data (TE's columnwise layout). ``scale_layout`` is ``"compact"`` or
     ``"mn_major"`` (see the module docstring).
     """
-    block = _check_block(block)
+    block = check_block(block)
     f = get_format(fmt)
     label = f"quantize_blockwise(tensor {name!r})" if name else "quantize_blockwise"
-    x2 = _as_2d(x, block, label)
+    x2 = as_2d(x, block, label)
     _check_device(x, label)
     if x.dim() != 2 and scale_layout != "compact":
         raise ValueError(f"{label}: scale_layout={scale_layout!r} needs 2-D input")

@@ -33,12 +33,6 @@ def vllm_scale_name(layer: int, tensor: str) -> str:
     return f"model.layers.{layer}.self_attn.{tensor}_scale"
 
 
-def vllm_param_name(layer: int, tensor: str) -> str:
-    """The parameter inside a loaded vLLM model (after ``maybe_remap_kv_scale_name``)."""
-    _check(tensor)
-    return f"model.layers.{layer}.self_attn.attn.{tensor}_scale"
-
-
 def megatron_core_attention(layer: int, *, layer_offset: int = 0) -> str:
     """The Megatron-Core module whose forward inputs are the post-RoPE Q, K, V of ``layer``.
 

@@ -51,9 +51,9 @@ import torch
 
 from nemo_jetrl.fp8 import BlockQuantized, quantize_blockwise
 from nemo_jetrl.fp8.layouts import TeBlockwiseTensor, from_te
+from nemo_jetrl.fp8.spec import BLOCK
 from nemo_jetrl.recipe import Recipe
 
-BLOCK = 128
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Per-layer Megatron suffix -> HF suffix (after "model.layers.{i}.") for 1:1 tensors.
 _LAYER_MAP: Mapping[str, str] = MappingProxyType(

@@ -33,8 +33,10 @@ import torch.nn.functional as F
 
 from nemo_jetrl.fp8 import E4M3, BlockQuantized, cast_to_fp8, compute_scale, quantize_blockwise
 from nemo_jetrl.fp8.dispatch import fp8_gemm
+from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK as ACT_BLOCK
+from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
 from nemo_jetrl.vllm_patch import compat
-from nemo_jetrl.vllm_patch.settings import ACT_BLOCK, WEIGHT_BLOCK, PatchSettings
+from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 OP_NAMESPACE = "nemo_jetrl"
 # Marks our kernel classes in vLLM's registry (so revert and idempotence need no global state).

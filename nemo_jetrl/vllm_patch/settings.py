@@ -18,10 +18,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nemo_jetrl.fp8.spec import WEIGHT_BLOCK as WEIGHT_BLOCK  # re-exported
+
 # The environment variable that carries the settings to vLLM's worker processes.
 ENV_VAR = "NEMO_JETRL_VLLM_PATCH"
-WEIGHT_BLOCK = (128, 128)
-ACT_BLOCK = (1, 128)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # HF projection names of a Llama/Qwen decoder layer, and the module that holds each.
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl.backends.local.task import TaskConfig
-from nemo_jetrl.config_load import ConfigError, ConfigIssue
+from nemo_jetrl.config.load import ConfigError, ConfigIssue
 
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")

@@ -21,7 +21,7 @@ refit above go through the vLLM refit (its own guards, then the bit-for-bit pari
 as ``jetrl/local/vllm_parity_tensors``), and vLLM's per-token logprobs are the
 ``generation_logprobs``. Scoring, metrics, update, logs and checkpoints are unchanged.
 
-Logs go to ``logger.log_dir`` in NeMo-RL's layout through `nemo_jetrl.logs.RunWriter`;
+Logs go to ``logger.log_dir`` in NeMo-RL's layout through `nemo_jetrl.runs.logs.RunWriter`;
 validation accuracy every ``grpo.val_period`` steps; a checkpoint every
 ``checkpointing.save_period`` steps; ``resume=True`` continues from the latest checkpoint with
 the same weights, optimizer state, RNG states and KV scales, so the resumed steps reproduce an
@@ -34,7 +34,7 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +64,10 @@ from nemo_jetrl.backends.local.task import (
 from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
 from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
-from nemo_jetrl.config_load import ConfigError, ConfigIssue
-from nemo_jetrl.loss import GRPOLossConfig, group_advantages
-from nemo_jetrl.metrics import mismatch_metrics
+from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.rl.loss import GRPOLossConfig, group_advantages
+from nemo_jetrl.rl.metrics import mismatch_metrics
 
 T = "timing/train/"
 
@@ -97,7 +97,7 @@ class RunResult:
 
 
 def _loss_config(cfg: DictConfig) -> GRPOLossConfig:
-    from nemo_jetrl.correction import CorrectionConfigError
+    from nemo_jetrl.rl.correction import CorrectionConfigError
 
     section = OmegaConf.select(cfg, "loss_fn", default=None)
     if section is None:
@@ -497,7 +497,7 @@ def run_local(
     log=None,
 ) -> RunResult:
     """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config."""
-    from nemo_jetrl.logs import RunWriter
+    from nemo_jetrl.runs.writer import RunWriter
 
     hooks = hooks or Hooks()
     tqdm_mod = require("tqdm", feature="the training progress bar") if progress else None
@@ -572,15 +572,3 @@ def run_local(
         history=history,
         seconds=time.perf_counter() - t_begin,
     )
-
-
-def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """`nemo_jetrl.config.load_config` (``defaults:`` inheritance + key=value overrides)."""
-    from nemo_jetrl.config import load_config
-
-    return load_config(path, list(overrides))
-
-
-def summarize(history: list[Mapping[str, float]], key: str) -> list[float]:
-    """Values of ``key`` over the steps of a history."""
-    return [h[key] for h in history if key in h]

@@ -20,7 +20,6 @@ from nemo_jetrl._optional import require
 ASSETS = Path(__file__).resolve().parent / "assets"
 MODEL_CONFIG_JSON = ASSETS / "model_config.json"
 SUPPORTED_TYPES = ("llama", "qwen2")
-BLOCK = 128
 
 
 def load_model_config(path: str | Path | None = None) -> Any:
@@ -57,15 +56,6 @@ def decoder_linear_shapes(config: Any) -> dict[str, tuple[int, int]]:
         "mlp.up_proj": (inter, h),
         "mlp.down_proj": (h, inter),
     }
-
-
-def non_fp8_able_linears(config: Any) -> list[str]:
-    """Decoder linears whose dims are not multiples of 128 (they would have to stay BF16)."""
-    return [
-        f"{name} {shape}"
-        for name, shape in decoder_linear_shapes(config).items()
-        if shape[0] % BLOCK or shape[1] % BLOCK
-    ]
 
 
 def build_model(

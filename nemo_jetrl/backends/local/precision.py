@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -106,12 +105,3 @@ def freeze(model: nn.Module) -> nn.Module:
 
 def model_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def describe(plan_train: SidePlan, plan_rollout: SidePlan) -> dict[str, Any]:
-    """Small summary for logs: how many linears are FP8 on each side."""
-    return {
-        "train_fp8_linears": len(plan_train.fp8.converted) if plan_train.fp8 else 0,
-        "rollout_fp8_linears": len(plan_rollout.fp8.converted) if plan_rollout.fp8 else 0,
-        "rollout_quantizer": plan_rollout.quantizer or "none",
-    }

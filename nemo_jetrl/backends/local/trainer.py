@@ -8,7 +8,7 @@ and writes the master back into the compute weights (rounded to BF16). The refit
 exactly the compute weights, which are also what the trainer's FP8 forward quantizes.
 
 Scoring (``prev_logprobs``) is a no-grad forward over prompt + response; the update recomputes
-the same forward with gradients (``curr_logprobs``) and minimises `nemo_jetrl.loss.grpo_loss`
+the same forward with gradients (``curr_logprobs``) and minimises `nemo_jetrl.rl.loss.grpo_loss`
 (clipped policy gradient, optional importance-sampling correction from ``prev - generation``,
 optional k3 KL to the frozen reference policy). A step whose gradient is not finite is skipped
 and reported, so the master weights never absorb a NaN.
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from nemo_jetrl.backends.local.rollout import token_logprobs
-from nemo_jetrl.loss import GRPOLossConfig, grpo_loss
+from nemo_jetrl.rl.loss import GRPOLossConfig, grpo_loss
 
 
 @dataclass(frozen=True)

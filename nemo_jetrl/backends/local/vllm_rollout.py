@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.backends.local.rollout import RolloutBatch
-from nemo_jetrl.config_load import ConfigIssue
+from nemo_jetrl.config.load import ConfigIssue
 from nemo_jetrl.recipe import Recipe
 
 KEY = "jetrl.local.rollout_engine"

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.metrics import JETRL_PREFIX, NEMO_RL_PREFIX, check_logprobs, valid_mask
+from nemo_jetrl.rl.metrics import JETRL_PREFIX, NEMO_RL_PREFIX, check_logprobs, valid_mask
 
 #: NeMo-RL's truncated_importance_sampling_type values.
 TIS_TYPES = ("tis", "icepop", "seq-mask-tis")

@@ -17,7 +17,7 @@ decorate it the same way (same runtime_env helper). What the subclass adds:
    NeMo-RL's result shape so the refit ships the scales to vLLM.
 
 The class is created on first access (module ``__getattr__``), so importing this module without
-NeMo-RL is harmless; Ray resolves ``nemo_jetrl.backends.nemo_rl_worker.JetrlMegatronPolicyWorker``
+NeMo-RL is harmless; Ray resolves ``nemo_jetrl.backends.nemo_rl.worker.JetrlMegatronPolicyWorker``
 through that.
 """
 
@@ -66,7 +66,7 @@ def make_worker_class() -> type:
         feature="the NeMo-RL backend's policy worker",
     )
     ray = require("ray", feature="the NeMo-RL backend's policy worker")
-    from nemo_jetrl.backends.nemo_rl_translate import check_policy_env
+    from nemo_jetrl.backends.nemo_rl.translate import check_policy_env
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
     from nemo_jetrl.megatron.config import ensure_te_scale_env

@@ -7,10 +7,10 @@ each micro-batch returns ``sum over its valid tokens / global_valid_toks`` (its 
 with a global normalization factor). We do the same: a micro-batch contributes
 ``mean_mb(x) * n_mb / global_valid_toks`` for each token-mean statistic, so the logged sum is the
 token mean over the whole step. Only additive statistics can be carried that way; the full set
-(per-sequence, min/max, ESS) comes from ``nemo_jetrl.metrics.mismatch_metrics`` when the logs are
+(per-sequence, min/max, ESS) comes from ``nemo_jetrl.rl.metrics.mismatch_metrics`` when the logs are
 analysed offline. Counts are summed as they are.
 
-Names: ``nemo_jetrl.metrics`` tags (``jetrl/mismatch/<name>``). grpo.py logs loss metrics with the
+Names: ``nemo_jetrl.rl.metrics`` tags (``jetrl/mismatch/<name>``). grpo.py logs loss metrics with the
 ``train/`` prefix; `JetrlLoggerProxy` moves our tags out from under it, so NeMo-RL runs and local
 runs write the same tags (``jetrl compare`` reads both).
 """
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.metrics import mismatch_metrics
+from nemo_jetrl.rl.metrics import mismatch_metrics
 
 PREFIX = "jetrl/"
-# Token-mean statistics of nemo_jetrl.metrics that are carried as additive contributions.
+# Token-mean statistics of nemo_jetrl.rl.metrics that are carried as additive contributions.
 TOKEN_MEANS = (
     "jetrl/mismatch/k1_kl",
     "jetrl/mismatch/chi2_token",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_jetrl.backends.nemo_rl_translate import (
+from nemo_jetrl.backends.nemo_rl.translate import (
     NEMO_RL_IMAGE,
     NEMO_RL_VERSION,
     POLICY_WORKER_FQN,
@@ -48,7 +48,7 @@ REQUIRED_MODULES: tuple[tuple[str, str], ...] = (
 
 
 def _user_error(msg: str) -> Exception:
-    from nemo_jetrl.cli import UserError
+    from nemo_jetrl.errors import UserError
 
     return UserError(msg)
 
@@ -92,41 +92,19 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
     """Steps 1-3: load, validate, check on-policy, translate. UserError on any user problem."""
     from omegaconf import DictConfig, OmegaConf
 
-    from nemo_jetrl.arch import generic_arch
-    from nemo_jetrl.config import ConfigError, load_valid_config
-    from nemo_jetrl.flow import check_on_policy, generic_layers_for
+    from nemo_jetrl.config import ConfigError
+    from nemo_jetrl.flow.pipeline import check_config, off_policy_refusal, run_notes
 
     source = str(cfg) if not isinstance(cfg, DictConfig) else "<config>"
     try:
-        valid = load_valid_config(cfg, overrides)
+        checked = check_config(cfg, overrides)
     except ConfigError as exc:
         raise _user_error(f"invalid config\n{exc}") from None
-    conf, recipe, arch = valid.cfg, valid.recipe, valid.arch
-    jetrl = conf.get("jetrl") or {}
-    model = OmegaConf.select(conf, "policy.model_name", default=None)
-    notes = []
-    if arch is None:
-        arch = generic_arch(generic_layers_for(recipe))
-        notes.append(
-            f"model {model!r} has no built-in description: the flow was checked on a generic "
-            "aligned model; set jetrl.model_config to its config.json for exact layer names"
-        )
-    check = check_on_policy(arch, recipe)
-    if not check.on_policy and not bool(jetrl.get("allow_off_policy", False)):
-        lines = [
-            f"  - {m.reason} ({m.summary()}); keys: {', '.join(m.keys) or '-'}"
-            + (f"; fix: {' '.join(m.fixes)}" if m.fixes else "")
-            for m in check.mismatches
-        ]
-        raise _user_error(
-            f"recipe {recipe.name!r} is OFF-POLICY (the rollout's numbers differ from the "
-            "training forward's):\n"
-            + "\n".join(lines)
-            + "\nChange those keys (`jetrl align CONFIG -o OUT.yaml` writes a config that fixes "
-            "them), or set jetrl.allow_off_policy=true to run it anyway."
-        )
-    if not check.on_policy:
-        notes.append(f"running off-policy recipe {recipe.name!r} (jetrl.allow_off_policy=true)")
+    refusal = off_policy_refusal(checked)
+    if refusal:
+        raise _user_error(refusal)
+    conf, recipe, arch = checked.cfg, checked.recipe, checked.arch
+    notes = run_notes(checked)
     if recipe.rollout.fp8_linears and not recipe.rollout.pow2_weight_scales:
         # NeMo-RL's refit streams BF16 weights and quantizes them inside vLLM with its own code;
         # measured against TE's formula it agrees bit for bit with power-of-two scales only.
@@ -249,7 +227,7 @@ def launch(prepared: Prepared) -> int:  # pragma: no cover - runs in the Docker 
     from nemo_rl.utils.config import register_omegaconf_resolvers
     from nemo_rl.utils.logger import get_next_experiment_dir
 
-    from nemo_jetrl.backends.nemo_rl_metrics import JetrlLoggerProxy, MismatchMetricsLoss
+    from nemo_jetrl.backends.nemo_rl.metrics import JetrlLoggerProxy, MismatchMetricsLoss
 
     plan = prepared.plan
     if VLLM_PATCH_ENV in plan.workers.vllm_env:

@@ -11,7 +11,7 @@ dtype, FP8 format, block shape, scale mode and the implementation that quantizes
 
 Edges come from *builders*, functions ``(arch, recipe, phase) -> list[Edge]``; `build_flow`
 runs `DEFAULT_BUILDERS` (embeddings/lm_head, decoder linears, K/V) or any tuple you pass, so new
-edge kinds plug in without editing this module. The comparison lives in `nemo_jetrl.flow`.
+edge kinds plug in without editing this module. The comparison lives in `nemo_jetrl.flow.check`.
 """
 
 from __future__ import annotations

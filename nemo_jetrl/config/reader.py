@@ -13,8 +13,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from nemo_jetrl import config_schema as S
-from nemo_jetrl.config_load import ConfigError, ConfigIssue, _exists
+from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.load import ConfigError, ConfigIssue, _exists
 from nemo_jetrl.recipe import KvCalibration, Recipe, SideRecipe, matching_preset
 
 # ---------------------------------------------------------------------------------------------

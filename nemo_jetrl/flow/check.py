@@ -26,7 +26,7 @@ are on-policy only when our vLLM patch supplies TE's formula to vLLM.
 Edges are produced by *builders* (functions ``(arch, recipe, phase) -> list[Edge]``); the KV
 cache edges are one builder, so other parts can pass extra builders (e.g. a Q edge for FP8
 attention) without editing this module. The graph types and builders live in
-`nemo_jetrl.flow_graph` and are re-exported here.
+`nemo_jetrl.flow.graph` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nemo_jetrl import config_schema as S
 from nemo_jetrl.arch import ModelArch
-from nemo_jetrl.flow_graph import (
+from nemo_jetrl.config import schema as S
+from nemo_jetrl.flow.graph import (
     BF16,
     DEFAULT_BUILDERS,
     PHASES,
@@ -71,10 +71,7 @@ __all__ = [
     "PrecisionFlow",
     "bf16_edges",
     "build_flow",
-    "check_config",
     "check_on_policy",
-    "flow_table",
-    "format_ranges",
     "formula",
     "kv_edges",
     "linear_edges",
@@ -337,10 +334,6 @@ def check_on_policy(
     return FlowCheck(arch.name, recipe, roll, fwd, bwd, mismatches)
 
 
-# ---------------------------------------------------------------------------------------------
-# tables
-
-
 def format_ranges(xs: Sequence[int]) -> str:
     """[0,1,2,5,7,8] -> "0-2, 5, 7-8"."""
     xs = sorted(xs)
@@ -355,93 +348,6 @@ def format_ranges(xs: Sequence[int]) -> str:
         if x is not None:
             start = prev = x
     return ", ".join(parts)
-
-
-def flow_table(check: FlowCheck) -> list[tuple[str, str, str, str, str]]:
-    """Rows (layers, group, training forward, rollout, status), consecutive layers merged.
-
-    A cell describes all edges of the group in that layer (weights and inputs of attn or mlp
-    linears, K and V for kv); status is "same" when every rollout edge equals its training one.
-    """
-    fwd = check.train_fwd.by_key()
-    per: dict[tuple[int | None, str], dict[str, list]] = {}
-    for e in check.rollout.edges:
-        t = fwd.get(e.key)
-        d = per.setdefault((e.layer, e.group), {"t": [], "r": [], "same": []})
-        d["t"].append((e.role, t.precision if t else BF16))
-        d["r"].append((e.role, e.precision))
-        d["same"].append(t is not None and same_numbers(t.precision, e.precision))
-    cells = {k: (_cell_text(d["t"]), _cell_text(d["r"]), all(d["same"])) for k, d in per.items()}
-    rows: list[tuple[str, str, str, str, str]] = []
-    for grp in ("embed", "attn", "kv", "mlp", "lm_head"):
-        items = sorted(
-            ((lay, v) for (lay, g), v in cells.items() if g == grp),
-            key=lambda kv: -1 if kv[0] is None else kv[0],
-        )
-        run: list[int] = []
-        last = None
-        for lay, v in items:
-            if lay is None:
-                rows.append(("-", grp, v[0], v[1], "same" if v[2] else "DIFFERS"))
-                continue
-            if last is not None and v != last:
-                rows.append(_row(run, grp, last))
-                run = []
-            run.append(lay)
-            last = v
-        if run and last is not None:
-            rows.append(_row(run, grp, last))
-    return rows
-
-
-def _row(layers: list[int], grp: str, v: tuple[str, str, bool]) -> tuple[str, str, str, str, str]:
-    return (format_ranges(layers), grp, v[0], v[1], "same" if v[2] else "DIFFERS")
-
-
-def _cell_text(edges: list[tuple[str, Precision]]) -> str:
-    fp8 = [(role, p) for role, p in edges if p.is_fp8]
-    if not fp8:
-        return "BF16"
-    if len(fp8) < len(edges):
-        return "mixed " + ", ".join(f"{r}={p.short()}" for r, p in edges)
-    p0 = fp8[0][1]
-    if p0.block is None:
-        return f"FP8 {p0.fmt} per-tensor {p0.scale} ({p0.impl})"
-    scales = dict.fromkeys(p.scale for _, p in fp8)
-    impls = dict.fromkeys(p.impl for _, p in fp8)
-    fmts = dict.fromkeys(p.fmt for _, p in fp8)
-    if len(scales) == 1:
-        scale = p0.scale
-    else:
-        parts = {f"{'w' if r == 'weight' else 'x'} {p.scale}": None for r, p in fp8}
-        scale = "/".join(parts)
-    return f"FP8 {'/'.join(fmts)} {scale} ({'/'.join(impls)})"
-
-
-def check_config(cfg, builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS) -> FlowCheck:
-    """Validate a loaded config and check its recipe on its model (generic aligned layers when
-    the model is unknown). Raises `nemo_jetrl.config.ConfigError` listing every error.
-
-    What backends call before launching (`jetrl train` refuses an off-policy result unless
-    ``jetrl.allow_off_policy`` is set).
-    """
-    from nemo_jetrl.arch import generic_arch
-    from nemo_jetrl.config import (
-        ConfigError,
-        arch_from_config,
-        errors,
-        recipe_from_config,
-        validate,
-    )
-
-    issues = validate(cfg)
-    if errors(issues):
-        raise ConfigError(issues)
-    recipe = recipe_from_config(cfg)
-    arch = arch_from_config(cfg)
-    if arch is None:
-        arch = generic_arch(generic_layers_for(recipe))
-    return check_on_policy(arch, recipe, builders)
 
 
 def generic_layers_for(recipe: Recipe) -> int:

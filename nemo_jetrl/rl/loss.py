@@ -17,7 +17,7 @@ Every token t of response i carries A_i. With the PPO ratio r_t = pi_theta(t) / 
     clip_loss_t = max(-A r_t, -A clip(r_t, 1 - ratio_clip_min, 1 + ratio_clip_max))
     dual clip (ratio_clip_c = c > 1, only where A < 0):  clip_loss_t = min(clip_loss_t, -A c)
 
-The importance weight w_t of `nemo_jetrl.correction` re-weights each token for the rollout/train
+The importance weight w_t of `nemo_jetrl.rl.correction` re-weights each token for the rollout/train
 mismatch (w = 1 when the correction is off). The optional KL penalty to a frozen reference policy
 uses the k3 estimator (k1/k2 available) on x = ref - curr, optionally clamped:
 
@@ -49,13 +49,13 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.correction import (
+from nemo_jetrl.rl.correction import (
     CorrectionConfig,
     CorrectionConfigError,
     importance_weights,
     validate_loss_fn_cfg,
 )
-from nemo_jetrl.metrics import NEMO_RL_PREFIX, check_logprobs, k3, mismatch_metrics, valid_mask
+from nemo_jetrl.rl.metrics import NEMO_RL_PREFIX, check_logprobs, k3, mismatch_metrics, valid_mask
 
 KL_TYPES = ("k1", "k2", "k3")
 #: NeMo-RL loss_fn switches this loss does not implement; true/non-zero is an error, not ignored.

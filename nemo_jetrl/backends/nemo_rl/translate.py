@@ -49,7 +49,7 @@ NEMO_RL_VERSION = "0.7.0"
 NEMO_RL_COMMIT = "81aa43dda4765b0429cf31dab44441e4e4383911"
 NEMO_RL_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.7.0"
 STOCK_POLICY_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
-POLICY_WORKER_FQN = "nemo_jetrl.backends.nemo_rl_worker.JetrlMegatronPolicyWorker"
+POLICY_WORKER_FQN = "nemo_jetrl.backends.nemo_rl.worker.JetrlMegatronPolicyWorker"
 RECIPE_ENV = "NEMO_JETRL_RECIPE"
 VLLM_PATCH_ENV = "NEMO_JETRL_VLLM_PATCH"
 
@@ -247,7 +247,7 @@ def check_policy_env(env: Mapping[str, str]) -> Recipe:
     if not text:
         raise RuntimeError(
             f"{RECIPE_ENV} is not set in this worker: it must be started through "
-            "nemo_jetrl.backends.nemo_rl (policy.megatron_cfg.env_vars carries it)"
+            "nemo_jetrl.backends.nemo_rl.launch (policy.megatron_cfg.env_vars carries it)"
         )
     recipe = recipe_from_json(text)
     if recipe.train.fp8_linears and recipe.train.scaling == "blockwise":

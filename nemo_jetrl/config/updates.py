@@ -1,88 +1,18 @@
-"""NeMo-RL-shaped configs: the public entry points.
-
-- `load_config(path, overrides)`: YAML with NeMo-RL's ``defaults:`` inheritance and Hydra-style
-  overrides (`nemo_jetrl.config_load`).
-- `validate(cfg)` -> every `ConfigIssue`; `recipe_from_config(cfg)` -> `Recipe` or a
-  `ConfigError` listing all errors (`nemo_jetrl.config_validate`, reading through
-  `nemo_jetrl.config_reader`); `arch_from_config(cfg)` -> the model's `ModelArch` or None.
-- `load_valid_config(path_or_cfg, overrides)`: all of the above in one call for commands and
-  backends -> `ValidConfig` (config, recipe, architecture, warnings) or a `ConfigError`.
-- `recipe_to_config_updates(recipe)`: the NeMo-RL and ``jetrl:`` keys expressing a recipe (the
-  inverse mapping, used by `jetrl align`); `minimal_updates` keeps only what changes;
-  `merge_updates` applies them.
-
-Key names and meanings: `nemo_jetrl.config_schema` and docs/configs.md.
-"""
+"""Recipe -> config keys (the inverse of `recipe_from_config`), for `jetrl align` and the
+NeMo-RL translation: `recipe_to_config_updates`, `vllm_cfg_for`, `minimal_updates`,
+`merge_updates`."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_jetrl import config_schema as S
-from nemo_jetrl.config_load import (
-    _MISSING,
-    ConfigError,
-    ConfigIssue,
-    _exists,
-    apply_overrides,
-    load_config,
-    parse_override,
-)
-from nemo_jetrl.config_reader import _Reader, arch_from_config
-from nemo_jetrl.config_validate import errors, recipe_from_config, validate
-from nemo_jetrl.recipe import Recipe, preset_differences
-
-__all__ = [
-    "ConfigError",
-    "ConfigIssue",
-    "ValidConfig",
-    "apply_overrides",
-    "arch_from_config",
-    "errors",
-    "load_config",
-    "load_valid_config",
-    "merge_updates",
-    "minimal_updates",
-    "parse_override",
-    "preset_differences",
-    "recipe_from_config",
-    "recipe_to_config_updates",
-    "validate",
-]
-
-
-@dataclass(frozen=True)
-class ValidConfig:
-    """A loaded config without errors, with what commands and backends need from it."""
-
-    # The config, defaults resolved and overrides applied.
-    cfg: DictConfig
-    # The precision recipe its keys describe.
-    recipe: Recipe
-    # The model's architecture (jetrl.model_config or a built-in), None for an unknown model.
-    arch: Any
-    # Every issue `validate` found (warnings and notes only: errors raise).
-    issues: tuple[ConfigIssue, ...]
-
-
-def load_valid_config(
-    cfg: str | os.PathLike[str] | DictConfig, overrides: Sequence[str] = ()
-) -> ValidConfig:
-    """Load ``cfg`` (a YAML path, or a loaded config to apply ``overrides`` to), validate it and
-    build its recipe and architecture; a `ConfigError` lists every error."""
-    if isinstance(cfg, DictConfig):
-        conf, source = (apply_overrides(cfg, list(overrides)) if overrides else cfg), None
-    else:
-        conf, source = load_config(cfg, list(overrides)), str(cfg)
-    issues = validate(conf)
-    if errors(issues):
-        raise ConfigError(issues, source)
-    return ValidConfig(conf, recipe_from_config(conf), arch_from_config(conf), tuple(issues))
+from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.load import _MISSING, _exists
+from nemo_jetrl.config.reader import _Reader
+from nemo_jetrl.recipe import Recipe
 
 
 def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from nemo_jetrl import config_schema as S
-from nemo_jetrl.config_load import ConfigError, ConfigIssue
-from nemo_jetrl.config_reader import _arch, _Reader, arch_from_config, read_recipe
+from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.recipe import Recipe, preset_differences
 
 __all__ = ["arch_from_config", "errors", "recipe_from_config", "validate"]
@@ -317,7 +317,8 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         )
 
 
-def _validate(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
+def validated(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
+    """Every issue in ``cfg`` and the Recipe it describes (meaningful only without errors)."""
     r = _Reader(cfg)
     _check_jetrl_section(r)
     _check_nemo_rl_keys(r)
@@ -341,7 +342,7 @@ def _validate(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
 
 def validate(cfg: DictConfig) -> list[ConfigIssue]:
     """Every problem in `cfg` (errors, warnings, notes), in the order found."""
-    return _validate(cfg)[0]
+    return validated(cfg)[0]
 
 
 def errors(issues: Iterable[ConfigIssue]) -> list[ConfigIssue]:
@@ -351,7 +352,7 @@ def errors(issues: Iterable[ConfigIssue]) -> list[ConfigIssue]:
 
 def recipe_from_config(cfg: DictConfig) -> Recipe:
     """The Recipe a valid config describes; ConfigError listing every error otherwise."""
-    issues, recipe = _validate(cfg)
+    issues, recipe = validated(cfg)
     if errors(issues):
         raise ConfigError(issues)
     return recipe

@@ -1,0 +1,91 @@
+"""NeMo-RL-shaped configs: the public entry points.
+
+- `load_config(path, overrides)`: YAML with NeMo-RL's ``defaults:`` inheritance and Hydra-style
+  overrides (`nemo_jetrl.config.load`).
+- `validate(cfg)` -> every `ConfigIssue`; `recipe_from_config(cfg)` -> `Recipe` or a
+  `ConfigError` listing all errors (`nemo_jetrl.config.validate`, reading through
+  `nemo_jetrl.config.reader`); `arch_from_config(cfg)` -> the model's `ModelArch` or None.
+- `load_valid_config(path_or_cfg, overrides)`: all of the above in one call for commands and
+  backends -> `ValidConfig` (config, recipe, architecture, warnings) or a `ConfigError`.
+- `recipe_to_config_updates(recipe)`: the NeMo-RL and ``jetrl:`` keys expressing a recipe (the
+  inverse mapping, used by `jetrl align`); `minimal_updates` keeps only what changes;
+  `merge_updates` applies them.
+
+Modules: `load` (YAML, overrides, `ConfigIssue`), `reader` (typed reads), `schema` (key names,
+defaults, help), `validate` (every issue at once, config -> Recipe), `updates` (Recipe -> keys).
+Key names and meanings: `nemo_jetrl.config.schema` and docs/configs.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from nemo_jetrl.config.load import (
+    ConfigError,
+    ConfigIssue,
+    apply_overrides,
+    load_config,
+    parse_override,
+)
+from nemo_jetrl.config.reader import arch_from_config
+from nemo_jetrl.config.updates import (
+    merge_updates,
+    minimal_updates,
+    recipe_to_config_updates,
+    vllm_cfg_for,
+)
+from nemo_jetrl.config.validate import errors, recipe_from_config, validate, validated
+from nemo_jetrl.recipe import Recipe, preset_differences
+
+__all__ = [
+    "ConfigError",
+    "ConfigIssue",
+    "ValidConfig",
+    "apply_overrides",
+    "arch_from_config",
+    "errors",
+    "load_config",
+    "load_valid_config",
+    "merge_updates",
+    "minimal_updates",
+    "parse_override",
+    "preset_differences",
+    "recipe_from_config",
+    "recipe_to_config_updates",
+    "validate",
+    "vllm_cfg_for",
+]
+
+
+@dataclass(frozen=True)
+class ValidConfig:
+    """A loaded config without errors, with what commands and backends need from it."""
+
+    # The config, defaults resolved and overrides applied.
+    cfg: DictConfig
+    # The precision recipe its keys describe.
+    recipe: Recipe
+    # The model's architecture (jetrl.model_config or a built-in), None for an unknown model.
+    arch: Any
+    # Every issue `validate` found (warnings and notes only: errors raise).
+    issues: tuple[ConfigIssue, ...]
+
+
+def load_valid_config(
+    cfg: str | os.PathLike[str] | DictConfig, overrides: Sequence[str] = ()
+) -> ValidConfig:
+    """Load ``cfg`` (a YAML path, or a loaded config to apply ``overrides`` to), validate it and
+    build its recipe and architecture; a `ConfigError` lists every error."""
+    if isinstance(cfg, DictConfig):
+        conf, source = (apply_overrides(cfg, list(overrides)) if overrides else cfg), None
+    else:
+        conf, source = load_config(cfg, list(overrides)), str(cfg)
+    issues, recipe = validated(conf)
+    if errors(issues):
+        raise ConfigError(issues, source)
+    return ValidConfig(conf, recipe, arch_from_config(conf), tuple(issues))
