@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jetrl._optional import require
-from nemo_jetrl.runs.logs import RunData, read_run
 from nemo_jetrl.rl.metrics import JETRL_PREFIX, metric_names
+from nemo_jetrl.runs.logs import RunData, read_run
 
 #: NeMo-RL tags (grpo.py logs loss metrics and reward with prefix "train", validation with
 #: "validation").

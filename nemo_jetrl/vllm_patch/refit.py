@@ -321,8 +321,6 @@ def refit(
     """
     t0 = time.perf_counter()
     settings = settings_from_recipe(recipe)
-    if dtype is None:
-        dtype = compat.engine_model_dtype(llm)
     scales = None
     if kv_scales is not None:
         if not settings.fp8_kv_cache:
@@ -331,8 +329,17 @@ def refit(
                 "vLLM ignores them for a BF16 KV cache. Set kv_cache_dtype fp8 or drop kv_scales"
             )
         scales = normalize_kv_scales(kv_scales)
+    qsd = quantize_state_dict(state_dict, settings, dtype=dtype or torch.float32)
+    if dtype is None:  # validated first; now cast to what the engine serves in
+        engine_dtype = compat.engine_model_dtype(llm)
+        qsd = QuantizedStateDict(
+            {n: t if n not in qsd.other_names or not t.is_floating_point() else t.to(engine_dtype)
+             for n, t in qsd.tensors.items()},
+            qsd.fp8_layers,
+            qsd.other_names,
+        )  # fmt: skip
+    if scales is not None:
         check_kv_layers(llm, scales)
-    qsd = quantize_state_dict(state_dict, settings, dtype=dtype)
     guard_shapes(llm, qsd)
     results = llm.collective_rpc("jetrl_load_weights", args=(pack(qsd.tensors),))
     moved = sorted({m for r in results for m in r["moved"]})

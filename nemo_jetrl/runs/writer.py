@@ -1,0 +1,126 @@
+"""Writing a run directory in NeMo-RL's layout (`RunWriter`); `logs` reads it back."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from nemo_jetrl._optional import require
+from nemo_jetrl.runs.logs import CONFIG_FILE, TB_SUBDIR
+
+
+class RunWriter:
+    """Write a run directory in NeMo-RL's layout (TensorBoard scalars, train_data jsonl, config).
+
+    ``run_dir/tensorboard/events.out.tfevents.*`` via torch's SummaryWriter (the writer NeMo-RL
+    uses), ``run_dir/train_data_step{N}.jsonl``, ``run_dir/config.yaml``. Use as a context
+    manager or call `close`.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        config: Mapping[str, Any] | None = None,
+        recipe: str | None = None,
+    ) -> None:
+        """Create ``run_dir`` and the TensorBoard writer; write ``config`` if given.
+
+        ``recipe`` (a preset name such as "jetrl") is stored as ``jetrl.recipe`` in config.yaml
+        when the config does not already say, so `jetrl compare` labels the run with it.
+        """
+        tb = require("torch.utils.tensorboard", feature="writing TensorBoard logs")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._tb = tb.SummaryWriter(log_dir=str(self.run_dir / TB_SUBDIR))
+        self._closed = False
+        if config is not None or recipe is not None:
+            self.write_config(config or {}, recipe=recipe)
+
+    def log_scalars(self, step: int, scalars: Mapping[str, Any], prefix: str = "") -> None:
+        """Log each finite-or-not numeric value as tag ``prefix/name`` (NeMo-RL's naming).
+
+        Tags already complete (e.g. from `mismatch_metrics`) go with ``prefix=""``. Values that
+        are not scalars (lists, dicts, strings) are skipped, as NeMo-RL's TensorBoard logger does.
+        """
+        if self._closed:
+            raise RuntimeError(f"RunWriter for {self.run_dir} is closed")
+        for name, value in scalars.items():
+            tag = f"{prefix}/{name}" if prefix else str(name)
+            v = _scalar(value)
+            if v is not None:
+                self._tb.add_scalar(tag, v, int(step))
+
+    def log_train_data(self, step: int, records: Sequence[Mapping[str, Any]]) -> Path:
+        """Write ``train_data_step{step}.jsonl``: one line per sample, NeMo-RL's shape.
+
+        Each record holds one sample's fields, e.g. ``generation_logprobs``, ``prev_logprobs``,
+        ``token_loss_mask`` (lists over the full sequence, logprob t for token t, position 0
+        unused), ``sample_loss_mask``, ``rewards``, ``token_ids``, ``advantages``, ``content``.
+        Like NeMo-RL, every field is written as a batch of one (``[value]``) plus ``"idx"``.
+        """
+        path = self.run_dir / f"train_data_step{int(step)}.jsonl"
+        tmp = path.with_suffix(".jsonl.tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            for i, rec in enumerate(records):
+                line = {k: [_plain(v)] for k, v in rec.items() if k != "idx"}
+                line["idx"] = i
+                f.write(json.dumps(line, default=str) + "\n")
+        tmp.replace(path)  # a reader never sees half a file
+        return path
+
+    def write_config(self, config: Mapping[str, Any], *, recipe: str | None = None) -> Path:
+        """Write ``config.yaml`` (with ``jetrl.recipe`` set from ``recipe`` when absent)."""
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=False)
+        assert isinstance(cfg, dict)
+        if recipe is not None:
+            jet = cfg.setdefault("jetrl", {})
+            if isinstance(jet, dict):
+                jet.setdefault("recipe", recipe)
+        path = self.run_dir / CONFIG_FILE
+        OmegaConf.save(OmegaConf.create(cfg), path)
+        return path
+
+    def flush(self) -> None:
+        if not self._closed:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._tb.close()
+            self._closed = True
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    numel = getattr(value, "numel", None) or getattr(value, "size", None)
+    if item is not None:
+        try:
+            n = numel() if callable(numel) else numel
+            if n in (None, 1):
+                return float(item())
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def _plain(v: Any) -> Any:
+    """Tensors/arrays to lists, numpy/torch scalars to Python numbers."""
+    tolist = getattr(v, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    return v
