@@ -209,7 +209,7 @@ def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tup
     check_kv_layers(llm, scales)
     results = llm.collective_rpc("jetrl_set_kv_scales", args=(scales,))
     # Read back what the attention layers now hold (host floats and device tensors, in fp32).
-    back = kv_scales(llm)
+    back = llm.collective_rpc("jetrl_kv_scales")[0]
     wrong = [
         f"{name}.{k}_scale: sent {s[k]!r}, layer holds {back[name][k]!r} / {back[name][k + '_tensor']!r}"
         for name, s in scales.items()
