@@ -10,9 +10,13 @@ oneDNN can build a primitive for the dtype, ``current_platform.is_zen_cpu``):
   builds a BF16 primitive only on AVX-512 CPUs, but an FP32 one on every x86 CPU;
 * **in place**: ``F.linear`` on the parameter (BF16 on CPUs without AVX-512).
 
-So serving in float32 takes the repacked path on every x86 CPU and bfloat16 takes whichever
-path this CPU gets: together the two dtypes run both branches here, whatever the CPU. Which
-branch each engine took is asked of vLLM's own dispatch function, never assumed. A refit that
+Which branch each engine takes is asked of vLLM's own dispatch function, never assumed. The
+oneDNN branch does not exist everywhere (vLLM 0.20's AVX2 library has no oneDNN; 0.32's builds
+FP32 primitives on any x86 CPU but BF16 ones only with AVX-512), so the engines marked
+``standin`` load ``tests/standins/jetrl_onednn_standin.py``, a labelled pure-torch stand-in for
+the three oneDNN calls (its packed weight is a private copy, as oneDNN's is): vLLM's own
+dispatch, repacking and reload code then runs its oneDNN branch on every CPU and version, and the
+unmarked engines run whatever this CPU really does. A refit that
 only copied into parameters would fail the shape guard (repacked weights) or leave the packed
 copies stale; both are caught here by the parity read-back through the layer's own GEMM and by
 logprobs against the trainer.
@@ -22,6 +26,10 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +37,7 @@ from vllm_fixtures import vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
 
+STANDINS = Path(__file__).resolve().parent / "standins"
 DECODER_LINEARS = {
     f"model.layers.{i}.{m}"
     for i in range(2)
@@ -40,6 +49,28 @@ DECODER_LINEARS = {
 def _vllm_cpu_env():
     with vllm_cpu_env():
         yield
+
+
+@contextmanager
+def onednn_standin(active: bool, monkeypatch=None):
+    """The stand-in plugin for this process (in-process checks) and, through the environment,
+    for vLLM's engine processes; everything restored on exit."""
+    if not active:
+        yield
+        return
+    sys.path.insert(0, str(STANDINS))
+    import jetrl_onednn_standin as standin
+
+    saved = standin.apply()
+    if monkeypatch is not None:
+        monkeypatch.setenv(standin.ENV, "1")
+        path = os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])
+        monkeypatch.setenv("PYTHONPATH", path)
+    try:
+        yield
+    finally:
+        standin.revert(saved)
+        sys.path.remove(str(STANDINS))
 
 
 def vllm_repacks(dtype: torch.dtype) -> bool:
@@ -54,12 +85,10 @@ def vllm_repacks(dtype: torch.dtype) -> bool:
     return layer.weight.numel() == 0
 
 
-def test_float32_weights_take_the_repacked_path_on_this_cpu():
-    """The premise of this module: FP32 is how the repacked branch runs on every x86 CPU."""
-    assert vllm_repacks(torch.float32), (
-        "vLLM did not repack an FP32 linear on this CPU: the repacked-weights refit path is not "
-        "exercised by this tier here"
-    )
+def test_with_the_standin_vllm_repacks_on_this_cpu():
+    """The premise of the ``standin`` engines: vLLM's dispatch then takes its oneDNN branch."""
+    with onednn_standin(True):
+        assert vllm_repacks(torch.bfloat16) and vllm_repacks(torch.float32)
 
 
 def _logprob_gap(out, trainer) -> float:
@@ -97,10 +126,24 @@ BOUND = {("float32", "bf16"): 0.05, ("bfloat16", "bf16"): 0.25, ("bfloat16", "je
 # vLLM's fp8 quantization serves bfloat16/float16 only, so jetrl runs in bfloat16; the FP32
 # engine (BF16 recipe) is the one that repacks on every CPU, lm_head included.
 @pytest.mark.parametrize(
-    ("dtype_name", "recipe_name"),
-    [("float32", "bf16"), ("bfloat16", "bf16"), ("bfloat16", "jetrl")],
+    ("dtype_name", "recipe_name", "standin"),
+    [
+        ("float32", "bf16", False),
+        ("bfloat16", "bf16", False),
+        ("bfloat16", "jetrl", False),
+        ("bfloat16", "bf16", True),
+        ("bfloat16", "jetrl", True),
+    ],
+    ids=["fp32-bf16", "bf16-bf16", "bf16-jetrl", "standin-bf16-bf16", "standin-bf16-jetrl"],
 )
-def test_refit_rebuilds_what_vllm_derives_from_the_weights(tmp_path, dtype_name, recipe_name):
+def test_refit_rebuilds_what_vllm_derives_from_the_weights(
+    tmp_path, monkeypatch, dtype_name, recipe_name, standin
+):
+    with onednn_standin(standin, monkeypatch):
+        _check_refits(tmp_path, dtype_name, recipe_name, standin)
+
+
+def _check_refits(tmp_path, dtype_name, recipe_name, standin):
     from test_vllm_engine import PROMPTS, _generate, _hf_model, _tokenizer
 
     from nemo_jetrl.recipe import Recipe
@@ -109,6 +152,7 @@ def test_refit_rebuilds_what_vllm_derives_from_the_weights(tmp_path, dtype_name,
 
     dtype = getattr(torch, dtype_name)
     repacks = vllm_repacks(dtype)
+    assert repacks or not standin
     _hf_model(0).to(dtype).save_pretrained(tmp_path)
     _tokenizer().save_pretrained(tmp_path)
     recipe = Recipe.preset(recipe_name)
