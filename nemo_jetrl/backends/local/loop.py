@@ -66,7 +66,8 @@ from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.recipe import Recipe
-from nemo_jetrl.rl.loss import GRPOLossConfig, group_advantages
+from nemo_jetrl.rl.loss import group_advantages
+from nemo_jetrl.rl.loss_config import GRPOLossConfig
 from nemo_jetrl.rl.metrics import mismatch_metrics
 
 T = "timing/train/"
