@@ -42,14 +42,13 @@ from nemo_jetrl._optional import require
 from nemo_jetrl.kvcache.calibration import (
     AmaxObserver,
     CalibrationResult,
-    CalibrationSettings,
-    KVScales,
-    MaskMode,
     scales_from_amax,
     select_sequences,
     token_mask,
 )
 from nemo_jetrl.kvcache.quant import KERNELS, Kernel
+from nemo_jetrl.kvcache.scales import KVScales
+from nemo_jetrl.kvcache.settings import CalibrationSettings, MaskMode
 from nemo_jetrl.kvcache.state import KVQuantState
 
 MIN_TRANSFORMERS = (4, 48)  # AttentionInterface / AttentionMaskInterface

@@ -21,8 +21,9 @@ from typing import ClassVar
 
 import torch
 
-from nemo_jetrl.kvcache.calibration import DEFAULT_SCALE, AmaxObserver, KVScales
+from nemo_jetrl.kvcache.calibration import AmaxObserver
 from nemo_jetrl.kvcache.quant import Kernel, fake_quantize_kv, fake_quantize_kv_ste
+from nemo_jetrl.kvcache.scales import DEFAULT_SCALE, KVScales
 
 
 @dataclass
