@@ -2,7 +2,7 @@
 trainer, scale naming for vLLM and Megatron, and the HuggingFace attention integration.
 
 ``quant``, ``calibration`` (with its ``settings`` and the ``scales`` it produces), ``names`` and
-``state`` need torch only; ``hf`` imports transformers lazily.
+``state`` need torch only; ``hf`` and ``hf_attention`` import transformers lazily.
 """
 
 from nemo_jetrl.kvcache.calibration import (
