@@ -107,7 +107,7 @@ class CalibrationSettings:
 
     @staticmethod
     def from_recipe(kv_calibration: Any, **overrides: Any) -> CalibrationSettings:
-        """From `nemo_jetrl.recipe.KvCalibration` (or anything with the same attributes).
+        """From `nemo_jetrl.recipe_parts.KvCalibration` (or anything with the same attributes).
 
         A missing or None ``reduction`` means "max" when percentile is 100, else "percentile";
         a missing or None ``include_q``, ``micro_batch_size`` or ``fmt`` keeps this class's
