@@ -20,6 +20,10 @@ Scale rules, in plain words (see DESIGN.md for the exact spec):
 The module is plain Python (no torch) so that `jetrl check` stays light. Backends derive their
 settings from a Recipe: the local CPU backend builds `nemo_jetrl.fp8` linears, the vLLM patch
 builds engine arguments, the Megatron mapping builds TransformerConfig fields and NVTE env vars.
+
+`Recipe`, the presets and the rules comparing a recipe with them live here; the parts
+(`SideRecipe`, `KvCalibration`, the allowed values) live in `nemo_jetrl.recipe_parts` and are
+importable from here too.
 """
 
 from __future__ import annotations
@@ -30,158 +34,55 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-Side = Literal["train", "rollout"]
-Fp8RecipeFormat = Literal["e4m3", "hybrid"]
-Scaling = Literal["blockwise", "mxfp8", "tensorwise", "delayed"]
-Quantizer = Literal["te", "jetrl", "vllm"]
-KvCacheDtype = Literal["auto", "fp8"]
-KvScaleSource = Literal["none", "trainer_calibrated", "checkpoint", "dynamic", "unit"]
-KvMask = Literal["response", "prompt_and_response", "none"]
-KvReduction = Literal["max", "percentile"]
+from nemo_jetrl.recipe_parts import (
+    FP8_RECIPE_FORMATS,
+    KV_CACHE_DTYPES,
+    KV_MASKS,
+    KV_REDUCTIONS,
+    KV_SCALE_SOURCES,
+    QUANTIZER_FORMULA,
+    QUANTIZERS,
+    SCALINGS,
+    Fp8RecipeFormat,
+    KvCacheDtype,
+    KvCalibration,
+    KvMask,
+    KvReduction,
+    KvScaleSource,
+    Quantizer,
+    Scaling,
+    Side,
+    SideRecipe,
+)
 
-FP8_RECIPE_FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
-SCALINGS: tuple[str, ...] = ("blockwise", "mxfp8", "tensorwise", "delayed")
-QUANTIZERS: tuple[str, ...] = ("te", "jetrl", "vllm")
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
-KV_SCALE_SOURCES: tuple[str, ...] = ("none", "trainer_calibrated", "checkpoint", "dynamic", "unit")
-KV_MASKS: tuple[str, ...] = ("response", "prompt_and_response", "none")
-KV_REDUCTIONS: tuple[str, ...] = ("max", "percentile")
+__all__ = [
+    "FP8_RECIPE_FORMATS",
+    "KV_CACHE_DTYPES",
+    "KV_MASKS",
+    "KV_REDUCTIONS",
+    "KV_SCALE_SOURCES",
+    "PRESETS",
+    "PRESET_NAMES",
+    "QUANTIZERS",
+    "QUANTIZER_FORMULA",
+    "SCALINGS",
+    "Fp8RecipeFormat",
+    "KvCacheDtype",
+    "KvCalibration",
+    "KvMask",
+    "KvReduction",
+    "KvScaleSource",
+    "Quantizer",
+    "Recipe",
+    "Scaling",
+    "Side",
+    "SideRecipe",
+    "describe_side",
+    "matching_preset",
+    "preset_differences",
+]
+
 PRESET_NAMES: tuple[str, ...] = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
-
-# Which quantization *formula* each implementation computes. TE and this package compute the
-# same one (bit-exact against TE's golden vectors); vLLM's own functions compute another.
-QUANTIZER_FORMULA: Mapping[str, str] = MappingProxyType({"te": "te", "jetrl": "te", "vllm": "vllm"})
-
-
-@dataclass(frozen=True)
-class SideRecipe:
-    """Precision of one side (training or rollout) of an RL step."""
-
-    # Linear layers of the decoder blocks (q/k/v/o projections, MLP) run in FP8. Embeddings,
-    # norms, attention math, lm_head and MoE routers always stay BF16 on both sides.
-    fp8_linears: bool = False
-    # TE's `fp8` knob: "e4m3" everywhere, or "hybrid" (E4M3 forward, E5M2 gradients). Forward
-    # tensors are E4M3 in both, so only training backward differs. Rollout is always "e4m3".
-    fmt: Fp8RecipeFormat = "e4m3"
-    # Scaling granularity: "blockwise" (1x128 activations, 128x128 weights; the only one this
-    # package quantizes), "mxfp8" (1x32 E8M0), or TE's per-tensor "tensorwise"/"delayed".
-    scaling: Scaling = "blockwise"
-    # Weight block scales are powers of two (True) or exact FP32 quotients (False).
-    pow2_weight_scales: bool = True
-    # Activation block scales are powers of two (True) or exact FP32 quotients (False).
-    pow2_activation_scales: bool = True
-    # Which code computes the quantization on this side: "te" (Transformer Engine), "jetrl"
-    # (nemo_jetrl.fp8; on rollout this means our vLLM patch), "vllm" (vLLM's own kernels).
-    quantizer: Quantizer = "te"
-    # Number of leading decoder layers kept in BF16 on this side.
-    bf16_first_layers: int = 0
-    # Number of trailing decoder layers kept in BF16 on this side.
-    bf16_last_layers: int = 0
-    # Training only: TE keeps the primary weights in FP8 (`fp8_cfg.fp8_param`); refit may then
-    # export TE's own FP8 weights instead of requantizing the master copy.
-    fp8_param: bool = False
-    # Rollout only: the GEMM uses DeepGEMM. Changes the kernel, never the quantized inputs.
-    use_deep_gemm: bool = False
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.fmt not in FP8_RECIPE_FORMATS:
-            problems.append(f"fmt={self.fmt!r} (allowed: {', '.join(FP8_RECIPE_FORMATS)})")
-        if self.scaling not in SCALINGS:
-            problems.append(f"scaling={self.scaling!r} (allowed: {', '.join(SCALINGS)})")
-        if self.quantizer not in QUANTIZERS:
-            problems.append(f"quantizer={self.quantizer!r} (allowed: {', '.join(QUANTIZERS)})")
-        for name in ("bf16_first_layers", "bf16_last_layers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                problems.append(f"{name}={v!r} (must be an integer >= 0)")
-        if problems:
-            raise ValueError("invalid SideRecipe: " + "; ".join(problems))
-
-    @property
-    def pow2_scales(self) -> bool:
-        """The scale mode when weights and activations agree; ValueError when they differ."""
-        if self.pow2_weight_scales != self.pow2_activation_scales:
-            raise ValueError(
-                "this side mixes scale modes (pow2 weights="
-                f"{self.pow2_weight_scales}, pow2 activations={self.pow2_activation_scales}); "
-                "read pow2_weight_scales / pow2_activation_scales separately"
-            )
-        return self.pow2_weight_scales
-
-    @property
-    def formula(self) -> str:
-        """The quantization formula this side's implementation computes ("te" or "vllm")."""
-        return QUANTIZER_FORMULA[self.quantizer]
-
-    def scale_mode(self, tensor: Literal["weight", "activation"]) -> str:
-        """Scale mode, "pow2" or "fp32", of weights or activations on this side."""
-        pow2 = self.pow2_weight_scales if tensor == "weight" else self.pow2_activation_scales
-        return "pow2" if pow2 else "fp32"
-
-    def is_fp8_layer(self, layer: int, num_layers: int) -> bool:
-        """Whether decoder layer `layer` (0-based) of `num_layers` runs its linears in FP8."""
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"layer index {layer} out of range for a {num_layers}-layer model")
-        if not self.fp8_linears:
-            return False
-        return self.bf16_first_layers <= layer < num_layers - self.bf16_last_layers
-
-    def fp8_layers(self, num_layers: int) -> list[int]:
-        """Indices of the decoder layers whose linears run in FP8 on this side."""
-        return [i for i in range(num_layers) if self.is_fp8_layer(i, num_layers)]
-
-    def with_(self, **changes: Any) -> SideRecipe:
-        """A copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
-
-
-@dataclass(frozen=True)
-class KvCalibration:
-    """How the trainer recalibrates per-tensor Q/K/V scales for an FP8 KV cache (issue 6)."""
-
-    # Recalibrate after every update and send the scales with the refit.
-    enabled: bool = True
-    # Fraction of the step's sequences (0 < f <= 1) the observers see.
-    data_fraction: float = 1.0
-    # Percentile (0 < p <= 100) of the per-micro-batch amax values; 100 means the maximum.
-    percentile: float = 99.9
-    # Safety margin (>= 1) multiplied into the amax before scale = amax * margin / 448.
-    margin: float = 1.05
-    # Tokens the observers see: "response" (generated tokens only), "prompt_and_response"
-    # (all real tokens), "none" (everything including padding, NeMo-RL's behaviour).
-    mask: KvMask = "prompt_and_response"
-    # How the per-micro-batch amax samples are reduced: "max" or "percentile". None: "max" when
-    # percentile is 100, else "percentile".
-    reduction: KvReduction | None = None
-    # Also calibrate the query scale (attention kernels that take FP8 queries). None: the
-    # backend decides (local backend: yes; NeMo-RL: when NeMo-RL asks for it). Under NeMo-RL,
-    # true adds q_scale; false cannot drop a q_scale NeMo-RL asks for (its engine needs it).
-    include_q: bool | None = None
-    # Sequences per calibration forward pass (> 0; one amax sample per pass). None: the
-    # backend's default (local backend: 32; NeMo-RL: what NeMo-RL passes, else its
-    # logprob_batch_size); a value here wins over both.
-    micro_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.reduction is not None and self.reduction not in KV_REDUCTIONS:
-            problems.append(f"reduction={self.reduction!r} (allowed: {', '.join(KV_REDUCTIONS)})")
-        if self.include_q is not None and not isinstance(self.include_q, bool):
-            problems.append(f"include_q={self.include_q!r} (must be true or false)")
-        mbs = self.micro_batch_size
-        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            problems.append(f"micro_batch_size={mbs!r} (must be an integer > 0)")
-        if not 0.0 < float(self.data_fraction) <= 1.0:
-            problems.append(f"data_fraction={self.data_fraction!r} (must be in (0, 1])")
-        if not 0.0 < float(self.percentile) <= 100.0:
-            problems.append(f"percentile={self.percentile!r} (must be in (0, 100])")
-        if not float(self.margin) >= 1.0:
-            problems.append(f"margin={self.margin!r} (must be >= 1)")
-        if self.mask not in KV_MASKS:
-            problems.append(f"mask={self.mask!r} (allowed: {', '.join(KV_MASKS)})")
-        if problems:
-            raise ValueError("invalid KvCalibration: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parents[1] / "nemo_jetrl"
 MAX_TOP_LEVEL = 8
 MAX_LINES = 400
@@ -125,7 +123,6 @@ def test_at_most_eight_top_level_modules():
     assert len(top) <= MAX_TOP_LEVEL, top
 
 
-@pytest.mark.xfail(strict=True, reason="restructure in progress")
 def test_no_module_over_400_lines():
     long = {
         str(p.relative_to(PKG.parent)): n

@@ -58,7 +58,8 @@ def _run_nemo_rl(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from nemo_jetrl.backends.local.loop import resolve_run, run_local
+    from nemo_jetrl.backends.local.loop import run_local
+    from nemo_jetrl.backends.local.setup import resolve_run
     from nemo_jetrl.config import ConfigError, load_config
     from nemo_jetrl.errors import MissingDependencyError, UserError
     from nemo_jetrl.flow.pipeline import check_config, off_policy_refusal, run_notes

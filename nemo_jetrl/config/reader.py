@@ -15,7 +15,8 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, _exists
-from nemo_jetrl.recipe import KvCalibration, Recipe, SideRecipe, matching_preset
+from nemo_jetrl.recipe import Recipe, matching_preset
+from nemo_jetrl.recipe_parts import KvCalibration, SideRecipe
 
 # ---------------------------------------------------------------------------------------------
 # reading with a record of problems

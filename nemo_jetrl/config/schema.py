@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from nemo_jetrl.recipe import KV_MASKS, KV_REDUCTIONS, KV_SCALE_SOURCES, PRESET_NAMES
+from nemo_jetrl.recipe import PRESET_NAMES
+from nemo_jetrl.recipe_parts import KV_MASKS, KV_REDUCTIONS, KV_SCALE_SOURCES
 
 # NeMo-RL key paths (dotted), one constant each so messages and align use the same spelling.
 FP8_CFG = "policy.megatron_cfg.fp8_cfg"

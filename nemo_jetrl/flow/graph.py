@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nemo_jetrl.arch import ModelArch
-from nemo_jetrl.recipe import QUANTIZER_FORMULA, Recipe, SideRecipe
+from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.recipe_parts import QUANTIZER_FORMULA, SideRecipe
 
 Phase = Literal["rollout", "train_fwd", "train_bwd"]
 PHASES: tuple[str, ...] = ("rollout", "train_fwd", "train_bwd")

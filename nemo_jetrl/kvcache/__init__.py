@@ -1,15 +1,14 @@
 """FP8 KV cache: per-tensor quantization as vLLM does it, Q/K/V scale calibration on the
 trainer, scale naming for vLLM and Megatron, and the HuggingFace attention integration.
 
-``quant``, ``calibration``, ``names`` and ``state`` need torch only; ``hf`` imports transformers lazily.
+``quant``, ``calibration`` (with its ``settings`` and the ``scales`` it produces), ``names`` and
+``state`` need torch only; ``hf`` and ``hf_attention`` import transformers lazily.
 """
 
 from nemo_jetrl.kvcache.calibration import (
     AmaxObserver,
     CalibrationResult,
-    CalibrationSettings,
     KVScaleRefusedWarning,
-    KVScales,
     masked_amax,
     reduce_samples,
     scale_from_amax,
@@ -23,6 +22,8 @@ from nemo_jetrl.kvcache.quant import (
     fake_quantize_kv_ste,
     quantize_kv,
 )
+from nemo_jetrl.kvcache.scales import KVScales
+from nemo_jetrl.kvcache.settings import CalibrationSettings
 from nemo_jetrl.kvcache.state import KVQuantState
 
 __all__ = [

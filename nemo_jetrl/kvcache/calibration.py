@@ -32,137 +32,47 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from nemo_jetrl.fp8 import get_format
 from nemo_jetrl.kvcache import names
+from nemo_jetrl.kvcache.scales import DEFAULT_SCALE, KVScales
+from nemo_jetrl.kvcache.settings import (
+    MASK_MODES,
+    REDUCTIONS,
+    CalibrationSettings,
+    Layout,
+    MaskMode,
+    Reduction,
+)
 
-MaskMode = Literal["response", "prompt_and_response", "none"]
-Reduction = Literal["max", "percentile"]
-Layout = Literal["bhtd", "sbhd", "bthd"]
-MASK_MODES: tuple[str, ...] = ("response", "prompt_and_response", "none")
-REDUCTIONS: tuple[str, ...] = ("max", "percentile")
-DEFAULT_SCALE = 1.0  # what vLLM uses for a layer whose scale was never loaded
+# The values live in `nemo_jetrl.kvcache.settings` and `.scales`; importing them from here
+# keeps working.
+__all__ = [
+    "DEFAULT_SCALE",
+    "MASK_MODES",
+    "REDUCTIONS",
+    "AmaxObserver",
+    "CalibrationResult",
+    "CalibrationSettings",
+    "KVScaleRefusedWarning",
+    "KVScales",
+    "Layout",
+    "MaskMode",
+    "Reduction",
+    "masked_amax",
+    "reduce_samples",
+    "scale_from_amax",
+    "scales_from_amax",
+    "select_sequences",
+    "token_mask",
+]
 
 
 class KVScaleRefusedWarning(UserWarning):
     """A calibrated KV scale was invalid; the layer keeps its previous scales."""
-
-
-@dataclass(frozen=True)
-class CalibrationSettings:
-    """How Q/K/V amax become FP8 KV scales (config: ``jetrl.kv_calibration``)."""
-
-    # Fraction (0 < f <= 1) of the step's sequences fed to the observers; sequences are taken at
-    # evenly spaced indices (deterministic, consumes no RNG state).
-    data_fraction: float = 1.0
-    # "max" of the per-micro-batch amax samples, or their "percentile".
-    reduction: Reduction = "percentile"
-    # Percentile (0 < p <= 100) used when reduction is "percentile" (NeMo-RL: 99.9).
-    percentile: float = 99.9
-    # Headroom multiplied into the amax (>= 1; NeMo-RL: 1.05).
-    margin: float = 1.05
-    # Tokens the observers see: "response", "prompt_and_response" or "none" (padding included).
-    mask: MaskMode = "prompt_and_response"
-    # Also calibrate the query scale (needed when the attention kernel takes FP8 queries).
-    include_q: bool = True
-    # Sequences per forward pass during calibration (one amax sample per layer per pass).
-    # Fewer, larger passes are cheaper (measured on CPU: 8 passes of 4 cost 2x one pass of 32);
-    # a percentile differs from the max only with hundreds of passes.
-    micro_batch_size: int = 32
-    # FP8 format of the cache ("e4m3"; "e5m2" exists in vLLM but needs no calibration usually).
-    fmt: str = "e4m3"
-
-    def __post_init__(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ValueError("invalid KV calibration settings: " + "; ".join(problems))
-
-    def problems(self, prefix: str = "") -> list[str]:
-        """Every invalid field as ``key=value (what is allowed)``."""
-        out = []
-        p = prefix
-        if not _is_number(self.data_fraction) or not 0.0 < self.data_fraction <= 1.0:
-            out.append(f"{p}data_fraction={self.data_fraction!r} (must be in (0, 1])")
-        if self.reduction not in REDUCTIONS:
-            out.append(f"{p}reduction={self.reduction!r} (allowed: {', '.join(REDUCTIONS)})")
-        if not _is_number(self.percentile) or not 0.0 < self.percentile <= 100.0:
-            out.append(f"{p}percentile={self.percentile!r} (must be in (0, 100])")
-        if not _is_number(self.margin) or not (1.0 <= self.margin < math.inf):
-            out.append(f"{p}margin={self.margin!r} (must be a finite number >= 1)")
-        if self.mask not in MASK_MODES:
-            out.append(f"{p}mask={self.mask!r} (allowed: {', '.join(MASK_MODES)})")
-        if (
-            not isinstance(self.micro_batch_size, int)
-            or isinstance(self.micro_batch_size, bool)
-            or self.micro_batch_size < 1
-        ):
-            out.append(f"{p}micro_batch_size={self.micro_batch_size!r} (must be an integer >= 1)")
-        try:
-            get_format(self.fmt)
-        except ValueError:
-            out.append(f"{p}fmt={self.fmt!r} (allowed: e4m3, e5m2)")
-        return out
-
-    @staticmethod
-    def from_cfg(
-        cfg: Mapping[str, Any] | None, prefix: str = "jetrl.kv_calibration"
-    ) -> CalibrationSettings | list[str]:
-        """Settings from a YAML mapping, or the list of every problem with its full key path.
-
-        Accepts the recipe keys (``enabled`` is the caller's business and ignored here) plus
-        ``reduction``, ``include_q``, ``micro_batch_size`` and ``fmt``. ``reduction`` defaults
-        to "max" when ``percentile`` is 100, else "percentile".
-        """
-        cfg = dict(cfg or {})
-        fields = {f for f in CalibrationSettings.__dataclass_fields__}
-        problems = [
-            f"{prefix}.{k}: unknown key (allowed: {', '.join(sorted(fields | {'enabled'}))})"
-            for k in cfg
-            if k not in fields and k != "enabled"
-        ]
-        kw = {k: v for k, v in cfg.items() if k in fields}
-        if "reduction" not in kw and _is_number(kw.get("percentile", 99.9)):
-            kw["reduction"] = "max" if float(kw.get("percentile", 99.9)) >= 100.0 else "percentile"
-        if "include_q" in kw and not isinstance(kw["include_q"], bool):
-            problems.append(f"{prefix}.include_q={kw['include_q']!r} (must be true or false)")
-        probe = object.__new__(CalibrationSettings)
-        for name, f in CalibrationSettings.__dataclass_fields__.items():
-            object.__setattr__(probe, name, kw.get(name, f.default))
-        problems += [f"{prefix}.{p}" for p in probe.problems()]
-        if problems:
-            return problems
-        return CalibrationSettings(**kw)
-
-    @staticmethod
-    def from_recipe(kv_calibration: Any, **overrides: Any) -> CalibrationSettings:
-        """From `nemo_jetrl.recipe.KvCalibration` (or anything with the same attributes).
-
-        A missing or None ``reduction`` means "max" when percentile is 100, else "percentile";
-        a missing or None ``include_q``, ``micro_batch_size`` or ``fmt`` keeps this class's
-        default. ``overrides`` win over both.
-        """
-        pct = float(getattr(kv_calibration, "percentile", 99.9))
-        reduction = getattr(kv_calibration, "reduction", None)
-        kw: dict[str, Any] = {
-            "data_fraction": float(getattr(kv_calibration, "data_fraction", 1.0)),
-            "percentile": pct,
-            "reduction": reduction or ("max" if pct >= 100.0 else "percentile"),
-            "margin": float(getattr(kv_calibration, "margin", 1.05)),
-            "mask": getattr(kv_calibration, "mask", "prompt_and_response"),
-        }
-        for key in ("include_q", "micro_batch_size", "fmt"):
-            if getattr(kv_calibration, key, None) is not None:
-                kw[key] = getattr(kv_calibration, key)
-        kw.update(overrides)
-        return CalibrationSettings(**kw)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
 # -- masks -----------------------------------------------------------------------------------
@@ -306,86 +216,6 @@ def reduce_samples(
     vals.sort()
     rank = round(percentile / 100.0 * (len(vals) - 1))
     return vals[max(0, min(len(vals) - 1, rank))]
-
-
-# -- scales ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVScales:
-    """Per-layer FP8 scales (dequantization multipliers), keyed by decoder layer index.
-
-    ``layers[i]`` maps "k", "v" and optionally "q" to a positive finite fp32-representable float.
-    """
-
-    layers: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
-    fmt: str = "e4m3"
-
-    def __post_init__(self) -> None:
-        frozen = {}
-        for i, per in self.layers.items():
-            if not isinstance(i, int) or i < 0:
-                raise ValueError(f"KV scales: layer key {i!r} must be a decoder index >= 0")
-            entry = {}
-            for t, s in per.items():
-                if t not in names.TENSORS:
-                    raise ValueError(f"KV scales, layer {i}: unknown tensor {t!r} (use q, k, v)")
-                s = float(s)
-                if not (0.0 < s < math.inf):
-                    raise ValueError(
-                        f"KV scales, layer {i}: {t}_scale={s!r} must be finite and > 0"
-                    )
-                entry[t] = s
-            frozen[i] = MappingProxyType(entry)
-        object.__setattr__(self, "layers", MappingProxyType(dict(sorted(frozen.items()))))
-
-    def get(self, layer: int, tensor: str, default: float | None = DEFAULT_SCALE) -> float | None:
-        """The scale of ``tensor`` in ``layer``, or ``default`` (vLLM's 1.0) when absent."""
-        per = self.layers.get(layer)
-        if per is None or tensor not in per:
-            return default
-        return per[tensor]
-
-    def to_vllm(self, include_q: bool = True) -> dict[str, float]:
-        """Flat ``{vLLM/NeMo-RL refit name: scale}`` (``model.layers.{i}.self_attn.k_scale``...)."""
-        return {
-            names.vllm_scale_name(i, t): s
-            for i, per in self.layers.items()
-            for t, s in per.items()
-            if include_q or t != "q"
-        }
-
-    def to_megatron(self, *, layer_offset: int = 0) -> dict[str, float]:
-        """Flat ``{decoder.layers.{i}.self_attention.core_attention.{t}_scale: scale}``."""
-        return {
-            names.megatron_scale_name(i, t, layer_offset=layer_offset): s
-            for i, per in self.layers.items()
-            for t, s in per.items()
-            if i >= layer_offset
-        }
-
-    @staticmethod
-    def from_vllm(flat: Mapping[str, float], fmt: str = "e4m3") -> KVScales:
-        """Inverse of `to_vllm` (accepts names with or without the ``.attn`` hop)."""
-        layers: dict[int, dict[str, float]] = {}
-        for name, s in flat.items():
-            i = names.layer_index_from_hf(name)
-            tensor = name.rsplit(".", 1)[-1].removesuffix("_scale")
-            if i is None or tensor not in names.TENSORS or not name.endswith("_scale"):
-                raise ValueError(f"{name!r} is not a vLLM q/k/v scale name")
-            layers.setdefault(i, {})[tensor] = float(s)
-        return KVScales(layers, fmt)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly ``{"fmt":..., "layers": {"0": {"k":..., "v":...}}}``."""
-        return {"fmt": self.fmt, "layers": {str(i): dict(p) for i, p in self.layers.items()}}
-
-    @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> KVScales:
-        """Inverse of `to_dict`."""
-        return KVScales(
-            {int(i): dict(p) for i, p in d.get("layers", {}).items()}, d.get("fmt", "e4m3")
-        )
 
 
 def scale_from_amax(amax: float, margin: float, fmax: float = 448.0) -> float:

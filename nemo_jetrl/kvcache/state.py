@@ -1,6 +1,6 @@
 """What an attention integration needs to apply the rollout's FP8 KV to q/k/v on the trainer.
 
-Both integrations (`nemo_jetrl.kvcache.hf` for transformers models and
+Both integrations (`nemo_jetrl.kvcache.hf_attention` for transformers models and
 `nemo_jetrl.megatron.attention` for Megatron-Core) hold the same per-model settings, read at
 every attention call: the per-layer scales, whether to fake-quantize keys/values (and queries),
 with or without a straight-through gradient, which vLLM cache writer to reproduce, and an
@@ -21,8 +21,9 @@ from typing import ClassVar
 
 import torch
 
-from nemo_jetrl.kvcache.calibration import DEFAULT_SCALE, AmaxObserver, KVScales
+from nemo_jetrl.kvcache.calibration import AmaxObserver
 from nemo_jetrl.kvcache.quant import Kernel, fake_quantize_kv, fake_quantize_kv_ste
+from nemo_jetrl.kvcache.scales import DEFAULT_SCALE, KVScales
 
 
 @dataclass

@@ -38,14 +38,10 @@ from typing import Any
 import torch
 
 from nemo_jetrl.kvcache import names
-from nemo_jetrl.kvcache.calibration import (
-    AmaxObserver,
-    CalibrationResult,
-    CalibrationSettings,
-    KVScales,
-    scales_from_amax,
-)
+from nemo_jetrl.kvcache.calibration import AmaxObserver, CalibrationResult, scales_from_amax
 from nemo_jetrl.kvcache.quant import KERNELS, Kernel
+from nemo_jetrl.kvcache.scales import KVScales
+from nemo_jetrl.kvcache.settings import CalibrationSettings
 from nemo_jetrl.kvcache.state import KVQuantState
 
 CORE_ATTENTION_SUFFIX = "self_attention.core_attention"

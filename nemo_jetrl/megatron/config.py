@@ -41,7 +41,8 @@ from types import MappingProxyType
 from typing import Any
 
 from nemo_jetrl._optional import require
-from nemo_jetrl.recipe import Recipe, SideRecipe
+from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.recipe_parts import SideRecipe
 
 FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"

@@ -43,156 +43,22 @@ padding cannot poison the loss or its gradient. The returned metrics use NeMo-RL
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from nemo_jetrl.rl.correction import (
-    CorrectionConfig,
-    CorrectionConfigError,
-    importance_weights,
-    validate_loss_fn_cfg,
-)
+from nemo_jetrl.rl.correction import CorrectionResult, importance_weights
+from nemo_jetrl.rl.loss_config import KL_TYPES, GRPOLossConfig, LossConfigError
 from nemo_jetrl.rl.metrics import NEMO_RL_PREFIX, check_logprobs, k3, mismatch_metrics, valid_mask
 
-KL_TYPES = ("k1", "k2", "k3")
-#: NeMo-RL loss_fn switches this loss does not implement; true/non-zero is an error, not ignored.
-_UNSUPPORTED_FLAGS = (
-    "disable_ppo_ratio",
-    "force_on_policy_ratio",
-    "use_cispo",
-    "use_kl_in_reward",
-)
-
-
-class LossConfigError(CorrectionConfigError):
-    """Invalid ``loss_fn`` settings (loss and IS keys); ``errors`` lists every problem."""
-
-    what = "loss_fn settings"
-
-
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    """GRPO loss settings; field names are NeMo-RL's ``loss_fn`` keys (same defaults)."""
-
-    #: PPO clip: ratios are clipped to [1 - ratio_clip_min, 1 + ratio_clip_max].
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    #: dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; None: off.
-    ratio_clip_c: float | None = None
-    #: beta of the KL penalty to the reference policy; 0 disables it.
-    reference_policy_kl_penalty: float = 0.01
-    #: "k1", "k2" or "k3" (Schulman's estimators).
-    reference_policy_kl_type: str = "k3"
-    #: clamp of x = ref - curr before the KL estimator; None: no clamp.
-    kl_input_clamp_value: float | None = 20.0
-    #: clamp of each token's (weighted) KL term; None: no clamp.
-    kl_output_clamp_value: float | None = 10.0
-    #: weight the KL by exp(curr - generation) instead of exp(curr - sg(curr)).
-    use_on_policy_kl_approximation: bool = False
-    #: token mean over the global batch (true) or mean over sequences of token means (false).
-    token_level_loss: bool = True
-    #: importance-sampling correction of the rollout/train mismatch.
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
-
-    def __post_init__(self) -> None:
-        errs = _loss_rule_errors(
-            {
-                "ratio_clip_min": self.ratio_clip_min,
-                "ratio_clip_max": self.ratio_clip_max,
-                "ratio_clip_c": self.ratio_clip_c,
-                "reference_policy_kl_penalty": self.reference_policy_kl_penalty,
-                "reference_policy_kl_type": self.reference_policy_kl_type,
-                "kl_input_clamp_value": self.kl_input_clamp_value,
-                "kl_output_clamp_value": self.kl_output_clamp_value,
-            },
-            "",
-        )
-        if self.correction.token_level_loss != self.token_level_loss:
-            errs.append(
-                f"token_level_loss={self.token_level_loss} but correction.token_level_loss="
-                f"{self.correction.token_level_loss}: they must agree"
-            )
-        if errs:
-            raise LossConfigError(errs)
-
-    @classmethod
-    def from_loss_fn_cfg(cls, cfg: Mapping[str, Any], *, path: str = "loss_fn") -> GRPOLossConfig:
-        """Build from a NeMo-RL ``loss_fn`` mapping; raise `LossConfigError` with all errors."""
-        if not isinstance(cfg, Mapping) and hasattr(cfg, "items"):
-            cfg = dict(cfg.items())
-        if not isinstance(cfg, Mapping):
-            raise LossConfigError([f"{path} must be a mapping, got {type(cfg).__name__}"])
-        k = f"{path}." if path else ""
-        errs = validate_loss_fn_cfg(cfg, path=path)
-        errs += _loss_rule_errors(cfg, path)
-        for flag in _UNSUPPORTED_FLAGS:
-            if cfg.get(flag):
-                errs.append(
-                    f"{k}{flag}={cfg[flag]!r} is not implemented by nemo_jetrl's GRPO loss "
-                    "(local backend): set it to false, or train with the nemo_rl backend"
-                )
-        nll = cfg.get("positive_example_nll_weight")
-        if nll not in (None, 0, 0.0):
-            errs.append(
-                f"{k}positive_example_nll_weight={nll!r} is not implemented by nemo_jetrl's GRPO "
-                "loss (local backend): set it to 0, or train with the nemo_rl backend"
-            )
-        if errs:
-            raise LossConfigError(errs)
-        # None means "off" for the optional keys, "use the default" for the others
-        optional = ("ratio_clip_c", "kl_input_clamp_value", "kl_output_clamp_value")
-        kw: dict[str, Any] = {
-            name: cfg[name]
-            for name in (
-                "ratio_clip_min",
-                "ratio_clip_max",
-                "reference_policy_kl_penalty",
-                "reference_policy_kl_type",
-                "use_on_policy_kl_approximation",
-                "token_level_loss",
-                *optional,
-            )
-            if name in cfg and (cfg[name] is not None or name in optional)
-        }
-        return cls(**kw, correction=CorrectionConfig.from_loss_fn_cfg(cfg, path=path))
-
-
-def _loss_rule_errors(cfg: Mapping[str, Any], path: str) -> list[str]:
-    k = f"{path}." if path else ""
-    errs: list[str] = []
-
-    def num(name: str, *, optional: bool) -> float | None:
-        v = cfg.get(name)
-        if v is None:
-            if not optional and name in cfg:
-                errs.append(f"{k}{name} must be a number, got null")
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-            errs.append(f"{k}{name} must be a number{' or null' if optional else ''}, got {v!r}")
-            return None
-        return float(v)
-
-    for name in ("ratio_clip_min", "ratio_clip_max"):
-        v = num(name, optional=False)
-        if v is not None and v < 0:
-            errs.append(f"{k}{name} must be >= 0 (the clip range is [1 - min, 1 + max]), got {v}")
-    c = num("ratio_clip_c", optional=True)
-    if c is not None and not c > 1:
-        errs.append(
-            f"{k}ratio_clip_c must be > 1 (usually 3) or null to disable dual clipping, got {c}"
-        )
-    num("reference_policy_kl_penalty", optional=False)
-    t = cfg.get("reference_policy_kl_type", "k3")
-    if t not in KL_TYPES:
-        errs.append(f"{k}reference_policy_kl_type must be one of {', '.join(KL_TYPES)}, got {t!r}")
-    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
-        v = num(name, optional=True)
-        if v is not None and v <= 0:
-            errs.append(f"{k}{name} must be > 0 or null, got {v}")
-    return errs
+# The settings live in `nemo_jetrl.rl.loss_config`; importing them from here keeps working.
+__all__ = [
+    "KL_TYPES",
+    "GRPOLossConfig",
+    "LossConfigError",
+    "group_advantages",
+    "grpo_loss",
+]
 
 
 def group_advantages(
@@ -286,12 +152,85 @@ def grpo_loss(
         NeMo-RL's loss metric names under ``train/`` plus the correction stats.
     """
     cfg = config or GRPOLossConfig()
+    beta = float(cfg.reference_policy_kl_penalty)
+    shape, mask, adv = _checked_inputs(
+        curr_logprobs,
+        prev_logprobs,
+        generation_logprobs,
+        advantages,
+        token_mask,
+        sample_mask,
+        reference_logprobs,
+        beta,
+    )
+    dt = curr_logprobs.dtype
+    zero = torch.zeros((), dtype=dt, device=curr_logprobs.device)
+
+    def clean(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, t.to(dt), zero)
+
+    curr = clean(curr_logprobs)
+    prev = clean(prev_logprobs.detach())
+    gen = clean(generation_logprobs.detach())
+    adv = clean(adv.detach())
+    maskf = mask.to(dt)
+    aggregate, n_tok, n_seq = _aggregator(
+        mask, sample_mask, shape, dt, cfg.token_level_loss, global_valid_tokens, global_valid_seqs
+    )
+
+    ratios, ratios_clamped, clip_loss = _clipped_loss(curr, prev, adv, maskf, shape, cfg)
+    corr = importance_weights(
+        generation_logprobs, prev_logprobs, token_mask, sample_mask, config=cfg.correction
+    )
+    w = corr.weights.to(dt)
+    actor_loss = aggregate(w * clip_loss)
+
+    if beta != 0.0:
+        assert reference_logprobs is not None
+        ref = clean(reference_logprobs.detach())
+        kl_mean = aggregate(_kl_per_token(curr, gen, ref, cfg))
+        loss = actor_loss + beta * kl_mean
+    else:
+        kl_mean = None
+        loss = actor_loss
+
+    with torch.no_grad():
+        metrics = _loss_metrics(
+            loss,
+            kl_mean,
+            ratios,
+            ratios_clamped,
+            curr,
+            gen,
+            mask,
+            n_tok,
+            n_seq,
+            (generation_logprobs, prev_logprobs, token_mask, sample_mask),
+            corr,
+        )
+    return loss, metrics
+
+
+# -- phases of grpo_loss -----------------------------------------------------------------------
+
+
+def _checked_inputs(
+    curr_logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor | None,
+    reference_logprobs: torch.Tensor | None,
+    beta: float,
+) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
+    """(shape [B, T], valid-token mask, advantages broadcast to [B, T]); ValueError when the
+    inputs disagree or the KL penalty lacks its reference logprobs."""
     tensors = {
         "curr_logprobs": curr_logprobs,
         "prev_logprobs": prev_logprobs,
         "generation_logprobs": generation_logprobs,
     }
-    beta = float(cfg.reference_policy_kl_penalty)
     if beta != 0.0:
         if reference_logprobs is None:
             raise ValueError(
@@ -311,15 +250,20 @@ def grpo_loss(
             f"advantages has shape {list(advantages.shape)}; expected [{shape[0]}] (one per "
             f"response) or {list(shape)} (one per token)"
         )
-    zero = torch.zeros((), dtype=dt, device=curr_logprobs.device)
+    return shape, mask, adv
 
-    def clean(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask, t.to(dt), zero)
 
-    curr = clean(curr_logprobs)
-    prev = clean(prev_logprobs.detach())
-    gen = clean(generation_logprobs.detach())
-    adv = clean(adv.detach())
+def _aggregator(
+    mask: torch.Tensor,
+    sample_mask: torch.Tensor | None,
+    shape: torch.Size,
+    dt: torch.dtype,
+    token_level_loss: bool,
+    global_valid_tokens: float | None,
+    global_valid_seqs: float | None,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], float, float]:
+    """(aggregate, valid tokens, valid sequences): ``aggregate`` turns a per-token loss into the
+    global token mean, or the mean over sequences of token means (``token_level_loss: false``)."""
     maskf = mask.to(dt)
     n_tok = float(mask.sum())
     seq_ok = (
@@ -334,13 +278,25 @@ def grpo_loss(
     seq_den = float(global_valid_seqs) if global_valid_seqs is not None else max(n_seq, 1.0)
 
     def aggregate(per_token: torch.Tensor) -> torch.Tensor:
-        if cfg.token_level_loss:
+        if token_level_loss:
             return (per_token * maskf).sum() / tok_den
         cnt = maskf.sum(-1).clamp(min=1.0)
         per_seq = (per_token * maskf).sum(-1) / cnt
         return (per_seq * seq_ok.to(dt)).sum() / seq_den
 
-    # PPO ratio (token, or GSPO sequence-level)
+    return aggregate, n_tok, n_seq
+
+
+def _clipped_loss(
+    curr: torch.Tensor,
+    prev: torch.Tensor,
+    adv: torch.Tensor,
+    maskf: torch.Tensor,
+    shape: torch.Size,
+    cfg: GRPOLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ratios, clamped ratios, per-token clipped PG loss): the PPO ratio per token, or per
+    sequence with GSPO (``sequence_level_importance_ratios``), clipped and dual-clipped."""
     log_ratio = curr - prev
     if cfg.correction.sequence_level_importance_ratios:
         cnt = maskf.sum(-1, keepdim=True).clamp(min=1.0)
@@ -353,64 +309,74 @@ def grpo_loss(
         clip_loss = torch.where(
             adv < 0, torch.minimum(clip_loss, -adv * cfg.ratio_clip_c), clip_loss
         )
+    return ratios, ratios_clamped, clip_loss
 
-    corr = importance_weights(
-        generation_logprobs, prev_logprobs, token_mask, sample_mask, config=cfg.correction
+
+def _kl_per_token(
+    curr: torch.Tensor, gen: torch.Tensor, ref: torch.Tensor, cfg: GRPOLossConfig
+) -> torch.Tensor:
+    """Per-token KL to the reference policy: the estimator on the (clamped) x = ref - curr,
+    weighted by exp(curr - sg(curr)) (or exp(curr - gen)), output-clamped."""
+    x = ref - curr
+    kl_w = (
+        torch.exp(curr - gen)
+        if cfg.use_on_policy_kl_approximation
+        else torch.exp(curr - curr.detach())
     )
-    w = corr.weights.to(dt)
-    actor_loss = aggregate(w * clip_loss)
+    kl_w = torch.nan_to_num(kl_w, nan=0.0, posinf=0.0, neginf=0.0)
+    if cfg.kl_input_clamp_value is not None:
+        c = cfg.kl_input_clamp_value
+        xc = x.clamp(-c, c)
+        kl_w = torch.where(x == xc, kl_w, kl_w.detach())  # clamped: no gradient through it
+        x = xc
+    kl = _kl_term(x, cfg.reference_policy_kl_type) * kl_w
+    if cfg.kl_output_clamp_value is not None:
+        kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+    return kl
 
-    if beta != 0.0:
-        assert reference_logprobs is not None
-        ref = clean(reference_logprobs.detach())
-        x = ref - curr
-        kl_w = (
-            torch.exp(curr - gen)
-            if cfg.use_on_policy_kl_approximation
-            else torch.exp(curr - curr.detach())
-        )
-        kl_w = torch.nan_to_num(kl_w, nan=0.0, posinf=0.0, neginf=0.0)
-        if cfg.kl_input_clamp_value is not None:
-            c = cfg.kl_input_clamp_value
-            xc = x.clamp(-c, c)
-            kl_w = torch.where(x == xc, kl_w, kl_w.detach())  # clamped: no gradient through it
-            x = xc
-        kl = _kl_term(x, cfg.reference_policy_kl_type) * kl_w
-        if cfg.kl_output_clamp_value is not None:
-            kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
-        kl_mean = aggregate(kl)
-        loss = actor_loss + beta * kl_mean
-    else:
-        kl_mean = None
-        loss = actor_loss
 
-    with torch.no_grad():
-        sel = mask
-        r_v = ratios.detach()[sel].double()
-        rc_v = ratios_clamped.detach()[sel].double()
-        c64, g64 = curr.detach().double(), gen.double()
-        p = NEMO_RL_PREFIX
-        metrics: dict[str, float] = {
-            p + "loss": float(loss.detach()),
-            p + "probs_ratio": float(r_v.mean()) if n_tok else math.nan,
-            p + "probs_ratio_clamped": float(rc_v.mean()) if n_tok else math.nan,
-            p + "probs_ratio_min": float(r_v.min()) if n_tok else math.nan,
-            p + "probs_ratio_max": float(r_v.max()) if n_tok else math.nan,
-            p + "probs_ratio_clamped_min": float(rc_v.min()) if n_tok else math.nan,
-            p + "probs_ratio_clamped_max": float(rc_v.max()) if n_tok else math.nan,
-            p + "kl_penalty": float(kl_mean.detach()) if kl_mean is not None else 0.0,
-            p + "approx_entropy": float(-(torch.exp(c64 - g64) * c64)[sel].mean())
-            if n_tok
-            else math.nan,
-            p + "num_valid_samples": n_seq,
-        }
-        mm = mismatch_metrics(generation_logprobs, prev_logprobs, token_mask, sample_mask)
-        for key in (
-            "token_mult_prob_error",
-            "gen_kl_error",
-            "policy_kl_error",
-            "js_divergence_error",
-        ):
-            metrics[p + key] = mm[p + key]
-        metrics.update(corr.stats)
-    return loss, metrics
+def _loss_metrics(
+    loss: torch.Tensor,
+    kl_mean: torch.Tensor | None,
+    ratios: torch.Tensor,
+    ratios_clamped: torch.Tensor,
+    curr: torch.Tensor,
+    gen: torch.Tensor,
+    mask: torch.Tensor,
+    n_tok: float,
+    n_seq: float,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    corr: CorrectionResult,
+) -> dict[str, float]:
+    """NeMo-RL's loss metrics (``train/...``), the mismatch errors of ``inputs`` (generation,
+    prev logprobs, token mask, sample mask) and the correction stats; call under no_grad."""
+    generation_logprobs, prev_logprobs, token_mask, sample_mask = inputs
+    sel = mask
+    r_v = ratios.detach()[sel].double()
+    rc_v = ratios_clamped.detach()[sel].double()
+    c64, g64 = curr.detach().double(), gen.double()
+    p = NEMO_RL_PREFIX
+    metrics: dict[str, float] = {
+        p + "loss": float(loss.detach()),
+        p + "probs_ratio": float(r_v.mean()) if n_tok else math.nan,
+        p + "probs_ratio_clamped": float(rc_v.mean()) if n_tok else math.nan,
+        p + "probs_ratio_min": float(r_v.min()) if n_tok else math.nan,
+        p + "probs_ratio_max": float(r_v.max()) if n_tok else math.nan,
+        p + "probs_ratio_clamped_min": float(rc_v.min()) if n_tok else math.nan,
+        p + "probs_ratio_clamped_max": float(rc_v.max()) if n_tok else math.nan,
+        p + "kl_penalty": float(kl_mean.detach()) if kl_mean is not None else 0.0,
+        p + "approx_entropy": float(-(torch.exp(c64 - g64) * c64)[sel].mean())
+        if n_tok
+        else math.nan,
+        p + "num_valid_samples": n_seq,
+    }
+    mm = mismatch_metrics(generation_logprobs, prev_logprobs, token_mask, sample_mask)
+    for key in (
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "policy_kl_error",
+        "js_divergence_error",
+    ):
+        metrics[p + key] = mm[p + key]
+    metrics.update(corr.stats)
+    return metrics

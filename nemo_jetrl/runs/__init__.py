@@ -1,1 +1,3 @@
-"""Run directories: `logs` (read and write NeMo-RL-shaped logs), `report` (`jetrl compare`)."""
+"""Run directories: `logs` (read NeMo-RL-shaped logs: `read_run`), its readers `tensorboard`
+(events files) and `train_data` (per-step jsonl), `writer` (`RunWriter`), `report`
+(`jetrl compare`)."""

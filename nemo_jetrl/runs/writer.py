@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jetrl._optional import require
-from nemo_jetrl.runs.logs import CONFIG_FILE, TB_SUBDIR
+from nemo_jetrl.runs.logs import CONFIG_FILE
+from nemo_jetrl.runs.tensorboard import TB_SUBDIR
 
 
 class RunWriter:

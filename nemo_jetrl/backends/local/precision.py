@@ -26,7 +26,8 @@ from torch import nn
 
 from nemo_jetrl.fp8 import ConversionReport, Fp8LinearConfig, convert_to_fp8_inference
 from nemo_jetrl.fp8 import convert_to_fp8_training as _convert_training
-from nemo_jetrl.recipe import Recipe, SideRecipe
+from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.recipe_parts import SideRecipe
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

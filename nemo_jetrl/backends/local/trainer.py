@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from nemo_jetrl.backends.local.rollout import token_logprobs
-from nemo_jetrl.rl.loss import GRPOLossConfig, grpo_loss
+from nemo_jetrl.rl.loss import grpo_loss
+from nemo_jetrl.rl.loss_config import GRPOLossConfig
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,202 @@
+"""Setting up a local GRPO run: `resolve_run` checks the config (every problem at once) and
+`LocalRun` builds the run's state from it (tokenizer, warm-started weights, the trainer with its
+fp32 masters and optional frozen reference, the rollout model under the recipe's FP8 layers, the
+FP8 KV controller, generators) and starts or closes the vLLM rollout engine. Its step phases
+come from `nemo_jetrl.backends.local.step`, its checkpointing from
+`nemo_jetrl.backends.local.resume`.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
+from nemo_jetrl.backends.local.model import build_model, load_model_config
+from nemo_jetrl.backends.local.precision import (
+    freeze,
+    make_rollout_model,
+    make_trainer_model,
+    model_dtype,
+)
+from nemo_jetrl.backends.local.refit import export_weights
+from nemo_jetrl.backends.local.resume import RunCheckpointing
+from nemo_jetrl.backends.local.step import RunStep
+from nemo_jetrl.backends.local.task import encode_prompts, validation_problems
+from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
+from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
+from nemo_jetrl.backends.local.warmstart import load_or_train
+from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.rl.loss_config import GRPOLossConfig
+
+
+def _loss_config(cfg: DictConfig) -> GRPOLossConfig:
+    from nemo_jetrl.rl.correction import CorrectionConfigError
+
+    section = OmegaConf.select(cfg, "loss_fn", default=None)
+    if section is None:
+        return GRPOLossConfig(reference_policy_kl_penalty=0.0)
+    try:
+        return GRPOLossConfig.from_loss_fn_cfg(OmegaConf.to_container(section, resolve=True))
+    except CorrectionConfigError as exc:
+        raise ConfigError([ConfigIssue("loss_fn", e) for e in exc.errors]) from None
+
+
+def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GRPOLossConfig]:
+    """Recipe and settings of a local run; `ConfigError` listing every problem."""
+    from nemo_jetrl.config import recipe_from_config
+
+    issues: list[ConfigIssue] = []
+    out: list[Any] = []
+    checks = (
+        lambda: recipe_from_config(cfg),
+        lambda: RunSettings.from_cfg(cfg),
+        lambda: LocalSettings.from_cfg(OmegaConf.select(cfg, "jetrl.local", default=None)),
+        lambda: _loss_config(cfg),
+    )
+    for fn in checks:
+        try:
+            out.append(fn())
+        except ConfigError as exc:
+            new = [i for i in exc.issues if i.level == "error"]
+            if fn is checks[-1] and any(i.path.startswith("loss_fn") for i in issues):
+                new = []  # the config validator already named these loss_fn problems
+            issues.extend(new)
+            out.append(None)
+    recipe, local = out[0], out[2]
+    if local is not None and local.rollout_engine == "vllm":
+        from nemo_jetrl.backends.local.vllm_rollout import vllm_importable, vllm_recipe_issues
+
+        if recipe is not None:
+            issues.extend(vllm_recipe_issues(recipe, local.dtype))
+        issues.extend(vllm_importable())
+    if issues:
+        seen, unique = set(), []
+        for i in issues:
+            if (i.path, i.message) not in seen:
+                seen.add((i.path, i.message))
+                unique.append(i)
+        raise ConfigError(unique)
+    return tuple(out)  # type: ignore[return-value]
+
+
+class LocalRun(RunStep, RunCheckpointing):
+    """All state of one local GRPO run (models, trainer, generators, KV controller, writer);
+    the step phases come from `RunStep`, the checkpoint state from `RunCheckpointing`."""
+
+    def __init__(self, cfg: DictConfig, *, log=print) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.recipe, self.run, self.local, loss_cfg = resolve_run(cfg)
+        if self.local.num_threads:
+            torch.set_num_threads(self.local.num_threads)
+        self.tokenizer = load_tokenizer(self.local.tokenizer)
+        tok_path = Path(self.local.tokenizer) if self.local.tokenizer else TOKENIZER_JSON
+        self.model_config = load_model_config(self.local.model_config)
+        self.task = self.local.task
+        seed = self.run.seed
+        dtype = model_dtype(self.local.dtype)
+        if self.local.warmstart.enabled and self.local.warmstart.steps > 0:
+            weights, path, cached = load_or_train(
+                self.model_config,
+                self.tokenizer,
+                tok_path.read_text(),
+                self.task,
+                self.local.warmstart,
+                seed,
+                self.local.resolved_cache_dir(),
+                log=log,
+            )
+            self.warmstart_path: Path | None = path
+            self.warmstart_cached = cached
+        else:
+            weights = build_model(self.model_config, seed=seed).state_dict()
+            self.warmstart_path, self.warmstart_cached = None, False
+        # trainer side
+        train_model = build_model(self.model_config, dtype=dtype, seed=seed)
+        self.train_plan = make_trainer_model(train_model, self.recipe)
+        reference = None
+        if loss_cfg.reference_policy_kl_penalty != 0.0:
+            reference = freeze(copy.deepcopy(train_model))
+        self.trainer = Trainer(
+            train_model,
+            optim=OptimConfig(
+                lr=self.run.lr,
+                betas=self.run.betas,
+                eps=self.run.eps,
+                weight_decay=self.run.weight_decay,
+                max_grad_norm=self.run.max_grad_norm,
+            ),
+            loss=loss_cfg,
+            temperature=self.run.temperature,
+            reference=reference,
+        )
+        self.trainer.load_master(weights)
+        if reference is not None:
+            with torch.no_grad():
+                for p, src in zip(reference.parameters(), train_model.parameters(), strict=True):
+                    p.copy_(src)
+        # rollout side: same class and config, FP8 layers as the rollout recipe says
+        rollout_model = build_model(self.model_config, dtype=dtype, seed=seed)
+        rollout_model.load_state_dict(train_model.state_dict(), strict=True)
+        self.rollout_plan = make_rollout_model(rollout_model, self.recipe)
+        self.rollout_model = freeze(rollout_model)
+        self.engine = None  # a VllmRollout with rollout_engine=vllm
+        self.engine_parity_tensors = 0
+        self.engine_kv_layers = 0
+        # FP8 KV cache
+        self.kv = None
+        if self.recipe.kv_fp8:
+            from nemo_jetrl.kvcache import CalibrationSettings
+            from nemo_jetrl.kvcache.hf import KVCacheController
+
+            self.kv = KVCacheController(CalibrationSettings.from_recipe(self.recipe.kv_calibration))
+            self.kv.attach(self.rollout_model, role="rollout")
+            self.kv.attach(train_model, role="train", onpolicy=self.recipe.onpolicy_kv)
+        self.data_gen = torch.Generator().manual_seed(seed + 2)
+        self.sample_gen = torch.Generator().manual_seed(seed + 3)
+        self.val_problems = validation_problems(self.task, seed)
+        self.max_new_tokens = self.run.max_new_tokens or self.task.response_len() + 4
+        self.step = 0
+        self.refit_refused_total = 0
+        self.kv_calibrated = False
+        if self.local.rollout_engine == "vllm":
+            self._start_engine()
+
+    def _start_engine(self) -> None:
+        """Start the vLLM engine on a run-local model dir and load the trainer's weights."""
+        from nemo_jetrl.backends.local.vllm_rollout import VllmRollout
+
+        prompt_len = encode_prompts(self.val_problems[:1], self.tokenizer).shape[1]
+        batch = max(self.run.batch_size, len(self.val_problems))
+        self.engine = VllmRollout(
+            self.rollout_model,
+            self.tokenizer,
+            self.recipe,
+            Path(self.run.log_dir) / "vllm_model",
+            max_model_len=min(
+                self.model_config.max_position_embeddings, prompt_len + self.max_new_tokens + 16
+            ),
+            max_num_seqs=min(batch, 256),
+            seed=self.run.seed,
+        )
+        try:
+            rep = self.engine.refit(export_weights(self.trainer.model))
+        except BaseException:
+            self.close()
+            raise
+        self.engine_parity_tensors = rep.parity_compared
+        self.log(
+            f"vLLM rollout engine started ({self.recipe.name}: {rep.fp8_layers} FP8 linears, "
+            f"parity {rep.parity_compared} tensors bit-identical)"
+        )
+
+    def close(self) -> None:
+        """Shut down the vLLM engine (if any) and revert its patch (idempotent)."""
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,235 @@
+"""One GRPO step of a local run: `RunStep`, the part of `LocalRun` that runs the phases, and the
+test/debugging `Hooks` they call. The phases, timed with NeMo-RL's timing names:
+
+1. refit (``timing/train/prepare_for_generation``): the trainer's compute weights go through the
+   guarded `refit` (FP8 layers quantized once, 128x128); a refused refit is logged
+   (``jetrl/local/refit_refused``) and the rollout keeps its last good weights.
+2. rollout (``timing/train/generation``): ``num_prompts_per_step`` problems x
+   ``num_generations_per_prompt`` samples with per-token ``generation_logprobs``; rewards
+   (``timing/train/reward_calculation``).
+3. score (``timing/train/policy_and_reference_logprobs``): the trainer's full-sequence forward
+   under the training precision gives ``prev_logprobs`` (and reference logprobs when the KL
+   penalty is on); `mismatch_metrics` compares them with the rollout's.
+4. update (``timing/train/policy_training``): GRPO loss (group advantages, clipped PG, optional
+   IS correction and KL) and one AdamW step on the fp32 masters.
+5. recalibrate KV scales (``timing/train/kv_calibration``) when the KV cache is FP8.
+
+With ``jetrl.local.rollout_engine: vllm`` steps 1 and 2 run on a real vLLM CPU engine under the
+nemo_jetrl patch (`nemo_jetrl.backends.local.vllm_rollout`): the weights that passed the guarded
+refit above go through the vLLM refit (its own guards, then the bit-for-bit parity check, logged
+as ``jetrl/local/vllm_parity_tensors``), and vLLM's per-token logprobs are the
+``generation_logprobs``. Scoring, metrics, update, logs and checkpoints are unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_jetrl.backends.local.refit import RefitRefused, export_weights, refit
+from nemo_jetrl.backends.local.rollout import generate
+from nemo_jetrl.backends.local.task import (
+    decode_responses,
+    encode_prompts,
+    sample_problems,
+    score,
+)
+from nemo_jetrl.rl.loss import group_advantages
+from nemo_jetrl.rl.metrics import mismatch_metrics
+
+T = "timing/train/"
+
+
+@dataclass
+class Hooks:
+    """Test and debugging hooks (not configurable from YAML)."""
+
+    before_refit: Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    """``fn(step, weights) -> weights``: e.g. corrupt the weights sent to the rollout."""
+    after_step: Callable[[int, dict[str, float]], None] | None = None
+    """``fn(step, scalars)`` after each step is logged."""
+    on_run: Callable[[Any], None] | None = None
+    """``fn(run)`` with the `LocalRun` once its state is built (e.g. to inspect its rollout
+    engine later); typed Any because `LocalRun` is built from this module's `RunStep`."""
+
+
+class RunStep:
+    """The phases of one step; mixed into `nemo_jetrl.backends.local.setup.LocalRun`, whose
+    state (trainer, rollout model or engine, KV controller, generators) they use."""
+
+    def engine_kv_scales(self) -> dict[int, dict[str, float]] | None:
+        """The trainer's calibrated KV scales for the vLLM engine (None: no FP8 KV / not yet).
+
+        A tensor without a calibrated scale gets vLLM's default 1.0, as the trainer assumes."""
+        if self.kv is None or self.kv.scales is None:
+            return None
+        return {
+            i: {t: float(per.get(t, 1.0)) for t in ("q", "k", "v")}
+            for i, per in self.kv.scales.layers.items()
+        }
+
+    def do_refit(self, hooks: Hooks) -> tuple[bool, str | None]:
+        weights = export_weights(self.trainer.model)
+        if hooks.before_refit is not None:
+            weights = hooks.before_refit(self.step + 1, dict(weights))
+        try:
+            refit(self.rollout_model, weights)
+        except RefitRefused as exc:
+            self.refit_refused_total += 1
+            return False, str(exc)
+        if self.engine is not None:
+            from nemo_jetrl.vllm_patch.refit import RefitError
+
+            try:  # vLLM's own guards; a ParityError (bits differ) is raised, never swallowed
+                rep = self.engine.refit(weights, kv_scales=self.engine_kv_scales())
+                self.engine_parity_tensors = rep.parity_compared
+                self.engine_kv_layers = rep.kv_layers
+            except RefitError as exc:
+                self.refit_refused_total += 1
+                return False, f"vLLM engine: {exc}"
+        return True, None
+
+    def _generate(self, prompt_ids: torch.Tensor, generator: torch.Generator, *, greedy: bool):
+        """Rollout on the configured engine (HF model or vLLM)."""
+        kw = dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.run.temperature,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            generator=generator,
+            greedy=greedy,
+        )
+        if self.engine is not None:
+            return self.engine.generate(prompt_ids, **kw)
+        return generate(self.rollout_model, prompt_ids, cache_factory=self._cache_factory(), **kw)
+
+    def _cache_factory(self):
+        return self.kv.rollout_cache if self.kv is not None else None
+
+    def validate(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        prompts = encode_prompts(self.val_problems, self.tokenizer)
+        g = torch.Generator().manual_seed(self.run.seed + 1000 + self.step)
+        rb = self._generate(prompts, g, greedy=self.local.val_greedy)
+        texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
+        results = [
+            score(p, t, f, self.task)
+            for p, t, f in zip(self.val_problems, texts, finished, strict=True)
+        ]
+        return {
+            "validation/accuracy": sum(c for _, c in results) / len(results),
+            "validation/avg_reward": sum(r for r, _ in results) / len(results),
+            "validation/avg_length": float(mask.sum(1).float().mean()),
+            "timing/validation/total_validation_time": time.perf_counter() - t0,
+        }
+
+    def train_step(self, hooks: Hooks) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """One GRPO step (see the module docstring); returns (scalars, train-data records)."""
+        timing: dict[str, float] = {}
+        cpu: dict[str, float] = {}
+        s: dict[str, float] = {}
+
+        def phase(name: str, t0: float, c0: float) -> None:
+            timing[T + name] = time.perf_counter() - t0
+            cpu["jetrl/local/cpu_time/" + name] = time.process_time() - c0
+
+        t_start, c_start = time.perf_counter(), time.process_time()
+        # 1. refit
+        t0, c0 = time.perf_counter(), time.process_time()
+        ok, why = self.do_refit(hooks)
+        phase("prepare_for_generation", t0, c0)
+        s["jetrl/local/refit_refused"] = 0.0 if ok else 1.0
+        if self.engine is not None:
+            s["jetrl/local/vllm_parity_tensors"] = float(self.engine_parity_tensors if ok else 0)
+        if not ok:
+            self.log(f"step {self.step + 1}: {why}")
+        # 2. rollout + rewards
+        t0, c0 = time.perf_counter(), time.process_time()
+        G = self.run.num_generations_per_prompt
+        problems = sample_problems(self.run.num_prompts_per_step, self.task, self.data_gen)
+        prompt_ids = encode_prompts(problems, self.tokenizer).repeat_interleave(G, dim=0)
+        if self.kv is not None and not self.kv_calibrated:
+            # first step: no responses yet, so the initial KV scales come from the prompts
+            self.kv.calibrate(self.trainer.model, prompt_ids, mask="prompt_and_response")
+            self.kv_calibrated = True
+            if self.engine is not None:  # the engine's KV cache takes the same scales
+                self.engine_kv_layers = self.engine.set_kv_scales(self.engine_kv_scales())
+        if self.engine is not None and self.kv is not None:  # layers whose scales this rollout uses
+            s["jetrl/local/vllm_kv_layers"] = float(self.engine_kv_layers)
+        rb = self._generate(prompt_ids, self.sample_gen, greedy=False)
+        phase("generation", t0, c0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
+        owners = [p for p in problems for _ in range(G)]
+        scored = [
+            score(p, t, f, self.task) for p, t, f in zip(owners, texts, finished, strict=True)
+        ]
+        rewards = torch.tensor([r for r, _ in scored], dtype=torch.float64)
+        group_ids = torch.arange(len(problems)).repeat_interleave(G)
+        adv = group_advantages(
+            rewards,
+            group_ids,
+            normalize_rewards=self.run.normalize_rewards,
+            leave_one_out_baseline=self.run.use_leave_one_out_baseline,
+        )
+        phase("reward_calculation", t0, c0)
+        # 3. score
+        t0, c0 = time.perf_counter(), time.process_time()
+        P = prompt_ids.shape[1]
+        ids = torch.cat([prompt_ids, rb.response_ids], dim=1)
+        prev = self.trainer.score(ids, P)
+        ref = self.trainer.reference_logprobs(ids, P)
+        phase("policy_and_reference_logprobs", t0, c0)
+        gen = rb.generation_logprobs
+        s.update(mismatch_metrics(gen, prev, mask))
+        # 4. update
+        t0, c0 = time.perf_counter(), time.process_time()
+        lm = self.trainer.update(
+            ids,
+            P,
+            prev_logprobs=prev,
+            generation_logprobs=gen,
+            advantages=adv,
+            token_mask=mask,
+            reference_logprobs=ref,
+        )
+        phase("policy_training", t0, c0)
+        s.update(lm)
+        # 5. KV recalibration on this step's data, with the updated weights
+        if self.kv is not None:
+            t0, c0 = time.perf_counter(), time.process_time()
+            full_mask = torch.cat([torch.ones_like(prompt_ids, dtype=torch.bool), mask], dim=1)
+            resp_mask = torch.cat([torch.zeros_like(prompt_ids, dtype=torch.bool), mask], dim=1)
+            res = self.kv.calibrate(self.trainer.model, ids, full_mask, resp_mask)
+            phase("kv_calibration", t0, c0)
+            s["jetrl/local/kv_refused_layers"] = float(len(res.refused))
+        self.step += 1
+        s["train/reward"] = float(rewards.mean())
+        s["train/accuracy"] = sum(c for _, c in scored) / len(scored)
+        s["jetrl/local/mean_response_tokens"] = float(mask.sum(1).float().mean())
+        s["jetrl/local/frac_finished"] = float(rb.finished.float().mean())
+        s["jetrl/local/refit_refused_total"] = float(self.refit_refused_total)
+        timing[T + "total_step_time"] = time.perf_counter() - t_start
+        cpu["jetrl/local/cpu_time/total_step_time"] = time.process_time() - c_start
+        s.update(timing)
+        s.update(cpu)
+        records = []
+        for i in range(ids.shape[0]):
+            pad = [0.0] * P
+            records.append(
+                {
+                    "content": texts[i],
+                    "token_ids": ids[i].tolist(),
+                    "generation_logprobs": pad + gen[i].tolist(),
+                    "prev_logprobs": pad + prev[i].tolist(),
+                    "token_loss_mask": [0] * P + mask[i].int().tolist(),
+                    "sample_loss_mask": 1,
+                    "rewards": float(rewards[i]),
+                    "advantages": float(adv[i]),
+                }
+            )
+        return s, records

@@ -1,0 +1,152 @@
+"""Settings of the GRPO loss: `GRPOLossConfig` (NeMo-RL's ``loss_fn`` keys, same defaults), the
+rules that check them (`LossConfigError` lists every problem) and the KL estimator names.
+
+`nemo_jetrl.rl.loss` computes the loss from these settings and re-exports the names here; the
+importance-sampling keys of ``loss_fn`` are `nemo_jetrl.rl.correction`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_jetrl.rl.correction import CorrectionConfig, CorrectionConfigError, validate_loss_fn_cfg
+
+KL_TYPES = ("k1", "k2", "k3")
+#: NeMo-RL loss_fn switches this loss does not implement; true/non-zero is an error, not ignored.
+_UNSUPPORTED_FLAGS = (
+    "disable_ppo_ratio",
+    "force_on_policy_ratio",
+    "use_cispo",
+    "use_kl_in_reward",
+)
+
+
+class LossConfigError(CorrectionConfigError):
+    """Invalid ``loss_fn`` settings (loss and IS keys); ``errors`` lists every problem."""
+
+    what = "loss_fn settings"
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """GRPO loss settings; field names are NeMo-RL's ``loss_fn`` keys (same defaults)."""
+
+    #: PPO clip: ratios are clipped to [1 - ratio_clip_min, 1 + ratio_clip_max].
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    #: dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; None: off.
+    ratio_clip_c: float | None = None
+    #: beta of the KL penalty to the reference policy; 0 disables it.
+    reference_policy_kl_penalty: float = 0.01
+    #: "k1", "k2" or "k3" (Schulman's estimators).
+    reference_policy_kl_type: str = "k3"
+    #: clamp of x = ref - curr before the KL estimator; None: no clamp.
+    kl_input_clamp_value: float | None = 20.0
+    #: clamp of each token's (weighted) KL term; None: no clamp.
+    kl_output_clamp_value: float | None = 10.0
+    #: weight the KL by exp(curr - generation) instead of exp(curr - sg(curr)).
+    use_on_policy_kl_approximation: bool = False
+    #: token mean over the global batch (true) or mean over sequences of token means (false).
+    token_level_loss: bool = True
+    #: importance-sampling correction of the rollout/train mismatch.
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+
+    def __post_init__(self) -> None:
+        errs = _loss_rule_errors(
+            {
+                "ratio_clip_min": self.ratio_clip_min,
+                "ratio_clip_max": self.ratio_clip_max,
+                "ratio_clip_c": self.ratio_clip_c,
+                "reference_policy_kl_penalty": self.reference_policy_kl_penalty,
+                "reference_policy_kl_type": self.reference_policy_kl_type,
+                "kl_input_clamp_value": self.kl_input_clamp_value,
+                "kl_output_clamp_value": self.kl_output_clamp_value,
+            },
+            "",
+        )
+        if self.correction.token_level_loss != self.token_level_loss:
+            errs.append(
+                f"token_level_loss={self.token_level_loss} but correction.token_level_loss="
+                f"{self.correction.token_level_loss}: they must agree"
+            )
+        if errs:
+            raise LossConfigError(errs)
+
+    @classmethod
+    def from_loss_fn_cfg(cls, cfg: Mapping[str, Any], *, path: str = "loss_fn") -> GRPOLossConfig:
+        """Build from a NeMo-RL ``loss_fn`` mapping; raise `LossConfigError` with all errors."""
+        if not isinstance(cfg, Mapping) and hasattr(cfg, "items"):
+            cfg = dict(cfg.items())
+        if not isinstance(cfg, Mapping):
+            raise LossConfigError([f"{path} must be a mapping, got {type(cfg).__name__}"])
+        k = f"{path}." if path else ""
+        errs = validate_loss_fn_cfg(cfg, path=path)
+        errs += _loss_rule_errors(cfg, path)
+        for flag in _UNSUPPORTED_FLAGS:
+            if cfg.get(flag):
+                errs.append(
+                    f"{k}{flag}={cfg[flag]!r} is not implemented by nemo_jetrl's GRPO loss "
+                    "(local backend): set it to false, or train with the nemo_rl backend"
+                )
+        nll = cfg.get("positive_example_nll_weight")
+        if nll not in (None, 0, 0.0):
+            errs.append(
+                f"{k}positive_example_nll_weight={nll!r} is not implemented by nemo_jetrl's GRPO "
+                "loss (local backend): set it to 0, or train with the nemo_rl backend"
+            )
+        if errs:
+            raise LossConfigError(errs)
+        # None means "off" for the optional keys, "use the default" for the others
+        optional = ("ratio_clip_c", "kl_input_clamp_value", "kl_output_clamp_value")
+        kw: dict[str, Any] = {
+            name: cfg[name]
+            for name in (
+                "ratio_clip_min",
+                "ratio_clip_max",
+                "reference_policy_kl_penalty",
+                "reference_policy_kl_type",
+                "use_on_policy_kl_approximation",
+                "token_level_loss",
+                *optional,
+            )
+            if name in cfg and (cfg[name] is not None or name in optional)
+        }
+        return cls(**kw, correction=CorrectionConfig.from_loss_fn_cfg(cfg, path=path))
+
+
+def _loss_rule_errors(cfg: Mapping[str, Any], path: str) -> list[str]:
+    k = f"{path}." if path else ""
+    errs: list[str] = []
+
+    def num(name: str, *, optional: bool) -> float | None:
+        v = cfg.get(name)
+        if v is None:
+            if not optional and name in cfg:
+                errs.append(f"{k}{name} must be a number, got null")
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            errs.append(f"{k}{name} must be a number{' or null' if optional else ''}, got {v!r}")
+            return None
+        return float(v)
+
+    for name in ("ratio_clip_min", "ratio_clip_max"):
+        v = num(name, optional=False)
+        if v is not None and v < 0:
+            errs.append(f"{k}{name} must be >= 0 (the clip range is [1 - min, 1 + max]), got {v}")
+    c = num("ratio_clip_c", optional=True)
+    if c is not None and not c > 1:
+        errs.append(
+            f"{k}ratio_clip_c must be > 1 (usually 3) or null to disable dual clipping, got {c}"
+        )
+    num("reference_policy_kl_penalty", optional=False)
+    t = cfg.get("reference_policy_kl_type", "k3")
+    if t not in KL_TYPES:
+        errs.append(f"{k}reference_policy_kl_type must be one of {', '.join(KL_TYPES)}, got {t!r}")
+    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        v = num(name, optional=True)
+        if v is not None and v <= 0:
+            errs.append(f"{k}{name} must be > 0 or null, got {v}")
+    return errs

@@ -1,0 +1,154 @@
+"""Reading TensorBoard event files of a run directory: `find_event_files`, `read_event_file`
+(one file, with TFRecord-framing checks so a truncated or corrupt file keeps what came before the
+damage, plus NeMo-RL's ``add_hparams`` record) and `read_scalars` (all files merged per tag into
+`Series`; for a step logged twice the later wall time wins). `nemo_jetrl.runs.logs.read_run`
+combines this with the run's config and train_data jsonl.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_jetrl._optional import require
+
+#: NeMo-RL writes TensorBoard events to <log_dir>/tensorboard.
+TB_SUBDIR = "tensorboard"
+EVENTS_GLOB = "events.out.tfevents*"
+
+
+@dataclass(frozen=True)
+class Series:
+    """One scalar tag over steps (sorted by step)."""
+
+    tag: str
+    steps: tuple[int, ...]
+    values: tuple[float, ...]
+    #: "tensorboard", "jsonl" (recomputed) or "tensorboard+jsonl" (gaps filled).
+    source: str = "tensorboard"
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+def find_event_files(run_dir: str | Path) -> list[Path]:
+    """Every TensorBoard events file under ``run_dir`` (any depth), sorted by path."""
+    return sorted(p for p in Path(run_dir).rglob(EVENTS_GLOB) if p.is_file())
+
+
+def _tfrecord_intact_bytes(path: Path) -> tuple[int, int, int]:
+    """(records, bytes covered by whole records, file size) from the TFRecord framing.
+
+    A record is: uint64 length, uint32 crc, ``length`` bytes, uint32 crc. A file whose records do
+    not tile it exactly is truncated (or corrupt); the loader silently stops there, so we check.
+    """
+    size = path.stat().st_size
+    pos = n = 0
+    with path.open("rb") as f:
+        while pos + 12 <= size:
+            f.seek(pos)
+            (length,) = struct.unpack("<Q", f.read(8))
+            end = pos + 12 + length + 4
+            if end > size:
+                break
+            pos, n = end, n + 1
+    return n, pos, size
+
+
+def read_event_file(
+    path: str | Path, *, hparams_out: dict[str, Any] | None = None
+) -> tuple[dict[str, dict[int, tuple[float, float]]], list[str]]:
+    """Scalars of one events file: {tag: {step: (wall_time, value)}}, and warnings.
+
+    Uses TensorBoard's own event reader. A truncated or corrupt file yields the records before
+    the damage plus a warning naming the file and the byte offset. With ``hparams_out``, the
+    ``add_hparams`` record (NeMo-RL's flattened config) is added to it.
+    """
+    loader_mod = require(
+        "tensorboard.backend.event_processing.event_file_loader", feature="reading TensorBoard logs"
+    )
+    tensor_util = require("tensorboard.util.tensor_util", feature="reading TensorBoard logs")
+    path = Path(path)
+    out: dict[str, dict[int, tuple[float, float]]] = {}
+    msgs: list[str] = []
+    n_events = 0
+    try:
+        for ev in loader_mod.LegacyEventFileLoader(str(path)).Load():
+            n_events += 1
+            if not ev.HasField("summary"):
+                continue
+            for v in ev.summary.value:
+                if hparams_out is not None and v.metadata.plugin_data.plugin_name == "hparams":
+                    _collect_hparams(v.metadata.plugin_data.content, hparams_out)
+                    continue
+                kind = v.WhichOneof("value")
+                if kind == "simple_value":
+                    val = float(v.simple_value)
+                elif kind == "tensor":
+                    try:
+                        arr = tensor_util.make_ndarray(v.tensor)
+                    except Exception:
+                        continue
+                    if arr.size != 1 or arr.dtype.kind not in "fiub":
+                        continue  # text, histograms, images: not scalars
+                    val = float(arr.reshape(()))
+                else:
+                    continue
+                out.setdefault(v.tag, {})
+                prev = out[v.tag].get(int(ev.step))
+                if prev is None or ev.wall_time >= prev[0]:
+                    out[v.tag][int(ev.step)] = (float(ev.wall_time), val)
+    except Exception as exc:  # the reader itself failing is a damaged file, not our crash
+        msgs.append(
+            f"{path}: reading stopped after {n_events} events ({type(exc).__name__}: {exc}); "
+            "kept what was read before"
+        )
+        return out, msgs
+    try:
+        recs, good, size = _tfrecord_intact_bytes(path)
+    except OSError as exc:
+        msgs.append(f"{path}: could not check the file ({exc})")
+        return out, msgs
+    if good != size or recs != n_events:
+        msgs.append(
+            f"{path}: truncated or corrupt events file: {n_events} events read, the rest "
+            f"({size - good if good != size else 'some'} bytes of {size}) is unreadable; "
+            "kept the scalars read before the damage"
+        )
+    return out, msgs
+
+
+def read_scalars(
+    run_dir: str | Path, *, hparams_out: dict[str, Any] | None = None
+) -> tuple[dict[str, Series], list[str]]:
+    """All scalars of all events files under ``run_dir``, merged per tag, and warnings."""
+    merged: dict[str, dict[int, tuple[float, float]]] = {}
+    msgs: list[str] = []
+    for f in find_event_files(run_dir):
+        scal, w = read_event_file(f, hparams_out=hparams_out)
+        msgs.extend(w)
+        for tag, pts in scal.items():
+            dst = merged.setdefault(tag, {})
+            for step, (wall, val) in pts.items():
+                if step not in dst or wall >= dst[step][0]:
+                    dst[step] = (wall, val)
+    series = {
+        tag: Series(tag, tuple(sorted(pts)), tuple(pts[s][1] for s in sorted(pts)))
+        for tag, pts in merged.items()
+    }
+    return series, msgs
+
+
+def _collect_hparams(content: bytes, out: dict[str, Any]) -> None:
+    pb = require("tensorboard.plugins.hparams.plugin_data_pb2", feature="reading TensorBoard logs")
+    try:
+        data = pb.HParamsPluginData.FromString(content)
+    except Exception:
+        return
+    if data.HasField("session_start_info"):
+        for key, val in data.session_start_info.hparams.items():
+            kind = val.WhichOneof("kind")
+            if kind is not None:
+                out[key] = getattr(val, kind)
