@@ -9,11 +9,11 @@
 #   1. megatron + gpu  -> the Megatron policy worker venv (megatron-core, Transformer Engine):
 #      real TE recipe, TE FP8 weights (fp8_param) re-laid out for refit with the parity check,
 #      the CPU megatron tests again on this megatron-core, and every other `gpu` test;
-#   2. fp8 kernels     -> the same venv (CUDA torch + triton): tests/test_fp8_dispatch.py and
-#      tests/test_triton_kernels.py in full, so the Triton quantizers run compiled on the GPU
+#   2. fp8 kernels     -> the same venv (CUDA torch + triton): tests/fp8/test_fp8_dispatch.py and
+#      tests/fp8/test_triton_kernels.py in full, so the Triton quantizers run compiled on the GPU
 #      (TRITON_INTERPRET is unset) and dispatch picks DeepGEMM / scaled_mm / triton for real;
 #   3. vllm            -> the image's vLLM worker venv (NeMo-RL's VllmGenerationWorker env, or
-#      $VLLM_PYTHON): every `vllm` test on the CUDA build, except tests/test_vllm_kv_cpu.py
+#      $VLLM_PYTHON): every `vllm` test on the CUDA build, except tests/vllm_patch/test_vllm_kv_cpu.py
 #      (it checks what vLLM's CPU build does with an FP8 KV cache);
 #   4. nemo_rl (+ gpu) -> the driver env (/opt/nemo_rl_venv, NeMo-RL + Ray): two GRPO steps
 #      through `run_nemo_rl` with the jetrl_kv recipe (downloads Qwen/Qwen3-0.6B once).
@@ -44,12 +44,12 @@ run_tier() {
   "$py" -m pytest -ra "$@" || status=1
 }
 
-fp8_kernel_tests=(tests/test_fp8_dispatch.py tests/test_triton_kernels.py)
+fp8_kernel_tests=(tests/fp8/test_fp8_dispatch.py tests/fp8/test_triton_kernels.py)
 run_tier "megatron+gpu" "$mcore_py" -m "gpu or megatron" tests \
   "${fp8_kernel_tests[@]/#/--ignore=}" "$@"
 run_tier "fp8 kernels" "$mcore_py" "${fp8_kernel_tests[@]}" "$@"
-run_tier "vllm" "$vllm_py" -m vllm tests --ignore=tests/test_vllm_kv_cpu.py "$@"
-run_tier "nemo_rl" "$driver_py" -m "nemo_rl" tests/test_nemo_rl_backend.py "$@"
+run_tier "vllm" "$vllm_py" -m vllm tests --ignore=tests/vllm_patch/test_vllm_kv_cpu.py "$@"
+run_tier "nemo_rl" "$driver_py" -m "nemo_rl" tests/backends/test_nemo_rl_backend.py "$@"
 
 if [[ $status -ne 0 ]]; then
   echo "run_gpu_tests: some tier failed" >&2

@@ -22,7 +22,6 @@ cd "$REPO"
 start=$(date +%s)
 rc=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_vllm_engine.py tests/test_vllm_cpu_gemm.py tests/test_vllm_kv_cpu.py tests/test_vllm_compiled.py tests/test_vllm_kernel.py \
-    tests/test_vllm_patch_unit.py tests/test_local_vllm.py "$@" || rc=$?
+    tests/vllm_patch tests/backends/test_local_vllm.py "$@" || rc=$?
 echo "[test_vllm] finished in $(( $(date +%s) - start )) s"
 exit $rc

@@ -3,7 +3,7 @@
 Our compact layout (``BlockQuantized``): ``data`` has the logical shape ``[M, K]`` and
 ``scale_inv`` is ``[ceil(M/bm), ceil(K/bk)]``, one fp32 dequantization multiplier per block. The
 consumers store the same numbers differently; converting never changes a value, so every
-converter has an inverse and the round trip is the identity (tests/test_fp8_layouts.py).
+converter has an inverse and the round trip is the identity (tests/fp8/test_fp8_layouts.py).
 
 Transformer Engine, ``Float8BlockwiseQTensor`` in its default GEMM-ready format (read from
 NVIDIA/TransformerEngine ``transformer_engine/pytorch/tensor/float8_blockwise_tensor.py``,

@@ -1,14 +1,13 @@
 """Triton quantization kernels: bit-exact to `quantize_blockwise` (golden vectors, random inputs).
 
-Without a GPU the kernels run in Triton's CPU interpreter: a module fixture sets
-TRITON_INTERPRET=1 for these tests only. With a GPU the same tests run the compiled kernels.
+Without a GPU the kernels run in Triton's CPU interpreter (conftest sets TRITON_INTERPRET=1 for
+the session on CPU-only machines). With a GPU the same tests run the compiled kernels.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -25,18 +24,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
 ]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_on_cpu():
-    """TRITON_INTERPRET=1 for this module only. Triton reads it when the kernels are defined,
-    i.e. at the first kernel call (the kernel module is imported lazily), inside these tests."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 BLOCKS = [(1, 128), (128, 128), (128, 1)]

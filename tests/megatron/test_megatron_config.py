@@ -24,7 +24,7 @@ import pytest
 from nemo_jetrl.megatron import config as mc
 from nemo_jetrl.recipe import Recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TE_DIR = Path(os.environ.get("JETRL_TE_RECIPE_DIR", REPO / ".venv-te-recipe"))
 
 JETRL = Recipe.preset("jetrl")

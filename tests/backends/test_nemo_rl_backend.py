@@ -19,7 +19,7 @@ from nemo_jetrl.errors import UserError
 from nemo_jetrl.recipe import Recipe
 from nemo_jetrl.rl.metrics import mismatch_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
 QWEN = CONFIGS / "qwen3_8b_base"
 

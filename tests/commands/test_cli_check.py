@@ -11,7 +11,7 @@ import pytest
 from nemo_jetrl.cli import main
 from nemo_jetrl.config import load_config, recipe_from_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EX = REPO / "examples" / "configs"
 
 
@@ -242,7 +242,7 @@ def test_align_as_child_inherits_the_input(capsys, tmp_path):
 def test_train_refuses_off_policy_on_every_backend(tmp_path, capsys):
     """The allow_off_policy gate is the pipeline's, so the local backend applies it too."""
     cfg = (
-        Path(__file__).resolve().parents[1] / "examples" / "configs" / "local" / "fp8_rollout.yaml"
+        Path(__file__).resolve().parents[2] / "examples" / "configs" / "local" / "fp8_rollout.yaml"
     )
     rc = main(["train", str(cfg), "jetrl.allow_off_policy=false", "--backend", "local"])
     err = capsys.readouterr().err

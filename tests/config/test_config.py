@@ -24,7 +24,7 @@ from nemo_jetrl.config import (
 )
 from nemo_jetrl.recipe import PRESET_NAMES, Recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "configs"
 BASE = EXAMPLES / "base" / "grpo_megatron.yaml"
 

@@ -304,7 +304,7 @@ def test_check_config_validates_then_checks(tmp_path):
     from nemo_jetrl.config import ConfigError, load_config
     from nemo_jetrl.flow.pipeline import check_config
 
-    ex = Path(__file__).resolve().parents[1] / "examples" / "configs"
+    ex = Path(__file__).resolve().parents[2] / "examples" / "configs"
     assert check_config(load_config(ex / "qwen3_8b_base" / "jetrl.yaml")).check.on_policy
     off = check_config(load_config(ex / "qwen3_8b_base" / "fp8_rollout.yaml")).check
     assert not off.on_policy and off.model == "Qwen/Qwen3-8B-Base"
