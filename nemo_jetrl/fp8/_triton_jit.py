@@ -80,9 +80,10 @@ def quantize_values(
 
 @triton.jit
 def finish_scale_inv(scale, amax_bits):
-    # 1/scale (exact in pow2 mode); a non-finite block stores its amax (inf or NaN).
+    # 1/scale (exact in pow2 mode); a non-finite block (amax pattern inf or NaN) stores NaN.
     sinv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-    return tl.where(amax_bits >= 0x7F800000, amax_bits.to(tl.float32, bitcast=True), sinv)
+    nan = ((amax_bits & 0) | 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(amax_bits >= 0x7F800000, nan, sinv)
 
 
 @triton.jit

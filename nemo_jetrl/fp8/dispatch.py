@@ -14,15 +14,9 @@ bit-identical by construction and by test, so the choice changes speed only.
 
 GEMM. `fp8_gemm(a, b)` computes ``a @ b.T`` for ``a`` 1x128-blocked ``[M, K]`` and ``b``
 128x128-blocked ``[N, K]`` (FProp and DGrad of an FP8 linear) or 1x128-blocked (WGrad, both
-operands blocked along tokens), choosing:
-
-1. ``"deep_gemm"`` - DeepGEMM's ``fp8_gemm_nt`` (FProp/DGrad pair) when ``deep_gemm`` imports,
-   both operands are E4M3 on CUDA, and the GPU is SM90, or SM100 with power-of-two scales
-   (SM100 DeepGEMM stores scales as UE8M0, exact only for powers of two).
-2. ``"scaled_mm"`` - ``torch.nn.functional.scaled_mm`` with DeepSeek-style blockwise scaling
-   (cuBLASLt; SM90 only, CUDA >= 12.9, E4M3; also the WGrad 1x128 x 1x128 pair).
-3. ``"reference"`` - `gemm.blockwise_matmul` (dequantize + fp32 matmul; any device).
-
+operands blocked along tokens) on the backend `gemm_backends.plan_gemm` chose for that GEMM
+signature (decided once per process and signature, not per call): DeepGEMM, cuBLASLt
+``scaled_mm`` or our Triton block GEMM on CUDA, the reference `gemm.blockwise_matmul` on CPU.
 ``JETRL_FP8_GEMM_BACKEND`` or ``backend=`` forces one (an unrunnable choice fails loudly).
 
 GEMM output bits differ between kernels (accumulation order, Hopper's reduced-precision FP8
@@ -36,15 +30,22 @@ import os
 
 import torch
 
-from nemo_jetrl.fp8._deps import available, require
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.fp8.gemm_backends import ENV_GEMM_BACKEND as ENV_GEMM_BACKEND
+from nemo_jetrl.fp8.gemm_backends import GEMM_BACKENDS as GEMM_BACKENDS
+from nemo_jetrl.fp8.gemm_backends import (
+    GemmBackendError,
+    GemmPlan,
+    forced_backend,
+    pair_kind,
+    plan_gemm,
+    run_gemm,
+)
 from nemo_jetrl.fp8.quantize import Block, BlockQuantized, check_block, quantize_reference
 
 QUANT_BACKENDS = ("auto", "triton", "torch")
-GEMM_BACKENDS = ("auto", "deep_gemm", "scaled_mm", "reference")
 ENV_QUANT_BACKEND = "JETRL_FP8_QUANT_BACKEND"
-ENV_GEMM_BACKEND = "JETRL_FP8_GEMM_BACKEND"
 
 # |out - ref64| <= REL * (|A| @ |B|.T) + OUT * |ref64| for the fast GEMMs (A, B dequantized):
 # Hopper accumulates FP8 products in ~14-bit precision inside each 128-wide K tile before
@@ -90,12 +91,15 @@ def quantize_blockwise(
     eps: float = 0.0,
     name: str | None = None,
     backend: str | None = None,
+    check_finite: bool = True,
 ) -> BlockQuantized:
     """Quantize ``x`` with one scale per ``block``: `quantize.quantize_reference`'s bits.
 
     CUDA tensors go to the bit-identical Triton kernel when triton is installed;
     ``backend="torch"`` (or ``JETRL_FP8_QUANT_BACKEND=torch``) forces the reference. CPU calls
-    without ``backend`` run the reference directly.
+    without ``backend`` run the reference directly. ``check_finite=False`` is the serving path:
+    no host sync on any backend (CUDA-graph safe); blocks with a non-finite value get a NaN
+    ``scale_inv`` instead of an error.
     """
     block = check_block(block)
     f = get_format(fmt)
@@ -104,48 +108,50 @@ def quantize_blockwise(
         from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
 
         return quantize_blockwise_triton(
-            x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name
+            x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name, check_finite=check_finite
         )
-    return quantize_reference(x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name)
+    return quantize_reference(
+        x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name, check_finite=check_finite
+    )
 
 
 # ----------------------------------------------------------------------------------------- GEMM
 
 
-def _pair_kind(a: BlockQuantized, b: BlockQuantized) -> str | None:
-    """``"fprop"`` (1x128 x 128x128: FProp, DGrad), ``"wgrad"`` (1x128 x 1x128), or None."""
-    if a.data.dim() != 2 or b.data.dim() != 2 or a.fmt != "e4m3" or b.fmt != "e4m3":
-        return None
-    if a.block == (1, 128) and b.block == (128, 128):
-        return "fprop"
-    if a.block == (1, 128) and b.block == (1, 128):
-        return "wgrad"
-    return None
+def _plan(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, backend: str | None):
+    kind = pair_kind(a, b)
+    forced = forced_backend(backend)
+    if kind is None:
+        if forced not in ("auto", "reference"):
+            raise GemmBackendError(
+                f"fp8_gemm backend {forced!r} needs a: 1x128 [M, K] and b: 1x128 or 128x128 "
+                f"[N, K]; got a {a.block} {tuple(a.data.shape)}, b {b.block} "
+                f"{tuple(b.data.shape)}; use backend='reference'"
+            )
+        if a.data.is_cuda:
+            raise GemmBackendError(
+                f"fp8_gemm: no GPU kernel for a {a.block} x b {b.block} pair (a must be 1x128); "
+                "pass backend='reference' to dequantize explicitly"
+            )
+        return GemmPlan("reference", "operand pair only the reference handles")
+    return plan_gemm(
+        a.data.device,
+        out_dtype=out_dtype,
+        pow2_scales=a.pow2_scales and b.pow2_scales,
+        kind=kind,
+        fmts=(a.fmt, b.fmt),
+        backend=backend,
+    )
 
 
-def gemm_backend(a: BlockQuantized, b: BlockQuantized, backend: str | None = None) -> str:
-    """The GEMM backend `fp8_gemm` would use for ``a @ b.T`` (see the module docstring)."""
-    choice = _choice(backend, ENV_GEMM_BACKEND, GEMM_BACKENDS)
-    if choice != "auto":
-        return choice
-    kind = _pair_kind(a, b)
-    if not (a.data.is_cuda and b.data.is_cuda and kind):
-        return "reference"
-    major, _ = torch.cuda.get_device_capability(a.data.device)
-    pow2 = a.pow2_scales and b.pow2_scales
-    if kind == "fprop" and available("deep_gemm") and (major == 9 or (major == 10 and pow2)):
-        return "deep_gemm"
-    if major == 9 and _cuda_at_least(12, 9) and hasattr(torch.nn.functional, "scaled_mm"):
-        return "scaled_mm"
-    return "reference"
-
-
-def _cuda_at_least(major: int, minor: int) -> bool:
-    version = torch.version.cuda
-    if not version:
-        return False
-    parts = tuple(int(p) for p in version.split(".")[:2])
-    return parts >= (major, minor)
+def gemm_backend(
+    a: BlockQuantized,
+    b: BlockQuantized,
+    backend: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> str:
+    """The GEMM backend `fp8_gemm` uses for ``a @ b.T`` (see `gemm_backends`)."""
+    return _plan(a, b, out_dtype, backend).backend
 
 
 def fp8_gemm(
@@ -156,71 +162,12 @@ def fp8_gemm(
     backend: str | None = None,
     exact: bool = False,
 ) -> torch.Tensor:
-    """``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` blocked along K, on the chosen backend.
+    """``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` blocked along K, on the planned backend.
 
-    Fast backends take E4M3 ``a`` 1x128 with ``b`` 128x128 (FProp, DGrad) or 1x128 (WGrad, as
-    ``qdy_colwise.t()`` and ``qx_colwise.t()``; scaled_mm only); anything else runs the reference.
-    ``exact`` is the reference's flag (per-tile fp32 accumulation, `gemm.blockwise_matmul`); the
-    fast kernels always accumulate per K tile.
+    ``exact`` is the reference's flag (TE's per-tile order, `gemm.blockwise_matmul`); the GPU
+    kernels always accumulate per K tile.
     """
-    chosen = gemm_backend(a, b, backend)
+    chosen = _plan(a, b, out_dtype, backend).backend
     if chosen == "reference":
         return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
-    kind = _pair_kind(a, b)
-    if kind is None or (chosen == "deep_gemm" and kind != "fprop"):
-        raise ValueError(
-            f"fp8_gemm backend {chosen!r} needs E4M3 operands a: 1x128 [M, K] and b: 128x128 "
-            f"[N, K]{' or 1x128 [N, K]' if chosen == 'scaled_mm' else ''}; got a {a.fmt} "
-            f"{a.block} {tuple(a.data.shape)}, b {b.fmt} {b.block} {tuple(b.data.shape)}; "
-            "use backend='reference'"
-        )
-    if chosen == "deep_gemm":
-        return _deep_gemm(a, b, out_dtype)
-    return _scaled_mm(a, b, kind, out_dtype)
-
-
-def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
-    deep_gemm = require("deep_gemm", feature="the DeepGEMM FP8 GEMM backend")
-    m, n = a.data.shape[0], b.data.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=a.data.device)
-    # fp8_gemm_nt takes (data, fp32 scale) pairs in the compact layout and transforms the
-    # scales into its TMA-aligned (and on SM100, UE8M0) layout itself.
-    deep_gemm.fp8_gemm_nt(
-        (a.data.contiguous(), a.scale_inv.float()),
-        (b.data.contiguous(), b.scale_inv.float().contiguous()),
-        out,
-    )
-    return out
-
-
-def _mn_major(s: torch.Tensor) -> torch.Tensor:
-    """``[R, kb]`` scales with strides ``(1, R)`` (cuBLASLt's 1x128 scale layout)."""
-    s = s.float()
-    return s if s.stride() == (1, s.shape[0]) else s.t().contiguous().t()
-
-
-def _scaled_mm(
-    a: BlockQuantized, b: BlockQuantized, kind: str, out_dtype: torch.dtype
-) -> torch.Tensor:
-    import torch.nn.functional as F
-
-    k = a.data.shape[1]
-    kb = -(-k // 128)
-    if kind == "fprop":
-        # scale_b: [round_up(kb, 4), N/128] with strides (1, round_up(kb, 4)).
-        kb4 = -(-kb // 4) * 4
-        sb = torch.zeros(b.scale_inv.shape[0], kb4, dtype=torch.float32, device=b.data.device)
-        sb[:, :kb] = b.scale_inv
-        scale_b, recipe_b = sb.t(), F.ScalingType.BlockWise128x128
-    else:
-        scale_b, recipe_b = _mn_major(b.scale_inv), F.ScalingType.BlockWise1x128
-    # b is passed as [K, N] column-major (= b.data.t()), scale_a as [M, kb] strides (1, M).
-    return F.scaled_mm(
-        a.data.contiguous(),
-        b.data.contiguous().t(),
-        _mn_major(a.scale_inv),
-        F.ScalingType.BlockWise1x128,
-        scale_b,
-        recipe_b,
-        output_dtype=out_dtype,
-    )
+    return run_gemm(chosen, a, b, out_dtype)

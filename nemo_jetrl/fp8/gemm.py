@@ -15,13 +15,24 @@ Math. For output element (m, n), K is cut into tiles of 128 (the last may be sho
 
     out[m, n] = sum_t  sa[m, t] * sb[n, t] * sum_{k in tile t} qa[m, k] * qb[n, k]
 
-``exact=True`` computes exactly that, as TE/DeepGEMM do on Hopper: the inner sum of FP8 products
-(each product is exact in fp32: 4x4 significant bits) is accumulated in fp32 per tile, then scaled
-by ``sa * sb`` (an fp32 product) and added to an fp32 accumulator. ``exact=False`` dequantizes
-both operands to fp32 and does one fp32 matmul: faster on CPU, different rounding. Both are within
-``K * 2**-24 * (|A| @ |B|.T)`` of the float64 product of the dequantized operands (the usual
-recursive-summation bound with unit roundoff 2**-24), so they differ by at most twice that.
-GEMM output bits are not part of the on-policy promise (only the quantized *inputs* are).
+``exact=True`` evaluates that in Transformer Engine's order (TE's cuBLAS-equivalent reference GEMM,
+``CuBLASRefBlockwiseGemm``): per tile, ``p`` = the tile's dot product in fp32, then
+
+    1D x any (a is 1x128):  acc = fma(p * sa, sb, acc)
+    2D x 1D:                acc = fma(p * sb, sa, acc)
+    2D x 2D:                acc = fma(p, sa * sb, acc)
+
+with one fp32 rounding for the product and one for the fused multiply-add (`fma_fp32`). ``p``
+is the exact dot rounded once to fp32 (computed in float64, where it is exact for E4M3 operands:
+every product is a multiple of 2**-18 and the sum stays below 2**25, 43 bits in all), so it does
+not depend on summation order or CPU. With power-of-two scales every scaling is exact and any
+order gives the same bits; with FP32 scales the order matters (``acc += p * (sa * sb)``, the
+order this module used before, agrees with TE's on only about half of the outputs).
+``exact=False`` dequantizes both operands to fp32 and does one fp32 matmul: faster on CPU,
+different rounding. Both are within ``K * 2**-24 * (|A| @ |B|.T)`` of the float64 product of the
+dequantized operands (the usual recursive-summation bound with unit roundoff 2**-24), so they
+differ by at most twice that. GEMM output bits are not part of the on-policy promise (only the
+quantized *inputs* are).
 """
 
 from __future__ import annotations
@@ -71,8 +82,8 @@ def blockwise_matmul(
 ) -> torch.Tensor:
     """``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` blocked along K (see module docs).
 
-    ``exact=True``: fp32 accumulation per 128-wide K tile with scales applied per tile (the
-    TE/DeepGEMM reference); ``exact=False``: dequantize to fp32, one matmul. Result in
+    ``exact=True``: fp32 accumulation per 128-wide K tile with scales applied per tile in
+    Transformer Engine's rounding order (see the module docstring); ``exact=False``: dequantize to fp32, one matmul. Result in
     ``out_dtype``.
     """
     _check(a, b)
@@ -82,9 +93,36 @@ def blockwise_matmul(
         return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
     sa = _row_scales(a, m)  # [M, Kt]
     sb = _row_scales(b, n)  # [N, Kt]
-    qa, qb = a.data.float(), b.data.float()
+    qa, qb = a.data.double(), b.data.double()
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     for t, k0 in enumerate(range(0, k, TILE_K)):
-        partial = qa[:, k0 : k0 + TILE_K] @ qb[:, k0 : k0 + TILE_K].t()
-        acc += partial * (sa[:, t, None] * sb[None, :, t])
+        p = (qa[:, k0 : k0 + TILE_K] @ qb[:, k0 : k0 + TILE_K].t()).float()
+        s_a, s_b = sa[:, t, None].expand(m, n), sb[None, :, t].expand(m, n)
+        if a.block[0] == 1:
+            acc = fma_fp32(p * s_a, s_b, acc)
+        elif b.block[0] == 1:
+            acc = fma_fp32(p * s_b, s_a, acc)
+        else:
+            acc = fma_fp32(p, s_a * s_b, acc)
     return acc.to(out_dtype)
+
+
+def fma_fp32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``x * y + z`` for fp32 tensors with a single rounding, as a fused multiply-add does.
+
+    torch has no fma op (``addcmul`` may round twice). ``x * y`` is exact in float64 (24 + 24
+    significant bits); the sum with ``z`` is made round-to-odd in float64 (TwoSum gives its exact
+    error; an inexact result with an even last bit moves one float64 step towards the exact
+    value), and rounding a round-to-odd value with 53 >= 24 + 2 bits to fp32 gives the correctly
+    rounded fp32 of the exact value (Boldo & Melquiond). Plain float64 ``x * y + z`` then
+    ``.float()`` would round twice and is wrong when the float64 sum lands on an fp32 tie.
+    """
+    prod = x.double() * y.double()
+    zd = z.double()
+    s = prod + zd
+    bp = s - prod
+    err = (prod - (s - bp)) + (zd - bp)  # s + err == prod + z exactly
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.inf, -torch.inf).to(s.dtype)
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()

@@ -13,6 +13,9 @@ FP32-scale path divides by a rounded ``amax / fmax`` instead, which rounds diffe
 power-of-two scales both formulas are exact and agree. Partial blocks at the edges are padded with
 zeros for the amax and cropped afterwards. Non-finite input is refused with an error naming the
 tensor and the first bad block: an RL run must never ship NaN weights to the rollout engine.
+``check_finite=False`` (the serving path: no host sync, CUDA-graph safe) skips that check; every
+block holding a non-finite value then gets ``scale_inv = NaN``, so whatever multiplies with it
+becomes NaN instead of looking valid (its FP8 codes are unspecified).
 """
 
 from __future__ import annotations
@@ -152,6 +155,7 @@ def quantize_reference(
     pow2_scales: bool = True,
     eps: float = 0.0,
     name: str | None = None,
+    check_finite: bool = True,
 ) -> BlockQuantized:
     """Quantize ``x`` to FP8 with one scale per ``block`` (see the module docstring for the math).
 
@@ -161,7 +165,8 @@ def quantize_reference(
 
     This is the pure torch reference on any device. Callers use
     `nemo_jetrl.fp8.quantize_blockwise` (`dispatch.py`), which chooses between this function
-    and the bit-identical Triton kernel.
+    and the bit-identical Triton kernel. ``check_finite=False``: no host sync; non-finite blocks
+    get a NaN ``scale_inv`` instead of an error.
     """
     block = check_block(block)
     f = get_format(fmt)
@@ -169,13 +174,15 @@ def quantize_reference(
     x2 = as_2d(x, block, label)
     xb = _blocks(x2, block)
     amax = xb.abs().amax(dim=(1, 3)).float()
-    if not bool(torch.isfinite(amax).all()):
+    if check_finite and not bool(torch.isfinite(amax).all()):
         _raise_non_finite(x2, amax, block, label)
     scale = compute_scale(amax, f, pow2_scales=pow2_scales, eps=eps, input_dtype=x.dtype)
     q = cast_to_fp8(xb.float() * scale[:, None, :, None], f)
     mb, bm, kb, bk = q.shape
     q = q.reshape(mb * bm, kb * bk)[: x2.shape[0], : x2.shape[1]].reshape(x.shape)
     scale_inv = 1.0 / scale
+    if not check_finite:
+        scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.nan)
     if x.dim() != 2:
         scale_inv = scale_inv.reshape(*x.shape[:-1], kb)
     return BlockQuantized(q.contiguous(), scale_inv, block, f.name, pow2_scales)

@@ -19,9 +19,11 @@ cannot:
   nearest-even. ``native_cast=True`` uses the hardware instruction instead (GPU only; a `gpu`
   test checks it agrees).
 
-A block with a non-finite value stores its (non-finite) amax as ``scale_inv``, so even unchecked
-output can never look valid; the Python wrappers check ``scale_inv`` and re-run the torch
-reference on the input, which raises the reference's ValueError naming the tensor and block.
+A block with a non-finite value stores ``scale_inv = NaN`` (as the reference does with
+``check_finite=False``), so even unchecked output can never look valid; by default the Python
+wrappers check ``scale_inv`` and re-run the torch reference on the input, which raises the
+reference's ValueError naming the tensor and block. ``check_finite=False`` skips that check: no
+host read at all, so the launch can be captured in a CUDA graph (the vLLM serving path).
 
 Layouts: by default the compact layout of `BlockQuantized` (``data`` in the input shape,
 ``scale_inv`` ``[ceil(M/bm), ceil(K/bk)]``). ``transpose=True`` (128x1 only) writes ``data`` as
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from types import ModuleType
 
 import torch
@@ -102,8 +105,10 @@ def _format_constants(f: Fp8Format, input_dtype: torch.dtype, native_cast: bool)
 
 
 def _fp32(v: float) -> float:
-    """``v`` rounded to fp32 (what torch does with a Python scalar against an fp32 tensor)."""
-    return float(torch.tensor(v, dtype=torch.float32))
+    """``v`` rounded to fp32 (RNE, as torch rounds a Python scalar against an fp32 tensor).
+
+    Plain Python (no tensor), so the launch path holds no host read of any tensor."""
+    return struct.unpack("f", struct.pack("f", v))[0]
 
 
 def _bits_if_bf16(t: torch.Tensor) -> torch.Tensor:

@@ -7,16 +7,20 @@ own kernels quantize activations with ``QuantFP8`` (``x / RN(amax/448)``, scale 
 ``1/(448*512)``), which is not TE's formula (``x * RN(448/amax)``, no floor). Our kernel is put
 first in that registry by ``apply_patches``; it
 
-* quantizes each token's activations in groups of 128 along K with nemo_jetrl.fp8's formula
-  (``compute_scale`` + ``cast_to_fp8``: bit-identical to ``quantize_blockwise(x, (1, 128))``) in
-  the recipe's scale mode (pow2 or fp32), i.e. the exact bits the trainer's FP8 forward produces
+* quantizes each token's activations in groups of 128 along K with nemo_jetrl.fp8's quantizer
+  itself (``quantize_blockwise(x, (1, 128), check_finite=False)``: the Triton kernel on CUDA,
+  the torch reference elsewhere; no host sync, so vLLM can capture it in CUDA graphs) in the
+  recipe's scale mode (pow2 or fp32), i.e. the exact bits the trainer's FP8 forward produces
   for the same input;
-* multiplies with ``nemo_jetrl.fp8.dispatch.fp8_gemm`` (DeepGEMM / cuBLAS blockwise on GPUs
-  that have them, ``nemo_jetrl.fp8.gemm.blockwise_matmul`` elsewhere) against the layer's FP8
-  ``weight`` and ``weight_scale_inv`` exactly as loaded (no repacking, no requantization, parameters kept
-  in place so refits can overwrite them);
-* works on every platform (it is plain torch), which also gives vLLM's CPU build a block-FP8 path
-  on CPUs without AMX, where vLLM's own CPU kernels refuse to run.
+* multiplies with the GEMM backend chosen ONCE per layer when the kernel is built
+  (``nemo_jetrl.fp8.gemm_backends.plan_gemm``: DeepGEMM through vLLM's vendored module, cuBLASLt
+  blockwise ``scaled_mm`` or our Triton block GEMM on CUDA, the reference on CPU; an output dtype
+  no GPU backend writes is refused there, with the reason) against the layer's FP8 ``weight``
+  and ``weight_scale_inv`` exactly as loaded (no repacking, no requantization, parameters kept
+  in place so refits can overwrite them). The choice is readable as
+  ``layer.jetrl_gemm_backend`` (and ``kernel.jetrl_gemm_backend``);
+* works on every platform, which also gives vLLM's CPU build a block-FP8 path on CPUs without
+  AMX, where vLLM's own CPU kernels refuse to run.
 
 Both steps run as opaque torch custom ops (``torch.ops.nemo_jetrl.*``) so that vLLM's
 torch.compile/inductor cannot trace into and re-derive the quantizer. In eager mode a layer can
@@ -29,10 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from nemo_jetrl.fp8 import E4M3, BlockQuantized, cast_to_fp8, compute_scale, quantize_blockwise
-from nemo_jetrl.fp8.dispatch import fp8_gemm
+from nemo_jetrl.fp8 import BlockQuantized, quantize_blockwise
+from nemo_jetrl.fp8.gemm_backends import GemmBackendError, plan_gemm, run_gemm
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK as ACT_BLOCK
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
 from nemo_jetrl.vllm_patch import compat
@@ -46,26 +49,18 @@ MARKER = "_nemo_jetrl_kernel"
 def _quantize_act_impl(
     x: torch.Tensor, pow2_scales: bool, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """1x128 activation quantization with nemo_jetrl.fp8's formula (bit-identical to
-    ``quantize_blockwise(x, (1, 128))``; the tests compare them on captured inputs).
+    """1x128 activation quantization: ``quantize_blockwise(x, (1, 128))``, the one quantizer.
 
-    Unlike ``quantize_blockwise`` it does not stop on non-finite input: inside a serving engine a
-    finiteness check is a host sync per layer (and breaks CUDA graphs), and vLLM's own warm-up and
-    profiling runs feed placeholder data. NaN propagates to the output as it would in vLLM's own
-    kernels; the refit guard is what keeps non-finite *weights* out. CUDA tensors go through
-    ``quantize_blockwise`` so nemo_jetrl.fp8's Triton kernel is used there.
+    Unlike the default it does not stop on non-finite input (``check_finite=False``): inside a
+    serving engine a finiteness check is a host sync per layer (and breaks CUDA graphs), and
+    vLLM's own warm-up and profiling runs feed placeholder data. A block with a NaN/inf gets a
+    NaN ``scale_inv``, so its token's output row is NaN, as in vLLM's own kernels; the refit
+    guard is what keeps non-finite *weights* out.
     """
-    if x.is_cuda:
-        q = quantize_blockwise(x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps)
-        return q.data, q.scale_inv
-    m, k = x.shape
-    kb = -(-k // ACT_BLOCK[1])
-    xp = F.pad(x, (0, kb * ACT_BLOCK[1] - k)) if kb * ACT_BLOCK[1] != k else x
-    xb = xp.reshape(m, kb, ACT_BLOCK[1])
-    amax = xb.abs().amax(dim=-1).float()
-    scale = compute_scale(amax, E4M3, pow2_scales=pow2_scales, eps=eps, input_dtype=x.dtype)
-    q = cast_to_fp8(xb.float() * scale[:, :, None], E4M3).reshape(m, kb * ACT_BLOCK[1])[:, :k]
-    return q.contiguous(), 1.0 / scale
+    q = quantize_blockwise(
+        x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, check_finite=False
+    )
+    return q.data, q.scale_inv
 
 
 def _gemm_impl(
@@ -76,10 +71,18 @@ def _gemm_impl(
     out_dtype: torch.dtype,
     a_pow2: bool,
     b_pow2: bool,
+    backend: str,
 ) -> torch.Tensor:
     qa = BlockQuantized(a, a_s, ACT_BLOCK, "e4m3", a_pow2)
     qb = BlockQuantized(b, b_s, WEIGHT_BLOCK, "e4m3", b_pow2)
-    return fp8_gemm(qa, qb, out_dtype=out_dtype)
+    return run_gemm(backend, qa, qb, out_dtype)
+
+
+def _serving_device() -> torch.device:
+    """Where this worker's weights live: its current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def ensure_ops() -> Any:
@@ -118,11 +121,12 @@ def ensure_ops() -> Any:
         out_dtype: torch.dtype,
         a_pow2: bool,
         b_pow2: bool,
+        backend: str,
     ) -> torch.Tensor:
-        return _gemm_impl(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2)
+        return _gemm_impl(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2, backend)
 
     @fp8_block_gemm.register_fake
-    def _(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2):  # type: ignore[no-untyped-def]
+    def _(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2, backend):  # type: ignore[no-untyped-def]
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
     return ns
@@ -144,6 +148,21 @@ def make_kernel_class(settings: PatchSettings) -> type:
             # Skip the parent's __init__: it builds vLLM's QuantFP8, which we never use.
             MMLinearKernel.__init__(self, config)
             self.weight_group_shape = config.weight_quant_key.scale.group_shape
+            # The GEMM backend, decided here once for this layer (see kernel.py's docstring).
+            self.jetrl_gemm_device = _serving_device()
+            try:
+                plan = plan_gemm(
+                    self.jetrl_gemm_device,
+                    out_dtype=config.out_dtype,
+                    pow2_scales=pow2 and w_pow2,
+                    kind="fprop",
+                )
+            except GemmBackendError as exc:
+                raise ValueError(
+                    f"nemo_jetrl kernel: block-FP8 linear {getattr(config, "weight_shape", "?")} with "
+                    f"{config.out_dtype} output: {exc}"
+                ) from exc
+            self.jetrl_gemm_backend = plan.backend
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -177,9 +196,17 @@ def make_kernel_class(settings: PatchSettings) -> type:
                     f"weight_scale_inv {tuple(s.shape)} {s.dtype}; expected float8_e4m3fn and "
                     f"fp32 scales of shape {want}"
                 )
+            if w.device != self.jetrl_gemm_device:
+                raise ValueError(
+                    f"nemo_jetrl kernel: layer weight is on {w.device}, but the GEMM backend was "
+                    f"chosen for {self.jetrl_gemm_device} when the kernel was built"
+                )
+            layer.jetrl_gemm_backend = self.jetrl_gemm_backend
 
         def apply_block_scaled_mm(self, A, B, As, Bs):  # type: ignore[no-untyped-def]
-            return ops.fp8_block_gemm(A, As, B, Bs, self.config.out_dtype, pow2, w_pow2)
+            return ops.fp8_block_gemm(
+                A, As, B, Bs, self.config.out_dtype, pow2, w_pow2, self.jetrl_gemm_backend
+            )
 
         def apply_weights(
             self,
@@ -194,7 +221,14 @@ def make_kernel_class(settings: PatchSettings) -> type:
             if capture is not None and len(capture) < capture.maxlen:
                 capture.append((x2.detach().clone(), q.detach().clone(), q_s.detach().clone()))
             out = ops.fp8_block_gemm(
-                q, q_s, layer.weight, layer.weight_scale_inv, self.config.out_dtype, pow2, w_pow2
+                q,
+                q_s,
+                layer.weight,
+                layer.weight_scale_inv,
+                self.config.out_dtype,
+                pow2,
+                w_pow2,
+                self.jetrl_gemm_backend,
             )
             if bias is not None:
                 out = out + bias

@@ -1,0 +1,297 @@
+"""FP8 GEMM backends, and the one place that decides which of them runs.
+
+`plan_gemm` decides once (per device, output dtype, scale mode and operand kind; cached per
+process) and returns a `GemmPlan`; `run_gemm(plan.backend, a, b, out_dtype)` then only runs what
+was decided: no capability query, no import attempt, no host read. A vLLM layer plans at weight
+load and records the choice as ``layer.jetrl_gemm_backend`` (``vllm_patch/kernel.py``).
+
+Order of preference for CUDA operands (``auto``):
+
+1. ``deep_gemm`` - DeepGEMM's ``fp8_gemm_nt``: FProp pair (1x128 x 128x128, E4M3), bf16 output
+   (DeepGEMM has no fp16 output), SM90, or SM100 with power-of-two scales (SM100 stores scales as
+   UE8M0, exact only for powers of two). Found through vLLM's wrapper ``vllm.utils.deep_gemm``
+   where it has a DeepGEMM (vLLM 0.20, 0.32 and 0.33 all try a pip-installed ``deep_gemm`` and
+   then the copy vendored in the CUDA wheel, ``vllm.third_party.deep_gemm``), else a top-level
+   ``deep_gemm``.
+2. ``scaled_mm`` - ``torch.nn.functional.scaled_mm`` with blockwise scaling (cuBLASLt: SM90,
+   CUDA >= 12.9, a torch that has ``F.scaled_mm``/``F.ScalingType``), E4M3, bf16 output.
+3. ``triton`` - our Triton block GEMM (`triton_gemm`): any CUDA GPU, any output dtype, E4M3 or
+   E5M2 operands, FProp/DGrad and WGrad pairs.
+
+When none applies on a GPU, planning fails with `GemmBackendError` naming what to install or
+change: a GPU never falls back to dequantizing the weight to fp32 on every call. CPU operands use
+``reference`` (`gemm.blockwise_matmul`). ``JETRL_FP8_GEMM_BACKEND`` or ``backend=`` forces one
+(``reference`` may be forced on a GPU, for debugging only); a forced backend that cannot run is
+refused at planning time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from nemo_jetrl.fp8._deps import available
+from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.fp8.quantize import BlockQuantized
+
+GEMM_BACKENDS = ("auto", "deep_gemm", "scaled_mm", "triton", "reference")
+ENV_GEMM_BACKEND = "JETRL_FP8_GEMM_BACKEND"
+# Operand pairs: "fprop" = a 1x128 x b 128x128 (FProp, DGrad); "wgrad" = a 1x128 x b 1x128.
+GEMM_KINDS = ("fprop", "wgrad")
+
+
+class GemmBackendError(ValueError):
+    """No FP8 GEMM backend can run the requested GEMM (or a forced one cannot); says what to do."""
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What the device and the installed packages offer (the inputs of the decision)."""
+
+    cuda: bool
+    sm: tuple[int, int] = (0, 0)
+    deep_gemm: bool = False  # a DeepGEMM fp8_gemm_nt is importable
+    scaled_mm: bool = False  # torch's blockwise F.scaled_mm and CUDA >= 12.9
+    triton: bool = False  # triton imports (on CPU: and runs in the interpreter)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """The backend chosen for one GEMM signature and the reason (for logs and errors)."""
+
+    backend: str
+    reason: str
+
+
+def _cuda_at_least(major: int, minor: int) -> bool:
+    version = torch.version.cuda
+    if not version:
+        return False
+    return tuple(int(p) for p in version.split(".")[:2]) >= (major, minor)
+
+
+@functools.cache
+def deep_gemm_module() -> ModuleType | None:
+    """The module whose ``fp8_gemm_nt`` we call (vLLM's wrapper first), or None; imported once."""
+    try:
+        from vllm.utils import deep_gemm as vllm_deep_gemm
+        from vllm.utils.import_utils import has_deep_gemm
+
+        if has_deep_gemm():
+            return vllm_deep_gemm
+    except Exception:  # no vLLM, or one without the wrapper: try the package itself
+        pass
+    if available("deep_gemm"):
+        import deep_gemm
+
+        return deep_gemm
+    return None
+
+
+@functools.cache
+def device_caps(device: torch.device) -> DeviceCaps:
+    """`DeviceCaps` of ``device`` (cached: queried once per device and process)."""
+    from nemo_jetrl.fp8 import triton_kernels
+
+    if device.type != "cuda":
+        return DeviceCaps(cuda=False, triton=available("triton") and triton_kernels.interpreting())
+    import torch.nn.functional as F
+
+    return DeviceCaps(
+        cuda=True,
+        sm=torch.cuda.get_device_capability(device),
+        deep_gemm=deep_gemm_module() is not None,
+        scaled_mm=hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and _cuda_at_least(12, 9),
+        triton=available("triton"),
+    )
+
+
+def _why_not(backend: str, caps: DeviceCaps, out_dtype, pow2: bool, kind: str, fmts) -> str | None:
+    """Why ``backend`` cannot run this GEMM (None: it can)."""
+    e4m3 = fmts == ("e4m3", "e4m3")
+    if backend == "reference":
+        return None
+    if backend == "triton":
+        return None if caps.triton else "triton is not installed (pip install triton)"
+    if backend == "deep_gemm" and (kind != "fprop" or not e4m3):
+        return f"{backend} needs E4M3 operands a: 1x128 [M, K] and b: 128x128 [N, K]"
+    if backend == "scaled_mm" and not e4m3:
+        return f"{backend} needs E4M3 operands a: 1x128 [M, K] and b: 1x128 or 128x128 [N, K]"
+    if not caps.cuda:
+        return f"{backend} needs CUDA operands"
+    sm = f"sm_{caps.sm[0]}{caps.sm[1]}"
+    if backend == "deep_gemm":
+        if not caps.deep_gemm:
+            return "no DeepGEMM found (neither vLLM's vendored copy nor a deep_gemm package)"
+        if caps.sm[0] != 9 and not (caps.sm[0] == 10 and pow2):
+            return f"DeepGEMM runs on SM90, or SM100 with power-of-two scales (this is {sm})"
+    else:  # scaled_mm
+        if not caps.scaled_mm:
+            return "this torch/CUDA has no blockwise scaled_mm (needs F.scaled_mm, CUDA >= 12.9)"
+        if caps.sm[0] != 9:
+            return f"cuBLASLt blockwise FP8 runs on SM90 only (this is {sm})"
+    if out_dtype != torch.bfloat16:
+        return f"{backend} writes bfloat16 only, not {out_dtype}"
+    return None
+
+
+def decide(
+    caps: DeviceCaps,
+    *,
+    out_dtype: torch.dtype,
+    pow2_scales: bool,
+    kind: str = "fprop",
+    fmts: tuple[str, str] = ("e4m3", "e4m3"),
+    forced: str = "auto",
+) -> GemmPlan:
+    """The backend for these inputs (pure function of its arguments; see the module docstring)."""
+    if kind not in GEMM_KINDS:
+        raise GemmBackendError(f"GEMM operand kind must be one of {GEMM_KINDS}, got {kind!r}")
+    args = (caps, out_dtype, pow2_scales, kind, fmts)
+    if forced != "auto":
+        why = _why_not(forced, *args)
+        if why is not None:
+            raise GemmBackendError(
+                f"FP8 GEMM backend {forced!r} was requested ({ENV_GEMM_BACKEND} or backend=) but "
+                f"cannot run this GEMM: {why}; unset it or choose another of {GEMM_BACKENDS}"
+            )
+        return GemmPlan(forced, "requested")
+    if not caps.cuda:
+        return GemmPlan("reference", "CPU operands: the torch reference")
+    reasons = []
+    for backend in ("deep_gemm", "scaled_mm", "triton"):
+        why = _why_not(backend, *args)
+        if why is None:
+            return GemmPlan(backend, "first runnable of deep_gemm, scaled_mm, triton")
+        reasons.append(f"{backend}: {why}")
+    raise GemmBackendError(
+        f"no FP8 GEMM backend can run a {kind} GEMM with {out_dtype} output on this GPU "
+        f"({'; '.join(reasons)}). Install triton (pip install triton) or use a bfloat16 model "
+        "dtype; dequantizing the weights on every call is not offered"
+    )
+
+
+def forced_backend(backend: str | None = None) -> str:
+    """``backend``, else ``$JETRL_FP8_GEMM_BACKEND``, else ``"auto"``; checked against the names."""
+    value = (backend if backend is not None else os.environ.get(ENV_GEMM_BACKEND, "auto")).lower()
+    value = value.strip()
+    if value not in GEMM_BACKENDS:
+        source = (
+            "backend argument"
+            if backend is not None
+            else f"environment variable {ENV_GEMM_BACKEND}"
+        )
+        raise ValueError(f"{source} is {value!r}; use one of {list(GEMM_BACKENDS)}")
+    return value
+
+
+@functools.cache
+def _plan_cached(device, out_dtype, pow2_scales, kind, fmts, forced) -> GemmPlan:
+    caps = device_caps(device)
+    plan = decide(
+        caps, out_dtype=out_dtype, pow2_scales=pow2_scales, kind=kind, fmts=fmts, forced=forced
+    )
+    if plan.backend == "triton":  # its value tables must exist before any CUDA graph capture
+        from nemo_jetrl.fp8.triton_gemm import prepare
+
+        prepare(device, fmts)
+    return plan
+
+
+def plan_gemm(
+    device: torch.device | str,
+    *,
+    out_dtype: torch.dtype,
+    pow2_scales: bool,
+    kind: str = "fprop",
+    fmts: tuple[str, str] = ("e4m3", "e4m3"),
+    backend: str | None = None,
+) -> GemmPlan:
+    """Choose the GEMM backend for operands on ``device`` (raises `GemmBackendError` if none)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    forced = forced_backend(backend)
+    return _plan_cached(device, out_dtype, bool(pow2_scales), kind, tuple(fmts), forced)
+
+
+def pair_kind(a: BlockQuantized, b: BlockQuantized) -> str | None:
+    """``"fprop"`` (a 1x128, b 128x128), ``"wgrad"`` (both 1x128), or None (reference only)."""
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.block != (1, 128):
+        return None
+    return {(128, 128): "fprop", (1, 128): "wgrad"}.get(b.block)
+
+
+# ------------------------------------------------------------------------------------- runners
+
+
+def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
+    module = deep_gemm_module()
+    out = torch.empty(a.data.shape[0], b.data.shape[0], dtype=out_dtype, device=a.data.device)
+    pairs = ((a.data, a.scale_inv), (b.data.contiguous(), b.scale_inv.contiguous()))
+    if module is not None and module.__name__.startswith("vllm."):
+        # vLLM's wrapper decides the UE8M0 scale cast from its own env unless told: exact only
+        # for power-of-two scales, which is what SM100 (the only UE8M0 user here) is planned for.
+        sm100 = torch.cuda.get_device_capability(a.data.device)[0] == 10
+        module.fp8_gemm_nt(*pairs, out, is_deep_gemm_e8m0_used=sm100)
+    else:
+        module.fp8_gemm_nt(*pairs, out)  # type: ignore[union-attr]
+    return out
+
+
+def _mn_major(s: torch.Tensor) -> torch.Tensor:
+    """``[R, kb]`` scales with strides ``(1, R)`` (cuBLASLt's 1x128 scale layout)."""
+    return s if s.stride() == (1, s.shape[0]) else s.t().contiguous().t()
+
+
+def _scaled_mm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    kb = -(-a.data.shape[1] // 128)
+    if b.block == (128, 128):
+        # scale_b: [round_up(kb, 4), N/128] with strides (1, round_up(kb, 4)).
+        kb4 = -(-kb // 4) * 4
+        sb = torch.zeros(b.scale_inv.shape[0], kb4, dtype=torch.float32, device=b.data.device)
+        sb[:, :kb] = b.scale_inv
+        scale_b, recipe_b = sb.t(), F.ScalingType.BlockWise128x128
+    else:
+        scale_b, recipe_b = _mn_major(b.scale_inv), F.ScalingType.BlockWise1x128
+    # b is passed as [K, N] column-major (= b.data.t()), scale_a as [M, kb] strides (1, M).
+    return F.scaled_mm(
+        a.data.contiguous(),
+        b.data.contiguous().t(),
+        _mn_major(a.scale_inv),
+        F.ScalingType.BlockWise1x128,
+        scale_b,
+        recipe_b,
+        output_dtype=out_dtype,
+    )
+
+
+def _triton(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
+    from nemo_jetrl.fp8.triton_gemm import block_fp8_gemm_triton
+
+    return block_fp8_gemm_triton(a, b, out_dtype=out_dtype)
+
+
+def _reference(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
+    return blockwise_matmul(a, b, out_dtype=out_dtype)
+
+
+RUNNERS = {
+    "deep_gemm": _deep_gemm,
+    "scaled_mm": _scaled_mm,
+    "triton": _triton,
+    "reference": _reference,
+}
+
+
+def run_gemm(
+    backend: str, a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``a @ b.T`` on a backend `plan_gemm` chose (nothing is decided or imported here)."""
+    return RUNNERS[backend](a, b, out_dtype)

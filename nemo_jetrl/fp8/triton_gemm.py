@@ -1,0 +1,110 @@
+"""Blockwise-scaled FP8 GEMM in Triton: the GPU backend when neither DeepGEMM nor cuBLASLt can run.
+
+``block_fp8_gemm_triton(a, b)`` computes ``a @ b.T`` for ``a`` 1x128-blocked ``[M, K]`` and ``b``
+128x128- or 1x128-blocked ``[N, K]`` (`gemm`'s operand convention), reading the FP8 codes and the
+fp32 ``scale_inv`` as they are: no dequantized copy of either operand is ever made. Per 128-wide
+K tile it takes the fp32 dot ``p`` of the codes and accumulates with TE's (cuBLAS's) order,
+``acc = fma(p * sa, sb, acc)``, like `gemm.blockwise_matmul(exact=True)`; only the order inside
+the tile's dot differs (tensor cores), so results agree within `gemm`'s stated bound, not bit
+for bit.
+
+The dot runs on the FP8 types directly (tensor cores) on SM89+ when both operands have the same
+format; otherwise (older GPUs, mixed E5M2 x E4M3, Triton's CPU interpreter) each code is looked
+up in a 256-entry fp32 table (exact: every FP8 value is an fp32) and the dot runs in IEEE fp32.
+The tables are built when the backend is planned (`prepare`), never during a CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from nemo_jetrl.fp8._deps import require
+from nemo_jetrl.fp8.formats import get_format
+from nemo_jetrl.fp8.quantize import BlockQuantized
+from nemo_jetrl.fp8.triton_kernels import interpreting
+
+
+@functools.cache
+def _kernel() -> ModuleType:
+    require("triton", feature="the Triton FP8 GEMM")
+    from nemo_jetrl.fp8 import _triton_gemm_jit
+
+    return _triton_gemm_jit
+
+
+@functools.cache
+def value_table(fmt: str, device: torch.device) -> torch.Tensor:
+    """fp32 value of each of the 256 codes of ``fmt`` on ``device`` (built once per device)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return codes.view(get_format(fmt).dtype).float().to(device)
+
+
+def _native(a: BlockQuantized, b: BlockQuantized) -> bool:
+    """FP8 tensor-core dot: compiled on SM89+ with one format for both operands."""
+    if interpreting() or not a.data.is_cuda or a.fmt != b.fmt:
+        return False
+    return torch.cuda.get_device_capability(a.data.device) >= (8, 9)
+
+
+def prepare(device: torch.device, fmts: tuple[str, str]) -> None:
+    """Build what the kernel reads besides its operands (the value tables) before any capture."""
+    for fmt in fmts:
+        value_table(fmt, device)
+
+
+def _check(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> None:
+    if a.block != (1, 128) or b.block not in ((1, 128), (128, 128)):
+        raise ValueError(
+            f"block_fp8_gemm_triton: needs a 1x128 [M, K] and b 1x128 or 128x128 [N, K]; got a "
+            f"{a.block} and b {b.block} (pass 128x1 operands as q.t())"
+        )
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(
+            f"block_fp8_gemm_triton: operands must be 2-D with the same K; got "
+            f"{tuple(a.data.shape)} and {tuple(b.data.shape)}"
+        )
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"block_fp8_gemm_triton: out_dtype {out_dtype} is not bf16/fp16/fp32")
+
+
+def _tiles(m: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages): whole-matrix tiles under the interpreter (fewer programs)."""
+    if interpreting():
+        return 128, 128, 4, 1
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    return bm, 128, 4, 3
+
+
+def block_fp8_gemm_triton(
+    a: BlockQuantized, b: BlockQuantized, *, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``a @ b.T`` in one Triton kernel (see the module docstring); result in ``out_dtype``."""
+    _check(a, b, out_dtype)
+    jit = _kernel()
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    dev = a.data.device
+    # The interpreter's own fp32 -> bf16 conversion truncates: write fp32 there, round in torch.
+    store_dtype = torch.float32 if interpreting() else out_dtype
+    out = torch.empty(m, n, dtype=store_dtype, device=dev)
+    if m and n:
+        native = _native(a, b)
+        fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
+        lut_a = a.scale_inv if native else value_table(a.fmt, dev)
+        lut_b = b.scale_inv if native else value_table(b.fmt, dev)
+        qa, qb = a.data.view(torch.uint8), b.data.view(torch.uint8)
+        sa, sb = a.scale_inv, b.scale_inv
+        bm, bn, warps, stages = _tiles(m)
+        jit.block_fp8_gemm_kernel[(-(-m // bm), -(-n // bn))](
+            qa, qb, out, sa, sb, lut_a, lut_b, m, n, k,
+            qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1),
+            out.stride(0), out.stride(1),
+            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+            B_ROWS=b.block[0], BM=bm, BN=bn, NATIVE=native,
+            FP8_A=fp8[a.fmt], FP8_B=fp8[b.fmt],
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out if store_dtype == out_dtype else out.to(out_dtype)
