@@ -236,7 +236,7 @@ def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> 
     if module is not None and module.__name__.startswith("vllm."):
         # vLLM's wrapper decides the UE8M0 scale cast from its own env unless told: exact only
         # for power-of-two scales, which is what SM100 (the only UE8M0 user here) is planned for.
-        sm100 = torch.cuda.get_device_capability(a.data.device)[0] == 10
+        sm100 = a.data.is_cuda and torch.cuda.get_device_capability(a.data.device)[0] == 10
         module.fp8_gemm_nt(*pairs, out, is_deep_gemm_e8m0_used=sm100)
     else:
         module.fp8_gemm_nt(*pairs, out)  # type: ignore[union-attr]

@@ -11,7 +11,6 @@ path (`vllm_patch.kernel`'s quantizer and GEMMs).
 
 from __future__ import annotations
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _HOST_READ_OPS = (
@@ -30,7 +29,7 @@ class HostReadError(RuntimeError):
     """An op that reads tensor values on the host ran inside `no_host_reads`."""
 
 
-class no_host_reads(TorchDispatchMode):  # noqa: N801 (used as a context manager)
+class no_host_reads(TorchDispatchMode):
     """Context manager: raise `HostReadError` on any op listed in the module docstring."""
 
     def __init__(self) -> None:

@@ -159,7 +159,7 @@ def make_kernel_class(settings: PatchSettings) -> type:
                 )
             except GemmBackendError as exc:
                 raise ValueError(
-                    f"nemo_jetrl kernel: block-FP8 linear {getattr(config, "weight_shape", "?")} with "
+                    f"nemo_jetrl kernel: block-FP8 linear {getattr(config, 'weight_shape', '?')} with "
                     f"{config.out_dtype} output: {exc}"
                 ) from exc
             self.jetrl_gemm_backend = plan.backend

@@ -204,12 +204,13 @@ def test_non_finite_raises_the_reference_error(bad, block):
     assert "layers.3.mlp.up_proj.weight" in str(got.value) and "[137, 201]" in str(got.value)
 
 
-def test_unchecked_non_finite_block_has_non_finite_scale():
+def test_unchecked_non_finite_block_has_nan_scale():
     x = torch.ones(4, 256, dtype=torch.bfloat16)
     x[2, 130] = float("nan")
+    x[0, 3] = float("inf")
     q = _triton(x.to(DEVICE), (1, 128), check_finite=False)
-    finite = torch.isfinite(q.scale_inv.cpu())
-    assert not bool(finite[2, 1]) and int(finite.sum()) == 7
+    nan = torch.isnan(q.scale_inv.cpu())
+    assert bool(nan[2, 1]) and bool(nan[0, 0]) and int(nan.sum()) == 2
 
 
 def test_empty_and_bad_dtype():
