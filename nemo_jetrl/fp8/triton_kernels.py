@@ -68,8 +68,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
 def triton_available() -> bool:
-    """True when triton imports (never raises)."""
+    """True when triton imports (never raises; tried once per process, not on every call)."""
     return available("triton")
 
 
