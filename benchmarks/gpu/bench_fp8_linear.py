@@ -10,6 +10,8 @@ fused as vLLM and Megatron run them, gate/up fused), at ``--tokens`` tokens per 
   ``scaled_mm``). Quantization time is included; ``quant_share`` is its fraction.
 * TE FP8 (if transformer_engine imports): ``te.Linear`` under ``fp8_autocast`` with
   ``Float8BlockScaling``, the training-side reference.
+* Serving (the vLLM kernel's forward at ``--serve-tokens`` tokens): unchecked 1x128 quantization
+  (no host sync) + the GEMM backend planned for the layer, and the Triton GEMM for comparison.
 
 Usage: python benchmarks/gpu/bench_fp8_linear.py [--tokens 8192] [--iters 20]
 """
@@ -49,7 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--pow2", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--serve-tokens", type=int, default=256, help="M of the serving forward")
     return ap
+
+
+def serve_fn(x, w, pow2: bool, backend: str):
+    """The vLLM kernel's forward: unchecked 1x128 quantization + ``run_gemm(backend)``."""
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.fp8.gemm_backends import run_gemm
+
+    qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
+
+    def run():
+        qx = quantize_blockwise(x, (1, 128), pow2_scales=pow2, check_finite=False)
+        return run_gemm(backend, qx, qw, torch.bfloat16)
+
+    return run
 
 
 def fp8_fwd_bwd(x, w, dy, pow2: bool, timings: dict | None = None) -> tuple:
@@ -110,6 +127,7 @@ def te_fwd_bwd_fn(k: int, n: int, x: torch.Tensor, dy: torch.Tensor):
 
 def run(args: argparse.Namespace) -> list[dict]:
     from nemo_jetrl.fp8.dispatch import gemm_backend
+    from nemo_jetrl.fp8.gemm_backends import plan_gemm
     from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton as qt
 
     rows = []
@@ -128,6 +146,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             te_ms = _common.cuda_time_ms(te_fn, iters=args.iters) if te_fn else None
             qx, qw = qt(x[:128], (1, 128)), qt(w, (128, 128))
             qa = qt(dy[:128], (128, 1), transpose=True)
+            planned = plan_gemm(x.device, out_dtype=torch.bfloat16, pow2_scales=args.pow2)
+            xs = x[: args.serve_tokens]
+            serve = {
+                be: _common.cuda_time_ms(serve_fn(xs, w, args.pow2, be), iters=args.iters)
+                for be in {planned.backend, "triton"}
+            }
             rows.append(
                 {
                     "model": model.split("/")[-1],
@@ -142,6 +166,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "te_fp8_ms": te_ms if te_ms is not None else "n/a",
                     "te_speedup": bf16 / te_ms if te_ms else "n/a",
                     "gemm": f"{gemm_backend(qx, qw)}/{gemm_backend(qa, qa)}",
+                    "serve_backend": planned.backend,
+                    "serve_ms": serve[planned.backend],
+                    "serve_triton_ms": serve["triton"],
                 }
             )
     return rows
@@ -160,6 +187,9 @@ COLUMNS = (
     "te_fp8_ms",
     "te_speedup",
     "gemm",
+    "serve_backend",
+    "serve_ms",
+    "serve_triton_ms",
 )
 
 
