@@ -9,9 +9,10 @@
 #   1. megatron + gpu  -> the Megatron policy worker venv (megatron-core, Transformer Engine):
 #      real TE recipe, TE FP8 weights (fp8_param) re-laid out for refit with the parity check,
 #      the CPU megatron tests again on this megatron-core, and every other `gpu` test;
-#   2. fp8 kernels     -> the same venv (CUDA torch + triton): tests/fp8/test_fp8_dispatch.py and
-#      tests/fp8/test_triton_kernels.py in full, so the Triton quantizers run compiled on the GPU
-#      (TRITON_INTERPRET is unset) and dispatch picks DeepGEMM / scaled_mm / triton for real;
+#   2. fp8 kernels     -> the same venv (CUDA torch + triton): tests/fp8/test_fp8_dispatch.py,
+#      test_triton_kernels.py, test_fp8_gemm_backends.py and test_fp8_serving_path.py in full, so
+#      the Triton quantizers and block GEMM run compiled on the GPU (TRITON_INTERPRET is unset),
+#      dispatch picks DeepGEMM / scaled_mm / triton for real, and CUDA graphs are captured;
 #   3. vllm            -> the image's vLLM worker venv (NeMo-RL's VllmGenerationWorker env, or
 #      $VLLM_PYTHON): every `vllm` test on the CUDA build, except tests/vllm_patch/test_vllm_kv_cpu.py
 #      (it checks what vLLM's CPU build does with an FP8 KV cache);
@@ -44,7 +45,8 @@ run_tier() {
   "$py" -m pytest -ra "$@" || status=1
 }
 
-fp8_kernel_tests=(tests/fp8/test_fp8_dispatch.py tests/fp8/test_triton_kernels.py)
+fp8_kernel_tests=(tests/fp8/test_fp8_dispatch.py tests/fp8/test_triton_kernels.py
+  tests/fp8/test_fp8_gemm_backends.py tests/fp8/test_fp8_serving_path.py)
 run_tier "megatron+gpu" "$mcore_py" -m "gpu or megatron" tests \
   "${fp8_kernel_tests[@]/#/--ignore=}" "$@"
 run_tier "fp8 kernels" "$mcore_py" "${fp8_kernel_tests[@]}" "$@"

@@ -149,20 +149,21 @@ def make_kernel_class(settings: PatchSettings) -> type:
             MMLinearKernel.__init__(self, config)
             self.weight_group_shape = config.weight_quant_key.scale.group_shape
             # The GEMM backend, decided here once for this layer (see kernel.py's docstring).
-            self.jetrl_gemm_device = _serving_device()
+            self._plan_gemm(_serving_device())
+
+        def _plan_gemm(self, device: torch.device) -> None:
+            config = self.config
             try:
                 plan = plan_gemm(
-                    self.jetrl_gemm_device,
-                    out_dtype=config.out_dtype,
-                    pow2_scales=pow2 and w_pow2,
-                    kind="fprop",
+                    device, out_dtype=config.out_dtype, pow2_scales=pow2 and w_pow2, kind="fprop"
                 )
             except GemmBackendError as exc:
+                shape = getattr(config, "weight_shape", "?")
                 raise ValueError(
-                    f"nemo_jetrl kernel: block-FP8 linear {getattr(config, 'weight_shape', '?')} with "
-                    f"{config.out_dtype} output: {exc}"
+                    f"nemo_jetrl kernel: block-FP8 linear {shape} with {config.out_dtype} "
+                    f"output on {device}: {exc}"
                 ) from exc
-            self.jetrl_gemm_backend = plan.backend
+            self.jetrl_gemm_device, self.jetrl_gemm_backend = device, plan.backend
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -197,10 +198,9 @@ def make_kernel_class(settings: PatchSettings) -> type:
                     f"fp32 scales of shape {want}"
                 )
             if w.device != self.jetrl_gemm_device:
-                raise ValueError(
-                    f"nemo_jetrl kernel: layer weight is on {w.device}, but the GEMM backend was "
-                    f"chosen for {self.jetrl_gemm_device} when the kernel was built"
-                )
+                # Weights kept elsewhere than the worker's device (e.g. offloaded): plan for
+                # where they are, still once per layer, at load time.
+                self._plan_gemm(w.device)
             layer.jetrl_gemm_backend = self.jetrl_gemm_backend
 
         def apply_block_scaled_mm(self, A, B, As, Bs):  # type: ignore[no-untyped-def]

@@ -21,6 +21,8 @@ H100 = DeviceCaps(cuda=True, sm=(9, 0), deep_gemm=True, scaled_mm=True, triton=T
 H100_NO_DG = DeviceCaps(cuda=True, sm=(9, 0), scaled_mm=True, triton=True)
 B200 = DeviceCaps(cuda=True, sm=(10, 0), deep_gemm=True, scaled_mm=True, triton=True)
 E4M3 = ("e4m3", "e4m3")
+# The `triton` tests run compiled on a GPU, in Triton's interpreter on CPU (conftest sets it).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -126,6 +128,10 @@ def test_deep_gemm_found_without_vllm_and_called_with_compact_scales(monkeypatch
 # ------------------------------------------------------------------------- Triton block GEMM
 
 
+def _to(q: BlockQuantized, device: str) -> BlockQuantized:
+    return BlockQuantized(q.data.to(device), q.scale_inv.to(device), q.block, q.fmt, q.pow2_scales)
+
+
 def _bound_check(out: torch.Tensor, a: BlockQuantized, b: BlockQuantized) -> None:
     """Within fp32 accumulation over K (``K * 2**-24 * |A||B|^T``) plus the output rounding."""
     da, db = a.dequantize(torch.float64), b.dequantize(torch.float64)
@@ -150,15 +156,15 @@ def test_triton_gemm_matches_float64_for_every_pair_and_dtype(pow2):
     ]
     for a, wblock, wfmt, out_dtype in cases:
         b = quantize_blockwise(w, wblock, fmt=wfmt, pow2_scales=pow2)
-        out = gemm_backends.run_gemm("triton", a, b, out_dtype)
+        out = gemm_backends.run_gemm("triton", _to(a, DEVICE), _to(b, DEVICE), out_dtype)
         assert out.shape == (70, 200) and out.dtype == out_dtype
-        _bound_check(out, a, b)
+        _bound_check(out.cpu(), a, b)
 
 
 @pytest.mark.triton
 def test_triton_gemm_never_dequantizes_and_never_reads_the_host(monkeypatch):
-    a = quantize_blockwise(torch.randn(20, 256), (1, 128))
-    b = quantize_blockwise(torch.randn(130, 256), (128, 128))
+    a = _to(quantize_blockwise(torch.randn(20, 256), (1, 128)), DEVICE)
+    b = _to(quantize_blockwise(torch.randn(130, 256), (128, 128)), DEVICE)
 
     def forbidden(*_a, **_k):
         raise AssertionError("an operand was dequantized")
@@ -166,7 +172,8 @@ def test_triton_gemm_never_dequantizes_and_never_reads_the_host(monkeypatch):
     monkeypatch.setattr(BlockQuantized, "dequantize", forbidden)
     from nemo_jetrl.fp8 import triton_gemm
 
-    triton_gemm.prepare(torch.device("cpu"), ("e4m3", "e4m3"))
+    triton_gemm.prepare(torch.device(DEVICE), ("e4m3", "e4m3"))
+    gemm_backends.run_gemm("triton", a, b, BF16)  # compiles (on a GPU) outside the detector
     with no_host_reads() as mode:
         out = gemm_backends.run_gemm("triton", a, b, BF16)
     assert mode.ops_seen > 0 and out.shape == (20, 130)
@@ -195,7 +202,7 @@ def test_gpu_triton_gemm_compiled_matches_float64_and_is_graph_capturable(pow2):
     b = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
     for out_dtype in (BF16, FP16, FP32):
         out = gemm_backends.run_gemm("triton", a, b, out_dtype)
-        _bound_check(out.cpu(), _cpu(a), _cpu(b))
+        _bound_check(out.cpu(), _to(a, "cpu"), _to(b, "cpu"))
     graph = torch.cuda.CUDAGraph()
     gemm_backends.run_gemm("triton", a, b, BF16)  # compiled before capture
     with torch.cuda.graph(graph):
@@ -203,7 +210,3 @@ def test_gpu_triton_gemm_compiled_matches_float64_and_is_graph_capturable(pow2):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, gemm_backends.run_gemm("triton", a, b, BF16))
-
-
-def _cpu(q: BlockQuantized) -> BlockQuantized:
-    return BlockQuantized(q.data.cpu(), q.scale_inv.cpu(), q.block, q.fmt, q.pow2_scales)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
+from nemo_jetrl.fp8 import BlockQuantized, fp8_bits, quantize_blockwise
 from nemo_jetrl.fp8.sync_check import HostReadError, no_host_reads
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
+# Compiled Triton on a GPU, its interpreter on CPU (conftest sets TRITON_INTERPRET there).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS = [(1, 128), (128, 128), (128, 1)]
 
 
@@ -26,15 +28,18 @@ def _x(seed=0):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unchecked_quantize_reads_nothing_on_the_host(backend):
     x = _x()
+    xd = x.to(DEVICE)
+    kw = {"pow2_scales": False, "backend": backend}
+    quantize_blockwise(xd, (1, 128), check_finite=False, **kw)  # compiles outside the detector
     with no_host_reads() as mode:
-        q = quantize_blockwise(x, (1, 128), pow2_scales=False, backend=backend, check_finite=False)
+        q = quantize_blockwise(xd, (1, 128), check_finite=False, **kw)
     assert mode.ops_seen > 0
     ref = quantize_blockwise(x, (1, 128), pow2_scales=False)
-    assert torch.equal(fp8_bits(q.data), fp8_bits(ref.data))
-    assert torch.equal(q.scale_inv.view(torch.int32), ref.scale_inv.view(torch.int32))
+    assert torch.equal(fp8_bits(q.data.cpu()), fp8_bits(ref.data))
+    assert torch.equal(q.scale_inv.cpu().view(torch.int32), ref.scale_inv.view(torch.int32))
     # The detector does catch the checked path's finiteness test (what issue 16 found).
     with pytest.raises(HostReadError, match="_local_scalar_dense"), no_host_reads():
-        quantize_blockwise(x, (1, 128), backend=backend)
+        quantize_blockwise(xd, (1, 128), **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -47,7 +52,10 @@ def test_unchecked_non_finite_blocks_get_nan_scale_inv(backend, block, pow2):
     x = _x(1)
     clean = x.clone()
     x[3, 5], x[140, 290] = float("nan"), float("-inf")
-    q = quantize_blockwise(x, block, pow2_scales=pow2, backend=backend, check_finite=False)
+    q = quantize_blockwise(
+        x.to(DEVICE), block, pow2_scales=pow2, backend=backend, check_finite=False
+    )
+    q = BlockQuantized(q.data.cpu(), q.scale_inv.cpu(), q.block, q.fmt, q.pow2_scales)
     ref = quantize_blockwise(clean, block, pow2_scales=pow2)
     bm, bk = block
     bad = torch.zeros_like(ref.scale_inv, dtype=torch.bool)

@@ -189,18 +189,22 @@ def test_op_impls_read_nothing_on_the_host(monkeypatch):
         (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16), (128, 128)
     )
     ref = quantize_blockwise(x, (1, 128), pow2_scales=False)
-    routes = {"cpu": quantize_blockwise}
-    if importlib.util.find_spec("triton") is not None:
+    device = kernel._serving_device()  # the CPU here; the GPU in the GPU image
+    x, wd, ws = x.to(device), w.data.to(device), w.scale_inv.to(device)
+    backend = kernel.plan_gemm(device, out_dtype=torch.bfloat16, pow2_scales=False).backend
+    routes = {"default": quantize_blockwise}
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if importlib.util.find_spec("triton") is not None and (x.is_cuda or interpreted):
         routes["triton (as on CUDA)"] = functools.partial(quantize_blockwise, backend="triton")
     for route, quantizer in routes.items():
         monkeypatch.setattr(kernel, "quantize_blockwise", quantizer)
+        kernel._quantize_act_impl(x, False, 0.0)  # Triton compiles outside the detector
         with no_host_reads() as mode:
             q, s = kernel._quantize_act_impl(x, False, 0.0)
-            out = kernel._gemm_impl(
-                q, s, w.data, w.scale_inv, torch.bfloat16, False, True, "reference"
-            )
+            out = kernel._gemm_impl(q, s, wd, ws, torch.bfloat16, False, True, backend)
         assert mode.ops_seen > 0 and out.shape == (40, 256), route
-        assert torch.equal(fp8_bits(q), fp8_bits(ref.data)) and torch.equal(s, ref.scale_inv)
+        assert torch.equal(fp8_bits(q.cpu()), fp8_bits(ref.data))
+        assert torch.equal(s.cpu(), ref.scale_inv)
     monkeypatch.setattr(kernel, "quantize_blockwise", quantize_blockwise)
     with pytest.raises(HostReadError), no_host_reads():
         quantize_blockwise(x, (1, 128))
@@ -216,18 +220,29 @@ def test_gemm_backend_is_chosen_once_per_layer_and_readable(monkeypatch):
     monkeypatch.setattr(kernel, "run_gemm", lambda b, *a: runs.append(b) or real_run(b, *a))
     cls = kernel.make_kernel_class(PatchSettings())
     layers = []
+    device = kernel._serving_device()  # the CPU here; the GPU in the GPU image
     for _ in range(2):
         kern = cls(_config())
-        layer, _ = _layer((torch.randn(256, 384) * 0.05).to(torch.bfloat16), True)
+        layer, _ = _layer((torch.randn(256, 384) * 0.05).to(torch.bfloat16).to(device), True)
         kern.process_weights_after_loading(layer)
         layers.append((kern, layer))
     assert len(plans) == 2 and plans[0]["out_dtype"] == torch.bfloat16
     for _ in range(3):
         for kern, layer in layers:
-            kern.apply_weights(layer, torch.randn(2, 384).to(torch.bfloat16))
+            kern.apply_weights(layer, torch.randn(2, 384).to(torch.bfloat16).to(device))
     assert len(plans) == 2  # nothing re-decided per call
-    assert runs == ["reference"] * 6  # CPU: the reference, as planned
-    assert all(layer.jetrl_gemm_backend == "reference" for _, layer in layers)
+    planned = layers[0][0].jetrl_gemm_backend
+    assert runs == [planned] * 6
+    assert all(layer.jetrl_gemm_backend == planned for _, layer in layers)
+    gpu_backends = ("deep_gemm", "scaled_mm", "triton")
+    assert planned in (gpu_backends if device.type == "cuda" else ("reference",))
+    # Weights that live elsewhere than planned (e.g. offloaded to CPU) are planned for where
+    # they are, once, at load.
+    kern = cls(_config())
+    layer, _ = _layer((torch.randn(256, 384) * 0.05).to(torch.bfloat16), True)
+    kern.process_weights_after_loading(layer)
+    assert layer.jetrl_gemm_backend == "reference"
+    assert len(plans) == 3 + (device.type == "cuda")
 
 
 def test_output_dtype_no_gpu_backend_writes_is_refused_at_kernel_init(monkeypatch):
