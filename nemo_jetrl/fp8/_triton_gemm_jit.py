@@ -42,6 +42,7 @@ def block_fp8_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     NATIVE: tl.constexpr,
+    TF32: tl.constexpr,
     FP8_A: tl.constexpr,
     FP8_B: tl.constexpr,
 ):
@@ -69,6 +70,9 @@ def block_fp8_gemm_kernel(
         bv = _operand(b, lut_b_ptr, NATIVE, FP8_B)
         if NATIVE:
             p = tl.dot(av, bv, out_dtype=tl.float32)
+        elif TF32:
+            # Exact: every FP8 value fits TF32's 10-bit mantissa and its exponent range.
+            p = tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
         else:
             p = tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
         sa = tl.load(sa_ptr + rm * ssam + t * ssak, mask=rm < M, other=0.0)

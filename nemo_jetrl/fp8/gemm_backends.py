@@ -9,8 +9,8 @@ Order of preference for CUDA operands (``auto``):
 
 1. ``deep_gemm`` - DeepGEMM's ``fp8_gemm_nt``: FProp pair (1x128 x 128x128, E4M3), bf16 output
    (DeepGEMM has no fp16 output), SM90, or SM100 with power-of-two scales (SM100 stores scales as
-   UE8M0, exact only for powers of two). Found through vLLM's wrapper ``vllm.utils.deep_gemm``
-   where it has a DeepGEMM (vLLM 0.20, 0.32 and 0.33 all try a pip-installed ``deep_gemm`` and
+   UE8M0, exact only for powers of two). In a vLLM process found through vLLM's wrapper
+   ``vllm.utils.deep_gemm`` (vLLM 0.20, 0.32 and 0.33 all try a pip-installed ``deep_gemm`` and
    then the copy vendored in the CUDA wheel, ``vllm.third_party.deep_gemm``), else a top-level
    ``deep_gemm``.
 2. ``scaled_mm`` - ``torch.nn.functional.scaled_mm`` with blockwise scaling (cuBLASLt: SM90,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -76,15 +77,21 @@ def _cuda_at_least(major: int, minor: int) -> bool:
 
 @functools.cache
 def deep_gemm_module() -> ModuleType | None:
-    """The module whose ``fp8_gemm_nt`` we call (vLLM's wrapper first), or None; imported once."""
-    try:
-        from vllm.utils import deep_gemm as vllm_deep_gemm
-        from vllm.utils.import_utils import has_deep_gemm
+    """The module whose ``fp8_gemm_nt`` we call, or None; looked up once per process.
 
-        if has_deep_gemm():
-            return vllm_deep_gemm
-    except Exception:  # no vLLM, or one without the wrapper: try the package itself
-        pass
+    Inside a vLLM process (``vllm`` already imported) vLLM's wrapper, which finds a pip-installed
+    or the vendored DeepGEMM and sets up its JIT cache; elsewhere (a trainer) a top-level
+    ``deep_gemm`` only: importing vLLM just to reach its copy is not worth it there.
+    """
+    if sys.modules.get("vllm") is not None:
+        try:
+            from vllm.utils import deep_gemm as vllm_deep_gemm
+            from vllm.utils.import_utils import has_deep_gemm
+
+            if has_deep_gemm():
+                return vllm_deep_gemm
+        except Exception:  # a vLLM without the wrapper: try the package itself
+            pass
     if available("deep_gemm"):
         import deep_gemm
 

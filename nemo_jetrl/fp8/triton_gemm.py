@@ -10,7 +10,9 @@ for bit.
 
 The dot runs on the FP8 types directly (tensor cores) on SM89+ when both operands have the same
 format; otherwise (older GPUs, mixed E5M2 x E4M3, Triton's CPU interpreter) each code is looked
-up in a 256-entry fp32 table (exact: every FP8 value is an fp32) and the dot runs in IEEE fp32.
+up in a 256-entry fp32 table (exact: every FP8 value is an fp32) and the dot runs in TF32 on a
+GPU (exact too: FP8 values fit TF32's mantissa and exponent range) or IEEE fp32 in the
+interpreter.
 The tables are built when the backend is planned (`prepare`), never during a CUDA graph capture.
 """
 
@@ -103,7 +105,7 @@ def block_fp8_gemm_triton(
             qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1),
             out.stride(0), out.stride(1),
             sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-            B_ROWS=b.block[0], BM=bm, BN=bn, NATIVE=native,
+            B_ROWS=b.block[0], BM=bm, BN=bn, NATIVE=native, TF32=a.data.is_cuda,
             FP8_A=fp8[a.fmt], FP8_B=fp8[b.fmt],
             num_warps=warps, num_stages=stages,
         )  # fmt: skip

@@ -289,6 +289,10 @@ def test_deep_gemm_is_found_through_vllms_wrapper_and_vendored_module():
         standin.fp8_gemm_nt = fp8_gemm_nt
         sys.modules["vllm.third_party.deep_gemm"] = standin
         from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+        # Not inside a vLLM process (a trainer): vLLM is not imported to reach its copy.
+        assert gemm_backends.deep_gemm_module() is None and "vllm.utils" not in sys.modules
+        gemm_backends.deep_gemm_module.cache_clear()
+        import vllm  # as in a vLLM worker
         module = gemm_backends.deep_gemm_module()
         assert module is not None and module.__name__ == "vllm.utils.deep_gemm", module
         a = quantize_blockwise(torch.randn(4, 256), (1, 128))
