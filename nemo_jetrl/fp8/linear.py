@@ -17,8 +17,9 @@ activation dtype (BF16). The master weight stays in its own dtype (an fp32 maste
 gradients). Under ``hybrid`` the gradient ``dy`` is quantized to E5M2; x and W are always E4M3.
 
 Where the GEMMs run. On CPU every GEMM is the torch reference `gemm.blockwise_matmul`. On CUDA
-they go through `dispatch.fp8_gemm`, which picks DeepGEMM, ``scaled_mm`` (cuBLASLt) or the same
-reference (``JETRL_FP8_GEMM_BACKEND`` forces one). Only the GEMM's accumulation differs between
+they go through `dispatch.fp8_gemm`: DeepGEMM, ``scaled_mm`` (cuBLASLt) or our Triton block
+GEMM, planned once per GEMM signature by `gemm_backends` (``JETRL_FP8_GEMM_BACKEND`` forces one,
+the reference included). Only the GEMM's accumulation differs between
 them; the FP8 operands, i.e. the on-policy promise, are the same bits on every backend. FProp
 asks the GEMM for fp32 output only when a bias must be added in fp32 (TE's epilogue), else for the
 activation dtype directly (one rounding of the fp32 accumulator, as before).
