@@ -150,9 +150,6 @@ class PrecisionFlow:
             seen.setdefault(e.op, None)
         return list(seen)
 
-    def fp8_edges(self) -> list[Edge]:
-        return [e for e in self.edges if e.precision.is_fp8]
-
 
 EdgeBuilder = Callable[[ModelArch, Recipe, str], "list[Edge]"]
 
