@@ -54,10 +54,15 @@ class DeviceCaps:
     """What the device and the installed packages offer (the inputs of the decision)."""
 
     cuda: bool
+    """The operands are CUDA tensors."""
     sm: tuple[int, int] = (0, 0)
-    deep_gemm: bool = False  # a DeepGEMM fp8_gemm_nt is importable
-    scaled_mm: bool = False  # torch's blockwise F.scaled_mm and CUDA >= 12.9
-    triton: bool = False  # triton imports (on CPU: and runs in the interpreter)
+    """Compute capability (major, minor); (0, 0) off CUDA."""
+    deep_gemm: bool = False
+    """A DeepGEMM ``fp8_gemm_nt`` is importable (`deep_gemm_module`)."""
+    scaled_mm: bool = False
+    """torch has blockwise ``F.scaled_mm`` and was built with CUDA >= 12.9."""
+    triton: bool = False
+    """triton imports (on CPU: and runs in its interpreter)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,9 @@ class GemmPlan:
     """The backend chosen for one GEMM signature and the reason (for logs and errors)."""
 
     backend: str
+    """One of `GEMM_BACKENDS` other than ``auto``."""
     reason: str
+    """Why it was chosen (for logs)."""
 
 
 def _cuda_at_least(major: int, minor: int) -> bool:
