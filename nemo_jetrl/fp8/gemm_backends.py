@@ -130,7 +130,11 @@ def _why_not(backend: str, caps: DeviceCaps, out_dtype, pow2: bool, kind: str, f
     if backend == "reference":
         return None
     if backend == "triton":
-        return None if caps.triton else "triton is not installed (pip install triton)"
+        if caps.triton:
+            return None
+        if caps.cuda:
+            return "triton is not installed (pip install triton)"
+        return "triton needs CUDA operands (or TRITON_INTERPRET=1 and triton for CPU tensors)"
     if backend == "deep_gemm" and (kind != "fprop" or not e4m3):
         return f"{backend} needs E4M3 operands a: 1x128 [M, K] and b: 128x128 [N, K]"
     if backend == "scaled_mm" and not e4m3:

@@ -76,6 +76,8 @@ def test_forced_backend_that_cannot_run_is_refused():
         _plan(H100, BF16, fmts=("e5m2", "e4m3"), forced="scaled_mm")
     with pytest.raises(GemmBackendError, match="needs CUDA operands"):
         _plan(DeviceCaps(cuda=False), forced="scaled_mm")
+    with pytest.raises(GemmBackendError, match="TRITON_INTERPRET=1"):
+        _plan(DeviceCaps(cuda=False), forced="triton")
     assert _plan(H100, FP16, forced="reference").backend == "reference"  # explicit debugging
 
 
