@@ -18,8 +18,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from nemo_jetrl.config import schema as S
-from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
+from nemo_jetrl.config.run_keys import check_run_keys
 from nemo_jetrl.recipe import Recipe, preset_differences
 
 __all__ = ["arch_from_config", "errors", "recipe_from_config", "validate"]
@@ -117,6 +118,9 @@ def _check_local(r: _Reader, local: Any) -> None:
         )
         return
     r.issues.extend(fn(r.cfg.jetrl.local, "jetrl.local"))
+    run_fn = getattr(mod, S.LOCAL_RUN_FUNCTION, None)
+    if run_fn is not None:  # the NeMo-RL keys only that backend restricts
+        r.issues.extend(run_fn(r.cfg))
 
 
 def _check_nemo_rl_keys(r: _Reader) -> None:
@@ -302,10 +306,12 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         for s in (recipe.train, recipe.rollout)
         if s.fp8_linears and s.scaling in ("blockwise", "mxfp8")
     ]
-    if not blockwise or recipe.unaligned_layers_bf16:
+    if not blockwise:
         return
     bad = arch.unaligned_linears()
-    if bad:
+    if len(bad) == len(arch.layer_linears(0)):
+        _no_fp8_coverage(r, arch, recipe, bad)
+    elif bad and not recipe.unaligned_layers_bf16:
         names = ", ".join(f"{lin.name} {lin.out_features}x{lin.in_features}" for lin in bad[:6])
         more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
         key = S.FP8_ENABLED if recipe.train.fp8_linears else S.VLLM_PRECISION
@@ -317,9 +323,30 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         )
 
 
-def validated(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
-    """Every issue in ``cfg`` and the Recipe it describes (meaningful only without errors)."""
+def _no_fp8_coverage(r: _Reader, arch: Any, recipe: Recipe, bad: list) -> None:
+    """A side that promises FP8 must run at least one linear in FP8: when no linear's shape
+    allows it, the run would be all BF16 under an FP8 label (whatever unaligned_layers says)."""
+    dims = ", ".join(f"{lin.kind} {lin.out_features}x{lin.in_features}" for lin in bad)
+    for side, key in ((recipe.train, S.FP8_ENABLED), (recipe.rollout, S.VLLM_PRECISION)):
+        if side.fp8_linears:
+            r.error(
+                key,
+                f"promises FP8 but no linear of {arch.name} can be blockwise FP8 (both dims "
+                f"must be multiples of 128; it has {dims}): every layer would run BF16 under the "
+                f"FP8 recipe {recipe.name!r}. Turn FP8 off here (jetrl.unaligned_layers=bf16 "
+                "does not help) or use a model whose hidden/intermediate sizes are multiples "
+                "of 128",
+            )
+
+
+def validated(cfg: DictConfig, *, run: bool = False) -> tuple[list[ConfigIssue], Recipe]:
+    """Every issue in ``cfg`` and the Recipe it describes (meaningful only without errors).
+
+    ``run``: the config is about to run here, so directories it writes must be writable on
+    this machine (an error; for `jetrl check` a warning)."""
     r = _Reader(cfg)
+    r.issues.extend(unresolvable(cfg))
+    r.issues.extend(check_run_keys(cfg, run=run))
     _check_jetrl_section(r)
     _check_nemo_rl_keys(r)
     _check_loss_fn(r)
