@@ -9,8 +9,11 @@ with. In two phases, so that a bad update can never reach the rollout:
    trainer's own `Fp8LinearConfig` (the exact call `Fp8BlockLinear` makes in its forward, so
    the rollout's FP8 weight equals the trainer's bit for bit), or, for a rollout that emulates
    unpatched vLLM, through vLLM's own weight quantizer (`vllm_native`).
-2. commit: only when *every* tensor passed, load them all (FP8 layers via
-   ``Fp8InferenceLinear.load_quantized``: no requantization).
+   Each FP8 layer's quantized weight and bias also pass the layer's own load checks here
+   (``Fp8InferenceLinear.stage_quantized``: FP8 bytes that are NaN, scales, blocks whose
+   dequantized values overflow fp32, bias shape and finiteness).
+2. commit: only when *every* tensor passed, store them all (FP8 layers via
+   ``Fp8InferenceLinear.commit``: no requantization, nothing left to fail).
 
 If anything fails, nothing is loaded: `RefitRefused` names every offending layer and the rollout
 keeps its last good weights. The caller logs the refusal and carries on.
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from nemo_jetrl.fp8 import BlockQuantized, Fp8InferenceLinear, quantize_blockwise
+from nemo_jetrl.fp8.staging import StagedWeight
 from nemo_jetrl.fp8.vllm_native import per_block_cast_native
 
 
@@ -101,7 +105,7 @@ def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Refi
     fp8_layers: dict[str, Fp8InferenceLinear] = {
         n: m for n, m in rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
     }
-    staged_fp8: dict[str, tuple[BlockQuantized, torch.Tensor | None]] = {}
+    staged_fp8: dict[str, tuple[BlockQuantized, StagedWeight]] = {}
     for name, layer in fp8_layers.items():
         w = weights.get(f"{name}.weight")
         msg = _check(f"{name}.weight", w, (layer.out_features, layer.in_features))
@@ -117,11 +121,10 @@ def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Refi
         except ValueError as exc:  # the quantizer refuses non-finite input, naming the tensor
             problems.append(str(exc))
             continue
-        s = q.scale_inv
-        if not bool((torch.isfinite(s) & (s > 0)).all()):
-            problems.append(f"{name}.weight: quantization produced non-finite or zero scales")
-            continue
-        staged_fp8[name] = (q, b)
+        try:  # every check the layer would make on load, made now (nothing stored yet)
+            staged_fp8[name] = (q, layer.stage_quantized(q.data, q.scale_inv, b))
+        except (ValueError, TypeError) as exc:
+            problems.append(str(exc))
     fp8_prefixes = tuple(f"{n}." for n in fp8_layers)
     staged_plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, param in rollout_model.named_parameters():
@@ -129,14 +132,18 @@ def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Refi
             continue
         src = weights.get(name)
         msg = _check(name, src, tuple(param.shape))
+        if msg is None:
+            src = src.to(param.dtype)  # type: ignore[union-attr]
+            if not bool(torch.isfinite(src).all()):
+                msg = f"{name}: finite values overflow the rollout's {param.dtype} (inf after cast)"
         if msg is not None:
             problems.append(msg)
         else:
             staged_plain.append((param, src))  # type: ignore[arg-type]
     if problems:
         raise RefitRefused(problems)
-    for name, (q, b) in staged_fp8.items():
-        fp8_layers[name].load_quantized(q.data, q.scale_inv, b)
+    for name, (_, staged) in staged_fp8.items():
+        fp8_layers[name].commit(staged)
     for param, src in staged_plain:
         param.copy_(src)
     quantized = {n: q for n, (q, _) in staged_fp8.items()}
