@@ -255,6 +255,8 @@ class Fp8InferenceLinear(nn.Module):
         self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=fp8))
         self.register_buffer("weight_scale_inv", torch.ones(nb, kb, dtype=torch.float32))
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype) if bias else None)
+        # The model dtype: dequantized weights must be finite in it (checked on every load).
+        self.compute_dtype = bias_dtype
         self.loaded = False
 
     @classmethod
@@ -268,7 +270,7 @@ class Fp8InferenceLinear(nn.Module):
     ) -> Fp8InferenceLinear:
         """A rollout layer holding ``linear``'s weight quantized now (and a copy of its bias)."""
         has_bias = linear.bias is not None
-        bias_dtype = linear.bias.dtype if has_bias else torch.bfloat16
+        bias_dtype = linear.bias.dtype if has_bias else linear.weight.dtype
         layer = cls(
             linear.in_features, linear.out_features, has_bias,
             config=config, quantizer=quantizer, bias_dtype=bias_dtype, name=name,
@@ -322,7 +324,7 @@ class Fp8InferenceLinear(nn.Module):
                 f"{self.name}: scale_inv shape {tuple(scale_inv.shape)} != expected "
                 f"{tuple(self.weight_scale_inv.shape)} ([ceil(N/128), ceil(K/128)])"
             )
-        problem = quantized_weight_problem(data, scale_inv)
+        problem = quantized_weight_problem(data, scale_inv, self.compute_dtype)
         if problem:
             raise ValueError(f"{self.name}.weight: {problem}; nothing was loaded")
         if bias is not None:

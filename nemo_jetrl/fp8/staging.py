@@ -25,9 +25,12 @@ class StagedWeight(NamedTuple):
     bias: torch.Tensor | None
 
 
-def quantized_weight_problem(data: torch.Tensor, scale_inv: torch.Tensor) -> str | None:
+def quantized_weight_problem(
+    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> str | None:
     """Why a 128x128-block FP8 weight cannot be used, or None: FP8 bytes that encode NaN/inf,
-    scales that are not finite and > 0, or blocks whose dequantized values overflow fp32."""
+    scales that are not finite and > 0, or blocks whose dequantized values overflow ``dtype``
+    (the dtype the layer computes in; fp32 at most, the GEMM accumulator's)."""
     s = scale_inv.float()
     bad_s = ~(torch.isfinite(s) & (s > 0))
     if bool(bad_s.any()):
@@ -42,12 +45,12 @@ def quantized_weight_problem(data: torch.Tensor, scale_inv: torch.Tensor) -> str
         return f"{int(bad.sum())} FP8 byte(s) encode NaN/inf (first {byte:#04x} at {idx})"
     nb, kb = s.shape
     a = torch.nn.functional.pad(a, (0, kb * BLOCK - a.shape[1], 0, nb * BLOCK - a.shape[0]))
-    top = a.reshape(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3)) * s
+    top = (a.reshape(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3)) * s).to(dtype)
     over = ~torch.isfinite(top)
     if bool(over.any()):
         idx = [int(i) for i in over.nonzero()[0]]
         return (
-            f"{int(over.sum())} block(s) dequantize past the fp32 range (first block {idx}: "
+            f"{int(over.sum())} block(s) dequantize past the {dtype} range (first block {idx}: "
             f"max |fp8| x scale = inf); the weight is too large for this scale mode"
         )
     return None

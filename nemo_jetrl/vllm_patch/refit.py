@@ -168,7 +168,7 @@ def quantize_state_dict(
             except (ValueError, TypeError) as exc:
                 errors.append(str(exc))
                 continue
-            if (why := quantized_weight_problem(q.data, q.scale_inv)) is not None:
+            if (why := quantized_weight_problem(q.data, q.scale_inv, dtype)) is not None:
                 errors.append(f"{name}: {why}")
                 continue
             module = name[: -len(".weight")]
@@ -182,6 +182,9 @@ def quantize_state_dict(
                     errors.append(f"{name}: {bad} non-finite value(s); refusing to refit")
                     continue
                 t = t.detach().to(dtype)
+                if not bool(torch.isfinite(t).all()):
+                    errors.append(f"{name}: finite values overflow {dtype} (inf after the cast)")
+                    continue
             tensors[name] = t
             others.append(name)
     if errors:
@@ -293,14 +296,7 @@ def refit(
         scales = normalize_kv_scales(fresh_kv_layers(kv_scales, weights_version))
     qsd = quantize_state_dict(state_dict, settings, dtype=dtype or torch.float32)
     if dtype is None:  # validated first; now cast to what the engine serves in
-        engine_dtype = compat.engine_model_dtype(llm)
-        qsd = QuantizedStateDict(
-            {n: t if n not in qsd.other_names or not t.is_floating_point() else t.to(engine_dtype)
-             for n, t in qsd.tensors.items()},
-            qsd.fp8_layers,
-            qsd.other_names,
-        )  # fmt: skip
-        _check_cast(qsd, engine_dtype)
+        qsd = _cast_checked(qsd, compat.engine_model_dtype(llm))
     if scales is not None:
         check_kv_layers(llm, scales)
     guard_shapes(llm, qsd)
@@ -322,18 +318,22 @@ def refit(
     )
 
 
-def _check_cast(qsd: QuantizedStateDict, engine_dtype: torch.dtype) -> None:
-    """Refuse tensors that are finite as sent but overflow the engine's dtype."""
-    bad = [
-        n
-        for n in qsd.other_names
-        if qsd.tensors[n].is_floating_point() and not bool(torch.isfinite(qsd.tensors[n]).all())
-    ]
-    if bad:
-        raise RefitError(
-            f"refit refused, nothing was loaded: {bad} overflow the engine's {engine_dtype} "
-            "(finite values become inf when cast)"
-        )
+def _cast_checked(qsd: QuantizedStateDict, dtype: torch.dtype) -> QuantizedStateDict:
+    """``qsd`` with its other tensors cast to the engine's ``dtype``; RefitError when a tensor
+    or a dequantized FP8 block is finite as sent but not in ``dtype`` (nothing loaded)."""
+    tensors, errors = dict(qsd.tensors), []
+    for n in qsd.other_names:
+        if tensors[n].is_floating_point():
+            tensors[n] = tensors[n].to(dtype)
+            if not bool(torch.isfinite(tensors[n]).all()):
+                errors.append(f"{n}: finite values overflow {dtype} (inf after the cast)")
+    for m in qsd.fp8_layers:
+        w, s = tensors[f"{m}.weight"], tensors[f"{m}.{SCALE_SUFFIX}"]
+        if (why := quantized_weight_problem(w, s, dtype)) is not None:
+            errors.append(f"{m}.weight: {why}")
+    if errors:
+        raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
+    return QuantizedStateDict(tensors, qsd.fp8_layers, qsd.other_names)
 
 
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
