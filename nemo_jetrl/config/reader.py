@@ -16,7 +16,14 @@ from omegaconf.errors import OmegaConfBaseException
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, _exists
 from nemo_jetrl.recipe import Recipe, matching_preset
-from nemo_jetrl.recipe_parts import KvCalibration, SideRecipe
+from nemo_jetrl.recipe_parts import (
+    KV_DATA_FRACTION,
+    KV_MARGIN,
+    KV_MASK,
+    KV_PERCENTILE,
+    KvCalibration,
+    SideRecipe,
+)
 
 # ---------------------------------------------------------------------------------------------
 # reading with a record of problems
@@ -132,10 +139,10 @@ def read_recipe(r: _Reader) -> Recipe:
     try:
         cal = KvCalibration(
             enabled=cal_enabled,
-            data_fraction=float(r.get("jetrl.kv_calibration.data_fraction", 1.0)),
-            percentile=float(r.get("jetrl.kv_calibration.percentile", 99.9)),
-            margin=float(r.get("jetrl.kv_calibration.margin", 1.05)),
-            mask=r.get("jetrl.kv_calibration.mask", "prompt_and_response"),
+            data_fraction=r.get("jetrl.kv_calibration.data_fraction", KV_DATA_FRACTION),
+            percentile=r.get("jetrl.kv_calibration.percentile", KV_PERCENTILE),
+            margin=r.get("jetrl.kv_calibration.margin", KV_MARGIN),
+            mask=r.get("jetrl.kv_calibration.mask", KV_MASK),
             reduction=r.get("jetrl.kv_calibration.reduction", None),
             include_q=r.get("jetrl.kv_calibration.include_q", None),
             micro_batch_size=r.get("jetrl.kv_calibration.micro_batch_size", None),

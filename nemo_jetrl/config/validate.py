@@ -22,6 +22,7 @@ from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.config.run_keys import check_run_keys
 from nemo_jetrl.recipe import Recipe, preset_differences
+from nemo_jetrl.recipe_parts import KV_CALIBRATION_RULES, kv_calibration_problems
 
 __all__ = ["arch_from_config", "errors", "recipe_from_config", "validate"]
 
@@ -76,31 +77,23 @@ def _check_kv_calibration(r: _Reader, cal: Mapping[str, Any]) -> None:
             hint = f"; did you mean {base}.{near[0]}?" if near else ""
             r.error(f"{base}.{key}", f"unknown key{hint}", tuple(S.KV_CALIBRATION_KEYS))
     r.boolean(f"{base}.enabled", True)
-    r.choice(f"{base}.mask", S.KV_CALIBRATION_KEYS["mask"].choices, "prompt_and_response")
-    frac = r.number(f"{base}.data_fraction", 1.0)
-    if frac is not None and not 0.0 < frac <= 1.0:
-        r.error(f"{base}.data_fraction", f"must be in (0, 1], got {frac}")
-    pct = r.number(f"{base}.percentile", 99.9)
-    if pct is not None and not 0.0 < pct <= 100.0:
-        r.error(f"{base}.percentile", f"must be in (0, 100], got {pct}")
-    margin = r.number(f"{base}.margin", 1.05)
-    if margin is not None and not margin >= 1.0:
-        r.error(f"{base}.margin", f"must be >= 1 (a safety factor on amax), got {margin}")
-    reductions = tuple(c for c in S.KV_CALIBRATION_KEYS["reduction"].choices if c is not None)
-    reduction = r.get(f"{base}.reduction", None)
-    if reduction is not None:
-        reduction = r.choice(f"{base}.reduction", reductions, None)
-    if reduction == "max" and pct is not None and pct != 100.0 and r.has(f"{base}.percentile"):
+    values = {k: cal[k] for k in KV_CALIBRATION_RULES if k in cal}
+    for key, what in kv_calibration_problems(values).items():
+        allowed = S.KV_CALIBRATION_KEYS[key].choices
+        v = values[key]
+        if allowed and v not in allowed:
+            r.error(
+                f"{base}.{key}", f"unknown value {v!r}", tuple(c for c in allowed if c is not None)
+            )
+        else:
+            r.error(f"{base}.{key}", f"must be {what}, got {v!r}")
+    pct, reduction = values.get("percentile"), values.get("reduction")
+    if reduction == "max" and pct is not None and pct != 100.0:
         r.warn(
             f"{base}.percentile",
             f"ignored: reduction is max (the percentile {pct} applies only with "
             "reduction: percentile)",
         )
-    if r.get(f"{base}.include_q", None) is not None:
-        r.boolean(f"{base}.include_q", True)
-    mbs = r.get(f"{base}.micro_batch_size", None)
-    if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-        r.error(f"{base}.micro_batch_size", f"must be an integer > 0 (or null), got {mbs!r}")
 
 
 def _check_local(r: _Reader, local: Any) -> None:
