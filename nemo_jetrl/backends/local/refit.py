@@ -94,19 +94,23 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> str | N
     return None
 
 
-@torch.no_grad()
-def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> RefitResult:
-    """Load ``weights`` (trainer names) into ``rollout_model`` through the guard (see module doc).
+@dataclass
+class StagedRefit:
+    """Every tensor of one refit, checked and ready to store (`stage_refit` -> `commit_refit`)."""
 
-    Raises `RefitRefused` (nothing loaded) when any tensor is missing, mis-shaped or non-finite.
-    """
-    t0 = time.perf_counter()
-    problems: list[str] = []
-    fp8_layers: dict[str, Fp8InferenceLinear] = {
-        n: m for n, m in rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
-    }
-    staged_fp8: dict[str, tuple[BlockQuantized, StagedWeight]] = {}
-    for name, layer in fp8_layers.items():
+    fp8_layers: dict[str, Fp8InferenceLinear]
+    fp8: dict[str, tuple[BlockQuantized, StagedWeight]]
+    plain: list[tuple[torch.Tensor, torch.Tensor]]
+    t0: float
+
+
+def _stage_fp8(
+    layers: Mapping[str, Fp8InferenceLinear],
+    weights: Mapping[str, torch.Tensor],
+    problems: list[str],
+) -> dict[str, tuple[BlockQuantized, StagedWeight]]:
+    staged: dict[str, tuple[BlockQuantized, StagedWeight]] = {}
+    for name, layer in layers.items():
         w = weights.get(f"{name}.weight")
         msg = _check(f"{name}.weight", w, (layer.out_features, layer.in_features))
         b = weights.get(f"{name}.bias") if layer.bias is not None else None
@@ -116,15 +120,24 @@ def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Refi
             problems.append(msg)
             continue
         assert w is not None
-        try:
+        try:  # the quantizer refuses non-finite input; the layer makes every load check now
             q = quantize_for_rollout(layer, w)
-        except ValueError as exc:  # the quantizer refuses non-finite input, naming the tensor
-            problems.append(str(exc))
-            continue
-        try:  # every check the layer would make on load, made now (nothing stored yet)
-            staged_fp8[name] = (q, layer.stage_quantized(q.data, q.scale_inv, b))
+            staged[name] = (q, layer.stage_quantized(q.data, q.scale_inv, b))
         except (ValueError, TypeError) as exc:
             problems.append(str(exc))
+    return staged
+
+
+@torch.no_grad()
+def stage_refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> StagedRefit:
+    """Phase 1 (module doc): check and quantize every tensor, store nothing. `RefitRefused`
+    names every problem."""
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    fp8_layers: dict[str, Fp8InferenceLinear] = {
+        n: m for n, m in rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
+    }
+    staged_fp8 = _stage_fp8(fp8_layers, weights, problems)
     fp8_prefixes = tuple(f"{n}." for n in fp8_layers)
     staged_plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, param in rollout_model.named_parameters():
@@ -142,14 +155,27 @@ def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Refi
             staged_plain.append((param, src))  # type: ignore[arg-type]
     if problems:
         raise RefitRefused(problems)
-    for name, (_, staged) in staged_fp8.items():
-        fp8_layers[name].commit(staged)
-    for param, src in staged_plain:
+    return StagedRefit(fp8_layers, staged_fp8, staged_plain, t0)
+
+
+@torch.no_grad()
+def commit_refit(staged: StagedRefit) -> RefitResult:
+    """Phase 2: store what `stage_refit` accepted (nothing left that can fail)."""
+    for name, (_, weight) in staged.fp8.items():
+        staged.fp8_layers[name].commit(weight)
+    for param, src in staged.plain:
         param.copy_(src)
-    quantized = {n: q for n, (q, _) in staged_fp8.items()}
     return RefitResult(
-        seconds=time.perf_counter() - t0,
-        tensors=len(staged_plain) + len(staged_fp8),
-        fp8_layers=len(staged_fp8),
-        quantized=quantized,
+        seconds=time.perf_counter() - staged.t0,
+        tensors=len(staged.plain) + len(staged.fp8),
+        fp8_layers=len(staged.fp8),
+        quantized={n: q for n, (q, _) in staged.fp8.items()},
     )
+
+
+def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> RefitResult:
+    """Load ``weights`` (trainer names) into ``rollout_model`` through the guard (see module doc).
+
+    Raises `RefitRefused` (nothing loaded) when any tensor is missing, mis-shaped or non-finite.
+    """
+    return commit_refit(stage_refit(rollout_model, weights))

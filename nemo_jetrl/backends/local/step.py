@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.backends.local.refit import RefitRefused, export_weights, refit
+from nemo_jetrl.backends.local.refit import (
+    RefitRefused,
+    commit_refit,
+    export_weights,
+    stage_refit,
+)
 from nemo_jetrl.backends.local.rollout import generate
 from nemo_jetrl.backends.local.task import (
     decode_responses,
@@ -76,8 +81,8 @@ class RunStep:
         weights = export_weights(self.trainer.model)
         if hooks.before_refit is not None:
             weights = hooks.before_refit(self.step + 1, dict(weights))
-        try:
-            refit(self.rollout_model, weights)
+        try:  # checked first, stored only once the engine (if any) accepted its refit too
+            staged = stage_refit(self.rollout_model, weights)
         except RefitRefused as exc:
             self.refit_refused_total += 1
             return False, str(exc)
@@ -91,6 +96,7 @@ class RunStep:
             except RefitError as exc:
                 self.refit_refused_total += 1
                 return False, f"vLLM engine: {exc}"
+        commit_refit(staged)
         return True, None
 
     def _generate(self, prompt_ids: torch.Tensor, generator: torch.Generator, *, greedy: bool):
