@@ -44,16 +44,16 @@ def _finite(v: Any) -> bool:
 class RunKey:
     """The rule of one NeMo-RL run key."""
 
-    # Dotted key path, e.g. "policy.optimizer.kwargs.lr".
     key: str
-    # The `RunSettings` field it fills ("": checked only, no local setting).
+    """Dotted key path, e.g. "policy.optimizer.kwargs.lr"."""
     field: str
-    # Accepted Python types (NoneType: null allowed); bool never counts as a number.
+    """The `RunSettings` field it fills ("": checked only, no local setting)."""
     kinds: tuple[type, ...]
-    # Range check on a value of the right type (None: any value of the types).
+    """Accepted Python types (NoneType: null allowed); bool never counts as a number."""
     ok: Callable[[Any], bool] | None
-    # What is allowed, in words (the error message's "expected ...").
+    """Range check on a value of the right type (None: any value of the types)."""
     what: str
+    """What is allowed, in words (the error message's "expected ...")."""
 
 
 def _count(key: str, field: str, lo: int, hi: int = MAX_COUNT, null: bool = False) -> RunKey:

@@ -21,8 +21,11 @@ class StagedWeight(NamedTuple):
     """A quantized weight (and bias) `Fp8InferenceLinear.stage_quantized` accepted."""
 
     data: torch.Tensor
+    """FP8 weight bytes ``[N, K]`` in the layer's FP8 dtype."""
     scale_inv: torch.Tensor
+    """fp32 dequantization scales ``[ceil(N/128), ceil(K/128)]``."""
     bias: torch.Tensor | None
+    """The bias in the layer's bias dtype, or None to keep the current one."""
 
 
 def quantized_weight_problem(

@@ -52,10 +52,12 @@ class KVScales:
     """
 
     layers: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    """Decoder layer index -> {"q"/"k"/"v": scale}."""
     fmt: str = "e4m3"
-    # The weights version (refit / trainer step) these scales were calibrated on; a refit that
-    # sends other weights refuses them as stale. None: unknown (not checked).
+    """FP8 format of the cache the scales are for."""
     calibrated_for: int | None = None
+    """The weights version (refit / trainer step) these scales were calibrated on; a refit
+    that sends other weights refuses them as stale. None: unknown (not checked)."""
 
     def __post_init__(self) -> None:
         frozen = {}

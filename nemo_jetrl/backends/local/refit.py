@@ -99,9 +99,13 @@ class StagedRefit:
     """Every tensor of one refit, checked and ready to store (`stage_refit` -> `commit_refit`)."""
 
     fp8_layers: dict[str, Fp8InferenceLinear]
+    """The rollout model's FP8 layers by module name."""
     fp8: dict[str, tuple[BlockQuantized, StagedWeight]]
+    """Per FP8 layer: its 128x128 quantization and what its own load checks accepted."""
     plain: list[tuple[torch.Tensor, torch.Tensor]]
+    """(parameter, new value already cast to its dtype) for every other parameter."""
     t0: float
+    """When staging began (`time.perf_counter`), for the refit's duration."""
 
 
 def _stage_fp8(
