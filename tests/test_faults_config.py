@@ -157,7 +157,7 @@ def test_bad_override_does_not_hide_the_files_own_errors(capsys, tmp_path):
 def test_run_directories_under_a_regular_file(capsys, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for key in ("logger.log_dir", "checkpointing.checkpoint_dir"):
+    for key in ("logger.log_dir", "checkpointing.checkpoint_dir", "jetrl.local.cache_dir"):
         code, _, err = _cli(capsys, "check", LOCAL / "bf16.yaml", f"{key}={afile}/sub")
         assert code == 2 and f"{key}: {afile}/sub lies under {afile}, which is a regular" in err
     code, _, err = _cli(

@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON, SUPPORTED_TYPES
 from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
-from nemo_jetrl.config.run_keys import read_run_keys
+from nemo_jetrl.config.run_keys import path_problem, read_run_keys
 
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -219,6 +219,9 @@ def _read_local(section: Any, path: str, issues: list[ConfigIssue]) -> LocalSett
         if problem:
             issues.append(ConfigIssue(f"{path}.{key}", problem))
             kw.pop(key)
+    cache = path_problem(kw["cache_dir"]) if kw.get("cache_dir") else None
+    if cache is not None and cache[1]:  # under a regular file: the warm start cannot be cached
+        issues.append(ConfigIssue(f"{path}.cache_dir", f"{cache[0]}; choose a directory"))
     if "num_ops" in task_kw:
         task_kw["num_ops"] = int(task_kw["num_ops"])
     return LocalSettings(**kw, task=TaskConfig(**task_kw), warmstart=WarmStartSettings(**ws_kw))
