@@ -295,16 +295,18 @@ def test_no_usable_checkpoint_is_exit_2_not_a_fresh_start(tmp_path, cache_dir, t
 # --------------------------------------------------------------------- poisoned update, save
 
 
-def test_overflowing_update_is_refused_and_nothing_non_finite_is_saved(tmp_path, cache_dir):
-    """``lr=inf`` (the issue's case; config validation now rejects it, so it is set on the
-    optimizer after setup) at step 2 only: step 2's update is undone, step 3's is kept."""
+@pytest.mark.parametrize("bad_lr", [float("inf"), 1e38])
+def test_overflowing_update_is_refused_and_nothing_non_finite_is_saved(bad_lr, tmp_path, cache_dir):
+    """``lr=inf`` (the issue's case: NaN/inf weights) and ``lr=1e38`` (torch's Adam raises on
+    the step size) at step 2 only: step 2's update is undone, step 3's is kept. Set on the
+    optimizer after setup, as config validation rejects such a config before it runs."""
     run_ref: list = []
 
     def after_step(step, scalars):
         group = run_ref[0].trainer.optimizer.param_groups[0]
         if step == 1:
             run_ref.append(group["lr"])
-        group["lr"] = float("inf") if step == 1 else run_ref[1]
+        group["lr"] = bad_lr if step == 1 else run_ref[1]
 
     msgs: list[str] = []
     res = run_local(
@@ -314,7 +316,8 @@ def test_overflowing_update_is_refused_and_nothing_non_finite_is_saved(tmp_path,
         hooks=Hooks(on_run=run_ref.append, after_step=after_step),
     )
     assert [h["jetrl/local/update_refused"] for h in res.history] == [0.0, 1.0, 0.0]
-    assert any(m.startswith("step 2: update refused") and "non-finite" in m for m in msgs), msgs
+    why = "non-finite" if bad_lr == float("inf") else "overflowed"
+    assert any(m.startswith("step 2: update refused") and why in m for m in msgs), msgs
     ck = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in ckpt.list_checkpoints(ck)] == [2, 3]
     assert all(ckpt.verify_checkpoint(ck / f"step_{i}") == [] for i in (2, 3))

@@ -3,8 +3,9 @@ refused and undone, like a refused refit.
 
 `Trainer.update` already skips a step whose gradient is not finite; a finite gradient can still
 poison the weights (a learning rate that overflows, Adam's state blowing up, a compute weight
-that rounds to BF16 infinity). `guarded_update` keeps a copy of the fp32 masters and of the
-optimizer state, runs the update, and when any weight is not finite afterwards puts both back
+that rounds to BF16 infinity) or make torch's Adam raise (a step size beyond float range). `guarded_update` keeps a copy of the fp32 masters and of the
+optimizer state, runs the update, and when any weight is not finite afterwards (or the step
+overflowed) puts both back
 (and the compute weights from them), so the run continues on the last good weights and a
 checkpoint never holds a non-finite tensor. Cost: one copy of the masters and of the Adam
 state per step (the local backend's models are small).
@@ -35,16 +36,29 @@ def guarded_update(trainer: Trainer, *args: Any, **kwargs: Any) -> tuple[dict[st
     "" when the update was kept)."""
     masters = [m.detach().clone() for m in trainer.master]
     opt_state = copy.deepcopy(trainer.optimizer.state_dict())
-    metrics = trainer.update(*args, **kwargs)
-    bad = _nonfinite_weights(trainer)
-    metrics["jetrl/local/update_refused"] = float(bool(bad))
-    if not bad:
+    lr = float(trainer.optimizer.param_groups[0]["lr"])
+    try:
+        metrics = trainer.update(*args, **kwargs)
+    except RuntimeError as exc:  # torch's Adam: a step size beyond float range
+        if "overflow" not in str(exc):
+            raise
+        metrics = {"train/lr": lr}
+        why = f"the optimizer step overflowed ({exc}; lr {lr})"
+    else:
+        bad = _nonfinite_weights(trainer)
+        shown = ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
+        why = (
+            f"the optimizer step made {len(bad)} of {len(trainer.names)} weight(s) non-finite "
+            f"({shown}; lr {lr}, grad norm {metrics.get('train/grad_norm')})"
+            if bad
+            else ""
+        )
+    metrics["jetrl/local/update_refused"] = float(bool(why))
+    if not why:
         return metrics, ""
     trainer.load_master(dict(zip(trainer.names, masters, strict=True)))
     trainer.optimizer.load_state_dict(opt_state)
-    shown = ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
-    return metrics, (
-        f"update refused: the optimizer step made {len(bad)} of {len(trainer.names)} weight(s) "
-        f"non-finite ({shown}; lr {metrics.get('train/lr')}, grad norm "
-        f"{metrics.get('train/grad_norm')}); kept the last good weights and optimizer state"
-    )
+    for m in trainer.master:
+        m.grad = None
+    trainer.model.eval()
+    return metrics, f"update refused: {why}; kept the last good weights and optimizer state"

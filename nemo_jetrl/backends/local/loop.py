@@ -31,6 +31,7 @@ from nemo_jetrl.backends.local.setup import LocalRun, resolve_run
 from nemo_jetrl.backends.local.step import Hooks
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.runs.lock import RunDirLock
+from nemo_jetrl.runs.tensorboard import find_event_files
 
 __all__ = ["Hooks", "LocalRun", "RunResult", "resolve_run", "run_local"]
 
@@ -84,6 +85,11 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
     if rs.checkpoint_enabled:
         dirs.append(("checkpointing.checkpoint_dir", ckpt_dir))
     lock = RunDirLock(uuid.uuid4().hex[:12]).acquire(dirs, log=log)
+    if not resume and find_event_files(rs.log_dir):
+        log(
+            f"note: logger.log_dir {rs.log_dir} already holds TensorBoard events of an earlier "
+            "run; `jetrl compare` will refuse it as mixed. Use a new logger.log_dir per run."
+        )
     if not rs.checkpoint_enabled:
         return lock
     for msg in ckpt.clean_orphans(ckpt_dir):
