@@ -47,18 +47,23 @@ class ArchError(ValueError):
 class Linear:
     """One linear layer (torch layout: weight [out_features, in_features])."""
 
-    # Full HF parameter prefix, e.g. "model.layers.3.self_attn.q_proj".
     name: str
-    # Short name, e.g. "q_proj" or "lm_head".
+    """Full HF parameter prefix, e.g. "model.layers.3.self_attn.q_proj"."""
+
     kind: str
-    # Decoder layer index, or None for embeddings / lm_head.
+    """Short name, e.g. "q_proj" or "lm_head"."""
+
     layer: int | None
-    # GEMM reduction dim K (input features).
+    """Decoder layer index, or None for embeddings / lm_head."""
+
     in_features: int
-    # GEMM output dim N (output features).
+    """GEMM reduction dim K (input features)."""
+
     out_features: int
-    # The layer has a bias vector (Qwen2's q/k/v).
+    """GEMM output dim N (output features)."""
+
     bias: bool = False
+    """The layer has a bias vector (Qwen2's q/k/v)."""
 
     @property
     def group(self) -> str:
@@ -75,30 +80,41 @@ class Linear:
 class ModelArch:
     """The shape of a decoder-only transformer (fields as in HF config.json)."""
 
-    # Display name (HF repo id for built-ins).
     name: str
-    # HF `model_type`: "llama", "qwen2", "qwen3", ...
+    """Display name (HF repo id for built-ins)."""
+
     model_type: str
-    # Residual stream width (`hidden_size`).
+    """HF `model_type`: "llama", "qwen2", "qwen3", ..."""
+
     hidden_size: int
-    # MLP inner width (`intermediate_size`).
+    """Residual stream width (`hidden_size`)."""
+
     intermediate_size: int
-    # Decoder layers (`num_hidden_layers`).
+    """MLP inner width (`intermediate_size`)."""
+
     num_layers: int
-    # Query heads (`num_attention_heads`).
+    """Decoder layers (`num_hidden_layers`)."""
+
     num_heads: int
-    # Key/value heads (`num_key_value_heads`; GQA when < num_heads).
+    """Query heads (`num_attention_heads`)."""
+
     num_kv_heads: int
-    # Per-head dim (`head_dim`, default hidden_size / num_heads).
+    """Key/value heads (`num_key_value_heads`; GQA when < num_heads)."""
+
     head_dim: int
-    # Vocabulary size (`vocab_size`).
+    """Per-head dim (`head_dim`, default hidden_size / num_heads)."""
+
     vocab_size: int
-    # lm_head shares the embedding matrix (`tie_word_embeddings`).
+    """Vocabulary size (`vocab_size`)."""
+
     tie_word_embeddings: bool = False
-    # q/k/v projections have biases (Qwen2: true; `attention_bias` for Llama/Qwen3).
+    """lm_head shares the embedding matrix (`tie_word_embeddings`)."""
+
     qkv_bias: bool = False
-    # Per-head RMSNorm on q and k before RoPE (Qwen3).
+    """q/k/v projections have biases (Qwen2: true; `attention_bias` for Llama/Qwen3)."""
+
     qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
 
     def __post_init__(self) -> None:
         bad = [

@@ -38,31 +38,40 @@ QUANTIZER_FORMULA: Mapping[str, str] = MappingProxyType({"te": "te", "jetrl": "t
 class SideRecipe:
     """Precision of one side (training or rollout) of an RL step."""
 
-    # Linear layers of the decoder blocks (q/k/v/o projections, MLP) run in FP8. Embeddings,
-    # norms, attention math, lm_head and MoE routers always stay BF16 on both sides.
     fp8_linears: bool = False
-    # TE's `fp8` knob: "e4m3" everywhere, or "hybrid" (E4M3 forward, E5M2 gradients). Forward
-    # tensors are E4M3 in both, so only training backward differs. Rollout is always "e4m3".
+    """Linear layers of the decoder blocks (q/k/v/o projections, MLP) run in FP8. Embeddings,
+    norms, attention math, lm_head and MoE routers always stay BF16 on both sides."""
+
     fmt: Fp8RecipeFormat = "e4m3"
-    # Scaling granularity: "blockwise" (1x128 activations, 128x128 weights; the only one this
-    # package quantizes), "mxfp8" (1x32 E8M0), or TE's per-tensor "tensorwise"/"delayed".
+    """TE's `fp8` knob: "e4m3" everywhere, or "hybrid" (E4M3 forward, E5M2 gradients). Forward
+    tensors are E4M3 in both, so only training backward differs. Rollout is always "e4m3"."""
+
     scaling: Scaling = "blockwise"
-    # Weight block scales are powers of two (True) or exact FP32 quotients (False).
+    """Scaling granularity: "blockwise" (1x128 activations, 128x128 weights; the only one this
+    package quantizes), "mxfp8" (1x32 E8M0), or TE's per-tensor "tensorwise"/"delayed"."""
+
     pow2_weight_scales: bool = True
-    # Activation block scales are powers of two (True) or exact FP32 quotients (False).
+    """Weight block scales are powers of two (True) or exact FP32 quotients (False)."""
+
     pow2_activation_scales: bool = True
-    # Which code computes the quantization on this side: "te" (Transformer Engine), "jetrl"
-    # (nemo_jetrl.fp8; on rollout this means our vLLM patch), "vllm" (vLLM's own kernels).
+    """Activation block scales are powers of two (True) or exact FP32 quotients (False)."""
+
     quantizer: Quantizer = "te"
-    # Number of leading decoder layers kept in BF16 on this side.
+    """Which code computes the quantization on this side: "te" (Transformer Engine), "jetrl"
+    (nemo_jetrl.fp8; on rollout this means our vLLM patch), "vllm" (vLLM's own kernels)."""
+
     bf16_first_layers: int = 0
-    # Number of trailing decoder layers kept in BF16 on this side.
+    """Number of leading decoder layers kept in BF16 on this side."""
+
     bf16_last_layers: int = 0
-    # Training only: TE keeps the primary weights in FP8 (`fp8_cfg.fp8_param`); refit may then
-    # export TE's own FP8 weights instead of requantizing the master copy.
+    """Number of trailing decoder layers kept in BF16 on this side."""
+
     fp8_param: bool = False
-    # Rollout only: the GEMM uses DeepGEMM. Changes the kernel, never the quantized inputs.
+    """Training only: TE keeps the primary weights in FP8 (`fp8_cfg.fp8_param`); refit may then
+    export TE's own FP8 weights instead of requantizing the master copy."""
+
     use_deep_gemm: bool = False
+    """Rollout only: the GEMM uses DeepGEMM. Changes the kernel, never the quantized inputs."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -121,28 +130,35 @@ class SideRecipe:
 class KvCalibration:
     """How the trainer recalibrates per-tensor Q/K/V scales for an FP8 KV cache (issue 6)."""
 
-    # Recalibrate after every update and send the scales with the refit.
     enabled: bool = True
-    # Fraction of the step's sequences (0 < f <= 1) the observers see.
+    """Recalibrate after every update and send the scales with the refit."""
+
     data_fraction: float = 1.0
-    # Percentile (0 < p <= 100) of the per-micro-batch amax values; 100 means the maximum.
+    """Fraction of the step's sequences (0 < f <= 1) the observers see."""
+
     percentile: float = 99.9
-    # Safety margin (>= 1) multiplied into the amax before scale = amax * margin / 448.
+    """Percentile (0 < p <= 100) of the per-micro-batch amax values; 100 means the maximum."""
+
     margin: float = 1.05
-    # Tokens the observers see: "response" (generated tokens only), "prompt_and_response"
-    # (all real tokens), "none" (everything including padding, NeMo-RL's behaviour).
+    """Safety margin (>= 1) multiplied into the amax before scale = amax * margin / 448."""
+
     mask: KvMask = "prompt_and_response"
-    # How the per-micro-batch amax samples are reduced: "max" or "percentile". None: "max" when
-    # percentile is 100, else "percentile".
+    """Tokens the observers see: "response" (generated tokens only), "prompt_and_response" (all
+    real tokens), "none" (everything including padding, NeMo-RL's behaviour)."""
+
     reduction: KvReduction | None = None
-    # Also calibrate the query scale (attention kernels that take FP8 queries). None: the
-    # backend decides (local backend: yes; NeMo-RL: when NeMo-RL asks for it). Under NeMo-RL,
-    # true adds q_scale; false cannot drop a q_scale NeMo-RL asks for (its engine needs it).
+    """How the per-micro-batch amax samples are reduced: "max" or "percentile". None: "max" when
+    percentile is 100, else "percentile"."""
+
     include_q: bool | None = None
-    # Sequences per calibration forward pass (> 0; one amax sample per pass). None: the
-    # backend's default (local backend: 32; NeMo-RL: what NeMo-RL passes, else its
-    # logprob_batch_size); a value here wins over both.
+    """Also calibrate the query scale (attention kernels that take FP8 queries). None: the backend
+    decides (local backend: yes; NeMo-RL: when NeMo-RL asks for it). Under NeMo-RL, true adds
+    q_scale; false cannot drop a q_scale NeMo-RL asks for (its engine needs it)."""
+
     micro_batch_size: int | None = None
+    """Sequences per calibration forward pass (> 0; one amax sample per pass). None: the backend's
+    default (local backend: 32; NeMo-RL: what NeMo-RL passes, else its logprob_batch_size); a
+    value here wins over both."""
 
     def __post_init__(self) -> None:
         problems = []

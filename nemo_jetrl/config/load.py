@@ -32,14 +32,17 @@ _MISSING = object()
 class ConfigIssue:
     """One problem found in a config."""
 
-    # Full dotted key path, e.g. "policy.generation.vllm_cfg.kv_cache_dtype".
     path: str
-    # What is wrong and what to change, in plain words.
+    """Full dotted key path, e.g. "policy.generation.vllm_cfg.kv_cache_dtype"."""
+
     message: str
-    # The values the key accepts, when it is an enumeration.
+    """What is wrong and what to change, in plain words."""
+
     allowed: tuple[Any, ...] = ()
-    # "error" makes the config invalid; "warning" and "note" are advice.
+    """The values the key accepts, when it is an enumeration."""
+
     level: Literal["error", "warning", "note"] = "error"
+    """"error" makes the config invalid; "warning" and "note" are advice."""
 
     def __str__(self) -> str:
         allowed = ""

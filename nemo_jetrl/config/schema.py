@@ -69,14 +69,17 @@ ENV_FLAG_VALUES = ("0", "1")
 class KeySpec:
     """One key of the `jetrl:` section."""
 
-    # Python types accepted (None in the tuple means null is allowed).
     types: tuple[Any, ...]
-    # Default when the key is absent.
+    """Python types accepted (None in the tuple means null is allowed)."""
+
     default: Any
-    # Plain-words meaning, shown in docs and error messages.
+    """Default when the key is absent."""
+
     doc: str
-    # Allowed values for enumerations (empty: any value of the types).
+    """Plain-words meaning, shown in docs and error messages."""
+
     choices: tuple[Any, ...] = ()
+    """Allowed values for enumerations (empty: any value of the types)."""
 
 
 _NULL = type(None)

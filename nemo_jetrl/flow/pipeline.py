@@ -24,18 +24,23 @@ from nemo_jetrl.recipe import Recipe
 class Checked:
     """A loaded, validated config and its flow check (what `check` and `align` print)."""
 
-    # The loaded config (omegaconf DictConfig, overrides applied).
     cfg: Any
-    # The Recipe it describes.
+    """The loaded config (omegaconf DictConfig, overrides applied)."""
+
     recipe: Recipe
-    # The model's ModelArch (a generic stand-in when the model is unknown).
+    """The Recipe it describes."""
+
     arch: ModelArch
-    # Why a generic stand-in was used, or None.
+    """The model's ModelArch (a generic stand-in when the model is unknown)."""
+
     arch_note: str | None
-    # Warnings and notes from validation (errors never reach here).
+    """Why a generic stand-in was used, or None."""
+
     issues: tuple[ConfigIssue, ...]
-    # The flow check: training forward vs rollout, edge by edge.
+    """Warnings and notes from validation (errors never reach here)."""
+
     check: FlowCheck
+    """The flow check: training forward vs rollout, edge by edge."""
 
     @property
     def allow_off_policy(self) -> bool:

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from hf_models import tiny_hf_config, tiny_hf_model
 from vllm_fixtures import vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
@@ -51,25 +52,21 @@ def _tokenizer():
 
 
 def _hf_model(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    cfg = tiny_hf_config(
+        "llama",
         vocab_size=128,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=128,
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
-        pad_token_id=0,
         tie_word_embeddings=False,
         initializer_range=0.08,  # larger than usual so logits are far from uniform
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
