@@ -274,7 +274,7 @@ def test_torn_latest_checkpoint_resumes_from_previous(damage, tmp_path, cache_di
     assert ckpt.verify_checkpoint(ck / "step_2") == []
 
 
-def test_no_usable_checkpoint_is_exit_2_not_a_fresh_start(tmp_path, cache_dir, two_step_run):
+def test_no_usable_checkpoint_is_exit_2_not_a_fresh_start(tmp_path, two_step_run, capsys):
     import shutil
 
     run = tmp_path / "run"
@@ -284,12 +284,15 @@ def test_no_usable_checkpoint_is_exit_2_not_a_fresh_start(tmp_path, cache_dir, t
     rc = main(
         [
             *("train", str(EXAMPLES / f"{RECIPE}.yaml"), *TINY_OVERRIDES),
-            *(f"jetrl.local.cache_dir={cache_dir}", f"logger.log_dir={run}"),
+            *(f"jetrl.local.cache_dir={tmp_path / 'cache'}", f"logger.log_dir={run}"),
             *("--backend", "local", "--no-progress", "--resume"),
         ]
     )
-    assert rc == 2
+    err = capsys.readouterr().err
+    assert rc == 2 and "no usable checkpoint" in err and "Traceback" not in err, err
+    assert "step_2: state.pt is 4 bytes" in err and "step_1: state.pt is 4 bytes" in err, err
     assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [1, 2]  # untouched
+    assert not (tmp_path / "cache").exists()  # refused before any work (no warm start)
 
 
 # --------------------------------------------------------------------- poisoned update, save

@@ -106,30 +106,10 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
-    ckpt_dir: str | Path,
-    step: int,
-    master: dict[str, torch.Tensor],
-    state: dict[str, Any],
-    *,
-    keep_top_k: int | None = None,
-) -> Path:
-    """Verify, write ``step_{step}`` atomically, prune to the ``keep_top_k`` most recent."""
+def _write_verified(tmp: Path, step: int, master: dict[str, torch.Tensor], state: dict) -> None:
+    """Write both files and the manifest into ``tmp``, fsynced, and read them back."""
     from safetensors.torch import save as save_bytes
 
-    bad = nonfinite(master) + nonfinite(state.get("optimizer"), "optimizer")
-    if bad:
-        raise CheckpointError(
-            f"refusing to save step_{step}: {len(bad)} non-finite tensor(s) "
-            f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}); earlier checkpoints kept"
-        )
-    root = Path(ckpt_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    tmp = root / f".step_{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     blobs = {
         MODEL_FILE: save_bytes({k: v.contiguous() for k, v in master.items()}),
         STATE_FILE: _torch_bytes({"step": step, **state}),
@@ -155,6 +135,31 @@ def save_checkpoint(
     if problems:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"step_{step} failed verification after writing: {problems}")
+
+
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    step: int,
+    master: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    *,
+    keep_top_k: int | None = None,
+) -> Path:
+    """Verify, write ``step_{step}`` atomically, prune to the ``keep_top_k`` most recent."""
+    bad = nonfinite(master) + nonfinite(state.get("optimizer"), "optimizer")
+    if bad:
+        raise CheckpointError(
+            f"refusing to save step_{step}: {len(bad)} non-finite tensor(s) "
+            f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}); earlier checkpoints kept"
+        )
+    root = Path(ckpt_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".step_{step}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _write_verified(tmp, step, master, state)
     if final.exists():  # re-done after a resume from an older checkpoint
         old = root / f".step_{step}.old-{os.getpid()}"
         final.replace(old)

@@ -70,7 +70,12 @@ def run_local(
     rs = resolved[1]
     lock = _own_run_dirs(rs, resume=resume, log=write)
     try:
-        return _run_owned(cfg, resolved, lock.run_id, resume, hooks, tqdm_mod, write, t_begin)
+        found = None
+        if resume:  # before any work: a damaged checkpoint dir fails here, not after setup
+            found = ckpt.find_resumable(rs.resolved_checkpoint_dir(), log=write)
+            if found is None:
+                write(f"--resume: no checkpoint in {rs.resolved_checkpoint_dir()}; starting fresh")
+        return _run_owned(cfg, resolved, lock.run_id, found, hooks, tqdm_mod, write, t_begin)
     except ckpt.CheckpointError as exc:
         raise UserError(str(exc)) from None
     finally:
@@ -105,8 +110,9 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
     return lock
 
 
-def _run_owned(cfg, resolved, run_id, resume, hooks, tqdm_mod, write, t_begin) -> RunResult:
-    """The run itself, in directories this process owns."""
+def _run_owned(cfg, resolved, run_id, found, hooks, tqdm_mod, write, t_begin) -> RunResult:
+    """The run itself, in directories this process owns; ``found``: the verified checkpoint
+    to continue from (`checkpoint.find_resumable`), or None."""
     from nemo_jetrl.runs.writer import RunWriter
 
     run = LocalRun(cfg, log=write, resolved=resolved)
@@ -115,19 +121,14 @@ def _run_owned(cfg, resolved, run_id, resume, hooks, tqdm_mod, write, t_begin) -
         hooks.on_run(run)
     rs = run.run
     log_dir = Path(rs.log_dir)
-    resumed = False
-    if resume:
+    resumed = found is not None
+    if resumed:
         try:
-            found = ckpt.find_resumable(rs.resolved_checkpoint_dir(), log=write)
-            if found is None:
-                write(f"--resume: no checkpoint in {rs.resolved_checkpoint_dir()}; starting fresh")
-            else:
-                run.restore(found[0], loaded=found[1:])
-                resumed = True
-                write(f"resumed from {found[0]} (step {run.step}, run {run.run_id})")
+            run.restore(found[0], loaded=found[1:])
         except BaseException:
             run.close()  # a vLLM engine must not outlive a failed start
             raise
+        write(f"resumed from {found[0]} (step {run.step}, run {run.run_id})")
     first = run.step
     writer = RunWriter(
         log_dir,
