@@ -61,7 +61,6 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("blockwise", "mxfp8", "tensorwise", "delayed")
 VLLM_PRECISIONS = ("bfloat16", "float16", "float32", "fp8")
 VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
-TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
 ENV_FLAG_VALUES = ("0", "1")
 
 

@@ -172,37 +172,12 @@ def _check_nemo_rl_keys(r: _Reader) -> None:
 
 def _check_loss_fn(r: _Reader) -> None:
     """NeMo-RL's ClippedPGLossConfig rules for importance-sampling correction."""
-    is_on = r.boolean(S.IS_CORRECTION, False)
-    tis = r.get(S.TIS_TYPE, None)
-    ratio = r.number(S.TIS_RATIO, None)
-    rmin = r.number(S.TIS_RATIO_MIN, None)
-    seq = r.boolean(S.SEQ_LEVEL_IS, False)
-    if tis is None:
-        return
-    if tis not in S.TIS_TYPES:
-        r.error(S.TIS_TYPE, f"unknown value {tis!r}", (*S.TIS_TYPES, None))
-    if not is_on:
-        r.error(
-            S.TIS_TYPE,
-            f"{tis!r} truncates importance weights, which only exist when "
-            f"{S.IS_CORRECTION}=true; enable it or set the type to null",
-        )
-    if ratio is None or ratio <= 0:
-        r.error(S.TIS_RATIO, f"must be a positive number when {S.TIS_TYPE} is set, got {ratio}")
-    if rmin is not None and ratio is not None and rmin > ratio:
-        r.error(S.TIS_RATIO_MIN, f"must be <= {S.TIS_RATIO} ({ratio}), got {rmin}")
-    if tis in ("icepop", "seq-mask-tis") and rmin is None:
-        r.error(
-            S.TIS_RATIO_MIN,
-            f"{tis!r} drops tokens/sequences whose weight is outside [min, max]: set a lower "
-            "bound (e.g. 0.5)",
-        )
-    if tis == "seq-mask-tis" and seq:
-        r.error(
-            S.SEQ_LEVEL_IS,
-            "seq-mask-tis uses token-level IS weights with sequence-level masking; set "
-            "sequence_level_importance_ratios=false",
-        )
+    from nemo_jetrl.rl.correction import loss_fn_issues  # the rules' one home (torch-free)
+
+    section = r.get(S.LOSS_FN, None)
+    if section is not None:
+        for issue in loss_fn_issues(section, path=S.LOSS_FN):
+            r.error(issue.key, issue.message, issue.allowed)
 
 
 def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:

@@ -187,7 +187,11 @@ class RunStep:
         ref = self.trainer.reference_logprobs(ids, P)
         phase("policy_and_reference_logprobs", t0, c0)
         gen = rb.generation_logprobs
-        s.update(mismatch_metrics(gen, prev, mask))
+        s.update(
+            mismatch_metrics(
+                gen, prev, mask, kl_type=self.trainer.loss_cfg.reference_policy_kl_type
+            )
+        )
         # 4. update
         t0, c0 = time.perf_counter(), time.process_time()
         lm, refused = guarded_update(
