@@ -7,7 +7,8 @@ an RL step runs in FP8, in which format, with which scale rule and quantizer), `
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -126,6 +127,53 @@ class SideRecipe:
         return dataclasses.replace(self, **changes)
 
 
+# NeMo-RL's defaults for trainer-side KV calibration (its calibrate_qkv_fp8_scales arguments):
+# the one place these numbers are written; every default elsewhere refers to them.
+KV_DATA_FRACTION = 1.0
+KV_PERCENTILE = 99.9
+KV_MARGIN = 1.05
+KV_MASK: KvMask = "prompt_and_response"
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field -> (accepts, what it must be): the rules of a KV calibration, shared by `KvCalibration`,
+# `nemo_jetrl.kvcache.settings.CalibrationSettings` and the config validator.
+KV_CALIBRATION_RULES: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType(
+    {
+        "data_fraction": (lambda v: _real(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+        "percentile": (lambda v: _real(v) and 0.0 < v <= 100.0, "a number in (0, 100]"),
+        "margin": (
+            lambda v: _real(v) and v >= 1.0,
+            "a finite number >= 1 (a safety factor on amax)",
+        ),
+        "mask": (lambda v: v in KV_MASKS, "one of " + ", ".join(KV_MASKS)),
+        "reduction": (
+            lambda v: v is None or v in KV_REDUCTIONS,
+            "one of " + ", ".join(KV_REDUCTIONS) + " (or null)",
+        ),
+        "include_q": (lambda v: v is None or isinstance(v, bool), "true or false (or null)"),
+        "micro_batch_size": (
+            lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+            "an integer > 0 (or null)",
+        ),
+    }
+)
+
+
+def kv_calibration_problems(values: Mapping[str, Any]) -> dict[str, str]:
+    """``{field: what it must be}`` for every field of ``values`` that breaks its rule."""
+    return {
+        k: what
+        for k, v in values.items()
+        if k in KV_CALIBRATION_RULES
+        for ok, what in [KV_CALIBRATION_RULES[k]]
+        if not ok(v)
+    }
+
+
 @dataclass(frozen=True)
 class KvCalibration:
     """How the trainer recalibrates per-tensor Q/K/V scales for an FP8 KV cache (issue 6)."""
@@ -133,16 +181,16 @@ class KvCalibration:
     enabled: bool = True
     """Recalibrate after every update and send the scales with the refit."""
 
-    data_fraction: float = 1.0
+    data_fraction: float = KV_DATA_FRACTION
     """Fraction of the step's sequences (0 < f <= 1) the observers see."""
 
-    percentile: float = 99.9
+    percentile: float = KV_PERCENTILE
     """Percentile (0 < p <= 100) of the per-micro-batch amax values; 100 means the maximum."""
 
-    margin: float = 1.05
+    margin: float = KV_MARGIN
     """Safety margin (>= 1) multiplied into the amax before scale = amax * margin / 448."""
 
-    mask: KvMask = "prompt_and_response"
+    mask: KvMask = KV_MASK
     """Tokens the observers see: "response" (generated tokens only), "prompt_and_response" (all
     real tokens), "none" (everything including padding, NeMo-RL's behaviour)."""
 
@@ -161,21 +209,10 @@ class KvCalibration:
     value here wins over both."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.reduction is not None and self.reduction not in KV_REDUCTIONS:
-            problems.append(f"reduction={self.reduction!r} (allowed: {', '.join(KV_REDUCTIONS)})")
-        if self.include_q is not None and not isinstance(self.include_q, bool):
-            problems.append(f"include_q={self.include_q!r} (must be true or false)")
-        mbs = self.micro_batch_size
-        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            problems.append(f"micro_batch_size={mbs!r} (must be an integer > 0)")
-        if not 0.0 < float(self.data_fraction) <= 1.0:
-            problems.append(f"data_fraction={self.data_fraction!r} (must be in (0, 1])")
-        if not 0.0 < float(self.percentile) <= 100.0:
-            problems.append(f"percentile={self.percentile!r} (must be in (0, 100])")
-        if not float(self.margin) >= 1.0:
-            problems.append(f"margin={self.margin!r} (must be >= 1)")
-        if self.mask not in KV_MASKS:
-            problems.append(f"mask={self.mask!r} (allowed: {', '.join(KV_MASKS)})")
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        problems = kv_calibration_problems(values)
         if problems:
-            raise ValueError("invalid KvCalibration: " + "; ".join(problems))
+            raise ValueError(
+                "invalid KvCalibration: "
+                + "; ".join(f"{k}={values[k]!r} (must be {what})" for k, what in problems.items())
+            )

@@ -49,12 +49,15 @@ class Checked:
         return bool(jetrl.get("allow_off_policy", False))
 
 
-def check_config(cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = ()) -> Checked:
+def check_config(
+    cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = (), *, run: bool = False
+) -> Checked:
     """Load ``cfg`` (a YAML path, or a loaded config), validate it, check its recipe on its model
-    (generic aligned layers when the model is unknown). A `ConfigError` lists every error."""
+    (generic aligned layers when the model is unknown). A `ConfigError` lists every error.
+    ``run``: the config is about to train on this machine (its directories must be writable)."""
     from omegaconf import OmegaConf
 
-    valid = load_valid_config(cfg, overrides)
+    valid = load_valid_config(cfg, overrides, run=run)
     recipe, arch, note = valid.recipe, valid.arch, None
     if arch is None:
         n = generic_layers_for(recipe)

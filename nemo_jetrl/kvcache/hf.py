@@ -163,7 +163,16 @@ class KVCacheController:
         return h
 
     def set_scales(self, scales: KVScales | None) -> None:
-        """Install scales on every attached model (refit path)."""
+        """Install scales on every attached model (refit path), all or nothing: scales for a
+        layer an attached model lacks are refused (ValueError) before any model changes."""
+        if scales is not None:
+            for role, h in self.handles.items():
+                extra = sorted(set(scales.layers) - set(h.layers))
+                if extra:
+                    raise ValueError(
+                        f"KV scales refused, previous scales kept: layers {extra} do not exist in "
+                        f"the {role} model (its attention layers: {h.layers})"
+                    )
         self.scales = scales
         for h in self.handles.values():
             h.set_scales(scales)
