@@ -81,6 +81,9 @@ def load_valid_config(
 ) -> ValidConfig:
     """Load ``cfg`` (a YAML path, or a loaded config to apply ``overrides`` to), validate it and
     build its recipe and architecture; a `ConfigError` lists every error."""
+    from nemo_jetrl.config.resolvers import register_resolvers
+
+    register_resolvers()
     if isinstance(cfg, DictConfig):
         conf, source = (apply_overrides(cfg, list(overrides)) if overrides else cfg), None
     else:
