@@ -15,12 +15,17 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+
+def _max(a: Any, b: Any) -> Any:
+    return max(a, b)
+
+
 # Our equivalents of NeMo-RL's resolvers (v0.7.0: mul, div, max; main adds add).
 _OWN: dict[str, Callable[[Any, Any], Any]] = {
     "add": operator.add,
     "mul": operator.mul,
     "div": operator.truediv,
-    "max": max,
+    "max": _max,
 }
 
 
@@ -37,7 +42,9 @@ def register_resolvers() -> str:
     if callable(register):
         register()
         source = "nemo_rl"
+    # omegaconf 2.4 renamed register_new_resolver (2.3, which NeMo-RL pins) to register_resolver.
+    add = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
     for name, fn in _OWN.items():
         if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+            add(name, fn)
     return source

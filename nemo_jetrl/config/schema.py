@@ -150,6 +150,13 @@ JETRL_KEYS: Mapping[str, KeySpec] = MappingProxyType(
         "kv_calibration": KeySpec(
             (Mapping, _NULL), None, "trainer-side Q/K/V scale calibration (see below)"
         ),
+        "refit_hook": KeySpec(
+            (bool,),
+            True,
+            "NeMo-RL backend: refit weights are quantized by nemo_jetrl.fp8 inside NeMo-RL's "
+            "vLLM worker (our hook) instead of NeMo-RL's own cast; false leaves NeMo-RL's, whose "
+            "bytes differ from TE's with FP32 scales",
+        ),
         "refit_parity_check": KeySpec(
             (bool,),
             True,

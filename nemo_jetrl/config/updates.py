@@ -64,11 +64,14 @@ def vllm_cfg_for(recipe: Recipe, unquantized_precision: str = "bfloat16") -> dic
     FP8 (a translation keeps the config's own value, e.g. float16).
     """
     ro = recipe.rollout
+    # Under our patch the weights' rule covers activations too and NeMo-RL's own activation
+    # patch stays off (see `read_recipe`).
+    patched = ro.fp8_linears and ro.quantizer == "jetrl"
     return {
         "precision": "fp8" if ro.fp8_linears else unquantized_precision,
         "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
         "pow2_weight_scaling_factors": ro.pow2_weight_scales,
-        "pow2_activation_scaling_factors": ro.pow2_activation_scales,
+        "pow2_activation_scaling_factors": ro.pow2_activation_scales and not patched,
         "num_first_layers_in_bf16": ro.bf16_first_layers,
         "num_last_layers_in_bf16": ro.bf16_last_layers,
         "use_deep_gemm": ro.use_deep_gemm,

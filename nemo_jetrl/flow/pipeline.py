@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_jetrl.arch import ModelArch, generic_arch
-from nemo_jetrl.config import ConfigIssue, load_valid_config
+from nemo_jetrl.config import ConfigError, ConfigIssue, load_valid_config
+from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
+from nemo_jetrl.flow.support import unsupported_issues
 from nemo_jetrl.recipe import Recipe
 
 
@@ -36,6 +38,13 @@ class Checked:
     issues: tuple[ConfigIssue, ...]
     # The flow check: training forward vs rollout, edge by edge.
     check: FlowCheck
+    # The verdict on each backend (`nemo_jetrl.flow.backend`).
+    backends: tuple[BackendVerdict, ...] = ()
+
+    @property
+    def on_policy(self) -> bool:
+        """The flow check passes and holds on every backend."""
+        return self.check.on_policy and all(b.on_policy for b in self.backends)
 
     @property
     def allow_off_policy(self) -> bool:
@@ -51,6 +60,9 @@ def check_config(cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = (
 
     valid = load_valid_config(cfg, overrides)
     recipe, arch, note = valid.recipe, valid.arch, None
+    refused = unsupported_issues(valid.cfg, recipe)
+    if refused:
+        raise ConfigError(refused, None if not isinstance(cfg, (str, os.PathLike)) else str(cfg))
     if arch is None:
         n = generic_layers_for(recipe)
         arch = generic_arch(n)
@@ -59,7 +71,10 @@ def check_config(cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = (
             f"model {model!r} has no built-in description: checked with {n} generic aligned "
             "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
         )
-    return Checked(valid.cfg, recipe, arch, note, valid.issues, check_on_policy(arch, recipe))
+    check = check_on_policy(arch, recipe)
+    return Checked(
+        valid.cfg, recipe, arch, note, valid.issues, check, backend_verdicts(valid.cfg, check)
+    )
 
 
 def off_policy_refusal(checked: Checked) -> str | None:

@@ -41,7 +41,9 @@ def test_translate_jetrl_kv_config():
     assert plan.recipe.onpolicy_kv and plan.recipe.kv_fp8
     vc = mc["policy"]["generation"]["vllm_cfg"]
     assert (vc["precision"], vc["kv_cache_dtype"]) == ("fp8", "fp8")
-    assert vc["pow2_weight_scaling_factors"] and vc["pow2_activation_scaling_factors"]
+    # Our patch quantizes activations with the weights' rule; NeMo-RL's own activation patch
+    # (v0.7.0: crashes vLLM start-up) stays off.
+    assert vc["pow2_weight_scaling_factors"] and not vc["pow2_activation_scaling_factors"]
     from nemo_jetrl.vllm_patch.settings import PatchSettings
 
     ps = PatchSettings.from_json(vc["env_vars"][nt.VLLM_PATCH_ENV])
@@ -336,6 +338,9 @@ def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
             "policy.train_global_batch_size=16",
             "policy.max_total_sequence_length=1024",
             "cluster.gpus_per_node=1",
+            # One GPU: the preset's TP*CP (2*2) must fit it.
+            "policy.megatron_cfg.tensor_model_parallel_size=1",
+            "policy.megatron_cfg.context_parallel_size=1",
             f"logger.log_dir={log_dir}",
             "logger.tensorboard_enabled=true",
             f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
