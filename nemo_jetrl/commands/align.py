@@ -45,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from nemo_jetrl.commands.check import load_and_check, report
-    from nemo_jetrl.config import merge_updates, minimal_updates, recipe_to_config_updates
+    from nemo_jetrl.config import (
+        merge_updates,
+        minimal_updates,
+        nemo_rl_setup_updates,
+        recipe_to_config_updates,
+    )
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.recipe import Recipe
 
@@ -63,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UserError(f"cannot align {args.config}: {exc}") from None
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
+    updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
     cfg = merge_updates(before.cfg, updates)
     out.parent.mkdir(parents=True, exist_ok=True)
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"
