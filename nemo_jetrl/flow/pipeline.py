@@ -53,14 +53,17 @@ class Checked:
         return bool(jetrl.get("allow_off_policy", False))
 
 
-def check_config(cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = ()) -> Checked:
+def check_config(
+    cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = (), *, aligning: bool = False
+) -> Checked:
     """Load ``cfg`` (a YAML path, or a loaded config), validate it, check its recipe on its model
-    (generic aligned layers when the model is unknown). A `ConfigError` lists every error."""
+    (generic aligned layers when the model is unknown). A `ConfigError` lists every error.
+    ``aligning``: for `jetrl align`, which clears what `flow.support` lets it clear."""
     from omegaconf import OmegaConf
 
     valid = load_valid_config(cfg, overrides)
     recipe, arch, note = valid.recipe, valid.arch, None
-    refused = unsupported_issues(valid.cfg, recipe)
+    refused = unsupported_issues(valid.cfg, recipe, aligning=aligning)
     if refused:
         raise ConfigError(refused, None if not isinstance(cfg, (str, os.PathLike)) else str(cfg))
     if arch is None:

@@ -76,8 +76,24 @@ def moe_evidence(cfg: Any) -> list[str]:
     return found
 
 
-def unsupported_issues(cfg: Any, recipe: Recipe) -> list[ConfigIssue]:
-    """Errors for what the flow check cannot cover (MoE experts, per-name BF16 layers)."""
+# Decoder linears the flow draws: a per-name list of only these, `jetrl align` can clear (the
+# recipe then decides them); anything else (linear attention, vision towers) stays refused.
+FLOW_LINEAR_WORDS = frozenset(
+    ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj")
+)
+
+
+def alignable_ignored_kws(cfg: Any) -> bool:
+    """``quantization_ignored_layer_kws`` is set and names only linears the flow draws."""
+    kws = _select(cfg, IGNORED_LAYER_KWS)
+    return bool(kws) and all(str(k) in FLOW_LINEAR_WORDS for k in kws)
+
+
+def unsupported_issues(cfg: Any, recipe: Recipe, *, aligning: bool = False) -> list[ConfigIssue]:
+    """Errors for what the flow check cannot cover (MoE experts, per-name BF16 layers).
+
+    ``aligning``: `jetrl align` is about to clear a per-name list that names only decoder
+    linears the flow draws, so that list is not an error there."""
     if not (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):
         return []
     issues = []
@@ -94,14 +110,19 @@ def unsupported_issues(cfg: Any, recipe: Recipe) -> list[ConfigIssue]:
             )
         )
     kws = _select(cfg, IGNORED_LAYER_KWS)
-    if kws:
+    if kws and not (aligning and alignable_ignored_kws(cfg)):
         words = ", ".join(str(k) for k in kws)
+        fix = (
+            "`jetrl align` clears it (the recipe then decides those linears)"
+            if alignable_ignored_kws(cfg)
+            else "some name layers outside the dense decoder linears the flow covers"
+        )
         issues.append(
             ConfigIssue(
                 IGNORED_LAYER_KWS,
                 f"[{words}]: vLLM keeps the linears named by these words in BF16 while training "
                 "quantizes them; a Jet-RL recipe has no per-name layer list, so this cannot be "
-                "checked or aligned. Remove the key (set it to [])",
+                f"checked. Remove the key (set it to []); {fix}",
             )
         )
     return issues

@@ -103,18 +103,54 @@ def drive_setup(cfg: dict, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(grpo, "RayVirtualCluster", StandInCluster)
     monkeypatch.setattr(grpo, "VllmGeneration", generation_stand_in)
-    data = [{"idx": i} for i in range(master.grpo["num_prompts_per_step"])]
+    grpo_cfg = master.grpo  # a dict in v0.7.0, a pydantic GRPOConfig in main
+    n = (
+        grpo_cfg["num_prompts_per_step"]
+        if isinstance(grpo_cfg, dict)
+        else grpo_cfg.num_prompts_per_step
+    )
+    data = [{"idx": i} for i in range(n)]
     with pytest.raises(ReachedGeneration):
         grpo.setup(master, None, data, data, policy_factory=generation_stand_in)
     return master
 
 
+def _source_function(module_file: str, name: str, namespace: dict) -> Any:
+    """Compile one top-level function, unchanged, from a file of the NeMo-RL tree."""
+    import ast
+
+    path = tree_dir() / module_file
+    (node,) = [n for n in ast.parse(path.read_text()).body if getattr(n, "name", None) == name]
+    exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def _pack_parameters_function() -> Any:
+    """NeMo-RL's ``_get_pack_sequence_parameters_for_megatron``.
+
+    v0.7.0: imported. main's ``nemo_rl/models/megatron/data.py`` imports Megatron-Bridge (needs
+    Transformer Engine, GPU builds only) and its ``common.py`` a newer megatron-core at the top;
+    the function uses neither, only the pure ``_round_up_to_multiple`` of ``common.py``. There
+    both functions are compiled, unchanged, from the tree's source files.
+    """
+    try:
+        from nemo_rl.models.megatron.data import _get_pack_sequence_parameters_for_megatron
+    except ModuleNotFoundError as exc:
+        if not str(exc.name or "").startswith("megatron."):
+            raise
+    else:
+        return _get_pack_sequence_parameters_for_megatron
+    ns: dict = {"Optional": __import__("typing").Optional}
+    _source_function("nemo_rl/models/megatron/common.py", "_round_up_to_multiple", ns)
+    return _source_function(
+        "nemo_rl/models/megatron/data.py", "_get_pack_sequence_parameters_for_megatron", ns
+    )
+
+
 def check_sequence_padding(master: Any) -> tuple[int, int, int | None]:
     """NeMo-RL's own packing parameters for the config (asserts its padding rules)."""
-    from nemo_rl.models.megatron.data import _get_pack_sequence_parameters_for_megatron
-
     policy = master.policy
-    return _get_pack_sequence_parameters_for_megatron(
+    return _pack_parameters_function()(
         policy["megatron_cfg"],
         policy["make_sequence_length_divisible_by"],
         policy["max_total_sequence_length"],

@@ -85,3 +85,17 @@ def test_nemo_rl_resolvers_resolve(tmp_path):
         2.0,
         5,
     )
+
+
+def test_align_clears_a_per_name_list_of_flow_linears_only(tmp_path, capsys):
+    key = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
+    out = tmp_path / "a.yaml"
+    code = jetrl(
+        ["align", str(E2E), f"+{key}=[q_proj,o_proj]", "--recipe", "jetrl", "-o", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0 and f"{key}: ['q_proj', 'o_proj'] -> []" in printed
+    assert list(load_config(out).policy.generation.vllm_cfg.quantization_ignored_layer_kws) == []
+    code = jetrl(["align", str(E2E), f"+{key}=[linear_attn.conv1d]", "-o", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 2 and "linear_attn.conv1d" in err and "outside the dense decoder" in err
