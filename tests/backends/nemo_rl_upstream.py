@@ -3,7 +3,8 @@
 ``drive_setup`` runs NeMo-RL's own ``grpo.setup`` (logger, checkpointing, data loaders, loss
 function, cluster sizing, the vLLM FP8 / FP8-KV asserts, router-replay settings) until it builds
 the vLLM generation workers. What needs GPUs is replaced by stand-ins, labelled as such: the Ray
-virtual cluster (``RayVirtualCluster``: GPU placement groups), the vLLM generation workers
+virtual cluster (``RayVirtualCluster``: GPU placement groups) and the live Ray node table
+(``get_ray_cluster_topology``, for configs with ``cluster.segment_size``), the vLLM generation workers
 (``VllmGeneration``) and the Megatron policy (``policy_factory``). Reaching the generation stand-in
 means every check of ``setup`` before it passed (v0.7.0 ``nemo_rl/algorithms/grpo.py``
 lines 254-1060; main 7ea279a lines 434-1190).
@@ -11,6 +12,7 @@ lines 254-1060; main 7ea279a lines 434-1190).
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,16 @@ def drive_setup(cfg: dict, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         raise ReachedGeneration()  # stand-in for vLLM workers / the Megatron policy (GPUs)
 
     monkeypatch.setattr(grpo, "RayVirtualCluster", StandInCluster)
+    # Stand-in for the live Ray cluster's node table (segment_size configs query it): the
+    # configured nodes, with no NVLink domain info (NeMo-RL's own "unknown" values).
+    vc = importlib.import_module("nemo_rl.distributed.virtual_cluster")
+    nodes = {
+        f"node{i}": (vc.NVLINK_DOMAIN_UNKNOWN, getattr(vc, "TOPO_RANK_UNKNOWN", -1))
+        for i in range(int(cfg["cluster"]["num_nodes"]))
+    }
+    for module in (vc, grpo):
+        if hasattr(module, "get_ray_cluster_topology"):
+            monkeypatch.setattr(module, "get_ray_cluster_topology", lambda: dict(nodes))
     monkeypatch.setattr(grpo, "VllmGeneration", generation_stand_in)
     grpo_cfg = master.grpo  # a dict in v0.7.0, a pydantic GRPOConfig in main
     n = (
