@@ -26,12 +26,14 @@ NEMO_RL_TREES = ("v0.7.0", "main")
 class BackendVerdict:
     """The verdict on one backend."""
 
-    # "local", "nemo-rl v0.7.0" or "nemo-rl main".
     backend: str
-    # True when every rollout tensor equals its training-forward tensor there.
+    """"local", "nemo-rl v0.7.0" or "nemo-rl main"."""
+
     on_policy: bool
-    # Why, in plain words.
+    """True when every rollout tensor equals its training-forward tensor there."""
+
     reason: str
+    """Why, in plain words."""
 
 
 def _flag(cfg: Any, key: str, default: bool) -> bool:

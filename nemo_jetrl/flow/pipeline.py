@@ -26,20 +26,26 @@ from nemo_jetrl.recipe import Recipe
 class Checked:
     """A loaded, validated config and its flow check (what `check` and `align` print)."""
 
-    # The loaded config (omegaconf DictConfig, overrides applied).
     cfg: Any
-    # The Recipe it describes.
+    """The loaded config (omegaconf DictConfig, overrides applied)."""
+
     recipe: Recipe
-    # The model's ModelArch (a generic stand-in when the model is unknown).
+    """The Recipe it describes."""
+
     arch: ModelArch
-    # Why a generic stand-in was used, or None.
+    """The model's ModelArch (a generic stand-in when the model is unknown)."""
+
     arch_note: str | None
-    # Warnings and notes from validation (errors never reach here).
+    """Why a generic stand-in was used, or None."""
+
     issues: tuple[ConfigIssue, ...]
-    # The flow check: training forward vs rollout, edge by edge.
+    """Warnings and notes from validation (errors never reach here)."""
+
     check: FlowCheck
-    # The verdict on each backend (`nemo_jetrl.flow.backend`).
+    """The flow check: training forward vs rollout, edge by edge."""
+
     backends: tuple[BackendVerdict, ...] = ()
+    """The verdict on each backend (`nemo_jetrl.flow.backend`)."""
 
     @property
     def on_policy(self) -> bool:
@@ -54,14 +60,19 @@ class Checked:
 
 
 def check_config(
-    cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = (), *, aligning: bool = False
+    cfg: str | os.PathLike[str] | Any,
+    overrides: Sequence[str] = (),
+    *,
+    run: bool = False,
+    aligning: bool = False,
 ) -> Checked:
     """Load ``cfg`` (a YAML path, or a loaded config), validate it, check its recipe on its model
     (generic aligned layers when the model is unknown). A `ConfigError` lists every error.
+    ``run``: the config is about to train on this machine (its directories must be writable).
     ``aligning``: for `jetrl align`, which clears what `flow.support` lets it clear."""
     from omegaconf import OmegaConf
 
-    valid = load_valid_config(cfg, overrides)
+    valid = load_valid_config(cfg, overrides, run=run)
     recipe, arch, note = valid.recipe, valid.arch, None
     refused = unsupported_issues(valid.cfg, recipe, aligning=aligning)
     if refused:
