@@ -91,11 +91,22 @@ def check_config(
     )
 
 
-def off_policy_refusal(checked: Checked) -> str | None:
-    """Why ``jetrl train`` refuses this config (off-policy, not allowed), or None to run it."""
+def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | None:
+    """Why ``jetrl train`` refuses this config (off-policy, not allowed), or None to run it.
+
+    ``backend`` ("nemo-rl"): also refuse what is off-policy only there (`flow.backend`)."""
     check = checked.check
-    if check.on_policy or checked.allow_off_policy:
+    if checked.allow_off_policy:
         return None
+    if check.on_policy:
+        off = [b for b in checked.backends if backend and b.backend.startswith(backend)]
+        off = [b for b in off if not b.on_policy]
+        if not off:
+            return None
+        return (
+            f"recipe {checked.recipe.name!r} is OFF-POLICY on {off[0].backend}: {off[0].reason}"
+            "; or set jetrl.allow_off_policy=true to run it anyway."
+        )
     lines = [
         f"  - {m.reason} ({m.summary()}); keys: {', '.join(m.keys) or '-'}"
         + (f"; fix: {' '.join(m.fixes)}" if m.fixes else "")

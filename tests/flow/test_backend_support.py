@@ -99,3 +99,12 @@ def test_align_clears_a_per_name_list_of_flow_linears_only(tmp_path, capsys):
     code = jetrl(["align", str(E2E), f"+{key}=[linear_attn.conv1d]", "-o", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert code == 2 and "linear_attn.conv1d" in err and "outside the dense decoder" in err
+
+
+def test_nemo_rl_launch_refuses_fp32_without_refit_hook():
+    from nemo_jetrl.backends.nemo_rl.launch import prepare
+    from nemo_jetrl.errors import UserError
+
+    with pytest.raises(UserError, match="without our refit hook: weights differ"):
+        prepare(str(E2E), ["jetrl.vllm_patch=true", "+jetrl.refit_hook=false"])
+    assert prepare(str(E2E), ["jetrl.vllm_patch=true"]).plan.recipe.rollout.quantizer == "jetrl"
