@@ -655,3 +655,13 @@ def test_kv_calibration_percentile_ignored_under_max_is_a_warning():
     assert errors(issues) == []
     (issue,) = [i for i in issues if i.path == "jetrl.kv_calibration.percentile"]
     assert issue.level == "warning" and "ignored" in str(issue)
+
+
+def test_val_period_minus_one_is_nemo_rl_never():
+    """NeMo-RL's own configs write grpo.val_period: -1 (validates only when > 0)."""
+    from nemo_jetrl.config.run_keys import read_run_keys
+
+    assert "grpo.val_period" not in issue_paths(cfg_with("grpo.val_period=-1"))
+    issues: list = []
+    assert read_run_keys(cfg_with("grpo.val_period=-1"), issues)["val_period"] == 0 and not issues
+    assert "grpo.val_period" in issue_paths(cfg_with("grpo.val_period=-2"))
