@@ -18,6 +18,7 @@ import torch
 from nemo_jetrl._optional import require
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.engine_args import EngineKwargs, build_engine_kwargs
+from nemo_jetrl.vllm_patch.guard import verify_engine_kernels
 from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
 from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
 from nemo_jetrl.vllm_patch.settings import PatchSettings
@@ -67,7 +68,8 @@ def _num_layers(model_dir: str | Path) -> int | None:
 
 
 class VllmRolloutEngine:
-    """``vllm.LLM`` started under the patch for ``recipe`` and loaded by a first refit."""
+    """``vllm.LLM`` started under the patch for ``recipe``, checked to run our kernel on every
+    block-FP8 linear (``guard.verify_engine_kernels``), and loaded by a first refit."""
 
     def __init__(
         self,
@@ -87,10 +89,11 @@ class VllmRolloutEngine:
         self.patch: PatchHandle | None = apply_patches(self.settings)
         try:
             self.llm = vllm.LLM(model=self.model_dir, **self.engine_kwargs.kwargs)
+            self.kernel_report = verify_engine_kernels(self.llm, self.settings)  # else shut down
             try:
                 check_engine_kv_cache_dtype(self.llm, self.settings)
             except KvCacheDtypeMismatch:
-                self.llm.llm_engine.engine_core.shutdown()
+                compat.shutdown_engine(self.llm)
                 raise
             self.last_refit: RefitReport | None = (
                 refit_from_checkpoint(self.llm, self.model_dir, self.settings)
@@ -166,7 +169,7 @@ class VllmRolloutEngine:
         """Shut the engine down and revert the patch (idempotent)."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            compat.shutdown_engine(llm)
             self.llm = None
         if self.patch is not None:
             self.patch.revert()
