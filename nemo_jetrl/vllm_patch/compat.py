@@ -104,7 +104,7 @@ def is_supported(version: str) -> bool:
 
 
 def supported_range() -> str:
-    """Human-readable supported ranges, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.0'."""
+    """Human-readable supported ranges, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.1'."""
     parts = []
     for lo, hi in SUPPORTED_RANGES:
         a, b = (".".join(map(str, v)) for v in (lo, hi))

@@ -18,7 +18,7 @@ import torch
 from nemo_jetrl._optional import require
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.engine_args import EngineKwargs, build_engine_kwargs
-from nemo_jetrl.vllm_patch.guard import verify_engine_kernels
+from nemo_jetrl.vllm_patch.guard import KernelNotInEffect, verify_engine_kernels
 from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
 from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
 from nemo_jetrl.vllm_patch.settings import PatchSettings
@@ -89,17 +89,19 @@ class VllmRolloutEngine:
         self.patch: PatchHandle | None = apply_patches(self.settings)
         try:
             self.llm = vllm.LLM(model=self.model_dir, **self.engine_kwargs.kwargs)
-            self.kernel_report = verify_engine_kernels(self.llm, self.settings)  # else shut down
             try:
+                self.kernel_report = verify_engine_kernels(self.llm, self.settings)
                 check_engine_kv_cache_dtype(self.llm, self.settings)
-            except KvCacheDtypeMismatch:
-                compat.shutdown_engine(self.llm)
+                self.last_refit: RefitReport | None = (
+                    refit_from_checkpoint(self.llm, self.model_dir, self.settings)
+                    if initial_refit
+                    else None
+                )
+            except KernelNotInEffect:
+                raise  # the guard shut the engine down
+            except BaseException:
+                compat.shutdown_engine(self.llm)  # nobody could close a half-built engine
                 raise
-            self.last_refit: RefitReport | None = (
-                refit_from_checkpoint(self.llm, self.model_dir, self.settings)
-                if initial_refit
-                else None
-            )
         except BaseException:
             self.patch.revert()
             raise

@@ -190,3 +190,13 @@ def test_kernel_report_names_are_bounded():
         [_report(dict.fromkeys(many, "TritonFp8BlockScaledMMKernel"))], s, KERNEL
     )
     assert "30 of 30" in p and "and 18 more" in p
+
+
+def test_guard_names_the_entry_point_pyproject_declares():
+    from pathlib import Path
+
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"][PLUGIN_GROUP]
+    assert declared == {PLUGIN_NAME: PLUGIN_TARGET}
