@@ -7,6 +7,7 @@ mutated layer) are in test_vllm_guard.py.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from importlib.metadata import EntryPoint
 
@@ -179,6 +180,14 @@ def test_kernel_reports_other_settings_missing_plugin_and_no_fp8_layers():
     assert "plugin not installed or skipped there" in p
     (p,) = kernel_problems([_report({})], s, KERNEL)
     assert "no block-FP8 linear layer at all" in p
+    # A recipe keeping whole decoder layers in BF16 may leave a tiny model with none.
+    first_last = settings_from_recipe(
+        Recipe.preset("jetrl").with_(
+            rollout=dataclasses.replace(JETRL.rollout, bf16_first_layers=1, bf16_last_layers=1)
+        ),
+        num_layers=2,
+    )
+    assert kernel_problems([_report({})], first_last, KERNEL) == []
     # A BF16 rollout has no block-FP8 linears to check.
     assert kernel_problems([_report({})], settings_from_recipe(Recipe.preset("bf16")), KERNEL) == []
 
