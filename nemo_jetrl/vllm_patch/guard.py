@@ -148,9 +148,10 @@ def engine_arg_problems(user_kwargs: Mapping[str, Any]) -> list[str]:
     if kc is not None:
         get = kc.get if isinstance(kc, Mapping) else lambda k: getattr(kc, k, None)
         found.append(("kernel_config.linear_backend", get("linear_backend")))
-        per_quant = get("linear_backend_per_quant") or {}
+        per_quant = get("linear_backend_per_quant")
         key = compat.FP8_BLOCK_QUANT_KEY
-        found.append((f"kernel_config.linear_backend_per_quant.{key}", per_quant.get(key)))
+        if isinstance(per_quant, Mapping):
+            found.append((f"kernel_config.linear_backend_per_quant.{key}", per_quant.get(key)))
     for name, value in found:
         if value is not None and _normalized_backend(value) != "auto":
             problems.append(f"{name}: you set {value!r}, the recipe requires 'auto' ({why})")
@@ -158,6 +159,10 @@ def engine_arg_problems(user_kwargs: Mapping[str, Any]) -> list[str]:
 
 
 # -- after start -----------------------------------------------------------------------------
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)  # plain data through collective_rpc
 
 
 def layer_kernel_report(model: Any) -> dict[str, Any]:
@@ -182,7 +187,7 @@ def layer_kernel_report(model: Any) -> dict[str, Any]:
             "kernel": type(owner).__name__,
             "ours": bool(getattr(type(owner), MARKER, False)),
             "settings": getattr(owner, "jetrl_settings_json", None),
-            "gemm_backend": getattr(owner, "jetrl_gemm_backend", None),
+            "gemm_backend": _text(getattr(owner, "jetrl_gemm_backend", None)),
         }
     env = {k: os.environ.get(k) for k in ("VLLM_PLUGINS", "VLLM_DISABLED_KERNELS", ENV_VAR)}
     return {"layers": layers, "registered": registered_kernel() is not None, "env": env}
