@@ -9,6 +9,7 @@ come from `nemo_jetrl.backends.local.step`, its checkpointing from
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,14 @@ class LocalRun(RunStep, RunCheckpointing):
         self.log = log
         self.recipe, self.run, self.local, loss_cfg = resolve_run(cfg)
         if self.local.num_threads:
+            cpus = os.cpu_count() or 1
+            if self.local.num_threads > cpus:
+                print(
+                    f"[jetrl] warning: jetrl.local.num_threads={self.local.num_threads} exceeds "
+                    f"this machine's {cpus} CPUs (threads will contend; 1 is fastest for these "
+                    "tiny models)",
+                    flush=True,
+                )
             torch.set_num_threads(self.local.num_threads)
         self.tokenizer = load_tokenizer(self.local.tokenizer)
         tok_path = Path(self.local.tokenizer) if self.local.tokenizer else TOKENIZER_JSON

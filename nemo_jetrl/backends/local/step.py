@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.backends.local.refit import RefitRefused, export_weights, refit
+from nemo_jetrl.backends.local.refit import (
+    RefitRefused,
+    commit_refit,
+    export_weights,
+    stage_refit,
+)
 from nemo_jetrl.backends.local.rollout import generate
 from nemo_jetrl.backends.local.task import (
     decode_responses,
@@ -76,8 +81,8 @@ class RunStep:
         weights = export_weights(self.trainer.model)
         if hooks.before_refit is not None:
             weights = hooks.before_refit(self.step + 1, dict(weights))
-        try:
-            refit(self.rollout_model, weights)
+        try:  # checked first, stored only once the engine (if any) accepted its refit too
+            staged = stage_refit(self.rollout_model, weights)
         except RefitRefused as exc:
             self.refit_refused_total += 1
             return False, str(exc)
@@ -91,6 +96,7 @@ class RunStep:
             except RefitError as exc:
                 self.refit_refused_total += 1
                 return False, f"vLLM engine: {exc}"
+        commit_refit(staged)
         return True, None
 
     def _generate(self, prompt_ids: torch.Tensor, generator: torch.Generator, *, greedy: bool):
@@ -185,7 +191,11 @@ class RunStep:
         ref = self.trainer.reference_logprobs(ids, P)
         phase("policy_and_reference_logprobs", t0, c0)
         gen = rb.generation_logprobs
-        s.update(mismatch_metrics(gen, prev, mask))
+        s.update(
+            mismatch_metrics(
+                gen, prev, mask, kl_type=self.trainer.loss_cfg.reference_policy_kl_type
+            )
+        )
         # 4. update
         t0, c0 = time.perf_counter(), time.process_time()
         lm = self.trainer.update(
