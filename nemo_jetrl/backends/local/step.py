@@ -11,7 +11,8 @@ test/debugging `Hooks` they call. The phases, timed with NeMo-RL's timing names:
    under the training precision gives ``prev_logprobs`` (and reference logprobs when the KL
    penalty is on); `mismatch_metrics` compares them with the rollout's.
 4. update (``timing/train/policy_training``): GRPO loss (group advantages, clipped PG, optional
-   IS correction and KL) and one AdamW step on the fp32 masters.
+   IS correction and KL) and one AdamW step on the fp32 masters, undone when it leaves a weight
+   non-finite (`nemo_jetrl.backends.local.guard`, ``jetrl/local/update_refused``).
 5. recalibrate KV scales (``timing/train/kv_calibration``) when the KV cache is FP8.
 
 With ``jetrl.local.rollout_engine: vllm`` steps 1 and 2 run on a real vLLM CPU engine under the
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from nemo_jetrl.backends.local.guard import guarded_update
 from nemo_jetrl.backends.local.refit import (
     RefitRefused,
     commit_refit,
@@ -198,7 +200,8 @@ class RunStep:
         )
         # 4. update
         t0, c0 = time.perf_counter(), time.process_time()
-        lm = self.trainer.update(
+        lm, refused = guarded_update(
+            self.trainer,
             ids,
             P,
             prev_logprobs=prev,
@@ -208,6 +211,8 @@ class RunStep:
             reference_logprobs=ref,
         )
         phase("policy_training", t0, c0)
+        if refused:
+            self.log(f"step {self.step + 1}: {refused}")
         s.update(lm)
         # 5. KV recalibration on this step's data, with the updated weights
         if self.kv is not None:
