@@ -316,6 +316,21 @@ def test_logger_proxy_moves_our_tags_out_of_train_prefix():
     assert proxy.log_dir == "/x"
 
 
+# The GPU end-to-end run's settings (one GPU): the NeMo-RL tier drives grpo.setup with them too.
+E2E_OVERRIDES = (
+    "policy.model_name=Qwen/Qwen3-0.6B",
+    "grpo.max_num_steps=2",
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "policy.train_global_batch_size=16",
+    "policy.max_total_sequence_length=1024",
+    "cluster.gpus_per_node=1",
+    # One GPU: the preset's TP*CP (2*2) must fit it.
+    "policy.megatron_cfg.tensor_model_parallel_size=1",
+    "policy.megatron_cfg.context_parallel_size=1",
+)
+
+
 @pytest.mark.nemo_rl
 @pytest.mark.gpu
 def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
@@ -331,16 +346,7 @@ def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
     rc = nr.run_nemo_rl(
         str(QWEN / "jetrl_kv.yaml"),
         [
-            "policy.model_name=Qwen/Qwen3-0.6B",
-            "grpo.max_num_steps=2",
-            "grpo.num_prompts_per_step=4",
-            "grpo.num_generations_per_prompt=4",
-            "policy.train_global_batch_size=16",
-            "policy.max_total_sequence_length=1024",
-            "cluster.gpus_per_node=1",
-            # One GPU: the preset's TP*CP (2*2) must fit it.
-            "policy.megatron_cfg.tensor_model_parallel_size=1",
-            "policy.megatron_cfg.context_parallel_size=1",
+            *E2E_OVERRIDES,
             f"logger.log_dir={log_dir}",
             "logger.tensorboard_enabled=true",
             f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",

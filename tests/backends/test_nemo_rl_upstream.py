@@ -72,6 +72,25 @@ def test_on_policy_preset_through_our_launch_path(path: Path, tmp_path, monkeypa
     drive_setup(with_nemo_rl_defaults(prepared.plan.master_config), tmp_path, monkeypatch)
 
 
+def test_gpu_end_to_end_settings_fit_their_one_gpu(tmp_path, monkeypatch):
+    """The GPU end-to-end test's config (qwen3_8b_base/jetrl_kv + its overrides, one GPU) passes
+    our launch path and NeMo-RL's setup, and its model parallelism fits the one GPU."""
+    from test_nemo_rl_backend import E2E_OVERRIDES, QWEN
+
+    from nemo_jetrl.backends.nemo_rl.launch import prepare
+
+    prepared = prepare(str(QWEN / "jetrl_kv.yaml"), list(E2E_OVERRIDES))
+    master = drive_setup(with_nemo_rl_defaults(prepared.plan.master_config), tmp_path, monkeypatch)
+    check_sequence_padding(master)
+    m, c = master.policy["megatron_cfg"], master.cluster
+    mp = (
+        m["tensor_model_parallel_size"]
+        * m["pipeline_model_parallel_size"]
+        * m["context_parallel_size"]
+    )
+    assert mp == 1 and c["num_nodes"] * c["gpus_per_node"] == 1
+
+
 def test_setup_still_refuses_what_nemo_rl_refuses(tmp_path, monkeypatch):
     """The stand-ins do not hide setup's checks: FP8 KV with PP=2 is refused by NeMo-RL."""
     path = PRESETS[[p.stem for p in PRESETS].index("jetrl_kv")]
