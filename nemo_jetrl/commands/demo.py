@@ -4,7 +4,7 @@ Runs the same short GRPO job on the embedded local backend under the recipes ``b
 ``fp8_rollout`` (BF16 training + FP8 rollout with vLLM's own quantizer: off-policy), ``jetrl``
 (unified FP8 flow) and ``jetrl_kv`` (jetrl + FP8 KV cache with on-policy KV), all from the same
 cached warm start, then compares them (`nemo_jetrl.runs.report.compare_runs`). It prints first
-what the demo is about (`nemo_jetrl.commands.demo_report`): per recipe the validation accuracy of
+what the demo is about (`nemo_jetrl.commands._demo_report`): per recipe the validation accuracy of
 the first and last evaluation and the mean ``token_mult_prob_error`` / ``gen_kl_error``, then the
 demo's claims as measured pass/fail lines, then the full metric table; it writes
 ``OUT/compare/summary.png`` (accuracy, reward and both mismatch metrics on one page),
@@ -14,7 +14,7 @@ summary.json/csv and one PNG per metric under ``OUT/compare``. Each run director
 The base config is the packaged ``local_base.yaml`` (same as examples/configs/local/base.yaml);
 each recipe's keys come from `nemo_jetrl.config.recipe_to_config_updates`, so the demo runs
 exactly what ``jetrl check`` would judge. ``--study length`` runs the answer-length study of
-`nemo_jetrl.commands.demo_study` instead.
+`nemo_jetrl.commands._demo_study` instead.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.commands.demo_report import (
+    from nemo_jetrl.commands._demo_report import (
         curves_from_runs,
         demo_checks,
         lead_table,
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _length_study(args: argparse.Namespace, out: Path, overrides: list[str]) -> int:
-    from nemo_jetrl.commands.demo_study import run_length_study
+    from nemo_jetrl.commands._demo_study import run_length_study
     from nemo_jetrl.config import ConfigError
     from nemo_jetrl.errors import UserError
 

@@ -21,7 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
-from nemo_jetrl.commands.demo_report import ACC, GEN_KL, TMPE
+from nemo_jetrl.commands._demo_report import ACC, GEN_KL, TMPE
 
 STUDY_RECIPES = ("fp8_rollout", "jetrl")
 QUANTITIES = (
