@@ -139,7 +139,15 @@ def summary_page(recipes: Sequence[RecipeCurves], path: str | Path, title: str =
                 pts = [(s, v) for s, v in pts if v > 0]
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, styles[i % 4], marker="o", markersize=3, label=r.recipe)
+                ax.plot(
+                    xs,
+                    ys,
+                    styles[i % 4],
+                    color=f"C{i % 10}",
+                    marker="o",
+                    markersize=3,
+                    label=r.recipe,
+                )
         if logy:
             ax.set_yscale("log")
         ax.set_title(label, fontsize=10)

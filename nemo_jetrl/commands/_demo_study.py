@@ -19,6 +19,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nemo_jetrl.commands._demo_report import ACC, GEN_KL, TMPE
@@ -31,9 +32,9 @@ QUANTITIES = (
 )
 
 
-def _run_one(recipe: str, num_ops: int, seed: int, out: Path, overrides: list[str], progress):
+def _run_one(recipe: str, num_ops: int, seed: int, out: Path, overrides: list[str], progress,
+             recipe_config: Callable):  # fmt: skip
     from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.commands.demo import recipe_config
 
     ov = [
         f"jetrl.local.task.num_ops={num_ops}",
@@ -55,9 +56,16 @@ def _run_one(recipe: str, num_ops: int, seed: int, out: Path, overrides: list[st
 
 
 def run_length_study(
-    out: Path, lengths: list[int], seeds: list[int], overrides: list[str], progress: bool
+    out: Path,
+    lengths: list[int],
+    seeds: list[int],
+    overrides: list[str],
+    progress: bool,
+    recipe_config: Callable,
 ) -> dict:
-    """Run the grid, print the table, write the JSON and the plot; returns the results."""
+    """Run the grid, print the table, write the JSON and the plot; returns the results.
+
+    ``recipe_config(recipe, out, overrides)`` builds one run's config (the demo's)."""
     results: dict[str, dict[int, list[dict]]] = {r: {} for r in STUDY_RECIPES}
     t0 = time.perf_counter()
     total, done = len(lengths) * len(seeds) * len(STUDY_RECIPES), 0
@@ -66,7 +74,9 @@ def run_length_study(
             for recipe in STUDY_RECIPES:
                 print(f"== length study: num_ops={n} ({6 * n + 3} answer tokens), "
                       f"seed {seed}, {recipe} [{done + 1}/{total}]", flush=True)  # fmt: skip
-                r = _run_one(recipe, n, seed, out / "runs" / recipe, overrides, progress)
+                r = _run_one(
+                    recipe, n, seed, out / "runs" / recipe, overrides, progress, recipe_config
+                )
                 results[recipe].setdefault(n, []).append(r)
                 done += 1
                 el = time.perf_counter() - t0

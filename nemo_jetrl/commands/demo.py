@@ -187,7 +187,10 @@ def _length_study(args: argparse.Namespace, out: Path, overrides: list[str]) -> 
     if (out / "runs").exists():
         shutil.rmtree(out / "runs")  # a study always starts fresh
     try:
-        run_length_study(out, lengths, seeds, overrides, progress=not args.no_progress)
+        run_length_study(
+            out, lengths, seeds, overrides, progress=not args.no_progress,
+            recipe_config=recipe_config,
+        )  # fmt: skip
     except ConfigError as exc:
         raise UserError(str(exc)) from None
     return 0
