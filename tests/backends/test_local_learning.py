@@ -143,3 +143,22 @@ def test_warmstart_targets_answer_early_at_the_configured_rate(frac):
     for p, o in zip(probs, out, strict=True):
         assert o.target.rsplit("#", 1)[0] == p.target.rsplit("#", 1)[0]  # steps untouched
         assert o.answer == p.answer  # the reward still checks the true answer
+
+
+def test_warmstart_seed_fixes_the_cache_key_across_grpo_seeds():
+    from nemo_jetrl.backends.local.warmstart import cache_key
+
+    mc, task = load_model_config(), TaskConfig()
+    key = lambda ws, seed: cache_key(mc, "tok", task, ws, seed)  # noqa: E731
+    fixed = WarmStartSettings(seed=42)
+    assert key(fixed, 1) == key(fixed, 2) == key(WarmStartSettings(), 42)
+    assert key(WarmStartSettings(), 1) != key(WarmStartSettings(), 2)
+    assert key(WarmStartSettings(early_answer_frac=0.5), 42) != key(WarmStartSettings(), 42)
+
+
+def test_warmstart_settings_errors_name_their_keys():
+    from nemo_jetrl.backends.local.config import validate_local_config
+
+    issues = validate_local_config({"warmstart": {"early_answer_frac": 1.5, "seed": -1}})
+    paths = sorted(i.path for i in issues if i.level == "error")
+    assert paths == ["jetrl.local.warmstart.early_answer_frac", "jetrl.local.warmstart.seed"]
