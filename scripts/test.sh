@@ -6,12 +6,17 @@
 # and runs:
 #   1. the default suite (unit, megatron-core on CPU, Triton interpreter, slow tests included);
 #   2. the vLLM tier against a real engine, once per version in $JETRL_VLLM_VERSIONS
-#      (default "0.32.0 0.20.0").
-# gpu and nemo_rl tests skip with a reason here; they run in the Docker image
-# (scripts/run_gpu_tests.sh).
+#      (default "0.32.0 0.20.0"); the 0.32 tier also runs vLLM 0.33.0's kernel selection code
+#      from its CUDA wheel (scripts/fetch_vllm_src.sh: one cached 336 MB download);
+#   3. the NeMo-RL tier (tests marked nemo_rl) against NeMo-RL's real source, once per tree in
+#      $JETRL_NEMO_RL_TREES (default "v0.7.0 main-7ea279a"), in the env made by
+#      scripts/setup_nemo_rl_env.sh (the tree's vLLM env, .venv-vllm020 / .venv-vllm025, plus a
+#      pinned dependency overlay, .venv-nemo-rl).
+# gpu tests skip with a reason here; they run in the Docker image (scripts/run_gpu_tests.sh).
 #
 # With pytest arguments (e.g. `bash scripts/test.sh -k fp8 -x`) only the default suite runs,
-# with those arguments. JETRL_SKIP_VLLM=1 skips the vLLM tier.
+# with those arguments. JETRL_SKIP_VLLM=1 skips the vLLM tier, JETRL_SKIP_NEMO_RL=1 the
+# NeMo-RL tier.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -41,6 +46,11 @@ if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
       *) venv=.venv-vllm$(echo "$version" | cut -d. -f1-2 | tr -d .) ;;
     esac
     echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
+    case "$version" in
+      0.32.*)  # this tier also runs vLLM 0.33.0's CUDA-wheel selection code (no CPU build)
+        PYTHON=.venv/bin/python bash scripts/fetch_vllm_src.sh > /dev/null \
+          || { echo "test.sh: fetching vLLM 0.33.0's source failed" >&2; exit 1; } ;;
+    esac
     log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
       echo "setting up $venv (vLLM $version CPU build; a few minutes, log: $log)"
@@ -48,6 +58,23 @@ if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
         || { tail -n 40 "$log"; echo "test.sh: vLLM $version environment setup failed" >&2; exit 1; }
     fi
     tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
+  done
+fi
+if [ "${JETRL_SKIP_NEMO_RL:-0}" != "1" ]; then
+  upstream="${JETRL_NEMO_RL_UPSTREAM:-../shared/upstream/nemo-rl}"
+  for tree in ${JETRL_NEMO_RL_TREES:-v0.7.0 main-7ea279a}; do
+    echo "== NeMo-RL $tree tier (NeMo-RL's real source, CPU) =="
+    if [ ! -d "$upstream/$tree/nemo_rl" ]; then
+      echo "no NeMo-RL source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM): tier not run"
+      summary+=("NeMo-RL $tree tier: not run, no source at $upstream/$tree")
+      continue
+    fi
+    log="${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log"
+    s0=$(date +%s)
+    bash scripts/setup_nemo_rl_env.sh "$tree" > "$log" 2>&1 \
+      || { tail -n 40 "$log"; echo "test.sh: NeMo-RL $tree environment setup failed" >&2; exit 1; }
+    echo "NeMo-RL $tree environment ready in $(( $(date +%s) - s0 )) s (log: $log)"
+    tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow
   done
 fi
 echo "== summary =="

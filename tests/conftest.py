@@ -51,7 +51,10 @@ _TIERS = {
         "needs vLLM (bash scripts/setup_vllm_env.sh, then scripts/test_vllm.sh)",
     ),
     "megatron": (lambda: _has("megatron.core"), "needs megatron-core (pip install '.[megatron]')"),
-    "nemo_rl": (_nemo_rl, "needs NeMo-RL (run in the Docker image)"),
+    "nemo_rl": (
+        _nemo_rl,
+        "needs NeMo-RL (bash scripts/setup_nemo_rl_env.sh, then scripts/test_nemo_rl.sh TREE)",
+    ),
     "triton": (lambda: _has("triton"), "needs triton (pip install '.[triton]')"),
 }
 

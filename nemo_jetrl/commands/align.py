@@ -45,8 +45,14 @@ def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from nemo_jetrl.commands.check import load_and_check, report
-    from nemo_jetrl.config import merge_updates, minimal_updates, recipe_to_config_updates
+    from nemo_jetrl.config import (
+        merge_updates,
+        minimal_updates,
+        nemo_rl_setup_updates,
+        recipe_to_config_updates,
+    )
     from nemo_jetrl.errors import UserError
+    from nemo_jetrl.flow.support import IGNORED_LAYER_KWS, alignable_ignored_kws
     from nemo_jetrl.recipe import Recipe
 
     out = Path(args.output)
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{out} exists; pass --force to overwrite it")
     if out.resolve() == Path(args.config).resolve():
         raise UserError("the output must not be the input file")
-    before = load_and_check(args.config, list(args.overrides))
+    before = load_and_check(args.config, list(args.overrides), aligning=True)
     if args.recipe:
         target = Recipe.preset(args.recipe)
     else:
@@ -63,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UserError(f"cannot align {args.config}: {exc}") from None
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
+    updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
+    if alignable_ignored_kws(before.cfg):
+        updates[IGNORED_LAYER_KWS] = []  # the recipe decides every decoder linear
     cfg = merge_updates(before.cfg, updates)
     out.parent.mkdir(parents=True, exist_ok=True)
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"

@@ -37,14 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_and_check(path: str, overrides: list[str]) -> Checked:
+def load_and_check(path: str, overrides: list[str], *, aligning: bool = False) -> Checked:
     """The pipeline (`nemo_jetrl.flow.pipeline`); UserError listing every problem when invalid."""
     from nemo_jetrl.config import ConfigError
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.pipeline import check_config
 
     try:
-        return check_config(path, overrides)
+        return check_config(path, overrides, aligning=aligning)
     except ConfigError as exc:
         raise UserError(f"invalid config\n{exc}") from None
 
@@ -99,10 +99,18 @@ def report(
         )
     print(file=out)
     if check.on_policy:
+        print("per backend:", file=out)
+        for b in c.backends:
+            print(f"  {b.backend}: {'on' if b.on_policy else 'OFF'}-policy: {b.reason}", file=out)
+    if c.on_policy:
         print(
             "verdict: ON-POLICY: every rollout tensor equals its training-forward tensor", file=out
         )
         return EXIT_ON_POLICY
+    if check.on_policy:
+        off = [b.backend for b in c.backends if not b.on_policy]
+        print(f"verdict: OFF-POLICY on {', '.join(off)} (see per backend)", file=out)
+        return EXIT_OFF_POLICY
     n = len(check.mismatches)
     print(f"verdict: OFF-POLICY ({n} mismatch{'es' if n != 1 else ''})", file=out)
     for k, m in enumerate(check.mismatches, 1):
@@ -149,7 +157,10 @@ def summary(c: Checked) -> dict[str, Any]:
         "model": c.arch.name,
         "model_note": c.arch_note,
         "recipe": c.recipe.to_dict(),
-        "on_policy": check.on_policy,
+        "on_policy": c.on_policy,
+        "backends": [
+            {"backend": b.backend, "on_policy": b.on_policy, "reason": b.reason} for b in c.backends
+        ],
         "issues": [
             {"level": i.level, "path": i.path, "message": i.message, "allowed": list(i.allowed)}
             for i in c.issues
@@ -176,5 +187,5 @@ def run(args: argparse.Namespace) -> int:
         import json
 
         print(json.dumps(summary(checked), indent=2))
-        return EXIT_ON_POLICY if checked.check.on_policy else EXIT_OFF_POLICY
+        return EXIT_ON_POLICY if checked.on_policy else EXIT_OFF_POLICY
     return report(checked, args.config, sys.stdout, backward=args.backward, edges=args.edges)

@@ -36,6 +36,7 @@ from nemo_jetrl.config.reader import arch_from_config
 from nemo_jetrl.config.updates import (
     merge_updates,
     minimal_updates,
+    nemo_rl_setup_updates,
     recipe_to_config_updates,
     vllm_cfg_for,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "load_valid_config",
     "merge_updates",
     "minimal_updates",
+    "nemo_rl_setup_updates",
     "parse_override",
     "preset_differences",
     "recipe_from_config",
@@ -84,6 +86,9 @@ def load_valid_config(
     and the config's own together (a bad override never hides the file's problems). ``run``:
     it is about to run on this machine (see `validated`). The one validation `check`, `align`
     and `train` (every backend) go through."""
+    from nemo_jetrl.config.resolvers import register_resolvers
+
+    register_resolvers()
     if isinstance(cfg, DictConfig):
         conf, source = cfg, None
     else:

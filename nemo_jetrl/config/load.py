@@ -258,7 +258,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     """Load a NeMo-RL-shaped YAML with `defaults:` inheritance, then apply overrides.
 
     Raises ConfigError (never a bare YAML/OmegaConf traceback) for missing files, parse errors,
-    inheritance cycles and bad overrides. Validation is separate: see `validate`.
+    inheritance cycles and bad overrides. Validation is separate: see `validate`. NeMo-RL's
+    resolvers (``${mul:...}`` etc.) are registered first, as NeMo-RL's launchers do.
     """
+    from nemo_jetrl.config.resolvers import register_resolvers
+
+    register_resolvers()
     cfg = _load_with_inheritance(Path(path), ())
     return apply_overrides(cfg, overrides)

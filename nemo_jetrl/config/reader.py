@@ -113,12 +113,27 @@ def read_recipe(r: _Reader) -> Recipe:
     )
     fp8_roll = r.get(S.VLLM_PRECISION, "bfloat16") == "fp8"
     patch = r.get("jetrl.vllm_patch", False) is True
+    pow2_w = r.get(S.VLLM_POW2_W, False) is True
+    pow2_a = r.get(S.VLLM_POW2_A, False) is True
+    if patch and fp8_roll:
+        # Our patch quantizes activations with the weights' scale rule; NeMo-RL's key turns on
+        # its own activation patch of the same vLLM function (v0.7.0: crashes vLLM start-up,
+        # nemo_rl/models/generation/vllm/quantization/fp8.py:143).
+        if pow2_a:
+            r.error(
+                S.VLLM_POW2_A,
+                "must be false with jetrl.vllm_patch=true: our patch quantizes the rollout's "
+                f"activations with the rule of {S.VLLM_POW2_W}; true would also turn on NeMo-RL's "
+                "own activation patch of the same vLLM function (and crashes vLLM start-up on "
+                "NeMo-RL v0.7.0)",
+            )
+        pow2_a = pow2_w
     rollout = SideRecipe(
         fp8_linears=fp8_roll,
         fmt="e4m3",
         scaling="mxfp8" if r.get(S.VLLM_IS_MX, False) is True else "blockwise",
-        pow2_weight_scales=r.get(S.VLLM_POW2_W, False) is True,
-        pow2_activation_scales=r.get(S.VLLM_POW2_A, False) is True,
+        pow2_weight_scales=pow2_w,
+        pow2_activation_scales=pow2_a,
         quantizer="jetrl" if patch and fp8_roll else "vllm",
         bf16_first_layers=_safe_count(r.get(S.VLLM_FIRST_BF16, 0)),
         bf16_last_layers=_safe_count(r.get(S.VLLM_LAST_BF16, 0)),

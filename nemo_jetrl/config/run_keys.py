@@ -70,7 +70,8 @@ RUN_KEYS: tuple[RunKey, ...] = (
     _count("grpo.num_prompts_per_step", "num_prompts_per_step", 1, MAX_RESPONSES_PER_STEP),
     _count("grpo.num_generations_per_prompt", "num_generations_per_prompt", 1, MAX_RESPONSES_PER_STEP),
     _count("grpo.max_num_steps", "max_num_steps", 0),
-    _count("grpo.val_period", "val_period", 0),
+    # NeMo-RL validates when val_period > 0; its own configs write -1 for "never".
+    _count("grpo.val_period", "val_period", -1),
     _flag("grpo.val_at_start", "val_at_start"),
     _count("grpo.seed", "seed", 0, MAX_SEED),
     _flag("grpo.normalize_rewards", "normalize_rewards"),
@@ -160,6 +161,8 @@ def read_run_keys(cfg: DictConfig, issues: list[ConfigIssue]) -> dict[str, Any]:
             continue
         if rule.field:
             out[rule.field] = float(val) if float in kinds else val
+    if out.get("val_period", 0) < 0:
+        out["val_period"] = 0  # NeMo-RL's "never" (val_period <= 0)
     betas = _select(cfg, BETAS_KEY)
     if betas is not _ABSENT and betas is not None:
         try:

@@ -57,6 +57,8 @@ VLLM_FIRST_BF16 = f"{VLLM_CFG}.num_first_layers_in_bf16"
 VLLM_LAST_BF16 = f"{VLLM_CFG}.num_last_layers_in_bf16"
 VLLM_DEEP_GEMM = f"{VLLM_CFG}.use_deep_gemm"
 VLLM_IS_MX = f"{VLLM_CFG}.is_mx"
+VLLM_ASYNC = f"{VLLM_CFG}.async_engine"
+PP_SIZE = "policy.megatron_cfg.pipeline_model_parallel_size"
 MODEL_NAME = "policy.model_name"
 LOSS_FN = "loss_fn"
 IS_CORRECTION = "loss_fn.use_importance_sampling_correction"
@@ -161,6 +163,13 @@ JETRL_KEYS: Mapping[str, KeySpec] = MappingProxyType(
         ),
         "kv_calibration": KeySpec(
             (Mapping, _NULL), None, "trainer-side Q/K/V scale calibration (see below)"
+        ),
+        "refit_hook": KeySpec(
+            (bool,),
+            True,
+            "NeMo-RL backend: refit weights are quantized by nemo_jetrl.fp8 inside NeMo-RL's "
+            "vLLM worker (our hook) instead of NeMo-RL's own cast; false leaves NeMo-RL's, whose "
+            "bytes differ from TE's with FP32 scales",
         ),
         "refit_parity_check": KeySpec(
             (bool,),

@@ -1,6 +1,6 @@
 """Recipe -> config keys (the inverse of `recipe_from_config`), for `jetrl align` and the
 NeMo-RL translation: `recipe_to_config_updates`, `vllm_cfg_for`, `minimal_updates`,
-`merge_updates`."""
+`merge_updates`, and `nemo_rl_setup_updates` (what NeMo-RL's grpo.setup asserts)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
                 },
                 "env_vars": {S.FP32_SCALES_ENV: "1" if fp32 else "0"},
             },
-            "generation": {"vllm_cfg": vllm_cfg_for(recipe)},
+            "generation": {
+                "vllm_cfg": {"is_mx": False, **vllm_cfg_for(recipe)}  # align turns MXFP8 off too
+            },
         },
         "jetrl": {
             "recipe": recipe.name if recipe.name in S.JETRL_KEYS["recipe"].choices else None,
@@ -64,15 +66,39 @@ def vllm_cfg_for(recipe: Recipe, unquantized_precision: str = "bfloat16") -> dic
     FP8 (a translation keeps the config's own value, e.g. float16).
     """
     ro = recipe.rollout
+    # Under our patch the weights' rule covers activations too and NeMo-RL's own activation
+    # patch stays off (see `read_recipe`).
+    patched = ro.fp8_linears and ro.quantizer == "jetrl"
     return {
         "precision": "fp8" if ro.fp8_linears else unquantized_precision,
         "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
         "pow2_weight_scaling_factors": ro.pow2_weight_scales,
-        "pow2_activation_scaling_factors": ro.pow2_activation_scales,
+        "pow2_activation_scaling_factors": ro.pow2_activation_scales and not patched,
         "num_first_layers_in_bf16": ro.bf16_first_layers,
         "num_last_layers_in_bf16": ro.bf16_last_layers,
         "use_deep_gemm": ro.use_deep_gemm,
+        # NeMo-RL main's MXFP8 rollout switch; v0.7.0 has no such key: written only when true.
+        **({"is_mx": True} if ro.fp8_linears and ro.scaling == "mxfp8" else {}),
     }
+
+
+def nemo_rl_setup_updates(cfg: DictConfig, recipe: Recipe) -> dict[str, Any]:
+    """Flat dotted keys NeMo-RL's ``grpo.setup`` asserts for ``recipe`` that ``cfg`` lacks.
+
+    v0.7.0 ``nemo_rl/algorithms/grpo.py`` ~999-1020 (main ~1321-1340): vLLM precision fp8 needs
+    ``loss_fn.use_importance_sampling_correction``; an FP8 KV cache needs Megatron pipeline
+    parallelism 1 and no async rollouts.
+    """
+    r = _Reader(cfg)
+    out: dict[str, Any] = {}
+    if recipe.rollout.fp8_linears and r.get(S.IS_CORRECTION, False) is not True:
+        out[S.IS_CORRECTION] = True
+    if recipe.kv_fp8:
+        if r.get(S.PP_SIZE, 1) != 1:
+            out[S.PP_SIZE] = 1
+        if r.get(S.VLLM_ASYNC, False) is True:
+            out[S.VLLM_ASYNC] = False
+    return out
 
 
 def _kv_source_key(recipe: Recipe) -> str | None:
@@ -105,6 +131,7 @@ def _default_for(path: str) -> Any:
         S.VLLM_FIRST_BF16: 0,
         S.VLLM_LAST_BF16: 0,
         S.VLLM_DEEP_GEMM: False,
+        S.VLLM_IS_MX: False,
         S.VLLM_POW2_W: False,
         S.VLLM_POW2_A: False,
         S.VLLM_KV_DTYPE: "auto",

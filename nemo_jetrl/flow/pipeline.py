@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_jetrl.arch import ModelArch, generic_arch
-from nemo_jetrl.config import ConfigIssue, load_valid_config
+from nemo_jetrl.config import ConfigError, ConfigIssue, load_valid_config
+from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
+from nemo_jetrl.flow.support import unsupported_issues
 from nemo_jetrl.recipe import Recipe
 
 
@@ -42,6 +44,14 @@ class Checked:
     check: FlowCheck
     """The flow check: training forward vs rollout, edge by edge."""
 
+    backends: tuple[BackendVerdict, ...] = ()
+    """The verdict on each backend (`nemo_jetrl.flow.backend`)."""
+
+    @property
+    def on_policy(self) -> bool:
+        """The flow check passes and holds on every backend."""
+        return self.check.on_policy and all(b.on_policy for b in self.backends)
+
     @property
     def allow_off_policy(self) -> bool:
         """``jetrl.allow_off_policy``: run a recipe this check finds off-policy."""
@@ -50,15 +60,23 @@ class Checked:
 
 
 def check_config(
-    cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = (), *, run: bool = False
+    cfg: str | os.PathLike[str] | Any,
+    overrides: Sequence[str] = (),
+    *,
+    run: bool = False,
+    aligning: bool = False,
 ) -> Checked:
     """Load ``cfg`` (a YAML path, or a loaded config), validate it, check its recipe on its model
     (generic aligned layers when the model is unknown). A `ConfigError` lists every error.
-    ``run``: the config is about to train on this machine (its directories must be writable)."""
+    ``run``: the config is about to train on this machine (its directories must be writable).
+    ``aligning``: for `jetrl align`, which clears what `flow.support` lets it clear."""
     from omegaconf import OmegaConf
 
     valid = load_valid_config(cfg, overrides, run=run)
     recipe, arch, note = valid.recipe, valid.arch, None
+    refused = unsupported_issues(valid.cfg, recipe, aligning=aligning)
+    if refused:
+        raise ConfigError(refused, None if not isinstance(cfg, (str, os.PathLike)) else str(cfg))
     if arch is None:
         n = generic_layers_for(recipe)
         arch = generic_arch(n)
@@ -67,14 +85,28 @@ def check_config(
             f"model {model!r} has no built-in description: checked with {n} generic aligned "
             "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
         )
-    return Checked(valid.cfg, recipe, arch, note, valid.issues, check_on_policy(arch, recipe))
+    check = check_on_policy(arch, recipe)
+    return Checked(
+        valid.cfg, recipe, arch, note, valid.issues, check, backend_verdicts(valid.cfg, check)
+    )
 
 
-def off_policy_refusal(checked: Checked) -> str | None:
-    """Why ``jetrl train`` refuses this config (off-policy, not allowed), or None to run it."""
+def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | None:
+    """Why ``jetrl train`` refuses this config (off-policy, not allowed), or None to run it.
+
+    ``backend`` ("nemo-rl"): also refuse what is off-policy only there (`flow.backend`)."""
     check = checked.check
-    if check.on_policy or checked.allow_off_policy:
+    if checked.allow_off_policy:
         return None
+    if check.on_policy:
+        off = [b for b in checked.backends if backend and b.backend.startswith(backend)]
+        off = [b for b in off if not b.on_policy]
+        if not off:
+            return None
+        return (
+            f"recipe {checked.recipe.name!r} is OFF-POLICY on {off[0].backend}: {off[0].reason}"
+            "; or set jetrl.allow_off_policy=true to run it anyway."
+        )
     lines = [
         f"  - {m.reason} ({m.summary()}); keys: {', '.join(m.keys) or '-'}"
         + (f"; fix: {' '.join(m.fixes)}" if m.fixes else "")

@@ -41,7 +41,9 @@ def test_translate_jetrl_kv_config():
     assert plan.recipe.onpolicy_kv and plan.recipe.kv_fp8
     vc = mc["policy"]["generation"]["vllm_cfg"]
     assert (vc["precision"], vc["kv_cache_dtype"]) == ("fp8", "fp8")
-    assert vc["pow2_weight_scaling_factors"] and vc["pow2_activation_scaling_factors"]
+    # Our patch quantizes activations with the weights' rule; NeMo-RL's own activation patch
+    # (v0.7.0: crashes vLLM start-up) stays off.
+    assert vc["pow2_weight_scaling_factors"] and not vc["pow2_activation_scaling_factors"]
     from nemo_jetrl.vllm_patch.settings import PatchSettings
 
     ps = PatchSettings.from_json(vc["env_vars"][nt.VLLM_PATCH_ENV])
@@ -314,6 +316,21 @@ def test_logger_proxy_moves_our_tags_out_of_train_prefix():
     assert proxy.log_dir == "/x"
 
 
+# The GPU end-to-end run's settings (one GPU): the NeMo-RL tier drives grpo.setup with them too.
+E2E_OVERRIDES = (
+    "policy.model_name=Qwen/Qwen3-0.6B",
+    "grpo.max_num_steps=2",
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "policy.train_global_batch_size=16",
+    "policy.max_total_sequence_length=1024",
+    "cluster.gpus_per_node=1",
+    # One GPU: the preset's TP*CP (2*2) must fit it.
+    "policy.megatron_cfg.tensor_model_parallel_size=1",
+    "policy.megatron_cfg.context_parallel_size=1",
+)
+
+
 @pytest.mark.nemo_rl
 @pytest.mark.gpu
 def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
@@ -329,13 +346,7 @@ def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
     rc = nr.run_nemo_rl(
         str(QWEN / "jetrl_kv.yaml"),
         [
-            "policy.model_name=Qwen/Qwen3-0.6B",
-            "grpo.max_num_steps=2",
-            "grpo.num_prompts_per_step=4",
-            "grpo.num_generations_per_prompt=4",
-            "policy.train_global_batch_size=16",
-            "policy.max_total_sequence_length=1024",
-            "cluster.gpus_per_node=1",
+            *E2E_OVERRIDES,
             f"logger.log_dir={log_dir}",
             "logger.tensorboard_enabled=true",
             f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",

@@ -82,6 +82,7 @@ def test_check_invalid_config_lists_every_problem(capsys):
         "check",
         EX / "qwen3_8b_base" / "jetrl.yaml",
         "+jetrl.vllm_pach=true",
+        "loss_fn.use_importance_sampling_correction=false",
         "loss_fn.truncated_importance_sampling_type=icepop",
         "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
         "policy.generation.vllm_cfg.precision=bfloat16",

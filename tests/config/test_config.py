@@ -478,7 +478,6 @@ def test_keys_map_onto_the_recipe():
             "policy.megatron_cfg.fp8_cfg.fp8_param=true",
             "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES='1'",
             "policy.generation.vllm_cfg.precision=fp8",
-            "policy.generation.vllm_cfg.pow2_activation_scaling_factors=true",
             "policy.generation.vllm_cfg.num_last_layers_in_bf16=2",
             "policy.generation.vllm_cfg.use_deep_gemm=true",
             "policy.generation.vllm_cfg.kv_cache_dtype=fp8_e4m3",
@@ -492,10 +491,21 @@ def test_keys_map_onto_the_recipe():
     assert t.scale_mode("weight") == t.scale_mode("activation") == "fp32"
     assert t.bf16_first_layers == 1
     assert ro.fp8_linears and ro.quantizer == "jetrl" and ro.use_deep_gemm
-    assert ro.scale_mode("weight") == "fp32" and ro.scale_mode("activation") == "pow2"
+    # Under the patch the weights' scale rule covers activations too.
+    assert ro.scale_mode("weight") == ro.scale_mode("activation") == "fp32"
     assert ro.bf16_last_layers == 2
     assert r.kv_fp8 and r.kv_scale_source == "dynamic" and not r.onpolicy_kv
     assert not r.kv_calibration.enabled
+
+
+def test_patch_refuses_nemo_rl_pow2_activation_patch():
+    """NeMo-RL's own activation patch (v0.7.0: crashes vLLM start-up) must stay off under ours."""
+    key = "policy.generation.vllm_cfg.pow2_activation_scaling_factors"
+    base = ("policy.generation.vllm_cfg.precision=fp8", f"{key}=true")
+    msgs = [str(i) for i in errors(validate(cfg_with(*base, "jetrl.vllm_patch=true")))]
+    assert any(m.startswith(key) and "must be false" in m for m in msgs), msgs
+    r = recipe_from_config(cfg_with(*base, "jetrl.vllm_patch=false"))
+    assert r.rollout.scale_mode("activation") == "pow2"  # vLLM's own quantizer: key as written
 
 
 def test_numeric_env_var_value_is_accepted():
@@ -645,3 +655,13 @@ def test_kv_calibration_percentile_ignored_under_max_is_a_warning():
     assert errors(issues) == []
     (issue,) = [i for i in issues if i.path == "jetrl.kv_calibration.percentile"]
     assert issue.level == "warning" and "ignored" in str(issue)
+
+
+def test_val_period_minus_one_is_nemo_rl_never():
+    """NeMo-RL's own configs write grpo.val_period: -1 (validates only when > 0)."""
+    from nemo_jetrl.config.run_keys import read_run_keys
+
+    assert "grpo.val_period" not in issue_paths(cfg_with("grpo.val_period=-1"))
+    issues: list = []
+    assert read_run_keys(cfg_with("grpo.val_period=-1"), issues)["val_period"] == 0 and not issues
+    assert "grpo.val_period" in issue_paths(cfg_with("grpo.val_period=-2"))

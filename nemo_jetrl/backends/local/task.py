@@ -32,7 +32,7 @@ _OPS = {
 class TaskConfig:
     """What problems look like and how responses are rewarded."""
 
-    num_ops: int = 2
+    num_ops: int = 1
     """Operations per problem = intermediate steps written out (answer length 6*num_ops+3)."""
     ops: str = "+-"
     """Operators drawn uniformly; any of '+', '-', '*' (all modulo 10)."""
@@ -71,6 +71,21 @@ def make_problem(digits: list[int], ops: list[str], cfg: TaskConfig) -> Problem:
         acc = nxt
     target = ("".join(steps) if cfg.show_steps else "") + f"#{acc}"
     return Problem(prompt, target, acc)
+
+
+def chain_values(problem: Problem) -> list[int]:
+    """Running values of the chain, ``[d0, after op 1, ..., after op n]`` (last = answer)."""
+    text = problem.prompt.rstrip("=")
+    vals = [int(text[0])]
+    for i in range(1, len(text), 2):
+        vals.append(_OPS[text[i]](vals[-1], int(text[i + 1])))
+    return vals
+
+
+def early_answer_target(problem: Problem) -> str:
+    """The target with every step written out but the final answer one step early (the value
+    before the last operation): the habit the warm start plants for GRPO to correct."""
+    return problem.target.rsplit("#", 1)[0] + f"#{chain_values(problem)[-2]}"
 
 
 def sample_problems(n: int, cfg: TaskConfig, generator: torch.Generator) -> list[Problem]:

@@ -15,7 +15,8 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +26,30 @@ import torch.nn.functional as F
 from nemo_jetrl.backends.local.config import WarmStartSettings
 from nemo_jetrl.backends.local.model import build_model
 from nemo_jetrl.backends.local.task import (
+    Problem,
     TaskConfig,
+    early_answer_target,
     encode_prompts,
     encode_targets,
     sample_problems,
 )
 
-CACHE_VERSION = 1  # bump when the warm-start procedure changes
+CACHE_VERSION = 2  # bump when the warm-start procedure changes
 
 
 def cache_key(
     model_config: Any, tokenizer_json: str, task: TaskConfig, ws: WarmStartSettings, seed: int
 ) -> str:
     """Hex digest of everything that determines the warm-start weights."""
+    ws_fields = {k: v for k, v in asdict(ws).items() if k != "seed"}
+    seed = ws.seed if ws.seed is not None else seed
     blob = json.dumps(
         {
             "v": CACHE_VERSION,
             "model": model_config.to_dict(),
             "tokenizer": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
             "task": asdict(task),
-            "warmstart": asdict(ws),
+            "warmstart": ws_fields,
             "seed": seed,
             "torch": torch.__version__.split("+")[0],
         },
@@ -54,17 +59,37 @@ def cache_key(
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+def warmstart_targets(
+    problems: list[Problem], ws: WarmStartSettings, generator: torch.Generator
+) -> list[Problem]:
+    """The supervised targets: each problem's step-by-step target, except that a fraction
+    ``ws.early_answer_frac`` (drawn with ``generator``) answers one step early."""
+    early = torch.rand(len(problems), generator=generator) < ws.early_answer_frac
+    return [
+        replace(p, target=early_answer_target(p)) if e else p
+        for p, e in zip(problems, early.tolist(), strict=True)
+    ]
+
+
 def train_warmstart(
-    model_config: Any, tokenizer: Any, task: TaskConfig, ws: WarmStartSettings, seed: int
+    model_config: Any,
+    tokenizer: Any,
+    task: TaskConfig,
+    ws: WarmStartSettings,
+    seed: int,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run the supervised warm start (fp32) and return the weights."""
+    """Run the supervised warm start (fp32) and return the weights; ``log`` gets a progress
+    line about every 10% of the steps."""
+    seed = ws.seed if ws.seed is not None else seed
     model = build_model(model_config, dtype=torch.float32, seed=seed).train()
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.98), weight_decay=0.0)
     warm = 20
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     g = torch.Generator().manual_seed(seed + 1)
-    for _ in range(ws.steps):
-        problems = sample_problems(ws.batch_size, task, g)
+    t0, every = time.perf_counter(), max(1, ws.steps // 10)
+    for step in range(ws.steps):
+        problems = warmstart_targets(sample_problems(ws.batch_size, task, g), ws, g)
         prompts = encode_prompts(problems, tokenizer)
         targets = encode_targets(problems, tokenizer)
         ids = torch.cat([prompts, targets], dim=1)
@@ -75,6 +100,12 @@ def train_warmstart(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if log is not None and ((step + 1) % every == 0 or step + 1 == ws.steps):
+            el = time.perf_counter() - t0
+            log(
+                f"  warm start {step + 1}/{ws.steps} steps, loss {float(loss.detach()):.3f}, "
+                f"{el:.0f}s elapsed, ~{el / (step + 1) * (ws.steps - step - 1):.0f}s left"
+            )
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
@@ -100,7 +131,7 @@ def load_or_train(
             log(f"warm start cache {path} unreadable ({exc}); retraining")
     t0 = time.perf_counter()
     log(f"warm start: {ws.steps} supervised steps (cached afterwards in {path.parent})")
-    weights = train_warmstart(model_config, tokenizer, task, ws, seed)
+    weights = train_warmstart(model_config, tokenizer, task, ws, seed, log=log)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(weights, str(tmp), metadata={"key": key})

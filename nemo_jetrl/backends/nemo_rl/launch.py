@@ -100,7 +100,7 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
         checked = check_config(cfg, overrides, run=True)
     except ConfigError as exc:
         raise _user_error(f"invalid config\n{exc}") from None
-    refusal = off_policy_refusal(checked)
+    refusal = off_policy_refusal(checked, backend="nemo-rl")
     if refusal:
         raise _user_error(refusal)
     conf, recipe, arch = checked.cfg, checked.recipe, checked.arch

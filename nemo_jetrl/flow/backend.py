@@ -1,0 +1,90 @@
+"""Per backend, whether the on-policy verdict holds there: the one home of that rule.
+
+`check_on_policy` compares the rollout the recipe describes with the training forward. Where the
+rollout actually runs can add a difference the recipe does not show:
+
+- local (embedded CPU backend): the recipe is what runs; the flow verdict holds.
+- NeMo-RL (v0.7.0 and main): at every refit NeMo-RL streams BF16 weights to its vLLM worker,
+  which quantizes them with its own code (``cast_tensor_to_fp8_blockwise``, ``x / (amax/448)``),
+  unless our refit hook (``jetrl.refit_hook``, default on with ``jetrl.vllm_patch``) quantizes
+  them with nemo_jetrl.fp8. Measured against TE's quantizer on 4x2048^2 BF16 weights: 0 differing
+  bytes with power-of-two scales, 402 per million with FP32 scales. Without the hook NeMo-RL
+  v0.7.0's colocated refit also sends vLLM no calibrated KV scales (grpo.py ~1924).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_jetrl.flow.check import FlowCheck
+
+NEMO_RL_TREES = ("v0.7.0", "main")
+
+
+@dataclass(frozen=True)
+class BackendVerdict:
+    """The verdict on one backend."""
+
+    backend: str
+    """"local", "nemo-rl v0.7.0" or "nemo-rl main"."""
+
+    on_policy: bool
+    """True when every rollout tensor equals its training-forward tensor there."""
+
+    reason: str
+    """Why, in plain words."""
+
+
+def _flag(cfg: Any, key: str, default: bool) -> bool:
+    from omegaconf import OmegaConf
+
+    v = OmegaConf.select(cfg, key, default=None)
+    return default if v is None else v is True
+
+
+def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
+    """The verdict on NeMo-RL ``tree`` given how its refit quantizes weights and KV scales."""
+    name = f"nemo-rl {tree}"
+    recipe = check.recipe
+    if not check.on_policy:
+        return BackendVerdict(name, False, "off-policy as the flow check says")
+    if not recipe.rollout.fp8_linears:
+        return BackendVerdict(name, True, "BF16 rollout: refit copies the weights unchanged")
+    hook = _flag(cfg, "jetrl.vllm_patch", False) and _flag(cfg, "jetrl.refit_hook", True)
+    if hook:
+        parity = _flag(cfg, "jetrl.refit_parity_check", True)
+        return BackendVerdict(
+            name,
+            True,
+            "refit weights quantized by nemo_jetrl.fp8 (our refit hook)"
+            + (", parity checked at each refit" if parity else ""),
+        )
+    if not recipe.rollout.pow2_weight_scales:
+        return BackendVerdict(
+            name,
+            False,
+            f"FP32 scales on NeMo-RL {tree} without our refit hook: weights differ (NeMo-RL's "
+            "vLLM worker requantizes the BF16 weights with x / (amax/448); 402 bytes per million "
+            "differ from TE's). Set jetrl.vllm_patch=true and jetrl.refit_hook=true",
+        )
+    if recipe.kv_fp8 and tree == "v0.7.0":
+        return BackendVerdict(
+            name,
+            False,
+            "FP8 KV cache on NeMo-RL v0.7.0 without our refit hook: its colocated refit sends "
+            "vLLM no calibrated KV scales (vLLM uses 1.0). Set jetrl.refit_hook=true",
+        )
+    return BackendVerdict(
+        name,
+        True,
+        "power-of-two weight scales: NeMo-RL's own refit cast gives TE's bytes (measured: 0 differ)",
+    )
+
+
+def backend_verdicts(cfg: Any, check: FlowCheck) -> tuple[BackendVerdict, ...]:
+    """The verdict on every backend: local, then each NeMo-RL tree."""
+    local = BackendVerdict(
+        "local", check.on_policy, "the recipe runs as written (embedded CPU backend)"
+    )
+    return (local, *(nemo_rl_refit(cfg, check, t) for t in NEMO_RL_TREES))

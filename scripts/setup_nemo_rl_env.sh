@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Create the NeMo-RL tier's environment: NeMo-RL's real source, imported from
+# ../shared/upstream/nemo-rl/<tree> (or $JETRL_NEMO_RL_UPSTREAM/<tree>), never installed or copied,
+# on top of the vLLM CPU environment of the vLLM version that tree ships:
+#   v0.7.0       -> .venv-vllm020 (vLLM 0.20.0; the NGC image's NeMo-RL)
+#   main-*       -> .venv-vllm025 (vLLM 0.25.1)
+# plus one overlay, .venv-nemo-rl/site (pip --target, --no-deps), holding the pinned pure-Python
+# dependencies NeMo-RL imports that the vLLM envs lack (scripts/nemo_rl_overlay_requirements.txt:
+# ray, hydra-core, torchdata, mlflow, wandb, datasets, transformers < 5.9, ...).
+#
+# NeMo-RL requires Python >= 3.13; the vLLM CPU envs are Python 3.11. NeMo-RL's code compiles on
+# 3.11; the one runtime difference it hits is pydantic refusing typing.TypedDict fields on
+# Python < 3.12 (MasterConfig). The overlay's sitecustomize.py therefore makes typing.TypedDict
+# typing_extensions.TypedDict (the same class 3.12+ has) in processes started with this
+# environment: a stand-in for the Python version, not a change to NeMo-RL or to nemo_jetrl.
+#
+# Usage: bash scripts/setup_nemo_rl_env.sh [TREE...]   (default: v0.7.0 main-7ea279a)
+# Idempotent: the overlay is rebuilt only when the requirements file changes; a missing vLLM env
+# is made by scripts/setup_vllm_env.sh. Measured on the shared 2-core machine: overlay 100-300 s
+# (~1.1 GB, mostly download); .venv-vllm025 594 s (6.2 GB); an existing env: ~25 s (sanity import).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/nemo_rl_env.sh"
+TREES=("$@")
+[ "${#TREES[@]}" -gt 0 ] || TREES=(v0.7.0 main-7ea279a)
+REQS="$REPO/scripts/nemo_rl_overlay_requirements.txt"
+start=$(date +%s)
+
+for tree in "${TREES[@]}"; do
+    nemo_rl_env "$tree"
+    if [ ! -d "$NEMO_RL_TREE_DIR/nemo_rl" ]; then
+        echo "[setup_nemo_rl_env] no NeMo-RL source at $NEMO_RL_TREE_DIR: set JETRL_NEMO_RL_UPSTREAM" \
+             "or check out ../shared beside the repository" >&2
+        exit 2
+    fi
+    if [ ! -x "$NEMO_RL_VENV/bin/python" ] || ! "$NEMO_RL_VENV/bin/python" -c "import vllm" 2>/dev/null; then
+        echo "[setup_nemo_rl_env] $tree: creating $NEMO_RL_VENV (vLLM $NEMO_RL_VLLM_VERSION)"
+        VLLM_VERSION="$NEMO_RL_VLLM_VERSION" VLLM_VENV="$NEMO_RL_VENV" bash "$REPO/scripts/setup_vllm_env.sh"
+    fi
+    stamp="$NEMO_RL_OVERLAY/.requirements.sha256"
+    want=$(sha256sum "$REQS" | cut -d' ' -f1)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        echo "[setup_nemo_rl_env] installing the overlay into $NEMO_RL_OVERLAY"
+        # Built beside the old one and swapped in at the end: a half-built overlay is never live.
+        new="$NEMO_RL_OVERLAY.new"
+        rm -rf "$new"
+        mkdir -p "$new"
+        "$NEMO_RL_VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps \
+            --target "$new" -r "$REQS"
+        cat > "$new/sitecustomize.py" <<'PY'
+"""Python 3.11 stand-in for NeMo-RL (which requires 3.13): pydantic needs
+typing_extensions.TypedDict on Python < 3.12; from 3.12 on typing.TypedDict is that class.
+Written by scripts/setup_nemo_rl_env.sh; only processes started with the NeMo-RL tier's
+PYTHONPATH load it."""
+
+import sys
+
+if sys.version_info < (3, 12):
+    import typing
+
+    import typing_extensions
+
+    typing.TypedDict = typing_extensions.TypedDict
+PY
+        echo "$want" > "$new/.requirements.sha256"
+        rm -rf "$NEMO_RL_OVERLAY.old"
+        [ ! -d "$NEMO_RL_OVERLAY" ] || mv "$NEMO_RL_OVERLAY" "$NEMO_RL_OVERLAY.old"
+        mv "$new" "$NEMO_RL_OVERLAY"
+        rm -rf "$NEMO_RL_OVERLAY.old"
+    fi
+    # Sanity: NeMo-RL's GRPO entry point imports against this tree's vLLM.
+    env PYTHONPATH="$NEMO_RL_PYTHONPATH" "$NEMO_RL_VENV/bin/python" - "$tree" <<'PY'
+import sys
+
+import nemo_rl.algorithms.grpo  # noqa: F401
+import transformers
+import vllm
+
+print(f"[setup_nemo_rl_env] {sys.argv[1]}: nemo_rl from {nemo_rl.__file__.rsplit('/nemo_rl/', 1)[0]},"
+      f" vllm {vllm.__version__}, transformers {transformers.__version__}")
+PY
+done
+echo "[setup_nemo_rl_env] done in $(( $(date +%s) - start )) s; overlay $(du -sh "$NEMO_RL_OVERLAY" | cut -f1)"
