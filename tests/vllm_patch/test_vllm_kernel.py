@@ -343,3 +343,22 @@ def test_gpu_kernel_apply_is_captured_in_a_cuda_graph(pow2):
     assert torch.equal(fp8_bits(q.cpu()), fp8_bits(ref.data)) and torch.equal(
         s.cpu(), ref.scale_inv
     )
+
+
+def test_guard_report_reads_the_planned_gemm_backend():
+    """The guard's worker report (``guard.layer_kernel_report``) names our kernel and the GEMM
+    backend planned for the layer, read from ``kernel.jetrl_gemm_backend``."""
+    import types
+
+    from nemo_jetrl.vllm_patch.guard import layer_kernel_report
+    from nemo_jetrl.vllm_patch.kernel import make_kernel_class
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    kern = make_kernel_class(PatchSettings())(_config())
+    layer, _ = _layer((torch.randn(256, 384) * 0.05).to(torch.bfloat16), True)
+    kern.process_weights_after_loading(layer)
+    layer.quant_method = types.SimpleNamespace(fp8_linear=kern)
+    model = torch.nn.Module()
+    model.proj = layer
+    report = layer_kernel_report(model)["layers"]["proj"]
+    assert report["ours"] and report["gemm_backend"] == layer.jetrl_gemm_backend == "reference"
