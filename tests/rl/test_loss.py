@@ -330,9 +330,13 @@ def check_against_nemo_rl(lf, name: str, overrides: dict) -> None:
         assert o_m["train/" + key] == pytest.approx(t_m[key], rel=1e-6, abs=1e-9), (name, key)
 
 
-def check_advantages_against_nemo_rl(ae) -> None:
-    from types import SimpleNamespace
+class _EstimatorCfg(dict):
+    """NeMo-RL v0.7.0 reads the estimator config as a dict (cfg["key"]), main as attributes."""
 
+    __getattr__ = dict.__getitem__
+
+
+def check_advantages_against_nemo_rl(ae) -> None:
     rewards = torch.tensor(
         [1.0, 0.0, 0.0, 1.0, 0.5, 2.0, 2.0, 3.0, 0.25, 0.0, 1.0], dtype=torch.float64
     )
@@ -341,7 +345,7 @@ def check_advantages_against_nemo_rl(ae) -> None:
     for loo in (True, False):
         for norm in (True, False):
             est = ae.GRPOAdvantageEstimator(
-                SimpleNamespace(use_leave_one_out_baseline=loo, normalize_rewards=norm), None
+                _EstimatorCfg(use_leave_one_out_baseline=loo, normalize_rewards=norm), None
             )
             # NeMo-RL builds its baseline matrices in float32
             theirs = est.compute_advantage(prompts, rewards.float(), torch.ones(11, 1))[:, 0]
