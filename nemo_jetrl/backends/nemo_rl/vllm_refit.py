@@ -286,6 +286,12 @@ def _make_transport(original: Any, state: HookState) -> Any:
         if sent.error is not None:
             raise sent.error
         if ok and state.parity:
+            tp = int(self.vllm_config.parallel_config.tensor_parallel_size)
+            if tp != 1:  # the read-back (jetrl_read_back) slices unsharded parameters
+                raise RefitError(
+                    f"jetrl.refit_parity_check supports vLLM tensor_parallel_size=1, this engine "
+                    f"has {tp}: set it to false (weights are still quantized by nemo_jetrl.fp8)"
+                )
             runner._jetrl_last_parity = check_refit_parity(self, sent)
         return ok
 
