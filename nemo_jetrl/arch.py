@@ -47,18 +47,23 @@ class ArchError(ValueError):
 class Linear:
     """One linear layer (torch layout: weight [out_features, in_features])."""
 
-    # Full HF parameter prefix, e.g. "model.layers.3.self_attn.q_proj".
     name: str
-    # Short name, e.g. "q_proj" or "lm_head".
+    """Full HF parameter prefix, e.g. "model.layers.3.self_attn.q_proj"."""
+
     kind: str
-    # Decoder layer index, or None for embeddings / lm_head.
+    """Short name, e.g. "q_proj" or "lm_head"."""
+
     layer: int | None
-    # GEMM reduction dim K (input features).
+    """Decoder layer index, or None for embeddings / lm_head."""
+
     in_features: int
-    # GEMM output dim N (output features).
+    """GEMM reduction dim K (input features)."""
+
     out_features: int
-    # The layer has a bias vector (Qwen2's q/k/v).
+    """GEMM output dim N (output features)."""
+
     bias: bool = False
+    """The layer has a bias vector (Qwen2's q/k/v)."""
 
     @property
     def group(self) -> str:
@@ -75,30 +80,41 @@ class Linear:
 class ModelArch:
     """The shape of a decoder-only transformer (fields as in HF config.json)."""
 
-    # Display name (HF repo id for built-ins).
     name: str
-    # HF `model_type`: "llama", "qwen2", "qwen3", ...
+    """Display name (HF repo id for built-ins)."""
+
     model_type: str
-    # Residual stream width (`hidden_size`).
+    """HF `model_type`: "llama", "qwen2", "qwen3", ..."""
+
     hidden_size: int
-    # MLP inner width (`intermediate_size`).
+    """Residual stream width (`hidden_size`)."""
+
     intermediate_size: int
-    # Decoder layers (`num_hidden_layers`).
+    """MLP inner width (`intermediate_size`)."""
+
     num_layers: int
-    # Query heads (`num_attention_heads`).
+    """Decoder layers (`num_hidden_layers`)."""
+
     num_heads: int
-    # Key/value heads (`num_key_value_heads`; GQA when < num_heads).
+    """Query heads (`num_attention_heads`)."""
+
     num_kv_heads: int
-    # Per-head dim (`head_dim`, default hidden_size / num_heads).
+    """Key/value heads (`num_key_value_heads`; GQA when < num_heads)."""
+
     head_dim: int
-    # Vocabulary size (`vocab_size`).
+    """Per-head dim (`head_dim`, default hidden_size / num_heads)."""
+
     vocab_size: int
-    # lm_head shares the embedding matrix (`tie_word_embeddings`).
+    """Vocabulary size (`vocab_size`)."""
+
     tie_word_embeddings: bool = False
-    # q/k/v projections have biases (Qwen2: true; `attention_bias` for Llama/Qwen3).
+    """lm_head shares the embedding matrix (`tie_word_embeddings`)."""
+
     qkv_bias: bool = False
-    # Per-head RMSNorm on q and k before RoPE (Qwen3).
+    """q/k/v projections have biases (Qwen2: true; `attention_bias` for Llama/Qwen3)."""
+
     qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
 
     def __post_init__(self) -> None:
         bad = [
@@ -116,6 +132,12 @@ class ModelArch:
         ]
         if bad:
             raise ArchError(f"model {self.name!r}: need positive integers, got {', '.join(bad)}")
+        if self.head_dim % 2:
+            raise ArchError(
+                f"model {self.name!r}: head_dim {self.head_dim} is odd; rotary position "
+                "embeddings rotate pairs of dims, so head_dim must be even (set head_dim, or "
+                "hidden_size / num_attention_heads, to an even number)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ArchError(
                 f"model {self.name!r}: num_attention_heads ({self.num_heads}) must be a multiple "
@@ -144,7 +166,15 @@ class ModelArch:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         model_type = str(config.get("model_type", "llama"))
-        head_dim = config.get("head_dim") or hidden // heads
+        head_dim = config.get("head_dim")
+        if not head_dim:
+            if heads <= 0 or hidden % heads:
+                raise ArchError(
+                    f"config of {label!r}: hidden_size {hidden} is not divisible by "
+                    f"num_attention_heads {heads} and head_dim is not set; set head_dim or make "
+                    "hidden_size a multiple of num_attention_heads"
+                )
+            head_dim = hidden // heads
         qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
         return ModelArch(
             name=str(label),
@@ -162,23 +192,31 @@ class ModelArch:
         )
 
     @staticmethod
-    def from_json(path: str | Path) -> ModelArch:
-        """From a config.json file (or a directory holding one)."""
+    def from_json(path: str | Path, key: str = "jetrl.model_config") -> ModelArch:
+        """From a config.json file (or a directory holding one); errors name config ``key``."""
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
         try:
-            data = json.loads(p.read_text())
+            data = json.loads(p.read_bytes().decode("utf-8"))
         except FileNotFoundError:
-            raise ArchError(f"model config not found: {p}", "jetrl.model_config") from None
-        except json.JSONDecodeError as exc:
+            raise ArchError(f"model config not found: {p}", key) from None
+        except OSError as exc:
+            raise ArchError(f"cannot read model config {p}: {exc.strerror}", key) from None
+        except UnicodeDecodeError as exc:
             raise ArchError(
-                f"model config {p} is not valid JSON: {exc}", "jetrl.model_config"
+                f"model config {p} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                f"offset {exc.start})",
+                key,
             ) from None
+        except json.JSONDecodeError as exc:
+            raise ArchError(f"model config {p} is not valid JSON: {exc}", key) from None
+        if not isinstance(data, dict):
+            raise ArchError(f"model config {p} must hold a JSON object", key)
         try:
             return ModelArch.from_hf_config(data, name=data.get("_name_or_path") or str(p))
-        except ArchError as exc:
-            raise ArchError(str(exc), "jetrl.model_config") from None
+        except (ArchError, TypeError, ValueError) as exc:
+            raise ArchError(f"model config {p}: {exc}", key) from None
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF config keys (enough for transformers' Auto*.from_config with model_type)."""

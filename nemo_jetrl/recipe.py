@@ -89,28 +89,35 @@ PRESET_NAMES: tuple[str, ...] = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
 class Recipe:
     """Precision of a whole RL step: both sides, the KV cache, and the rules kept in BF16."""
 
-    # Preset name, or "custom" when built from explicit config keys.
     name: str = "custom"
-    # Training side (forward and backward).
+    """Preset name, or "custom" when built from explicit config keys."""
+
     train: SideRecipe = field(default_factory=SideRecipe)
-    # Rollout side (inference engine, forward only).
+    """Training side (forward and backward)."""
+
     rollout: SideRecipe = field(default_factory=lambda: SideRecipe(quantizer="vllm"))
-    # Rollout KV cache dtype: "auto" (model dtype, BF16) or "fp8" (E4M3, per-tensor scales).
+    """Rollout side (inference engine, forward only)."""
+
     kv_cache_dtype: KvCacheDtype = "auto"
-    # Where the rollout's K/V (and Q) scales come from: "none" (no FP8 KV), "trainer_calibrated"
-    # (trainer observes Q/K/V each step and sends scales with the refit), "checkpoint" (stored
-    # with the weights, never updated), "dynamic" (vLLM computes them from its first batch),
-    # "unit" (scale 1.0).
+    """Rollout KV cache dtype: "auto" (model dtype, BF16) or "fp8" (E4M3, per-tensor scales)."""
+
     kv_scale_source: KvScaleSource = "none"
-    # The trainer's attention applies the rollout's KV quantization with the same scales
-    # (straight-through gradient), keeping the KV edges inside the training forward graph.
+    """Where the rollout's K/V (and Q) scales come from: "none" (no FP8 KV), "trainer_calibrated"
+    (trainer observes Q/K/V each step and sends scales with the refit), "checkpoint" (stored
+    with the weights, never updated), "dynamic" (vLLM computes them from its first batch),
+    "unit" (scale 1.0)."""
+
     onpolicy_kv: bool = False
-    # Trainer-side KV scale recalibration settings (used when kv_scale_source is
-    # "trainer_calibrated").
+    """The trainer's attention applies the rollout's KV quantization with the same scales
+    (straight-through gradient), keeping the KV edges inside the training forward graph."""
+
     kv_calibration: KvCalibration = field(default_factory=KvCalibration)
-    # Layers whose GEMM dims are not multiples of 128 stay BF16 on both sides (True), or the
-    # config is rejected (False; TE's blockwise recipe cannot run them).
+    """Trainer-side KV scale recalibration settings (used when kv_scale_source is
+    "trainer_calibrated")."""
+
     unaligned_layers_bf16: bool = False
+    """Layers whose GEMM dims are not multiples of 128 stay BF16 on both sides (True), or the
+    config is rejected (False; TE's blockwise recipe cannot run them)."""
 
     def __post_init__(self) -> None:
         problems = []

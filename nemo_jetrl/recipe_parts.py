@@ -7,7 +7,8 @@ an RL step runs in FP8, in which format, with which scale rule and quantizer), `
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -38,31 +39,40 @@ QUANTIZER_FORMULA: Mapping[str, str] = MappingProxyType({"te": "te", "jetrl": "t
 class SideRecipe:
     """Precision of one side (training or rollout) of an RL step."""
 
-    # Linear layers of the decoder blocks (q/k/v/o projections, MLP) run in FP8. Embeddings,
-    # norms, attention math, lm_head and MoE routers always stay BF16 on both sides.
     fp8_linears: bool = False
-    # TE's `fp8` knob: "e4m3" everywhere, or "hybrid" (E4M3 forward, E5M2 gradients). Forward
-    # tensors are E4M3 in both, so only training backward differs. Rollout is always "e4m3".
+    """Linear layers of the decoder blocks (q/k/v/o projections, MLP) run in FP8. Embeddings,
+    norms, attention math, lm_head and MoE routers always stay BF16 on both sides."""
+
     fmt: Fp8RecipeFormat = "e4m3"
-    # Scaling granularity: "blockwise" (1x128 activations, 128x128 weights; the only one this
-    # package quantizes), "mxfp8" (1x32 E8M0), or TE's per-tensor "tensorwise"/"delayed".
+    """TE's `fp8` knob: "e4m3" everywhere, or "hybrid" (E4M3 forward, E5M2 gradients). Forward
+    tensors are E4M3 in both, so only training backward differs. Rollout is always "e4m3"."""
+
     scaling: Scaling = "blockwise"
-    # Weight block scales are powers of two (True) or exact FP32 quotients (False).
+    """Scaling granularity: "blockwise" (1x128 activations, 128x128 weights; the only one this
+    package quantizes), "mxfp8" (1x32 E8M0), or TE's per-tensor "tensorwise"/"delayed"."""
+
     pow2_weight_scales: bool = True
-    # Activation block scales are powers of two (True) or exact FP32 quotients (False).
+    """Weight block scales are powers of two (True) or exact FP32 quotients (False)."""
+
     pow2_activation_scales: bool = True
-    # Which code computes the quantization on this side: "te" (Transformer Engine), "jetrl"
-    # (nemo_jetrl.fp8; on rollout this means our vLLM patch), "vllm" (vLLM's own kernels).
+    """Activation block scales are powers of two (True) or exact FP32 quotients (False)."""
+
     quantizer: Quantizer = "te"
-    # Number of leading decoder layers kept in BF16 on this side.
+    """Which code computes the quantization on this side: "te" (Transformer Engine), "jetrl"
+    (nemo_jetrl.fp8; on rollout this means our vLLM patch), "vllm" (vLLM's own kernels)."""
+
     bf16_first_layers: int = 0
-    # Number of trailing decoder layers kept in BF16 on this side.
+    """Number of leading decoder layers kept in BF16 on this side."""
+
     bf16_last_layers: int = 0
-    # Training only: TE keeps the primary weights in FP8 (`fp8_cfg.fp8_param`); refit may then
-    # export TE's own FP8 weights instead of requantizing the master copy.
+    """Number of trailing decoder layers kept in BF16 on this side."""
+
     fp8_param: bool = False
-    # Rollout only: the GEMM uses DeepGEMM. Changes the kernel, never the quantized inputs.
+    """Training only: TE keeps the primary weights in FP8 (`fp8_cfg.fp8_param`); refit may then
+    export TE's own FP8 weights instead of requantizing the master copy."""
+
     use_deep_gemm: bool = False
+    """Rollout only: the GEMM uses DeepGEMM. Changes the kernel, never the quantized inputs."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -117,49 +127,92 @@ class SideRecipe:
         return dataclasses.replace(self, **changes)
 
 
+# NeMo-RL's defaults for trainer-side KV calibration (its calibrate_qkv_fp8_scales arguments):
+# the one place these numbers are written; every default elsewhere refers to them.
+KV_DATA_FRACTION = 1.0
+KV_PERCENTILE = 99.9
+KV_MARGIN = 1.05
+KV_MASK: KvMask = "prompt_and_response"
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field -> (accepts, what it must be): the rules of a KV calibration, shared by `KvCalibration`,
+# `nemo_jetrl.kvcache.settings.CalibrationSettings` and the config validator.
+KV_CALIBRATION_RULES: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType(
+    {
+        "data_fraction": (lambda v: _real(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+        "percentile": (lambda v: _real(v) and 0.0 < v <= 100.0, "a number in (0, 100]"),
+        "margin": (
+            lambda v: _real(v) and v >= 1.0,
+            "a finite number >= 1 (a safety factor on amax)",
+        ),
+        "mask": (lambda v: v in KV_MASKS, "one of " + ", ".join(KV_MASKS)),
+        "reduction": (
+            lambda v: v is None or v in KV_REDUCTIONS,
+            "one of " + ", ".join(KV_REDUCTIONS) + " (or null)",
+        ),
+        "include_q": (lambda v: v is None or isinstance(v, bool), "true or false (or null)"),
+        "micro_batch_size": (
+            lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+            "an integer > 0 (or null)",
+        ),
+    }
+)
+
+
+def kv_calibration_problems(values: Mapping[str, Any]) -> dict[str, str]:
+    """``{field: what it must be}`` for every field of ``values`` that breaks its rule."""
+    return {
+        k: what
+        for k, v in values.items()
+        if k in KV_CALIBRATION_RULES
+        for ok, what in [KV_CALIBRATION_RULES[k]]
+        if not ok(v)
+    }
+
+
 @dataclass(frozen=True)
 class KvCalibration:
     """How the trainer recalibrates per-tensor Q/K/V scales for an FP8 KV cache (issue 6)."""
 
-    # Recalibrate after every update and send the scales with the refit.
     enabled: bool = True
-    # Fraction of the step's sequences (0 < f <= 1) the observers see.
-    data_fraction: float = 1.0
-    # Percentile (0 < p <= 100) of the per-micro-batch amax values; 100 means the maximum.
-    percentile: float = 99.9
-    # Safety margin (>= 1) multiplied into the amax before scale = amax * margin / 448.
-    margin: float = 1.05
-    # Tokens the observers see: "response" (generated tokens only), "prompt_and_response"
-    # (all real tokens), "none" (everything including padding, NeMo-RL's behaviour).
-    mask: KvMask = "prompt_and_response"
-    # How the per-micro-batch amax samples are reduced: "max" or "percentile". None: "max" when
-    # percentile is 100, else "percentile".
+    """Recalibrate after every update and send the scales with the refit."""
+
+    data_fraction: float = KV_DATA_FRACTION
+    """Fraction of the step's sequences (0 < f <= 1) the observers see."""
+
+    percentile: float = KV_PERCENTILE
+    """Percentile (0 < p <= 100) of the per-micro-batch amax values; 100 means the maximum."""
+
+    margin: float = KV_MARGIN
+    """Safety margin (>= 1) multiplied into the amax before scale = amax * margin / 448."""
+
+    mask: KvMask = KV_MASK
+    """Tokens the observers see: "response" (generated tokens only), "prompt_and_response" (all
+    real tokens), "none" (everything including padding, NeMo-RL's behaviour)."""
+
     reduction: KvReduction | None = None
-    # Also calibrate the query scale (attention kernels that take FP8 queries). None: the
-    # backend decides (local backend: yes; NeMo-RL: when NeMo-RL asks for it). Under NeMo-RL,
-    # true adds q_scale; false cannot drop a q_scale NeMo-RL asks for (its engine needs it).
+    """How the per-micro-batch amax samples are reduced: "max" or "percentile". None: "max" when
+    percentile is 100, else "percentile"."""
+
     include_q: bool | None = None
-    # Sequences per calibration forward pass (> 0; one amax sample per pass). None: the
-    # backend's default (local backend: 32; NeMo-RL: what NeMo-RL passes, else its
-    # logprob_batch_size); a value here wins over both.
+    """Also calibrate the query scale (attention kernels that take FP8 queries). None: the backend
+    decides (local backend: yes; NeMo-RL: when NeMo-RL asks for it). Under NeMo-RL, true adds
+    q_scale; false cannot drop a q_scale NeMo-RL asks for (its engine needs it)."""
+
     micro_batch_size: int | None = None
+    """Sequences per calibration forward pass (> 0; one amax sample per pass). None: the backend's
+    default (local backend: 32; NeMo-RL: what NeMo-RL passes, else its logprob_batch_size); a
+    value here wins over both."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.reduction is not None and self.reduction not in KV_REDUCTIONS:
-            problems.append(f"reduction={self.reduction!r} (allowed: {', '.join(KV_REDUCTIONS)})")
-        if self.include_q is not None and not isinstance(self.include_q, bool):
-            problems.append(f"include_q={self.include_q!r} (must be true or false)")
-        mbs = self.micro_batch_size
-        if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-            problems.append(f"micro_batch_size={mbs!r} (must be an integer > 0)")
-        if not 0.0 < float(self.data_fraction) <= 1.0:
-            problems.append(f"data_fraction={self.data_fraction!r} (must be in (0, 1])")
-        if not 0.0 < float(self.percentile) <= 100.0:
-            problems.append(f"percentile={self.percentile!r} (must be in (0, 100])")
-        if not float(self.margin) >= 1.0:
-            problems.append(f"margin={self.margin!r} (must be >= 1)")
-        if self.mask not in KV_MASKS:
-            problems.append(f"mask={self.mask!r} (allowed: {', '.join(KV_MASKS)})")
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        problems = kv_calibration_problems(values)
         if problems:
-            raise ValueError("invalid KvCalibration: " + "; ".join(problems))
+            raise ValueError(
+                "invalid KvCalibration: "
+                + "; ".join(f"{k}={values[k]!r} (must be {what})" for k, what in problems.items())
+            )

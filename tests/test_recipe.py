@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import textwrap
 
 import pytest
 
@@ -150,8 +151,10 @@ def _documented_classes():
     from nemo_jetrl.config import ConfigIssue
     from nemo_jetrl.config.schema import KeySpec
     from nemo_jetrl.flow.check import Edge, FlowCheck, Mismatch, Precision, PrecisionFlow
+    from nemo_jetrl.fp8.config import Fp8LinearConfig
 
     return [
+        Fp8LinearConfig,
         SideRecipe,
         KvCalibration,
         Recipe,
@@ -170,19 +173,22 @@ def _documented_classes():
 
 @pytest.mark.parametrize("cls", _documented_classes(), ids=lambda c: c.__name__)
 def test_every_field_is_documented_in_place(cls):
-    """Each dataclass field has a comment on the line(s) just above it."""
-    src = inspect.getsource(cls)
-    lines = src.splitlines()
-    tree = ast.parse(src)
+    """Each dataclass field has its own docstring: a string statement right after it (the style
+    of `nemo_jetrl.fp8.config.Fp8LinearConfig`; editors and Sphinx show it with the field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     fields = {f.name for f in dataclasses.fields(cls)}
     seen = set()
-    for node in body:
+    for node, after in zip(body, [*body[1:], None], strict=True):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             name = node.target.id
             if name in fields:
-                above = lines[node.lineno - 2].strip()
-                assert above.startswith("#"), f"{cls.__name__}.{name} has no comment above it"
+                doc = (
+                    after.value.value
+                    if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    else None
+                )
+                assert isinstance(doc, str) and doc.strip(), f"{cls.__name__}.{name}: no docstring"
                 seen.add(name)
     assert seen == fields
 

@@ -3,11 +3,14 @@
 Reads each run directory (TensorBoard scalars anywhere under it, train_data_step*.jsonl to
 recompute missing mismatch metrics), prints a table per run and metric (last, mean, median,
 max, steps covered), and writes summary.json / summary.csv and one PNG per metric into OUT.
+Refused (exit 2) before anything is read: an OUT that is a file or cannot be created, and a
+run directory holding the events of several runs (``--allow-mixed`` compares it, labelled).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="compare a run directory holding events of several runs (labelled "
+        "'[mixed: N runs]') instead of refusing it",
+    )
+    parser.add_argument(
         "--recompute",
         choices=("missing", "always", "never"),
         default="missing",
@@ -56,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     missing = [d for d in args.run_dirs if not Path(d).is_dir()]
     if missing:
         raise UserError("run directory not found: " + ", ".join(missing))
+    check_out_dir(Path(args.out))
+    if not args.allow_mixed:
+        check_single_runs(args.run_dirs)
     metrics = [m.strip() for arg in (args.metric or []) for m in arg.split(",") if m.strip()]
     formats = ("json", "csv") if args.format == "both" else (args.format,)
     try:
@@ -83,3 +95,32 @@ def run(args: argparse.Namespace) -> int:
     for p in [*res.files, *res.plots]:
         print(f"wrote {p}")
     return 0
+
+
+def check_out_dir(out: Path) -> None:
+    """``-o`` must be a directory this process can create or write into; checked before any
+    run is read. An existing directory is reused: its summary files and plots are replaced."""
+    from nemo_jetrl.errors import UserError
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"-o {out}: is an existing file, not a directory; choose another -o")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"-o {out}: cannot create it, {probe} is a regular file; choose another -o")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"-o {out}: {probe} is not writable; choose another -o")
+
+
+def check_single_runs(run_dirs: list[str]) -> None:
+    """Refuse run directories that hold events of several runs (see ``--allow-mixed``)."""
+    from nemo_jetrl.errors import UserError
+    from nemo_jetrl.runs.logs import mixed_runs_message, run_ids
+
+    mixed = [(d, ids) for d in run_dirs if len(ids := run_ids(d)) > 1]
+    if mixed:
+        raise UserError(
+            "; ".join(f"{d}: {mixed_runs_message(ids)}" for d, ids in mixed)
+            + ". Pass --allow-mixed to compare them anyway (labelled '[mixed: N runs]')"
+        )

@@ -76,20 +76,13 @@ def _expand(mask, block, shape):
     return mask.repeat_interleave(bm, 0).repeat_interleave(bk, 1)[: shape[0], : shape[1]]
 
 
-def run_checks(golden: Path) -> dict:
-    """All comparisons; returns a JSON-able dict with per-case counts and an ``ok`` flag."""
+def _te_rows(te: dict, te_cases: dict) -> list[dict]:
+    """Our quantizer against TE's reference: every FP8 byte and every scale_inv bit."""
     import torch
-    from safetensors.torch import load_file
 
     from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
-    from nemo_jetrl.fp8.vllm_native import per_block_cast_native, quantize_group_native
 
-    te = load_file(str(golden / TE_FILE))
-    vl = load_file(str(golden / VLLM_FILE))
-    te_cases = json.loads((golden / TE_FILE.replace(".safetensors", ".json")).read_text())["cases"]
-    vl_cases = json.loads((golden / VLLM_FILE.replace(".safetensors", ".json")).read_text())
-
-    out: dict = {"te": [], "vllm_ue8m0": [], "te_vs_vllm_fp32": [], "vllm_native": []}
+    rows = []
     for case, meta in te_cases.items():
         x = te[f"input.{meta['input']}"]
         block = tuple(meta["block"])
@@ -99,7 +92,7 @@ def run_checks(golden: Path) -> dict:
             data, sinv = data.t(), sinv.t()
         wq, ws = te[f"{case}.q"], te[f"{case}.scale_inv"]
         shape_ok = data.shape == wq.shape and sinv.shape == ws.shape
-        out["te"].append(
+        rows.append(
             {
                 "case": case,
                 "values": wq.numel(),
@@ -109,10 +102,18 @@ def run_checks(golden: Path) -> dict:
                 else ws.numel(),
             }
         )
+    return rows
+
+
+def _vllm_rows(te: dict, vl: dict, vl_cases: dict, out: dict) -> None:
+    """vLLM's formulas (native emulation) and ours against vLLM's own outputs; appends to
+    ``out["vllm_native"]``, ``out["vllm_ue8m0"]`` (pow2 cases: equal outside floored blocks) and
+    ``out["te_vs_vllm_fp32"]`` (FP32-scale cases: where the two formulas differ)."""
+    from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
+    from nemo_jetrl.fp8.vllm_native import per_block_cast_native, quantize_group_native
 
     for case, meta in vl_cases.items():
-        name, ue8m0 = meta["input"], meta["ue8m0"]
-        x = te[f"input.{name}"]
+        x, ue8m0 = te[f"input.{meta['input']}"], meta["ue8m0"]
         group = "QuantFP8" in meta["source"]
         block = (1, 128) if group else (128, 128)
         wq, ws = vl[f"{case}.q"], vl[f"{case}.scale"]
@@ -125,33 +126,35 @@ def run_checks(golden: Path) -> dict:
             }
         )
         ours = quantize_blockwise(x, block, pow2_scales=ue8m0)
-        bits = fp8_bits(ours.data) != wq
-        scales = ours.scale_inv != ws
-        if ue8m0:
-            amax = _block_amax(x, block)
-            floored = amax < (1.0 / 512 if group else 1e-4)
-            elem = _expand(floored, block, x.shape)
-            out["vllm_ue8m0"].append(
-                {
-                    "case": case,
-                    "values": wq.numel(),
-                    "bits_differ": int(bits.sum()),
-                    "bits_differ_outside_floored": int(bits[~elem].sum()),
-                    "scales_differ": int(scales.sum()),
-                    "scales_differ_outside_floored": int(scales[~floored].sum()),
-                    "floored_blocks": int(floored.sum()),
-                }
-            )
-        else:
-            deq = ours.dequantize() != native.dequantize()
-            out["te_vs_vllm_fp32"].append(
-                {
-                    "case": case,
-                    "values": wq.numel(),
-                    "bits_differ": int(bits.sum()),
-                    "dequantized_differ": int(deq.sum()),
-                }
-            )
+        bits, scales = fp8_bits(ours.data) != wq, ours.scale_inv != ws
+        row = {"case": case, "values": wq.numel(), "bits_differ": int(bits.sum())}
+        if not ue8m0:
+            row["dequantized_differ"] = int((ours.dequantize() != native.dequantize()).sum())
+            out["te_vs_vllm_fp32"].append(row)
+            continue
+        floored = _block_amax(x, block) < (1.0 / 512 if group else 1e-4)
+        elem = _expand(floored, block, x.shape)
+        row |= {
+            "bits_differ_outside_floored": int(bits[~elem].sum()),
+            "scales_differ": int(scales.sum()),
+            "scales_differ_outside_floored": int(scales[~floored].sum()),
+            "floored_blocks": int(floored.sum()),
+        }
+        out["vllm_ue8m0"].append(row)
+
+
+def run_checks(golden: Path) -> dict:
+    """All comparisons; returns a JSON-able dict with per-case counts and an ``ok`` flag."""
+    from safetensors.torch import load_file
+
+    te = load_file(str(golden / TE_FILE))
+    vl = load_file(str(golden / VLLM_FILE))
+    te_cases = json.loads((golden / TE_FILE.replace(".safetensors", ".json")).read_text())["cases"]
+    vl_cases = json.loads((golden / VLLM_FILE.replace(".safetensors", ".json")).read_text())
+
+    out: dict = {"te": _te_rows(te, te_cases), "vllm_ue8m0": [], "te_vs_vllm_fp32": []}
+    out["vllm_native"] = []
+    _vllm_rows(te, vl, vl_cases, out)
     out["te_ok"] = all(r["bits_differ"] == 0 and r["scales_differ"] == 0 for r in out["te"])
     out["vllm_ue8m0_ok"] = all(
         r["bits_differ_outside_floored"] == 0 and r["scales_differ_outside_floored"] == 0

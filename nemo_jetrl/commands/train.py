@@ -60,17 +60,14 @@ def _run_nemo_rl(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from nemo_jetrl.backends.local.loop import run_local
     from nemo_jetrl.backends.local.setup import resolve_run
-    from nemo_jetrl.config import ConfigError, load_config
+    from nemo_jetrl.config import ConfigError
     from nemo_jetrl.errors import MissingDependencyError, UserError
     from nemo_jetrl.flow.pipeline import check_config, off_policy_refusal, run_notes
 
     try:
-        cfg = load_config(args.config, list(args.overrides))
-        try:
-            checked = check_config(cfg)
-        except ConfigError:
-            resolve_run(cfg)  # lists every problem, the local run settings' own included
-            raise
+        # The one validation (every key, every problem at once), before any work starts.
+        checked = check_config(args.config, list(args.overrides), run=True)
+        resolve_run(checked.cfg)  # what only a local run needs (e.g. the vLLM engine)
         refusal = off_policy_refusal(checked)
         if refusal:
             raise UserError(refusal)

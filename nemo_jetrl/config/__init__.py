@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omegaconf import DictConfig
@@ -77,15 +77,40 @@ class ValidConfig:
 
 
 def load_valid_config(
-    cfg: str | os.PathLike[str] | DictConfig, overrides: Sequence[str] = ()
+    cfg: str | os.PathLike[str] | DictConfig, overrides: Sequence[str] = (), *, run: bool = False
 ) -> ValidConfig:
     """Load ``cfg`` (a YAML path, or a loaded config to apply ``overrides`` to), validate it and
-    build its recipe and architecture; a `ConfigError` lists every error."""
+    build its recipe and architecture; a `ConfigError` lists every error: the bad overrides'
+    and the config's own together (a bad override never hides the file's problems). ``run``:
+    it is about to run on this machine (see `validated`). The one validation `check`, `align`
+    and `train` (every backend) go through."""
     if isinstance(cfg, DictConfig):
-        conf, source = (apply_overrides(cfg, list(overrides)) if overrides else cfg), None
+        conf, source = cfg, None
     else:
-        conf, source = load_config(cfg, list(overrides)), str(cfg)
-    issues, recipe = validated(conf)
+        conf, source = load_config(cfg), str(cfg)
+    bad_overrides: list[ConfigIssue] = []
+    try:
+        apply_overrides(conf, list(overrides))  # good overrides apply even when some fail
+    except ConfigError as exc:
+        bad_overrides = exc.issues
+    issues, recipe = validated(conf, run=run)
+    issues = bad_overrides + _name_overrides(issues, overrides)
     if errors(issues):
         raise ConfigError(issues, source)
     return ValidConfig(conf, recipe, arch_from_config(conf), tuple(issues))
+
+
+def _name_overrides(issues: list[ConfigIssue], overrides: Sequence[str]) -> list[ConfigIssue]:
+    """Say which command-line override set a key that has a problem."""
+    by_key: dict[str, str] = {}
+    for text in overrides:
+        try:
+            by_key[parse_override(text)[1]] = text
+        except ValueError:
+            continue
+    return [
+        replace(i, message=f"{i.message} (set by override {by_key[i.path]!r})")
+        if i.path in by_key
+        else i
+        for i in issues
+    ]

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 _MISSING = object()
 
@@ -32,14 +32,17 @@ _MISSING = object()
 class ConfigIssue:
     """One problem found in a config."""
 
-    # Full dotted key path, e.g. "policy.generation.vllm_cfg.kv_cache_dtype".
     path: str
-    # What is wrong and what to change, in plain words.
+    """Full dotted key path, e.g. "policy.generation.vllm_cfg.kv_cache_dtype"."""
+
     message: str
-    # The values the key accepts, when it is an enumeration.
+    """What is wrong and what to change, in plain words."""
+
     allowed: tuple[Any, ...] = ()
-    # "error" makes the config invalid; "warning" and "note" are advice.
+    """The values the key accepts, when it is an enumeration."""
+
     level: Literal["error", "warning", "note"] = "error"
+    """"error" makes the config invalid; "warning" and "note" are advice."""
 
     def __str__(self) -> str:
         allowed = ""
@@ -89,12 +92,7 @@ def _load_with_inheritance(path: Path, chain: tuple[Path, ...]) -> DictConfig:
     if not path.is_file():
         where = f" (named in defaults: of {chain[-1]})" if chain else ""
         raise ConfigError([ConfigIssue("defaults", f"config file not found: {path}{where}")])
-    try:
-        cfg = OmegaConf.load(path)
-    except (yaml.YAMLError, OmegaConfBaseException) as exc:
-        raise ConfigError([ConfigIssue("<file>", f"cannot parse YAML: {exc}")], str(path)) from None
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError([ConfigIssue("<file>", "top level must be a mapping")], str(path))
+    cfg = _parse_file(path)
     if "defaults" not in cfg:
         return cfg
     defaults = cfg.pop("defaults")
@@ -112,6 +110,57 @@ def _load_with_inheritance(path: Path, chain: tuple[Path, ...]) -> DictConfig:
         ppath = ppath if ppath.is_absolute() else path.parent / ppath
         base = _merge_with_override(base, _load_with_inheritance(ppath, (*chain, path)))
     return _merge_with_override(base, cfg)
+
+
+def _parse_file(path: Path) -> DictConfig:
+    """One YAML file as a mapping: UTF-8 text, valid YAML, not empty (an empty file is a
+    mistake, never a request for every default)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            [ConfigIssue("<file>", f"cannot read: {exc.strerror}")], str(path)
+        ) from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start]
+        msg = f"not UTF-8 text (byte {bad:#04x} at offset {exc.start}); save the file as UTF-8"
+        raise ConfigError([ConfigIssue("<file>", msg)], str(path)) from None
+    try:
+        cfg = OmegaConf.create(text) if text.strip() else None
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        raise ConfigError([ConfigIssue("<file>", f"cannot parse YAML: {exc}")], str(path)) from None
+    if cfg is None or (isinstance(cfg, DictConfig) and len(cfg) == 0):
+        msg = "the file is empty (no keys); a config must describe a run"
+        raise ConfigError([ConfigIssue("<file>", msg)], str(path))
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError([ConfigIssue("<file>", "top level must be a mapping")], str(path))
+    return cfg
+
+
+def unresolvable(cfg: DictConfig) -> list[ConfigIssue]:
+    """One issue per key whose ``${...}`` cannot be resolved (unknown key, unset environment
+    variable, unregistered resolver), found by resolving every leaf."""
+    issues: list[ConfigIssue] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+        for key in keys:
+            path = f"{prefix}{key}"
+            try:
+                val = node[key]
+            except MissingMandatoryValue:
+                issues.append(ConfigIssue(path, "mandatory value (???) is not set"))
+                continue
+            except OmegaConfBaseException as exc:
+                raw = node._get_node(key)._value()  # type: ignore[union-attr]
+                why = str(exc).splitlines()[0]
+                issues.append(ConfigIssue(path, f"cannot resolve {raw!r}: {why}"))
+                continue
+            if isinstance(val, (DictConfig, ListConfig)):
+                walk(val, f"{path}.")
+
+    walk(cfg, "")
+    return issues
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -11,12 +11,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, _exists
 from nemo_jetrl.recipe import Recipe, matching_preset
-from nemo_jetrl.recipe_parts import KvCalibration, SideRecipe
+from nemo_jetrl.recipe_parts import (
+    KV_DATA_FRACTION,
+    KV_MARGIN,
+    KV_MASK,
+    KV_PERCENTILE,
+    KvCalibration,
+    SideRecipe,
+)
 
 # ---------------------------------------------------------------------------------------------
 # reading with a record of problems
@@ -34,14 +41,10 @@ class _Reader:
             return default
         try:
             val = OmegaConf.select(self.cfg, path, throw_on_missing=True)
-        except MissingMandatoryValue:
-            self.error(path, "mandatory value (???) is not set")
-            return default
-        except OmegaConfBaseException as exc:
-            self.error(path, f"cannot resolve value: {exc}")
-            return default
-        if isinstance(val, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(val, resolve=True)
+            if isinstance(val, (DictConfig, ListConfig)):
+                return OmegaConf.to_container(val, resolve=True)
+        except OmegaConfBaseException:
+            return default  # `load.unresolvable` names every such key once
         return val
 
     def has(self, path: str) -> bool:
@@ -136,10 +139,10 @@ def read_recipe(r: _Reader) -> Recipe:
     try:
         cal = KvCalibration(
             enabled=cal_enabled,
-            data_fraction=float(r.get("jetrl.kv_calibration.data_fraction", 1.0)),
-            percentile=float(r.get("jetrl.kv_calibration.percentile", 99.9)),
-            margin=float(r.get("jetrl.kv_calibration.margin", 1.05)),
-            mask=r.get("jetrl.kv_calibration.mask", "prompt_and_response"),
+            data_fraction=r.get("jetrl.kv_calibration.data_fraction", KV_DATA_FRACTION),
+            percentile=r.get("jetrl.kv_calibration.percentile", KV_PERCENTILE),
+            margin=r.get("jetrl.kv_calibration.margin", KV_MARGIN),
+            mask=r.get("jetrl.kv_calibration.mask", KV_MASK),
             reduction=r.get("jetrl.kv_calibration.reduction", None),
             include_q=r.get("jetrl.kv_calibration.include_q", None),
             micro_batch_size=r.get("jetrl.kv_calibration.micro_batch_size", None),
@@ -169,14 +172,31 @@ def _safe_count(v: Any) -> int:
 
 def _arch(r: _Reader) -> tuple[Any, bool]:
     """(ModelArch or None, ok); a bad jetrl.model_config is recorded as an error."""
-    from nemo_jetrl.arch import ArchError, resolve_arch
+    from nemo_jetrl.arch import ArchError, ModelArch, resolve_arch
 
     model, path = r.get(S.MODEL_NAME, None), r.get("jetrl.model_config", None)
+    key = "jetrl.model_config"
+    if not path and isinstance(r.get("jetrl.local", None), dict):
+        # A local-backend config: the model is the one that backend builds, never a stand-in.
+        path, key = _local_model_config(r), "jetrl.local.model_config"
     try:
-        return resolve_arch(model if isinstance(model, str) else None, path), True
+        if path:
+            return ModelArch.from_json(path, key=key), True
+        return resolve_arch(model if isinstance(model, str) else None, None), True
     except ArchError as exc:
-        r.error(exc.key or "jetrl.model_config", str(exc))
+        r.error(exc.key or key, str(exc))
         return None, False
+
+
+def _local_model_config(r: _Reader) -> str | None:
+    """The local backend's model config.json (its hook `S.LOCAL_MODEL_FUNCTION`), or None."""
+    import importlib
+
+    try:
+        fn = getattr(importlib.import_module(S.LOCAL_SCHEMA_MODULE), S.LOCAL_MODEL_FUNCTION)
+    except (ImportError, AttributeError):
+        return None
+    return fn(r.get("jetrl.local", None))
 
 
 def arch_from_config(cfg: DictConfig) -> Any:

@@ -27,7 +27,15 @@ from types import MappingProxyType
 from typing import Any
 
 from nemo_jetrl.recipe import PRESET_NAMES
-from nemo_jetrl.recipe_parts import KV_MASKS, KV_REDUCTIONS, KV_SCALE_SOURCES
+from nemo_jetrl.recipe_parts import (
+    KV_DATA_FRACTION,
+    KV_MARGIN,
+    KV_MASK,
+    KV_MASKS,
+    KV_PERCENTILE,
+    KV_REDUCTIONS,
+    KV_SCALE_SOURCES,
+)
 
 # NeMo-RL key paths (dotted), one constant each so messages and align use the same spelling.
 FP8_CFG = "policy.megatron_cfg.fp8_cfg"
@@ -61,7 +69,6 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("blockwise", "mxfp8", "tensorwise", "delayed")
 VLLM_PRECISIONS = ("bfloat16", "float16", "float32", "fp8")
 VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
-TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
 ENV_FLAG_VALUES = ("0", "1")
 
 
@@ -69,14 +76,17 @@ ENV_FLAG_VALUES = ("0", "1")
 class KeySpec:
     """One key of the `jetrl:` section."""
 
-    # Python types accepted (None in the tuple means null is allowed).
     types: tuple[Any, ...]
-    # Default when the key is absent.
+    """Python types accepted (None in the tuple means null is allowed)."""
+
     default: Any
-    # Plain-words meaning, shown in docs and error messages.
+    """Default when the key is absent."""
+
     doc: str
-    # Allowed values for enumerations (empty: any value of the types).
+    """Plain-words meaning, shown in docs and error messages."""
+
     choices: tuple[Any, ...] = ()
+    """Allowed values for enumerations (empty: any value of the types)."""
 
 
 _NULL = type(None)
@@ -85,15 +95,17 @@ KV_CALIBRATION_KEYS: Mapping[str, KeySpec] = MappingProxyType(
     {
         "enabled": KeySpec((bool,), True, "recalibrate Q/K/V scales on the trainer every step"),
         "data_fraction": KeySpec(
-            (int, float), 1.0, "fraction (0, 1] of the step's sequences the observers see"
+            (int, float),
+            KV_DATA_FRACTION,
+            "fraction (0, 1] of the step's sequences the observers see",
         ),
         "percentile": KeySpec(
-            (int, float), 99.9, "percentile (0, 100] of per-micro-batch amax; 100 = max"
+            (int, float), KV_PERCENTILE, "percentile (0, 100] of per-micro-batch amax; 100 = max"
         ),
-        "margin": KeySpec((int, float), 1.05, "factor >= 1 applied to amax before the scale"),
+        "margin": KeySpec((int, float), KV_MARGIN, "factor >= 1 applied to amax before the scale"),
         "mask": KeySpec(
             (str,),
-            "prompt_and_response",
+            KV_MASK,
             "tokens observed: response only, all real tokens, or none masked (with padding)",
             KV_MASKS,
         ),
@@ -190,6 +202,10 @@ JETRL_KEYS: Mapping[str, KeySpec] = MappingProxyType(
 )
 
 # Module that owns the `jetrl.local` schema; it defines
-# `validate_local_config(section: DictConfig, path: str) -> list[ConfigIssue]`.
+# `validate_local_config(section, path) -> list[ConfigIssue]`, optionally
+# `validate_local_run(cfg) -> list[ConfigIssue]` (NeMo-RL keys only that backend restricts) and
+# `local_model_config(section) -> str` (the config.json of the model that backend builds).
 LOCAL_SCHEMA_MODULE = "nemo_jetrl.backends.local.config"
 LOCAL_SCHEMA_FUNCTION = "validate_local_config"
+LOCAL_RUN_FUNCTION = "validate_local_run"
+LOCAL_MODEL_FUNCTION = "local_model_config"

@@ -18,9 +18,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from nemo_jetrl.config import schema as S
-from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
+from nemo_jetrl.config.run_keys import check_run_keys
 from nemo_jetrl.recipe import Recipe, preset_differences
+from nemo_jetrl.recipe_parts import KV_CALIBRATION_RULES, kv_calibration_problems
 
 __all__ = ["arch_from_config", "errors", "recipe_from_config", "validate"]
 
@@ -75,31 +77,23 @@ def _check_kv_calibration(r: _Reader, cal: Mapping[str, Any]) -> None:
             hint = f"; did you mean {base}.{near[0]}?" if near else ""
             r.error(f"{base}.{key}", f"unknown key{hint}", tuple(S.KV_CALIBRATION_KEYS))
     r.boolean(f"{base}.enabled", True)
-    r.choice(f"{base}.mask", S.KV_CALIBRATION_KEYS["mask"].choices, "prompt_and_response")
-    frac = r.number(f"{base}.data_fraction", 1.0)
-    if frac is not None and not 0.0 < frac <= 1.0:
-        r.error(f"{base}.data_fraction", f"must be in (0, 1], got {frac}")
-    pct = r.number(f"{base}.percentile", 99.9)
-    if pct is not None and not 0.0 < pct <= 100.0:
-        r.error(f"{base}.percentile", f"must be in (0, 100], got {pct}")
-    margin = r.number(f"{base}.margin", 1.05)
-    if margin is not None and not margin >= 1.0:
-        r.error(f"{base}.margin", f"must be >= 1 (a safety factor on amax), got {margin}")
-    reductions = tuple(c for c in S.KV_CALIBRATION_KEYS["reduction"].choices if c is not None)
-    reduction = r.get(f"{base}.reduction", None)
-    if reduction is not None:
-        reduction = r.choice(f"{base}.reduction", reductions, None)
-    if reduction == "max" and pct is not None and pct != 100.0 and r.has(f"{base}.percentile"):
+    values = {k: cal[k] for k in KV_CALIBRATION_RULES if k in cal}
+    for key, what in kv_calibration_problems(values).items():
+        allowed = S.KV_CALIBRATION_KEYS[key].choices
+        v = values[key]
+        if allowed and v not in allowed:
+            r.error(
+                f"{base}.{key}", f"unknown value {v!r}", tuple(c for c in allowed if c is not None)
+            )
+        else:
+            r.error(f"{base}.{key}", f"must be {what}, got {v!r}")
+    pct, reduction = values.get("percentile"), values.get("reduction")
+    if reduction == "max" and pct is not None and pct != 100.0:
         r.warn(
             f"{base}.percentile",
             f"ignored: reduction is max (the percentile {pct} applies only with "
             "reduction: percentile)",
         )
-    if r.get(f"{base}.include_q", None) is not None:
-        r.boolean(f"{base}.include_q", True)
-    mbs = r.get(f"{base}.micro_batch_size", None)
-    if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
-        r.error(f"{base}.micro_batch_size", f"must be an integer > 0 (or null), got {mbs!r}")
 
 
 def _check_local(r: _Reader, local: Any) -> None:
@@ -117,6 +111,9 @@ def _check_local(r: _Reader, local: Any) -> None:
         )
         return
     r.issues.extend(fn(r.cfg.jetrl.local, "jetrl.local"))
+    run_fn = getattr(mod, S.LOCAL_RUN_FUNCTION, None)
+    if run_fn is not None:  # the NeMo-RL keys only that backend restricts
+        r.issues.extend(run_fn(r.cfg))
 
 
 def _check_nemo_rl_keys(r: _Reader) -> None:
@@ -172,37 +169,12 @@ def _check_nemo_rl_keys(r: _Reader) -> None:
 
 def _check_loss_fn(r: _Reader) -> None:
     """NeMo-RL's ClippedPGLossConfig rules for importance-sampling correction."""
-    is_on = r.boolean(S.IS_CORRECTION, False)
-    tis = r.get(S.TIS_TYPE, None)
-    ratio = r.number(S.TIS_RATIO, None)
-    rmin = r.number(S.TIS_RATIO_MIN, None)
-    seq = r.boolean(S.SEQ_LEVEL_IS, False)
-    if tis is None:
-        return
-    if tis not in S.TIS_TYPES:
-        r.error(S.TIS_TYPE, f"unknown value {tis!r}", (*S.TIS_TYPES, None))
-    if not is_on:
-        r.error(
-            S.TIS_TYPE,
-            f"{tis!r} truncates importance weights, which only exist when "
-            f"{S.IS_CORRECTION}=true; enable it or set the type to null",
-        )
-    if ratio is None or ratio <= 0:
-        r.error(S.TIS_RATIO, f"must be a positive number when {S.TIS_TYPE} is set, got {ratio}")
-    if rmin is not None and ratio is not None and rmin > ratio:
-        r.error(S.TIS_RATIO_MIN, f"must be <= {S.TIS_RATIO} ({ratio}), got {rmin}")
-    if tis in ("icepop", "seq-mask-tis") and rmin is None:
-        r.error(
-            S.TIS_RATIO_MIN,
-            f"{tis!r} drops tokens/sequences whose weight is outside [min, max]: set a lower "
-            "bound (e.g. 0.5)",
-        )
-    if tis == "seq-mask-tis" and seq:
-        r.error(
-            S.SEQ_LEVEL_IS,
-            "seq-mask-tis uses token-level IS weights with sequence-level masking; set "
-            "sequence_level_importance_ratios=false",
-        )
+    from nemo_jetrl.rl.correction import loss_fn_issues  # the rules' one home (torch-free)
+
+    section = r.get(S.LOSS_FN, None)
+    if section is not None:
+        for issue in loss_fn_issues(section, path=S.LOSS_FN):
+            r.error(issue.key, issue.message, issue.allowed)
 
 
 def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:
@@ -302,10 +274,12 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         for s in (recipe.train, recipe.rollout)
         if s.fp8_linears and s.scaling in ("blockwise", "mxfp8")
     ]
-    if not blockwise or recipe.unaligned_layers_bf16:
+    if not blockwise:
         return
     bad = arch.unaligned_linears()
-    if bad:
+    if len(bad) == len(arch.layer_linears(0)):
+        _no_fp8_coverage(r, arch, recipe, bad)
+    elif bad and not recipe.unaligned_layers_bf16:
         names = ", ".join(f"{lin.name} {lin.out_features}x{lin.in_features}" for lin in bad[:6])
         more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
         key = S.FP8_ENABLED if recipe.train.fp8_linears else S.VLLM_PRECISION
@@ -317,9 +291,30 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         )
 
 
-def validated(cfg: DictConfig) -> tuple[list[ConfigIssue], Recipe]:
-    """Every issue in ``cfg`` and the Recipe it describes (meaningful only without errors)."""
+def _no_fp8_coverage(r: _Reader, arch: Any, recipe: Recipe, bad: list) -> None:
+    """A side that promises FP8 must run at least one linear in FP8: when no linear's shape
+    allows it, the run would be all BF16 under an FP8 label (whatever unaligned_layers says)."""
+    dims = ", ".join(f"{lin.kind} {lin.out_features}x{lin.in_features}" for lin in bad)
+    for side, key in ((recipe.train, S.FP8_ENABLED), (recipe.rollout, S.VLLM_PRECISION)):
+        if side.fp8_linears:
+            r.error(
+                key,
+                f"promises FP8 but no linear of {arch.name} can be blockwise FP8 (both dims "
+                f"must be multiples of 128; it has {dims}): every layer would run BF16 under the "
+                f"FP8 recipe {recipe.name!r}. Turn FP8 off here (jetrl.unaligned_layers=bf16 "
+                "does not help) or use a model whose hidden/intermediate sizes are multiples "
+                "of 128",
+            )
+
+
+def validated(cfg: DictConfig, *, run: bool = False) -> tuple[list[ConfigIssue], Recipe]:
+    """Every issue in ``cfg`` and the Recipe it describes (meaningful only without errors).
+
+    ``run``: the config is about to run here, so directories it writes must be writable on
+    this machine (an error; for `jetrl check` a warning)."""
     r = _Reader(cfg)
+    r.issues.extend(unresolvable(cfg))
+    r.issues.extend(check_run_keys(cfg, run=run))
     _check_jetrl_section(r)
     _check_nemo_rl_keys(r)
     _check_loss_fn(r)

@@ -86,26 +86,35 @@ __all__ = [
 class Mismatch:
     """Rollout edges whose numbers differ from the training forward's, for one reason."""
 
-    # Plain-words reason.
     reason: str
-    # YAML keys that control this difference.
+    """Plain-words reason."""
+
     keys: tuple[str, ...]
-    # Suggested settings (key=value) that make the edges identical.
+    """YAML keys that control this difference."""
+
     fixes: tuple[str, ...]
-    # Training-forward precision on the first of these edges.
+    """Suggested settings (key=value) that make the edges identical."""
+
     train: Precision
-    # Rollout precision on the first of these edges.
+    """Training-forward precision on the first of these edges."""
+
     rollout: Precision
-    # The edges ("op:role"), in model order.
+    """Rollout precision on the first of these edges."""
+
     edges: tuple[str, ...] = field(repr=False)
-    # Decoder layers involved.
+    """The edges ("op:role"), in model order."""
+
     layers: tuple[int, ...] = ()
-    # Operands involved ("attn input", "mlp weight", "kv k_cache", ...).
+    """Decoder layers involved."""
+
     operands: tuple[str, ...] = ()
-    # "always": numbers differ systematically; "rare": only on blocks with tiny amax.
+    """Operands involved ("attn input", "mlp weight", "kv k_cache", ...)."""
+
     severity: str = "always"
-    # Every distinct (operand role, training precision, rollout precision) among the edges.
+    """"always": numbers differ systematically; "rare": only on blocks with tiny amax."""
+
     pairs: tuple[tuple[str, Precision, Precision], ...] = ()
+    """Every distinct (operand role, training precision, rollout precision) among the edges."""
 
     def summary(self) -> str:
         """One line: what, where."""
@@ -121,18 +130,23 @@ class Mismatch:
 class FlowCheck:
     """Result of `check_on_policy`."""
 
-    # Name of the model checked.
     model: str
-    # The recipe checked.
+    """Name of the model checked."""
+
     recipe: Recipe
-    # The rollout's flow.
+    """The recipe checked."""
+
     rollout: PrecisionFlow
-    # The training forward's flow (what rollout edges are compared with).
+    """The rollout's flow."""
+
     train_fwd: PrecisionFlow
-    # The training backward's flow (shown, not compared).
+    """The training forward's flow (what rollout edges are compared with)."""
+
     train_bwd: PrecisionFlow
-    # Every difference, grouped by reason.
+    """The training backward's flow (shown, not compared)."""
+
     mismatches: tuple[Mismatch, ...]
+    """Every difference, grouped by reason."""
 
     @property
     def on_policy(self) -> bool:

@@ -37,17 +37,21 @@ BLOCK_MX = (1, 32)
 class Precision:
     """What a tensor looks like on an edge."""
 
-    # "bf16" or "fp8".
     dtype: str
-    # FP8 element format ("e4m3"/"e5m2"); None for BF16.
+    """"bf16" or "fp8"."""
+
     fmt: str | None = None
-    # Scaling block (rows, cols) of the 2-D operand; None for per-tensor or BF16.
+    """FP8 element format ("e4m3"/"e5m2"); None for BF16."""
+
     block: tuple[int, int] | None = None
-    # "pow2", "fp32", "e8m0" for block scales; for per-tensor KV the scale source
-    # ("trainer_calibrated", "checkpoint", "dynamic", "unit"); None for BF16.
+    """Scaling block (rows, cols) of the 2-D operand; None for per-tensor or BF16."""
+
     scale: str | None = None
-    # Code that quantizes: "te", "jetrl", "vllm"; None for BF16.
+    """"pow2", "fp32", "e8m0" for block scales; for per-tensor KV the scale source
+    ("trainer_calibrated", "checkpoint", "dynamic", "unit"); None for BF16."""
+
     impl: str | None = None
+    """Code that quantizes: "te", "jetrl", "vllm"; None for BF16."""
 
     @property
     def is_fp8(self) -> bool:
@@ -89,19 +93,24 @@ def same_numbers(a: Precision, b: Precision) -> bool:
 class Edge:
     """A tensor flowing into an op."""
 
-    # The op (node) the tensor flows into, e.g. "model.layers.3.self_attn.q_proj".
     op: str
-    # Which operand: "weight", "input", "dgrad.grad_output", "dgrad.weight",
-    # "wgrad.grad_output", "wgrad.input", "k_cache", "v_cache".
+    """The op (node) the tensor flows into, e.g. "model.layers.3.self_attn.q_proj"."""
+
     role: str
-    # Decoder layer, or None for embeddings / lm_head.
+    """Which operand: "weight", "input", "dgrad.grad_output", "dgrad.weight", "wgrad.grad_output",
+    "wgrad.input", "k_cache", "v_cache"."""
+
     layer: int | None
-    # Row label of the flow table: "attn", "mlp", "kv", "embed", "lm_head".
+    """Decoder layer, or None for embeddings / lm_head."""
+
     group: str
-    # Module kind, e.g. "q_proj" or "attn".
+    """Row label of the flow table: "attn", "mlp", "kv", "embed", "lm_head"."""
+
     kind: str
-    # Precision of the tensor on this edge.
+    """Module kind, e.g. "q_proj" or "attn"."""
+
     precision: Precision
+    """Precision of the tensor on this edge."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -118,14 +127,17 @@ class Edge:
 class PrecisionFlow:
     """All edges of one phase of a model under a recipe."""
 
-    # "rollout", "train_fwd" or "train_bwd".
     phase: str
-    # Model name.
+    """"rollout", "train_fwd" or "train_bwd"."""
+
     model: str
-    # Recipe name.
+    """Model name."""
+
     recipe: str
-    # The edges, in model order.
+    """Recipe name."""
+
     edges: tuple[Edge, ...]
+    """The edges, in model order."""
 
     def by_key(self) -> dict[tuple[str, str], Edge]:
         return {e.key: e for e in self.edges}
@@ -137,9 +149,6 @@ class PrecisionFlow:
             seen.setdefault(e.source, None)
             seen.setdefault(e.op, None)
         return list(seen)
-
-    def fp8_edges(self) -> list[Edge]:
-        return [e for e in self.edges if e.precision.is_fp8]
 
 
 EdgeBuilder = Callable[[ModelArch, Recipe, str], "list[Edge]"]

@@ -24,18 +24,23 @@ from nemo_jetrl.recipe import Recipe
 class Checked:
     """A loaded, validated config and its flow check (what `check` and `align` print)."""
 
-    # The loaded config (omegaconf DictConfig, overrides applied).
     cfg: Any
-    # The Recipe it describes.
+    """The loaded config (omegaconf DictConfig, overrides applied)."""
+
     recipe: Recipe
-    # The model's ModelArch (a generic stand-in when the model is unknown).
+    """The Recipe it describes."""
+
     arch: ModelArch
-    # Why a generic stand-in was used, or None.
+    """The model's ModelArch (a generic stand-in when the model is unknown)."""
+
     arch_note: str | None
-    # Warnings and notes from validation (errors never reach here).
+    """Why a generic stand-in was used, or None."""
+
     issues: tuple[ConfigIssue, ...]
-    # The flow check: training forward vs rollout, edge by edge.
+    """Warnings and notes from validation (errors never reach here)."""
+
     check: FlowCheck
+    """The flow check: training forward vs rollout, edge by edge."""
 
     @property
     def allow_off_policy(self) -> bool:
@@ -44,12 +49,15 @@ class Checked:
         return bool(jetrl.get("allow_off_policy", False))
 
 
-def check_config(cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = ()) -> Checked:
+def check_config(
+    cfg: str | os.PathLike[str] | Any, overrides: Sequence[str] = (), *, run: bool = False
+) -> Checked:
     """Load ``cfg`` (a YAML path, or a loaded config), validate it, check its recipe on its model
-    (generic aligned layers when the model is unknown). A `ConfigError` lists every error."""
+    (generic aligned layers when the model is unknown). A `ConfigError` lists every error.
+    ``run``: the config is about to train on this machine (its directories must be writable)."""
     from omegaconf import OmegaConf
 
-    valid = load_valid_config(cfg, overrides)
+    valid = load_valid_config(cfg, overrides, run=run)
     recipe, arch, note = valid.recipe, valid.arch, None
     if arch is None:
         n = generic_layers_for(recipe)

@@ -39,6 +39,7 @@ from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.dispatch import fp8_gemm, quantize_blockwise
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.quantize import BlockQuantized
+from nemo_jetrl.fp8.staging import StagedWeight, quantized_weight_problem
 from nemo_jetrl.fp8.vllm_native import per_block_cast_native, quantize_group_native
 
 Quantizer = Literal["jetrl", "vllm_native"]
@@ -254,6 +255,8 @@ class Fp8InferenceLinear(nn.Module):
         self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=fp8))
         self.register_buffer("weight_scale_inv", torch.ones(nb, kb, dtype=torch.float32))
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype) if bias else None)
+        # The model dtype: dequantized weights must be finite in it (checked on every load).
+        self.compute_dtype = bias_dtype
         self.loaded = False
 
     @classmethod
@@ -267,7 +270,7 @@ class Fp8InferenceLinear(nn.Module):
     ) -> Fp8InferenceLinear:
         """A rollout layer holding ``linear``'s weight quantized now (and a copy of its bias)."""
         has_bias = linear.bias is not None
-        bias_dtype = linear.bias.dtype if has_bias else torch.bfloat16
+        bias_dtype = linear.bias.dtype if has_bias else linear.weight.dtype
         layer = cls(
             linear.in_features, linear.out_features, has_bias,
             config=config, quantizer=quantizer, bias_dtype=bias_dtype, name=name,
@@ -284,16 +287,32 @@ class Fp8InferenceLinear(nn.Module):
 
     @torch.no_grad()
     def load_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Quantize a high-precision weight ``[N, K]`` (128x128, the config's scale mode)."""
+        """Quantize a high-precision weight ``[N, K]`` (128x128, the config's scale mode).
+
+        All-or-nothing: weight and bias are checked before either is stored."""
         self._check_shape(weight, "weight")
         q = _quantize_weight(weight, self.config, self.quantizer, f"{self.name}.weight")
-        self._store(q.data, q.scale_inv, bias)
+        self.commit(self.stage_quantized(q.data, q.scale_inv, bias))
 
     @torch.no_grad()
     def load_quantized(
         self, data: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None
     ) -> None:
-        """Load a weight the trainer already quantized (no requantization: same bits)."""
+        """Load a weight the trainer already quantized (no requantization: same bits).
+
+        All-or-nothing: everything is checked (`stage_quantized`) before anything is stored."""
+        self.commit(self.stage_quantized(data, scale_inv, bias))
+
+    @torch.no_grad()
+    def stage_quantized(
+        self, data: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> StagedWeight:
+        """Check a quantized weight (and bias) for this layer without storing anything.
+
+        Refused (ValueError/TypeError naming the layer): wrong shapes or dtypes, FP8 bytes that
+        encode NaN/inf (E4M3FN 0x7f/0xff), scales that are not finite and > 0, blocks whose
+        dequantized values overflow fp32 (a BF16/FP16-max weight with power-of-two scales), a
+        bias for a layer without one, or a non-finite bias. `commit` stores what passed."""
         self._check_shape(data, "data")
         want = self.weight_fp8.dtype
         if data.dtype == torch.uint8:
@@ -305,10 +324,32 @@ class Fp8InferenceLinear(nn.Module):
                 f"{self.name}: scale_inv shape {tuple(scale_inv.shape)} != expected "
                 f"{tuple(self.weight_scale_inv.shape)} ([ceil(N/128), ceil(K/128)])"
             )
-        s = scale_inv.float()
-        if not bool((torch.isfinite(s) & (s > 0)).all()):
-            raise ValueError(f"{self.name}: scale_inv has non-finite or non-positive entries")
-        self._store(data, s, bias)
+        problem = quantized_weight_problem(data, scale_inv, self.compute_dtype)
+        if problem:
+            raise ValueError(f"{self.name}.weight: {problem}; nothing was loaded")
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError(f"{self.name}: layer was built without bias but one was given")
+            if tuple(bias.shape) != (self.out_features,) or not bias.is_floating_point():
+                raise ValueError(
+                    f"{self.name}.bias: {bias.dtype} {tuple(bias.shape)}, expected a float "
+                    f"({self.out_features},); nothing was loaded"
+                )
+            bias = bias.to(self.bias.dtype)
+            if not bool(torch.isfinite(bias).all()):
+                raise ValueError(
+                    f"{self.name}.bias: non-finite values (in {self.bias.dtype}); nothing was loaded"
+                )
+        return StagedWeight(data, scale_inv.float(), bias)
+
+    @torch.no_grad()
+    def commit(self, staged: StagedWeight) -> None:
+        """Store a weight `stage_quantized` accepted (cannot fail: shapes were checked)."""
+        self.weight_fp8.copy_(staged.data)
+        self.weight_scale_inv.copy_(staged.scale_inv)
+        if staged.bias is not None:
+            self.bias.copy_(staged.bias)  # type: ignore[union-attr]
+        self.loaded = True
 
     def _check_shape(self, t: torch.Tensor, what: str) -> None:
         if tuple(t.shape) != (self.out_features, self.in_features):
@@ -316,15 +357,6 @@ class Fp8InferenceLinear(nn.Module):
                 f"{self.name}: {what} shape {tuple(t.shape)} != "
                 f"(out_features, in_features) = ({self.out_features}, {self.in_features})"
             )
-
-    def _store(self, data: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None):
-        self.weight_fp8.copy_(data)
-        self.weight_scale_inv.copy_(scale_inv)
-        if bias is not None:
-            if self.bias is None:
-                raise ValueError(f"{self.name}: layer was built without bias but one was given")
-            self.bias.copy_(bias)
-        self.loaded = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.loaded:

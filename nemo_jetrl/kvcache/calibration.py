@@ -47,6 +47,7 @@ from nemo_jetrl.kvcache.settings import (
     MaskMode,
     Reduction,
 )
+from nemo_jetrl.recipe_parts import KV_PERCENTILE
 
 # The values live in `nemo_jetrl.kvcache.settings` and `.scales`; importing them from here
 # keeps working.
@@ -189,7 +190,9 @@ class AmaxObserver:
             out.setdefault(i, {}).setdefault(t, []).append(val)
         return out
 
-    def amax(self, reduction: Reduction, percentile: float = 99.9) -> dict[int, dict[str, float]]:
+    def amax(
+        self, reduction: Reduction, percentile: float = KV_PERCENTILE
+    ) -> dict[int, dict[str, float]]:
         """The reduced amax per layer and tensor."""
         return {
             i: {t: reduce_samples(s, reduction, percentile) for t, s in per.items() if s}
@@ -198,7 +201,7 @@ class AmaxObserver:
 
 
 def reduce_samples(
-    samples: Iterable[float], reduction: Reduction, percentile: float = 99.9
+    samples: Iterable[float], reduction: Reduction, percentile: float = KV_PERCENTILE
 ) -> float:
     """Max, or nearest-rank percentile (index ``round_half_even(p/100*(n-1))``), of the samples.
 

@@ -28,6 +28,27 @@ __all__ = ["KVCacheController", "KVHandle", "attach_kv", "calibrate"]
 
 
 @torch.no_grad()
+def _observe(
+    model: torch.nn.Module,
+    observer: AmaxObserver,
+    batch: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    tmask: torch.Tensor | None,
+    micro_batch_size: int,
+) -> None:
+    """Full-sequence forwards over ``batch`` (ids, attention mask, positions) in micro-batches,
+    each with its token mask set on the observer."""
+    ids, am, pos = batch
+    for start in range(0, ids.shape[0], micro_batch_size):
+        mb = slice(start, start + micro_batch_size)
+        observer.set_mask(None if tmask is None else tmask[mb])
+        kwargs: dict[str, Any] = {"input_ids": ids[mb], "use_cache": False}
+        if am is not None:
+            kwargs["attention_mask"] = am[mb]
+        if pos is not None:
+            kwargs["position_ids"] = pos[mb]
+        model(**kwargs)
+
+
 def calibrate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -66,15 +87,7 @@ def calibrate(
         observer = AmaxObserver(include_q=settings.include_q)
         model.eval()
         with handle.observing(observer):
-            for start in range(0, ids.shape[0], settings.micro_batch_size):
-                mb = slice(start, start + settings.micro_batch_size)
-                observer.set_mask(None if tmask is None else tmask[mb])
-                kwargs: dict[str, Any] = {"input_ids": ids[mb], "use_cache": False}
-                if am is not None:
-                    kwargs["attention_mask"] = am[mb]
-                if pos is not None:
-                    kwargs["position_ids"] = pos[mb]
-                model(**kwargs)
+            _observe(model, observer, (ids, am, pos), tmask, settings.micro_batch_size)
         amax = observer.amax(settings.reduction, settings.percentile)
         scales, refused = scales_from_amax(amax, settings, previous)
     finally:
@@ -150,7 +163,16 @@ class KVCacheController:
         return h
 
     def set_scales(self, scales: KVScales | None) -> None:
-        """Install scales on every attached model (refit path)."""
+        """Install scales on every attached model (refit path), all or nothing: scales for a
+        layer an attached model lacks are refused (ValueError) before any model changes."""
+        if scales is not None:
+            for role, h in self.handles.items():
+                extra = sorted(set(scales.layers) - set(h.layers))
+                if extra:
+                    raise ValueError(
+                        f"KV scales refused, previous scales kept: layers {extra} do not exist in "
+                        f"the {role} model (its attention layers: {h.layers})"
+                    )
         self.scales = scales
         for h in self.handles.values():
             h.set_scales(scales)

@@ -12,12 +12,22 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from nemo_jetrl.fp8 import get_format
+from nemo_jetrl.recipe_parts import (
+    KV_CALIBRATION_RULES,
+    KV_DATA_FRACTION,
+    KV_MARGIN,
+    KV_MASK,
+    KV_MASKS,
+    KV_PERCENTILE,
+    KV_REDUCTIONS,
+    kv_calibration_problems,
+)
 
 MaskMode = Literal["response", "prompt_and_response", "none"]
 Reduction = Literal["max", "percentile"]
 Layout = Literal["bhtd", "sbhd", "bthd"]
-MASK_MODES: tuple[str, ...] = ("response", "prompt_and_response", "none")
-REDUCTIONS: tuple[str, ...] = ("max", "percentile")
+MASK_MODES: tuple[str, ...] = KV_MASKS
+REDUCTIONS: tuple[str, ...] = KV_REDUCTIONS
 
 
 @dataclass(frozen=True)
@@ -26,15 +36,15 @@ class CalibrationSettings:
 
     # Fraction (0 < f <= 1) of the step's sequences fed to the observers; sequences are taken at
     # evenly spaced indices (deterministic, consumes no RNG state).
-    data_fraction: float = 1.0
+    data_fraction: float = KV_DATA_FRACTION
     # "max" of the per-micro-batch amax samples, or their "percentile".
     reduction: Reduction = "percentile"
-    # Percentile (0 < p <= 100) used when reduction is "percentile" (NeMo-RL: 99.9).
-    percentile: float = 99.9
-    # Headroom multiplied into the amax (>= 1; NeMo-RL: 1.05).
-    margin: float = 1.05
+    # Percentile (0 < p <= 100) used when reduction is "percentile" (NeMo-RL's default).
+    percentile: float = KV_PERCENTILE
+    # Headroom multiplied into the amax (>= 1; NeMo-RL's default).
+    margin: float = KV_MARGIN
     # Tokens the observers see: "response", "prompt_and_response" or "none" (padding included).
-    mask: MaskMode = "prompt_and_response"
+    mask: MaskMode = KV_MASK
     # Also calibrate the query scale (needed when the attention kernel takes FP8 queries).
     include_q: bool = True
     # Sequences per forward pass during calibration (one amax sample per layer per pass).
@@ -50,29 +60,19 @@ class CalibrationSettings:
             raise ValueError("invalid KV calibration settings: " + "; ".join(problems))
 
     def problems(self, prefix: str = "") -> list[str]:
-        """Every invalid field as ``key=value (what is allowed)``."""
-        out = []
-        p = prefix
-        if not _is_number(self.data_fraction) or not 0.0 < self.data_fraction <= 1.0:
-            out.append(f"{p}data_fraction={self.data_fraction!r} (must be in (0, 1])")
-        if self.reduction not in REDUCTIONS:
-            out.append(f"{p}reduction={self.reduction!r} (allowed: {', '.join(REDUCTIONS)})")
-        if not _is_number(self.percentile) or not 0.0 < self.percentile <= 100.0:
-            out.append(f"{p}percentile={self.percentile!r} (must be in (0, 100])")
-        if not _is_number(self.margin) or not (1.0 <= self.margin < math.inf):
-            out.append(f"{p}margin={self.margin!r} (must be a finite number >= 1)")
-        if self.mask not in MASK_MODES:
-            out.append(f"{p}mask={self.mask!r} (allowed: {', '.join(MASK_MODES)})")
-        if (
-            not isinstance(self.micro_batch_size, int)
-            or isinstance(self.micro_batch_size, bool)
-            or self.micro_batch_size < 1
-        ):
-            out.append(f"{p}micro_batch_size={self.micro_batch_size!r} (must be an integer >= 1)")
+        """Every invalid field as ``key=value (must be ...)``: the rules of
+        `nemo_jetrl.recipe_parts.KV_CALIBRATION_RULES`, where ``reduction``, ``include_q`` and
+        ``micro_batch_size`` are resolved (null is not allowed here), and the cache format."""
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "fmt"}
+        bad = kv_calibration_problems(values)
+        for key in ("reduction", "include_q", "micro_batch_size"):
+            if values[key] is None:
+                bad[key] = KV_CALIBRATION_RULES[key][1].removesuffix(" (or null)")
+        out = [f"{prefix}{k}={values[k]!r} (must be {what})" for k, what in bad.items()]
         try:
             get_format(self.fmt)
         except ValueError:
-            out.append(f"{p}fmt={self.fmt!r} (allowed: e4m3, e5m2)")
+            out.append(f"{prefix}fmt={self.fmt!r} (allowed: e4m3, e5m2)")
         return out
 
     @staticmethod
@@ -93,10 +93,8 @@ class CalibrationSettings:
             if k not in fields and k != "enabled"
         ]
         kw = {k: v for k, v in cfg.items() if k in fields}
-        if "reduction" not in kw and _is_number(kw.get("percentile", 99.9)):
-            kw["reduction"] = "max" if float(kw.get("percentile", 99.9)) >= 100.0 else "percentile"
-        if "include_q" in kw and not isinstance(kw["include_q"], bool):
-            problems.append(f"{prefix}.include_q={kw['include_q']!r} (must be true or false)")
+        if "reduction" not in kw and _is_number(kw.get("percentile", KV_PERCENTILE)):
+            kw["reduction"] = default_reduction(float(kw.get("percentile", KV_PERCENTILE)))
         probe = object.__new__(CalibrationSettings)
         for name, f in CalibrationSettings.__dataclass_fields__.items():
             object.__setattr__(probe, name, kw.get(name, f.default))
@@ -113,20 +111,25 @@ class CalibrationSettings:
         a missing or None ``include_q``, ``micro_batch_size`` or ``fmt`` keeps this class's
         default. ``overrides`` win over both.
         """
-        pct = float(getattr(kv_calibration, "percentile", 99.9))
+        pct = float(getattr(kv_calibration, "percentile", KV_PERCENTILE))
         reduction = getattr(kv_calibration, "reduction", None)
         kw: dict[str, Any] = {
-            "data_fraction": float(getattr(kv_calibration, "data_fraction", 1.0)),
+            "data_fraction": float(getattr(kv_calibration, "data_fraction", KV_DATA_FRACTION)),
             "percentile": pct,
-            "reduction": reduction or ("max" if pct >= 100.0 else "percentile"),
-            "margin": float(getattr(kv_calibration, "margin", 1.05)),
-            "mask": getattr(kv_calibration, "mask", "prompt_and_response"),
+            "reduction": reduction or default_reduction(pct),
+            "margin": float(getattr(kv_calibration, "margin", KV_MARGIN)),
+            "mask": getattr(kv_calibration, "mask", KV_MASK),
         }
         for key in ("include_q", "micro_batch_size", "fmt"):
             if getattr(kv_calibration, key, None) is not None:
                 kw[key] = getattr(kv_calibration, key)
         kw.update(overrides)
         return CalibrationSettings(**kw)
+
+
+def default_reduction(percentile: float) -> Reduction:
+    """The reduction a calibration without one uses: "max" at the 100th percentile."""
+    return "max" if percentile >= 100.0 else "percentile"
 
 
 def _is_number(v: Any) -> bool:

@@ -105,19 +105,8 @@ def _train_scale_rule(train: SideRecipe) -> bool:
     return train.pow2_weight_scales
 
 
-def megatron_fp8_settings(
-    recipe: Recipe, *, num_layers: int, pipeline_parallel_size: int = 1
-) -> MegatronFp8Settings:
-    """The Megatron ``TransformerConfig`` FP8 fields, TE settings and env vars for ``recipe``.
-
-    ``num_layers`` is the model's decoder layer count (Megatron checks the BF16 first/last counts
-    against ``num_layers // pipeline_parallel_size``; so do we, with the YAML-facing message).
-    """
-    train = recipe.train
-    if not train.fp8_linears:
-        return MegatronFp8Settings(
-            transformer_config=MappingProxyType({"fp8": None, "fp8_param": False}),
-        )
+def _layer_problems(train: SideRecipe, num_layers: int, pipeline_parallel_size: int) -> list[str]:
+    """Why Megatron would refuse the recipe's BF16 first/last layers or scaling (empty: fine)."""
     problems = []
     if num_layers < 1:
         problems.append(f"num_layers={num_layers} must be >= 1")
@@ -136,11 +125,27 @@ def megatron_fp8_settings(
         )
     if train.fp8_param and train.scaling == "delayed":
         problems.append("fp8_param with delayed scaling is not supported by this package")
-    bf16_ends = train.bf16_first_layers > 0 or train.bf16_last_layers > 0
-    if bf16_ends and train.scaling == "delayed":
+    if (train.bf16_first_layers > 0 or train.bf16_last_layers > 0) and train.scaling == "delayed":
         problems.append(
             "Megatron refuses first/last BF16 layers with delayed scaling: use fp8_recipe=blockwise"
         )
+    return problems
+
+
+def megatron_fp8_settings(
+    recipe: Recipe, *, num_layers: int, pipeline_parallel_size: int = 1
+) -> MegatronFp8Settings:
+    """The Megatron ``TransformerConfig`` FP8 fields, TE settings and env vars for ``recipe``.
+
+    ``num_layers`` is the model's decoder layer count (Megatron checks the BF16 first/last counts
+    against ``num_layers // pipeline_parallel_size``; so do we, with the YAML-facing message).
+    """
+    train = recipe.train
+    if not train.fp8_linears:
+        return MegatronFp8Settings(
+            transformer_config=MappingProxyType({"fp8": None, "fp8_param": False}),
+        )
+    problems = _layer_problems(train, num_layers, pipeline_parallel_size)
     try:
         pow2 = _train_scale_rule(train)
     except MegatronRecipeError as exc:
@@ -154,7 +159,7 @@ def megatron_fp8_settings(
         "fp8": train.fmt,
         "fp8_recipe": train.scaling,
         "fp8_param": train.fp8_param,
-        "first_last_layers_bf16": bf16_ends,
+        "first_last_layers_bf16": train.bf16_first_layers > 0 or train.bf16_last_layers > 0,
         "num_layers_at_start_in_bf16": train.bf16_first_layers,
         "num_layers_at_end_in_bf16": train.bf16_last_layers,
     }

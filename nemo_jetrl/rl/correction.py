@@ -1,4 +1,4 @@
-"""Importance-sampling (IS) correction for the rollout/training mismatch.
+"""Importance-sampling (IS) correction settings and their rules (``loss_fn`` keys).
 
 The rollout engine samples token t from pi_rollout, but the loss is an expectation under
 pi_train. Re-weighting each token by the importance ratio
@@ -19,30 +19,17 @@ trade a little bias for much less variance (NeMo-RL's ``loss_fn`` keys and seman
                 w_s = exp(sum_{t in s} log rho_t), broadcast to its tokens; tis/icepop then act
                 on w_s. NeMo-RL requires ``token_level_loss: false`` with it (GSPO-style).
 
-A ratio that is NaN or +-Inf (a NaN logprob, an overflowing exp) gets weight 0 and is counted
-in ``jetrl/mismatch/is_nonfinite_weights``; an IS weight must never carry a NaN into the
-gradient. As in NeMo-RL, a non-finite log-ratio counts as 0 (ratio 1) inside seq-mask-tis's
-geometric mean. Ratios are computed in float64; a weight that would overflow the output dtype
-counts as non-finite. Weights at invalid positions (token_mask 0 or sample_mask 0) are 0.
-
-Stats (docs/metrics.md): ``train/sampling_importance_ratio`` (mean weight after truncation, over
-valid tokens, or valid sequences for sequence IS: NeMo-RL's definition, reported even when the
-correction is off), ``train/is_oob_ratio`` (fraction of valid tokens, or sequences for
-seq-mask-tis, outside [min, max]; only with a truncation type), and under ``jetrl/mismatch/``:
-``is_nonfinite_weights`` (count), ``is_zeroed_frac`` (fraction of valid tokens whose final
-weight is 0), ``is_weight_min``, ``is_weight_max``, ``is_weight_ess`` (of the weights used).
+This module holds the settings (`CorrectionConfig`) and the one copy of NeMo-RL's rules for
+them (`loss_fn_issues`; `nemo_jetrl.config.validate` calls it too). It does not import torch,
+so config validation stays light; the weights themselves are `nemo_jetrl.rl.weights`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
-
-from nemo_jetrl.rl.metrics import JETRL_PREFIX, NEMO_RL_PREFIX, check_logprobs, valid_mask
 
 #: NeMo-RL's truncated_importance_sampling_type values.
 TIS_TYPES = ("tis", "icepop", "seq-mask-tis")
@@ -70,11 +57,27 @@ class CorrectionConfigError(ValueError):
         super().__init__(f"invalid {self.what}:\n  - " + "\n  - ".join(self.errors))
 
 
+@dataclass(frozen=True)
+class LossFnIssue:
+    """One problem with the IS keys of ``loss_fn``; `nemo_jetrl.config.validate` reports these
+    as ConfigIssues, `validate_loss_fn_cfg` as ``"<key> <message>"`` strings."""
+
+    #: full YAML key, e.g. ``loss_fn.truncated_importance_sampling_ratio``.
+    key: str
+    #: what is wrong and what to change; reads on after the key.
+    message: str
+    #: the values the key accepts, when it is an enumeration.
+    allowed: tuple[Any, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.message}"
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _rule_errors(
+def _rule_issues(
     use: bool,
     tis_type: str | None,
     ratio: float | None,
@@ -82,69 +85,85 @@ def _rule_errors(
     seq_level: bool,
     token_level_loss: bool,
     path: str,
-) -> list[str]:
-    """NeMo-RL's ClippedPGLossFn checks, as messages naming the key and the fix."""
+) -> list[LossFnIssue]:
+    """NeMo-RL's ClippedPGLossFn checks, each naming its key and the fix."""
     k = f"{path}." if path else ""
-    errs: list[str] = []
+    typ, rat, rmin = (
+        f"{k}truncated_importance_sampling_type",
+        f"{k}truncated_importance_sampling_ratio",
+        f"{k}truncated_importance_sampling_ratio_min",
+    )
+    seq_key = f"{k}sequence_level_importance_ratios"
+    out: list[LossFnIssue] = []
     if seq_level and token_level_loss:
-        errs.append(
-            f"{k}sequence_level_importance_ratios=true needs {k}token_level_loss=false "
-            "(sequence-level IS, e.g. GSPO, is mutually exclusive with token-level loss)"
+        out.append(
+            LossFnIssue(
+                seq_key,
+                f"is true, which needs {k}token_level_loss=false (sequence-level IS, e.g. GSPO, "
+                "is mutually exclusive with token-level loss)",
+            )
         )
     if tis_type is None:
         if ratio is not None:
             # NeMo-RL accepts this at construction and raises "Invalid truncated importance
             # sampling type: None" at the first training step; we say it up front.
-            errs.append(
-                f"{k}truncated_importance_sampling_ratio={ratio} is set but "
-                f"{k}truncated_importance_sampling_type is null: set the type to one of "
-                f"{', '.join(TIS_TYPES)} or set the ratio to null"
+            out.append(
+                LossFnIssue(
+                    rat,
+                    f"is set ({ratio}) but {typ} is null: set the type to one of "
+                    f"{', '.join(TIS_TYPES)} or set the ratio to null",
+                )
             )
-        return errs
+        return out
     if not use:
-        errs.append(
-            f"{k}truncated_importance_sampling_type={tis_type!r} needs "
-            f"{k}use_importance_sampling_correction=true"
+        out.append(
+            LossFnIssue(
+                typ,
+                f"is {tis_type!r}, which truncates importance weights and needs "
+                f"{k}use_importance_sampling_correction=true: enable it or set the type to null",
+            )
         )
     if tis_type not in TIS_TYPES:
-        errs.append(
-            f"{k}truncated_importance_sampling_type must be one of {', '.join(TIS_TYPES)} "
-            f"(or null), got {tis_type!r}"
+        out.append(
+            LossFnIssue(
+                typ,
+                f"unknown value {tis_type!r}: must be one of {', '.join(TIS_TYPES)} (or null)",
+                (*TIS_TYPES, None),
+            )
         )
     if ratio is None or not ratio > 0:
-        errs.append(
-            f"{k}truncated_importance_sampling_ratio must be a positive number when "
-            f"{k}truncated_importance_sampling_type is set, got {ratio}"
-        )
+        out.append(LossFnIssue(rat, f"must be a positive number when {typ} is set, got {ratio}"))
     if ratio_min is not None and ratio is not None and ratio_min > ratio:
-        errs.append(
-            f"{k}truncated_importance_sampling_ratio_min ({ratio_min}) must be <= "
-            f"{k}truncated_importance_sampling_ratio ({ratio})"
-        )
+        out.append(LossFnIssue(rmin, f"({ratio_min}) must be <= {rat} ({ratio})"))
     if tis_type in ("icepop", "seq-mask-tis") and ratio_min is None:
-        errs.append(
-            f"{k}truncated_importance_sampling_ratio_min must be set when "
-            f"{k}truncated_importance_sampling_type is {tis_type!r}"
+        out.append(
+            LossFnIssue(
+                rmin,
+                f"must be set when {typ} is {tis_type!r} (it drops tokens/sequences whose "
+                "weight is outside [min, max]): set a lower bound, e.g. 0.5",
+            )
         )
     if tis_type == "seq-mask-tis" and seq_level:
-        errs.append(
-            f"{k}truncated_importance_sampling_type='seq-mask-tis' is incompatible with "
-            f"{k}sequence_level_importance_ratios=true (it masks sequences but keeps token "
-            "weights): set one of them off"
+        out.append(
+            LossFnIssue(
+                seq_key,
+                f"is true, which is incompatible with {typ}='seq-mask-tis' (it masks sequences "
+                "but keeps token weights): set one of them off",
+            )
         )
-    return errs
+    return out
 
 
-def validate_loss_fn_cfg(cfg: Mapping[str, Any], *, path: str = "loss_fn") -> list[str]:
+def loss_fn_issues(cfg: Mapping[str, Any], *, path: str = "loss_fn") -> list[LossFnIssue]:
     """All problems with the IS keys of a NeMo-RL ``loss_fn`` mapping (empty list: valid).
 
-    Other keys are ignored (they belong to the rest of the loss). Each message names the full
-    YAML key (``path`` + key) and what to change.
+    The one home of these rules: `CorrectionConfig` and `nemo_jetrl.config.validate` call it.
+    Other keys are ignored (they belong to the rest of the loss).
     """
     k = f"{path}." if path else ""
-    errs: list[str] = []
     if not isinstance(cfg, Mapping):
-        return [f"{path or 'loss_fn'} must be a mapping, got {type(cfg).__name__}"]
+        return [LossFnIssue(path or "loss_fn", f"must be a mapping, got {type(cfg).__name__}")]
+    out: list[LossFnIssue] = []
     vals: dict[str, Any] = {}
     for key, default in (
         ("use_importance_sampling_correction", False),
@@ -155,34 +174,41 @@ def validate_loss_fn_cfg(cfg: Mapping[str, Any], *, path: str = "loss_fn") -> li
         if v is None:
             v = default
         if not isinstance(v, bool):
-            errs.append(f"{k}{key} must be true or false, got {v!r}")
+            out.append(LossFnIssue(k + key, f"must be true or false, got {v!r}", (True, False)))
             v = default
         vals[key] = v
     t = cfg.get("truncated_importance_sampling_type")
     if t is not None and not isinstance(t, str):
-        errs.append(
-            f"{k}truncated_importance_sampling_type must be a string "
-            f"({', '.join(TIS_TYPES)}) or null, got {t!r}"
+        out.append(
+            LossFnIssue(
+                k + "truncated_importance_sampling_type",
+                f"must be a string ({', '.join(TIS_TYPES)}) or null, got {t!r}",
+                (*TIS_TYPES, None),
+            )
         )
         t = None
-    vals["truncated_importance_sampling_type"] = t
     for key in ("truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min"):
         v = cfg.get(key)
         if v is not None and (not _is_number(v) or math.isnan(v)):
-            errs.append(f"{k}{key} must be a number or null, got {v!r}")
+            out.append(LossFnIssue(k + key, f"must be a number or null, got {v!r}"))
             v = None
         vals[key] = None if v is None else float(v)
-    if errs:
-        return errs
-    return _rule_errors(
+    if out:
+        return out
+    return _rule_issues(
         vals["use_importance_sampling_correction"],
-        vals["truncated_importance_sampling_type"],
+        t,
         vals["truncated_importance_sampling_ratio"],
         vals["truncated_importance_sampling_ratio_min"],
         vals["sequence_level_importance_ratios"],
         vals["token_level_loss"],
         path,
     )
+
+
+def validate_loss_fn_cfg(cfg: Mapping[str, Any], *, path: str = "loss_fn") -> list[str]:
+    """`loss_fn_issues` as ``"<key> <message>"`` strings (empty list: valid)."""
+    return [str(i) for i in loss_fn_issues(cfg, path=path)]
 
 
 @dataclass(frozen=True)
@@ -207,7 +233,7 @@ class CorrectionConfig:
     token_level_loss: bool = True
 
     def __post_init__(self) -> None:
-        errs = _rule_errors(
+        errs = _rule_issues(
             self.use_importance_sampling_correction,
             self.truncated_importance_sampling_type,
             self.truncated_importance_sampling_ratio,
@@ -217,7 +243,7 @@ class CorrectionConfig:
             "",
         )
         if errs:
-            raise CorrectionConfigError(errs)
+            raise CorrectionConfigError([str(e) for e in errs])
 
     @classmethod
     def from_loss_fn_cfg(cls, cfg: Mapping[str, Any], *, path: str = "loss_fn") -> CorrectionConfig:
@@ -279,107 +305,3 @@ class CorrectionConfig:
     def to_loss_fn_cfg(self) -> dict[str, Any]:
         """The NeMo-RL ``loss_fn`` keys for these settings."""
         return {key: getattr(self, key) for key in LOSS_FN_KEYS}
-
-
-@dataclass(frozen=True)
-class CorrectionResult:
-    """Per-token weights for the loss and the stats of how they were formed."""
-
-    #: [B, T] weights to multiply into the per-token loss (0 at invalid positions), detached.
-    weights: torch.Tensor
-    #: {tag: value}, see the module docstring.
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-def _out_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def importance_weights(
-    generation_logprobs: torch.Tensor,
-    prev_logprobs: torch.Tensor,
-    token_mask: torch.Tensor,
-    sample_mask: torch.Tensor | None = None,
-    *,
-    config: CorrectionConfig,
-) -> CorrectionResult:
-    """IS weights [B, T] from (prev - generation) logprobs under ``config``, plus stats.
-
-    Weights are detached (no gradient flows through them), in the input's dtype promoted to at
-    least float32, 0 at invalid positions and for non-finite ratios.
-    """
-    shape = check_logprobs(generation_logprobs=generation_logprobs, prev_logprobs=prev_logprobs)
-    mask = valid_mask(token_mask, sample_mask, shape)
-    out_dtype = _out_dtype(prev_logprobs)
-    big = torch.finfo(out_dtype).max
-    d = prev_logprobs.detach().to(torch.float64) - generation_logprobs.detach().to(torch.float64)
-    zero = torch.zeros_like(d)
-    c = config
-    seq_ok = (
-        torch.ones(shape[0], dtype=torch.bool)
-        if sample_mask is None
-        else valid_mask(torch.ones(shape, dtype=torch.bool), sample_mask, shape)[:, 0]
-    ).to(d.device)
-
-    if c.sequence_level_importance_ratios:
-        # one weight per sequence; padding never enters the sum (select, not multiply)
-        w_seq = torch.exp(torch.where(mask, d, zero).sum(-1))
-        bad_seq = ~torch.isfinite(w_seq) | (w_seq > big)
-        w_seq = torch.where(bad_seq, torch.zeros_like(w_seq), w_seq)
-        nonfinite = int((bad_seq & mask.any(-1)).sum())
-        w = w_seq.unsqueeze(-1).expand(shape)
-    else:
-        w = torch.exp(d)
-        bad = ~torch.isfinite(w) | (w > big)
-        w = torch.where(bad, zero, w)
-        nonfinite = int((bad & mask).sum())
-
-    n_tok = int(mask.sum())
-    stats: dict[str, float] = {}
-    hi = c.truncated_importance_sampling_ratio
-    lo = c.truncated_importance_sampling_ratio_min
-    t = c.truncated_importance_sampling_type
-    if t == "tis":
-        lo_t = 0.0 if lo is None else lo
-        oob = (w > hi) | (w < lo_t)
-        stats[NEMO_RL_PREFIX + "is_oob_ratio"] = (
-            float((oob & mask).sum()) / n_tok if n_tok else math.nan
-        )
-        w = w.clamp(lo_t, hi)
-    elif t == "icepop":
-        keep = (w >= lo) & (w <= hi)
-        stats[NEMO_RL_PREFIX + "is_oob_ratio"] = (
-            float((~keep & mask).sum()) / n_tok if n_tok else math.nan
-        )
-        w = torch.where(keep, w, zero)
-    elif t == "seq-mask-tis":
-        log_r = torch.where(mask & torch.isfinite(d), d, zero)
-        cnt = mask.sum(-1)
-        geo = torch.exp(log_r.sum(-1) / cnt.clamp(min=1))  # empty row: exp(0) = 1
-        keep_seq = (geo >= lo) & (geo <= hi)
-        n_seq = int(seq_ok.sum())
-        stats[NEMO_RL_PREFIX + "is_oob_ratio"] = (
-            float((~keep_seq & seq_ok).sum()) / n_seq if n_seq else math.nan
-        )
-        w = w * keep_seq.unsqueeze(-1).to(w.dtype)
-
-    if c.sequence_level_importance_ratios:
-        # every column of a row holds the row's weight; mean over the sequences kept by sample_mask
-        ws = w[:, 0][seq_ok] if shape[1] else w.new_zeros(0)
-        sir = float(ws.mean()) if ws.numel() else math.nan
-    w = torch.where(mask, w, zero)
-    if not c.sequence_level_importance_ratios:
-        sir = float(w[mask].mean()) if n_tok else math.nan
-    stats[NEMO_RL_PREFIX + "sampling_importance_ratio"] = sir
-
-    used = w if c.use_importance_sampling_correction else mask.to(torch.float64)
-    uv = used[mask]
-    stats[JETRL_PREFIX + "is_nonfinite_weights"] = float(nonfinite)
-    stats[JETRL_PREFIX + "is_zeroed_frac"] = float((uv == 0).sum()) / n_tok if n_tok else math.nan
-    stats[JETRL_PREFIX + "is_weight_min"] = float(uv.min()) if n_tok else math.nan
-    stats[JETRL_PREFIX + "is_weight_max"] = float(uv.max()) if n_tok else math.nan
-    s2 = float((uv * uv).sum())
-    stats[JETRL_PREFIX + "is_weight_ess"] = (
-        float(uv.sum()) ** 2 / (n_tok * s2) if s2 > 0 else math.nan
-    )
-    return CorrectionResult(weights=used.to(out_dtype), stats=stats)

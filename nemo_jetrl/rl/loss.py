@@ -36,7 +36,12 @@ sequences (``global_valid_seqs``); the PPO ratio then is per sequence too,
 r_s = exp(mean_t (curr - prev)) (GSPO).
 
 Padding never enters: invalid positions are replaced by 0 before any arithmetic, so NaN/-inf in
-padding cannot poison the loss or its gradient. The returned metrics use NeMo-RL's names
+padding cannot poison the loss or its gradient. A valid token whose logprobs cannot be used
+(curr, prev, generation or, with the KL penalty, reference logprob NaN/Inf, or |prev - gen| > 300:
+`nemo_jetrl.rl.metrics.usable_tokens`) is dropped the same way: it adds 0 to the loss and gets
+gradient 0, stays in the denominators (as in NeMo-RL, whose ``mask_out_neg_inf_logprobs`` sets a
+-inf curr/prev logprob to 0 so the token adds a constant), and is counted in
+``jetrl/mismatch/loss_dropped_tokens``. The returned metrics use NeMo-RL's names
 (``train/loss``, ``train/probs_ratio``...), plus the correction stats; see docs/metrics.md.
 """
 
@@ -47,9 +52,17 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from nemo_jetrl.rl.correction import CorrectionResult, importance_weights
 from nemo_jetrl.rl.loss_config import KL_TYPES, GRPOLossConfig, LossConfigError
-from nemo_jetrl.rl.metrics import NEMO_RL_PREFIX, check_logprobs, k3, mismatch_metrics, valid_mask
+from nemo_jetrl.rl.metrics import (
+    JETRL_PREFIX,
+    NEMO_RL_PREFIX,
+    check_logprobs,
+    kl_estimator,
+    mismatch_metrics,
+    usable_tokens,
+    valid_mask,
+)
+from nemo_jetrl.rl.weights import CorrectionResult, importance_weights
 
 # The settings live in `nemo_jetrl.rl.loss_config`; importing them from here keeps working.
 __all__ = [
@@ -110,14 +123,6 @@ def group_advantages(
     return adv
 
 
-def _kl_term(x: torch.Tensor, kl_type: str) -> torch.Tensor:
-    if kl_type == "k1":
-        return -x
-    if kl_type == "k2":
-        return 0.5 * x * x
-    return k3(x)
-
-
 def grpo_loss(
     curr_logprobs: torch.Tensor,
     prev_logprobs: torch.Tensor,
@@ -165,20 +170,26 @@ def grpo_loss(
     )
     dt = curr_logprobs.dtype
     zero = torch.zeros((), dtype=dt, device=curr_logprobs.device)
+    use = usable_tokens(generation_logprobs, prev_logprobs, mask) & torch.isfinite(
+        curr_logprobs.detach()
+    )
+    if beta != 0.0:
+        assert reference_logprobs is not None
+        use &= torch.isfinite(reference_logprobs.detach())
 
     def clean(t: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask, t.to(dt), zero)
+        # select, not multiply: a dropped -inf/NaN gets neither a value nor a gradient
+        return torch.where(use, t.to(dt), zero)
 
     curr = clean(curr_logprobs)
     prev = clean(prev_logprobs.detach())
     gen = clean(generation_logprobs.detach())
     adv = clean(adv.detach())
-    maskf = mask.to(dt)
-    aggregate, n_tok, n_seq = _aggregator(
-        mask, sample_mask, shape, dt, cfg.token_level_loss, global_valid_tokens, global_valid_seqs
+    aggregate, _, n_seq = _aggregator(
+        mask, use, sample_mask, dt, cfg.token_level_loss, global_valid_tokens, global_valid_seqs
     )
 
-    ratios, ratios_clamped, clip_loss = _clipped_loss(curr, prev, adv, maskf, shape, cfg)
+    ratios, ratios_clamped, clip_loss = _clipped_loss(curr, prev, adv, use.to(dt), shape, cfg)
     corr = importance_weights(
         generation_logprobs, prev_logprobs, token_mask, sample_mask, config=cfg.correction
     )
@@ -186,8 +197,7 @@ def grpo_loss(
     actor_loss = aggregate(w * clip_loss)
 
     if beta != 0.0:
-        assert reference_logprobs is not None
-        ref = clean(reference_logprobs.detach())
+        ref = clean(reference_logprobs.detach())  # type: ignore[union-attr]
         kl_mean = aggregate(_kl_per_token(curr, gen, ref, cfg))
         loss = actor_loss + beta * kl_mean
     else:
@@ -202,11 +212,11 @@ def grpo_loss(
             ratios_clamped,
             curr,
             gen,
-            mask,
-            n_tok,
+            (mask, use),
             n_seq,
             (generation_logprobs, prev_logprobs, token_mask, sample_mask),
             corr,
+            cfg.reference_policy_kl_type,
         )
     return loss, metrics
 
@@ -255,16 +265,18 @@ def _checked_inputs(
 
 def _aggregator(
     mask: torch.Tensor,
+    use: torch.Tensor,
     sample_mask: torch.Tensor | None,
-    shape: torch.Size,
     dt: torch.dtype,
     token_level_loss: bool,
     global_valid_tokens: float | None,
     global_valid_seqs: float | None,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], float, float]:
     """(aggregate, valid tokens, valid sequences): ``aggregate`` turns a per-token loss into the
-    global token mean, or the mean over sequences of token means (``token_level_loss: false``)."""
-    maskf = mask.to(dt)
+    global token mean, or the mean over sequences of token means (``token_level_loss: false``).
+    Only ``use`` tokens add to the sums; every valid (``mask``) token counts in the means."""
+    shape = mask.shape
+    maskf, usef = mask.to(dt), use.to(dt)
     n_tok = float(mask.sum())
     seq_ok = (
         mask.any(-1)
@@ -279,9 +291,9 @@ def _aggregator(
 
     def aggregate(per_token: torch.Tensor) -> torch.Tensor:
         if token_level_loss:
-            return (per_token * maskf).sum() / tok_den
+            return (per_token * usef).sum() / tok_den
         cnt = maskf.sum(-1).clamp(min=1.0)
-        per_seq = (per_token * maskf).sum(-1) / cnt
+        per_seq = (per_token * usef).sum(-1) / cnt
         return (per_seq * seq_ok.to(dt)).sum() / seq_den
 
     return aggregate, n_tok, n_seq
@@ -329,7 +341,7 @@ def _kl_per_token(
         xc = x.clamp(-c, c)
         kl_w = torch.where(x == xc, kl_w, kl_w.detach())  # clamped: no gradient through it
         x = xc
-    kl = _kl_term(x, cfg.reference_policy_kl_type) * kl_w
+    kl = kl_estimator(x, cfg.reference_policy_kl_type) * kl_w
     if cfg.kl_output_clamp_value is not None:
         kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
     return kl
@@ -342,16 +354,18 @@ def _loss_metrics(
     ratios_clamped: torch.Tensor,
     curr: torch.Tensor,
     gen: torch.Tensor,
-    mask: torch.Tensor,
-    n_tok: float,
+    masks: tuple[torch.Tensor, torch.Tensor],
     n_seq: float,
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
     corr: CorrectionResult,
+    kl_type: str,
 ) -> dict[str, float]:
-    """NeMo-RL's loss metrics (``train/...``), the mismatch errors of ``inputs`` (generation,
-    prev logprobs, token mask, sample mask) and the correction stats; call under no_grad."""
+    """NeMo-RL's loss metrics (``train/...``) over the tokens the loss used, the mismatch
+    errors of ``inputs`` (generation, prev logprobs, token mask, sample mask) with NeMo-RL's
+    ``kl_type``, and the correction stats; call under no_grad."""
     generation_logprobs, prev_logprobs, token_mask, sample_mask = inputs
-    sel = mask
+    mask, sel = masks
+    n_tok = int(sel.sum())
     r_v = ratios.detach()[sel].double()
     rc_v = ratios_clamped.detach()[sel].double()
     c64, g64 = curr.detach().double(), gen.double()
@@ -369,8 +383,11 @@ def _loss_metrics(
         if n_tok
         else math.nan,
         p + "num_valid_samples": n_seq,
+        JETRL_PREFIX + "loss_dropped_tokens": float((mask & ~sel).sum()),
     }
-    mm = mismatch_metrics(generation_logprobs, prev_logprobs, token_mask, sample_mask)
+    mm = mismatch_metrics(
+        generation_logprobs, prev_logprobs, token_mask, sample_mask, kl_type=kl_type
+    )
     for key in (
         "token_mult_prob_error",
         "gen_kl_error",

@@ -9,18 +9,23 @@ drift apart, and the metrics below say by how much.
 Everything is computed from the per-token log-ratio ``d = p - g`` (log of the importance ratio
 ``rho = pi_train / pi_rollout``) over the *valid* tokens only: ``token_mask * sample_mask``.
 Padding, prompt tokens and dropped samples never enter a sum, and a padded position holding NaN or
--inf cannot leak in (we select, we do not multiply by the mask). Tokens that are valid but whose
-``d`` is NaN/Inf (e.g. a -inf logprob from a filtered token) are excluded from every statistic and
-counted in ``jetrl/mismatch/nonfinite_tokens``. All arithmetic is float64 whatever the input dtype.
+-inf cannot leak in (we select, we do not multiply by the mask). A valid token is *unusable* when
+p or g is NaN/Inf (e.g. a -inf logprob from a filtered token) or |d| > LOG_RATIO_LIMIT (300),
+in either direction: exp(|d|), rho^2 and 1/rho^2 would overflow or mean nothing. Unusable tokens
+are excluded from every statistic and counted in ``jetrl/mismatch/nonfinite_tokens``; the same
+rule (`usable_tokens`) decides which tokens the IS correction and the GRPO loss use. All
+arithmetic is float64 whatever the input dtype.
 
 Names. Where NeMo-RL logs the same quantity, we use its exact tag (NeMo-RL's ClippedPGLossFn
 returns ``token_mult_prob_error`` etc. and grpo.py logs them with prefix ``train/``). Everything
 else lives under the one prefix ``jetrl/mismatch/``. docs/metrics.md has the full table.
 
-NeMo-RL's metrics (same definitions, default ``reference_policy_kl_type: k3``):
+NeMo-RL's metrics (same definitions; the two KLs use ``kl_type``, NeMo-RL's
+``reference_policy_kl_type``, k3 by default; `kl_estimator` has the three formulas):
   token_mult_prob_error  mean_t exp(|p - g|)                     1.0 means identical
-  gen_kl_error           mean_t k3(g -> p) = e^(p-g) - (p-g) - 1   KL(P_gen || P_train), k3
-  policy_kl_error        mean_t e^(g-p) - (g-p) - 1             KL(P_train || P_gen), k3
+  gen_kl_error           mean_t K(d), d = p - g                  KL(P_gen || P_train)
+                         k3: e^d - d - 1, k2: d^2 / 2, k1: -d
+  policy_kl_error        mean_t K(-d)                            KL(P_train || P_gen)
   js_divergence_error    with log m = log((e^p + e^g)/2):
                          mean_t 0.5*[e^(p-m) - (p-m) - 1] + 0.5*[e^(g-m) - (g-m) - 1]
   {min,mean,max}_seq_mult_prob_error  per sequence s: mean_{t in s} exp(|p - g|), then the
@@ -64,6 +69,9 @@ DEFAULT_RATIO_BOUNDS = (0.5, 2.0)
 #: |sum_t log rho| is clamped to this before exp(2*.) in chi2_seq, so one runaway sequence gives
 #: a huge but finite number (e^100 ~ 2.7e43) instead of inf (float64 overflows at e^709).
 SEQ_LOG_RATIO_CLAMP = 50.0
+#: a valid token with |p - g| above this is unusable (see the module docstring): e^300 ~ 2e130,
+#: so rho^2 and 1/rho^2 (e^600) and their sums over any batch stay finite in float64.
+LOG_RATIO_LIMIT = 300.0
 
 
 def _name(key: str) -> str:
@@ -150,6 +158,33 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
+def kl_estimator(log_ratio: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-sample estimate of KL(p || q) from x = log(q/p), samples from p (Schulman 2020):
+    k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1 (NeMo-RL's ``reference_policy_kl_type``)."""
+    if kl_type == "k1":
+        return -log_ratio
+    if kl_type == "k2":
+        return 0.5 * log_ratio * log_ratio
+    if kl_type == "k3":
+        return k3(log_ratio)
+    raise ValueError(f"kl_type must be k1, k2 or k3, got {kl_type!r}")
+
+
+def usable_tokens(
+    generation_logprobs: torch.Tensor, prev_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Bool [B, T]: valid (``mask``) tokens whose g and p are finite and |p - g| <= LOG_RATIO_LIMIT.
+
+    The one rule for which tokens the metrics, the IS correction and the loss may use; the rest
+    of ``mask`` is counted as non-finite and left out (a bound in both directions, so d = -800
+    is as unusable as d = +800).
+    """
+    g = generation_logprobs.detach().to(torch.float64)
+    p = prev_logprobs.detach().to(torch.float64)
+    ok = torch.isfinite(g) & torch.isfinite(p)
+    return mask & ok & ((p - g).abs() <= LOG_RATIO_LIMIT)
+
+
 def mismatch_metrics(
     generation_logprobs: torch.Tensor,
     prev_logprobs: torch.Tensor,
@@ -157,6 +192,7 @@ def mismatch_metrics(
     sample_mask: torch.Tensor | None = None,
     *,
     ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS,
+    kl_type: str = "k3",
 ) -> dict[str, float]:
     """All train/rollout mismatch metrics of one batch, as {tag: float}.
 
@@ -167,6 +203,8 @@ def mismatch_metrics(
         sample_mask: optional [B], 0 drops a whole sequence.
         ratio_bounds: (min, max) of the importance ratio for the "fraction outside" and
             "after truncation" statistics (0 <= min <= max).
+        kl_type: estimator of ``train/gen_kl_error`` and ``train/policy_kl_error`` (k1, k2, k3),
+            NeMo-RL's ``reference_policy_kl_type``.
 
     Returns:
         {tag: value}. NeMo-RL's metrics under ``train/`` (its exact names), ours under
@@ -180,17 +218,15 @@ def mismatch_metrics(
     g = generation_logprobs.detach().to(torch.float64)
     p = prev_logprobs.detach().to(torch.float64)
     d = p - g  # log rho
-    # exp(d) overflows float64 for d > ~709: such a token is as unusable as a NaN one
-    finite = torch.isfinite(d) & torch.isfinite(torch.exp(d))
-    nonfinite = int((mask & ~finite).sum())
-    ok = mask & finite
+    ok = usable_tokens(g, p, mask)
+    nonfinite = int((mask & ~ok).sum())
 
     # token level: 1-D tensors of the valid tokens, in batch order
     dv, pv, gv = d[ok], p[ok], g[ok]
     out: dict[str, float] = {}
     out[_name("token_mult_prob_error")] = _mean(torch.exp(dv.abs()))
-    out[_name("gen_kl_error")] = _mean(k3(dv))
-    out[_name("policy_kl_error")] = _mean(k3(-dv))
+    out[_name("gen_kl_error")] = _mean(kl_estimator(dv, kl_type))
+    out[_name("policy_kl_error")] = _mean(kl_estimator(-dv, kl_type))
     log_m = torch.logaddexp(pv, gv) - math.log(2.0)
     out[_name("js_divergence_error")] = _mean(0.5 * k3(pv - log_m) + 0.5 * k3(gv - log_m))
 

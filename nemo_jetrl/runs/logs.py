@@ -44,6 +44,7 @@ from nemo_jetrl.runs.tensorboard import (
     EVENTS_GLOB,
     TB_SUBDIR,
     Series,
+    event_file_run_id,
     find_event_files,
     read_event_file,
     read_scalars,
@@ -75,12 +76,14 @@ __all__ = [
     "RunDataWarning",
     "Series",
     "find_event_files",
+    "mixed_runs_message",
     "read_config",
     "read_event_file",
     "read_run",
     "read_scalars",
     "read_train_data",
     "recompute_step_metrics",
+    "run_ids",
     "run_label",
     "train_data_files",
     "train_data_tensors",
@@ -109,6 +112,9 @@ class RunData:
     train_data_steps: tuple[int, ...] = ()
     #: NeMo-RL's ``add_hparams`` record (flattened config), {} when absent.
     hparams: dict[str, Any] = field(default_factory=dict)
+    #: ids of the runs whose events files are here (`RunWriter` names them; more than one:
+    #: several runs wrote into this directory and the label says ``[mixed: N runs]``).
+    run_ids: tuple[str, ...] = ()
     warnings: list[str] = field(default_factory=list)
 
     def tags(self) -> list[str]:
@@ -118,6 +124,15 @@ class RunData:
     def last_step(self) -> int | None:
         steps = [s.steps[-1] for s in self.scalars.values() if s.steps]
         return max(steps) if steps else None
+
+
+def mixed_runs_message(ids: Iterable[str]) -> str:
+    ids = list(ids)
+    return (
+        f"TensorBoard events of {len(ids)} different runs ({', '.join(ids)}): their steps are "
+        "merged (a step logged twice keeps the later value) and config.yaml / train_data "
+        "describe the last one; give each run its own logger.log_dir"
+    )
 
 
 def _warn(sink: list[str], msg: str) -> None:
@@ -142,6 +157,17 @@ def read_config(run_dir: str | Path) -> tuple[dict[str, Any] | None, list[str]]:
             f"{p}: unreadable config ({type(exc).__name__}: {exc}); label from the directory name"
         ]
     return (cfg if isinstance(cfg, dict) else None), []
+
+
+def run_ids(run_dir: str | Path) -> tuple[str, ...]:
+    """Distinct run ids in the names of the events files under ``run_dir``, oldest first
+    (files from writers that do not name a run are not counted)."""
+    ids: list[str] = []
+    for f in sorted(find_event_files(run_dir), key=lambda p: p.name):
+        rid = event_file_run_id(f)
+        if rid and rid not in ids:
+            ids.append(rid)
+    return tuple(ids)
 
 
 def run_label(
@@ -200,9 +226,15 @@ def read_run(
     for m in w:
         _warn(msgs, m)
     files = train_data_files(run_dir)
+    ids = run_ids(run_dir)
+    label = run_label(run_dir, config, hparams)
+    if len(ids) > 1:
+        label += f" [mixed: {len(ids)} runs]"
+        _warn(msgs, f"{run_dir}: {mixed_runs_message(ids)}")
     run = RunData(
         path=run_dir,
-        label=run_label(run_dir, config, hparams),
+        label=label,
+        run_ids=ids,
         hparams=hparams,
         scalars=series,
         config=config,

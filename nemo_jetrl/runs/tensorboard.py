@@ -17,6 +17,14 @@ from nemo_jetrl._optional import require
 #: NeMo-RL writes TensorBoard events to <log_dir>/tensorboard.
 TB_SUBDIR = "tensorboard"
 EVENTS_GLOB = "events.out.tfevents*"
+#: `RunWriter` ends each events file name with this and the run id.
+RUN_ID_TAG = ".jetrl-run-"
+
+
+def event_file_run_id(path: str | Path) -> str | None:
+    """The run id a `RunWriter` put in an events file's name (None: another writer)."""
+    name = Path(path).name
+    return name.rsplit(RUN_ID_TAG, 1)[1] or None if RUN_ID_TAG in name else None
 
 
 @dataclass(frozen=True)
@@ -58,13 +66,17 @@ def _tfrecord_intact_bytes(path: Path) -> tuple[int, int, int]:
 
 
 def read_event_file(
-    path: str | Path, *, hparams_out: dict[str, Any] | None = None
+    path: str | Path,
+    *,
+    hparams_out: dict[str, Any] | None = None,
+    restarts_out: list[int] | None = None,
 ) -> tuple[dict[str, dict[int, tuple[float, float]]], list[str]]:
     """Scalars of one events file: {tag: {step: (wall_time, value)}}, and warnings.
 
     Uses TensorBoard's own event reader. A truncated or corrupt file yields the records before
     the damage plus a warning naming the file and the byte offset. With ``hparams_out``, the
-    ``add_hparams`` record (NeMo-RL's flattened config) is added to it.
+    ``add_hparams`` record (NeMo-RL's flattened config) is added to it; with ``restarts_out``,
+    the step of each restart marker (``SessionLog.START``, a resumed run's ``purge_step``).
     """
     loader_mod = require(
         "tensorboard.backend.event_processing.event_file_loader", feature="reading TensorBoard logs"
@@ -77,6 +89,9 @@ def read_event_file(
     try:
         for ev in loader_mod.LegacyEventFileLoader(str(path)).Load():
             n_events += 1
+            start = ev.HasField("session_log") and ev.session_log.status == ev.session_log.START
+            if restarts_out is not None and start:
+                restarts_out.append(int(ev.step))
             if not ev.HasField("summary"):
                 continue
             for v in ev.summary.value:
@@ -123,12 +138,21 @@ def read_event_file(
 def read_scalars(
     run_dir: str | Path, *, hparams_out: dict[str, Any] | None = None
 ) -> tuple[dict[str, Series], list[str]]:
-    """All scalars of all events files under ``run_dir``, merged per tag, and warnings."""
+    """All scalars of all events files under ``run_dir``, merged per tag, and warnings.
+
+    Files are read oldest first (names start with the creation time); a file that starts with
+    a restart marker at step S drops what older files logged at step S or later, as
+    TensorBoard does."""
     merged: dict[str, dict[int, tuple[float, float]]] = {}
     msgs: list[str] = []
-    for f in find_event_files(run_dir):
-        scal, w = read_event_file(f, hparams_out=hparams_out)
+    for f in sorted(find_event_files(run_dir), key=lambda p: (p.name, str(p))):
+        restarts: list[int] = []
+        scal, w = read_event_file(f, hparams_out=hparams_out, restarts_out=restarts)
         msgs.extend(w)
+        if restarts:
+            for pts in merged.values():
+                for step in [s for s in pts if s >= min(restarts)]:
+                    del pts[step]
         for tag, pts in scal.items():
             dst = merged.setdefault(tag, {})
             for step, (wall, val) in pts.items():
@@ -137,6 +161,7 @@ def read_scalars(
     series = {
         tag: Series(tag, tuple(sorted(pts)), tuple(pts[s][1] for s in sorted(pts)))
         for tag, pts in merged.items()
+        if pts
     }
     return series, msgs
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.runs.logs import CONFIG_FILE
-from nemo_jetrl.runs.tensorboard import TB_SUBDIR
+from nemo_jetrl.runs.tensorboard import RUN_ID_TAG, TB_SUBDIR
+
+#: config.yaml may hold a secret given as a literal override: owner read/write only.
+CONFIG_MODE = 0o600
 
 
 class RunWriter:
@@ -26,16 +30,27 @@ class RunWriter:
         *,
         config: Mapping[str, Any] | None = None,
         recipe: str | None = None,
+        run_id: str | None = None,
+        purge_step: int | None = None,
     ) -> None:
         """Create ``run_dir`` and the TensorBoard writer; write ``config`` if given.
 
         ``recipe`` (a preset name such as "jetrl") is stored as ``jetrl.recipe`` in config.yaml
         when the config does not already say, so `jetrl compare` labels the run with it.
+        ``run_id`` ends the events file's name (``...{RUN_ID_TAG}<id>``) so a reader can tell
+        the runs in one directory apart (`nemo_jetrl.runs.tensorboard.event_file_run_id`).
+        ``purge_step`` (a resumed run: its first step) starts the events file with TensorBoard's
+        restart marker, so readers drop what an earlier file logged at that step or later (the
+        steps a killed run logged after its last checkpoint, which the resumed run redoes).
         """
         tb = require("torch.utils.tensorboard", feature="writing TensorBoard logs")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._tb = tb.SummaryWriter(log_dir=str(self.run_dir / TB_SUBDIR))
+        self._tb = tb.SummaryWriter(
+            log_dir=str(self.run_dir / TB_SUBDIR),
+            purge_step=purge_step,
+            filename_suffix=f"{RUN_ID_TAG}{run_id}" if run_id else "",
+        )
         self._closed = False
         if config is not None or recipe is not None:
             self.write_config(config or {}, recipe=recipe)
@@ -73,7 +88,12 @@ class RunWriter:
         return path
 
     def write_config(self, config: Mapping[str, Any], *, recipe: str | None = None) -> Path:
-        """Write ``config.yaml`` (with ``jetrl.recipe`` set from ``recipe`` when absent)."""
+        """Write ``config.yaml`` (with ``jetrl.recipe`` set from ``recipe`` when absent).
+
+        Interpolations are written as given, not resolved, so ``${oc.env:WANDB_API_KEY}``
+        stays that text and a secret's value never reaches the file. A literal secret can still
+        come in as an override, so the file is owner-only (``CONFIG_MODE``, 0600), written
+        atomically."""
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=False)
@@ -83,7 +103,12 @@ class RunWriter:
             if isinstance(jet, dict):
                 jet.setdefault("recipe", recipe)
         path = self.run_dir / CONFIG_FILE
-        OmegaConf.save(OmegaConf.create(cfg), path)
+        tmp = path.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, CONFIG_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+        os.chmod(tmp, CONFIG_MODE)  # also when the file existed with a wider mode
+        tmp.replace(path)
         return path
 
     def flush(self) -> None:

@@ -2,15 +2,19 @@
 
 One refit does, in order (nothing is sent unless every check before it passed):
 
-1. KV scales (optional) are validated first: each q/k/v scale a finite number > 0, every layer
-   named one the engine has, and the recipe's KV cache must be FP8. Invalid scales refuse the
-   whole refit before any weight is sent: the engine keeps its previous weights and scales.
+1. KV scales (optional) are validated first: each q/k/v scale a real number (not bool or
+   string) finite and > 0 as fp32 (1e-46 is 0 there), every layer a decoder index >= 0 that the
+   engine has, the recipe's KV cache FP8, and not stale (a `KVScales` calibrated for another
+   ``weights_version`` than this refit's). Invalid scales refuse the whole refit before any
+   weight is sent: the engine keeps its previous weights and scales.
 2. ``quantize_state_dict``: every linear weight the recipe runs in FP8 is quantized with
    ``quantize_blockwise(w, (128, 128))`` in the recipe's scale mode, the same call the trainer's
    FP8 forward uses, giving the FP8 ``weight`` and fp32 ``weight_scale_inv`` vLLM stores. Other
    tensors (embeddings, norms, lm_head, BF16 layers) are sent in the model dtype. Non-finite values
-   are refused naming the tensor; FP8 weights whose dims are not multiples of 128 are refused
-   (they must be in the BF16 set on both sides).
+   are refused naming the tensor, as are FP8 blocks whose dequantized values overflow fp32
+   (a BF16/FP16-max weight with power-of-two scales) and tensors that overflow the engine's
+   dtype when cast; FP8 weights whose dims are not multiples of 128 are refused (they must be
+   in the BF16 set on both sides).
 3. Shape guard: each tensor's shape and dtype is compared with the engine's parameter slice it
    will land in; all mismatches are reported together, naming the layers.
 4. Load through vLLM's own layerwise reload (``compat.reload_weights``): the model's
@@ -31,7 +35,6 @@ calling the same worker methods.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,7 +44,17 @@ from typing import Any
 import torch
 
 from nemo_jetrl.fp8 import quantize_blockwise
+from nemo_jetrl.fp8.staging import quantized_weight_problem
 from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch.refit_kv import (
+    ParityError,
+    RefitError,
+    check_kv_layers,
+    fresh_kv_layers,
+    kv_scales,
+    normalize_kv_scales,
+    set_kv_scales,
+)
 from nemo_jetrl.vllm_patch.settings import (
     ATTN_PROJS,
     MLP_PROJS,
@@ -51,16 +64,28 @@ from nemo_jetrl.vllm_patch.settings import (
 )
 from nemo_jetrl.vllm_patch.worker_ext import pack, unpack
 
+# The KV-scale half and the errors live in `refit_kv`; callers import them from here too.
+__all__ = [
+    "ParityError",
+    "QuantizedStateDict",
+    "RefitError",
+    "RefitReport",
+    "check_kv_layers",
+    "check_parity",
+    "guard_shapes",
+    "kv_scales",
+    "load_hf_state_dict",
+    "normalize_kv_scales",
+    "pack",
+    "quantize_state_dict",
+    "refit",
+    "refit_from_checkpoint",
+    "set_kv_scales",
+    "unpack",
+]
+
 FP8_PROJS = ATTN_PROJS + MLP_PROJS
 SCALE_SUFFIX = "weight_scale_inv"
-
-
-class RefitError(ValueError):
-    """A refit input was refused (non-finite, wrong shape/dims, bad KV scale); nothing loaded."""
-
-
-class ParityError(RuntimeError):
-    """The engine's FP8 weights or scales differ from the trainer's quantization."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +168,9 @@ def quantize_state_dict(
             except (ValueError, TypeError) as exc:
                 errors.append(str(exc))
                 continue
+            if (why := quantized_weight_problem(q.data, q.scale_inv, dtype)) is not None:
+                errors.append(f"{name}: {why}")
+                continue
             module = name[: -len(".weight")]
             tensors[name] = q.data
             tensors[f"{module}.{SCALE_SUFFIX}"] = q.scale_inv
@@ -154,81 +182,14 @@ def quantize_state_dict(
                     errors.append(f"{name}: {bad} non-finite value(s); refusing to refit")
                     continue
                 t = t.detach().to(dtype)
+                if not bool(torch.isfinite(t).all()):
+                    errors.append(f"{name}: finite values overflow {dtype} (inf after the cast)")
+                    continue
             tensors[name] = t
             others.append(name)
     if errors:
         raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
     return QuantizedStateDict(tensors, tuple(fp8_layers), tuple(others))
-
-
-def normalize_kv_scales(
-    kv_scales: Mapping[Any, Mapping[str, float]], prefix: str = "model.layers"
-) -> dict[str, dict[str, float]]:
-    """{layer index or attention module name: {q, k, v}} -> {attention module name: ...}.
-
-    Validates every entry (finite, > 0, all of q/k/v present) and reports all problems at once.
-    """
-    out: dict[str, dict[str, float]] = {}
-    errors = []
-    for key, s in kv_scales.items():
-        name = f"{prefix}.{key}.self_attn.attn" if isinstance(key, int) else str(key)
-        entry = {}
-        for k in ("q", "k", "v"):
-            v = s.get(k) if isinstance(s, Mapping) else None
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                v = float(v)
-            if (
-                not isinstance(v, (int, float))
-                or isinstance(v, bool)
-                or not math.isfinite(v)
-                or v <= 0
-            ):
-                errors.append(f"{name}.{k}_scale={v!r}: must be a finite number > 0")
-            else:
-                entry[k] = float(v)
-        out[name] = entry
-    if errors:
-        raise RefitError("KV scales refused, previous scales kept:\n  - " + "\n  - ".join(errors))
-    return out
-
-
-def check_kv_layers(llm: Any, scales: Mapping[str, Any]) -> None:
-    """Refuse scales for attention layers the engine does not have (nothing is changed)."""
-    known = llm.collective_rpc("jetrl_kv_scales")[0]
-    unknown = sorted(set(scales) - set(known))
-    if unknown:
-        raise RefitError(
-            f"KV scales refused, previous weights and scales kept: unknown attention layers "
-            f"{unknown} (the engine has {sorted(known)})"
-        )
-
-
-def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tuple[str, ...]:
-    """Send validated q/k/v scales to every worker (all-or-nothing per worker)."""
-    scales = normalize_kv_scales(kv_scales)
-    check_kv_layers(llm, scales)
-    results = llm.collective_rpc("jetrl_set_kv_scales", args=(scales,))
-    # Read back what the attention layers now hold (host floats and device tensors, in fp32).
-    back = llm.collective_rpc("jetrl_kv_scales")[0]
-    wrong = [
-        f"{name}.{k}_scale: sent {s[k]!r}, layer holds {back[name][k]!r} / {back[name][k + '_tensor']!r}"
-        for name, s in scales.items()
-        for k in ("q", "k", "v")
-        if not (
-            back[name][k] == s[k]
-            and back[name][f"{k}_tensor"] == float(torch.tensor(s[k], dtype=torch.float32))
-        )
-    ]
-    if wrong:
-        raise ParityError(
-            "KV scales did not reach the attention layers:\n  - " + "\n  - ".join(wrong)
-        )
-    return tuple(results[0])
-
-
-def kv_scales(llm: Any) -> dict[str, dict[str, float]]:
-    """The q/k/v scales each attention layer of the first worker uses now."""
-    return llm.collective_rpc("jetrl_kv_scales")[0]
 
 
 def guard_shapes(llm: Any, qsd: QuantizedStateDict) -> None:
@@ -314,10 +275,14 @@ def refit(
     kv_scales: Mapping[Any, Mapping[str, float]] | None = None,
     parity: bool = True,
     dtype: torch.dtype | None = None,
+    weights_version: int | None = None,
 ) -> RefitReport:
     """Quantize, guard, load into ``llm`` (a ``vllm.LLM`` started with our engine kwargs).
 
     ``dtype``: what non-FP8 tensors are sent as; default: the dtype the engine serves in.
+    ``kv_scales``: ``{layer index or attention name: {q, k, v}}`` or a `KVScales`; a `KVScales`
+    whose ``calibrated_for`` differs from ``weights_version`` (both given) is stale and refused.
+    All-or-nothing: every input is checked before the first tensor is sent (module doc).
     """
     t0 = time.perf_counter()
     settings = settings_from_recipe(recipe)
@@ -328,16 +293,10 @@ def refit(
                 f"KV scales given but the recipe's kv_cache_dtype is {settings.kv_cache_dtype!r}; "
                 "vLLM ignores them for a BF16 KV cache. Set kv_cache_dtype fp8 or drop kv_scales"
             )
-        scales = normalize_kv_scales(kv_scales)
+        scales = normalize_kv_scales(fresh_kv_layers(kv_scales, weights_version))
     qsd = quantize_state_dict(state_dict, settings, dtype=dtype or torch.float32)
     if dtype is None:  # validated first; now cast to what the engine serves in
-        engine_dtype = compat.engine_model_dtype(llm)
-        qsd = QuantizedStateDict(
-            {n: t if n not in qsd.other_names or not t.is_floating_point() else t.to(engine_dtype)
-             for n, t in qsd.tensors.items()},
-            qsd.fp8_layers,
-            qsd.other_names,
-        )  # fmt: skip
+        qsd = _cast_checked(qsd, compat.engine_model_dtype(llm))
     if scales is not None:
         check_kv_layers(llm, scales)
     guard_shapes(llm, qsd)
@@ -357,6 +316,24 @@ def refit(
         kv_layers=kv_layers,
         parity=report,
     )
+
+
+def _cast_checked(qsd: QuantizedStateDict, dtype: torch.dtype) -> QuantizedStateDict:
+    """``qsd`` with its other tensors cast to the engine's ``dtype``; RefitError when a tensor
+    or a dequantized FP8 block is finite as sent but not in ``dtype`` (nothing loaded)."""
+    tensors, errors = dict(qsd.tensors), []
+    for n in qsd.other_names:
+        if tensors[n].is_floating_point():
+            tensors[n] = tensors[n].to(dtype)
+            if not bool(torch.isfinite(tensors[n]).all()):
+                errors.append(f"{n}: finite values overflow {dtype} (inf after the cast)")
+    for m in qsd.fp8_layers:
+        w, s = tensors[f"{m}.weight"], tensors[f"{m}.{SCALE_SUFFIX}"]
+        if (why := quantized_weight_problem(w, s, dtype)) is not None:
+            errors.append(f"{m}.weight: {why}")
+    if errors:
+        raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
+    return QuantizedStateDict(tensors, qsd.fp8_layers, qsd.other_names)
 
 
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:

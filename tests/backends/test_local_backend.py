@@ -138,6 +138,14 @@ def test_short_run_logs_metrics_checkpoints(recipe, tmp_path, cache_dir):
     master, state = ckpt.load_checkpoint(cps[-1][1])
     assert state["step"] == 2 and state["recipe"] == recipe
     assert all(bool(torch.isfinite(t).all()) for t in master.values())
+    manifest = json.loads((cps[-1][1] / ckpt.MANIFEST_FILE).read_text())
+    assert manifest["step"] == 2 and manifest["tensors"] == len(master)
+    assert manifest["run_id"] == state["run_id"] and len(state["run_id"]) == 12
+    for name in (ckpt.MODEL_FILE, ckpt.STATE_FILE):
+        assert manifest["files"][name]["size"] == (cps[-1][1] / name).stat().st_size
+    assert ckpt.verify_checkpoint(cps[-1][1]) == []
+    assert not list((tmp_path / "run").rglob(".jetrl-run.lock"))  # released
+    assert all(h["jetrl/local/update_refused"] == 0.0 for h in res.history)
 
 
 def test_train_cli_runs_and_reports_config_errors(tmp_path, cache_dir, capsys):

@@ -10,6 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import tiny_hf_config, tiny_hf_model  # noqa: E402
+
 from nemo_jetrl.kvcache import (  # noqa: E402
     CalibrationSettings,
     KVScaleRefusedWarning,
@@ -24,31 +26,15 @@ PAD = 0
 
 
 def _config(kind: str, attn: str = "eager"):
-    common = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=PAD,
-    )
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**common)
-    elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**common)
-    else:  # qwen3: q/k RMSNorm before RoPE, explicit head_dim
-        cfg = transformers.Qwen3Config(head_dim=16, **common)
+    # qwen3: q/k RMSNorm before RoPE, explicit head_dim
+    extra = {"head_dim": 16} if kind == "qwen3" else {}
+    cfg = tiny_hf_config(kind, num_hidden_layers=3, pad_token_id=PAD, **extra)
     cfg._attn_implementation = attn
     return cfg
 
 
 def _model(kind: str = "llama", attn: str = "eager", seed: int = 0):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(_config(kind, attn))
-    return model.eval()
+    return tiny_hf_model(_config(kind, attn), seed=seed)
 
 
 def _batch(seed: int = 0, lengths=(12, 9, 7, 12, 5), prompt_len: int = 4, total: int = 12):

@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from nemo_jetrl.rl.correction import (
     CorrectionConfig,
     CorrectionConfigError,
-    importance_weights,
     validate_loss_fn_cfg,
 )
+from nemo_jetrl.rl.weights import importance_weights
 
 NAN = float("nan")
 J = "jetrl/mismatch/"
@@ -102,21 +102,44 @@ def test_sample_mask_drops_rows():
 
 
 def test_nan_and_inf_ratios_become_zero_and_are_counted():
-    # valid tokens: NaN gen -> NaN ratio; d = 100 overflows float32 (e^100 > 3.4e38);
-    # d = -inf -> ratio 0 (finite, not counted); d = 0 -> 1
+    # valid tokens: NaN gen (unusable); d = 100 overflows float32 (e^100 > 3.4e38);
+    # prev = -inf (unusable: a logprob must be finite); d = 0 -> 1
     gen = torch.tensor([[NAN, -100.0, 0.0, -1.0]], dtype=torch.float32)
     prev = torch.tensor([[-1.0, 0.0, -math.inf, -1.0]], dtype=torch.float32)
     r = importance_weights(gen, prev, torch.ones(1, 4), config=CorrectionConfig.for_mode("token"))
     assert r.weights.dtype == torch.float32
     assert r.weights.tolist() == [[0.0, 0.0, 0.0, 1.0]]
-    assert r.stats[J + "is_nonfinite_weights"] == 2.0
+    assert r.stats[J + "is_nonfinite_weights"] == 3.0
     assert all(math.isfinite(v) for v in r.stats.values())
-    # same inputs in float64: e^100 fits, only the NaN is counted
+    # same inputs in float64: e^100 fits, only the NaN and the -inf are counted
     r64 = importance_weights(
         gen.double(), prev.double(), torch.ones(1, 4), config=CorrectionConfig.for_mode("token")
     )
-    assert r64.stats[J + "is_nonfinite_weights"] == 1.0
+    assert r64.stats[J + "is_nonfinite_weights"] == 2.0
     assert r64.weights[0, 1] == pytest.approx(math.exp(100.0))
+
+
+def test_unusable_tokens_get_zero_in_every_mode_even_under_tis_ratio_min():
+    # d = NaN (gen NaN), d = -800 and d = +800 (beyond LOG_RATIO_LIMIT, both directions), d = ln 3
+    gen = torch.tensor([[NAN, -100.0, -900.0, 0.0]], dtype=torch.float64)
+    prev = torch.tensor([[-1.0, -900.0, -100.0, math.log(3.0)]], dtype=torch.float64)
+    tm = torch.ones(1, 4)
+    for mode in ("token", "tis", "icepop"):
+        cfg = CorrectionConfig.for_mode(mode, ratio_max=2.0, ratio_min=0.5)
+        r = importance_weights(gen, prev, tm, config=cfg)
+        last = {"token": 3.0, "tis": 2.0, "icepop": 0.0}[mode]
+        assert r.weights.tolist() == [[0.0, 0.0, 0.0, pytest.approx(last)]], mode
+        assert r.stats[J + "is_nonfinite_weights"] == 3.0, mode
+    # seq-mask-tis: unusable tokens count as ratio 1 in the geometric mean (NeMo-RL's rule):
+    # geo = exp(ln 3 / 4) = 1.316 is inside [0.5, 2], the sequence is kept, its token keeps 3
+    r = importance_weights(
+        gen, prev, tm, config=CorrectionConfig.for_mode("seq-mask-tis", ratio_max=2, ratio_min=0.5)
+    )
+    assert r.weights.tolist() == [[0.0, 0.0, 0.0, pytest.approx(3.0)]]
+    # sequence IS: one unusable token zeroes the whole sequence (its product is unmeasurable)
+    r = importance_weights(gen, prev, tm, config=CorrectionConfig.for_mode("sequence"))
+    assert r.weights.tolist() == [[0.0] * 4]
+    assert r.stats[J + "is_nonfinite_weights"] == 1.0
 
 
 def test_weights_carry_no_gradient():
@@ -207,7 +230,7 @@ def test_validation_collects_all_errors_naming_keys():
                 "sequence_level_importance_ratios": True,
                 "token_level_loss": False,
             },
-            "incompatible with loss_fn.sequence_level_importance_ratios",
+            "incompatible with loss_fn.truncated_importance_sampling_type='seq-mask-tis'",
         ),
         ({"sequence_level_importance_ratios": True}, "needs loss_fn.token_level_loss=false"),
         (
@@ -239,3 +262,29 @@ def test_dataclass_is_frozen_and_validates_on_construction():
         CorrectionConfig(
             truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0
         )
+
+
+def test_rules_module_and_config_validation_do_not_import_torch():
+    # config validation (`jetrl check`) runs the IS rules; they must not pull torch in (~1.6 s)
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nemo_jetrl.rl.correction, nemo_jetrl.config.validate; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_config_validation_reports_the_same_rules():
+    # nemo_jetrl.config.validate calls rl.correction.loss_fn_issues: same keys, same messages
+    from nemo_jetrl.rl.correction import loss_fn_issues
+
+    bad = {"sequence_level_importance_ratios": True, "truncated_importance_sampling_ratio": 2.0}
+    issues = loss_fn_issues(bad)
+    assert [i.key for i in issues] == [
+        "loss_fn.sequence_level_importance_ratios",
+        "loss_fn.truncated_importance_sampling_ratio",
+    ]
+    assert validate_loss_fn_cfg(bad) == [str(i) for i in issues]

@@ -235,6 +235,22 @@ NEMO_RL_CASES = {
     "plain": {},
     "dual_clip_asym": {"ratio_clip_max": 0.28, "ratio_clip_c": 3.0},
     "kl_k3": {"reference_policy_kl_penalty": 0.05},
+    # gen_kl_error / policy_kl_error follow reference_policy_kl_type (k1 can be negative)
+    "kl_k1": {"reference_policy_kl_penalty": 0.05, "reference_policy_kl_type": "k1"},
+    # clamps that bite on this batch (|ref - curr| ~ 0.36): the detached weight of a clamped
+    # token and the output clamp show in the gradient
+    "kl_k2_clamped": {
+        "reference_policy_kl_penalty": 0.5,
+        "reference_policy_kl_type": "k2",
+        "kl_input_clamp_value": 0.3,
+        "kl_output_clamp_value": 0.02,
+    },
+    "kl_k3_on_policy_clamped": {
+        "reference_policy_kl_penalty": 0.5,
+        "use_on_policy_kl_approximation": True,
+        "kl_input_clamp_value": 0.3,
+        "kl_output_clamp_value": 0.03,
+    },
     "token_is": {"use_importance_sampling_correction": True},
     "tis": {
         "use_importance_sampling_correction": True,
@@ -330,13 +346,12 @@ def check_against_nemo_rl(lf, name: str, overrides: dict) -> None:
         assert o_m["train/" + key] == pytest.approx(t_m[key], rel=1e-6, abs=1e-9), (name, key)
 
 
-class _EstimatorCfg(dict):
-    """NeMo-RL v0.7.0 reads the estimator config as a dict (cfg["key"]), main as attributes."""
-
-    __getattr__ = dict.__getitem__
-
-
 def check_advantages_against_nemo_rl(ae) -> None:
+    class Cfg(dict):
+        """NeMo-RL v0.7.0 reads estimator_config["key"], main reads estimator_config.key."""
+
+        __getattr__ = dict.__getitem__
+
     rewards = torch.tensor(
         [1.0, 0.0, 0.0, 1.0, 0.5, 2.0, 2.0, 3.0, 0.25, 0.0, 1.0], dtype=torch.float64
     )
@@ -345,7 +360,7 @@ def check_advantages_against_nemo_rl(ae) -> None:
     for loo in (True, False):
         for norm in (True, False):
             est = ae.GRPOAdvantageEstimator(
-                _EstimatorCfg(use_leave_one_out_baseline=loo, normalize_rewards=norm), None
+                Cfg(use_leave_one_out_baseline=loo, normalize_rewards=norm), None
             )
             # NeMo-RL builds its baseline matrices in float32
             theirs = est.compute_advantage(prompts, rewards.float(), torch.ones(11, 1))[:, 0]

@@ -231,3 +231,30 @@ def test_label_from_nemo_rl_hparams_when_no_config(tmp_path):
     w.close()
     run = read_run(tmp_path / "exp_007")
     assert run.label == "jetrl_kv" and run.hparams["grpo.seed"] == 42
+
+
+def test_restart_marker_drops_later_steps_of_earlier_file(tmp_path):
+    """A resumed run (``purge_step``) hides what the killed run logged at or after that step,
+    for TensorBoard's own reader and for ours, and both files carry the run id."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nemo_jetrl.runs.logs import read_scalars, run_ids
+
+    with RunWriter(tmp_path, run_id="r1") as w:  # the killed run: steps 1-3, checkpoint at 2
+        for s in (1, 2, 3):
+            w.log_scalars(s, {"train/reward": float(s), "train/only_old": 1.0})
+    time.sleep(1.1)  # events file names start with the creation second
+    with RunWriter(tmp_path, run_id="r1", purge_step=3) as w:  # resumed from step 2
+        w.log_scalars(4, {"train/reward": 40.0})
+    series, warns = read_scalars(tmp_path)
+    assert not warns
+    assert series["train/reward"].steps == (1, 2, 4)
+    assert series["train/reward"].values == (1.0, 2.0, 40.0)
+    assert series["train/only_old"].steps == (1, 2)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/reward")] == [1, 2, 4]
+    assert run_ids(tmp_path) == ("r1",)
+    assert all(p.name.endswith(".jetrl-run-r1") for p in find_event_files(tmp_path))

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from hf_models import tiny_hf_config, tiny_hf_model
 from vllm_fixtures import vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
@@ -51,25 +52,21 @@ def _tokenizer():
 
 
 def _hf_model(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    cfg = tiny_hf_config(
+        "llama",
         vocab_size=128,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=128,
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
-        pad_token_id=0,
         tie_word_embeddings=False,
         initializer_range=0.08,  # larger than usual so logits are far from uniform
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +271,61 @@ def test_kv_scales_reach_the_attention_layers_and_bad_ones_are_refused(engine):
     with pytest.raises(RefitError, match="unknown attention layers"):
         set_kv_scales(llm, {"model.layers.9.self_attn.attn": {"q": 1.0, "k": 1.0, "v": 1.0}})
     assert kv_scales(llm) == used, "refused scales must leave the previous ones in place"
+
+
+def _engine_state(llm, recipe) -> dict[str, torch.Tensor]:
+    """Every tensor a refit writes (read back from the worker, GEMM views included) as raw
+    bytes, plus each attention layer's q/k/v scales."""
+    from nemo_jetrl.vllm_patch.refit import kv_scales, quantize_state_dict, unpack
+
+    names = list(quantize_state_dict(_hf_model(0).state_dict(), recipe).tensors)
+    blob = unpack(llm.collective_rpc("jetrl_read_back", args=(names, True))[0])
+    state = {n: t.contiguous().view(torch.uint8) for n, t in blob.items()}
+    for layer, per in kv_scales(llm).items():
+        for k, v in per.items():
+            state[f"{layer}|{k}"] = torch.tensor([float(v)], dtype=torch.float64).view(torch.uint8)
+    return state
+
+
+def test_refused_refits_leave_the_engine_bit_identical(engine, recipe):
+    """Item 4 of issue 17: every refusal happens before the first tensor is sent. Each bad
+    refit carries otherwise valid new weights (a different seed), so a partial load would
+    show in the read-back."""
+    from nemo_jetrl.kvcache.scales import KVScales
+    from nemo_jetrl.recipe import Recipe
+    from nemo_jetrl.vllm_patch.refit import RefitError, refit
+
+    llm, _ = engine
+    kv_recipe = Recipe.preset("jetrl_kv")  # same FP8 weights; an FP8 KV cache takes scales
+    new = _hf_model(5).state_dict()
+    huge = dict(new)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    huge[q] = new[q].clone()
+    huge[q][0, 0] = torch.finfo(torch.bfloat16).max  # pow2 scale 2**120: 448 x 2**120 = inf
+    good = {0: {"q": 0.5, "k": 0.25, "v": 0.125}, 1: {"q": 1.0, "k": 2.0, "v": 0.5}}
+    cases = [
+        ("unknown layer", new, {**good, 7: good[0]}, None, "unknown attention layers"),
+        ("layer -1", new, {-1: good[0], 0: good[0]}, None, "layer key -1 must be a decoder"),
+        ("bool scale", new, {0: {**good[0], "k": True}, 1: good[1]}, None, "got bool"),
+        ("str scale", new, {0: {**good[0], "v": "0.5"}, 1: good[1]}, None, "got str"),
+        ("0 in fp32", new, {0: {**good[0], "q": 1e-46}, 1: good[1]}, None, "it is 0.0 there"),
+        ("stale", new, KVScales(good, calibrated_for=3), 4, "stale"),
+        ("bf16-max weight", huge, None, None, "q_proj.weight: 1 block(s) dequantize past"),
+    ]
+    before = _engine_state(llm, recipe)
+    for label, sd, kv, version, match in cases:
+        with pytest.raises(RefitError) as ei:
+            refit(llm, sd, kv_recipe, kv_scales=kv, weights_version=version)
+        assert match in str(ei.value), (label, str(ei.value))
+        after = _engine_state(llm, recipe)
+        changed = [n for n in before if not torch.equal(before[n], after[n])]
+        assert after.keys() == before.keys() and not changed, f"{label}: changed {changed}"
+    # Not vacuous: the same refit with fresh scales goes through and changes weights and scales.
+    rep = refit(llm, new, kv_recipe, kv_scales=KVScales(good, calibrated_for=4), weights_version=4)
+    assert rep.kv_layers and rep.parity is not None and rep.parity.differing == ()
+    after = _engine_state(llm, recipe)
+    assert not torch.equal(before[q], after[q])
+    assert after["model.layers.1.self_attn.attn|k"].view(torch.float64).item() == 2.0
 
 
 def test_patch_is_idempotent_and_refuses_other_settings(engine, recipe):

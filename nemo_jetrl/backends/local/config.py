@@ -11,16 +11,20 @@ Every key is documented in docs/local_backend.md.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON, SUPPORTED_TYPES
 from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.config.run_keys import path_problem, read_run_keys
 
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -93,10 +97,31 @@ def _as_dict(section: Any) -> dict[str, Any] | None:
     if section is None:
         return {}
     if isinstance(section, DictConfig):
-        return OmegaConf.to_container(section, resolve=True)  # type: ignore[return-value]
+        return _resolved(section)
     if isinstance(section, Mapping):
         return dict(section)
     return None
+
+
+def _resolved(node: DictConfig) -> dict[str, Any]:
+    """The mapping with its interpolations resolved; a key that cannot be resolved is left out
+    (the config validator's interpolation check names it)."""
+    out: dict[str, Any] = {}
+    for key in node:
+        try:
+            val = node[key]
+        except OmegaConfBaseException:
+            continue
+        if isinstance(val, DictConfig):
+            out[str(key)] = _resolved(val)
+        elif isinstance(val, ListConfig):
+            try:
+                out[str(key)] = OmegaConf.to_container(val, resolve=True)
+            except OmegaConfBaseException:
+                continue
+        else:
+            out[str(key)] = val
+    return out
 
 
 def _check_type(value: Any, kinds: tuple[type, ...]) -> bool:
@@ -108,6 +133,9 @@ def _check_type(value: Any, kinds: tuple[type, ...]) -> bool:
 
 
 _NUM = (int, float)
+# 1e9 made libgomp run out of memory. The bound does not depend on this machine (a config valid
+# on one machine is valid on all); more threads than CPUs only contends, which setup warns about.
+_MAX_THREADS = 1024
 
 
 def _read_dataclass(
@@ -150,15 +178,19 @@ _TASK_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str
 }
 _WS_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
     "enabled": ((bool,), None, "true or false"),
-    "steps": ((int,), lambda v: v >= 0, "an integer >= 0"),
-    "batch_size": ((int,), _pos_int, "an integer >= 1"),
+    "steps": ((int,), lambda v: 0 <= v <= 10**7, "an integer in [0, 10000000]"),
+    "batch_size": ((int,), lambda v: 1 <= v <= 1 << 16, "an integer in [1, 65536]"),
     "lr": (_NUM, lambda v: 0 < v < 1, "a number in (0, 1)"),
 }
 _LOCAL_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
     "model_config": ((str, type(None)), None, "a path to a config.json, or null"),
     "tokenizer": ((str, type(None)), None, "a path to a tokenizers JSON file, or null"),
     "dtype": ((str,), lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
-    "num_threads": ((int, type(None)), _pos_int, "an integer >= 1, or null"),
+    "num_threads": (
+        (int, type(None)),
+        lambda v: 1 <= v <= _MAX_THREADS,
+        f"an integer in [1, {_MAX_THREADS}], or null",
+    ),
     "cache_dir": ((str, type(None)), None, "a directory path, or null"),
     "task": ((Mapping,), None, "a mapping"),
     "warmstart": ((Mapping,), None, "a mapping"),
@@ -184,12 +216,47 @@ def _read_local(section: Any, path: str, issues: list[ConfigIssue]) -> LocalSett
         WarmStartSettings, kw.pop("warmstart", {}) or {}, f"{path}.warmstart", issues, _WS_RULES
     )
     for key in ("model_config", "tokenizer"):
-        p = kw.get(key)
-        if p and not Path(p).expanduser().is_file():
-            issues.append(ConfigIssue(f"{path}.{key}", f"file {p!r} not found"))
+        problem = _json_file_problem(kw.get(key), key == "model_config")
+        if problem:
+            issues.append(ConfigIssue(f"{path}.{key}", problem))
+            kw.pop(key)
+    cache = path_problem(kw["cache_dir"]) if kw.get("cache_dir") else None
+    if cache is not None and cache[1]:  # under a regular file: the warm start cannot be cached
+        issues.append(ConfigIssue(f"{path}.cache_dir", f"{cache[0]}; choose a directory"))
     if "num_ops" in task_kw:
         task_kw["num_ops"] = int(task_kw["num_ops"])
     return LocalSettings(**kw, task=TaskConfig(**task_kw), warmstart=WarmStartSettings(**ws_kw))
+
+
+def _json_file_problem(p: str | None, model_config: bool) -> str | None:
+    """Why the JSON file ``p`` (model config or tokenizer) cannot be used, or None."""
+    if not p:
+        return None
+    f = Path(p).expanduser()
+    if not f.is_file():
+        return f"file {p!r} not found"
+    if model_config:  # read by the model's architecture check, which reports what is unreadable
+        try:
+            data = json.loads(f.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if isinstance(data, dict) and data.get("model_type") not in SUPPORTED_TYPES:
+            return (
+                f"model_type {data.get('model_type')!r} in {p!r} is not supported by the local "
+                f"backend; use one of {', '.join(SUPPORTED_TYPES)}"
+            )
+        return None
+    try:
+        data = json.loads(f.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        return f"cannot read {p!r}: {exc.strerror}"
+    except UnicodeDecodeError as exc:
+        return f"{p!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+    except json.JSONDecodeError as exc:
+        return f"{p!r} is not valid JSON: {exc}"
+    if not isinstance(data, dict) or "model" not in data:
+        return f'{p!r} is not a tokenizers JSON file (no "model" object)'
+    return None
 
 
 def validate_local_config(section: Any, path: str = "jetrl.local") -> list[ConfigIssue]:
@@ -197,6 +264,19 @@ def validate_local_config(section: Any, path: str = "jetrl.local") -> list[Confi
     issues: list[ConfigIssue] = []
     _read_local(section, path, issues)
     return issues
+
+
+def validate_local_run(cfg: DictConfig) -> list[ConfigIssue]:
+    """Problems of NeMo-RL keys only the local backend restricts (hook of `nemo_jetrl.config`)."""
+    return optimizer_issues(cfg)
+
+
+def local_model_config(section: Any) -> str:
+    """The config.json the local backend builds its model from (``jetrl.local.model_config``,
+    else the repo's 2-layer Llama): what `jetrl check` checks the recipe against."""
+    raw = _as_dict(section) or {}
+    p = raw.get("model_config")
+    return str(Path(p).expanduser()) if isinstance(p, str) and p else str(MODEL_CONFIG_JSON)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,86 +331,13 @@ class RunSettings:
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> RunSettings:
-        """Read the NeMo-RL keys; `ConfigError` listing every problem."""
+        """Read the NeMo-RL keys (rules: `nemo_jetrl.config.run_keys`); `ConfigError` listing
+        every problem."""
         issues: list[ConfigIssue] = []
-        kw: dict[str, Any] = {}
-
-        def read(key: str, field_name: str, kinds: tuple[type, ...], ok, what: str) -> None:
-            val = OmegaConf.select(cfg, key, default="__absent__")
-            if val == "__absent__":
-                return
-            if val is None and type(None) in kinds:
-                kw[field_name] = None
-                return
-            if (
-                isinstance(val, (DictConfig,))
-                or not _check_type(val, tuple(k for k in kinds if k is not type(None)))
-                or (ok is not None and not ok(val))
-            ):
-                issues.append(ConfigIssue(key, f"got {val!r}; expected {what}"))
-                return
-            kw[field_name] = val
-
-        pos = (lambda v: v >= 1, "an integer >= 1")
-        read("grpo.num_prompts_per_step", "num_prompts_per_step", (int,), *pos)
-        read("grpo.num_generations_per_prompt", "num_generations_per_prompt", (int,), *pos)
-        read("grpo.max_num_steps", "max_num_steps", (int,), lambda v: v >= 0, "an integer >= 0")
-        read("grpo.val_period", "val_period", (int,), lambda v: v >= 0, "an integer >= 0")
-        read("grpo.val_at_start", "val_at_start", (bool,), None, "true or false")
-        read("grpo.seed", "seed", (int,), lambda v: v >= 0, "an integer >= 0")
-        read("grpo.normalize_rewards", "normalize_rewards", (bool,), None, "true or false")
-        read(
-            "grpo.use_leave_one_out_baseline", "use_leave_one_out_baseline", (bool,), None,
-            "true or false",
-        )  # fmt: skip
-        read("policy.generation.temperature", "temperature", _NUM, lambda v: v > 0, "a number > 0")
-        read("policy.generation.max_new_tokens", "max_new_tokens", (int, type(None)), *pos)
-        read("policy.optimizer.kwargs.lr", "lr", _NUM, lambda v: v > 0, "a number > 0")
-        read(
-            "policy.optimizer.kwargs.weight_decay", "weight_decay", _NUM, lambda v: v >= 0,
-            "a number >= 0",
-        )  # fmt: skip
-        read("policy.optimizer.kwargs.eps", "eps", _NUM, lambda v: v > 0, "a number > 0")
-        betas = OmegaConf.select(cfg, "policy.optimizer.kwargs.betas", default=None)
-        if betas is not None:
-            try:
-                b = tuple(float(x) for x in betas)
-                if len(b) != 2 or not all(0 <= x < 1 for x in b):
-                    raise ValueError
-                kw["betas"] = b
-            except (TypeError, ValueError):
-                issues.append(
-                    ConfigIssue(
-                        "policy.optimizer.kwargs.betas",
-                        f"got {betas!r}; expected [b1, b2] in [0, 1)",
-                    )
-                )
-        name = OmegaConf.select(cfg, "policy.optimizer.name", default=None)
-        if name not in (None, "torch.optim.AdamW", "adamw", "AdamW"):
-            issues.append(
-                ConfigIssue(
-                    "policy.optimizer.name",
-                    f"the local backend trains with torch.optim.AdamW, got {name!r}",
-                    ("torch.optim.AdamW",),
-                )
-            )
-        read(
-            "policy.max_grad_norm",
-            "max_grad_norm",
-            (*_NUM, type(None)),
-            lambda v: v > 0,
-            "a number > 0 or null",
-        )
-        read("checkpointing.enabled", "checkpoint_enabled", (bool,), None, "true or false")
-        read("checkpointing.checkpoint_dir", "checkpoint_dir", (str, type(None)), None, "a path")
-        read("checkpointing.save_period", "save_period", (int,), *pos)
-        read("checkpointing.keep_top_k", "keep_top_k", (int, type(None)), *pos)
-        read("logger.log_dir", "log_dir", (str,), None, "a directory path")
+        kw = read_run_keys(cfg, issues)
+        issues += optimizer_issues(cfg)
         if issues:
             raise ConfigError(issues)
-        for k in ("lr", "weight_decay", "eps", "temperature"):
-            if k in kw:
-                kw[k] = float(kw[k])
         return cls(**kw)
 
     @property
@@ -342,3 +349,17 @@ class RunSettings:
         return (
             Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.log_dir) / "checkpoints"
         )
+
+
+def optimizer_issues(cfg: DictConfig) -> list[ConfigIssue]:
+    """The local backend trains with AdamW only: any other ``policy.optimizer.name`` is refused."""
+    name = OmegaConf.select(cfg, "policy.optimizer.name", default=None)
+    if name in (None, "torch.optim.AdamW", "adamw", "AdamW"):
+        return []
+    return [
+        ConfigIssue(
+            "policy.optimizer.name",
+            f"the local backend trains with torch.optim.AdamW, got {name!r}",
+            ("torch.optim.AdamW",),
+        )
+    ]

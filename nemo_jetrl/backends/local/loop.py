@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,8 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.backends.local import checkpoint as ckpt
+from nemo_jetrl.backends.local.config import RunSettings
 from nemo_jetrl.backends.local.setup import LocalRun, resolve_run
 from nemo_jetrl.backends.local.step import Hooks
+from nemo_jetrl.errors import UserError
+from nemo_jetrl.runs.lock import RunDirLock
+from nemo_jetrl.runs.tensorboard import find_event_files
 
 __all__ = ["Hooks", "LocalRun", "RunResult", "resolve_run", "run_local"]
 
@@ -51,32 +56,86 @@ def run_local(
     hooks: Hooks | None = None,
     log=None,
 ) -> RunResult:
-    """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config."""
-    from nemo_jetrl.runs.writer import RunWriter
+    """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config.
 
+    The run owns ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` for its lifetime
+    (`nemo_jetrl.runs.lock`); `UserError` (exit 2) when another live run holds them, when a
+    directory cannot be created, or when a fresh start would mix with another run's checkpoints.
+    """
     hooks = hooks or Hooks()
     tqdm_mod = require("tqdm", feature="the training progress bar") if progress else None
     write = (tqdm_mod.tqdm.write if tqdm_mod else print) if log is None else log
     t_begin = time.perf_counter()
-    run = LocalRun(cfg, log=write)
+    resolved = resolve_run(cfg)
+    rs = resolved[1]
+    lock = _own_run_dirs(rs, resume=resume, log=write)
+    try:
+        found = None
+        if resume:  # before any work: a damaged checkpoint dir fails here, not after setup
+            found = ckpt.find_resumable(rs.resolved_checkpoint_dir(), log=write)
+            if found is None:
+                write(f"--resume: no checkpoint in {rs.resolved_checkpoint_dir()}; starting fresh")
+        return _run_owned(cfg, resolved, lock.run_id, found, hooks, tqdm_mod, write, t_begin)
+    except ckpt.CheckpointError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        lock.release()
+
+
+def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
+    """Lock the run's directories (exit 2 if another live run holds them), clean what a killed
+    save left, and refuse a fresh start over another run's checkpoints."""
+    dirs = [("logger.log_dir", Path(rs.log_dir))]
+    ckpt_dir = rs.resolved_checkpoint_dir()
+    if rs.checkpoint_enabled:
+        dirs.append(("checkpointing.checkpoint_dir", ckpt_dir))
+    lock = RunDirLock(uuid.uuid4().hex[:12]).acquire(dirs, log=log)
+    if not resume and find_event_files(rs.log_dir):
+        log(
+            f"note: logger.log_dir {rs.log_dir} already holds TensorBoard events of an earlier "
+            "run; `jetrl compare` will refuse it as mixed. Use a new logger.log_dir per run."
+        )
+    if not rs.checkpoint_enabled:
+        return lock
+    for msg in ckpt.clean_orphans(ckpt_dir):
+        log(msg)
+    old = ckpt.list_checkpoints(ckpt_dir)
+    if old and not resume:
+        lock.release()
+        raise UserError(
+            f"checkpointing.checkpoint_dir {ckpt_dir} already holds checkpoints of an earlier "
+            f"run ({', '.join(d.name for _, d in old)}): pass --resume to continue it, or "
+            "remove them or choose another logger.log_dir / checkpointing.checkpoint_dir"
+        )
+    return lock
+
+
+def _run_owned(cfg, resolved, run_id, found, hooks, tqdm_mod, write, t_begin) -> RunResult:
+    """The run itself, in directories this process owns; ``found``: the verified checkpoint
+    to continue from (`checkpoint.find_resumable`), or None."""
+    from nemo_jetrl.runs.writer import RunWriter
+
+    run = LocalRun(cfg, log=write, resolved=resolved)
+    run.run_id = run_id
     if hooks.on_run is not None:
         hooks.on_run(run)
     rs = run.run
     log_dir = Path(rs.log_dir)
-    if resume:
-        latest = ckpt.latest_checkpoint(rs.resolved_checkpoint_dir())
-        if latest is None:
-            write(f"--resume: no checkpoint in {rs.resolved_checkpoint_dir()}; starting fresh")
-        else:
-            try:
-                run.restore(latest)
-            except BaseException:
-                run.close()  # a vLLM engine must not outlive a failed start
-                raise
-            write(f"resumed from {latest} (step {run.step})")
+    resumed = found is not None
+    if resumed:
+        try:
+            run.restore(found[0], loaded=found[1:])
+        except BaseException:
+            run.close()  # a vLLM engine must not outlive a failed start
+            raise
+        write(f"resumed from {found[0]} (step {run.step}, run {run.run_id})")
     first = run.step
     writer = RunWriter(
-        log_dir, config=OmegaConf.to_container(cfg, resolve=True), recipe=run.recipe.name
+        log_dir,
+        config=OmegaConf.to_container(cfg, resolve=False),  # secrets stay ${oc.env:...}
+        recipe=run.recipe.name,
+        run_id=run.run_id,
+        purge_step=first + 1 if resumed else None,
     )
     history: list[dict[str, float]] = []
     bar = None

@@ -42,22 +42,6 @@ def load_model_config(path: str | Path | None = None) -> Any:
     return transformers.AutoConfig.for_model(mtype, **raw)
 
 
-def decoder_linear_shapes(config: Any) -> dict[str, tuple[int, int]]:
-    """``{name: (out_features, in_features)}`` of one decoder layer's linears."""
-    h, inter = config.hidden_size, config.intermediate_size
-    hd = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    return {
-        "self_attn.q_proj": (q, h),
-        "self_attn.k_proj": (kv, h),
-        "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q),
-        "mlp.gate_proj": (inter, h),
-        "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-    }
-
-
 def build_model(
     config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> torch.nn.Module:

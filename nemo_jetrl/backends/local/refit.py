@@ -9,8 +9,11 @@ with. In two phases, so that a bad update can never reach the rollout:
    trainer's own `Fp8LinearConfig` (the exact call `Fp8BlockLinear` makes in its forward, so
    the rollout's FP8 weight equals the trainer's bit for bit), or, for a rollout that emulates
    unpatched vLLM, through vLLM's own weight quantizer (`vllm_native`).
-2. commit: only when *every* tensor passed, load them all (FP8 layers via
-   ``Fp8InferenceLinear.load_quantized``: no requantization).
+   Each FP8 layer's quantized weight and bias also pass the layer's own load checks here
+   (``Fp8InferenceLinear.stage_quantized``: FP8 bytes that are NaN, scales, blocks whose
+   dequantized values overflow fp32, bias shape and finiteness).
+2. commit: only when *every* tensor passed, store them all (FP8 layers via
+   ``Fp8InferenceLinear.commit``: no requantization, nothing left to fail).
 
 If anything fails, nothing is loaded: `RefitRefused` names every offending layer and the rollout
 keeps its last good weights. The caller logs the refusal and carries on.
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from nemo_jetrl.fp8 import BlockQuantized, Fp8InferenceLinear, quantize_blockwise
+from nemo_jetrl.fp8.staging import StagedWeight
 from nemo_jetrl.fp8.vllm_native import per_block_cast_native
 
 
@@ -90,19 +94,27 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple[int, ...]) -> str | N
     return None
 
 
-@torch.no_grad()
-def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> RefitResult:
-    """Load ``weights`` (trainer names) into ``rollout_model`` through the guard (see module doc).
+@dataclass
+class StagedRefit:
+    """Every tensor of one refit, checked and ready to store (`stage_refit` -> `commit_refit`)."""
 
-    Raises `RefitRefused` (nothing loaded) when any tensor is missing, mis-shaped or non-finite.
-    """
-    t0 = time.perf_counter()
-    problems: list[str] = []
-    fp8_layers: dict[str, Fp8InferenceLinear] = {
-        n: m for n, m in rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
-    }
-    staged_fp8: dict[str, tuple[BlockQuantized, torch.Tensor | None]] = {}
-    for name, layer in fp8_layers.items():
+    fp8_layers: dict[str, Fp8InferenceLinear]
+    """The rollout model's FP8 layers by module name."""
+    fp8: dict[str, tuple[BlockQuantized, StagedWeight]]
+    """Per FP8 layer: its 128x128 quantization and what its own load checks accepted."""
+    plain: list[tuple[torch.Tensor, torch.Tensor]]
+    """(parameter, new value already cast to its dtype) for every other parameter."""
+    t0: float
+    """When staging began (`time.perf_counter`), for the refit's duration."""
+
+
+def _stage_fp8(
+    layers: Mapping[str, Fp8InferenceLinear],
+    weights: Mapping[str, torch.Tensor],
+    problems: list[str],
+) -> dict[str, tuple[BlockQuantized, StagedWeight]]:
+    staged: dict[str, tuple[BlockQuantized, StagedWeight]] = {}
+    for name, layer in layers.items():
         w = weights.get(f"{name}.weight")
         msg = _check(f"{name}.weight", w, (layer.out_features, layer.in_features))
         b = weights.get(f"{name}.bias") if layer.bias is not None else None
@@ -112,16 +124,24 @@ def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Refi
             problems.append(msg)
             continue
         assert w is not None
-        try:
+        try:  # the quantizer refuses non-finite input; the layer makes every load check now
             q = quantize_for_rollout(layer, w)
-        except ValueError as exc:  # the quantizer refuses non-finite input, naming the tensor
+            staged[name] = (q, layer.stage_quantized(q.data, q.scale_inv, b))
+        except (ValueError, TypeError) as exc:
             problems.append(str(exc))
-            continue
-        s = q.scale_inv
-        if not bool((torch.isfinite(s) & (s > 0)).all()):
-            problems.append(f"{name}.weight: quantization produced non-finite or zero scales")
-            continue
-        staged_fp8[name] = (q, b)
+    return staged
+
+
+@torch.no_grad()
+def stage_refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> StagedRefit:
+    """Phase 1 (module doc): check and quantize every tensor, store nothing. `RefitRefused`
+    names every problem."""
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    fp8_layers: dict[str, Fp8InferenceLinear] = {
+        n: m for n, m in rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
+    }
+    staged_fp8 = _stage_fp8(fp8_layers, weights, problems)
     fp8_prefixes = tuple(f"{n}." for n in fp8_layers)
     staged_plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, param in rollout_model.named_parameters():
@@ -129,20 +149,37 @@ def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> Refi
             continue
         src = weights.get(name)
         msg = _check(name, src, tuple(param.shape))
+        if msg is None:
+            src = src.to(param.dtype)  # type: ignore[union-attr]
+            if not bool(torch.isfinite(src).all()):
+                msg = f"{name}: finite values overflow the rollout's {param.dtype} (inf after cast)"
         if msg is not None:
             problems.append(msg)
         else:
             staged_plain.append((param, src))  # type: ignore[arg-type]
     if problems:
         raise RefitRefused(problems)
-    for name, (q, b) in staged_fp8.items():
-        fp8_layers[name].load_quantized(q.data, q.scale_inv, b)
-    for param, src in staged_plain:
+    return StagedRefit(fp8_layers, staged_fp8, staged_plain, t0)
+
+
+@torch.no_grad()
+def commit_refit(staged: StagedRefit) -> RefitResult:
+    """Phase 2: store what `stage_refit` accepted (nothing left that can fail)."""
+    for name, (_, weight) in staged.fp8.items():
+        staged.fp8_layers[name].commit(weight)
+    for param, src in staged.plain:
         param.copy_(src)
-    quantized = {n: q for n, (q, _) in staged_fp8.items()}
     return RefitResult(
-        seconds=time.perf_counter() - t0,
-        tensors=len(staged_plain) + len(staged_fp8),
-        fp8_layers=len(staged_fp8),
-        quantized=quantized,
+        seconds=time.perf_counter() - staged.t0,
+        tensors=len(staged.plain) + len(staged.fp8),
+        fp8_layers=len(staged.fp8),
+        quantized={n: q for n, (q, _) in staged.fp8.items()},
     )
+
+
+def refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> RefitResult:
+    """Load ``weights`` (trainer names) into ``rollout_model`` through the guard (see module doc).
+
+    Raises `RefitRefused` (nothing loaded) when any tensor is missing, mis-shaped or non-finite.
+    """
+    return commit_refit(stage_refit(rollout_model, weights))

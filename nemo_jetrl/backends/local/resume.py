@@ -1,7 +1,8 @@
 """Checkpointing of a local run: `RunCheckpointing`, the part of `LocalRun` that gathers the
 state beyond the weights (optimizer, RNG states, KV scales, refused refits) for
 `nemo_jetrl.backends.local.checkpoint`, saves it every ``checkpointing.save_period`` steps and
-restores it on ``--resume`` so the resumed steps reproduce an uninterrupted run exactly.
+restores it on ``--resume`` so the resumed steps reproduce an uninterrupted run exactly. The
+run id travels in the state so a resumed run's logs carry the id of the run it continues.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ class RunCheckpointing:
             "kv_scales": kv,
             "refit_refused_total": self.refit_refused_total,
             "recipe": self.recipe.name,
+            "run_id": getattr(self, "run_id", None),
         }
 
-    def restore(self, path: Path) -> None:
-        master, state = ckpt.load_checkpoint(path)
+    def restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]] | None = None):
+        """Continue from checkpoint ``path`` (``loaded``: its (master, state), already read
+        and verified by `checkpoint.find_resumable`)."""
+        master, state = loaded if loaded is not None else ckpt.load_checkpoint(path)
         if state.get("recipe") not in (None, self.recipe.name):
             raise ConfigError(
                 [
@@ -53,6 +57,8 @@ class RunCheckpointing:
             self.kv.set_scales(KVScales(layers=layers))
             self.kv_calibrated = True
         self.step = int(state["step"])
+        if state.get("run_id"):  # a resumed run keeps its id: its logs are one run
+            self.run_id = str(state["run_id"])
 
     def save(self) -> Path | None:
         if not self.run.checkpoint_enabled:

@@ -9,6 +9,7 @@ come from `nemo_jetrl.backends.local.step`, its checkpointing from
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +90,22 @@ class LocalRun(RunStep, RunCheckpointing):
     """All state of one local GRPO run (models, trainer, generators, KV controller, writer);
     the step phases come from `RunStep`, the checkpoint state from `RunCheckpointing`."""
 
-    def __init__(self, cfg: DictConfig, *, log=print) -> None:
+    def __init__(self, cfg: DictConfig, *, log=print, resolved: tuple | None = None) -> None:
+        """``resolved``: what `resolve_run(cfg)` returned, when the caller already has it
+        (`run_local` resolves first to lock the run's directories before any work)."""
         self.cfg = cfg
         self.log = log
-        self.recipe, self.run, self.local, loss_cfg = resolve_run(cfg)
+        self.recipe, self.run, self.local, loss_cfg = resolved or resolve_run(cfg)
+        self.run_id: str | None = None  # set by run_local; kept across --resume
         if self.local.num_threads:
+            cpus = os.cpu_count() or 1
+            if self.local.num_threads > cpus:
+                print(
+                    f"[jetrl] warning: jetrl.local.num_threads={self.local.num_threads} exceeds "
+                    f"this machine's {cpus} CPUs (threads will contend; 1 is fastest for these "
+                    "tiny models)",
+                    flush=True,
+                )
             torch.set_num_threads(self.local.num_threads)
         self.tokenizer = load_tokenizer(self.local.tokenizer)
         tok_path = Path(self.local.tokenizer) if self.local.tokenizer else TOKENIZER_JSON

@@ -11,7 +11,8 @@ test/debugging `Hooks` they call. The phases, timed with NeMo-RL's timing names:
    under the training precision gives ``prev_logprobs`` (and reference logprobs when the KL
    penalty is on); `mismatch_metrics` compares them with the rollout's.
 4. update (``timing/train/policy_training``): GRPO loss (group advantages, clipped PG, optional
-   IS correction and KL) and one AdamW step on the fp32 masters.
+   IS correction and KL) and one AdamW step on the fp32 masters, undone when it leaves a weight
+   non-finite (`nemo_jetrl.backends.local.guard`, ``jetrl/local/update_refused``).
 5. recalibrate KV scales (``timing/train/kv_calibration``) when the KV cache is FP8.
 
 With ``jetrl.local.rollout_engine: vllm`` steps 1 and 2 run on a real vLLM CPU engine under the
@@ -30,7 +31,13 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.backends.local.refit import RefitRefused, export_weights, refit
+from nemo_jetrl.backends.local.guard import guarded_update
+from nemo_jetrl.backends.local.refit import (
+    RefitRefused,
+    commit_refit,
+    export_weights,
+    stage_refit,
+)
 from nemo_jetrl.backends.local.rollout import generate
 from nemo_jetrl.backends.local.task import (
     decode_responses,
@@ -76,8 +83,8 @@ class RunStep:
         weights = export_weights(self.trainer.model)
         if hooks.before_refit is not None:
             weights = hooks.before_refit(self.step + 1, dict(weights))
-        try:
-            refit(self.rollout_model, weights)
+        try:  # checked first, stored only once the engine (if any) accepted its refit too
+            staged = stage_refit(self.rollout_model, weights)
         except RefitRefused as exc:
             self.refit_refused_total += 1
             return False, str(exc)
@@ -91,6 +98,7 @@ class RunStep:
             except RefitError as exc:
                 self.refit_refused_total += 1
                 return False, f"vLLM engine: {exc}"
+        commit_refit(staged)
         return True, None
 
     def _generate(self, prompt_ids: torch.Tensor, generator: torch.Generator, *, greedy: bool):
@@ -185,10 +193,15 @@ class RunStep:
         ref = self.trainer.reference_logprobs(ids, P)
         phase("policy_and_reference_logprobs", t0, c0)
         gen = rb.generation_logprobs
-        s.update(mismatch_metrics(gen, prev, mask))
+        s.update(
+            mismatch_metrics(
+                gen, prev, mask, kl_type=self.trainer.loss_cfg.reference_policy_kl_type
+            )
+        )
         # 4. update
         t0, c0 = time.perf_counter(), time.process_time()
-        lm = self.trainer.update(
+        lm, refused = guarded_update(
+            self.trainer,
             ids,
             P,
             prev_logprobs=prev,
@@ -198,6 +211,8 @@ class RunStep:
             reference_logprobs=ref,
         )
         phase("policy_training", t0, c0)
+        if refused:
+            self.log(f"step {self.step + 1}: {refused}")
         s.update(lm)
         # 5. KV recalibration on this step's data, with the updated weights
         if self.kv is not None:

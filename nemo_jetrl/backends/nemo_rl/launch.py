@@ -97,7 +97,7 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
 
     source = str(cfg) if not isinstance(cfg, DictConfig) else "<config>"
     try:
-        checked = check_config(cfg, overrides)
+        checked = check_config(cfg, overrides, run=True)
     except ConfigError as exc:
         raise _user_error(f"invalid config\n{exc}") from None
     refusal = off_policy_refusal(checked)

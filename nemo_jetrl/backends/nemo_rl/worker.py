@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 from nemo_jetrl._optional import require
+from nemo_jetrl.recipe_parts import KV_MARGIN, KV_PERCENTILE
 
 CLASS_NAME = "JetrlMegatronPolicyWorker"
 
@@ -99,8 +100,8 @@ def make_worker_class() -> type:
             *,
             data: Any,
             micro_batch_size: int | None = None,
-            percentile: float = 99.9,
-            margin: float = 1.05,
+            percentile: float = KV_PERCENTILE,
+            margin: float = KV_MARGIN,
             include_q: bool = False,
         ) -> dict[str, Any]:
             import torch
