@@ -178,6 +178,11 @@ def quantize_batch(
         if k in fp8_names:
             scale = f"{k[: -len('.weight')]}.{SCALE_SUFFIX}"
             out += [(k, qsd.tensors[k]), (scale, qsd.tensors[scale])]
+        elif (m := KV_NAME.match(k)) is not None:
+            # NeMo-RL names q "<layer>.self_attn.attn.q_scale"; vLLM's loader (0.20's
+            # maybe_remap_kv_scale_name) maps that to "...attn.attn.q_scale" and drops it. The
+            # k/v form loads: "<layer>.self_attn.q_scale" -> "<layer>.self_attn.attn.q_scale".
+            out.append((f"{m['layer']}.{m['t']}_scale", v))
         else:
             out.append((k, v))
     if sent is not None and sent.keep:
