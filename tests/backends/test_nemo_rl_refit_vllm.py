@@ -150,9 +150,18 @@ def nrl_engine(tmp_path_factory):
         standin = {
             "fp8": dataclasses.asdict(fp8.global_fp8_config),
             "device_id": device_id,
-            "test_pid": os.getpid(),
         }
         mp.setenv("JETRL_NRL_WORKER_STANDIN", json.dumps(standin))
+        # The stand-in plugin also runs in this process (vLLM loads plugins here too, and 0.25's
+        # CPU worker lives here): record what it replaces so that mp.undo() restores it.
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        for owner, name in (
+            (vllm_backend, "rebuild_cuda_tensor_from_ipc"),
+            (vllm_backend.VllmInternalWorkerExtension, "report_device_id"),
+            (CPUWorker, "init_device"),
+        ):
+            mp.setattr(owner, name, getattr(owner, name))
         mp.setenv("PYTHONPATH", os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]))
         mp.syspath_prepend(str(STANDINS))
         for k, v in vllm_refit.refit_hook_env(True).items():

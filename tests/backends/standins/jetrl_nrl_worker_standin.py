@@ -1,9 +1,10 @@
 """TEST STAND-IN plugin for NeMo-RL's vLLM worker on vLLM's CPU build (active only when
 ``JETRL_NRL_WORKER_STANDIN`` holds a JSON object).
 
-vLLM's CPU build always spawns its worker process, so what NeMo-RL does to the process that
-owns vLLM before the engine starts has to happen there at start-up; vLLM runs every
-``vllm.general_plugins`` entry point in the worker before it builds the model:
+vLLM 0.20's CPU build spawns its worker process (0.25's runs it in the engine's process), so
+what NeMo-RL does to the process that owns vLLM before the engine starts has to happen there at
+start-up; vLLM runs every ``vllm.general_plugins`` entry point in each of its processes before
+it builds the model (the test records what this changes in its own process and undoes it):
 
 * NeMo-RL's own ``apply_fp8_patches(None, FP8Config(...))`` (the call NeMo-RL itself makes on each
   vLLM worker when TP > 1), with the config from the JSON (``fp8``);
@@ -43,8 +44,6 @@ def load() -> None:
     if not text:
         return
     cfg = json.loads(text)
-    if os.getpid() == cfg["test_pid"]:
-        return  # the test process (engine core in-process): NeMo-RL's init_fp8 ran there
     import torch
     from nemo_rl.models.generation.vllm import vllm_backend
     from nemo_rl.models.generation.vllm.quantization import fp8
