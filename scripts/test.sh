@@ -6,7 +6,8 @@
 # and runs:
 #   1. the default suite (unit, megatron-core on CPU, Triton interpreter, slow tests included);
 #   2. the vLLM tier against a real engine, once per version in $JETRL_VLLM_VERSIONS
-#      (default "0.32.0 0.20.0").
+#      (default "0.32.0 0.20.0"); the 0.32 tier also runs vLLM 0.33.0's kernel selection code
+#      from its CUDA wheel (scripts/fetch_vllm_src.sh: one cached 336 MB download).
 # gpu and nemo_rl tests skip with a reason here; they run in the Docker image
 # (scripts/run_gpu_tests.sh).
 #
@@ -41,6 +42,11 @@ if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
       *) venv=.venv-vllm$(echo "$version" | cut -d. -f1-2 | tr -d .) ;;
     esac
     echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
+    case "$version" in
+      0.32.*)  # this tier also runs vLLM 0.33.0's CUDA-wheel selection code (no CPU build)
+        PYTHON=.venv/bin/python bash scripts/fetch_vllm_src.sh > /dev/null \
+          || { echo "test.sh: fetching vLLM 0.33.0's source failed" >&2; exit 1; } ;;
+    esac
     log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
       echo "setting up $venv (vLLM $version CPU build; a few minutes, log: $log)"

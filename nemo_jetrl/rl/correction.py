@@ -77,6 +77,15 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _tis_keys(k: str) -> tuple[str, str, str]:
+    """The keys of the truncated-IS type, ratio and ratio_min under the prefix ``k``."""
+    return (
+        f"{k}truncated_importance_sampling_type",
+        f"{k}truncated_importance_sampling_ratio",
+        f"{k}truncated_importance_sampling_ratio_min",
+    )
+
+
 def _rule_issues(
     use: bool,
     tis_type: str | None,
@@ -88,17 +97,12 @@ def _rule_issues(
 ) -> list[LossFnIssue]:
     """NeMo-RL's ClippedPGLossFn checks, each naming its key and the fix."""
     k = f"{path}." if path else ""
-    typ, rat, rmin = (
-        f"{k}truncated_importance_sampling_type",
-        f"{k}truncated_importance_sampling_ratio",
-        f"{k}truncated_importance_sampling_ratio_min",
-    )
-    seq_key = f"{k}sequence_level_importance_ratios"
+    typ, rat, _ = _tis_keys(k)
     out: list[LossFnIssue] = []
     if seq_level and token_level_loss:
         out.append(
             LossFnIssue(
-                seq_key,
+                f"{k}sequence_level_importance_ratios",
                 f"is true, which needs {k}token_level_loss=false (sequence-level IS, e.g. GSPO, "
                 "is mutually exclusive with token-level loss)",
             )
@@ -115,6 +119,22 @@ def _rule_issues(
                 )
             )
         return out
+    return out + _truncation_issues(use, tis_type, ratio, ratio_min, seq_level, k)
+
+
+def _truncation_issues(
+    use: bool,
+    tis_type: str,
+    ratio: float | None,
+    ratio_min: float | None,
+    seq_level: bool,
+    k: str,
+) -> list[LossFnIssue]:
+    """NeMo-RL's checks of a set truncated_importance_sampling_type (keys under the prefix
+    ``k``): it needs the correction on, a known type, a positive ratio above ratio_min, a
+    ratio_min for the masking types, and seq-mask-tis excludes sequence-level ratios."""
+    typ, rat, rmin = _tis_keys(k)
+    out: list[LossFnIssue] = []
     if not use:
         out.append(
             LossFnIssue(
@@ -146,7 +166,7 @@ def _rule_issues(
     if tis_type == "seq-mask-tis" and seq_level:
         out.append(
             LossFnIssue(
-                seq_key,
+                f"{k}sequence_level_importance_ratios",
                 f"is true, which is incompatible with {typ}='seq-mask-tis' (it masks sequences "
                 "but keeps token weights): set one of them off",
             )

@@ -158,65 +158,26 @@ def grpo_loss(
     """
     cfg = config or GRPOLossConfig()
     beta = float(cfg.reference_policy_kl_penalty)
+    logprobs = (curr_logprobs, prev_logprobs, generation_logprobs)
+    raw = (generation_logprobs, prev_logprobs, token_mask, sample_mask)
     shape, mask, adv = _checked_inputs(
-        curr_logprobs,
-        prev_logprobs,
-        generation_logprobs,
-        advantages,
-        token_mask,
-        sample_mask,
-        reference_logprobs,
-        beta,
+        *logprobs, advantages, token_mask, sample_mask, reference_logprobs, beta
     )
+    ref_in = reference_logprobs if beta != 0.0 else None
+    use, (curr, prev, gen, adv), ref = _usable_cleaned(logprobs, ref_in, adv, mask)
     dt = curr_logprobs.dtype
-    zero = torch.zeros((), dtype=dt, device=curr_logprobs.device)
-    use = usable_tokens(generation_logprobs, prev_logprobs, mask) & torch.isfinite(
-        curr_logprobs.detach()
-    )
-    if beta != 0.0:
-        assert reference_logprobs is not None
-        use &= torch.isfinite(reference_logprobs.detach())
-
-    def clean(t: torch.Tensor) -> torch.Tensor:
-        # select, not multiply: a dropped -inf/NaN gets neither a value nor a gradient
-        return torch.where(use, t.to(dt), zero)
-
-    curr = clean(curr_logprobs)
-    prev = clean(prev_logprobs.detach())
-    gen = clean(generation_logprobs.detach())
-    adv = clean(adv.detach())
     aggregate, _, n_seq = _aggregator(
         mask, use, sample_mask, dt, cfg.token_level_loss, global_valid_tokens, global_valid_seqs
     )
-
-    ratios, ratios_clamped, clip_loss = _clipped_loss(curr, prev, adv, use.to(dt), shape, cfg)
-    corr = importance_weights(
-        generation_logprobs, prev_logprobs, token_mask, sample_mask, config=cfg.correction
-    )
+    ratios, clamped, clip_loss = _clipped_loss(curr, prev, adv, use.to(dt), shape, cfg)
+    corr = importance_weights(*raw, config=cfg.correction)
     w = corr.weights.to(dt)
     actor_loss = aggregate(w * clip_loss)
-
-    if beta != 0.0:
-        ref = clean(reference_logprobs.detach())  # type: ignore[union-attr]
-        kl_mean = aggregate(_kl_per_token(curr, gen, ref, cfg))
-        loss = actor_loss + beta * kl_mean
-    else:
-        kl_mean = None
-        loss = actor_loss
-
+    kl_mean = None if ref is None else aggregate(_kl_per_token(curr, gen, ref, cfg))
+    loss = actor_loss if kl_mean is None else actor_loss + beta * kl_mean
     with torch.no_grad():
         metrics = _loss_metrics(
-            loss,
-            kl_mean,
-            ratios,
-            ratios_clamped,
-            curr,
-            gen,
-            (mask, use),
-            n_seq,
-            (generation_logprobs, prev_logprobs, token_mask, sample_mask),
-            corr,
-            cfg.reference_policy_kl_type,
+            (loss, kl_mean), (ratios, clamped), (curr, gen), (mask, use), n_seq, raw, corr, cfg
         )
     return loss, metrics
 
@@ -261,6 +222,34 @@ def _checked_inputs(
             f"response) or {list(shape)} (one per token)"
         )
     return shape, mask, adv
+
+
+def _usable_cleaned(
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    reference_logprobs: torch.Tensor | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """(use, (curr, prev, gen, adv), ref): ``use`` marks the valid tokens whose logprobs can be
+    used (`usable_tokens`, finite curr and, with the KL penalty, finite reference); the inputs
+    come back in curr's dtype with every other position 0, all but curr detached. ``logprobs``:
+    (curr, prev, generation); ``reference_logprobs``: None without the KL penalty."""
+    curr_logprobs, prev_logprobs, generation_logprobs = logprobs
+    dt = curr_logprobs.dtype
+    zero = torch.zeros((), dtype=dt, device=curr_logprobs.device)
+    use = usable_tokens(generation_logprobs, prev_logprobs, mask) & torch.isfinite(
+        curr_logprobs.detach()
+    )
+    if reference_logprobs is not None:
+        use &= torch.isfinite(reference_logprobs.detach())
+
+    def clean(t: torch.Tensor) -> torch.Tensor:
+        # select, not multiply: a dropped -inf/NaN gets neither a value nor a gradient
+        return torch.where(use, t.to(dt), zero)
+
+    detached = (clean(t.detach()) for t in (prev_logprobs, generation_logprobs, adv))
+    ref = None if reference_logprobs is None else clean(reference_logprobs.detach())
+    return use, (clean(curr_logprobs), *detached), ref
 
 
 def _aggregator(
@@ -348,22 +337,21 @@ def _kl_per_token(
 
 
 def _loss_metrics(
-    loss: torch.Tensor,
-    kl_mean: torch.Tensor | None,
-    ratios: torch.Tensor,
-    ratios_clamped: torch.Tensor,
-    curr: torch.Tensor,
-    gen: torch.Tensor,
+    losses: tuple[torch.Tensor, torch.Tensor | None],
+    ratio_pair: tuple[torch.Tensor, torch.Tensor],
+    logprobs: tuple[torch.Tensor, torch.Tensor],
     masks: tuple[torch.Tensor, torch.Tensor],
     n_seq: float,
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
     corr: CorrectionResult,
-    kl_type: str,
+    cfg: GRPOLossConfig,
 ) -> dict[str, float]:
-    """NeMo-RL's loss metrics (``train/...``) over the tokens the loss used, the mismatch
-    errors of ``inputs`` (generation, prev logprobs, token mask, sample mask) with NeMo-RL's
-    ``kl_type``, and the correction stats; call under no_grad."""
-    generation_logprobs, prev_logprobs, token_mask, sample_mask = inputs
+    """NeMo-RL's loss metrics (``train/...``) of ``losses`` (loss, KL mean or None),
+    ``ratio_pair`` (PPO ratios, clamped) and the cleaned ``logprobs`` (curr, gen) over the tokens
+    the loss used (``masks``: valid, used), the mismatch errors of ``inputs`` (generation, prev
+    logprobs, token mask, sample mask) with NeMo-RL's ``reference_policy_kl_type``, and the
+    correction stats; call under no_grad."""
+    (loss, kl_mean), (ratios, ratios_clamped), (curr, gen) = losses, ratio_pair, logprobs
     mask, sel = masks
     n_tok = int(sel.sum())
     r_v = ratios.detach()[sel].double()
@@ -385,9 +373,7 @@ def _loss_metrics(
         p + "num_valid_samples": n_seq,
         JETRL_PREFIX + "loss_dropped_tokens": float((mask & ~sel).sum()),
     }
-    mm = mismatch_metrics(
-        generation_logprobs, prev_logprobs, token_mask, sample_mask, kl_type=kl_type
-    )
+    mm = mismatch_metrics(*inputs, kl_type=cfg.reference_policy_kl_type)
     for key in (
         "token_mult_prob_error",
         "gen_kl_error",

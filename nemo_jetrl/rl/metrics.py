@@ -221,20 +221,43 @@ def mismatch_metrics(
     ok = usable_tokens(g, p, mask)
     nonfinite = int((mask & ~ok).sum())
 
-    # token level: 1-D tensors of the valid tokens, in batch order
-    dv, pv, gv = d[ok], p[ok], g[ok]
+    out = _token_errors(d[ok], p[ok], g[ok], kl_type)
+    out.update(_sequence_errors(d, p, g, ok))
+    rho = torch.exp(d[ok])
+    out.update(_is_ratio_metrics(rho, lo, hi))
+    out[_ours("num_valid_tokens")] = float(rho.numel())
+    out[_ours("num_valid_seqs")] = float(ok.any(dim=-1).sum())
+    out[_ours("nonfinite_tokens")] = float(nonfinite)
+    return out
+
+
+def _token_errors(
+    dv: torch.Tensor, pv: torch.Tensor, gv: torch.Tensor, kl_type: str
+) -> dict[str, float]:
+    """NeMo-RL's token-level errors (multiplicative prob error, gen / policy KL, JS divergence)
+    from the valid tokens' log-ratios ``dv`` and logprobs ``pv``, ``gv`` (1-D, batch order)."""
     out: dict[str, float] = {}
     out[_name("token_mult_prob_error")] = _mean(torch.exp(dv.abs()))
     out[_name("gen_kl_error")] = _mean(kl_estimator(dv, kl_type))
     out[_name("policy_kl_error")] = _mean(kl_estimator(-dv, kl_type))
     log_m = torch.logaddexp(pv, gv) - math.log(2.0)
     out[_name("js_divergence_error")] = _mean(0.5 * k3(pv - log_m) + 0.5 * k3(gv - log_m))
+    return out
 
-    # sequence level: per-row sums over the valid tokens
+
+def _sequence_errors(
+    d: torch.Tensor, p: torch.Tensor, g: torch.Tensor, ok: torch.Tensor
+) -> dict[str, float]:
+    """Per-sequence statistics (per-row sums over the ``ok`` tokens of [B, T] log-ratios ``d``
+    and logprobs ``p``, ``g``; rows without one are left out): NeMo-RL's min / mean / max
+    sequence multiplicative prob error, then our k1 KL, log-perplexities and chi-square
+    divergences (token and sequence level)."""
+    dv = d[ok]
     okf = ok.to(torch.float64)
     n_tok = okf.sum(dim=-1)
     has = n_tok > 0
     zero = torch.zeros_like(d)
+    out: dict[str, float] = {}
     seq_mpe = torch.where(ok, torch.exp(d.abs()), zero).sum(-1)[has] / n_tok[has]
     out[_name("min_seq_mult_prob_error")] = float(seq_mpe.min()) if seq_mpe.numel() else math.nan
     out[_name("mean_seq_mult_prob_error")] = _mean(seq_mpe)
@@ -254,16 +277,17 @@ def mismatch_metrics(
     out[_ours("chi2_token")] = _mean(rho * rho) - 1.0
     seq_log = torch.where(ok, d, zero).sum(-1)[has].clamp(-SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP)
     out[_ours("chi2_seq")] = _mean(torch.exp(2.0 * seq_log)) - 1.0
+    return out
 
-    out.update(_ratio_stats(rho, "is_ratio"))
+
+def _is_ratio_metrics(rho: torch.Tensor, lo: float, hi: float) -> dict[str, float]:
+    """Statistics of the valid tokens' importance ratios ``rho`` (1-D): as they are, the
+    fractions above ``hi`` / below ``lo``, and after truncation to [lo, hi]."""
+    out = _ratio_stats(rho, "is_ratio")
     n = rho.numel()
     out[_ours("is_ratio_frac_above")] = float((rho > hi).sum()) / n if n else math.nan
     out[_ours("is_ratio_frac_below")] = float((rho < lo).sum()) / n if n else math.nan
     out.update(_ratio_stats(rho.clamp(lo, hi), "is_ratio_trunc"))
-
-    out[_ours("num_valid_tokens")] = float(n)
-    out[_ours("num_valid_seqs")] = float(has.sum())
-    out[_ours("nonfinite_tokens")] = float(nonfinite)
     return out
 
 

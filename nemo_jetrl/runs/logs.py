@@ -135,9 +135,11 @@ def mixed_runs_message(ids: Iterable[str]) -> str:
     )
 
 
-def _warn(sink: list[str], msg: str) -> None:
+def _warn(sink: list[str], msg: str, stacklevel: int = 3) -> None:
+    """Record ``msg`` in ``sink`` and warn it (`RunDataWarning`) at the caller's caller, or
+    ``stacklevel`` frames up."""
     sink.append(msg)
-    warnings.warn(msg, RunDataWarning, stacklevel=3)
+    warnings.warn(msg, RunDataWarning, stacklevel=stacklevel)
 
 
 # ----------------------------------------------------------------------------- run dirs
@@ -217,20 +219,35 @@ def read_run(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_dir}")
-    msgs: list[str] = []
+    run, files = _read_logged(run_dir)
+    if recompute == "never" or not files:
+        return run
+    if recompute == "missing" and not _jsonl_needed(run.scalars, files, tags):
+        return run
+    computed, w = _recompute_from_jsonl(files, ratio_bounds)
+    for m in w:
+        _warn(run.warnings, m)
+    _merge_recomputed(run.scalars, computed, prefer_jsonl=recompute == "always")
+    return run
+
+
+def _read_logged(run_dir: Path) -> tuple[RunData, dict[int, Path]]:
+    """The run as logged (config.yaml, TensorBoard scalars and hparams, run ids, label,
+    warnings emitted) and its train_data jsonl files by step; nothing recomputed yet."""
+    msgs: list[str] = []  # warned at read_run's caller (stacklevel=4), as read_run's own
     config, w = read_config(run_dir)
     for m in w:
-        _warn(msgs, m)
+        _warn(msgs, m, stacklevel=4)
     hparams: dict[str, Any] = {}
     series, w = read_scalars(run_dir, hparams_out=hparams)
     for m in w:
-        _warn(msgs, m)
+        _warn(msgs, m, stacklevel=4)
     files = train_data_files(run_dir)
     ids = run_ids(run_dir)
     label = run_label(run_dir, config, hparams)
     if len(ids) > 1:
         label += f" [mixed: {len(ids)} runs]"
-        _warn(msgs, f"{run_dir}: {mixed_runs_message(ids)}")
+        _warn(msgs, f"{run_dir}: {mixed_runs_message(ids)}", stacklevel=4)
     run = RunData(
         path=run_dir,
         label=label,
@@ -242,48 +259,62 @@ def read_run(
         warnings=msgs,
     )
     if not series and not files:
-        _warn(msgs, f"{run_dir}: no TensorBoard events and no train_data_step*.jsonl found")
-    if recompute == "never" or not files:
-        return run
+        msg = f"{run_dir}: no TensorBoard events and no train_data_step*.jsonl found"
+        _warn(msgs, msg, stacklevel=4)
+    return run, files
 
+
+def _jsonl_needed(
+    series: Mapping[str, Series], files: Mapping[int, Path], tags: Iterable[str] | None
+) -> bool:
+    """Whether one of the wanted recomputable ``tags`` (None: any) lacks a step that has a
+    train_data jsonl file."""
     from nemo_jetrl.rl.metrics import metric_names
 
     recomputable = [*metric_names(), "train/reward"]
     wanted = recomputable if tags is None else [t for t in tags if t in recomputable]
-    if recompute == "missing":
-        need = any(
-            step not in set(series[t].steps) if t in series else True
-            for t in wanted
-            for step in files
-        )
-        if not need:
-            return run
+    return any(
+        step not in set(series[t].steps) if t in series else True for t in wanted for step in files
+    )
+
+
+def _recompute_from_jsonl(
+    files: Mapping[int, Path], ratio_bounds: tuple[float, float] | None
+) -> tuple[dict[str, dict[int, float]], list[str]]:
+    """({tag: {step: value}} recomputed from each step's train_data jsonl, warnings); a file
+    that cannot be read or recomputed is skipped with a warning."""
     computed: dict[str, dict[int, float]] = {}
+    msgs: list[str] = []
     for step, path in files.items():
         records, w = read_train_data(path)
-        for m in w:
-            _warn(msgs, m)
+        msgs.extend(w)
         if not records:
             continue
         try:
             vals = recompute_step_metrics(records, ratio_bounds=ratio_bounds)
         except (ValueError, TypeError) as exc:
-            _warn(msgs, f"{path}: cannot recompute metrics: {exc}")
+            msgs.append(f"{path}: cannot recompute metrics: {exc}")
             continue
         for tag, v in vals.items():
             computed.setdefault(tag, {})[step] = v
+    return computed, msgs
+
+
+def _merge_recomputed(
+    series: dict[str, Series], computed: Mapping[str, Mapping[int, float]], *, prefer_jsonl: bool
+) -> None:
+    """Merge recomputed values into ``series`` in place: with ``prefer_jsonl`` they replace
+    logged values, else they only fill steps TensorBoard lacks."""
     for tag, pts in computed.items():
         old = series.get(tag)
         merged = dict(zip(old.steps, old.values, strict=True)) if old else {}
-        if recompute == "always":
+        if prefer_jsonl:
             merged.update(pts)
-            source = "jsonl" if not old else "tensorboard+jsonl"
         else:
             added = {s: v for s, v in pts.items() if s not in merged}
             if not added:
                 continue
             merged.update(added)
-            source = "jsonl" if not old else "tensorboard+jsonl"
+        source = "jsonl" if not old else "tensorboard+jsonl"
         steps = tuple(sorted(merged))
         series[tag] = Series(tag, steps, tuple(merged[s] for s in steps), source)
-    return run

@@ -98,18 +98,8 @@ def read_event_file(
                 if hparams_out is not None and v.metadata.plugin_data.plugin_name == "hparams":
                     _collect_hparams(v.metadata.plugin_data.content, hparams_out)
                     continue
-                kind = v.WhichOneof("value")
-                if kind == "simple_value":
-                    val = float(v.simple_value)
-                elif kind == "tensor":
-                    try:
-                        arr = tensor_util.make_ndarray(v.tensor)
-                    except Exception:
-                        continue
-                    if arr.size != 1 or arr.dtype.kind not in "fiub":
-                        continue  # text, histograms, images: not scalars
-                    val = float(arr.reshape(()))
-                else:
+                val = _scalar_value(v, tensor_util)
+                if val is None:
                     continue
                 out.setdefault(v.tag, {})
                 prev = out[v.tag].get(int(ev.step))
@@ -121,18 +111,44 @@ def read_event_file(
             "kept what was read before"
         )
         return out, msgs
+    damage = _damage_warning(path, n_events)
+    if damage is not None:
+        msgs.append(damage)
+    return out, msgs
+
+
+def _scalar_value(v: Any, tensor_util: Any) -> float | None:
+    """The float of one summary value: a ``simple_value`` or a one-element numeric tensor;
+    None for anything else (text, histograms, images, an undecodable tensor)."""
+    kind = v.WhichOneof("value")
+    if kind == "simple_value":
+        return float(v.simple_value)
+    if kind != "tensor":
+        return None
+    try:
+        arr = tensor_util.make_ndarray(v.tensor)
+    except Exception:
+        return None
+    if arr.size != 1 or arr.dtype.kind not in "fiub":
+        return None  # text, histograms, images: not scalars
+    return float(arr.reshape(()))
+
+
+def _damage_warning(path: Path, n_events: int) -> str | None:
+    """A warning when the file's TFRecord framing does not tile it to its end or counts other
+    than the ``n_events`` the reader returned (truncated / corrupt), or cannot be checked;
+    None when the file is whole."""
     try:
         recs, good, size = _tfrecord_intact_bytes(path)
     except OSError as exc:
-        msgs.append(f"{path}: could not check the file ({exc})")
-        return out, msgs
+        return f"{path}: could not check the file ({exc})"
     if good != size or recs != n_events:
-        msgs.append(
+        return (
             f"{path}: truncated or corrupt events file: {n_events} events read, the rest "
             f"({size - good if good != size else 'some'} bytes of {size}) is unreadable; "
             "kept the scalars read before the damage"
         )
-    return out, msgs
+    return None
 
 
 def read_scalars(

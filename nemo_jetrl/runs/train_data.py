@@ -12,7 +12,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 TRAIN_DATA_RE = re.compile(r"^train_data_step(\d+)\.jsonl$")
 #: jsonl field names (NeMo-RL grpo.py).
@@ -85,6 +88,24 @@ def train_data_tensors(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """
     import torch
 
+    rows = _sequence_rows(records)
+    B, T = len(records), max(len(r) for r in rows[GEN_FIELD])
+    tm = _padded(rows[TOKEN_MASK_FIELD], (B, T), 0.0)
+    tm = torch.nan_to_num(tm, nan=0.0) != 0
+    tm[:, :1] = False  # NeMo-RL's [:, 1:]
+    return {
+        "generation_logprobs": _padded(rows[GEN_FIELD], (B, T), math.nan),
+        "prev_logprobs": _padded(rows[PREV_FIELD], (B, T), math.nan),
+        "token_mask": tm,
+        "sample_mask": _sample_mask(records),
+        "rewards": _rewards(records),
+    }
+
+
+def _sequence_rows(records: Sequence[Mapping[str, Any]]) -> dict[str, list[list[float]]]:
+    """{field: one list of floats per sample} of the generation / prev logprobs and the token
+    mask (None -> NaN); ValueError naming the sample and field that is missing, not a list of
+    numbers, or of another length than the sample's other two."""
     if not records:
         raise ValueError("no samples")
     for key in (GEN_FIELD, PREV_FIELD, TOKEN_MASK_FIELD):
@@ -107,36 +128,45 @@ def train_data_tensors(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 f"sample {i}: generation_logprobs, prev_logprobs and token_loss_mask have "
                 f"different lengths {sorted(lens)}"
             )
-    T = max(len(r) for r in rows[GEN_FIELD])
-    B = len(records)
+    return rows
 
-    def pad(lists: list[list[float]], fill: float) -> torch.Tensor:
-        t = torch.full((B, T), fill, dtype=torch.float64)
-        for b, r in enumerate(lists):
-            if r:
-                t[b, : len(r)] = torch.tensor(r, dtype=torch.float64)
-        return t
 
-    tm = pad(rows[TOKEN_MASK_FIELD], 0.0)
-    tm = torch.nan_to_num(tm, nan=0.0) != 0
-    tm[:, :1] = False  # NeMo-RL's [:, 1:]
-    sm = torch.ones(B, dtype=torch.bool)
+def _padded(lists: list[list[float]], shape: tuple[int, int], fill: float) -> torch.Tensor:
+    """A float64 tensor of ``shape`` [B, T] holding row b of ``lists`` left-aligned in row b,
+    ``fill`` elsewhere."""
+    import torch
+
+    t = torch.full(shape, fill, dtype=torch.float64)
+    for b, r in enumerate(lists):
+        if r:
+            t[b, : len(r)] = torch.tensor(r, dtype=torch.float64)
+    return t
+
+
+def _sample_mask(records: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    """Bool [B]: each sample's ``sample_mask`` when the records carry one (a non-number counts
+    as kept), else all True."""
+    import torch
+
+    sm = torch.ones(len(records), dtype=torch.bool)
     if SAMPLE_MASK_FIELD in records[0]:
         for b, rec in enumerate(records):
             v = _unbatch_scalar(rec.get(SAMPLE_MASK_FIELD, 1))
             sm[b] = bool(v) if isinstance(v, (int, float)) else True
-    rewards = None
-    if REWARD_FIELD in records[0]:
-        vals = [_unbatch_scalar(rec.get(REWARD_FIELD)) for rec in records]
-        if all(isinstance(x, (int, float)) for x in vals):
-            rewards = torch.tensor(vals, dtype=torch.float64)
-    return {
-        "generation_logprobs": pad(rows[GEN_FIELD], math.nan),
-        "prev_logprobs": pad(rows[PREV_FIELD], math.nan),
-        "token_mask": tm,
-        "sample_mask": sm,
-        "rewards": rewards,
-    }
+    return sm
+
+
+def _rewards(records: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
+    """Float64 [B] of the samples' rewards; None when the records carry none or one is not
+    a number."""
+    import torch
+
+    if REWARD_FIELD not in records[0]:
+        return None
+    vals = [_unbatch_scalar(rec.get(REWARD_FIELD)) for rec in records]
+    if all(isinstance(x, (int, float)) for x in vals):
+        return torch.tensor(vals, dtype=torch.float64)
+    return None
 
 
 def recompute_step_metrics(

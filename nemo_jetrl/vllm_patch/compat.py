@@ -3,9 +3,18 @@
 The patch touches a handful of vLLM internals. Between the two release lines we support they are
 the same in shape but differ in a few details, which are handled here and nowhere else:
 
-* **Supported versions** (``SUPPORTED_RANGES``). Each range was run against a real vLLM CPU build
-  with the whole ``vllm`` test tier (see docs/vllm_patch.md for the exact commands):
-  vLLM 0.20.0 (the version NeMo-RL v0.7.0 ships), 0.25.1 (NeMo-RL main) and 0.32.x.
+* **Supported versions** (``SUPPORTED_RANGES``). Each range up to 0.32 was run against a real
+  vLLM CPU build with the whole ``vllm`` test tier (see docs/vllm_patch.md for the exact
+  commands): vLLM 0.20.0 (the version NeMo-RL v0.7.0 ships), 0.25.1 (NeMo-RL main) and 0.32.x.
+  vLLM 0.33.0 has no CPU build: its CUDA wheel's source was diffed against 0.32.0 where the patch
+  touches it (kernel base classes, layerwise reload, plugins: identical; the block-FP8 registry,
+  ``_resolve_backend_kernels`` and ``linear_backend``: identical in shape; ``Fp8LinearMethod``,
+  ``Attention``, ``WorkerWrapperBase``: changes that do not touch what we use), and its kernel
+  registry and selection code run in a test with a CUDA platform stand-in
+  (tests/vllm_patch/test_vllm033_selection.py).
+* **Linear backend** (vLLM >= 0.32: ``linear_backend``, ``kernel_config.linear_backend_per_quant``
+  keyed by ``FP8_BLOCK_QUANT_KEY``): a value other than ``auto`` can filter our kernel out of the
+  registry list (``guard.engine_arg_problems`` refuses it). vLLM 0.20 has no such option.
 * **Block-FP8 kernel registry** (``vllm.model_executor.kernels.linear._POSSIBLE_FP8_BLOCK_KERNELS``,
   a dict platform -> kernel classes in priority order) exists in all of them, but 0.20 has no
   entry for the CPU platform at all (no CPU block-FP8 kernel; 0.25 and 0.32 have AMX-only ones).
@@ -54,8 +63,12 @@ import torch
 SUPPORTED_RANGES: tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...] = (
     ((0, 20, 0), (0, 20, 1)),
     ((0, 25, 1), (0, 25, 2)),
-    ((0, 32, 0), (0, 33, 0)),
+    ((0, 32, 0), (0, 33, 1)),  # 0.32.x engine-tested on CPU; 0.33.0 see the docstring
 )
+# The quantization name vLLM >= 0.32 passes to ``_resolve_backend_kernels`` for block-FP8 linears
+# (``init_fp8_linear_kernel``): the key of ``kernel_config.linear_backend_per_quant`` that
+# overrides ``linear_backend`` for them.
+FP8_BLOCK_QUANT_KEY = "fp8_block_w8a8"
 # Marks a registry entry (platform key) that did not exist before we registered our kernel.
 CREATED_KEY_MARKER = "_nemo_jetrl_created_registry_key"
 KV_KEYS = ("q", "k", "v")
@@ -91,7 +104,7 @@ def is_supported(version: str) -> bool:
 
 
 def supported_range() -> str:
-    """Human-readable supported ranges, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.0'."""
+    """Human-readable supported ranges, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.1'."""
     parts = []
     for lo, hi in SUPPORTED_RANGES:
         a, b = (".".join(map(str, v)) for v in (lo, hi))
@@ -194,6 +207,25 @@ def set_attention_kv_scales(module: torch.nn.Module, scales: dict[str, float]) -
 
 
 # -- engine introspection ---------------------------------------------------------------------
+
+
+def vllm_env(name: str) -> Any:
+    """An environment variable as vLLM parses it, read now (``vllm.envs`` may cache values once
+    an engine started; its per-variable parser does not)."""
+    import vllm.envs as envs
+
+    parsers = getattr(envs, "environment_variables", None)
+    if not isinstance(parsers, dict) or name not in parsers:
+        raise RuntimeError(
+            f"vLLM's parser for {name} (vllm.envs.environment_variables) was not found; "
+            f"nemo_jetrl supports vLLM {supported_range()}"
+        )
+    return parsers[name]()
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop a ``vllm.LLM``'s engine core and workers (the same call in every supported line)."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def engine_model_dtype(llm: Any) -> torch.dtype:

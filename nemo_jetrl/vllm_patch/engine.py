@@ -18,6 +18,7 @@ import torch
 from nemo_jetrl._optional import require
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.engine_args import EngineKwargs, build_engine_kwargs
+from nemo_jetrl.vllm_patch.guard import KernelNotInEffect, verify_engine_kernels
 from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
 from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
 from nemo_jetrl.vllm_patch.settings import PatchSettings
@@ -67,7 +68,8 @@ def _num_layers(model_dir: str | Path) -> int | None:
 
 
 class VllmRolloutEngine:
-    """``vllm.LLM`` started under the patch for ``recipe`` and loaded by a first refit."""
+    """``vllm.LLM`` started under the patch for ``recipe``, checked to run our kernel on every
+    block-FP8 linear (``guard.verify_engine_kernels``), and loaded by a first refit."""
 
     def __init__(
         self,
@@ -88,15 +90,18 @@ class VllmRolloutEngine:
         try:
             self.llm = vllm.LLM(model=self.model_dir, **self.engine_kwargs.kwargs)
             try:
+                self.kernel_report = verify_engine_kernels(self.llm, self.settings)
                 check_engine_kv_cache_dtype(self.llm, self.settings)
-            except KvCacheDtypeMismatch:
-                self.llm.llm_engine.engine_core.shutdown()
+                self.last_refit: RefitReport | None = (
+                    refit_from_checkpoint(self.llm, self.model_dir, self.settings)
+                    if initial_refit
+                    else None
+                )
+            except KernelNotInEffect:
+                raise  # the guard shut the engine down
+            except BaseException:
+                compat.shutdown_engine(self.llm)  # nobody could close a half-built engine
                 raise
-            self.last_refit: RefitReport | None = (
-                refit_from_checkpoint(self.llm, self.model_dir, self.settings)
-                if initial_refit
-                else None
-            )
         except BaseException:
             self.patch.revert()
             raise
@@ -107,10 +112,17 @@ class VllmRolloutEngine:
         *,
         kv_scales: Mapping[Any, Mapping[str, float]] | None = None,
         parity: bool = True,
+        weights_version: int | None = None,
     ) -> RefitReport:
-        """Load the trainer's weights (HF names) and optional KV scales; see ``refit.refit``."""
+        """Load the trainer's weights (HF names) and optional KV scales; see ``refit.refit``
+        (``weights_version``: KV scales calibrated for another version are refused as stale)."""
         self.last_refit = refit(
-            self.llm, state_dict, self.settings, kv_scales=kv_scales, parity=parity
+            self.llm,
+            state_dict,
+            self.settings,
+            kv_scales=kv_scales,
+            parity=parity,
+            weights_version=weights_version,
         )
         return self.last_refit
 
@@ -166,7 +178,7 @@ class VllmRolloutEngine:
         """Shut the engine down and revert the patch (idempotent)."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            compat.shutdown_engine(llm)
             self.llm = None
         if self.patch is not None:
             self.patch.revert()

@@ -18,6 +18,10 @@ What we set and why:
   (and attention output) with *vLLM's* FP8 quantizer are switched off, so no fused kernel can
   quantize activations behind our back. Our quantizer and GEMM are opaque custom ops, so
   torch.compile cannot rewrite them either.
+* ``linear_backend`` / ``kernel_config.linear_backend`` /
+  ``kernel_config.linear_backend_per_quant.fp8_block_w8a8`` (vLLM >= 0.32): a user value other
+  than ``auto`` is a conflict, since vLLM may then filter our kernel out of its list
+  (``guard.engine_arg_problems``). We set nothing there (vLLM 0.20 has no such argument).
 * ``kv_cache_dtype`` from the recipe. With an FP8 KV cache a user ``calculate_kv_scales=True``
   (a vLLM 0.20 engine argument) is a conflict: vLLM would replace the calibrated scales.
 
@@ -34,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_jetrl.vllm_patch import guard
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK, PatchSettings, settings_from_recipe
 
 WORKER_EXTENSION = "nemo_jetrl.vllm_patch.worker_ext.JetRLWorkerExtension"
@@ -177,6 +182,8 @@ def build_engine_kwargs(
             "calculate_kv_scales: you set True; vLLM would overwrite the trainer-calibrated KV "
             "scales with its own from the first batch. Remove it (scales come with each refit)"
         )
+    if settings.fp8_weights:
+        conflicts += guard.engine_arg_problems(user)
     merged = _merge(required, user, "", required=True, conflicts=conflicts, notes=notes)
     merged = _merge(
         _defaults(settings), merged, "", required=False, conflicts=conflicts, notes=notes

@@ -1,6 +1,6 @@
 """Apply and revert the vLLM patch: one explicit call, a handle, nothing at import time.
 
-``apply_patches(recipe)`` does three things and ``PatchHandle.revert()`` undoes them:
+``apply_patches(recipe)`` does four things and ``PatchHandle.revert()`` undoes them:
 
 1. checks that the installed vLLM is in a supported range (``compat.SUPPORTED_RANGES``: the patch
    relies on vLLM internals, the block-FP8 kernel registry and the kernel base class, whose
@@ -9,10 +9,14 @@
 2. registers our block-FP8 linear kernel first in vLLM's kernel registry of this process
    (``kernel.register_kernel``), so every block-FP8 linear layer quantizes its activations with
    ``nemo_jetrl.fp8`` and runs our GEMM;
-3. sets ``NEMO_JETRL_VLLM_PATCH`` (the settings as JSON) in the environment. vLLM starts its
+3. refuses (``guard.KernelGuardError``, naming the setting; registry restored) an environment
+   in which vLLM would run block-FP8 linears without our kernel: our plugin's entry point missing
+   or not loadable, ``VLLM_PLUGINS`` without it, ``VLLM_DISABLED_KERNELS`` naming our kernel;
+4. sets ``NEMO_JETRL_VLLM_PATCH`` (the settings as JSON) in the environment. vLLM starts its
    engine-core and worker processes itself and loads ``vllm.general_plugins`` entry points in
    each; ours (``plugin.load_in_worker``) applies step 2 there only when this variable is set.
-   So the patch reaches exactly the engines created while it is applied.
+   So the patch reaches exactly the engines created while it is applied. That it did is checked
+   after start by ``guard.verify_engine_kernels`` (``VllmRolloutEngine`` calls it).
 
 Applying twice with the same settings is a no-op that returns an equivalent handle; applying with
 different settings while applied is refused. ``revert()`` is idempotent. Engines created while
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_jetrl._optional import require
-from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch import compat, guard
 from nemo_jetrl.vllm_patch.settings import ENV_VAR, PatchSettings, settings_from_recipe
 
 
@@ -40,7 +44,7 @@ class PatchConflict(RuntimeError):
 
 
 def supported_range() -> str:
-    """The supported vLLM versions, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.0'."""
+    """The supported vLLM versions, e.g. '>=0.20.0,<0.20.1 or ... or >=0.32.0,<0.33.1'."""
     return compat.supported_range()
 
 
@@ -116,6 +120,15 @@ def apply_patches(recipe: Any, *, num_layers: int | None = None) -> PatchHandle:
             f"{current}); revert that handle first (or unset {ENV_VAR} if it leaked in from a "
             "parent process)"
         )
-    apply_in_process(settings)
+    from nemo_jetrl.vllm_patch.kernel import registered_kernel, unregister_kernel
+
+    was_registered = registered_kernel() is not None
+    cls = apply_in_process(settings)
+    try:
+        guard.check_before_start(settings, cls.__name__)
+    except guard.KernelGuardError:
+        if not was_registered:
+            unregister_kernel()  # leave the registry as we found it
+        raise
     os.environ[ENV_VAR] = settings.to_json()
     return PatchHandle(settings=settings, vllm_version=vllm.__version__)

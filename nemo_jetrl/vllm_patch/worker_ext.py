@@ -19,8 +19,10 @@ and ``self.model_runner.model`` the model. Names start with ``jetrl_`` to avoid 
 * ``jetrl_set_kv_scales`` / ``jetrl_kv_scales``: per-layer q/k/v scales on the attention layers
   (vLLM convention: the dequantization multiplier, k_fp8 = k / k_scale), all-or-nothing.
 * ``jetrl_capture`` / ``jetrl_captured``: record what enters our FP8 GEMM (eager mode).
-* ``jetrl_kernels``: which kernel class each linear layer runs; ``jetrl_repacked``: which
-  unquantized linears vLLM repacked (their ``weight`` parameter is empty).
+* ``jetrl_kernels``: which kernel class each linear layer runs; ``jetrl_kernel_report``: the
+  guard's per-layer report (is it ours, with which settings and GEMM backend) for
+  ``guard.verify_engine_kernels``; ``jetrl_repacked``: which unquantized linears vLLM repacked
+  (their ``weight`` parameter is empty).
 """
 
 from __future__ import annotations
@@ -267,6 +269,13 @@ class JetRLWorkerExtension:
             kernel = getattr(qm, "fp8_linear", None)
             out[name] = type(kernel).__name__ if kernel is not None else type(qm).__name__
         return out
+
+    def jetrl_kernel_report(self) -> dict[str, Any]:
+        """Kernel, settings and GEMM backend of every block-FP8 linear, and the variables that
+        decide them in this worker (``guard.layer_kernel_report``; checked by the driver)."""
+        from nemo_jetrl.vllm_patch.guard import layer_kernel_report
+
+        return layer_kernel_report(_model(self))
 
     def jetrl_repacked(self) -> list[str]:
         """Unquantized linear layers whose weight vLLM replaced by a packed copy (CPU build)."""

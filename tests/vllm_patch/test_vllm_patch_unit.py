@@ -197,6 +197,8 @@ def test_engine_kwargs_bad_hf_overrides_type():
         "0.20.0",
         "0.20.0+cpu",
         "0.25.1",
+        "0.33.0",
+        "0.33.0+cu130",
     ],
 )
 def test_version_supported(v):
@@ -206,7 +208,7 @@ def test_version_supported(v):
 # Releases not run against a real build (0.20.1/0.20.2, 0.25.0/0.25.2, ...) are refused.
 @pytest.mark.parametrize(
     "v",
-    ["0.31.9", "0.33.0", "0.33.0rc1", "1.0.0", "0.10.2", "0.19.1", "0.20.1", "0.25.0", "0.25.2"],
+    ["0.31.9", "0.33.1", "0.34.0", "1.0.0", "0.10.2", "0.19.1", "0.20.1", "0.25.0", "0.25.2"],
 )
 def test_version_refused_with_range(v):
     with pytest.raises(UnsupportedVllmVersion) as ei:
@@ -377,7 +379,7 @@ def test_pack_roundtrip_keeps_fp8_bits():
 def test_supported_ranges_cover_the_tested_releases_only():
     from nemo_jetrl.vllm_patch import compat
 
-    assert supported_range() == ">=0.20.0,<0.20.1 or >=0.25.1,<0.25.2 or >=0.32.0,<0.33.0"
+    assert supported_range() == ">=0.20.0,<0.20.1 or >=0.25.1,<0.25.2 or >=0.32.0,<0.33.1"
     assert compat.release("0.20.0+cpu") == (0, 20, 0)
     assert compat.release("0.33.0.dev5") == (0, 33, 0)
     assert compat.release("1") == (1, 0, 0)

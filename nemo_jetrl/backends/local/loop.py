@@ -113,64 +113,19 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
 def _run_owned(cfg, resolved, run_id, found, hooks, tqdm_mod, write, t_begin) -> RunResult:
     """The run itself, in directories this process owns; ``found``: the verified checkpoint
     to continue from (`checkpoint.find_resumable`), or None."""
-    from nemo_jetrl.runs.writer import RunWriter
-
-    run = LocalRun(cfg, log=write, resolved=resolved)
-    run.run_id = run_id
-    if hooks.on_run is not None:
-        hooks.on_run(run)
+    run = _start_run(cfg, resolved, run_id, found, hooks, write)
     rs = run.run
-    log_dir = Path(rs.log_dir)
-    resumed = found is not None
-    if resumed:
-        try:
-            run.restore(found[0], loaded=found[1:])
-        except BaseException:
-            run.close()  # a vLLM engine must not outlive a failed start
-            raise
-        write(f"resumed from {found[0]} (step {run.step}, run {run.run_id})")
     first = run.step
-    writer = RunWriter(
-        log_dir,
-        config=OmegaConf.to_container(cfg, resolve=False),  # secrets stay ${oc.env:...}
-        recipe=run.recipe.name,
-        run_id=run.run_id,
-        purge_step=first + 1 if resumed else None,
-    )
+    writer = _open_writer(cfg, run, resumed=found is not None)
     history: list[dict[str, float]] = []
-    bar = None
-    if tqdm_mod is not None:
-        bar = tqdm_mod.tqdm(
-            total=rs.max_num_steps, initial=run.step, desc=f"{run.recipe.name}", unit="step",
-            file=sys.stderr, dynamic_ncols=True,
-        )  # fmt: skip
+    bar = _progress_bar(tqdm_mod, run)
     try:
         if run.step == 0 and rs.val_at_start and rs.val_period:
             writer.log_scalars(0, run.validate())
         while run.step < rs.max_num_steps:
-            scalars, records = run.train_step(hooks)
-            step = run.step
-            if rs.val_period and step % rs.val_period == 0:
-                scalars.update(run.validate())
-            writer.log_scalars(step, scalars)
-            writer.log_train_data(step, records)
-            writer.flush()
-            if rs.checkpoint_enabled and (step % rs.save_period == 0 or step == rs.max_num_steps):
-                t0 = time.perf_counter()
-                run.save()
-                writer.log_scalars(step, {"timing/train/checkpointing": time.perf_counter() - t0})
+            step, scalars = _logged_step(run, writer, hooks)
             history.append({"step": step, **scalars})
-            if hooks.after_step is not None:
-                hooks.after_step(step, scalars)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(
-                    reward=f"{scalars['train/reward']:.3f}",
-                    tmpe=f"{scalars['train/token_mult_prob_error']:.5f}",
-                    refresh=False,
-                )
-            if not all(math.isfinite(v) for k, v in scalars.items() if k.startswith("train/loss")):
-                write(f"step {step}: non-finite loss")
+            _after_step(step, scalars, hooks, bar, write)
     finally:
         if bar is not None:
             bar.close()
@@ -179,10 +134,85 @@ def _run_owned(cfg, resolved, run_id, found, hooks, tqdm_mod, write, t_begin) ->
             run.kv.detach()
         run.close()
     return RunResult(
-        log_dir=log_dir,
+        log_dir=Path(rs.log_dir),
         recipe=run.recipe.name,
         first_step=first,
         last_step=run.step,
         history=history,
         seconds=time.perf_counter() - t_begin,
     )
+
+
+def _start_run(cfg, resolved, run_id, found, hooks, write) -> LocalRun:
+    """Build the `LocalRun`, call ``hooks.on_run`` and restore ``found`` (if any), closing the
+    run (its vLLM engine) when the restore fails."""
+    run = LocalRun(cfg, log=write, resolved=resolved)
+    run.run_id = run_id
+    if hooks.on_run is not None:
+        hooks.on_run(run)
+    if found is not None:
+        try:
+            run.restore(found[0], loaded=found[1:])
+        except BaseException:
+            run.close()  # a vLLM engine must not outlive a failed start
+            raise
+        write(f"resumed from {found[0]} (step {run.step}, run {run.run_id})")
+    return run
+
+
+def _open_writer(cfg, run: LocalRun, *, resumed: bool):
+    """The run's `RunWriter` on ``logger.log_dir``; a resumed run purges the TensorBoard
+    events after its restored step."""
+    from nemo_jetrl.runs.writer import RunWriter
+
+    return RunWriter(
+        Path(run.run.log_dir),
+        config=OmegaConf.to_container(cfg, resolve=False),  # secrets stay ${oc.env:...}
+        recipe=run.recipe.name,
+        run_id=run.run_id,
+        purge_step=run.step + 1 if resumed else None,
+    )
+
+
+def _progress_bar(tqdm_mod, run: LocalRun):
+    """A tqdm bar over ``grpo.max_num_steps`` starting at the run's step; None without tqdm."""
+    if tqdm_mod is None:
+        return None
+    return tqdm_mod.tqdm(
+        total=run.run.max_num_steps, initial=run.step, desc=f"{run.recipe.name}", unit="step",
+        file=sys.stderr, dynamic_ncols=True,
+    )  # fmt: skip
+
+
+def _logged_step(run: LocalRun, writer, hooks: Hooks) -> tuple[int, dict[str, float]]:
+    """One training step with its validation (every ``grpo.val_period`` steps), logs and
+    checkpoint (every ``checkpointing.save_period`` steps and at the last); the step reached
+    and its scalars."""
+    rs = run.run
+    scalars, records = run.train_step(hooks)
+    step = run.step
+    if rs.val_period and step % rs.val_period == 0:
+        scalars.update(run.validate())
+    writer.log_scalars(step, scalars)
+    writer.log_train_data(step, records)
+    writer.flush()
+    if rs.checkpoint_enabled and (step % rs.save_period == 0 or step == rs.max_num_steps):
+        t0 = time.perf_counter()
+        run.save()
+        writer.log_scalars(step, {"timing/train/checkpointing": time.perf_counter() - t0})
+    return step, scalars
+
+
+def _after_step(step: int, scalars: dict[str, float], hooks: Hooks, bar, write) -> None:
+    """Report a finished step: ``hooks.after_step``, the progress bar, a non-finite loss."""
+    if hooks.after_step is not None:
+        hooks.after_step(step, scalars)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{scalars['train/reward']:.3f}",
+            tmpe=f"{scalars['train/token_mult_prob_error']:.5f}",
+            refresh=False,
+        )
+    if not all(math.isfinite(v) for k, v in scalars.items() if k.startswith("train/loss")):
+        write(f"step {step}: non-finite loss")

@@ -97,23 +97,47 @@ class LocalRun(RunStep, RunCheckpointing):
         self.log = log
         self.recipe, self.run, self.local, loss_cfg = resolved or resolve_run(cfg)
         self.run_id: str | None = None  # set by run_local; kept across --resume
-        if self.local.num_threads:
-            cpus = os.cpu_count() or 1
-            if self.local.num_threads > cpus:
-                print(
-                    f"[jetrl] warning: jetrl.local.num_threads={self.local.num_threads} exceeds "
-                    f"this machine's {cpus} CPUs (threads will contend; 1 is fastest for these "
-                    "tiny models)",
-                    flush=True,
-                )
-            torch.set_num_threads(self.local.num_threads)
+        self._set_num_threads()
         self.tokenizer = load_tokenizer(self.local.tokenizer)
-        tok_path = Path(self.local.tokenizer) if self.local.tokenizer else TOKENIZER_JSON
         self.model_config = load_model_config(self.local.model_config)
         self.task = self.local.task
-        seed = self.run.seed
         dtype = model_dtype(self.local.dtype)
+        weights = self._initial_weights()
+        train_model = self._build_trainer(weights, loss_cfg, dtype)
+        self._build_rollout_model(train_model, dtype)
+        self._attach_kv_cache(train_model)
+        seed = self.run.seed
+        self.data_gen = torch.Generator().manual_seed(seed + 2)
+        self.sample_gen = torch.Generator().manual_seed(seed + 3)
+        self.val_problems = validation_problems(self.task, seed)
+        self.max_new_tokens = self.run.max_new_tokens or self.task.response_len() + 4
+        self.step = 0
+        self.refit_refused_total = 0
+        self.kv_calibrated = False
+        if self.local.rollout_engine == "vllm":
+            self._start_engine()
+
+    def _set_num_threads(self) -> None:
+        """Apply ``jetrl.local.num_threads`` (if set), warning when it exceeds the CPU count."""
+        if not self.local.num_threads:
+            return
+        cpus = os.cpu_count() or 1
+        if self.local.num_threads > cpus:
+            print(
+                f"[jetrl] warning: jetrl.local.num_threads={self.local.num_threads} exceeds "
+                f"this machine's {cpus} CPUs (threads will contend; 1 is fastest for these "
+                "tiny models)",
+                flush=True,
+            )
+        torch.set_num_threads(self.local.num_threads)
+
+    def _initial_weights(self) -> dict[str, torch.Tensor]:
+        """The starting state dict: warm-started (trained or loaded from the cache) when
+        ``jetrl.local.warmstart`` asks for steps, else the seeded random init; records
+        ``warmstart_path`` / ``warmstart_cached``."""
+        seed = self.run.seed
         if self.local.warmstart.enabled and self.local.warmstart.steps > 0:
+            tok_path = Path(self.local.tokenizer) if self.local.tokenizer else TOKENIZER_JSON
             weights, path, cached = load_or_train(
                 self.model_config,
                 self.tokenizer,
@@ -122,15 +146,21 @@ class LocalRun(RunStep, RunCheckpointing):
                 self.local.warmstart,
                 seed,
                 self.local.resolved_cache_dir(),
-                log=log,
+                log=self.log,
             )
             self.warmstart_path: Path | None = path
             self.warmstart_cached = cached
-        else:
-            weights = build_model(self.model_config, seed=seed).state_dict()
-            self.warmstart_path, self.warmstart_cached = None, False
-        # trainer side
-        train_model = build_model(self.model_config, dtype=dtype, seed=seed)
+            return weights
+        self.warmstart_path, self.warmstart_cached = None, False
+        return build_model(self.model_config, seed=seed).state_dict()
+
+    def _build_trainer(
+        self, weights: dict[str, torch.Tensor], loss_cfg: GRPOLossConfig, dtype: torch.dtype
+    ) -> torch.nn.Module:
+        """The trainer side: the training model under the recipe's FP8 plan, its `Trainer`
+        (fp32 masters loaded from ``weights``) and, with a KL penalty, a frozen reference copy
+        of the same weights. Returns the training model."""
+        train_model = build_model(self.model_config, dtype=dtype, seed=self.run.seed)
         self.train_plan = make_trainer_model(train_model, self.recipe)
         reference = None
         if loss_cfg.reference_policy_kl_penalty != 0.0:
@@ -153,32 +183,31 @@ class LocalRun(RunStep, RunCheckpointing):
             with torch.no_grad():
                 for p, src in zip(reference.parameters(), train_model.parameters(), strict=True):
                     p.copy_(src)
-        # rollout side: same class and config, FP8 layers as the rollout recipe says
-        rollout_model = build_model(self.model_config, dtype=dtype, seed=seed)
+        return train_model
+
+    def _build_rollout_model(self, train_model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """The rollout side: same class, config and weights as ``train_model``, FP8 layers as
+        the rollout recipe says, frozen; no vLLM engine yet (`_start_engine`)."""
+        rollout_model = build_model(self.model_config, dtype=dtype, seed=self.run.seed)
         rollout_model.load_state_dict(train_model.state_dict(), strict=True)
         self.rollout_plan = make_rollout_model(rollout_model, self.recipe)
         self.rollout_model = freeze(rollout_model)
         self.engine = None  # a VllmRollout with rollout_engine=vllm
         self.engine_parity_tensors = 0
         self.engine_kv_layers = 0
-        # FP8 KV cache
-        self.kv = None
-        if self.recipe.kv_fp8:
-            from nemo_jetrl.kvcache import CalibrationSettings
-            from nemo_jetrl.kvcache.hf import KVCacheController
 
-            self.kv = KVCacheController(CalibrationSettings.from_recipe(self.recipe.kv_calibration))
-            self.kv.attach(self.rollout_model, role="rollout")
-            self.kv.attach(train_model, role="train", onpolicy=self.recipe.onpolicy_kv)
-        self.data_gen = torch.Generator().manual_seed(seed + 2)
-        self.sample_gen = torch.Generator().manual_seed(seed + 3)
-        self.val_problems = validation_problems(self.task, seed)
-        self.max_new_tokens = self.run.max_new_tokens or self.task.response_len() + 4
-        self.step = 0
-        self.refit_refused_total = 0
-        self.kv_calibrated = False
-        if self.local.rollout_engine == "vllm":
-            self._start_engine()
+    def _attach_kv_cache(self, train_model: torch.nn.Module) -> None:
+        """With an FP8 KV cache recipe, attach one `KVCacheController` to the rollout and the
+        training model; ``self.kv`` stays None otherwise."""
+        self.kv = None
+        if not self.recipe.kv_fp8:
+            return
+        from nemo_jetrl.kvcache import CalibrationSettings
+        from nemo_jetrl.kvcache.hf import KVCacheController
+
+        self.kv = KVCacheController(CalibrationSettings.from_recipe(self.recipe.kv_calibration))
+        self.kv.attach(self.rollout_model, role="rollout")
+        self.kv.attach(train_model, role="train", onpolicy=self.recipe.onpolicy_kv)
 
     def _start_engine(self) -> None:
         """Start the vLLM engine on a run-local model dir and load the trainer's weights."""
