@@ -20,6 +20,7 @@ exactly what ``jetrl check`` would judge. ``--study length`` runs the answer-len
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import time
 from pathlib import Path
@@ -97,20 +98,9 @@ def recipe_config(recipe: str, out: Path, overrides: list[str]):
 
 
 def run(args: argparse.Namespace) -> int:
-    import warnings
-
-    from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.commands._demo_report import (
-        curves_from_runs,
-        demo_checks,
-        lead_table,
-        summary_page,
-    )
-    from nemo_jetrl.config import ConfigError
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.recipe import PRESET_NAMES
-    from nemo_jetrl.runs.logs import RunDataWarning
-    from nemo_jetrl.runs.report import compare_runs
+    from nemo_jetrl.runs.lock import RunDirLock
 
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in PRESET_NAMES]
@@ -124,8 +114,31 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"grpo.max_num_steps={args.steps}")
     if args.num_ops is not None:
         overrides.append(f"jetrl.local.task.num_ops={args.num_ops}")
-    if args.study == "length":
-        return _length_study(args, out, overrides)
+    # One demo per --out: it deletes its old runs there, so a second demo must not run beside it.
+    lock = RunDirLock(f"demo-{os.getpid()}").acquire([("--out", out)])
+    try:
+        if args.study == "length":
+            return _length_study(args, out, overrides)
+        return _demo(args, out, overrides, recipes)
+    finally:
+        lock.release()
+
+
+def _demo(args: argparse.Namespace, out: Path, overrides: list[str], recipes: list[str]) -> int:
+    import warnings
+
+    from nemo_jetrl.backends.local.loop import run_local
+    from nemo_jetrl.commands._demo_report import (
+        curves_from_runs,
+        demo_checks,
+        lead_table,
+        summary_page,
+    )
+    from nemo_jetrl.config import ConfigError
+    from nemo_jetrl.errors import UserError
+    from nemo_jetrl.runs.logs import RunDataWarning
+    from nemo_jetrl.runs.report import compare_runs
+
     t0, c0 = time.perf_counter(), time.process_time()
     run_dirs = []
     for recipe in recipes:

@@ -33,6 +33,7 @@ from nemo_jetrl.config.load import (
     parse_override,
 )
 from nemo_jetrl.config.reader import arch_from_config
+from nemo_jetrl.config.sections import NO_SECTIONS, BackendSection, SectionProviders
 from nemo_jetrl.config.updates import (
     merge_updates,
     minimal_updates,
@@ -44,8 +45,11 @@ from nemo_jetrl.config.validate import errors, recipe_from_config, validate, val
 from nemo_jetrl.recipe import Recipe, preset_differences
 
 __all__ = [
+    "NO_SECTIONS",
+    "BackendSection",
     "ConfigError",
     "ConfigIssue",
+    "SectionProviders",
     "ValidConfig",
     "apply_overrides",
     "arch_from_config",
@@ -79,12 +83,17 @@ class ValidConfig:
 
 
 def load_valid_config(
-    cfg: str | os.PathLike[str] | DictConfig, overrides: Sequence[str] = (), *, run: bool = False
+    cfg: str | os.PathLike[str] | DictConfig,
+    overrides: Sequence[str] = (),
+    *,
+    run: bool = False,
+    sections: SectionProviders = NO_SECTIONS,
 ) -> ValidConfig:
     """Load ``cfg`` (a YAML path, or a loaded config to apply ``overrides`` to), validate it and
     build its recipe and architecture; a `ConfigError` lists every error: the bad overrides'
     and the config's own together (a bad override never hides the file's problems). ``run``:
-    it is about to run on this machine (see `validated`). The one validation `check`, `align`
+    it is about to run on this machine (see `validated`); ``sections``: the backends' hooks for
+    their own sections (`nemo_jetrl.config.sections`). The one validation `check`, `align`
     and `train` (every backend) go through."""
     from nemo_jetrl.config.resolvers import register_resolvers
 
@@ -98,11 +107,11 @@ def load_valid_config(
         apply_overrides(conf, list(overrides))  # good overrides apply even when some fail
     except ConfigError as exc:
         bad_overrides = exc.issues
-    issues, recipe = validated(conf, run=run)
+    issues, recipe = validated(conf, run=run, sections=sections)
     issues = bad_overrides + _name_overrides(issues, overrides)
     if errors(issues):
         raise ConfigError(issues, source)
-    return ValidConfig(conf, recipe, arch_from_config(conf), tuple(issues))
+    return ValidConfig(conf, recipe, arch_from_config(conf, sections), tuple(issues))
 
 
 def _name_overrides(issues: list[ConfigIssue], overrides: Sequence[str]) -> list[ConfigIssue]:

@@ -15,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, _exists
+from nemo_jetrl.config.sections import NO_SECTIONS, BackendSection, SectionProviders
 from nemo_jetrl.recipe import Recipe, matching_preset
 from nemo_jetrl.recipe_parts import (
     KV_DATA_FRACTION,
@@ -32,9 +33,17 @@ from nemo_jetrl.recipe_parts import (
 class _Reader:
     """Reads typed values from a config, recording every problem instead of raising."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, sections: SectionProviders = NO_SECTIONS) -> None:
         self.cfg = cfg
         self.issues: list[ConfigIssue] = []
+        self._sections = sections
+        self._loaded: dict[str, BackendSection] = {}
+
+    def section(self, name: str) -> BackendSection | None:
+        """The backend hooks for ``jetrl.<name>`` (loaded once), or None when none were given."""
+        if name not in self._loaded and name in self._sections:
+            self._loaded[name] = self._sections[name]()
+        return self._loaded.get(name)
 
     def get(self, path: str, default: Any = None) -> Any:
         if not _exists(self.cfg, path):
@@ -204,20 +213,16 @@ def _arch(r: _Reader) -> tuple[Any, bool]:
 
 
 def _local_model_config(r: _Reader) -> str | None:
-    """The local backend's model config.json (its hook `S.LOCAL_MODEL_FUNCTION`), or None."""
-    import importlib
-
-    try:
-        fn = getattr(importlib.import_module(S.LOCAL_SCHEMA_MODULE), S.LOCAL_MODEL_FUNCTION)
-    except (ImportError, AttributeError):
-        return None
-    return fn(r.get("jetrl.local", None))
+    """The local backend's model config.json (its `BackendSection.model_config`), or None."""
+    section = r.section("local")
+    return None if section is None else section.model_config(r.get("jetrl.local", None))
 
 
-def arch_from_config(cfg: DictConfig) -> Any:
-    """The model's ModelArch (jetrl.model_config, else the built-in for policy.model_name, else
-    None); ConfigError when jetrl.model_config cannot be read."""
-    r = _Reader(cfg)
+def arch_from_config(cfg: DictConfig, sections: SectionProviders = NO_SECTIONS) -> Any:
+    """The model's ModelArch (jetrl.model_config, else the local backend's model when ``sections``
+    has it, else the built-in for policy.model_name, else None); ConfigError when the model
+    config cannot be read."""
+    r = _Reader(cfg, sections)
     arch, ok = _arch(r)
     if not ok:
         raise ConfigError(r.issues)

@@ -209,12 +209,3 @@ JETRL_KEYS: Mapping[str, KeySpec] = MappingProxyType(
         ),
     }
 )
-
-# Module that owns the `jetrl.local` schema; it defines
-# `validate_local_config(section, path) -> list[ConfigIssue]`, optionally
-# `validate_local_run(cfg) -> list[ConfigIssue]` (NeMo-RL keys only that backend restricts) and
-# `local_model_config(section) -> str` (the config.json of the model that backend builds).
-LOCAL_SCHEMA_MODULE = "nemo_jetrl.backends.local.config"
-LOCAL_SCHEMA_FUNCTION = "validate_local_config"
-LOCAL_RUN_FUNCTION = "validate_local_run"
-LOCAL_MODEL_FUNCTION = "local_model_config"

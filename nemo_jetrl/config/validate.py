@@ -10,7 +10,6 @@ known, the architecture (layer counts, 128-alignment for blockwise FP8). Each fi
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -21,6 +20,7 @@ from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.config.run_keys import check_run_keys
+from nemo_jetrl.config.sections import NO_SECTIONS, SectionProviders
 from nemo_jetrl.recipe import Recipe, preset_differences
 from nemo_jetrl.recipe_parts import KV_CALIBRATION_RULES, kv_calibration_problems
 
@@ -100,20 +100,16 @@ def _check_local(r: _Reader, local: Any) -> None:
     if not isinstance(local, Mapping):
         r.error("jetrl.local", f"must be a mapping, got {type(local).__name__}")
         return
-    try:
-        mod = importlib.import_module(S.LOCAL_SCHEMA_MODULE)
-        fn = getattr(mod, S.LOCAL_SCHEMA_FUNCTION)
-    except (ImportError, AttributeError):
+    section = r.section("local")
+    if section is None:
         r.note(
             "jetrl.local",
-            f"not validated here: the local backend's schema ({S.LOCAL_SCHEMA_MODULE}."
-            f"{S.LOCAL_SCHEMA_FUNCTION}) is not available",
+            "not validated here (no local-backend schema was given; `jetrl check`, `align` and "
+            "`train` validate it)",
         )
         return
-    r.issues.extend(fn(r.cfg.jetrl.local, "jetrl.local"))
-    run_fn = getattr(mod, S.LOCAL_RUN_FUNCTION, None)
-    if run_fn is not None:  # the NeMo-RL keys only that backend restricts
-        r.issues.extend(run_fn(r.cfg))
+    r.issues.extend(section.validate(r.cfg.jetrl.local, "jetrl.local"))
+    r.issues.extend(section.validate_run(r.cfg))  # NeMo-RL keys only that backend restricts
 
 
 def _check_nemo_rl_keys(r: _Reader) -> None:
@@ -307,12 +303,15 @@ def _no_fp8_coverage(r: _Reader, arch: Any, recipe: Recipe, bad: list) -> None:
             )
 
 
-def validated(cfg: DictConfig, *, run: bool = False) -> tuple[list[ConfigIssue], Recipe]:
+def validated(
+    cfg: DictConfig, *, run: bool = False, sections: SectionProviders = NO_SECTIONS
+) -> tuple[list[ConfigIssue], Recipe]:
     """Every issue in ``cfg`` and the Recipe it describes (meaningful only without errors).
 
     ``run``: the config is about to run here, so directories it writes must be writable on
-    this machine (an error; for `jetrl check` a warning)."""
-    r = _Reader(cfg)
+    this machine (an error; for `jetrl check` a warning). ``sections``: the backends' hooks for
+    their own ``jetrl.<name>`` sections (`nemo_jetrl.config.sections`)."""
+    r = _Reader(cfg, sections)
     r.issues.extend(unresolvable(cfg))
     r.issues.extend(check_run_keys(cfg, run=run))
     _check_jetrl_section(r)
@@ -335,9 +334,9 @@ def validated(cfg: DictConfig, *, run: bool = False) -> tuple[list[ConfigIssue],
     return unique, recipe
 
 
-def validate(cfg: DictConfig) -> list[ConfigIssue]:
+def validate(cfg: DictConfig, sections: SectionProviders = NO_SECTIONS) -> list[ConfigIssue]:
     """Every problem in `cfg` (errors, warnings, notes), in the order found."""
-    return validated(cfg)[0]
+    return validated(cfg, sections=sections)[0]
 
 
 def errors(issues: Iterable[ConfigIssue]) -> list[ConfigIssue]:
@@ -345,9 +344,9 @@ def errors(issues: Iterable[ConfigIssue]) -> list[ConfigIssue]:
     return [i for i in issues if i.level == "error"]
 
 
-def recipe_from_config(cfg: DictConfig) -> Recipe:
+def recipe_from_config(cfg: DictConfig, sections: SectionProviders = NO_SECTIONS) -> Recipe:
     """The Recipe a valid config describes; ConfigError listing every error otherwise."""
-    issues, recipe = validated(cfg)
+    issues, recipe = validated(cfg, sections=sections)
     if errors(issues):
         raise ConfigError(issues)
     return recipe

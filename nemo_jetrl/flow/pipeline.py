@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_jetrl.arch import ModelArch, generic_arch
-from nemo_jetrl.config import ConfigError, ConfigIssue, load_valid_config
+from nemo_jetrl.config import (
+    BackendSection,
+    ConfigError,
+    ConfigIssue,
+    SectionProviders,
+    load_valid_config,
+)
 from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
 from nemo_jetrl.flow.support import unsupported_issues
@@ -59,6 +65,16 @@ class Checked:
         return bool(jetrl.get("allow_off_policy", False))
 
 
+def _local_section() -> BackendSection:
+    from nemo_jetrl.backends.local.config import SECTION
+
+    return SECTION
+
+
+BACKEND_SECTIONS: SectionProviders = {"local": _local_section}
+"""The backends' own ``jetrl.<name>`` sections, loaded only when a config has them."""
+
+
 def check_config(
     cfg: str | os.PathLike[str] | Any,
     overrides: Sequence[str] = (),
@@ -72,7 +88,7 @@ def check_config(
     ``aligning``: for `jetrl align`, which clears what `flow.support` lets it clear."""
     from omegaconf import OmegaConf
 
-    valid = load_valid_config(cfg, overrides, run=run)
+    valid = load_valid_config(cfg, overrides, run=run, sections=BACKEND_SECTIONS)
     recipe, arch, note = valid.recipe, valid.arch, None
     refused = unsupported_issues(valid.cfg, recipe, aligning=aligning)
     if refused:

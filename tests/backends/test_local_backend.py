@@ -83,9 +83,10 @@ def test_local_settings_collect_every_error():
 
 def test_config_validator_calls_local_schema(tmp_path, cache_dir):
     from nemo_jetrl.config import validate
+    from nemo_jetrl.flow.pipeline import BACKEND_SECTIONS
 
     cfg = tiny_cfg("jetrl", tmp_path, cache_dir, "jetrl.local.task.num_ops=0")
-    errs = [i for i in validate(cfg) if i.level == "error"]
+    errs = [i for i in validate(cfg, BACKEND_SECTIONS) if i.level == "error"]
     assert [i.path for i in errs] == ["jetrl.local.task.num_ops"]
 
 

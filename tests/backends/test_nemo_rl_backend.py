@@ -3,6 +3,7 @@ metrics wrapper. The end-to-end run is the `nemo_rl` + `gpu` test at the bottom 
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import sys
@@ -100,7 +101,25 @@ def test_off_policy_refused_unless_allowed():
 
 
 def test_fp32_weight_scales_warn_about_nemo_rl_refit_quantizer():
+    # With our vLLM patch the refit hook quantizes weights (and checks parity): no warning.
     p = nr.prepare(str(CONFIGS / "nemo_rl_fp8_e2e.yaml"), ["jetrl.vllm_patch=true"])
+    assert not any("pow2_weight_scaling_factors" in w for w in p.warnings)
+    env = p.plan.master_config["policy"]["generation"]["vllm_cfg"]["env_vars"]
+    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": True}
+    off = nr.prepare(
+        str(CONFIGS / "nemo_rl_fp8_e2e.yaml"),
+        ["jetrl.vllm_patch=true", "jetrl.refit_parity_check=false"],
+    )
+    env = off.plan.master_config["policy"]["generation"]["vllm_cfg"]["env_vars"]
+    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": False}
+    # Without it NeMo-RL's own quantizer runs: FP32 scales differ from TE's.
+    p = nr.prepare(
+        str(CONFIGS / "nemo_rl_fp8_e2e.yaml"),
+        ["jetrl.vllm_patch=false", "jetrl.allow_off_policy=true"],
+    )
+    assert "NEMO_JETRL_NRL_REFIT" not in p.plan.master_config["policy"]["generation"][
+        "vllm_cfg"
+    ].get("env_vars", {})
     assert any("pow2_weight_scaling_factors=true" in w for w in p.warnings)
     assert not any(
         "pow2_weight_scaling_factors" in w for w in nr.prepare(str(QWEN / "jetrl.yaml")).warnings

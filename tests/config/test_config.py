@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -397,26 +396,40 @@ def test_interpolation_errors_are_reported():
     assert "cannot resolve" in found["policy.generation.vllm_cfg.precision"][0].message
 
 
-def test_jetrl_local_uses_a_registered_schema(monkeypatch):
-    mod = types.ModuleType("nemo_jetrl.backends.local.config")
+def test_jetrl_local_is_validated_by_the_section_the_caller_gives():
+    from nemo_jetrl.config import BackendSection
 
     def validate_local_config(section, path):
         bad = [k for k in section if k not in ("model", "steps")]
         return [ConfigIssue(f"{path}.{k}", "unknown key", ("model", "steps")) for k in bad]
 
-    mod.validate_local_config = validate_local_config
-    monkeypatch.setitem(sys.modules, "nemo_jetrl.backends.local.config", mod)
+    section = BackendSection(
+        validate=validate_local_config,
+        validate_run=lambda cfg: [ConfigIssue("policy.optimizer.name", "only adamw here")],
+        model_config=lambda section: None,
+    )
     cfg = cfg_with("+jetrl.local={model: tiny, steps: 3, colour: red}")
-    found = issue_paths(cfg)
-    assert list(found) == ["jetrl.local.colour"]
+    found = [i.path for i in errors(validate(cfg, {"local": lambda: section}))]
+    assert found == ["jetrl.local.colour", "policy.optimizer.name"]
 
 
-def test_jetrl_local_without_schema_is_noted(monkeypatch):
+def test_jetrl_local_without_a_section_is_noted_and_the_backend_not_imported(monkeypatch):
+    # config/ never imports a backend: without a provider the section is only noted.
     monkeypatch.setitem(sys.modules, "nemo_jetrl.backends.local.config", None)
     issues = validate(cfg_with("+jetrl.local={anything: 1}"))
     assert errors(issues) == []
     assert any(i.path == "jetrl.local" and i.level == "note" for i in issues)
     assert errors(validate(cfg_with("+jetrl.local=3")))[0].path == "jetrl.local"
+
+
+def test_the_pipeline_gives_the_local_section():
+    from nemo_jetrl.config import load_valid_config
+    from nemo_jetrl.flow.pipeline import BACKEND_SECTIONS
+
+    cfg = cfg_with("+jetrl.local={colour: red}")
+    with pytest.raises(ConfigError) as exc:
+        load_valid_config(cfg, sections=BACKEND_SECTIONS)
+    assert "jetrl.local.colour" in [i.path for i in exc.value.issues]
 
 
 def test_recipe_label_disagreeing_with_keys_is_a_warning():

@@ -25,6 +25,7 @@ from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON, SUPPORTED_TYPES
 from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.config.run_keys import path_problem, read_run_keys
+from nemo_jetrl.config.sections import BackendSection
 
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -270,14 +271,14 @@ def _json_file_problem(p: str | None, model_config: bool) -> str | None:
 
 
 def validate_local_config(section: Any, path: str = "jetrl.local") -> list[ConfigIssue]:
-    """Every problem of a ``jetrl.local`` section (the hook `nemo_jetrl.config` calls)."""
+    """Every problem of a ``jetrl.local`` section (`SECTION.validate`)."""
     issues: list[ConfigIssue] = []
     _read_local(section, path, issues)
     return issues
 
 
 def validate_local_run(cfg: DictConfig) -> list[ConfigIssue]:
-    """Problems of NeMo-RL keys only the local backend restricts (hook of `nemo_jetrl.config`)."""
+    """Problems of NeMo-RL keys only the local backend restricts (`SECTION.validate_run`)."""
     return optimizer_issues(cfg)
 
 
@@ -373,3 +374,9 @@ def optimizer_issues(cfg: DictConfig) -> list[ConfigIssue]:
             ("torch.optim.AdamW",),
         )
     ]
+
+
+SECTION = BackendSection(
+    validate=validate_local_config, validate_run=validate_local_run, model_config=local_model_config
+)
+"""This backend's hooks for ``jetrl.local`` (`nemo_jetrl.config.sections`)."""

@@ -105,9 +105,12 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
         raise _user_error(refusal)
     conf, recipe, arch = checked.cfg, checked.recipe, checked.arch
     notes = run_notes(checked)
-    if recipe.rollout.fp8_linears and not recipe.rollout.pow2_weight_scales:
-        # NeMo-RL's refit streams BF16 weights and quantizes them inside vLLM with its own code;
-        # measured against TE's formula it agrees bit for bit with power-of-two scales only.
+    ro = recipe.rollout
+    hooked = ro.quantizer == "jetrl" and OmegaConf.select(conf, "jetrl.refit_hook") is not False
+    if ro.fp8_linears and not ro.pow2_weight_scales and not hooked:
+        # NeMo-RL's refit streams BF16 weights and quantizes them inside vLLM with its own code
+        # unless our vLLM patch and refit hook (vllm_refit.py) are on; measured against TE's
+        # formula it agrees bit for bit with power-of-two scales only.
         notes.append(
             "FP32 weight scales on the NeMo-RL backend: NeMo-RL's refit quantizes weights inside "
             "vLLM with its own code, which differed from TE's formula on 1-1,194 FP8 bytes per "

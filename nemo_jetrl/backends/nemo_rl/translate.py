@@ -14,7 +14,10 @@ Ray workers (all read from that source, file paths relative to its repository):
 - ``policy.generation.vllm_cfg.env_vars`` -> env of the vLLM generation workers *and* vLLM's own
   non-leader workers (``vllm_generation.py``). vLLM loads the ``vllm.general_plugins`` entry point
   of this package in each of its processes; the plugin applies our vLLM patch only when
-  ``NEMO_JETRL_VLLM_PATCH`` (the patch settings, JSON) is set (``nemo_jetrl/vllm_patch/plugin.py``).
+  ``NEMO_JETRL_VLLM_PATCH`` (the patch settings, JSON) is set (``nemo_jetrl/vllm_patch/plugin.py``),
+  and a second entry point hooks NeMo-RL's refit loader when ``NEMO_JETRL_NRL_REFIT`` is set
+  (``vllm_refit.py``: our weight quantizer and the parity check; set unless
+  ``jetrl.refit_hook: false``, parity per ``jetrl.refit_parity_check``).
   (``vllm_kwargs`` cannot carry a worker extension: NeMo-RL passes its own
   ``worker_extension_cls`` to ``vllm.LLM`` next to ``**vllm_kwargs``.)
 - The Megatron policy worker class: ``grpo.setup(..., policy_factory=...)`` builds the policy with
@@ -225,7 +228,13 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
         _set(cfg, f"policy.generation.vllm_cfg.{k}", v)
     vllm_env: dict[str, str] = {}
     if patch_json is not None:
+        from nemo_jetrl.backends.nemo_rl.vllm_refit import refit_hook_env
+
         vllm_env[VLLM_PATCH_ENV] = patch_json
+        # NeMo-RL's vLLM refit then quantizes with ours and checks parity (vllm_refit.py).
+        if _get(config, "jetrl.refit_hook", True) is not False:
+            parity = _get(config, "jetrl.refit_parity_check", True)
+            vllm_env.update(refit_hook_env(parity is not False))
     venv = dict(_get(cfg, "policy.generation.vllm_cfg.env_vars", {}) or {})
     venv.update(vllm_env)
     _set(cfg, "policy.generation.vllm_cfg.env_vars", {str(k): str(v) for k, v in venv.items()})

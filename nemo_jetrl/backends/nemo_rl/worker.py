@@ -14,7 +14,11 @@ decorate it the same way (same runtime_env helper). What the subclass adds:
 3. ``calibrate_qkv_fp8_scales`` (what grpo.py calls before each refit when the KV cache is FP8):
    our calibration, one forward per micro-batch through the stock ``get_logprobs``, padding masked
    from ``input_lengths``, invalid layers refused (previous scales kept), max across ranks; returns
-   NeMo-RL's result shape so the refit ships the scales to vLLM.
+   NeMo-RL's result shape so the refit ships the scales to vLLM. Under sequence packing or
+   dynamic batching each micro-batch keeps the driver's plan (`calibration.py`);
+4. ``_iter_params_with_optional_kv_scales`` (the iterator every refit path streams): our last
+   calibrated KV scales whenever the caller passed none (v0.7.0's colocated refit does), so
+   vLLM never runs with 1.0 while the trainer uses calibrated scales.
 
 The class is created on first access (module ``__getattr__``), so importing this module without
 NeMo-RL is harmless; Ray resolves ``nemo_jetrl.backends.nemo_rl.worker.JetrlMegatronPolicyWorker``
@@ -67,6 +71,10 @@ def make_worker_class() -> type:
         feature="the NeMo-RL backend's policy worker",
     )
     ray = require("ray", feature="the NeMo-RL backend's policy worker")
+    from nemo_jetrl.backends.nemo_rl.calibration import (
+        calibration_micro_batches,
+        refit_kv_scales,
+    )
     from nemo_jetrl.backends.nemo_rl.translate import check_policy_env
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
@@ -79,6 +87,7 @@ def make_worker_class() -> type:
                 ensure_te_scale_env(recipe.train.pow2_weight_scales)
             self._jetrl_recipe = recipe
             self._jetrl_scales: KVScales | None = None
+            self._jetrl_vllm_scales: dict[str, float] | None = None
             super().__init__(*args, **kwargs)
             self._jetrl_kv = attach_megatron_kv(
                 self.model,
@@ -104,10 +113,9 @@ def make_worker_class() -> type:
                 cal, include_q=bool(include_q) or cal.include_q is True
             )
             mbs = cal.micro_batch_size or micro_batch_size or self.cfg["logprob_batch_size"]
-            n = int(data["input_ids"].shape[0])
-            # Packed sequences carry no padding between sequences; dynamic batching reorders
-            # sequences inside get_logprobs, so per-sequence lengths would not line up: in both
-            # cases every token is observed (NeMo-RL's own behaviour), which the docs state.
+            # Packed sequences carry no padding between sequences; under dynamic batching the
+            # micro-batch is truncated to its planned length: in both cases every token is
+            # observed (NeMo-RL's own behaviour), which the docs state.
             packed = bool(self.cfg.get("sequence_packing", {}).get("enabled", False))
             dynamic = bool(self.cfg.get("dynamic_batching", {}).get("enabled", False))
             by_lengths = settings.mask != "none" and not packed and not dynamic
@@ -118,10 +126,11 @@ def make_worker_class() -> type:
                 )
 
             def batches():
-                for start in range(0, n, mbs):
-                    part = data.slice(start, min(start + mbs, n))
+                # Each micro-batch keeps the driver's packing/dynamic plan (calibration.py).
+                for part, size in calibration_micro_batches(
+                    data, mbs, packed=packed, dynamic=dynamic
+                ):
                     lengths = part["input_lengths"].reshape(-1).to(torch.long).cpu()
-                    size = int(lengths.numel())
                     yield functools.partial(run, part, size), (lengths if by_lengths else None)
 
             self.model.eval()
@@ -136,12 +145,21 @@ def make_worker_class() -> type:
             self._jetrl_scales = res.scales
             self._jetrl_kv.set_scales(res.scales)
             out = res.to_nemo_rl(settings)
+            self._jetrl_vllm_scales = dict(out["layers"])
             out["jetrl"] = {
                 "refused": dict(res.refused),
                 "seconds": res.seconds,
                 "micro_batches": res.micro_batches,
             }
             return out
+
+        def _iter_params_with_optional_kv_scales(
+            self, kv_scales: dict[str, float] | None = None, **kwargs: Any
+        ) -> Any:
+            # Every refit path of both trees streams through this iterator; v0.7.0's colocated
+            # refit passes no kv_scales (vLLM would get 1.0): ship our calibration instead.
+            scales = refit_kv_scales(kv_scales, self._jetrl_vllm_scales)
+            yield from super()._iter_params_with_optional_kv_scales(kv_scales=scales, **kwargs)
 
     worker_cls = ray.remote(
         runtime_env=mpw.get_runtime_env_for_policy_worker("megatron_policy_worker")

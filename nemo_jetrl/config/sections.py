@@ -1,0 +1,39 @@
+"""Backend-owned config sections: ``jetrl.<name>`` is validated by the backend that reads it.
+
+`nemo_jetrl.config` never imports a backend. Whoever validates a config for a backend (the
+pipeline in `nemo_jetrl.flow.pipeline`, a backend's own setup) passes `SectionProviders`: for each
+section name a function that returns that backend's `BackendSection`. It is called only when the
+config has the section, so checking a cluster config never imports the local backend (or torch).
+Without a provider the section is noted as not validated here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from nemo_jetrl.config.load import ConfigIssue
+
+
+@dataclass(frozen=True)
+class BackendSection:
+    """The hooks a backend gives for its ``jetrl.<name>`` section."""
+
+    validate: Callable[[Any, str], list[ConfigIssue]]
+    """Every problem of the section itself (arguments: the section, its YAML path)."""
+
+    validate_run: Callable[[DictConfig], list[ConfigIssue]]
+    """Problems of the rest of the config that only this backend restricts."""
+
+    model_config: Callable[[Any], str | None]
+    """The config.json the backend builds its model from, given the section: what `jetrl check`
+    checks the recipe against."""
+
+
+SectionProviders = Mapping[str, Callable[[], BackendSection]]
+"""Section name (``"local"`` for ``jetrl.local``) -> a function returning its `BackendSection`."""
+
+NO_SECTIONS: SectionProviders = {}
