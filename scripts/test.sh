@@ -30,8 +30,10 @@ summary=()
 tier() {
   local name=$1; shift
   local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0
+  set +e  # a failing tier must not end the script (set -e + pipefail): the others still run
   "$@" 2>&1 | tee "$out"
   trc=${PIPESTATUS[0]}
+  set -e
   summary+=("$name: $(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|no tests ran' "$out" | tail -n 1 | tr -d '=' | xargs) (exit $trc)")
   rm -f "$out"
   [ "$trc" -eq 0 ] || rc=$trc
