@@ -41,3 +41,43 @@ def tiny_hf_model(
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
     return model.to(dtype).eval()
+
+
+def tiny_llama_128(seed: int = 0) -> torch.nn.Module:
+    """The vLLM tests' model: a BF16 Llama with 2 layers, hidden 256, head_dim 128, so all 14
+    decoder linears (and lm_head) have dims that are multiples of 128 and run in block FP8."""
+    cfg = tiny_hf_config(
+        "llama",
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.08,  # larger than usual so logits are far from uniform
+    )
+    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
+
+
+def char_tokenizer() -> Any:
+    """A character-level fast tokenizer (printable ASCII, ids 4..98; <pad> 0, <s> 1, </s> 2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for c in map(chr, range(32, 127)):
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )

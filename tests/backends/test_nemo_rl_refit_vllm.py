@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import char_tokenizer, tiny_llama_128
 
 from nemo_jetrl.vllm_patch.worker_ext import unpack
 
@@ -54,38 +55,6 @@ BUFFER_BYTES = 1 << 20  # several packed batches for this model
 ENGINE_KWARGS = dict(
     dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0
 )
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    vocab.update({chr(c): 4 + i for i, c in enumerate(range(32, 127))})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
-
-
-def _hf_model(seed: int):
-    """2 layers, hidden 256, head_dim 128: 14 linears, every one a multiple of 128."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-        initializer_range=0.08,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
 def _nemo_rl_vllm():
@@ -120,8 +89,8 @@ def nrl_engine(tmp_path_factory):
     from nemo_jetrl.vllm_patch import apply_patches, settings_from_recipe
 
     d = tmp_path_factory.mktemp("nrl_llama")
-    _hf_model(0).save_pretrained(d)
-    _tokenizer().save_pretrained(d)
+    tiny_llama_128(0).save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
     ipc_dir = tmp_path_factory.mktemp("ipc")
     # FP32 weight and activation scales: where NeMo-RL's own quantizer differs from ours.
     settings = dataclasses.replace(
@@ -217,7 +186,7 @@ def _plugin_revert(self):
 
 
 def _state_dict(seed: int) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in _hf_model(seed).state_dict().items()}
+    return {k: v.detach().clone() for k, v in tiny_llama_128(seed).state_dict().items()}
 
 
 def _refit_via_nemo_rl(llm, device_id: str, weights: dict[str, torch.Tensor]) -> bool:

@@ -23,7 +23,8 @@ def _vllm_cpu_env():
 
 def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, monkeypatch):
     import vllm.envs
-    from test_vllm_engine import USER_KWARGS, _generate, _hf_logprobs, _hf_model, _tokenizer
+    from hf_models import char_tokenizer, tiny_llama_128
+    from test_vllm_engine import USER_KWARGS, _generate, _hf_logprobs
     from vllm import LLM
 
     from nemo_jetrl.fp8.config import Fp8LinearConfig
@@ -32,8 +33,8 @@ def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, mo
     from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs
     from nemo_jetrl.vllm_patch.refit import refit_from_checkpoint
 
-    _hf_model(0).save_pretrained(tmp_path)
-    _tokenizer().save_pretrained(tmp_path)
+    tiny_llama_128(0).save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
     recipe = Recipe.preset("jetrl")
     ek = build_engine_kwargs(recipe, {**USER_KWARGS, "enforce_eager": False})
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: faster start
@@ -53,7 +54,7 @@ def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, mo
                 llm.llm_engine.engine_core.shutdown()
     finally:
         vllm.envs.disable_envs_cache()
-    trainer = _hf_model(0)
+    trainer = tiny_llama_128(0)
     convert_to_fp8_training(
         trainer, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
     )

@@ -104,12 +104,12 @@ def _logprob_gap(out, trainer) -> float:
 
 
 def _trainer(seed: int, dtype: torch.dtype, recipe_name: str):
-    from test_vllm_engine import _hf_model
+    from hf_models import tiny_llama_128
 
     from nemo_jetrl.fp8.config import Fp8LinearConfig
     from nemo_jetrl.fp8.convert import convert_to_fp8_training
 
-    model = _hf_model(seed).to(dtype)
+    model = tiny_llama_128(seed).to(dtype)
     if recipe_name == "jetrl":
         convert_to_fp8_training(
             model, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
@@ -144,7 +144,8 @@ def test_refit_rebuilds_what_vllm_derives_from_the_weights(
 
 
 def _check_refits(tmp_path, dtype_name, recipe_name, standin):
-    from test_vllm_engine import PROMPTS, _generate, _hf_model, _tokenizer
+    from hf_models import char_tokenizer, tiny_llama_128
+    from test_vllm_engine import PROMPTS, _generate
 
     from nemo_jetrl.recipe import Recipe
     from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
@@ -153,8 +154,8 @@ def _check_refits(tmp_path, dtype_name, recipe_name, standin):
     dtype = getattr(torch, dtype_name)
     repacks = vllm_repacks(dtype)
     assert repacks or not standin
-    _hf_model(0).to(dtype).save_pretrained(tmp_path)
-    _tokenizer().save_pretrained(tmp_path)
+    tiny_llama_128(0).to(dtype).save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
     recipe = Recipe.preset(recipe_name)
     kwargs = dict(
         dtype=dtype_name, max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0,
@@ -170,19 +171,19 @@ def _check_refits(tmp_path, dtype_name, recipe_name, standin):
         assert rep is not None and rep.differing == ()
         # embed_tokens and lm_head, plus every decoder linear the recipe keeps unquantized
         assert rep.through_kernel == 2 + (14 if recipe_name == "bf16" else 0)  # HF tensors
-        assert rep.compared == len(_hf_model(0).state_dict()) + rep.fp8 // 2
+        assert rep.compared == len(tiny_llama_128(0).state_dict()) + rep.fp8 // 2
 
         gap0 = _logprob_gap(_generate(llm, logprobs=0), _trainer(0, dtype, recipe_name))
         assert gap0 < BOUND[(dtype_name, recipe_name)], gap0
 
         # A second refit changes what the engine computes, and it tracks the new trainer.
-        eng.refit(_hf_model(1).to(dtype).state_dict())
+        eng.refit(tiny_llama_128(1).to(dtype).state_dict())
         gap1 = _logprob_gap(_generate(llm, logprobs=0), _trainer(1, dtype, recipe_name))
         assert gap1 < BOUND[(dtype_name, recipe_name)], gap1
 
         # The read-back is not vacuous: against other weights it names the unquantized linears
         # through their GEMM (the only copy a repacked layer has).
-        other = quantize_state_dict(_hf_model(2).to(dtype).state_dict(), recipe, dtype=dtype)
+        other = quantize_state_dict(tiny_llama_128(2).to(dtype).state_dict(), recipe, dtype=dtype)
         with pytest.raises(ParityError) as ei:
             check_parity(llm, other)
         msg = str(ei.value)

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from hf_models import tiny_hf_config, tiny_hf_model
+from hf_models import char_tokenizer, tiny_llama_128
 from vllm_fixtures import vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
@@ -32,48 +32,11 @@ PROMPTS = ["Hello wor", "The cat s"]
 USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for c in map(chr, range(32, 127)):
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
-
-
-def _hf_model(seed: int):
-    cfg = tiny_hf_config(
-        "llama",
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        initializer_range=0.08,  # larger than usual so logits are far from uniform
-    )
-    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama")
-    _hf_model(0).save_pretrained(d)
-    _tokenizer().save_pretrained(d)
+    tiny_llama_128(0).save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
     return d
 
 
@@ -128,7 +91,7 @@ def test_every_fp8_linear_runs_our_kernel_in_the_worker(engine):
 
 
 def test_rollout_engine_generate_api(rollout):
-    tok = _tokenizer()
+    tok = char_tokenizer()
     assert rollout.last_refit is not None and rollout.last_refit.parity.differing == ()
     prompts = [tok.encode(p) for p in PROMPTS]
     gens = rollout.generate(prompts, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -157,12 +120,12 @@ def test_generation_with_per_token_logprobs_matches_fp8_trainer(engine, model_di
 
     # Trainer side: the same checkpoint under nemo_jetrl.fp8's FP8 linears (same quantizer; the
     # attention/norm/GEMM kernels differ, so logprobs agree to a tolerance), and in plain BF16.
-    fp8_trainer = _hf_model(0)
+    fp8_trainer = tiny_llama_128(0)
     convert_to_fp8_training(
         fp8_trainer, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
     )
-    bf16_trainer = _hf_model(0)
-    tok = _tokenizer()
+    bf16_trainer = tiny_llama_128(0)
+    tok = char_tokenizer()
     diff_fp8, diff_bf16 = 0.0, 0.0
     for o, engine_lps in zip(out, lps, strict=True):
         assert tok.decode(o.outputs[0].token_ids) == o.outputs[0].text
@@ -191,7 +154,7 @@ def test_two_refits_change_outputs_and_pass_parity(engine, recipe):
     llm, _ = engine
     results = []
     for seed in (1, 2):
-        sd = _hf_model(seed).state_dict()
+        sd = tiny_llama_128(seed).state_dict()
         report = refit(llm, sd, recipe)
         assert report.parity is not None and report.parity.fp8 == 2 * 14
         assert report.parity.compared == 2 * 14 + 7  # + embed, 4 norms, final norm, lm_head
@@ -201,7 +164,7 @@ def test_two_refits_change_outputs_and_pass_parity(engine, recipe):
     assert results[0] != results[1], "different weights must change the outputs"
 
     # The parity check is not vacuous: against the other refit's quantization it names layers.
-    other = quantize_state_dict(_hf_model(1).state_dict(), recipe)
+    other = quantize_state_dict(tiny_llama_128(1).state_dict(), recipe)
     with pytest.raises(ParityError) as ei:
         check_parity(llm, other)
     msg = str(ei.value)
@@ -215,7 +178,7 @@ def test_two_refits_change_outputs_and_pass_parity(engine, recipe):
 
 def test_refit_keeps_parameter_identity(engine, recipe):
     llm, _ = engine
-    sd = _hf_model(3).state_dict()
+    sd = tiny_llama_128(3).state_dict()
     from nemo_jetrl.vllm_patch.refit import pack, quantize_state_dict
 
     qsd = quantize_state_dict(sd, recipe)
@@ -278,7 +241,7 @@ def _engine_state(llm, recipe) -> dict[str, torch.Tensor]:
     bytes, plus each attention layer's q/k/v scales."""
     from nemo_jetrl.vllm_patch.refit import kv_scales, quantize_state_dict, unpack
 
-    names = list(quantize_state_dict(_hf_model(0).state_dict(), recipe).tensors)
+    names = list(quantize_state_dict(tiny_llama_128(0).state_dict(), recipe).tensors)
     blob = unpack(llm.collective_rpc("jetrl_read_back", args=(names, True))[0])
     state = {n: t.contiguous().view(torch.uint8) for n, t in blob.items()}
     for layer, per in kv_scales(llm).items():
@@ -297,7 +260,7 @@ def test_refused_refits_leave_the_engine_bit_identical(engine, recipe):
 
     llm, _ = engine
     kv_recipe = Recipe.preset("jetrl_kv")  # same FP8 weights; an FP8 KV cache takes scales
-    new = _hf_model(5).state_dict()
+    new = tiny_llama_128(5).state_dict()
     huge = dict(new)
     q = "model.layers.1.self_attn.q_proj.weight"
     huge[q] = new[q].clone()

@@ -30,11 +30,11 @@ def _vllm_cpu_env():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from test_vllm_engine import _hf_model, _tokenizer
+    from hf_models import char_tokenizer, tiny_llama_128
 
     d = tmp_path_factory.mktemp("tiny_llama_guard")
-    _hf_model(0).save_pretrained(d)
-    _tokenizer().save_pretrained(d)
+    tiny_llama_128(0).save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
     return d
 
 

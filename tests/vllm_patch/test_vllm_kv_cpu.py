@@ -61,7 +61,8 @@ def test_our_fp8_kv_answer_is_vllms():
 
 def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd):
     import vllm
-    from test_vllm_engine import USER_KWARGS, _hf_model, _tokenizer
+    from hf_models import char_tokenizer, tiny_llama_128
+    from test_vllm_engine import USER_KWARGS
     from vllm.platforms import current_platform
 
     from nemo_jetrl.recipe import Recipe
@@ -73,8 +74,8 @@ def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd):
 
     assert current_platform.is_cpu()
     ok, _ = cpu_fp8_kv_cache(head_size=128)
-    _hf_model(0).save_pretrained(tmp_path)
-    _tokenizer().save_pretrained(tmp_path)
+    tiny_llama_128(0).save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
     # Chunked prefill and prefix caching off: the configuration in which vLLM 0.20 would run
     # the engine with a BF16 KV cache instead of refusing.
     kw = {**USER_KWARGS, "enable_chunked_prefill": False, "enable_prefix_caching": False}
@@ -83,7 +84,7 @@ def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd):
         scales = {0: {"q": 0.02, "k": 0.03125, "v": 0.0075}, 1: {"q": 0.5, "k": 0.25, "v": 0.1}}
         with VllmRolloutEngine(tmp_path, recipe, engine_kwargs=kw) as eng:
             assert engine_kv_cache_dtype(eng.llm).startswith("fp8")
-            rep = eng.refit(_hf_model(1).state_dict(), kv_scales=scales)
+            rep = eng.refit(tiny_llama_128(1).state_dict(), kv_scales=scales)
             assert rep.kv_layers == (
                 "model.layers.0.self_attn.attn",
                 "model.layers.1.self_attn.attn",
