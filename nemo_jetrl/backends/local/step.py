@@ -25,7 +25,8 @@ as ``jetrl/local/vllm_parity_tensors``), and vLLM's per-token logprobs are the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from nemo_jetrl.backends.local.refit import (
     export_weights,
     stage_refit,
 )
-from nemo_jetrl.backends.local.rollout import generate
+from nemo_jetrl.backends.local.rollout import RolloutBatch, generate
 from nemo_jetrl.backends.local.task import (
     decode_responses,
     encode_prompts,
@@ -137,40 +138,77 @@ class RunStep:
 
     def train_step(self, hooks: Hooks) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """One GRPO step (see the module docstring); returns (scalars, train-data records)."""
-        timing: dict[str, float] = {}
-        cpu: dict[str, float] = {}
+        clock = _PhaseClock()
         s: dict[str, float] = {}
+        with clock.phase("prepare_for_generation"):  # 1. refit
+            ok, why = self.do_refit(hooks)
+        self._note_refit(s, ok, why)
+        with clock.phase("generation"):  # 2. rollout + rewards
+            problems, prompt_ids, rb = self._rollout(s)
+        with clock.phase("reward_calculation"):
+            b = self._rewards(problems, prompt_ids, rb)
+        with clock.phase("policy_and_reference_logprobs"):  # 3. score
+            P = prompt_ids.shape[1]
+            ids = torch.cat([prompt_ids, rb.response_ids], dim=1)
+            prev = self.trainer.score(ids, P)
+            ref = self.trainer.reference_logprobs(ids, P)
+        gen = rb.generation_logprobs
+        kl_type = self.trainer.loss_cfg.reference_policy_kl_type
+        s.update(mismatch_metrics(gen, prev, b.mask, kl_type=kl_type))
+        with clock.phase("policy_training"):  # 4. update
+            lm, refused = guarded_update(
+                self.trainer,
+                ids,
+                P,
+                prev_logprobs=prev,
+                generation_logprobs=gen,
+                advantages=b.adv,
+                token_mask=b.mask,
+                reference_logprobs=ref,
+            )
+        if refused:
+            self.log(f"step {self.step + 1}: {refused}")
+        s.update(lm)
+        if self.kv is not None:  # 5. KV recalibration on this step's data, with the updated weights
+            with clock.phase("kv_calibration"):
+                refused_layers = self._recalibrate_kv(ids, prompt_ids, b.mask)
+            s["jetrl/local/kv_refused_layers"] = float(refused_layers)
+        self.step += 1
+        s.update(self._step_summary(b, rb))
+        s.update(clock.totals())
+        return s, _records(b, ids, gen, prev, P)
 
-        def phase(name: str, t0: float, c0: float) -> None:
-            timing[T + name] = time.perf_counter() - t0
-            cpu["jetrl/local/cpu_time/" + name] = time.process_time() - c0
-
-        t_start, c_start = time.perf_counter(), time.process_time()
-        # 1. refit
-        t0, c0 = time.perf_counter(), time.process_time()
-        ok, why = self.do_refit(hooks)
-        phase("prepare_for_generation", t0, c0)
+    def _note_refit(self, s: dict[str, float], ok: bool, why: str | None) -> None:
+        """Record the refit outcome in the step scalars and log a refusal."""
         s["jetrl/local/refit_refused"] = 0.0 if ok else 1.0
         if self.engine is not None:
             s["jetrl/local/vllm_parity_tensors"] = float(self.engine_parity_tensors if ok else 0)
         if not ok:
             self.log(f"step {self.step + 1}: {why}")
-        # 2. rollout + rewards
-        t0, c0 = time.perf_counter(), time.process_time()
+
+    def _rollout(self, s: dict[str, float]) -> tuple[list[Any], torch.Tensor, RolloutBatch]:
+        """Sample this step's problems and roll out G samples each; returns (problems, prompt ids
+        repeated per sample, rollout batch)."""
         G = self.run.num_generations_per_prompt
         problems = sample_problems(self.run.num_prompts_per_step, self.task, self.data_gen)
         prompt_ids = encode_prompts(problems, self.tokenizer).repeat_interleave(G, dim=0)
         if self.kv is not None and not self.kv_calibrated:
-            # first step: no responses yet, so the initial KV scales come from the prompts
-            self.kv.calibrate(self.trainer.model, prompt_ids, mask="prompt_and_response")
-            self.kv_calibrated = True
-            if self.engine is not None:  # the engine's KV cache takes the same scales
-                self.engine_kv_layers = self.engine.set_kv_scales(self.engine_kv_scales())
+            self._first_kv_calibration(prompt_ids)
         if self.engine is not None and self.kv is not None:  # layers whose scales this rollout uses
             s["jetrl/local/vllm_kv_layers"] = float(self.engine_kv_layers)
         rb = self._generate(prompt_ids, self.sample_gen, greedy=False)
-        phase("generation", t0, c0)
-        t0, c0 = time.perf_counter(), time.process_time()
+        return problems, prompt_ids, rb
+
+    def _first_kv_calibration(self, prompt_ids: torch.Tensor) -> None:
+        """First step: no responses yet, so the initial KV scales come from the prompts."""
+        self.kv.calibrate(self.trainer.model, prompt_ids, mask="prompt_and_response")
+        self.kv_calibrated = True
+        if self.engine is not None:  # the engine's KV cache takes the same scales
+            self.engine_kv_layers = self.engine.set_kv_scales(self.engine_kv_scales())
+
+    def _rewards(self, problems: list[Any], prompt_ids: torch.Tensor, rb: RolloutBatch) -> _Scored:
+        """Decode and score the responses; group advantages over each prompt's samples."""
+        G = self.run.num_generations_per_prompt
         texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
         owners = [p for p in problems for _ in range(G)]
         scored = [
@@ -184,67 +222,79 @@ class RunStep:
             normalize_rewards=self.run.normalize_rewards,
             leave_one_out_baseline=self.run.use_leave_one_out_baseline,
         )
-        phase("reward_calculation", t0, c0)
-        # 3. score
+        return _Scored(texts, mask, scored, rewards, adv)
+
+    def _recalibrate_kv(
+        self, ids: torch.Tensor, prompt_ids: torch.Tensor, mask: torch.Tensor
+    ) -> int:
+        """Recalibrate the KV scales on prompts + responses; returns the refused layer count."""
+        full_mask = torch.cat([torch.ones_like(prompt_ids, dtype=torch.bool), mask], dim=1)
+        resp_mask = torch.cat([torch.zeros_like(prompt_ids, dtype=torch.bool), mask], dim=1)
+        res = self.kv.calibrate(self.trainer.model, ids, full_mask, resp_mask)
+        return len(res.refused)
+
+    def _step_summary(self, b: _Scored, rb: RolloutBatch) -> dict[str, float]:
+        """Reward, accuracy and rollout-shape scalars of the finished step."""
+        return {
+            "train/reward": float(b.rewards.mean()),
+            "train/accuracy": sum(c for _, c in b.scored) / len(b.scored),
+            "jetrl/local/mean_response_tokens": float(b.mask.sum(1).float().mean()),
+            "jetrl/local/frac_finished": float(rb.finished.float().mean()),
+            "jetrl/local/refit_refused_total": float(self.refit_refused_total),
+        }
+
+
+class _PhaseClock:
+    """Wall and CPU seconds per step phase, under NeMo-RL's timing names."""
+
+    def __init__(self) -> None:
+        self.timing: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.t_start, self.c_start = time.perf_counter(), time.process_time()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as phase ``name`` (not recorded when it raises: the step is lost)."""
         t0, c0 = time.perf_counter(), time.process_time()
-        P = prompt_ids.shape[1]
-        ids = torch.cat([prompt_ids, rb.response_ids], dim=1)
-        prev = self.trainer.score(ids, P)
-        ref = self.trainer.reference_logprobs(ids, P)
-        phase("policy_and_reference_logprobs", t0, c0)
-        gen = rb.generation_logprobs
-        s.update(
-            mismatch_metrics(
-                gen, prev, mask, kl_type=self.trainer.loss_cfg.reference_policy_kl_type
-            )
+        yield
+        self.timing[T + name] = time.perf_counter() - t0
+        self.cpu["jetrl/local/cpu_time/" + name] = time.process_time() - c0
+
+    def totals(self) -> dict[str, float]:
+        """All phase times plus the whole step's, wall times first."""
+        self.timing[T + "total_step_time"] = time.perf_counter() - self.t_start
+        self.cpu["jetrl/local/cpu_time/total_step_time"] = time.process_time() - self.c_start
+        return {**self.timing, **self.cpu}
+
+
+@dataclass
+class _Scored:
+    """A step's decoded, scored responses and their group advantages."""
+
+    texts: list[str]
+    mask: torch.Tensor
+    scored: list[tuple[float, bool]]
+    rewards: torch.Tensor
+    adv: torch.Tensor
+
+
+def _records(
+    b: _Scored, ids: torch.Tensor, gen: torch.Tensor, prev: torch.Tensor, P: int
+) -> list[dict[str, Any]]:
+    """Per-sample train-data records (NeMo-RL's jsonl layout, prompt positions padded)."""
+    records = []
+    for i in range(ids.shape[0]):
+        pad = [0.0] * P
+        records.append(
+            {
+                "content": b.texts[i],
+                "token_ids": ids[i].tolist(),
+                "generation_logprobs": pad + gen[i].tolist(),
+                "prev_logprobs": pad + prev[i].tolist(),
+                "token_loss_mask": [0] * P + b.mask[i].int().tolist(),
+                "sample_loss_mask": 1,
+                "rewards": float(b.rewards[i]),
+                "advantages": float(b.adv[i]),
+            }
         )
-        # 4. update
-        t0, c0 = time.perf_counter(), time.process_time()
-        lm, refused = guarded_update(
-            self.trainer,
-            ids,
-            P,
-            prev_logprobs=prev,
-            generation_logprobs=gen,
-            advantages=adv,
-            token_mask=mask,
-            reference_logprobs=ref,
-        )
-        phase("policy_training", t0, c0)
-        if refused:
-            self.log(f"step {self.step + 1}: {refused}")
-        s.update(lm)
-        # 5. KV recalibration on this step's data, with the updated weights
-        if self.kv is not None:
-            t0, c0 = time.perf_counter(), time.process_time()
-            full_mask = torch.cat([torch.ones_like(prompt_ids, dtype=torch.bool), mask], dim=1)
-            resp_mask = torch.cat([torch.zeros_like(prompt_ids, dtype=torch.bool), mask], dim=1)
-            res = self.kv.calibrate(self.trainer.model, ids, full_mask, resp_mask)
-            phase("kv_calibration", t0, c0)
-            s["jetrl/local/kv_refused_layers"] = float(len(res.refused))
-        self.step += 1
-        s["train/reward"] = float(rewards.mean())
-        s["train/accuracy"] = sum(c for _, c in scored) / len(scored)
-        s["jetrl/local/mean_response_tokens"] = float(mask.sum(1).float().mean())
-        s["jetrl/local/frac_finished"] = float(rb.finished.float().mean())
-        s["jetrl/local/refit_refused_total"] = float(self.refit_refused_total)
-        timing[T + "total_step_time"] = time.perf_counter() - t_start
-        cpu["jetrl/local/cpu_time/total_step_time"] = time.process_time() - c_start
-        s.update(timing)
-        s.update(cpu)
-        records = []
-        for i in range(ids.shape[0]):
-            pad = [0.0] * P
-            records.append(
-                {
-                    "content": texts[i],
-                    "token_ids": ids[i].tolist(),
-                    "generation_logprobs": pad + gen[i].tolist(),
-                    "prev_logprobs": pad + prev[i].tolist(),
-                    "token_loss_mask": [0] * P + mask[i].int().tolist(),
-                    "sample_loss_mask": 1,
-                    "rewards": float(rewards[i]),
-                    "advantages": float(adv[i]),
-                }
-            )
-        return s, records
+    return records
