@@ -45,7 +45,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_jetrl.megatron.config import FP32_SCALES_ENV, MegatronRecipeError, megatron_fp8_settings
+from nemo_jetrl.megatron.config import (
+    FP32_SCALES_ENV,
+    MegatronFp8Settings,
+    MegatronRecipeError,
+    megatron_fp8_settings,
+)
 from nemo_jetrl.recipe import Recipe
 
 NEMO_RL_VERSION = "0.7.0"
@@ -141,10 +146,40 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
     ``config`` is the resolved config as plain containers (``OmegaConf.to_container``);
     ``num_layers`` the model's decoder layer count. The input is not modified.
     """
-    problems: list[tuple[str, str]] = []
     cfg = copy.deepcopy(dict(config))
     cfg.pop("jetrl", None)  # ours; NeMo-RL's MasterConfig would carry it along unread
 
+    problems = _backend_problems(cfg) + _bf16_layer_problems(recipe)
+    settings = _megatron_settings(cfg, recipe, num_layers, problems)
+    problems += _kv_problems(recipe)
+    patch_json = _patch_json_or_problem(recipe, num_layers, problems)
+    if problems:
+        raise TranslationError(problems)
+    assert settings is not None
+
+    _set_fp8_cfg(cfg, recipe.train.fp8_linears, settings)
+    policy_env = {RECIPE_ENV: recipe_to_json(recipe), **settings.env_vars}
+    _merge_env(cfg, "policy.megatron_cfg.env_vars", policy_env)
+
+    from nemo_jetrl.config import vllm_cfg_for
+
+    precision = _get(cfg, "policy.generation.vllm_cfg.precision", "bfloat16")
+    for k, v in vllm_cfg_for(recipe, unquantized_precision=precision).items():
+        _set(cfg, f"policy.generation.vllm_cfg.{k}", v)
+    vllm_env = _vllm_env(config, patch_json)
+    _merge_env(cfg, "policy.generation.vllm_cfg.env_vars", vllm_env)
+
+    workers = WorkerSetup(
+        policy_env=policy_env,
+        vllm_env=vllm_env,
+        ratio_bounds=_ratio_bounds(cfg),
+    )
+    return NemoRlPlan(master_config=cfg, workers=workers, recipe=recipe)
+
+
+def _backend_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Megatron training and vLLM generation: the only NeMo-RL backends our pieces reach."""
+    problems: list[tuple[str, str]] = []
     if _get(cfg, "policy.megatron_cfg.enabled") is not True:
         problems.append(
             (
@@ -157,6 +192,12 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
         problems.append(
             ("policy.generation.backend", f"{backend!r}: the vLLM patch and KV scales need 'vllm'")
         )
+    return problems
+
+
+def _bf16_layer_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """Training-side BF16 first/last layers, which NeMo-RL's fp8_cfg cannot express."""
+    problems: list[tuple[str, str]] = []
     t = recipe.train
     for which, n in (("first", t.bf16_first_layers), ("last", t.bf16_last_layers)):
         if n:
@@ -168,47 +209,71 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
                     "BF16 layers at 0 too, or use the local backend",
                 )
             )
+    return problems
+
+
+def _megatron_settings(
+    cfg: Mapping[str, Any], recipe: Recipe, num_layers: int, problems: list[tuple[str, str]]
+) -> MegatronFp8Settings | None:
+    """Megatron's FP8 settings for the recipe (BF16 edges already refused); None, with the
+    reason appended to ``problems``, when Megatron cannot run it."""
+    t = recipe.train
     pp = int(_get(cfg, "policy.megatron_cfg.pipeline_model_parallel_size", 1) or 1)
     try:
-        settings = megatron_fp8_settings(
+        return megatron_fp8_settings(
             recipe.with_(train=t.with_(bf16_first_layers=0, bf16_last_layers=0)),
             num_layers=num_layers,
             pipeline_parallel_size=pp,
         )
     except MegatronRecipeError as exc:
         problems.append(("policy.megatron_cfg.fp8_cfg", str(exc)))
-        settings = None
-    if recipe.kv_fp8:
-        if recipe.kv_scale_source != "trainer_calibrated":
-            problems.append(
-                (
-                    "jetrl.kv_scale_source",
-                    f"{recipe.kv_scale_source!r}: with an FP8 KV cache NeMo-RL always recalibrates "
-                    "Q/K/V scales on the trainer and sends them at refit; use trainer_calibrated",
-                )
-            )
-        if recipe.kv_calibration.mask == "response":
-            problems.append(
-                (
-                    "jetrl.kv_calibration.mask",
-                    "'response': NeMo-RL's calibration batch carries input_ids and input_lengths only "
-                    "(no response mask); use prompt_and_response (padding excluded) or none",
-                )
-            )
-    ro = recipe.rollout
-    patch_json = None
-    if ro.fp8_linears and ro.quantizer == "jetrl":
-        try:
-            patch_json = _vllm_patch_json(recipe, num_layers)
-        except ValueError as exc:
-            problems.append(("jetrl.vllm_patch", str(exc)))
-    if problems:
-        raise TranslationError(problems)
-    assert settings is not None
+        return None
 
+
+def _kv_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """FP8 KV-cache settings NeMo-RL's calibration and refit cannot honour."""
+    problems: list[tuple[str, str]] = []
+    if not recipe.kv_fp8:
+        return problems
+    if recipe.kv_scale_source != "trainer_calibrated":
+        problems.append(
+            (
+                "jetrl.kv_scale_source",
+                f"{recipe.kv_scale_source!r}: with an FP8 KV cache NeMo-RL always recalibrates "
+                "Q/K/V scales on the trainer and sends them at refit; use trainer_calibrated",
+            )
+        )
+    if recipe.kv_calibration.mask == "response":
+        problems.append(
+            (
+                "jetrl.kv_calibration.mask",
+                "'response': NeMo-RL's calibration batch carries input_ids and input_lengths only "
+                "(no response mask); use prompt_and_response (padding excluded) or none",
+            )
+        )
+    return problems
+
+
+def _patch_json_or_problem(
+    recipe: Recipe, num_layers: int, problems: list[tuple[str, str]]
+) -> str | None:
+    """The vLLM patch settings (JSON) when the rollout quantizes with ours, else None; an
+    invalid patch is appended to ``problems``."""
+    ro = recipe.rollout
+    if not (ro.fp8_linears and ro.quantizer == "jetrl"):
+        return None
+    try:
+        return _vllm_patch_json(recipe, num_layers)
+    except ValueError as exc:
+        problems.append(("jetrl.vllm_patch", str(exc)))
+        return None
+
+
+def _set_fp8_cfg(cfg: dict[str, Any], fp8_linears: bool, settings: MegatronFp8Settings) -> None:
+    """Write ``policy.megatron_cfg.fp8_cfg`` from the Megatron settings (other keys kept)."""
     fp8_cfg = dict(_get(cfg, "policy.megatron_cfg.fp8_cfg", {}) or {})
-    fp8_cfg["enabled"] = t.fp8_linears
-    if t.fp8_linears:
+    fp8_cfg["enabled"] = fp8_linears
+    if fp8_linears:
         fp8_cfg.update(
             fp8=settings.transformer_config["fp8"],
             fp8_recipe=settings.transformer_config["fp8_recipe"],
@@ -216,16 +281,17 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
         )
     _set(cfg, "policy.megatron_cfg.fp8_cfg", fp8_cfg)
 
-    policy_env = {RECIPE_ENV: recipe_to_json(recipe), **settings.env_vars}
-    env = dict(_get(cfg, "policy.megatron_cfg.env_vars", {}) or {})
-    env.update(policy_env)
-    _set(cfg, "policy.megatron_cfg.env_vars", {str(k): str(v) for k, v in env.items()})
 
-    from nemo_jetrl.config import vllm_cfg_for
+def _merge_env(cfg: dict[str, Any], path: str, extra: Mapping[str, str]) -> None:
+    """Add ``extra`` to the env-var mapping at ``path`` (ours win), all values as strings."""
+    env = dict(_get(cfg, path, {}) or {})
+    env.update(extra)
+    _set(cfg, path, {str(k): str(v) for k, v in env.items()})
 
-    precision = _get(cfg, "policy.generation.vllm_cfg.precision", "bfloat16")
-    for k, v in vllm_cfg_for(recipe, unquantized_precision=precision).items():
-        _set(cfg, f"policy.generation.vllm_cfg.{k}", v)
+
+def _vllm_env(config: Mapping[str, Any], patch_json: str | None) -> dict[str, str]:
+    """Env vars that switch on our vLLM patch and, unless ``jetrl.refit_hook: false``, the
+    refit hook in the vLLM workers."""
     vllm_env: dict[str, str] = {}
     if patch_json is not None:
         from nemo_jetrl.backends.nemo_rl.vllm_refit import refit_hook_env
@@ -235,19 +301,14 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
         if _get(config, "jetrl.refit_hook", True) is not False:
             parity = _get(config, "jetrl.refit_parity_check", True)
             vllm_env.update(refit_hook_env(parity is not False))
-    venv = dict(_get(cfg, "policy.generation.vllm_cfg.env_vars", {}) or {})
-    venv.update(vllm_env)
-    _set(cfg, "policy.generation.vllm_cfg.env_vars", {str(k): str(v) for k, v in venv.items()})
+    return vllm_env
 
+
+def _ratio_bounds(cfg: Mapping[str, Any]) -> tuple[float, float]:
+    """Importance-ratio bounds for the mismatch metrics, from loss_fn's TIS keys."""
     lo = _get(cfg, "loss_fn.truncated_importance_sampling_ratio_min", None)
     hi = _get(cfg, "loss_fn.truncated_importance_sampling_ratio", None)
-    bounds = (float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 2.0)
-    workers = WorkerSetup(
-        policy_env=policy_env,
-        vllm_env=vllm_env,
-        ratio_bounds=bounds,
-    )
-    return NemoRlPlan(master_config=cfg, workers=workers, recipe=recipe)
+    return (float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 2.0)
 
 
 def check_policy_env(env: Mapping[str, str]) -> Recipe:
