@@ -220,79 +220,98 @@ def merge_nemo_rl_defaults(master: Mapping[str, Any], base_yaml: Path) -> dict[s
 
 def launch(prepared: Prepared) -> int:  # pragma: no cover - runs in the Docker image (nemo_rl test)
     """Step 5: NeMo-RL's GRPO, as examples/run_grpo.py runs it, with our pieces plugged in."""
-    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
-    from nemo_rl.algorithms.utils import get_tokenizer
-    from nemo_rl.data.utils import setup_response_data
     from nemo_rl.distributed import ray_actor_environment_registry as reg
     from nemo_rl.distributed.virtual_cluster import init_ray
-    from nemo_rl.models.generation import configure_generation_config
-    from nemo_rl.models.policy.lm_policy import Policy
+
+    config = _master_config(prepared, reg.ACTOR_ENVIRONMENT_REGISTRY)
+    with registered_policy_worker(reg.ACTOR_ENVIRONMENT_REGISTRY):
+        init_ray()
+        _train(config, prepared.plan)
+    return 0
+
+
+def _master_config(prepared: Prepared, registry: Mapping[str, str]) -> Any:  # pragma: no cover
+    """Preflight the vLLM patch, then NeMo-RL's MasterConfig on its defaults with a new log dir."""
+    from nemo_rl.algorithms.grpo import MasterConfig
     from nemo_rl.utils.config import register_omegaconf_resolvers
     from nemo_rl.utils.logger import get_next_experiment_dir
 
-    from nemo_jetrl.backends.nemo_rl.metrics import JetrlLoggerProxy, MismatchMetricsLoss
-
     plan = prepared.plan
     if VLLM_PATCH_ENV in plan.workers.vllm_env:
-        preflight_vllm_patch(vllm_worker_python(reg.ACTOR_ENVIRONMENT_REGISTRY))
+        preflight_vllm_patch(vllm_worker_python(registry))
     register_omegaconf_resolvers()
     config = MasterConfig(**merge_nemo_rl_defaults(plan.master_config, nemo_rl_defaults_path()))
     config.logger["log_dir"] = get_next_experiment_dir(config.logger["log_dir"])
     print(f"jetrl: recipe {plan.recipe.name}; NeMo-RL log dir {config.logger['log_dir']}")
     for w in prepared.warnings:
         print(f"jetrl: note: {w}")
+    return config
+
+
+def _tokenizer_and_data(config: Any) -> tuple[Any, ...]:  # pragma: no cover
+    """Tokenizer, generation config and datasets as run_grpo.py builds them; returns
+    (tokenizer, dataset, val_dataset, task_to_env, val_task_to_env)."""
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.models.generation import configure_generation_config
+
+    tokenizer = get_tokenizer(config.policy["tokenizer"])
+    megatron_cfg = config.policy.get("megatron_cfg") or {}
+    config.policy["generation"] = configure_generation_config(
+        config.policy["generation"],
+        tokenizer,
+        has_refit_draft_weights=bool(config.policy["draft"]["enabled"]),
+        trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
+    )
+    return (tokenizer, *setup_response_data(tokenizer, config.data, config.env))
+
+
+def _train(config: Any, plan: NemoRlPlan) -> None:  # pragma: no cover
+    """grpo.setup with our policy worker, then grpo_train with the mismatch-metrics loss wrapper
+    and logger proxy."""
+    from nemo_rl.algorithms.grpo import grpo_train, setup
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    from nemo_jetrl.backends.nemo_rl.metrics import JetrlLoggerProxy, MismatchMetricsLoss
 
     def policy_factory(**kwargs: Any) -> Any:
         return Policy(**kwargs, worker_extension_cls_fqn=plan.workers.policy_worker_fqn)
 
-    with registered_policy_worker(reg.ACTOR_ENVIRONMENT_REGISTRY):
-        init_ray()
-        tokenizer = get_tokenizer(config.policy["tokenizer"])
-        megatron_cfg = config.policy.get("megatron_cfg") or {}
-        config.policy["generation"] = configure_generation_config(
-            config.policy["generation"],
-            tokenizer,
-            has_refit_draft_weights=bool(config.policy["draft"]["enabled"]),
-            trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
-        )
-        dataset, val_dataset, task_to_env, val_task_to_env = setup_response_data(
-            tokenizer, config.data, config.env
-        )
-        (
+    tokenizer, dataset, val_dataset, task_to_env, val_task_to_env = _tokenizer_and_data(config)
+    (
+        policy,
+        policy_generation,
+        _gym,
+        _cluster,
+        dataloader,
+        val_dataloader,
+        loss_fn,
+        logger,
+        checkpointer,
+        grpo_state,
+        master_config,
+        _teachers,
+        _aliases,
+    ) = setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory)
+    loss_fn = MismatchMetricsLoss(loss_fn, plan.workers.ratio_bounds)
+    logger = JetrlLoggerProxy(logger)
+    try:
+        grpo_train(
             policy,
             policy_generation,
-            _gym,
-            _cluster,
             dataloader,
             val_dataloader,
+            tokenizer,
             loss_fn,
+            task_to_env,
+            val_task_to_env,
             logger,
             checkpointer,
             grpo_state,
             master_config,
-            _teachers,
-            _aliases,
-        ) = setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory)
-        loss_fn = MismatchMetricsLoss(loss_fn, plan.workers.ratio_bounds)
-        logger = JetrlLoggerProxy(logger)
-        try:
-            grpo_train(
-                policy,
-                policy_generation,
-                dataloader,
-                val_dataloader,
-                tokenizer,
-                loss_fn,
-                task_to_env,
-                val_task_to_env,
-                logger,
-                checkpointer,
-                grpo_state,
-                master_config,
-            )
-        finally:
-            policy_generation.shutdown()
-    return 0
+        )
+    finally:
+        policy_generation.shutdown()
 
 
 def run_nemo_rl(cfg: Any, overrides: Sequence[str] = ()) -> int:
