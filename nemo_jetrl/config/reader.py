@@ -105,11 +105,42 @@ class _Reader:
 
 def read_recipe(r: _Reader) -> Recipe:
     """Build the Recipe from the keys (issues recorded in `r`, defaults where invalid)."""
+    train = _train_side(r)
+    rollout = _rollout_side(r)
+    fp8_roll = rollout.fp8_linears
+    kv_fp8 = str(r.get(S.VLLM_KV_DTYPE, "auto")).startswith("fp8") and fp8_roll
+    if r.get(S.GEN_BACKEND, "vllm") == "megatron":
+        # NeMo-RL's Megatron generation samples with the training model itself: the rollout
+        # is the training forward (vllm_cfg does not apply), with a BF16 KV cache.
+        rollout, kv_fp8 = train.with_(fp8_param=False), False
+    cal_enabled = r.get("jetrl.kv_calibration.enabled", True) is not False
+    src = _kv_scale_source(r, kv_fp8, cal_enabled)
+    onpolicy = r.get("jetrl.onpolicy_kv", False) is True
+    cal = _kv_calibration(r, cal_enabled)
+    recipe = Recipe(
+        name="custom",
+        train=train,
+        rollout=rollout,
+        kv_cache_dtype="fp8" if kv_fp8 else "auto",
+        kv_scale_source=src,
+        onpolicy_kv=onpolicy and kv_fp8,
+        kv_calibration=cal,
+        unaligned_layers_bf16=r.get("jetrl.unaligned_layers", "error") == "bf16",
+    )
+    # Name it after the declared preset when the keys match it, else after any preset they
+    # match (a config without the label), else "custom".
+    label = r.get("jetrl.recipe", None)
+    name = matching_preset(recipe, prefer=label if isinstance(label, str) else None)
+    return recipe.with_(name=name) if name else recipe
+
+
+def _train_side(r: _Reader) -> SideRecipe:
+    """The training side, from Megatron's fp8_cfg and the TE scale env var."""
     fp8_train = r.get(S.FP8_ENABLED, False) is True
     fmt = r.get(S.FP8_FORMAT, "e4m3")
     scaling = r.get(S.FP8_RECIPE, "blockwise")
     fp32_env = str(r.get(S.FP32_SCALES_KEY, "0")) == "1"
-    train = SideRecipe(
+    return SideRecipe(
         fp8_linears=fp8_train,
         fmt=fmt if fmt in S.FP8_FORMATS else "e4m3",
         scaling=scaling if scaling in S.FP8_RECIPES else "blockwise",
@@ -120,6 +151,10 @@ def read_recipe(r: _Reader) -> Recipe:
         bf16_last_layers=_safe_count(r.get("jetrl.train_num_last_layers_in_bf16", 0)),
         fp8_param=fp8_train and r.get(S.FP8_PARAM, False) is True,
     )
+
+
+def _rollout_side(r: _Reader) -> SideRecipe:
+    """The vLLM rollout side, from vllm_cfg and ``jetrl.vllm_patch``."""
     fp8_roll = r.get(S.VLLM_PRECISION, "bfloat16") == "fp8"
     patch = r.get("jetrl.vllm_patch", False) is True
     pow2_w = r.get(S.VLLM_POW2_W, False) is True
@@ -137,7 +172,7 @@ def read_recipe(r: _Reader) -> Recipe:
                 "NeMo-RL v0.7.0)",
             )
         pow2_a = pow2_w
-    rollout = SideRecipe(
+    return SideRecipe(
         fp8_linears=fp8_roll,
         fmt="e4m3",
         scaling="mxfp8" if r.get(S.VLLM_IS_MX, False) is True else "blockwise",
@@ -148,20 +183,23 @@ def read_recipe(r: _Reader) -> Recipe:
         bf16_last_layers=_safe_count(r.get(S.VLLM_LAST_BF16, 0)),
         use_deep_gemm=r.get(S.VLLM_DEEP_GEMM, False) is True,
     )
-    kv_fp8 = str(r.get(S.VLLM_KV_DTYPE, "auto")).startswith("fp8") and fp8_roll
-    if r.get(S.GEN_BACKEND, "vllm") == "megatron":
-        # NeMo-RL's Megatron generation samples with the training model itself: the rollout
-        # is the training forward (vllm_cfg does not apply), with a BF16 KV cache.
-        rollout, kv_fp8 = train.with_(fp8_param=False), False
-    cal_enabled = r.get("jetrl.kv_calibration.enabled", True) is not False
+
+
+def _kv_scale_source(r: _Reader, kv_fp8: bool, cal_enabled: bool) -> str:
+    """``jetrl.kv_scale_source``: none without an FP8 KV cache; an unknown value falls back to
+    trainer_calibrated (dynamic when calibration is off)."""
     src = r.get("jetrl.kv_scale_source", None)
     if not kv_fp8:
-        src = "none"
-    elif src not in ("trainer_calibrated", "checkpoint", "dynamic", "unit"):
-        src = "trainer_calibrated" if cal_enabled else "dynamic"
-    onpolicy = r.get("jetrl.onpolicy_kv", False) is True
+        return "none"
+    if src not in ("trainer_calibrated", "checkpoint", "dynamic", "unit"):
+        return "trainer_calibrated" if cal_enabled else "dynamic"
+    return src
+
+
+def _kv_calibration(r: _Reader, cal_enabled: bool) -> KvCalibration:
+    """``jetrl.kv_calibration``; the defaults when its values are invalid."""
     try:
-        cal = KvCalibration(
+        return KvCalibration(
             enabled=cal_enabled,
             data_fraction=r.get("jetrl.kv_calibration.data_fraction", KV_DATA_FRACTION),
             percentile=r.get("jetrl.kv_calibration.percentile", KV_PERCENTILE),
@@ -172,22 +210,7 @@ def read_recipe(r: _Reader) -> Recipe:
             micro_batch_size=r.get("jetrl.kv_calibration.micro_batch_size", None),
         )
     except (ValueError, TypeError):
-        cal = KvCalibration()  # the problem is already recorded by _check_kv_calibration
-    recipe = Recipe(
-        name="custom",
-        train=train,
-        rollout=rollout,
-        kv_cache_dtype="fp8" if kv_fp8 else "auto",
-        kv_scale_source=src,
-        onpolicy_kv=onpolicy and kv_fp8,
-        kv_calibration=cal,
-        unaligned_layers_bf16=r.get("jetrl.unaligned_layers", "error") == "bf16",
-    )
-    # Name it after the declared preset when the keys match it, else after any preset they
-    # match (a config without the label), else "custom".
-    label = r.get("jetrl.recipe", None)
-    name = matching_preset(recipe, prefer=label if isinstance(label, str) else None)
-    return recipe.with_(name=name) if name else recipe
+        return KvCalibration()  # the problem is already recorded by _check_kv_calibration
 
 
 def _safe_count(v: Any) -> int:
