@@ -225,6 +225,7 @@ def _check_backend(r: _Reader) -> None:
 
 
 def _check_arch(r: _Reader, recipe: Recipe) -> None:
+    """Check the recipe against the model: BF16 layer counts and 128-alignment of the linears."""
     arch, ok = _arch(r)
     if not ok:
         return
@@ -235,7 +236,13 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
             "to its config.json to check layer counts and 128-alignment",
         )
         return
-    n = arch.num_layers
+    _check_bf16_layer_counts(r, recipe, arch.num_layers)
+    _check_alignment(r, arch, recipe)
+
+
+def _check_bf16_layer_counts(r: _Reader, recipe: Recipe, n: int) -> None:
+    """BF16 first/last layers must fit the model's ``n`` layers, leave one FP8 layer in training
+    and fit one pipeline stage."""
     for key, first, last in (
         (
             "jetrl.train_num_first_layers_in_bf16",
@@ -265,6 +272,11 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
                     f"{k} BF16 {what} layers exceed the {per_stage} layers of a pipeline stage "
                     "(Megatron allows at most num_layers // pipeline_model_parallel_size)",
                 )
+
+
+def _check_alignment(r: _Reader, arch: Any, recipe: Recipe) -> None:
+    """Blockwise/MX FP8 needs 128-aligned linears: all unaligned is refused, some unaligned
+    only with ``jetrl.unaligned_layers: bf16``."""
     blockwise = [
         s
         for s in (recipe.train, recipe.rollout)
