@@ -163,39 +163,8 @@ def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> t
     """(reason, keys, fixes, severity) when rollout `roll` differs from training `train`."""
     if edge.group == "kv":
         return _compare_kv(train, roll, recipe)
-    t, r = recipe.train, recipe.rollout
-    n_first = (S.VLLM_FIRST_BF16, "jetrl.train_num_first_layers_in_bf16")
-    n_last = (S.VLLM_LAST_BF16, "jetrl.train_num_last_layers_in_bf16")
     if train.is_fp8 != roll.is_fp8:
-        if r.fp8_linears and not t.fp8_linears:
-            return (
-                "rollout runs these linears in FP8 but training keeps them in BF16: the sampler "
-                "is a different (quantized) policy than the one being optimised",
-                (S.FP8_ENABLED, S.VLLM_PRECISION),
-                (f"{S.FP8_ENABLED}=true", f"or {S.VLLM_PRECISION}=bfloat16"),
-                "always",
-            )
-        if t.fp8_linears and not r.fp8_linears:
-            return (
-                "training runs these linears in FP8 but rollout keeps them in BF16: the sampler "
-                "never sees the quantization the optimised policy has",
-                (S.VLLM_PRECISION, S.FP8_ENABLED),
-                (f"{S.VLLM_PRECISION}=fp8", f"or {S.FP8_ENABLED}=false"),
-                "always",
-            )
-        side = "rollout" if roll.is_fp8 else "training"
-        at_start = edge.layer is not None and edge.layer < max(
-            t.bf16_first_layers, r.bf16_first_layers
-        )
-        keys, tval = (n_first, t.bf16_first_layers) if at_start else (n_last, t.bf16_last_layers)
-        where = "leading" if at_start else "trailing"
-        return (
-            f"the sides keep different {where} decoder layers in BF16; these layers are FP8 "
-            f"only in {side}",
-            keys,
-            (f"{keys[0]}={tval}",),
-            "always",
-        )
+        return _compare_fp8_vs_bf16(edge, roll, recipe)
     if not roll.is_fp8:
         return None
     if (train.fmt, train.block) != (roll.fmt, roll.block):
@@ -219,6 +188,45 @@ def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> t
         )
     if formula(train) == formula(roll):
         return None
+    return _compare_formulas(train, roll, is_weight)
+
+
+def _compare_fp8_vs_bf16(edge: Edge, roll: Precision, recipe: Recipe) -> tuple:
+    """One side FP8, the other BF16: FP8 switched on for one side only, or BF16 edge layers."""
+    t, r = recipe.train, recipe.rollout
+    if r.fp8_linears and not t.fp8_linears:
+        return (
+            "rollout runs these linears in FP8 but training keeps them in BF16: the sampler "
+            "is a different (quantized) policy than the one being optimised",
+            (S.FP8_ENABLED, S.VLLM_PRECISION),
+            (f"{S.FP8_ENABLED}=true", f"or {S.VLLM_PRECISION}=bfloat16"),
+            "always",
+        )
+    if t.fp8_linears and not r.fp8_linears:
+        return (
+            "training runs these linears in FP8 but rollout keeps them in BF16: the sampler "
+            "never sees the quantization the optimised policy has",
+            (S.VLLM_PRECISION, S.FP8_ENABLED),
+            (f"{S.VLLM_PRECISION}=fp8", f"or {S.FP8_ENABLED}=false"),
+            "always",
+        )
+    n_first = (S.VLLM_FIRST_BF16, "jetrl.train_num_first_layers_in_bf16")
+    n_last = (S.VLLM_LAST_BF16, "jetrl.train_num_last_layers_in_bf16")
+    side = "rollout" if roll.is_fp8 else "training"
+    at_start = edge.layer is not None and edge.layer < max(t.bf16_first_layers, r.bf16_first_layers)
+    keys, tval = (n_first, t.bf16_first_layers) if at_start else (n_last, t.bf16_last_layers)
+    where = "leading" if at_start else "trailing"
+    return (
+        f"the sides keep different {where} decoder layers in BF16; these layers are FP8 "
+        f"only in {side}",
+        keys,
+        (f"{keys[0]}={tval}",),
+        "always",
+    )
+
+
+def _compare_formulas(train: Precision, roll: Precision, is_weight: bool) -> tuple:
+    """Same FP8 format, block and scale rule but different quantizer formulas."""
     if train.scale == "fp32":
         share = "23% of weight values" if is_weight else "28% of activation values"
         return (
@@ -292,60 +300,64 @@ def check_on_policy(
     groups: dict[tuple, dict] = {}
     for e in roll.edges:
         t = train_by_key.get(e.key)
-        if t is None:
-            res: tuple | None = (
-                f"the rollout has {e.op}:{e.role} but the training forward has no such edge",
-                (),
-                (),
-                "always",
-            )
-            tp = BF16
-        else:
-            tp = t.precision
-            same = same_numbers(tp, e.precision)
-            res = None if same else _compare(e, tp, e.precision, recipe)
-            if res is None and not same:
-                res = (
-                    f"precision differs (training {tp.short()}, rollout {e.precision.short()})",
-                    (),
-                    (),
-                    "always",
-                )
-        if res is None:
-            continue
-        gkey = (res[0], res[1])
-        g = groups.setdefault(
-            gkey,
-            {
-                "res": res,
-                "edges": [],
-                "layers": {},
-                "ops": {},
-                "pairs": {},
-                "tr": (tp, e.precision),
-            },
-        )
-        g["pairs"][(e.role, tp, e.precision)] = None
-        g["edges"].append(f"{e.op}:{e.role}")
-        if e.layer is not None:
-            g["layers"][e.layer] = None
-        g["ops"][f"{e.group} {e.role}"] = None
-    mismatches = tuple(
-        Mismatch(
-            reason=g["res"][0],
-            keys=tuple(g["res"][1]),
-            fixes=tuple(g["res"][2]),
-            train=g["tr"][0],
-            rollout=g["tr"][1],
-            edges=tuple(g["edges"]),
-            layers=tuple(sorted(g["layers"])),
-            operands=tuple(g["ops"]),
-            severity=g["res"][3],
-            pairs=tuple(g["pairs"]),
-        )
-        for g in groups.values()
-    )
+        res = _edge_difference(e, t, recipe)
+        if res is not None:
+            _add_to_group(groups, res, e, BF16 if t is None else t.precision)
+    mismatches = tuple(_group_mismatch(g) for g in groups.values())
     return FlowCheck(arch.name, recipe, roll, fwd, bwd, mismatches)
+
+
+def _edge_difference(e: Edge, t: Edge | None, recipe: Recipe) -> tuple | None:
+    """(reason, keys, fixes, severity) for rollout edge `e` against training edge `t` (None:
+    the training forward lacks it); None when both carry the same numbers."""
+    if t is None:
+        return (
+            f"the rollout has {e.op}:{e.role} but the training forward has no such edge",
+            (),
+            (),
+            "always",
+        )
+    tp = t.precision
+    if same_numbers(tp, e.precision):
+        return None
+    res = _compare(e, tp, e.precision, recipe)
+    if res is None:
+        res = (
+            f"precision differs (training {tp.short()}, rollout {e.precision.short()})",
+            (),
+            (),
+            "always",
+        )
+    return res
+
+
+def _add_to_group(groups: dict[tuple, dict], res: tuple, e: Edge, tp: Precision) -> None:
+    """Add edge `e` to the group of its (reason, keys), created on first use."""
+    g = groups.setdefault(
+        (res[0], res[1]),
+        {"res": res, "edges": [], "layers": {}, "ops": {}, "pairs": {}, "tr": (tp, e.precision)},
+    )
+    g["pairs"][(e.role, tp, e.precision)] = None
+    g["edges"].append(f"{e.op}:{e.role}")
+    if e.layer is not None:
+        g["layers"][e.layer] = None
+    g["ops"][f"{e.group} {e.role}"] = None
+
+
+def _group_mismatch(g: dict) -> Mismatch:
+    """The `Mismatch` of one group of edges."""
+    return Mismatch(
+        reason=g["res"][0],
+        keys=tuple(g["res"][1]),
+        fixes=tuple(g["res"][2]),
+        train=g["tr"][0],
+        rollout=g["tr"][1],
+        edges=tuple(g["edges"]),
+        layers=tuple(sorted(g["layers"])),
+        operands=tuple(g["ops"]),
+        severity=g["res"][3],
+        pairs=tuple(g["pairs"]),
+    )
 
 
 def format_ranges(xs: Sequence[int]) -> str:
