@@ -64,39 +64,14 @@ def report(
     c: Checked, source: str, out: TextIO, *, backward: bool = False, edges: bool = False
 ) -> int:
     """Print the check and return the exit code (0 on-policy, 1 off-policy)."""
-    from nemo_jetrl.flow.check import format_ranges
     from nemo_jetrl.flow.table import flow_table
 
     check = c.check
-    arch = c.arch
-    print(f"config: {source}", file=out)
-    print(
-        f"model:  {arch.name} ({arch.num_layers} layers, hidden {arch.hidden_size}, "
-        f"intermediate {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads})",
-        file=out,
-    )
-    if c.arch_note:
-        print(f"note:   {c.arch_note}", file=out)
-    for i in c.issues:
-        if c.arch_note and i.path == "policy.model_name" and i.level == "note":
-            continue  # said above
-        print(f"{i.level}: {i}", file=out)
-    print(c.recipe.describe(), file=out)
-    print(f"  importance-sampling correction: {_is_correction(c.cfg)}", file=out)
+    _print_header(c, source, out)
     print("\nprecision flow (training forward vs rollout):", file=out)
     _table([("layers", "group", "training forward", "rollout", "status"), *flow_table(check)], out)
     if backward:
-        print("\ntraining backward (does not decide on-policyness):", file=out)
-        rows = {}
-        for e in check.train_bwd.edges:
-            if e.layer is None:
-                continue
-            rows.setdefault((e.group, e.role, e.precision.short()), []).append(e.layer)
-        _table(
-            [("layers", "group", "operand", "precision")]
-            + [(format_ranges(sorted(set(v))), g, r, p) for (g, r, p), v in rows.items()],
-            out,
-        )
+        _print_backward(c, out)
     print(file=out)
     if check.on_policy:
         print("per backend:", file=out)
@@ -113,7 +88,53 @@ def report(
         return EXIT_OFF_POLICY
     n = len(check.mismatches)
     print(f"verdict: OFF-POLICY ({n} mismatch{'es' if n != 1 else ''})", file=out)
-    for k, m in enumerate(check.mismatches, 1):
+    _print_mismatches(c, out, edges=edges)
+    print(
+        f"\n`jetrl align {source} -o OUT.yaml` writes a config whose rollout follows training.",
+        file=out,
+    )
+    return EXIT_OFF_POLICY
+
+
+def _print_header(c: Checked, source: str, out: TextIO) -> None:
+    """The config, the model, config issues, the recipe and the IS correction."""
+    arch = c.arch
+    print(f"config: {source}", file=out)
+    print(
+        f"model:  {arch.name} ({arch.num_layers} layers, hidden {arch.hidden_size}, "
+        f"intermediate {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads})",
+        file=out,
+    )
+    if c.arch_note:
+        print(f"note:   {c.arch_note}", file=out)
+    for i in c.issues:
+        if c.arch_note and i.path == "policy.model_name" and i.level == "note":
+            continue  # said above
+        print(f"{i.level}: {i}", file=out)
+    print(c.recipe.describe(), file=out)
+    print(f"  importance-sampling correction: {_is_correction(c.cfg)}", file=out)
+
+
+def _print_backward(c: Checked, out: TextIO) -> None:
+    """The training backward's precisions per layer range (``--backward``)."""
+    from nemo_jetrl.flow.check import format_ranges
+
+    print("\ntraining backward (does not decide on-policyness):", file=out)
+    rows = {}
+    for e in c.check.train_bwd.edges:
+        if e.layer is None:
+            continue
+        rows.setdefault((e.group, e.role, e.precision.short()), []).append(e.layer)
+    _table(
+        [("layers", "group", "operand", "precision")]
+        + [(format_ranges(sorted(set(v))), g, r, p) for (g, r, p), v in rows.items()],
+        out,
+    )
+
+
+def _print_mismatches(c: Checked, out: TextIO, *, edges: bool) -> None:
+    """Each mismatch: where, the precision pairs, why, keys and fix (and its edges with ``--edges``)."""
+    for k, m in enumerate(c.check.mismatches, 1):
         sev = " [differs only on blocks with tiny amax]" if m.severity == "rare" else ""
         print(f"\n{k}. {m.summary()}{sev}", file=out)
         for d in m.details():
@@ -126,11 +147,6 @@ def report(
         if edges:
             for e in m.edges:
                 print(f"     {e}", file=out)
-    print(
-        f"\n`jetrl align {source} -o OUT.yaml` writes a config whose rollout follows training.",
-        file=out,
-    )
-    return EXIT_OFF_POLICY
 
 
 def _is_correction(cfg: Any) -> str:
