@@ -148,13 +148,23 @@ def test_aligned_to_training():
 def _documented_classes():
     from nemo_jetrl.arch import Linear, ModelArch
     from nemo_jetrl.commands.check import Checked
-    from nemo_jetrl.config import ConfigIssue
+    from nemo_jetrl.config import ConfigIssue, ValidConfig
     from nemo_jetrl.config.schema import KeySpec
     from nemo_jetrl.flow.check import Edge, FlowCheck, Mismatch, Precision, PrecisionFlow
     from nemo_jetrl.fp8.config import Fp8LinearConfig
+    from nemo_jetrl.kvcache.settings import CalibrationSettings
+    from nemo_jetrl.megatron.config import MegatronFp8Settings, TeBlockScaling
+    from nemo_jetrl.rl.correction import CorrectionConfig
+    from nemo_jetrl.rl.loss_config import GRPOLossConfig
 
     return [
         Fp8LinearConfig,
+        CalibrationSettings,
+        GRPOLossConfig,
+        CorrectionConfig,
+        TeBlockScaling,
+        MegatronFp8Settings,
+        ValidConfig,
         SideRecipe,
         KvCalibration,
         Recipe,

@@ -72,14 +72,17 @@ __all__ = [
 class ValidConfig:
     """A loaded config without errors, with what commands and backends need from it."""
 
-    # The config, defaults resolved and overrides applied.
     cfg: DictConfig
-    # The precision recipe its keys describe.
+    """The config, defaults resolved and overrides applied."""
+
     recipe: Recipe
-    # The model's architecture (jetrl.model_config or a built-in), None for an unknown model.
+    """The precision recipe its keys describe."""
+
     arch: Any
-    # Every issue `validate` found (warnings and notes only: errors raise).
+    """The model's architecture (jetrl.model_config or a built-in), None for an unknown model."""
+
     issues: tuple[ConfigIssue, ...]
+    """Every issue `validate` found (warnings and notes only: errors raise)."""
 
 
 def load_valid_config(

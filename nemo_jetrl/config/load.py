@@ -42,7 +42,7 @@ class ConfigIssue:
     """The values the key accepts, when it is an enumeration."""
 
     level: Literal["error", "warning", "note"] = "error"
-    """"error" makes the config invalid; "warning" and "note" are advice."""
+    """Severity: "error" makes the config invalid; "warning" and "note" are advice."""
 
     def __str__(self) -> str:
         allowed = ""

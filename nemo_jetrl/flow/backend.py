@@ -27,7 +27,7 @@ class BackendVerdict:
     """The verdict on one backend."""
 
     backend: str
-    """"local", "nemo-rl v0.7.0" or "nemo-rl main"."""
+    """Backend name: "local", "nemo-rl v0.7.0" or "nemo-rl main"."""
 
     on_policy: bool
     """True when every rollout tensor equals its training-forward tensor there."""

@@ -111,7 +111,8 @@ class Mismatch:
     """Operands involved ("attn input", "mlp weight", "kv k_cache", ...)."""
 
     severity: str = "always"
-    """"always": numbers differ systematically; "rare": only on blocks with tiny amax."""
+    """How often: "always" (numbers differ systematically) or "rare" (only on blocks with tiny
+    amax)."""
 
     pairs: tuple[tuple[str, Precision, Precision], ...] = ()
     """Every distinct (operand role, training precision, rollout precision) among the edges."""

@@ -38,7 +38,7 @@ class Precision:
     """What a tensor looks like on an edge."""
 
     dtype: str
-    """"bf16" or "fp8"."""
+    """Numeric kind: "bf16" or "fp8"."""
 
     fmt: str | None = None
     """FP8 element format ("e4m3"/"e5m2"); None for BF16."""
@@ -47,7 +47,7 @@ class Precision:
     """Scaling block (rows, cols) of the 2-D operand; None for per-tensor or BF16."""
 
     scale: str | None = None
-    """"pow2", "fp32", "e8m0" for block scales; for per-tensor KV the scale source
+    """Scale rule: "pow2", "fp32", "e8m0" for block scales; for per-tensor KV the scale source
     ("trainer_calibrated", "checkpoint", "dynamic", "unit"); None for BF16."""
 
     impl: str | None = None
@@ -128,7 +128,7 @@ class PrecisionFlow:
     """All edges of one phase of a model under a recipe."""
 
     phase: str
-    """"rollout", "train_fwd" or "train_bwd"."""
+    """Phase: "rollout", "train_fwd" or "train_bwd"."""
 
     model: str
     """Model name."""

@@ -233,17 +233,23 @@ def scale_from_amax(amax: float, margin: float, fmax: float = 448.0) -> float:
 class CalibrationResult:
     """What one calibration produced."""
 
-    # Scales to use from now on: new ones where valid, previous ones where refused.
     scales: KVScales
-    # Reduced amax per layer and tensor (before margin), as measured.
+    """Scales to use from now on: new ones where valid, previous ones where refused."""
+
     amax: Mapping[int, Mapping[str, float]]
-    # Refused layers: {layer: message} (each also emitted as a KVScaleRefusedWarning).
+    """Reduced amax per layer and tensor (before margin), as measured."""
+
     refused: Mapping[int, str] = field(default_factory=dict)
-    # Forward passes (micro-batches) and sequences observed.
+    """Refused layers: {layer: message} (each also emitted as a KVScaleRefusedWarning)."""
+
     micro_batches: int = 0
+    """Forward passes (micro-batches) run."""
+
     sequences: int = 0
-    # Wall-clock seconds spent (forward passes and reduction).
+    """Sequences observed."""
+
     seconds: float = 0.0
+    """Wall-clock seconds spent (forward passes and reduction)."""
 
     def to_nemo_rl(self, settings: CalibrationSettings) -> dict[str, Any]:
         """NeMo-RL's result shape: ``{"format", "percentile", "margin", "layers": {vllm name: s}}``."""

@@ -63,11 +63,11 @@ def _transformers() -> Any:
 class KVAttentionState(KVQuantState):
     """`KVQuantState` of one transformers model, plus what its FP8 cache layers returned."""
 
-    # Quantizing queries without a calibrated q_scale is refused (see `KVQuantState.scale`).
     require_q_scale: ClassVar[bool] = True
+    """Quantizing queries without a calibrated q_scale is refused (see `KVQuantState.scale`)."""
 
-    # Last (keys, values) returned by our cache per layer: already quantized, skip in attention.
     cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Last (keys, values) returned by our cache per layer: already quantized, skip in attention."""
 
 
 def _inner_attention(previous: str, tf_modeling_utils: Any) -> Callable[..., Any]:

@@ -34,25 +34,32 @@ REDUCTIONS: tuple[str, ...] = KV_REDUCTIONS
 class CalibrationSettings:
     """How Q/K/V amax become FP8 KV scales (config: ``jetrl.kv_calibration``)."""
 
-    # Fraction (0 < f <= 1) of the step's sequences fed to the observers; sequences are taken at
-    # evenly spaced indices (deterministic, consumes no RNG state).
     data_fraction: float = KV_DATA_FRACTION
-    # "max" of the per-micro-batch amax samples, or their "percentile".
+    """Fraction (0 < f <= 1) of the step's sequences fed to the observers; sequences are taken at
+    evenly spaced indices (deterministic, consumes no RNG state)."""
+
     reduction: Reduction = "percentile"
-    # Percentile (0 < p <= 100) used when reduction is "percentile" (NeMo-RL's default).
+    """How the per-micro-batch amax samples reduce: "max", or their "percentile"."""
+
     percentile: float = KV_PERCENTILE
-    # Headroom multiplied into the amax (>= 1; NeMo-RL's default).
+    """Percentile (0 < p <= 100) used when reduction is "percentile" (NeMo-RL's default)."""
+
     margin: float = KV_MARGIN
-    # Tokens the observers see: "response", "prompt_and_response" or "none" (padding included).
+    """Headroom multiplied into the amax (>= 1; NeMo-RL's default)."""
+
     mask: MaskMode = KV_MASK
-    # Also calibrate the query scale (needed when the attention kernel takes FP8 queries).
+    """Tokens the observers see: "response", "prompt_and_response" or "none" (padding included)."""
+
     include_q: bool = True
-    # Sequences per forward pass during calibration (one amax sample per layer per pass).
-    # Fewer, larger passes are cheaper (measured on CPU: 8 passes of 4 cost 2x one pass of 32);
-    # a percentile differs from the max only with hundreds of passes.
+    """Also calibrate the query scale (needed when the attention kernel takes FP8 queries)."""
+
     micro_batch_size: int = 32
-    # FP8 format of the cache ("e4m3"; "e5m2" exists in vLLM but needs no calibration usually).
+    """Sequences per forward pass during calibration (one amax sample per layer per pass). Fewer,
+    larger passes are cheaper (measured on CPU: 8 passes of 4 cost 2x one pass of 32); a
+    percentile differs from the max only with hundreds of passes."""
+
     fmt: str = "e4m3"
+    """FP8 format of the cache ("e4m3"; "e5m2" exists in vLLM but needs no calibration usually)."""
 
     def __post_init__(self) -> None:
         problems = self.problems()

@@ -30,24 +30,30 @@ from nemo_jetrl.kvcache.scales import DEFAULT_SCALE, KVScales
 class KVQuantState:
     """Mutable per-model FP8 KV settings read by the attention hooks at every call."""
 
-    # True: a missing q_scale is an error when queries are quantized; False: vLLM's default 1.0.
     require_q_scale: ClassVar[bool] = False
+    """True: a missing q_scale is an error when queries are quantized; False: vLLM's default 1.0."""
 
-    # Per-layer scales (global decoder index); None means vLLM's default 1.0 everywhere.
     scales: KVScales | None = None
-    # Fake-quantize keys and values (and queries if quantize_q) as the rollout's FP8 cache does.
+    """Per-layer scales (global decoder index); None means vLLM's default 1.0 everywhere."""
+
     quantize: bool = False
-    # Also fake-quantize queries with q_scale (engines whose attention kernel takes FP8 queries).
+    """Fake-quantize keys and values (and queries if quantize_q) as the rollout's FP8 cache does."""
+
     quantize_q: bool = False
-    # Straight-through gradient through the fake quantization (trainer, on-policy KV).
+    """Also fake-quantize queries with q_scale (engines whose attention kernel takes FP8 queries)."""
+
     ste: bool = False
-    # Which vLLM cache writer to reproduce: "cuda" (round to nearest even, H100) or "cpu"
-    # (truncate).
+    """Straight-through gradient through the fake quantization (trainer, on-policy KV)."""
+
     kernel: Kernel = "cuda"
-    # FP8 format of the cache.
+    """Which vLLM cache writer to reproduce: "cuda" (round to nearest even, H100) or "cpu"
+    (truncate)."""
+
     fmt: str = "e4m3"
-    # Observer fed on every attention call while set (calibration).
+    """FP8 format of the cache."""
+
     observer: AmaxObserver | None = None
+    """Observer fed on every attention call while set (calibration)."""
 
     def scale(self, layer: int, tensor: str) -> float:
         """The scale of ``tensor`` ("q", "k" or "v") in decoder layer ``layer``."""

@@ -52,10 +52,11 @@ _HANDLE_ATTR = "_jetrl_megatron_kv_handle"
 class MegatronKVState(KVQuantState):
     """`KVQuantState` owned by one `MegatronKVHandle`; a missing q_scale uses vLLM's 1.0."""
 
-    # Straight-through gradient by default: the trainer's forward feeds a backward.
     ste: bool = True
-    # Calls seen per layer (diagnostics and tests).
+    """Straight-through gradient by default: the trainer's forward feeds a backward."""
+
     calls: dict[int, int] = field(default_factory=dict)
+    """Calls seen per layer (diagnostics and tests)."""
 
 
 def core_attention_modules(

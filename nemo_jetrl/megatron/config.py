@@ -64,16 +64,24 @@ class TeScaleEnvConflict(RuntimeError):
 class TeBlockScaling:
     """The settings TE's ``Float8BlockScaling`` must have for the training side of a recipe."""
 
-    # TE ``Format`` member name: "E4M3" or "HYBRID" (E5M2 gradients).
     fp8_format: str = "E4M3"
-    # ``QParams.power_2_scale`` of inputs, weights and gradients (TE has one switch for all).
+    """TE ``Format`` member name: "E4M3" or "HYBRID" (E5M2 gradients)."""
+
     power_2_scale: bool = True
-    # ``QParams.amax_epsilon``: TE's default and our spec's eps.
+    """``QParams.power_2_scale`` of inputs, weights and gradients (TE has one switch for all)."""
+
     amax_epsilon: float = 0.0
-    # 1 = 1x128 blocks, 2 = 128x128 blocks (TE's defaults, the only layout this package emulates).
+    """``QParams.amax_epsilon``: TE's default and our spec's eps."""
+
     x_block_scaling_dim: int = 1
+    """Activations: 1 = 1x128 blocks, 2 = 128x128 blocks (TE's defaults, the only layout this
+    package emulates)."""
+
     w_block_scaling_dim: int = 2
+    """Weights: 128x128 blocks."""
+
     grad_block_scaling_dim: int = 1
+    """Gradients: 1x128 blocks."""
 
     @property
     def env_value(self) -> str:
@@ -85,12 +93,14 @@ class TeBlockScaling:
 class MegatronFp8Settings:
     """Everything the training side needs from a recipe, in Megatron/TE terms."""
 
-    # Keyword arguments for ``megatron.core.transformer.TransformerConfig`` (FP8 fields only).
     transformer_config: Mapping[str, Any] = field(default_factory=dict)
-    # Environment variables the training process must have before TE is imported.
+    """Keyword arguments for ``megatron.core.transformer.TransformerConfig`` (FP8 fields only)."""
+
     env_vars: Mapping[str, str] = field(default_factory=dict)
-    # TE Float8BlockScaling settings, or None when training is not blockwise FP8.
+    """Environment variables the training process must have before TE is imported."""
+
     te_recipe: TeBlockScaling | None = None
+    """TE Float8BlockScaling settings, or None when training is not blockwise FP8."""
 
 
 def _train_scale_rule(train: SideRecipe) -> bool:

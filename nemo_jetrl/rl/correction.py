@@ -62,12 +62,14 @@ class LossFnIssue:
     """One problem with the IS keys of ``loss_fn``; `nemo_jetrl.config.validate` reports these
     as ConfigIssues, `validate_loss_fn_cfg` as ``"<key> <message>"`` strings."""
 
-    #: full YAML key, e.g. ``loss_fn.truncated_importance_sampling_ratio``.
     key: str
-    #: what is wrong and what to change; reads on after the key.
+    """full YAML key, e.g. ``loss_fn.truncated_importance_sampling_ratio``."""
+
     message: str
-    #: the values the key accepts, when it is an enumeration.
+    """what is wrong and what to change; reads on after the key."""
+
     allowed: tuple[Any, ...] = ()
+    """the values the key accepts, when it is an enumeration."""
 
     def __str__(self) -> str:
         return f"{self.key} {self.message}"
@@ -239,18 +241,23 @@ class CorrectionConfig:
     every problem.
     """
 
-    #: apply the weights in the loss; when false the weights are 1 (stats are still reported).
     use_importance_sampling_correction: bool = False
-    #: None (no truncation), "tis", "icepop" or "seq-mask-tis".
+    """apply the weights in the loss; when false the weights are 1 (stats are still reported)."""
+
     truncated_importance_sampling_type: str | None = None
-    #: upper bound of the ratio (required, > 0, when a type is set).
+    """None (no truncation), "tis", "icepop" or "seq-mask-tis"."""
+
     truncated_importance_sampling_ratio: float | None = None
-    #: lower bound; None means 0 for tis; required for icepop and seq-mask-tis.
+    """upper bound of the ratio (required, > 0, when a type is set)."""
+
     truncated_importance_sampling_ratio_min: float | None = None
-    #: one weight per sequence, exp(sum of token log-ratios) (GSPO-style sequence IS).
+    """lower bound; None means 0 for tis; required for icepop and seq-mask-tis."""
+
     sequence_level_importance_ratios: bool = False
-    #: NeMo-RL's loss aggregation flag; only checked here (sequence IS needs it false).
+    """one weight per sequence, exp(sum of token log-ratios) (GSPO-style sequence IS)."""
+
     token_level_loss: bool = True
+    """NeMo-RL's loss aggregation flag; only checked here (sequence IS needs it false)."""
 
     def __post_init__(self) -> None:
         errs = _rule_issues(

@@ -34,25 +34,35 @@ class LossConfigError(CorrectionConfigError):
 class GRPOLossConfig:
     """GRPO loss settings; field names are NeMo-RL's ``loss_fn`` keys (same defaults)."""
 
-    #: PPO clip: ratios are clipped to [1 - ratio_clip_min, 1 + ratio_clip_max].
     ratio_clip_min: float = 0.2
+    """PPO clip: ratios are clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]."""
+
     ratio_clip_max: float = 0.2
-    #: dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; None: off.
+    """Upper PPO clip: ratios above 1 + ratio_clip_max are clipped."""
+
     ratio_clip_c: float | None = None
-    #: beta of the KL penalty to the reference policy; 0 disables it.
+    """dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; None: off."""
+
     reference_policy_kl_penalty: float = 0.01
-    #: "k1", "k2" or "k3" (Schulman's estimators).
+    """beta of the KL penalty to the reference policy; 0 disables it."""
+
     reference_policy_kl_type: str = "k3"
-    #: clamp of x = ref - curr before the KL estimator; None: no clamp.
+    """KL estimator: "k1", "k2" or "k3" (Schulman's estimators)."""
+
     kl_input_clamp_value: float | None = 20.0
-    #: clamp of each token's (weighted) KL term; None: no clamp.
+    """clamp of x = ref - curr before the KL estimator; None: no clamp."""
+
     kl_output_clamp_value: float | None = 10.0
-    #: weight the KL by exp(curr - generation) instead of exp(curr - sg(curr)).
+    """clamp of each token's (weighted) KL term; None: no clamp."""
+
     use_on_policy_kl_approximation: bool = False
-    #: token mean over the global batch (true) or mean over sequences of token means (false).
+    """weight the KL by exp(curr - generation) instead of exp(curr - sg(curr))."""
+
     token_level_loss: bool = True
-    #: importance-sampling correction of the rollout/train mismatch.
+    """token mean over the global batch (true) or mean over sequences of token means (false)."""
+
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """importance-sampling correction of the rollout/train mismatch."""
 
     def __post_init__(self) -> None:
         errs = _loss_rule_errors(

@@ -42,10 +42,11 @@ from nemo_jetrl.rl.metrics import (
 class CorrectionResult:
     """Per-token weights for the loss and the stats of how they were formed."""
 
-    #: [B, T] weights to multiply into the per-token loss (0 at invalid positions), detached.
     weights: torch.Tensor
-    #: {tag: value}, see the module docstring.
+    """[B, T] weights to multiply into the per-token loss (0 at invalid positions), detached."""
+
     stats: dict[str, float] = field(default_factory=dict)
+    """{tag: value}, see the module docstring."""
 
 
 def _out_dtype(t: torch.Tensor) -> torch.dtype:

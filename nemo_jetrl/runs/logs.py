@@ -102,20 +102,30 @@ class RunData:
     """What `read_run` found in one run directory."""
 
     path: Path
-    #: display name: ``jetrl.run_name`` / ``jetrl.recipe`` from config.yaml or the TensorBoard
-    #: hparams when present, else the directory name.
+    """The run directory."""
+
     label: str
+    """display name: ``jetrl.run_name`` / ``jetrl.recipe`` from config.yaml or the TensorBoard
+    hparams when present, else the directory name."""
+
     scalars: dict[str, Series] = field(default_factory=dict)
-    #: the run's config.yaml as a plain dict (None when absent or unreadable).
+    """Every scalar tag found (TensorBoard, gaps filled from train_data jsonl)."""
+
     config: dict[str, Any] | None = None
-    #: steps that have a train_data_step{N}.jsonl file.
+    """the run's config.yaml as a plain dict (None when absent or unreadable)."""
+
     train_data_steps: tuple[int, ...] = ()
-    #: NeMo-RL's ``add_hparams`` record (flattened config), {} when absent.
+    """steps that have a train_data_step{N}.jsonl file."""
+
     hparams: dict[str, Any] = field(default_factory=dict)
-    #: ids of the runs whose events files are here (`RunWriter` names them; more than one:
-    #: several runs wrote into this directory and the label says ``[mixed: N runs]``).
+    """NeMo-RL's ``add_hparams`` record (flattened config), {} when absent."""
+
     run_ids: tuple[str, ...] = ()
+    """ids of the runs whose events files are here (`RunWriter` names them; more than one: several
+    runs wrote into this directory and the label says ``[mixed: N runs]``)."""
+
     warnings: list[str] = field(default_factory=list)
+    """What could not be read (the data above is partial then)."""
 
     def tags(self) -> list[str]:
         return sorted(self.scalars)

@@ -53,20 +53,40 @@ class MetricSummary:
     """One run x one metric. Statistics are NaN and steps 0 when the run lacks the metric."""
 
     label: str
+    """The run's display name."""
+
     run_dir: str
-    #: the metric as requested, and the tag it resolved to in this run (None: not found).
+    """The run directory."""
+
     metric: str
+    """The metric as requested."""
+
     tag: str | None
+    """The tag it resolved to in this run (None: not found)."""
+
     last: float
+    """Value at the last step."""
+
     mean: float
+    """Mean over finite values."""
+
     median: float
+    """Median over finite values."""
+
     max: float
-    #: number of steps with a finite value, and the first/last such step.
+    """Largest finite value."""
+
     steps: int
+    """Number of steps with a finite value."""
+
     first_step: int | None
+    """First step with a finite value."""
+
     last_step: int | None
-    #: where the values came from: tensorboard, jsonl or tensorboard+jsonl ("" when missing).
+    """Last step with a finite value."""
+
     source: str
+    """where the values came from: tensorboard, jsonl or tensorboard+jsonl ("" when missing)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

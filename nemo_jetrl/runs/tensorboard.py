@@ -32,10 +32,17 @@ class Series:
     """One scalar tag over steps (sorted by step)."""
 
     tag: str
+    """The TensorBoard tag (e.g. ``train/token_mult_prob_error``)."""
+
     steps: tuple[int, ...]
+    """Steps with a value, ascending."""
+
     values: tuple[float, ...]
-    #: "tensorboard", "jsonl" (recomputed) or "tensorboard+jsonl" (gaps filled).
+    """The value at each step."""
+
     source: str = "tensorboard"
+    """Where the values came from: "tensorboard", "jsonl" (recomputed) or "tensorboard+jsonl"
+    (gaps filled)."""
 
     def __len__(self) -> int:
         return len(self.steps)
