@@ -156,10 +156,23 @@ def nrl_engine(tmp_path_factory):
                 p.stop()
             fp8.fp8_state.vllm_patches.clear()
             fp8.fp8_patches_applied = False
+            llm.collective_rpc(_close_receiver_socket)
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
             mp.undo()
+
+
+def _close_receiver_socket(self):
+    """NeMo-RL's receiver keeps its ZMQ socket open for the worker's life. Close it (and its
+    context) here: otherwise garbage collection later runs the context's destructor, which waits
+    for that socket forever, and a later test hangs (seen in the main-7ea279a tier)."""
+    sock = getattr(self, "zmq_socket", None)  # set on the worker by NeMo-RL's maybe_init_zmq
+    if sock is not None:
+        sock.close(linger=0)
+    ctx = getattr(self, "zmq_context", None)
+    if ctx is not None:
+        ctx.term()  # returns at once now; a later destructor finds it closed
 
 
 def _hook_status(self):
