@@ -176,6 +176,13 @@ JETRL_KEYS: Mapping[str, KeySpec] = MappingProxyType(
             True,
             "after each refit, compare the rollout engine's FP8 weights with the trainer's",
         ),
+        "refit_rollback": KeySpec(
+            (bool,),
+            True,
+            "snapshot the rollout engine's model before each refit and restore it (checked bit "
+            "for bit) if the refit fails once tensors reached it; costs one copy of the model's "
+            "tensors during the refit (on the GPU when it fits, else host memory)",
+        ),
         "allow_off_policy": KeySpec(
             (bool,), False, "let `jetrl train` run a recipe that `jetrl check` finds off-policy"
         ),

@@ -54,11 +54,13 @@ def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
     hook = _flag(cfg, "jetrl.vllm_patch", False) and _flag(cfg, "jetrl.refit_hook", True)
     if hook:
         parity = _flag(cfg, "jetrl.refit_parity_check", True)
+        rollback = _flag(cfg, "jetrl.refit_rollback", True)
         return BackendVerdict(
             name,
             True,
             "refit weights quantized by nemo_jetrl.fp8 (our refit hook)"
-            + (", parity checked at each refit" if parity else ""),
+            + (", parity checked at each refit" if parity else "")
+            + (", a failed refit rolled back" if rollback else ""),
         )
     if not recipe.rollout.pow2_weight_scales:
         return BackendVerdict(

@@ -112,16 +112,19 @@ class VllmRolloutEngine:
         *,
         kv_scales: Mapping[Any, Mapping[str, float]] | None = None,
         parity: bool = True,
+        rollback: bool = True,
         weights_version: int | None = None,
     ) -> RefitReport:
         """Load the trainer's weights (HF names) and optional KV scales; see ``refit.refit``
-        (``weights_version``: KV scales calibrated for another version are refused as stale)."""
+        (``weights_version``: KV scales calibrated for another version are refused as stale;
+        ``rollback``: a failure inside the engine restores its previous state)."""
         self.last_refit = refit(
             self.llm,
             state_dict,
             self.settings,
             kv_scales=kv_scales,
             parity=parity,
+            rollback=rollback,
             weights_version=weights_version,
         )
         return self.last_refit

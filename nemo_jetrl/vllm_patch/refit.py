@@ -27,6 +27,10 @@ One refit does, in order (nothing is sent unless every check before it passed):
    byte for byte where the parameter holds them, and unquantized linear weights also *through the
    layer's GEMM* (identity rows in, ``W^T`` out), so a stale derived copy cannot pass. Any
    differing tensor is named.
+6. Rollback (on by default): steps 4-5 run inside ``rollback.engine_rollback``: each worker
+   snapshots its model before the first tensor lands; if loading, the KV scales or the parity
+   check fail, every worker is put back and verified bit for bit, and the error says so. The
+   snapshot costs one copy of the model's tensors for the refit's duration.
 
 Tensors cross to the worker processes through ``LLM.collective_rpc`` (FP8 as uint8 bytes), which
 is fine for small models and CPU tests; large GPU models go through NeMo-RL's own transport,
@@ -55,6 +59,7 @@ from nemo_jetrl.vllm_patch.refit_kv import (
     normalize_kv_scales,
     set_kv_scales,
 )
+from nemo_jetrl.vllm_patch.rollback import engine_rollback
 from nemo_jetrl.vllm_patch.settings import (
     ATTN_PROJS,
     MLP_PROJS,
@@ -86,6 +91,8 @@ __all__ = [
 
 FP8_PROJS = ATTN_PROJS + MLP_PROJS
 SCALE_SUFFIX = "weight_scale_inv"
+# How a refusal before the engine was touched starts (a streamed refit words it otherwise).
+REFUSED = "refit refused, nothing was loaded"
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,7 @@ def quantize_state_dict(
             tensors[name] = t
             others.append(name)
     if errors:
-        raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
+        raise RefitError(f"{REFUSED}:\n  - " + "\n  - ".join(errors))
     return QuantizedStateDict(tensors, tuple(fp8_layers), tuple(others))
 
 
@@ -214,7 +221,7 @@ def guard_shapes(llm: Any, qsd: QuantizedStateDict) -> None:
                 "with the recipe's engine kwargs, quantization fp8 with 128x128 blocks?)"
             )
     if errors:
-        raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
+        raise RefitError(f"{REFUSED}:\n  - " + "\n  - ".join(errors))
 
 
 def _differ(got: torch.Tensor, want: torch.Tensor, *, bytewise: bool) -> str | None:
@@ -274,6 +281,7 @@ def refit(
     *,
     kv_scales: Mapping[Any, Mapping[str, float]] | None = None,
     parity: bool = True,
+    rollback: bool = True,
     dtype: torch.dtype | None = None,
     weights_version: int | None = None,
 ) -> RefitReport:
@@ -282,7 +290,8 @@ def refit(
     ``dtype``: what non-FP8 tensors are sent as; default: the dtype the engine serves in.
     ``kv_scales``: ``{layer index or attention name: {q, k, v}}`` or a `KVScales`; a `KVScales`
     whose ``calibrated_for`` differs from ``weights_version`` (both given) is stale and refused.
-    All-or-nothing: every input is checked before the first tensor is sent (module doc).
+    All-or-nothing: every input is checked before the first tensor is sent; with ``rollback``
+    a failure after that (in the loader, the parity check) restores the engine (module doc).
     """
     t0 = time.perf_counter()
     settings = settings_from_recipe(recipe)
@@ -300,14 +309,15 @@ def refit(
     if scales is not None:
         check_kv_layers(llm, scales)
     guard_shapes(llm, qsd)
-    results = llm.collective_rpc("jetrl_load_weights", args=(pack(qsd.tensors),))
-    moved = sorted({m for r in results for m in r["moved"]})
-    if moved:
-        raise RefitError(f"refit replaced parameter objects instead of copying into them: {moved}")
-    kv_layers: tuple[str, ...] = ()
-    if scales is not None:
-        kv_layers = set_kv_scales(llm, scales)
-    report = check_parity(llm, qsd) if parity else None
+    with engine_rollback(llm, rollback):  # from here on the engine changes: undone on error
+        results = llm.collective_rpc("jetrl_load_weights", args=(pack(qsd.tensors),))
+        moved = sorted({m for r in results for m in r["moved"]})
+        if moved:
+            raise RefitError(f"refit replaced parameter objects instead of copying: {moved}")
+        kv_layers: tuple[str, ...] = ()
+        if scales is not None:
+            kv_layers = set_kv_scales(llm, scales)
+        report = check_parity(llm, qsd) if parity else None
     return RefitReport(
         fp8_layers=len(qsd.fp8_layers),
         other_tensors=len(qsd.other_names),
@@ -332,7 +342,7 @@ def _cast_checked(qsd: QuantizedStateDict, dtype: torch.dtype) -> QuantizedState
         if (why := quantized_weight_problem(w, s, dtype)) is not None:
             errors.append(f"{m}.weight: {why}")
     if errors:
-        raise RefitError("refit refused, nothing was loaded:\n  - " + "\n  - ".join(errors))
+        raise RefitError(f"{REFUSED}:\n  - " + "\n  - ".join(errors))
     return QuantizedStateDict(tensors, qsd.fp8_layers, qsd.other_names)
 
 

@@ -16,6 +16,9 @@ and ``self.model_runner.model`` the model. Names start with ``jetrl_`` to avoid 
   on identity rows, ``I @ W^T = W^T`` (every output is one product ``1 * w`` plus zeros, exact in
   any kernel that accumulates in at least the weight's precision). A packed copy left stale by a
   load shows up there even though the parameter looks right.
+* ``jetrl_snapshot`` / ``jetrl_restore`` / ``jetrl_drop_snapshot``: the model's whole state saved
+  before a refit writes into it, and put back (verified bit for bit) if the refit fails
+  (``rollback``; the client side is ``rollback.engine_rollback``).
 * ``jetrl_set_kv_scales`` / ``jetrl_kv_scales``: per-layer q/k/v scales on the attention layers
   (vLLM convention: the dequantization multiplier, k_fp8 = k / k_scale), all-or-nothing.
 * ``jetrl_capture`` / ``jetrl_captured``: record what enters our FP8 GEMM (eager mode).
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch import compat, rollback
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
 
@@ -192,6 +195,24 @@ class JetRLWorkerExtension:
         after = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
         moved = sorted(n for n in before if after.get(n) != before[n])
         return {"loaded": sorted(loaded or []), "moved": moved}
+
+    def jetrl_snapshot(self) -> dict[str, Any]:
+        """Save the model's whole state for `jetrl_restore` (``rollback``); one per worker."""
+        snap = rollback.take_snapshot(_model(self))
+        self._jetrl_snapshot = snap
+        return {"bytes": snap.nbytes, "device": str(snap.device)}
+
+    def jetrl_restore(self) -> dict[str, Any]:
+        """Put the model back to the last `jetrl_snapshot` and verify it (RollbackError if not)."""
+        snap = self.__dict__.pop("_jetrl_snapshot", None)
+        if snap is None:
+            raise rollback.RollbackError("jetrl_restore: no snapshot was taken in this worker")
+        rep = rollback.restore_snapshot(_model(self), snap)
+        return {"tensors": rep.tensors, "values": rep.values, "removed": list(rep.removed)}
+
+    def jetrl_drop_snapshot(self) -> bool:
+        """Free the snapshot after a refit that went through."""
+        return self.__dict__.pop("_jetrl_snapshot", None) is not None
 
     def jetrl_read_back(self, hf_names: list[str], through_kernel: bool = False) -> bytes:
         """The engine's tensors for ``hf_names`` as a ``pack``ed blob: ``name`` -> parameter

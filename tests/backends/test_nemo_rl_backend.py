@@ -105,13 +105,13 @@ def test_fp32_weight_scales_warn_about_nemo_rl_refit_quantizer():
     p = nr.prepare(str(CONFIGS / "nemo_rl_fp8_e2e.yaml"), ["jetrl.vllm_patch=true"])
     assert not any("pow2_weight_scaling_factors" in w for w in p.warnings)
     env = p.plan.master_config["policy"]["generation"]["vllm_cfg"]["env_vars"]
-    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": True}
+    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": True, "rollback": True}
     off = nr.prepare(
         str(CONFIGS / "nemo_rl_fp8_e2e.yaml"),
-        ["jetrl.vllm_patch=true", "jetrl.refit_parity_check=false"],
+        ["jetrl.vllm_patch=true", "jetrl.refit_parity_check=false", "jetrl.refit_rollback=false"],
     )
     env = off.plan.master_config["policy"]["generation"]["vllm_cfg"]["env_vars"]
-    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": False}
+    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": False, "rollback": False}
     # Without it NeMo-RL's own quantizer runs: FP32 scales differ from TE's.
     p = nr.prepare(
         str(CONFIGS / "nemo_rl_fp8_e2e.yaml"),

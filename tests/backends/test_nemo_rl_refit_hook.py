@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -82,6 +83,9 @@ def test_install_is_explicit_verified_idempotent_and_reverts():
         assert fp8.load_weights is not loader
         assert all(ext.__dict__[n] is not originals[n] for n in vr.TRANSPORTS)
         assert vr.install_refit_hook(FP32, parity=True) is h  # idempotent
+        for other in ({"parity": True, "rollback": False}, {"parity": False}):
+            with pytest.raises(RuntimeError, match="already installed with other settings"):
+                vr.install_refit_hook(FP32, **other)
         with pytest.raises(RuntimeError, match="already installed with other settings"):
             vr.install_refit_hook(POW2, parity=True)
     finally:
@@ -117,14 +121,15 @@ def test_plugin_needs_the_patch_settings(monkeypatch):
     monkeypatch.setenv(vr.ENV_VAR, vr.refit_hook_env(True)[vr.ENV_VAR])
     with pytest.raises(RuntimeError, match=f"{ENV_VAR} is not"):
         vr.load_in_worker()
-    monkeypatch.setenv(vr.ENV_VAR, "yes")
-    with pytest.raises(ValueError, match="expected"):
-        vr.load_in_worker()
+    for bad in ("yes", '{"parity": true}'):  # both flags are required
+        monkeypatch.setenv(vr.ENV_VAR, bad)
+        with pytest.raises(ValueError, match=re.escape('{"parity": true|false, "rollback"')):
+            vr.load_in_worker()
 
 
 def test_quantize_batch_refuses_a_recipe_engine_mismatch():
     """An engine FP8 layer the recipe keeps in BF16 is named (and nothing is loaded)."""
-    from nemo_jetrl.backends.nemo_rl.vllm_refit import quantize_batch
+    from nemo_jetrl.backends.nemo_rl.refit_batches import quantize_batch
     from nemo_jetrl.vllm_patch.refit import RefitError
 
     class Proj(torch.nn.Module):

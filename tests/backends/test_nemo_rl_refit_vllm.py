@@ -175,6 +175,16 @@ def _close_receiver_socket(self):
         ctx.term()  # returns at once now; a later destructor finds it closed
 
 
+def _reset_receiver_socket(self):
+    """After a refit that failed mid-stream, v0.7.0's receiver (a REP socket) owes the sender a
+    reply it will never send; a new socket lets the next refit start clean."""
+    _close_receiver_socket(self)
+    worker = getattr(self, "worker", self)  # vLLM's WorkerWrapperBase forwards attributes
+    for attr in ("zmq_socket", "zmq_context"):
+        worker.__dict__.pop(attr, None)
+    return True
+
+
 def _hook_status(self):
     from nemo_jetrl.backends.nemo_rl import vllm_refit
 
@@ -182,10 +192,10 @@ def _hook_status(self):
     return (h.active, h.layout) if h is not None else None
 
 
-def _plugin_install(self, parity):
+def _plugin_install(self, parity, rollback=True):
     from nemo_jetrl.backends.nemo_rl import vllm_refit
 
-    os.environ.update(vllm_refit.refit_hook_env(parity))
+    os.environ.update(vllm_refit.refit_hook_env(parity, rollback))
     vllm_refit.load_in_worker()
     return vllm_refit._PLUGIN_HANDLE.active, vllm_refit._PLUGIN_HANDLE.layout
 
@@ -202,8 +212,12 @@ def _state_dict(seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tiny_llama_128(seed).state_dict().items()}
 
 
-def _refit_via_nemo_rl(llm, device_id: str, weights: dict[str, torch.Tensor]) -> bool:
-    """NeMo-RL's colocated refit: its sender in a thread, its receiver through collective_rpc."""
+def _refit_via_nemo_rl(
+    llm, device_id: str, weights: dict[str, torch.Tensor], *, timeout_ms: int = 120000
+) -> bool:
+    """NeMo-RL's colocated refit: its sender in a thread, its receiver through collective_rpc.
+    Returns the receiver's result; a sender error is raised unless the receiver failed too
+    (v0.7.0's receiver then never acknowledges, and the sender times out after ``timeout_ms``)."""
     import zmq
     from nemo_rl.models.policy.utils import stream_weights_via_ipc_zmq_impl
 
@@ -212,8 +226,8 @@ def _refit_via_nemo_rl(llm, device_id: str, weights: dict[str, torch.Tensor]) ->
     llm.collective_rpc("prepare_refit_info", args=(info,))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.SNDTIMEO, 120000)
-    sock.setsockopt(zmq.RCVTIMEO, 120000)
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"ipc:///tmp/{device_id}.sock")  # the address the vLLM side connects to
     errors: list[BaseException] = []
@@ -229,15 +243,36 @@ def _refit_via_nemo_rl(llm, device_id: str, weights: dict[str, torch.Tensor]) ->
     try:
         results = llm.collective_rpc("update_weights_via_ipc_zmq")
     finally:
-        t.join(timeout=180)
+        t.join(timeout=timeout_ms / 1000 + 60)
         sock.close()
         ctx.term()
     assert not errors, errors
     return all(results)
 
 
+def _engine_state(llm, settings) -> dict[str, torch.Tensor]:
+    """Every tensor a refit writes, read back from the engine as raw bytes, and each attention
+    layer's q/k/v scale parameters."""
+    names = list(_ours(_state_dict(0), settings).tensors)
+    back = unpack(llm.collective_rpc(_read_fp8, args=(names,))[0])
+    state = {n: t.contiguous().reshape(-1).view(torch.uint8) for n, t in back.items()}
+    for layer, per in llm.collective_rpc(_attention_scales)[0].items():
+        for t, v in per.items():
+            state[f"{layer}|{t}"] = torch.tensor([v], dtype=torch.float64).view(torch.uint8)
+    return state
+
+
+def _changed(before: dict, after: dict) -> list[str]:
+    assert after.keys() == before.keys()
+    return [n for n in before if not torch.equal(before[n], after[n])]
+
+
+def _greedy(llm) -> list[int]:
+    return list(llm.generate(["Hello wor"], _sampling())[0].outputs[0].token_ids)
+
+
 def _read_fp8(self, names):  # safetensors bytes: tensors do not cross vLLM's RPC as they are
-    from nemo_jetrl.backends.nemo_rl.vllm_refit import _ReadBack
+    from nemo_jetrl.backends.nemo_rl.refit_batches import _ReadBack
 
     return _ReadBack(self).jetrl_read_back(names)
 
@@ -248,7 +283,7 @@ def _last_parity(self):
 
 def _parity_vs_ours(self, blob, layers):
     """Our parity check against our quantization of the same weights (message or report)."""
-    from nemo_jetrl.backends.nemo_rl.vllm_refit import SentTensors, check_refit_parity
+    from nemo_jetrl.backends.nemo_rl.refit_batches import SentTensors, check_refit_parity
     from nemo_jetrl.vllm_patch.refit import ParityError
     from nemo_jetrl.vllm_patch.worker_ext import unpack
 
@@ -327,7 +362,7 @@ def test_a_corrupted_load_is_named_by_the_parity_check_inside_the_transport(nrl_
     """Our check runs at the end of NeMo-RL's transport and stops it with the tensor's name."""
     from nemo_rl.models.generation.vllm.quantization import fp8
 
-    llm, _, device_id = nrl_engine
+    llm, settings, device_id = nrl_engine
     weights = _state_dict(3)
 
     def corrupt(self):  # in the worker: after our loader, one FP8 byte of down_proj flips
@@ -346,13 +381,55 @@ def test_a_corrupted_load_is_named_by_the_parity_check_inside_the_transport(nrl_
         fp8.load_weights = fp8._jetrl_test_saved
         return True
 
+    before = _engine_state(llm, settings)
     llm.collective_rpc(corrupt)
     try:
-        with pytest.raises(Exception, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        with pytest.raises(Exception, match=r"model\.layers\.1\.mlp\.down_proj\.weight") as ei:
             _refit_via_nemo_rl(llm, device_id, weights)
     finally:
         llm.collective_rpc(restore)
+    # rolled back: the engine holds the weights it had before this refit, bit for bit
+    assert "rolled back to its state before this refit" in str(ei.value)
+    assert not _changed(before, _engine_state(llm, settings))
     assert _refit_via_nemo_rl(llm, device_id, weights)
+
+
+LATE = "model.layers.1.mlp.down_proj.weight"  # streamed in a later batch than layer 0's
+
+
+@pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "mutation-no-rollback"])
+def test_a_batch_refused_mid_stream_leaves_the_engine_bit_identical(nrl_engine, rollback):
+    """Issue 17: our quantizer refuses a non-finite weight in a later batch, after NeMo-RL's
+    receiver loaded the earlier ones. With the rollback the engine is as before the refit, bit
+    for bit, and generates the same tokens; without it (the mutation) the earlier batches stay
+    loaded, which is what the rollback undoes."""
+    llm, settings, device_id = nrl_engine
+    assert _refit_via_nemo_rl(llm, device_id, _state_dict(6))  # a known, good state
+    before, tokens = _engine_state(llm, settings), _greedy(llm)
+    weights = _state_dict(7)
+    weights[LATE][3, 5] = float("inf")
+    if not rollback:
+        llm.collective_rpc(_plugin_revert)
+        llm.collective_rpc(_plugin_install, args=(True, False))
+    try:
+        match = rf"{re.escape(LATE)}'\): non-finite value inf at \[3, 5\]"
+        with pytest.raises(Exception, match=match) as ei:
+            _refit_via_nemo_rl(llm, device_id, weights, timeout_ms=3000)
+    finally:
+        llm.collective_rpc(_reset_receiver_socket)
+        if not rollback:
+            llm.collective_rpc(_plugin_revert)
+            llm.collective_rpc(_plugin_install, args=(True, True))
+    changed = _changed(before, _engine_state(llm, settings))
+    if rollback:
+        assert "rolled back to its state before this refit" in str(ei.value)
+        assert not changed, changed
+        assert _greedy(llm) == tokens
+    else:
+        assert "rolled back" not in str(ei.value) and "nothing was loaded" not in str(ei.value)
+        assert "the batches before it stay loaded" in str(ei.value)
+        assert "model.layers.0.mlp.down_proj.weight" in changed, changed  # an earlier batch
+    assert _refit_via_nemo_rl(llm, device_id, _state_dict(6))  # the next refit goes through
 
 
 def _attention_scales(self):

@@ -11,8 +11,9 @@ nemo_jetrl patch through `nemo_jetrl.vllm_patch.engine.VllmRolloutEngine`. What 
   tensors before anything is loaded), then the vLLM refit (quantize 128x128 with
   `nemo_jetrl.fp8`, its own finite/shape/dtype guards against the engine's parameters, load in
   place), then the parity check: the engine's FP8 weights and scales are read back and compared
-  bit for bit with the trainer's quantization. A parity failure is an error (the engine then holds
-  weights the trainer never produced), never a silent warning.
+  bit for bit with the trainer's quantization. A parity failure is an error, never a silent
+  warning; the engine is rolled back to the weights it held before (``vllm_patch.rollback``), so
+  it never keeps weights the trainer did not produce.
 * **the logprobs**: vLLM returns, for every sampled token, ``log softmax(logits / T)`` at that token
   (``logprobs_mode="processed_logprobs"``: after temperature, the quantity the trainer recomputes);
   they become ``generation_logprobs``. vLLM's attention and GEMM kernels are not HF's, so they
@@ -213,7 +214,8 @@ class VllmRollout:
         """Load the trainer's (already guarded) weights and, for an FP8 KV cache, its calibrated
         q/k/v scales; vLLM's guards, then the parity check (weights and KV scales read back).
 
-        Raises ``RefitError`` (nothing loaded) or ``ParityError`` (bits differ).
+        Raises ``RefitError`` or ``ParityError`` (bits differ); either way the engine holds the
+        weights it had before (refused before sending, or rolled back).
         """
         rep = self._live().refit(weights, kv_scales=kv_scales, parity=True)
         self.refits += 1

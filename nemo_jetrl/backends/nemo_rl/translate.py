@@ -300,7 +300,8 @@ def _vllm_env(config: Mapping[str, Any], patch_json: str | None) -> dict[str, st
         # NeMo-RL's vLLM refit then quantizes with ours and checks parity (vllm_refit.py).
         if _get(config, "jetrl.refit_hook", True) is not False:
             parity = _get(config, "jetrl.refit_parity_check", True)
-            vllm_env.update(refit_hook_env(parity is not False))
+            rollback = _get(config, "jetrl.refit_rollback", True)
+            vllm_env.update(refit_hook_env(parity is not False, rollback is not False))
     return vllm_env
 
 

@@ -1,0 +1,161 @@
+"""One streamed batch of NeMo-RL's vLLM refit through our quantizer, and the parity check after.
+
+NeMo-RL's vLLM worker hands the refit to ``fp8.load_weights`` batch by batch; the hook in
+`vllm_refit` replaces that function with one that calls `quantize_batch`: each weight the recipe
+runs in FP8 becomes our FP8 ``weight`` + ``weight_scale_inv`` (``refit.quantize_state_dict``,
+its guards included), the rest passes through, and what was sent is kept in a `SentTensors`
+for `check_refit_parity`, which compares it with what the engine holds once the transport is
+done (FP8 bytes and scales bit for bit, other tensors byte for byte, KV scales by value).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch.refit import (
+    SCALE_SUFFIX,
+    ParityError,
+    ParityReport,
+    QuantizedStateDict,
+    RefitError,
+    check_parity,
+    is_fp8_weight,
+    quantize_state_dict,
+)
+from nemo_jetrl.vllm_patch.settings import PatchSettings
+from nemo_jetrl.vllm_patch.worker_ext import JetRLWorkerExtension, resolve_hf_name
+
+KV_NAME = re.compile(r"^(?P<layer>.+\.self_attn)\.(?:attn\.)?(?P<t>[qkv])_scale$")
+
+
+@dataclass
+class SentTensors:
+    """What one refit sent through the hook (kept only while parity is on)."""
+
+    fp8: dict[str, torch.Tensor] = field(default_factory=dict)
+    fp8_layers: list[str] = field(default_factory=list)
+    other: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv: dict[str, dict[str, float]] = field(default_factory=dict)
+    error: Exception | None = None
+    keep: bool = True
+    """False when parity is off: nothing is kept, errors are still recorded."""
+
+
+def _engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
+    try:
+        return resolve_hf_name(model, name)[1].dtype
+    except (KeyError, AttributeError):
+        return None
+
+
+def quantize_batch(
+    weights: list[tuple[str, torch.Tensor]],
+    model: torch.nn.Module,
+    settings: PatchSettings,
+    sent: SentTensors | None,
+) -> list[tuple[str, torch.Tensor]]:
+    """One streamed batch -> what the model's ``load_weights`` gets (our FP8 + scales)."""
+    fp8_names = {k for k, _ in weights if is_fp8_weight(k, settings)}
+    wrong = [
+        f"{k}: MoE experts (nemo_jetrl has no MoE support)" for k, _ in weights if ".experts." in k
+    ]
+    for k, _ in weights:
+        if not k.endswith(".weight"):
+            continue
+        dtype = _engine_dtype(model, k)
+        engine_fp8 = dtype is not None and dtype.itemsize == 1 and dtype.is_floating_point
+        if (k in fp8_names) != engine_fp8 and (dtype is not None or k in fp8_names):
+            wrong.append(
+                f"{k}: the recipe runs it in {'FP8' if k in fp8_names else 'BF16'}, the engine "
+                f"holds {dtype}"
+            )
+    if wrong:
+        raise RefitError(
+            "refit refused: the vLLM engine's FP8 layers differ from the recipe's (align "
+            "policy.generation.vllm_cfg num_*_layers_in_bf16 / quantization_ignored_layer_kws "
+            "with jetrl's BF16 layers):\n  - " + "\n  - ".join(wrong)
+        )
+    qsd = quantize_state_dict({k: v for k, v in weights if k in fp8_names}, settings)
+    out: list[tuple[str, torch.Tensor]] = []
+    for k, v in weights:
+        if k in fp8_names:
+            scale = f"{k[: -len('.weight')]}.{SCALE_SUFFIX}"
+            out += [(k, qsd.tensors[k]), (scale, qsd.tensors[scale])]
+        elif (m := KV_NAME.match(k)) is not None:
+            # NeMo-RL names q "<layer>.self_attn.attn.q_scale"; vLLM's loader (0.20's
+            # maybe_remap_kv_scale_name) maps that to "...attn.attn.q_scale" and drops it. The
+            # k/v form loads: "<layer>.self_attn.q_scale" -> "<layer>.self_attn.attn.q_scale".
+            out.append((f"{m['layer']}.{m['t']}_scale", v))
+        else:
+            out.append((k, v))
+    if sent is not None and sent.keep:
+        sent.fp8.update({k: t.detach().cpu().clone() for k, t in qsd.tensors.items()})
+        sent.fp8_layers += qsd.fp8_layers
+        for k, v in weights:
+            if k in fp8_names:
+                continue
+            m = KV_NAME.match(k)
+            if m is not None:
+                sent.kv.setdefault(f"{m['layer']}.attn", {})[m["t"]] = float(v.reshape(-1)[0])
+            elif _engine_dtype(model, k) is not None:
+                sent.other[k] = v.detach().cpu().clone()
+    return out
+
+
+class _ReadBack(JetRLWorkerExtension):
+    """Our worker extension's read-back methods over NeMo-RL's worker (same model and config)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.model_runner = worker.model_runner
+        self.vllm_config = worker.vllm_config
+
+
+class _InProcessRpc:
+    """``check_parity`` asks an ``llm.collective_rpc``; inside the worker we call directly."""
+
+    def __init__(self, worker: Any) -> None:
+        self._ext = _ReadBack(worker)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return [getattr(self._ext, method)(*args)]
+
+
+def _kv_differences(model: torch.nn.Module, kv: dict[str, dict[str, float]], fp8_kv: bool) -> list:
+    """Sent KV scales vs the attention layers' loaded parameters (and, with an FP8 KV cache, the
+    values its kernels use)."""
+    out = []
+    for layer, per in sorted(kv.items()):
+        module = model.get_submodule(layer)
+        used = compat.read_attention_kv_scales(module) if fp8_kv else {}
+        for t, want in sorted(per.items()):
+            w32 = float(torch.tensor(want, dtype=torch.float32))
+            param = getattr(module, f"{t}_scale", None)
+            got = float(param.reshape(-1)[0]) if isinstance(param, torch.Tensor) else None
+            if got != w32:
+                out.append(
+                    f"{layer}.{t}_scale (sent {want!r}, the layer's parameter holds {got!r})"
+                )
+            elif fp8_kv and used.get(t) != w32:
+                out.append(f"{layer}.{t}_scale (sent {want!r}, attention uses {used.get(t)!r})")
+    return out
+
+
+def check_refit_parity(worker: Any, sent: SentTensors) -> ParityReport:
+    """Everything one refit sent vs what the engine now holds; ParityError names differences."""
+    qsd = QuantizedStateDict({**sent.fp8, **sent.other}, tuple(sent.fp8_layers), tuple(sent.other))
+    report = check_parity(_InProcessRpc(worker), qsd)
+    fp8_kv = "fp8" in str(worker.vllm_config.cache_config.cache_dtype)
+    kv = _kv_differences(worker.model_runner.model, sent.kv, fp8_kv)
+    if kv:
+        raise ParityError("refit parity check failed: KV scales differ:\n  - " + "\n  - ".join(kv))
+    return ParityReport(
+        compared=report.compared + sum(len(p) for p in sent.kv.values()),
+        fp8=report.fp8,
+        through_kernel=report.through_kernel,
+        differing=(),
+    )
