@@ -17,17 +17,21 @@
 _tier_limited() {  # CMD...: run CMD in a process group of its own under the limit
   timeout --signal=INT --kill-after="${JETRL_TIER_KILL_AFTER_S:-60}" \
     "${JETRL_TIER_TIMEOUT_S:-1500}" "$@" &
-  local pid=$! trc=0
-  # Ctrl-C at a terminal reaches only the foreground group (this subshell), not the tier's group.
-  trap 'kill -INT -- "-$pid" 2>/dev/null' INT TERM
+  local pid=$! trc=0 stop=0
+  # Ctrl-C at a terminal (or a TERM from CI) reaches only the foreground group (this subshell),
+  # not the tier's group: pass it to timeout, which passes it to its group (signalling the group
+  # here too would interrupt pytest twice, the second time inside its report of the first).
+  trap 'stop=130; kill -INT "$pid" 2>/dev/null' INT
+  trap 'stop=143; kill -TERM "$pid" 2>/dev/null' TERM
   wait "$pid" || trc=$?
   # wait returns early (status > 128) when a trapped signal arrives: wait again for the real status.
-  while kill -0 "$pid" 2>/dev/null; do
+  while [ "$trc" -gt 128 ] && kill -0 "$pid" 2>/dev/null; do
     trc=0
     wait "$pid" || trc=$?
   done
   trap - INT TERM
   kill -KILL -- "-$pid" 2>/dev/null
+  [ "$stop" -eq 0 ] || return "$stop"
   return "$trc"
 }
 
@@ -36,9 +40,15 @@ tier() {  # NAME CMD...
   local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0 s0 line limit=${JETRL_TIER_TIMEOUT_S:-1500}
   s0=$(date +%s)
   set +e  # a failing tier must not end the script (set -e + pipefail): the others still run
-  _tier_limited "$@" 2>&1 | tee "$out"
+  # tee ignores SIGINT so that pytest's report of a Ctrl-C still shows.
+  _tier_limited "$@" 2>&1 | (trap '' INT; exec tee "$out")
   trc=${PIPESTATUS[0]}
   set -e
+  if [ "$trc" -eq 130 ] || [ "$trc" -eq 143 ]; then  # interrupted: the remaining tiers do not run
+    rm -f "$out"
+    echo "test.sh: $name interrupted (exit $trc)" >&2
+    exit "$trc"
+  fi
   # timeout exits 124 after SIGINT, 137 when the group needed SIGKILL (which takes timeout too);
   # a 137 before the limit is some other SIGKILL (e.g. the OOM killer) and keeps pytest's line.
   if [ "$trc" -eq 124 ] || { [ "$trc" -eq 137 ] && [ $(( $(date +%s) - s0 )) -ge "$limit" ]; }; then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -81,3 +82,32 @@ def test_tier_kills_what_its_command_leaves_behind(tmp_path: Path) -> None:
     )
     assert lines[-2:] == ["leaky: no pytest summary (exit 0)", "rc=0"]
     assert not _alive(pid_file)
+
+
+def test_ctrl_c_stops_the_tier_and_the_script(tmp_path: Path) -> None:
+    # Ctrl-C signals the terminal's foreground group: test.sh, the pipeline's subshell and tee,
+    # not the tier's own process group; the tier must still stop, and no later tier start.
+    started = tmp_path / "started"
+    script = (
+        "set -euo pipefail; rc=0; summary=(); source scripts/tier.sh; "
+        f'tier "slow" bash -c \'touch {started}; sleep 30\'; tier "next" true'
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group, standing in for the terminal's foreground group
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as at a terminal
+    )
+    deadline = time.monotonic() + 20
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # margin: the subshell sets its trap right after starting timeout
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, (out, err)
+    assert "test.sh: slow interrupted (exit 130)" in err
+    assert "next" not in out + err
