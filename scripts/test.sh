@@ -16,7 +16,10 @@
 #
 # With pytest arguments (e.g. `bash scripts/test.sh -k fp8 -x`) only the default suite runs,
 # with those arguments. JETRL_SKIP_VLLM=1 skips the vLLM tier, JETRL_SKIP_NEMO_RL=1 the
-# NeMo-RL tier.
+# NeMo-RL tier. Each tier runs under a wall-clock limit, JETRL_TIER_TIMEOUT_S (default 1500 s;
+# scripts/tier.sh): at the limit pytest gets SIGINT and prints the test it was in, the tier's
+# processes are killed, the summary shows "<tier>: timed out after N s (exit 124)", the script
+# exits non-zero and the remaining tiers still run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -26,18 +29,7 @@ fi
 
 rc=0
 summary=()
-# Run one tier, keep its pytest summary line for the table at the end.
-tier() {
-  local name=$1; shift
-  local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0
-  set +e  # a failing tier must not end the script (set -e + pipefail): the others still run
-  "$@" 2>&1 | tee "$out"
-  trc=${PIPESTATUS[0]}
-  set -e
-  summary+=("$name: $(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|no tests ran' "$out" | tail -n 1 | tr -d '=' | xargs) (exit $trc)")
-  rm -f "$out"
-  [ "$trc" -eq 0 ] || rc=$trc
-}
+source scripts/tier.sh  # tier NAME CMD...: one tier under JETRL_TIER_TIMEOUT_S, its line in $summary
 echo "== default suite (.venv) =="
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
 if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then

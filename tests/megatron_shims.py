@@ -81,6 +81,23 @@ class TinyGpt:
     max_seq: int = 64
 
 
+def gpt_config_fields(dims: TinyGpt = TinyGpt()) -> dict[str, Any]:
+    """``TransformerConfig`` fields of the test GPT's architecture (Qwen3-like: SwiGLU, RMSNorm,
+    no biases): the one place it is spelled, for the CPU model below and the GPU tests' TE model."""
+    return {
+        "num_layers": dims.num_layers,
+        "hidden_size": dims.hidden_size,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_query_groups": dims.num_query_groups,
+        "kv_channels": dims.kv_channels,
+        "ffn_hidden_size": dims.ffn_hidden_size,
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "normalization": "RMSNorm",
+        "add_bias_linear": False,
+    }
+
+
 def build_gpt(dims: TinyGpt = TinyGpt(), *, seed: int = 0, **config_fields: Any) -> torch.nn.Module:
     """A real ``megatron.core.models.gpt.GPTModel`` (local spec, RMSNorm, RoPE, fp32) on CPU."""
     from megatron.core.models.gpt import GPTModel
@@ -89,16 +106,7 @@ def build_gpt(dims: TinyGpt = TinyGpt(), *, seed: int = 0, **config_fields: Any)
 
     torch.manual_seed(seed)
     cfg = TransformerConfig(
-        num_layers=dims.num_layers,
-        hidden_size=dims.hidden_size,
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-        kv_channels=dims.kv_channels,
-        ffn_hidden_size=dims.ffn_hidden_size,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
-        add_bias_linear=False,
+        **gpt_config_fields(dims),
         attention_dropout=0.0,
         hidden_dropout=0.0,
         use_cpu_initialization=True,

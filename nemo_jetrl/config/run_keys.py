@@ -66,6 +66,20 @@ def _flag(key: str, field: str) -> RunKey:
     return RunKey(key, field, (bool,), None, "true or false")
 
 
+def _positive(key: str, field: str, null: bool = False) -> RunKey:
+    kinds: tuple[type, ...] = (*_NUM, type(None)) if null else _NUM
+    what = "a finite number > 0" + (" or null" if null else "")
+    return RunKey(key, field, kinds, lambda v: _finite(v) and v > 0, what)
+
+
+def _non_negative(key: str, field: str) -> RunKey:
+    return RunKey(key, field, _NUM, lambda v: _finite(v) and v >= 0, "a finite number >= 0")
+
+
+def _fraction(key: str, field: str) -> RunKey:
+    return RunKey(key, field, _NUM, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
 RUN_KEYS: tuple[RunKey, ...] = (
     _count("grpo.num_prompts_per_step", "num_prompts_per_step", 1, MAX_RESPONSES_PER_STEP),
     _count("grpo.num_generations_per_prompt", "num_generations_per_prompt", 1, MAX_RESPONSES_PER_STEP),
@@ -76,57 +90,24 @@ RUN_KEYS: tuple[RunKey, ...] = (
     _count("grpo.seed", "seed", 0, MAX_SEED),
     _flag("grpo.normalize_rewards", "normalize_rewards"),
     _flag("grpo.use_leave_one_out_baseline", "use_leave_one_out_baseline"),
-    RunKey(
-        "policy.generation.temperature", "temperature", _NUM,
-        lambda v: _finite(v) and v > 0, "a finite number > 0",
-    ),
+    _positive("policy.generation.temperature", "temperature"),
     _count("policy.generation.max_new_tokens", "max_new_tokens", 1, null=True),
-    RunKey(
-        "policy.optimizer.kwargs.lr", "lr", _NUM,
-        lambda v: _finite(v) and v > 0, "a finite number > 0",
-    ),
-    RunKey(
-        "policy.optimizer.kwargs.weight_decay", "weight_decay", _NUM,
-        lambda v: _finite(v) and v >= 0, "a finite number >= 0",
-    ),
-    RunKey(
-        "policy.optimizer.kwargs.eps", "eps", _NUM,
-        lambda v: _finite(v) and v > 0, "a finite number > 0",
-    ),
-    RunKey(
-        "policy.max_grad_norm", "max_grad_norm", (*_NUM, type(None)),
-        lambda v: _finite(v) and v > 0, "a finite number > 0 or null",
-    ),
+    _positive("policy.optimizer.kwargs.lr", "lr"),
+    _non_negative("policy.optimizer.kwargs.weight_decay", "weight_decay"),
+    _positive("policy.optimizer.kwargs.eps", "eps"),
+    _positive("policy.max_grad_norm", "max_grad_norm", null=True),
     _flag("checkpointing.enabled", "checkpoint_enabled"),
     RunKey("checkpointing.checkpoint_dir", "checkpoint_dir", (str, type(None)), None, "a path"),
     _count("checkpointing.save_period", "save_period", 1),
     _count("checkpointing.keep_top_k", "keep_top_k", 1, null=True),
     RunKey("logger.log_dir", "log_dir", (str,), bool, "a non-empty directory path"),
     # Megatron's optimizer (checked only: the local backend trains with the keys above).
-    RunKey(
-        "policy.megatron_cfg.optimizer.lr", "", _NUM,
-        lambda v: _finite(v) and v > 0, "a finite number > 0",
-    ),
-    RunKey(
-        "policy.megatron_cfg.optimizer.min_lr", "", _NUM,
-        lambda v: _finite(v) and v >= 0, "a finite number >= 0",
-    ),
-    RunKey(
-        "policy.megatron_cfg.optimizer.weight_decay", "", _NUM,
-        lambda v: _finite(v) and v >= 0, "a finite number >= 0",
-    ),
-    RunKey(
-        "policy.megatron_cfg.optimizer.adam_eps", "", _NUM,
-        lambda v: _finite(v) and v > 0, "a finite number > 0",
-    ),
-    RunKey(
-        "policy.megatron_cfg.optimizer.adam_beta1", "", _NUM,
-        lambda v: 0 <= v < 1, "a number in [0, 1)",
-    ),
-    RunKey(
-        "policy.megatron_cfg.optimizer.adam_beta2", "", _NUM,
-        lambda v: 0 <= v < 1, "a number in [0, 1)",
-    ),
+    _positive("policy.megatron_cfg.optimizer.lr", ""),
+    _non_negative("policy.megatron_cfg.optimizer.min_lr", ""),
+    _non_negative("policy.megatron_cfg.optimizer.weight_decay", ""),
+    _positive("policy.megatron_cfg.optimizer.adam_eps", ""),
+    _fraction("policy.megatron_cfg.optimizer.adam_beta1", ""),
+    _fraction("policy.megatron_cfg.optimizer.adam_beta2", ""),
 )  # fmt: skip
 BETAS_KEY = "policy.optimizer.kwargs.betas"
 

@@ -196,6 +196,7 @@ def test_te_fp8_param_export_parity_on_gpu():
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron_shims import TinyGpt, gpt_config_fields
 
     from nemo_jetrl.megatron.config import build_te_recipe, build_transformer_config
 
@@ -208,20 +209,11 @@ def test_te_fp8_param_export_parity_on_gpu():
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     recipe = JETRL.with_(train=JETRL.train.with_(fp8_param=True))
+    dims = TinyGpt(
+        hidden_size=512, kv_channels=128, ffn_hidden_size=1024, vocab_size=1024, max_seq=128
+    )
     cfg = build_transformer_config(
-        recipe,
-        num_layers=2,
-        hidden_size=512,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=128,
-        ffn_hidden_size=1024,
-        gated_linear_unit=True,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        activation_func=torch.nn.functional.silu,
+        recipe, **gpt_config_fields(dims), bf16=True, params_dtype=torch.bfloat16
     )
     te_recipe = build_te_recipe(recipe)
     with te_pt.fp8_model_init(
@@ -230,8 +222,8 @@ def test_te_fp8_param_export_parity_on_gpu():
         model = GPTModel(
             config=cfg,
             transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True),
-            vocab_size=1024,
-            max_sequence_length=128,
+            vocab_size=dims.vocab_size,
+            max_sequence_length=dims.max_seq,
         ).cuda()
     shape = ex.GptShape.from_megatron_config(cfg)
     from_te = ex.export_te_fp8_params(model, shape, recipe)

@@ -1,0 +1,113 @@
+"""scripts/test.sh: valid bash, and its per-tier wall-clock limit (scripts/tier.sh) on real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_tiers(tiers: str, tmp_path: Path, **env: str) -> tuple[list[str], float]:
+    """Source scripts/tier.sh as test.sh does, run `tiers`; return the summary lines (then rc=N)."""
+    script = (
+        "set -euo pipefail; rc=0; summary=(); source scripts/tier.sh; "
+        f'{tiers}; printf "%s\\n" "${{summary[@]}}"; echo "rc=$rc"'
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        ["bash", "-c", script],
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,  # a regression that lets a leftover process hang the tier fails here
+        check=True,
+    )
+    return done.stdout.strip().splitlines()[-3:], time.monotonic() - t0
+
+
+def _alive(pid_file: Path) -> bool:
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed orphan may linger as a zombie until its new parent reaps it
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+@pytest.mark.parametrize("script", ["scripts/test.sh", "scripts/tier.sh"])
+def test_scripts_are_valid_bash(script: str) -> None:
+    subprocess.run(["bash", "-n", script], cwd=REPO, check=True)
+
+
+def test_hung_tier_times_out_and_the_next_tier_still_runs(tmp_path: Path) -> None:
+    lines, took = _run_tiers(
+        'tier "hung" sleep 30; tier "fine" true', tmp_path, JETRL_TIER_TIMEOUT_S="2"
+    )
+    assert lines == [
+        "hung: timed out after 2 s (exit 124)",
+        "fine: no pytest summary (exit 0)",
+        "rc=124",
+    ]
+    assert took < 20
+
+
+def test_tier_deaf_to_sigint_is_killed_after_the_grace(tmp_path: Path) -> None:
+    # bash ignoring SIGINT stands in for a test stuck in C code that never returns to Python
+    lines, took = _run_tiers(
+        'tier "deaf" bash -c \'trap "" INT; sleep 30\'',
+        tmp_path,
+        JETRL_TIER_TIMEOUT_S="2",
+        JETRL_TIER_KILL_AFTER_S="1",
+    )
+    assert lines[-2:] == ["deaf: timed out after 2 s (exit 137)", "rc=137"]
+    assert took < 20
+
+
+def test_tier_kills_what_its_command_leaves_behind(tmp_path: Path) -> None:
+    # The orphan ignores SIGINT and holds the tier's stdout: without the group kill, tee would
+    # wait for it (300 s) and _run_tiers' 60 s timeout would fail the test.
+    pid_file = tmp_path / "orphan.pid"
+    lines, _ = _run_tiers(
+        f'tier "leaky" bash -c \'(trap "" INT; exec sleep 300) & echo $! > {pid_file}\'',
+        tmp_path,
+    )
+    assert lines[-2:] == ["leaky: no pytest summary (exit 0)", "rc=0"]
+    assert not _alive(pid_file)
+
+
+def test_ctrl_c_stops_the_tier_and_the_script(tmp_path: Path) -> None:
+    # Ctrl-C signals the terminal's foreground group: test.sh, the pipeline's subshell and tee,
+    # not the tier's own process group; the tier must still stop, and no later tier start.
+    started = tmp_path / "started"
+    script = (
+        "set -euo pipefail; rc=0; summary=(); source scripts/tier.sh; "
+        f'tier "slow" bash -c \'touch {started}; sleep 30\'; tier "next" true'
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group, standing in for the terminal's foreground group
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as at a terminal
+    )
+    deadline = time.monotonic() + 20
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # margin: the subshell sets its trap right after starting timeout
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, (out, err)
+    assert "test.sh: slow interrupted (exit 130)" in err
+    assert "next" not in out + err
