@@ -148,3 +148,21 @@ def test_a_real_hf_model_half_loaded_with_other_weights_is_restored():
         rep = restore_snapshot(model, snap)
         assert rep.tensors >= len(sd) and rep.removed == ()
         assert torch.equal(model(ids).logits, before)
+
+
+def test_the_rollback_benchmark_runs_and_refuses_a_missing_gpu():
+    """benchmarks/bench_refit_rollback.py end to end on a tiny model (no timing claims here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_refit_rollback.py"
+    tiny = ["--hidden", "128", "--layers", "1", "--vocab", "256", "--repeats", "1"]
+    run = subprocess.run([sys.executable, script, *tiny], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()[2:]}
+    assert set(rows) == {"load", "snapshot", "restore"} and rows["load"][1] == "1.00"
+    if not torch.cuda.is_available():
+        gpu = subprocess.run([sys.executable, script, *tiny, "--device", "cuda"], text=True,
+                             capture_output=True)  # fmt: skip
+        assert gpu.returncode == 2 and "needs a CUDA GPU" in gpu.stderr
