@@ -139,13 +139,17 @@ def _parse_file(path: Path) -> DictConfig:
 
 def unresolvable(cfg: DictConfig) -> list[ConfigIssue]:
     """One issue per key whose ``${...}`` cannot be resolved (unknown key, unset environment
-    variable, unregistered resolver), found by resolving every leaf."""
+    variable, unregistered resolver), found by resolving every leaf, and per key whose *name*
+    holds one (taken literally by OmegaConf: always a mistake)."""
     issues: list[ConfigIssue] = []
 
     def walk(node: Any, prefix: str) -> None:
         keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
         for key in keys:
             path = f"{prefix}{key}"
+            if isinstance(key, str) and "${" in key:  # OmegaConf never resolves key names
+                msg = "a key name cannot hold an interpolation; put ${...} in the value"
+                issues.append(ConfigIssue(path, msg))
             try:
                 val = node[key]
             except MissingMandatoryValue:

@@ -29,8 +29,23 @@ from nemo_jetrl.config.load import ConfigIssue
 MAX_RESPONSES_PER_STEP = 1 << 20
 # Steps, periods and token counts above this are typos too (2**31: int32 counters).
 MAX_COUNT = (1 << 31) - 1
-# torch.manual_seed accepts [0, 2**64).
-MAX_SEED = (1 << 64) - 1
+# torch.manual_seed accepts [0, 2**64); runs derive seeds by adding offsets below 2**32 (per
+# step, per generator), so the run's seed stays below 2**63.
+MAX_SEED = (1 << 63) - 1
+
+# The top-level sections of a NeMo-RL GRPO config and ours: a file with none of them is a
+# mistake (a typo'd file, the wrong file), never a run of defaults.
+RUN_SECTIONS = (
+    "policy",
+    "grpo",
+    "loss_fn",
+    "data",
+    "env",
+    "logger",
+    "checkpointing",
+    "cluster",
+    "jetrl",
+)
 
 _ABSENT = object()
 _NUM = (int, float)
@@ -206,6 +221,25 @@ def check_run_paths(cfg: DictConfig, issues: list[ConfigIssue], *, run: bool) ->
 def check_run_keys(cfg: DictConfig, *, run: bool = False) -> list[ConfigIssue]:
     """Every problem of the run keys (types, ranges, bounds) and of the run's directories."""
     issues: list[ConfigIssue] = []
+    if not any(k in RUN_SECTIONS for k in cfg):
+        issues.append(
+            ConfigIssue(
+                "<file>",
+                f"none of its keys ({', '.join(map(str, list(cfg)[:5]))}) is a section of a "
+                f"GRPO run ({', '.join(RUN_SECTIONS)}): it does not describe a run",
+            )
+        )
+    name = OmegaConf.select(cfg, "policy.model_name", default=None)
+    if run and (not isinstance(name, str) or not name.strip()):  # `check` may ask "what if"
+        got = "missing" if name is None else f"got {name!r}"
+        issues.append(
+            ConfigIssue(
+                "policy.model_name",
+                f"{got}; a run names its model here (NeMo-RL's key: a HF name or directory; the "
+                "local backend's configs use nemo-jetrl/local-tiny-llama, "
+                "examples/configs/local/base.yaml)",
+            )
+        )
     read_run_keys(cfg, issues)
     check_run_paths(cfg, issues, run=run)
     return issues

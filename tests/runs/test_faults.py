@@ -333,6 +333,43 @@ def test_overflowing_update_is_refused_and_nothing_non_finite_is_saved(bad_lr, t
         assert opt and all(int(st["step"]) == n for st in opt.values()), (i, n)
 
 
+def test_an_update_to_finite_but_huge_weights_is_refused(tmp_path, cache_dir):
+    """``lr=1e10`` as a user met it: every weight stays finite (~1e10), but the next forward is
+    NaN (once: a traceback at the next rollout, a poisoned checkpoint that --resume could not
+    get past). Injected deterministically: step 2's update scales the fp32 masters by 1e10 (the
+    tiny run's gradients are too sparse for lr alone to do it). The guard's probe forward
+    refuses it; step 3 is kept; both checkpoints verify and load a finite forward."""
+    from nemo_jetrl.backends.local.guard import _probe_problem
+
+    calls, run_ref = [0], []
+
+    def on_run(run):
+        run_ref.append(run)
+        trainer, real = run.trainer, run.trainer.update
+
+        def update(*a, **k):
+            out = real(*a, **k)
+            calls[0] += 1
+            if calls[0] == 2:
+                trainer.load_master({n: m * 1e10 for n, m in trainer.master_state().items()})
+            return out
+
+        trainer.update = update
+
+    msgs: list[str] = []
+    cfg = tiny_cfg(RECIPE, tmp_path / "run", cache_dir, "grpo.max_num_steps=3", "grpo.val_period=0")
+    res = run_local(cfg, progress=False, log=msgs.append, hooks=Hooks(on_run=on_run))
+    assert [h["jetrl/local/update_refused"] for h in res.history] == [0.0, 1.0, 0.0]
+    assert any(m.startswith("step 2: update refused: the updated policy's forward is not finite")
+               for m in msgs), msgs  # fmt: skip
+    trainer = run_ref[0].trainer
+    assert max(float(m.abs().max()) for m in trainer.master) < 1e3  # the scaled weights are gone
+    ck = tmp_path / "run" / "checkpoints"
+    assert all(ckpt.verify_checkpoint(ck / f"step_{i}") == [] for i in (2, 3))
+    ids = torch.ones(1, 8, dtype=torch.long)
+    assert _probe_problem(trainer, ids, 4) == ""  # and the policy it keeps runs
+
+
 def test_save_refuses_non_finite_tensors_and_writes_nothing(tmp_path):
     master = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")])}
     with pytest.raises(ckpt.CheckpointError, match=r"1 non-finite tensor\(s\) \(b\)"):
