@@ -58,6 +58,8 @@ BAD_OVERRIDES = [
     ("policy.generation.temperature=.inf", "policy.generation.temperature: got inf"),
     ("grpo.seed=${nope.x}", "grpo.seed: cannot resolve '${nope.x}'"),
     ("jetrl.local.cache_dir=${oc.env:JETRL_SURELY_UNSET_VAR}", "JETRL_SURELY_UNSET_VAR"),
+    # derived seeds (seed + offsets) once overflowed torch's generator after the warm start began
+    ("grpo.seed=9223372036854775808", "grpo.seed: got 9223372036854775808"),
 ]
 
 
@@ -142,6 +144,36 @@ def test_empty_file_is_an_error_not_a_default_config(capsys, tmp_path):
     assert code == 2 and "the file is empty" in err
     code, _, err = _train(capsys, tmp_path, empty)
     assert code == 2 and "the file is empty" in err
+
+
+def test_a_file_that_describes_no_run_is_an_error(capsys, tmp_path):
+    """``foo: 1`` once checked a generic model (exit 0) and trained 10 default steps."""
+    stray = tmp_path / "stray.yaml"
+    stray.write_text("foo: 1\n")
+    for cmd in ("check", "train"):
+        code, _, err = (
+            _cli(capsys, cmd, stray) if cmd == "check" else _train(capsys, tmp_path, stray)
+        )
+        assert code == 2 and "none of its keys (foo) is a section of a GRPO run" in err, err
+
+
+def test_train_needs_a_model_check_may_ask_what_if(capsys, tmp_path):
+    """A recipe fragment alone: `check` gives its verdict on generic layers; `train` needs to
+    know what to train."""
+    fragment = REPO / "examples" / "configs" / "recipes" / "jetrl.yaml"
+    code, out, _ = _cli(capsys, "check", fragment)
+    assert code == 0 and "generic aligned" in out
+    code, _, err = _train(capsys, tmp_path, fragment)
+    assert code == 2 and "policy.model_name: missing; a run names its model here" in err, err
+
+
+def test_an_interpolation_in_a_key_name_is_an_error(capsys, tmp_path):
+    cfg = tmp_path / "key.yaml"
+    cfg.write_text(f"defaults: {LOCAL / 'bf16.yaml'}\ngrpo:\n  ${{nope.key}}: 3\n")
+    code, _, err = _cli(capsys, "check", cfg)
+    assert code == 2 and "grpo.${nope.key}: a key name cannot hold an interpolation" in err, err
+    code, _, err = _train(capsys, tmp_path, LOCAL / "bf16.yaml", "+grpo.${nope.x}=3")
+    assert code == 2 and "override '+grpo.${nope.x}=3': a key name cannot hold" in err, err
 
 
 def test_bad_override_does_not_hide_the_files_own_errors(capsys, tmp_path):

@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    from nemo_jetrl.commands._output import make_output_dir
     from nemo_jetrl.commands.check import load_and_check, report
     from nemo_jetrl.config import (
         merge_updates,
@@ -58,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and not args.force:
         raise UserError(f"{out} exists; pass --force to overwrite it")
+    if out.is_dir():
+        raise UserError(f"-o {out} is a directory; give the file to write")
+    make_output_dir(out.parent, "-o")  # before any work: where the file goes must be writable
     if out.resolve() == Path(args.config).resolve():
         raise UserError("the output must not be the input file")
     before = load_and_check(args.config, list(args.overrides), aligning=True)
@@ -73,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
     if alignable_ignored_kws(before.cfg):
         updates[IGNORED_LAYER_KWS] = []  # the recipe decides every decoder linear
     cfg = merge_updates(before.cfg, updates)
-    out.parent.mkdir(parents=True, exist_ok=True)
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"
     header = (
         f"# Written by `jetrl align` from {args.config}"

@@ -10,7 +10,6 @@ run directory holding the events of several runs (``--allow-mixed`` compares it,
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -98,19 +97,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_out_dir(out: Path) -> None:
-    """``-o`` must be a directory this process can create or write into; checked before any
-    run is read. An existing directory is reused: its summary files and plots are replaced."""
+    """``-o`` must be a directory this process can create and write into; it is created before
+    any run is read. An existing directory is reused: its summary files and plots are replaced."""
+    from nemo_jetrl.commands._output import make_output_dir
     from nemo_jetrl.errors import UserError
 
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: is an existing file, not a directory; choose another -o")
-    probe = out
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserError(f"-o {out}: cannot create it, {probe} is a regular file; choose another -o")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"-o {out}: {probe} is not writable; choose another -o")
+    make_output_dir(out, "-o")
 
 
 def check_single_runs(run_dirs: list[str]) -> None:

@@ -207,6 +207,10 @@ def apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
         except ValueError as exc:
             issues.append(ConfigIssue("<override>", str(exc)))
             continue
+        if "${" in key:
+            msg = f"override {text!r}: a key name cannot hold an interpolation; put it in the value"
+            issues.append(ConfigIssue(key, msg))
+            continue
         exists = _exists(cfg, key)
         if op == "delete":
             if not exists:

@@ -149,6 +149,21 @@ def test_second_live_run_into_same_dir_exits_2_naming_holder(tmp_path, cache_dir
     assert [s for s, _ in ckpt.list_checkpoints(log_dir / "checkpoints")] == [1]
 
 
+def test_a_fresh_run_into_an_earlier_runs_log_dir_is_refused(tmp_path, cache_dir):
+    """Checkpointing off, two runs one after the other into one logger.log_dir: the second
+    once replaced the first's config.yaml (seed 42 -> 43) and train data with only a note."""
+    log_dir = tmp_path / "run"
+    off = ("grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing.enabled=false")
+    run_local(tiny_cfg(RECIPE, log_dir, cache_dir, *off), progress=False, log=lambda m: None)
+    before = {p.name: p.read_bytes() for p in log_dir.iterdir() if p.is_file()}
+    assert "config.yaml" in before
+    second = tiny_cfg(RECIPE, log_dir, cache_dir, *off, "grpo.seed=43")
+    with pytest.raises(UserError, match=r"already holds an earlier run \(TensorBoard events, "
+                       r"config\.yaml, 1 train_data_step\*\.jsonl\).*--resume"):  # fmt: skip
+        run_local(second, progress=False, log=lambda m: None)
+    assert {p.name: p.read_bytes() for p in log_dir.iterdir() if p.is_file()} == before
+
+
 def test_stale_lock_of_killed_run_is_taken_over(tmp_path, cache_dir):
     log_dir = tmp_path / "run"
     holder, _go = _child(tmp_path, log_dir, cache_dir, "on_run", "grpo.max_num_steps=1")
@@ -418,8 +433,26 @@ def test_compare_output_on_existing_file_or_unwritable_path_is_exit_2(tmp_path, 
     assert "existing file" in capsys.readouterr().err and taken.read_text() == "keep me"
     assert main(["compare", str(run), "-o", str(taken / "sub")]) == 2
     assert "regular file" in capsys.readouterr().err
+    # /proc: os.access says yes to root there, creating fails (once a traceback)
+    assert main(["compare", str(run), "-o", "/proc/jetrl_no_such_dir"]) == 2
+    assert "cannot create or write it" in capsys.readouterr().err
     assert main(["compare", str(run), "-o", str(tmp_path / "ok"), "--no-plots"]) == 0
     assert (tmp_path / "ok" / "summary.json").is_file()
+
+
+def test_align_output_where_it_cannot_be_written_is_exit_2_before_any_work(tmp_path, capsys):
+    cfg = REPO / "examples" / "configs" / "nemo_rl_fp8_e2e.yaml"
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for out, fragment in (
+        (afile / "x.yaml", "is a regular file"),  # once FileExistsError
+        (Path("/proc/jetrl_no_such_dir/x.yaml"), "cannot create or write it"),
+        (tmp_path, "is a directory"),
+    ):
+        assert main(["align", str(cfg), "-o", str(out), "--force"]) == 2, out
+        err = capsys.readouterr().err
+        assert fragment in err and "Traceback" not in err, err
+    assert afile.read_text() == "keep me"
 
 
 def test_compare_refuses_or_labels_a_dir_with_two_runs(tmp_path, capsys):

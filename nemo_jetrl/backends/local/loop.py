@@ -31,6 +31,7 @@ from nemo_jetrl.backends.local.setup import LocalRun, resolve_run
 from nemo_jetrl.backends.local.step import Hooks
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.runs.lock import RunDirLock
+from nemo_jetrl.runs.logs import CONFIG_FILE
 from nemo_jetrl.runs.tensorboard import find_event_files
 
 __all__ = ["Hooks", "LocalRun", "RunResult", "resolve_run", "run_local"]
@@ -60,7 +61,8 @@ def run_local(
 
     The run owns ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` for its lifetime
     (`nemo_jetrl.runs.lock`); `UserError` (exit 2) when another live run holds them, when a
-    directory cannot be created, or when a fresh start would mix with another run's checkpoints.
+    directory cannot be created, or when a fresh start would mix with another run's logs or
+    checkpoints.
     """
     hooks = hooks or Hooks()
     tqdm_mod = require("tqdm", feature="the training progress bar") if progress else None
@@ -90,10 +92,14 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
     if rs.checkpoint_enabled:
         dirs.append(("checkpointing.checkpoint_dir", ckpt_dir))
     lock = RunDirLock(uuid.uuid4().hex[:12]).acquire(dirs, log=log)
-    if not resume and find_event_files(rs.log_dir):
-        log(
-            f"note: logger.log_dir {rs.log_dir} already holds TensorBoard events of an earlier "
-            "run; `jetrl compare` will refuse it as mixed. Use a new logger.log_dir per run."
+    earlier = [] if resume else _earlier_run_files(Path(rs.log_dir))
+    if earlier:
+        lock.release()
+        raise UserError(
+            f"logger.log_dir {rs.log_dir} already holds an earlier run ({', '.join(earlier)}): a "
+            "fresh run would replace its config.yaml and train data and mix its TensorBoard "
+            "events. Choose another logger.log_dir, remove those files, or pass --resume to "
+            "continue that run"
         )
     if not rs.checkpoint_enabled:
         return lock
@@ -108,6 +114,18 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
             "remove them or choose another logger.log_dir / checkpointing.checkpoint_dir"
         )
     return lock
+
+
+def _earlier_run_files(log_dir: Path) -> list[str]:
+    """What an earlier run left in ``log_dir`` (events, config.yaml, train data), in words."""
+    found = []
+    if find_event_files(log_dir):
+        found.append("TensorBoard events")
+    if (log_dir / CONFIG_FILE).exists():
+        found.append(CONFIG_FILE)
+    if n := len(list(log_dir.glob("train_data_step*.jsonl"))):
+        found.append(f"{n} train_data_step*.jsonl")
+    return found
 
 
 def _run_owned(cfg, resolved, run_id, found, hooks, tqdm_mod, write, t_begin) -> RunResult:
