@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{out} exists; pass --force to overwrite it")
     if out.is_dir():
         raise UserError(f"-o {out} is a directory; give the file to write")
-    make_output_dir(out.parent, "-o")  # before any work: where the file goes must be writable
+    make_output_dir(
+        out.parent, "-o", for_file=out
+    )  # before any work: where the file goes must be writable
     if out.resolve() == Path(args.config).resolve():
         raise UserError("the output must not be the input file")
     before = load_and_check(args.config, list(args.overrides), aligning=True)

@@ -435,7 +435,7 @@ def test_compare_output_on_existing_file_or_unwritable_path_is_exit_2(tmp_path, 
     assert "regular file" in capsys.readouterr().err
     # /proc: os.access says yes to root there, creating fails (once a traceback)
     assert main(["compare", str(run), "-o", "/proc/jetrl_no_such_dir"]) == 2
-    assert "cannot create or write it" in capsys.readouterr().err
+    assert "-o /proc/jetrl_no_such_dir: cannot be created or written" in capsys.readouterr().err
     assert main(["compare", str(run), "-o", str(tmp_path / "ok"), "--no-plots"]) == 0
     assert (tmp_path / "ok" / "summary.json").is_file()
 
@@ -445,8 +445,11 @@ def test_align_output_where_it_cannot_be_written_is_exit_2_before_any_work(tmp_p
     afile = tmp_path / "afile"
     afile.write_text("keep me")
     for out, fragment in (
-        (afile / "x.yaml", "is a regular file"),  # once FileExistsError
-        (Path("/proc/jetrl_no_such_dir/x.yaml"), "cannot create or write it"),
+        (
+            afile / "x.yaml",
+            f"x.yaml: its directory {afile}: cannot be created, {afile} is a regular",
+        ),
+        (Path("/proc/jetrl_x/x.yaml"), "-o /proc/jetrl_x/x.yaml: its directory /proc/jetrl_x: can"),
         (tmp_path, "is a directory"),
     ):
         assert main(["align", str(cfg), "-o", str(out), "--force"]) == 2, out
