@@ -172,6 +172,8 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                 f"has {tp}: set it to false (weights are still quantized by nemo_jetrl.fp8)"
             )
         snap = take_snapshot(runner.model) if state.rollback else None
+        if snap is not None:
+            log.info("%s: rollback snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
         try:
             ok = original(self, *args, **kwargs)
