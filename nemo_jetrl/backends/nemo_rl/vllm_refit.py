@@ -189,9 +189,7 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
             runner._jetrl_sent = None
         if not ok and snap is not None:  # NeMo-RL's transport caught (and logged) its error
             rep = restore_snapshot(runner.model, snap)
-            log.error(
-                "%s failed; rolled the engine back (%d tensors)", original.__name__, rep.tensors
-            )
+            log.error("%s failed; rolled the engine back (%d tensors)", name, rep.tensors)
         return ok
 
     setattr(transport, MARK, state)
