@@ -28,6 +28,31 @@ PRESETS = [EXAMPLES / m / f"{r}.yaml" for m in MODELS for r in RECIPES] + [
 ]
 
 
+def expected_refit_layout() -> set[str]:
+    """The refit layout of the tree NeMo-RL is imported from (its upstream checkout folder
+    name), else either layout."""
+    import nemo_rl
+
+    from nemo_jetrl.backends.nemo_rl.vllm_refit import LOADERS
+
+    tree = Path(nemo_rl.__file__).resolve().parents[1].name
+    return {tree} if tree in LOADERS.values() else set(LOADERS.values())
+
+
+def nemo_rl_vllm_modules() -> tuple[Any, Any, Any]:
+    """NeMo-RL's vllm_backend, quantization.fp8 and policy.utils; skips only when this tree
+    needs another vLLM than the one installed (any other import error is raised)."""
+    try:
+        from nemo_rl.models.generation.vllm import vllm_backend
+        from nemo_rl.models.generation.vllm.quantization import fp8
+        from nemo_rl.models.policy import utils
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("vllm."):
+            raise
+        pytest.skip(f"this NeMo-RL tree needs another vLLM than the one installed ({exc})")
+    return vllm_backend, fp8, utils
+
+
 class ReachedGeneration(Exception):
     """Raised by the vLLM generation stand-in: setup's checks before it all passed."""
 

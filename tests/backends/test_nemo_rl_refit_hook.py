@@ -10,37 +10,15 @@ import re
 
 import pytest
 import torch
+from nemo_rl_upstream import expected_refit_layout, nemo_rl_vllm_modules
 
 from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
 
 
-def _expected_layout() -> set[str]:
-    """The tree NeMo-RL is imported from (upstream checkout folder name), else either layout."""
-    from pathlib import Path
-
-    import nemo_rl
-
-    from nemo_jetrl.backends.nemo_rl.vllm_refit import LOADERS
-
-    tree = Path(nemo_rl.__file__).resolve().parents[1].name
-    return {tree} if tree in LOADERS.values() else set(LOADERS.values())
-
-
 FP32 = PatchSettings(pow2_weight_scales=False, pow2_activation_scales=False)
 POW2 = PatchSettings()
-
-
-def _modules():
-    try:
-        from nemo_rl.models.generation.vllm import vllm_backend
-        from nemo_rl.models.generation.vllm.quantization import fp8
-    except ModuleNotFoundError as exc:  # only a vLLM of another NeMo-RL version may skip
-        if not (exc.name or "").startswith("vllm."):
-            raise
-        pytest.skip(f"this NeMo-RL tree needs another vLLM than the one installed ({exc})")
-    return vllm_backend, fp8
 
 
 @pytest.mark.parametrize("settings", [POW2, FP32], ids=["pow2", "fp32"])
@@ -48,7 +26,7 @@ def test_nemo_rls_own_quantizer_vs_ours(settings, monkeypatch):
     """pow2: NeMo-RL's cast_tensor_to_fp8_blockwise gives our bytes; FP32: it does not."""
     from nemo_jetrl.fp8 import quantize_blockwise
 
-    _, fp8 = _modules()
+    _, fp8, _ = nemo_rl_vllm_modules()
     monkeypatch.setattr(
         fp8, "global_fp8_config", fp8.FP8Config(use_weight_pow2_scale=settings.pow2_weight_scales)
     )
@@ -72,14 +50,14 @@ def test_nemo_rls_own_quantizer_vs_ours(settings, monkeypatch):
 def test_install_is_explicit_verified_idempotent_and_reverts():
     from nemo_jetrl.backends.nemo_rl import vllm_refit as vr
 
-    backend, fp8 = _modules()
+    backend, fp8, _ = nemo_rl_vllm_modules()
     ext = backend.VllmInternalWorkerExtension
     originals = {n: ext.__dict__[n] for n in vr.TRANSPORTS}
     loader = fp8.load_weights
     assert getattr(loader, vr.MARK, None) is None  # importing our module patched nothing
     h = vr.install_refit_hook(FP32, parity=True)
     try:
-        assert h.active and h.layout in _expected_layout()
+        assert h.active and h.layout in expected_refit_layout()
         assert fp8.load_weights is not loader
         assert all(ext.__dict__[n] is not originals[n] for n in vr.TRANSPORTS)
         assert vr.install_refit_hook(FP32, parity=True) is h  # idempotent
@@ -98,7 +76,7 @@ def test_install_is_explicit_verified_idempotent_and_reverts():
 def test_an_unknown_nemo_rl_layout_is_refused():
     from nemo_jetrl.backends.nemo_rl.vllm_refit import UnsupportedNemoRl, detect_layout
 
-    backend, fp8 = _modules()
+    backend, fp8, _ = nemo_rl_vllm_modules()
 
     class Other:  # a refit extension that never calls fp8.load_weights
         def _load_weights(self, weights):
@@ -108,7 +86,7 @@ def test_an_unknown_nemo_rl_layout_is_refused():
 
     with pytest.raises(UnsupportedNemoRl, match=r"NeMo-RL v0\.7\.0 .* and main 7ea279a"):
         detect_layout(Other, fp8)
-    assert detect_layout(backend.VllmInternalWorkerExtension, fp8) in _expected_layout()
+    assert detect_layout(backend.VllmInternalWorkerExtension, fp8) in expected_refit_layout()
 
 
 def test_plugin_needs_the_patch_settings(monkeypatch):

@@ -33,40 +33,17 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import char_tokenizer, tiny_llama_128
+from nemo_rl_upstream import expected_refit_layout, nemo_rl_vllm_modules
 
 from nemo_jetrl.vllm_patch.worker_ext import unpack
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
 
 
-def _expected_layout() -> set[str]:
-    """The tree NeMo-RL is imported from (upstream checkout folder name), else either layout."""
-    from pathlib import Path
-
-    import nemo_rl
-
-    from nemo_jetrl.backends.nemo_rl.vllm_refit import LOADERS
-
-    tree = Path(nemo_rl.__file__).resolve().parents[1].name
-    return {tree} if tree in LOADERS.values() else set(LOADERS.values())
-
-
 BUFFER_BYTES = 1 << 20  # several packed batches for this model
 ENGINE_KWARGS = dict(
     dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0
 )
-
-
-def _nemo_rl_vllm():
-    try:
-        from nemo_rl.models.generation.vllm import vllm_backend
-        from nemo_rl.models.generation.vllm.quantization import fp8
-        from nemo_rl.models.policy import utils
-    except ModuleNotFoundError as exc:  # only a vLLM of another NeMo-RL version may skip
-        if not (exc.name or "").startswith("vllm."):
-            raise
-        pytest.skip(f"this NeMo-RL tree needs another vLLM than the one installed ({exc})")
-    return vllm_backend, fp8, utils
 
 
 class _NoStream:
@@ -83,7 +60,7 @@ STANDINS = Path(__file__).resolve().parent / "standins"
 def nrl_engine(tmp_path_factory):
     from vllm_fixtures import vllm_cpu_env
 
-    vllm_backend, fp8, utils = _nemo_rl_vllm()
+    vllm_backend, fp8, utils = nemo_rl_vllm_modules()
     from nemo_jetrl.backends.nemo_rl import vllm_refit
     from nemo_jetrl.recipe import Recipe
     from nemo_jetrl.vllm_patch import apply_patches, settings_from_recipe
@@ -146,7 +123,7 @@ def nrl_engine(tmp_path_factory):
         )
         try:
             active, layout = llm.collective_rpc(_hook_status)[0]
-            assert active and layout in _expected_layout()
+            assert active and layout in expected_refit_layout()
             yield llm, settings, device_id
         finally:
             if vllm_refit._PLUGIN_HANDLE is not None:  # vLLM ran the plugins here too
@@ -359,7 +336,7 @@ def test_without_the_hook_nemo_rls_quantizer_fails_our_parity_check(nrl_engine):
           f"{len(s_diff)} of {len(qsd.fp8_layers)} scale_inv tensors ({n_scales} scales) differ")  # fmt: skip
     assert n_scales > 0
     # and with the hook back, the same weights pass again
-    assert again[0] and again[1] in _expected_layout()
+    assert again[0] and again[1] in expected_refit_layout()
     assert _refit_via_nemo_rl(llm, device_id, weights)
     assert llm.collective_rpc(_last_parity)[0].differing == ()
 
