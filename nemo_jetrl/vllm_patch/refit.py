@@ -91,7 +91,7 @@ __all__ = [
 
 FP8_PROJS = ATTN_PROJS + MLP_PROJS
 SCALE_SUFFIX = "weight_scale_inv"
-# How a refusal before the engine was touched starts (a streamed refit words it otherwise).
+# How a refusal before the engine was touched starts.
 REFUSED = "refit refused, nothing was loaded"
 
 
@@ -144,8 +144,10 @@ def quantize_state_dict(
     recipe: Any,
     *,
     dtype: torch.dtype = torch.bfloat16,
+    refused: str = REFUSED,
 ) -> QuantizedStateDict:
-    """Quantize a trainer state dict (HF names, BF16/FP32) for the rollout engine (guards 2)."""
+    """Quantize a trainer state dict (HF names, BF16/FP32) for the rollout engine (guards 2);
+    ``refused`` opens the error (a streamed refit says what the earlier batches did)."""
     settings = settings_from_recipe(recipe)
     errors: list[str] = []
     tensors: dict[str, torch.Tensor] = {}
@@ -195,7 +197,7 @@ def quantize_state_dict(
             tensors[name] = t
             others.append(name)
     if errors:
-        raise RefitError(f"{REFUSED}:\n  - " + "\n  - ".join(errors))
+        raise RefitError(f"{refused}:\n  - " + "\n  - ".join(errors))
     return QuantizedStateDict(tensors, tuple(fp8_layers), tuple(others))
 
 

@@ -18,6 +18,7 @@ import torch
 
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.refit import (
+    REFUSED,
     SCALE_SUFFIX,
     ParityError,
     ParityReport,
@@ -58,8 +59,11 @@ def quantize_batch(
     model: torch.nn.Module,
     settings: PatchSettings,
     sent: SentTensors | None,
+    *,
+    refused: str = REFUSED,
 ) -> list[tuple[str, torch.Tensor]]:
-    """One streamed batch -> what the model's ``load_weights`` gets (our FP8 + scales)."""
+    """One streamed batch -> what the model's ``load_weights`` gets (our FP8 + scales);
+    ``refused`` opens a refusal's message."""
     fp8_names = {k for k, _ in weights if is_fp8_weight(k, settings)}
     wrong = [
         f"{k}: MoE experts (nemo_jetrl has no MoE support)" for k, _ in weights if ".experts." in k
@@ -80,7 +84,8 @@ def quantize_batch(
             "policy.generation.vllm_cfg num_*_layers_in_bf16 / quantization_ignored_layer_kws "
             "with jetrl's BF16 layers):\n  - " + "\n  - ".join(wrong)
         )
-    qsd = quantize_state_dict({k: v for k, v in weights if k in fp8_names}, settings)
+    fp8 = {k: v for k, v in weights if k in fp8_names}
+    qsd = quantize_state_dict(fp8, settings, refused=refused)
     out: list[tuple[str, torch.Tensor]] = []
     for k, v in weights:
         if k in fp8_names:

@@ -124,6 +124,16 @@ class HookState:
     layout: str
     handle: NrlRefitHandle | None = None
 
+    @property
+    def refused(self) -> str:
+        """How a refusal opens: without rollback, earlier batches of the refit stay loaded."""
+        if self.rollback:
+            return REFUSED  # true once the wrapper has rolled the engine back
+        return (
+            "refit refused in a streamed batch; the batches before it stay loaded "
+            "(jetrl.refit_rollback is false): stop the run"
+        )
+
 
 def _make_load_weights(state: HookState) -> Any:
     def load_weights(weights: Any, model_runner: Any) -> None:
@@ -142,19 +152,13 @@ def _make_load_weights(state: HookState) -> Any:
                     f"{bool(pow2)} but the recipe's weights use "
                     f"{'pow2' if state.settings.pow2_weight_scales else 'FP32'} scales: align them"
                 )
-            batch = quantize_batch(list(weights), model_runner.model, state.settings, sent)
+            batch = quantize_batch(
+                list(weights), model_runner.model, state.settings, sent, refused=state.refused
+            )
         except RefitError as exc:
-            if not state.rollback:  # earlier batches of this refit are in the engine
-                exc = RefitError(
-                    str(exc).replace(
-                        REFUSED,
-                        "refit refused in a streamed batch; the batches before it stay loaded "
-                        "(jetrl.refit_rollback is false): stop the run",
-                    )
-                )
             if sent is not None:
                 sent.error = exc  # NeMo-RL's transport swallows it; the wrapper re-raises
-            raise exc from None
+            raise
         model_runner.model.load_weights(batch)
 
     setattr(load_weights, MARK, state)
