@@ -10,6 +10,7 @@
 #   bash scripts/fetch_vllm_src.sh            # 0.33.0
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/pip_retry.sh"
 VERSION="${VLLM_SRC_VERSION:-0.33.0}"
 case "$VERSION" in
   0.33.0) SHA256=4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa ;;
@@ -25,7 +26,7 @@ if [ -f "$SRC/.complete" ]; then
 fi
 mkdir -p "$WHEEL_DIR"
 if [ ! -f "$WHEEL" ]; then
-  "$PYTHON" -m pip download --quiet "vllm==$VERSION" --no-deps --only-binary=:all: \
+  pip_retry "$PYTHON" download --quiet "vllm==$VERSION" --no-deps --only-binary=:all: \
     --platform manylinux_2_28_x86_64 --python-version 3.11 -d "$WHEEL_DIR" >&2
 fi
 echo "$SHA256  $WHEEL" | sha256sum --check --quiet - >&2 \

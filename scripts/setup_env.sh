@@ -4,17 +4,18 @@
 # build on CPU machines. Extras: dev (pytest, ruff), local (CPU backend), megatron, triton.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip_retry.sh  # every pip call retries on failure (JETRL_PIP_ATTEMPTS, default 3)
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/pip install -c constraints-cpu.txt -e '.[dev,local,megatron,triton]' \
+pip_retry .venv/bin/python install -c constraints-cpu.txt -e '.[dev,local,megatron,triton]' \
   > .venv/pip-install.log 2>&1 || { tail -n 40 .venv/pip-install.log; echo "setup_env: pip install failed (full log: .venv/pip-install.log)" >&2; exit 1; }
 # Transformer Engine's recipe module (pure Python, imports with NVTE_PROJECT_BUILDING=1) goes to its
 # own directory: inside .venv it would break `import megatron.core.fp8_utils` (TE raises
 # RuntimeError/FileNotFoundError, which Megatron does not catch). Tests add it to PYTHONPATH.
 if [ ! -d .venv-te-recipe/transformer_engine ]; then
-  .venv/bin/pip install --no-deps --target .venv-te-recipe transformer-engine==2.20.2 \
+  pip_retry .venv/bin/python install --no-deps --target .venv-te-recipe transformer-engine==2.20.2 \
     >> .venv/pip-install.log 2>&1 || { tail -n 20 .venv/pip-install.log; echo "setup_env: TE recipe install failed" >&2; exit 1; }
 fi
 .venv/bin/python -c "import torch, nemo_jetrl; print('env ready: torch', torch.__version__)"

@@ -21,6 +21,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$REPO/scripts/nemo_rl_env.sh"
+source "$REPO/scripts/pip_retry.sh"
 TREES=("$@")
 [ "${#TREES[@]}" -gt 0 ] || TREES=(v0.7.0 main-7ea279a)
 REQS="$REPO/scripts/nemo_rl_overlay_requirements.txt"
@@ -45,7 +46,7 @@ for tree in "${TREES[@]}"; do
         new="$NEMO_RL_OVERLAY.new"
         rm -rf "$new"
         mkdir -p "$new"
-        "$NEMO_RL_VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps \
+        pip_retry "$NEMO_RL_VENV/bin/python" install -q --no-deps \
             --target "$new" -r "$REQS"
         cat > "$new/sitecustomize.py" <<'PY'
 """Python 3.11 stand-in for NeMo-RL (which requires 3.13): pydantic needs

@@ -7,11 +7,12 @@
 # Env:   PYTHON=python3.11 (interpreter for the venv)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/pip_retry.sh"
 VENV="${1:-${TRL_VENV:-$REPO/.venv-trl}}"
 PYTHON="${PYTHON:-python3.11}"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/pip" install -q -c "$REPO/constraints-cpu.txt" -e "$REPO[local,bench-trl]" \
+pip_retry "$VENV/bin/python" install -q -c "$REPO/constraints-cpu.txt" -e "$REPO[local,bench-trl]" \
   > "$VENV/pip-install.log" 2>&1 || { tail -n 40 "$VENV/pip-install.log"; echo "setup_trl_env: pip install failed" >&2; exit 1; }
 "$VENV/bin/python" -c "import trl, torch; print('trl env ready: trl', trl.__version__, 'torch', torch.__version__)"

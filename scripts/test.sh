@@ -19,7 +19,9 @@
 # NeMo-RL tier. Each tier runs under a wall-clock limit, JETRL_TIER_TIMEOUT_S (default 1500 s;
 # scripts/tier.sh): at the limit pytest gets SIGINT and prints the test it was in, the tier's
 # processes are killed, the summary shows "<tier>: timed out after N s (exit 124)", the script
-# exits non-zero and the remaining tiers still run.
+# exits non-zero and the remaining tiers still run. A tier whose environment cannot be made (pip
+# retries each install first: scripts/pip_retry.sh) is likewise reported in the summary as not run,
+# with its setup log's tail above, and the script goes on to the next tier and then exits 1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -30,6 +32,11 @@ fi
 rc=0
 summary=()
 source scripts/tier.sh  # tier NAME CMD...: one tier under JETRL_TIER_TIMEOUT_S, its line in $summary
+not_run() {  # NAME WHY: a tier that could not start fails the run; the others still run
+  echo "test.sh: $1: $2" >&2
+  summary+=("$1: not run, $2 (exit 1)")
+  rc=1
+}
 echo "== default suite (.venv) =="
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
 if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
@@ -42,14 +49,19 @@ if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
     echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
     case "$version" in
       0.32.*)  # this tier also runs vLLM 0.33.0's CUDA-wheel selection code (no CPU build)
-        PYTHON=.venv/bin/python bash scripts/fetch_vllm_src.sh > /dev/null \
-          || { echo "test.sh: fetching vLLM 0.33.0's source failed" >&2; exit 1; } ;;
+        if ! PYTHON=.venv/bin/python bash scripts/fetch_vllm_src.sh > /dev/null; then
+          not_run "vLLM $version tier ($venv)" "fetching vLLM 0.33.0's source failed"
+          continue
+        fi ;;
     esac
     log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
       echo "setting up $venv (vLLM $version CPU build; a few minutes, log: $log)"
-      VLLM_VERSION="$version" VLLM_VENV="$venv" bash scripts/setup_vllm_env.sh > "$log" 2>&1 \
-        || { tail -n 40 "$log"; echo "test.sh: vLLM $version environment setup failed" >&2; exit 1; }
+      if ! VLLM_VERSION="$version" VLLM_VENV="$venv" bash scripts/setup_vllm_env.sh > "$log" 2>&1; then
+        tail -n 40 "$log"
+        not_run "vLLM $version tier ($venv)" "environment setup failed (log: $log)"
+        continue
+      fi
     fi
     tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
   done
@@ -65,8 +77,11 @@ if [ "${JETRL_SKIP_NEMO_RL:-0}" != "1" ]; then
     fi
     log="${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log"
     s0=$(date +%s)
-    bash scripts/setup_nemo_rl_env.sh "$tree" > "$log" 2>&1 \
-      || { tail -n 40 "$log"; echo "test.sh: NeMo-RL $tree environment setup failed" >&2; exit 1; }
+    if ! bash scripts/setup_nemo_rl_env.sh "$tree" > "$log" 2>&1; then
+      tail -n 40 "$log"
+      not_run "NeMo-RL $tree tier" "environment setup failed (log: $log)"
+      continue
+    fi
     echo "NeMo-RL $tree environment ready in $(( $(date +%s) - s0 )) s (log: $log)"
     tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow
   done

@@ -1,4 +1,5 @@
-"""scripts/test.sh: valid bash, and its per-tier wall-clock limit (scripts/tier.sh) on real processes."""
+"""scripts/test.sh: valid bash, its per-tier wall-clock limit (scripts/tier.sh) on real processes,
+and the setup scripts' pip retry (scripts/pip_retry.sh)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,19 @@ def _alive(pid_file: Path) -> bool:
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
-@pytest.mark.parametrize("script", ["scripts/test.sh", "scripts/tier.sh"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "scripts/test.sh",
+        "scripts/tier.sh",
+        "scripts/pip_retry.sh",
+        "scripts/setup_env.sh",
+        "scripts/setup_vllm_env.sh",
+        "scripts/setup_nemo_rl_env.sh",
+        "scripts/setup_trl_env.sh",
+        "scripts/fetch_vllm_src.sh",
+    ],
+)
 def test_scripts_are_valid_bash(script: str) -> None:
     subprocess.run(["bash", "-n", script], cwd=REPO, check=True)
 
@@ -111,3 +124,44 @@ def test_ctrl_c_stops_the_tier_and_the_script(tmp_path: Path) -> None:
     assert proc.returncode == 130, (out, err)
     assert "test.sh: slow interrupted (exit 130)" in err
     assert "next" not in out + err
+
+
+def _pip_retry(
+    tmp_path: Path, failures: int, attempts: str
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """pip_retry with a stand-in interpreter that logs its arguments and fails `failures` times."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {calls}\n'
+        f'[ "$(wc -l < {calls})" -gt {failures} ] || exit 7\n'
+    )
+    fake.chmod(0o755)
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"set -euo pipefail; source scripts/pip_retry.sh; pip_retry {fake} download -d x torch",
+        ],
+        cwd=REPO,
+        env={**os.environ, "JETRL_PIP_ATTEMPTS": attempts, "JETRL_PIP_RETRY_WAIT_S": "0"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return done, calls.read_text().splitlines()
+
+
+def test_pip_retry_repeats_a_failed_pip_until_it_succeeds(tmp_path: Path) -> None:
+    done, calls = _pip_retry(tmp_path, failures=2, attempts="3")
+    assert done.returncode == 0, done.stderr
+    assert calls == ["-m pip --disable-pip-version-check download -d x torch"] * 3
+    assert "attempt 2 of 3" in done.stderr
+
+
+def test_pip_retry_gives_up_with_pips_exit_status(tmp_path: Path) -> None:
+    done, calls = _pip_retry(tmp_path, failures=5, attempts="2")
+    assert done.returncode == 7
+    assert len(calls) == 2
+    assert "pip download failed 2 time(s) (last exit 7); giving up" in done.stderr
