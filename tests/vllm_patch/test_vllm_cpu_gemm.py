@@ -13,8 +13,9 @@ oneDNN can build a primitive for the dtype, ``current_platform.is_zen_cpu``):
 Which branch each engine takes is asked of vLLM's own dispatch function, never assumed. The
 oneDNN branch does not exist everywhere (vLLM 0.20's AVX2 library has no oneDNN; 0.32's builds
 FP32 primitives on any x86 CPU but BF16 ones only with AVX-512), so the engines marked
-``standin`` load ``tests/standins/jetrl_onednn_standin.py``, a labelled pure-torch stand-in for
-the three oneDNN calls (its packed weight is a private copy, as oneDNN's is): vLLM's own
+``standin`` load ``tests/vllm_patch/standins/jetrl_onednn_standin.py`` (through
+``vllm_fixtures.onednn_standin``), a labelled pure-torch stand-in for the three oneDNN calls
+(its packed weight is a private copy, as oneDNN's is): vLLM's own
 dispatch, repacking and reload code then runs its oneDNN branch on every CPU and version, and the
 unmarked engines run whatever this CPU really does. A refit that
 only copied into parameters would fail the shape guard (repacked weights) or leave the packed
@@ -26,63 +27,18 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import sys
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
-from vllm_fixtures import vllm_cpu_env
+from vllm_fixtures import DECODER_LINEARS, onednn_standin, vllm_cpu_env, vllm_repacks
 
 pytestmark = pytest.mark.vllm
-
-STANDINS = Path(__file__).resolve().parent / "standins"
-DECODER_LINEARS = {
-    f"model.layers.{i}.{m}"
-    for i in range(2)
-    for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_cpu_env():
     with vllm_cpu_env():
         yield
-
-
-@contextmanager
-def onednn_standin(active: bool, monkeypatch=None):
-    """The stand-in plugin for this process (in-process checks) and, through the environment,
-    for vLLM's engine processes; everything restored on exit."""
-    if not active:
-        yield
-        return
-    sys.path.insert(0, str(STANDINS))
-    import jetrl_onednn_standin as standin
-
-    saved = standin.apply()
-    if monkeypatch is not None:
-        monkeypatch.setenv(standin.ENV, "1")
-        path = os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])
-        monkeypatch.setenv("PYTHONPATH", path)
-    try:
-        yield
-    finally:
-        standin.revert(saved)
-        sys.path.remove(str(STANDINS))
-
-
-def vllm_repacks(dtype: torch.dtype) -> bool:
-    """Ask vLLM's own CPU dispatch (in this process) whether it repacks a [256, 256] weight."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()  # the _C library vLLM loads for this CPU
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.randn(256, 256, dtype=dtype), requires_grad=False)
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-    return layer.weight.numel() == 0
 
 
 def test_with_the_standin_vllm_repacks_on_this_cpu():

@@ -6,6 +6,13 @@ loader raising half way, the parity check finding a difference. Both are injecte
 loader: after each failure the engine's read-back state (FP8 bytes, scales, other tensors, GEMM
 views, KV scales) equals the state before the refit bit for bit, and greedy generation gives the
 same tokens and logprobs. The mutation (``rollback=False``) leaves the engine changed.
+
+Each case runs on three engines: the jetrl recipe as this CPU runs it, and, with the labelled
+oneDNN stand-in (``tests/vllm_patch/standins``), the jetrl and BF16 recipes on vLLM's repacking
+branch, on every CPU: there the GEMM reads a packed copy held by the closure ``cpu_linear``
+(lm_head and the embedding; with BF16 every decoder linear too, whose ``weight`` is then
+empty), a half-load makes vLLM build new closures, and the rollback must put the old ones back
+(checked by identity, and by reading every weight back through its GEMM).
 """
 
 from __future__ import annotations
@@ -16,13 +23,17 @@ import pytest
 import torch
 from hf_models import tiny_llama_128
 from test_vllm_engine import USER_KWARGS, _engine_state, _generate, _token_logprobs
-from vllm_fixtures import vllm_cpu_env
+from vllm_fixtures import DECODER_LINEARS, onednn_standin, vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def rollout(tmp_path_factory):
+@pytest.fixture(
+    scope="module",
+    params=[("jetrl", False), ("jetrl", True), ("bf16", True)],
+    ids=["jetrl", "standin-jetrl", "standin-bf16"],
+)
+def rollout(request, tmp_path_factory):
     from hf_models import char_tokenizer
 
     from nemo_jetrl.recipe import Recipe
@@ -31,10 +42,19 @@ def rollout(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama")
     tiny_llama_128(0).save_pretrained(d)
     char_tokenizer().save_pretrained(d)
-    with vllm_cpu_env(), pytest.MonkeyPatch.context() as mp:
+    recipe_name, standin = request.param
+    with vllm_cpu_env(), pytest.MonkeyPatch.context() as mp, onednn_standin(standin, mp):
         # Lets the tests send their loader faults as functions (test-only).
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        eng = VllmRolloutEngine(d, Recipe.preset("jetrl"), engine_kwargs=USER_KWARGS)
+        eng = VllmRolloutEngine(d, Recipe.preset(recipe_name), engine_kwargs=USER_KWARGS)
+        packed = set(_gemm_closures(eng.llm))
+        if standin:  # the premise: vLLM took its repacking branch
+            # lm_head and the embedding (vLLM dispatches it too, keeping its weight) always
+            embeddings = {"lm_head", "model.embed_tokens"}
+            assert packed == embeddings | (DECODER_LINEARS if recipe_name == "bf16" else set())
+            assert set(eng.llm.collective_rpc("jetrl_repacked")[0]) == packed - embeddings
+        else:
+            assert not packed  # the stand-in's packed copies exist only where it is loaded
         yield eng
         eng.close()
         gc.collect()
@@ -42,8 +62,9 @@ def rollout(tmp_path_factory):
 
 def _inject(llm, fault: str) -> None:
     """Wrap the worker's ``jetrl_load_weights`` (the real loader underneath) with ``fault``:
-    "half" loads the first half of the tensors then raises; "flip" loads all, then flips one FP8
-    byte of layer 1's down_proj (a corruption only the parity check can see)."""
+    "half" loads the first half of the tensors then raises; "flip" loads all, then flips one
+    byte of layer 1's down_proj weight (FP8 under jetrl; under BF16, where that weight is empty
+    and its GEMM reads a packed copy, of the embedding): a corruption only parity can see."""
 
     def install(worker, fault):  # runs in the worker (a closure: sent by value)
         from nemo_jetrl.vllm_patch.worker_ext import pack, unpack
@@ -61,9 +82,10 @@ def _inject(llm, fault: str) -> None:
             out = orig(self, blob)
             runner = self.model_runner
             model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-            model.get_submodule("model.layers.1.mlp.down_proj").weight.data.view(torch.uint8)[
-                0, 0
-            ] ^= 1
+            weight = model.get_submodule("model.layers.1.mlp.down_proj").weight
+            if weight.numel() == 0:  # repacked: the GEMM reads a packed copy
+                weight = model.get_submodule("model.embed_tokens").weight
+            weight.data.view(torch.uint8)[0, 0] ^= 1
             return out
 
         cls.jetrl_load_weights = faulty
@@ -82,6 +104,24 @@ def _remove_fault(llm) -> None:
     llm.collective_rpc(remove)
 
 
+def _gemm_closures(llm) -> dict[str, int]:
+    """id of each linear's GEMM closure that holds a stand-in packed copy, by layer name."""
+
+    def probe(worker):
+        w = getattr(worker, "worker", worker)
+        runner = w.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        found = {}
+        for name, m in model.named_modules():
+            fn = getattr(m, "cpu_linear", None)
+            cells = getattr(fn, "__closure__", None) or ()
+            if any(type(c.cell_contents).__name__ == "PackedWeight" for c in cells):
+                found[name] = id(fn)
+        return found
+
+    return llm.collective_rpc(probe)[0]
+
+
 def _has_snapshot(llm) -> bool:
     return llm.collective_rpc(lambda w: "_jetrl_snapshot" in vars(getattr(w, "worker", w)))[0]
 
@@ -95,7 +135,7 @@ def _changed(before: dict, after: dict) -> list[str]:
     "fault, error, match",
     [
         ("half", "RefitError", r"refit failed in the engine \(.*injected loader failure after "),
-        ("flip", "ParityError", r"model\.layers\.1\.mlp\.down_proj\.weight \(1 of "),
+        ("flip", "ParityError", r"(layers\.1\.mlp\.down_proj|embed_tokens)\.weight \(1 of "),
     ],
 )
 def test_a_refit_failing_inside_the_engine_leaves_it_bit_identical(rollout, fault, error, match):
@@ -103,6 +143,7 @@ def test_a_refit_failing_inside_the_engine_leaves_it_bit_identical(rollout, faul
 
     llm, recipe = rollout.llm, rollout.recipe
     before, out_before = _engine_state(llm, recipe), _generate(llm, logprobs=1)
+    closures = _gemm_closures(llm)
     _inject(llm, fault)
     try:
         with pytest.raises(getattr(refit_mod, error), match=match) as ei:
@@ -111,6 +152,7 @@ def test_a_refit_failing_inside_the_engine_leaves_it_bit_identical(rollout, faul
         _remove_fault(llm)
     assert "rolled back to its state before this refit" in str(ei.value)
     assert not _changed(before, _engine_state(llm, recipe))
+    assert _gemm_closures(llm) == closures  # the same closure objects, not rebuilt copies
     out = _generate(llm, logprobs=1)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in out_before]
     assert _token_logprobs(out) == _token_logprobs(out_before)
@@ -120,7 +162,7 @@ def test_a_refit_failing_inside_the_engine_leaves_it_bit_identical(rollout, faul
 def test_without_rollback_the_same_failure_leaves_the_engine_changed(rollout):
     """The mutation: what the rollback undoes is real (half of another seed's weights load)."""
     llm, recipe = rollout.llm, rollout.recipe
-    before = _engine_state(llm, recipe)
+    before, closures = _engine_state(llm, recipe), _gemm_closures(llm)
     _inject(llm, "half")
     try:
         with pytest.raises(Exception, match="injected loader failure") as ei:
@@ -130,6 +172,10 @@ def test_without_rollback_the_same_failure_leaves_the_engine_changed(rollout):
     assert "rolled back" not in str(ei.value)
     changed = _changed(before, _engine_state(llm, recipe))
     assert changed, "the injected half-load changed nothing: the rollback test would be vacuous"
+    if closures:  # lm_head sorts into the loaded half: vLLM rebuilt its packed closure
+        rebuilt = {n for n, i in _gemm_closures(llm).items() if closures.get(n) != i}
+        assert "lm_head" in rebuilt, rebuilt
+        assert "lm_head.weight" in changed, changed  # read back through the new closure
     # A good refit (with rollback: its snapshot is freed after) makes the engine whole again.
     rep = rollout.refit(tiny_llama_128(0).state_dict())
     assert rep.parity is not None and rep.parity.differing == ()

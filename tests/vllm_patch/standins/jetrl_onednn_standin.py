@@ -8,7 +8,8 @@ this branch of vLLM's own code runs on every CPU, this plugin, active only when
 the "handler" keeps its own copy of the weight, exactly as oneDNN's packed weights do, so a refit
 that does not make vLLM rebuild it leaves the GEMM on stale values. It is registered as a
 ``vllm.general_plugins`` entry point by the ``*.dist-info`` beside it, found when this folder is
-on ``sys.path``/``PYTHONPATH`` (``tests/test_vllm_cpu_gemm.py`` does that for its engines).
+on ``sys.path``/``PYTHONPATH`` (``tests/vllm_fixtures.onednn_standin`` puts it there for the
+engines of ``test_vllm_cpu_gemm.py`` and ``test_vllm_rollback.py``).
 """
 
 from __future__ import annotations
