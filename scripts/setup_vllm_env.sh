@@ -13,7 +13,7 @@
 # 0.25.1 pin torch==2.11.0+cpu, which no reachable index has; PyPI's plain torch==2.11.0 (a CUDA
 # build, ~4 GB with its nvidia-* wheels) runs on CPU and vLLM's compiled CPU ops load against it,
 # so that is what we install (venv ~6 GB; 155-353 s measured). Its wheels are downloaded once into
-# $JETRL_WHEEL_CACHE/torch-2.11.0 (default .cache/wheels; ~3.5 GB) and installed from there with
+# $JETRL_WHEEL_CACHE/torch-2.11.0 (default .cache/wheels; 2.6 GB, 29 wheels) and installed from there with
 # --no-index, so the second such env (0.20 and 0.25 both need it) downloads nothing for torch.
 # Every pip call retries on failure (scripts/pip_retry.sh: JETRL_PIP_ATTEMPTS, default 3).
 #

@@ -47,15 +47,13 @@ def rollout(request, tmp_path_factory):
         # Lets the tests send their loader faults as functions (test-only).
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         eng = VllmRolloutEngine(d, Recipe.preset(recipe_name), engine_kwargs=USER_KWARGS)
-        packed = set(_gemm_closures(eng.llm))
-        if standin:  # the premise: vLLM took its repacking branch
+        if standin:  # the premise: vLLM took a repacking branch (the stand-in's, or AMX's SGL)
             # lm_head and the embedding (vLLM dispatches it too, keeping its weight) always
             embeddings = {"lm_head", "model.embed_tokens"}
+            packed = set(_gemm_closures(eng.llm))
             assert packed == embeddings | (DECODER_LINEARS if recipe_name == "bf16" else set())
             assert set(eng.llm.collective_rpc("jetrl_repacked")[0]) == packed - embeddings
-        else:
-            assert not packed  # the stand-in's packed copies exist only where it is loaded
-        yield eng
+        yield eng  # without the stand-in: whatever this CPU does (AVX-512 repacks lm_head too)
         eng.close()
         gc.collect()
 
@@ -67,7 +65,7 @@ def _inject(llm, fault: str) -> None:
     and its GEMM reads a packed copy, of the embedding): a corruption only parity can see."""
 
     def install(worker, fault):  # runs in the worker (a closure: sent by value)
-        from nemo_jetrl.vllm_patch.worker_ext import pack, unpack
+        from nemo_jetrl.vllm_patch.worker_ext import _model, pack, unpack
 
         cls = type(getattr(worker, "worker", worker))  # under vLLM's WorkerWrapperBase
         orig = cls.__dict__.get("_jetrl_test_orig") or cls.jetrl_load_weights
@@ -80,11 +78,9 @@ def _inject(llm, fault: str) -> None:
                 orig(self, pack({n: tensors[n] for n in names}))
                 raise RuntimeError(f"injected loader failure after {len(names)} tensors")
             out = orig(self, blob)
-            runner = self.model_runner
-            model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-            weight = model.get_submodule("model.layers.1.mlp.down_proj").weight
+            weight = _model(self).get_submodule("model.layers.1.mlp.down_proj").weight
             if weight.numel() == 0:  # repacked: the GEMM reads a packed copy
-                weight = model.get_submodule("model.embed_tokens").weight
+                weight = _model(self).get_submodule("model.embed_tokens").weight
             weight.data.view(torch.uint8)[0, 0] ^= 1
             return out
 
@@ -105,17 +101,18 @@ def _remove_fault(llm) -> None:
 
 
 def _gemm_closures(llm) -> dict[str, int]:
-    """id of each linear's GEMM closure that holds a stand-in packed copy, by layer name."""
+    """id of each layer's GEMM closure (``cpu_linear``) that holds a packed weight copy, by layer
+    name: whichever vLLM built (the stand-in's oneDNN handler; on AMX CPUs vLLM 0.32 packs small
+    BF16 weights for its SGL kernel first; zentorch). Its plain ``F.linear`` lambdas capture
+    nothing."""
 
-    def probe(worker):
-        w = getattr(worker, "worker", worker)
-        runner = w.model_runner
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    def probe(worker):  # runs in the worker (a closure: sent by value)
+        from nemo_jetrl.vllm_patch.worker_ext import _model
+
         found = {}
-        for name, m in model.named_modules():
+        for name, m in _model(getattr(worker, "worker", worker)).named_modules():
             fn = getattr(m, "cpu_linear", None)
-            cells = getattr(fn, "__closure__", None) or ()
-            if any(type(c.cell_contents).__name__ == "PackedWeight" for c in cells):
+            if getattr(fn, "__closure__", None):
                 found[name] = id(fn)
         return found
 
