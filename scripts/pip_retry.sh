@@ -14,6 +14,11 @@ pip_retry() {  # PYTHON PIP_ARGS...
   shift
   local attempt=1 status=0
   local attempts=${JETRL_PIP_ATTEMPTS:-3} wait=${JETRL_PIP_RETRY_WAIT_S:-20}
+  if ! [[ "$attempts" =~ ^[1-9][0-9]*$ && "$wait" =~ ^[0-9]+$ ]]; then
+    echo "[pip_retry] JETRL_PIP_ATTEMPTS='$attempts' / JETRL_PIP_RETRY_WAIT_S='$wait':" \
+         "set a whole number of attempts >= 1 and of seconds >= 0" >&2
+    return 2
+  fi
   while :; do
     status=0
     "$py" -m pip --disable-pip-version-check "$@" || status=$?

@@ -127,7 +127,7 @@ def test_ctrl_c_stops_the_tier_and_the_script(tmp_path: Path) -> None:
 
 
 def _pip_retry(
-    tmp_path: Path, failures: int, attempts: str
+    tmp_path: Path, failures: int, attempts: str, wait: str = "0"
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     """pip_retry with a stand-in interpreter that logs its arguments and fails `failures` times."""
     calls = tmp_path / "calls"
@@ -145,12 +145,12 @@ def _pip_retry(
             f"set -euo pipefail; source scripts/pip_retry.sh; pip_retry {fake} download -d x torch",
         ],
         cwd=REPO,
-        env={**os.environ, "JETRL_PIP_ATTEMPTS": attempts, "JETRL_PIP_RETRY_WAIT_S": "0"},
+        env={**os.environ, "JETRL_PIP_ATTEMPTS": attempts, "JETRL_PIP_RETRY_WAIT_S": wait},
         capture_output=True,
         text=True,
         timeout=30,
     )
-    return done, calls.read_text().splitlines()
+    return done, calls.read_text().splitlines() if calls.exists() else []
 
 
 def test_pip_retry_repeats_a_failed_pip_until_it_succeeds(tmp_path: Path) -> None:
@@ -165,3 +165,15 @@ def test_pip_retry_gives_up_with_pips_exit_status(tmp_path: Path) -> None:
     assert done.returncode == 7
     assert len(calls) == 2
     assert "pip download failed 2 time(s) (last exit 7); giving up" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("attempts", "wait"), [("abc", "0"), ("0", "0"), ("3", "-1"), ("2.5", "1")]
+)
+def test_pip_retry_refuses_bad_settings_before_running_pip(
+    tmp_path: Path, attempts: str, wait: str
+) -> None:
+    done, calls = _pip_retry(tmp_path, failures=0, attempts=attempts, wait=wait)
+    assert done.returncode == 2
+    assert calls == []  # pip never ran
+    assert "JETRL_PIP_ATTEMPTS" in done.stderr and "JETRL_PIP_RETRY_WAIT_S" in done.stderr
