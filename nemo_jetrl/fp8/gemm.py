@@ -37,6 +37,8 @@ quantized *inputs* are).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nemo_jetrl.fp8.quantize import BlockQuantized
@@ -95,16 +97,33 @@ def blockwise_matmul(
     sb = _row_scales(b, n)  # [N, Kt]
     qa, qb = a.data.double(), b.data.double()
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
+    plain = _scaling_is_exact(sa, sb)
     for t, k0 in enumerate(range(0, k, TILE_K)):
         p = (qa[:, k0 : k0 + TILE_K] @ qb[:, k0 : k0 + TILE_K].t()).float()
         s_a, s_b = sa[:, t, None].expand(m, n), sb[None, :, t].expand(m, n)
-        if a.block[0] == 1:
+        if plain:  # p * s_a * s_b is exact: one rounding in the add, as in the fma
+            acc = acc + p * (s_a * s_b)
+        elif a.block[0] == 1:
             acc = fma_fp32(p * s_a, s_b, acc)
         elif b.block[0] == 1:
             acc = fma_fp32(p * s_b, s_a, acc)
         else:
             acc = fma_fp32(p, s_a * s_b, acc)
     return acc.to(out_dtype)
+
+
+def _scaling_is_exact(sa: torch.Tensor, sb: torch.Tensor) -> bool:
+    """True when every scale is a power of two and no scaled tile sum can leave fp32's normal
+    range: then ``p * sa * sb`` is exact in any order and a plain add rounds once, like the fma.
+    Tile sums are multiples of 2**-32 (E5M2 x E5M2; 2**-18 for E4M3) below 2**40."""
+    if sa.numel() == 0 or sb.numel() == 0:
+        return False
+    for s in (sa, sb):
+        if not bool(((s.view(torch.int32) & 0x7FFFFF) == 0).all()) or not bool((s > 0).all()):
+            return False
+    lo = math.log2(sa.min().item()) + math.log2(sb.min().item())
+    hi = math.log2(sa.max().item()) + math.log2(sb.max().item())
+    return lo - 32 >= -126 and hi + 40 < 127
 
 
 def fma_fp32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,8 @@ def test_short_run_logs_metrics_checkpoints(recipe, tmp_path, cache_dir):
         ):
             assert math.isfinite(h[key]), (recipe, key, h[key])
         assert h["train/token_mult_prob_error"] >= 1.0
+        if recipe in ("jetrl", "jetrl_kv"):  # batch-invariant both sides: the same bits
+            assert h["train/token_mult_prob_error"] == 1.0 and h["train/gen_kl_error"] == 0.0
         assert h["jetrl/local/refit_refused"] == 0.0
     scalars, warns = read_scalars(tmp_path / "run")
     assert not warns
@@ -134,6 +136,15 @@ def test_short_run_logs_metrics_checkpoints(recipe, tmp_path, cache_dir):
     assert sorted(files) == [1, 2]
     rec = json.loads(files[2].read_text().splitlines()[0])
     assert len(rec["generation_logprobs"][0]) == len(rec["token_ids"][0])
+    if recipe in ("jetrl", "jetrl_kv"):
+        for line in files[2].read_text().splitlines():
+            r = json.loads(line)
+            for g, p, m in zip(
+                r["generation_logprobs"], r["prev_logprobs"], r["token_loss_mask"], strict=True
+            ):
+                assert [a for a, k in zip(g, m, strict=True) if k] == [
+                    b for b, k in zip(p, m, strict=True) if k
+                ]
     cps = ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")
     assert [s for s, _ in cps] == [1, 2]
     master, state = ckpt.load_checkpoint(cps[-1][1])

@@ -75,6 +75,12 @@ class LocalSettings:
     """The synthetic arithmetic task (``jetrl.local.task.*``)."""
     warmstart: WarmStartSettings = field(default_factory=WarmStartSettings)
     """The cached supervised warm start (``jetrl.local.warmstart.*``)."""
+    batch_invariant: bool = True
+    """Both sides compute each token with batch-invariant ops (`nemo_jetrl.invariant`: norms,
+    rotary, SiLU, attention, softmax, ``lm_head``, and the exact FP8 GEMM), so a token's
+    probability has the same bits in the rollout's decode step and the trainer's full-sequence
+    forward: ``jetrl`` / ``jetrl_kv`` are then exactly on-policy on every CPU. BF16 decoder linears
+    (``bf16`` recipe, BF16 first/last layers) keep torch's GEMM. False: HF's eager ops."""
     val_greedy: bool = True
     """Validation decodes greedily (deterministic accuracy); False samples at the temperature."""
     rollout_engine: str = "hf"
@@ -206,6 +212,7 @@ _LOCAL_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, st
     "task": ((Mapping,), None, "a mapping"),
     "warmstart": ((Mapping,), None, "a mapping"),
     "val_greedy": ((bool,), None, "true or false"),
+    "batch_invariant": ((bool,), None, "true or false"),
     "rollout_engine": (
         (str,),
         lambda v: v in ROLLOUT_ENGINES,

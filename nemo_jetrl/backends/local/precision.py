@@ -32,8 +32,9 @@ from nemo_jetrl.recipe_parts import SideRecipe
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def side_fp8_config(side: SideRecipe) -> Fp8LinearConfig:
-    """The `Fp8LinearConfig` of one side (format and scale mode)."""
+def side_fp8_config(side: SideRecipe, *, exact_gemm: bool = False) -> Fp8LinearConfig:
+    """The `Fp8LinearConfig` of one side (format and scale mode). ``exact_gemm``: the GEMM whose
+    per-tile sums are exact (order-free, so batch-invariant) instead of one fp32 matmul."""
     if side.pow2_weight_scales != side.pow2_activation_scales:
         raise ValueError(
             "the local backend needs one scale mode per side: set "
@@ -45,7 +46,7 @@ def side_fp8_config(side: SideRecipe) -> Fp8LinearConfig:
             f"the local backend emulates blockwise FP8 only, got scaling {side.scaling!r}: set "
             "policy.megatron_cfg.fp8_cfg.fp8_recipe=blockwise"
         )
-    return Fp8LinearConfig(fmt=side.fmt, pow2_scales=side.pow2_weight_scales)
+    return Fp8LinearConfig(fmt=side.fmt, pow2_scales=side.pow2_weight_scales, exact_gemm=exact_gemm)
 
 
 def fp8_filter(side: SideRecipe, num_layers: int):
@@ -74,23 +75,23 @@ class SidePlan:
     quantizer: str | None
 
 
-def make_trainer_model(model: nn.Module, recipe: Recipe) -> SidePlan:
+def make_trainer_model(model: nn.Module, recipe: Recipe, *, exact_gemm: bool = False) -> SidePlan:
     """Swap the training side's FP8 linears in place (parameters are shared, not copied)."""
     side = recipe.train
     if not side.fp8_linears:
         return SidePlan(None, None, None)
-    cfg = side_fp8_config(side)
+    cfg = side_fp8_config(side, exact_gemm=exact_gemm)
     n = model.config.num_hidden_layers
     report = _convert_training(model, cfg, module_filter_fn=fp8_filter(side, n))
     return SidePlan(report, cfg, "jetrl")
 
 
-def make_rollout_model(model: nn.Module, recipe: Recipe) -> SidePlan:
+def make_rollout_model(model: nn.Module, recipe: Recipe, *, exact_gemm: bool = False) -> SidePlan:
     """Swap the rollout side's FP8 linears in place (weights quantized now; refit reloads)."""
     side = recipe.rollout
     if not side.fp8_linears:
         return SidePlan(None, None, None)
-    cfg = side_fp8_config(side)
+    cfg = side_fp8_config(side, exact_gemm=exact_gemm)
     q = rollout_quantizer(side)
     n = model.config.num_hidden_layers
     report = convert_to_fp8_inference(model, cfg, module_filter_fn=fp8_filter(side, n), quantizer=q)

@@ -12,12 +12,15 @@ reproducible and resumable.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from nemo_jetrl.invariant import is_batch_invariant, ops
 
 
 @dataclass
@@ -34,9 +37,14 @@ class RolloutBatch:
     """[B] bool: the row produced ``<eos>``."""
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 ``log_softmax(logits / T)`` gathered at ``ids`` (shared by rollout and trainer)."""
-    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+def token_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, *, invariant: bool = False
+) -> torch.Tensor:
+    """fp32 ``log_softmax(logits / T)`` gathered at ``ids`` (shared by rollout and trainer);
+    ``invariant``: the batch-invariant `nemo_jetrl.invariant.ops.log_softmax` (same bits for a
+    row whether it comes from a decode step or a full-sequence forward)."""
+    scaled = logits.float() / temperature
+    lp = ops.log_softmax(scaled) if invariant else torch.log_softmax(scaled, dim=-1)
     return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -64,17 +72,22 @@ def generate(
     inp = prompt_ids
     pos = torch.arange(prompt_ids.shape[1]).unsqueeze(0).expand(bsz, -1)
     used = 0
+    invariant = is_batch_invariant(model)
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
     for t in range(max_new_tokens):
         used = t + 1
-        out = model(input_ids=inp, position_ids=pos, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        # the cache object is updated in place; its keyword was renamed in transformers 5.x
+        out = model(input_ids=inp, position_ids=pos, use_cache=True, **{cache_kw: cache})
         logits = out.logits[:, -1, :].float()
         if greedy:
             nxt = logits.argmax(dim=-1)
         else:
-            probs = torch.softmax(logits / temperature, dim=-1)
+            scaled = logits / temperature
+            probs = ops.softmax(scaled) if invariant else torch.softmax(scaled, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        lp = token_logprobs(logits, nxt, temperature)
+        lp = token_logprobs(logits, nxt, temperature, invariant=invariant)
         live = ~done
         ids_out[:, t] = torch.where(live, nxt, torch.full_like(nxt, pad_id))
         lp_out[:, t] = torch.where(live, lp, torch.zeros_like(lp))

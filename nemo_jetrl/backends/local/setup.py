@@ -32,6 +32,7 @@ from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
 from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.invariant import make_batch_invariant
 from nemo_jetrl.recipe import Recipe
 from nemo_jetrl.rl.loss_config import GRPOLossConfig
 
@@ -161,7 +162,10 @@ class LocalRun(RunStep, RunCheckpointing):
         (fp32 masters loaded from ``weights``) and, with a KL penalty, a frozen reference copy
         of the same weights. Returns the training model."""
         train_model = build_model(self.model_config, dtype=dtype, seed=self.run.seed)
-        self.train_plan = make_trainer_model(train_model, self.recipe)
+        invariant = self.local.batch_invariant
+        self.train_plan = make_trainer_model(train_model, self.recipe, exact_gemm=invariant)
+        if invariant:
+            make_batch_invariant(train_model)
         reference = None
         if loss_cfg.reference_policy_kl_penalty != 0.0:
             reference = freeze(copy.deepcopy(train_model))
@@ -190,7 +194,10 @@ class LocalRun(RunStep, RunCheckpointing):
         the rollout recipe says, frozen; no vLLM engine yet (`_start_engine`)."""
         rollout_model = build_model(self.model_config, dtype=dtype, seed=self.run.seed)
         rollout_model.load_state_dict(train_model.state_dict(), strict=True)
-        self.rollout_plan = make_rollout_model(rollout_model, self.recipe)
+        invariant = self.local.batch_invariant
+        self.rollout_plan = make_rollout_model(rollout_model, self.recipe, exact_gemm=invariant)
+        if invariant:
+            make_batch_invariant(rollout_model)
         self.rollout_model = freeze(rollout_model)
         self.engine = None  # a VllmRollout with rollout_engine=vllm
         self.engine_parity_tensors = 0

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from nemo_jetrl.backends.local.rollout import token_logprobs
+from nemo_jetrl.invariant import is_batch_invariant
 from nemo_jetrl.rl.loss import grpo_loss
 from nemo_jetrl.rl.loss_config import GRPOLossConfig
 
@@ -48,7 +49,8 @@ def sequence_logprobs(
 ) -> torch.Tensor:
     """[B, R] logprobs of the response tokens ``input_ids[:, prompt_len:]`` (one forward)."""
     logits = model(input_ids=input_ids, use_cache=False).logits[:, prompt_len - 1 : -1]
-    return token_logprobs(logits, input_ids[:, prompt_len:], temperature)
+    ids = input_ids[:, prompt_len:]
+    return token_logprobs(logits, ids, temperature, invariant=is_batch_invariant(model))
 
 
 class Trainer:

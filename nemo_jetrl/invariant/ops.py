@@ -1,0 +1,202 @@
+"""Batch-invariant math: every op here gives each output element the same bits whatever the
+shape of the batch it was computed in (see the package docstring for why that matters).
+
+The rule everything below follows: only *elementwise* IEEE operations (``+ - * /``, ``sqrt``,
+``round``, comparisons, integer bit operations) touch floating-point values. Each of those is
+correctly rounded, so an output element depends on its own inputs alone, never on vector width,
+threading or which kernel torch picked for the tensor's shape. Reductions are fixed binary trees
+(`tree_sum`), and ``exp``/``log`` are evaluated from those primitives (`exp`, `log`) because
+torch's own transcendental kernels take a SIMD path for most elements and a scalar libm path for a
+tensor's tail, and the two can differ in the last bit.
+
+Depends on torch alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_LOG2E = 1.4426950408889634
+# ln 2 split so that n * _LN2_HI is exact in fp32 for |n| < 2**15 (Cody-Waite reduction).
+_LN2_HI = 0.693359375
+_LN2_LO = -2.12194440e-4
+_EXP_MAX = 88.72283  # above: fp32 overflow
+_EXP_MIN = -103.97208  # below: under half the smallest fp32 subnormal, rounds to 0
+_SQRT2 = 1.4142135623730951
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2.0**k`` in fp32 for integer tensors ``k`` in [-126, 127], built from the exponent bits."""
+    return ((k + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def _exp_fwd(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    xc = x.clamp(_EXP_MIN, _EXP_MAX)
+    n = torch.round(xc * _LOG2E)
+    r = (xc - n * _LN2_HI) - n * _LN2_LO  # |r| <= ln2/2 (+ rounding)
+    p = torch.full_like(r, 1.0 / 5040.0)  # Taylor series to r**7: truncation < 1e-8 relative
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = p * r + c
+    k = n.to(torch.int32).clamp(-252, 254)
+    half = torch.div(k, 2, rounding_mode="floor")  # 2**k as two factors: both stay normal
+    y = (p * _pow2(half)) * _pow2(k - half)
+    y = torch.where(x > _EXP_MAX, torch.full_like(y, math.inf), y)
+    y = torch.where(x < _EXP_MIN, torch.zeros_like(y), y)
+    return torch.where(torch.isnan(x), x, y)
+
+
+def _log_fwd(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    tiny = x < 2.0**-126  # subnormals: scale into the normal range first (exact)
+    xs = torch.where(tiny, x * 2.0**23, x)
+    bits = xs.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - torch.where(tiny, 23, 0).to(torch.int32)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)  # mantissa in [1, 2)
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)  # m in [sqrt(1/2), sqrt(2)], exact
+    ef = (e + big.to(torch.int32)).float()
+    f = (m - 1.0) / (m + 1.0)  # log m = 2 atanh(f), |f| <= 0.1716
+    f2 = f * f
+    p = torch.full_like(f, 1.0 / 13.0)
+    for c in (1.0 / 11.0, 1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0):
+        p = p * f2 + c
+    y = ef * _LN2_HI + (ef * _LN2_LO + (f + f) * p)
+    y = torch.where(x == 0, torch.full_like(y, -math.inf), y)
+    y = torch.where(x == math.inf, torch.full_like(y, math.inf), y)
+    return torch.where(torch.isnan(x) | (x < 0), torch.full_like(y, math.nan), y)
+
+
+class _Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        y = _exp_fwd(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class _Log(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return _log_fwd(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return g / x.float()
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``e**x`` within 2 ulp (normal range), from elementwise ops only; differentiable.
+    Results below the fp32 normal range are subnormal or 0 exactly as the product rounds."""
+    return _Exp.apply(x)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """fp32 natural log within 2 ulp, from elementwise ops only; differentiable."""
+    return _Log.apply(x)
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Sum along ``dim`` as a fixed binary tree: pad to a power of two with zeros, then add the
+    upper half onto the lower half until one element is left.
+
+    The result does not change when zeros are appended along ``dim`` (the extra levels add
+    +0 to each partial sum), so a decode step that sees ``t`` keys and a training row that sees
+    all ``T`` keys with the last ``T - t`` masked to 0 produce the same bits. Signed zeros are
+    normalised first (``x + 0.0``) so a sum of zeros is +0 on both sides.
+    """
+    dim = dim % x.dim()
+    x = x + 0.0
+    n = x.shape[dim]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = width - n
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    while width > 1:
+        width //= 2
+        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
+    return x if keepdim else x.squeeze(dim)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """fp32 softmax along ``dim``; entries at -inf (or any value under max - 103) get exactly 0,
+    so masked positions and absent positions are the same to `tree_sum`."""
+    x = x.float()
+    e = exp(x - x.amax(dim=dim, keepdim=True))
+    return e / tree_sum(e, dim=dim, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """fp32 ``log_softmax`` along ``dim`` from `exp`, `tree_sum` and `log`."""
+    x = x.float()
+    shifted = x - x.amax(dim=dim, keepdim=True)
+    return shifted - log(tree_sum(exp(shifted), dim=dim, keepdim=True))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` computed as ``x / (1 + e**-x)`` in fp32, returned in ``x.dtype``."""
+    xf = x.float()
+    return (xf / (1.0 + exp(-xf))).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama/Qwen write it (fp32 statistics, scale applied in the input dtype)."""
+    xf = x.float()
+    var = tree_sum(xf * xf, dim=-1, keepdim=True) / xf.shape[-1]
+    return weight * (xf * (1.0 / torch.sqrt(var + eps))).to(x.dtype)
+
+
+# Chunk rows so a broadcast product holds at most this many fp32 elements (64 MiB).
+_MAX_PRODUCT_ELEMENTS = 1 << 24
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with fp32 products (exact for BF16 operands) summed by
+    `tree_sum`; result in ``x.dtype``. Memory ~ rows * N * K: for narrow layers (``lm_head`` of a
+    small vocabulary), not for a model's big GEMMs."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).float()
+    w = weight.float()
+    step = max(1, _MAX_PRODUCT_ELEMENTS // max(1, w.numel()))
+    outs = [
+        tree_sum(rows[i : i + step, None, :] * w[None], dim=-1)
+        for i in range(0, rows.shape[0], step)
+    ]
+    out = torch.cat(outs, dim=0) if outs else rows.new_zeros(0, w.shape[0])
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*lead, w.shape[0])
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention for ``query`` ``[B, H, Tq, D]`` and ``key``/``value``
+    ``[B, H, Tk, D]`` (already repeated for grouped KV heads); ``mask`` is additive (0 or a
+    large negative), broadcastable to ``[B, H, Tq, Tk]``.
+
+    Scores are fp32 dot products over ``D`` (`tree_sum`), scaled, masked, `softmax`-ed; the
+    probabilities are rounded to the query dtype (as eager attention does) and the output is a
+    `tree_sum` over keys. Returns ``(out [B, Tq, H, D] in query dtype, probs [B, H, Tq, Tk])``.
+    """
+    q, k, v = query.float(), key.float(), value.float()
+    scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, :, :], dim=-1) * scaling
+    if mask is not None:
+        scores = scores + mask.float()
+    probs = softmax(scores, dim=-1).to(query.dtype)
+    out = tree_sum(probs.float()[..., None] * v[:, :, None, :, :], dim=-2)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), probs
