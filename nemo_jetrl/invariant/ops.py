@@ -160,10 +160,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 _MAX_PRODUCT_ELEMENTS = 1 << 24
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` with fp32 products (exact for BF16 operands) summed by
-    `tree_sum`; result in ``x.dtype``. Memory ~ rows * N * K: for narrow layers (``lm_head`` of a
-    small vocabulary), not for a model's big GEMMs."""
+def _linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).float()
     w = weight.float()
@@ -176,6 +173,65 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*lead, w.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    """Invariant forward; the backward (not part of the on-policy promise) uses torch's GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear_fwd(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1]).float()
+        dx = (g2 @ weight.float()).to(x.dtype).reshape(x.shape)
+        dw = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        db = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with fp32 products (exact for BF16 operands) summed by
+    `tree_sum`; result in ``x.dtype``. Memory ~ rows * N * K: for narrow layers (``lm_head`` of a
+    small vocabulary), not for a model's big GEMMs."""
+    return _Linear.apply(x, weight, bias)
+
+
+def _attention_fwd(q, k, v, mask, scaling):
+    qf, kf, vf = q.float(), k.float(), v.float()
+    scores = tree_sum(qf[:, :, :, None, :] * kf[:, :, None, :, :], dim=-1) * scaling
+    if mask is not None:
+        scores = scores + mask.float()
+    probs = softmax(scores, dim=-1).to(q.dtype)
+    out = tree_sum(probs.float()[..., None] * vf[:, :, None, :, :], dim=-2)
+    return out.to(q.dtype), probs
+
+
+class _Attention(torch.autograd.Function):
+    """Invariant forward; standard attention backward with torch's GEMMs (the rounding of the
+    probabilities to the query dtype is passed straight through, as eager attention does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling):  # type: ignore[override]
+        out, probs = _attention_fwd(q, k, v, mask, scaling)
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.scaling = scaling
+        ctx.mark_non_differentiable(probs)
+        return out, probs
+
+    @staticmethod
+    def backward(ctx, dout, _dprobs):  # type: ignore[override]
+        q, k, v, probs = ctx.saved_tensors
+        p, do = probs.float(), dout.float()
+        dv = p.transpose(-1, -2) @ do
+        dp = do @ v.float().transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scaling
+        dq, dk = ds @ k.float(), ds.transpose(-1, -2) @ q.float()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def attention(
@@ -193,10 +249,5 @@ def attention(
     probabilities are rounded to the query dtype (as eager attention does) and the output is a
     `tree_sum` over keys. Returns ``(out [B, Tq, H, D] in query dtype, probs [B, H, Tq, Tk])``.
     """
-    q, k, v = query.float(), key.float(), value.float()
-    scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, :, :], dim=-1) * scaling
-    if mask is not None:
-        scores = scores + mask.float()
-    probs = softmax(scores, dim=-1).to(query.dtype)
-    out = tree_sum(probs.float()[..., None] * v[:, :, None, :, :], dim=-2)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), probs
+    out, probs = _Attention.apply(query, key, value, mask, scaling)
+    return out.transpose(1, 2).contiguous(), probs

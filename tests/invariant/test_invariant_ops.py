@@ -112,3 +112,21 @@ def test_attention_decode_step_equals_the_full_causal_forward_bit_for_bit():
     ref = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * d**-0.5 + causal, -1)
     ref = (ref @ v.double()).transpose(1, 2)
     assert (full.double() - ref).abs().max().item() < 2.0**-6  # bf16 probabilities and output
+
+
+def test_attention_and_linear_gradients_match_float64_autograd():
+    """The backward uses torch's GEMMs: gradients within bf16 rounding of float64 autograd."""
+    g = torch.Generator().manual_seed(3)
+    b, h, t, d = 2, 2, 7, 64
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    causal = torch.full((t, t), -3.0e38).triu(1)
+    w = torch.randn(17, 64, generator=g) * 0.1
+    ins = [x.clone().requires_grad_() for x in (q, k, v, w)]
+    out, _ = ops.attention(*ins[:3], causal, d**-0.5)
+    ops.linear(out, ins[3]).square().sum().backward()
+    ref = [x.double().clone().requires_grad_() for x in (q, k, v, w)]
+    p = torch.softmax(ref[0] @ ref[1].transpose(-1, -2) * d**-0.5 + causal.double(), -1)
+    ((p @ ref[2]).transpose(1, 2) @ ref[3].t()).square().sum().backward()
+    for got, want in zip(ins, ref, strict=True):
+        err = (got.grad.double() - want.grad).abs().max().item()
+        assert err <= 1e-4 * want.grad.abs().max().item(), err
