@@ -102,3 +102,39 @@ def test_refit_calibration_runs_on_a_tiny_model_on_cpu(bench, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "14 FP8 linears" in out  # 2 layers x 7 linears, all 128-aligned
     assert "refit_quant" in out and "kv_calib" in out
+    for row in ("refit_snapshot", "refit_load_parity", "refit_total"):
+        assert row in out
+    assert "rollback snapshot" in out
+
+
+def test_fp8_linear_times_the_packages_own_layer(bench):
+    """The timed FP8 dataflow is Fp8BlockLinear itself (same outputs and gradients as calling
+    it directly), and the quantization-only variant puts the real GEMM back afterwards."""
+    module = bench("bench_fp8_linear")
+    import nemo_jetrl.fp8.linear as lin_mod
+    from nemo_jetrl.fp8 import Fp8BlockLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 256, generator=g).bfloat16()
+    w = (torch.randn(128, 256, generator=g) * 0.02).bfloat16()
+    dy = torch.randn(128, 128, generator=g).bfloat16()
+    layer = module.fp8_layer(w, True)
+    assert isinstance(layer, Fp8BlockLinear)
+    module.fwd_bwd(layer, x, dy)()
+    got = layer.weight.grad.clone()
+    ref = module.fp8_layer(w, True)
+    xr = x.detach().requires_grad_(True)
+    ref(xr).backward(dy)
+    assert torch.equal(got, ref.weight.grad)
+    real = lin_mod.linear_gemm
+    module.quant_only(layer, x, dy)()
+    assert lin_mod.linear_gemm is real
+
+
+def test_timing_helper_flushes_l2_and_can_replay_a_graph(bench):
+    common = bench("_common")
+    import inspect
+
+    params = inspect.signature(common.bench_ms).parameters
+    assert params["flush_l2"].default is True and params["graph"].default is False
+    assert common._L2_FLUSH_BYTES >= 2 * 60 * 2**20  # twice an H200's L2

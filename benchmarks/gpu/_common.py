@@ -1,4 +1,5 @@
-"""Shared helpers of the GPU benchmarks: CUDA check, CUDA-event timing, table printing.
+"""Shared helpers of the GPU benchmarks: CUDA check, CUDA-event timing (L2 flushed, optional CUDA
+graph), table printing.
 
 The benchmark scripts import this as ``_common`` (their own directory is on ``sys.path`` when run
 as ``python benchmarks/gpu/<script>.py``).
@@ -25,21 +26,63 @@ def require_cuda(script: str) -> None:
         raise SystemExit(2)
 
 
-def cuda_time_ms(fn: Callable[[], object], *, iters: int = 20, warmup: int = 5) -> float:
-    """Median wall time of ``fn()`` in milliseconds, measured with CUDA events per call."""
+_L2_FLUSH_BYTES = 256 << 20  # > 2x the L2 of an H100 (50 MB) / H200 (60 MB)
+
+
+def bench_ms(
+    fn: Callable[[], object],
+    *,
+    iters: int = 50,
+    warmup: int = 10,
+    flush_l2: bool = True,
+    graph: bool = False,
+) -> float:
+    """Median GPU time of one ``fn()`` in milliseconds.
+
+    Each timed call is preceded by a write over a buffer larger than L2 (``flush_l2``: no call
+    finds its inputs in cache from the previous one), and that write also keeps the GPU busy
+    while the host enqueues ``fn``, so CPU launch latency is not counted for single-kernel calls.
+    Events are recorded around every call and read after one final synchronize (no host sync
+    between calls). ``graph=True`` captures ``fn`` in a CUDA graph once (after warm-up) and times
+    replays: for decode-size work where a multi-kernel ``fn`` would otherwise measure its own
+    launch overhead, and the way vLLM runs the serving path.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    call = fn
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # allocations of the capture happen on a side stream first, as torch requires
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        call = g.replay
+        for _ in range(3):
+            call()
+    flush = (
+        torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+    )
+    events = []
     for _ in range(iters):
+        if flush is not None:
+            flush.zero_()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        call()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def cuda_time_ms(fn: Callable[[], object], *, iters: int = 50, warmup: int = 10) -> float:
+    """`bench_ms` with its defaults (L2 flushed, eager): kept for the scripts' call sites."""
+    return bench_ms(fn, iters=iters, warmup=warmup)
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:

@@ -3,15 +3,20 @@
 Shapes are the seven linears of one decoder layer of Llama-3.1-8B and Qwen3-8B(-Base) (q/k/v
 fused as vLLM and Megatron run them, gate/up fused), at ``--tokens`` tokens per micro-batch.
 
-* BF16: ``y = x W^T`` forward, ``dx = dy W`` and ``dW = dy^T x`` backward (cuBLAS).
-* FP8 (ours): the TE ``Float8BlockScaling`` dataflow built from this package's pieces, each on
-  its fast path: Triton quantizers (x and dy 1x128, W 128x128, x and dy 128x1 written
-  transposed for WGrad) and `nemo_jetrl.fp8.dispatch.fp8_gemm` (DeepGEMM or cuBLASLt
-  ``scaled_mm``). Quantization time is included; ``quant_share`` is its fraction.
+* BF16: ``nn.Linear`` forward + backward (cuBLAS: ``y = x W^T``, ``dx = dy W``, ``dW = dy^T x``).
+* FP8 (ours): the package's own training layer, `nemo_jetrl.fp8.Fp8BlockLinear` (what
+  ``convert_to_fp8_training`` swaps in), forward + backward: exactly the quantizations, layouts
+  and GEMM backends the trainer runs, whatever they are at this commit. ``quant_share`` is the
+  time of the same layer with its GEMMs replaced by no-ops (quantization and layout work only).
 * TE FP8 (if transformer_engine imports): ``te.Linear`` under ``fp8_autocast`` with
   ``Float8BlockScaling``, the training-side reference.
-* Serving (the vLLM kernel's forward at ``--serve-tokens`` tokens): unchecked 1x128 quantization
-  (no host sync) + the GEMM backend planned for the layer, and the Triton GEMM for comparison.
+* Serving: the vLLM kernel's forward as the patch registers it
+  (`nemo_jetrl.vllm_patch.kernel`'s activation quantizer + the GEMM backend planned for the
+  layer, and the Triton GEMM for comparison) at ``--serve-tokens`` tokens, captured in a CUDA
+  graph and replayed, as vLLM runs decode.
+
+Every time is the median of CUDA-event-timed calls after warm-up with L2 flushed before each
+call (`_common.bench_ms`).
 
 Usage: python benchmarks/gpu/bench_fp8_linear.py [--tokens 8192] [--iters 20]
 """
@@ -56,54 +61,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_fn(x, w, pow2: bool, backend: str):
-    """The vLLM kernel's forward: unchecked 1x128 quantization + ``run_gemm(backend)``."""
+    """The vLLM kernel's forward: its activation quantizer + ``run_gemm(backend)`` on the layer's
+    FP8 weight, as `nemo_jetrl.vllm_patch.kernel` runs them (no vLLM needed)."""
     from nemo_jetrl.fp8 import quantize_blockwise
-    from nemo_jetrl.fp8.gemm_backends import run_gemm
+    from nemo_jetrl.vllm_patch.kernel import _gemm_impl, _quantize_act_impl
 
     qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
 
     def run():
-        qx = quantize_blockwise(x, (1, 128), pow2_scales=pow2, check_finite=False)
-        return run_gemm(backend, qx, qw, torch.bfloat16)
+        a, a_s = _quantize_act_impl(x, pow2, 0.0)
+        return _gemm_impl(a, a_s, qw.data, qw.scale_inv, torch.bfloat16, pow2, pow2, backend)
 
     return run
 
 
-def fp8_fwd_bwd(x, w, dy, pow2: bool, timings: dict | None = None) -> tuple:
-    """One FP8 forward + backward of ``y = x @ w.T``; returns (y, dx, dw)."""
-    from nemo_jetrl.fp8.dispatch import fp8_gemm
-    from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton as qt
+def fp8_layer(w: torch.Tensor, pow2: bool):
+    """`Fp8BlockLinear` holding ``w`` (the trainer's FP8 layer)."""
+    from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8LinearConfig
 
-    kw = {"pow2_scales": pow2, "check_finite": False}
-    qx = qt(x, (1, 128), **kw)
-    qw = qt(w, (128, 128), **kw)
-    qxc = qt(x, (128, 1), transpose=True, **kw)  # saved for WGrad: [K, M], 1x128 along tokens
-    y = fp8_gemm(qx, qw)
-    qdy = qt(dy, (1, 128), **kw)
-    qwt = type(qw)(qw.data.t().contiguous(), qw.scale_inv.t().contiguous(), qw.block, qw.fmt, pow2)
-    dx = fp8_gemm(qdy, qwt)
-    qdyc = qt(dy, (128, 1), transpose=True, **kw)  # [N, M]
-    dw = fp8_gemm(qdyc, qxc)
-    return y, dx, dw
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return Fp8BlockLinear.from_linear(lin, Fp8LinearConfig(pow2_scales=pow2))
 
 
-def fp8_quant_only(x, w, dy, pow2: bool) -> None:
-    from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton as qt
+def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """One forward + backward through ``layer`` (x needs grad: DGrad runs too)."""
+    xr = x.detach().requires_grad_(True)
 
-    kw = {"pow2_scales": pow2, "check_finite": False}
-    qt(x, (1, 128), **kw)
-    qw = qt(w, (128, 128), **kw)
-    qt(x, (128, 1), transpose=True, **kw)
-    qt(dy, (1, 128), **kw)
-    qw.data.t().contiguous()
-    qt(dy, (128, 1), transpose=True, **kw)
+    def run():
+        layer.zero_grad(set_to_none=True)
+        xr.grad = None
+        layer(xr).backward(dy)
+
+    return run
 
 
-def bf16_fwd_bwd(x, w, dy) -> tuple:
-    y = x @ w.t()
-    dx = dy @ w
-    dw = dy.t() @ x
-    return y, dx, dw
+def quant_only(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """``fwd_bwd`` with the layer's GEMMs replaced by empty outputs of the right shape."""
+    import nemo_jetrl.fp8.linear as lin_mod
+
+    if not callable(getattr(lin_mod, "linear_gemm", None)):
+        raise SystemExit("nemo_jetrl.fp8.linear.linear_gemm is gone: update quant_only")
+
+    def no_gemm(a, b, *, out_dtype=torch.bfloat16, exact=False):
+        return torch.empty(a.data.shape[0], b.data.shape[0], dtype=out_dtype, device=a.data.device)
+
+    inner = fwd_bwd(layer, x, dy)
+
+    def run():
+        real, lin_mod.linear_gemm = lin_mod.linear_gemm, no_gemm
+        try:
+            inner()
+        finally:
+            lin_mod.linear_gemm = real
+
+    return run
 
 
 def te_fwd_bwd_fn(k: int, n: int, x: torch.Tensor, dy: torch.Tensor):
@@ -132,24 +145,25 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     rows = []
     m = args.tokens
+    bench = partial(_common.bench_ms, iters=args.iters)
     for model in args.models:
         for name, n, k in layer_shapes(model):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            bf16 = _common.cuda_time_ms(partial(bf16_fwd_bwd, x, w, dy), iters=args.iters)
-            fp8 = _common.cuda_time_ms(partial(fp8_fwd_bwd, x, w, dy, args.pow2), iters=args.iters)
-            quant = _common.cuda_time_ms(
-                partial(fp8_quant_only, x, w, dy, args.pow2), iters=args.iters
-            )
+            bf16_lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            layer = fp8_layer(w, args.pow2)
+            bf16 = bench(fwd_bwd(bf16_lin, x, dy))
+            fp8 = bench(fwd_bwd(layer, x, dy))
+            quant = bench(quant_only(layer, x, dy))
             te_fn = te_fwd_bwd_fn(k, n, x, dy)
-            te_ms = _common.cuda_time_ms(te_fn, iters=args.iters) if te_fn else None
+            te_ms = bench(te_fn) if te_fn else None
             qx, qw = qt(x[:128], (1, 128)), qt(w, (128, 128))
             qa = qt(dy[:128], (128, 1), transpose=True)
             planned = plan_gemm(x.device, out_dtype=torch.bfloat16, pow2_scales=args.pow2)
             xs = x[: args.serve_tokens]
             serve = {
-                be: _common.cuda_time_ms(serve_fn(xs, w, args.pow2, be), iters=args.iters)
+                be: bench(serve_fn(xs, w, args.pow2, be), graph=True)
                 for be in {planned.backend, "triton"}
             }
             rows.append(
@@ -194,16 +208,22 @@ COLUMNS = (
 
 
 def check_agreement(args: argparse.Namespace) -> float:
-    """Relative Frobenius error of the FP8 fwd/bwd outputs vs BF16 on the first shape."""
+    """Relative Frobenius error of `Fp8BlockLinear`'s y, dx, dW vs BF16 on the first shape."""
     _name, n, k = layer_shapes(args.models[0])[0]
     m = min(args.tokens, 1024)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    errs = []
-    for a, b in zip(fp8_fwd_bwd(x, w, dy, args.pow2), bf16_fwd_bwd(x, w, dy), strict=True):
-        errs.append(float((a.float() - b.float()).norm() / b.float().norm()))
-    return max(errs)
+    outs = []
+    for layer in (fp8_layer(w, args.pow2), fp8_layer(w, args.pow2).to(torch.bfloat16)):
+        xr = x.detach().requires_grad_(True)
+        y = layer(xr) if len(outs) == 0 else torch.nn.functional.linear(xr, layer.weight)
+        y.backward(dy)
+        outs.append((y.detach(), xr.grad, layer.weight.grad))
+    return max(
+        float((a.float() - b.float()).norm() / b.float().norm())
+        for a, b in zip(outs[0], outs[1], strict=True)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

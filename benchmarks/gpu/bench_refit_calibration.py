@@ -4,7 +4,15 @@ Measured in one run on one GPU, for an 8B model built from its config (random we
 does not depend on values):
 
 * ``refit_quant``: `nemo_jetrl.vllm_patch.refit.quantize_state_dict` over every weight of the
-  model (128x128 FP8 for the FP8 linears, guards included; the copy into vLLM is not included).
+  model (128x128 FP8 for the FP8 linears, guards included).
+* ``refit_snapshot``: `nemo_jetrl.vllm_patch.rollback.take_snapshot` (what an all-or-nothing
+  refit saves first) of a module holding exactly the refit's tensors, as the engine's model
+  holds them (FP8 weights, scales, BF16 rest); its bytes are printed.
+* ``refit_load_parity``: each sent tensor copied into that module (the engine's load) and read
+  back and compared byte for byte (the refit's parity check, `refit._differ`), one tensor at a
+  time as `check_parity` does.
+* ``refit_total``: the three above, the refit as the patch runs it with rollback and parity on
+  (the transport between processes is not included).
 * ``kv_calib``: `nemo_jetrl.kvcache.hf.calibrate` (observer forwards over the step's sequences,
   ``--calib-fraction`` of them, then the scale reduction).
 * ``train``: forward + backward of the step's sequences (``--train-seqs`` x ``--seq-len`` tokens)
@@ -76,6 +84,45 @@ def _sync_time(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
+def _engine_stand_in(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose buffers are copies of the refit's tensors (what the engine holds)."""
+    m = torch.nn.Module()
+    for i, t in enumerate(tensors.values()):
+        m.register_buffer(f"t{i}", t.detach().clone())
+    return m
+
+
+def _load_and_compare(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy each tensor in, read it back, compare bytes (the refit's load + parity check)."""
+    from nemo_jetrl.vllm_patch.refit import _differ
+
+    bad = 0
+    for (_, dst), src in zip(model.named_buffers(), tensors.values(), strict=True):
+        dst.copy_(src)
+        bad += _differ(dst.clone(), src, bytewise=True) is not None
+    if bad:
+        raise SystemExit(f"parity stand-in: {bad} tensors differ after a plain copy")
+    return bad
+
+
+def _refit_costs(state: dict[str, torch.Tensor], recipe) -> dict:
+    from nemo_jetrl.vllm_patch.refit import quantize_state_dict
+    from nemo_jetrl.vllm_patch.rollback import take_snapshot
+
+    quant_s, qsd = _sync_time(lambda: quantize_state_dict(state, recipe))
+    engine_model = _engine_stand_in(qsd.tensors)
+    snap_s, snap = _sync_time(lambda: take_snapshot(engine_model))
+    parity_s, _ = _sync_time(lambda: _load_and_compare(engine_model, qsd.tensors))
+    return {
+        "refit_quant_s": quant_s,
+        "refit_snapshot_s": snap_s,
+        "refit_load_parity_s": parity_s,
+        "refit_total_s": quant_s + snap_s + parity_s,
+        "snapshot_GB": snap.nbytes / 1e9,
+        "fp8_layers": len(qsd.fp8_layers),
+    }
+
+
 def measure(args: argparse.Namespace) -> dict:
     from nemo_jetrl._optional import require
 
@@ -83,7 +130,6 @@ def measure(args: argparse.Namespace) -> dict:
     from nemo_jetrl.kvcache import CalibrationSettings
     from nemo_jetrl.kvcache.hf import calibrate
     from nemo_jetrl.recipe import Recipe
-    from nemo_jetrl.vllm_patch.refit import quantize_state_dict
 
     arch = _arch(args)
     recipe = Recipe.preset(args.recipe)
@@ -93,10 +139,8 @@ def measure(args: argparse.Namespace) -> dict:
     with dev:
         model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    quantize_state_dict(state, recipe)  # warm-up (Triton compile)
-    refit_s, qsd = _sync_time(lambda: quantize_state_dict(state, recipe))
-    fp8_layers = len(qsd.fp8_layers)
-    del qsd
+    _refit_costs(state, recipe)  # warm-up (Triton compile, first allocations)
+    refit = _refit_costs(state, recipe)  # its tensors are freed before training is measured
 
     n, t, p = args.train_seqs, args.seq_len, args.prompt_len
     ids = torch.randint(1000, arch.vocab_size - 1000, (n, t), device=dev)
@@ -123,8 +167,7 @@ def measure(args: argparse.Namespace) -> dict:
     mb_s, _ = _sync_time(lambda: [micro(i) for i in range(1, k + 1)])
     train_s = mb_s / k * n
     return {
-        "refit_quant_s": refit_s,
-        "fp8_layers": fp8_layers,
+        **refit,
         "kv_calib_s": calib_s,
         "train_s": train_s,
         "params_B": sum(v.numel() for v in state.values()) / 1e9,
@@ -162,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     step = m["train_s"] + logprob + (rollout or 0.0)
     base = "step" if rollout else "train+logprob only (no rollout time given)"
     rows = []
-    for name in ("refit_quant_s", "kv_calib_s"):
+    for name in ("refit_quant_s", "refit_snapshot_s", "refit_load_parity_s", "refit_total_s",
+                 "kv_calib_s"):  # fmt: skip
         rows.append(
             {
                 "cost": name[:-2],
@@ -173,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     print(
-        f"# {m['params_B']:.2f}B params, {m['fp8_layers']} FP8 linears; train {m['train_s']:.1f}s "
+        f"# {m['params_B']:.2f}B params, {m['fp8_layers']} FP8 linears, rollback snapshot "
+        f"{m['snapshot_GB']:.2f} GB; train {m['train_s']:.1f}s "
         f"(extrapolated), logprob {logprob:.1f}s, rollout "
         f"{f'{rollout:.1f}s' if rollout else 'n/a'}"
     )

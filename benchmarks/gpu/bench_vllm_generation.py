@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=64,
+        help="tokens per sequence of the untimed warm-up generate (max_num_seqs sequences)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--setup", default="bf16", help=argparse.SUPPRESS)
     ap.add_argument("--output-len", type=int, default=4096, help=argparse.SUPPRESS)
@@ -115,6 +121,10 @@ def worker(args: argparse.Namespace) -> dict:
             temperature=1.0,
             seed=0,
         )
+        # Warm-up generate: kernels JIT-compiled or autotuned on first use (DeepGEMM, Triton,
+        # torch.compile graphs per batch size) are paid here, not inside the timed call.
+        warm = SamplingParams(max_tokens=args.warmup_tokens, temperature=1.0, seed=1)
+        llm.generate(prompts[: args.concurrency], warm, use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         seconds = time.perf_counter() - t0
@@ -157,6 +167,8 @@ def run_one(args: argparse.Namespace, setup: str, out_len: int) -> dict:
         str(args.gpu_memory_utilization),
         "--tensor-parallel-size",
         str(args.tensor_parallel_size),
+        "--warmup-tokens",
+        str(args.warmup_tokens),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
