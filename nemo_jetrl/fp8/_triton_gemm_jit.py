@@ -52,7 +52,9 @@ def block_fp8_gemm_kernel(
     pid_n = tl.program_id(1)
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, 128)
+    # int64 like rm/rn: WGrad's transposed views have sak = N_out, sbk = K_in, and k * sak
+    # passes 2**31 at ~150k tokens of a 14336-wide layer (int32 would wrap).
+    rk = tl.arange(0, 128).to(tl.int64)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for t in range(0, tl.cdiv(K, 128)):
         k = t * 128 + rk
