@@ -74,9 +74,11 @@ def report(
         _print_backward(c, out)
     print(file=out)
     if check.on_policy:
-        print("per backend:", file=out)
+        print("per backend (precision):", file=out)
         for b in c.backends:
             print(f"  {b.backend}: {'on' if b.on_policy else 'OFF'}-policy: {b.reason}", file=out)
+    if c.limits:
+        return _print_limits(c, out)
     if c.on_policy:
         print(
             "verdict: ON-POLICY: every rollout tensor equals its training-forward tensor", file=out
@@ -93,6 +95,25 @@ def report(
         f"\n`jetrl align {source} -o OUT.yaml` writes a config whose rollout follows training.",
         file=out,
     )
+    return EXIT_OFF_POLICY
+
+
+def _print_limits(c: Checked, out: TextIO) -> int:
+    """The verdict when the flow is not the whole story (`flow.limits`): never ON-POLICY."""
+    flow = "on-policy" if c.precision_on_policy else "OFF-POLICY"
+    unmodelled, lag = c.limits_of("unmodelled"), c.limits_of("policy_lag")
+    if unmodelled:
+        head = "NOT PROVEN ON-POLICY: precision keys this checker does not model"
+    else:
+        head = f"OFF-POLICY by policy lag (precision flow: {flow})"
+    print(f"verdict: {head}", file=out)
+    for x in (*unmodelled, *lag):
+        print(f"  - {x.message}", file=out)
+        print(f"    keys: {', '.join(x.keys)}", file=out)
+    if unmodelled:
+        print(f"  precision flow of the modelled tensors: {flow}", file=out)
+    if not c.precision_on_policy and c.check.mismatches:
+        _print_mismatches(c, out, edges=False)
     return EXIT_OFF_POLICY
 
 
@@ -174,6 +195,8 @@ def summary(c: Checked) -> dict[str, Any]:
         "model_note": c.arch_note,
         "recipe": c.recipe.to_dict(),
         "on_policy": c.on_policy,
+        "precision_on_policy": c.precision_on_policy,
+        "limits": [{"kind": x.kind, "keys": list(x.keys), "message": x.message} for x in c.limits],
         "backends": [
             {"backend": b.backend, "on_policy": b.on_policy, "reason": b.reason} for b in c.backends
         ],

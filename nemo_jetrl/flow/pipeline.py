@@ -24,6 +24,7 @@ from nemo_jetrl.config import (
 )
 from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
+from nemo_jetrl.flow.limits import VerdictLimit, verdict_limits
 from nemo_jetrl.flow.support import unsupported_issues
 from nemo_jetrl.recipe import Recipe
 
@@ -53,10 +54,23 @@ class Checked:
     backends: tuple[BackendVerdict, ...] = ()
     """The verdict on each backend (`nemo_jetrl.flow.backend`)."""
 
+    limits: tuple[VerdictLimit, ...] = ()
+    """What the flow verdict cannot claim (`nemo_jetrl.flow.limits`): unmodelled precision
+    keys, policy lag."""
+
+    @property
+    def precision_on_policy(self) -> bool:
+        """The flow check passes and holds on every backend (precision only)."""
+        return self.check.on_policy and all(b.on_policy for b in self.backends)
+
     @property
     def on_policy(self) -> bool:
-        """The flow check passes and holds on every backend."""
-        return self.check.on_policy and all(b.on_policy for b in self.backends)
+        """On-policy as far as this package can prove: precision, and nothing it cannot model
+        and no policy lag."""
+        return self.precision_on_policy and not self.limits
+
+    def limits_of(self, kind: str) -> tuple[VerdictLimit, ...]:
+        return tuple(x for x in self.limits if x.kind == kind)
 
     @property
     def allow_off_policy(self) -> bool:
@@ -102,8 +116,9 @@ def check_config(
             "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
         )
     check = check_on_policy(arch, recipe)
+    backends = backend_verdicts(valid.cfg, check)
     return Checked(
-        valid.cfg, recipe, arch, note, valid.issues, check, backend_verdicts(valid.cfg, check)
+        valid.cfg, recipe, arch, note, valid.issues, check, backends, verdict_limits(valid.cfg)
     )
 
 
@@ -114,6 +129,12 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
     check = checked.check
     if checked.allow_off_policy:
         return None
+    unmodelled = checked.limits_of("unmodelled")
+    if unmodelled:
+        return (
+            f"{unmodelled[0].message}. Remove {', '.join(unmodelled[0].keys)} or set "
+            "jetrl.allow_off_policy=true to run it anyway."
+        )
     if check.on_policy:
         off = [b for b in checked.backends if backend and b.backend.startswith(backend)]
         off = [b for b in off if not b.on_policy]
@@ -140,6 +161,7 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
 def run_notes(checked: Checked) -> list[str]:
     """What ``jetrl train`` says before running a config that passed the gate."""
     notes = [checked.arch_note] if checked.arch_note else []
+    notes += [f"off-policy by policy lag: {x.message}" for x in checked.limits_of("policy_lag")]
     if not checked.check.on_policy:
         notes.append(
             f"running off-policy recipe {checked.recipe.name!r} (jetrl.allow_off_policy=true)"
