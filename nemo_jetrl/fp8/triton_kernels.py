@@ -10,6 +10,8 @@ cannot:
 * ``scale = fmax / amax`` uses ``tl.math.div_rn`` (IEEE round-to-nearest). Triton's plain ``/``
   on fp32 lowers to an approximate division on NVIDIA GPUs and would change scales in the last
   bit; the interpreter cannot tell the two apart, so a test checks the kernel source instead.
+  Every launch passes ``enable_reflect_ftz=False`` (`NO_FTZ`) so ``scale_inv = 1/scale`` keeps
+  its subnormal values (amax below ~5e-36) instead of flushing them to zero.
 * power-of-two scales keep only the sign and exponent bits of the fp32 scale (bit mask), which
   is exactly ``2**floor(log2(scale))``.
 * the FP8 cast is done in integer arithmetic (round to nearest, ties to even, normal and
@@ -60,6 +62,11 @@ from nemo_jetrl.fp8.quantize import (
 
 # Kernel "modes": which axes of a tile one scale covers.
 _MODE = {(1, 128): 0, (128, 128): 1, (128, 1): 2}
+# Passed to every launch. Triton's default (enable_reflect_ftz=True) makes libdevice's div_rn /
+# sqrt_rn flush subnormals (div.rn.ftz.f32): 1/scale for amax < ~5e-36 would store +0 where the
+# reference stores a subnormal scale_inv (2.9e-39). The interpreter ignores the option (it never
+# flushes), so a test checks that every launch passes it.
+NO_FTZ = {"enable_reflect_ftz": False}
 SCALE_LAYOUTS = ("compact", "mn_major")
 
 
@@ -235,6 +242,7 @@ def quantize_blockwise_triton(
             EPS=_fp32(eps) if eps > 0 else 0.0,
             POW2=bool(pow2_scales),
             num_warps=warps,
+            **NO_FTZ,
             **_format_constants(f, x.dtype, native_cast),
         )
         if check_finite and not bool(torch.isfinite(s_view).all()):
@@ -306,6 +314,7 @@ def rmsnorm_quantize_1x128(
             EPS=_fp32(eps) if eps > 0 else 0.0,
             POW2=bool(pow2_scales),
             num_warps=4,
+            **NO_FTZ,
             **_format_constants(f, x.dtype, native_cast),
         )
         if check_finite and not bool(torch.isfinite(s_view).all()):

@@ -93,6 +93,12 @@ def _random_input(shape, dtype, seed):
     x[torch.rand(m, k, generator=g) < 0.01] *= 100.0  # outliers
     x[torch.rand(m, k, generator=g) < 0.05] = 0.0
     x[:, : min(k, 128)][: min(m, 40)] = 0.0  # zero 1x128 groups and a mostly-zero 128x128 block
+    if dtype != torch.float16 and m > 60:
+        # amax 1e-37: scale overflows to finfo.max, scale_inv is subnormal (2.9e-39 / 5.9e-39),
+        # which a flush-to-zero division on a GPU would store as +0
+        x[50:60] = x[50:60].sign() * torch.rand(10, k, generator=g, dtype=torch.float64) * 1e-37
+        x[55, : min(k, 128)] = 0.0
+        x[55, 0] = 1e-37
     if m > 130 and k > 130:
         x[128:, 128:256] = 0.0  # a full zero 128x128 block (and 128x1 columns)
     x = x.to(dtype)
@@ -292,6 +298,53 @@ def test_cpu_tensor_without_interpreter_is_refused(monkeypatch):
 
 
 # ------------------------------------------------------------------------- source invariants
+
+
+def test_tiny_amax_keeps_subnormal_scale_inv():
+    """amax = 1e-37: 1/scale is subnormal; the reference (and TE) store it, never +0."""
+    x = torch.zeros(2, 128)
+    x[:, 5] = 1e-37
+    for pow2, want in ((False, 1 / torch.finfo(torch.float32).max), (True, 2.0**-127)):
+        got = _triton(x.to(DEVICE), (1, 128), pow2_scales=pow2).scale_inv.cpu()
+        ref = quantize_blockwise(x, (1, 128), pow2_scales=pow2).scale_inv
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+        assert 0 < float(ref[0, 0]) < torch.finfo(torch.float32).tiny
+        assert float(ref[0, 0]) == pytest.approx(want, rel=1e-6)
+
+
+class _LaunchSpy:
+    """Stands in for a jitted kernel: records each launch's keyword arguments, then launches."""
+
+    def __init__(self, kernel, seen: list) -> None:
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_every_quantizer_launch_disables_ftz(monkeypatch):
+    """The interpreter never flushes subnormals, so check the launch option itself."""
+    import nemo_jetrl.fp8._triton_jit as jit_module
+    from nemo_jetrl.fp8.triton_kernels import rmsnorm_quantize_1x128
+
+    seen: list = []
+    for name in ("quantize_kernel", "rmsnorm_quantize_kernel"):
+        monkeypatch.setattr(jit_module, name, _LaunchSpy(getattr(jit_module, name), seen))
+    x = torch.randn(130, 256).to(torch.bfloat16).to(DEVICE)
+    for block in BLOCKS:
+        _triton(x, block)
+    _triton(x, (128, 1), transpose=True, check_finite=False)
+    rmsnorm_quantize_1x128(x, torch.ones(256, dtype=torch.bfloat16, device=DEVICE))
+    assert len(seen) == 5
+    assert all(kw.get("enable_reflect_ftz") is False for kw in seen), seen
+    # the option still exists under that name in the installed Triton's CUDA backend
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    assert "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__
 
 
 def test_kernels_use_ieee_division_only():
