@@ -16,7 +16,15 @@ import os
 import pytest
 import torch
 from hf_models import char_tokenizer, tiny_llama_128
-from vllm_fixtures import vllm_cpu_env
+from vllm_fixtures import (
+    FP8_GAP_FLOOR,
+    FP8_GAP_PER_BF16_GAP,
+    bf16_recipe_gap,
+    fp8_gap_bound,
+    hf_logprobs,
+    logprob_gap,
+    vllm_cpu_env,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -108,7 +116,9 @@ def test_rollout_engine_generate_api(rollout):
 
 
 def test_generation_with_per_token_logprobs_matches_fp8_trainer(engine, model_dir, recipe):
-    """Each generated token carries a logprob, and it agrees with the trainer's FP8 forward."""
+    """Each generated token carries a logprob, and it agrees with the trainer's FP8 forward as
+    closely as the BF16 recipe's engine agrees with the BF16 trainer allows (control measured
+    here, on this CPU: vllm_fixtures.fp8_gap_bound)."""
     from nemo_jetrl.fp8.config import Fp8LinearConfig
     from nemo_jetrl.fp8.convert import convert_to_fp8_training
 
@@ -117,6 +127,8 @@ def test_generation_with_per_token_logprobs_matches_fp8_trainer(engine, model_di
     lps = _token_logprobs(out)
     assert all(len(t) == MAX_TOKENS for t in lps)
     assert all(math.isfinite(v) and v <= 0.0 for t in lps for v in t)
+    tok = char_tokenizer()
+    assert all(tok.decode(o.outputs[0].token_ids) == o.outputs[0].text for o in out)
 
     # Trainer side: the same checkpoint under nemo_jetrl.fp8's FP8 linears (same quantizer; the
     # attention/norm/GEMM kernels differ, so logprobs agree to a tolerance), and in plain BF16.
@@ -125,27 +137,26 @@ def test_generation_with_per_token_logprobs_matches_fp8_trainer(engine, model_di
         fp8_trainer, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
     )
     bf16_trainer = tiny_llama_128(0)
-    tok = char_tokenizer()
-    diff_fp8, diff_bf16 = 0.0, 0.0
-    for o, engine_lps in zip(out, lps, strict=True):
-        assert tok.decode(o.outputs[0].token_ids) == o.outputs[0].text
-        eng = torch.tensor(engine_lps)
-        diff_fp8 = max(diff_fp8, float((eng - _hf_logprobs(fp8_trainer, o)).abs().max()))
-        diff_bf16 = max(diff_bf16, float((eng - _hf_logprobs(bf16_trainer, o)).abs().max()))
-    # Measured on this model: ~0.12 nats to the FP8 trainer, ~0.39 to the BF16 one (BF16 rounding
-    # differences upstream of an FP8 cast flip some FP8 values). The FP8 trainer must be clearly
-    # closer, and within a quarter nat.
-    assert diff_fp8 < 0.25, f"engine vs FP8 trainer logprobs differ by {diff_fp8}"
-    assert diff_fp8 < 0.6 * diff_bf16, (diff_fp8, diff_bf16)
+    diff_fp8, diff_bf16 = logprob_gap(out, fp8_trainer), logprob_gap(out, bf16_trainer)
+    # Control: the BF16 recipe through the same kind of engine against the BF16 trainer.
+    control = bf16_recipe_gap(model_dir, USER_KWARGS, _generate, bf16_trainer)
+    bound = fp8_gap_bound(control)
+    print(f"engine vs FP8 trainer {diff_fp8:.4f} nats; BF16 recipe control {control:.4f}")
+    assert diff_fp8 < bound, (
+        f"engine vs FP8 trainer logprobs differ by {diff_fp8:.4f} nats, more than {bound:.4f} "
+        f"= {FP8_GAP_PER_BF16_GAP} x the BF16 recipe's engine-vs-trainer gap {control:.4f} "
+        f"+ {FP8_GAP_FLOOR}"
+    )
+    # And the FP8 trainer is clearly closer than the BF16 one (measured: ~0.12-0.27 against
+    # ~0.23-0.62 nats, the FP8 quantization error itself), i.e. the engine is on-policy.
+    assert diff_fp8 < 0.6 * diff_bf16, (
+        f"engine vs FP8 trainer {diff_fp8:.4f} nats is not clearly below engine vs BF16 trainer "
+        f"{diff_bf16:.4f}"
+    )
 
 
-def _hf_logprobs(model, o) -> torch.Tensor:
-    n = len(o.prompt_token_ids)
-    ids = torch.tensor([list(o.prompt_token_ids) + list(o.outputs[0].token_ids)])
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-    logp = torch.log_softmax(logits[0, n - 1 : -1], dim=-1)
-    return logp.gather(1, torch.tensor(o.outputs[0].token_ids)[:, None])[:, 0]
+# The HF side of every engine-vs-trainer comparison (kept under this name for other modules).
+_hf_logprobs = hf_logprobs
 
 
 def test_two_refits_change_outputs_and_pass_parity(engine, recipe):
