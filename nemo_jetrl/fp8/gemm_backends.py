@@ -165,13 +165,21 @@ def decide(
     kind: str = "fprop",
     fmts: tuple[str, str] = ("e4m3", "e4m3"),
     forced: str = "auto",
+    excluded: tuple[tuple[str, str], ...] = (),
 ) -> GemmPlan:
-    """The backend for these inputs (pure function of its arguments; see the module docstring)."""
+    """The backend for these inputs (pure function of its arguments; see the module docstring).
+    ``excluded``: ``(backend, why)`` pairs the caller rules out (e.g. the serving engine's own
+    settings or shape rules); they are skipped, and a forced one is refused with ``why``."""
     if kind not in GEMM_KINDS:
         raise GemmBackendError(f"GEMM operand kind must be one of {GEMM_KINDS}, got {kind!r}")
     args = (caps, out_dtype, pow2_scales, kind, fmts)
+    ruled_out = dict(excluded)
+
+    def why_not(backend: str) -> str | None:
+        return ruled_out.get(backend) or _why_not(backend, *args)
+
     if forced != "auto":
-        why = _why_not(forced, *args)
+        why = why_not(forced)
         if why is not None:
             raise GemmBackendError(
                 f"FP8 GEMM backend {forced!r} was requested ({ENV_GEMM_BACKEND} or backend=) but "
@@ -182,7 +190,7 @@ def decide(
         return GemmPlan("reference", "CPU operands: the torch reference")
     reasons = []
     for backend in ("deep_gemm", "scaled_mm", "triton"):
-        why = _why_not(backend, *args)
+        why = why_not(backend)
         if why is None:
             return GemmPlan(backend, "first runnable of deep_gemm, scaled_mm, triton")
         reasons.append(f"{backend}: {why}")
@@ -208,10 +216,16 @@ def forced_backend(backend: str | None = None) -> str:
 
 
 @functools.cache
-def _plan_cached(device, out_dtype, pow2_scales, kind, fmts, forced) -> GemmPlan:
+def _plan_cached(device, out_dtype, pow2_scales, kind, fmts, forced, excluded) -> GemmPlan:
     caps = device_caps(device)
     plan = decide(
-        caps, out_dtype=out_dtype, pow2_scales=pow2_scales, kind=kind, fmts=fmts, forced=forced
+        caps,
+        out_dtype=out_dtype,
+        pow2_scales=pow2_scales,
+        kind=kind,
+        fmts=fmts,
+        forced=forced,
+        excluded=excluded,
     )
     if plan.backend == "triton":  # its value tables must exist before any CUDA graph capture
         from nemo_jetrl.fp8.triton_gemm import prepare
@@ -228,13 +242,17 @@ def plan_gemm(
     kind: str = "fprop",
     fmts: tuple[str, str] = ("e4m3", "e4m3"),
     backend: str | None = None,
+    excluded: tuple[tuple[str, str], ...] = (),
 ) -> GemmPlan:
-    """Choose the GEMM backend for operands on ``device`` (raises `GemmBackendError` if none)."""
+    """Choose the GEMM backend for operands on ``device`` (raises `GemmBackendError` if none);
+    ``excluded`` as in `decide`."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     forced = forced_backend(backend)
-    return _plan_cached(device, out_dtype, bool(pow2_scales), kind, tuple(fmts), forced)
+    return _plan_cached(
+        device, out_dtype, bool(pow2_scales), kind, tuple(fmts), forced, tuple(excluded)
+    )
 
 
 def pair_kind(a: BlockQuantized, b: BlockQuantized) -> str | None:

@@ -151,11 +151,16 @@ def make_kernel_class(settings: PatchSettings) -> type:
             # The GEMM backend, decided here once for this layer (see kernel.py's docstring).
             self._plan_gemm(_serving_device())
 
-        def _plan_gemm(self, device: torch.device) -> None:
+        def _plan_gemm(self, device: torch.device, shape: tuple[int, int] | None = None) -> None:
             config = self.config
+            shape = shape or getattr(config, "weight_shape", None)
             try:
                 plan = plan_gemm(
-                    device, out_dtype=config.out_dtype, pow2_scales=pow2 and w_pow2, kind="fprop"
+                    device,
+                    out_dtype=config.out_dtype,
+                    pow2_scales=pow2 and w_pow2,
+                    kind="fprop",
+                    excluded=serving_exclusions(shape, device),
                 )
             except GemmBackendError as exc:
                 shape = getattr(config, "weight_shape", "?")
@@ -197,10 +202,9 @@ def make_kernel_class(settings: PatchSettings) -> type:
                     f"weight_scale_inv {tuple(s.shape)} {s.dtype}; expected float8_e4m3fn and "
                     f"fp32 scales of shape {want}"
                 )
-            if w.device != self.jetrl_gemm_device:
-                # Weights kept elsewhere than the worker's device (e.g. offloaded): plan for
-                # where they are, still once per layer, at load time.
-                self._plan_gemm(w.device)
+            # Plan again with the real shape (vLLM's config may lack it) and where the weights
+            # are (e.g. offloaded), still once per layer, at load time.
+            self._plan_gemm(w.device, (n, k))
             layer.jetrl_gemm_backend = self.jetrl_gemm_backend
 
         def apply_block_scaled_mm(self, A, B, As, Bs):  # type: ignore[no-untyped-def]
@@ -236,6 +240,32 @@ def make_kernel_class(settings: PatchSettings) -> type:
 
     setattr(JetRLFp8BlockLinearKernel, MARKER, True)
     return JetRLFp8BlockLinearKernel
+
+
+# vLLM runs a block-FP8 linear on DeepGEMM only for these weight multiples
+# (vllm.utils.deep_gemm.should_use_deepgemm_for_fp8_linear in 0.20 to 0.33).
+DEEP_GEMM_N_MULTIPLE, DEEP_GEMM_K_MULTIPLE = 64, 128
+
+
+def serving_exclusions(
+    shape: tuple[int, int] | None, device: torch.device
+) -> tuple[tuple[str, str], ...]:
+    """GEMM backends vLLM itself would not run for this layer (``plan_gemm(excluded=...)``):
+    DeepGEMM when the engine's ``VLLM_USE_DEEP_GEMM`` is off, or when the weight's N is not a
+    multiple of 64 or K of 128. Off CUDA nothing is excluded (the reference runs there)."""
+    if torch.device(device).type != "cuda":
+        return ()
+    if not compat.vllm_env("VLLM_USE_DEEP_GEMM"):
+        return (("deep_gemm", "VLLM_USE_DEEP_GEMM=0 in this vLLM process"),)
+    if shape is not None:
+        n, k = shape
+        if n % DEEP_GEMM_N_MULTIPLE or k % DEEP_GEMM_K_MULTIPLE:
+            why = (
+                f"weight [{n}, {k}]: vLLM runs DeepGEMM linears only with N % "
+                f"{DEEP_GEMM_N_MULTIPLE} == 0 and K % {DEEP_GEMM_K_MULTIPLE} == 0"
+            )
+            return (("deep_gemm", why),)
+    return ()
 
 
 def fp8_block_registry() -> dict:

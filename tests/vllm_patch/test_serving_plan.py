@@ -1,0 +1,55 @@
+"""The serving GEMM plan follows vLLM's own rules (issue 29 point 5): DeepGEMM is never planned
+when the engine runs with VLLM_USE_DEEP_GEMM=0 or for weights vLLM would not give DeepGEMM
+(N % 64, K % 128); the next backend is chosen, or a forced DeepGEMM is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_jetrl.fp8.gemm_backends import DeviceCaps, GemmBackendError, decide
+from nemo_jetrl.vllm_patch import compat, kernel
+
+H100 = DeviceCaps(cuda=True, sm=(9, 0), deep_gemm=True, scaled_mm=True, triton=True)
+CUDA = torch.device("cuda", 0)
+
+
+def _plan(excluded, forced="auto"):
+    return decide(H100, out_dtype=torch.bfloat16, pow2_scales=True, forced=forced,
+                  excluded=excluded)  # fmt: skip
+
+
+@pytest.fixture
+def deep_gemm_env(monkeypatch):
+    state = {"VLLM_USE_DEEP_GEMM": True}
+    monkeypatch.setattr(compat, "vllm_env", lambda name: state[name])
+    return state
+
+
+def test_deep_gemm_is_planned_for_aligned_weights_when_enabled(deep_gemm_env):
+    assert kernel.serving_exclusions((4096, 4096), CUDA) == ()
+    assert _plan(kernel.serving_exclusions((4096, 4096), CUDA)).backend == "deep_gemm"
+
+
+def test_vllm_use_deep_gemm_0_moves_the_plan_to_the_next_backend(deep_gemm_env):
+    deep_gemm_env["VLLM_USE_DEEP_GEMM"] = False
+    ex = kernel.serving_exclusions((4096, 4096), CUDA)
+    assert ex and ex[0][0] == "deep_gemm" and "VLLM_USE_DEEP_GEMM=0" in ex[0][1]
+    assert _plan(ex).backend == "scaled_mm"
+    with pytest.raises(GemmBackendError, match="VLLM_USE_DEEP_GEMM=0"):
+        _plan(ex, forced="deep_gemm")
+
+
+@pytest.mark.parametrize("shape", [(4160 + 32, 4096), (4096, 4096 + 64)])
+def test_shapes_vllm_keeps_off_deep_gemm_are_kept_off(deep_gemm_env, shape):
+    ex = kernel.serving_exclusions(shape, CUDA)
+    assert ex and "N % 64 == 0 and K % 128 == 0" in ex[0][1]
+    assert _plan(ex).backend == "scaled_mm"
+
+
+def test_cpu_serving_excludes_nothing_and_never_asks_vllm(monkeypatch):
+    def boom(name):
+        raise AssertionError("vLLM's env read on CPU")
+
+    monkeypatch.setattr(compat, "vllm_env", boom)
+    assert kernel.serving_exclusions((100, 100), torch.device("cpu")) == ()
