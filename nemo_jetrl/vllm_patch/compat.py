@@ -37,6 +37,9 @@ the same in shape but differ in a few details, which are handled here and nowher
   layerwise reload (``vllm.model_executor.model_loader.reload``, 0.20 and 0.32): parameters are
   restored to their checkpoint shapes, loaded, processed again (repacked), then copied back into
   the original storage, so parameter identity is kept and every derived copy is rebuilt.
+* **KV cache** (``kv_cache_tensors``): each layer's ``kv_cache`` attribute (0.20/0.25: set by
+  ``v1/worker/utils.py``; 0.32/0.33: ``AttentionLayerBase.bind_kv_cache``) and the model runner's
+  ``kv_caches`` list (all lines). The refit rollback must never read them (sleep mode unmaps them).
 * **What this CPU can run** (``cpu_fp8_kv_cache``, ``cpu_vllm_block_fp8_kernels``): the answers
   come from vLLM's own code (its CPU attention's ISA choice, its kernels' ``is_supported``).
 * **KV cache dtype actually used.** vLLM 0.25/0.32's CPU backend refuses an FP8 KV cache it cannot
@@ -173,6 +176,37 @@ def kernel_base_classes() -> tuple[type, type]:
     return Fp8BlockScaledMMLinearKernel, MMLinearKernel
 
 
+# -- where the KV cache lives (never part of a refit's state) ------------------------------------
+
+# The attribute each attention (and mamba) layer's cache is bound to: 0.20/0.25
+# ``v1/worker/utils.py`` ``bind_kv_cache`` sets it on the layer; 0.32/0.33 through
+# ``AttentionLayerBase.bind_kv_cache`` (a tensor; mamba layers a tuple of views of one buffer).
+KV_CACHE_ATTR = "kv_cache"
+# The model runner's list of every layer's cache (``GPUModelRunner.kv_caches``, which the CPU
+# runner inherits; filled by ``bind_kv_cache`` in all supported lines).
+RUNNER_KV_CACHES_ATTR = "kv_caches"
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def kv_cache_tensors(model: torch.nn.Module, runner: Any = None) -> list[torch.Tensor]:
+    """The tensor objects that hold the KV cache: every module's ``kv_cache`` and the runner's
+    ``kv_caches``. Only collected, never read: with vLLM's sleep mode their memory may be
+    unmapped while a colocated refit runs."""
+    found = [t for m in model.modules() for t in _tensors_in(m.__dict__.get(KV_CACHE_ATTR))]
+    if runner is not None:
+        found += _tensors_in(getattr(runner, RUNNER_KV_CACHES_ATTR, None))
+    return found
+
+
 # -- attention KV scales ----------------------------------------------------------------------
 
 
@@ -221,6 +255,23 @@ def vllm_env(name: str) -> Any:
             f"nemo_jetrl supports vLLM {supported_range()}"
         )
     return parsers[name]()
+
+
+def deep_gemm_warmup_m_values(weight: torch.Tensor) -> list[int]:
+    """The token counts vLLM's own DeepGEMM warm-up runs for a linear of this weight (its
+    ``VLLM_DEEP_GEMM_WARMUP`` mode: ``skip`` none, ``relax`` a covering subset, ``full`` every M
+    up to ``max_num_batched_tokens``), so our layers are compiled before serving, not during it.
+    Read from vLLM 0.20-0.33's ``model_executor.warmup.deep_gemm_warmup`` and current config."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.model_executor.warmup import deep_gemm_warmup as dgw
+
+    if vllm_env("VLLM_DEEP_GEMM_WARMUP") == "skip":
+        return []
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        raise RuntimeError("no current vLLM config: DeepGEMM warm-up runs during model loading")
+    max_tokens = int(config.scheduler_config.max_num_batched_tokens)
+    return [int(m) for m in dgw._get_fp8_gemm_nt_m_values(weight, max_tokens)]
 
 
 def shutdown_engine(llm: Any) -> None:

@@ -206,6 +206,8 @@ def make_kernel_class(settings: PatchSettings) -> type:
             # are (e.g. offloaded), still once per layer, at load time.
             self._plan_gemm(w.device, (n, k))
             layer.jetrl_gemm_backend = self.jetrl_gemm_backend
+            if self.jetrl_gemm_backend == "deep_gemm":
+                warm_up_gemm(w, s, self.config.out_dtype, pow2, w_pow2, "deep_gemm")
 
         def apply_block_scaled_mm(self, A, B, As, Bs):  # type: ignore[no-untyped-def]
             return ops.fp8_block_gemm(
@@ -266,6 +268,30 @@ def serving_exclusions(
             )
             return (("deep_gemm", why),)
     return ()
+
+
+def warm_up_gemm(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    a_pow2: bool,
+    w_pow2: bool,
+    backend: str,
+) -> int:
+    """Run the layer's GEMM once for every token count vLLM's own DeepGEMM warm-up covers
+    (`compat.deep_gemm_warmup_m_values`): vLLM warms only its own DeepGEMM kernel class, so
+    without this our layers would JIT-compile in the middle of the first rollouts. Zero
+    activations with unit scales; returns how many GEMMs ran."""
+    m_values = compat.deep_gemm_warmup_m_values(weight)
+    if not m_values:
+        return 0
+    k = weight.shape[1]
+    kb = -(-k // ACT_BLOCK[1])
+    a = torch.zeros(max(m_values), k, dtype=torch.float8_e4m3fn, device=weight.device)
+    a_s = torch.ones(max(m_values), kb, dtype=torch.float32, device=weight.device)
+    for m in m_values:
+        _gemm_impl(a[:m], a_s[:m], weight, scale_inv, out_dtype, a_pow2, w_pow2, backend)
+    return len(m_values)
 
 
 def fp8_block_registry() -> dict:

@@ -53,3 +53,35 @@ def test_cpu_serving_excludes_nothing_and_never_asks_vllm(monkeypatch):
 
     monkeypatch.setattr(compat, "vllm_env", boom)
     assert kernel.serving_exclusions((100, 100), torch.device("cpu")) == ()
+
+
+def test_warm_up_runs_the_layers_gemm_for_each_token_count(monkeypatch):
+    """The warm-up calls the serving GEMM once per M that vLLM's DeepGEMM warm-up covers (here
+    on CPU through the reference backend; on a GPU the same calls JIT-compile DeepGEMM)."""
+    from nemo_jetrl.fp8 import quantize_blockwise
+
+    calls = []
+    real = kernel._gemm_impl
+
+    def spy(a, *rest):
+        calls.append(a.shape[0])
+        return real(a, *rest)
+
+    monkeypatch.setattr(compat, "deep_gemm_warmup_m_values", lambda w: [1, 3, 8])
+    monkeypatch.setattr(kernel, "_gemm_impl", spy)
+    qw = quantize_blockwise(torch.randn(256, 384), (128, 128))
+    n = kernel.warm_up_gemm(qw.data, qw.scale_inv, torch.bfloat16, True, True, "reference")
+    assert n == 3 and calls == [1, 3, 8]
+    monkeypatch.setattr(compat, "deep_gemm_warmup_m_values", lambda w: [])
+    assert kernel.warm_up_gemm(qw.data, qw.scale_inv, torch.bfloat16, True, True, "x") == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("mode", "expect"), [("skip", []), ("full", list(range(1, 65)))])
+def test_warm_up_token_counts_come_from_vllms_own_rules(monkeypatch, mode, expect):
+    vllm_config = pytest.importorskip("vllm.config")
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", mode)
+    cfg = vllm_config.VllmConfig()
+    cfg.scheduler_config.max_num_batched_tokens = 64
+    with vllm_config.set_current_vllm_config(cfg):
+        assert compat.deep_gemm_warmup_m_values(torch.empty(256, 128)) == expect
