@@ -137,6 +137,9 @@ def make_kernel_class(settings: PatchSettings) -> type:
     Fp8BlockScaledMMLinearKernel, MMLinearKernel = compat.kernel_base_classes()
     ops = ensure_ops()
     pow2, w_pow2, eps = settings.pow2_activation_scales, settings.pow2_weight_scales, settings.eps
+    # GEMM signatures already warmed by this patch's layers: once per shape, as vLLM does, and
+    # never again when a refit reloads weights through process_weights_after_loading.
+    warmed: set[tuple[Any, ...]] = set()
 
     class JetRLFp8BlockLinearKernel(Fp8BlockScaledMMLinearKernel):
         """Block-FP8 linear with activations quantized by nemo_jetrl.fp8 (see kernel.py)."""
@@ -206,8 +209,10 @@ def make_kernel_class(settings: PatchSettings) -> type:
             # are (e.g. offloaded), still once per layer, at load time.
             self._plan_gemm(w.device, (n, k))
             layer.jetrl_gemm_backend = self.jetrl_gemm_backend
-            if self.jetrl_gemm_backend == "deep_gemm":
+            key = (n, k, str(w.device), self.config.out_dtype, self.jetrl_gemm_backend)
+            if self.jetrl_gemm_backend == "deep_gemm" and key not in warmed:
                 warm_up_gemm(w, s, self.config.out_dtype, pow2, w_pow2, "deep_gemm")
+                warmed.add(key)
 
         def apply_block_scaled_mm(self, A, B, As, Bs):  # type: ignore[no-untyped-def]
             return ops.fp8_block_gemm(
