@@ -18,7 +18,8 @@ from nemo_jetrl.recipe import Recipe
 def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
     """Nested dict of the NeMo-RL and `jetrl:` keys that express `recipe` (merge into a config).
 
-    The inverse of `recipe_from_config` for every field a config can express.
+    The inverse of `recipe_from_config` for every field a config can express that changes numbers
+    (a BF16 rollout's scale flags are not written: they have no effect there).
     """
     t, ro = recipe.train, recipe.rollout
     fp32 = not (t.pow2_weight_scales and t.pow2_activation_scales)
@@ -69,11 +70,21 @@ def vllm_cfg_for(recipe: Recipe, unquantized_precision: str = "bfloat16") -> dic
     # Under our patch the weights' rule covers activations too and NeMo-RL's own activation
     # patch stays off (see `read_recipe`).
     patched = ro.fp8_linears and ro.quantizer == "jetrl"
+    # A BF16 rollout has no scales: its pow2 keys are left as the config has them (writing
+    # pow2_activation_scaling_factors=true would arm NeMo-RL v0.7.0's own activation patch,
+    # which crashes vLLM start-up there once FP8 is turned on).
+    scales = (
+        {
+            "pow2_weight_scaling_factors": ro.pow2_weight_scales,
+            "pow2_activation_scaling_factors": ro.pow2_activation_scales and not patched,
+        }
+        if ro.fp8_linears
+        else {}
+    )
     return {
         "precision": "fp8" if ro.fp8_linears else unquantized_precision,
         "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
-        "pow2_weight_scaling_factors": ro.pow2_weight_scales,
-        "pow2_activation_scaling_factors": ro.pow2_activation_scales and not patched,
+        **scales,
         "num_first_layers_in_bf16": ro.bf16_first_layers,
         "num_last_layers_in_bf16": ro.bf16_last_layers,
         "use_deep_gemm": ro.use_deep_gemm,

@@ -21,7 +21,7 @@ from nemo_jetrl.config import (
     recipe_to_config_updates,
     validate,
 )
-from nemo_jetrl.recipe import PRESET_NAMES, Recipe
+from nemo_jetrl.recipe import PRESET_NAMES, Recipe, preset_differences
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "configs"
@@ -536,7 +536,18 @@ def test_preset_round_trips_through_config_keys(name):
     preset = Recipe.preset(name)
     cfg = merge_updates(cfg_with(), recipe_to_config_updates(preset))
     assert errors(validate(cfg)) == []
-    assert recipe_from_config(cfg) == preset
+    back = recipe_from_config(cfg)
+    assert preset_differences(back, preset) == []
+    if preset.rollout.fp8_linears:  # a BF16 rollout's scale flags are not written (no effect)
+        assert back == preset
+
+
+def test_align_of_a_bf16_rollout_never_arms_nemo_rls_activation_patch():
+    """pow2_activation_scaling_factors=true turns on NeMo-RL v0.7.0's own activation patch
+    (crashes its vLLM start-up with FP8); a BF16 rollout must not get it from align."""
+    cfg = cfg_with()
+    upd = minimal_updates(cfg, recipe_to_config_updates(Recipe.preset("bf16")))
+    assert not any("pow2_" in k for k in upd), upd
 
 
 def test_minimal_updates_skip_what_already_holds():
