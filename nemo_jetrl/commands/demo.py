@@ -1,20 +1,23 @@
-"""`jetrl demo [--out DIR] [--steps N]`: the end-to-end comparison on CPU (the README's main job).
+"""`jetrl demo [--seed N] [--n-seeds K]`: the end-to-end comparison on CPU (the README's main job).
 
 Runs the same short GRPO job on the embedded local backend under the recipes ``bf16``,
 ``fp8_rollout`` (BF16 training + FP8 rollout with vLLM's own quantizer: off-policy), ``jetrl``
-(unified FP8 flow) and ``jetrl_kv`` (jetrl + FP8 KV cache with on-policy KV), all from the same
-cached warm start, then compares them (`nemo_jetrl.runs.report.compare_runs`). It prints first
-what the demo is about (`nemo_jetrl.commands._demo_report`): per recipe the validation accuracy of
-the first and last evaluation and the mean ``token_mult_prob_error`` / ``gen_kl_error``, then the
-demo's claims as measured pass/fail lines, then the full metric table; it writes
-``OUT/compare/summary.png`` (accuracy, reward and both mismatch metrics on one page),
-summary.json/csv and one PNG per metric under ``OUT/compare``. Each run directory
-(``OUT/runs/<recipe>``) is a NeMo-RL-layout log dir that `jetrl compare` and TensorBoard read.
+(unified FP8 flow) and ``jetrl_kv`` (jetrl + FP8 KV cache with on-policy KV), once per GRPO seed.
+One run's validation gain depends on its seed more than on the recipe (0.0-0.6, issue 25), so
+``--seed`` is a base seed: `nemo_jetrl.commands._demo_stats.derive_seeds` derives from it one
+warm-start seed (the warm start every run shares, cached) and K GRPO seeds, and every claim is
+computed over the K runs (`nemo_jetrl.commands._demo_report`: mean, sd and 95% interval of the
+gain; paired differences; mismatch on every step, recomputed in float64 from the train data).
+It prints per recipe the accuracy first -> last and the mismatch, then the claims as measured
+ok / NOT MET lines; it writes ``OUT/compare/summary.png`` (`nemo_jetrl.commands._demo_plot`),
+the full metric table (``OUT/compare/table.txt``), summary.json/csv and one PNG per metric.
+Each run directory (``OUT/runs/<recipe>/seed-<S>``) is a NeMo-RL-layout log dir that
+`jetrl compare` and TensorBoard read.
 
-The base config is the packaged ``local_base.yaml`` (same as examples/configs/local/base.yaml);
-each recipe's keys come from `nemo_jetrl.config.recipe_to_config_updates`, so the demo runs
-exactly what ``jetrl check`` would judge. ``--study length`` runs the answer-length study of
-`nemo_jetrl.commands._demo_study` instead.
+The base config is the packaged ``local_base.yaml`` (same as examples/configs/local/base.yaml)
+plus `DEMO_SETTINGS`; each recipe's keys come from `nemo_jetrl.config.recipe_to_config_updates`,
+so the demo runs exactly what ``jetrl check`` would judge. ``--study length`` runs the
+answer-length study of `nemo_jetrl.commands._demo_study` instead.
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ DEFAULT_RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
 # Settings a recipe file adds beyond the Recipe itself (examples/configs/recipes/*.yaml):
 # the off-policy recipe ships with NeMo-RL's importance-sampling correction on.
 RECIPE_EXTRAS = {"fp8_rollout": {"loss_fn.use_importance_sampling_correction": True}}
+DEFAULT_SEED = 42
+DEFAULT_N_SEEDS = 6
+# fp8_rollout's and jetrl_kv's claims are about every step (mismatch), not about learning, so
+# they run on the first MISMATCH_SEEDS GRPO seeds only; bf16 and jetrl, whose learning the demo
+# judges over seeds, run on all --n-seeds (time: docs/local_backend.md).
+MISMATCH_ONLY = ("fp8_rollout", "jetrl_kv")
+MISMATCH_SEEDS = 2
+VAL_SIZE = 256
+# What the demo changes in the base config, before --set: a demo has nothing to resume, and 256
+# validation problems (evaluated at the first and the last step: `_val_period`) instead of 64
+# (5 evaluations) halve the accuracy's sampling noise (binomial sd 0.03 instead of 0.06).
+DEMO_SETTINGS = ("checkpointing.enabled=false", f"jetrl.local.task.val_size={VAL_SIZE}")
+SEED_KEYS = ("grpo.seed", "jetrl.local.warmstart.seed")  # derived from --seed, never --set
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +75,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="extra config override applied to every run (repeatable)",
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help="base seed: the warm-start seed and the GRPO seeds are derived from it "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--n-seeds",
+        type=int,
+        default=DEFAULT_N_SEEDS,
+        help="GRPO seeds for bf16 and jetrl, whose learning is judged over them; fp8_rollout "
+        f"and jetrl_kv run on the first {MISMATCH_SEEDS} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="runs at once, one process each (default: %(default)s, at most 2 of this "
+        "machine's CPUs)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
         "--study",
@@ -80,7 +117,8 @@ def base_config_path() -> Path:
 
 
 def recipe_config(recipe: str, out: Path, overrides: list[str]):
-    """The full config of one demo run (base + recipe keys + overrides)."""
+    """The full config of one demo run (base + recipe keys + overrides; the log dir defaults to
+    ``OUT/runs/<recipe>``, a ``logger.log_dir=`` among ``overrides`` replaces it)."""
     from nemo_jetrl.config import (
         apply_overrides,
         load_config,
@@ -108,8 +146,21 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--recipes: unknown {bad or 'empty list'}; use {', '.join(PRESET_NAMES)}")
     if args.steps is not None and args.steps < 1:
         raise UserError("--steps must be >= 1")
+    if not 0 <= args.seed < 2**63:
+        raise UserError("--seed must be an integer in [0, 2**63)")
+    if args.jobs < 1:
+        raise UserError("--jobs must be >= 1")
+    if args.n_seeds < 3:
+        raise UserError("--n-seeds must be >= 3 (a claim over seeds needs an interval)")
+    fixed = [kv for kv in args.set if kv.split("=", 1)[0].lstrip("+") in SEED_KEYS]
+    if fixed and args.study is None:
+        raise UserError(
+            f"--set {fixed[0]}: the demo derives {' and '.join(SEED_KEYS)} from --seed; "
+            "pass --seed N instead"
+        )
     out = Path(args.out)
     overrides = list(args.set)
+    overrides.insert(0, f"grpo.val_period={_val_period(args.steps)}")
     if args.steps is not None:
         overrides.append(f"grpo.max_num_steps={args.steps}")
     if args.num_ops is not None:
@@ -127,60 +178,110 @@ def run(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace, out: Path, overrides: list[str], recipes: list[str]) -> int:
     import warnings
 
-    from nemo_jetrl.backends.local.loop import run_local
-    from nemo_jetrl.commands._demo_report import (
-        curves_from_runs,
-        demo_checks,
-        lead_table,
-        summary_page,
-    )
+    from nemo_jetrl.commands._demo_plot import summary_page
+    from nemo_jetrl.commands._demo_report import demo_checks, lead_table
+    from nemo_jetrl.commands._demo_runs import Job, run_jobs
+    from nemo_jetrl.commands._demo_stats import derive_seeds
     from nemo_jetrl.config import ConfigError
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.runs.logs import RunDataWarning
     from nemo_jetrl.runs.report import compare_runs
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    run_dirs = []
+    t0, c0, load0 = time.perf_counter(), _cpu_seconds(), os.getloadavg()[0]
+    seeds = derive_seeds(args.seed, args.n_seeds)
     for recipe in recipes:
-        try:
-            cfg = recipe_config(recipe, out, overrides)
-        except ConfigError as exc:
-            raise UserError(str(exc)) from None
-        run_dir = out / "runs" / recipe
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # a demo run always starts fresh
-        print(f"== {recipe}", flush=True)
-        try:
-            res = run_local(cfg, progress=not args.no_progress)
-        except ConfigError as exc:
-            raise UserError(str(exc)) from None
-        last = res.history[-1]
-        print(
-            f"   {res.last_step} steps in {res.seconds:.1f}s: reward {last['train/reward']:.3f}, "
-            f"token_mult_prob_error {last['train/token_mult_prob_error']:.6f}",
-            flush=True,
-        )
-        run_dirs.append(run_dir)
+        if (out / "runs" / recipe).exists():
+            shutil.rmtree(out / "runs" / recipe)  # a demo run always starts fresh
+    jobs = []
+    for k, seed in enumerate(seeds.grpo):
+        for recipe in [r for r in recipes if k < MISMATCH_SEEDS or r not in MISMATCH_ONLY]:
+            run_dir = out / "runs" / recipe / f"seed-{seed}"
+            keys = [f"grpo.seed={seed}", f"jetrl.local.warmstart.seed={seeds.warmstart}"]
+            try:
+                cfg = recipe_config(
+                    recipe, out, [f"logger.log_dir={run_dir}", *DEMO_SETTINGS, *keys, *overrides]
+                )
+            except ConfigError as exc:
+                raise UserError(str(exc)) from None
+            jobs.append(Job(recipe, seed, run_dir, cfg))
+    per = {r: sum(j.recipe == r for j in jobs) for r in recipes}
+    print(
+        f"demo: base seed {seeds.base} -> warm start seed {seeds.warmstart} (shared by every "
+        f"run), GRPO seeds {', '.join(map(str, seeds.grpo))}; {len(jobs)} runs: "
+        + ", ".join(f"{r} x {n}" for r, n in per.items()),
+        flush=True,
+    )
+    runs = run_jobs(jobs, workers=args.jobs, progress=not args.no_progress)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RunDataWarning)
-        cmp = compare_runs(run_dirs, out / "compare")
-    recipes_seen = curves_from_runs(cmp.runs)
-    page = summary_page(
-        recipes_seen, out / "compare" / "summary.png", title="jetrl demo: learning and mismatch"
-    )
-    print("\n" + lead_table(recipes_seen) + "\n")
-    for ok, line in demo_checks(recipes_seen):
+        cmp = compare_runs([d.job.run_dir for d in runs], out / "compare")
+    curves = _curves(runs, cmp.runs)
+    page = summary_page(curves, out / "compare" / "summary.png", title=_title(seeds))
+    (out / "compare" / "table.txt").write_text(cmp.table + "\n")
+    print("\n" + lead_table(curves) + "\n")
+    for ok, line in demo_checks(curves, val_size=_val_size(overrides)):
         print(f"[{'ok' if ok else 'NOT MET'}] {line}")
-    print("\nall metrics:\n" + cmp.table)
     for w in cmp.warnings:
         print(f"warning: {w}")
     print(f"\none-page summary: {page}")
-    print(f"plots and summary: {out / 'compare'} ({len(cmp.plots)} per-metric plots)")
+    print(f"every metric of every run: {out / 'compare' / 'table.txt'}, per-metric plots and "
+          f"summary.json/csv in {out / 'compare'}")  # fmt: skip
     print(
         f"demo finished in {time.perf_counter() - t0:.1f}s wall, "
-        f"{time.process_time() - c0:.1f}s CPU (this process)"
+        f"{_cpu_seconds() - c0:.1f}s CPU (this process and its runs); "
+        f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f} (other processes slow it down)"
     )
     return 0
+
+
+def _curves(runs: list, logged: list) -> list:
+    """`RecipeCurves` per finished run (`_demo_runs.Done`): accuracy and reward as logged,
+    mismatch in float64."""
+    from nemo_jetrl.commands._demo_report import ACC, REWARD, RecipeCurves
+
+    by_path = {Path(r.path).resolve(): r for r in logged}
+    out = []
+    for d in runs:
+        data = by_path[d.job.run_dir.resolve()]
+        curves = {
+            tag: (tuple(int(x) for x in s.steps), tuple(s.values))
+            for tag, s in data.scalars.items()
+            if tag in (ACC, REWARD)
+        }
+        curves.update(d.mismatch)
+        out.append(RecipeCurves(d.job.recipe, curves, seed=d.job.seed))
+    return out
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished child processes (the pool's runs)."""
+    import resource
+
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
+
+
+def _val_period(steps: int | None) -> int:
+    """Validation at step 0 and at the end only: the claims compare those two."""
+    if steps is None:
+        from nemo_jetrl.config import load_config
+
+        steps = int(load_config(base_config_path())["grpo"]["max_num_steps"])
+    return steps
+
+
+def _val_size(overrides: list[str]) -> int | None:
+    """Validation problems per evaluation: the demo's, unless --set changed it (then unknown
+    here without parsing it: the claim text leaves the number out)."""
+    keys = [kv.split("=", 1)[0].lstrip("+") for kv in overrides]
+    return None if "jetrl.local.task.val_size" in keys else VAL_SIZE
+
+
+def _title(seeds) -> str:
+    return (
+        f"jetrl demo: learning and mismatch over {len(seeds.grpo)} GRPO seeds "
+        f"(base seed {seeds.base}, warm start seed {seeds.warmstart})"
+    )
 
 
 def _length_study(args: argparse.Namespace, out: Path, overrides: list[str]) -> int:
