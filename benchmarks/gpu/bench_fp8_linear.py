@@ -69,7 +69,7 @@ def serve_fn(x, w, pow2: bool, backend: str):
     qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
 
     def run():
-        a, a_s = _quantize_act_impl(x, pow2, 0.0)
+        a, a_s = _quantize_act_impl(x, pow2, 0.0, backend == "deep_gemm")
         return _gemm_impl(a, a_s, qw.data, qw.scale_inv, torch.bfloat16, pow2, pow2, backend)
 
     return run

@@ -47,7 +47,7 @@ MARKER = "_nemo_jetrl_kernel"
 
 
 def _quantize_act_impl(
-    x: torch.Tensor, pow2_scales: bool, eps: float
+    x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 activation quantization: ``quantize_blockwise(x, (1, 128))``, the one quantizer.
 
@@ -56,11 +56,37 @@ def _quantize_act_impl(
     vLLM's own warm-up and profiling runs feed placeholder data. A block with a NaN/inf gets a
     NaN ``scale_inv``, so its token's output row is NaN, as in vLLM's own kernels; the refit
     guard is what keeps non-finite *weights* out.
+
+    ``mn_major`` (layers planned on DeepGEMM): the Triton kernel writes ``scale_inv`` as the
+    MN-major ``[M, kb]`` view DeepGEMM reads (strides ``(1, pad4(M))``), so DeepGEMM does not
+    transpose the scales on every call; same values, other layout. Needs the Triton kernel
+    (CUDA, or its CPU interpreter); elsewhere the compact layout is returned.
     """
+    from nemo_jetrl.fp8 import triton_kernels
+
+    if _mn_major_applies(x, mn_major):
+        q = triton_kernels.quantize_blockwise_triton(
+            x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, check_finite=False,
+            scale_layout="mn_major",
+        )  # fmt: skip
+        return q.data, q.scale_inv
     q = quantize_blockwise(
         x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, check_finite=False
     )
     return q.data, q.scale_inv
+
+
+def _mn_major_applies(x: torch.Tensor, mn_major: bool) -> bool:
+    """The one rule (real op and its fake) for when the MN-major layout is written."""
+    from nemo_jetrl.fp8 import triton_kernels
+
+    return mn_major and x.dim() == 2 and triton_kernels.can_run(x)
+
+
+def _mn_major_fake(x: torch.Tensor) -> torch.Tensor:
+    """An empty ``[M, kb]`` fp32 tensor with the MN-major strides `_quantize_act_impl` writes."""
+    m, kb = x.shape[0], -(-x.shape[-1] // ACT_BLOCK[1])
+    return x.new_empty_strided((m, kb), (1, -(-m // 4) * 4), dtype=torch.float32)
 
 
 def _gemm_impl(
@@ -100,17 +126,19 @@ def ensure_ops() -> Any:
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::quantize_act_1x128", mutates_args=())
     def quantize_act_1x128(
-        x: torch.Tensor, pow2_scales: bool, eps: float
+        x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _quantize_act_impl(x, pow2_scales, eps)
+        return _quantize_act_impl(x, pow2_scales, eps, mn_major)
 
     @quantize_act_1x128.register_fake
-    def _(x: torch.Tensor, pow2_scales: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _(
+        x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         kb = -(-x.shape[-1] // ACT_BLOCK[1])
-        return (
-            torch.empty_like(x, dtype=torch.float8_e4m3fn),
-            x.new_empty((*x.shape[:-1], kb), dtype=torch.float32),
-        )
+        data = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+        if _mn_major_applies(x, mn_major):
+            return data, _mn_major_fake(x)
+        return data, x.new_empty((*x.shape[:-1], kb), dtype=torch.float32)
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::fp8_block_gemm", mutates_args=())
     def fp8_block_gemm(
@@ -157,13 +185,14 @@ def make_kernel_class(settings: PatchSettings) -> type:
         def _plan_gemm(self, device: torch.device, shape: tuple[int, int] | None = None) -> None:
             config = self.config
             shape = shape or getattr(config, "weight_shape", None)
+            excluded = serving_exclusions(shape, device)
             try:
                 plan = plan_gemm(
                     device,
                     out_dtype=config.out_dtype,
                     pow2_scales=pow2 and w_pow2,
                     kind="fprop",
-                    excluded=serving_exclusions(shape, device),
+                    excluded=excluded,
                 )
             except GemmBackendError as exc:
                 shape = getattr(config, "weight_shape", "?")
@@ -172,6 +201,7 @@ def make_kernel_class(settings: PatchSettings) -> type:
                     f"output on {device}: {exc}"
                 ) from exc
             self.jetrl_gemm_device, self.jetrl_gemm_backend = device, plan.backend
+            self._jetrl_excluded = excluded
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -205,9 +235,14 @@ def make_kernel_class(settings: PatchSettings) -> type:
                     f"weight_scale_inv {tuple(s.shape)} {s.dtype}; expected float8_e4m3fn and "
                     f"fp32 scales of shape {want}"
                 )
-            # Plan again with the real shape (vLLM's config may lack it) and where the weights
-            # are (e.g. offloaded), still once per layer, at load time.
-            self._plan_gemm(w.device, (n, k))
+            # Plan again, at load, only if the weights live elsewhere than planned (e.g.
+            # offloaded) or their real shape rules a backend out that vLLM's config did not
+            # show (its weight_shape may be missing).
+            if (w.device, serving_exclusions((n, k), w.device)) != (
+                self.jetrl_gemm_device,
+                self._jetrl_excluded,
+            ):
+                self._plan_gemm(w.device, (n, k))
             layer.jetrl_gemm_backend = self.jetrl_gemm_backend
             key = (n, k, str(w.device), self.config.out_dtype, self.jetrl_gemm_backend)
             if self.jetrl_gemm_backend == "deep_gemm" and key not in warmed:
@@ -227,7 +262,8 @@ def make_kernel_class(settings: PatchSettings) -> type:
             **kw: Any,
         ) -> torch.Tensor:
             x2 = x.reshape(-1, x.shape[-1])
-            q, q_s = ops.quantize_act_1x128(x2, pow2, eps)
+            mn_major = self.jetrl_gemm_backend == "deep_gemm"  # DeepGEMM reads MN-major scales
+            q, q_s = ops.quantize_act_1x128(x2, pow2, eps, mn_major)
             capture = getattr(layer, "_jetrl_capture", None)
             if capture is not None and len(capture) < capture.maxlen:
                 capture.append((x2.detach().clone(), q.detach().clone(), q_s.detach().clone()))

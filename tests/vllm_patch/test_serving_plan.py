@@ -85,3 +85,27 @@ def test_warm_up_token_counts_come_from_vllms_own_rules(monkeypatch, mode, expec
     cfg.scheduler_config.max_num_batched_tokens = 64
     with vllm_config.set_current_vllm_config(cfg):
         assert compat.deep_gemm_warmup_m_values(torch.empty(256, 128)) == expect
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 130])
+def test_activation_scales_for_deep_gemm_are_written_mn_major(m):
+    """Layers on DeepGEMM get scale_inv as the MN-major view DeepGEMM reads (strides
+    (1, pad4(M))), same bytes and scale values as the compact layout; the custom op's fake
+    (what vLLM's torch.compile traces) has the real op's strides. Triton interpreter on CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nemo_jetrl.fp8 import triton_kernels
+
+    if not triton_kernels.can_run(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("needs triton (interpreter on CPU)")
+    x = (torch.randn(m, 384, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
+    q, s = kernel._quantize_act_impl(x, True, 0.0, False)
+    qm, sm = kernel._quantize_act_impl(x, True, 0.0, True)
+    assert sm.stride() == (1, -(-m // 4) * 4) and s.is_contiguous()
+    assert torch.equal(qm.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sm, s)
+    ops = kernel.ensure_ops()
+    real = ops.quantize_act_1x128(x, True, 0.0, True)
+    with FakeTensorMode() as mode:
+        fake = ops.quantize_act_1x128(mode.from_tensor(x), True, 0.0, True)
+    for r, f in zip(real, fake, strict=True):
+        assert (tuple(r.shape), r.stride(), r.dtype) == (tuple(f.shape), f.stride(), f.dtype)
