@@ -109,6 +109,7 @@ def quantize_rows(
 def quantize_kernel(
     x_ptr,
     q_ptr,
+    qt_ptr,
     s_ptr,
     M,
     K,
@@ -119,6 +120,7 @@ def quantize_kernel(
     ssm,
     ssk,
     MODE: tl.constexpr,
+    WRITE_T: tl.constexpr,
     TM: tl.constexpr,
     TK: tl.constexpr,
     FMAX: tl.constexpr,
@@ -160,6 +162,8 @@ def quantize_kernel(
             mask=cols < K,
         )
     tl.store(q_ptr + rows[:, None] * sqm + cols[None, :] * sqk, q, mask=mask)
+    if WRITE_T:  # the same codes again as a contiguous [K, M] (DGrad's weight operand)
+        tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
 
 
 @triton.jit

@@ -92,6 +92,7 @@ def quantize_blockwise(
     name: str | None = None,
     backend: str | None = None,
     check_finite: bool = True,
+    transpose: bool = False,
 ) -> BlockQuantized:
     """Quantize ``x`` with one scale per ``block``: `quantize.quantize_reference`'s bits.
 
@@ -99,20 +100,63 @@ def quantize_blockwise(
     ``backend="torch"`` (or ``JETRL_FP8_QUANT_BACKEND=torch``) forces the reference. CPU calls
     without ``backend`` run the reference directly. ``check_finite=False`` is the serving path:
     no host sync on any backend (CUDA-graph safe); blocks with a non-finite value get a NaN
-    ``scale_inv`` instead of an error.
+    ``scale_inv`` instead of an error. ``transpose`` (128x1 only) returns the result's ``.t()``
+    (block 1x128, data ``[K, M]``: WGrad's operand); Triton writes it directly, the torch path
+    transposes (a contiguous copy on CUDA, a view on CPU).
     """
     block = check_block(block)
     f = get_format(fmt)
-    fast = backend != "torch" and (x.is_cuda or backend is not None)
-    if fast and quant_backend(x, backend) == "triton":
+    kw = {"fmt": f, "pow2_scales": pow2_scales, "eps": eps, "name": name}
+    if transpose and block != (128, 1):
+        raise ValueError(
+            f"quantize_blockwise: transpose=True is only for block (128, 1), got {block}"
+        )
+    if _fast(x, backend):
         from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
 
         return quantize_blockwise_triton(
-            x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name, check_finite=check_finite
+            x, block, check_finite=check_finite, transpose=transpose, **kw
         )
-    return quantize_reference(
-        x, block, fmt=f, pow2_scales=pow2_scales, eps=eps, name=name, check_finite=check_finite
-    )
+    q = quantize_reference(x, block, check_finite=check_finite, **kw)
+    return _transposed(q) if transpose else q
+
+
+def quantize_with_transpose(
+    x: torch.Tensor,
+    block: Block,
+    *,
+    fmt: str | Fp8Format = "e4m3",
+    pow2_scales: bool = True,
+    eps: float = 0.0,
+    name: str | None = None,
+    backend: str | None = None,
+    check_finite: bool = True,
+) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(q, q.t())`` of 2-D ``x`` (the FP8 weight for FProp and DGrad): one Triton pass writes
+    both data layouts contiguous; the torch path transposes (a copy on CUDA, a view on CPU)."""
+    kw = {"fmt": get_format(fmt), "pow2_scales": pow2_scales, "eps": eps, "name": name}
+    if _fast(x, backend):
+        from nemo_jetrl.fp8.triton_kernels import quantize_with_transpose_triton
+
+        return quantize_with_transpose_triton(
+            x, check_block(block), check_finite=check_finite, **kw
+        )
+    q = quantize_reference(x, check_block(block), check_finite=check_finite, **kw)
+    return q, _transposed(q)
+
+
+def _fast(x: torch.Tensor, backend: str | None) -> bool:
+    """Whether the Triton quantizer runs (CPU tensors without ``backend`` take the reference)."""
+    fast = backend != "torch" and (x.is_cuda or backend is not None)
+    return fast and quant_backend(x, backend) == "triton"
+
+
+def _transposed(q: BlockQuantized) -> BlockQuantized:
+    t = q.t()
+    if not t.data.is_cuda:
+        return t
+    # GEMM kernels want the reduction dim contiguous; copy once here rather than per GEMM.
+    return BlockQuantized(t.data.contiguous(), t.scale_inv, t.block, t.fmt, t.pow2_scales)
 
 
 # ----------------------------------------------------------------------------------------- GEMM

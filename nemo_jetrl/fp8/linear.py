@@ -22,7 +22,10 @@ GEMM, planned once per GEMM signature by `gemm_backends` (``JETRL_FP8_GEMM_BACKE
 the reference included). Only the GEMM's accumulation differs between
 them; the FP8 operands, i.e. the on-policy promise, are the same bits on every backend. FProp
 asks the GEMM for fp32 output only when a bias must be added in fp32 (TE's epilogue), else for the
-activation dtype directly (one rounding of the fp32 accumulator, as before).
+activation dtype directly (one rounding of the fp32 accumulator, as before). On CUDA nothing
+reads the host: non-finite input is flagged on the device (`finite_flags`; call
+`nemo_jetrl.fp8.check_non_finite()` once per step), and the backward operands come transposed
+from the quantizer (W.T written in the same pass as W, x and dy 128x1 written as [K, M]).
 
 The rollout side (``Fp8InferenceLinear``) quantizes the weight once per refit and activations
 1x128 per call, then runs the same forward function as training: with the same quantizer this is
@@ -36,8 +39,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from nemo_jetrl.fp8 import finite_flags
 from nemo_jetrl.fp8.config import Fp8LinearConfig
-from nemo_jetrl.fp8.dispatch import fp8_gemm, quantize_blockwise
+from nemo_jetrl.fp8.dispatch import fp8_gemm, quantize_blockwise, quantize_with_transpose
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.staging import StagedWeight, quantized_weight_problem
@@ -102,11 +106,17 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         qx = _quantize_forward(x2, config.ACTIVATION_BLOCK, config, f"{name}.input")
-        qw = _quantize_forward(weight, config.WEIGHT_BLOCK, config, f"{name}.weight")
+        if ctx.needs_input_grad[0]:  # DGrad reads W.T: both layouts from one quantizer pass
+            qw, qwt = _quantize_forward(
+                weight, config.WEIGHT_BLOCK, config, f"{name}.weight", pair=True
+            )
+        else:
+            qw = _quantize_forward(weight, config.WEIGHT_BLOCK, config, f"{name}.weight")
+            qwt = qw.t()  # never read
         out = fp8_linear_forward(qx, qw, bias, x.dtype, exact=config.exact_gemm)
-        tensors = [qw.data, qw.scale_inv]
-        if ctx.needs_input_grad[1]:  # WGrad needs x blocked along tokens: quantize it now
-            qxc = _quantize_forward(x2, config.WGRAD_BLOCK, config, f"{name}.input")
+        tensors = [qwt.data, qwt.scale_inv]
+        if ctx.needs_input_grad[1]:  # WGrad needs x blocked along tokens, as its [K, M] transpose
+            qxc = _quantize_forward(x2, config.WGRAD_BLOCK, config, f"{name}.input", transpose=True)
             tensors += [qxc.data, qxc.scale_inv]
         ctx.save_for_backward(*tensors)
         ctx.config, ctx.name = config, name
@@ -119,20 +129,19 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
         config: Fp8LinearConfig = ctx.config
         saved = ctx.saved_tensors
         fwd, pow2 = config.forward_format.name, config.pow2_scales
-        qw = BlockQuantized(saved[0], saved[1], config.WEIGHT_BLOCK, fwd, pow2)
+        qwt = BlockQuantized(saved[0], saved[1], config.WEIGHT_BLOCK, fwd, pow2)  # W.T's blocks
         dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.x_dtype)
         kw = {"fmt": config.grad_format, "pow2_scales": pow2, "eps": config.eps}
+        name = f"{ctx.name}.grad_output"
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            qdy = quantize_blockwise(
-                dy2, config.ACTIVATION_BLOCK, name=f"{ctx.name}.grad_output", **kw
-            )
-            dx = linear_gemm(qdy, qw.t(), out_dtype=ctx.x_dtype, exact=config.exact_gemm)
+            qdy = _quantize(dy2, config.ACTIVATION_BLOCK, name, **kw)
+            dx = linear_gemm(qdy, qwt, out_dtype=ctx.x_dtype, exact=config.exact_gemm)
             dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            qxc = BlockQuantized(saved[2], saved[3], config.WGRAD_BLOCK, fwd, pow2)
-            qdyc = quantize_blockwise(dy2, config.WGRAD_BLOCK, name=f"{ctx.name}.grad_output", **kw)
-            dw = linear_gemm(qdyc.t(), qxc.t(), out_dtype=ctx.w_dtype, exact=config.exact_gemm)
+        if ctx.needs_input_grad[1]:  # both operands transposed: [N, M] x [K, M], 1x128 blocks
+            qxct = BlockQuantized(saved[2], saved[3], config.ACTIVATION_BLOCK, fwd, pow2)
+            qdyct = _quantize(dy2, config.WGRAD_BLOCK, name, transpose=True, **kw)
+            dw = linear_gemm(qdyct, qxct, out_dtype=ctx.w_dtype, exact=config.exact_gemm)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None
@@ -191,18 +200,21 @@ class Fp8BlockLinear(nn.Linear):
         return f"{super().extra_repr()}, config={self.config}"
 
 
-def _quantize_forward(
-    t: torch.Tensor, block: tuple[int, int], config: Fp8LinearConfig, name: str
-) -> BlockQuantized:
+def _quantize(t: torch.Tensor, block: tuple[int, int], name: str, *, pair: bool = False, **kw):  # type: ignore[no-untyped-def]
+    """Quantize without a host sync on CUDA (`finite_flags`); checked at once on CPU.
+    ``pair``: ``(q, q.t())`` from `quantize_with_transpose`."""
+    deferred = finite_flags.sync_free(t)
+    kw.update(name=name, check_finite=not deferred)
+    out = quantize_with_transpose(t, block, **kw) if pair else quantize_blockwise(t, block, **kw)
+    if deferred:
+        finite_flags.record(name, (out[0] if pair else out).scale_inv)
+    return out
+
+
+def _quantize_forward(t, block, config: Fp8LinearConfig, name: str, **kw):  # type: ignore[no-untyped-def]
     """A forward operand (weight or activation) in the config's forward format and scale rule."""
-    return quantize_blockwise(
-        t,
-        block,
-        fmt=config.forward_format,
-        pow2_scales=config.pow2_scales,
-        eps=config.eps,
-        name=name,
-    )
+    fmt, pow2 = config.forward_format, config.pow2_scales
+    return _quantize(t, block, name, fmt=fmt, pow2_scales=pow2, eps=config.eps, **kw)
 
 
 def _quantize_weight(
@@ -210,7 +222,11 @@ def _quantize_weight(
 ) -> BlockQuantized:
     if quantizer == "vllm_native":
         return per_block_cast_native(w, ue8m0=config.pow2_scales, name=name)
-    return _quantize_forward(w, config.WEIGHT_BLOCK, config, name)
+    # checked at once even on CUDA: a refit with NaN must fail naming the weight, before staging
+    fmt, pow2 = config.forward_format, config.pow2_scales
+    return quantize_blockwise(
+        w, config.WEIGHT_BLOCK, fmt=fmt, pow2_scales=pow2, eps=config.eps, name=name
+    )
 
 
 def _quantize_activation(

@@ -9,8 +9,9 @@ the tile's dot differs (tensor cores), so results agree within `gemm`'s stated b
 for bit.
 
 The dot runs on the FP8 types directly (tensor cores) on SM89+ when both operands have the same
-format; otherwise (older GPUs, mixed E5M2 x E4M3, Triton's CPU interpreter) each code is looked
-up in a 256-entry fp32 table (exact: every FP8 value is an fp32) and the dot runs in TF32 on a
+format, and for the hybrid recipe's mixed E5M2 x E4M3 on SM90+ (Hopper's wgmma takes a
+different FP8 type per operand; `native_dot`); otherwise (older GPUs, Triton's CPU interpreter
+unless ``native=True``) each code is looked up in a 256-entry fp32 table (exact: every FP8 value is an fp32) and the dot runs in TF32 on a
 GPU (exact too: FP8 values fit TF32's mantissa and exponent range) or IEEE fp32 in the
 interpreter.
 The tables are built when the backend is planned (`prepare`), never during a CUDA graph capture.
@@ -44,11 +45,16 @@ def value_table(fmt: str, device: torch.device) -> torch.Tensor:
     return codes.view(get_format(fmt).dtype).float().to(device)
 
 
+def native_dot(fmts: tuple[str, str], capability: tuple[int, int]) -> bool:
+    """Whether a GPU of ``capability`` takes the FP8 dot of these operand formats directly:
+    one format on SM89+, mixed E5M2 x E4M3 on SM90+ (older GPUs use the value tables)."""
+    return capability >= ((8, 9) if fmts[0] == fmts[1] else (9, 0))
+
+
 def _native(a: BlockQuantized, b: BlockQuantized) -> bool:
-    """FP8 tensor-core dot: compiled on SM89+ with one format for both operands."""
-    if interpreting() or not a.data.is_cuda or a.fmt != b.fmt:
+    if interpreting() or not a.data.is_cuda:
         return False
-    return torch.cuda.get_device_capability(a.data.device) >= (8, 9)
+    return native_dot((a.fmt, b.fmt), torch.cuda.get_device_capability(a.data.device))
 
 
 def prepare(device: torch.device, fmts: tuple[str, str]) -> None:
@@ -81,9 +87,16 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
 
 
 def block_fp8_gemm_triton(
-    a: BlockQuantized, b: BlockQuantized, *, out_dtype: torch.dtype = torch.bfloat16
+    a: BlockQuantized,
+    b: BlockQuantized,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    native: bool | None = None,
 ) -> torch.Tensor:
-    """``a @ b.T`` in one Triton kernel (see the module docstring); result in ``out_dtype``."""
+    """``a @ b.T`` in one Triton kernel (see the module docstring); result in ``out_dtype``.
+
+    ``native`` forces the FP8-typed dot (True; also under the interpreter, for tests) or the
+    value tables (False); None decides by `native_dot`."""
     _check(a, b, out_dtype)
     jit = _kernel()
     m, k = a.data.shape
@@ -93,7 +106,7 @@ def block_fp8_gemm_triton(
     store_dtype = torch.float32 if interpreting() else out_dtype
     out = torch.empty(m, n, dtype=store_dtype, device=dev)
     if m and n:
-        native = _native(a, b)
+        native = _native(a, b) if native is None else native
         fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
         lut_a = a.scale_inv if native else value_table(a.fmt, dev)
         lut_b = b.scale_inv if native else value_table(b.fmt, dev)

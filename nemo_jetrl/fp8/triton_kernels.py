@@ -186,6 +186,7 @@ def quantize_blockwise_triton(
     transpose: bool = False,
     scale_layout: str = "compact",
     native_cast: bool = False,
+    transposed_copy: torch.Tensor | None = None,
 ) -> BlockQuantized:
     """`quantize_blockwise` in one Triton kernel: same arguments, same bits, same errors.
 
@@ -193,7 +194,9 @@ def quantize_blockwise_triton(
     graph is captured): a non-finite block then shows as a non-finite ``scale_inv``.
     ``transpose`` (128x1 only) returns ``quantize_blockwise(x, (128, 1)).t()`` with contiguous
     ``[K, M]`` data (TE's columnwise layout). ``scale_layout`` is ``"compact"`` or
-    ``"mn_major"`` (see the module docstring).
+    ``"mn_major"`` (see the module docstring). ``transposed_copy`` (2-D input, no ``transpose``):
+    a contiguous ``[K, M]`` FP8 tensor that receives the same codes transposed in the same pass
+    (`quantize_with_transpose_triton`).
     """
     block = check_block(block)
     f = get_format(fmt)
@@ -205,6 +208,12 @@ def quantize_blockwise_triton(
     if transpose and block != (128, 1):
         raise ValueError(f"{label}: transpose=True is only for block (128, 1), got {block}")
     m, k = x2.shape
+    if transposed_copy is not None:
+        want = (k, m)
+        if transpose or x.dim() != 2 or tuple(transposed_copy.shape) != want:
+            raise ValueError(f"{label}: transposed_copy needs 2-D input and shape {want}")
+        if transposed_copy.dtype != f.dtype or not transposed_copy.is_contiguous():
+            raise ValueError(f"{label}: transposed_copy must be a contiguous {f.dtype} tensor")
     bm, bk = block
     mb, kb = -(-m // bm), -(-k // bk)
     mode = _MODE[block]
@@ -227,6 +236,7 @@ def quantize_blockwise_triton(
         _kernels().quantize_kernel[grid](
             _bits_if_bf16(x2),
             q_u8,
+            q_u8 if transposed_copy is None else transposed_copy.view(torch.uint8),
             s_view,
             m,
             k,
@@ -237,6 +247,7 @@ def quantize_blockwise_triton(
             ssm,
             ssk,
             MODE=mode,
+            WRITE_T=transposed_copy is not None,
             TM=tm,
             TK=tk,
             EPS=_fp32(eps) if eps > 0 else 0.0,
@@ -253,6 +264,24 @@ def quantize_blockwise_triton(
     if x.dim() != 2:  # compact only (checked above)
         scale_inv = scale_inv.reshape(*x.shape[:-1], kb)
     return BlockQuantized(data.reshape(x.shape), scale_inv, block, f.name, bool(pow2_scales))
+
+
+def quantize_with_transpose_triton(
+    x: torch.Tensor, block: Block, **kwargs
+) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(q, q.t())`` with both data layouts contiguous, from one pass over 2-D ``x``.
+
+    For the FP8 linear's weight: FProp reads ``q`` ``[N, K]``, DGrad ``q.t()`` ``[K, N]``
+    (128x128 blocks transpose into themselves); a GEMM would otherwise copy the strided view.
+    ``kwargs`` are `quantize_blockwise_triton`'s."""
+    f = get_format(kwargs.get("fmt", "e4m3"))
+    if x.dim() != 2:
+        raise ValueError(f"quantize_with_transpose_triton: needs 2-D input, got {tuple(x.shape)}")
+    data_t = torch.empty(x.shape[1], x.shape[0], dtype=f.dtype, device=x.device)
+    q = quantize_blockwise_triton(x, block, transposed_copy=data_t, **kwargs)
+    bm, bk = q.block
+    qt = BlockQuantized(data_t, q.scale_inv.t(), (bk, bm), q.fmt, q.pow2_scales)
+    return q, qt
 
 
 def rmsnorm_quantize_1x128(

@@ -99,9 +99,10 @@ def test_saved_tensors_are_fp8_and_scales_only():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
     fp8 = [s for s in saved if s[0] == torch.float8_e4m3fn]
-    assert sorted(s[1] for s in fp8) == [(256, 256), (384, 256)]  # x 128x1 [M, K] and W
+    # in the layout their backward GEMMs read: x 128x1 as [K, M], W as W.T [K, N]
+    assert sorted(s[1] for s in fp8) == [(256, 256), (256, 384)]
     others = [s for s in saved if s[0] != torch.float8_e4m3fn]  # only the fp32 block scales
-    assert sorted(others) == [(torch.float32, (2, 256)), (torch.float32, (3, 2))]
+    assert sorted(others) == [(torch.float32, (2, 3)), (torch.float32, (256, 2))]
 
 
 def test_hybrid_quantizes_gradients_to_e5m2(monkeypatch):
@@ -114,7 +115,13 @@ def test_hybrid_quantizes_gradients_to_e5m2(monkeypatch):
         seen.append((kw["name"].rsplit(".", 1)[-1], block, getattr(kw["fmt"], "name", kw["fmt"])))
         return real(t, block, **kw)
 
+    def spy_pair(t, block, **kw):
+        seen.append((kw["name"].rsplit(".", 1)[-1], block, getattr(kw["fmt"], "name", kw["fmt"])))
+        return real_pair(t, block, **kw)
+
+    real_pair = lin.quantize_with_transpose
     monkeypatch.setattr(lin, "quantize_blockwise", spy)
+    monkeypatch.setattr(lin, "quantize_with_transpose", spy_pair)
     _, layer = _layer(config=Fp8LinearConfig.te_blockwise_hybrid())
     _run(layer)
     assert sorted(set(seen)) == [
