@@ -1,159 +1,296 @@
-"""Mutation check of the RL loss/metrics code: does tests/rl catch each deliberate bug?
+"""Mutation check: does the suite's behaviour catch each deliberate, realistic bug?
 
-Applies one mutation at a time to a copy-free working tree (edit, run, restore the exact
-original bytes, even on Ctrl-C), runs ``pytest tests/rl`` and prints which tests failed.
-A mutation that no test fails "survives". Usage (from the repository root):
+Each mutant in ``scripts/mutants.py`` replaces one snippet of one source file (its original text
+must occur exactly once). The harness copies the repository's files (``git ls-files -co
+--exclude-standard``: no environments, no caches) to a temporary directory, applies one mutant at
+a time *there* (the working tree is never touched), and runs only the tests listed for that
+mutant, in that copy, with ``PYTHONPATH`` pointing at it. A pytest plugin written into the copy
+records which file the mutated module was imported from, so a mutant only counts as KILLED when
+its tests failed *and* ran the mutated code from the copy. Verdicts:
 
-    PYTHONPATH=. python scripts/mutation_check.py [--root DIR] [--only NAME ...] [--json OUT]
+    KILLED      a listed test failed (or the run hung past the limit) on the mutated code
+    SURVIVED    every listed test passed: a real bug the suite would let through (exit 1)
+    EQUIVALENT  the mutant leaves the module's AST unchanged (a no-op; tests are not run), or it
+                survived and the list documents why it is equivalent
+    ERROR       it cannot be applied, its tests did not reach the copy's module, or the
+                unmutated tests fail (exit 2)
+    NOT RUN     its environment (.venv-vllm, .venv-vllm020 + NeMo-RL source) is missing: a
+                warning, an error when CI=true
 
-Each mutation lists (file, original text, mutated text) alternatives; the first whose original
-text occurs exactly once is applied, so the script also runs on older layouts of the code.
-Exit status: 0 when every mutation is killed, 1 when some survive, 2 when one cannot be applied.
+Two planted controls run first: a no-op mutant (reported EQUIVALENT from the AST) and a mutant
+that changes the AST but not behaviour (must be SURVIVED). Either one reported KILLED means the
+harness cannot tell a surviving mutant from a killed one (exit 2). Usage, from the repo root:
+
+    python scripts/mutation_check.py [--only SUBSTR ...] [--json OUT] [--keep]
+
+``--only`` runs the mutants whose name contains one of the substrings (the controls always run).
+The last line reads ``N killed, ...`` (scripts/tier.sh shows it in test.sh's summary).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
-import re
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-RL = "nemo_jetrl/rl/"
-MUTATIONS: dict[str, list[tuple[str, str, str]]] = {
-    "k1_kl sign flipped": [
-        (RL + "metrics.py", 'out[_ours("k1_kl")] = _mean(-dv)', 'out[_ours("k1_kl")] = _mean(dv)')
-    ],
-    "seq-mask-tis arithmetic mean": [
-        (
-            f,
-            "geo = torch.exp(log_r.sum(-1) / cnt.clamp(min=1))",
-            "geo = torch.where(mask, torch.exp(log_r), torch.zeros_like(log_r)).sum(-1)"
-            " / cnt.clamp(min=1)",
-        )
-        for f in (RL + "weights.py", RL + "correction.py")
-    ],
-    "ratio clip min/max swapped": [
-        (
-            RL + "loss.py",
-            "ratios.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)",
-            "ratios.clamp(1.0 - cfg.ratio_clip_max, 1.0 + cfg.ratio_clip_min)",
-        )
-    ],
-    "KL input-clamp detach removed": [
-        (RL + "loss.py", "kl_w = torch.where(x == xc, kl_w, kl_w.detach())", "pass")
-    ],
-    "on-policy KL ignored": [(RL + "loss.py", "if cfg.use_on_policy_kl_approximation", "if False")],
-    "k2 missing its 1/2": [
-        (RL + "metrics.py", "return 0.5 * log_ratio * log_ratio", "return log_ratio * log_ratio"),
-        (RL + "loss.py", "return 0.5 * x * x", "return x * x"),
-    ],
-    "KL output clamp ignored": [
-        (
-            RL + "loss.py",
-            "kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)",
-            "kl = kl",
-        )
-    ],
-    "global_valid_seqs ignored": [
-        (
-            RL + "loss.py",
-            "seq_den = float(global_valid_seqs) if global_valid_seqs is not None else",
-            "seq_den =",
-        )
-    ],
-    "approx_entropy sign": [
-        (
-            RL + "loss.py",
-            "float(-(torch.exp(c64 - g64) * c64)",
-            "float((torch.exp(c64 - g64) * c64)",
-        )
-    ],
-    "chi2_seq clamp removed": [
-        (RL + "metrics.py", ".clamp(-SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP)", "")
-    ],
-    "PPO max -> min": [
-        (
-            RL + "loss.py",
-            "clip_loss = torch.maximum(-adv * ratios, -adv * ratios_clamped)",
-            "clip_loss = torch.minimum(-adv * ratios, -adv * ratios_clamped)",
-        )
-    ],
-    "IS weights not applied": [
-        (
-            RL + "loss.py",
-            "actor_loss = aggregate(w * clip_loss)",
-            "actor_loss = aggregate(clip_loss)",
-        )
-    ],
-    "token_mult_prob_error without abs": [
-        (
-            RL + "metrics.py",
-            'out[_name("token_mult_prob_error")] = _mean(torch.exp(dv.abs()))',
-            'out[_name("token_mult_prob_error")] = _mean(torch.exp(dv))',
-        )
-    ],
-    "tis ratio_min ignored": [
-        (f, "lo_t = 0.0 if lo is None else lo", "lo_t = 0.0")
-        for f in (RL + "weights.py", RL + "correction.py")
-    ],
-}
+REPO = Path(__file__).resolve().parents[1]
+TEST_TIMEOUT_S = 120  # per test (pytest-timeout): a hung test fails with its stack
+RUN_TIMEOUT_S = 300  # per mutant run: past it the mutant counts as killed (it hangs)
+PROBE = "_jetrl_mutation_probe"
+PROBE_SRC = '''"""pytest plugin (written by scripts/mutation_check.py): where the mutated module came from."""
+import json, os, sys
 
 
-def _apply(root: Path, alternatives: list[tuple[str, str, str]]) -> tuple[Path, bytes] | None:
-    for rel, old, new in alternatives:
-        path = root / rel
-        if not path.exists():
-            continue
+def pytest_sessionfinish(session, exitstatus):
+    if "JETRL_MUTANT_PROBE" not in os.environ:  # the unmutated baseline run
+        return
+    mod = sys.modules.get(os.environ["JETRL_MUTANT_MODULE"])
+    with open(os.environ["JETRL_MUTANT_PROBE"], "w") as f:
+        json.dump({"file": getattr(mod, "__file__", None)}, f)
+'''
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One deliberate bug: ``old`` -> ``new`` in ``file``, judged by ``tests``."""
+
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    env: str = "default"  # "default" (.venv), "vllm" (.venv-vllm), "nemo_rl" (v0.7.0 tier)
+    equivalent: str | None = None  # why a survivor is not a bug (documented equivalent)
+    planted: bool = False  # a control that must not be KILLED
+
+
+@dataclass
+class Outcome:
+    mutant: Mutant
+    verdict: str
+    seconds: float = 0.0
+    detail: str = ""
+    failed: list[str] = field(default_factory=list)
+
+
+def load_mutants(path: Path = REPO / "scripts" / "mutants.py") -> list[Mutant]:
+    spec = importlib.util.spec_from_file_location("jetrl_mutants", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [*mod.CONTROLS, *mod.MUTANTS]
+
+
+def module_name(rel: str) -> str:
+    return rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def mutate_text(text: str, m: Mutant) -> str:
+    """The mutated source; ValueError unless ``m.old`` occurs exactly once."""
+    n = text.count(m.old)
+    if n != 1 or m.old == m.new:
+        raise ValueError(f"{m.name}: its original text occurs {n} times in {m.file}")
+    return text.replace(m.old, m.new)
+
+
+def is_noop(text: str, mutated: str) -> bool:
+    """True when the mutation leaves the module's AST unchanged (it cannot change behaviour)."""
+    return ast.dump(ast.parse(text)) == ast.dump(ast.parse(mutated))
+
+
+def copy_repo(root: Path, dst: Path) -> None:
+    """Copy the files git would ship (tracked + untracked, not ignored) from root to dst."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for rel in filter(None, out.split("\0")):
+        src = root / rel
+        if src.is_file() and not src.is_symlink():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    (dst / f"{PROBE}.py").write_text(PROBE_SRC)
+
+
+def command(root: Path, copy: Path, env_kind: str, tests: list[str]) -> tuple[list[str], dict]:
+    """The pytest command and environment of one run in ``copy``."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(copy)}
+    env.pop("JETRL_GOLDEN_DIR", None)
+    venv = {"default": ".venv", "vllm": ".venv-vllm", "nemo_rl": ".venv-vllm020"}[env_kind]
+    if env_kind == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    if env_kind == "nemo_rl":  # as scripts/nemo_rl_env.sh builds it, from the real checkout
+        upstream = Path(
+            os.environ.get("JETRL_NEMO_RL_UPSTREAM", root.parent / "shared/upstream/nemo-rl")
+        ).resolve()
+        tree = upstream / "v0.7.0"
+        overlay = root / ".venv-nemo-rl" / "site"
+        env["PYTHONPATH"] = f"{copy}:{overlay}:{tree}"
+        env.update(
+            JETRL_NEMO_RL_UPSTREAM=str(upstream),
+            JETRL_NEMO_RL_TREE="v0.7.0",
+            JETRL_NEMO_RL_TREE_DIR=str(tree),
+            RAY_USAGE_STATS_ENABLED="0",
+        )
+    py = root / venv / "bin" / "python"
+    cmd = [str(py), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", PROBE]
+    cmd += [f"--timeout={TEST_TIMEOUT_S}", "--runslow", "-rf", *tests]
+    return cmd, env
+
+
+def missing_env(root: Path, kind: str) -> str | None:
+    """Why ``kind``'s environment cannot run here (None: it can)."""
+    cmd, env = command(root, root, kind, [])
+    need = [Path(cmd[0])] + [Path(p) for p in env["PYTHONPATH"].split(":")[1:]]
+    gone = [str(p) for p in need if not p.exists()]
+    return f"missing {', '.join(gone)}" if gone else None
+
+
+def run_tests(root: Path, copy: Path, m: Mutant, probe: Path) -> tuple[int, str, str | None]:
+    """(pytest exit status or 124 on timeout, its output, the mutated module's file or None)."""
+    cmd, env = command(root, copy, m.env, list(m.tests))
+    env.update(JETRL_MUTANT_MODULE=module_name(m.file), JETRL_MUTANT_PROBE=str(probe))
+    probe.unlink(missing_ok=True)
+    try:
+        p = subprocess.run(
+            cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        )
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, out = 124, str(exc.stdout or "")
+    where = json.loads(probe.read_text())["file"] if probe.exists() else None
+    return rc, out, where
+
+
+def judge(root: Path, copy: Path, m: Mutant, probe: Path) -> Outcome:
+    path = copy / m.file
+    try:
         text = path.read_text()
-        if text.count(old) == 1:
-            original = path.read_bytes()
-            path.write_text(text.replace(old, new))
-            return path, original
-    return None
+        mutated = mutate_text(text, m)
+    except (OSError, ValueError) as exc:
+        return Outcome(m, "ERROR", detail=str(exc))
+    if is_noop(text, mutated):
+        return Outcome(m, "EQUIVALENT", detail="no AST change; tests not run")
+    t0 = time.monotonic()
+    path.write_text(mutated)
+    try:
+        rc, out, where = run_tests(root, copy, m, probe)
+    finally:
+        path.write_text(text)
+    dt = time.monotonic() - t0
+    failed = [ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    if where is None or Path(where).resolve() != path.resolve():
+        why = f"the tests imported {module_name(m.file)} from {where}, not from the copy"
+        return Outcome(m, "ERROR", dt, why + "\n" + out[-1500:], failed)
+    if rc == 0:
+        verdict = "EQUIVALENT" if m.equivalent else "SURVIVED"
+        return Outcome(m, verdict, dt, m.equivalent or "every listed test passed")
+    if rc == 124 or rc == 1 or (rc == 2 and "error" in out.lower()):
+        return Outcome(m, "KILLED", dt, "timed out" if rc == 124 else "", failed)
+    return Outcome(m, "ERROR", dt, f"pytest exited {rc}\n" + out[-1500:], failed)
 
 
-def _run_tests(root: Path, pytest_args: list[str]) -> tuple[int, list[str]]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "tests/rl"]
-    out = subprocess.run(cmd + pytest_args, cwd=root, capture_output=True, text=True)
-    failed = sorted(set(re.findall(r"^FAILED (\S+)", out.stdout, flags=re.M)))
-    return out.returncode, failed
+def baseline(root: Path, copy: Path, mutants: list[Mutant]) -> list[str]:
+    """Run each environment's tests once unmutated; the problems found."""
+    problems = []
+    for kind in dict.fromkeys(m.env for m in mutants):
+        tests = list(dict.fromkeys(t for m in mutants if m.env == kind for t in m.tests))
+        cmd, env = command(root, copy, kind, tests)
+        cmd.remove("-x")
+        p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            out = (p.stdout + p.stderr)[-3000:]
+            problems.append(f"unmutated {kind} tests exit {p.returncode}:\n{out}")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", type=Path, default=Path.cwd(), help="repository root")
-    ap.add_argument("--only", nargs="*", help="mutation names to run (default: all)")
-    ap.add_argument("--json", type=Path, help="write {mutation: [failing tests]} here")
-    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    ap.add_argument("--root", type=Path, default=REPO, help="repository root")
+    ap.add_argument("--only", nargs="*", help="run mutants whose name contains one of these")
+    ap.add_argument("--json", type=Path, help="write the outcomes here")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
     args = ap.parse_args(argv)
-    rc, failed = _run_tests(args.root, args.pytest_args)
-    if rc != 0:
-        print(f"the unmutated suite fails ({failed}); fix it first", file=sys.stderr)
-        return 2
-    table: dict[str, list[str]] = {}
-    status = 0
-    for name, alternatives in MUTATIONS.items():
-        if args.only and name not in args.only:
-            continue
-        applied = _apply(args.root, alternatives)
-        if applied is None:
-            print(f"{name}: cannot apply (code changed?)", file=sys.stderr)
+    t_start = time.monotonic()
+    mutants = load_mutants(args.root / "scripts" / "mutants.py")
+    if args.only:
+        mutants = [m for m in mutants if m.planted or any(s in m.name for s in args.only)]
+    copy = Path(tempfile.mkdtemp(prefix="jetrl-mutants-"))
+    try:
+        copy_repo(args.root, copy)
+        print(f"mutation check: {len(mutants)} mutants on a copy in {copy}", flush=True)
+        runnable = [m for m in mutants if not missing_env(args.root, m.env)]
+        if not args.no_baseline and (problems := baseline(args.root, copy, runnable)):
+            print("\n".join(problems))
+            print("0 killed: the unmutated tests fail; fix them first (exit 2)")
             return 2
-        path, original = applied
-        try:
-            _, failed = _run_tests(args.root, args.pytest_args)
-        finally:
-            path.write_bytes(original)
-        table[name] = failed
-        print(f"{name:38s} {'KILLED' if failed else 'SURVIVED'}  {' '.join(failed)}", flush=True)
-        status = status or (0 if failed else 1)
-    survived = [n for n, f in table.items() if not f]
-    print(f"{len(table) - len(survived)}/{len(table)} killed; survivors: {survived or 'none'}")
-    if args.json:
-        args.json.write_text(json.dumps(table, indent=1) + "\n")
-    return status
+        outcomes = []
+        absent = {k: why for k in {m.env for m in mutants} if (why := missing_env(args.root, k))}
+        for m in mutants:
+            if m.env in absent:  # in CI a failure (report()), elsewhere a warning
+                outcomes.append(Outcome(m, "NOT RUN", detail=f"{m.env}: {absent[m.env]}"))
+                print(f"NOT RUN    {m.name}  [{m.file}; {m.env}: {absent[m.env]}]", flush=True)
+                continue
+            o = judge(args.root, copy, m, copy / "probe.json")
+            outcomes.append(o)
+            tag = " (planted control)" if m.planted else ""
+            print(f"{o.verdict:10s} {m.name}{tag}  [{m.file}; {o.seconds:.0f} s]", flush=True)
+            if o.verdict in ("SURVIVED", "ERROR") or (m.planted and o.verdict == "KILLED"):
+                print("    " + o.detail.replace("\n", "\n    "), flush=True)
+    finally:
+        if args.keep:
+            print(f"kept the copy in {copy}")
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+    return report(outcomes, time.monotonic() - t_start, args.json)
+
+
+def report(outcomes: list[Outcome], seconds: float, json_out: Path | None) -> int:
+    real = [o for o in outcomes if not o.mutant.planted]
+    count = {v: sum(o.verdict == v for o in real) for v in ("KILLED", "EQUIVALENT", "SURVIVED")}
+    errors = [o.mutant.name for o in real if o.verdict == "ERROR"]
+    not_run = [o.mutant.name for o in real if o.verdict == "NOT RUN"]
+    if not_run:
+        print(f"not run (environment missing): {not_run}")
+        if os.environ.get("CI") == "true":  # in CI a mutant that cannot run is a failure
+            errors += not_run
+    bad_controls = [
+        o.mutant.name
+        for o in outcomes
+        if o.mutant.planted and o.verdict not in ("SURVIVED", "EQUIVALENT")
+    ]
+    survivors = [o.mutant.name for o in real if o.verdict == "SURVIVED"]
+    if json_out:
+        rows = [
+            {"name": o.mutant.name, "file": o.mutant.file, "verdict": o.verdict}
+            | {"seconds": round(o.seconds, 1), "failed": o.failed, "detail": o.detail[:500]}
+            for o in outcomes
+        ]
+        json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    if survivors:
+        print(f"survivors (real bugs the tests let through): {survivors}")
+    if errors or bad_controls:
+        print(f"errors: {errors}; planted controls not reported as survivors: {bad_controls}")
+    controls = ", ".join(f"{o.mutant.name}: {o.verdict}" for o in outcomes if o.mutant.planted)
+    print(
+        f"{count['KILLED']} killed, {count['EQUIVALENT']} equivalent, {count['SURVIVED']} survived,"
+        f" {len(errors)} errors, {len(not_run)} not run of {len(real)} mutants in {seconds:.0f} s (controls: {controls})"
+    )
+    if errors or bad_controls:
+        return 2
+    return 1 if survivors else 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@
 # exits non-zero and the remaining tiers still run. A tier whose environment cannot be made (pip
 # retries each install first: scripts/pip_retry.sh) is likewise reported in the summary as not run,
 # with its setup log's tail above, and the script goes on to the next tier and then exits 1.
+# With CI=true (.ci/run sets it) a tier that cannot run (e.g. no NeMo-RL source) fails the run.
+#   4. the mutation check (scripts/mutation_check.py, mutants in scripts/mutants.py): each mutant
+#      on a temporary copy, judged by the tests listed for it; a survivor fails the run.
+#      JETRL_SKIP_MUTANTS=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -72,7 +76,11 @@ if [ "${JETRL_SKIP_NEMO_RL:-0}" != "1" ]; then
     echo "== NeMo-RL $tree tier (NeMo-RL's real source, CPU) =="
     if [ ! -d "$upstream/$tree/nemo_rl" ]; then
       echo "no NeMo-RL source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM): tier not run"
-      summary+=("NeMo-RL $tree tier: not run, no source at $upstream/$tree")
+      if [ "${CI:-}" = "true" ]; then  # in CI a tier that cannot run fails the run
+        not_run "NeMo-RL $tree tier" "no source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM)"
+      else
+        summary+=("NeMo-RL $tree tier: not run, no source at $upstream/$tree")
+      fi
       continue
     fi
     log="${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log"
@@ -86,6 +94,16 @@ if [ "${JETRL_SKIP_NEMO_RL:-0}" != "1" ]; then
     tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow
   done
 fi
+if [ "${JETRL_SKIP_MUTANTS:-0}" != "1" ]; then
+  # Last: its NeMo-RL mutants run in the env the NeMo-RL tier set up (scripts/mutants.py).
+  echo "== mutation check (scripts/mutation_check.py: each mutant on a temporary copy) =="
+  tier "mutation check" .venv/bin/python scripts/mutation_check.py
+else
+  summary+=("mutation check: skipped (JETRL_SKIP_MUTANTS=1)")
+fi
+for skip in JETRL_SKIP_VLLM JETRL_SKIP_NEMO_RL; do
+  if [ "${!skip:-0}" = "1" ]; then summary+=("$skip=1: that tier was skipped"); fi
+done
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
 exit $rc

@@ -54,8 +54,8 @@ tier() {  # NAME CMD...
   if [ "$trc" -eq 124 ] || { [ "$trc" -eq 137 ] && [ $(( $(date +%s) - s0 )) -ge "$limit" ]; }; then
     summary+=("$name: timed out after $limit s (exit $trc)")
   else  # `|| true`: a tier that ends before pytest's summary (no env, crash) must not end the script
-    line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|no tests ran' "$out" | tail -n 1 | tr -d '=' | xargs || true)
-    summary+=("$name: ${line:-no pytest summary} (exit $trc)")
+    line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|killed)|no tests ran' "$out" | tail -n 1 | tr -d '=' | xargs || true)
+    summary+=("$name: ${line:-no pytest summary} (exit $trc)")  # (or mutation_check's last line)
   fi
   rm -f "$out"
   [ "$trc" -eq 0 ] || rc=$trc

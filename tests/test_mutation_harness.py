@@ -1,0 +1,114 @@
+"""scripts/mutation_check.py: its mutant list still applies, and it can tell KILLED from SURVIVED
+from EQUIVALENT (end to end on a throwaway repository, the working tree left untouched)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location(
+        "mutation_check", REPO / "scripts/mutation_check.py"
+    )
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("mutation_check", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_mutant_applies_to_the_current_code_and_names_behaviour_tests() -> None:
+    mc = _harness()
+    mutants = mc.load_mutants()
+    names = [m.name for m in mutants]
+    assert len(names) == len(set(names))
+    assert sum(m.planted for m in mutants) == 2 and len(mutants) >= 30
+    for m in mutants:
+        text = (REPO / m.file).read_text()
+        mutated = mc.mutate_text(text, m)  # ValueError names a mutant whose code is gone
+        assert mc.is_noop(text, mutated) == (m.name.startswith("planted no-op")), m.name
+        assert m.env in ("default", "vllm", "nemo_rl") and m.tests, m.name
+        for t in m.tests:
+            assert (REPO / t.split("::")[0]).is_file(), (m.name, t)
+            assert "mutation" not in t, f"{m.name}: judged by behaviour tests only"
+
+
+def test_the_planted_no_op_is_equivalent_not_killed() -> None:
+    mc = _harness()
+    noop = next(m for m in mc.load_mutants() if m.name.startswith("planted no-op"))
+    text = (REPO / noop.file).read_text()
+    assert mc.is_noop(text, mc.mutate_text(text, noop))
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        mc.mutate_text("x = 1\n", noop)
+
+
+MOD = "def clip(x, lo, hi):\n    return min(max(x, lo), hi)\n\n\ndef pad(n):\n    return n + 1\n"
+TEST = (
+    "from pkg.mod import clip, pad\n\n\n"
+    "def test_clip():\n    assert clip(5, 0, 3) == 3 and clip(-1, 0, 3) == 0\n\n\n"
+    "def test_pad():\n    assert pad(1) > 1\n"
+)
+MUTANTS = """from mutation_check import Mutant
+CONTROLS = []
+T = ("tests/test_mod.py",)
+MUTANTS = [
+    Mutant("clip max->min", "pkg/mod.py", "min(max(x, lo), hi)", "max(min(x, lo), hi)", T),
+    Mutant("pad +1 -> +2", "pkg/mod.py", "return n + 1", "return n + 2", T),
+    Mutant("no-op parens", "pkg/mod.py", "return n + 1", "return (n) + 1", T),
+    Mutant("pad +1 -> +2, documented", "pkg/mod.py", "return n + 1", "return n + 2", T,
+           equivalent="any pad > n is fine here"),
+]
+"""
+CONFTEST = "def pytest_addoption(parser):\n    parser.addoption('--runslow', action='store_true')\n"
+
+
+def test_end_to_end_killed_survived_equivalent(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    for rel, text in {
+        "pkg/__init__.py": "",
+        "pkg/mod.py": MOD,
+        "tests/test_mod.py": TEST,
+        "tests/conftest.py": CONFTEST,
+        "scripts/mutants.py": MUTANTS,
+        ".gitignore": ".venv\n",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    shutil.copy(REPO / "scripts/mutation_check.py", root / "scripts")
+    (root / ".venv").symlink_to(Path(sys.executable).parents[1])
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run(
+        [sys.executable, "scripts/mutation_check.py", "--root", str(root)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = p.stdout
+    verdicts = {
+        ln.split(None, 1)[1].split("  [")[0]: ln.split()[0]
+        for ln in out.splitlines()
+        if "  [" in ln
+    }
+    assert verdicts == {
+        "clip max->min": "KILLED",
+        "pad +1 -> +2": "SURVIVED",
+        "no-op parens": "EQUIVALENT",
+        "pad +1 -> +2, documented": "EQUIVALENT",
+    }, out + p.stderr
+    assert p.returncode == 1, out  # a survivor fails the check
+    assert out.splitlines()[-1].startswith(
+        "1 killed, 2 equivalent, 1 survived, 0 errors, 0 not run"
+    ), out
+    assert (root / "pkg/mod.py").read_text() == MOD  # the working tree was never edited
