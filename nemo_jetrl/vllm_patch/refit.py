@@ -30,7 +30,7 @@ One refit does, in order (nothing is sent unless every check before it passed):
 6. Rollback (on by default): steps 4-5 run inside ``rollback.engine_rollback``: each worker
    snapshots its model before the first tensor lands; if loading, the KV scales or the parity
    check fail, every worker is put back and verified bit for bit, and the error says so. The
-   snapshot costs one copy of the model's tensors for the refit's duration.
+   snapshot costs one copy of the weights for the refit's duration (never the KV cache).
 
 Tensors cross to the worker processes through ``LLM.collective_rpc`` (FP8 as uint8 bytes), which
 is fine for small models and CPU tests; large GPU models go through NeMo-RL's own transport,
@@ -40,7 +40,7 @@ calling the same worker methods.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,38 +234,66 @@ def _differ(got: torch.Tensor, want: torch.Tensor, *, bytewise: bool) -> str | N
         if got.dtype != want.dtype:
             want = want.to(got.dtype)  # what vLLM's loader's copy_ makes of it
         gb, wb = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-        n = int((gb != wb).sum())
-        return f"{n} of {wb.numel()} bytes differ" if n else None
-    n = int((got != want.to(got.dtype)).sum())
-    return f"{n} of {got.numel()} values differ" if n else None
+        if torch.equal(gb, wb):  # no mask of the tensor's size unless something differs
+            return None
+        return f"{int((gb != wb).sum())} of {wb.numel()} bytes differ"
+    if torch.equal(got, want.to(got.dtype)):
+        return None
+    return f"{int((got != want.to(got.dtype)).sum())} of {got.numel()} values differ"
 
 
-def check_parity(llm: Any, qsd: QuantizedStateDict) -> ParityReport:
-    """Read every sent tensor back from the engine; compare (raise ParityError naming them)."""
+# A reader: (HF names, through_kernel) -> (name or "name|kernel", host tensor), one at a time
+# (``worker_ext.read_back`` in the worker, `rpc_read_back` from the driver).
+ReadBack = Callable[[list[str], bool], Iterable[tuple[str, torch.Tensor]]]
+# Bytes of tensors one read-back RPC carries (the blob and its unpacked copy, on each side).
+READ_BACK_CHUNK_BYTES = 256 << 20
+
+
+def rpc_read_back(llm: Any, sizes: Mapping[str, int]) -> ReadBack:
+    """Read back through ``llm.collective_rpc("jetrl_read_back")`` in chunks of at most
+    ``READ_BACK_CHUNK_BYTES`` (``sizes``: bytes per name) rather than all tensors at once."""
+
+    def read(names: list[str], through_kernel: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        chunk: list[str] = []
+        held = 0
+        for i, name in enumerate(names):
+            chunk.append(name)
+            held += sizes.get(name, 0) * (2 if through_kernel else 1)
+            if held >= READ_BACK_CHUNK_BYTES or i == len(names) - 1:
+                blob = llm.collective_rpc("jetrl_read_back", args=(chunk, through_kernel))[0]
+                yield from unpack(blob).items()
+                chunk, held = [], 0
+
+    return read
+
+
+def check_parity(llm: Any, qsd: QuantizedStateDict, read: ReadBack | None = None) -> ParityReport:
+    """Read every sent tensor back from the engine and compare it, one tensor at a time (raise
+    ParityError naming the differing ones); ``read`` defaults to `rpc_read_back` on ``llm``."""
+    if read is None:
+        sizes = {n: t.numel() * t.element_size() for n, t in qsd.tensors.items()}
+        read = rpc_read_back(llm, sizes)
     fp8_names = qsd.fp8_names()
     other = [n for n in qsd.tensors if n not in set(fp8_names)]
-    back = unpack(llm.collective_rpc("jetrl_read_back", args=(fp8_names,))[0])
-    back.update(unpack(llm.collective_rpc("jetrl_read_back", args=(other, True))[0]))
-    differing = []
-    for name in fp8_names:
+    differing, seen = [], set()
+    for name, got in read(fp8_names, False):
         want = qsd.tensors[name]
-        got = back.get(name)
-        if got is None or got.dtype != want.dtype:
-            differing.append(f"{name} (engine holds {None if got is None else got.dtype})")
+        seen.add(name)
+        if got.dtype != want.dtype:
+            differing.append(f"{name} (engine holds {got.dtype})")
         elif (why := _differ(got, want, bytewise=True)) is not None:
             differing.append(f"{name} ({why})")
+    differing += [f"{n} (engine holds None)" for n in fp8_names if n not in seen]
     kernel_views = 0
-    for name in other:
-        want = qsd.tensors[name]
-        views = [(v, back[k]) for v, k in (("", name), ("kernel", f"{name}|kernel")) if k in back]
-        if not views:
-            differing.append(f"{name} (the engine has no readable copy of it)")
-        for view, got in views:
-            kernel_views += view == "kernel"
-            why = _differ(got, want, bytewise=view == "")
-            if why is not None:
-                label = "through the layer's GEMM: " if view else ""
-                differing.append(f"{name} ({label}{why})")
+    for key, got in read(other, True):
+        name, _, view = key.partition("|")
+        seen.add(name)
+        kernel_views += view == "kernel"
+        why = _differ(got, qsd.tensors[name], bytewise=view == "")
+        if why is not None:
+            label = "through the layer's GEMM: " if view else ""
+            differing.append(f"{name} ({label}{why})")
+    differing += [f"{n} (the engine has no readable copy of it)" for n in other if n not in seen]
     if differing:
         raise ParityError(
             "refit parity check failed: the engine computes with tensors that differ from what "

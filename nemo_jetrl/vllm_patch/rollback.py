@@ -6,17 +6,26 @@ failures only show once tensors are in the engine: a streamed NeMo-RL refit is r
 k after batches 1..k-1 were loaded, vLLM's loader raises half way, the parity check finds a
 difference. "A refused refit changes nothing" then needs the previous state back.
 
-What "the state" is: for every module of the model, its parameters, buffers and tensor
-attributes (values, *and* which tensor object and storage each name was bound to) and its
-other attributes (the GEMM closures vLLM's CPU build keeps with packed weight copies, the host
-floats attention hands its kernels, flags). A snapshot clones the tensors and keeps references
-to the rest. `restore_snapshot` rebinds every name to its original object and storage, copies
+What "the state" is: what weight loading can write. For every module of the model, its
+parameters, buffers and tensor attributes (values, *and* which tensor object and storage each
+name was bound to: scales, their host copies) and its other attributes (the GEMM closures vLLM's
+CPU build keeps with packed weight copies, the host floats attention hands its kernels, flags).
+A snapshot clones the tensors and keeps references to the rest.
+
+Never the KV cache (`KvCache`): vLLM binds each attention layer's cache as a plain tensor
+attribute, ``kv_cache``, hundreds of times the weights' bytes, and in a colocated refit (sleep
+mode level 1) its memory is unmapped, so reading it is an illegal access. It is recognised
+without reading it: the ``kv_cache`` attribute of any module, the tensor objects the model
+runner lists (``compat.kv_cache_tensors``) and any tensor sharing their storage. Snapshot,
+restore and the check skip it (a refit never rebinds it). `restore_snapshot` rebinds every name to its original object and storage, copies
 the saved values back in place (CUDA graphs captured those storages), puts the other
 attributes back, deletes attributes the failed refit added, then reads everything again and
 compares it with the snapshot bit for bit: "restored" is checked, not assumed. Nothing is
 recomputed, so it works alike for any tensor-parallel rank and any vLLM version.
 
-Memory: one copy of the model's tensors (FP8 linears as FP8 bytes), on the tensors' GPU when
+Memory: one copy of the model's weights and the tensors derived from them (FP8 linears as FP8
+bytes; measured on vLLM's CPU engine: 0.5x the BF16 checkpoint, docs/vllm_patch.md), on the
+tensors' GPU when
 that leaves `RESERVE_BYTES` free (colocated refits run while vLLM's KV cache is asleep), else in
 host memory. The copy lives only for the refit.
 """
@@ -30,6 +39,7 @@ from typing import Any
 
 import torch
 
+from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.refit_kv import ParityError, RefitError
 
 # Free GPU memory a device-side snapshot must leave for the refit's own buffers.
@@ -61,6 +71,35 @@ class _ModuleState:
     """Where each tensor name lives: "param", "buffer" or "attr"."""
 
 
+@dataclass(frozen=True)
+class KvCache:
+    """The KV cache's tensors, known by object and storage address only (never read)."""
+
+    ids: frozenset[int]
+    storages: frozenset[int]
+    nbytes: int
+    """Bytes of the distinct storages (metadata: nothing is read)."""
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, runner: Any = None) -> KvCache:
+        tensors = {id(t): t for t in compat.kv_cache_tensors(model, runner)}
+        storages = {}
+        for t in tensors.values():
+            if not t.is_meta:
+                st = t.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        storages.pop(0, None)  # empty tensors have no storage: never match them
+        return cls(frozenset(tensors), frozenset(storages), sum(storages.values()))
+
+    def holds(self, name: str, t: torch.Tensor) -> bool:
+        if name == compat.KV_CACHE_ATTR or id(t) in self.ids:
+            return True
+        return not t.is_meta and t.untyped_storage().data_ptr() in self.storages
+
+
+NO_KV_CACHE = KvCache(frozenset(), frozenset(), 0)
+
+
 @dataclass
 class Snapshot:
     """The model's state before a refit (see the module docstring)."""
@@ -69,6 +108,8 @@ class Snapshot:
     device: torch.device
     """Where the saved copies are (the model's GPU, or "cpu")."""
     nbytes: int
+    kv: KvCache = NO_KV_CACHE
+    """What was left alone (and is skipped by restore and its check)."""
 
 
 @dataclass(frozen=True)
@@ -81,20 +122,24 @@ class RestoreReport:
     """Attributes the failed refit had added (deleted)."""
 
 
-def _tensor_items(module: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+def _tensor_items(
+    module: torch.nn.Module, kv: KvCache = NO_KV_CACHE
+) -> dict[str, tuple[str, torch.Tensor]]:
     out = {n: ("param", p) for n, p in module._parameters.items() if p is not None}
     out.update({n: ("buffer", b) for n, b in module._buffers.items() if b is not None})
     for n, v in module.__dict__.items():
         if n not in _MODULE_INTERNALS and isinstance(v, torch.Tensor):
             out[n] = ("attr", v)
-    return out
+    return {n: item for n, item in out.items() if not kv.holds(n, item[1])}
 
 
 def _plain_items(module: torch.nn.Module) -> dict[str, Any]:
     return {
         n: v
         for n, v in module.__dict__.items()
-        if n not in _MODULE_INTERNALS and not isinstance(v, torch.Tensor)
+        if n not in _MODULE_INTERNALS
+        and n != compat.KV_CACHE_ATTR  # a list/tuple of cache views: left as it is
+        and not isinstance(v, torch.Tensor)
     }
 
 
@@ -114,9 +159,11 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def take_snapshot(model: torch.nn.Module) -> Snapshot:
-    """Save ``model``'s whole state (module docstring); costs one copy of its tensors."""
-    items = {name: _tensor_items(m) for name, m in model.named_modules()}
+def take_snapshot(model: torch.nn.Module, runner: Any = None) -> Snapshot:
+    """Save ``model``'s state (module docstring): one copy of its tensors, the KV cache left
+    alone (``runner``: the vLLM model runner, whose ``kv_caches`` are recognised too)."""
+    kv = KvCache.of(model, runner)
+    items = {name: _tensor_items(m, kv) for name, m in model.named_modules()}
     seen: set[int] = set()
     nbytes = 0
     for per in items.values():
@@ -136,7 +183,7 @@ def take_snapshot(model: torch.nn.Module) -> Snapshot:
                 state.tensors[n] = _Saved(t, t.data, copies[id(t)])
                 state.kinds[n] = kind
             modules[name] = state
-    return Snapshot(modules, device, nbytes)
+    return Snapshot(modules, device, nbytes, kv)
 
 
 def _rebind(module: torch.nn.Module, n: str, kind: str, obj: torch.Tensor) -> None:
@@ -158,9 +205,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a8, b8)
 
 
-def _restore_module(module: torch.nn.Module, state: _ModuleState) -> list[str]:
+def _restore_module(module: torch.nn.Module, state: _ModuleState, kv: KvCache) -> list[str]:
     removed = []
-    now = _tensor_items(module)
+    now = _tensor_items(module, kv)
     for n in set(now) - set(state.tensors):
         kind = now[n][0]
         registry = {"param": module._parameters, "buffer": module._buffers}.get(kind)
@@ -194,7 +241,7 @@ def _differences(model: torch.nn.Module, snap: Snapshot) -> list[str]:
         if m is None:
             out.append(f"{name or '<model>'}: module gone")
             continue
-        now = _tensor_items(m)
+        now = _tensor_items(m, snap.kv)
         for n, saved in state.tensors.items():
             label = f"{name}.{n}" if name else n
             cur = now.get(n, (None, None))[1]
@@ -219,7 +266,7 @@ def restore_snapshot(model: torch.nn.Module, snap: Snapshot) -> RestoreReport:
     removed: list[str] = []
     for name, state in snap.modules.items():
         if name in modules:
-            removed += [f"{name}.{n}" for n in _restore_module(modules[name], state)]
+            removed += [f"{name}.{n}" for n in _restore_module(modules[name], state, snap.kv)]
     wrong = [f"{m}: module gone" for m in missing] or _differences(model, snap)
     if wrong:
         raise RollbackError(

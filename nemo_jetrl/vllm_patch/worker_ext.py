@@ -16,8 +16,8 @@ and ``self.model_runner.model`` the model. Names start with ``jetrl_`` to avoid 
   on identity rows, ``I @ W^T = W^T`` (every output is one product ``1 * w`` plus zeros, exact in
   any kernel that accumulates in at least the weight's precision). A packed copy left stale by a
   load shows up there even though the parameter looks right.
-* ``jetrl_snapshot`` / ``jetrl_restore`` / ``jetrl_drop_snapshot``: the model's whole state saved
-  before a refit writes into it, and put back (verified bit for bit) if the refit fails
+* ``jetrl_snapshot`` / ``jetrl_restore`` / ``jetrl_drop_snapshot``: the model's state saved
+  before a refit writes into it (everything weight loading can write; never the KV cache), and put back (verified bit for bit) if the refit fails
   (``rollback``; the client side is ``rollback.engine_rollback``).
 * ``jetrl_set_kv_scales`` / ``jetrl_kv_scales``: per-layer q/k/v scales on the attention layers
   (vLLM convention: the dequantization multiplier, k_fp8 = k / k_scale), all-or-nothing.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -162,6 +163,28 @@ def _is_unquantized_linear(layer: torch.nn.Module | None) -> bool:
     )
 
 
+def read_back(
+    worker: Any, hf_names: list[str], through_kernel: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine's tensors for ``hf_names``, one at a time on the host: ``name`` -> parameter
+    bytes (absent where vLLM repacked the weight; a view, not a copy, when the model is on the
+    CPU), and with ``through_kernel`` also ``name|kernel`` -> the weight as an unquantized
+    linear's GEMM sees it. One tensor at a time so that a parity check holds one, not all."""
+    if int(worker.vllm_config.parallel_config.tensor_parallel_size) != 1:
+        raise NotImplementedError("jetrl_read_back supports tensor_parallel_size=1 only")
+    model = _model(worker)
+    for name in hf_names:
+        vname, p, start, rows = resolve_hf_name(model, name)
+        layer = model.get_submodule(vname.rpartition(".")[0])
+        leaf = vname.rpartition(".")[2]
+        if not (leaf == "weight" and compat.weight_was_repacked(layer)):  # else: kernel view only
+            t = p.data if p.dim() == 0 else p.data[start : start + rows]
+            yield name, t.detach().to("cpu")
+        if through_kernel and leaf == "weight" and _is_unquantized_linear(layer):
+            dtype = p.dtype if p.numel() else worker.vllm_config.model_config.dtype
+            yield f"{name}|kernel", weight_through_kernel(layer, start, rows, dtype)
+
+
 class JetRLWorkerExtension:
     """Mixed into vLLM's worker class by ``worker_extension_cls``; see the module docstring."""
 
@@ -198,9 +221,9 @@ class JetRLWorkerExtension:
 
     def jetrl_snapshot(self) -> dict[str, Any]:
         """Save the model's whole state for `jetrl_restore` (``rollback``); one per worker."""
-        snap = rollback.take_snapshot(_model(self))
+        snap = rollback.take_snapshot(_model(self), self.model_runner)  # type: ignore[attr-defined]
         self._jetrl_snapshot = snap
-        return {"bytes": snap.nbytes, "device": str(snap.device)}
+        return {"bytes": snap.nbytes, "device": str(snap.device), "kv_cache_bytes": snap.kv.nbytes}
 
     def jetrl_restore(self) -> dict[str, Any]:
         """Put the model back to the last `jetrl_snapshot` and verify it (RollbackError if not)."""
@@ -215,26 +238,8 @@ class JetRLWorkerExtension:
         return self.__dict__.pop("_jetrl_snapshot", None) is not None
 
     def jetrl_read_back(self, hf_names: list[str], through_kernel: bool = False) -> bytes:
-        """The engine's tensors for ``hf_names`` as a ``pack``ed blob: ``name`` -> parameter
-        bytes (absent where vLLM repacked the weight), and with ``through_kernel`` also
-        ``name|kernel`` -> the weight as an unquantized linear's GEMM sees it."""
-        if self.jetrl_tp_size() != 1:
-            raise NotImplementedError("jetrl_read_back supports tensor_parallel_size=1 only")
-        model = _model(self)
-        out = {}
-        for name in hf_names:
-            vname, p, start, rows = resolve_hf_name(model, name)
-            layer = model.get_submodule(vname.rpartition(".")[0])
-            leaf = vname.rpartition(".")[2]
-            if leaf == "weight" and compat.weight_was_repacked(layer):
-                pass  # no parameter bytes to read: only the kernel view exists
-            else:
-                t = p.data if p.dim() == 0 else p.data[start : start + rows]
-                out[name] = t.detach().clone().cpu()
-            if through_kernel and leaf == "weight" and _is_unquantized_linear(layer):
-                dtype = p.dtype if p.numel() else self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
-                out[f"{name}|kernel"] = weight_through_kernel(layer, start, rows, dtype)
-        return pack(out)
+        """The engine's tensors for ``hf_names`` as a ``pack``ed blob (`read_back`)."""
+        return pack({k: t.clone() for k, t in read_back(self, hf_names, through_kernel)})
 
     def jetrl_kv_scales(self) -> dict[str, dict[str, float]]:
         """The q/k/v scales each attention layer currently uses (host floats and tensors)."""

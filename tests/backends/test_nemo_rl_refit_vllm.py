@@ -255,9 +255,9 @@ def _greedy(llm) -> list[int]:
 
 
 def _read_fp8(self, names):  # safetensors bytes: tensors do not cross vLLM's RPC as they are
-    from nemo_jetrl.backends.nemo_rl.refit_batches import _ReadBack
+    from nemo_jetrl.vllm_patch.worker_ext import pack, read_back
 
-    return _ReadBack(self).jetrl_read_back(names)
+    return pack({k: t.clone() for k, t in read_back(self, names)})
 
 
 def _last_parity(self):

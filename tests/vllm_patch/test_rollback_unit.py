@@ -107,8 +107,8 @@ def test_a_restore_that_does_not_take_is_named(monkeypatch):
     _failed_refit(model)
     real = rollback._restore_module
 
-    def skip_b(module, state):  # the mutation: module "b" is not put back
-        return [] if module is model.b else real(module, state)
+    def skip_b(module, state, kv):  # the mutation: module "b" is not put back
+        return [] if module is model.b else real(module, state, kv)
 
     monkeypatch.setattr(rollback, "_restore_module", skip_b)
     with pytest.raises(RollbackError) as ei:
@@ -166,3 +166,77 @@ def test_the_rollback_benchmark_runs_and_refuses_a_missing_gpu():
         gpu = subprocess.run([sys.executable, script, *tiny, "--device", "cuda"], text=True,
                              capture_output=True)  # fmt: skip
         assert gpu.returncode == 2 and "needs a CUDA GPU" in gpu.stderr
+
+
+class _KvRead(torch.Tensor):
+    """A KV cache that fails the test on any op that reaches its memory (clone, copy, .data,
+    detach, view, compare...); metadata (shape, dtype, storage address) stays readable, as on a
+    GPU whose cache vLLM's sleep mode unmapped."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"the KV cache was read ({func})")
+
+
+def _kv(base: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_KvRead, base)
+
+
+class _Runner:
+    """vLLM's model runner: ``kv_caches`` lists every layer's cache (compat.kv_cache_tensors)."""
+
+    def __init__(self, kv_caches: list) -> None:
+        self.kv_caches = kv_caches
+
+
+def _model_with_kv_cache() -> tuple[_Model, _Runner, dict[str, object]]:
+    """Every way vLLM binds its cache: ``kv_cache`` as a tensor (attention), as a tuple of
+    views (mamba), and a tensor attribute by another name that only the runner's list names
+    (same storage as a listed tensor, another object); large next to the weights."""
+    model = _Model()
+    big = [torch.zeros(64, 1024, 128) for _ in range(3)]  # 32 MiB each vs ~0.2 MiB of weights
+    model.a.kv_cache = _kv(big[0])
+    model.b.kv_cache = (_kv(big[1]), _kv(big[1]))
+    model.b.state_cache = _kv(big[2])  # another object over the runner's third cache
+    runner = _Runner([model.a.kv_cache, model.b.kv_cache[0], _kv(big[2])])
+    bound = {"a.kv_cache": model.a.kv_cache, "b.kv_cache": model.b.kv_cache}
+    bound["b.state_cache"] = model.b.state_cache
+    return model, runner, bound
+
+
+def test_snapshot_and_restore_never_read_the_kv_cache():
+    """Fails on the snapshot that copied every tensor attribute (before issue 29): it cloned
+    ``kv_cache`` (here: AssertionError "the KV cache was read"; on vLLM's CPU engine 1 GiB)."""
+    model, runner, bound = _model_with_kv_cache()
+    model.a.weight_packed = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # repacked
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(7))
+    out_before, bytes_before = model(x), _bytes(model)
+
+    snap = take_snapshot(model, runner)
+    weights = {id(t): t for m in model.modules() for t in [*m.parameters(False), *m.buffers(False)]}
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert snap.kv.nbytes == 3 * 64 * 1024 * 128 * 4 > 100 * weight_bytes
+    assert weight_bytes <= snap.nbytes <= weight_bytes + 64  # + the tensor attribute _k_scale_cpu
+    saved = {f"{m}.{n}" for m, st in snap.modules.items() for n in st.tensors}
+    assert "a.weight_packed" in saved  # an empty tensor is not mistaken for the cache
+    assert not {"a.kv_cache", "b.kv_cache", "b.state_cache"} & saved
+
+    _failed_refit(model)
+    rep = restore_snapshot(model, snap)
+    assert set(rep.removed) == {"a.weight_scale", "b.scratch"}  # the cache was not "added"
+    after = _bytes(model)
+    assert after.keys() == bytes_before.keys()
+    assert all(torch.equal(v, bytes_before[k]) for k, v in after.items())
+    assert model.a.kv_cache is bound["a.kv_cache"] and model.b.kv_cache is bound["b.kv_cache"]
+    assert model.b.state_cache is bound["b.state_cache"]
+    assert torch.equal(model(x), out_before)
+
+
+def test_without_the_runner_a_cache_under_another_name_is_read():
+    """The premise of the runner's list: a cache tensor bound by another name than ``kv_cache``
+    is recognised only through the runner's ``kv_caches`` (by storage)."""
+    model, _, _ = _model_with_kv_cache()
+    with pytest.raises(AssertionError, match="the KV cache was read"):
+        take_snapshot(model)

@@ -6,10 +6,15 @@ runs in FP8 becomes our FP8 ``weight`` + ``weight_scale_inv`` (``refit.quantize_
 its guards included), the rest passes through, and what was sent is kept in a `SentTensors`
 for `check_refit_parity`, which compares it with what the engine holds once the transport is
 done (FP8 bytes and scales bit for bit, other tensors byte for byte, KV scales by value).
+
+Host memory (parity on): one host copy of what was sent (the reference), plus one engine tensor
+at a time while comparing (``worker_ext.read_back``; no read-back clones of everything, no
+safetensors round trip in the worker). Measured: benchmarks/bench_refit_host_memory.py.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +34,7 @@ from nemo_jetrl.vllm_patch.refit import (
     quantize_state_dict,
 )
 from nemo_jetrl.vllm_patch.settings import PatchSettings
-from nemo_jetrl.vllm_patch.worker_ext import JetRLWorkerExtension, resolve_hf_name
+from nemo_jetrl.vllm_patch.worker_ext import read_back, resolve_hf_name
 
 KV_NAME = re.compile(r"^(?P<layer>.+\.self_attn)\.(?:attn\.)?(?P<t>[qkv])_scale$")
 
@@ -99,7 +104,8 @@ def quantize_batch(
         else:
             out.append((k, v))
     if sent is not None and sent.keep:
-        sent.fp8.update({k: t.detach().cpu().clone() for k, t in qsd.tensors.items()})
+        # one host copy each (``.cpu().clone()`` made two of a GPU tensor)
+        sent.fp8.update({k: t.detach().to("cpu", copy=True) for k, t in qsd.tensors.items()})
         sent.fp8_layers += qsd.fp8_layers
         for k, v in weights:
             if k in fp8_names:
@@ -108,26 +114,8 @@ def quantize_batch(
             if m is not None:
                 sent.kv.setdefault(f"{m['layer']}.attn", {})[m["t"]] = float(v.reshape(-1)[0])
             elif _engine_dtype(model, k) is not None:
-                sent.other[k] = v.detach().cpu().clone()
+                sent.other[k] = v.detach().to("cpu", copy=True)
     return out
-
-
-class _ReadBack(JetRLWorkerExtension):
-    """Our worker extension's read-back methods over NeMo-RL's worker (same model and config)."""
-
-    def __init__(self, worker: Any) -> None:
-        self.model_runner = worker.model_runner
-        self.vllm_config = worker.vllm_config
-
-
-class _InProcessRpc:
-    """``check_parity`` asks an ``llm.collective_rpc``; inside the worker we call directly."""
-
-    def __init__(self, worker: Any) -> None:
-        self._ext = _ReadBack(worker)
-
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return [getattr(self._ext, method)(*args)]
 
 
 def _kv_differences(model: torch.nn.Module, kv: dict[str, dict[str, float]], fp8_kv: bool) -> list:
@@ -153,7 +141,7 @@ def _kv_differences(model: torch.nn.Module, kv: dict[str, dict[str, float]], fp8
 def check_refit_parity(worker: Any, sent: SentTensors) -> ParityReport:
     """Everything one refit sent vs what the engine now holds; ParityError names differences."""
     qsd = QuantizedStateDict({**sent.fp8, **sent.other}, tuple(sent.fp8_layers), tuple(sent.other))
-    report = check_parity(_InProcessRpc(worker), qsd)
+    report = check_parity(None, qsd, functools.partial(read_back, worker))
     fp8_kv = "fp8" in str(worker.vllm_config.cache_config.cache_dtype)
     kv = _kv_differences(worker.model_runner.model, sent.kv, fp8_kv)
     if kv:

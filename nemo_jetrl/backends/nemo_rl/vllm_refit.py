@@ -175,7 +175,7 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                 f"jetrl.refit_parity_check supports vLLM tensor_parallel_size=1, this engine "
                 f"has {tp}: set it to false (weights are still quantized by nemo_jetrl.fp8)"
             )
-        snap = take_snapshot(runner.model) if state.rollback else None
+        snap = take_snapshot(runner.model, runner) if state.rollback else None
         if snap is not None:
             log.info("%s: rollback snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
