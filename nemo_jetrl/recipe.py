@@ -227,6 +227,20 @@ class Recipe:
         )
         return dataclasses.replace(aligned, name=matching_preset(aligned) or "custom")
 
+    def bf16_layer_kws(self) -> tuple[str, ...]:
+        """Every word of either side's per-name BF16 list, in first-seen order."""
+        return tuple(dict.fromkeys((*self.train.bf16_layer_kws, *self.rollout.bf16_layer_kws)))
+
+    def with_bf16_layer_kws(self, kws: tuple[str, ...]) -> Recipe:
+        """This recipe with ``kws`` as the per-name BF16 list of both sides (renamed "custom"
+        when that makes it differ from its preset)."""
+        out = dataclasses.replace(
+            self,
+            train=self.train.with_(bf16_layer_kws=tuple(kws)),
+            rollout=self.rollout.with_(bf16_layer_kws=tuple(kws)),
+        )
+        return out if out == self else out.with_(name=matching_preset(out) or "custom")
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (for logs and YAML)."""
         return dataclasses.asdict(self)

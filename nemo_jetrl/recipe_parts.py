@@ -67,6 +67,12 @@ class SideRecipe:
     bf16_last_layers: int = 0
     """Number of trailing decoder layers kept in BF16 on this side."""
 
+    bf16_layer_kws: tuple[str, ...] = ()
+    """Decoder linears whose HF name (``model.layers.3.self_attn.q_proj``) contains any of these
+    words stay BF16 on this side (rollout: NeMo-RL's ``quantization_ignored_layer_kws``; training:
+    ``jetrl.train_bf16_layer_kws``). vLLM and Megatron fuse q/k/v and gate/up into one GEMM, so a
+    list must keep a fused group whole (`config.validate` refuses a split group)."""
+
     fp8_param: bool = False
     """Training only: TE keeps the primary weights in FP8 (`fp8_cfg.fp8_param`); refit may then
     export TE's own FP8 weights instead of requantizing the master copy."""
@@ -86,6 +92,11 @@ class SideRecipe:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 problems.append(f"{name}={v!r} (must be an integer >= 0)")
+        kws = self.bf16_layer_kws
+        if isinstance(kws, (list, tuple)) and all(isinstance(k, str) and k for k in kws):
+            object.__setattr__(self, "bf16_layer_kws", tuple(kws))  # lists from JSON/YAML
+        else:
+            problems.append(f"bf16_layer_kws={kws!r} (must be a list of non-empty strings)")
         if problems:
             raise ValueError("invalid SideRecipe: " + "; ".join(problems))
 
@@ -117,6 +128,14 @@ class SideRecipe:
         if not self.fp8_linears:
             return False
         return self.bf16_first_layers <= layer < num_layers - self.bf16_last_layers
+
+    def keeps_bf16(self, linear_name: str) -> bool:
+        """Whether the linear named ``linear_name`` (HF prefix) is on this side's BF16 list."""
+        return any(kw in linear_name for kw in self.bf16_layer_kws)
+
+    def is_fp8_linear(self, linear_name: str, layer: int, num_layers: int) -> bool:
+        """Whether that linear of decoder layer ``layer`` runs in FP8 on this side."""
+        return self.is_fp8_layer(layer, num_layers) and not self.keeps_bf16(linear_name)
 
     def fp8_layers(self, num_layers: int) -> list[int]:
         """Indices of the decoder layers whose linears run in FP8 on this side."""

@@ -53,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
         recipe_to_config_updates,
     )
     from nemo_jetrl.errors import UserError
-    from nemo_jetrl.flow.support import IGNORED_LAYER_KWS, alignable_ignored_kws
     from nemo_jetrl.recipe import Recipe
 
     out = Path(args.output)
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     )  # before any work: where the file goes must be writable
     if out.resolve() == Path(args.config).resolve():
         raise UserError("the output must not be the input file")
-    before = load_and_check(args.config, list(args.overrides), aligning=True)
+    before = load_and_check(args.config, list(args.overrides))
     if args.recipe:
         target = Recipe.preset(args.recipe)
     else:
@@ -74,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
             target = before.recipe.aligned_to_training(kv=args.kv)
         except ValueError as exc:
             raise UserError(f"cannot align {args.config}: {exc}") from None
+    # The user's per-name BF16 linears stay BF16, now on both sides.
+    target = target.with_bf16_layer_kws(before.recipe.bf16_layer_kws())
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
-    if alignable_ignored_kws(before.cfg):
-        updates[IGNORED_LAYER_KWS] = []  # the recipe decides every decoder linear
     cfg = merge_updates(before.cfg, updates)
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"
     header = (

@@ -37,14 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_and_check(path: str, overrides: list[str], *, aligning: bool = False) -> Checked:
+def load_and_check(path: str, overrides: list[str]) -> Checked:
     """The pipeline (`nemo_jetrl.flow.pipeline`); UserError listing every problem when invalid."""
     from nemo_jetrl.config import ConfigError
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.pipeline import check_config
 
     try:
-        return check_config(path, overrides, aligning=aligning)
+        return check_config(path, overrides)
     except ConfigError as exc:
         raise UserError(f"invalid config\n{exc}") from None
 

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY, read_kws
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, _exists
 from nemo_jetrl.config.sections import NO_SECTIONS, BackendSection, SectionProviders
 from nemo_jetrl.recipe import Recipe, matching_preset
@@ -149,6 +150,7 @@ def _train_side(r: _Reader) -> SideRecipe:
         quantizer="te",
         bf16_first_layers=_safe_count(r.get("jetrl.train_num_first_layers_in_bf16", 0)),
         bf16_last_layers=_safe_count(r.get("jetrl.train_num_last_layers_in_bf16", 0)),
+        bf16_layer_kws=read_kws(r, TRAIN_KEY),
         fp8_param=fp8_train and r.get(S.FP8_PARAM, False) is True,
     )
 
@@ -181,6 +183,7 @@ def _rollout_side(r: _Reader) -> SideRecipe:
         quantizer="jetrl" if patch and fp8_roll else "vllm",
         bf16_first_layers=_safe_count(r.get(S.VLLM_FIRST_BF16, 0)),
         bf16_last_layers=_safe_count(r.get(S.VLLM_LAST_BF16, 0)),
+        bf16_layer_kws=read_kws(r, ROLLOUT_KEY),
         use_deep_gemm=r.get(S.VLLM_DEEP_GEMM, False) is True,
     )
 

@@ -54,6 +54,7 @@ VLLM_KV_DTYPE = f"{VLLM_CFG}.kv_cache_dtype"
 VLLM_POW2_W = f"{VLLM_CFG}.pow2_weight_scaling_factors"
 VLLM_POW2_A = f"{VLLM_CFG}.pow2_activation_scaling_factors"
 VLLM_FIRST_BF16 = f"{VLLM_CFG}.num_first_layers_in_bf16"
+VLLM_IGNORED_KWS = f"{VLLM_CFG}.quantization_ignored_layer_kws"
 VLLM_LAST_BF16 = f"{VLLM_CFG}.num_last_layers_in_bf16"
 VLLM_DEEP_GEMM = f"{VLLM_CFG}.use_deep_gemm"
 VLLM_IS_MX = f"{VLLM_CFG}.is_mx"
@@ -190,6 +191,12 @@ JETRL_KEYS: Mapping[str, KeySpec] = MappingProxyType(
             (int,),
             0,
             "leading decoder layers kept BF16 in training (Megatron's num_layers_at_start_in_bf16)",
+        ),
+        "train_bf16_layer_kws": KeySpec(
+            (list, _NULL),
+            None,
+            "decoder linears kept BF16 in training: those whose HF name contains one of these "
+            "words (the training twin of vllm_cfg.quantization_ignored_layer_kws)",
         ),
         "train_num_last_layers_in_bf16": KeySpec(
             (int,),

@@ -54,6 +54,7 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
                 "micro_batch_size": recipe.kv_calibration.micro_batch_size,
             },
             "train_num_first_layers_in_bf16": t.bf16_first_layers,
+            "train_bf16_layer_kws": list(t.bf16_layer_kws) or None,
             "train_num_last_layers_in_bf16": t.bf16_last_layers,
             "unaligned_layers": "bf16" if recipe.unaligned_layers_bf16 else "error",
         },
@@ -86,6 +87,7 @@ def vllm_cfg_for(recipe: Recipe, unquantized_precision: str = "bfloat16") -> dic
         "kv_cache_dtype": "fp8" if recipe.kv_fp8 else "auto",
         **scales,
         "num_first_layers_in_bf16": ro.bf16_first_layers,
+        "quantization_ignored_layer_kws": list(ro.bf16_layer_kws),
         "num_last_layers_in_bf16": ro.bf16_last_layers,
         "use_deep_gemm": ro.use_deep_gemm,
         # NeMo-RL main's MXFP8 rollout switch; v0.7.0 has no such key: written only when true.
@@ -140,6 +142,7 @@ def _default_for(path: str) -> Any:
     return {
         S.FP32_SCALES_KEY: "0",
         S.VLLM_FIRST_BF16: 0,
+        S.VLLM_IGNORED_KWS: [],
         S.VLLM_LAST_BF16: 0,
         S.VLLM_DEEP_GEMM: False,
         S.VLLM_IS_MX: False,

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.layer_lists import check_layer_lists
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.config.run_keys import check_run_keys
@@ -230,6 +231,9 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
     if not ok:
         return
     if arch is None:
+        from nemo_jetrl.arch import generic_arch
+
+        check_layer_lists(r, recipe, generic_arch(256))  # Llama-shaped names, up to 256 layers
         r.note(
             S.MODEL_NAME,
             f"no built-in description of {r.get(S.MODEL_NAME, None)!r}; set jetrl.model_config "
@@ -238,6 +242,7 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         return
     _check_bf16_layer_counts(r, recipe, arch.num_layers)
     _check_alignment(r, arch, recipe)
+    check_layer_lists(r, recipe, arch)
 
 
 def _check_bf16_layer_counts(r: _Reader, recipe: Recipe, n: int) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from nemo_jetrl.arch import ModelArch
 from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.layer_lists import per_name_mismatch
 from nemo_jetrl.flow.graph import (
     BF16,
     DEFAULT_BUILDERS,
@@ -211,6 +212,9 @@ def _compare_fp8_vs_bf16(edge: Edge, roll: Precision, recipe: Recipe) -> tuple:
             (f"{S.VLLM_PRECISION}=fp8", f"or {S.FP8_ENABLED}=false"),
             "always",
         )
+    named = per_name_mismatch(edge.op, t, r)
+    if named is not None:
+        return named
     n_first = (S.VLLM_FIRST_BF16, "jetrl.train_num_first_layers_in_bf16")
     n_last = (S.VLLM_LAST_BF16, "jetrl.train_num_last_layers_in_bf16")
     side = "rollout" if roll.is_fp8 else "training"

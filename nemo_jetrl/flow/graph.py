@@ -158,8 +158,10 @@ EdgeBuilder = Callable[[ModelArch, Recipe, str], "list[Edge]"]
 # builders
 
 
-def _linear_is_fp8(side: SideRecipe, recipe: Recipe, layer: int, n: int, aligned: bool) -> bool:
-    if not side.is_fp8_layer(layer, n):
+def _linear_is_fp8(
+    side: SideRecipe, recipe: Recipe, layer: int, n: int, aligned: bool, name: str
+) -> bool:
+    if not side.is_fp8_linear(name, layer, n):
         return False
     # Unaligned linears stay BF16 on both sides when configured; otherwise the config is invalid
     # (validation says so) and we still draw what was asked for.
@@ -191,7 +193,7 @@ def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
     out: list[Edge] = []
     for layer in range(n):
         for lin in arch.layer_linears(layer):
-            fp8 = _linear_is_fp8(side, recipe, layer, n, lin.aligned)
+            fp8 = _linear_is_fp8(side, recipe, layer, n, lin.aligned, lin.name)
             grp = lin.group
 
             def add(role: str, p: Precision, lin=lin, grp=grp) -> None:

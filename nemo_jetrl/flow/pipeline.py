@@ -94,17 +94,15 @@ def check_config(
     overrides: Sequence[str] = (),
     *,
     run: bool = False,
-    aligning: bool = False,
 ) -> Checked:
     """Load ``cfg`` (a YAML path, or a loaded config), validate it, check its recipe on its model
     (generic aligned layers when the model is unknown). A `ConfigError` lists every error.
-    ``run``: the config is about to train on this machine (its directories must be writable).
-    ``aligning``: for `jetrl align`, which clears what `flow.support` lets it clear."""
+    ``run``: the config is about to train on this machine (its directories must be writable)."""
     from omegaconf import OmegaConf
 
     valid = load_valid_config(cfg, overrides, run=run, sections=BACKEND_SECTIONS)
     recipe, arch, note = valid.recipe, valid.arch, None
-    refused = unsupported_issues(valid.cfg, recipe, aligning=aligning)
+    refused = unsupported_issues(valid.cfg, recipe)
     if refused:
         raise ConfigError(refused, None if not isinstance(cfg, (str, os.PathLike)) else str(cfg))
     if arch is None:

@@ -1,17 +1,17 @@
 """What the precision flow cannot describe, refused by name before any verdict.
 
 `check_on_policy` knows dense decoder linears (q/k/v/o, gate/up/down), embeddings, lm_head and
-the KV cache. Two things in NeMo-RL's FP8 configs fall outside it, and `jetrl check` / `align`
-refuse them (exit 2) instead of calling them on-policy:
+the KV cache. Mixture-of-experts models fall outside it, and `jetrl check` / `align` refuse them
+(exit 2) instead of calling them on-policy:
 
 - Mixture-of-experts models: their expert linears (``mlp.experts.*.{gate,up,down}_proj``, with
   the router ``mlp.gate`` and any shared experts) go through vLLM's FusedMoE FP8 path, which
   ``nemo_jetrl.vllm_patch`` does not patch, and the trainer's grouped expert GEMMs, which the
   flow does not draw. Seen from the config: expert parallelism, Megatron's MoE sizes, a
   ``jetrl.model_config`` with experts, or a model name of a known MoE family.
-- ``policy.generation.vllm_cfg.quantization_ignored_layer_kws``: vLLM keeps the linears whose
-  names contain those words in BF16 while training quantizes them; a Recipe has no per-name
-  layer list, so the difference cannot be checked or aligned.
+
+Per-name BF16 lists (``quantization_ignored_layer_kws``) are part of the recipe now
+(`nemo_jetrl.config.layer_lists`); a word naming something outside the flow is refused there.
 
 Only configs with FP8 on some side are refused (a BF16 MoE run has nothing to align).
 """
@@ -26,7 +26,6 @@ from nemo_jetrl.config import ConfigIssue
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.recipe import Recipe
 
-IGNORED_LAYER_KWS = f"{S.VLLM_CFG}.quantization_ignored_layer_kws"
 EXPERT_LAYERS = "mlp.experts.*.{gate,up,down}_proj, the router mlp.gate and shared experts"
 # Megatron keys whose value > 1 (or set) means experts.
 _MOE_KEYS = (
@@ -76,24 +75,8 @@ def moe_evidence(cfg: Any) -> list[str]:
     return found
 
 
-# Decoder linears the flow draws: a per-name list of only these, `jetrl align` can clear (the
-# recipe then decides them); anything else (linear attention, vision towers) stays refused.
-FLOW_LINEAR_WORDS = frozenset(
-    ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj")
-)
-
-
-def alignable_ignored_kws(cfg: Any) -> bool:
-    """``quantization_ignored_layer_kws`` is set and names only linears the flow draws."""
-    kws = _select(cfg, IGNORED_LAYER_KWS)
-    return bool(kws) and all(str(k) in FLOW_LINEAR_WORDS for k in kws)
-
-
-def unsupported_issues(cfg: Any, recipe: Recipe, *, aligning: bool = False) -> list[ConfigIssue]:
-    """Errors for what the flow check cannot cover (MoE experts, per-name BF16 layers).
-
-    ``aligning``: `jetrl align` is about to clear a per-name list that names only decoder
-    linears the flow draws, so that list is not an error there."""
+def unsupported_issues(cfg: Any, recipe: Recipe) -> list[ConfigIssue]:
+    """Errors for what the flow check cannot cover (MoE experts)."""
     if not (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):
         return []
     issues = []
@@ -107,22 +90,6 @@ def unsupported_issues(cfg: Any, recipe: Recipe, *, aligning: bool = False) -> l
                 "cover, so Jet-RL cannot make its FP8 rollout on-policy. Use a dense model, or "
                 "run this one in BF16 (policy.generation.vllm_cfg.precision=bfloat16, "
                 f"{S.FP8_ENABLED}=false)",
-            )
-        )
-    kws = _select(cfg, IGNORED_LAYER_KWS)
-    if kws and not (aligning and alignable_ignored_kws(cfg)):
-        words = ", ".join(str(k) for k in kws)
-        fix = (
-            "`jetrl align` clears it (the recipe then decides those linears)"
-            if alignable_ignored_kws(cfg)
-            else "some name layers outside the dense decoder linears the flow covers"
-        )
-        issues.append(
-            ConfigIssue(
-                IGNORED_LAYER_KWS,
-                f"[{words}]: vLLM keeps the linears named by these words in BF16 while training "
-                "quantizes them; a Jet-RL recipe has no per-name layer list, so this cannot be "
-                f"checked. Remove the key (set it to []); {fix}",
             )
         )
     return issues

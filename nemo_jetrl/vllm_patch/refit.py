@@ -136,6 +136,8 @@ def is_fp8_weight(name: str, settings: PatchSettings) -> bool:
     if not settings.fp8_weights or not name.endswith(".weight"):
         return False
     module = name[: -len(".weight")]
+    if any(kw in module for kw in settings.bf16_layer_kws):
+        return False
     return module.rsplit(".", 1)[-1] in FP8_PROJS and module not in settings.modules_to_not_convert
 
 

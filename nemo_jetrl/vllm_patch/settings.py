@@ -44,6 +44,10 @@ class PatchSettings:
     modules_to_not_convert: tuple[str, ...] = ("lm_head",)
     """vLLM module prefixes kept in BF16 (exact names, e.g. ``model.layers.0.self_attn.q_proj``);
     must be the same set the training side keeps in BF16."""
+    bf16_layer_kws: tuple[str, ...] = ()
+    """Per-name BF16 linears (the recipe's rollout list): a linear whose name contains one of
+    these words is never quantized by a refit; their vLLM names are also in
+    ``modules_to_not_convert`` when the model's layer count was known."""
     kv_cache_dtype: str = "auto"
     """vLLM ``kv_cache_dtype``: ``auto`` (model dtype) or ``fp8``/``fp8_e4m3`` (per-tensor scales
     calibrated by the trainer and sent at refit)."""
@@ -73,6 +77,7 @@ class PatchSettings:
     def to_json(self) -> str:
         d = asdict(self)
         d["modules_to_not_convert"] = list(self.modules_to_not_convert)
+        d["bf16_layer_kws"] = list(self.bf16_layer_kws)
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -82,6 +87,7 @@ class PatchSettings:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}): {text[:200]!r}") from exc
         d["modules_to_not_convert"] = tuple(d.get("modules_to_not_convert", ()))
+        d["bf16_layer_kws"] = tuple(d.get("bf16_layer_kws", ()))
         return cls(**d)
 
 
@@ -124,6 +130,7 @@ def settings_from_recipe(recipe: Any, *, num_layers: int | None = None) -> Patch
         if problems:
             raise ValueError(f"recipe {name!r} cannot use the vLLM patch: " + "; ".join(problems))
     first_n, last_m = int(rollout.bf16_first_layers), int(rollout.bf16_last_layers)
+    kws = tuple(getattr(rollout, "bf16_layer_kws", ()))
     layers: list[int] = list(range(first_n))
     if last_m:
         if num_layers is None:
@@ -132,11 +139,17 @@ def settings_from_recipe(recipe: Any, *, num_layers: int | None = None) -> Patch
                 "num_layers= (the model's num_hidden_layers) so their names can be listed for vLLM"
             )
         layers += [i for i in range(num_layers - last_m, num_layers) if i not in layers]
+    named = [
+        m
+        for m in bf16_layer_modules(range(num_layers or 0))
+        if any(kw in m for kw in kws) and m not in bf16_layer_modules(layers)
+    ]
     kv = str(getattr(recipe, "kv_cache_dtype", "auto"))
     return PatchSettings(
         fp8_weights=bool(rollout.fp8_linears),
         pow2_weight_scales=bool(rollout.pow2_weight_scales),
         pow2_activation_scales=bool(rollout.pow2_activation_scales),
         kv_cache_dtype=kv,
-        modules_to_not_convert=("lm_head", *bf16_layer_modules(layers)),
+        modules_to_not_convert=("lm_head", *bf16_layer_modules(layers), *named),
+        bf16_layer_kws=kws,
     )

@@ -23,8 +23,11 @@ from nemo_rl_upstream import (
     tree_name,
     with_nemo_rl_defaults,
 )
+from omegaconf import OmegaConf
 
 from nemo_jetrl.cli import main as jetrl
+from nemo_jetrl.config import load_config
+from nemo_jetrl.config.schema import VLLM_IGNORED_KWS as IGNORED_KWS
 
 pytestmark = pytest.mark.nemo_rl
 
@@ -106,8 +109,9 @@ def test_every_fp8_grpo_config_of_the_tree_checks_aligns_and_is_accepted(
 ):
     """Issue 15's done-criterion on this tree: `jetrl check` and `jetrl align --recipe jetrl` end
     with 0/1/2 and no traceback on every FP8 GRPO config; aligned dense configs are on-policy and
-    pass NeMo-RL's loader, MasterConfig, setup and packing rules; MoE (and vLLM's per-name BF16
-    layers, e.g. Qwen3.5's linear attention) is refused by name."""
+    pass NeMo-RL's loader, MasterConfig, setup and packing rules, keeping a per-name BF16 list
+    on both sides; MoE and per-name words outside the flow (Qwen3.5's linear attention) are
+    refused by name."""
     configs = fp8_grpo_configs(tree_dir())
     assert len(configs) >= 10, configs  # v0.7.0 ships 11, main 19
     aligned, accepted, refused, lines = 0, 0, 0, []
@@ -124,19 +128,33 @@ def test_every_fp8_grpo_config_of_the_tree_checks_aligns_and_is_accepted(
         if code_align == 2:
             assert code_check == 2, name
             moe = re.search(r"mixture-of-experts model .*expert layers", align_out.err)
-            kws = re.search(r"quantization_ignored_layer_kws: \[.+\]: vLLM keeps", align_out.err)
+            kws = re.search(
+                r"quantization_ignored_layer_kws: \[.+\] match no decoder linear", align_out.err
+            )
             assert moe or kws, (name, align_out.err)
             refused += 1
-            why = "MoE, expert layers named" if moe else "per-name BF16 layers named"
+            why = "MoE, expert layers named" if moe else "per-name BF16 words outside the flow"
             lines.append(f"{name}: check {code_check}, refused ({why})")
             continue
-        assert code_align == 0 and "verdict: ON-POLICY" in align_out.out, (name, align_out.out)
+        lag = "verdict: OFF-POLICY by policy lag (precision flow: on-policy)" in align_out.out
+        if lag:  # async GRPO: on-policy in precision, off by the age of its weights (named)
+            assert code_align == 1 and "grpo.async_grpo.enabled" in align_out.out, name
+        else:
+            assert code_align == 0 and "verdict: ON-POLICY" in align_out.out, (name, align_out.out)
+        kws = OmegaConf.select(load_config(path), IGNORED_KWS, default=None)
+        if kws:  # the user's per-name BF16 linears stay BF16, now in training too
+            aligned_cfg = OmegaConf.load(out)
+            assert list(OmegaConf.select(aligned_cfg, "jetrl.train_bf16_layer_kws")) == list(kws)
+            assert list(OmegaConf.select(aligned_cfg, IGNORED_KWS)) == list(kws)
         aligned += 1
         cfg = nemo_rl_load(out, SMALL)
         master = drive_setup(cfg, tmp_path / name, monkeypatch)
         check_sequence_padding(master)
         accepted += 1
-        lines.append(f"{name}: check {code_check}, aligned, accepted by NeMo-RL")
+        lines.append(
+            f"{name}: check {code_check}, aligned{' (policy lag named)' if lag else ''}, "
+            "accepted by NeMo-RL"
+        )
     summary = (
         f"NeMo-RL {tree_name()}: {len(configs)} FP8 GRPO configs tried, {aligned} aligned "
         f"on-policy, {accepted} accepted by NeMo-RL's loader + setup, {refused} refused by name "

@@ -65,11 +65,12 @@ def test_bf16_moe_is_not_refused():
     assert check_config(str(bf16), ["policy.model_name=Qwen/Qwen3-30B-A3B"]).on_policy
 
 
-def test_quantization_ignored_layer_kws_refused_by_name(capsys):
+def test_quantization_ignored_layer_kws_outside_the_flow_refused_by_name(capsys):
     key = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
     code = jetrl(["check", str(E2E), f"+{key}=[a_proj,b_proj]"])
     err = capsys.readouterr().err
-    assert code == 2 and f"{key}: [a_proj, b_proj]" in err and "Traceback" not in err
+    assert code == 2 and key in err and "['a_proj', 'b_proj'] match no decoder linear" in err
+    assert "Traceback" not in err
 
 
 def test_nemo_rl_resolvers_resolve(tmp_path):
@@ -87,18 +88,24 @@ def test_nemo_rl_resolvers_resolve(tmp_path):
     )
 
 
-def test_align_clears_a_per_name_list_of_flow_linears_only(tmp_path, capsys):
+def test_align_keeps_a_per_name_list_of_flow_linears_on_both_sides(tmp_path, capsys):
     key = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
     out = tmp_path / "a.yaml"
     code = jetrl(
-        ["align", str(E2E), f"+{key}=[q_proj,o_proj]", "--recipe", "jetrl", "-o", str(out)]
+        ["align", str(E2E), f"+{key}=[q_proj,k_proj,v_proj]", "--recipe", "jetrl", "-o", str(out)]
     )
     printed = capsys.readouterr().out
-    assert code == 0 and f"{key}: ['q_proj', 'o_proj'] -> []" in printed
-    assert list(load_config(out).policy.generation.vllm_cfg.quantization_ignored_layer_kws) == []
+    assert code == 0 and "jetrl.train_bf16_layer_kws" in printed and "ON-POLICY" in printed
+    cfg = load_config(out)
+    assert list(cfg.policy.generation.vllm_cfg.quantization_ignored_layer_kws) == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+    ]
+    assert list(cfg.jetrl.train_bf16_layer_kws) == ["q_proj", "k_proj", "v_proj"]
     code = jetrl(["align", str(E2E), f"+{key}=[linear_attn.conv1d]", "-o", str(tmp_path / "b")])
     err = capsys.readouterr().err
-    assert code == 2 and "linear_attn.conv1d" in err and "outside the dense decoder" in err
+    assert code == 2 and "linear_attn.conv1d" in err and "match no decoder linear" in err
 
 
 def test_nemo_rl_launch_refuses_fp32_without_refit_hook():

@@ -11,7 +11,8 @@ decoder linears are swapped for FP8 layers:
   unpatched vLLM's own (``"vllm"``, used by the off-policy ``fp8_rollout`` recipe).
 
 Which layers: decoder linears (``*_proj`` inside ``model.layers``) of the layers the side's
-recipe marks FP8 (``bf16_first_layers`` / ``bf16_last_layers``); embeddings, norms, attention
+recipe marks FP8 (``bf16_first_layers`` / ``bf16_last_layers``), except those on its per-name
+BF16 list (``bf16_layer_kws``, matched against the HF module name); embeddings, norms, attention
 math and ``lm_head`` stay in the BF16 compute dtype on both sides. A linear whose dims are not
 multiples of 128 is kept BF16 by the converter and reported.
 """
@@ -56,7 +57,7 @@ def fp8_filter(side: SideRecipe, num_layers: int):
         m = _LAYER_RE.search(name)
         if m is None or not name.rsplit(".", 1)[-1].endswith("_proj"):
             return False
-        return side.is_fp8_layer(int(m.group(1)), num_layers)
+        return side.is_fp8_linear(name, int(m.group(1)), num_layers)
 
     return accept
 

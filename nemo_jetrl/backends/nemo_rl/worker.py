@@ -10,7 +10,8 @@ decorate it the same way (same runtime_env helper). What the subclass adds:
    ``runtime_env`` by ``policy.megatron_cfg.env_vars``), then `ensure_te_scale_env`, which fails
    if TE was somehow imported with the other scale rule;
 2. after the model is built: our hooks on every ``core_attention`` (on-policy KV when the recipe
-   asks for it, with the scales of the last calibration);
+   asks for it, with the scales of the last calibration), and the per-name BF16 linears
+   (``jetrl.train_bf16_layer_kws``) wrapped to run outside TE's FP8 (`megatron.bf16_names`);
 3. ``calibrate_qkv_fp8_scales`` (what grpo.py calls before each refit when the KV cache is FP8):
    our calibration, one forward per micro-batch through the stock ``get_logprobs``, padding masked
    from ``input_lengths``, invalid layers refused (previous scales kept), max across ranks; returns
@@ -78,6 +79,7 @@ def make_worker_class() -> type:
     from nemo_jetrl.backends.nemo_rl.translate import check_policy_env
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
+    from nemo_jetrl.megatron.bf16_names import keep_bf16_by_name
     from nemo_jetrl.megatron.config import ensure_te_scale_env
 
     class _Impl(mpw.MegatronPolicyWorkerImpl):  # type: ignore[name-defined,misc]
@@ -93,6 +95,10 @@ def make_worker_class() -> type:
                 self.model,
                 onpolicy=recipe.onpolicy_kv,
                 layer_offset=_layer_offset(self.model),
+            )
+            # Per-name BF16 linears (jetrl.train_bf16_layer_kws) run outside TE's FP8.
+            self._jetrl_bf16 = keep_bf16_by_name(
+                self.model, recipe.train.bf16_layer_kws, layer_offset=_layer_offset(self.model)
             )
 
         def calibrate_qkv_fp8_scales(

@@ -1,0 +1,93 @@
+"""Per-name BF16 layer lists: one home for their keys, reading and checks.
+
+NeMo-RL keeps named linears BF16 in the rollout with
+``policy.generation.vllm_cfg.quantization_ignored_layer_kws`` (a linear whose HF name contains
+one of the words, e.g. ``q_proj``, is left out of vLLM's FP8 quantization). Jet-RL only needs the
+training side to keep the same linears BF16: ``jetrl.train_bf16_layer_kws`` is that list for
+Megatron (same matching rule). Both land in `SideRecipe.bf16_layer_kws`; the flow compares the
+sides linear by linear.
+
+Two checks, both errors naming the key: a word must match at least one decoder linear of the
+model (a word naming something the flow does not draw, such as a linear-attention or vision
+projection, cannot be checked), and a list must keep each fused group whole: vLLM and Megatron
+run q/k/v and gate/up as one GEMM each, so keeping q_proj BF16 but not k_proj is not something
+either engine can do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_jetrl.config import schema as S
+
+ROLLOUT_KEY = S.VLLM_IGNORED_KWS
+TRAIN_KEY = "jetrl.train_bf16_layer_kws"
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def read_kws(r: Any, key: str) -> tuple[str, ...]:
+    """The list at ``key`` (absent or null: empty); a malformed one is an error on ``r``."""
+    value = r.get(key, None)
+    if value is None:
+        return ()
+    if isinstance(value, list) and all(isinstance(k, str) and k for k in value):
+        return tuple(value)
+    r.error(key, f"must be a list of non-empty strings (words of linear names), got {value!r}")
+    return ()
+
+
+def check_layer_lists(r: Any, recipe: Any, arch: Any) -> None:
+    """Every word matches a decoder linear of ``arch``; fused groups are kept whole."""
+    if recipe.train.bf16_layer_kws and recipe.train.fp8_param:
+        r.error(
+            TRAIN_KEY,
+            f"needs {S.FP8_PARAM}=false: with FP8 primary weights TE holds those linears' weights "
+            "in FP8 and cannot run them in BF16",
+        )
+    for key, side in ((TRAIN_KEY, recipe.train), (ROLLOUT_KEY, recipe.rollout)):
+        if not side.bf16_layer_kws:
+            continue
+        linears = [lin for i in range(arch.num_layers) for lin in arch.layer_linears(i)]
+        unmatched = [kw for kw in side.bf16_layer_kws if not any(kw in x.name for x in linears)]
+        if unmatched:
+            r.error(
+                key,
+                f"{unmatched} match no decoder linear of {arch.name} (names like "
+                f"{linears[0].name}); the precision flow covers decoder q/k/v/o and MLP linears "
+                "only, so layers these words name cannot be checked",
+            )
+        split = _split_group(side, arch)
+        if split:
+            r.error(key, split)
+
+
+def _split_group(side: Any, arch: Any) -> str | None:
+    for layer in range(arch.num_layers):
+        names = {lin.kind: lin.name for lin in arch.layer_linears(layer)}
+        for group in FUSED_GROUPS:
+            kept = [k for k in group if k in names and side.keeps_bf16(names[k])]
+            if kept and len(kept) < len(group):
+                return (
+                    f"keeps {kept} of layer {layer} BF16 but not "
+                    f"{[k for k in group if k not in kept]}: vLLM and Megatron run "
+                    f"{'/'.join(group)} as one fused GEMM; list all of them or none"
+                )
+    return None
+
+
+def per_name_mismatch(linear_name: str, train: Any, rollout: Any) -> tuple | None:
+    """(why, keys, fixes, severity) when only one side's per-name list keeps this linear BF16
+    (the flow's mismatch shape), else None. The fix copies the other side's list: Jet-RL keeps
+    the user's BF16 choice and makes training match it."""
+    in_train, in_roll = train.keeps_bf16(linear_name), rollout.keeps_bf16(linear_name)
+    if in_train == in_roll:
+        return None
+    side, other = ("rollout", "training") if in_roll else ("training", "rollout")
+    words = sorted(set(train.bf16_layer_kws) | set(rollout.bf16_layer_kws))
+    return (
+        f"the {side}'s per-name BF16 list keeps these linears BF16 while {other} runs them in "
+        "FP8; both sides must keep the same linears BF16",
+        (TRAIN_KEY, ROLLOUT_KEY),
+        (f"{TRAIN_KEY}={words}", f"and {ROLLOUT_KEY}={words}"),
+        "always",
+    )

@@ -1,0 +1,111 @@
+"""Keep named linears BF16 inside Megatron's FP8 region (``jetrl.train_bf16_layer_kws``).
+
+A Jet-RL recipe may keep some decoder linears BF16 by name (NeMo-RL's rollout list,
+``quantization_ignored_layer_kws``, and its training twin). Megatron-Core runs each transformer
+layer inside Transformer Engine's FP8 autocast; TE decides per module call whether to quantize
+(``FP8GlobalStateManager.is_fp8_enabled()`` at forward, the choice saved for backward), and the
+autocast context nests. So a module runs BF16 when its forward is entered inside an autocast
+with FP8 disabled: `keep_bf16_by_name` wraps exactly those modules' ``forward`` that way and
+returns a handle whose ``restore()`` puts the original forwards back (idempotent).
+
+Names. Megatron fuses HF's q/k/v into ``self_attention.linear_qkv`` and gate/up into
+``mlp.linear_fc1`` (``linear_proj`` = o_proj, ``linear_fc2`` = down_proj), and numbers layers per
+pipeline stage: a module is kept BF16 when every HF linear it fuses
+(``model.layers.<global index>.self_attn.q_proj`` ...) matches a word of the list
+(`nemo_jetrl.config.layer_lists` refuses lists that split a fused group).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import nn
+
+_MEGATRON_LINEAR = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)$"
+)
+FUSED_HF = {
+    "linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "linear_proj": ("self_attn", ("o_proj",)),
+    "linear_fc1": ("mlp", ("gate_proj", "up_proj")),
+    "linear_fc2": ("mlp", ("down_proj",)),
+}
+
+
+def hf_linear_names(megatron_name: str, layer_offset: int = 0) -> list[str]:
+    """HF names of the linears a Megatron decoder linear computes ([] for other modules)."""
+    m = _MEGATRON_LINEAR.search(megatron_name)
+    if m is None:
+        return []
+    layer = int(m.group(1)) + layer_offset
+    block, projs = FUSED_HF[m.group(3)]
+    return [f"model.layers.{layer}.{block}.{p}" for p in projs]
+
+
+def te_fp8_disabled() -> AbstractContextManager[Any]:
+    """Transformer Engine's autocast with FP8 off (TE 2.x ``fp8_autocast``, newer ``autocast``)."""
+    import transformer_engine.pytorch as te
+
+    ctx = getattr(te, "fp8_autocast", None) or te.autocast
+    return ctx(enabled=False)
+
+
+class Bf16NameHandle:
+    """The wrapped modules of one model; `restore` puts their forwards back."""
+
+    def __init__(self, wrapped: list[tuple[str, nn.Module]]) -> None:
+        self.wrapped = wrapped
+        self.active = True
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.wrapped]
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        for _, mod in self.wrapped:
+            mod.__dict__.pop("forward", None)  # the class's forward is visible again
+        self.active = False
+
+
+def keep_bf16_by_name(
+    model: nn.Module | Sequence[nn.Module],
+    kws: Sequence[str],
+    *,
+    layer_offset: int = 0,
+    fp8_disabled: Callable[[], AbstractContextManager[Any]] = te_fp8_disabled,
+) -> Bf16NameHandle:
+    """Run every Megatron decoder linear whose HF linears all match ``kws`` with FP8 off
+    (``fp8_disabled()`` around its forward). ``model``: a module or NeMo-RL's list of model
+    chunks; ``layer_offset``: the pipeline stage's first global layer. ValueError when a word
+    matches a fused group only in part (the list cannot be applied to fused GEMMs)."""
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    wrapped: list[tuple[str, nn.Module]] = []
+    for chunk in chunks:
+        for name, mod in chunk.named_modules():
+            hf = hf_linear_names(name, layer_offset)
+            hits = [h for h in hf if any(kw in h for kw in kws)]
+            if not hits:
+                continue
+            if len(hits) < len(hf):
+                raise ValueError(
+                    f"{name} computes {hf} as one GEMM but the BF16 list {list(kws)} names only "
+                    f"{hits}: list all of them or none (jetrl.train_bf16_layer_kws)"
+                )
+            _wrap(mod, fp8_disabled)
+            wrapped.append((name, mod))
+    return Bf16NameHandle(wrapped)
+
+
+def _wrap(mod: nn.Module, fp8_disabled: Callable[[], AbstractContextManager[Any]]) -> None:
+    inner = type(mod).forward.__get__(mod)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with fp8_disabled():
+            return inner(*args, **kwargs)
+
+    mod.forward = forward  # instance attribute: nn.Module.__call__ finds it first
