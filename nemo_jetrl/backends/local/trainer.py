@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from nemo_jetrl.backends.local.rollout import token_logprobs
+from nemo_jetrl.fp8 import check_non_finite
 from nemo_jetrl.invariant import is_batch_invariant
 from nemo_jetrl.rl.loss import grpo_loss
 from nemo_jetrl.rl.loss_config import GRPOLossConfig
@@ -154,6 +155,9 @@ class Trainer:
         grads = [m.grad for m in self.master if m.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         grad_norm = float(norm)
+        # FP8 layers on CUDA defer their non-finite checks to one read per step (here, where
+        # float(norm) already synced); on CPU they raised at the offending quantization.
+        check_non_finite()
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             clip = self.optim_cfg.max_grad_norm
