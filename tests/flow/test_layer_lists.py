@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_jetrl.cli import main
-
 REPO = Path(__file__).resolve().parents[2]
 JETRL = REPO / "examples" / "configs" / "qwen3_8b_base" / "jetrl.yaml"
 ROLL = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
@@ -19,35 +17,24 @@ TRAIN = "jetrl.train_bf16_layer_kws"
 ATTN = "[q_proj,k_proj,v_proj,o_proj]"
 
 
-@pytest.fixture(autouse=True)
-def _clean_te_scale_env(monkeypatch):
-    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
-
-
-def run(capsys, *argv) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out + err
-
-
-def test_a_rollout_only_list_is_off_policy_naming_both_keys(capsys):
-    code, out = run(capsys, "check", JETRL, f"+{ROLL}={ATTN}")
+def test_a_rollout_only_list_is_off_policy_naming_both_keys(cli):
+    code, out = cli("check", JETRL, f"+{ROLL}={ATTN}")
     assert code == 1
     assert "0-35    attn     FP8 e4m3 pow2 (te)  BF16" in out
     assert "per-name BF16 list" in out and TRAIN in out and ROLL in out
 
 
-def test_the_same_list_on_both_sides_is_on_policy_and_attn_is_bf16_on_both(capsys):
-    code, out = run(capsys, "check", JETRL, f"+{ROLL}={ATTN}", f"+{TRAIN}={ATTN}")
+def test_the_same_list_on_both_sides_is_on_policy_and_attn_is_bf16_on_both(cli):
+    code, out = cli("check", JETRL, f"+{ROLL}={ATTN}", f"+{TRAIN}={ATTN}")
     assert code == 0 and "verdict: ON-POLICY" in out
     assert "0-35    attn     BF16" in out and "0-35    mlp      FP8 e4m3 pow2 (te)  FP8" in out
 
 
-def test_align_keeps_the_users_list_on_both_sides(capsys, tmp_path):
+def test_align_keeps_the_users_list_on_both_sides(cli, tmp_path):
     from omegaconf import OmegaConf
 
     out_yaml = tmp_path / "aligned.yaml"
-    code, out = run(capsys, "align", JETRL, f"+{ROLL}={ATTN}", "-o", out_yaml)
+    code, out = cli("align", JETRL, f"+{ROLL}={ATTN}", "-o", out_yaml)
     assert code == 0 and "verdict: ON-POLICY" in out
     cfg = OmegaConf.load(out_yaml)
     want = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -64,8 +51,8 @@ def test_align_keeps_the_users_list_on_both_sides(capsys, tmp_path):
         (f"+{TRAIN}={ATTN} policy.megatron_cfg.fp8_cfg.fp8_param=true", TRAIN, "fp8_param=false"),
     ],
 )
-def test_bad_lists_exit_2_naming_the_key(capsys, extra, key, words):
-    code, out = run(capsys, "check", JETRL, *extra.split())
+def test_bad_lists_exit_2_naming_the_key(cli, extra, key, words):
+    code, out = cli("check", JETRL, *extra.split())
     assert code == 2 and key in out and words in out and "Traceback" not in out
 
 

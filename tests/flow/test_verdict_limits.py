@@ -10,22 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_jetrl.cli import main
-
 REPO = Path(__file__).resolve().parents[2]
 JETRL_KV = REPO / "examples" / "configs" / "qwen3_8b_base" / "jetrl_kv.yaml"
 UPSTREAM = REPO.parent / "shared" / "upstream" / "nemo-rl"
-
-
-@pytest.fixture(autouse=True)
-def _clean_te_scale_env(monkeypatch):
-    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
-
-
-def run(capsys, *argv) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out + err
 
 
 @pytest.mark.parametrize(
@@ -36,42 +23,42 @@ def run(capsys, *argv) -> tuple[int, str]:
         ["+policy.quant_cfg=nvfp4_a16.yaml", "+policy.generation.quant_cfg=nvfp4_a16.yaml"],
     ],
 )
-def test_modelopt_quant_cfg_is_never_on_policy_and_is_named(capsys, keys):
-    code, out = run(capsys, "check", JETRL_KV, *keys)
+def test_modelopt_quant_cfg_is_never_on_policy_and_is_named(cli, keys):
+    code, out = cli("check", JETRL_KV, *keys)
     assert code == 1 and "verdict: NOT PROVEN ON-POLICY" in out and "verdict: ON-POLICY" not in out
     for k in keys:
         assert k.split("=")[0].lstrip("+") in out.split("keys:")[-1]
-    code, out = run(capsys, "check", JETRL_KV, *keys, "--json")
+    code, out = cli("check", JETRL_KV, *keys, "--json")
     data = json.loads(out)
     assert code == 1 and data["on_policy"] is False and data["precision_on_policy"] is True
     assert [x["kind"] for x in data["limits"]] == ["unmodelled"]
 
 
 @pytest.mark.parametrize(("age", "in_flight"), [(None, False), (2, False), (1, True)])
-def test_async_grpo_is_off_policy_by_lag_with_precision_stated(capsys, age, in_flight):
+def test_async_grpo_is_off_policy_by_lag_with_precision_stated(cli, age, in_flight):
     extra = ["+grpo.async_grpo.enabled=true"]
     if age is not None:
         extra.append(f"+grpo.async_grpo.max_trajectory_age_steps={age}")
     if in_flight:
         extra.append("+grpo.async_grpo.in_flight_weight_updates=true")
-    code, out = run(capsys, "check", JETRL_KV, *extra)
+    code, out = cli("check", JETRL_KV, *extra)
     assert code == 1
     assert "verdict: OFF-POLICY by policy lag (precision flow: on-policy)" in out
     assert f"max_trajectory_age_steps={age or 1}" in out
     assert ("grpo.async_grpo.in_flight_weight_updates" in out) == in_flight
-    code, _ = run(capsys, "check", JETRL_KV, "+grpo.async_grpo.enabled=false")
+    code, _ = cli("check", JETRL_KV, "+grpo.async_grpo.enabled=false")
     assert code == 0  # a synchronous run keeps its verdict
 
 
-def test_off_policy_precision_and_lag_are_both_reported(capsys):
+def test_off_policy_precision_and_lag_are_both_reported(cli):
     fp8_rollout = REPO / "examples" / "configs" / "qwen3_8b_base" / "fp8_rollout.yaml"
-    code, out = run(capsys, "check", fp8_rollout, "+grpo.async_grpo.enabled=true")
+    code, out = cli("check", fp8_rollout, "+grpo.async_grpo.enabled=true")
     assert code == 1 and "policy lag (precision flow: OFF-POLICY)" in out and "keys:" in out
 
 
-def test_train_refuses_unmodelled_quantization_unless_allowed(capsys, tmp_path):
+def test_train_refuses_unmodelled_quantization_unless_allowed(cli, tmp_path):
     local = REPO / "examples" / "configs" / "local" / "jetrl.yaml"
-    code, out = run(capsys, "train", local, "+policy.generation.quant_cfg=x.yaml",
+    code, out = cli("train", local, "+policy.generation.quant_cfg=x.yaml",
                     f"logger.log_dir={tmp_path / 'run'}")  # fmt: skip
     assert code == 2 and "policy.generation.quant_cfg" in out and "allow_off_policy" in out
     assert not (tmp_path / "run").exists()  # refused before any work
@@ -82,7 +69,7 @@ def _upstream_configs(pattern: str) -> list[Path]:
 
 
 @pytest.mark.skipif(not UPSTREAM.is_dir(), reason="NeMo-RL's source (../shared/upstream) absent")
-def test_nemo_rl_quantization_aware_and_async_configs_are_never_called_on_policy(capsys):
+def test_nemo_rl_quantization_aware_and_async_configs_are_never_called_on_policy(cli):
     quantized = re.compile(r"^\s*quant_cfg:\s*(?!null\b)\S", re.MULTILINE)
     qa = [
         p for p in _upstream_configs("examples/**/*grpo*.yaml") if quantized.search(p.read_text())
@@ -90,7 +77,7 @@ def test_nemo_rl_quantization_aware_and_async_configs_are_never_called_on_policy
     lag = [p for p in _upstream_configs("examples/nemo_gym/grpo_*swe*.yaml")]
     assert len(qa) >= 4 and lag, (qa, lag)
     for path in qa + lag:
-        code, out = run(capsys, "check", path)
+        code, out = cli("check", path)
         assert "Traceback" not in out, path
         if code == 2:  # refused by name (e.g. MoE): also never on-policy
             continue

@@ -15,16 +15,6 @@ pytestmark = pytest.mark.megatron
 SEQ, BATCH = 16, 3
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    from megatron_shims import build_gpt, megatron_cpu
-
-    with megatron_cpu():
-        model = build_gpt()
-        model.eval()
-        yield model
-
-
 def _capture(model, store):
     """Independent capture of what each core attention receives (registered after ours)."""
     hs = []

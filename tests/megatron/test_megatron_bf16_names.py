@@ -25,16 +25,6 @@ def test_megatron_names_map_to_the_hf_linears_they_fuse():
     assert hf_linear_names("decoder.layers.0.self_attention.core_attention") == []
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    from megatron_shims import build_gpt, megatron_cpu
-
-    with megatron_cpu():
-        model = build_gpt()
-        model.eval()
-        yield model
-
-
 def _run_recording(model, kws, offset=0):
     """Forward once; return (handle, names of the modules whose weight was used by a torch op
     while the FP8-off context was entered, output)."""
