@@ -109,3 +109,38 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     else:
         line = f"NeMo-RL upstream source: not found at {NEMO_RL_UPSTREAM}; {NEMO_RL_UPSTREAM_HOWTO}"
     terminalreporter.write_line(line)
+
+
+# -- fixtures shared across test folders (one conftest: sub-folder conftest.py files would
+#    shadow this module for tests that import it by name) ---------------------------------
+
+
+@pytest.fixture
+def clean_te_env(monkeypatch):
+    """Validation warns when the process environment sets TE's scale rule; other tests in the
+    same process may have set it (nemo_jetrl.megatron does, on purpose)."""
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+
+
+@pytest.fixture
+def cli(capsys, clean_te_env):
+    """``cli(*argv) -> (exit code, stdout + stderr)`` of one `jetrl` call."""
+    from nemo_jetrl.cli import main
+
+    def run(*argv) -> tuple[int, str]:
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out + err
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """One real megatron-core GPTModel on CPU per test module (tests/megatron_shims.py)."""
+    from megatron_shims import build_gpt, megatron_cpu
+
+    with megatron_cpu():
+        model = build_gpt()
+        model.eval()
+        yield model
