@@ -318,3 +318,15 @@ def test_check_config_validates_then_checks(tmp_path):
     assert {m.layers for m in unknown.mismatches} == {(1, 2, 3)}  # generic 4-layer stand-in
     with pytest.raises(ConfigError, match=r"jetrl\.nope"):
         check_config(load_config(ex / "qwen3_8b_base" / "jetrl.yaml", ["+jetrl.nope=1"]))
+
+
+def test_mxfp8_rollout_against_blockwise_training_is_a_granularity_mismatch():
+    """1x32 E8M0 blocks in the rollout vs TE's 1x128 / 128x128 in training: the verdict names the
+    scaling granularity (and its keys), not only the scale rule."""
+    jetrl = Recipe.preset("jetrl")
+    r = jetrl.with_(rollout=jetrl.rollout.with_(scaling="mxfp8", quantizer="vllm"))
+    check = check_on_policy(QWEN3, r)
+    assert not check.on_policy
+    reasons = [m.reason for m in check.mismatches]
+    assert any("different FP8 scaling granularity" in x for x in reasons), reasons
+    assert "policy.generation.vllm_cfg.is_mx" in check.keys

@@ -179,3 +179,27 @@ def test_vllm_cuda_cache_write_matches_bit_for_bit(dtype: torch.dtype) -> None:
     got_v = vc.reshape(-1, heads, dim)[:tokens].cpu()
     assert torch.equal(got_k, quantize_kv(key, ks, kernel="cuda").view(torch.uint8))
     assert torch.equal(got_v, quantize_kv(value, vs, kernel="cuda").view(torch.uint8))
+
+
+def test_cuda_write_divides_once_like_vllms_cache_kernel():
+    """vLLM's CUDA cache write is one IEEE fp32 division x / scale, then E4M3 round-to-nearest-
+    even: bytes equal a float64-division reference (exact for fp32 division). The inputs sit
+    exactly on E4M3 ties (x = midpoint * scale, exact in fp32), where multiplying by the rounded
+    reciprocal (the CPU kernel's rule) breaks the tie the other way on about half of them."""
+    from nemo_jetrl.kvcache.quant import quantize_kv
+
+    g = torch.Generator().manual_seed(0)
+    e4m3 = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # < 448
+    mids = ((e4m3[1:] + e4m3[:-1]) / 2)[8:]  # ties between normal neighbours
+    differ = 0
+    for _ in range(20):
+        s = float(torch.rand((), generator=g) * 0.05 + 1e-3)
+        s = float(torch.tensor(s).view(torch.int32).bitwise_and(-256).view(torch.float32))
+        x = mids * s  # exact: <= 5 significant bits times a 16-bit scale
+        assert torch.equal(x.double() / s, mids.double())
+        got = quantize_kv(x, s, kernel="cuda").view(torch.uint8)
+        ref = (x.double() / s).float().clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(got, ref)
+        recip = (x * torch.reciprocal(torch.tensor(s))).clamp(-448, 448).to(torch.float8_e4m3fn)
+        differ += int((recip.view(torch.uint8) != ref).sum())
+    assert differ > 0  # the inputs tell the two rules apart

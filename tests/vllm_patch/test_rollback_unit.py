@@ -120,6 +120,26 @@ def test_a_restore_that_does_not_take_is_named(monkeypatch):
     assert "a." not in msg.replace("b.", "")  # "a" was restored
 
 
+def test_a_restore_that_leaves_other_bytes_in_place_is_named(monkeypatch):
+    """Same tensor object, same storage, one value off after the restore (e.g. a copy into a
+    repacked layout that did not take): the bit-for-bit verification must catch it."""
+    model = _Model()
+    snap = take_snapshot(model)
+    _failed_refit(model)
+    real = rollback._restore_module
+
+    def restore_then_corrupt(module, state, kv):
+        out = real(module, state, kv)
+        if module is model.a:
+            with torch.no_grad():  # flip one byte of the (FP8) weight in place
+                module.weight.view(torch.uint8).view(-1)[0] ^= 0x01
+        return out
+
+    monkeypatch.setattr(rollback, "_restore_module", restore_then_corrupt)
+    with pytest.raises(RollbackError, match=r"a\.weight: values differ"):
+        restore_snapshot(model, snap)
+
+
 def test_snapshot_stays_on_the_gpu_only_when_it_leaves_the_reserve_free(monkeypatch):
     gpu = torch.device("cuda", 0)
     free = {"bytes": 0}
