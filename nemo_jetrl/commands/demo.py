@@ -36,7 +36,7 @@ DEFAULT_RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
 # the off-policy recipe ships with NeMo-RL's importance-sampling correction on.
 RECIPE_EXTRAS = {"fp8_rollout": {"loss_fn.use_importance_sampling_correction": True}}
 DEFAULT_SEED = 42
-DEFAULT_N_SEEDS = 6
+DEFAULT_N_SEEDS = 8
 # fp8_rollout's and jetrl_kv's claims are about every step (mismatch), not about learning, so
 # they run on the first MISMATCH_SEEDS GRPO seeds only; bf16 and jetrl, whose learning the demo
 # judges over seeds, run on all --n-seeds (time: docs/local_backend.md).

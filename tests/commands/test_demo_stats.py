@@ -33,6 +33,11 @@ def test_t_quantile_is_the_975_point(df):
     assert _t_cdf(t_quantile(df), df) == pytest.approx(0.975, abs=2e-4)
 
 
+@pytest.mark.parametrize("df", [1, 2, 5, 7, 30, 31, 60, 1000])
+def test_one_sided_t_quantile_is_the_95_point(df):
+    assert _t_cdf(t_quantile(df, one_sided=True), df) == pytest.approx(0.95, abs=2e-4)
+
+
 def test_t_interval_on_known_numbers():
     iv = t_interval([1.0, 2.0, 3.0, 4.0])
     assert iv.mean == 2.5 and iv.n == 4
@@ -40,6 +45,8 @@ def test_t_interval_on_known_numbers():
     half = 3.182 * math.sqrt(5 / 3) / 2
     assert (iv.lo, iv.hi) == (pytest.approx(2.5 - half), pytest.approx(2.5 + half))
     assert "95% interval [+0.446, +4.554], 4 seeds" in iv.text()
+    assert iv.lower == pytest.approx(2.5 - 2.353 * math.sqrt(5 / 3) / 2)  # one-sided, df 3
+    assert iv.lo < iv.lower < iv.mean
     one = t_interval([0.3])
     assert one.lo == one.hi == 0.3 and "no interval" in one.text()
     with pytest.raises(ValueError):
