@@ -1,4 +1,4 @@
-"""Model architectures: every linear layer of a decoder-only transformer, with its shape.
+"""The model description: every linear layer of a decoder-only transformer, with its shape.
 
 A recipe decides FP8 per *linear layer*; whether a layer can be blockwise FP8 depends on its
 shape (both GEMM dims must be multiples of 128 so that 1x128 activation groups and 128x128
@@ -22,58 +22,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from nemo_jetrl.fp8.spec import BLOCK
-
-# Per-layer linears in execution order, with the HF module path under `model.layers.{i}.`.
-ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-LAYER_GROUP = MappingProxyType(
-    {**{n: "attn" for n in ATTN_LINEARS}, **{n: "mlp" for n in MLP_LINEARS}}
-)
-
-
-class ArchError(ValueError):
-    """A model description that cannot be read; `key` names the config key to fix."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One linear layer (torch layout: weight [out_features, in_features])."""
-
-    name: str
-    """Full HF parameter prefix, e.g. "model.layers.3.self_attn.q_proj"."""
-
-    kind: str
-    """Short name, e.g. "q_proj" or "lm_head"."""
-
-    layer: int | None
-    """Decoder layer index, or None for embeddings / lm_head."""
-
-    in_features: int
-    """GEMM reduction dim K (input features)."""
-
-    out_features: int
-    """GEMM output dim N (output features)."""
-
-    bias: bool = False
-    """The layer has a bias vector (Qwen2's q/k/v)."""
-
-    @property
-    def group(self) -> str:
-        """ "attn", "mlp", or the kind itself for embed_tokens / lm_head."""
-        return LAYER_GROUP.get(self.kind, self.kind)
-
-    @property
-    def aligned(self) -> bool:
-        """Both dims are multiples of 128, so blockwise FP8 tiles the weight exactly."""
-        return self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0
+from nemo_jetrl.arch.linear import ATTN_LINEARS, ArchError, Linear
 
 
 @dataclass(frozen=True)
@@ -290,93 +241,3 @@ class ModelArch:
         emb = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else emb
         return self.num_layers * (lin + norms) + emb + head + self.hidden_size
-
-
-def _builtins() -> Mapping[str, ModelArch]:
-    # Numbers from each model's public config.json on the HuggingFace hub.
-    llama31_8b = dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-    )
-    archs = [
-        ModelArch(name="meta-llama/Llama-3.1-8B", **llama31_8b),
-        ModelArch(name="meta-llama/Llama-3.1-8B-Instruct", **llama31_8b),
-        ModelArch(
-            name="Qwen/Qwen2.5-7B",
-            model_type="qwen2",
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_layers=28,
-            num_heads=28,
-            num_kv_heads=4,
-            head_dim=128,
-            vocab_size=152064,
-            tie_word_embeddings=False,
-            qkv_bias=True,
-        ),
-        ModelArch(
-            name="Qwen/Qwen3-8B-Base",
-            model_type="qwen3",
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_layers=36,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            vocab_size=151936,
-            tie_word_embeddings=False,
-            qkv_bias=False,
-            qk_norm=True,
-        ),
-    ]
-    return MappingProxyType({a.name: a for a in archs})
-
-
-BUILTIN_ARCHS: Mapping[str, ModelArch] = _builtins()
-
-
-def builtin_arch(name: str) -> ModelArch | None:
-    """The built-in description for a HF repo id (case-insensitive), or None."""
-    for key, arch in BUILTIN_ARCHS.items():
-        if key.lower() == str(name).lower():
-            return arch
-    return None
-
-
-def resolve_arch(model_name: str | None, model_config: str | None = None) -> ModelArch | None:
-    """The architecture from an explicit config.json path, else a built-in for `model_name`,
-    else None (unknown model). An existing local directory as model_name is read too."""
-    if model_config:
-        return ModelArch.from_json(model_config)
-    if not model_name:
-        return None
-    arch = builtin_arch(model_name)
-    if arch is not None:
-        return arch
-    p = Path(str(model_name))
-    if (p / "config.json").is_file():
-        return ModelArch.from_json(p)
-    return None
-
-
-def generic_arch(num_layers: int) -> ModelArch:
-    """A stand-in with 128-aligned shapes, for checking recipes of models we cannot describe."""
-    return ModelArch(
-        name="<generic aligned model>",
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=num_layers,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-    )

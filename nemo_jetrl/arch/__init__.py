@@ -1,0 +1,20 @@
+"""Model architectures: every linear layer of a model, with its shape and group.
+
+- `linear`: `Linear` (one linear, with its group) and `ArchError`;
+- `model`: `ModelArch`, read from a HuggingFace config.json;
+- `builtins`: descriptions of the models NeMo-RL's configs name, `resolve_arch`.
+"""
+
+from nemo_jetrl.arch.builtins import BUILTIN_ARCHS, builtin_arch, generic_arch, resolve_arch
+from nemo_jetrl.arch.linear import ArchError, Linear
+from nemo_jetrl.arch.model import ModelArch
+
+__all__ = [
+    "BUILTIN_ARCHS",
+    "ArchError",
+    "Linear",
+    "ModelArch",
+    "builtin_arch",
+    "generic_arch",
+    "resolve_arch",
+]

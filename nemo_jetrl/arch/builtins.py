@@ -1,0 +1,99 @@
+"""Built-in model descriptions (numbers of public config.json files) and model resolution."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from nemo_jetrl.arch.model import ModelArch
+
+
+def _builtins() -> Mapping[str, ModelArch]:
+    # Numbers from each model's public config.json on the HuggingFace hub.
+    llama31_8b = dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+    )
+    archs = [
+        ModelArch(name="meta-llama/Llama-3.1-8B", **llama31_8b),
+        ModelArch(name="meta-llama/Llama-3.1-8B-Instruct", **llama31_8b),
+        ModelArch(
+            name="Qwen/Qwen2.5-7B",
+            model_type="qwen2",
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_layers=28,
+            num_heads=28,
+            num_kv_heads=4,
+            head_dim=128,
+            vocab_size=152064,
+            tie_word_embeddings=False,
+            qkv_bias=True,
+        ),
+        ModelArch(
+            name="Qwen/Qwen3-8B-Base",
+            model_type="qwen3",
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            qkv_bias=False,
+            qk_norm=True,
+        ),
+    ]
+    return MappingProxyType({a.name: a for a in archs})
+
+
+BUILTIN_ARCHS: Mapping[str, ModelArch] = _builtins()
+
+
+def builtin_arch(name: str) -> ModelArch | None:
+    """The built-in description for a HF repo id (case-insensitive), or None."""
+    for key, arch in BUILTIN_ARCHS.items():
+        if key.lower() == str(name).lower():
+            return arch
+    return None
+
+
+def resolve_arch(model_name: str | None, model_config: str | None = None) -> ModelArch | None:
+    """The architecture from an explicit config.json path, else a built-in for `model_name`,
+    else None (unknown model). An existing local directory as model_name is read too."""
+    if model_config:
+        return ModelArch.from_json(model_config)
+    if not model_name:
+        return None
+    arch = builtin_arch(model_name)
+    if arch is not None:
+        return arch
+    p = Path(str(model_name))
+    if (p / "config.json").is_file():
+        return ModelArch.from_json(p)
+    return None
+
+
+def generic_arch(num_layers: int) -> ModelArch:
+    """A stand-in with 128-aligned shapes, for checking recipes of models we cannot describe."""
+    return ModelArch(
+        name="<generic aligned model>",
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=num_layers,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    )
