@@ -32,6 +32,7 @@ T_STEP = ("tests/backends/test_local_kv_padding.py",)
 T_PARITY = ("tests/vllm_patch/test_parity_unit.py",)
 T_ROLLBACK = ("tests/vllm_patch/test_rollback_unit.py",)
 T_NRL_KV = ("tests/backends/test_nemo_rl_kv.py",)
+T_TE = ("tests/megatron/test_te_layout_from_te.py",)  # TE 2.20.2's own layout code
 
 CONTROLS = [
     Mutant(
@@ -280,6 +281,42 @@ MUTANTS = [
         T_STEP,
         equivalent="calibrate() intersects the response mask with the attention mask "
         "(kvcache.calibration.token_mask: resp & real), which still excludes the padding",
+    ),
+    # ---- TE blockwise layout (fp8/layouts.py), judged by TE's own shape and dequantize code
+    Mutant(
+        "TE 1x128 rowwise scales not transposed",
+        "nemo_jetrl/fp8/layouts.py",
+        "s = rowwise.scale_inv if two_d else rowwise.scale_inv.t()",
+        "s = rowwise.scale_inv",
+        T_TE,
+    ),
+    Mutant(
+        "TE 128x128 columnwise scales not transposed",
+        "nemo_jetrl/fp8/layouts.py",
+        "s = columnwise.scale_inv.t() if two_d else columnwise.scale_inv",
+        "s = columnwise.scale_inv",
+        T_TE,
+    ),
+    Mutant(
+        "TE 128x1 columnwise scales transposed",
+        "nemo_jetrl/fp8/layouts.py",
+        "s = columnwise.scale_inv.t() if two_d else columnwise.scale_inv",
+        "s = columnwise.scale_inv.t()",
+        T_TE,
+    ),
+    Mutant(
+        "TE scale padding on the first dim",
+        "nemo_jetrl/fp8/layouts.py",
+        "return F.pad(t, (0, _align(t.shape[-1], mult) - t.shape[-1]))",
+        "return F.pad(t, (0, 0, 0, _align(t.shape[0], mult) - t.shape[0]))",
+        T_TE,
+    ),
+    Mutant(
+        "TE 128x128 rowwise scales read as if transposed",
+        "nemo_jetrl/fp8/layouts.py",
+        "s, block = t.rowwise_scale_inv[: _cdiv(m, 128), : _cdiv(k, 128)], (128, 128)",
+        "s, block = t.rowwise_scale_inv[: _cdiv(k, 128), : _cdiv(m, 128)].t(), (128, 128)",
+        T_TE,
     ),
     # ---- vLLM patch: refit parity and rollback
     Mutant(

@@ -127,6 +127,8 @@ def command(root: Path, copy: Path, env_kind: str, tests: list[str]) -> tuple[li
     """The pytest command and environment of one run in ``copy``."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(copy)}
     env.pop("JETRL_GOLDEN_DIR", None)
+    # TE's pure-Python files (tests/megatron/test_te_layout_from_te.py) are not in the copy.
+    env.setdefault("JETRL_TE_RECIPE_DIR", str(root / ".venv-te-recipe"))
     venv = {"default": ".venv", "vllm": ".venv-vllm", "nemo_rl": ".venv-vllm020"}[env_kind]
     if env_kind == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")
