@@ -275,7 +275,9 @@ def describe_side(s: SideRecipe) -> str:
     """One line describing a side."""
     if not s.fp8_linears:
         return "linears bf16"
-    if s.pow2_weight_scales == s.pow2_activation_scales:
+    if s.scaling == "mxfp8":
+        scales = "e8m0 (1x32 blocks)"  # MXFP8 scales are E8M0 whatever the pow2 flags say
+    elif s.pow2_weight_scales == s.pow2_activation_scales:
         scales = "pow2" if s.pow2_weight_scales else "fp32"
     else:
         scales = f"weights {s.scale_mode('weight')}, activations {s.scale_mode('activation')}"

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         recipe_to_config_updates,
     )
     from nemo_jetrl.errors import UserError
+    from nemo_jetrl.flow.mxfp8 import align_notes
     from nemo_jetrl.recipe import Recipe
 
     out = Path(args.output)
@@ -95,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {key}: {old!r} -> {new!r}", file=sys.stdout)
     if not changed:
         print("  (no key changed)", file=sys.stdout)
+    notes = align_notes(before.recipe, target)
+    if notes:
+        print("what changes (MXFP8 rollout, off-policy by construction):", file=sys.stdout)
+        for line in notes:
+            print(f"  - {line}", file=sys.stdout)
     print(file=sys.stdout)
     after = load_and_check(str(out), [])
     return report(after, str(out), sys.stdout)

@@ -55,6 +55,7 @@ from nemo_jetrl.flow.graph import (
     linear_edges,
     same_numbers,
 )
+from nemo_jetrl.flow.mxfp8 import is_mx, mx_fp8_mismatch, mx_rollout_vs_bf16
 from nemo_jetrl.recipe import Recipe
 
 __all__ = [
@@ -169,6 +170,8 @@ def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> t
         return _compare_fp8_vs_bf16(edge, roll, recipe)
     if not roll.is_fp8:
         return None
+    if is_mx(train) or is_mx(roll):
+        return mx_fp8_mismatch(train, roll)
     if (train.fmt, train.block) != (roll.fmt, roll.block):
         return (
             f"different FP8 scaling granularity (training {train.short()}, rollout "
@@ -197,6 +200,8 @@ def _compare_fp8_vs_bf16(edge: Edge, roll: Precision, recipe: Recipe) -> tuple:
     """One side FP8, the other BF16: FP8 switched on for one side only, or BF16 edge layers."""
     t, r = recipe.train, recipe.rollout
     if r.fp8_linears and not t.fp8_linears:
+        if r.scaling == "mxfp8":
+            return mx_rollout_vs_bf16()
         return (
             "rollout runs these linears in FP8 but training keeps them in BF16: the sampler "
             "is a different (quantized) policy than the one being optimised",
