@@ -12,7 +12,9 @@ Depends on torch only. Everything that is FP8 on either side of an RL step goes 
 
 Modules: ``formats`` (E4M3/E5M2), ``quantize`` (the one quantizer), ``gemm`` (blockwise-scaled
 GEMM), ``config`` (``Fp8LinearConfig``), ``linear`` (``Fp8BlockLinear``, ``Fp8InferenceLinear``),
-``convert`` (module swap), ``layouts`` (TE / vLLM / DeepGEMM storage), ``vllm_native``
+``convert`` (module swap), ``experts`` (grouped MoE expert linear: ``grouped_fp8_linear``,
+``quantize_expert_weights``, ``grouped_fp8_linear_inference``; reference ``experts_reference``,
+GPU path ``triton_grouped``), ``layouts`` (TE / vLLM / DeepGEMM storage), ``vllm_native``
 (emulation of an unpatched vLLM's own quantizers, for off-policy baselines).
 """
 
@@ -32,6 +34,7 @@ _EXPORTS = {
     "Fp8Format": "formats",
     "Fp8InferenceLinear": "linear",
     "Fp8LinearConfig": "config",
+    "GroupedQuantizedWeights": "grouped_tensors",
     "blockwise_matmul": "gemm",
     "cast_to_fp8": "quantize",
     "check_non_finite": "finite_flags",
@@ -41,7 +44,10 @@ _EXPORTS = {
     "fp8_bits": "quantize",
     "get_format": "formats",
     "grad_format": "formats",
+    "grouped_fp8_linear": "experts",
+    "grouped_fp8_linear_inference": "experts",
     "quantize_blockwise": "dispatch",
+    "quantize_expert_weights": "experts",
 }
 
 
@@ -68,6 +74,7 @@ __all__ = [
     "Fp8Format",
     "Fp8InferenceLinear",
     "Fp8LinearConfig",
+    "GroupedQuantizedWeights",
     "blockwise_matmul",
     "cast_to_fp8",
     "check_non_finite",
@@ -77,5 +84,8 @@ __all__ = [
     "fp8_bits",
     "get_format",
     "grad_format",
+    "grouped_fp8_linear",
+    "grouped_fp8_linear_inference",
     "quantize_blockwise",
+    "quantize_expert_weights",
 ]

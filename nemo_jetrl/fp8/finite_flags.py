@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 _FLAGS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_TEMPLATES: set[str] = set()  # names recorded by `record_each` (one flag per group)
 
 
 def sync_free(t: torch.Tensor) -> bool:
@@ -32,6 +33,18 @@ def record(name: str, scale_inv: torch.Tensor) -> None:
         flag.logical_or_(bad)
 
 
+def record_each(template: str, bad: torch.Tensor) -> None:
+    """Per-group flags in one tensor (no host read): ``bad[i]`` True names
+    ``template.format(i)`` (e.g. ``"moe.expert{}.input"``: the grouped expert linear)."""
+    key = (template, bad.device)
+    _TEMPLATES.add(template)
+    flag = _FLAGS.get(key)
+    if flag is None:
+        _FLAGS[key] = bad.reshape(-1).clone()
+    else:
+        flag.logical_or_(bad.reshape(-1))
+
+
 def pending() -> int:
     """How many tensor names have a flag waiting to be read."""
     return len(_FLAGS)
@@ -45,8 +58,14 @@ def check_non_finite() -> None:
     bad: list[str] = []
     for device in dict.fromkeys(k[1] for k in keys):
         idx = [i for i, k in enumerate(keys) if k[1] == device]
-        values = torch.stack([flags[i] for i in idx]).tolist()
-        bad += [keys[i][0] for i, v in zip(idx, values, strict=True) if v]
+        values = torch.cat([flags[i].reshape(-1) for i in idx]).tolist()
+        for i in idx:
+            n, name = flags[i].numel(), keys[i][0]
+            vals, values = values[:n], values[n:]
+            if name in _TEMPLATES:
+                bad += [name.format(j) for j, v in enumerate(vals) if v]
+            elif any(vals):
+                bad.append(name)
     if bad:
         raise ValueError(
             f"non-finite values in FP8 operand(s) {bad} (found on the device without a host "
@@ -56,4 +75,4 @@ def check_non_finite() -> None:
         )
 
 
-__all__ = ["check_non_finite", "pending", "record", "sync_free"]
+__all__ = ["check_non_finite", "pending", "record", "record_each", "sync_free"]
