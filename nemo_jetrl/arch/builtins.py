@@ -1,4 +1,8 @@
-"""Built-in model descriptions (numbers of public config.json files) and model resolution."""
+"""Built-in model descriptions (numbers of public config.json files) and model resolution.
+
+The dense models the package started with are written field by field; the MoE, hybrid and
+larger dense models of NeMo-RL's GRPO configs are read from `catalog`'s config.json keys.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from nemo_jetrl.arch.catalog import CATALOG
 from nemo_jetrl.arch.model import ModelArch
 
 
@@ -54,6 +59,7 @@ def _builtins() -> Mapping[str, ModelArch]:
             qk_norm=True,
         ),
     ]
+    archs += [ModelArch.from_hf_config(cfg, name=name) for name, cfg in CATALOG.items()]
     return MappingProxyType({a.name: a for a in archs})
 
 

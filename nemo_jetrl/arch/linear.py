@@ -1,5 +1,19 @@
 """One linear layer of a model, the unit a recipe decides FP8 for, and the error of a bad model
-description. Every family (dense, MoE, hybrid) lists its layers as `Linear`s.
+description. Every family (`dense`, `moe`, `mla`, `hybrid`) lists its layers as `Linear`s.
+
+A linear belongs to one *group*, the row `jetrl check` gives a verdict for:
+
+    attn            q/k/v/o of full attention (DeepSeek's MLA projections too)
+    mlp             a dense MLP (every layer of a dense model, the dense layers of an MoE model)
+    experts         routed experts, fused 3-D as transformers 5 stores them [E, out, in]
+    router          the MoE router `mlp.gate`: BF16/FP32 on both sides, never FP8
+    shared_experts  experts every token passes through (`shared_expert(s)`, `shared_expert_gate`)
+    linear_attn     gated linear attention (Qwen3-Next / Qwen3.5 `linear_attn.*`)
+    vision          the vision tower (`visual`): outside the decoder, BF16 on both sides
+    embed_tokens, lm_head   always BF16
+
+`bf16_why` marks what never runs FP8 whatever the recipe says (the router, a depthwise
+convolution, the vision tower), so the flow draws it BF16 on both sides and says why.
 """
 
 from __future__ import annotations
@@ -15,6 +29,22 @@ MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 LAYER_GROUP = MappingProxyType(
     {**{n: "attn" for n in ATTN_LINEARS}, **{n: "mlp" for n in MLP_LINEARS}}
 )
+GROUPS = (
+    "embed_tokens",
+    "attn",
+    "linear_attn",
+    "mlp",
+    "router",
+    "experts",
+    "shared_experts",
+    "vision",
+    "lm_head",
+)
+"""Every group, in the order `jetrl check` prints them."""
+
+ROUTER_BF16 = "the MoE router stays BF16/FP32 on both sides (never FP8)"
+CONV_BF16 = "a depthwise convolution, not a GEMM: no FP8 kernel on either side"
+VISION_BF16 = "the vision tower is outside the decoder: BF16 on both sides"
 
 
 class ArchError(ValueError):
@@ -36,23 +66,63 @@ class Linear:
     """Short name, e.g. "q_proj" or "lm_head"."""
 
     layer: int | None
-    """Decoder layer index, or None for embeddings / lm_head."""
+    """Decoder layer index, or None for embeddings / lm_head / the vision tower."""
 
     in_features: int
-    """GEMM reduction dim K (input features)."""
+    """GEMM reduction dim K (input features; a depthwise conv's kernel width)."""
 
     out_features: int
-    """GEMM output dim N (output features)."""
+    """GEMM output dim N (output features; a depthwise conv's channels)."""
 
     bias: bool = False
     """The layer has a bias vector (Qwen2's q/k/v)."""
 
-    @property
-    def group(self) -> str:
-        """ "attn", "mlp", or the kind itself for embed_tokens / lm_head."""
-        return LAYER_GROUP.get(self.kind, self.kind)
+    group: str = ""
+    """The group (module docstring); empty: from `kind` (attn / mlp / the kind itself)."""
+
+    experts: int = 0
+    """Routed experts stored as one 3-D tensor [experts, out, in]; 0 for a 2-D weight."""
+
+    bf16_why: str | None = None
+    """Why this layer never runs FP8 (router, convolution, vision tower); None: the recipe
+    decides."""
+
+    kernel: tuple[int, ...] = ()
+    """A convolution's kernel dims (weight [out, in per group, *kernel]); () for a linear."""
+
+    embedding: bool = False
+    """A lookup table [in_features rows, out_features dims] (the vision tower's pos_embed)."""
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            object.__setattr__(self, "group", LAYER_GROUP.get(self.kind, self.kind))
 
     @property
     def aligned(self) -> bool:
-        """Both dims are multiples of 128, so blockwise FP8 tiles the weight exactly."""
+        """Both dims are multiples of 128, so blockwise FP8 tiles the weight exactly (each
+        expert's own [out, in] matrix for fused experts)."""
         return self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0
+
+    @property
+    def fp8_capable(self) -> bool:
+        """A recipe may run it FP8 (not the router, a convolution or the vision tower)."""
+        return self.bf16_why is None and self.group not in ("embed_tokens", "lm_head")
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """The weight tensor's shape as torch stores it."""
+        if self.embedding:
+            return (self.in_features, self.out_features)
+        if self.kernel:
+            return (self.out_features, self.in_features, *self.kernel)
+        if self.experts:
+            return (self.experts, self.out_features, self.in_features)
+        return (self.out_features, self.in_features)
+
+    @property
+    def numel(self) -> int:
+        """Weight elements plus bias."""
+        n = 1
+        for d in self.weight_shape:
+            n *= d
+        return n + (self.out_features * max(self.experts, 1) if self.bias else 0)

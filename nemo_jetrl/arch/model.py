@@ -1,30 +1,49 @@
-"""The model description: every linear layer of a decoder-only transformer, with its shape.
+"""`ModelArch`: a model's description, every linear layer with its shape and group.
 
 A recipe decides FP8 per *linear layer*; whether a layer can be blockwise FP8 depends on its
 shape (both GEMM dims must be multiples of 128 so that 1x128 activation groups and 128x128
-weight blocks tile it exactly). This module turns a HuggingFace-style config (the keys of a
-model's ``config.json``) into that list. Llama, Qwen2 and Qwen3 decoder layers have the same
-seven linears:
+weight blocks tile it exactly). `ModelArch.from_hf_config` turns the keys of a model's
+``config.json`` into that list, composing the families per decoder layer:
 
-    q_proj  [heads*head_dim, hidden]      k_proj, v_proj [kv_heads*head_dim, hidden]
-    o_proj  [hidden, heads*head_dim]
-    gate_proj, up_proj [intermediate, hidden]      down_proj [hidden, intermediate]
+- token mixer: full attention (`dense.attention_linears`; DeepSeek's latent attention,
+  `mla`), or gated linear attention on the hybrid family's linear layers (`hybrid`);
+- MLP: dense (`dense.mlp_linears`) or, on an MoE model's MoE layers, router + experts +
+  shared experts (`moe`);
+- outside the decoder: embeddings, ``lm_head`` (always BF16) and a vision tower (`hybrid`,
+  BF16 on both sides).
 
-(weights stored [out_features, in_features] as in torch). Embeddings and ``lm_head`` are listed
-too, but always stay BF16. Built-in descriptions carry the numbers of the public configs of
-Llama-3.1-8B(-Instruct), Qwen2.5-7B and Qwen3-8B-Base; any other model is described by its
-config.json.
+Weights are [out_features, in_features] as in torch; names are transformers 5's parameter
+names (`model.layers.{i}....`; Qwen3.5's multimodal checkpoints: `model.language_model.layers`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_jetrl.arch.linear import ATTN_LINEARS, ArchError, Linear
+from nemo_jetrl.arch.dense import attention_linears, mlp_linears
+from nemo_jetrl.arch.hybrid import HybridSpec, VisionSpec, read_hybrid, read_vision
+from nemo_jetrl.arch.keys import Keys
+from nemo_jetrl.arch.linear import ArchError, Linear
+from nemo_jetrl.arch.mla import MlaSpec, read_mla
+from nemo_jetrl.arch.moe import MoeSpec, read_moe
+
+# model_type families (transformers' names; "_text" variants are Qwen3.5's decoder configs).
+_QK_NORM = (
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+)
+_OUTPUT_GATE = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+_QWEN2_BIAS = ("qwen2", "qwen2_moe")  # q/k/v biased by default, o_proj never
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,30 @@ class ModelArch:
     qk_norm: bool = False
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
 
+    o_bias: bool = False
+    """o_proj has a bias (`attention_bias` of Llama/Qwen3/Qwen3.5; never Qwen2)."""
+
+    output_gate: bool = False
+    """q_proj also yields a per-head output gate, so it is twice as wide (Qwen3-Next/3.5)."""
+
+    moe: MoeSpec | None = None
+    """Mixture-of-experts layers (`moe`), or None for a dense MLP everywhere."""
+
+    mla: MlaSpec | None = None
+    """Latent attention (`mla`, DeepSeek) instead of q/k/v/o, or None."""
+
+    hybrid: HybridSpec | None = None
+    """Linear-attention layers (`hybrid`), or None when every layer has full attention."""
+
+    vision: VisionSpec | None = None
+    """The vision tower of a multimodal checkpoint (BF16 on both sides), or None."""
+
+    prefix: str = "model"
+    """Module path of the decoder ("model.language_model" in Qwen3.5's multimodal layout)."""
+
+    hf_config: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The config.json it was read from (None when built field by field)."""
+
     def __post_init__(self) -> None:
         bad = [
             f"{k}={getattr(self, k)!r}"
@@ -99,47 +142,74 @@ class ModelArch:
 
     @staticmethod
     def from_hf_config(config: Mapping[str, Any], name: str | None = None) -> ModelArch:
-        """From the keys of a HuggingFace config.json (Llama/Qwen2/Qwen3-style decoders)."""
+        """From the keys of a HuggingFace config.json: dense decoders (Llama, Qwen2/3), MoE
+        (Qwen2/3-MoE, Mixtral, DeepSeek-V3/Moonlight), hybrid (Qwen3-Next, Qwen3.5 with its
+        vision tower). Every problem is reported together, naming its key."""
+        label = str(name or config.get("_name_or_path") or config.get("model_type", "model"))
+        text, prefix, vision = config, "model", None
+        if isinstance(config.get("text_config"), Mapping):
+            # Multimodal layout (Qwen3.5): decoder under text_config, tower under vision_config.
+            text, prefix = config["text_config"], "model.language_model"
+            if isinstance(config.get("vision_config"), Mapping):
+                vk = Keys(config["vision_config"], f"{label} vision_config")
+                vision = read_vision(vk, "model.visual")
+                vk.raise_if_any()
+        keys = Keys(text, label)
+        mt = str(text.get("model_type") or config.get("model_type") or "llama")
         missing = [
             k
-            for k in (
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "vocab_size",
-            )
-            if k not in config
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if text.get(k) is None
         ]
-        label = name or config.get("_name_or_path") or config.get("model_type", "model")
         if missing:
             raise ArchError(f"config of {label!r} lacks {', '.join(missing)}")
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        model_type = str(config.get("model_type", "llama"))
-        head_dim = config.get("head_dim")
-        if not head_dim:
-            if heads <= 0 or hidden % heads:
+        hidden, layers = keys.int("hidden_size"), keys.int("num_hidden_layers")
+        heads = keys.int("num_attention_heads")
+        keys.raise_if_any()
+        moe = read_moe(keys, mt, layers)
+        dense_layers = layers - (len(moe.moe_layers) if moe else 0)
+        if text.get("intermediate_size") is None and (dense_layers or not moe):
+            keys.problem("lacks intermediate_size (the dense MLP width)")
+        inter = keys.int("intermediate_size", moe.expert_size if moe else 1)
+        mla = read_mla(keys) if mt in _MLA else None
+        hybrid = read_hybrid(keys, layers, split_proj=mt.startswith("qwen3_5"))
+        keys.raise_if_any()
+        head_dim = text.get("head_dim")
+        if mla is not None:
+            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        elif not head_dim:
+            if hidden % heads:
                 raise ArchError(
                     f"config of {label!r}: hidden_size {hidden} is not divisible by "
                     f"num_attention_heads {heads} and head_dim is not set; set head_dim or make "
                     "hidden_size a multiple of num_attention_heads"
                 )
             head_dim = hidden // heads
-        qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
+        bias_key = "qkv_bias" if mt == "qwen2_moe" else "attention_bias"
+        attn_bias = bool(text.get(bias_key, mt in _QWEN2_BIAS))
         return ModelArch(
-            name=str(label),
-            model_type=model_type,
+            name=label,
+            model_type=mt,
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
+            intermediate_size=inter,
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            num_kv_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
-            vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
+            vocab_size=int(text["vocab_size"]),
+            tie_word_embeddings=bool(
+                config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
+            qkv_bias=attn_bias,
+            qk_norm=mt in _QK_NORM,
+            o_bias=attn_bias and mt not in _QWEN2_BIAS,
+            output_gate=mt in _OUTPUT_GATE,
+            moe=moe,
+            mla=mla,
+            hybrid=hybrid,
+            vision=vision,
+            prefix=prefix,
+            hf_config=config,
         )
 
     @staticmethod
@@ -170,7 +240,12 @@ class ModelArch:
             raise ArchError(f"model config {p}: {exc}", key) from None
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The HF config keys (enough for transformers' Auto*.from_config with model_type)."""
+        """The HF config keys (enough for transformers' Auto*.from_config with model_type): the
+        config.json it was read from, else the dense keys of its fields."""
+        if self.hf_config is not None:
+            return dict(self.hf_config)
+        if self.moe or self.mla or self.hybrid or self.vision:
+            raise ValueError(f"{self.name}: built field by field; no config.json to return")
         return {
             "model_type": self.model_type,
             "hidden_size": self.hidden_size,
@@ -186,58 +261,80 @@ class ModelArch:
 
     # -- linears -------------------------------------------------------------------------------
 
+    @property
+    def family(self) -> str:
+        """ "dense", "moe", "hybrid" or "hybrid-moe" (what `jetrl check` prints)."""
+        parts = [x for x, on in (("hybrid", self.hybrid), ("moe", self.moe)) if on]
+        return "-".join(parts) or "dense"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.moe_layers
+
+    def kv_layers(self) -> list[int]:
+        """Layers with a KV cache (full attention; linear attention keeps a recurrent state)."""
+        h = self.hybrid
+        return [i for i in range(self.num_layers) if h is None or not h.is_linear(i)]
+
     def layer_linears(self, layer: int) -> list[Linear]:
-        """The seven linears of decoder layer `layer`, in execution order."""
+        """Every linear of decoder layer `layer`, in execution order."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range for {self.name} ({self.num_layers})")
-        h, q, kv, i = (
-            self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-            self.intermediate_size,
-        )
-        shapes = {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-        out = []
-        for kind, (k_in, n_out) in shapes.items():
-            module = "self_attn" if kind in ATTN_LINEARS else "mlp"
-            out.append(
-                Linear(
-                    name=f"model.layers.{layer}.{module}.{kind}",
-                    kind=kind,
-                    layer=layer,
-                    in_features=k_in,
-                    out_features=n_out,
-                    bias=self.qkv_bias and kind in ("q_proj", "k_proj", "v_proj"),
-                )
+        h, p = self.hidden_size, self.prefix
+        if self.hybrid is not None and self.hybrid.is_linear(layer):
+            out = self.hybrid.linears(p, layer, h)
+        elif self.mla is not None:
+            out = self.mla.linears(p, layer, h, self.num_heads)
+        else:
+            out = attention_linears(
+                p,
+                layer,
+                h,
+                self.num_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+                qkv_bias=self.qkv_bias,
+                o_bias=self.o_bias,
+                output_gate=self.output_gate,
             )
-        return out
+        module = f"{p}.layers.{layer}.mlp"
+        if self.moe is not None and layer in self.moe.moe_layers:
+            return out + self.moe.block_linears(module, layer, h)
+        return out + mlp_linears(module, layer, h, self.intermediate_size)
+
+    def nondecoder_linears(self) -> list[Linear]:
+        """The vision tower's layers (BF16 on both sides); empty for a text-only model."""
+        return self.vision.linears() if self.vision else []
 
     def linears(self) -> list[Linear]:
-        """Every decoder linear of every layer, then lm_head (always BF16)."""
+        """Every decoder linear of every layer, the vision tower, then lm_head (BF16)."""
         out = [lin for i in range(self.num_layers) for lin in self.layer_linears(i)]
+        out += self.nondecoder_linears()
         out.append(Linear("lm_head", "lm_head", None, self.hidden_size, self.vocab_size))
         return out
 
+    def distinct_linears(self) -> list[Linear]:
+        """One decoder linear per (group, kind, shape) that a recipe may run FP8, in model order
+        (a dense model: the seven of layer 0)."""
+        seen: dict[tuple, Linear] = {}
+        for i in range(self.num_layers):
+            for lin in self.layer_linears(i):
+                if lin.fp8_capable:
+                    seen.setdefault((lin.group, lin.kind, lin.in_features, lin.out_features), lin)
+        return list(seen.values())
+
     def unaligned_linears(self) -> list[Linear]:
-        """Decoder linears (one per kind; all layers share shapes) whose dims are not
-        multiples of 128."""
-        return [lin for lin in self.layer_linears(0) if not lin.aligned]
+        """`distinct_linears` whose dims are not multiples of 128 (for fused experts: one
+        expert's [out, in] matrix)."""
+        return [lin for lin in self.distinct_linears() if not lin.aligned]
 
     def num_params(self) -> int:
-        """Parameter count (embeddings, linears, norms), for sanity checks against model cards."""
-        lin = sum(
-            lin.in_features * lin.out_features + (lin.out_features if lin.bias else 0)
-            for lin in self.layer_linears(0)
+        """Parameter count: linears, embeddings, RMSNorms of the dense trunk (2 per layer, the
+        final one, q/k norms). Not counted: MLA's and linear attention's own norms and
+        per-head vectors, the vision tower's norms."""
+        lin = sum(x.numel for x in self.linears())
+        norms = self.num_layers * (
+            2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         )
-        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         emb = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else emb
-        return self.num_layers * (lin + norms) + emb + head + self.hidden_size
+        head = emb if not self.tie_word_embeddings else 0
+        # lm_head is in linears(); a tied one shares the embedding's parameters.
+        return lin - (self.vocab_size * self.hidden_size - head) + emb + norms + self.hidden_size

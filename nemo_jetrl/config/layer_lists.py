@@ -47,7 +47,7 @@ def check_layer_lists(r: Any, recipe: Any, arch: Any) -> None:
     for key, side in ((TRAIN_KEY, recipe.train), (ROLLOUT_KEY, recipe.rollout)):
         if not side.bf16_layer_kws:
             continue
-        linears = [lin for i in range(arch.num_layers) for lin in arch.layer_linears(i)]
+        linears = [*arch.linears()]  # decoder, vision tower, lm_head
         unmatched = [kw for kw in side.bf16_layer_kws if not any(kw in x.name for x in linears)]
         if unmatched:
             r.error(

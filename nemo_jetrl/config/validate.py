@@ -290,7 +290,7 @@ def _check_alignment(r: _Reader, arch: Any, recipe: Recipe) -> None:
     if not blockwise:
         return
     bad = arch.unaligned_linears()
-    if len(bad) == len(arch.layer_linears(0)):
+    if len(bad) == len(arch.distinct_linears()):
         _no_fp8_coverage(r, arch, recipe, bad)
     elif bad and not recipe.unaligned_layers_bf16:
         names = ", ".join(f"{lin.name} {lin.out_features}x{lin.in_features}" for lin in bad[:6])

@@ -31,37 +31,7 @@ def _clean_te_scale_env(monkeypatch):
     monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
 
 
-# Parameter counts of the public checkpoints (model cards: 8.03B, 7.62B, 8.19B).
-PUBLIC_PARAMS = {
-    "meta-llama/Llama-3.1-8B": 8_030_261_248,
-    "meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
-    "Qwen/Qwen2.5-7B": 7_615_616_512,
-    "Qwen/Qwen3-8B-Base": 8_190_735_360,
-}
-
-
-# ------------------------------------------------------------------------------------- arch
-
-
-@pytest.mark.parametrize("name", list(BUILTIN_ARCHS))
-def test_builtin_arch_matches_a_real_transformers_model(name):
-    """Build the HF model from our description (meta device, no memory) and compare every
-    nn.Linear's name and shape, the q/k/v biases, and the parameter count."""
-    transformers = pytest.importorskip("transformers")
-    arch = BUILTIN_ARCHS[name]
-    cfg_dict = arch.to_hf_config()
-    cfg = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-    real = {
-        n: (tuple(m.weight.shape), m.bias is not None)
-        for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear)
-    }
-    ours = {lin.name: ((lin.out_features, lin.in_features), lin.bias) for lin in arch.linears()}
-    assert real == ours
-    total = sum(p.numel() for p in model.parameters())
-    assert total == arch.num_params() == PUBLIC_PARAMS[name]
+# The built-ins against real transformers models: tests/arch/test_arch_hf.py.
 
 
 def test_from_hf_config_and_json(tmp_path):
