@@ -56,6 +56,15 @@ BAD_OVERRIDES = [
     ("grpo.num_prompts_per_step=1048576", "responses per step exceeds 1048576"),
     ("jetrl.local.num_threads=1000000000", "jetrl.local.num_threads: got 1000000000"),
     ("policy.generation.temperature=.inf", "policy.generation.temperature: got inf"),
+    # issue 26: the loss keys once accepted .inf where lr was refused (one typed rule now)
+    (
+        "loss_fn.reference_policy_kl_penalty=.inf",
+        "loss_fn.reference_policy_kl_penalty: got inf; expected a finite number",
+    ),
+    (
+        "policy.generation.vllm_cfg=[1,2]",
+        "policy.generation.vllm_cfg: got [1, 2]; expected a mapping",
+    ),
     ("grpo.seed=${nope.x}", "grpo.seed: cannot resolve '${nope.x}'"),
     ("jetrl.local.cache_dir=${oc.env:JETRL_SURELY_UNSET_VAR}", "JETRL_SURELY_UNSET_VAR"),
     # derived seeds (seed + offsets) once overflowed torch's generator after the warm start began

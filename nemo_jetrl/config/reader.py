@@ -69,40 +69,6 @@ class _Reader:
     def note(self, path: str, message: str) -> None:
         self.issues.append(ConfigIssue(path, message, (), "note"))
 
-    def boolean(self, path: str, default: bool) -> bool:
-        v = self.get(path, default)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            self.error(path, f"must be true or false, got {v!r}", (True, False))
-            return default
-        return v
-
-    def choice(self, path: str, choices: Sequence[Any], default: Any) -> Any:
-        v = self.get(path, default)
-        if v not in choices:
-            self.error(path, f"unknown value {v!r}", choices)
-            return default
-        return v
-
-    def count(self, path: str, default: int = 0) -> int:
-        v = self.get(path, default)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            self.error(path, f"must be an integer >= 0, got {v!r}")
-            return default
-        return v
-
-    def number(self, path: str, default: float | None) -> float | None:
-        v = self.get(path, default)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self.error(path, f"must be a number, got {v!r}")
-            return default
-        return float(v)
-
 
 def read_recipe(r: _Reader) -> Recipe:
     """Build the Recipe from the keys (issues recorded in `r`, defaults where invalid)."""

@@ -10,9 +10,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.jetrl_model import default_of
 from nemo_jetrl.config.load import _MISSING, _exists
 from nemo_jetrl.config.reader import _Reader
-from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.recipe import PRESET_NAMES, Recipe
 
 
 def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def recipe_to_config_updates(recipe: Recipe) -> dict[str, Any]:
             },
         },
         "jetrl": {
-            "recipe": recipe.name if recipe.name in S.JETRL_KEYS["recipe"].choices else None,
+            "recipe": recipe.name if recipe.name in PRESET_NAMES else None,
             "vllm_patch": ro.fp8_linears and ro.quantizer == "jetrl",
             "onpolicy_kv": recipe.onpolicy_kv,
             "kv_scale_source": _kv_source_key(recipe),
@@ -134,11 +135,8 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _default_for(path: str) -> Any:
     """What NeMo-RL / nemo_jetrl assume when `path` is absent."""
-    if path.startswith("jetrl.kv_calibration."):
-        return S.KV_CALIBRATION_KEYS[path.rsplit(".", 1)[1]].default
     if path.startswith("jetrl."):
-        spec = S.JETRL_KEYS.get(path.split(".", 1)[1])
-        return spec.default if spec else None
+        return default_of(path)
     return {
         S.FP32_SCALES_KEY: "0",
         S.VLLM_FIRST_BF16: 0,

@@ -1,15 +1,15 @@
 """Validation of a loaded config: every problem, reported together.
 
-`validate` never stops at the first problem: it walks the `jetrl:` section (schema in
-`config_schema`), NeMo-RL's precision keys, NeMo-RL's importance-sampling rules for ``loss_fn``
-(its ClippedPGLossConfig checks), the recipe's internal consistency, and, when the model is
+`validate` never stops at the first problem: it parses the whole config with the typed schema
+(`nemo_jetrl.config.typed`: NeMo-RL's sections in `nemo_rl_model`, ours in `jetrl_model`),
+then applies the rules across keys: NeMo-RL's precision keys, NeMo-RL's importance-sampling
+rules for ``loss_fn`` (its ClippedPGLossConfig checks), the recipe's internal consistency, and, when the model is
 known, the architecture (layer counts, 128-alignment for blockwise FP8). Each finding is a
 `ConfigIssue` with the full key path, a message saying what to change, and the allowed values.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -22,85 +22,32 @@ from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.config.run_keys import check_run_keys
 from nemo_jetrl.config.sections import NO_SECTIONS, SectionProviders
-from nemo_jetrl.recipe import Recipe, preset_differences
-from nemo_jetrl.recipe_parts import KV_CALIBRATION_RULES, kv_calibration_problems
+from nemo_jetrl.recipe import PRESET_NAMES, Recipe, preset_differences
 
 __all__ = ["arch_from_config", "errors", "recipe_from_config", "validate"]
 
 
 def _check_jetrl_section(r: _Reader) -> None:
+    """Rules across ``jetrl.*`` keys and the backends' own sections (each key's type and values:
+    the typed parse, `nemo_jetrl.config.jetrl_model`)."""
     section = r.get("jetrl", None)
-    if section is None:
-        return
     if not isinstance(section, Mapping):
-        r.error("jetrl", f"must be a mapping, got {type(section).__name__}")
         return
-    for key in section:
-        if key not in S.JETRL_KEYS:
-            near = difflib.get_close_matches(str(key), list(S.JETRL_KEYS), n=1)
-            hint = f"; did you mean jetrl.{near[0]}?" if near else ""
-            r.error(f"jetrl.{key}", f"unknown key{hint}", tuple(S.JETRL_KEYS))
-    for key, spec in S.JETRL_KEYS.items():
-        if key not in section or key in ("kv_calibration", "local"):
-            continue
-        v = section[key]
-        path = f"jetrl.{key}"
-        types = tuple(t for t in spec.types if t is not type(None))
-        if v is None and type(None) in spec.types:
-            continue
-        ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
-        if not ok:
-            want = " or ".join(
-                "null" if t is type(None) else getattr(t, "__name__", str(t)) for t in spec.types
-            )
-            r.error(path, f"must be {want}, got {v!r}", spec.choices)
-            continue
-        if spec.choices and v not in spec.choices:
-            r.error(path, f"unknown value {v!r}", spec.choices)
-        if spec.types == (int,) and v < 0:
-            r.error(path, f"must be >= 0, got {v}")
     cal = section.get("kv_calibration")
-    if cal is not None:
-        if not isinstance(cal, Mapping):
-            r.error("jetrl.kv_calibration", "must be a mapping")
-        else:
-            _check_kv_calibration(r, cal)
-    local = section.get("local")
-    if local is not None:
-        _check_local(r, local)
-
-
-def _check_kv_calibration(r: _Reader, cal: Mapping[str, Any]) -> None:
-    base = "jetrl.kv_calibration"
-    for key in cal:
-        if key not in S.KV_CALIBRATION_KEYS:
-            near = difflib.get_close_matches(str(key), list(S.KV_CALIBRATION_KEYS), n=1)
-            hint = f"; did you mean {base}.{near[0]}?" if near else ""
-            r.error(f"{base}.{key}", f"unknown key{hint}", tuple(S.KV_CALIBRATION_KEYS))
-    r.boolean(f"{base}.enabled", True)
-    values = {k: cal[k] for k in KV_CALIBRATION_RULES if k in cal}
-    for key, what in kv_calibration_problems(values).items():
-        allowed = S.KV_CALIBRATION_KEYS[key].choices
-        v = values[key]
-        if allowed and v not in allowed:
-            r.error(
-                f"{base}.{key}", f"unknown value {v!r}", tuple(c for c in allowed if c is not None)
+    if isinstance(cal, Mapping):
+        pct, reduction = cal.get("percentile"), cal.get("reduction")
+        if reduction == "max" and pct is not None and pct != 100.0:
+            r.warn(
+                "jetrl.kv_calibration.percentile",
+                f"ignored: reduction is max (the percentile {pct} applies only with "
+                "reduction: percentile)",
             )
-        else:
-            r.error(f"{base}.{key}", f"must be {what}, got {v!r}")
-    pct, reduction = values.get("percentile"), values.get("reduction")
-    if reduction == "max" and pct is not None and pct != 100.0:
-        r.warn(
-            f"{base}.percentile",
-            f"ignored: reduction is max (the percentile {pct} applies only with "
-            "reduction: percentile)",
-        )
+    local = section.get("local")
+    if isinstance(local, Mapping):
+        _check_local(r)
 
 
-def _check_local(r: _Reader, local: Any) -> None:
-    if not isinstance(local, Mapping):
-        r.error("jetrl.local", f"must be a mapping, got {type(local).__name__}")
-        return
+def _check_local(r: _Reader) -> None:
     section = r.section("local")
     if section is None:
         r.note(
@@ -114,15 +61,18 @@ def _check_local(r: _Reader, local: Any) -> None:
 
 
 def _check_nemo_rl_keys(r: _Reader) -> None:
+    """Rules across NeMo-RL's precision keys (each key's own type and values: the typed parse,
+    `nemo_jetrl.config.nemo_rl_model`)."""
     # Training FP8 (Megatron/TE).
-    fp8_on = r.boolean(S.FP8_ENABLED, False)
+    fp8_on = r.get(S.FP8_ENABLED, False) is True
     if fp8_on:
         for key, choices in ((S.FP8_FORMAT, S.FP8_FORMATS), (S.FP8_RECIPE, S.FP8_RECIPES)):
+            v = r.get(key, None)
             if not r.has(key):
                 r.error(key, "required when fp8_cfg.enabled is true (NeMo-RL reads it)", choices)
-            else:
-                r.choice(key, choices, choices[0])
-        r.boolean(S.FP8_PARAM, False)
+            elif v not in choices:
+                msg = f"got {v!r}; expected one of the allowed values (fp8_cfg.enabled is true)"
+                r.error(key, msg, choices)
         if r.get(S.MEGATRON_ENABLED, None) is False:
             r.warn(
                 S.FP8_ENABLED,
@@ -130,13 +80,6 @@ def _check_nemo_rl_keys(r: _Reader) -> None:
                 f"({S.MEGATRON_ENABLED}=false here); the local backend honours it",
             )
     env = r.get(S.FP32_SCALES_KEY, None)
-    if env is not None and str(env) not in S.ENV_FLAG_VALUES:
-        r.error(
-            S.FP32_SCALES_KEY,
-            f"unknown value {env!r}: TE treats only '1' as FP32 scales and anything else as "
-            "power-of-two scales, so write '1' or '0'",
-            S.ENV_FLAG_VALUES,
-        )
     # Ray workers inherit the launching environment: a different value there changes TE's
     # scale rule behind the config's back.
     outer = os.environ.get(S.FP32_SCALES_ENV)
@@ -148,19 +91,15 @@ def _check_nemo_rl_keys(r: _Reader) -> None:
             "Unset it or make the two agree",
         )
     # Rollout (vLLM).
-    prec = r.choice(S.VLLM_PRECISION, S.VLLM_PRECISIONS, "bfloat16")
-    kv = r.choice(S.VLLM_KV_DTYPE, S.VLLM_KV_DTYPES, "auto")
+    prec = r.get(S.VLLM_PRECISION, "bfloat16")
+    kv = r.get(S.VLLM_KV_DTYPE, "auto")
     if str(kv).startswith("fp8") and prec != "fp8":
         r.error(
             S.VLLM_KV_DTYPE,
             f"kv_cache_dtype={kv!r} needs {S.VLLM_PRECISION}=fp8 (NeMo-RL only supports an FP8 KV "
             f"cache together with FP8 weights); set precision to fp8 or kv_cache_dtype to auto",
         )
-    for key in (S.VLLM_POW2_W, S.VLLM_POW2_A, S.VLLM_DEEP_GEMM):
-        r.boolean(key, False)
-    for key in (S.VLLM_FIRST_BF16, S.VLLM_LAST_BF16):
-        r.count(key, 0)
-    if r.boolean(S.VLLM_IS_MX, False) and prec != "fp8":
+    if r.get(S.VLLM_IS_MX, False) is True and prec != "fp8":
         r.error(S.VLLM_IS_MX, "is_mx=true needs precision=fp8")
 
 
@@ -176,7 +115,7 @@ def _check_loss_fn(r: _Reader) -> None:
 
 def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:
     label = r.get("jetrl.recipe", None)
-    if isinstance(label, str) and label in S.JETRL_KEYS["recipe"].choices:
+    if isinstance(label, str) and label in PRESET_NAMES:
         diffs = preset_differences(recipe, Recipe.preset(label))
         if diffs:
             r.warn(

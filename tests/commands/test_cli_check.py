@@ -249,3 +249,27 @@ def test_train_refuses_off_policy_on_every_backend(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "OFF-POLICY" in err and "jetrl.allow_off_policy=true" in err
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("policy.generation=[1,2]", "policy.generation: got [1, 2]; expected a mapping"),
+        ("policy=3", "policy: got 3; expected a mapping"),
+        ("grpo=x", "grpo: got 'x'; expected a mapping"),
+        ("policy.megatron_cfg.fp8_cfg=true", "policy.megatron_cfg.fp8_cfg: got True; expected a"),
+        ("loss_fn=[]", "loss_fn: got []; expected a mapping"),
+        ("jetrl.kv_calibration=[1]", "jetrl.kv_calibration: got [1]; expected a mapping"),
+        (
+            "policy.generation.vllm_cfg.pow2_weight_scaling_factors='false'",
+            "pow2_weight_scaling_factors: got 'false'; expected true or false",
+        ),
+    ],
+)
+def test_structurally_wrong_sections_exit_2_naming_the_key(capsys, override, fragment):
+    """Issue 26 item 6: a section given as a list or scalar once reached a verdict."""
+    code, out, err = run(capsys, "check", EX / "qwen3_8b_base" / "jetrl.yaml", override)
+    assert code == 2, out + err
+    assert out == "" and "verdict" not in err
+    assert fragment in err, err
+    assert "Traceback" not in err

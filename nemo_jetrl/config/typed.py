@@ -1,0 +1,201 @@
+"""The one typed schema layer every config key check goes through (pydantic v2, strict).
+
+A key's rule is a type plus what is allowed, in words (`rule`, and the shorthands below); a
+section is a model: `NemoSection` for NeMo-RL's sections (keys we do not read pass, so we are
+never stricter than NeMo-RL on them) and `OurSection` for ``jetrl.*`` (an unknown key is an
+error with a close-match suggestion). Strict means no string -> bool/number coercion, and no
+bool counts as a number; floats must be finite. `parse` turns every failure of a mapping into a
+`ConfigIssue` with its full key path and our wording, "got X; expected Y", all at once. Checks
+across several keys are plain functions run after the parse (`nemo_jetrl.config.validate`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal, TypeVar
+
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+
+from nemo_jetrl.config.load import ConfigIssue
+
+M = TypeVar("M", bound=BaseModel)
+_ERROR = "jetrl"
+
+
+def _fail(value: Any, what: str, allowed: Sequence[Any] = ()) -> PydanticCustomError:
+    ctx = {"got": repr(value), "what": what, "allowed": tuple(allowed)}
+    return PydanticCustomError(_ERROR, "got {got}; expected {what}", ctx)
+
+
+def _expecting(
+    what: str, allowed: Sequence[Any] = (), ok: Callable[[Any], bool] | None = None
+) -> WrapValidator:
+    """Replace pydantic's message with ours; ``ok``: an extra check on a well-typed value."""
+
+    def check(value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            out = handler(value)
+        except ValidationError:
+            raise _fail(value, what, allowed) from None
+        if ok is not None and out is not None and not ok(out):
+            raise _fail(value, what, allowed)
+        return out
+
+    return WrapValidator(check)
+
+
+def rule(
+    tp: Any,
+    what: str,
+    *constraints: Any,
+    allowed: Sequence[Any] = (),
+    ok: Callable[[Any], bool] | None = None,
+) -> Any:
+    """The annotated type of one key: ``tp`` under ``constraints`` (pydantic/annotated_types
+    metadata), ``ok`` (a check no constraint expresses) and the words ``what`` for errors."""
+    return Annotated[(tp, *constraints, _expecting(what, allowed, ok))]  # 3.10: no *-subscript
+
+
+def _nullable(what: str, null: bool) -> str:
+    return f"{what}, or null" if null else what
+
+
+def flag(null: bool = False) -> Any:
+    return rule(bool | None if null else bool, _nullable("true or false", null))
+
+
+def count(lo: int = 0, hi: int | None = None, null: bool = False) -> Any:
+    what = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
+    return rule(int | None if null else int, _nullable(what, null), Field(ge=lo, le=hi))
+
+
+def number(what: str, *constraints: Any, null: bool = False) -> Any:
+    """A finite number (an integer is accepted and read as a float)."""
+    return rule(float | None if null else float, _nullable(what, null), *constraints)
+
+
+def choice(*values: Any) -> Any:
+    """One of ``values``; the issue lists them (`ConfigIssue.allowed`)."""
+    return rule(Literal[values], "one of the allowed values", allowed=values)  # type: ignore[valid-type]
+
+
+def text(what: str = "a string", null: bool = False, non_empty: bool = False) -> Any:
+    ok = bool if non_empty else None
+    return rule(str | None if null else str, _nullable(what, null), ok=ok)
+
+
+def words(what: str = "a list of non-empty strings", null: bool = True) -> Any:
+    tp = list[Annotated[str, Field(min_length=1)]]
+    return rule(tp | None if null else tp, _nullable(what, null))
+
+
+def _mapping_or_null(value: Any, handler: Callable[[Any], Any]) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _fail(value, "a mapping (a section of keys)")
+    return handler(value)
+
+
+def section(model: type[BaseModel]) -> Any:
+    """A nested section: a mapping (or null: absent); a list or scalar is an error naming it."""
+    return Annotated[model | None, WrapValidator(_mapping_or_null)]
+
+
+ANY_SECTION = Annotated[dict[str, Any] | None, WrapValidator(_mapping_or_null)]
+"""A section whose keys we do not read: only its shape (a mapping) is checked."""
+
+
+class NemoSection(BaseModel):
+    """A section NeMo-RL owns: the keys we read are typed, every other key passes."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True, allow_inf_nan=False)
+
+
+class OurSection(BaseModel):
+    """A section of ours: every key is known; an unknown one is an error."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _model_of(tp: Any) -> type[BaseModel] | None:
+    """The model class inside an annotation (``Annotated[Model | None, ...]`` -> Model)."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    origin = typing.get_origin(tp)
+    if origin is Annotated or origin is typing.Union or origin is types.UnionType:
+        for arg in typing.get_args(tp):
+            found = _model_of(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _keys(model: type[BaseModel]) -> dict[str, str]:
+    """YAML key -> field name (a field may be spelled by its alias)."""
+    return {(f.alias or name): name for name, f in model.model_fields.items()}
+
+
+def _model_at(model: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    for part in loc:
+        fld = model.model_fields.get(_keys(model).get(str(part), str(part)))
+        found = _model_of(fld.annotation) if fld is not None else None
+        if found is None:
+            return None
+        model = found
+    return model
+
+
+def _issue(model: type[BaseModel], err: Mapping[str, Any], prefix: str) -> ConfigIssue:
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join([prefix, *loc] if prefix else loc) or "<file>"
+    ctx = err.get("ctx") or {}
+    if err["type"] == _ERROR:
+        return ConfigIssue(path, err["msg"], tuple(ctx.get("allowed", ())))
+    if err["type"] == "extra_forbidden":
+        owner = _model_at(model, loc[:-1])
+        known = list(_keys(owner)) if owner is not None else []
+        near = difflib.get_close_matches(loc[-1], known, n=1)
+        base = path.rpartition(".")[0]
+        hint = f"; did you mean {base}.{near[0]}?" if near else ""
+        return ConfigIssue(path, f"unknown key{hint}", tuple(known))
+    if err["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        return ConfigIssue(path, f"got {err['input']!r}; expected a mapping (a section of keys)")
+    return ConfigIssue(path, f"got {err.get('input')!r}; {err['msg']}")
+
+
+def parse(model: type[M], data: Any, prefix: str = "") -> tuple[M | None, list[ConfigIssue]]:
+    """``data`` read by ``model``: (the model, []) or (None, every issue with its key path)."""
+    try:
+        return model.model_validate(data), []
+    except ValidationError as exc:
+        return None, [_issue(model, e, prefix) for e in exc.errors()]
+
+
+def plain(node: Any) -> Any:
+    """A config as plain Python with interpolations resolved; a key that cannot be resolved is
+    left out (`nemo_jetrl.config.load.unresolvable` names it)."""
+    if isinstance(node, DictConfig):
+        out: dict[str, Any] = {}
+        for key in node:
+            try:
+                val = node[key]
+            except OmegaConfBaseException:
+                continue
+            out[str(key)] = plain(val)
+        return out
+    if isinstance(node, ListConfig):
+        items = []
+        for i in range(len(node)):
+            try:
+                items.append(plain(node[i]))
+            except OmegaConfBaseException:
+                continue
+        return items
+    return node
