@@ -6,6 +6,8 @@ runs in FP8 becomes our FP8 ``weight`` + ``weight_scale_inv`` (``refit.quantize_
 its guards included), the rest passes through, and what was sent is kept in a `SentTensors`
 for `check_refit_parity`, which compares it with what the engine holds once the transport is
 done (FP8 bytes and scales bit for bit, other tensors byte for byte, KV scales by value).
+MoE expert weights (per expert or main's grouped slabs) go the same way, one expert at a time,
+and are read back from vLLM's fused expert parameters (`refit_experts`).
 
 Host memory (parity on): one host copy of what was sent (the reference), plus one engine tensor
 at a time while comparing (``worker_ext.read_back``; no read-back clones of everything, no
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nemo_jetrl.backends.nemo_rl import refit_experts
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.refit import (
     REFUSED,
@@ -34,7 +37,7 @@ from nemo_jetrl.vllm_patch.refit import (
     quantize_state_dict,
 )
 from nemo_jetrl.vllm_patch.settings import PatchSettings
-from nemo_jetrl.vllm_patch.worker_ext import read_back, resolve_hf_name
+from nemo_jetrl.vllm_patch.worker_ext import resolve_hf_name
 
 KV_NAME = re.compile(r"^(?P<layer>.+\.self_attn)\.(?:attn\.)?(?P<t>[qkv])_scale$")
 
@@ -53,6 +56,8 @@ class SentTensors:
 
 
 def _engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
+    if refit_experts.is_expert_name(name):
+        return refit_experts.engine_dtype(model, name)
     try:
         return resolve_hf_name(model, name)[1].dtype
     except (KeyError, AttributeError):
@@ -68,11 +73,10 @@ def quantize_batch(
     refused: str = REFUSED,
 ) -> list[tuple[str, torch.Tensor]]:
     """One streamed batch -> what the model's ``load_weights`` gets (our FP8 + scales);
-    ``refused`` opens a refusal's message."""
+    ``refused`` opens a refusal's message. MoE experts: per expert (`refit_experts`)."""
+    weights = refit_experts.expand_grouped(weights, model, settings)
     fp8_names = {k for k, _ in weights if is_fp8_weight(k, settings)}
-    wrong = [
-        f"{k}: MoE experts (nemo_jetrl has no MoE support)" for k, _ in weights if ".experts." in k
-    ]
+    wrong = []
     for k, _ in weights:
         if not k.endswith(".weight"):
             continue
@@ -141,7 +145,9 @@ def _kv_differences(model: torch.nn.Module, kv: dict[str, dict[str, float]], fp8
 def check_refit_parity(worker: Any, sent: SentTensors) -> ParityReport:
     """Everything one refit sent vs what the engine now holds; ParityError names differences."""
     qsd = QuantizedStateDict({**sent.fp8, **sent.other}, tuple(sent.fp8_layers), tuple(sent.other))
-    report = check_parity(None, qsd, functools.partial(read_back, worker))
+    report = check_parity(
+        None, qsd, functools.partial(refit_experts.read_back_with_experts, worker)
+    )
     fp8_kv = "fp8" in str(worker.vllm_config.cache_config.cache_dtype)
     kv = _kv_differences(worker.model_runner.model, sent.kv, fp8_kv)
     if kv:

@@ -1,0 +1,162 @@
+"""MoE expert weights in NeMo-RL's streamed vLLM refit: names, engine slices, grouped slabs.
+
+NeMo-RL streams expert weights in one of two layouts (both trees' ``quantization/fp8.py``):
+
+* per expert, ``<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight`` [N, K] (Qwen3-MoE,
+  DeepSeek-V3, Moonlight): NeMo-RL quantizes each like a linear and loads ``weight`` +
+  ``weight_scale_inv`` through vLLM's expert mapping (``FusedMoE.make_expert_params_mapping``);
+* grouped slabs (main, Qwen3.5-MoE), ``<layer>.mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows,
+  then up rows) and ``<layer>.mlp.experts.down_proj`` [E, H, I]: main's
+  ``_expand_grouped_moe_expert_to_fp8`` re-emits them per expert when the engine's experts are
+  FP8, and passes them through unchanged when they are BF16.
+
+Here a grouped slab becomes the same per-expert BF16 names (`expand_grouped`, views, no copy),
+so every expert weight goes through the dense path's quantizer and guards
+(``refit.quantize_state_dict``: one ``quantize_blockwise(w_e, (128, 128))`` per expert, never a
+block across two experts or across gate/up; a shape that would need one is refused by name).
+The engine side (`resolve_expert`) is vLLM's fused expert parameters: ``w13_*`` [E, 2I, .]
+(gate shard first, up second) and ``w2_*`` [E, H, .], on the ``FusedMoE`` module (vLLM 0.20) or
+the ``RoutedExperts`` a ``MoERunner`` owns (0.25+). The parity read-back slices them from there.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nemo_jetrl.vllm_patch.refit import RefitError, is_fp8_weight
+from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK, PatchSettings
+from nemo_jetrl.vllm_patch.worker_ext import read_back
+
+EXPERT = re.compile(
+    r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+    r"\.(?P<leaf>weight|weight_scale_inv)$"
+)
+GROUPED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+# HF projection -> (vLLM fused parameter group, shard index inside it)
+SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+
+
+def is_expert_name(name: str) -> bool:
+    return EXPERT.match(name) is not None or GROUPED.match(name) is not None
+
+
+def experts_module(model: torch.nn.Module, base: str) -> torch.nn.Module | None:
+    """The module holding ``w13_weight`` / ``w2_weight`` for HF prefix ``base`` (None if none)."""
+    try:
+        m = model.get_submodule(base)
+    except AttributeError:
+        return None
+    m = getattr(m, "routed_experts", m)  # vLLM >= 0.25: MoERunner -> RoutedExperts
+    ok = all(isinstance(getattr(m, f"{g}_weight", None), torch.Tensor) for g in ("w13", "w2"))
+    return m if ok else None
+
+
+def _fp8(module: torch.nn.Module) -> bool:
+    return all(getattr(module, f"{g}_weight").element_size() == 1 for g in ("w13", "w2"))
+
+
+def resolve_expert(model: torch.nn.Module, name: str) -> tuple[torch.Tensor, int, int, int]:
+    """(fused parameter, local expert index, row start, rows) holding per-expert HF ``name``;
+    a grouped slab name gives the whole parameter (expert -1). KeyError when the engine has no
+    such expert tensor."""
+    g = GROUPED.match(name)
+    m = EXPERT.match(name) if g is None else None
+    if g is None and m is None:
+        raise KeyError(f"{name}: not an expert weight name")
+    base = (g or m)["base"]  # type: ignore[index]
+    module = experts_module(model, base)
+    if module is None:
+        raise KeyError(f"{name}: no fused experts (w13_weight, w2_weight) at {base}")
+    if g is not None:
+        p = getattr(module, "w13_weight" if g["proj"] == "gate_up_proj" else "w2_weight")
+        return p, -1, 0, p.shape[0]
+    group, shard = SHARDS[m["proj"]]  # type: ignore[index]
+    p = getattr(module, f"{group}_{m['leaf']}", None)  # type: ignore[index]
+    if not isinstance(p, torch.Tensor):
+        raise KeyError(f"{name}: the engine's experts at {base} have no {group}_{m['leaf']}")  # type: ignore[index]
+    e = int(m["e"])  # type: ignore[index]
+    emap = getattr(module, "expert_map", None)
+    if isinstance(emap, torch.Tensor):  # expert parallel: global -> local index, -1 elsewhere
+        e = int(emap[e]) if e < emap.numel() else -1
+    if not 0 <= e < p.shape[0]:
+        raise KeyError(f"{name}: expert {m['e']} is not held by this engine ({p.shape[0]} local)")  # type: ignore[index]
+    rows = p.shape[1] // 2 if group == "w13" else p.shape[1]
+    return p, e, shard * rows, rows
+
+
+def engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
+    """The dtype the engine holds an expert weight in (None: no such expert tensor)."""
+    try:
+        return resolve_expert(model, name)[0].dtype
+    except KeyError:
+        return None
+
+
+def expand_grouped(
+    weights: list[tuple[str, torch.Tensor]], model: torch.nn.Module, settings: PatchSettings
+) -> list[tuple[str, torch.Tensor]]:
+    """Grouped expert slabs whose engine experts are FP8 -> per-expert BF16 ``.weight`` views
+    (what main's ``_expand_grouped_moe_expert_to_fp8`` emits before quantizing); the rest as is.
+    RefitError naming the slab when a 128-row block would straddle two experts or gate/up."""
+    out: list[tuple[str, torch.Tensor]] = []
+    wrong = []
+    for k, v in weights:
+        g = GROUPED.match(k)
+        module = experts_module(model, g["base"]) if g is not None else None
+        if g is None or module is None:
+            out.append((k, v))
+            continue
+        per_expert = f"{g['base']}.0.{'down_proj' if g['proj'] == 'down_proj' else 'gate_proj'}"
+        recipe_fp8 = is_fp8_weight(f"{per_expert}.weight", settings)
+        if not _fp8(module):
+            if recipe_fp8:
+                wrong.append(f"{k}: the recipe runs it in FP8, the engine holds BF16 experts")
+            out.append((k, v))  # BF16 experts: vLLM's fused loader takes the slab as it is
+            continue
+        if not recipe_fp8:
+            wrong.append(f"{k}: the recipe runs it in BF16, the engine holds FP8 experts")
+            continue
+        halves = 2 if g["proj"] == "gate_up_proj" else 1
+        if v.dim() != 3 or v.shape[1] % halves:
+            wrong.append(f"{k}: expected [experts, rows, cols], got {tuple(v.shape)}")
+            continue
+        rows = v.shape[1] // halves
+        if rows % WEIGHT_BLOCK[0] or v.shape[2] % WEIGHT_BLOCK[1]:
+            what = "expert or gate/up" if halves == 2 else "expert"
+            wrong.append(
+                f"{k}: {tuple(v.shape)} has {rows} rows per {'shard' if halves == 2 else 'expert'}"
+                f" and {v.shape[2]} columns; a {WEIGHT_BLOCK} block would straddle an {what} "
+                "boundary. Keep these experts in BF16 on both sides "
+                "(quantization_ignored_layer_kws and jetrl.train_bf16_layer_kws)"
+            )
+            continue
+        projs = ("gate_proj", "up_proj") if halves == 2 else ("down_proj",)
+        for i, proj in enumerate(projs):
+            for e in range(v.shape[0]):
+                out.append((f"{g['base']}.{e}.{proj}.weight", v[e, i * rows : (i + 1) * rows]))
+    if wrong:
+        raise RefitError(
+            "refit refused: grouped MoE expert weights cannot be quantized per expert:\n  - "
+            + "\n  - ".join(wrong)
+        )
+    return out
+
+
+def read_back_with_experts(
+    worker: Any, names: list[str], through_kernel: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``worker_ext.read_back`` for every name, expert names read from vLLM's fused expert
+    parameters (their bytes; vLLM's expert kernels have no identity-probe view)."""
+    model = worker.model_runner.model
+    dense = [n for n in names if not is_expert_name(n)]
+    yield from read_back(worker, dense, through_kernel)
+    for name in names:
+        if not is_expert_name(name):
+            continue
+        p, e, start, rows = resolve_expert(model, name)
+        t = p.data if e < 0 else p.data[e, start : start + rows]
+        yield name, t.detach().to("cpu")
