@@ -1,0 +1,230 @@
+"""The grouped expert linear's GPU path: each operation one Triton launch, no host read.
+
+Same functions and bits as `experts_reference` (tested bit for bit under Triton's interpreter),
+never calling it. ``offsets`` stays on the device: every kernel finds its expert there.
+
+* `quantize_rows`: 1x128 blocks are one token each, so this is the dense Triton quantizer on the
+  whole ``[M, K]`` (`triton_kernels.quantize_blockwise_triton`).
+* `quantize_experts`: one 128x128 quantization of the ``[E*N, K]`` stack (N % 128 == 0, so no
+  block straddles two experts), with the transposed codes written in the same pass (DGrad).
+* `quantize_tokens`: per-expert 128x1 blocks. The grid has ``M//128 + E`` block columns (a bound
+  on ``sum_e ceil(count_e/128)`` from the shapes); program b finds its expert e by counting
+  the experts whose blocks end at or before b in ``block_offsets`` (on the device), reads
+  tokens ``offsets[e] + 128 * (b - block_offsets[e])`` onwards (never past ``offsets[e+1]``),
+  and writes the codes transposed and the scale into column b. Spare programs write nothing.
+* `gemm_rows` (FProp, DGrad): a grouped GEMM over (row tile, column tile) programs, row tiles of
+  BM tokens per expert (``tile_offsets = [0, cumsum(ceil(count_e/BM))]`` on the device; grid
+  ``ceil(M/BM) + E`` row tiles), each reading its expert's 128x128-blocked operand through an
+  expert stride: W ``[E, N, K]`` for FProp, the transposed copy viewed ``[E, K, N]`` for DGrad.
+* `gemm_tokens` (WGrad): programs (expert, N tile, K tile) loop over the expert's 128-token
+  tiles; a tile's scales are in column ``block_offsets[e] + t``.
+
+The GEMMs take each 128-wide tile's fp32 dot ``p`` of the codes (FP8 tensor cores where
+`triton_gemm.native_dot` allows, else exact 256-entry value tables) and accumulate
+``acc = fma(p * sa, sb, acc)``: TE's order, `gemm.blockwise_matmul(exact=True)`'s. They equal the
+reference bit for bit whenever ``p`` is exact in fp32 (any order sums it the same); otherwise
+only the order inside a tile's dot differs.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from nemo_jetrl.fp8._deps import require
+from nemo_jetrl.fp8.formats import Fp8Format
+from nemo_jetrl.fp8.grouped_tensors import (
+    GroupedQuantizedWeights,
+    GroupedTokenBlocks,
+    raise_non_finite_expert,
+    token_block_capacity,
+    token_block_offsets,
+)
+from nemo_jetrl.fp8.quantize import BlockQuantized
+from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK, BLOCK, WEIGHT_BLOCK, WGRAD_BLOCK
+from nemo_jetrl.fp8.triton_gemm import native_dot, value_table
+from nemo_jetrl.fp8.triton_kernels import (
+    NO_FTZ,
+    _bits_if_bf16,
+    _format_constants,
+    _fp32,
+    interpreting,
+    quantize_blockwise_triton,
+    quantize_with_transpose_triton,
+)
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    require("triton", feature="the grouped FP8 expert kernels")
+    from nemo_jetrl.fp8 import _triton_grouped_jit
+
+    return _triton_grouped_jit
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _label(name: str, what: str) -> str:
+    return f"{name}.expert{{}}.{what}"
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    fmt: Fp8Format,
+    pow2_scales: bool,
+    eps: float,
+    name: str,
+    what: str,
+    check_finite: bool = True,
+) -> BlockQuantized:
+    """``x [M, K]`` quantized 1x128 (one launch; per token, so per expert too)."""
+    kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps}
+    q = quantize_blockwise_triton(x, ACTIVATION_BLOCK, check_finite=False, **kw)
+    if check_finite and not bool(torch.isfinite(q.scale_inv).all()):
+        raise_non_finite_expert(x, offsets.tolist(), ACTIVATION_BLOCK, _label(name, what), **kw)
+    return q
+
+
+def quantize_experts(
+    weight: torch.Tensor,
+    *,
+    fmt: Fp8Format,
+    pow2_scales: bool,
+    eps: float,
+    name: str,
+    check_finite: bool = True,
+    pair: bool = False,
+) -> tuple[GroupedQuantizedWeights, GroupedQuantizedWeights]:
+    """(W, W.t()) of ``weight [E, N, K]`` 128x128 in one launch; ``pair``: W.t() contiguous."""
+    n_exp, n, k = weight.shape
+    flat = weight.reshape(n_exp * n, k)
+    kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps}
+    if pair:
+        q, qt = quantize_with_transpose_triton(flat, WEIGHT_BLOCK, check_finite=False, **kw)
+    else:
+        q = quantize_blockwise_triton(flat, WEIGHT_BLOCK, check_finite=False, **kw)
+    if check_finite and not bool(torch.isfinite(q.scale_inv).all()):
+        raise_non_finite_expert(weight, None, WEIGHT_BLOCK, _label(name, "weight"), **kw)
+    scale = q.scale_inv.reshape(n_exp, n // BLOCK, k // BLOCK)
+    qw = GroupedQuantizedWeights(q.data.reshape(n_exp, n, k), scale, fmt.name, pow2_scales)
+    if not pair:
+        return qw, qw.t()
+    data_t = qt.data.reshape(k, n_exp, n).permute(1, 0, 2)  # [E, K, N] view of [K, E*N]
+    return qw, GroupedQuantizedWeights(data_t, scale.transpose(1, 2), fmt.name, pow2_scales)
+
+
+def quantize_tokens(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    fmt: Fp8Format,
+    pow2_scales: bool,
+    eps: float,
+    name: str,
+    what: str,
+    check_finite: bool = True,
+) -> GroupedTokenBlocks:
+    """``x [M, C]`` quantized 128x1 per expert (one launch), codes written ``[C, M]``."""
+    m, c = x.shape
+    n_exp = offsets.shape[0] - 1
+    cap = token_block_capacity(m, n_exp)
+    boff = token_block_offsets(offsets)
+    data = torch.empty(c, m, dtype=fmt.dtype, device=x.device)
+    scale = torch.zeros(c, cap, dtype=torch.float32, device=x.device)
+    tc = 128 if interpreting() else 32
+    if m and c:
+        _kernels().quantize_tokens_kernel[(cap, -(-c // tc))](
+            _bits_if_bf16(x), data.view(torch.uint8), scale, offsets, boff,
+            n_exp, c, x.stride(0), x.stride(1), data.stride(0), scale.stride(0),
+            TC=tc, E_POW2=_pow2(n_exp), EPS=_fp32(eps) if eps > 0 else 0.0,
+            POW2=bool(pow2_scales), num_warps=4, **NO_FTZ,
+            **_format_constants(fmt, x.dtype, False),
+        )  # fmt: skip
+        if check_finite and not bool(torch.isfinite(scale).all()):
+            kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps}
+            raise_non_finite_expert(x, offsets.tolist(), WGRAD_BLOCK, _label(name, what), **kw)
+    return GroupedTokenBlocks(data, scale, boff, fmt.name, pow2_scales)
+
+
+def _dot_args(fmt_a: str, fmt_b: str, a: torch.Tensor, sa, sb) -> tuple:
+    """(lut_a, lut_b, NATIVE, TF32, FP8_A, FP8_B) as `triton_gemm` chooses them."""
+    jit = _kernels()
+    cuda = a.is_cuda and not interpreting()
+    native = cuda and native_dot((fmt_a, fmt_b), torch.cuda.get_device_capability(a.device))
+    fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
+    lut_a = sa if native else value_table(fmt_a, a.device)
+    lut_b = sb if native else value_table(fmt_b, a.device)
+    return lut_a, lut_b, native, a.is_cuda, fp8[fmt_a], fp8[fmt_b]
+
+
+def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    # The interpreter's own fp32 -> bf16 conversion truncates: write fp32 there, round in torch.
+    return torch.float32 if interpreting() else out_dtype
+
+
+def gemm_rows(
+    qa: BlockQuantized,
+    qb: GroupedQuantizedWeights,
+    offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    exact: bool,
+) -> torch.Tensor:
+    """``out[rows_e] = a[rows_e] @ b[e].T`` for all experts in one launch (``exact``: TE's
+    per-tile order always; accepted for the reference's signature)."""
+    del exact
+    m, k = qa.data.shape
+    n_exp, n = qb.num_experts, qb.out_features
+    out = torch.empty(m, n, dtype=_store_dtype(out_dtype), device=qa.data.device)
+    if m and n:
+        bm, bn, warps, stages = (128, 128, 4, 1) if interpreting() else (64, 128, 4, 3)
+        tiles = (offsets[1:] - offsets[:-1] + (bm - 1)) // bm
+        toff = torch.cat([offsets.new_zeros(1), torch.cumsum(tiles, 0)])
+        qa8, qb8 = qa.data.view(torch.uint8), qb.data.view(torch.uint8)
+        sa, sb = qa.scale_inv, qb.scale_inv
+        lut_a, lut_b, native, tf32, fa, fb = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
+        _kernels().grouped_rows_gemm_kernel[(-(-m // bm) + n_exp, -(-n // bn))](
+            qa8, qb8, out, sa, sb, lut_a, lut_b, offsets, toff, n_exp, n, k,
+            qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1), qb8.stride(2),
+            out.stride(0), out.stride(1), sa.stride(0), sa.stride(1),
+            sb.stride(0), sb.stride(1), sb.stride(2),
+            BM=bm, BN=bn, E_POW2=_pow2(n_exp), NATIVE=native, TF32=tf32, FP8_A=fa, FP8_B=fb,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out.to(out_dtype)
+
+
+def gemm_tokens(
+    qa: GroupedTokenBlocks,
+    qb: GroupedTokenBlocks,
+    offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    exact: bool,
+) -> torch.Tensor:
+    """``out[e] = a_e @ b_e.T`` over expert e's tokens for all experts in one launch:
+    ``[E, N, K]`` (WGrad: a = dY.T ``[N, M]``, b = X.T ``[K, M]``)."""
+    del exact
+    n, k = qa.data.shape[0], qb.data.shape[0]
+    n_exp = offsets.shape[0] - 1
+    out = torch.empty(n_exp, n, k, dtype=_store_dtype(out_dtype), device=qa.data.device)
+    if n and k:
+        bm, bn, warps, stages = (128, 128, 4, 1) if interpreting() else (64, 128, 4, 3)
+        qa8, qb8 = qa.data.view(torch.uint8), qb.data.view(torch.uint8)
+        sa, sb = qa.scale_inv, qb.scale_inv
+        lut_a, lut_b, native, tf32, fa, fb = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
+        _kernels().grouped_tokens_gemm_kernel[(n_exp, -(-n // bm), -(-k // bn))](
+            qa8, qb8, out, sa, sb, lut_a, lut_b, offsets, qa.block_offsets, n, k,
+            qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+            BM=bm, BN=bn, NATIVE=native, TF32=tf32, FP8_A=fa, FP8_B=fb,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out.to(out_dtype)
