@@ -1,4 +1,4 @@
-"""Make a HuggingFace Llama/Qwen2-style causal LM batch-invariant, reversibly.
+"""Make a HuggingFace Llama/Qwen2-style causal LM (dense or MoE) batch-invariant, reversibly.
 
 `make_batch_invariant(model)` swaps, in place and sharing every parameter (state-dict keys and
 optimizer state are untouched):
@@ -13,6 +13,8 @@ optimizer state are untouched):
   recipe they are FP8 linears whose exact GEMM is already order-free
   (`nemo_jetrl.fp8.gemm.blockwise_matmul(exact=True)`), under BF16 they keep torch's GEMM, the
   one batch-variant op left (a broadcast-product GEMM would cost ~rows*N*K memory);
+- MoE blocks that offer ``set_batch_invariant`` (`moe` routing and combine) are switched on;
+  an HF sparse MoE block without it is refused;
 - the attention function for `ops.attention`, registered with transformers' AttentionInterface
   under a name of this handle's, on a private copy of the model's config.
 
@@ -117,6 +119,22 @@ def _attention_fn(
     return ops.attention(query, key, value, mask, scaling)
 
 
+def _moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """Modules that switch their own ops (``set_batch_invariant``: MoE blocks whose routing and
+    combine use `moe`); an HF sparse MoE block without it is refused (torch.topk's ties, index_add
+    in expert order and per-expert GEMMs are not batch-invariant)."""
+    found = []
+    for name, m in model.named_modules():
+        if callable(getattr(m, "set_batch_invariant", None)):
+            found.append(m)
+        elif type(m).__name__.endswith("SparseMoeBlock"):
+            raise ValueError(
+                f"{name} ({type(m).__name__}): swap MoE blocks for a block with batch-invariant "
+                "routing first (nemo_jetrl.backends.local.moe.convert_moe_blocks)"
+            )
+    return found
+
+
 def lm_head_only(name: str, _module: nn.Linear) -> bool:
     """Default ``linear_filter``: linears outside the decoder layers (``lm_head``)."""
     return ".layers." not in f".{name}."
@@ -135,6 +153,9 @@ class InvariantHandle:
             )
         self.model = model
         self._swaps: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attr, original)
+        self._switched = _moe_blocks(model)
+        for m in self._switched:
+            m.set_batch_invariant(True)
         for name, mod in list(model.named_modules()):
             for attr, child in list(mod.named_children()):
                 full = f"{name}.{attr}" if name else attr
@@ -185,6 +206,8 @@ class InvariantHandle:
 
         for parent, attr, original in reversed(self._swaps):
             setattr(parent, attr, original)
+        for m in self._switched:
+            m.set_batch_invariant(False)
         for m in self._repointed:
             m.config = self._config
         modeling_utils.AttentionInterface._global_mapping.pop(self.name, None)

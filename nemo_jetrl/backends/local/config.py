@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON, SUPPORTED_TYPES
+from nemo_jetrl.backends.local.moe_config import moe_run_issues
 from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.config.run_keys import path_problem, read_run_keys
@@ -59,7 +60,8 @@ class LocalSettings:
     """Everything under ``jetrl.local:`` (see docs/local_backend.md)."""
 
     model_config: str | None = None
-    """HF config.json (Llama or Qwen2) of the policy; None: the repo's 2-layer Llama."""
+    """HF config.json (Llama, Qwen2, Qwen3-MoE or Mixtral) of the policy; None: the repo's
+    2-layer Llama."""
     tokenizer: str | None = None
     """tokenizers JSON file; None: the repo's character-level tokenizer."""
     dtype: str = "bfloat16"
@@ -285,8 +287,9 @@ def validate_local_config(section: Any, path: str = "jetrl.local") -> list[Confi
 
 
 def validate_local_run(cfg: DictConfig) -> list[ConfigIssue]:
-    """Problems of NeMo-RL keys only the local backend restricts (`SECTION.validate_run`)."""
-    return optimizer_issues(cfg)
+    """Problems of NeMo-RL keys only the local backend restricts (`SECTION.validate_run`),
+    and of an MoE run (`moe_config.moe_run_issues`: router replay, the model's routing)."""
+    return optimizer_issues(cfg) + moe_run_issues(cfg)
 
 
 def local_model_config(section: Any) -> str:

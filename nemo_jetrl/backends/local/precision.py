@@ -14,17 +14,19 @@ Which layers: decoder linears (``*_proj`` inside ``model.layers``) of the layers
 recipe marks FP8 (``bf16_first_layers`` / ``bf16_last_layers``), except those on its per-name
 BF16 list (``bf16_layer_kws``, matched against the HF module name); embeddings, norms, attention
 math and ``lm_head`` stay in the BF16 compute dtype on both sides. A linear whose dims are not
-multiples of 128 is kept BF16 by the converter and reported.
+multiples of 128 is kept BF16 by the converter and reported. MoE blocks are swapped on every
+recipe (`moe.convert_moe_blocks`); their expert projections follow the same rules.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from nemo_jetrl.backends.local.moe import MoeHandle, convert_moe_blocks
 from nemo_jetrl.fp8 import ConversionReport, Fp8LinearConfig, convert_to_fp8_inference
 from nemo_jetrl.fp8 import convert_to_fp8_training as _convert_training
 from nemo_jetrl.recipe import Recipe
@@ -74,29 +76,35 @@ class SidePlan:
     fp8: ConversionReport | None
     config: Fp8LinearConfig | None
     quantizer: str | None
+    moe: MoeHandle = field(default_factory=MoeHandle)
+    """The MoE blocks swapped in (every recipe; empty for a dense model) and which expert
+    projections run FP8."""
 
 
 def make_trainer_model(model: nn.Module, recipe: Recipe, *, exact_gemm: bool = False) -> SidePlan:
-    """Swap the training side's FP8 linears in place (parameters are shared, not copied)."""
+    """Swap the training side's MoE blocks and FP8 linears in place (parameters are shared)."""
     side = recipe.train
-    if not side.fp8_linears:
-        return SidePlan(None, None, None)
-    cfg = side_fp8_config(side, exact_gemm=exact_gemm)
+    cfg = side_fp8_config(side, exact_gemm=exact_gemm) if side.fp8_linears else None
+    moe = convert_moe_blocks(model, side, cfg)
+    if cfg is None:
+        return SidePlan(None, None, None, moe)
     n = model.config.num_hidden_layers
     report = _convert_training(model, cfg, module_filter_fn=fp8_filter(side, n))
-    return SidePlan(report, cfg, "jetrl")
+    return SidePlan(report, cfg, "jetrl", moe)
 
 
 def make_rollout_model(model: nn.Module, recipe: Recipe, *, exact_gemm: bool = False) -> SidePlan:
-    """Swap the rollout side's FP8 linears in place (weights quantized now; refit reloads)."""
+    """Swap the rollout side's MoE blocks and FP8 linears in place (weights quantized now;
+    refit reloads)."""
     side = recipe.rollout
-    if not side.fp8_linears:
-        return SidePlan(None, None, None)
-    cfg = side_fp8_config(side, exact_gemm=exact_gemm)
-    q = rollout_quantizer(side)
+    cfg = side_fp8_config(side, exact_gemm=exact_gemm) if side.fp8_linears else None
+    q = rollout_quantizer(side) if cfg is not None else None
+    moe = convert_moe_blocks(model, side, cfg, quantizer=q or "jetrl")
+    if cfg is None:
+        return SidePlan(None, None, None, moe)
     n = model.config.num_hidden_layers
     report = convert_to_fp8_inference(model, cfg, module_filter_fn=fp8_filter(side, n), quantizer=q)
-    return SidePlan(report, cfg, q)
+    return SidePlan(report, cfg, q, moe)
 
 
 def freeze(model: nn.Module) -> nn.Module:

@@ -8,7 +8,8 @@ with. In two phases, so that a bad update can never reach the rollout:
    *here, once*, with 128x128 blocks: through `nemo_jetrl.fp8.quantize_blockwise` with the
    trainer's own `Fp8LinearConfig` (the exact call `Fp8BlockLinear` makes in its forward, so
    the rollout's FP8 weight equals the trainer's bit for bit), or, for a rollout that emulates
-   unpatched vLLM, through vLLM's own weight quantizer (`vllm_native`).
+   unpatched vLLM, through vLLM's own weight quantizer (`vllm_native`). An MoE rollout's FP8
+   expert layers (one per expert) take their expert's slice of the trainer's fused tensor.
    Each FP8 layer's quantized weight and bias also pass the layer's own load checks here
    (``Fp8InferenceLinear.stage_quantized``: FP8 bytes that are NaN, scales, blocks whose
    dequantized values overflow fp32, bias shape and finiteness).
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nemo_jetrl.backends.local.moe_experts import expert_layer_source
 from nemo_jetrl.fp8 import BlockQuantized, Fp8InferenceLinear, quantize_blockwise
 from nemo_jetrl.fp8.staging import StagedWeight
 from nemo_jetrl.fp8.vllm_native import per_block_cast_native
@@ -132,6 +134,20 @@ def _stage_fp8(
     return staged
 
 
+def _expert_slices(
+    layers: Mapping[str, Fp8InferenceLinear], weights: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``<layer>.weight`` for each rollout expert layer (``...experts.gate_up_proj.<e>``): expert
+    ``e``'s slice of the trainer's fused 3-D tensor (views, no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in layers:
+        src = expert_layer_source(name)
+        fused = None if src is None else weights.get(src[0])
+        if fused is not None and fused.dim() == 3 and src[1] < fused.shape[0]:  # type: ignore[index]
+            out[f"{name}.weight"] = fused[src[1]]  # type: ignore[index]
+    return out
+
+
 @torch.no_grad()
 def stage_refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -> StagedRefit:
     """Phase 1 (module doc): check and quantize every tensor, store nothing. `RefitRefused`
@@ -141,7 +157,9 @@ def stage_refit(rollout_model: nn.Module, weights: Mapping[str, torch.Tensor]) -
     fp8_layers: dict[str, Fp8InferenceLinear] = {
         n: m for n, m in rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
     }
-    staged_fp8 = _stage_fp8(fp8_layers, weights, problems)
+    staged_fp8 = _stage_fp8(
+        fp8_layers, {**weights, **_expert_slices(fp8_layers, weights)}, problems
+    )
     fp8_prefixes = tuple(f"{n}." for n in fp8_layers)
     staged_plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, param in rollout_model.named_parameters():

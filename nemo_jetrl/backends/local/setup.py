@@ -1,7 +1,7 @@
 """Setting up a local GRPO run: `resolve_run` checks the config (every problem at once) and
 `LocalRun` builds the run's state from it (tokenizer, warm-started weights, the trainer with its
 fp32 masters and optional frozen reference, the rollout model under the recipe's FP8 layers, the
-FP8 KV controller, generators) and starts or closes the vLLM rollout engine. Its step phases
+FP8 KV controller, the MoE routing controller, generators) and starts or closes the vLLM rollout engine. Its step phases
 come from `nemo_jetrl.backends.local.step`, its checkpointing from
 `nemo_jetrl.backends.local.resume`.
 """
@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
 from nemo_jetrl.backends.local.model import build_model, load_model_config
+from nemo_jetrl.backends.local.moe_config import moe_run_issues, router_replay_enabled
 from nemo_jetrl.backends.local.precision import (
     freeze,
     make_rollout_model,
@@ -26,6 +27,7 @@ from nemo_jetrl.backends.local.precision import (
 )
 from nemo_jetrl.backends.local.refit import export_weights
 from nemo_jetrl.backends.local.resume import RunCheckpointing
+from nemo_jetrl.backends.local.routing import RoutingController
 from nemo_jetrl.backends.local.step import RunStep
 from nemo_jetrl.backends.local.task import encode_prompts, validation_problems
 from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
@@ -71,6 +73,7 @@ def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GR
             issues.extend(new)
             out.append(None)
     recipe, local = out[0], out[2]
+    issues.extend(moe_run_issues(cfg))
     if local is not None and local.rollout_engine == "vllm":
         from nemo_jetrl.backends.local.vllm_rollout import vllm_importable, vllm_recipe_issues
 
@@ -107,6 +110,9 @@ class LocalRun(RunStep, RunCheckpointing):
         train_model = self._build_trainer(weights, loss_cfg, dtype)
         self._build_rollout_model(train_model, dtype)
         self._attach_kv_cache(train_model)
+        self.routing = RoutingController(
+            self.rollout_model, train_model, replay=router_replay_enabled(cfg)
+        )
         seed = self.run.seed
         self.data_gen = torch.Generator().manual_seed(seed + 2)
         self.sample_gen = torch.Generator().manual_seed(seed + 3)

@@ -9,7 +9,10 @@ test/debugging `Hooks` they call. The phases, timed with NeMo-RL's timing names:
    (``timing/train/reward_calculation``).
 3. score (``timing/train/policy_and_reference_logprobs``): the trainer's full-sequence forward
    under the training precision gives ``prev_logprobs`` (and reference logprobs when the KL
-   penalty is on); `mismatch_metrics` compares them with the rollout's.
+   penalty is on); `mismatch_metrics` compares them with the rollout's. An MoE model's routing
+   (`nemo_jetrl.backends.local.routing`): recorded in the rollout, compared with the trainer's
+   (``jetrl/moe/routing_mismatch``) and, with ``policy.router_replay.enabled``, replayed in the
+   scoring and update forwards.
 4. update (``timing/train/policy_training``): GRPO loss (group advantages, clipped PG, optional
    IS correction and KL) and one AdamW step on the fp32 masters, undone when it leaves a weight
    non-finite (`nemo_jetrl.backends.local.guard`, ``jetrl/local/update_refused``).
@@ -143,19 +146,21 @@ class RunStep:
         with clock.phase("prepare_for_generation"):  # 1. refit
             ok, why = self.do_refit(hooks)
         self._note_refit(s, ok, why)
-        with clock.phase("generation"):  # 2. rollout + rewards
+        with clock.phase("generation"), self.routing.rollout():  # 2. rollout + rewards
             problems, prompt_ids, rb = self._rollout(s)
         with clock.phase("reward_calculation"):
             b = self._rewards(problems, prompt_ids, rb)
         with clock.phase("policy_and_reference_logprobs"):  # 3. score
             P = prompt_ids.shape[1]
             ids = torch.cat([prompt_ids, rb.response_ids], dim=1)
-            prev = self.trainer.score(ids, P)
+            with self.routing.training(record=True):
+                prev = self.trainer.score(ids, P)
             ref = self.trainer.reference_logprobs(ids, P)
         gen = rb.generation_logprobs
         kl_type = self.trainer.loss_cfg.reference_policy_kl_type
         s.update(mismatch_metrics(gen, prev, b.mask, kl_type=kl_type))
-        with clock.phase("policy_training"):  # 4. update
+        s.update(self.routing.metrics(P, b.mask))
+        with clock.phase("policy_training"), self.routing.training(record=False):  # 4. update
             lm, refused = guarded_update(
                 self.trainer,
                 ids,

@@ -1,0 +1,102 @@
+"""The config rules of an MoE run on the local backend, checked before any work starts.
+
+Read from the YAML (NeMo-RL's key ``policy.router_replay.enabled``, ``jetrl.local.*``) and the
+model's config.json (``jetrl.local.model_config``). Refused, each naming the key to change:
+
+- ``policy.router_replay.enabled`` that is not true/false, or true for a dense model;
+- an MoE model with ``jetrl.local.rollout_engine: vllm`` (the vLLM rollout runs dense models);
+- an MoE config.json with ``num_experts_per_tok`` outside [1, experts], Mixtral's
+  ``router_jitter_noise`` above 0 (random routing in training forwards), or an activation other
+  than silu.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON
+from nemo_jetrl.backends.local.moe import num_experts
+from nemo_jetrl.config.load import ConfigIssue
+
+ROUTER_REPLAY_KEY = "policy.router_replay.enabled"
+
+
+def _select(cfg: DictConfig, key: str) -> Any:
+    try:
+        return OmegaConf.select(cfg, key, default=None)
+    except Exception:  # an unresolvable value is the validator's to report
+        return None
+
+
+def router_replay_enabled(cfg: DictConfig) -> bool:
+    """NeMo-RL's ``policy.router_replay.enabled`` (absent: false)."""
+    return _select(cfg, ROUTER_REPLAY_KEY) is True
+
+
+def _model_json(cfg: DictConfig) -> tuple[str, dict[str, Any] | None]:
+    p = _select(cfg, "jetrl.local.model_config")
+    path = str(Path(p).expanduser()) if isinstance(p, str) and p else str(MODEL_CONFIG_JSON)
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return path, None  # the local section's own check names an unreadable file
+    return path, data if isinstance(data, dict) else None
+
+
+def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
+    """Every MoE-related problem of a local run's config (see the module docstring)."""
+    issues: list[ConfigIssue] = []
+    replay = _select(cfg, ROUTER_REPLAY_KEY)
+    if replay is not None and not isinstance(replay, bool):
+        issues.append(ConfigIssue(ROUTER_REPLAY_KEY, f"got {replay!r}; expected true or false"))
+    path, model = _model_json(cfg)
+    if model is None:
+        return issues
+    experts = num_experts(model)
+    if not experts:
+        if replay is True:
+            issues.append(
+                ConfigIssue(
+                    ROUTER_REPLAY_KEY,
+                    f"routing replay needs a mixture-of-experts model, but {path} has no experts; "
+                    "set policy.router_replay.enabled=false",
+                )
+            )
+        return issues
+    where = "jetrl.local.model_config"
+    if _select(cfg, "jetrl.local.rollout_engine") == "vllm":
+        issues.append(
+            ConfigIssue(
+                "jetrl.local.rollout_engine",
+                f"{path} is a mixture-of-experts model; the local vLLM rollout runs dense models "
+                "only: set jetrl.local.rollout_engine=hf",
+            )
+        )
+    k = model.get("num_experts_per_tok")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= experts:
+        issues.append(
+            ConfigIssue(
+                where,
+                f"{path}: num_experts_per_tok={k!r} must be an integer in [1, {experts}] "
+                "(the number of experts)",
+            )
+        )
+    jitter = model.get("router_jitter_noise", 0.0)
+    if isinstance(jitter, (int, float)) and jitter > 0:
+        issues.append(
+            ConfigIssue(
+                where,
+                f"{path}: router_jitter_noise={jitter} makes training forwards route at random "
+                "(never the rollout's policy); set it to 0",
+            )
+        )
+    act = model.get("hidden_act", "silu")
+    if act != "silu":
+        issues.append(
+            ConfigIssue(where, f"{path}: hidden_act={act!r}; MoE experts here support silu only")
+        )
+    return issues

@@ -1,0 +1,313 @@
+"""MoE models on the local backend: real HF Qwen3-MoE and Mixtral under every recipe, routing
+metric, routing replay (issue 27).
+
+Blocks: HF's own forward is what `MoeBlock` must compute (routing, renormalisation, combine);
+swaps share the parameter objects and are undone by `restore`. Runs: the shipped tiny Qwen3-MoE
+example (layer 0 dense, layer 1 with 4 experts, top-2) trains under all four recipes; jetrl's
+logprobs are the rollout's bit for bit. A planted router divergence shows the metric and what
+replay does with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import tiny_hf_config, tiny_hf_model
+from local_configs import REPO, TINY_OVERRIDES
+
+from nemo_jetrl.backends.local.loop import Hooks, run_local
+from nemo_jetrl.backends.local.model import build_model
+from nemo_jetrl.backends.local.moe import MoeBlock, convert_moe_blocks, moe_blocks
+from nemo_jetrl.backends.local.precision import make_rollout_model, make_trainer_model
+from nemo_jetrl.backends.local.refit import export_weights, refit
+from nemo_jetrl.backends.local.rollout import generate
+from nemo_jetrl.backends.local.routing import ROUTING_MISMATCH, RoutingController
+from nemo_jetrl.backends.local.trainer import sequence_logprobs
+from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8InferenceLinear
+from nemo_jetrl.invariant import make_batch_invariant
+from nemo_jetrl.invariant import moe as imoe
+from nemo_jetrl.recipe import Recipe
+
+RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
+MOE_EXAMPLE = REPO / "examples" / "configs" / "local" / "moe"
+QWEN3_MOE_JSON = MOE_EXAMPLE / "qwen3_moe_tiny.json"
+ROUTER = "model.layers.1.mlp.gate.weight"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("jetrl_moe_cache")
+
+
+def _moe_config(kind: str, **fields):
+    """Tiny 128-aligned MoE configs: Qwen3-MoE with a dense first layer, or Mixtral."""
+    base = dict(
+        vocab_size=32, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=128, num_experts_per_tok=2,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    if kind == "qwen3_moe":
+        base |= dict(
+            intermediate_size=256, moe_intermediate_size=128, num_experts=4,
+            mlp_only_layers=[0], norm_topk_prob=True,
+        )  # fmt: skip
+    else:
+        base |= dict(intermediate_size=128, num_local_experts=4)
+    return tiny_hf_config(kind, **(base | fields))
+
+
+def _pair(kind: str, recipe: str, **fields):
+    """(rollout, trainer) models of one config under ``recipe``, batch-invariant, refit once."""
+    cfg = _moe_config(kind, **fields)
+    tm = build_model(cfg, seed=1, dtype=torch.bfloat16)  # eager attention, as the backend runs
+    rm = build_model(cfg, seed=1, dtype=torch.bfloat16)
+    r = Recipe.preset(recipe)
+    tplan, rplan = (
+        make_trainer_model(tm, r, exact_gemm=True),
+        make_rollout_model(rm, r, exact_gemm=True),
+    )
+    make_batch_invariant(tm)
+    make_batch_invariant(rm)
+    refit(rm, export_weights(tm))
+    return rm, tm, tplan, rplan
+
+
+# ---------------------------------------------------------------------------------- blocks
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_block_computes_hf_forward_and_swap_is_reversible(kind):
+    model = tiny_hf_model(_moe_config(kind), seed=3)  # fp32: compare the math, not roundings
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(0))
+    hf_blocks = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("MoeBlock")}
+    assert len(hf_blocks) == (1 if kind == "qwen3_moe" else 2)  # mlp_only_layers=[0]: dense
+    want = {n: m(x) for n, m in hf_blocks.items()}
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    handle = convert_moe_blocks(model, Recipe.preset("bf16").train, None)
+    assert [type(b) for b in handle.blocks] == [MoeBlock] * len(hf_blocks)
+    assert {n: p for n, p in model.named_parameters()} == params  # the same objects
+    assert sorted(model.state_dict()) == sorted(keys)
+    for name, block in zip(hf_blocks, handle.blocks, strict=True):
+        torch.testing.assert_close(block(x), want[name], rtol=1e-5, atol=1e-6)
+    handle.restore()
+    assert not moe_blocks(model)
+    assert all(model.get_submodule(n) is m for n, m in hf_blocks.items())
+
+
+def test_topk_ties_go_to_the_lower_expert_and_routing_is_batch_invariant():
+    probs = torch.tensor([[0.1, 0.3, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    assert imoe.top_k(probs, 2).tolist() == [[1, 2], [0, 1]]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 256, generator=g).bfloat16()
+    x = torch.randn(37, 256, generator=g).bfloat16()
+
+    def route(rows):
+        p = imoe.router_probs(imoe.router_logits(rows, w, invariant=True), invariant=True)
+        idx = imoe.top_k(p, 2)
+        return idx, imoe.slot_weights(p, idx, normalize=True, invariant=True)
+
+    idx_all, w_all = route(x)
+    for i in (0, 5, 36):
+        idx_one, w_one = route(x[i : i + 1])
+        assert torch.equal(idx_one[0], idx_all[i])
+        assert torch.equal(w_one[0].view(torch.int32), w_all[i].view(torch.int32))
+
+
+def test_experts_fp8_exactly_where_dense_linears_are_router_never():
+    r = Recipe.preset("jetrl")
+    side = r.train.with_(bf16_layer_kws=("down_proj",))
+    model = tiny_hf_model(_moe_config("qwen3_moe"), seed=0, dtype=torch.bfloat16)
+    from nemo_jetrl.backends.local.precision import side_fp8_config
+
+    handle = convert_moe_blocks(model, side, side_fp8_config(side))
+    assert handle.fp8 == ["model.layers.1.mlp.experts.gate_up_proj"]
+    assert "model.layers.1.mlp.experts.down_proj" in handle.kept  # as the dense down_proj
+    # dims that do not tile 128 keep experts BF16, reported
+    small = tiny_hf_model(_moe_config("mixtral", intermediate_size=96), seed=0)
+    h2 = convert_moe_blocks(small, r.train, side_fp8_config(r.train))
+    assert h2.fp8 == [] and all("multiples of 128" in v for v in h2.kept.values())
+    # rollout and trainer of jetrl: experts FP8 on both sides, the router a plain weight
+    rm, tm, tplan, rplan = _pair("qwen3_moe", "jetrl")
+    assert (
+        tplan.moe.fp8
+        == rplan.moe.fp8
+        == [
+            "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj",
+        ]
+    )
+    ex = [
+        n for n, m in rm.named_modules() if isinstance(m, Fp8InferenceLinear) and ".experts." in n
+    ]
+    assert len(ex) == 8  # 4 experts x 2 projections, per expert like a dense rollout linear
+    for m in (rm, tm):
+        gate = m.get_submodule("model.layers.1.mlp.gate")
+        assert not isinstance(gate, (Fp8BlockLinear, Fp8InferenceLinear))
+        assert not any(isinstance(c, (Fp8BlockLinear, Fp8InferenceLinear)) for c in gate.modules())
+    assert isinstance(tm.get_submodule("model.layers.0.mlp.down_proj"), Fp8BlockLinear)
+
+
+@pytest.mark.parametrize(("kind", "recipe"), [("qwen3_moe", "jetrl"), ("mixtral", "jetrl")])
+def test_rollout_and_trainer_logprobs_bitwise_and_replay_uses_rollout_experts(kind, recipe):
+    rm, tm, _, _ = _pair(kind, recipe)
+    prompt = torch.randint(3, 32, (4, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=7, temperature=1.0, eos_id=2, pad_id=0)
+    ctl = RoutingController(rm, tm, replay=False)
+    with ctl.rollout():
+        rb = generate(rm, prompt, generator=torch.Generator().manual_seed(1), **kw)
+    ids = torch.cat([prompt, rb.response_ids], 1)
+    with ctl.training(record=True), torch.no_grad():
+        prev = sequence_logprobs(tm, ids, 6, 1.0)
+    m = rb.response_mask
+    assert torch.equal(prev[m].view(torch.int32), rb.generation_logprobs[m].view(torch.int32))
+    assert ctl.metrics(6, m) == {ROUTING_MISMATCH: 0.0}
+
+    # plant a divergence: the rollout's router moves, the trainer's does not
+    with torch.no_grad():
+        for b in moe_blocks(rm):
+            b.gate.weight.add_(torch.randn_like(b.gate.weight) * 0.05)
+    for replay in (False, True):
+        ctl = RoutingController(rm, tm, replay=replay)
+        with ctl.rollout():
+            rb = generate(rm, prompt, generator=torch.Generator().manual_seed(1), **kw)
+        ids = torch.cat([prompt, rb.response_ids], 1)
+        tm.train()
+        with ctl.training(record=True):
+            lp = sequence_logprobs(tm, ids, 6, 1.0)
+        mism = ctl.metrics(6, rb.response_mask)[ROUTING_MISMATCH]
+        assert 0.0 < mism <= 1.0, mism  # the trainer's own choices differ, replay or not
+        for b, roll, own in zip(
+            moe_blocks(tm), ctl.rollout_choices, ctl.train_choices, strict=True
+        ):
+            used = b.last_used[:, :-1].to(torch.int32)
+            if replay:
+                assert torch.equal(used, roll)  # every recorded position: the rollout's experts
+                assert not torch.equal(own[:, :-1], roll)
+            else:
+                assert torch.equal(used, own[:, :-1])
+        (lp * rb.response_mask).sum().backward()
+        router = moe_blocks(tm)[-1].gate.weight
+        assert router.grad is not None and float(router.grad.abs().sum()) > 0  # R3 keeps it
+        tm.zero_grad(set_to_none=True)
+        tm.eval()
+
+
+# ------------------------------------------------------------------------------------ runs
+
+
+def _moe_run(recipe: str, tmp_path: Path, cache_dir: Path, *extra: str, hooks=None):
+    """The shipped MoE example of ``recipe`` at test sizes (model path made absolute)."""
+    from nemo_jetrl.config import load_config
+
+    cfg = load_config(
+        MOE_EXAMPLE / f"{recipe}.yaml",
+        [
+            *TINY_OVERRIDES,
+            f"jetrl.local.model_config={QWEN3_MOE_JSON}",
+            f"jetrl.local.cache_dir={cache_dir}",
+            f"logger.log_dir={tmp_path / 'run'}",
+            *extra,
+        ],
+    )
+    return run_local(cfg, progress=False, log=print, hooks=hooks)
+
+
+def test_moe_examples_ship_for_every_recipe():
+    from nemo_jetrl.config import load_config
+
+    for recipe in RECIPES:
+        cfg = load_config(MOE_EXAMPLE / f"{recipe}.yaml")
+        assert cfg.jetrl.recipe == recipe
+        assert (REPO / cfg.jetrl.local.model_config).resolve() == QWEN3_MOE_JSON.resolve()
+        assert cfg.policy.router_replay.enabled is False
+    assert json.loads(QWEN3_MOE_JSON.read_text())["mlp_only_layers"] == [0]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tiny_moe_trains_under_every_recipe(recipe, tmp_path, cache_dir):
+    res = _moe_run(recipe, tmp_path, cache_dir)
+    assert res.recipe == recipe and len(res.history) == 2
+    for h in res.history:
+        assert 0.0 <= h[ROUTING_MISMATCH] <= 1.0, h
+        assert math.isfinite(h["train/loss"]) and h["jetrl/local/update_refused"] == 0.0
+        tmpe = h["train/token_mult_prob_error"]
+        if recipe in ("jetrl", "jetrl_kv"):  # FP8 both sides, same quantizer, invariant ops
+            assert tmpe == 1.0 and h["train/gen_kl_error"] == 0.0
+            assert h[ROUTING_MISMATCH] == 0.0
+        elif recipe == "fp8_rollout":  # vLLM's quantizer in the rollout only
+            assert tmpe > 1.0
+    from nemo_jetrl.runs.logs import read_scalars
+
+    scalars, _ = read_scalars(tmp_path / "run")
+    assert [int(s) for s in scalars[ROUTING_MISMATCH].steps] == [1, 2]
+
+
+def test_mixtral_and_replay_run_exactly_on_policy(tmp_path, cache_dir):
+    mixtral = tmp_path / "mixtral.json"
+    data = json.loads(QWEN3_MOE_JSON.read_text())
+    for k in ("moe_intermediate_size", "num_experts", "norm_topk_prob", "decoder_sparse_step",
+              "mlp_only_layers"):  # fmt: skip
+        data.pop(k)
+    data |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+             "intermediate_size": 128, "num_local_experts": 4}  # fmt: skip
+    mixtral.write_text(json.dumps(data))
+    res = _moe_run(
+        "jetrl", tmp_path, cache_dir, f"jetrl.local.model_config={mixtral}",
+        "policy.router_replay.enabled=true",
+    )  # fmt: skip
+    for h in res.history:
+        assert h["train/token_mult_prob_error"] == 1.0 and h[ROUTING_MISMATCH] == 0.0
+
+
+def test_planted_router_divergence_is_measured_every_step_with_and_without_replay(
+    tmp_path, cache_dir
+):
+    def skew_router(_step, weights):  # the rollout gets a different router than the trainer
+        g = torch.Generator().manual_seed(0)
+        w = weights[ROUTER]
+        weights[ROUTER] = w + torch.randn(w.shape, generator=g).to(w.dtype) * 0.05
+        return weights
+
+    for replay in ("false", "true"):
+        res = _moe_run(
+            "jetrl", tmp_path / replay, cache_dir, f"policy.router_replay.enabled={replay}",
+            hooks=Hooks(before_refit=skew_router),
+        )  # fmt: skip
+        for h in res.history:
+            assert 0.0 < h[ROUTING_MISMATCH] <= 1.0, (replay, h[ROUTING_MISMATCH])
+            assert h["train/token_mult_prob_error"] > 1.0  # the router itself differs
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+def _refused(cli, tmp_path, *overrides: str) -> str:
+    code, out = cli(
+        "train", str(MOE_EXAMPLE / "jetrl.yaml"), *TINY_OVERRIDES,
+        f"logger.log_dir={tmp_path / 'run'}", *overrides,
+    )  # fmt: skip
+    assert code == 2, out
+    assert not (tmp_path / "run").exists()  # refused before any work
+    return out
+
+
+def test_bad_moe_combinations_exit_2_naming_the_key(cli, tmp_path):
+    dense = REPO / "nemo_jetrl" / "backends" / "local" / "assets" / "model_config.json"
+    out = _refused(cli, tmp_path, f"jetrl.local.model_config={dense}",
+                   "policy.router_replay.enabled=true")  # fmt: skip
+    assert "policy.router_replay.enabled" in out and "no experts" in out
+    out = _refused(cli, tmp_path, f"jetrl.local.model_config={QWEN3_MOE_JSON}",
+                   "policy.router_replay.enabled=yes")  # fmt: skip
+    assert "policy.router_replay.enabled" in out and "true or false" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(json.loads(QWEN3_MOE_JSON.read_text()) | {"num_experts_per_tok": 5}))
+    out = _refused(cli, tmp_path, f"jetrl.local.model_config={bad}")
+    assert "jetrl.local.model_config" in out and "num_experts_per_tok=5" in out
