@@ -102,7 +102,7 @@ class JetrlSection(OurSection):
     train_num_first_layers_in_bf16: count(0) = 0  # type: ignore[valid-type]
     """leading decoder layers kept BF16 in training (Megatron's num_layers_at_start_in_bf16)"""
     train_bf16_layer_kws: words(  # type: ignore[valid-type]
-        "a list of non-empty strings (words of linear names), or null"
+        "a list of non-empty strings (words of linear names)"
     ) = None
     """decoder linears kept BF16 in training: those whose HF name contains one of these words
     (the training twin of vllm_cfg.quantization_ignored_layer_kws)"""

@@ -73,7 +73,7 @@ class VllmCfg(NemoSection):
     num_first_layers_in_bf16: count(0, null=True) = None  # type: ignore[valid-type]
     num_last_layers_in_bf16: count(0, null=True) = None  # type: ignore[valid-type]
     quantization_ignored_layer_kws: words(  # type: ignore[valid-type]
-        "a list of non-empty strings (words of linear names), or null"
+        "a list of non-empty strings (words of linear names)"
     ) = None
 
 
@@ -174,7 +174,7 @@ class LossFn(NemoSection):
         "a finite number > 1 (usually 3), or null to disable dual clipping", Field(gt=1), null=True
     ) = None
     reference_policy_kl_penalty: number("a finite number (0 disables the KL penalty)") = None  # type: ignore[valid-type]
-    reference_policy_kl_type: choice("k1", "k2", "k3") = None  # type: ignore[valid-type]
+    reference_policy_kl_type: choice(*S.KL_TYPES) = None  # type: ignore[valid-type]
     kl_input_clamp_value: number("a finite number > 0, or null", Field(gt=0), null=True) = None  # type: ignore[valid-type]
     kl_output_clamp_value: number("a finite number > 0, or null", Field(gt=0), null=True) = None  # type: ignore[valid-type]
     use_on_policy_kl_approximation: flag(null=True) = None  # type: ignore[valid-type]

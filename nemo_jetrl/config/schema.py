@@ -59,3 +59,4 @@ FP8_RECIPES = ("blockwise", "mxfp8", "tensorwise", "delayed")
 VLLM_PRECISIONS = ("bfloat16", "float16", "float32", "fp8")
 VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ENV_FLAG_VALUES = ("0", "1")
+KL_TYPES = ("k1", "k2", "k3")  # loss_fn.reference_policy_kl_type: Schulman's KL estimators

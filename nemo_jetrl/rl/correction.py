@@ -26,7 +26,6 @@ so config validation stays light; the weights themselves are `nemo_jetrl.rl.weig
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -73,10 +72,6 @@ class LossFnIssue:
 
     def __str__(self) -> str:
         return f"{self.key} {self.message}"
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _tis_keys(k: str) -> tuple[str, str, str]:
@@ -177,53 +172,37 @@ def _truncation_issues(
 
 
 def loss_fn_issues(cfg: Mapping[str, Any], *, path: str = "loss_fn") -> list[LossFnIssue]:
-    """All problems with the IS keys of a NeMo-RL ``loss_fn`` mapping (empty list: valid).
-
-    The one home of these rules: `CorrectionConfig` and `nemo_jetrl.config.validate` call it.
-    Other keys are ignored (they belong to the rest of the loss).
+    """All problems of a NeMo-RL ``loss_fn`` mapping (empty list: valid): each key's type and
+    range (the typed schema, `nemo_jetrl.config.nemo_rl_model.LossFn`), then, on well-typed
+    values, the IS rules across keys (their one home; `CorrectionConfig` and
+    `nemo_jetrl.config.validate` call it). Keys NeMo-RL has and we do not read pass.
     """
-    k = f"{path}." if path else ""
-    if not isinstance(cfg, Mapping):
-        return [LossFnIssue(path or "loss_fn", f"must be a mapping, got {type(cfg).__name__}")]
-    out: list[LossFnIssue] = []
-    vals: dict[str, Any] = {}
-    for key, default in (
-        ("use_importance_sampling_correction", False),
-        ("sequence_level_importance_ratios", False),
-        ("token_level_loss", True),
-    ):
-        v = cfg.get(key, default)
-        if v is None:
-            v = default
-        if not isinstance(v, bool):
-            out.append(LossFnIssue(k + key, f"must be true or false, got {v!r}", (True, False)))
-            v = default
-        vals[key] = v
-    t = cfg.get("truncated_importance_sampling_type")
-    if t is not None and not isinstance(t, str):
-        out.append(
-            LossFnIssue(
-                k + "truncated_importance_sampling_type",
-                f"must be a string ({', '.join(TIS_TYPES)}) or null, got {t!r}",
-                (*TIS_TYPES, None),
-            )
-        )
-        t = None
-    for key in ("truncated_importance_sampling_ratio", "truncated_importance_sampling_ratio_min"):
-        v = cfg.get(key)
-        if v is not None and (not _is_number(v) or math.isnan(v)):
-            out.append(LossFnIssue(k + key, f"must be a number or null, got {v!r}"))
-            v = None
-        vals[key] = None if v is None else float(v)
-    if out:
+    from nemo_jetrl.config.nemo_rl_model import LossFn  # each key's type: the typed schema
+    from nemo_jetrl.config.typed import parse, plain
+
+    data = plain(cfg)
+    model, found = parse(LossFn, data, path)
+    out = [LossFnIssue(i.path, i.message, i.allowed) for i in found]
+    if model is None and isinstance(data, Mapping):
+        # The rules across the IS keys still run when only other keys are mistyped.
+        k = f"{path}." if path else ""
+        bad = {i.path.removeprefix(k).split(".")[0] for i in found}
+        if not bad & set(LOSS_FN_KEYS):
+            model, _ = parse(LossFn, {n: v for n, v in data.items() if n not in bad}, path)
+    if model is None:
         return out
-    return _rule_issues(
-        vals["use_importance_sampling_correction"],
-        t,
-        vals["truncated_importance_sampling_ratio"],
-        vals["truncated_importance_sampling_ratio_min"],
-        vals["sequence_level_importance_ratios"],
-        vals["token_level_loss"],
+
+    def flag(key: str, default: bool) -> bool:
+        v = getattr(model, key)
+        return default if v is None else v
+
+    return out + _rule_issues(
+        flag("use_importance_sampling_correction", False),
+        model.truncated_importance_sampling_type,
+        model.truncated_importance_sampling_ratio,
+        model.truncated_importance_sampling_ratio_min,
+        flag("sequence_level_importance_ratios", False),
+        flag("token_level_loss", True),
         path,
     )
 

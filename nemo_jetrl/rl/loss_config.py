@@ -1,5 +1,6 @@
-"""Settings of the GRPO loss: `GRPOLossConfig` (NeMo-RL's ``loss_fn`` keys, same defaults), the
-rules that check them (`LossConfigError` lists every problem) and the KL estimator names.
+"""Settings of the GRPO loss: `GRPOLossConfig` (NeMo-RL's ``loss_fn`` keys, same defaults; each
+key's rule is the typed schema's, `nemo_jetrl.config.nemo_rl_model.LossFn`; `LossConfigError`
+lists every problem) and the KL estimator names.
 
 `nemo_jetrl.rl.loss` computes the loss from these settings and re-exports the names here; the
 importance-sampling keys of ``loss_fn`` are `nemo_jetrl.rl.correction`'s.
@@ -7,14 +8,18 @@ importance-sampling keys of ``loss_fn`` are `nemo_jetrl.rl.correction`'s.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from nemo_jetrl.rl.correction import CorrectionConfig, CorrectionConfigError, validate_loss_fn_cfg
+from nemo_jetrl.config.schema import KL_TYPES as KL_TYPES  # re-exported
+from nemo_jetrl.rl.correction import (
+    CorrectionConfig,
+    CorrectionConfigError,
+    loss_fn_issues,
+    validate_loss_fn_cfg,
+)
 
-KL_TYPES = ("k1", "k2", "k3")
 #: NeMo-RL loss_fn switches this loss does not implement; true/non-zero is an error, not ignored.
 _UNSUPPORTED_FLAGS = (
     "disable_ppo_ratio",
@@ -65,18 +70,8 @@ class GRPOLossConfig:
     """importance-sampling correction of the rollout/train mismatch."""
 
     def __post_init__(self) -> None:
-        errs = _loss_rule_errors(
-            {
-                "ratio_clip_min": self.ratio_clip_min,
-                "ratio_clip_max": self.ratio_clip_max,
-                "ratio_clip_c": self.ratio_clip_c,
-                "reference_policy_kl_penalty": self.reference_policy_kl_penalty,
-                "reference_policy_kl_type": self.reference_policy_kl_type,
-                "kl_input_clamp_value": self.kl_input_clamp_value,
-                "kl_output_clamp_value": self.kl_output_clamp_value,
-            },
-            "",
-        )
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "correction"}
+        errs = [str(i) for i in loss_fn_issues(values, path="")]
         if self.correction.token_level_loss != self.token_level_loss:
             errs.append(
                 f"token_level_loss={self.token_level_loss} but correction.token_level_loss="
@@ -93,8 +88,7 @@ class GRPOLossConfig:
         if not isinstance(cfg, Mapping):
             raise LossConfigError([f"{path} must be a mapping, got {type(cfg).__name__}"])
         k = f"{path}." if path else ""
-        errs = validate_loss_fn_cfg(cfg, path=path)
-        errs += _loss_rule_errors(cfg, path)
+        errs = validate_loss_fn_cfg(cfg, path=path)  # every key's rule, then the IS rules
         for flag in _UNSUPPORTED_FLAGS:
             if cfg.get(flag):
                 errs.append(
@@ -125,38 +119,3 @@ class GRPOLossConfig:
             if name in cfg and (cfg[name] is not None or name in optional)
         }
         return cls(**kw, correction=CorrectionConfig.from_loss_fn_cfg(cfg, path=path))
-
-
-def _loss_rule_errors(cfg: Mapping[str, Any], path: str) -> list[str]:
-    k = f"{path}." if path else ""
-    errs: list[str] = []
-
-    def num(name: str, *, optional: bool) -> float | None:
-        v = cfg.get(name)
-        if v is None:
-            if not optional and name in cfg:
-                errs.append(f"{k}{name} must be a number, got null")
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-            errs.append(f"{k}{name} must be a number{' or null' if optional else ''}, got {v!r}")
-            return None
-        return float(v)
-
-    for name in ("ratio_clip_min", "ratio_clip_max"):
-        v = num(name, optional=False)
-        if v is not None and v < 0:
-            errs.append(f"{k}{name} must be >= 0 (the clip range is [1 - min, 1 + max]), got {v}")
-    c = num("ratio_clip_c", optional=True)
-    if c is not None and not c > 1:
-        errs.append(
-            f"{k}ratio_clip_c must be > 1 (usually 3) or null to disable dual clipping, got {c}"
-        )
-    num("reference_policy_kl_penalty", optional=False)
-    t = cfg.get("reference_policy_kl_type", "k3")
-    if t not in KL_TYPES:
-        errs.append(f"{k}reference_policy_kl_type must be one of {', '.join(KL_TYPES)}, got {t!r}")
-    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
-        v = num(name, optional=True)
-        if v is not None and v <= 0:
-            errs.append(f"{k}{name} must be > 0 or null, got {v}")
-    return errs

@@ -47,7 +47,7 @@ def test_align_keeps_the_users_list_on_both_sides(cli, tmp_path):
         (f"+{ROLL}=[q_proj]", ROLL, "fused GEMM"),  # q without k, v
         (f"+{TRAIN}=[up_proj]", TRAIN, "fused GEMM"),  # up without gate
         (f"+{ROLL}=[visual,linear_attn]", ROLL, "match no decoder linear"),
-        (f"+{TRAIN}=q_proj", TRAIN, "must be a list of non-empty strings"),
+        (f"+{TRAIN}=q_proj", TRAIN, "expected a list of non-empty strings"),
         (f"+{TRAIN}={ATTN} policy.megatron_cfg.fp8_cfg.fp8_param=true", TRAIN, "fp8_param=false"),
     ],
 )

@@ -239,11 +239,11 @@ def test_validation_collects_all_errors_naming_keys():
         ),
         (
             {"truncated_importance_sampling_ratio": "two"},
-            "truncated_importance_sampling_ratio must be a number",
+            "truncated_importance_sampling_ratio got 'two'; expected a finite number",
         ),
         (
             {"use_importance_sampling_correction": "yes"},
-            "use_importance_sampling_correction must be true or false",
+            "use_importance_sampling_correction got 'yes'; expected true or false",
         ),
     ],
 )

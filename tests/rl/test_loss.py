@@ -220,13 +220,24 @@ def test_loss_config_from_nemo_rl_loss_fn():
         GRPOLossConfig.from_loss_fn_cfg(bad)
     text = str(ei.value)
     for needle in (
-        "loss_fn.ratio_clip_c must be > 1",
+        "loss_fn.ratio_clip_c got 0.5; expected a finite number > 1",
         "loss_fn.use_cispo=True is not implemented",
-        "loss_fn.reference_policy_kl_type must be one of",
+        "loss_fn.reference_policy_kl_type got 'k9'; expected one of",
         "loss_fn.truncated_importance_sampling_ratio must be a positive",
     ):
         assert needle in text, text
     assert len(ei.value.errors) == 4
+
+
+@pytest.mark.parametrize("key", ["reference_policy_kl_penalty", "ratio_clip_min", "ratio_clip_c"])
+def test_non_finite_loss_keys_are_refused(key):
+    """Issue 26: ``reference_policy_kl_penalty: .inf`` was accepted where ``lr: .inf`` was not."""
+    with pytest.raises(LossConfigError, match=f"loss_fn.{key} got inf; expected a finite"):
+        GRPOLossConfig.from_loss_fn_cfg({key: float("inf")})
+    with pytest.raises(LossConfigError, match=f"{key} got inf; expected a finite"):
+        GRPOLossConfig(**{key: float("inf")})
+    with pytest.raises(LossConfigError, match=f"loss_fn.{key} got 'true'; expected"):
+        GRPOLossConfig.from_loss_fn_cfg({key: "true"})
 
 
 # ---------------------------------------------------------------- against NeMo-RL itself
