@@ -14,10 +14,12 @@ cache dtype.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from pydantic import Field
+
+from nemo_jetrl.config.typed import OurSection, choice, flag, number, parse, rule, words
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK as WEIGHT_BLOCK  # re-exported
 
 # The environment variable that carries the settings to vLLM's worker processes.
@@ -57,18 +59,13 @@ class PatchSettings:
     """Free-form notes carried along (never read by the patch)."""
 
     def __post_init__(self) -> None:
-        errors = []
-        if self.fmt != "e4m3":
-            errors.append(f"fmt={self.fmt!r}: the rollout forward is always 'e4m3'")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            errors.append(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {KV_CACHE_DTYPES}")
-        if not (math.isfinite(self.eps) and self.eps >= 0.0):
-            errors.append(f"eps={self.eps!r}: must be a finite number >= 0")
-        bad = [m for m in self.modules_to_not_convert if not isinstance(m, str) or not m]
-        if bad:
-            errors.append(f"modules_to_not_convert has non-string or empty entries: {bad}")
-        if errors:
-            raise ValueError("invalid PatchSettings: " + "; ".join(errors))
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("modules_to_not_convert", "bf16_layer_kws"):
+            v = values[name]
+            values[name] = list(v) if isinstance(v, (list, tuple)) else v
+        _checked(values, "PatchSettings")
+        for name in ("modules_to_not_convert", "bf16_layer_kws"):  # lists from JSON
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -82,13 +79,40 @@ class PatchSettings:
 
     @classmethod
     def from_json(cls, text: str) -> PatchSettings:
+        """Settings from `to_json`'s text; ValueError naming every bad key (strict: the string
+        "false" is not a boolean)."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}): {text[:200]!r}") from exc
-        d["modules_to_not_convert"] = tuple(d.get("modules_to_not_convert", ()))
-        d["bf16_layer_kws"] = tuple(d.get("bf16_layer_kws", ()))
-        return cls(**d)
+        return cls(**_checked(d, ENV_VAR))
+
+
+class _Wire(OurSection):
+    """The rules of every `PatchSettings` field (the typed schema, `nemo_jetrl.config.typed`);
+    the defaults are `PatchSettings`'s (a key not given stays unset here)."""
+
+    fp8_weights: flag() = None  # type: ignore[valid-type]
+    pow2_weight_scales: flag() = None  # type: ignore[valid-type]
+    pow2_activation_scales: flag() = None  # type: ignore[valid-type]
+    fmt: choice("e4m3") = None  # type: ignore[valid-type]  # rollout forward tensors
+    modules_to_not_convert: words(null=False) = None  # type: ignore[valid-type]
+    bf16_layer_kws: words(null=False) = None  # type: ignore[valid-type]
+    kv_cache_dtype: choice(*KV_CACHE_DTYPES) = None  # type: ignore[valid-type]
+    eps: number("a finite number >= 0", Field(ge=0)) = None  # type: ignore[valid-type]
+    extra: rule(dict, "a mapping") = None  # type: ignore[valid-type]
+
+
+def _checked(values: Any, where: str) -> dict[str, Any]:
+    """``values`` read by `_Wire`; ValueError listing every problem."""
+    model, issues = parse(_Wire, values)
+    if model is None:
+        raise ValueError(f"invalid {where}: " + "; ".join(str(i) for i in issues))
+    out = {name: getattr(model, name) for name in model.model_fields_set}
+    for name in ("modules_to_not_convert", "bf16_layer_kws"):
+        if name in out:
+            out[name] = tuple(out[name])
+    return out
 
 
 def bf16_layer_modules(layer_indices: list[int] | range, prefix: str = "model.layers") -> list[str]:

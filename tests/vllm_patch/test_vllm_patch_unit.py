@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -83,7 +84,25 @@ def test_settings_invalid_values_reported_together():
     with pytest.raises(ValueError) as ei:
         PatchSettings(fmt="e5m2", kv_cache_dtype="int8", eps=-1.0)
     msg = str(ei.value)
-    assert "fmt='e5m2'" in msg and "kv_cache_dtype='int8'" in msg and "eps=-1.0" in msg
+    assert "fmt: got 'e5m2'" in msg and "kv_cache_dtype: got 'int8'" in msg
+    assert "eps: got -1.0; expected a finite number >= 0" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("pow2_weight_scales", "false", "pow2_weight_scales: got 'false'; expected true or false"),
+        ("fp8_weights", 1, "fp8_weights: got 1; expected true or false"),
+        ("eps", "0", "eps: got '0'; expected a finite number"),
+        ("modules_to_not_convert", "lm_head", "modules_to_not_convert: got 'lm_head'"),
+        ("nope", True, "nope: unknown key"),
+    ],
+)
+def test_settings_from_json_is_strict(key, value, needle):
+    """Issue 26: '{"pow2_weight_scales": "false"}' was accepted and read as true."""
+    with pytest.raises(ValueError, match="invalid NEMO_JETRL_VLLM_PATCH") as ei:
+        PatchSettings.from_json(json.dumps({key: value}))
+    assert needle in str(ei.value)
 
 
 # -- engine kwargs -----------------------------------------------------------------------------
