@@ -37,14 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_and_check(path: str, overrides: list[str]) -> Checked:
-    """The pipeline (`nemo_jetrl.flow.pipeline`); UserError listing every problem when invalid."""
+def load_and_check(path: str, overrides: list[str], *, keep_refused: bool = False) -> Checked:
+    """The pipeline (`nemo_jetrl.flow.pipeline`); UserError listing every problem when invalid.
+    ``keep_refused``: what no backend supports yet comes back in `Checked.refused`."""
     from nemo_jetrl.config import ConfigError
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.pipeline import check_config
 
     try:
-        return check_config(path, overrides)
+        return check_config(path, overrides, keep_refused=keep_refused)
     except ConfigError as exc:
         raise UserError(f"invalid config\n{exc}") from None
 
@@ -70,6 +71,7 @@ def report(
     _print_header(c, source, out)
     print("\nprecision flow (training forward vs rollout):", file=out)
     _table([("layers", "group", "training forward", "rollout", "status"), *flow_table(check)], out)
+    _print_groups(c, out)
     if backward:
         _print_backward(c, out)
     print(file=out)
@@ -117,13 +119,29 @@ def _print_limits(c: Checked, out: TextIO) -> int:
     return EXIT_OFF_POLICY
 
 
+def _print_groups(c: Checked, out: TextIO) -> None:
+    """The verdict per group of linears, and (MoE) whether routing is replayed."""
+    from nemo_jetrl.flow.groups import group_verdicts, routing_note
+
+    print("\nverdict per group:", file=out)
+    rows = [
+        (g.label, g.layers, "same" if g.same else "DIFFERS", g.train, g.rollout)
+        for g in group_verdicts(c.check)
+    ]
+    _table([("group", "layers", "status", "training forward", "rollout"), *rows], out)
+    note = routing_note(c.cfg, c.arch)
+    if note:
+        print(f"  {note}", file=out)
+
+
 def _print_header(c: Checked, source: str, out: TextIO) -> None:
     """The config, the model, config issues, the recipe and the IS correction."""
     arch = c.arch
     print(f"config: {source}", file=out)
     print(
         f"model:  {arch.name} ({arch.num_layers} layers, hidden {arch.hidden_size}, "
-        f"intermediate {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads})",
+        f"intermediate {arch.intermediate_size}, heads {arch.num_heads}/{arch.num_kv_heads}; "
+        f"{arch.family})",
         file=out,
     )
     if c.arch_note:
@@ -189,9 +207,23 @@ def _is_correction(cfg: Any) -> str:
 
 def summary(c: Checked) -> dict[str, Any]:
     """The check as plain data (what --json prints)."""
+    from nemo_jetrl.flow.groups import group_verdicts, routing_note
+
     check = c.check
     return {
         "model": c.arch.name,
+        "family": c.arch.family,
+        "groups": [
+            {
+                "group": g.group,
+                "layers": g.layers,
+                "same": g.same,
+                "train": g.train,
+                "rollout": g.rollout,
+            }
+            for g in group_verdicts(check)
+        ],
+        "routing": routing_note(c.cfg, c.arch),
         "model_note": c.arch_note,
         "recipe": c.recipe.to_dict(),
         "on_policy": c.on_policy,
@@ -221,7 +253,22 @@ def summary(c: Checked) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    checked = load_and_check(args.config, list(args.overrides))
+    checked = load_and_check(args.config, list(args.overrides), keep_refused=True)
+    if checked.refused:
+        from nemo_jetrl.config import ConfigError
+        from nemo_jetrl.errors import UserError
+        from nemo_jetrl.flow.table import flow_table
+
+        if not args.json:  # the reading first, then the refusal (exit 2)
+            _print_header(checked, args.config, sys.stdout)
+            print("\nprecision flow (training forward vs rollout):")
+            rows = flow_table(checked.check)
+            _table(
+                [("layers", "group", "training forward", "rollout", "status"), *rows], sys.stdout
+            )
+            _print_groups(checked, sys.stdout)
+            sys.stdout.flush()
+        raise UserError(f"invalid config\n{ConfigError(checked.refused, args.config)}")
     if args.json:
         import json
 

@@ -67,6 +67,11 @@ class Precision:
 
 BF16 = Precision("bf16")
 
+ROLLOUT_EXPERTS_IMPL: str | None = "vllm"
+"""Who quantizes routed experts' operands in the rollout, whatever the recipe's quantizer:
+vLLM's FusedMoE path (its own per-token-group activation quantizer), as nemo_jetrl's vLLM patch
+has no experts kernel yet. None once it has: the rollout side's quantizer then applies."""
+
 # Per-tensor KV quantization has one semantics on both sides (vLLM's cache write: x / scale,
 # saturating RNE cast), implemented by vLLM in rollout and by nemo_jetrl.kvcache in training.
 _KV_SCALES = ("trainer_calibrated", "checkpoint", "dynamic", "unit")
@@ -193,14 +198,16 @@ def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
     out: list[Edge] = []
     for layer in range(n):
         for lin in arch.layer_linears(layer):
-            fp8 = _linear_is_fp8(side, recipe, layer, n, lin.aligned, lin.name)
+            fp8 = lin.fp8_capable and _linear_is_fp8(side, recipe, layer, n, lin.aligned, lin.name)
             grp = lin.group
+            impl = ROLLOUT_EXPERTS_IMPL if phase == "rollout" and grp == "experts" else None
+            impl = impl or side.quantizer
 
             def add(role: str, p: Precision, lin=lin, grp=grp) -> None:
                 out.append(Edge(lin.name, role, lin.layer, grp, lin.kind, p))
 
             if phase in ("rollout", "train_fwd"):
-                w, x = _fwd_precisions(side, side.quantizer) if fp8 else (BF16, BF16)
+                w, x = _fwd_precisions(side, impl) if fp8 else (BF16, BF16)
                 add("weight", w)
                 add("input", x)
                 continue
@@ -240,14 +247,15 @@ def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
 
 
 def bf16_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
-    """Embedding lookup and lm_head: BF16 on every side, always."""
+    """Embedding lookup, lm_head and the vision tower: BF16 on every side, always."""
     del recipe
     roles = ("weight", "input") if phase != "train_bwd" else ("dgrad.grad_output",)
-    out = [Edge("model.embed_tokens", "weight", None, "embed", "embed_tokens", BF16)]
+    out = [Edge(f"{arch.prefix}.embed_tokens", "weight", None, "embed", "embed_tokens", BF16)]
     out += [Edge("lm_head", r, None, "lm_head", "lm_head", BF16) for r in roles]
     if phase == "train_bwd":
-        out = out[1:]
-    del arch
+        return out[1:]
+    for lin in arch.nondecoder_linears():
+        out += [Edge(lin.name, r, None, lin.group, lin.kind, BF16) for r in ("weight", "input")]
     return out
 
 
@@ -276,8 +284,8 @@ def kv_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
     else:
         p = BF16
     out = []
-    for layer in range(arch.num_layers):
-        op = f"model.layers.{layer}.self_attn.attn"
+    for layer in arch.kv_layers():  # linear-attention layers keep a recurrent state, no cache
+        op = f"{arch.prefix}.layers.{layer}.self_attn.attn"
         out.append(Edge(op, "k_cache", layer, "kv", "attn", p))
         out.append(Edge(op, "v_cache", layer, "kv", "attn", p))
     return out

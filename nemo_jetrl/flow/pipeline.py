@@ -58,6 +58,10 @@ class Checked:
     """What the flow verdict cannot claim (`nemo_jetrl.flow.limits`): unmodelled precision
     keys, policy lag."""
 
+    refused: tuple[ConfigIssue, ...] = ()
+    """Errors for what no backend can run on-policy yet (`flow.support`), kept only when asked
+    (``check_config(keep_refused=True)``, so `jetrl check` prints the flow before refusing)."""
+
     @property
     def precision_on_policy(self) -> bool:
         """The flow check passes and holds on every backend (precision only)."""
@@ -94,16 +98,19 @@ def check_config(
     overrides: Sequence[str] = (),
     *,
     run: bool = False,
+    keep_refused: bool = False,
 ) -> Checked:
     """Load ``cfg`` (a YAML path, or a loaded config), validate it, check its recipe on its model
     (generic aligned layers when the model is unknown). A `ConfigError` lists every error.
-    ``run``: the config is about to train on this machine (its directories must be writable)."""
+    ``run``: the config is about to train on this machine (its directories must be writable).
+    ``keep_refused``: return the `flow.support` refusals in `Checked.refused` instead of raising
+    them (the caller must still refuse; `jetrl check` prints the flow first)."""
     from omegaconf import OmegaConf
 
     valid = load_valid_config(cfg, overrides, run=run, sections=BACKEND_SECTIONS)
     recipe, arch, note = valid.recipe, valid.arch, None
-    refused = unsupported_issues(valid.cfg, recipe)
-    if refused:
+    refused = unsupported_issues(valid.cfg, recipe, arch)
+    if refused and not keep_refused:
         raise ConfigError(refused, None if not isinstance(cfg, (str, os.PathLike)) else str(cfg))
     if arch is None:
         n = generic_layers_for(recipe)
@@ -116,7 +123,15 @@ def check_config(
     check = check_on_policy(arch, recipe)
     backends = backend_verdicts(valid.cfg, check)
     return Checked(
-        valid.cfg, recipe, arch, note, valid.issues, check, backends, verdict_limits(valid.cfg)
+        valid.cfg,
+        recipe,
+        arch,
+        note,
+        valid.issues,
+        check,
+        backends,
+        verdict_limits(valid.cfg),
+        tuple(refused),
     )
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from nemo_jetrl.arch.linear import GROUPS
 from nemo_jetrl.flow.check import FlowCheck, format_ranges
 from nemo_jetrl.flow.graph import BF16, Precision, same_numbers
+
+ORDER = ("embed", "kv", *GROUPS)
+"""Edge groups in the order `jetrl check` prints them."""
 
 
 def flow_table(check: FlowCheck) -> list[tuple[str, str, str, str, str]]:
@@ -20,9 +24,9 @@ def flow_table(check: FlowCheck) -> list[tuple[str, str, str, str, str]]:
         d["t"].append((e.role, t.precision if t else BF16))
         d["r"].append((e.role, e.precision))
         d["same"].append(t is not None and same_numbers(t.precision, e.precision))
-    cells = {k: (_cell_text(d["t"]), _cell_text(d["r"]), all(d["same"])) for k, d in per.items()}
+    cells = {k: (cell_text(d["t"]), cell_text(d["r"]), all(d["same"])) for k, d in per.items()}
     rows: list[tuple[str, str, str, str, str]] = []
-    for grp in ("embed", "attn", "kv", "mlp", "lm_head"):
+    for grp in [*ORDER, *sorted({g for _, g in cells} - set(ORDER))]:
         items = sorted(
             ((lay, v) for (lay, g), v in cells.items() if g == grp),
             key=lambda kv: -1 if kv[0] is None else kv[0],
@@ -47,12 +51,14 @@ def _row(layers: list[int], grp: str, v: tuple[str, str, bool]) -> tuple[str, st
     return (format_ranges(layers), grp, v[0], v[1], "same" if v[2] else "DIFFERS")
 
 
-def _cell_text(edges: list[tuple[str, Precision]]) -> str:
+def cell_text(edges: list[tuple[str, Precision]]) -> str:
+    """One cell: the precisions of a group's edges, compactly."""
     fp8 = [(role, p) for role, p in edges if p.is_fp8]
     if not fp8:
         return "BF16"
     if len(fp8) < len(edges):
-        return "mixed " + ", ".join(f"{r}={p.short()}" for r, p in edges)
+        # Some linears of the group FP8, others BF16 (unaligned or named BF16 ones).
+        return "mixed: " + cell_text(fp8) + " + BF16"
     p0 = fp8[0][1]
     if p0.block is None:
         return f"FP8 {p0.fmt} per-tensor {p0.scale} ({p0.impl})"

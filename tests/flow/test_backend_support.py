@@ -49,7 +49,7 @@ def test_pow2_without_hook_is_on_policy_except_v070_fp8_kv():
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("policy.model_name=Qwen/Qwen3-30B-A3B", "policy.model_name='Qwen/Qwen3-30B-A3B'"),
+        ("policy.model_name=Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B: 128 routed experts, top-8"),
         ("+policy.megatron_cfg.expert_model_parallel_size=4", "expert_model_parallel_size=4"),
     ],
 )

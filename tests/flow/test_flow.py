@@ -112,7 +112,10 @@ def test_training_backward_blocks_and_hybrid_formats():
     [("bf16", True), ("fp8_rollout", False), ("jetrl", True), ("jetrl_kv", True)],
 )
 def test_preset_verdicts(name, preset, on_policy):
-    assert check_on_policy(BUILTIN_ARCHS[name], Recipe.preset(preset)).on_policy is on_policy
+    arch = BUILTIN_ARCHS[name]
+    # MoE: the rollout's experts are vLLM's FusedMoE quantizer until our experts kernel lands.
+    expected = on_policy and not (arch.moe and preset in ("jetrl", "jetrl_kv"))
+    assert check_on_policy(arch, Recipe.preset(preset)).on_policy is expected
 
 
 def test_fp8_rollout_mismatch_says_why_and_which_keys():

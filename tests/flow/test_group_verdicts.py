@@ -1,0 +1,114 @@
+"""The flow per group for the MoE and hybrid families (`flow/groups.py`, `flow/graph.py`)."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_jetrl.arch import builtin_arch
+from nemo_jetrl.flow.check import check_on_policy
+from nemo_jetrl.flow.graph import build_flow
+from nemo_jetrl.flow.groups import group_verdicts, routing_note
+from nemo_jetrl.recipe import Recipe
+
+QWEN3_MOE = builtin_arch("Qwen/Qwen3-30B-A3B")
+MOONLIGHT = builtin_arch("moonshotai/Moonlight-16B-A3B-Instruct")
+QWEN35 = builtin_arch("Qwen/Qwen3.5-35B-A3B-Base")
+
+
+def _by_group(arch, preset):
+    return {g.group: g for g in group_verdicts(check_on_policy(arch, Recipe.preset(preset)))}
+
+
+def test_moe_groups_under_jetrl_experts_differ_router_bf16():
+    g = _by_group(QWEN3_MOE, "jetrl")
+    assert list(g) == ["embed", "kv", "attn", "router", "experts", "lm_head"]
+    assert g["attn"].same and "FP8" in g["attn"].train
+    assert g["router"].same and g["router"].train == g["router"].rollout == "BF16"
+    # vLLM's FusedMoE quantizer in the rollout vs TE's rule in training.
+    assert not g["experts"].same
+    assert "(vllm)" in g["experts"].rollout and "(te)" in g["experts"].train
+    assert g["experts"].layers == "0-47"
+
+
+def test_moe_bf16_is_same_everywhere_and_dense_first_layer_is_mlp():
+    g = _by_group(MOONLIGHT, "bf16")
+    assert all(v.same for v in g.values())
+    assert g["mlp"].layers == "0" and g["experts"].layers == "1-26"
+    assert g["shared_experts"].layers == "1-26"
+
+
+def test_hybrid_groups_kv_only_on_full_attention_and_vision_bf16():
+    flow = build_flow(QWEN35, Recipe.preset("jetrl_kv"), "rollout")
+    kv_layers = sorted({e.layer for e in flow.edges if e.group == "kv"})
+    assert kv_layers == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39]
+    conv = [e for e in flow.edges if e.kind == "conv1d"]
+    assert conv and all(not e.precision.is_fp8 for e in conv)
+    vision = [e for e in flow.edges if e.group == "vision"]
+    assert vision and all(not e.precision.is_fp8 for e in vision)
+    g = _by_group(QWEN35, "jetrl")
+    assert g["linear_attn"].same and g["vision"].same and g["vision"].layers == "-"
+    assert {"router", "experts", "shared_experts", "attn"} <= set(g)
+
+
+@pytest.mark.parametrize(("value", "word"), [(True, "REPLAYED"), (None, "NOT replayed")])
+def test_routing_note_reads_router_replay(value, word):
+    cfg = OmegaConf.create({"policy": {"router_replay": {"enabled": value}}})
+    note = routing_note(cfg, QWEN3_MOE)
+    assert word in note and "jetrl/moe/routing_mismatch" in note
+    assert routing_note(cfg, builtin_arch("Qwen/Qwen3-32B")) is None
+
+
+EX = "examples/configs/qwen3_8b_base"
+
+
+def test_check_prints_groups_then_refuses_fp8_moe_naming_what_is_missing(cli):
+    code, out = cli("check", f"{EX}/jetrl.yaml", "policy.model_name=Qwen/Qwen3-30B-A3B")
+    assert code == 2
+    table, _, error = out.partition("jetrl check: error")
+    assert "verdict per group:" in table and "NOT replayed" in table
+    assert "experts     0-47    DIFFERS" in table
+    assert (
+        "policy.model_name" in error
+        and "no FP8 experts kernel yet" in error
+        and "experts row" in error
+    )
+
+
+def test_check_bf16_moe_with_router_replay_is_on_policy(cli):
+    code, out = cli(
+        "check",
+        f"{EX}/bf16.yaml",
+        "policy.model_name=moonshotai/Moonlight-16B-A3B-Instruct",
+        "+policy.router_replay.enabled=true",
+    )
+    assert code == 0, out
+    assert "Moonlight-16B-A3B-Instruct (27 layers" in out and "heads 16/16; moe)" in out
+    assert "shared experts  1-26" in out and "dense MLP       0 " in out
+    assert "REPLAYED (policy.router_replay.enabled=true)" in out
+
+
+def test_dense_r1_distill_is_not_refused_as_moe():
+    from nemo_jetrl.flow.support import moe_evidence
+
+    cfg = OmegaConf.create({"policy": {"model_name": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"}})
+    assert moe_evidence(cfg) == []
+    cfg = OmegaConf.create({"policy": {"model_name": "deepseek-ai/DeepSeek-R1"}})
+    assert moe_evidence(cfg)
+
+
+def test_check_json_has_groups_and_routing(cli):
+    import json
+
+    code, out = cli("check", f"{EX}/bf16.yaml", "policy.model_name=Qwen/Qwen3-30B-A3B", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["family"] == "moe"
+    assert [g["group"] for g in d["groups"]] == [
+        "embed",
+        "kv",
+        "attn",
+        "router",
+        "experts",
+        "lm_head",
+    ]
+    assert d["routing"].startswith("routing (128 experts, top-8, 48 MoE layers): NOT replayed")
