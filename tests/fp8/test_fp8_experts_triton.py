@@ -52,7 +52,14 @@ def _ints(shape, g, dtype=torch.bfloat16):
 
 
 @pytest.fixture
-def triton_backend(monkeypatch):
+def exact_dots(monkeypatch):
+    """Value-table dots (exact products, fp32 sums) also on a GPU: Hopper's FP8 tensor cores
+    keep fewer accumulator bits inside a tile (`dispatch.GEMM_TOLERANCE`)."""
+    monkeypatch.setattr(triton_grouped, "native_dot", lambda fmts, capability: False)
+
+
+@pytest.fixture
+def triton_backend(monkeypatch, exact_dots):
     monkeypatch.setenv(experts.ENV_GROUPED_BACKEND, "triton")
     yield
     finite_flags._FLAGS.clear()
@@ -100,7 +107,7 @@ def test_quantizers_give_the_reference_bits(fmt, pow2, dtype):
 
 
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32_scales"])
-def test_grouped_gemms_give_the_reference_bits_in_tes_order(pow2):
+def test_grouped_gemms_give_the_reference_bits_in_tes_order(exact_dots, pow2):
     g = torch.Generator().manual_seed(2)
     offsets = _offsets(COUNTS)
     m = sum(COUNTS)
@@ -185,3 +192,59 @@ def test_triton_inference_twin_and_named_errors(triton_backend):
     bad_w[3, 200, 100] = float("nan")
     with pytest.raises(ValueError, match=r"'moe\.expert3\.weight'"):
         experts.grouped_fp8_linear(x, bad_w, offsets, config, "moe")
+
+
+def test_random_inputs_within_the_gemm_bound_of_float64(monkeypatch):
+    """Arbitrary values (tile dots rounded, native FP8 dots where the GPU has them): every
+    output within `dispatch.GEMM_TOLERANCE` of the float64 product of the FP8 operands."""
+    from nemo_jetrl.fp8.dispatch import GEMM_TOLERANCE as TOL
+
+    monkeypatch.setenv(experts.ENV_GROUPED_BACKEND, "triton")
+    g = torch.Generator().manual_seed(6)
+    config, offsets, m = CONFIGS["fp32_scales"], _offsets(COUNTS), sum(COUNTS)
+    x = torch.randn(m, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(5, 128, 256, generator=g) * 0.05).to(DEVICE)
+    dy = torch.randn(m, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+    y, dx, dw = _run(x, w, dy, offsets, config)
+    kw = {"pow2_scales": False, "eps": 0.0, "name": "moe"}
+    qx = experts_reference.quantize_rows(x, offsets, fmt=E4M3, what="input", **kw).dequantize()
+    qdy = experts_reference.quantize_rows(dy, offsets, fmt=E4M3, what="g", **kw).dequantize()
+    qw = experts_reference.quantize_experts(w, fmt=E4M3, **kw)[0].dequantize()
+    xc = experts_reference.quantize_tokens(x, offsets, fmt=E4M3, what="input", **kw)
+    dyc = experts_reference.quantize_tokens(dy, offsets, fmt=E4M3, what="g", **kw)
+    off = offsets.tolist()
+    for e in range(5):
+        r = slice(off[e], off[e + 1])
+        if r.start == r.stop:
+            assert bool((dw[e] == 0).all())
+            continue
+        a_w, b_w = dyc.expert(e, off).dequantize(), xc.expert(e, off).dequantize()
+        for got, a, b in ((y[r], qx[r], qw[e]), (dx[r], qdy[r], qw[e].t()), (dw[e], a_w, b_w)):
+            a, b = a.double(), b.double()
+            ref = a @ b.t()
+            bound = TOL["REL"] * (a.abs() @ b.abs().t()) + TOL["OUT"] * ref.abs()
+            err = (got.double() - ref).abs()
+            assert bool((err <= bound).all()), f"expert {e}: {float((err - bound).max())}"
+    assert bool(dw.abs().sum() > 0)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_forward_backward_never_syncs():
+    """CUDA's own sync detector over a forward + backward on the default (Triton) path."""
+    g = torch.Generator().manual_seed(7)
+    counts = [300, 0, 1, 500, 129, 46]
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], device="cuda")
+    x = torch.randn(sum(counts), 1024, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(6, 768, 1024, generator=g) * 0.03).cuda()
+    dy = torch.randn(sum(counts), 768, generator=g).to(torch.bfloat16).cuda()
+    config = CONFIGS["hybrid"]
+    assert experts.grouped_backend(x) == "triton"
+    _run(x, w, dy, offsets, config)  # compiles outside the detector
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        *_, dw = _run(x, w, dy, offsets, config)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    finite_flags.check_non_finite()
+    assert bool(torch.isfinite(dw).all()) and bool((dw[1] == 0).all())
