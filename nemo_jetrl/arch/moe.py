@@ -32,6 +32,7 @@ from nemo_jetrl.arch.linear import ROUTER_BF16, Linear
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """config.json keys that count routed experts (Qwen, Mixtral, DeepSeek spellings)."""
 
+_COUNT_KEY_OF = {"deepseek": "n_routed_experts", "mixtral": "num_local_experts"}
 SHARED_GATE_BF16 = "the [1, hidden] shared-expert gate: vLLM runs it unquantized"
 
 
@@ -128,7 +129,9 @@ def read_moe(keys: Keys, model_type: str, num_layers: int) -> MoeSpec | None:
     present = [k for k in EXPERT_COUNT_KEYS if keys.config.get(k) is not None]
     if not present:
         return None
-    count_key = present[0]
+    # The model type's own spelling first (a DeepSeek config may carry a stray num_experts).
+    own = _COUNT_KEY_OF.get(model_type.split("_")[0], "num_experts")
+    count_key = own if own in present else present[0]
     num = keys.int(count_key, minimum=0)
     if num == 0:
         keys.problem(
