@@ -228,7 +228,8 @@ def _check_alignment(r: _Reader, arch: Any, recipe: Recipe) -> None:
     ]
     if not blockwise:
         return
-    bad = arch.unaligned_linears()
+    # A linear that every FP8 side keeps BF16 by name (per-name lists) needs no 128 tiling.
+    bad = [x for x in arch.unaligned_linears() if any(not s.keeps_bf16(x.name) for s in blockwise)]
     if len(bad) == len(arch.distinct_linears()):
         _no_fp8_coverage(r, arch, recipe, bad)
     elif bad and not recipe.unaligned_layers_bf16:

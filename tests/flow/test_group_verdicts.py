@@ -112,3 +112,21 @@ def test_check_json_has_groups_and_routing(cli):
         "lm_head",
     ]
     assert d["routing"].startswith("routing (128 experts, top-8, 48 MoE layers): NOT replayed")
+
+
+def test_unaligned_linears_kept_bf16_by_name_on_both_sides_need_no_tiling(cli):
+    # NeMo-RL's Qwen3.5 lists: linear_attn.in_proj_a/b (32 x hidden) and the tower stay BF16.
+    words = "[linear_attn.conv1d,linear_attn.in_proj_a,linear_attn.in_proj_b,visual]"
+    base = (f"{EX}/jetrl.yaml", "policy.model_name=Qwen/Qwen3.5-9B-Base")
+    code, out = cli(
+        "check", *base, f"+policy.generation.vllm_cfg.quantization_ignored_layer_kws={words}"
+    )
+    assert code == 2 and "in_proj_b 32x4096" in out  # training would still run them FP8
+    code, out = cli(
+        "check",
+        *base,
+        f"+policy.generation.vllm_cfg.quantization_ignored_layer_kws={words}",
+        f"+jetrl.train_bf16_layer_kws={words}",
+    )
+    assert code == 0, out
+    assert "linear attention  0-2, 4-6" in out and "vision tower      -" in out
