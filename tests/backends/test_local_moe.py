@@ -25,12 +25,17 @@ from local_configs import REPO, TINY_OVERRIDES
 from nemo_jetrl.backends.local.loop import Hooks, run_local
 from nemo_jetrl.backends.local.model import build_model
 from nemo_jetrl.backends.local.moe import MoeBlock, convert_moe_blocks, moe_blocks
-from nemo_jetrl.backends.local.precision import make_rollout_model, make_trainer_model
+from nemo_jetrl.backends.local.precision import (
+    make_rollout_model,
+    make_trainer_model,
+    side_fp8_config,
+)
 from nemo_jetrl.backends.local.refit import export_weights, refit
 from nemo_jetrl.backends.local.rollout import generate
 from nemo_jetrl.backends.local.routing import ROUTING_MISMATCH, RoutingController
 from nemo_jetrl.backends.local.trainer import sequence_logprobs
-from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8InferenceLinear
+from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8InferenceLinear, fp8_bits
+from nemo_jetrl.fp8.experts import quantize_expert_weights
 from nemo_jetrl.invariant import make_batch_invariant
 from nemo_jetrl.invariant import moe as imoe
 from nemo_jetrl.recipe import Recipe
@@ -125,8 +130,6 @@ def test_experts_fp8_exactly_where_dense_linears_are_router_never():
     r = Recipe.preset("jetrl")
     side = r.train.with_(bf16_layer_kws=("down_proj",))
     model = tiny_hf_model(_moe_config("qwen3_moe"), seed=0, dtype=torch.bfloat16)
-    from nemo_jetrl.backends.local.precision import side_fp8_config
-
     handle = convert_moe_blocks(model, side, side_fp8_config(side))
     assert handle.fp8 == ["model.layers.1.mlp.experts.gate_up_proj"]
     assert "model.layers.1.mlp.experts.down_proj" in handle.kept  # as the dense down_proj
@@ -153,6 +156,23 @@ def test_experts_fp8_exactly_where_dense_linears_are_router_never():
         assert not isinstance(gate, (Fp8BlockLinear, Fp8InferenceLinear))
         assert not any(isinstance(c, (Fp8BlockLinear, Fp8InferenceLinear)) for c in gate.modules())
     assert isinstance(tm.get_submodule("model.layers.0.mlp.down_proj"), Fp8BlockLinear)
+
+
+@pytest.mark.parametrize("recipe", ["jetrl", "fp8_rollout"])
+def test_rollout_expert_bytes_are_the_trainers_quantization(recipe):
+    rm, tm, _, _ = _pair("mixtral", recipe)
+    for which in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{which}"
+        layers = rm.get_submodule(name)
+        if recipe == "fp8_rollout":  # vLLM's own quantizer, emulated: off-policy by design
+            assert {layer.quantizer for layer in layers} == {"vllm_native"}
+            continue
+        cfg = side_fp8_config(Recipe.preset(recipe).train, exact_gemm=True)
+        q = quantize_expert_weights(tm.get_parameter(name).detach(), cfg)
+        for e, layer in enumerate(layers):
+            assert layer.quantizer == "jetrl"
+            assert torch.equal(fp8_bits(layer.weight_fp8), fp8_bits(q.data[e].contiguous()))
+            assert torch.equal(layer.weight_scale_inv, q.scale_inv[e])
 
 
 @pytest.mark.parametrize(("kind", "recipe"), [("qwen3_moe", "jetrl"), ("mixtral", "jetrl")])

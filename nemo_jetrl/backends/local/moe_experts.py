@@ -6,8 +6,9 @@ and ``experts.down_proj`` ``[E, H, I]``. `Experts` computes them on rows already
 three ways, chosen per projection by the side's FP8 rules (the dense linears' filters):
 
 - BF16: the shared 3-D parameter, one torch GEMM per expert;
-- FP8 training: the shared 3-D parameter through the grouped FP8 linear (per expert the dense
-  path's `Fp8BlockLinearFunction`: 1x128 activations, 128x128 weights, TE-order GEMM);
+- FP8 training: the shared 3-D parameter through `nemo_jetrl.fp8.experts.grouped_fp8_linear`
+  (per expert bit-exact to the dense path's `Fp8BlockLinearFunction`: 1x128 activations,
+  128x128 weights, TE-order GEMM; WGrad blocks per expert);
 - FP8 rollout: one `Fp8InferenceLinear` per expert (``gate_up_proj.<e>``), whose weight the refit
   quantizes once with the trainer's config (``jetrl``) or vLLM's emulated quantizer
   (``vllm_native``, the off-policy ``fp8_rollout``): the dense rollout layer, its load checks
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from nemo_jetrl.fp8 import Fp8InferenceLinear, Fp8LinearConfig
-from nemo_jetrl.fp8.linear import Fp8BlockLinearFunction
+from nemo_jetrl.fp8.experts import grouped_fp8_linear
 from nemo_jetrl.invariant import ops
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -38,18 +39,6 @@ def expert_rows(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
     """``(e, start, stop)`` of each expert with rows (CPU: the host read is free)."""
     bounds = offsets.tolist()
     return [(e, s, t) for e, (s, t) in enumerate(itertools.pairwise(bounds)) if t > s]
-
-
-def grouped_fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, config: Fp8LinearConfig, name: str
-) -> torch.Tensor:
-    """TEMPORARY per-expert stand-in for ``nemo_jetrl.fp8.experts.grouped_fp8_linear`` (same
-    signature): ``x[M, K]`` sorted by expert, ``weight[E, N, K]`` -> ``[M, N]``."""
-    outs = [
-        Fp8BlockLinearFunction.apply(x[s:t], weight[e], None, config, f"{name}.{e}")
-        for e, s, t in expert_rows(offsets)
-    ]
-    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
 
 
 def _bf16_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
