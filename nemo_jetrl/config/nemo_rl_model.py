@@ -140,6 +140,12 @@ class MegatronCfg(NemoSection):
     optimizer: section(MegatronOptimizer) = None  # type: ignore[valid-type]
 
 
+class RouterReplay(NemoSection):
+    """``policy.router_replay`` (MoE routing replay, R3)."""
+
+    enabled: flag(null=True) = None  # type: ignore[valid-type]
+
+
 class Policy(NemoSection):
     """``policy``."""
 
@@ -148,6 +154,7 @@ class Policy(NemoSection):
     optimizer: section(Optimizer) = None  # type: ignore[valid-type]
     generation: section(Generation) = None  # type: ignore[valid-type]
     megatron_cfg: section(MegatronCfg) = None  # type: ignore[valid-type]
+    router_replay: section(RouterReplay) = None  # type: ignore[valid-type]
 
 
 class Grpo(NemoSection):

@@ -178,6 +178,25 @@ def parse(model: type[M], data: Any, prefix: str = "") -> tuple[M | None, list[C
         return None, [_issue(model, e, prefix) for e in exc.errors()]
 
 
+def parse_rest(model: type[M], data: Any, prefix: str = "") -> tuple[M | None, list[ConfigIssue]]:
+    """`parse`, and when some keys fail, the model of the other keys (for the checks that read
+    them, so that every problem is reported at once); None when ``data`` is no mapping."""
+    parsed, issues = parse(model, data, prefix)
+    if parsed is not None or not issues or not isinstance(data, Mapping):
+        return parsed, issues
+    bad = {str(e["loc"][0]) for e in _errors(model, data) if e["loc"]}
+    rest, _ = parse(model, {k: v for k, v in data.items() if str(k) not in bad}, prefix)
+    return rest, issues
+
+
+def _errors(model: type[BaseModel], data: Any) -> list[Any]:
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        return list(exc.errors())
+    return []
+
+
 def plain(node: Any) -> Any:
     """A config as plain Python with interpolations resolved; a key that cannot be resolved is
     left out (`nemo_jetrl.config.load.unresolvable` names it)."""

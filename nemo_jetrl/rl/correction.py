@@ -178,19 +178,14 @@ def loss_fn_issues(cfg: Mapping[str, Any], *, path: str = "loss_fn") -> list[Los
     `nemo_jetrl.config.validate` call it). Keys NeMo-RL has and we do not read pass.
     """
     from nemo_jetrl.config.nemo_rl_model import LossFn  # each key's type: the typed schema
-    from nemo_jetrl.config.typed import parse, plain
+    from nemo_jetrl.config.typed import parse_rest, plain
 
     data = plain(cfg)
-    model, found = parse(LossFn, data, path)
+    model, found = parse_rest(LossFn, data, path)
     out = [LossFnIssue(i.path, i.message, i.allowed) for i in found]
-    if model is None and isinstance(data, Mapping):
-        # The rules across the IS keys still run when only other keys are mistyped.
-        k = f"{path}." if path else ""
-        bad = {i.path.removeprefix(k).split(".")[0] for i in found}
-        if not bad & set(LOSS_FN_KEYS):
-            model, _ = parse(LossFn, {n: v for n, v in data.items() if n not in bad}, path)
-    if model is None:
-        return out
+    k = f"{path}." if path else ""
+    if model is None or {i.path.removeprefix(k) for i in found} & set(LOSS_FN_KEYS):
+        return out  # the IS rules run on well-typed IS keys only
 
     def flag(key: str, default: bool) -> bool:
         v = getattr(model, key)

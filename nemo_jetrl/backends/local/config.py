@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig, OmegaConf
+from pydantic import Field
 
 from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON, SUPPORTED_TYPES
 from nemo_jetrl.backends.local.moe_config import moe_run_issues
@@ -27,6 +27,18 @@ from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.config.run_keys import path_problem, read_run_keys
 from nemo_jetrl.config.sections import BackendSection
+from nemo_jetrl.config.typed import (
+    OurSection,
+    choice,
+    count,
+    flag,
+    number,
+    parse_rest,
+    plain,
+    rule,
+    section,
+    text,
+)
 
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -113,128 +125,76 @@ class LocalSettings:
 def _as_dict(section: Any) -> dict[str, Any] | None:
     if section is None:
         return {}
-    if isinstance(section, DictConfig):
-        return _resolved(section)
-    if isinstance(section, Mapping):
-        return dict(section)
-    return None
+    section = plain(section)  # a key that cannot be resolved is the validator's to name
+    return dict(section) if isinstance(section, Mapping) else None
 
 
-def _resolved(node: DictConfig) -> dict[str, Any]:
-    """The mapping with its interpolations resolved; a key that cannot be resolved is left out
-    (the config validator's interpolation check names it)."""
-    out: dict[str, Any] = {}
-    for key in node:
-        try:
-            val = node[key]
-        except OmegaConfBaseException:
-            continue
-        if isinstance(val, DictConfig):
-            out[str(key)] = _resolved(val)
-        elif isinstance(val, ListConfig):
-            try:
-                out[str(key)] = OmegaConf.to_container(val, resolve=True)
-            except OmegaConfBaseException:
-                continue
-        else:
-            out[str(key)] = val
-    return out
-
-
-def _check_type(value: Any, kinds: tuple[type, ...]) -> bool:
-    if bool in kinds:
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, kinds)
-
-
-_NUM = (int, float)
 # 1e9 made libgomp run out of memory. The bound does not depend on this machine (a config valid
 # on one machine is valid on all); more threads than CPUs only contends, which setup warns about.
 _MAX_THREADS = 1024
+_UNIT = number("a number in [0, 1]", Field(ge=0, le=1))
 
 
-def _read_dataclass(
-    cls: type,
-    raw: Mapping[str, Any],
-    path: str,
-    issues: list[ConfigIssue],
-    rules: Mapping[str, Any],
-) -> dict[str, Any]:
-    """Typed kwargs for ``cls`` from ``raw``; unknown keys and wrong types become issues."""
-    names = {f.name for f in fields(cls)}
-    kw: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in names:
-            issues.append(ConfigIssue(f"{path}.{key}", "unknown key", tuple(sorted(names))))
-            continue
-        kinds, check, what = rules.get(key, ((object,), None, ""))
-        if value is None and type(None) in kinds:
-            kw[key] = None
-            continue
-        if not _check_type(value, tuple(k for k in kinds if k is not type(None))) or (
-            check is not None and not check(value)
-        ):
-            issues.append(ConfigIssue(f"{path}.{key}", f"got {value!r}; expected {what}"))
-            continue
-        kw[key] = float(value) if float in kinds and int in kinds and key != "val_size" else value
-    return kw
+class _TaskKeys(OurSection):
+    """``jetrl.local.task`` (defaults: `TaskConfig`'s)."""
+
+    num_ops: count(1, 32) = None  # type: ignore[valid-type]
+    ops: rule(str, "a non-empty string of + - *", ok=lambda v: bool(v) and set(v) <= set("+-*")) = (
+        None  # type: ignore[valid-type]
+    )
+    show_steps: flag() = None  # type: ignore[valid-type]
+    format_reward: _UNIT = None  # type: ignore[valid-type]
+    val_size: count(1) = None  # type: ignore[valid-type]
 
 
-def _pos_int(v: Any) -> bool:
-    return v >= 1
+class _WarmStartKeys(OurSection):
+    """``jetrl.local.warmstart`` (defaults: `WarmStartSettings`'s)."""
+
+    enabled: flag() = None  # type: ignore[valid-type]
+    steps: count(0, 10**7) = None  # type: ignore[valid-type]
+    batch_size: count(1, 1 << 16) = None  # type: ignore[valid-type]
+    lr: number("a number in (0, 1)", Field(gt=0, lt=1)) = None  # type: ignore[valid-type]
+    early_answer_frac: _UNIT = None  # type: ignore[valid-type]
+    seed: count(0, null=True) = None  # type: ignore[valid-type]
 
 
-_TASK_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
-    "num_ops": ((int,), lambda v: 1 <= v <= 32, "an integer in [1, 32]"),
-    "ops": ((str,), lambda v: bool(v) and set(v) <= set("+-*"), "a non-empty string of + - *"),
-    "show_steps": ((bool,), None, "true or false"),
-    "format_reward": (_NUM, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "val_size": ((int,), _pos_int, "an integer >= 1"),
-}
-_WS_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
-    "enabled": ((bool,), None, "true or false"),
-    "steps": ((int,), lambda v: 0 <= v <= 10**7, "an integer in [0, 10000000]"),
-    "batch_size": ((int,), lambda v: 1 <= v <= 1 << 16, "an integer in [1, 65536]"),
-    "lr": (_NUM, lambda v: 0 < v < 1, "a number in (0, 1)"),
-    "early_answer_frac": (_NUM, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "seed": ((int, type(None)), lambda v: v >= 0, "an integer >= 0, or null"),
-}
-_LOCAL_RULES: dict[str, tuple[tuple[type, ...], Callable[[Any], bool] | None, str]] = {
-    "model_config": ((str, type(None)), None, "a path to a config.json, or null"),
-    "tokenizer": ((str, type(None)), None, "a path to a tokenizers JSON file, or null"),
-    "dtype": ((str,), lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
-    "num_threads": (
-        (int, type(None)),
-        lambda v: 1 <= v <= _MAX_THREADS,
-        f"an integer in [1, {_MAX_THREADS}], or null",
-    ),
-    "cache_dir": ((str, type(None)), None, "a directory path, or null"),
-    "task": ((Mapping,), None, "a mapping"),
-    "warmstart": ((Mapping,), None, "a mapping"),
-    "val_greedy": ((bool,), None, "true or false"),
-    "batch_invariant": ((bool,), None, "true or false"),
-    "rollout_engine": (
-        (str,),
-        lambda v: v in ROLLOUT_ENGINES,
-        f"one of {', '.join(ROLLOUT_ENGINES)}",
-    ),
-}
+class _LocalKeys(OurSection):
+    """``jetrl.local`` (defaults: `LocalSettings`'s)."""
+
+    model_json: text("a path to a config.json, or null", null=True) = Field(
+        None, alias="model_config"
+    )  # type: ignore[valid-type]
+    tokenizer: text("a path to a tokenizers JSON file, or null", null=True) = None  # type: ignore[valid-type]
+    dtype: choice(*DTYPES) = None  # type: ignore[valid-type]
+    num_threads: count(1, _MAX_THREADS, null=True) = None  # type: ignore[valid-type]
+    cache_dir: text("a directory path, or null", null=True) = None  # type: ignore[valid-type]
+    task: section(_TaskKeys) = None  # type: ignore[valid-type]
+    warmstart: section(_WarmStartKeys) = None  # type: ignore[valid-type]
+    val_greedy: flag() = None  # type: ignore[valid-type]
+    batch_invariant: flag() = None  # type: ignore[valid-type]
+    rollout_engine: choice(*ROLLOUT_ENGINES) = None  # type: ignore[valid-type]
+
+
+def _given(model: Any) -> dict[str, Any]:
+    """The keys a section sets (by field name), so that every default stays the dataclass's."""
+    return {name: getattr(model, name) for name in model.model_fields_set}
 
 
 def _read_local(section: Any, path: str, issues: list[ConfigIssue]) -> LocalSettings | None:
     raw = _as_dict(section)
     if raw is None:
-        issues.append(ConfigIssue(path, f"must be a mapping, got {type(section).__name__}"))
+        got = f"got {section!r}; expected a mapping (a section of keys)"
+        issues.append(ConfigIssue(path, got))
         return None
-    kw = _read_dataclass(LocalSettings, raw, path, issues, _LOCAL_RULES)
-    task_kw = _read_dataclass(
-        TaskConfig, kw.pop("task", {}) or {}, f"{path}.task", issues, _TASK_RULES
-    )
-    ws_kw = _read_dataclass(
-        WarmStartSettings, kw.pop("warmstart", {}) or {}, f"{path}.warmstart", issues, _WS_RULES
-    )
+    keys, found = parse_rest(_LocalKeys, raw, path)
+    issues.extend(found)
+    if keys is None:
+        return None
+    kw = _given(keys)
+    task_kw = _given(kw.pop("task", None) or _TaskKeys())
+    ws_kw = _given(kw.pop("warmstart", None) or _WarmStartKeys())
+    if "model_json" in kw:
+        kw["model_config"] = kw.pop("model_json")
     for key in ("model_config", "tokenizer"):
         problem = _json_file_problem(kw.get(key), key == "model_config")
         if problem:
@@ -243,8 +203,6 @@ def _read_local(section: Any, path: str, issues: list[ConfigIssue]) -> LocalSett
     cache = path_problem(kw["cache_dir"]) if kw.get("cache_dir") else None
     if cache is not None and cache[1]:  # under a regular file: the warm start cannot be cached
         issues.append(ConfigIssue(f"{path}.cache_dir", f"{cache[0]}; choose a directory"))
-    if "num_ops" in task_kw:
-        task_kw["num_ops"] = int(task_kw["num_ops"])
     return LocalSettings(**kw, task=TaskConfig(**task_kw), warmstart=WarmStartSettings(**ws_kw))
 
 

@@ -3,7 +3,7 @@
 Read from the YAML (NeMo-RL's key ``policy.router_replay.enabled``, ``jetrl.local.*``) and the
 model's config.json (``jetrl.local.model_config``). Refused, each naming the key to change:
 
-- ``policy.router_replay.enabled`` that is not true/false, or true for a dense model;
+- ``policy.router_replay.enabled`` true for a dense model (not true/false: the typed schema);
 - an MoE model with ``jetrl.local.rollout_engine: vllm`` (the vLLM rollout runs dense models);
 - an MoE config.json with ``num_experts_per_tok`` outside [1, experts], Mixtral's
   ``router_jitter_noise`` above 0 (random routing in training forwards), or an activation other
@@ -50,9 +50,7 @@ def _model_json(cfg: DictConfig) -> tuple[str, dict[str, Any] | None]:
 def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
     """Every MoE-related problem of a local run's config (see the module docstring)."""
     issues: list[ConfigIssue] = []
-    replay = _select(cfg, ROUTER_REPLAY_KEY)
-    if replay is not None and not isinstance(replay, bool):
-        issues.append(ConfigIssue(ROUTER_REPLAY_KEY, f"got {replay!r}; expected true or false"))
+    replay = _select(cfg, ROUTER_REPLAY_KEY)  # its type: config.nemo_rl_model.RouterReplay
     path, model = _model_json(cfg)
     if model is None:
         return issues
