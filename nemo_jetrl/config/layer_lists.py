@@ -50,9 +50,9 @@ def check_layer_lists(r: Any, recipe: Any, arch: Any) -> None:
         if unmatched:
             r.error(
                 key,
-                f"{unmatched} match no decoder linear of {arch.name} (names like "
-                f"{linears[0].name}); the precision flow covers decoder q/k/v/o and MLP linears "
-                "only, so layers these words name cannot be checked",
+                f"{unmatched} match no decoder linear of {arch.name} nor its vision tower "
+                f"(names like {linears[0].name}); the precision flow has no layer these words "
+                "name, so it cannot check them",
             )
         split = _split_group(side, arch)
         if split:

@@ -130,3 +130,15 @@ def test_unaligned_linears_kept_bf16_by_name_on_both_sides_need_no_tiling(cli):
     )
     assert code == 0, out
     assert "linear attention  0-2, 4-6" in out and "vision tower      -" in out
+
+
+def test_moonlight_a_proj_b_proj_words_match_its_mla_linears():
+    from nemo_jetrl.recipe_parts import SideRecipe
+
+    side = SideRecipe(bf16_layer_kws=("a_proj", "b_proj"))
+    kept = {x.kind for x in MOONLIGHT.linears() if side.keeps_bf16(x.name)}
+    assert kept == {"kv_a_proj_with_mqa", "kv_b_proj"}  # Moonlight has no q LoRA
+    kept = {
+        x.kind for x in builtin_arch("deepseek-ai/DeepSeek-V3").linears() if side.keeps_bf16(x.name)
+    }
+    assert kept == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
