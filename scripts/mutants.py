@@ -24,6 +24,10 @@ T_WEIGHTS = (
     T_RL + "test_reference.py",
 )
 T_FP8 = ("tests/fp8/test_fp8_golden.py",)
+T_EXPERTS = ("tests/fp8/test_fp8_experts.py",)
+T_EXPERTS_TRITON = (
+    "tests/fp8/test_fp8_experts_triton.py::test_grouped_gemms_give_the_reference_bits_in_tes_order",
+)
 T_KV = ("tests/kvcache/test_kvcache_calibration.py",)
 T_KVQ = ("tests/kvcache/test_kvcache_quant.py",)
 T_FLOW = ("tests/flow/test_flow.py",)
@@ -189,6 +193,28 @@ MUTANTS = [
         "x2 = F.pad(x2, (0, kb * bk - k, 0, mb * bm - m))",
         "x2 = F.pad(x2, (0, kb * bk - k, 0, mb * bm - m), value=1.0)",
         T_FP8,
+    ),
+    # ---- fp8/: grouped expert linear (MoE)
+    Mutant(
+        "grouped WGrad quantizes dy in the forward format (hybrid loses E5M2)",
+        "nemo_jetrl/fp8/experts.py",
+        'qdyc = _quantize_tokens(ops, dy2, offsets, gfmt, config, name, "grad_output")',
+        'qdyc = _quantize_tokens(ops, dy2, offsets, config.forward_format, config, name, "grad_output")',
+        T_EXPERTS,
+    ),
+    Mutant(
+        "grouped reference: token blocks of every expert written to the same columns",
+        "nemo_jetrl/fp8/experts_reference.py",
+        "        b0 += nb\n",
+        "        b0 += 0\n",
+        T_EXPERTS,
+    ),
+    Mutant(
+        "grouped Triton WGrad reads scales from column t, not the expert's block_offsets + t",
+        "nemo_jetrl/fp8/_triton_grouped_jit.py",
+        "sa = tl.load(sa_ptr + rm * ssam + (b0 + t) * ssat, mask=rm < N, other=0.0)",
+        "sa = tl.load(sa_ptr + rm * ssam + t * ssat, mask=rm < N, other=0.0)",
+        T_EXPERTS_TRITON,
     ),
     # ---- kvcache/: calibration and the KV quantizer
     Mutant(
