@@ -22,7 +22,16 @@ from nemo_jetrl.config import schema as S
 
 ROLLOUT_KEY = S.VLLM_IGNORED_KWS
 TRAIN_KEY = "jetrl.train_bf16_layer_kws"
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Linears vLLM loads as one GEMM (its packed_modules_mapping / fused modules): a per-name list
+# keeps all of a group BF16 or none. DeepSeek MLA: fused_qkv_a_proj; Qwen3.5 linear attention:
+# in_proj_qkvz and in_proj_ba.
+FUSED_GROUPS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("in_proj_qkv", "in_proj_z"),
+    ("in_proj_b", "in_proj_a"),
+)
 
 
 def read_kws(r: Any, key: str) -> tuple[str, ...]:

@@ -142,3 +142,16 @@ def test_moonlight_a_proj_b_proj_words_match_its_mla_linears():
         x.kind for x in builtin_arch("deepseek-ai/DeepSeek-V3").linears() if side.keeps_bf16(x.name)
     }
     assert kept == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+
+
+@pytest.mark.parametrize(
+    ("model", "words", "split"),
+    [
+        ("Qwen/Qwen3.5-9B-Base", "[linear_attn.in_proj_a]", "['in_proj_a'] of layer 0"),
+        ("deepseek-ai/DeepSeek-V3", "[kv_a_proj_with_mqa]", "['kv_a_proj_with_mqa'] of layer 0"),
+    ],
+)
+def test_half_of_a_vllm_fused_group_kept_bf16_is_refused(cli, model, words, split):
+    key = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
+    code, out = cli("check", f"{EX}/bf16.yaml", f"policy.model_name={model}", f"+{key}={words}")
+    assert code == 2 and key in out and split in out and "one fused GEMM" in out
