@@ -46,6 +46,7 @@ _EXPORTS = {
     "grad_format": "formats",
     "grouped_fp8_linear": "experts",
     "grouped_fp8_linear_inference": "experts",
+    "load_expert_weights": "experts",
     "quantize_blockwise": "dispatch",
     "quantize_expert_weights": "experts",
 }
@@ -86,6 +87,7 @@ __all__ = [
     "grad_format",
     "grouped_fp8_linear",
     "grouped_fp8_linear_inference",
+    "load_expert_weights",
     "quantize_blockwise",
     "quantize_expert_weights",
 ]

@@ -71,6 +71,7 @@ from nemo_jetrl.fp8.grouped_tensors import (
 )
 from nemo_jetrl.fp8.linear import check_fp8_dims
 from nemo_jetrl.fp8.spec import BLOCK, WEIGHT_BLOCK
+from nemo_jetrl.fp8.staging import quantized_weight_problem
 
 ENV_GROUPED_BACKEND = "JETRL_FP8_GROUPED_BACKEND"
 GROUPED_BACKENDS = ("auto", "triton", "torch")
@@ -259,6 +260,40 @@ def quantize_expert_weights(
     return GroupedQuantizedWeights(q.data.reshape(n_exp, n, k), scale, fmt.name, pow2)
 
 
+def load_expert_weights(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    config: Fp8LinearConfig,
+    name: str = "experts",
+    dtype: torch.dtype = torch.bfloat16,
+) -> GroupedQuantizedWeights:
+    """Trainer-quantized expert weights (``data [E, N, K]`` FP8 or its uint8 bits, ``scale_inv
+    [E, N/128, K/128]``) checked for a rollout engine, without requantizing: what
+    `staging.quantized_weight_problem` refuses for a dense weight (NaN/inf bytes, scales not
+    finite and > 0, blocks overflowing ``dtype``) is refused naming ``{name}.expert{e}.weight``."""
+    if data.dim() != 3:
+        raise ValueError(f"{name}: expert weights must be [E, N, K], got {tuple(data.shape)}")
+    n_exp, n, k = data.shape
+    check_fp8_dims(k, n, name)
+    want = config.forward_format.dtype
+    data = data.view(want) if data.dtype == torch.uint8 else data
+    if data.dtype != want:
+        raise TypeError(f"{name}: data must be {want} (or uint8 bits), got {data.dtype}")
+    if tuple(scale_inv.shape) != (n_exp, n // BLOCK, k // BLOCK):
+        raise ValueError(
+            f"{name}: scale_inv shape {tuple(scale_inv.shape)} != "
+            f"{(n_exp, n // BLOCK, k // BLOCK)} ([E, N/128, K/128])"
+        )
+    scale = scale_inv.float()
+    flat = (data.reshape(n_exp * n, k), scale.reshape(n_exp * n // BLOCK, k // BLOCK))
+    if quantized_weight_problem(*flat, dtype) is not None:  # one check; the loop only names
+        for e in range(n_exp):
+            problem = quantized_weight_problem(data[e], scale[e], dtype)
+            if problem:
+                raise ValueError(f"{name}.expert{e}.weight: {problem}; nothing was loaded")
+    return GroupedQuantizedWeights(data, scale, config.forward_format.name, config.pow2_scales)
+
+
 def grouped_fp8_linear_inference(
     x: torch.Tensor,
     qweights: GroupedQuantizedWeights,
@@ -290,5 +325,6 @@ __all__ = [
     "grouped_backend",
     "grouped_fp8_linear",
     "grouped_fp8_linear_inference",
+    "load_expert_weights",
     "quantize_expert_weights",
 ]

@@ -16,6 +16,7 @@ from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.experts import (
     grouped_fp8_linear,
     grouped_fp8_linear_inference,
+    load_expert_weights,
     quantize_expert_weights,
 )
 from nemo_jetrl.fp8.linear import Fp8BlockLinearFunction, Fp8InferenceLinear
@@ -202,3 +203,30 @@ def test_offsets_that_do_not_cover_the_batch_are_refused():
         grouped_fp8_linear(x, w, torch.tensor([0, 3, 7], dtype=torch.int32), config, "moe")
     with pytest.raises(ValueError, match="multiples of 128"):
         grouped_fp8_linear(x[:, :100], w[:, :, :100], _offsets([3, 4]), config, "moe")
+
+
+def test_trainer_bytes_load_unchanged_and_bad_ones_are_refused_naming_the_expert():
+    config = Fp8LinearConfig.te_blockwise()
+    x, w, _ = _data(COUNTS, seed=11)
+    offsets = _offsets(COUNTS)
+    qw = quantize_expert_weights(w, config, "moe")
+    loaded = load_expert_weights(fp8_bits(qw.data), qw.scale_inv, config, "moe")  # uint8 bits
+    assert loaded.data.dtype == torch.float8_e4m3fn and torch.equal(
+        _bits(loaded.data), _bits(qw.data)
+    )
+    got = grouped_fp8_linear_inference(x, loaded, offsets, config, "moe")
+    assert torch.equal(
+        _bits(got), _bits(grouped_fp8_linear_inference(x, qw, offsets, config, "moe"))
+    )
+    nan_byte = fp8_bits(qw.data).clone()
+    nan_byte[2, 17, 5] = 0x7F  # E4M3FN NaN
+    with pytest.raises(ValueError, match=r"moe\.expert2\.weight: 1 FP8 byte"):
+        load_expert_weights(nan_byte, qw.scale_inv, config, "moe")
+    bad_scale = qw.scale_inv.clone()
+    bad_scale[4, 1, 0] = 0.0
+    with pytest.raises(ValueError, match=r"moe\.expert4\.weight: scale_inv"):
+        load_expert_weights(qw.data, bad_scale, config, "moe")
+    with pytest.raises(ValueError, match=r"\[E, N/128, K/128\]"):
+        load_expert_weights(qw.data, qw.scale_inv[:, :1], config, "moe")
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        load_expert_weights(qw.data.view(torch.int8), qw.scale_inv, config, "moe")
