@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    from nemo_jetrl.commands._align_moe import load_source, moe_align_updates
     from nemo_jetrl.commands._output import make_output_dir
     from nemo_jetrl.commands.check import load_and_check, report
     from nemo_jetrl.config import (
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.mxfp8 import align_notes
-    from nemo_jetrl.recipe import Recipe
+    from nemo_jetrl.recipe import Recipe, matching_preset
 
     out = Path(args.output)
     if out.exists() and not args.force:
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     )  # before any work: where the file goes must be writable
     if out.resolve() == Path(args.config).resolve():
         raise UserError("the output must not be the input file")
-    before = load_and_check(args.config, list(args.overrides))
+    before = load_source(args.config, list(args.overrides))  # cfg + recipe; checked below
     if args.recipe:
         target = Recipe.preset(args.recipe)
     else:
@@ -76,8 +77,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"cannot align {args.config}: {exc}") from None
     # The user's per-name BF16 linears stay BF16, now on both sides.
     target = target.with_bf16_layer_kws(before.recipe.bf16_layer_kws())
+    if before.recipe.unaligned_layers_bf16 and not target.unaligned_layers_bf16:  # so do these
+        target = target.with_(unaligned_layers_bf16=True)
+        target = target.with_(name=matching_preset(target) or "custom")
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
+    moe_updates, moe_notes = moe_align_updates(before.cfg)  # MoE: routing replay, dropless
+    updates.update(moe_updates)
     cfg = merge_updates(before.cfg, updates)
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"
     header = (
@@ -101,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         print("what changes (MXFP8 rollout, off-policy by construction):", file=sys.stdout)
         for line in notes:
             print(f"  - {line}", file=sys.stdout)
+    for line in moe_notes:
+        print(f"note: {line}", file=sys.stdout)
     print(file=sys.stdout)
     after = load_and_check(str(out), [])
     return report(after, str(out), sys.stdout)

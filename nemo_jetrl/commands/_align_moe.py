@@ -1,0 +1,87 @@
+"""What `jetrl align` writes for a mixture-of-experts model (issue 28), beyond the recipe's keys.
+
+Exact FP8 experts are not enough for an on-policy MoE step: a BF16 router computed by two
+different GEMMs can pick other experts for a token. NeMo-RL (v0.7.0 and main) has routing replay
+(R3): ``policy.router_replay.enabled`` makes vLLM return each token's experts
+(``configure_vllm_for_router_replay``: ``vllm_kwargs.enable_return_routed_experts``, set by
+``grpo.setup``) and the Megatron worker route with them. ``validate_router_replay_config``
+(``nemo_rl/models/megatron/router_replay.py``) requires vLLM generation, the Megatron policy and
+no virtual pipeline parallelism; async GRPO with replay also needs ``data_plane.enabled=false``
+(``async_grpo_train``). Without the Megatron policy there is no replay: said, not written.
+
+The Megatron side routes every token (vLLM never drops one): NeMo-RL passes no capacity keys to
+Megatron (``_apply_moe_config``), so its routing is dropless unless a config sets
+``moe_expert_capacity_factor`` / ``moe_pad_expert_input_to_capacity`` for our mapping
+(``nemo_jetrl.megatron.moe``); align clears them. The router's softmax/top-k run in
+``moe_router_dtype``: fp32 unless the config already asks for fp32 or fp64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_jetrl.config import schema as S
+from nemo_jetrl.flow.support import moe_evidence
+
+ROUTER_REPLAY = "policy.router_replay.enabled"
+ROUTER_DTYPE = "policy.megatron_cfg.moe_router_dtype"
+ROUTER_DTYPES = ("fp32", "fp64")
+VPP = "policy.megatron_cfg.virtual_pipeline_model_parallel_size"
+CAPACITY = "policy.megatron_cfg.moe_expert_capacity_factor"
+PAD_TO_CAPACITY = "policy.megatron_cfg.moe_pad_expert_input_to_capacity"
+GENERATION_BACKEND = "policy.generation.backend"
+ASYNC_GRPO = "grpo.async_grpo.enabled"
+DATA_PLANE = "data_plane.enabled"
+
+
+def _get(cfg: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(cfg, key, default=None)
+    except Exception:  # an unresolvable value is validation's to report
+        return None
+
+
+def moe_align_updates(cfg: Any) -> tuple[dict[str, Any], list[str]]:
+    """(flat dotted keys to write, notes to print) for an MoE config; ({}, []) for a dense one."""
+    if not moe_evidence(cfg):
+        return {}, []
+    out: dict[str, Any] = {}
+    notes: list[str] = []
+    megatron = _get(cfg, S.MEGATRON_ENABLED) is True
+    if megatron and _get(cfg, GENERATION_BACKEND) == "vllm":
+        if _get(cfg, ROUTER_REPLAY) is not True:
+            out[ROUTER_REPLAY] = True
+        if _get(cfg, VPP) not in (None, 1):
+            out[VPP] = None  # NeMo-RL's router replay refuses virtual pipeline parallelism
+        if _get(cfg, ASYNC_GRPO) is True and _get(cfg, DATA_PLANE) is True:
+            out[DATA_PLANE] = False
+    else:
+        notes.append(
+            f"routing is not replayed: NeMo-RL's {ROUTER_REPLAY} needs the Megatron policy "
+            f"({S.MEGATRON_ENABLED}: true) and vLLM generation; the rollout's and the "
+            "trainer's routers may pick different experts for a token"
+        )
+    if megatron:
+        if _get(cfg, ROUTER_DTYPE) not in ROUTER_DTYPES:
+            out[ROUTER_DTYPE] = "fp32"
+        if _get(cfg, CAPACITY) is not None:
+            out[CAPACITY] = None  # dropless: every routed token reaches its experts
+        if _get(cfg, PAD_TO_CAPACITY) is True:
+            out[PAD_TO_CAPACITY] = False
+    return out, notes
+
+
+def load_source(path: str, overrides: list[str]) -> Any:
+    """The config align starts from, validated (UserError listing every problem), without the
+    check's refusal of what no backend runs on-policy yet: align writes the file, and the check
+    of what it wrote says whether it runs."""
+    from nemo_jetrl.config import ConfigError, load_valid_config
+    from nemo_jetrl.errors import UserError
+    from nemo_jetrl.flow.pipeline import BACKEND_SECTIONS
+
+    try:
+        return load_valid_config(path, overrides, sections=BACKEND_SECTIONS)
+    except ConfigError as exc:
+        raise UserError(f"invalid config\n{exc}") from None
