@@ -270,3 +270,44 @@ def test_builtin_arch_matches_a_real_transformers_model(name):
         model = _build(arch.to_hf_config(), "meta")
         total = sum(p.numel() for p in model.parameters())
         assert total == arch.num_params() == PUBLIC_PARAMS[name]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        _tiny_qwen3_moe(),
+        {
+            "model_type": "mixtral",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "num_local_experts": 3,
+            "num_experts_per_tok": 1,
+            "vocab_size": 64,
+        },
+        _tiny_deepseek(),
+    ],
+    ids=lambda c: c["model_type"],
+)
+def test_per_expert_linears_are_the_saved_checkpoints_names(cfg, tmp_path):
+    """transformers 5 saves fused experts back in the hub's per-expert layout: those tensors
+    are exactly `per_expert_linears` of arch's fused ones (names and shapes)."""
+    from safetensors import safe_open
+
+    from nemo_jetrl.arch.moe import per_expert_linears
+
+    arch = ModelArch.from_hf_config(cfg)
+    _build(cfg).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = f.keys()  # safe_open is not iterable
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in keys if ".experts." in k}
+    mixtral = cfg["model_type"] == "mixtral"
+    ours = {
+        f"{x.name}.weight": x.weight_shape
+        for lin in arch.linears()
+        if lin.experts
+        for x in per_expert_linears(lin, mixtral=mixtral)
+    }
+    assert saved and saved == ours
