@@ -184,6 +184,8 @@ class GroupedFp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, offsets, config: Fp8LinearConfig, name: str):  # type: ignore[override]
+        if weight.dim() != 3:
+            raise ValueError(f"{name}: weight must be [E, N, K], got {tuple(weight.shape)}")
         n_exp, n, k = weight.shape
         _check_inputs(x, n, k, n_exp, offsets, name)
         ops = _ops(x)

@@ -230,3 +230,18 @@ def test_trainer_bytes_load_unchanged_and_bad_ones_are_refused_naming_the_expert
         load_expert_weights(qw.data, qw.scale_inv[:, :1], config, "moe")
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         load_expert_weights(qw.data.view(torch.int8), qw.scale_inv, config, "moe")
+
+
+def test_exact_gemm_rows_do_not_depend_on_the_rest_of_the_batch():
+    """exact_gemm=True is order-free: a rollout batch of a few tokens gives each token the bits
+    it gets inside the training batch (other experts' counts, tile positions all differ)."""
+    config = Fp8LinearConfig.te_blockwise_fp32_scales(exact_gemm=True)
+    x, w, _ = _data(COUNTS, seed=12)
+    offsets = _offsets(COUNTS)  # 0, 129, 129, 130, 257, 385
+    qw = quantize_expert_weights(w, config, "moe")
+    full = grouped_fp8_linear_inference(x, qw, offsets, config, "moe")
+    rows = torch.tensor([3, 77, 128, 129, 200, 256, 300], device=DEVICE)
+    sub = grouped_fp8_linear_inference(x[rows], qw, _offsets([3, 0, 1, 2, 1]), config, "moe")
+    assert torch.equal(_bits(sub), _bits(full[rows]))
+    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+        grouped_fp8_linear(x, w[0], _offsets([385]), config, "moe")
