@@ -17,7 +17,9 @@ vLLM's own formula: off-policy). Each is refused, naming the setting:
   one happens depends on the platform and the release, so every value but ``auto`` is refused.
 * **after start** (``verify_engine_kernels``, called by ``VllmRolloutEngine``; call it yourself
   after ``vllm.LLM(...)``): every worker reports, through our worker extension
-  (``jetrl_kernel_report``), the kernel of each block-FP8 linear layer; any layer whose kernel is
+  (``jetrl_kernel_report``), the kernel of each block-FP8 linear layer and routed-experts layer
+  (``experts.moe_layer_report``: vLLM's ``Fp8MoEMethod`` with any of its expert kernels is not
+  ours), and an MoE router (``mlp.gate``) that is block-FP8; any layer whose kernel is
   not ours with the engine's settings, or no block-FP8 layer at all when the recipe runs FP8,
   shuts the engine down and raises ``KernelNotInEffect`` naming the layers and the reason
   (with the worker's own ``VLLM_DISABLED_KERNELS``/``VLLM_PLUGINS``/patch variable, which can
@@ -41,6 +43,9 @@ from nemo_jetrl.vllm_patch.settings import ENV_VAR, PatchSettings
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "nemo_jetrl"
 PLUGIN_TARGET = "nemo_jetrl.vllm_patch.plugin:load_in_worker"
+# MoE routers (Qwen-style ``mlp.gate``, Mixtral's ``block_sparse_moe.gate``): BF16 on both
+# sides, never block-FP8.
+ROUTER_SUFFIXES = (".mlp.gate", ".block_sparse_moe.gate")
 # How many layer names an error lists before it says "and N more".
 MAX_NAMED = 12
 
@@ -174,10 +179,14 @@ def layer_kernel_report(model: Any) -> dict[str, Any]:
     ``registered``: our kernel is in this process's registry; ``env``: the variables that decide
     it, as this process sees them.
     """
+    from nemo_jetrl.vllm_patch.experts import moe_layer_report
     from nemo_jetrl.vllm_patch.kernel import MARKER, registered_kernel
 
     layers = {}
     for name, module in model.named_modules():
+        if (moe := moe_layer_report(module)) is not None:  # block-FP8 routed experts
+            layers[name] = moe
+            continue
         qm = getattr(module, "quant_method", None)
         if qm is None or not hasattr(module, "weight_scale_inv"):
             continue
@@ -232,7 +241,9 @@ def kernel_problems(
             continue
         by_kernel: dict[str, list[str]] = {}
         for name, info in layers.items():
-            if not info.get("ours"):
+            if name.endswith(ROUTER_SUFFIXES):
+                by_kernel.setdefault("FP8 (a router must stay BF16)", []).append(name)
+            elif not info.get("ours"):
                 by_kernel.setdefault(str(info.get("kernel")), []).append(name)
             elif info.get("settings") != want:
                 by_kernel.setdefault(f"{kernel_name} with other settings", []).append(name)

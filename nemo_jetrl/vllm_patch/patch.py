@@ -8,7 +8,9 @@
    that says which versions work);
 2. registers our block-FP8 linear kernel first in vLLM's kernel registry of this process
    (``kernel.register_kernel``), so every block-FP8 linear layer quantizes its activations with
-   ``nemo_jetrl.fp8`` and runs our GEMM;
+   ``nemo_jetrl.fp8`` and runs our GEMM; on vLLM 0.32.x it also makes ``Fp8Config`` build our
+   experts method for block-FP8 MoE layers (``experts.install_moe_method``; on other versions
+   the guard refuses vLLM's own FP8 expert kernels);
 3. refuses (``guard.KernelGuardError``, naming the setting; registry restored) an environment
    in which vLLM would run block-FP8 linears without our kernel: our plugin's entry point missing
    or not loadable, ``VLLM_PLUGINS`` without it, ``VLLM_DISABLED_KERNELS`` naming our kernel;
@@ -81,9 +83,11 @@ class PatchHandle:
         """Remove our kernel from vLLM's registry and clear the environment variable."""
         if self._reverted:
             return
+        from nemo_jetrl.vllm_patch.experts import uninstall_moe_method
         from nemo_jetrl.vllm_patch.kernel import unregister_kernel
 
         unregister_kernel()
+        uninstall_moe_method()
         if os.environ.get(ENV_VAR) == self.settings.to_json():
             del os.environ[ENV_VAR]
         self._reverted = True
@@ -99,9 +103,13 @@ def apply_in_process(settings: PatchSettings) -> type:
     """Register our kernel in this process's vLLM (used by apply_patches and by the plugin)."""
     vllm = require("vllm", feature="nemo_jetrl.vllm_patch")
     check_vllm_version(vllm.__version__)
+    from nemo_jetrl.vllm_patch.experts import install_moe_method, moe_supported
     from nemo_jetrl.vllm_patch.kernel import register_kernel
 
-    return register_kernel(settings)
+    cls = register_kernel(settings)
+    if settings.fp8_weights and moe_supported(vllm.__version__):
+        install_moe_method(settings)  # other versions: the guard refuses vLLM's own MoE kernels
+    return cls
 
 
 def apply_patches(recipe: Any, *, num_layers: int | None = None) -> PatchHandle:
@@ -128,7 +136,10 @@ def apply_patches(recipe: Any, *, num_layers: int | None = None) -> PatchHandle:
         guard.check_before_start(settings, cls.__name__)
     except guard.KernelGuardError:
         if not was_registered:
-            unregister_kernel()  # leave the registry as we found it
+            from nemo_jetrl.vllm_patch.experts import uninstall_moe_method
+
+            unregister_kernel()  # leave the registry (and vLLM's MoE method) as we found them
+            uninstall_moe_method()
         raise
     os.environ[ENV_VAR] = settings.to_json()
     return PatchHandle(settings=settings, vllm_version=vllm.__version__)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.vllm_patch import compat, rollback
+from nemo_jetrl.vllm_patch.experts import resolve_expert_tensor
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
 
@@ -73,6 +74,8 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
 
     A repacked weight (empty parameter, see ``compat.weight_was_repacked``) still gets its
     checkpoint row range; ``checkpoint_shape`` gives its full shape."""
+    if (expert := resolve_expert_tensor(model, hf_name)) is not None:  # routed experts
+        return expert
     module_path, _, leaf = hf_name.rpartition(".")
     parent, _, proj = module_path.rpartition(".")
     packed = getattr(model, "packed_modules_mapping", {}) or {}
@@ -120,6 +123,8 @@ def checkpoint_shape(layer: torch.nn.Module) -> tuple[int, int]:
     if rows is None:  # vocab-parallel embedding / lm_head
         rows = getattr(layer, "num_embeddings_per_partition", None)
         cols = getattr(layer, "embedding_dim", None)
+    if rows is None and getattr(layer, "tp_size", 1) == 1:  # ReplicatedLinear (an MoE router)
+        rows, cols = getattr(layer, "output_size", None), getattr(layer, "input_size", None)
     if rows is None or cols is None:
         raise KeyError(f"{type(layer).__name__}: unknown weight shape")
     return int(rows), int(cols)
@@ -270,19 +275,21 @@ class JetRLWorkerExtension:
         """Start (max_calls > 0) or stop (0) recording GEMM inputs of our FP8 linear layers."""
         n = 0
         for _, m in _model(self).named_modules():
-            if hasattr(m, "weight_scale_inv"):
+            if hasattr(m, "weight_scale_inv") or hasattr(m, "w13_weight_scale_inv"):
                 m._jetrl_capture = collections.deque(maxlen=max_calls) if max_calls > 0 else None
                 n += 1
         return n
 
     def jetrl_captured(self) -> bytes:
         """Recorded GEMM inputs as a ``pack``ed blob: ``{layer}|{i}|{x,q,s}`` -> bf16 input,
-        FP8 data, fp32 scale_inv, for call ``i`` of each layer."""
+        FP8 data, fp32 scale_inv, for call ``i`` of each linear layer; for routed-experts layers
+        ``{layer}|{i}|{x,ids,w,out}`` (input, top-k experts and weights, output)."""
         out = {}
         for name, m in _model(self).named_modules():
             cap = getattr(m, "_jetrl_capture", None)
-            for i, (x, q, s) in enumerate(cap or ()):
-                out[f"{name}|{i}|x"], out[f"{name}|{i}|q"], out[f"{name}|{i}|s"] = x, q, s
+            for i, call in enumerate(cap or ()):
+                items = call.items() if isinstance(call, dict) else zip("xqs", call, strict=True)
+                out.update({f"{name}|{i}|{k}": t for k, t in items})
         return pack(out)
 
     def jetrl_kernels(self) -> dict[str, str]:

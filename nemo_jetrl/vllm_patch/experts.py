@@ -1,0 +1,348 @@
+"""Our block-FP8 experts kernel for vLLM's mixture-of-experts layers (vLLM 0.32.x / 0.33.0).
+
+vLLM builds each routed-experts layer of a block-FP8 checkpoint with ``Fp8MoEMethod``
+(``vllm.model_executor.layers.quantization.fp8``), which picks one of vLLM's own FP8 expert
+kernels (``fused_moe/oracle/fp8.py``: DeepGEMM, Triton, CUTLASS, FlashInfer on GPUs;
+``CPUExpertsFp8`` W8A16 or ``CPUExpertsFp8W8A8`` on AMX CPUs; ``NONE``, an error at load, on
+other CPUs). Each quantizes the routed tokens with vLLM's own per-token-group quantizer (or not at
+all: W8A16), and some repack the weights. ``install_moe_method`` replaces the ``Fp8MoEMethod``
+name that ``Fp8Config.get_quant_method`` constructs (checked to be the one it reads) by our
+subclass; ``uninstall_moe_method`` puts vLLM's back. Our method
+
+* keeps vLLM's parameters (``w13_weight`` ``[E, 2I, H]``, ``w2_weight`` ``[E, H, I]`` FP8 and
+  their fp32 ``*_weight_scale_inv`` per 128x128 block) exactly as loaded: no repacking and no
+  requantization, so refits write the trainer's bytes into them and parity reads them back;
+* never builds a vLLM experts kernel (``moe_kernel`` stays None, so none of vLLM's can run);
+* computes each expert as our dense linear kernel does (``kernel.py``): the routed tokens' rows
+  quantized 1x128 by ``nemo_jetrl.fp8`` in the patch's scale mode, the FP8 GEMM on the backend
+  ``plan_gemm`` chose, SiLU(gate) * up in the model dtype, quantized 1x128 again for the down
+  projection; the outputs weighted by the router's top-k weights and summed in fp32.
+
+The router (``mlp.gate``) is an ordinary linear and must stay BF16 (the checkpoint's
+``modules_to_not_convert``; ``guard.kernel_problems`` refuses an FP8 one). What is not covered is
+refused when the layer is built, naming it: tensor/expert parallel experts, biased experts,
+activations other than SiLU, weight blocks other than 128x128, shared experts.
+
+The per-expert loop reads the token counts on the host (a sync per layer on GPUs); the grouped
+expert computation in ``nemo_jetrl.fp8`` is meant to replace it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from nemo_jetrl.fp8.gemm_backends import plan_gemm
+from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
+from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch.kernel import _serving_device, ensure_ops, serving_exclusions
+from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+# Marks our MoE method classes (revert and idempotence need no global state).
+MOE_MARKER = "_nemo_jetrl_moe_method"
+# vLLM releases whose Fp8MoEMethod / RoutedExperts this module was written and engine-tested for.
+MOE_RANGES = (((0, 32, 0), (0, 33, 1)),)
+# The module whose global ``Fp8MoEMethod`` ``Fp8Config.get_quant_method`` constructs.
+FP8_MODULE = "vllm.model_executor.layers.quantization.fp8"
+SLOT = "Fp8MoEMethod"
+
+
+class MoeNotSupported(RuntimeError):
+    """The installed vLLM's MoE layers are not covered by our experts kernel."""
+
+
+def moe_supported(version: str) -> bool:
+    rel = compat.release(version)
+    return any(lo <= rel < hi for lo, hi in MOE_RANGES)
+
+
+def _fp8_module() -> Any:
+    import importlib
+
+    return importlib.import_module(FP8_MODULE)
+
+
+def _slot_in_effect(mod: Any) -> bool:
+    """``Fp8Config.get_quant_method`` reads the module global we replace (else our class would
+    never be built: the patch would not be in effect)."""
+    fn = getattr(getattr(mod, "Fp8Config", None), "get_quant_method", None)
+    return fn is not None and SLOT in fn.__code__.co_names and fn.__globals__ is vars(mod)
+
+
+def experts_forward(
+    ops: Any,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_s: torch.Tensor,
+    w2: torch.Tensor,
+    w2_s: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    pow2: bool,
+    w_pow2: bool,
+    eps: float,
+    backend: str,
+) -> torch.Tensor:
+    """SiLU-gated experts on block-FP8 weights, each expert's GEMMs as our dense kernel runs
+    them (``ops``: ``kernel.ensure_ops()``). ``x`` ``[M, H]``, ``topk_*`` ``[M, k]``."""
+    m, h = x.shape
+    e, two_i, _ = w13.shape
+    out_dtype = x.dtype
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    token = torch.arange(m, device=x.device).repeat_interleave(k)[order]
+    weight = topk_weights.reshape(-1)[order].float()
+    counts = torch.bincount(flat, minlength=e).tolist()
+    # One 1x128 quantization per routed row; a row's bits do not depend on its neighbours.
+    q, q_s = ops.quantize_act_1x128(x[token], pow2, eps, False)
+    acc = torch.zeros(m, h, dtype=torch.float32, device=x.device)
+    start = 0
+    for ex, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gu = ops.fp8_block_gemm(
+            q[rows], q_s[rows], w13[ex], w13_s[ex], out_dtype, pow2, w_pow2, backend
+        )
+        gate, up = gu.split(two_i // 2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        a, a_s = ops.quantize_act_1x128(act, pow2, eps, False)
+        y = ops.fp8_block_gemm(a, a_s, w2[ex], w2_s[ex], out_dtype, pow2, w_pow2, backend)
+        acc.index_add_(0, token[rows], y.float() * weight[rows, None])
+        start += n
+    return acc.to(out_dtype)
+
+
+def make_moe_method_class(settings: PatchSettings, base: type) -> type:
+    """Our subclass of vLLM's ``Fp8MoEMethod`` (``base``) bound to ``settings``."""
+    ops = ensure_ops()
+    pow2, w_pow2, eps = settings.pow2_activation_scales, settings.pow2_weight_scales, settings.eps
+    method_base = next(c for c in base.__mro__[1:] if c.__name__ == "FusedMoEMethodBase")
+
+    class JetRLFp8MoEMethod(base):  # type: ignore[misc, valid-type]
+        """Block-FP8 routed experts computed by nemo_jetrl (see experts.py)."""
+
+        jetrl_settings_json = settings.to_json()
+
+        def __init__(self, quant_config: Any, layer: Any) -> None:
+            # vLLM's __init__ would select one of its own expert kernels: skip it.
+            method_base.__init__(self, layer.moe_config)
+            self.quant_config = quant_config
+            self.weight_block_size = quant_config.weight_block_size
+            self.block_quant = self.weight_block_size is not None
+            self.weight_scale_name = "weight_scale_inv"
+            self.weight_scale_refine = None
+            self.moe_block_shape = self.weight_block_size
+            self.fp8_backend, self.experts_cls = None, None
+            name = getattr(layer, "layer_name", type(layer).__name__)
+            problems = _unsupported(quant_config, layer)
+            if problems:
+                raise ValueError(
+                    f"nemo_jetrl experts kernel cannot serve {name}: " + "; ".join(problems)
+                )
+            self.jetrl_gemm_backend = plan_gemm(
+                _serving_device(),
+                out_dtype=layer.moe_config.in_dtype,
+                pow2_scales=pow2 and w_pow2,
+                kind="fprop",
+                excluded=serving_exclusions(None, _serving_device()),
+            ).backend
+            self.jetrl_calls = 0
+
+        @property
+        def is_monolithic(self) -> bool:
+            return False
+
+        @property
+        def supports_eplb(self) -> bool:
+            return False
+
+        def get_fused_moe_quant_config(self, layer: Any) -> None:
+            return None  # no vLLM experts kernel reads one
+
+        def process_weights_after_loading(self, layer: Any) -> None:
+            # Nothing to convert: the loaded FP8 bytes and scales are used as they are, in the
+            # same parameter objects (refits copy into them).
+            for w_name in ("w13", "w2"):
+                w = getattr(layer, f"{w_name}_weight")
+                s = getattr(layer, f"{w_name}_weight_scale_inv")
+                want = (w.shape[0], -(-w.shape[1] // WEIGHT_BLOCK[0]), -(-w.shape[2] // 128))
+                if (
+                    w.dtype != torch.float8_e4m3fn
+                    or s.dtype != torch.float32
+                    or tuple(s.shape) != want
+                ):
+                    raise ValueError(
+                        f"nemo_jetrl experts kernel: {w_name}_weight {tuple(w.shape)} {w.dtype} "
+                        f"with scales {tuple(s.shape)} {s.dtype}; expected float8_e4m3fn and "
+                        f"fp32 scales of shape {want}"
+                    )
+            layer.jetrl_gemm_backend = self.jetrl_gemm_backend
+
+        def apply(
+            self,
+            layer: Any,
+            x: torch.Tensor,
+            topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor,
+            shared_experts: Any = None,
+            shared_experts_input: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            if shared_experts is not None:
+                raise NotImplementedError("nemo_jetrl experts kernel: shared experts")
+            self.jetrl_calls += 1
+            out = experts_forward(
+                ops, x, layer.w13_weight, layer.w13_weight_scale_inv,
+                layer.w2_weight, layer.w2_weight_scale_inv, topk_weights, topk_ids,
+                pow2=pow2, w_pow2=w_pow2, eps=eps, backend=self.jetrl_gemm_backend,
+            )  # fmt: skip
+            capture = getattr(layer, "_jetrl_capture", None)  # eager-mode tests (worker_ext)
+            if capture is not None and len(capture) < capture.maxlen:
+                got = {"x": x, "ids": topk_ids, "w": topk_weights, "out": out}
+                capture.append({k: v.detach().clone() for k, v in got.items()})
+            return out
+
+    setattr(JetRLFp8MoEMethod, MOE_MARKER, True)
+    JetRLFp8MoEMethod._jetrl_original = base  # type: ignore[attr-defined]
+    return JetRLFp8MoEMethod
+
+
+def _unsupported(quant_config: Any, layer: Any) -> list[str]:
+    """Why our experts kernel cannot serve ``layer`` (empty: it can)."""
+    moe = layer.moe_config
+    problems = []
+    if list(quant_config.weight_block_size or []) != list(WEIGHT_BLOCK):
+        problems.append(
+            f"weight_block_size {quant_config.weight_block_size} (needs {list(WEIGHT_BLOCK)})"
+        )
+    if getattr(quant_config, "activation_scheme", "dynamic") != "dynamic":
+        problems.append(f"activation_scheme {quant_config.activation_scheme!r}")
+    par = moe.moe_parallel_config
+    if par.tp_size != 1 or par.ep_size != 1 or par.dp_size != 1:
+        problems.append(f"tp/ep/dp {par.tp_size}/{par.ep_size}/{par.dp_size} (needs 1/1/1)")
+    if moe.has_bias:
+        problems.append("biased experts")
+    if moe.swiglu_limit is not None or moe.swiglu_alpha is not None:
+        problems.append("clamped/scaled swiglu")
+    if getattr(moe.activation, "value", moe.activation) != "silu" or not moe.is_act_and_mul:
+        problems.append(f"activation {moe.activation} (needs gated silu)")
+    if getattr(layer, "apply_router_weight_on_input", False):
+        problems.append("apply_router_weight_on_input")
+    return problems
+
+
+def installed_moe_method() -> type | None:
+    """Our MoE method class if it is installed in this process's vLLM."""
+    cur = getattr(_fp8_module(), SLOT, None)
+    return cur if getattr(cur, MOE_MARKER, False) else None
+
+
+def install_moe_method(settings: PatchSettings) -> type:
+    """Make ``Fp8Config`` build our experts method for block-FP8 MoE layers (idempotent;
+    refused with other settings installed, or on a vLLM this module does not cover)."""
+    import vllm
+
+    if not moe_supported(vllm.__version__):
+        raise MoeNotSupported(
+            f"nemo_jetrl experts kernel: vLLM {vllm.__version__} is not covered (vLLM 0.32.x)"
+        )
+    mod = _fp8_module()
+    if not _slot_in_effect(mod):
+        raise MoeNotSupported(
+            f"nemo_jetrl experts kernel: {FP8_MODULE}.Fp8Config.get_quant_method does not build "
+            f"{SLOT} from its module global in this vLLM; the patch would not be in effect"
+        )
+    existing = installed_moe_method()
+    if existing is not None:
+        if existing.jetrl_settings_json != settings.to_json():
+            raise RuntimeError(
+                "nemo_jetrl experts kernel already installed with different settings "
+                f"({existing.jetrl_settings_json}); revert the previous patch first"
+            )
+        return existing
+    cls = make_moe_method_class(settings, getattr(mod, SLOT))
+    setattr(mod, SLOT, cls)
+    if getattr(mod, SLOT) is not cls:
+        raise MoeNotSupported(f"nemo_jetrl experts kernel: {FP8_MODULE}.{SLOT} did not take")
+    return cls
+
+
+def uninstall_moe_method() -> int:
+    """Put vLLM's ``Fp8MoEMethod`` back; returns how many of our classes were removed."""
+    import sys
+
+    mod = sys.modules.get(FP8_MODULE)
+    if mod is None:
+        return 0
+    cur, n = getattr(mod, SLOT, None), 0
+    while getattr(cur, MOE_MARKER, False):
+        cur, n = cur._jetrl_original, n + 1  # type: ignore[union-attr]
+    if n:
+        setattr(mod, SLOT, cur)
+    return n
+
+
+def moe_layer_report(module: Any) -> dict[str, Any] | None:
+    """The guard's entry for a block-FP8 routed-experts layer (None: not one)."""
+    if not hasattr(module, "w13_weight_scale_inv"):
+        return None
+    qm = getattr(module, "quant_method", None)
+    vllm_kernel = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+    ours = bool(getattr(type(qm), MOE_MARKER, False)) and vllm_kernel is None
+    name = type(qm).__name__
+    if vllm_kernel is not None or getattr(qm, "experts_cls", None) is not None:
+        inner = vllm_kernel if vllm_kernel is not None else qm.experts_cls
+        name += f" with {getattr(inner, '__name__', type(inner).__name__)}"
+    return {
+        "kernel": name,
+        "ours": ours,
+        "settings": getattr(qm, "jetrl_settings_json", None),
+        "gemm_backend": getattr(qm, "jetrl_gemm_backend", None),
+        "moe": True,
+        "calls": int(getattr(qm, "jetrl_calls", 0)),
+    }
+
+
+_EXPERT_NAME = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
+# HF per-expert projection -> (vLLM parameter prefix, shard index within it)
+_EXPERT_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+
+
+def resolve_expert_tensor(model: Any, hf_name: str) -> tuple[str, torch.Tensor, int, int] | None:
+    """(vLLM name, the expert's slice of the parameter, row start, row count) for an HF
+    per-expert tensor such as ``model.layers.1.mlp.experts.3.up_proj.weight`` (or its
+    ``weight_scale_inv``) in a routed-experts layer; None for any other name."""
+    match = _EXPERT_NAME.match(hf_name)
+    if match is None:
+        return None
+    path, expert, proj, leaf = match.groups()
+    try:
+        layer = model.get_submodule(path)
+    except AttributeError:
+        return None
+    inner = getattr(layer, "routed_experts", None)  # 0.32: the runner holds RoutedExperts
+    if not hasattr(layer, "w13_weight") and isinstance(inner, torch.nn.Module):
+        layer, path = inner, f"{path}.routed_experts"
+    prefix, shard = _EXPERT_SHARDS[proj]
+    if leaf not in ("weight", "weight_scale_inv") or not hasattr(layer, f"{prefix}_weight"):
+        return None
+    param = getattr(layer, f"{prefix}_{leaf}")
+    rows = param.shape[1] // (2 if prefix == "w13" else 1)
+    return f"{path}.{prefix}_{leaf}", param.data[int(expert)], shard * rows, rows
+
+
+def routed_experts(output: Any) -> Any:
+    """The experts vLLM's router chose for each token of a request's first completion
+    (``enable_return_routed_experts=True``): an int array ``[tokens, moe_layers, top_k]``;
+    ValueError when the engine did not record them."""
+    got = getattr(output.outputs[0], "routed_experts", None)
+    if got is None:
+        raise ValueError(
+            "no routed experts in this output: start the engine with "
+            "enable_return_routed_experts=True (vLLM >= 0.32's LLM argument)"
+        )
+    return got

@@ -1,0 +1,100 @@
+"""Our experts kernel and the guard's MoE rules without vLLM (vllm_patch/experts.py, guard.py).
+
+The engine half (a real tiny Qwen3-MoE served by vLLM under the patch) is test_vllm_moe.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_jetrl.fp8 import quantize_blockwise
+from nemo_jetrl.fp8.gemm_backends import run_gemm
+from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.vllm_patch import settings_from_recipe
+from nemo_jetrl.vllm_patch.experts import experts_forward
+from nemo_jetrl.vllm_patch.guard import kernel_problems
+from nemo_jetrl.vllm_patch.kernel import ensure_ops
+
+E, H, INTER, TOPK, M = 4, 256, 128, 2, 9
+
+
+def _weights(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * INTER, H, generator=g) * 0.05
+    w2 = torch.randn(E, H, INTER, generator=g) * 0.05
+    q13 = [quantize_blockwise(w13[e], (128, 128), pow2_scales=True) for e in range(E)]
+    q2 = [quantize_blockwise(w2[e], (128, 128), pow2_scales=True) for e in range(E)]
+    return q13, q2
+
+
+def _dense(x: torch.Tensor, qw) -> torch.Tensor:
+    """One expert projection as the dense linear kernel computes it (kernel.py)."""
+    qx = quantize_blockwise(x, (1, 128), pow2_scales=True, check_finite=False)
+    return run_gemm("reference", qx, qw, x.dtype)
+
+
+def test_experts_bit_exact_to_the_dense_path_per_expert():
+    """Every token's output is the dense kernel's gate/up and down GEMMs on its experts, summed
+    with its routing weights; expert 3 gets no token (skipped), token order scrambled."""
+    q13, q2 = _weights(0)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(M, H, generator=g) * 2).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [2, 1], [1, 0], [0, 1], [2, 0], [1, 2]])
+    wts = torch.rand(M, TOPK, generator=g)
+    w13 = torch.stack([q.data for q in q13])
+    s13 = torch.stack([q.scale_inv for q in q13])
+    w2 = torch.stack([q.data for q in q2])
+    s2 = torch.stack([q.scale_inv for q in q2])
+    got = experts_forward(
+        ensure_ops(), x, w13, s13, w2, s2, wts, ids,
+        pow2=True, w_pow2=True, eps=0.0, backend="reference",
+    )  # fmt: skip
+    want = torch.zeros(M, H, dtype=torch.float32)
+    for t in range(M):
+        for j in range(TOPK):
+            e = int(ids[t, j])
+            gate, up = _dense(x[t : t + 1], q13[e]).split(INTER, dim=-1)
+            y = _dense(torch.nn.functional.silu(gate) * up, q2[e])
+            want[t] += y[0].float() * wts[t, j]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.to(torch.bfloat16))
+    # The weights matter: another expert's weights change the output.
+    bad = experts_forward(
+        ensure_ops(), x, w13.flip(0), s13.flip(0), w2, s2, wts, ids,
+        pow2=True, w_pow2=True, eps=0.0, backend="reference",
+    )  # fmt: skip
+    assert not torch.equal(bad, got)
+
+
+def _report(layers: dict) -> dict:
+    return {"layers": layers, "registered": True, "env": {}}
+
+
+def test_guard_refuses_vllm_expert_kernels_and_fp8_routers():
+    settings = settings_from_recipe(Recipe.preset("jetrl"))
+    ours = {"kernel": "JetRLFp8MoEMethod", "ours": True, "settings": settings.to_json()}
+    dense = {"kernel": "JetRLFp8BlockLinearKernel", "ours": True, "settings": settings.to_json()}
+    good = {"model.layers.1.mlp.experts": ours, "model.layers.0.mlp.down_proj": dense}
+    assert kernel_problems([_report(good)], settings, "K") == []
+    vllm_own = dict(good)
+    vllm_own["model.layers.1.mlp.experts"] = {
+        "kernel": "Fp8MoEMethod with CPUExpertsFp8",
+        "ours": False,
+        "settings": None,
+    }
+    (problem,) = kernel_problems([_report(vllm_own)], settings, "K")
+    assert "Fp8MoEMethod with CPUExpertsFp8" in problem and "mlp.experts" in problem
+    router = dict(good)
+    router["model.layers.1.mlp.gate"] = dense  # ours, but a router must not be FP8
+    (problem,) = kernel_problems([_report(router)], settings, "K")
+    assert "router must stay BF16" in problem and "model.layers.1.mlp.gate" in problem
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.gate.weight", "lm_head.weight"])
+def test_refit_keeps_routers_bf16(name):
+    from nemo_jetrl.vllm_patch.refit import is_fp8_weight
+
+    settings = settings_from_recipe(Recipe.preset("jetrl"))
+    assert not is_fp8_weight(name, settings)
+    assert is_fp8_weight("model.layers.1.mlp.experts.7.down_proj.weight", settings)

@@ -1,0 +1,382 @@
+"""A tiny Qwen3-MoE served by a real vLLM CPU engine under the Jet-RL patch (issue 28).
+
+The model (hidden 256, 3 layers, layer 0 dense via ``mlp_only_layers``, layers 1-2 with 8
+experts of width 128, top-2, head_dim 128) is written as a block-FP8 checkpoint by our own
+trainer-side quantizer (``refit.quantize_state_dict``: every linear of the recipe in 128x128
+blocks, routers ``mlp.gate`` and ``lm_head`` BF16, as real Qwen3 FP8 checkpoints list them in
+``modules_to_not_convert``) and served by ``vllm.LLM`` under ``apply_patches``: dense linears run
+our linear kernel and the routed experts our experts kernel (vllm_patch/experts.py), on any CPU
+(vLLM's own CPU FP8 expert kernels need AMX). One FP8 engine and one BF16 control engine per
+module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+
+import pytest
+import torch
+from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
+from vllm_fixtures import fp8_gap_bound, logprob_gap, vllm_cpu_env
+
+pytestmark = pytest.mark.vllm
+
+E, INTER, LAYERS, MOE_LAYERS = 8, 128, 3, (1, 2)
+MAX_TOKENS = 8
+PROMPTS = ["Hello wor", "The cat s", "0123456"]
+USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
+ROUTERS = tuple(f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_cpu_env():
+    with vllm_cpu_env():
+        yield
+
+
+def tiny_qwen3_moe(seed: int) -> torch.nn.Module:
+    cfg = tiny_hf_config(
+        "qwen3_moe",
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=256,
+        moe_intermediate_size=INTER,
+        num_experts=E,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        decoder_sparse_step=1,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.08,
+    )
+    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
+
+
+def per_expert_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF checkpoint names (``mlp.experts.{e}.{gate,up,down}_proj.weight``) from transformers
+    5's fused 3-D expert parameters."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :INTER].clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, INTER:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def write_checkpoint(model, directory, settings=None) -> dict[str, torch.Tensor]:
+    """A HF checkpoint of ``model``: block FP8 by our quantizer under ``settings``, else BF16."""
+    from safetensors.torch import save_file
+
+    from nemo_jetrl.vllm_patch.engine_args import quantization_config
+    from nemo_jetrl.vllm_patch.refit import quantize_state_dict
+
+    sd = per_expert_state_dict(model)
+    if settings is not None:
+        sd = quantize_state_dict(sd, settings, dtype=torch.bfloat16).tensors
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"))
+    cfg = model.config.to_dict()
+    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    if settings is not None:
+        cfg["quantization_config"] = quantization_config(settings)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    char_tokenizer().save_pretrained(directory)
+    return sd
+
+
+def fp8_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """The trainer's FP8 forward of ``model`` in torch with nemo_jetrl.fp8: attention and dense
+    MLP linears as Fp8BlockLinear, each expert's projections 128x128 / 1x128 block FP8 (the
+    same quantizer and scale mode), routers and lm_head BF16."""
+    import copy
+
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.fp8.config import Fp8LinearConfig
+    from nemo_jetrl.fp8.convert import convert_to_fp8_training
+    from nemo_jetrl.fp8.linear import fp8_linear_forward
+
+    ref = copy.deepcopy(model)
+    convert_to_fp8_training(
+        ref, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
+    )
+
+    def linear(x, w):
+        qx = quantize_blockwise(x, (1, 128), pow2_scales=True)
+        qw = quantize_blockwise(w, (128, 128), pow2_scales=True)
+        return fp8_linear_forward(qx, qw, None, x.dtype)
+
+    def make_forward(ex):
+        def forward(hidden, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden)
+            for e in range(ex.num_experts):
+                pos, tok = torch.where(top_k_index.t() == e)
+                if tok.numel() == 0:
+                    continue
+                gate, up = linear(hidden[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)
+                y = linear(ex.act_fn(gate) * up, ex.down_proj[e])
+                out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
+            return out
+
+        return forward
+
+    for i in MOE_LAYERS:
+        ex = ref.model.layers[i].mlp.experts
+        ex.forward = make_forward(ex)
+    return ref
+
+
+def _generate(llm):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    return llm.generate(PROMPTS, sp, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def settings():
+    from nemo_jetrl.recipe import Recipe
+    from nemo_jetrl.vllm_patch import settings_from_recipe
+
+    base = settings_from_recipe(Recipe.preset("jetrl"))
+    return dataclasses.replace(
+        base, modules_to_not_convert=(*base.modules_to_not_convert, *ROUTERS)
+    )
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return tiny_qwen3_moe(0)
+
+
+@pytest.fixture(scope="module")
+def bf16_control(tmp_path_factory, trainer):
+    """Control: the BF16 checkpoint on vLLM (BF16 experts) vs the BF16 HF forward."""
+    from vllm import LLM
+
+    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+
+    d = tmp_path_factory.mktemp("moe_bf16")
+    write_checkpoint(trainer, d)
+    llm = LLM(model=str(d), **USER_KWARGS)
+    try:
+        outs = _generate(llm)
+    finally:
+        shutdown_engine(llm)
+        gc.collect()
+    return logprob_gap(outs, trainer)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, trainer, settings):
+    """(llm, patch, checkpoint tensors) of the FP8 checkpoint under the patch."""
+    from vllm import LLM
+
+    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
+    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+
+    d = tmp_path_factory.mktemp("moe_fp8")
+    sd = write_checkpoint(trainer, d, settings)
+    patch = apply_patches(settings)
+    user = dict(USER_KWARGS, load_format="auto")
+    kwargs = build_engine_kwargs(settings, user).kwargs
+    llm = LLM(model=str(d), **kwargs)
+    verify_engine_kernels(llm, settings)
+    yield llm, patch, sd
+    shutdown_engine(llm)
+    patch.revert()
+    gc.collect()
+
+
+def test_patch_installs_and_reverts_our_moe_method(settings):
+    """apply_patches makes Fp8Config build our experts method (idempotent), revert restores
+    vLLM's own class object; other settings while applied are refused."""
+    import vllm.model_executor.layers.quantization.fp8 as fp8_mod
+
+    from nemo_jetrl.vllm_patch import apply_patches
+    from nemo_jetrl.vllm_patch.experts import install_moe_method
+
+    original = fp8_mod.Fp8MoEMethod
+    assert not getattr(original, "_nemo_jetrl_moe_method", False)
+    with apply_patches(settings):
+        ours = fp8_mod.Fp8MoEMethod
+        assert ours is not original and issubclass(ours, original)
+        assert ours.jetrl_settings_json == settings.to_json()
+        assert install_moe_method(settings) is ours  # idempotent
+        other = dataclasses.replace(settings, pow2_activation_scales=False)
+        with pytest.raises(RuntimeError, match="different settings"):
+            install_moe_method(other)
+    assert fp8_mod.Fp8MoEMethod is original
+
+
+def test_experts_run_our_kernel_and_no_vllm_fp8_expert_kernel(served, settings):
+    from nemo_jetrl.vllm_patch.guard import kernel_problems
+
+    llm, _, _ = served
+    _generate(llm)
+    report = llm.collective_rpc("jetrl_kernel_report")[0]
+    layers = report["layers"]
+    moe = {n: v for n, v in layers.items() if v.get("moe")}
+    assert sorted(moe) == [f"model.layers.{i}.mlp.experts.routed_experts" for i in MOE_LAYERS]
+    for info in moe.values():
+        # our method, no vLLM experts kernel built (it would be named " with <class>")
+        assert info["kernel"] == "JetRLFp8MoEMethod" and info["ours"], info
+        assert info["calls"] > 0  # it is what ran during generate
+    dense = {n for n, v in layers.items() if not v.get("moe")}
+    assert len(dense) == 3 * 2 + 2  # qkv, o in 3 layers + layer 0's gate_up, down
+    assert not any(n.endswith(".mlp.gate") for n in layers)  # routers BF16
+    assert {v["kernel"] for n, v in layers.items() if n in dense} == {"JetRLFp8BlockLinearKernel"}
+    assert kernel_problems([report], settings, "JetRLFp8BlockLinearKernel") == []
+
+
+def test_logprobs_match_the_fp8_reference_forward(served, trainer, bf16_control):
+    """The engine's logprobs agree with our in-process FP8 MoE forward as closely as the BF16
+    engine agrees with the BF16 forward allows (control measured here, on this CPU)."""
+    llm, _, _ = served
+    outs = _generate(llm)
+    gap = logprob_gap(outs, fp8_reference(trainer))
+    gap_bf16_ref = logprob_gap(outs, trainer)
+    print(
+        f"moe logprob gap: fp8 engine vs fp8 ref {gap:.4f}, vs bf16 ref {gap_bf16_ref:.4f}, "
+        f"control (bf16 engine vs bf16 ref) {bf16_control:.4f}"
+    )
+    assert gap <= fp8_gap_bound(bf16_control), (gap, bf16_control)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+
+
+def _lps(o) -> list[float]:
+    c = o.outputs[0]
+    return [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)]
+
+
+def _expert_names(sd):
+    return sorted(n for n in sd if ".mlp.experts." in n)
+
+
+def test_refit_loads_new_experts_with_parity_over_every_expert_tensor(served, settings):
+    """A refit to another model's weights lands every expert tensor as the trainer quantized
+    it (parity bit for bit over all 2 layers x 8 experts x 3 projections x weight/scale), the
+    engine then follows the new weights, and a refit back restores the first logprobs exactly."""
+    from nemo_jetrl.vllm_patch.refit import check_parity, quantize_state_dict, refit
+
+    llm, _, sd0 = served
+    before = _generate(llm)
+    new = tiny_qwen3_moe(1)
+    report = refit(llm, per_expert_state_dict(new), settings)
+    assert report.parity is not None and report.parity.differing == ()
+    qsd = quantize_state_dict(per_expert_state_dict(new), settings, dtype=torch.bfloat16)
+    experts = [n for n in qsd.fp8_names() if ".mlp.experts." in n]
+    assert len(experts) == len(MOE_LAYERS) * E * 3 * 2
+    assert report.parity.fp8 == len(qsd.fp8_names())
+    assert check_parity(llm, qsd).differing == ()
+    after = _generate(llm)
+    gap_new = logprob_gap(after, fp8_reference(new))
+    assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before] or (
+        logprob_gap(after, fp8_reference(tiny_qwen3_moe(0))) > gap_new
+    )
+    # back to the checkpoint's weights: exactly the first engine's outputs again
+    refit(llm, per_expert_state_dict(tiny_qwen3_moe(0)), settings)
+    again = _generate(llm)
+    for a, b in zip(again, before, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert _lps(a) == _lps(b)
+    assert _expert_names(sd0)
+
+
+def test_parity_names_a_corrupted_expert_and_rollback_restores_it(served, settings):
+    """One flipped FP8 byte in one expert is named by parity; the worker's snapshot/restore
+    (what a failed refit's rollback runs) puts every expert tensor back bit for bit."""
+    from nemo_jetrl.vllm_patch.refit import ParityError, check_parity, quantize_state_dict
+
+    llm, _, _ = served
+    qsd = quantize_state_dict(per_expert_state_dict(tiny_qwen3_moe(0)), settings)
+    llm.collective_rpc("jetrl_snapshot")
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    bad = dict(qsd.tensors)
+    flipped = bad[name].clone().view(torch.uint8)
+    flipped[3, 7] ^= 0x01
+    bad[name] = flipped.view(torch.float8_e4m3fn)
+    from nemo_jetrl.vllm_patch.worker_ext import pack
+
+    llm.collective_rpc("jetrl_load_weights", args=(pack({name: bad[name]}),))
+    with pytest.raises(ParityError, match=name.replace(".", r"\.")):
+        check_parity(llm, qsd)
+    llm.collective_rpc("jetrl_restore")
+    assert check_parity(llm, qsd).differing == ()
+
+
+def _expert_weights(sd, layer: int, e: int):
+    from nemo_jetrl.fp8.quantize import BlockQuantized
+
+    def q(*projs):
+        base = f"model.layers.{layer}.mlp.experts.{e}"
+        data = torch.cat([sd[f"{base}.{p}.weight"] for p in projs])
+        scale = torch.cat([sd[f"{base}.{p}.weight_scale_inv"] for p in projs])
+        return BlockQuantized(data, scale, (128, 128), "e4m3", True)
+
+    return q("gate_proj", "up_proj"), q("down_proj")
+
+
+def test_engine_experts_bit_exact_to_the_dense_path(served, settings):
+    """What vLLM's MoE layers computed during generate, recomputed from their captured inputs
+    with the checkpoint's FP8 experts through the dense path (nemo_jetrl.fp8 quantizer, the
+    same GEMM backend), is bit for bit the engine's output; the router's choices are compared
+    with a BF16 torch router on the same inputs."""
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.fp8.gemm_backends import run_gemm
+    from nemo_jetrl.vllm_patch.worker_ext import unpack
+
+    llm, _, sd = served
+    llm.collective_rpc("jetrl_capture", args=(64,))
+    try:
+        _generate(llm)
+        blob = unpack(llm.collective_rpc("jetrl_captured")[0])
+    finally:
+        llm.collective_rpc("jetrl_capture", args=(0,))
+    report = llm.collective_rpc("jetrl_kernel_report")[0]["layers"]
+
+    def dense(x, qw, backend):
+        qx = quantize_blockwise(x, (1, 128), pow2_scales=settings.pow2_activation_scales)
+        return run_gemm(backend, qx, qw, x.dtype)
+
+    calls = same_route = routed = 0
+    for i in MOE_LAYERS:
+        name = f"model.layers.{i}.mlp.experts.routed_experts"
+        backend = report[name]["gemm_backend"]
+        gate_w = per_expert_state_dict(tiny_qwen3_moe(0))[f"model.layers.{i}.mlp.gate.weight"]
+        n_calls = len({k.split("|")[1] for k in blob if k.startswith(name + "|")})
+        for c in range(n_calls):
+            x, ids, w, out = (blob[f"{name}|{c}|{k}"] for k in ("x", "ids", "w", "out"))
+            want = torch.zeros(out.shape, dtype=torch.float32)
+            for e in range(E):
+                tok, pos = torch.where(ids == e)
+                if tok.numel() == 0:
+                    continue
+                q13, q2 = _expert_weights(sd, i, e)
+                gate, up = dense(x[tok], q13, backend).split(INTER, dim=-1)
+                y = dense(torch.nn.functional.silu(gate) * up, q2, backend)
+                want.index_add_(0, tok, y.float() * w[tok, pos, None].float())
+            assert torch.equal(out, want.to(out.dtype)), (name, c)
+            probs = torch.softmax((x @ gate_w.t()).float(), dim=-1)
+            ref_ids = probs.topk(2, dim=-1).indices
+            same_route += int((ref_ids.sort(-1).values == ids.long().sort(-1).values).all(-1).sum())
+            routed += x.shape[0]
+            calls += 1
+    assert calls >= 2 * MAX_TOKENS  # prefill + every decode step, in both MoE layers
+    print(f"moe routing: {same_route}/{routed} tokens with the BF16 torch router's experts")
+    assert same_route >= 0.9 * routed
