@@ -31,6 +31,7 @@ PY
 tests=(tests/fp8/test_triton_kernels.py tests/fp8/test_triton_large_offsets.py
   tests/fp8/test_fp8_gemm_backends.py tests/fp8/test_fp8_dispatch.py
   tests/fp8/test_fp8_serving_path.py tests/fp8/test_fp8_linear.py
-  tests/fp8/test_fp8_linear_sync_free.py tests/fp8/test_sync_check.py)
+  tests/fp8/test_fp8_linear_sync_free.py tests/fp8/test_sync_check.py
+  tests/fp8/test_fp8_experts.py tests/fp8/test_fp8_experts_triton.py)
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m pytest -ra -p no:cacheprovider \
   "${tests[@]}" "$@"

@@ -166,6 +166,10 @@ def test_triton_path_reads_nothing_on_the_host(triton_backend, monkeypatch):
         got = _run(x, w, dy, offsets, config)
     assert mode.ops_seen > 0
     assert all(_same(a, b) for a, b in zip(got, want, strict=True))
+    qw = experts.quantize_expert_weights(w, config, "moe")  # refit: checked, reads the host
+    with no_host_reads():
+        served = experts.grouped_fp8_linear_inference(x, qw, offsets, config, "moe")
+    assert _same(served, got[0])
     finite_flags.check_non_finite()  # all finite
     x[300, 3] = float("nan")  # expert 4 (offsets 0, 129, 129, 130, 257)
     with no_host_reads():
