@@ -62,6 +62,7 @@ import torch
 from nemo_jetrl.fp8 import finite_flags
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.dispatch import quantize_blockwise
+from nemo_jetrl.fp8.formats import Fp8Format
 from nemo_jetrl.fp8.grouped_tensors import (
     GroupedQuantizedWeights,
     GroupedTokenBlocks,
@@ -70,6 +71,7 @@ from nemo_jetrl.fp8.grouped_tensors import (
     raise_non_finite_expert,
 )
 from nemo_jetrl.fp8.linear import check_fp8_dims
+from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.spec import BLOCK, WEIGHT_BLOCK
 from nemo_jetrl.fp8.staging import quantized_weight_problem
 
@@ -108,7 +110,9 @@ def _ops(x: torch.Tensor) -> ModuleType:
     return experts_reference
 
 
-def _check_inputs(x: torch.Tensor, n: int, k: int, e: int, offsets: torch.Tensor, name: str):
+def _check_inputs(
+    x: torch.Tensor, n: int, k: int, e: int, offsets: torch.Tensor, name: str
+) -> None:
     check_fp8_dims(k, n, name)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{name}: x must be [M, {k}], got {tuple(x.shape)}")
@@ -128,7 +132,10 @@ def _check_inputs(x: torch.Tensor, n: int, k: int, e: int, offsets: torch.Tensor
         )
 
 
-def _quantize_rows(ops: ModuleType, t: torch.Tensor, offsets, fmt, config, name, what):
+def _quantize_rows(
+    ops: ModuleType, t: torch.Tensor, offsets: torch.Tensor, fmt: Fp8Format,
+    config: Fp8LinearConfig, name: str, what: str,
+) -> BlockQuantized:  # fmt: skip
     """1x128 per token; non-finite input raises (CPU) or is flagged per expert (CUDA)."""
     deferred = finite_flags.sync_free(t)
     q = ops.quantize_rows(
@@ -142,7 +149,10 @@ def _quantize_rows(ops: ModuleType, t: torch.Tensor, offsets, fmt, config, name,
     return q
 
 
-def _quantize_tokens(ops: ModuleType, t: torch.Tensor, offsets, fmt, config, name, what):
+def _quantize_tokens(
+    ops: ModuleType, t: torch.Tensor, offsets: torch.Tensor, fmt: Fp8Format,
+    config: Fp8LinearConfig, name: str, what: str,
+) -> GroupedTokenBlocks:  # fmt: skip
     """128x1 per expert (WGrad); non-finite handling as `_quantize_rows`."""
     deferred = finite_flags.sync_free(t)
     q: GroupedTokenBlocks = ops.quantize_tokens(
@@ -157,7 +167,9 @@ def _quantize_tokens(ops: ModuleType, t: torch.Tensor, offsets, fmt, config, nam
     return q
 
 
-def _quantize_experts(ops: ModuleType, weight: torch.Tensor, config, name, *, pair: bool):
+def _quantize_experts(
+    ops: ModuleType, weight: torch.Tensor, config: Fp8LinearConfig, name: str, *, pair: bool
+) -> tuple[GroupedQuantizedWeights, GroupedQuantizedWeights]:
     """(W, W.t()) per expert, 128x128; ``pair`` asks for a contiguous W.t() (DGrad)."""
     deferred = finite_flags.sync_free(weight)
     qw, qwt = ops.quantize_experts(
@@ -170,7 +182,10 @@ def _quantize_experts(ops: ModuleType, weight: torch.Tensor, config, name, *, pa
     return qw, qwt
 
 
-def _fprop(ops, qx, qw, offsets, bias, out_dtype, exact: bool) -> torch.Tensor:
+def _fprop(
+    ops: ModuleType, qx: BlockQuantized, qw: GroupedQuantizedWeights, offsets: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, exact: bool,
+) -> torch.Tensor:  # fmt: skip
     """The forward GEMM shared by training and rollout (so both give the same bits)."""
     if bias is None:
         return ops.gemm_rows(qx, qw, offsets, out_dtype=out_dtype, exact=exact)
