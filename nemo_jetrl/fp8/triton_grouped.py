@@ -23,7 +23,9 @@ The GEMMs take each 128-wide tile's fp32 dot ``p`` of the codes (FP8 tensor core
 `triton_gemm.native_dot` allows, else exact 256-entry value tables) and accumulate
 ``acc = fma(p * sa, sb, acc)``: TE's order, `gemm.blockwise_matmul(exact=True)`'s. They equal the
 reference bit for bit whenever ``p`` is exact in fp32 (any order sums it the same); otherwise
-only the order inside a tile's dot differs.
+only the order inside a tile's dot differs. ``exact`` is accepted and ignored (as by the dense GPU
+GEMMs). Tile shapes are fixed, never chosen from M or the expert counts, so a token's arithmetic
+does not change with the batch it arrives in (rollout and training run the same program shapes).
 """
 
 from __future__ import annotations
