@@ -14,8 +14,10 @@ linear_num_value_heads:
 (`dt_bias`, `A_log` and the gated norm are per-head vectors, not linears.) Full-attention
 layers are the dense family's, with an output gate (q_proj twice as wide).
 
-The vision tower (`model.visual`, from `vision_config`) stays BF16 on both sides: vLLM does
-not quantize it under block FP8 and Megatron's decoder FP8 does not reach it. Its layers:
+The vision tower (`model.visual`, from `vision_config`) is BF16 in training (Megatron's
+decoder FP8 does not reach it); vLLM hands the tower its quant_config, so the rollout keeps it
+BF16 only when `quantization_ignored_layer_kws` names "visual" (NeMo-RL's Qwen3.5 configs do).
+Its layers:
 `patch_embed.proj` (Conv3d), `pos_embed`, per block `attn.qkv`, `attn.proj`,
 `mlp.linear_fc1/2`, then `merger.linear_fc1/2`.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_jetrl.arch.keys import Keys
-from nemo_jetrl.arch.linear import CONV_BF16, VISION_BF16, Linear
+from nemo_jetrl.arch.linear import CONV_BF16, VISION_BF16, VISION_WORD, Linear
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -132,7 +134,7 @@ class VisionSpec:
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     num_position_embeddings: int = 2304
-    prefix: str = "model.visual"
+    prefix: str = f"model.{VISION_WORD}"
 
     def linears(self) -> list[Linear]:
         """Every layer of the tower with weights, BF16 on both sides."""

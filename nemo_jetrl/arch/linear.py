@@ -9,11 +9,13 @@ A linear belongs to one *group*, the row `jetrl check` gives a verdict for:
     router          the MoE router `mlp.gate`: BF16/FP32 on both sides, never FP8
     shared_experts  experts every token passes through (`shared_expert(s)`, `shared_expert_gate`)
     linear_attn     gated linear attention (Qwen3-Next / Qwen3.5 `linear_attn.*`)
-    vision          the vision tower (`visual`): outside the decoder, BF16 on both sides
+    vision          the vision tower (`visual`): BF16 in training; BF16 in the rollout when
+                    its per-name list names "visual" (vLLM quantizes it otherwise)
     embed_tokens, lm_head   always BF16
 
-`bf16_why` marks what never runs FP8 whatever the recipe says (the router, a depthwise
-convolution, the vision tower), so the flow draws it BF16 on both sides and says why.
+`bf16_why` marks what a recipe's decoder FP8 never reaches (the router, a depthwise
+convolution, the vision tower), so the flow draws it BF16 and says why; the vision tower is
+the one exception in the rollout (see `VISION_BF16`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ GROUPS = (
 
 ROUTER_BF16 = "the MoE router stays BF16/FP32 on both sides (never FP8)"
 CONV_BF16 = "a depthwise convolution, not a GEMM: no FP8 kernel on either side"
-VISION_BF16 = "the vision tower is outside the decoder: BF16 on both sides"
+VISION_WORD = "visual"
+"""The vision tower's module name (`model.visual`), the word NeMo-RL lists to keep it BF16."""
+VISION_BF16 = (
+    "the vision tower: BF16 in training (outside the decoder's FP8 linears); vLLM passes its "
+    f"quant_config to the tower, so the rollout keeps it BF16 only when its per-name list "
+    f"names {VISION_WORD!r}"
+)
 
 
 class ArchError(ValueError):

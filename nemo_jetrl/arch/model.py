@@ -10,7 +10,7 @@ weight blocks tile it exactly). `ModelArch.from_hf_config` turns the keys of a m
 - MLP: dense (`dense.mlp_linears`) or, on an MoE model's MoE layers, router + experts +
   shared experts (`moe`);
 - outside the decoder: embeddings, ``lm_head`` (always BF16) and a vision tower (`hybrid`,
-  BF16 on both sides).
+  BF16 in training; in the rollout when its per-name list names "visual").
 
 Weights are [out_features, in_features] as in torch; names are transformers 5's parameter
 names (`model.layers.{i}....`; Qwen3.5's multimodal checkpoints: `model.language_model.layers`).
@@ -27,7 +27,7 @@ from typing import Any
 from nemo_jetrl.arch.dense import attention_linears, mlp_linears
 from nemo_jetrl.arch.hybrid import HybridSpec, VisionSpec, read_hybrid, read_vision
 from nemo_jetrl.arch.keys import Keys
-from nemo_jetrl.arch.linear import ArchError, Linear
+from nemo_jetrl.arch.linear import VISION_WORD, ArchError, Linear
 from nemo_jetrl.arch.mla import MlaSpec, read_mla
 from nemo_jetrl.arch.moe import MoeSpec, read_moe
 
@@ -152,7 +152,7 @@ class ModelArch:
             text, prefix = config["text_config"], "model.language_model"
             if isinstance(config.get("vision_config"), Mapping):
                 vk = Keys(config["vision_config"], f"{label} vision_config")
-                vision = read_vision(vk, "model.visual")
+                vision = read_vision(vk, f"model.{VISION_WORD}")
                 vk.raise_if_any()
         keys = Keys(text, label)
         mt = str(text.get("model_type") or config.get("model_type") or "llama")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_jetrl.arch.linear import VISION_WORD
 from nemo_jetrl.config import schema as S
 
 ROLLOUT_KEY = S.VLLM_IGNORED_KWS
@@ -87,6 +88,14 @@ def per_name_mismatch(linear_name: str, train: Any, rollout: Any) -> tuple | Non
     (the flow's mismatch shape), else None. The fix copies the other side's list: Jet-RL keeps
     the user's BF16 choice and makes training match it."""
     in_train, in_roll = train.keeps_bf16(linear_name), rollout.keeps_bf16(linear_name)
+    if f".{VISION_WORD}." in linear_name and not in_roll:  # training: BF16 without a list
+        return (
+            f"vLLM quantizes the vision tower in an FP8 rollout unless {ROLLOUT_KEY} names "
+            f"{VISION_WORD!r}; training keeps it BF16",
+            (ROLLOUT_KEY,),
+            (f"add {VISION_WORD!r} to {ROLLOUT_KEY}",),
+            "always",
+        )
     if in_train == in_roll:
         return None
     side, other = ("rollout", "training") if in_roll else ("training", "rollout")

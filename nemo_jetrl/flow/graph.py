@@ -247,15 +247,20 @@ def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
 
 
 def bf16_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
-    """Embedding lookup, lm_head and the vision tower: BF16 on every side, always."""
-    del recipe
+    """Embedding lookup and lm_head: BF16 on every side, always; the vision tower: BF16 in
+    training, FP8 in an FP8 rollout unless its per-name list keeps it (`arch.linear`)."""
     roles = ("weight", "input") if phase != "train_bwd" else ("dgrad.grad_output",)
     out = [Edge(f"{arch.prefix}.embed_tokens", "weight", None, "embed", "embed_tokens", BF16)]
     out += [Edge("lm_head", r, None, "lm_head", "lm_head", BF16) for r in roles]
     if phase == "train_bwd":
         return out[1:]
+    side = recipe.rollout
     for lin in arch.nondecoder_linears():
-        out += [Edge(lin.name, r, None, lin.group, lin.kind, BF16) for r in ("weight", "input")]
+        # The vision tower: BF16 in training; vLLM quantizes it unless the list names it.
+        fp8 = phase == "rollout" and side.fp8_linears and not side.keeps_bf16(lin.name)
+        w, x = _fwd_precisions(side, side.quantizer) if fp8 else (BF16, BF16)
+        out += [Edge(lin.name, "weight", None, lin.group, lin.kind, w)]
+        out += [Edge(lin.name, "input", None, lin.group, lin.kind, x)]
     return out
 
 

@@ -44,11 +44,24 @@ def test_hybrid_groups_kv_only_on_full_attention_and_vision_bf16():
     assert kv_layers == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39]
     conv = [e for e in flow.edges if e.kind == "conv1d"]
     assert conv and all(not e.precision.is_fp8 for e in conv)
+    # vLLM quantizes the vision tower unless the rollout's list names "visual".
     vision = [e for e in flow.edges if e.group == "vision"]
-    assert vision and all(not e.precision.is_fp8 for e in vision)
-    g = _by_group(QWEN35, "jetrl")
-    assert g["linear_attn"].same and g["vision"].same and g["vision"].layers == "-"
+    assert vision and all(e.precision.is_fp8 for e in vision)
+    train = build_flow(QWEN35, Recipe.preset("jetrl_kv"), "train_fwd")
+    assert all(not e.precision.is_fp8 for e in train.edges if e.group == "vision")
+    check = check_on_policy(QWEN35, Recipe.preset("jetrl"))
+    g = {v.group: v for v in group_verdicts(check)}
+    assert g["linear_attn"].same and not g["vision"].same and g["vision"].layers == "-"
     assert {"router", "experts", "shared_experts", "attn"} <= set(g)
+    why = [m for m in check.mismatches if any(op.startswith("vision") for op in m.operands)]
+    assert why and "names 'visual'" in why[0].reason
+    assert why[0].fixes == (
+        "add 'visual' to policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+    )
+    kept = Recipe.preset("jetrl")
+    kept = kept.with_(rollout=kept.rollout.with_(bf16_layer_kws=("visual",)))
+    g = {v.group: v for v in group_verdicts(check_on_policy(QWEN35, kept))}
+    assert g["vision"].same and g["vision"].rollout == "BF16"
 
 
 @pytest.mark.parametrize(("value", "word"), [(True, "REPLAYED"), (None, "NOT replayed")])
