@@ -24,10 +24,9 @@ Fusions. ``linear_qkv`` interleaves per KV group ``g``: rows ``[q heads of g (np
 ``q_proj`` (all query heads in order), ``k_proj``, ``v_proj`` separate. ``linear_fc1`` is
 ``[gate; up]`` stacked along rows (SwiGLU).
 
-FP8 for refit. The rollout engine holds the *HF* weights (vLLM fuses them again as ``qkv_proj`` =
-``[q; k; v]`` and ``gate_up_proj``, loading each shard with its own block scales), so the
-quantization that matters is ``quantize_blockwise(hf_weight, (128, 128))`` of every unfused FP8
-weight, with the rollout's scale rule. `export_hf` produces exactly that from the master weights.
+FP8 for refit. The rollout engine holds the *HF* weights (re-fused by vLLM, each shard with its
+own block scales), so what matters is ``quantize_blockwise(hf_weight, (128, 128))`` of every
+unfused FP8 weight in the rollout's scale rule: `export_hf` (MoE: ``moe.export_moe_hf``).
 
 From TE's own FP8 weights (``fp8_param``). TE quantized the *fused* Megatron weight in 128x128
 blocks with the same formula. When every fused boundary falls on a 128-row boundary (``hd`` and the
@@ -246,15 +245,18 @@ def export_hf(
     layer_offset: int = 0,
     dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[dict[str, torch.Tensor], dict[str, BlockQuantized]]:
-    """Refit payload from master weights: ``(tensors, quantized)``.
-
-    ``tensors`` is the flat HF-named dict an engine loads: FP8 weights as float8 data plus
-    ``*.weight_scale_inv`` (fp32, compact ``[ceil(N/128), ceil(K/128)]``, vLLM's layout), every
-    other tensor in ``dtype``. ``quantized`` holds the same FP8 weights as `BlockQuantized`.
-    Quantization: 128x128 blocks, E4M3, the rollout side's weight scale rule.
-    """
+    """Refit payload from master weights: ``(tensors, quantized)``. ``tensors``: the flat HF dict
+    an engine loads, FP8 weights as float8 data plus ``*.weight_scale_inv`` (fp32, compact
+    ``[ceil(N/128), ceil(K/128)]``, vLLM's layout), the rest in ``dtype``; ``quantized``: the FP8
+    weights as `BlockQuantized` (128x128 blocks, E4M3, the rollout side's weight scale rule)."""
     hf = megatron_to_hf(state_dict, shape, layer_offset=layer_offset)
-    fp8_names = set(fp8_weight_names(hf, recipe, shape.num_layers))
+    return quantize_hf(hf, set(fp8_weight_names(hf, recipe, shape.num_layers)), recipe, dtype)
+
+
+def quantize_hf(
+    hf: Mapping[str, torch.Tensor], fp8_names: set[str], recipe: Recipe, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, BlockQuantized]]:
+    """`export_hf`'s payload from HF-named tensors: ``fp8_names`` quantized (rollout's rule)."""
     pow2 = recipe.rollout.pow2_weight_scales
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, BlockQuantized] = {}
