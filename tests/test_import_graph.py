@@ -1,7 +1,8 @@
 """The package's import graph, read with `ast` (lazy imports inside functions included).
 
-Rules: no import cycle; `nemo_jetrl.fp8` imports nothing else of the package; at most 8
-top-level modules beside `__init__.py`; no module over 400 lines.
+Rules: no import cycle; `nemo_jetrl.fp8` imports nothing else of the package; `nemo_jetrl.arch`
+imports only `nemo_jetrl.fp8.spec`; at most 8 top-level modules beside `__init__.py`; no module
+over 400 lines.
 """
 
 from __future__ import annotations
@@ -130,3 +131,18 @@ def test_no_module_over_400_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def test_arch_is_a_leaf_beside_fp8():
+    """Model descriptions (`nemo_jetrl.arch`) are read by config, flow and the backends; they
+    import only `nemo_jetrl.fp8.spec` (the block size), so no family can pull config or flow
+    logic in (or a cycle through them)."""
+    outside = {
+        (m, t)
+        for m, targets in _graph().items()
+        if m.startswith("nemo_jetrl.arch")
+        for t in targets
+        if t not in ("nemo_jetrl", "nemo_jetrl.fp8", "nemo_jetrl.fp8.spec")
+        and not t.startswith("nemo_jetrl.arch")
+    }
+    assert not outside, sorted(outside)
