@@ -306,6 +306,41 @@ def test_planted_router_divergence_is_measured_every_step_with_and_without_repla
             assert h["train/token_mult_prob_error"] > 1.0  # the router itself differs
 
 
+def test_moe_resume_with_replay_reproduces_the_uninterrupted_run(tmp_path, cache_dir):
+    """Routing is per step (recorded, replayed, compared, dropped): nothing of it needs a
+    checkpoint, and a resumed replay run repeats the uninterrupted one exactly."""
+    replay = ("policy.router_replay.enabled=true", "grpo.val_period=2")
+    full = _moe_run("fp8_rollout", tmp_path / "full", cache_dir, "grpo.max_num_steps=3", *replay)
+    _moe_run("fp8_rollout", tmp_path / "part", cache_dir, "grpo.max_num_steps=2", *replay)
+    from nemo_jetrl.config import load_config
+
+    cfg = load_config(
+        MOE_EXAMPLE / "fp8_rollout.yaml",
+        [*TINY_OVERRIDES, f"jetrl.local.model_config={QWEN3_MOE_JSON}",
+         f"jetrl.local.cache_dir={cache_dir}", f"logger.log_dir={tmp_path / 'part' / 'run'}",
+         "grpo.max_num_steps=3", *replay],
+    )  # fmt: skip
+    second = run_local(cfg, resume=True, progress=False, log=print)
+    assert second.first_step == 2 and second.last_step == 3
+    keep = ("train/", "jetrl/moe/")
+    a = {k: v for k, v in full.history[2].items() if k.startswith(keep)}
+    b = {k: v for k, v in second.history[0].items() if k.startswith(keep)}
+    assert a == b and ROUTING_MISMATCH in a
+
+
+def test_bf16_moe_example_trains_from_the_cli(cli, tmp_path, cache_dir):
+    from nemo_jetrl.runs.logs import read_scalars
+
+    code, out = cli(
+        "train", "--no-progress", MOE_EXAMPLE / "bf16.yaml", *TINY_OVERRIDES,
+        f"jetrl.local.model_config={QWEN3_MOE_JSON}", f"jetrl.local.cache_dir={cache_dir}",
+        f"logger.log_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert code == 0, out
+    scalars, _ = read_scalars(tmp_path / "run")
+    assert [int(s) for s in scalars[ROUTING_MISMATCH].steps] == [1, 2]
+
+
 # ---------------------------------------------------------------------------------- config
 
 
