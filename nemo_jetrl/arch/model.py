@@ -146,15 +146,16 @@ class ModelArch:
         (Qwen2/3-MoE, Mixtral, DeepSeek-V3/Moonlight), hybrid (Qwen3-Next, Qwen3.5 with its
         vision tower). Every problem is reported together, naming its key."""
         label = str(name or config.get("_name_or_path") or config.get("model_type", "model"))
-        text, prefix, vision = config, "model", None
+        text, prefix, vision, vk = config, "model", None, None
         if isinstance(config.get("text_config"), Mapping):
             # Multimodal layout (Qwen3.5): decoder under text_config, tower under vision_config.
             text, prefix = config["text_config"], "model.language_model"
             if isinstance(config.get("vision_config"), Mapping):
-                vk = Keys(config["vision_config"], f"{label} vision_config")
+                vk = Keys(config["vision_config"], label)
                 vision = read_vision(vk, f"model.{VISION_WORD}")
-                vk.raise_if_any()
         keys = Keys(text, label)
+        if vk is not None:
+            keys.problems += [f"vision_config.{x}" for x in vk.problems]
         mt = str(text.get("model_type") or config.get("model_type") or "llama")
         missing = [
             k
@@ -164,7 +165,8 @@ class ModelArch:
         if missing:
             raise ArchError(f"config of {label!r} lacks {', '.join(missing)}")
         hidden, layers = keys.int("hidden_size"), keys.int("num_hidden_layers")
-        heads = keys.int("num_attention_heads")
+        heads, vocab = keys.int("num_attention_heads"), keys.int("vocab_size")
+        kv_heads = keys.int("num_key_value_heads", heads)
         keys.raise_if_any()
         moe = read_moe(keys, mt, layers)
         dense_layers = layers - (len(moe.moe_layers) if moe else 0)
@@ -194,9 +196,9 @@ class ModelArch:
             intermediate_size=inter,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=int(head_dim),
-            vocab_size=int(text["vocab_size"]),
+            vocab_size=vocab,
             tie_word_embeddings=bool(
                 config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
             ),

@@ -121,3 +121,21 @@ def test_cli_unaligned_experts_refused_like_dense_linears(cli, tmp_path):
     assert "mlp.experts.gate_up_proj 192x256" in out and "jetrl.unaligned_layers=bf16" in out
     code, out = cli("check", f"{EX}/bf16.yaml", path)  # BF16: nothing to tile
     assert code == 0, out
+
+
+def test_vision_and_text_problems_are_reported_together():
+    cfg = {
+        "model_type": "qwen3_5",
+        "text_config": {**_hybrid(), "vocab_size": "many", "num_key_value_heads": 0},
+        "vision_config": {"depth": 0, "hidden_size": 64, "intermediate_size": 128},
+    }
+    with pytest.raises(ArchError) as exc:
+        ModelArch.from_hf_config(cfg, name="m")
+    msg = str(exc.value)
+    for n in (
+        "vision_config.depth=0",
+        "vision_config.out_hidden_size is missing",
+        "vocab_size='many'",
+        "num_key_value_heads=0",
+    ):
+        assert n in msg, msg
