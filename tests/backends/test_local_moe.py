@@ -366,3 +366,9 @@ def test_bad_moe_combinations_exit_2_naming_the_key(cli, tmp_path):
     bad.write_text(json.dumps(json.loads(QWEN3_MOE_JSON.read_text()) | {"num_experts_per_tok": 5}))
     out = _refused(cli, tmp_path, f"jetrl.local.model_config={bad}")
     assert "jetrl.local.model_config" in out and "num_experts_per_tok=5" in out
+    aux = tmp_path / "aux.json"
+    aux.write_text(
+        json.dumps(json.loads(QWEN3_MOE_JSON.read_text()) | {"output_router_logits": True})
+    )
+    out = _refused(cli, tmp_path, f"jetrl.local.model_config={aux}")
+    assert "output_router_logits=true" in out

@@ -6,8 +6,8 @@ model's config.json (``jetrl.local.model_config``). Refused, each naming the key
 - ``policy.router_replay.enabled`` true for a dense model (not true/false: the typed schema);
 - an MoE model with ``jetrl.local.rollout_engine: vllm`` (the vLLM rollout runs dense models);
 - an MoE config.json with ``num_experts_per_tok`` outside [1, experts], Mixtral's
-  ``router_jitter_noise`` above 0 (random routing in training forwards), or an activation other
-  than silu.
+  ``router_jitter_noise`` above 0 (random routing in training forwards), an activation other
+  than silu, or ``output_router_logits: true`` (an auxiliary loss nothing here computes).
 """
 
 from __future__ import annotations
@@ -96,5 +96,14 @@ def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
     if act != "silu":
         issues.append(
             ConfigIssue(where, f"{path}: hidden_act={act!r}; MoE experts here support silu only")
+        )
+    if model.get("output_router_logits") is True:
+        issues.append(
+            ConfigIssue(
+                where,
+                f"{path}: output_router_logits=true asks HF's forward for a load-balancing loss "
+                "the GRPO loss does not use (the swapped MoE blocks do not feed it); set it to "
+                "false",
+            )
         )
     return issues
