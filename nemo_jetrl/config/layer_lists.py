@@ -73,11 +73,12 @@ def _split_group(side: Any, arch: Any) -> str | None:
     for layer in range(arch.num_layers):
         names = {lin.kind: lin.name for lin in arch.layer_linears(layer)}
         for group in FUSED_GROUPS:
-            kept = [k for k in group if k in names and side.keeps_bf16(names[k])]
-            if kept and len(kept) < len(group):
+            present = [k for k in group if k in names]  # Moonlight has no q_a_proj
+            kept = [k for k in present if side.keeps_bf16(names[k])]
+            if kept and len(kept) < len(present):
                 return (
                     f"keeps {kept} of layer {layer} BF16 but not "
-                    f"{[k for k in group if k not in kept]}: vLLM and Megatron run "
+                    f"{[k for k in present if k not in kept]}: vLLM runs "
                     f"{'/'.join(group)} as one fused GEMM; list all of them or none"
                 )
     return None

@@ -168,3 +168,15 @@ def test_half_of_a_vllm_fused_group_kept_bf16_is_refused(cli, model, words, spli
     key = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
     code, out = cli("check", f"{EX}/bf16.yaml", f"policy.model_name={model}", f"+{key}={words}")
     assert code == 2 and key in out and split in out and "one fused GEMM" in out
+
+
+def test_moonlight_without_q_lora_keeps_kv_a_proj_alone(cli):
+    # No q_a_proj in Moonlight: its kv_a_proj_with_mqa is not fused with anything in vLLM.
+    key = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
+    code, out = cli(
+        "check",
+        f"{EX}/bf16.yaml",
+        "policy.model_name=moonshotai/Moonlight-16B-A3B-Instruct",
+        f"+{key}=[a_proj,b_proj]",
+    )
+    assert code == 0 and "fused GEMM" not in out, out
