@@ -107,6 +107,19 @@ def test_block_computes_hf_forward_and_swap_is_reversible(kind):
     assert all(model.get_submodule(n) is m for n, m in hf_blocks.items())
 
 
+def test_batch_invariance_refuses_unswapped_hf_blocks_and_switches_swapped_ones():
+    model = build_model(_moe_config("mixtral"), seed=0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp \(MixtralSparseMoeBlock\)"):
+        make_batch_invariant(model)
+    convert_moe_blocks(model, Recipe.preset("bf16").train, None)
+    blocks = moe_blocks(model)
+    assert not any(b.invariant or b.experts.invariant for b in blocks)
+    handle = make_batch_invariant(model)
+    assert all(b.invariant and b.experts.invariant for b in blocks)
+    handle.restore()
+    assert not any(b.invariant or b.experts.invariant for b in blocks)
+
+
 def test_topk_ties_go_to_the_lower_expert_and_routing_is_batch_invariant():
     probs = torch.tensor([[0.1, 0.3, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25]])
     assert imoe.top_k(probs, 2).tolist() == [[1, 2], [0, 1]]
