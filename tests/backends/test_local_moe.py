@@ -146,6 +146,14 @@ def test_experts_fp8_exactly_where_dense_linears_are_router_never():
     handle = convert_moe_blocks(model, side, side_fp8_config(side))
     assert handle.fp8 == ["model.layers.1.mlp.experts.gate_up_proj"]
     assert "model.layers.1.mlp.experts.down_proj" in handle.kept  # as the dense down_proj
+    # BF16 first/last layers: the experts of those layers stay BF16 too
+    first = r.train.with_(bf16_first_layers=1)
+    mix = tiny_hf_model(_moe_config("mixtral"), seed=0, dtype=torch.bfloat16)
+    h1 = convert_moe_blocks(mix, first, side_fp8_config(first))
+    assert h1.fp8 == [f"model.layers.1.mlp.experts.{w}" for w in ("gate_up_proj", "down_proj")]
+    assert set(h1.kept) == {
+        f"model.layers.0.mlp.experts.{w}" for w in ("gate_up_proj", "down_proj")
+    }
     # dims that do not tile 128 keep experts BF16, reported
     small = tiny_hf_model(_moe_config("mixtral", intermediate_size=96), seed=0)
     h2 = convert_moe_blocks(small, r.train, side_fp8_config(r.train))
