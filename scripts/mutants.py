@@ -37,6 +37,9 @@ T_PARITY = ("tests/vllm_patch/test_parity_unit.py",)
 T_ROLLBACK = ("tests/vllm_patch/test_rollback_unit.py",)
 T_NRL_KV = ("tests/backends/test_nemo_rl_kv.py",)
 T_TE = ("tests/megatron/test_te_layout_from_te.py",)  # TE 2.20.2's own layout code
+# A real vLLM engine's attention output under set KV scales (an FP8 KV cache runs on AVX-512 /
+# AMX CPUs; elsewhere the test checks vLLM's refusal, so each mutant also lists a default test).
+T_VLLM_KV = ("tests/vllm_patch/test_vllm_kv_cpu.py::test_jetrl_kv_engine_on_this_cpu",)
 
 CONTROLS = [
     Mutant(
@@ -343,6 +346,27 @@ MUTANTS = [
         "s, block = t.rowwise_scale_inv[: _cdiv(m, 128), : _cdiv(k, 128)], (128, 128)",
         "s, block = t.rowwise_scale_inv[: _cdiv(k, 128), : _cdiv(m, 128)].t(), (128, 128)",
         T_TE,
+    ),
+    # ---- what a set KV scale does in vLLM's CPU attention
+    Mutant(
+        "KV CPU cache model rounds to nearest (vLLM's CPU kernel truncates)",
+        "nemo_jetrl/kvcache/quant.py",
+        'if kernel == "cuda":',
+        "if kernel in KERNELS:",
+        (*T_VLLM_KV, "tests/kvcache/test_kvcache_quant.py"),
+        env="vllm",
+    ),
+    Mutant(
+        "KV scale's host float not updated (vLLM's CPU attention reads it)",
+        "nemo_jetrl/vllm_patch/compat.py",
+        'setattr(module, f"_{k}_scale_float", val)',
+        "pass",
+        (
+            *T_VLLM_KV,
+            "tests/vllm_patch/test_vllm_patch_unit.py"
+            "::test_set_attention_kv_scales_writes_every_copy_each_vllm_line_keeps",
+        ),
+        env="vllm",
     ),
     # ---- vLLM patch: refit parity and rollback
     Mutant(

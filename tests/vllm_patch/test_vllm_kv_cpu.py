@@ -3,8 +3,10 @@ can, refused (never silently run in BF16) where it cannot.
 
 Whether vLLM runs an FP8 KV cache here is asked of vLLM (``compat.cpu_fp8_kv_cache``: its CPU
 attention's own ISA choice), never assumed. Where it can (vLLM >= 0.25 on x86 with AVX-512 or
-AMX), the engine starts with an FP8 KV cache, takes calibrated q/k/v scales at refit, and every
-attention layer reads them back. Where it cannot, behaviour differs by vLLM version:
+AMX), the engine starts with an FP8 KV cache, takes calibrated q/k/v scales at refit, every
+attention layer reads them back, and layer 0's attention output under four scale settings is
+the float64 attention on K/V through the FP8 cache that those scales predict (kv_effect.py).
+Where it cannot, behaviour differs by vLLM version:
 
 * vLLM 0.25's and 0.32's CPU attention refuses an FP8 KV cache it cannot run (needs AVX-512 or
   AMX) with its own error at engine start.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 
+import kv_effect
 import pytest
 import torch
 from vllm_fixtures import vllm_cpu_env
@@ -59,7 +62,7 @@ def test_our_fp8_kv_answer_is_vllms():
     assert not ok16 and "head_size divisible by 32" in why16
 
 
-def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd):
+def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd, monkeypatch):
     import vllm
     from hf_models import char_tokenizer, tiny_llama_128
     from test_vllm_engine import USER_KWARGS
@@ -82,6 +85,7 @@ def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd):
     recipe = Recipe.preset("jetrl_kv")
     if ok:  # vLLM runs an FP8 KV cache here: the trainer's scales reach every attention layer
         scales = {0: {"q": 0.02, "k": 0.03125, "v": 0.0075}, 1: {"q": 0.5, "k": 0.25, "v": 0.1}}
+        monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # kv_effect's closures
         with VllmRolloutEngine(tmp_path, recipe, engine_kwargs=kw) as eng:
             assert engine_kv_cache_dtype(eng.llm).startswith("fp8")
             rep = eng.refit(tiny_llama_128(1).state_dict(), kv_scales=scales)
@@ -97,6 +101,13 @@ def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd):
             gens = eng.generate([[1, 40, 41, 42]], max_tokens=4, temperature=0.0, seed=0)
             assert len(gens[0].token_ids) == 4
             assert all(math.isfinite(v) and v <= 0 for v in gens[0].logprobs)
+            effect = kv_effect.run(
+                eng,
+                lambda: eng.generate([kv_effect.PROMPT], max_tokens=1, temperature=0.0, seed=0),
+                head_dim=128,
+            )
+            # The scales change vLLM's attention output as FP8 K/V under them predict.
+            assert kv_effect.problems(effect) == [], effect
         assert ENV_VAR not in os.environ and registered_kernel() is None  # patch reverted
         return
     if release(vllm.__version__) < (0, 21, 0):
