@@ -179,6 +179,27 @@ def test_experts_fp8_exactly_where_dense_linears_are_router_never():
     assert isinstance(tm.get_submodule("model.layers.0.mlp.down_proj"), Fp8BlockLinear)
 
 
+def test_routing_mismatch_counts_slots_of_real_response_tokens_only():
+    model = build_model(_moe_config("qwen3_moe"), seed=0, dtype=torch.bfloat16)
+    convert_moe_blocks(model, Recipe.preset("bf16").train, None)
+    ctl = RoutingController(model, model, replay=False)
+    P, R = 3, 4  # positions P-1 .. P+R-2 produce the R response logprobs
+    roll = torch.zeros(2, P + R - 1, 2, dtype=torch.int32)
+    roll[..., 1] = 1
+    own = torch.cat([roll, roll[:, :1]], dim=1).clone()  # the trainer sees one more position
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    own[1, P - 1 + 3, 0] = 3  # differs after row 1's <eos>: padding, not counted
+    own[0, 0, :] = 2  # differs inside the prompt: not counted
+    own[0, P + R - 1] = 3  # the last position: the rollout never computed it
+    ctl.rollout_choices, ctl.train_choices = [roll], [own]
+    assert ctl.metrics(P, mask) == {ROUTING_MISMATCH: 0.0}
+    own[0, P - 1, :] = torch.tensor([1, 0], dtype=torch.int32)  # same set, other order: same
+    assert ctl.metrics(P, mask) == {ROUTING_MISMATCH: 0.0}
+    own[0, P, 1] = 2  # one slot of one real token (5 tokens x 2 slots)
+    own[1, P, :] = 3  # both slots of another
+    assert ctl.metrics(P, mask) == {ROUTING_MISMATCH: 3 / 10}
+
+
 @pytest.mark.parametrize("recipe", ["jetrl", "fp8_rollout"])
 def test_rollout_expert_bytes_are_the_trainers_quantization(recipe):
     rm, tm, _, _ = _pair("mixtral", recipe)
