@@ -119,6 +119,17 @@ def test_recipe_and_engine_disagreeing_on_expert_precision_is_refused(grouped):
         quantize_batch(batch, MoeModel(fp8=False), FP32, None)
 
 
+def test_an_expert_the_engine_does_not_hold_is_refused_by_name():
+    """An engine with 2 experts per layer (as one expert-parallel rank holds) gets 4: experts 2
+    and 3 are named, nothing is loaded."""
+    model = MoeModel(e=2)
+    w = trainer_weights(MoeModel(), 8)
+    batch = [(k, v) for k, v in w.items() if "layers.0" in k]
+    with pytest.raises(RefitError, match=r"experts\.3\.down_proj\.weight: .*engine holds None"):
+        quantize_batch(batch, model, FP32, None)
+    assert model.loaded == []
+
+
 # --- NeMo-RL's real code -------------------------------------------------------------------
 
 

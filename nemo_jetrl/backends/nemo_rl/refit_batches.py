@@ -56,11 +56,11 @@ class SentTensors:
 
 
 def _engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
-    if refit_experts.is_expert_name(name):
-        return refit_experts.engine_dtype(model, name)
+    if (slab := refit_experts.grouped_param(model, name)) is not None:
+        return slab.dtype
     try:
         return resolve_hf_name(model, name)[1].dtype
-    except (KeyError, AttributeError):
+    except (KeyError, AttributeError, IndexError):  # IndexError: an expert this rank lacks
         return None
 
 

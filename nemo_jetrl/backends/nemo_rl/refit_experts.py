@@ -14,9 +14,12 @@ Here a grouped slab becomes the same per-expert BF16 names (`expand_grouped`, vi
 so every expert weight goes through the dense path's quantizer and guards
 (``refit.quantize_state_dict``: one ``quantize_blockwise(w_e, (128, 128))`` per expert, never a
 block across two experts or across gate/up; a shape that would need one is refused by name).
-The engine side (`resolve_expert`) is vLLM's fused expert parameters: ``w13_*`` [E, 2I, .]
-(gate shard first, up second) and ``w2_*`` [E, H, .], on the ``FusedMoE`` module (vLLM 0.20) or
-the ``RoutedExperts`` a ``MoERunner`` owns (0.25+). The parity read-back slices them from there.
+The engine side is vLLM's fused expert parameters, ``w13_*`` [E, 2I, .] (gate shard first, up
+second) and ``w2_*`` [E, H, .], on the ``FusedMoE`` module (vLLM 0.20) or the ``RoutedExperts``
+a ``MoERunner`` owns (0.25+): a per-expert name resolves to its slice through
+``worker_ext.resolve_hf_name`` (``vllm_patch.experts.resolve_expert_tensor``, global expert ids:
+an expert-parallel engine's non-local expert is not found and is refused by name); a BF16
+grouped slab to its whole parameter (`grouped_param`).
 """
 
 from __future__ import annotations
@@ -31,17 +34,7 @@ from nemo_jetrl.vllm_patch.refit import RefitError, is_fp8_weight
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK, PatchSettings
 from nemo_jetrl.vllm_patch.worker_ext import read_back
 
-EXPERT = re.compile(
-    r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-    r"\.(?P<leaf>weight|weight_scale_inv)$"
-)
 GROUPED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-# HF projection -> (vLLM fused parameter group, shard index inside it)
-SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
-
-
-def is_expert_name(name: str) -> bool:
-    return EXPERT.match(name) is not None or GROUPED.match(name) is not None
 
 
 def experts_module(model: torch.nn.Module, base: str) -> torch.nn.Module | None:
@@ -59,41 +52,14 @@ def _fp8(module: torch.nn.Module) -> bool:
     return all(getattr(module, f"{g}_weight").element_size() == 1 for g in ("w13", "w2"))
 
 
-def resolve_expert(model: torch.nn.Module, name: str) -> tuple[torch.Tensor, int, int, int]:
-    """(fused parameter, local expert index, row start, rows) holding per-expert HF ``name``;
-    a grouped slab name gives the whole parameter (expert -1). KeyError when the engine has no
-    such expert tensor."""
+def grouped_param(model: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The fused parameter a grouped BF16 slab loads into whole (None: not a slab name, or no
+    such experts in the engine)."""
     g = GROUPED.match(name)
-    m = EXPERT.match(name) if g is None else None
-    if g is None and m is None:
-        raise KeyError(f"{name}: not an expert weight name")
-    base = (g or m)["base"]  # type: ignore[index]
-    module = experts_module(model, base)
+    module = experts_module(model, g["base"]) if g is not None else None
     if module is None:
-        raise KeyError(f"{name}: no fused experts (w13_weight, w2_weight) at {base}")
-    if g is not None:
-        p = getattr(module, "w13_weight" if g["proj"] == "gate_up_proj" else "w2_weight")
-        return p, -1, 0, p.shape[0]
-    group, shard = SHARDS[m["proj"]]  # type: ignore[index]
-    p = getattr(module, f"{group}_{m['leaf']}", None)  # type: ignore[index]
-    if not isinstance(p, torch.Tensor):
-        raise KeyError(f"{name}: the engine's experts at {base} have no {group}_{m['leaf']}")  # type: ignore[index]
-    e = int(m["e"])  # type: ignore[index]
-    emap = getattr(module, "expert_map", None)
-    if isinstance(emap, torch.Tensor):  # expert parallel: global -> local index, -1 elsewhere
-        e = int(emap[e]) if e < emap.numel() else -1
-    if not 0 <= e < p.shape[0]:
-        raise KeyError(f"{name}: expert {m['e']} is not held by this engine ({p.shape[0]} local)")  # type: ignore[index]
-    rows = p.shape[1] // 2 if group == "w13" else p.shape[1]
-    return p, e, shard * rows, rows
-
-
-def engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
-    """The dtype the engine holds an expert weight in (None: no such expert tensor)."""
-    try:
-        return resolve_expert(model, name)[0].dtype
-    except KeyError:
         return None
+    return getattr(module, "w13_weight" if g["proj"] == "gate_up_proj" else "w2_weight")
 
 
 def expand_grouped(
@@ -149,14 +115,10 @@ def expand_grouped(
 def read_back_with_experts(
     worker: Any, names: list[str], through_kernel: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``worker_ext.read_back`` for every name, expert names read from vLLM's fused expert
-    parameters (their bytes; vLLM's expert kernels have no identity-probe view)."""
+    """``worker_ext.read_back`` (per-expert names included: ``vllm_patch.experts``), grouped
+    BF16 slabs read whole from their fused parameter."""
     model = worker.model_runner.model
-    dense = [n for n in names if not is_expert_name(n)]
-    yield from read_back(worker, dense, through_kernel)
-    for name in names:
-        if not is_expert_name(name):
-            continue
-        p, e, start, rows = resolve_expert(model, name)
-        t = p.data if e < 0 else p.data[e, start : start + rows]
-        yield name, t.detach().to("cpu")
+    slabs = {n: p for n in names if (p := grouped_param(model, n)) is not None}
+    yield from read_back(worker, [n for n in names if n not in slabs], through_kernel)
+    for name, p in slabs.items():
+        yield name, p.data.detach().to("cpu")
