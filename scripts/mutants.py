@@ -36,6 +36,7 @@ T_STEP = ("tests/backends/test_local_kv_padding.py",)
 T_PARITY = ("tests/vllm_patch/test_parity_unit.py",)
 T_ROLLBACK = ("tests/vllm_patch/test_rollback_unit.py",)
 T_NRL_KV = ("tests/backends/test_nemo_rl_kv.py",)
+T_NRL_GLUE = ("tests/backends/test_nemo_rl_worker_glue.py",)
 T_TE = ("tests/megatron/test_te_layout_from_te.py",)  # TE 2.20.2's own layout code
 # A real vLLM engine's attention output under set KV scales (an FP8 KV cache runs on AVX-512 /
 # AMX CPUs; elsewhere the test checks vLLM's refusal, so each mutant also lists a default test).
@@ -398,6 +399,38 @@ MUTANTS = [
         T_ROLLBACK,
     ),
     # ---- NeMo-RL backend: calibration glue and refit hook (NeMo-RL v0.7.0's real source)
+    Mutant(
+        "worker calibration ignores input_lengths (padding counted)",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        "yield functools.partial(run, part, size), (lengths if by_lengths else None)",
+        "yield functools.partial(run, part, size), None",
+        T_NRL_GLUE,
+        env="nemo_rl",
+    ),
+    Mutant(
+        "worker never masks by lengths",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        'by_lengths = settings.mask != "none" and not packed and not dynamic',
+        "by_lengths = False",
+        T_NRL_GLUE,
+        env="nemo_rl",
+    ),
+    Mutant(
+        "worker's refit-iterator override not installed",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        "        def _iter_params_with_optional_kv_scales(\n",
+        "        def _iter_params_with_optional_kv_scales_unused(\n",
+        T_NRL_GLUE,
+        env="nemo_rl",
+    ),
+    Mutant(
+        "worker forgets its calibration for the refit",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        'self._jetrl_vllm_scales = dict(out["layers"])',
+        "self._jetrl_vllm_scales = None",
+        T_NRL_GLUE,
+        env="nemo_rl",
+    ),
     Mutant(
         "refit ships the caller's scales over our calibration",
         "nemo_jetrl/backends/nemo_rl/calibration.py",
