@@ -1,4 +1,4 @@
-"""Our block-FP8 experts kernel for vLLM's mixture-of-experts layers (vLLM 0.32.x / 0.33.0).
+"""Our block-FP8 experts kernel for vLLM's mixture-of-experts layers (vLLM 0.20.0 and 0.32.x).
 
 vLLM builds each routed-experts layer of a block-FP8 checkpoint with ``Fp8MoEMethod``
 (``vllm.model_executor.layers.quantization.fp8``), which picks one of vLLM's own FP8 expert
@@ -42,8 +42,10 @@ from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 # Marks our MoE method classes (revert and idempotence need no global state).
 MOE_MARKER = "_nemo_jetrl_moe_method"
-# vLLM releases whose Fp8MoEMethod / RoutedExperts this module was written and engine-tested for.
-MOE_RANGES = (((0, 32, 0), (0, 33, 1)),)
+# vLLM releases whose Fp8MoEMethod (0.20: on FusedMoE; 0.32: on RoutedExperts inside the MoE
+# runner) this module was written and engine-tested for. 0.25 (MoERunner + RoutedExperts) and
+# 0.33 are not yet: there the guard refuses vLLM's own expert kernels.
+MOE_RANGES = (((0, 20, 0), (0, 20, 1)), ((0, 32, 0), (0, 33, 0)))
 # The module whose global ``Fp8MoEMethod`` ``Fp8Config.get_quant_method`` constructs.
 FP8_MODULE = "vllm.model_executor.layers.quantization.fp8"
 SLOT = "Fp8MoEMethod"
@@ -117,8 +119,36 @@ def experts_forward(
     return acc.to(out_dtype)
 
 
-def make_moe_method_class(settings: PatchSettings, base: type) -> type:
-    """Our subclass of vLLM's ``Fp8MoEMethod`` (``base``) bound to ``settings``."""
+def route_softmax_topk(
+    layer: Any, router_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32, expert ids int32) ``[M, top_k]``: softmax in fp32, top-k, renormalized
+    if the layer says so; what vLLM's default router computes. Other routings are refused."""
+    odd = [
+        f"{k}={getattr(layer, k, None)!r}"
+        for k, ok in (
+            ("use_grouped_topk", lambda v: not v),
+            ("custom_routing_function", lambda v: v is None),
+            ("scoring_func", lambda v: v in (None, "softmax")),
+            ("e_score_correction_bias", lambda v: v is None),
+            ("routed_scaling_factor", lambda v: v in (None, 1.0)),
+        )
+        if not ok(getattr(layer, k, None))
+    ]
+    if odd:
+        raise NotImplementedError(f"nemo_jetrl experts kernel: routing with {', '.join(odd)}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = probs.topk(layer.top_k, dim=-1)
+    if layer.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: bool) -> type:
+    """Our subclass of vLLM's ``Fp8MoEMethod`` (``base``) bound to ``settings``. With
+    ``own_routing`` (vLLM 0.20, whose CPU build lacks the ``topk_softmax`` op its router needs
+    for non-monolithic methods) the method is monolithic and routes with
+    `route_softmax_topk`; otherwise vLLM's router picks the experts."""
     ops = ensure_ops()
     pow2, w_pow2, eps = settings.pow2_activation_scales, settings.pow2_weight_scales, settings.eps
     method_base = next(c for c in base.__mro__[1:] if c.__name__ == "FusedMoEMethodBase")
@@ -155,7 +185,13 @@ def make_moe_method_class(settings: PatchSettings, base: type) -> type:
 
         @property
         def is_monolithic(self) -> bool:
-            return False
+            return own_routing
+
+        def apply_monolithic(
+            self, layer: Any, x: torch.Tensor, router_logits: torch.Tensor, *args: Any, **kw: Any
+        ) -> torch.Tensor:
+            weights, ids = route_softmax_topk(layer, router_logits)
+            return self.apply(layer, x, weights, ids)
 
         @property
         def supports_eplb(self) -> bool:
@@ -189,10 +225,12 @@ def make_moe_method_class(settings: PatchSettings, base: type) -> type:
             x: torch.Tensor,
             topk_weights: torch.Tensor,
             topk_ids: torch.Tensor,
-            shared_experts: Any = None,
-            shared_experts_input: torch.Tensor | None = None,
+            *args: Any,
+            **kw: Any,
         ) -> torch.Tensor:
-            if shared_experts is not None:
+            # 0.32 passes shared_experts= (and runs them itself when no vLLM kernel owns them:
+            # refused here all the same); 0.20 passes only shared_experts_input=.
+            if kw.get("shared_experts") is not None:
                 raise NotImplementedError("nemo_jetrl experts kernel: shared experts")
             self.jetrl_calls += 1
             out = experts_forward(
@@ -226,9 +264,10 @@ def _unsupported(quant_config: Any, layer: Any) -> list[str]:
         problems.append(f"tp/ep/dp {par.tp_size}/{par.ep_size}/{par.dp_size} (needs 1/1/1)")
     if moe.has_bias:
         problems.append("biased experts")
-    if moe.swiglu_limit is not None or moe.swiglu_alpha is not None:
+    if getattr(moe, "swiglu_limit", None) is not None or getattr(moe, "swiglu_alpha", None):
         problems.append("clamped/scaled swiglu")
-    if getattr(moe.activation, "value", moe.activation) != "silu" or not moe.is_act_and_mul:
+    gated = getattr(moe, "is_act_and_mul", True)
+    if getattr(moe.activation, "value", moe.activation) != "silu" or not gated:
         problems.append(f"activation {moe.activation} (needs gated silu)")
     if getattr(layer, "apply_router_weight_on_input", False):
         problems.append("apply_router_weight_on_input")
@@ -248,7 +287,7 @@ def install_moe_method(settings: PatchSettings) -> type:
 
     if not moe_supported(vllm.__version__):
         raise MoeNotSupported(
-            f"nemo_jetrl experts kernel: vLLM {vllm.__version__} is not covered (vLLM 0.32.x)"
+            f"nemo_jetrl experts kernel: vLLM {vllm.__version__} is not covered (0.20.0, 0.32.x)"
         )
     mod = _fp8_module()
     if not _slot_in_effect(mod):
@@ -264,7 +303,8 @@ def install_moe_method(settings: PatchSettings) -> type:
                 f"({existing.jetrl_settings_json}); revert the previous patch first"
             )
         return existing
-    cls = make_moe_method_class(settings, getattr(mod, SLOT))
+    own_routing = compat.release(vllm.__version__) < (0, 32, 0)
+    cls = make_moe_method_class(settings, getattr(mod, SLOT), own_routing=own_routing)
     setattr(mod, SLOT, cls)
     if getattr(mod, SLOT) is not cls:
         raise MoeNotSupported(f"nemo_jetrl experts kernel: {FP8_MODULE}.{SLOT} did not take")

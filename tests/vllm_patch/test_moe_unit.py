@@ -98,3 +98,26 @@ def test_refit_keeps_routers_bf16(name):
     settings = settings_from_recipe(Recipe.preset("jetrl"))
     assert not is_fp8_weight(name, settings)
     assert is_fp8_weight("model.layers.1.mlp.experts.7.down_proj.weight", settings)
+
+
+def test_own_routing_softmax_topk_and_refusals():
+    """vLLM 0.20's monolithic path routes with route_softmax_topk: softmax in fp32, top-k,
+    renormalized; routings it does not implement are refused by name."""
+    from types import SimpleNamespace
+
+    from nemo_jetrl.vllm_patch.experts import route_softmax_topk
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 2.5]], dtype=torch.bfloat16)
+    layer = SimpleNamespace(top_k=2, renormalize=True)
+    w, ids = route_softmax_topk(layer, logits)
+    assert ids.dtype == torch.int32 and ids.tolist() == [[1, 2], [0, 3]]
+    p = torch.softmax(logits.float(), -1)
+    assert torch.equal(w[0], p[0, [1, 2]] / p[0, [1, 2]].sum())
+    layer.renormalize = False
+    assert torch.equal(route_softmax_topk(layer, logits)[0][1], p[1, [0, 3]])
+    grouped = SimpleNamespace(top_k=2, renormalize=True, use_grouped_topk=True)
+    with pytest.raises(NotImplementedError, match="use_grouped_topk=True"):
+        route_softmax_topk(grouped, logits)
+    sigmoid = SimpleNamespace(top_k=2, renormalize=True, scoring_func="sigmoid")
+    with pytest.raises(NotImplementedError, match="scoring_func='sigmoid'"):
+        route_softmax_topk(sigmoid, logits)

@@ -36,6 +36,17 @@ def _vllm_cpu_env():
         yield
 
 
+def experts_layer(i: int) -> str:
+    """vLLM's module holding layer ``i``'s expert weights: 0.32 nests RoutedExperts in the MoE
+    runner, 0.20's FusedMoE holds them itself."""
+    import vllm
+
+    from nemo_jetrl.vllm_patch.compat import release
+
+    nested = release(vllm.__version__) >= (0, 32, 0)
+    return f"model.layers.{i}.mlp.experts" + (".routed_experts" if nested else "")
+
+
 def tiny_qwen3_moe(seed: int) -> torch.nn.Module:
     cfg = tiny_hf_config(
         "qwen3_moe",
@@ -232,7 +243,7 @@ def test_experts_run_our_kernel_and_no_vllm_fp8_expert_kernel(served, settings):
     report = llm.collective_rpc("jetrl_kernel_report")[0]
     layers = report["layers"]
     moe = {n: v for n, v in layers.items() if v.get("moe")}
-    assert sorted(moe) == [f"model.layers.{i}.mlp.experts.routed_experts" for i in MOE_LAYERS]
+    assert sorted(moe) == [experts_layer(i) for i in MOE_LAYERS]
     for info in moe.values():
         # our method, no vLLM experts kernel built (it would be named " with <class>")
         assert info["kernel"] == "JetRLFp8MoEMethod" and info["ours"], info
@@ -356,7 +367,7 @@ def test_engine_experts_bit_exact_to_the_dense_path(served, settings):
 
     calls = same_route = routed = 0
     for i in MOE_LAYERS:
-        name = f"model.layers.{i}.mlp.experts.routed_experts"
+        name = experts_layer(i)
         backend = report[name]["gemm_backend"]
         gate_w = per_expert_state_dict(tiny_qwen3_moe(0))[f"model.layers.{i}.mlp.gate.weight"]
         n_calls = len({k.split("|")[1] for k in blob if k.startswith(name + "|")})
