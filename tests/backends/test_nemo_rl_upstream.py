@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from nemo_rl_grpo_configs import classify
 from nemo_rl_upstream import (
     PRESETS,
     check_sequence_padding,
@@ -110,8 +111,8 @@ def test_every_fp8_grpo_config_of_the_tree_checks_aligns_and_is_accepted(
     """Issue 15's done-criterion on this tree: `jetrl check` and `jetrl align --recipe jetrl` end
     with 0/1/2 and no traceback on every FP8 GRPO config; aligned dense configs are on-policy and
     pass NeMo-RL's loader, MasterConfig, setup and packing rules, keeping a per-name BF16 list
-    on both sides; MoE and per-name words outside the flow (Qwen3.5's linear attention) are
-    refused by name."""
+    on both sides; only MoE and hybrid (Qwen3.5) configs, classified from NeMo-RL's resolved
+    config, may be refused, by a named key."""
     configs = fp8_grpo_configs(tree_dir())
     assert len(configs) >= 10, configs  # v0.7.0 ships 11, main 19
     aligned, accepted, refused, lines = 0, 0, 0, []
@@ -126,15 +127,15 @@ def test_every_fp8_grpo_config_of_the_tree_checks_aligns_and_is_accepted(
             assert "Traceback" not in text, (name, text)
         assert code_check in (0, 1, 2) and code_align in (0, 1, 2), (name, code_check, code_align)
         if code_align == 2:
-            assert code_check == 2, name
-            moe = re.search(r"mixture-of-experts model .*expert layers", align_out.err)
-            kws = re.search(
-                r"quantization_ignored_layer_kws: \[.+\] match no decoder linear", align_out.err
-            )
-            assert moe or kws, (name, align_out.err)
+            # Only MoE (their own issues) and hybrid Qwen3.5 models may be refused, by a named key;
+            # the classification reads NeMo-RL's resolved config, none of our code.
+            exp = classify(nemo_rl_load(path))
+            assert code_check == 2 and (exp.moe or exp.hybrid), (name, exp, align_out.err)
+            key = re.search(r"\n  - (policy\.[\w.]+):", align_out.err)
+            assert key, (name, align_out.err)
             refused += 1
-            why = "MoE, expert layers named" if moe else "per-name BF16 words outside the flow"
-            lines.append(f"{name}: check {code_check}, refused ({why})")
+            why = "MoE" if exp.moe else "hybrid Qwen3.5"
+            lines.append(f"{name}: check {code_check}, refused ({why}, naming {key.group(1)})")
             continue
         lag = "verdict: OFF-POLICY by policy lag (precision flow: on-policy)" in align_out.out
         if lag:  # async GRPO: on-policy in precision, off by the age of its weights (named)
@@ -158,7 +159,7 @@ def test_every_fp8_grpo_config_of_the_tree_checks_aligns_and_is_accepted(
     summary = (
         f"NeMo-RL {tree_name()}: {len(configs)} FP8 GRPO configs tried, {aligned} aligned "
         f"on-policy, {accepted} accepted by NeMo-RL's loader + setup, {refused} refused by name "
-        "(MoE expert layers or quantization_ignored_layer_kws)"
+        "(MoE or hybrid models only)"
     )
     with capsys.disabled():
         print("\n" + "\n".join(lines) + "\n" + summary)

@@ -1,0 +1,139 @@
+"""Every GRPO config of a NeMo-RL tree, read by NeMo-RL's own loader, and what its verdict must be.
+
+`grpo_configs(tree)` walks every YAML under the tree's ``examples/`` (recipes included) and keeps
+those whose config, as NeMo-RL's loader resolves it (``defaults:`` inheritance, its resolvers),
+has a ``grpo`` and a ``policy`` section. `classify` decides from that resolved dict alone, with
+none of nemo_jetrl's code, what a true verdict is: the precision class of each side, whether
+weights lag (async GRPO), and whether the model is mixture-of-experts or hybrid (refused by name
+today when FP8). ``${oc.env:...}`` data/venv paths get placeholders when unset.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ENV_PLACEHOLDERS = {"HF_HOME": "/tmp/hf_home", "PERSISTENT_CACHE": "/tmp/persistent_cache"}
+
+# Mixture-of-experts families among NeMo-RL's configs: "<N>B-A<M>B" names (Qwen3-30B-A3B,
+# Qwen3-235B-A22B, Moonlight-16B-A3B, Nemotron 30B-A3B), DeepSeek-V3, MiniMax, gpt-oss, Mixtral.
+MOE_NAME = re.compile(r"\d+(\.\d+)?b-a\d+(\.\d+)?b|deepseek-v3|minimax|gpt-oss|mixtral", re.I)
+# Hybrid linear/full-attention models with a vision tower.
+HYBRID_NAME = re.compile(r"qwen3\.5", re.I)
+
+
+def set_env_placeholders(monkeypatch) -> None:
+    for key, value in ENV_PLACEHOLDERS.items():
+        if key not in os.environ:
+            monkeypatch.setenv(key, value)
+
+
+def raw_declares_grpo(path: Path) -> bool:
+    """The file itself (raw YAML) has a top-level ``grpo:`` section."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return False
+    return isinstance(doc, dict) and "grpo" in doc
+
+
+def grpo_configs(tree: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
+    """((path, resolved dict) of every GRPO config, YAML files NeMo-RL's loader cannot read).
+
+    A file the loader cannot read must not declare ``grpo:`` itself (asserted by callers)."""
+    from nemo_rl_upstream import nemo_rl_load
+
+    found, unreadable = [], []
+    for path in sorted((tree / "examples").rglob("*.yaml")):
+        try:
+            cfg = nemo_rl_load(path)
+        except Exception:
+            unreadable.append(path)
+            continue
+        if isinstance(cfg.get("grpo"), dict) and isinstance(cfg.get("policy"), dict):
+            found.append((path, cfg))
+    return found, unreadable
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a true verdict says about one config."""
+
+    precision: str
+    """"bf16", "fp8_rollout_bf16_train", "fp8_both", "fp8_train_bf16_rollout", "mxfp8_rollout"
+    or "modelopt" (NVFP4 quantization-aware RL keys set)."""
+
+    lag: int | None
+    """max_trajectory_age_steps when async GRPO is on, else None."""
+
+    moe: bool
+    """Mixture-of-experts model with FP8 on some side (refused by name today)."""
+
+    hybrid: bool
+    """Hybrid (Qwen3.5) model with FP8 on some side."""
+
+    quant_keys: tuple[str, ...] = ()
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision not in ("bf16", "modelopt")
+
+    @property
+    def may_be_on_policy(self) -> bool:
+        """BF16 on both sides with no lag: the only class NeMo-RL ships that is on-policy.
+
+        An FP8 rollout as shipped runs vLLM's own quantizer (``x / RN(amax/448)``), never TE's
+        (``x * RN(448/amax)``): no shipped config sets ``jetrl.vllm_patch``."""
+        return self.precision == "bf16" and self.lag is None
+
+
+def classify(cfg: dict) -> Expected:
+    pol = cfg["policy"]
+    gen = pol.get("generation") or {}
+    vllm = gen.get("vllm_cfg") or {}
+    meg = pol.get("megatron_cfg") or {}
+    quant = tuple(
+        k
+        for k, v in (
+            ("policy.quant_cfg", pol.get("quant_cfg")),
+            ("policy.generation.quant_cfg", gen.get("quant_cfg")),
+        )
+        if v
+    )
+    roll = vllm.get("precision") == "fp8"
+    kv = str(vllm.get("kv_cache_dtype") or "auto").startswith("fp8")
+    train = bool(meg.get("enabled")) and (meg.get("fp8_cfg") or {}).get("enabled") is True
+    if quant:
+        precision = "modelopt"
+    elif roll and vllm.get("is_mx") is True:
+        precision = "mxfp8_rollout"
+    elif roll and train:
+        precision = "fp8_both"
+    elif roll or kv:
+        precision = "fp8_rollout_bf16_train"
+    elif train:
+        precision = "fp8_train_bf16_rollout"
+    else:
+        precision = "bf16"
+    async_cfg = (cfg.get("grpo") or {}).get("async_grpo") or {}
+    lag = None
+    if async_cfg.get("enabled") is True:
+        age = async_cfg.get("max_trajectory_age_steps")
+        lag = 1 if age is None else int(age)
+    name = str(pol.get("model_name") or "")
+    fp8 = roll or kv or train
+    experts = any(
+        isinstance(meg.get(k), int) and meg.get(k) > 1
+        for k in ("expert_model_parallel_size", "num_moe_experts")
+    )
+    return Expected(
+        precision,
+        lag,
+        fp8 and bool(MOE_NAME.search(name) or experts) and not HYBRID_NAME.search(name),
+        fp8 and bool(HYBRID_NAME.search(name)),
+        quant,
+    )
