@@ -23,7 +23,7 @@ from nemo_jetrl.backends.local.precision import (
     make_trainer_model,
     side_fp8_config,
 )
-from nemo_jetrl.backends.local.refit import export_weights, refit
+from nemo_jetrl.backends.local.refit import RefitRefused, export_weights, refit
 from nemo_jetrl.backends.local.rollout import generate
 from nemo_jetrl.backends.local.routing import ROUTING_MISMATCH, RoutingController
 from nemo_jetrl.backends.local.trainer import sequence_logprobs
@@ -198,6 +198,23 @@ def test_rollout_expert_bytes_are_the_trainers_quantization(recipe):
             assert layer.quantizer == "jetrl"
             assert torch.equal(fp8_bits(layer.weight_fp8), fp8_bits(q.data[e].contiguous()))
             assert torch.equal(layer.weight_scale_inv, q.scale_inv[e])
+
+
+def test_refit_with_a_bad_expert_is_refused_naming_it_and_loads_nothing():
+    rm, tm, _, _ = _pair("qwen3_moe", "jetrl")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    before = [fp8_bits(m.weight_fp8).clone() for m in rm.get_submodule(name)]
+    weights = dict(export_weights(tm))
+    bad = weights[name].clone()
+    bad[2, 5, 7] = float("nan")
+    weights[name] = bad * 2  # every expert changes; expert 2 is not finite
+    with pytest.raises(RefitRefused, match=rf"{name}\.2\.weight: 1 non-finite"):
+        refit(rm, weights)
+    after = [fp8_bits(m.weight_fp8) for m in rm.get_submodule(name)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    del weights[name]
+    with pytest.raises(RefitRefused, match=rf"{name}\.0\.weight: missing"):
+        refit(rm, weights)
 
 
 @pytest.mark.parametrize(("kind", "recipe"), [("qwen3_moe", "jetrl"), ("mixtral", "jetrl")])
