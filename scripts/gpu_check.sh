@@ -10,7 +10,10 @@
 #
 # Runs with TRITON_INTERPRET unset, so every `triton` test runs the compiled kernels and every
 # `gpu` test runs (CUDA graphs, torch.cuda.set_sync_debug_mode("error") over the trainer's FP8
-# linear, amax = 1e-37 scales vs the reference). Exit code: pytest's; 2 without a GPU.
+# linear, amax = 1e-37 scales vs the reference), then (no pytest arguments) the MoE layer benchmark
+# benchmarks/gpu/bench_moe_layer.py: table and verdicts printed, its record written to
+# $JETRL_BENCH_DIR/bench_moe_layer.json (default benchmarks/gpu/results/).
+# Exit code: pytest's, else the benchmark's; 2 without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -33,5 +36,11 @@ tests=(tests/fp8/test_triton_kernels.py tests/fp8/test_triton_large_offsets.py
   tests/fp8/test_fp8_serving_path.py tests/fp8/test_fp8_linear.py
   tests/fp8/test_fp8_linear_sync_free.py tests/fp8/test_sync_check.py
   tests/fp8/test_fp8_experts.py tests/fp8/test_fp8_experts_triton.py)
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m pytest -ra -p no:cacheprovider \
-  "${tests[@]}" "$@"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$py" -m pytest -ra -p no:cacheprovider "${tests[@]}" "$@" || exit
+# Then, once the kernels pass, the MoE layer benchmark (ours vs vLLM's block-FP8 MoE where vLLM
+# imports, vs BF16; exits 1 if ours != the training forward). Skipped with JETRL_GPU_BENCH=0 or
+# when pytest arguments were given (a narrowed run checks only what it names).
+[ "${JETRL_GPU_BENCH:-1}" = 0 ] || [ $# -gt 0 ] && exit 0
+exec "$py" benchmarks/gpu/bench_moe_layer.py \
+  --json "${JETRL_BENCH_DIR:-benchmarks/gpu/results}/bench_moe_layer.json"

@@ -1,0 +1,373 @@
+"""Is the on-policy FP8 MoE expert layer faster than BF16 in the rollout? One routed-experts layer
+(gate_up, SiLU-mul, down, top-k combine) timed three ways in one run.
+
+* ours: the trainer-quantized expert weights (`quantize_expert_weights`, the bytes a refit
+  loads), routed token copies sorted by expert, `grouped_fp8_linear_inference` for gate_up and
+  down (our 1x128 quantizer + the grouped FP8 GEMM; Triton on CUDA,
+  ``JETRL_FP8_GROUPED_BACKEND`` picks), SiLU(gate) * up in BF16, the top-k weighted sum in fp32.
+* vllm_fp8: vLLM's own block-FP8 fused MoE, the functional entry point
+  ``vllm.model_executor.layers.fused_moe.fused_experts`` with
+  ``fp8_w8a8_moe_quant_config(block_shape=[128, 128])`` on the same FP8 bytes and scales (its
+  own activation quantizer, its Triton kernel; a serving engine may pick DeepGEMM/CUTLASS).
+* bf16: vLLM's ``fused_experts`` unquantized on the BF16 masters (``bf16_vllm``) and a torch
+  grouped reference (``torch._grouped_mm``, else a per-expert loop: ``bf16_torch``).
+
+A vLLM row that cannot run (no vLLM, an API change, a kernel error) prints why and stays
+``n/a``; nothing is substituted. Shapes are the routed experts of Qwen3-30B-A3B (hidden 2048,
+768 per expert, 128 experts, top-8), Moonlight-16B-A3B and DeepSeek-V3 from `nemo_jetrl.arch`'s
+catalog (shared experts left out), at decode-size (64, 256) and prefill-size (2048, 8192)
+token counts. Routing: softmax top-k of a random router on random tokens (about balanced).
+Up to ``--graph-max-tokens`` tokens each method is captured in a CUDA graph and its replays
+timed, as vLLM runs decode; above, eager. Times: `_common.bench_ms` (median, L2 flushed).
+
+The bar: the FP8-RL report's MoE figure (issue 28), W8A8 rollout 30-50% faster than BF16 on
+Qwen3-30B-A3B. Each Qwen3-30B-A3B row is MET when bf16 / ours >= 1.30; that figure is end to
+end, so a layer below it cannot carry the rollout there alone. Before timing, each row checks
+that ours equals the training forward (`grouped_fp8_linear` on the BF16 masters, same routing)
+bit for bit; a mismatch exits 1.
+
+This script has NEVER RUN ON A GPU: it was written on a CPU-only machine; only its CPU-runnable
+parts (tests/test_gpu_benchmarks_cpu.py) have run. Usage:
+python benchmarks/gpu/bench_moe_layer.py [--models ...] [--tokens 64 256 2048 8192] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import _common
+import torch
+
+MODELS = ("Qwen/Qwen3-30B-A3B", "moonshotai/Moonlight-16B-A3B", "deepseek-ai/DeepSeek-V3")
+TOKENS = (64, 256, 2048, 8192)  # decode steps of 64/256 sequences; prefill chunks
+BAR_MODEL = "Qwen/Qwen3-30B-A3B"
+BAR_SPEEDUP = 1.30  # FP8-RL report: W8A8 rollout 30-50% faster than BF16 on Qwen3-30B-A3B
+RECORD_VERSION = 1
+ERR_SUSPECT = 0.25  # relative error vs BF16 above which an FP8 output means a wrong layout
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    model: str
+    hidden: int
+    inter: int  # one expert's MLP width I (gate_up is [2I, hidden])
+    experts: int
+    top_k: int
+
+
+def moe_shape(model: str) -> MoeShape:
+    """The routed-experts shape of ``model`` from the package's architecture catalog."""
+    from nemo_jetrl.arch import builtin_arch
+
+    arch = builtin_arch(model)
+    if arch is None or arch.moe is None:
+        raise SystemExit(f"{model!r} is not a catalogued MoE model; try {', '.join(MODELS)}")
+    moe = arch.moe
+    return MoeShape(model, arch.hidden_size, moe.expert_size, moe.num_experts, moe.top_k)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--pow2", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--graph-max-tokens", type=int, default=512, help="CUDA graph up to here")
+    ap.add_argument("--json", type=Path, default=None, help="write the result record here")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def make_layer(shape: MoeShape, device: str, seed: int, pow2: bool) -> dict:
+    """BF16 masters ``w13 [E, 2I, H]`` (gate rows first, vLLM's layout), ``w2 [E, H, I]``, a
+    router, and the trainer-quantized FP8 copies ``q13``/``q2``."""
+    from nemo_jetrl.fp8 import Fp8LinearConfig
+    from nemo_jetrl.fp8.experts import quantize_expert_weights
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = shape.experts, shape.hidden, shape.inter
+    kw = {"generator": g, "device": device, "dtype": torch.bfloat16}
+    w13 = torch.randn(e, 2 * i, h, **kw).mul_(h**-0.5)
+    w2 = torch.randn(e, h, i, **kw).mul_(i**-0.5)
+    router = torch.randn(e, h, **kw).mul_(h**-0.5)
+    cfg = Fp8LinearConfig(pow2_scales=pow2)
+    q13 = quantize_expert_weights(w13, cfg, "bench.w13")
+    q2 = quantize_expert_weights(w2, cfg, "bench.w2")
+    return {"w13": w13, "w2": w2, "router": router, "q13": q13, "q2": q2, "cfg": cfg}
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32, expert ids int32) ``[T, k]``: softmax top-k, renormalized."""
+    probs = torch.softmax((x @ router.t()).float(), dim=-1)
+    w, ids = probs.topk(top_k, dim=-1)
+    return w / w.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def sort_routes(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token of each sorted row, inverse permutation, int64 offsets ``[E+1]``); no host read."""
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.searchsorted(flat[order], torch.arange(n_exp + 1, device=ids.device))
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
+    return order // ids.shape[1], inv, offsets
+
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x sorted, offsets) -> y
+
+
+def experts_layer(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_exp: int, lin13: Linear,
+    lin2: Linear,
+) -> torch.Tensor:  # fmt: skip
+    """Routed experts around two grouped linears; the combine sums each token's k rows in a
+    fixed order (deterministic, unlike an atomic index_add)."""
+    token, inv, offsets = sort_routes(ids, n_exp)
+    gu = lin13(x.index_select(0, token), offsets)
+    gate, up = gu.chunk(2, dim=-1)
+    y = lin2(torch.nn.functional.silu(gate) * up, offsets)
+    y = y.index_select(0, inv).view(x.shape[0], ids.shape[1], -1)
+    return (y.float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+def _call(fn: Callable, w, cfg, name: str, x: torch.Tensor, offsets: torch.Tensor):
+    """``fn(x, w, offsets, cfg, name)``: a grouped linear as a `Linear` once w is bound."""
+    return fn(x, w, offsets, cfg, name)
+
+
+def ours_fn(
+    x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """The rollout path: trainer-quantized weights, our quantizer + grouped FP8 GEMM."""
+    from nemo_jetrl.fp8.experts import grouped_fp8_linear_inference as inf
+
+    cfg, n_exp = layer["cfg"], layer["q13"].num_experts
+    lin13 = partial(_call, inf, layer["q13"], cfg, "bench.w13")
+    lin2 = partial(_call, inf, layer["q2"], cfg, "bench.w2")
+    return lambda: experts_layer(x, weights, ids, n_exp, lin13, lin2)
+
+
+def train_forward(
+    x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The training forward on the BF16 masters (`grouped_fp8_linear`), same routing."""
+    from nemo_jetrl.fp8.experts import grouped_fp8_linear as lin
+
+    cfg, n_exp = layer["cfg"], layer["w13"].shape[0]
+    lin13 = partial(_call, lin, layer["w13"], cfg, "bench.w13")
+    lin2 = partial(_call, lin, layer["w2"], cfg, "bench.w2")
+    with torch.no_grad():
+        return experts_layer(x, weights, ids, n_exp, lin13, lin2)
+
+
+def _gmm(w: torch.Tensor) -> Linear:
+    """``torch._grouped_mm`` over experts (offsets stay on the device)."""
+    return lambda xs, off: torch._grouped_mm(xs, w.transpose(1, 2), offs=off[1:].int())
+
+
+def _loop(w: torch.Tensor) -> Linear:
+    """One matmul per expert (reads the offsets on the host: eager only)."""
+
+    def run(xs: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        b = off.tolist()
+        parts = [xs[b[e] : b[e + 1]] @ w[e].t() for e in range(w.shape[0])]
+        return torch.cat(parts) if parts else xs.new_empty(0, w.shape[1])
+
+    return run
+
+
+LOOP = "per-expert loop"
+
+
+def bf16_torch_fn(
+    x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[Callable[[], torch.Tensor], str]:
+    """BF16 reference: ``torch._grouped_mm`` where it runs, else a per-expert loop (the
+    returned name says which, and why)."""
+    w13, w2, n_exp = layer["w13"], layer["w2"], layer["w13"].shape[0]
+    why = "torch has no _grouped_mm"
+    if hasattr(torch, "_grouped_mm"):
+        fn = partial(experts_layer, x, weights, ids, n_exp, _gmm(w13), _gmm(w2))
+        try:
+            fn()
+            return fn, "torch._grouped_mm"
+        except Exception as exc:  # e.g. a GPU generation it does not support
+            why = f"torch._grouped_mm failed: {exc!r}"[:200]
+    return partial(experts_layer, x, weights, ids, n_exp, _loop(w13), _loop(w2)), f"{LOOP} ({why})"
+
+
+def vllm_fn(
+    x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor, fp8: bool
+) -> tuple[Callable | None, str]:
+    """vLLM's ``fused_experts`` (block FP8 on our bytes, or BF16), or None and why not."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+        from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    except Exception as exc:  # not installed, or the entry point moved
+        return None, f"vLLM fused_experts not importable: {type(exc).__name__}: {exc}"
+    if fp8:
+        q13, q2 = layer["q13"], layer["q2"]
+        qc = fp8_w8a8_moe_quant_config(
+            w1_scale=q13.scale_inv, w2_scale=q2.scale_inv, block_shape=[128, 128]
+        )
+        w1, w2 = q13.data, q2.data
+    else:
+        qc, w1, w2 = None, layer["w13"], layer["w2"]
+
+    def run() -> torch.Tensor:
+        return fused_experts(x, w1, w2, weights, ids, quant_config=qc)
+
+    try:
+        run()
+    except Exception as exc:
+        return None, f"vLLM fused_experts ({'fp8' if fp8 else 'bf16'}) failed: {exc!r}"[:300]
+    return run, "vllm fused_experts"
+
+
+def rel_err(a: torch.Tensor | None, ref: torch.Tensor | None) -> float | None:
+    if a is None or ref is None:
+        return None
+    return float((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def bitwise_check(x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor) -> dict:
+    """Ours (rollout) vs the training forward on the same inputs: equal bytes or not."""
+    ours = ours_fn(x, layer, weights, ids)()
+    train = train_forward(x, layer, weights, ids)
+    equal = bool(torch.equal(ours.view(torch.int16), train.view(torch.int16)))
+    diff = int((ours.view(torch.int16) != train.view(torch.int16)).sum())
+    return {"bitwise_equal": equal, "differing": diff, "elements": ours.numel()}
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num and den else None
+
+
+def make_row(
+    shape: MoeShape, tokens: int, times: dict[str, float | None], errs: dict[str, float | None],
+    bitwise: dict, mode: str, bf16_impl: str,
+) -> dict:  # fmt: skip
+    """One result record; ``speedup`` = bf16 / ours with bf16 = vLLM's BF16 when it ran."""
+    bf16 = times.get("bf16_vllm_ms") or times.get("bf16_torch_ms")
+    speedup = ratio(bf16, times.get("ours_ms"))
+    bar = "-"  # the bar is Qwen3-30B-A3B's
+    if shape.model == BAR_MODEL:
+        bar = "n/a" if speedup is None else ("MET" if speedup >= BAR_SPEEDUP else "NOT MET")
+    return {
+        "model": shape.model.split("/")[-1], "tokens": tokens, "routed_rows": tokens * shape.top_k,
+        "E": shape.experts, "top_k": shape.top_k, "H": shape.hidden, "I": shape.inter,
+        "mode": mode, **times, "bf16_torch_impl": bf16_impl,
+        "speedup": speedup, "vllm_fp8_speedup": ratio(bf16, times.get("vllm_fp8_ms")),
+        "ours_vs_vllm_fp8": ratio(times.get("vllm_fp8_ms"), times.get("ours_ms")), "bar": bar,
+        **errs, **bitwise,
+    }  # fmt: skip
+
+
+def bar_summary(rows: list[dict]) -> str:
+    """MET only when every Qwen3-30B-A3B row measured reaches the bar."""
+    name = BAR_MODEL.split("/")[-1]
+    mine = [r for r in rows if r["model"] == name]
+    lead = f"bar (FP8-RL report, {name} W8A8 rollout >= {BAR_SPEEDUP:.2f}x BF16), layer level:"
+    if not mine or any(r["bar"] == "n/a" for r in mine):
+        return f"{lead} NOT MEASURED"
+    short = [f"{r['tokens']} tokens {r['speedup']:.2f}x" for r in mine if r["bar"] != "MET"]
+    return f"{lead} " + ("MET on every row" if not short else "NOT MET (" + ", ".join(short) + ")")
+
+
+def record(rows: list[dict], device: str, args: argparse.Namespace, skipped: list[str]) -> dict:
+    return {
+        "benchmark": "bench_moe_layer", "version": RECORD_VERSION, "device": device,
+        "bar": {"model": BAR_MODEL, "min_speedup": BAR_SPEEDUP, "summary": bar_summary(rows)},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "skipped": skipped, "rows": rows,
+    }  # fmt: skip
+
+
+def run_row(
+    shape: MoeShape, layer: dict, tokens: int, args: argparse.Namespace, skipped: list[str]
+) -> dict:
+    dev = layer["w13"].device
+    g = torch.Generator(device=dev).manual_seed(args.seed + tokens)
+    x = torch.randn(tokens, shape.hidden, generator=g, device=dev, dtype=torch.bfloat16)
+    weights, ids = route(x, layer["router"], shape.top_k)
+    bitwise = bitwise_check(x, layer, weights, ids)
+    graph = tokens <= args.graph_max_tokens
+    fns: dict[str, Callable | None] = {"ours_ms": ours_fn(x, layer, weights, ids)}
+    fns["bf16_torch_ms"], bf16_impl = bf16_torch_fn(x, layer, weights, ids)
+    for key, fp8 in (("vllm_fp8_ms", True), ("bf16_vllm_ms", False)):
+        fns[key], why = vllm_fn(x, layer, weights, ids, fp8)
+        if fns[key] is None:
+            skipped.append(f"{shape.model} {tokens} tokens {key}: {why}")
+            print(f"# skip {key}: {why}", file=sys.stderr)
+    outs = {k: f() if f else None for k, f in fns.items()}
+    ref = outs["bf16_vllm_ms"] if outs["bf16_vllm_ms"] is not None else outs["bf16_torch_ms"]
+    errs = {"err_ours": rel_err(outs["ours_ms"], ref)}
+    errs["err_vllm_fp8"] = rel_err(outs["vllm_fp8_ms"], ref)
+    times: dict[str, float | None] = {}
+    for key, fn in fns.items():
+        use_graph = graph and not (key == "bf16_torch_ms" and bf16_impl.startswith(LOOP))
+        try:
+            times[key] = _common.bench_ms(fn, iters=args.iters, graph=use_graph) if fn else None
+        except Exception as exc:
+            times[key] = None
+            skipped.append(f"{shape.model} {tokens} tokens {key}: timing failed: {exc!r}"[:300])
+    mode = "graph" if graph else "eager"
+    return make_row(shape, tokens, times, errs, bitwise, mode, bf16_impl)
+
+
+COLUMNS = (
+    "model", "tokens", "mode", "ours_ms", "vllm_fp8_ms", "bf16_vllm_ms", "bf16_torch_ms",
+    "speedup", "vllm_fp8_speedup", "ours_vs_vllm_fp8", "bar", "err_ours", "err_vllm_fp8",
+    "bitwise_equal",
+)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _common.require_cuda("bench_moe_layer")
+    from nemo_jetrl.fp8 import finite_flags
+    from nemo_jetrl.fp8.experts import grouped_backend
+
+    device = _common.gpu_name()
+    probe = torch.empty(1, 128, device="cuda", dtype=torch.bfloat16)
+    print(f"# {device}; scales {'pow2' if args.pow2 else 'fp32'}; grouped backend "
+          f"{grouped_backend(probe)}; never run on a GPU before this run")  # fmt: skip
+    rows: list[dict] = []
+    skipped: list[str] = []
+    for model in args.models:
+        shape = moe_shape(model)
+        layer = make_layer(shape, "cuda", args.seed, args.pow2)
+        for tokens in args.tokens:
+            rows.append(run_row(shape, layer, tokens, args, skipped))
+            print(f"# done {model} {tokens} tokens", file=sys.stderr, flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    finite_flags.check_non_finite()  # raises naming an expert if any scale went non-finite
+    display = [{k: ("n/a" if v is None else v) for k, v in r.items()} for r in rows]
+    _common.print_table(display, COLUMNS)
+    print(f"# {bar_summary(rows)}")
+    for r in rows:
+        for key in ("err_ours", "err_vllm_fp8"):
+            if r[key] is not None and r[key] > ERR_SUSPECT:
+                print(f"# WARNING: {r['model']} {r['tokens']} tokens {key} = {r[key]:.3f} vs "
+                      "BF16: not the same layer (argument layout?); its time means nothing")  # fmt: skip
+    for line in skipped:
+        print(f"# skipped: {line}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record(rows, device, args, skipped), indent=1))
+        print(f"# wrote {args.json}")
+    bad = [r for r in rows if not r["bitwise_equal"]]
+    if bad:
+        print(f"# FAILED: ours != the training forward on {len(bad)} row(s)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
