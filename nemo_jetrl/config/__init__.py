@@ -11,9 +11,11 @@
   inverse mapping, used by `jetrl align`); `minimal_updates` keeps only what changes;
   `merge_updates` applies them.
 
-Modules: `load` (YAML, overrides, `ConfigIssue`), `reader` (typed reads), `schema` (key names,
-defaults, help), `validate` (every issue at once, config -> Recipe), `updates` (Recipe -> keys).
-Key names and meanings: `nemo_jetrl.config.schema` and docs/configs.md.
+Modules: `load` (YAML, overrides, `ConfigIssue`), `typed` (the one typed schema layer: every
+key's rule, strict, "got X; expected Y"), `nemo_rl_model` / `jetrl_model` (the sections),
+`reader` (values, the Recipe), `schema` (key paths, allowed values), `validate` (every issue at
+once: the typed parse, then rules across keys; config -> Recipe), `updates` (Recipe -> keys).
+Key names and meanings: `nemo_jetrl.config.schema`, `jetrl_model` and docs/configs.md.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from typing import Any
 from pydantic import ConfigDict, Field
 
 from nemo_jetrl.config.typed import (
-    ANY_SECTION,
     OurSection,
+    any_section,
     choice,
     count,
     flag,
@@ -116,7 +116,7 @@ class JetrlSection(OurSection):
     )
     """path to a HuggingFace config.json describing the model (default: the built-in description
     matching policy.model_name)"""
-    local: ANY_SECTION = None
+    local: any_section() = None  # type: ignore[valid-type]
     """settings of the embedded CPU backend; validated by that backend's own schema"""
 
 

@@ -20,8 +20,8 @@ from pydantic import Field
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.jetrl_model import JetrlSection
 from nemo_jetrl.config.typed import (
-    ANY_SECTION,
     NemoSection,
+    any_section,
     choice,
     count,
     flag,
@@ -157,6 +157,14 @@ class Policy(NemoSection):
     router_replay: section(RouterReplay) = None  # type: ignore[valid-type]
 
 
+class AsyncGrpo(NemoSection):
+    """``grpo.async_grpo``: the policy lag a verdict names (`nemo_jetrl.flow.limits`)."""
+
+    enabled: flag(null=True) = None  # type: ignore[valid-type]
+    max_trajectory_age_steps: count(0, MAX_COUNT, null=True) = None  # type: ignore[valid-type]
+    in_flight_weight_updates: flag(null=True) = None  # type: ignore[valid-type]
+
+
 class Grpo(NemoSection):
     """``grpo``."""
 
@@ -169,6 +177,7 @@ class Grpo(NemoSection):
     seed: count(0, MAX_SEED) = None  # type: ignore[valid-type]
     normalize_rewards: flag() = None  # type: ignore[valid-type]
     use_leave_one_out_baseline: flag() = None  # type: ignore[valid-type]
+    async_grpo: section(AsyncGrpo) = None  # type: ignore[valid-type]
 
 
 class LossFn(NemoSection):
@@ -214,14 +223,16 @@ class RunConfig(NemoSection):
     """A whole GRPO config: NeMo-RL's sections (``data``, ``env``, ``cluster``: shape only) and
     ours (``jetrl``, `nemo_jetrl.config.jetrl_model`)."""
 
-    policy: section(Policy) = None  # type: ignore[valid-type]
-    grpo: section(Grpo) = None  # type: ignore[valid-type]
-    loss_fn: section(LossFn) = None  # type: ignore[valid-type]
-    checkpointing: section(Checkpointing) = None  # type: ignore[valid-type]
-    logger: section(Logger) = None  # type: ignore[valid-type]
-    data: ANY_SECTION = None
-    env: ANY_SECTION = None
-    cluster: ANY_SECTION = None
+    # NeMo-RL's MasterConfig requires these sections as mappings: null is refused as there
+    # (absent is allowed: the local backend's configs leave most of them out).
+    policy: section(Policy, null=False) = None  # type: ignore[valid-type]
+    grpo: section(Grpo, null=False) = None  # type: ignore[valid-type]
+    loss_fn: section(LossFn, null=False) = None  # type: ignore[valid-type]
+    checkpointing: section(Checkpointing, null=False) = None  # type: ignore[valid-type]
+    logger: section(Logger, null=False) = None  # type: ignore[valid-type]
+    data: any_section(null=False) = None  # type: ignore[valid-type]
+    env: any_section(null=False) = None  # type: ignore[valid-type]
+    cluster: any_section(null=False) = None  # type: ignore[valid-type]
     jetrl: section(JetrlSection) = None  # type: ignore[valid-type]
 
 

@@ -1,8 +1,10 @@
-"""Reading a loaded config: typed values with every problem recorded, the Recipe, the model.
+"""Reading a loaded config: values, the problems of rules across keys, the Recipe, the model.
 
-`_Reader` never raises for a user's mistake; it records a `ConfigIssue` and returns a default,
-so that validation can go on and report everything at once. `read_recipe` maps NeMo-RL's keys
-and the ``jetrl:`` section onto a `Recipe` (see docs/configs.md for the table).
+Each key's type and values are checked once, by the typed schema (`nemo_jetrl.config.typed`);
+`_Reader` reads values (a default where a key is absent or cannot be resolved) and records the
+issues the rules across keys find, never raising, so that validation reports everything at once.
+`read_recipe` maps NeMo-RL's keys and the ``jetrl:`` section onto a `Recipe` (reading a
+mistyped key as its default: the typed parse has named it; see docs/configs.md for the table).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from nemo_jetrl.recipe_parts import (
 
 
 class _Reader:
-    """Reads typed values from a config, recording every problem instead of raising."""
+    """Reads values from a config and records issues instead of raising."""
 
     def __init__(self, cfg: DictConfig, sections: SectionProviders = NO_SECTIONS) -> None:
         self.cfg = cfg

@@ -95,21 +95,26 @@ def words(what: str = "a list of non-empty strings", null: bool = True) -> Any:
     return rule(tp | None if null else tp, _nullable(what, null))
 
 
-def _mapping_or_null(value: Any, handler: Callable[[Any], Any]) -> Any:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise _fail(value, "a mapping (a section of keys)")
-    return handler(value)
+def _mapping(null: bool) -> WrapValidator:
+    def check(value: Any, handler: Callable[[Any], Any]) -> Any:
+        if value is None and null:
+            return None
+        if not isinstance(value, Mapping):
+            raise _fail(value, "a mapping (a section of keys)")
+        return handler(value)
+
+    return WrapValidator(check)
 
 
-def section(model: type[BaseModel]) -> Any:
-    """A nested section: a mapping (or null: absent); a list or scalar is an error naming it."""
-    return Annotated[model | None, WrapValidator(_mapping_or_null)]
+def section(model: type[BaseModel], null: bool = True) -> Any:
+    """A nested section: a mapping (or, with ``null``, null: absent); a list or a scalar is an
+    error naming it."""
+    return Annotated[model | None, _mapping(null)]
 
 
-ANY_SECTION = Annotated[dict[str, Any] | None, WrapValidator(_mapping_or_null)]
-"""A section whose keys we do not read: only its shape (a mapping) is checked."""
+def any_section(null: bool = True) -> Any:
+    """A section whose keys we do not read: only its shape (a mapping) is checked."""
+    return Annotated[dict[str, Any] | None, _mapping(null)]
 
 
 class NemoSection(BaseModel):

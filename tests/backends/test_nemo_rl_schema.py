@@ -73,8 +73,8 @@ def _set(cfg: dict, path: str, value: Any) -> dict:
     return out
 
 
-# (key, bad value, NeMo-RL refuses it too). NeMo-RL refuses a section given as a list or a
-# scalar; it coerces scalars given as strings (lax pydantic); and it does not check vllm_cfg at
+# (key, bad value, NeMo-RL refuses it too). NeMo-RL refuses a section given as a list, a scalar
+# or null; it coerces scalars given as strings (lax pydantic); and it does not check vllm_cfg at
 # all: MasterConfig types policy.generation as the base GenerationConfig, whose TypedDict has no
 # vllm_cfg (its VllmConfig subclass is never used there). On those keys, which we read, ours
 # stays strict (module docstring).
@@ -84,6 +84,7 @@ MUTATIONS = [
     ("grpo", "x", True),
     ("loss_fn", [], True),
     ("checkpointing", True, True),
+    ("cluster", None, True),
     ("grpo.normalize_rewards", "false", False),
     ("grpo.max_num_steps", "10", False),
     ("policy.generation.vllm_cfg", [1], False),

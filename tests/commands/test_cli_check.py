@@ -257,6 +257,7 @@ def test_train_refuses_off_policy_on_every_backend(tmp_path, capsys):
         ("policy.generation=[1,2]", "policy.generation: got [1, 2]; expected a mapping"),
         ("policy=3", "policy: got 3; expected a mapping"),
         ("grpo=x", "grpo: got 'x'; expected a mapping"),
+        ("grpo=null", "grpo: got None; expected a mapping"),
         ("policy.megatron_cfg.fp8_cfg=true", "policy.megatron_cfg.fp8_cfg: got True; expected a"),
         ("loss_fn=[]", "loss_fn: got []; expected a mapping"),
         ("jetrl.kv_calibration=[1]", "jetrl.kv_calibration: got [1]; expected a mapping"),
@@ -264,6 +265,8 @@ def test_train_refuses_off_policy_on_every_backend(tmp_path, capsys):
             "policy.generation.vllm_cfg.pow2_weight_scaling_factors='false'",
             "pow2_weight_scaling_factors: got 'false'; expected true or false",
         ),
+        ("+grpo.async_grpo.enabled=yes", "grpo.async_grpo.enabled: got 'yes'; expected true"),
+        ("+policy.router_replay=[1]", "policy.router_replay: got [1]; expected a mapping"),
     ],
 )
 def test_structurally_wrong_sections_exit_2_naming_the_key(capsys, override, fragment):
