@@ -6,8 +6,6 @@ margin) and the allowed values of its fields (`MASK_MODES`, `REDUCTIONS`, the ob
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,34 +81,6 @@ class CalibrationSettings:
         return out
 
     @staticmethod
-    def from_cfg(
-        cfg: Mapping[str, Any] | None, prefix: str = "jetrl.kv_calibration"
-    ) -> CalibrationSettings | list[str]:
-        """Settings from a YAML mapping, or the list of every problem with its full key path.
-
-        Accepts the recipe keys (``enabled`` is the caller's business and ignored here) plus
-        ``reduction``, ``include_q``, ``micro_batch_size`` and ``fmt``. ``reduction`` defaults
-        to "max" when ``percentile`` is 100, else "percentile".
-        """
-        cfg = dict(cfg or {})
-        fields = {f for f in CalibrationSettings.__dataclass_fields__}
-        problems = [
-            f"{prefix}.{k}: unknown key (allowed: {', '.join(sorted(fields | {'enabled'}))})"
-            for k in cfg
-            if k not in fields and k != "enabled"
-        ]
-        kw = {k: v for k, v in cfg.items() if k in fields}
-        if "reduction" not in kw and _is_number(kw.get("percentile", KV_PERCENTILE)):
-            kw["reduction"] = default_reduction(float(kw.get("percentile", KV_PERCENTILE)))
-        probe = object.__new__(CalibrationSettings)
-        for name, f in CalibrationSettings.__dataclass_fields__.items():
-            object.__setattr__(probe, name, kw.get(name, f.default))
-        problems += [f"{prefix}.{p}" for p in probe.problems()]
-        if problems:
-            return problems
-        return CalibrationSettings(**kw)
-
-    @staticmethod
     def from_recipe(kv_calibration: Any, **overrides: Any) -> CalibrationSettings:
         """From `nemo_jetrl.recipe_parts.KvCalibration` (or anything with the same attributes).
 
@@ -137,7 +107,3 @@ class CalibrationSettings:
 def default_reduction(percentile: float) -> Reduction:
     """The reduction a calibration without one uses: "max" at the 100th percentile."""
     return "max" if percentile >= 100.0 else "percentile"
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)

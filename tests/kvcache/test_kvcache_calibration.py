@@ -87,15 +87,3 @@ def test_settings_problems_name_every_key() -> None:
     assert s.problems() == []
     with pytest.raises(ValueError, match="micro_batch_size"):
         CalibrationSettings(micro_batch_size=0)
-
-
-def test_settings_from_cfg_reports_every_key_path() -> None:
-    ok = CalibrationSettings.from_cfg({"enabled": True, "percentile": 100, "margin": 1.1})
-    assert isinstance(ok, CalibrationSettings) and ok.reduction == "max" and ok.margin == 1.1
-    bad = CalibrationSettings.from_cfg(
-        {"percentile": 0, "mask": "pad", "reduction": "mean", "include_q": "yes", "typo": 1}
-    )
-    assert isinstance(bad, list)
-    text = "\n".join(bad)
-    for key in ("typo", "percentile", "mask", "reduction", "include_q"):
-        assert f"jetrl.kv_calibration.{key}" in text, key
