@@ -114,6 +114,12 @@ def run(eng: Any, generate_one: Any, head_dim: int) -> dict[str, float]:
             outs[f] = (call["o"].double(), predicted(call, base_k * f, base_v * f, head_dim))
     finally:
         _hook(llm, False)
+    return report_of(outs)
+
+
+def report_of(outs: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """Errors and effects of ``{factor: (output, prediction)}`` as fractions of the largest
+    |prediction| of factor 1."""
     o1, p1 = outs[1.0]
     amp = float(p1.abs().max())
     report = {"amp": amp}
