@@ -191,6 +191,10 @@ def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: b
             self, layer: Any, x: torch.Tensor, router_logits: torch.Tensor, *args: Any, **kw: Any
         ) -> torch.Tensor:
             weights, ids = route_softmax_topk(layer, router_logits)
+            # vLLM's routed-experts capture (enable_return_routed_experts) hooks its router.
+            capture = getattr(getattr(layer, "router", None), "capture_fn", None)
+            if capture is not None:
+                capture(ids)
             return self.apply(layer, x, weights, ids)
 
         @property

@@ -47,6 +47,16 @@ def experts_layer(i: int) -> str:
     return f"model.layers.{i}.mlp.experts" + (".routed_experts" if nested else "")
 
 
+def routed_experts_supported() -> bool:
+    """vLLM 0.20's CPU build returns routed experts; 0.32's needs Model Runner V2, which
+    needs Triton (none on CPU builds)."""
+    import vllm
+
+    from nemo_jetrl.vllm_patch.compat import release
+
+    return release(vllm.__version__) < (0, 32, 0)
+
+
 def tiny_qwen3_moe(seed: int) -> torch.nn.Module:
     cfg = tiny_hf_config(
         "qwen3_moe",
@@ -205,6 +215,8 @@ def served(tmp_path_factory, trainer, settings):
     sd = write_checkpoint(trainer, d, settings)
     patch = apply_patches(settings)
     user = dict(USER_KWARGS, load_format="auto")
+    if routed_experts_supported():
+        user["enable_return_routed_experts"] = True
     kwargs = build_engine_kwargs(settings, user).kwargs
     llm = LLM(model=str(d), **kwargs)
     verify_engine_kernels(llm, settings)
@@ -391,3 +403,40 @@ def test_engine_experts_bit_exact_to_the_dense_path(served, settings):
     assert calls >= 2 * MAX_TOKENS  # prefill + every decode step, in both MoE layers
     print(f"moe routing: {same_route}/{routed} tokens with the BF16 torch router's experts")
     assert same_route >= 0.9 * routed
+
+
+def test_routed_experts_returned_for_routing_replay(served, trainer, tmp_path):
+    """vLLM 0.20: with enable_return_routed_experts an output carries, per token, the experts
+    our kernel computed it with ([tokens - 1, layers, top_k]; the dense layer 0 all zeros):
+    exactly the ids captured inside our experts method, call by call. vLLM 0.32's CPU build
+    refuses the option (Model Runner V2 needs Triton), so there routing replay has no source."""
+    from vllm import SamplingParams
+
+    from nemo_jetrl.vllm_patch.experts import routed_experts
+    from nemo_jetrl.vllm_patch.worker_ext import unpack
+
+    if not routed_experts_supported():
+        from vllm import LLM
+
+        write_checkpoint(trainer, tmp_path)  # BF16: the option is refused before loading
+        with pytest.raises(Exception, match="Model Runner V2"):
+            LLM(model=str(tmp_path), enable_return_routed_experts=True, **USER_KWARGS)
+        return
+    llm, _, _ = served
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm.collective_rpc("jetrl_capture", args=(64,))
+    try:
+        (out,) = llm.generate(["Zebras q"], sp, use_tqdm=False)  # one request: calls in order
+        blob = unpack(llm.collective_rpc("jetrl_captured")[0])
+    finally:
+        llm.collective_rpc("jetrl_capture", args=(0,))
+    got = torch.as_tensor(routed_experts(out))
+    n = len(out.prompt_token_ids) + MAX_TOKENS - 1
+    assert tuple(got.shape) == (n, LAYERS, 2)
+    assert not got[:, 0].any()  # layer 0 is dense
+    for i in MOE_LAYERS:
+        name = experts_layer(i)
+        calls = sorted({int(k.split("|")[1]) for k in blob if k.startswith(name + "|")})
+        ours = torch.cat([blob[f"{name}|{c}|ids"] for c in calls]).long()
+        assert tuple(ours.shape) == (n, 2)
+        assert torch.equal(got[:, i].long(), ours), i
