@@ -104,7 +104,7 @@ def test_unaligned_local_model_is_refused_not_silently_bf16(capsys, tmp_path):
 def test_check_uses_the_local_model_not_a_generic_one(capsys):
     code, out, _ = _cli(capsys, "check", LOCAL / "jetrl.yaml")
     assert code == 0
-    assert "(2 layers, hidden 256, intermediate 512, heads 4/2)" in out
+    assert "(2 layers, hidden 256, intermediate 512, heads 4/2; dense)" in out
     assert "generic" not in out
 
 
