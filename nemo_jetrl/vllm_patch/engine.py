@@ -7,6 +7,7 @@ trainer's new weights. ``close()`` shuts the engine down and reverts the patch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from nemo_jetrl._optional import require
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.engine_args import EngineKwargs, build_engine_kwargs
 from nemo_jetrl.vllm_patch.guard import KernelNotInEffect, verify_engine_kernels
+from nemo_jetrl.vllm_patch.moe_names import router_modules
 from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
 from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
 from nemo_jetrl.vllm_patch.settings import PatchSettings
@@ -85,6 +87,16 @@ class VllmRolloutEngine:
         self.recipe = recipe
         n = num_layers if num_layers is not None else _num_layers(model_dir)
         self.engine_kwargs: EngineKwargs = build_engine_kwargs(recipe, engine_kwargs, num_layers=n)
+        routers = [
+            r
+            for r in router_modules(model_dir)
+            if r not in self.engine_kwargs.settings.modules_to_not_convert
+        ]
+        if routers and self.engine_kwargs.settings.fp8_weights:  # MoE routers stay BF16
+            base = self.engine_kwargs.settings
+            keep = (*base.modules_to_not_convert, *routers)
+            settings = dataclasses.replace(base, modules_to_not_convert=keep)
+            self.engine_kwargs = build_engine_kwargs(settings, engine_kwargs)
         self.settings = self.engine_kwargs.settings
         self.patch: PatchHandle | None = apply_patches(self.settings)
         try:

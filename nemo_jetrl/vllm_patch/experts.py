@@ -29,7 +29,6 @@ expert computation in ``nemo_jetrl.fp8`` is meant to replace it.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -349,34 +348,6 @@ def moe_layer_report(module: Any) -> dict[str, Any] | None:
         "moe": True,
         "calls": int(getattr(qm, "jetrl_calls", 0)),
     }
-
-
-_EXPERT_NAME = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
-# HF per-expert projection -> (vLLM parameter prefix, shard index within it)
-_EXPERT_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
-
-
-def resolve_expert_tensor(model: Any, hf_name: str) -> tuple[str, torch.Tensor, int, int] | None:
-    """(vLLM name, the expert's slice of the parameter, row start, row count) for an HF
-    per-expert tensor such as ``model.layers.1.mlp.experts.3.up_proj.weight`` (or its
-    ``weight_scale_inv``) in a routed-experts layer; None for any other name."""
-    match = _EXPERT_NAME.match(hf_name)
-    if match is None:
-        return None
-    path, expert, proj, leaf = match.groups()
-    try:
-        layer = model.get_submodule(path)
-    except AttributeError:
-        return None
-    inner = getattr(layer, "routed_experts", None)  # 0.32: the runner holds RoutedExperts
-    if not hasattr(layer, "w13_weight") and isinstance(inner, torch.nn.Module):
-        layer, path = inner, f"{path}.routed_experts"
-    prefix, shard = _EXPERT_SHARDS[proj]
-    if leaf not in ("weight", "weight_scale_inv") or not hasattr(layer, f"{prefix}_weight"):
-        return None
-    param = getattr(layer, f"{prefix}_{leaf}")
-    rows = param.shape[1] // (2 if prefix == "w13" else 1)
-    return f"{path}.{prefix}_{leaf}", param.data[int(expert)], shard * rows, rows
 
 
 def routed_experts(output: Any) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.vllm_patch import compat, rollback
-from nemo_jetrl.vllm_patch.experts import resolve_expert_tensor
+from nemo_jetrl.vllm_patch.moe_names import resolve_expert_tensor
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
 

@@ -121,3 +121,21 @@ def test_own_routing_softmax_topk_and_refusals():
     sigmoid = SimpleNamespace(top_k=2, renormalize=True, scoring_func="sigmoid")
     with pytest.raises(NotImplementedError, match="scoring_func='sigmoid'"):
         route_softmax_topk(sigmoid, logits)
+
+
+def test_router_modules_from_config(tmp_path):
+    import json
+
+    from nemo_jetrl.vllm_patch.moe_names import router_modules
+
+    cfg = dict(
+        model_type="qwen3_moe", vocab_size=128, hidden_size=256, intermediate_size=256,
+        moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0],
+        decoder_sparse_step=1, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert router_modules(tmp_path) == ("model.layers.1.mlp.gate", "model.layers.2.mlp.gate")
+    dense = {k: v for k, v in cfg.items() if "expert" not in k and k != "model_type"}
+    (tmp_path / "config.json").write_text(json.dumps(dict(dense, model_type="llama")))
+    assert router_modules(tmp_path) == ()

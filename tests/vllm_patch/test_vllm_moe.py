@@ -440,3 +440,28 @@ def test_routed_experts_returned_for_routing_replay(served, trainer, tmp_path):
         ours = torch.cat([blob[f"{name}|{c}|ids"] for c in calls]).long()
         assert tuple(ours.shape) == (n, 2)
         assert torch.equal(got[:, i].long(), ours), i
+
+
+def test_rollout_engine_serves_a_bf16_moe_checkpoint(tmp_path_factory, trainer, bf16_control):
+    """VllmRolloutEngine (jetrl recipe, a BF16 HF MoE checkpoint: dummy load + first refit)
+    keeps the routers BF16 by itself (read from config.json), runs our kernels, refits every
+    expert tensor with parity, and agrees with the FP8 reference within the control's bound."""
+    from nemo_jetrl.recipe import Recipe
+    from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
+
+    d = tmp_path_factory.mktemp("moe_bf16_ckpt")
+    write_checkpoint(trainer, d)
+    with VllmRolloutEngine(d, Recipe.preset("jetrl"), engine_kwargs=USER_KWARGS) as eng:
+        assert set(ROUTERS) <= set(eng.settings.modules_to_not_convert)
+        layers = eng.kernel_report["layers"]
+        assert sorted(n for n, v in layers.items() if v.get("moe")) == [
+            experts_layer(i) for i in MOE_LAYERS
+        ]
+        assert all(v["ours"] for v in layers.values())
+        parity = eng.last_refit.parity
+        assert parity.differing == () and parity.fp8 == 2 * (
+            4 * LAYERS + 3 + len(MOE_LAYERS) * E * 3
+        )
+        gap = logprob_gap(_generate(eng.llm), fp8_reference(trainer))
+        print(f"moe rollout engine: fp8 gap {gap:.4f}, control {bf16_control:.4f}")
+        assert gap <= fp8_gap_bound(bf16_control), (gap, bf16_control)
