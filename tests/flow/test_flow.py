@@ -304,3 +304,15 @@ def test_mxfp8_rollout_against_blockwise_training_is_a_granularity_mismatch():
     reasons = [m.reason for m in check.mismatches]
     assert any("different FP8 scaling granularity" in x for x in reasons), reasons
     assert "policy.generation.vllm_cfg.is_mx" in check.keys
+
+
+def test_tensorwise_training_against_blockwise_rollout_is_a_granularity_mismatch():
+    """Same E4M3 format and scale rule, other blocks (one scale per tensor in training vs 1x128 /
+    128x128 in the rollout): the quantized values differ, and the verdict says so."""
+    jetrl = Recipe.preset("jetrl")
+    r = jetrl.with_(train=jetrl.train.with_(scaling="tensorwise"))
+    check = check_on_policy(QWEN3, r)
+    assert not check.on_policy
+    reasons = [m.reason for m in check.mismatches]
+    assert any("different FP8 scaling granularity" in x for x in reasons), reasons
+    assert "policy.megatron_cfg.fp8_cfg.fp8_recipe" in check.keys
