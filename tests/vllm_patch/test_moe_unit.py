@@ -139,3 +139,40 @@ def test_router_modules_from_config(tmp_path):
     dense = {k: v for k, v in cfg.items() if "expert" not in k and k != "model_type"}
     (tmp_path / "config.json").write_text(json.dumps(dict(dense, model_type="llama")))
     assert router_modules(tmp_path) == ()
+
+
+def test_experts_match_the_grouped_expert_linear_bit_for_bit():
+    """nemo_jetrl.fp8.experts (the trainer's grouped expert linear, inference twin) gives the
+    serving kernel's bits on the same routed rows: the kernel can switch to it without moving
+    a bit (CPU; pow2 scales)."""
+    from nemo_jetrl.fp8.config import Fp8LinearConfig
+    from nemo_jetrl.fp8.experts import grouped_fp8_linear_inference
+    from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
+
+    q13, q2 = _weights(2)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(M, H, generator=g) * 3).to(torch.bfloat16)
+    ids = torch.randint(0, E, (M, TOPK), generator=g)
+    ids[:, 1] = (ids[:, 0] + 1) % E
+    wts = torch.rand(M, TOPK, generator=g)
+    w13 = torch.stack([q.data for q in q13])
+    s13 = torch.stack([q.scale_inv for q in q13])
+    w2 = torch.stack([q.data for q in q2])
+    s2 = torch.stack([q.scale_inv for q in q2])
+    got = experts_forward(
+        ensure_ops(), x, w13, s13, w2, s2, wts, ids,
+        pow2=True, w_pow2=True, eps=0.0, backend="reference",
+    )  # fmt: skip
+    cfg = Fp8LinearConfig(pow2_scales=True)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = torch.arange(M).repeat_interleave(TOPK)[order]
+    offsets = torch.zeros(E + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.bincount(flat, minlength=E), 0)
+    g13 = GroupedQuantizedWeights(w13, s13, "e4m3", True)
+    g2 = GroupedQuantizedWeights(w2, s2, "e4m3", True)
+    gate, up = grouped_fp8_linear_inference(x[token], g13, offsets, cfg, "w13").split(INTER, -1)
+    y = grouped_fp8_linear_inference(torch.nn.functional.silu(gate) * up, g2, offsets, cfg, "w2")
+    want = torch.zeros(M, H, dtype=torch.float32)
+    want.index_add_(0, token, y.float() * wts.reshape(-1)[order, None])
+    assert torch.equal(got, want.to(torch.bfloat16))
