@@ -67,7 +67,20 @@ def run(args: argparse.Namespace) -> int:
     )  # before any work: where the file goes must be writable
     if out.resolve() == Path(args.config).resolve():
         raise UserError("the output must not be the input file")
-    before = load_source(args.config, list(args.overrides))  # cfg + recipe; checked below
+    overrides, mirrored = list(args.overrides), None
+    try:
+        before = load_source(args.config, overrides)  # cfg + recipe; checked below
+    except UserError as exc:
+        # Align keeps the rollout's per-name BF16 list in training too: an input refused only
+        # because training runs those linears in FP8 (Qwen3.5's 32-row in_proj_a/b) aligns.
+        mirrored = _mirrored_bf16_list(args.config, overrides)
+        try:
+            before = load_source(args.config, [*overrides, mirrored]) if mirrored else None
+        except UserError:
+            before = None
+        if before is None:
+            raise exc from None
+        overrides.append(mirrored)
     if args.recipe:
         target = Recipe.preset(args.recipe)
     else:
@@ -88,16 +101,23 @@ def run(args: argparse.Namespace) -> int:
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"
     header = (
         f"# Written by `jetrl align` from {args.config}"
-        + (f" with overrides {' '.join(args.overrides)}" if args.overrides else "")
+        + (f" with overrides {' '.join(overrides)}" if overrides else "")
         + f"\n# recipe: {target.name} ({origin})\n"
     )
     if args.as_child:
-        text = OmegaConf.to_yaml(_child(Path(args.config), out, list(args.overrides), updates))
+        text = OmegaConf.to_yaml(_child(Path(args.config), out, overrides, updates))
     else:
         text = OmegaConf.to_yaml(cfg)
     out.write_text(header + text)
     changed = _changed_keys(before.cfg, cfg)
     print(f"wrote {out} (recipe {target.name})", file=sys.stdout)
+    if mirrored:
+        print(
+            f"  {mirrored}: the input keeps these linears BF16 in the rollout only and is "
+            "invalid as given (training would run them in FP8); align keeps them BF16 in "
+            "training too",
+            file=sys.stdout,
+        )
     for key, old, new in changed:
         print(f"  {key}: {old!r} -> {new!r}", file=sys.stdout)
     if not changed:
@@ -112,6 +132,25 @@ def run(args: argparse.Namespace) -> int:
     print(file=sys.stdout)
     after = load_and_check(str(out), [])
     return report(after, str(out), sys.stdout)
+
+
+def _mirrored_bf16_list(config: str, overrides: list[str]) -> str | None:
+    """``+jetrl.train_bf16_layer_kws=[...]`` copying the rollout's per-name BF16 list when the
+    training side has none, else None."""
+    from omegaconf import OmegaConf
+
+    from nemo_jetrl.config import load_config
+    from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY
+
+    try:
+        cfg = load_config(config, overrides)
+        kws = OmegaConf.select(cfg, ROLLOUT_KEY, default=None)
+        has_train = OmegaConf.select(cfg, TRAIN_KEY, default=None) is not None
+    except Exception:  # the config's own errors are what the user sees
+        return None
+    if has_train or not kws or not all(isinstance(k, str) for k in kws):
+        return None
+    return f"+{TRAIN_KEY}=[{','.join(kws)}]"
 
 
 def _child(parent: Path, out: Path, overrides: list[str], updates: dict):

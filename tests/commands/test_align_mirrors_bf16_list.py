@@ -1,0 +1,68 @@
+"""`jetrl align` keeps the rollout's per-name BF16 list in training too, also when the input is
+invalid only for want of it (NeMo-RL main's Qwen3.5 FP8 recipes: the rollout keeps the 32-row
+linear_attn.in_proj_a/b BF16, training would run them in blockwise FP8; issue 26)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from nemo_jetrl.config import load_config
+
+EX = Path(__file__).resolve().parents[2] / "examples" / "configs"
+KWS = "[linear_attn.conv1d,linear_attn.in_proj_a,linear_attn.in_proj_b,visual]"
+QWEN35 = [
+    "policy.model_name=Qwen/Qwen3.5-9B-Base",
+    f"+policy.generation.vllm_cfg.quantization_ignored_layer_kws={KWS}",
+]
+MIRROR = f"+jetrl.train_bf16_layer_kws={KWS}"
+
+
+def test_input_is_refused_naming_the_unaligned_training_linears(cli):
+    code, out = cli("check", EX / "nemo_rl_fp8_e2e.yaml", *QWEN35)
+    assert code == 2 and "linear_attn.in_proj_a" in out and "multiples of 128" in out
+
+
+def test_align_mirrors_the_list_says_so_and_is_on_policy(cli, tmp_path):
+    out_yaml = tmp_path / "a.yaml"
+    code, out = cli(
+        "align", EX / "nemo_rl_fp8_e2e.yaml", *QWEN35, "--recipe", "jetrl", "-o", out_yaml
+    )
+    assert code == 0, out
+    assert f"  {MIRROR}: the input keeps these linears BF16 in the rollout only" in out
+    assert "verdict: ON-POLICY" in out
+    assert f"with overrides {' '.join(QWEN35)} {MIRROR}" in out_yaml.read_text()
+    cfg = load_config(out_yaml)
+    want = ["linear_attn.conv1d", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "visual"]
+    assert list(OmegaConf.select(cfg, "jetrl.train_bf16_layer_kws")) == want
+    child = tmp_path / "child.yaml"
+    code, out = cli(
+        "align",
+        EX / "nemo_rl_fp8_e2e.yaml",
+        *QWEN35,
+        "--recipe",
+        "jetrl",
+        "--as-child",
+        "-o",
+        child,
+    )
+    assert code == 0, out
+    assert list(OmegaConf.select(load_config(child), "jetrl.train_bf16_layer_kws")) == want
+
+
+def test_other_refusals_are_not_retried(cli, tmp_path):
+    """A training list already set, or an error the list cannot fix: the input's own error."""
+    code, out = cli(
+        "align",
+        EX / "nemo_rl_fp8_e2e.yaml",
+        *QWEN35,
+        "+jetrl.train_bf16_layer_kws=[visual]",
+        "-o",
+        tmp_path / "b.yaml",
+    )
+    assert code == 2 and "multiples of 128" in out and not (tmp_path / "b.yaml").exists()
+    code, out = cli(
+        "align", EX / "nemo_rl_fp8_e2e.yaml", "+jetrl.nope=1", "-o", tmp_path / "c.yaml"
+    )
+    assert code == 2 and "jetrl.nope" in out and "the input keeps these linears" not in out
