@@ -13,18 +13,19 @@ subclass; ``uninstall_moe_method`` puts vLLM's back. Our method
   their fp32 ``*_weight_scale_inv`` per 128x128 block) exactly as loaded: no repacking and no
   requantization, so refits write the trainer's bytes into them and parity reads them back;
 * never builds a vLLM experts kernel (``moe_kernel`` stays None, so none of vLLM's can run);
-* computes each expert as our dense linear kernel does (``kernel.py``): the routed tokens' rows
-  quantized 1x128 by ``nemo_jetrl.fp8`` in the patch's scale mode, the FP8 GEMM on the backend
-  ``plan_gemm`` chose, SiLU(gate) * up in the model dtype, quantized 1x128 again for the down
-  projection; the outputs weighted by the router's top-k weights and summed in fp32.
+* computes the experts with ``nemo_jetrl.fp8.experts`` (the trainer's grouped expert linear,
+  per expert bit for bit the dense path; `experts_forward`): the routed tokens' rows quantized
+  1x128 in the patch's scale mode, the gate/up GEMM, SiLU(gate) * up in the model dtype,
+  1x128 again, the down GEMM; the outputs weighted by the router's top-k weights and summed in
+  fp32.
 
 The router (``mlp.gate``) is an ordinary linear and must stay BF16 (the checkpoint's
 ``modules_to_not_convert``; ``guard.kernel_problems`` refuses an FP8 one). What is not covered is
 refused when the layer is built, naming it: tensor/expert parallel experts, biased experts,
 activations other than SiLU, weight blocks other than 128x128, shared experts.
 
-The per-expert loop reads the token counts on the host (a sync per layer on GPUs); the grouped
-expert computation in ``nemo_jetrl.fp8`` is meant to replace it.
+Only recipes whose activation and weight scale modes differ take a per-expert loop over our
+dense kernel's ops, which reads the token counts on the host.
 """
 
 from __future__ import annotations
@@ -87,35 +88,57 @@ def experts_forward(
     eps: float,
     backend: str,
 ) -> torch.Tensor:
-    """SiLU-gated experts on block-FP8 weights, each expert's GEMMs as our dense kernel runs
-    them (``ops``: ``kernel.ensure_ops()``). ``x`` ``[M, H]``, ``topk_*`` ``[M, k]``."""
+    """SiLU-gated experts on block-FP8 weights. ``x`` ``[M, H]``, ``topk_*`` ``[M, k]``.
+
+    The routed rows, sorted by expert, go through ``nemo_jetrl.fp8.experts``'
+    ``grouped_fp8_linear_inference`` (the trainer's grouped expert linear: per expert the dense
+    layer's bits; Triton on CUDA with no host read, the reference on CPU, where it raises on a
+    non-finite input naming the expert). Activation and weight scale modes that differ (one
+    ``Fp8LinearConfig`` holds one) take the per-expert loop over our dense kernel's ops
+    (``ops``: ``kernel.ensure_ops()``, ``backend``: its planned GEMM), which reads the counts
+    on the host."""
     m, h = x.shape
     e, two_i, _ = w13.shape
-    out_dtype = x.dtype
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     token = torch.arange(m, device=x.device).repeat_interleave(k)[order]
     weight = topk_weights.reshape(-1)[order].float()
-    counts = torch.bincount(flat, minlength=e).tolist()
+    counts = torch.bincount(flat, minlength=e)
+    acc = torch.zeros(m, h, dtype=torch.float32, device=x.device)
+    if pow2 == w_pow2:
+        from nemo_jetrl.fp8.config import Fp8LinearConfig
+        from nemo_jetrl.fp8.experts import grouped_fp8_linear_inference
+        from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
+
+        cfg = Fp8LinearConfig(pow2_scales=pow2, eps=eps)
+        offsets = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
+        offsets[1:] = torch.cumsum(counts, 0)
+        q13 = GroupedQuantizedWeights(w13, w13_s, "e4m3", pow2)
+        q2 = GroupedQuantizedWeights(w2, w2_s, "e4m3", pow2)
+        gu = grouped_fp8_linear_inference(x[token], q13, offsets, cfg, "experts.w13")
+        gate, up = gu.split(two_i // 2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        y = grouped_fp8_linear_inference(act, q2, offsets, cfg, "experts.w2")
+        acc.index_add_(0, token, y.float() * weight[:, None])
+        return acc.to(x.dtype)
     # One 1x128 quantization per routed row; a row's bits do not depend on its neighbours.
     q, q_s = ops.quantize_act_1x128(x[token], pow2, eps, False)
-    acc = torch.zeros(m, h, dtype=torch.float32, device=x.device)
     start = 0
-    for ex, n in enumerate(counts):
+    for ex, n in enumerate(counts.tolist()):
         if n == 0:
             continue
         rows = slice(start, start + n)
         gu = ops.fp8_block_gemm(
-            q[rows], q_s[rows], w13[ex], w13_s[ex], out_dtype, pow2, w_pow2, backend
+            q[rows], q_s[rows], w13[ex], w13_s[ex], x.dtype, pow2, w_pow2, backend
         )
         gate, up = gu.split(two_i // 2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
         a, a_s = ops.quantize_act_1x128(act, pow2, eps, False)
-        y = ops.fp8_block_gemm(a, a_s, w2[ex], w2_s[ex], out_dtype, pow2, w_pow2, backend)
+        y = ops.fp8_block_gemm(a, a_s, w2[ex], w2_s[ex], x.dtype, pow2, w_pow2, backend)
         acc.index_add_(0, token[rows], y.float() * weight[rows, None])
         start += n
-    return acc.to(out_dtype)
+    return acc.to(x.dtype)
 
 
 def route_softmax_topk(

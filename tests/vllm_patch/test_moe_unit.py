@@ -19,12 +19,12 @@ from nemo_jetrl.vllm_patch.kernel import ensure_ops
 E, H, INTER, TOPK, M = 4, 256, 128, 2, 9
 
 
-def _weights(seed: int):
+def _weights(seed: int, pow2: bool = True):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(E, 2 * INTER, H, generator=g) * 0.05
     w2 = torch.randn(E, H, INTER, generator=g) * 0.05
-    q13 = [quantize_blockwise(w13[e], (128, 128), pow2_scales=True) for e in range(E)]
-    q2 = [quantize_blockwise(w2[e], (128, 128), pow2_scales=True) for e in range(E)]
+    q13 = [quantize_blockwise(w13[e], (128, 128), pow2_scales=pow2) for e in range(E)]
+    q2 = [quantize_blockwise(w2[e], (128, 128), pow2_scales=pow2) for e in range(E)]
     return q13, q2
 
 
@@ -34,10 +34,12 @@ def _dense(x: torch.Tensor, qw) -> torch.Tensor:
     return run_gemm("reference", qx, qw, x.dtype)
 
 
-def test_experts_bit_exact_to_the_dense_path_per_expert():
+@pytest.mark.parametrize("w_pow2", [True, False], ids=["grouped", "mixed-scales-loop"])
+def test_experts_bit_exact_to_the_dense_path_per_expert(w_pow2):
     """Every token's output is the dense kernel's gate/up and down GEMMs on its experts, summed
-    with its routing weights; expert 3 gets no token (skipped), token order scrambled."""
-    q13, q2 = _weights(0)
+    with its routing weights; expert 3 gets no token (skipped), token order scrambled. Same
+    scale modes run nemo_jetrl.fp8.experts; FP32 weight scales with pow2 activations the loop."""
+    q13, q2 = _weights(0, w_pow2)
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(M, H, generator=g) * 2).to(torch.bfloat16)
     ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [2, 1], [1, 0], [0, 1], [2, 0], [1, 2]])
@@ -48,7 +50,7 @@ def test_experts_bit_exact_to_the_dense_path_per_expert():
     s2 = torch.stack([q.scale_inv for q in q2])
     got = experts_forward(
         ensure_ops(), x, w13, s13, w2, s2, wts, ids,
-        pow2=True, w_pow2=True, eps=0.0, backend="reference",
+        pow2=True, w_pow2=w_pow2, eps=0.0, backend="reference",
     )  # fmt: skip
     want = torch.zeros(M, H, dtype=torch.float32)
     for t in range(M):
@@ -62,7 +64,7 @@ def test_experts_bit_exact_to_the_dense_path_per_expert():
     # The weights matter: another expert's weights change the output.
     bad = experts_forward(
         ensure_ops(), x, w13.flip(0), s13.flip(0), w2, s2, wts, ids,
-        pow2=True, w_pow2=True, eps=0.0, backend="reference",
+        pow2=True, w_pow2=w_pow2, eps=0.0, backend="reference",
     )  # fmt: skip
     assert not torch.equal(bad, got)
 
