@@ -21,6 +21,7 @@ passes inside the transport; without it (the mutation) the same check names the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -58,23 +59,36 @@ STANDINS = Path(__file__).resolve().parent / "standins"
 
 @pytest.fixture(scope="module")
 def nrl_engine(tmp_path_factory):
-    from vllm_fixtures import vllm_cpu_env
-
-    vllm_backend, fp8, utils = nemo_rl_vllm_modules()
-    from nemo_jetrl.backends.nemo_rl import vllm_refit
     from nemo_jetrl.recipe import Recipe
-    from nemo_jetrl.vllm_patch import apply_patches, settings_from_recipe
+    from nemo_jetrl.vllm_patch import settings_from_recipe
 
     d = tmp_path_factory.mktemp("nrl_llama")
     tiny_llama_128(0).save_pretrained(d)
     char_tokenizer().save_pretrained(d)
-    ipc_dir = tmp_path_factory.mktemp("ipc")
     # FP32 weight and activation scales: where NeMo-RL's own quantizer differs from ours.
     settings = dataclasses.replace(
         settings_from_recipe(Recipe.preset("jetrl"), num_layers=2),
         pow2_weight_scales=False,
         pow2_activation_scales=False,
     )
+    with nemo_rl_engine(d, tmp_path_factory.mktemp("ipc"), settings) as (llm, device_id):
+        yield llm, settings, device_id
+
+
+@contextlib.contextmanager
+def nemo_rl_engine(
+    d: Path, ipc_dir: Path, settings, vllm_cfg: dict | None = None, keep_bf16: bool = False
+):
+    """(llm, device_id): ``vllm.LLM`` on model dir ``d`` started as NeMo-RL's worker starts it
+    (module docstring; ``vllm_cfg``: more ``policy.generation.vllm_cfg`` keys for NeMo-RL's
+    ``init_fp8``; ``keep_bf16``: BF16 linears keep their weight, see the stand-in plugin), our
+    patch with ``settings``, our hook armed; all undone on exit."""
+    from vllm_fixtures import vllm_cpu_env
+
+    vllm_backend, fp8, utils = nemo_rl_vllm_modules()
+    from nemo_jetrl.backends.nemo_rl import vllm_refit
+    from nemo_jetrl.vllm_patch import apply_patches
+
     mp = pytest.MonkeyPatch()
     with vllm_cpu_env():
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as NeMo-RL's VllmGenerationWorker
@@ -88,21 +102,26 @@ def nrl_engine(tmp_path_factory):
         mp.setattr(utils, "get_handle_from_tensor", handle_from_tensor)
         mp.setattr(torch.cuda, "current_stream", lambda *a: _NoStream())
         device_id = f"jetrl-test-{uuid.uuid4().hex[:8]}"
-        vllm_cfg = {"precision": "fp8", "kv_cache_dtype": "auto", "async_engine": False}
-        nrl_kwargs = fp8.init_fp8(vllm_cfg, str(d), 1)  # NeMo-RL's own patches and kwargs
+        cfg = {"precision": "fp8", "kv_cache_dtype": "auto", "async_engine": False}
+        nrl_kwargs = fp8.init_fp8(
+            {**cfg, **(vllm_cfg or {})}, str(d), 1
+        )  # NeMo-RL's own patches and kwargs
         # vLLM's CPU build spawns its worker: the stand-in plugin applies NeMo-RL's fp8 patches
         # there (its apply_fp8_patches) and the CUDA stand-ins; nemo_jetrl's refit entry point
         # installs our hook there, armed by the env the launcher writes.
         standin = {
             "fp8": dataclasses.asdict(fp8.global_fp8_config),
             "device_id": device_id,
+            "keep_unquantized_weights": keep_bf16,
         }
         mp.setenv("JETRL_NRL_WORKER_STANDIN", json.dumps(standin))
         # The stand-in plugin also runs in this process (vLLM loads plugins here too, and 0.25's
         # CPU worker lives here): record what it replaces so that mp.undo() restores it.
+        from vllm.model_executor.layers import utils as layer_utils
         from vllm.v1.worker.cpu_worker import CPUWorker
 
         for owner, name in (
+            (layer_utils, "dispatch_cpu_unquantized_gemm"),
             (vllm_backend, "rebuild_cuda_tensor_from_ipc"),
             (vllm_backend.VllmInternalWorkerExtension, "report_device_id"),
             (CPUWorker, "init_device"),
@@ -124,7 +143,7 @@ def nrl_engine(tmp_path_factory):
         try:
             active, layout = llm.collective_rpc(_hook_status)[0]
             assert active and layout in expected_refit_layout()
-            yield llm, settings, device_id
+            yield llm, device_id
         finally:
             if vllm_refit._PLUGIN_HANDLE is not None:  # vLLM ran the plugins here too
                 vllm_refit._PLUGIN_HANDLE.revert()

@@ -10,7 +10,9 @@ it builds the model (the test records what this changes in its own process and u
   vLLM worker when TP > 1), with the config from the JSON (``fp8``);
 * stand-ins for what needs a GPU: CUDA IPC handles (``rebuild_cuda_tensor_from_ipc`` maps the
   file the test's sender wrote), ``torch.cuda.current_stream()`` (no-op synchronize), the GPU UUID
-  naming the ZMQ socket (``report_device_id``) and ``worker.device`` (the CPU worker has none).
+  naming the ZMQ socket (``report_device_id``) and ``worker.device`` (the CPU worker has none);
+* with ``keep_unquantized_weights``: BF16 linears keep their weight in place (vLLM's own
+  no-oneDNN branch), as on a GPU.
 
 The ``*.dist-info`` beside this file registers it, together with nemo_jetrl's own
 ``nemo_jetrl.backends.nemo_rl.vllm_refit:load_in_worker`` (what ``pyproject.toml`` registers when
@@ -62,3 +64,13 @@ def load() -> None:
         self.device = torch.device("cpu")
 
     CPUWorker.init_device = init_cpu_device
+    if cfg.get("keep_unquantized_weights"):
+        # vLLM's own fallback branch of dispatch_cpu_unquantized_gemm (a CPU without oneDNN):
+        # the BF16 weight stays in place, as on a GPU, so NeMo-RL's plain model.load_weights can
+        # refit it (the oneDNN branch empties it for a packed copy only a layerwise reload fills).
+        from vllm.model_executor.layers import utils as layer_utils
+
+        def keep_weight(layer, remove_weight):
+            layer.cpu_linear = torch.nn.functional.linear
+
+        layer_utils.dispatch_cpu_unquantized_gemm = keep_weight
