@@ -85,3 +85,33 @@ def load_source(path: str, overrides: list[str]) -> Any:
         return load_valid_config(path, overrides, sections=BACKEND_SECTIONS)
     except ConfigError as exc:
         raise UserError(f"invalid config\n{exc}") from None
+
+
+# HF model types whose vLLM MoE block builds the router (`mlp.gate`) with the model's
+# quant_config, so an FP8 engine holds it in FP8 unless a per-name word keeps it BF16 (vLLM 0.20
+# qwen3_moe.py; qwen2_moe, qwen3_next, mixtral and deepseek_v2 build it unquantized).
+QUANTIZED_ROUTER_TYPES = ("qwen3_moe",)
+ROUTER_WORD = "mlp.gate"
+
+
+def router_bf16_words(
+    arch: Any, recipe: Any, kws: tuple[str, ...]
+) -> tuple[tuple[str, ...], list[str]]:
+    """(per-name BF16 words to add to ``kws`` on both sides, notes): ``mlp.gate`` for a model
+    whose vLLM router would otherwise be FP8 in ``recipe``'s FP8 rollout (NeMo-RL's
+    ``init_fp8`` does not list it)."""
+    moe = getattr(arch, "moe", None)
+    if moe is None or not recipe.rollout.fp8_linears:
+        return (), []
+    if getattr(arch, "model_type", None) not in QUANTIZED_ROUTER_TYPES:
+        return (), []
+    if any(ROUTER_WORD in kw for kw in kws):
+        return (), []
+    if len(moe.moe_layers) != arch.num_layers:  # the word would also match dense gate_proj
+        return (), [
+            f"{arch.name}'s vLLM router ({ROUTER_WORD}) is FP8 in an FP8 rollout; with dense MLP "
+            f"layers {ROUTER_WORD!r} would also match their gate_proj: list each router "
+            "(model.layers.N.mlp.gate) in quantization_ignored_layer_kws and "
+            "jetrl.train_bf16_layer_kws"
+        ]
+    return (ROUTER_WORD,), []

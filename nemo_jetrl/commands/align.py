@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    from nemo_jetrl.commands._align_moe import load_source, moe_align_updates
+    from nemo_jetrl.commands._align_moe import load_source, moe_align_updates, router_bf16_words
     from nemo_jetrl.commands._output import make_output_dir
     from nemo_jetrl.commands.check import load_and_check, report
     from nemo_jetrl.config import (
@@ -89,13 +89,16 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UserError(f"cannot align {args.config}: {exc}") from None
     # The user's per-name BF16 linears stay BF16, now on both sides.
-    target = target.with_bf16_layer_kws(before.recipe.bf16_layer_kws())
+    kws = before.recipe.bf16_layer_kws()
+    router_words, router_notes = router_bf16_words(before.arch, target, kws)  # vLLM FP8 router
+    target = target.with_bf16_layer_kws(kws + router_words)
     if before.recipe.unaligned_layers_bf16 and not target.unaligned_layers_bf16:  # so do these
         target = target.with_(unaligned_layers_bf16=True)
         target = target.with_(name=matching_preset(target) or "custom")
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
     moe_updates, moe_notes = moe_align_updates(before.cfg)  # MoE: routing replay, dropless
+    moe_notes += router_notes
     updates.update(moe_updates)
     cfg = merge_updates(before.cfg, updates)
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"

@@ -85,3 +85,42 @@ def test_align_writes_an_moe_file_with_replay_and_reports_the_check(cli, tmp_pat
         assert recipe == "jetrl" and "mixture-of-experts" in text
     else:
         assert code in (0, 1)
+
+
+def test_qwen3_moe_router_kept_bf16_where_vllm_would_quantize_it(cli, tmp_path):
+    """vLLM builds Qwen3-MoE's router with the model's quant_config (NeMo-RL's init_fp8 does not
+    list it): align adds ``mlp.gate`` to both per-name lists; models whose vLLM router is
+    unquantized, or with dense layers the word would also match, get no word."""
+    from types import SimpleNamespace
+
+    from nemo_jetrl.commands._align_moe import router_bf16_words
+    from nemo_jetrl.recipe import Recipe
+
+    src = tmp_path / "q3.yaml"
+    src.write_text(
+        OmegaConf.to_yaml(
+            {
+                "policy": {
+                    "model_name": "Qwen/Qwen3-30B-A3B",
+                    "generation": {"backend": "vllm", "vllm_cfg": {"precision": "fp8"}},
+                    "megatron_cfg": {"enabled": True},
+                }
+            }
+        )
+    )
+    out = tmp_path / "aligned.yaml"
+    cli("align", str(src), "--recipe", "jetrl", "-o", str(out))
+    cfg = OmegaConf.load(out)
+    assert list(cfg.policy.generation.vllm_cfg.quantization_ignored_layer_kws) == ["mlp.gate"]
+    assert list(cfg.jetrl.train_bf16_layer_kws) == ["mlp.gate"]
+    jetrl = Recipe.preset("jetrl")
+    moe = SimpleNamespace(moe_layers=(0, 1))
+    q3 = SimpleNamespace(name="q3", model_type="qwen3_moe", num_layers=2, moe=moe)
+    assert router_bf16_words(q3, jetrl, ()) == (("mlp.gate",), [])
+    assert router_bf16_words(q3, jetrl, ("mlp.gate",)) == ((), [])
+    assert router_bf16_words(q3, Recipe.preset("bf16"), ()) == ((), [])
+    ds = SimpleNamespace(name="ds", model_type="deepseek_v3", num_layers=2, moe=moe)
+    assert router_bf16_words(ds, jetrl, ()) == ((), [])
+    dense_first = SimpleNamespace(name="q3d", model_type="qwen3_moe", num_layers=3, moe=moe)
+    words, notes = router_bf16_words(dense_first, jetrl, ())
+    assert words == () and "model.layers.N.mlp.gate" in notes[0]
