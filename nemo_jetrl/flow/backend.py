@@ -10,6 +10,10 @@ rollout actually runs can add a difference the recipe does not show:
   them with nemo_jetrl.fp8. Measured against TE's quantizer on 4x2048^2 BF16 weights: 0 differing
   bytes with power-of-two scales, 402 per million with FP32 scales. Without the hook NeMo-RL
   v0.7.0's colocated refit also sends vLLM no calibrated KV scales (grpo.py ~1924).
+- NeMo-RL with FP8 routed experts: the rollout's experts run nemo_jetrl's vLLM experts kernel only
+  on the vLLM releases it covers (`vllm_patch.experts.moe_supported`): v0.7.0 ships vLLM 0.20.0
+  (covered); main ships 0.25.1 (not yet: the patch's guard refuses vLLM's own FP8 expert kernels
+  at engine start, so such a run stops instead of rolling out off-policy).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 from nemo_jetrl.flow.check import FlowCheck
 
 NEMO_RL_TREES = ("v0.7.0", "main")
+# The vLLM release each NeMo-RL tree pins (its pyproject.toml).
+NEMO_RL_VLLM = {"v0.7.0": "0.20.0", "main": "0.25.1"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,20 @@ def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
         return BackendVerdict(name, False, "off-policy as the flow check says")
     if not recipe.rollout.fp8_linears:
         return BackendVerdict(name, True, "BF16 rollout: refit copies the weights unchanged")
+    fp8_experts = any(e.group == "experts" and e.precision.is_fp8 for e in check.rollout.edges)
+    if fp8_experts:
+        from nemo_jetrl.vllm_patch.experts import moe_supported
+
+        vllm = NEMO_RL_VLLM[tree]
+        if not moe_supported(vllm):
+            return BackendVerdict(
+                name,
+                False,
+                f"FP8 routed experts on NeMo-RL {tree}'s vLLM {vllm}: nemo_jetrl's experts "
+                "kernel covers vLLM 0.20 and 0.32 only, so on this release the patch's guard "
+                "refuses vLLM's own FP8 expert kernels at engine start: not runnable on-policy "
+                "here yet (NeMo-RL v0.7.0 with vLLM 0.20 is)",
+            )
     hook = _flag(cfg, "jetrl.vllm_patch", False) and _flag(cfg, "jetrl.refit_hook", True)
     if hook:
         parity = _flag(cfg, "jetrl.refit_parity_check", True)

@@ -67,11 +67,6 @@ class Precision:
 
 BF16 = Precision("bf16")
 
-ROLLOUT_EXPERTS_IMPL: str | None = "vllm"
-"""Who quantizes routed experts' operands in the rollout, whatever the recipe's quantizer:
-vLLM's FusedMoE path (its own per-token-group activation quantizer), as nemo_jetrl's vLLM patch
-has no experts kernel yet. None once it has: the rollout side's quantizer then applies."""
-
 # Per-tensor KV quantization has one semantics on both sides (vLLM's cache write: x / scale,
 # saturating RNE cast), implemented by vLLM in rollout and by nemo_jetrl.kvcache in training.
 _KV_SCALES = ("trainer_calibrated", "checkpoint", "dynamic", "unit")
@@ -200,8 +195,9 @@ def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
         for lin in arch.layer_linears(layer):
             fp8 = lin.fp8_capable and _linear_is_fp8(side, recipe, layer, n, lin.aligned, lin.name)
             grp = lin.group
-            impl = ROLLOUT_EXPERTS_IMPL if phase == "rollout" and grp == "experts" else None
-            impl = impl or side.quantizer
+            # Experts follow the side's quantizer like every linear: our vLLM patch runs its
+            # experts kernel under a Jet-RL recipe (the releases it covers: flow.backend).
+            impl = side.quantizer
 
             def add(role: str, p: Precision, lin=lin, grp=grp) -> None:
                 out.append(Edge(lin.name, role, lin.layer, grp, lin.kind, p))

@@ -1,19 +1,22 @@
 """What no backend can run on-policy yet, refused by name (exit 2).
 
 The flow reads mixture-of-experts models group by group (`nemo_jetrl.arch.moe`: attention,
-dense MLP, router, experts, shared experts), but an FP8 MoE run cannot be made on-policy yet:
+dense MLP, router, experts, shared experts). Routed experts run our FP8 experts computation on
+both sides (`nemo_jetrl.fp8.experts`: TE's grouped linear in training; the local backend's HF
+rollout and nemo_jetrl's vLLM experts kernel in the rollout). What is not covered yet, with FP8
+on some side, is refused after `jetrl check` prints the flow table and the verdict per group
+(`check_config(keep_refused=True)`):
 
-- Mixture-of-experts models with FP8 on some side: the rollout's expert GEMMs
-  (``mlp.experts.*.{gate,up,down}_proj``) go through vLLM's FusedMoE FP8 path with its own
-  per-token-group activation quantizer, and ``nemo_jetrl.vllm_patch`` has no experts kernel to
-  put in its place yet (`flow.graph.ROLLOUT_EXPERTS_IMPL`). Seen from the config: the model's
-  description (a built-in or config.json with experts), expert parallelism, Megatron's MoE
-  sizes, or a model name of a known MoE family. `jetrl check` prints the flow table and the
-  verdict per group first (`check_config(keep_refused=True)`), then this refusal.
+- an MoE model the flow cannot describe (evidence only from Megatron's expert keys or a model
+  name of a known MoE family): point ``jetrl.model_config`` at its config.json;
+- shared experts (Qwen2/3.5-MoE ``shared_expert``, DeepSeek/Moonlight ``shared_experts``): the vLLM
+  experts kernel refuses them when the layer is built and the local backend does not run them;
+- a vLLM rollout whose experts are split over ranks (``vllm_cfg.tensor_parallel_size`` or
+  ``expert_parallel_size`` above 1): the experts kernel needs one rank's full experts.
 
-Per-name BF16 lists (``quantization_ignored_layer_kws``) are part of the recipe now
+Which vLLM releases run the experts kernel (0.20, 0.32) is a per-backend fact
+(`flow.backend`). Per-name BF16 lists (``quantization_ignored_layer_kws``) are part of the recipe
 (`nemo_jetrl.config.layer_lists`); a word naming something outside the flow is refused there.
-
 Only configs with FP8 on some side are refused (a BF16 MoE run has nothing to align).
 """
 
@@ -84,23 +87,60 @@ def moe_evidence(cfg: Any, arch: Any = None) -> list[str]:
     return found
 
 
+# vLLM keys that split one MoE layer's experts over ranks.
+_VLLM_EXPERT_SPLIT = (
+    "policy.generation.vllm_cfg.tensor_parallel_size",
+    "policy.generation.vllm_cfg.expert_parallel_size",
+)
+
+
+def _moe_gaps(cfg: Any, arch: Any, evidence: list[str]) -> list[tuple[str, str]]:
+    """(key, what) an FP8 MoE run needs that no backend runs yet (empty: covered)."""
+    moe = getattr(arch, "moe", None)
+    if moe is None:
+        return [
+            (
+                "jetrl.model_config",
+                f"the flow has no description of this model's experts ({'; '.join(evidence)}): set "
+                "jetrl.model_config to its config.json (or use a built-in model name)",
+            )
+        ]
+    gaps = []
+    if moe.shared_size:
+        gaps.append(
+            (
+                S.MODEL_NAME,
+                f"shared experts ({moe.shared_module}, width {moe.shared_size}): neither the "
+                "vLLM experts kernel nor the local backend runs them yet",
+            )
+        )
+    for key in _VLLM_EXPERT_SPLIT:
+        v = _select(cfg, key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            gaps.append(
+                (
+                    key,
+                    f"{key}={v} splits each MoE layer's experts over ranks; nemo_jetrl's vLLM "
+                    "experts kernel needs one rank's full experts (set it to 1)",
+                )
+            )
+    return gaps
+
+
 def unsupported_issues(cfg: Any, recipe: Recipe, arch: Any = None) -> list[ConfigIssue]:
-    """Errors for what no backend can run on-policy yet (FP8 MoE experts); ``arch``: the
+    """Errors for what no backend can run on-policy yet (parts of FP8 MoE runs); ``arch``: the
     model's description, when known."""
     if not (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):
         return []
-    issues = []
-    moe = moe_evidence(cfg, arch)
-    if moe:
-        issues.append(
-            ConfigIssue(
-                S.MODEL_NAME,
-                f"mixture-of-experts model ({'; '.join(moe)}): its expert layers ({EXPERT_LAYERS}) "
-                "run through vLLM's FusedMoE FP8 path (its own per-token-group activation "
-                "quantizer, not TE's rule), and nemo_jetrl's vLLM patch has no FP8 experts kernel "
-                "yet, so Jet-RL cannot make its FP8 rollout on-policy (the experts row of "
-                "`jetrl check`'s flow). Use a dense model, or run this one in BF16 "
-                f"(policy.generation.vllm_cfg.precision=bfloat16, {S.FP8_ENABLED}=false)",
-            )
+    evidence = moe_evidence(cfg, arch)
+    if not evidence:
+        return []
+    return [
+        ConfigIssue(
+            key,
+            f"mixture-of-experts model ({'; '.join(evidence)}) with FP8: {what}. Its expert "
+            f"layers ({EXPERT_LAYERS}) cannot be made on-policy this way; or run it in BF16 "
+            f"(policy.generation.vllm_cfg.precision=bfloat16, {S.FP8_ENABLED}=false)",
         )
-    return issues
+        for key, what in _moe_gaps(cfg, arch, evidence)
+    ]

@@ -139,17 +139,25 @@ def test_moe_resume_with_replay_reproduces_the_uninterrupted_run(tmp_path, cache
     assert a == b and ROUTING_MISMATCH in a
 
 
-def test_bf16_moe_example_trains_from_the_cli(cli, tmp_path, cache_dir):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_moe_example_trains_from_the_cli(recipe, cli, tmp_path, cache_dir):
+    """As a user runs it: `jetrl train` on the shipped MoE example of every recipe (FP8 ones
+    included: the experts run our experts computation on both sides of the local backend)."""
     from nemo_jetrl.runs.logs import read_scalars
 
     code, out = cli(
-        "train", "--no-progress", MOE_EXAMPLE / "bf16.yaml", *TINY_OVERRIDES,
+        "train", "--no-progress", MOE_EXAMPLE / f"{recipe}.yaml", *TINY_OVERRIDES,
         f"jetrl.local.model_config={QWEN3_MOE_JSON}", f"jetrl.local.cache_dir={cache_dir}",
         f"logger.log_dir={tmp_path / 'run'}",
     )  # fmt: skip
     assert code == 0, out
     scalars, _ = read_scalars(tmp_path / "run")
     assert [int(s) for s in scalars[ROUTING_MISMATCH].steps] == [1, 2]
+    tmpe = scalars["train/token_mult_prob_error"].values
+    if recipe.startswith("jetrl"):
+        assert list(tmpe) == [1.0, 1.0]  # exactly on-policy, experts included
+    elif recipe == "fp8_rollout":
+        assert all(v > 1.0 for v in tmpe)
 
 
 # ---------------------------------------------------------------------------------- config

@@ -113,9 +113,9 @@ def test_training_backward_blocks_and_hybrid_formats():
 )
 def test_preset_verdicts(name, preset, on_policy):
     arch = BUILTIN_ARCHS[name]
-    # MoE: the rollout's experts are vLLM's FusedMoE quantizer until our experts kernel lands;
-    # a vision tower: vLLM quantizes it unless the rollout's per-name list names "visual".
-    expected = on_policy and not ((arch.moe or arch.vision) and preset in ("jetrl", "jetrl_kv"))
+    # MoE experts follow the side's quantizer (ours under jetrl); a vision tower: vLLM quantizes
+    # it unless the rollout's per-name list names "visual".
+    expected = on_policy and not (arch.vision and preset in ("jetrl", "jetrl_kv"))
     assert check_on_policy(arch, Recipe.preset(preset)).on_policy is expected
 
 

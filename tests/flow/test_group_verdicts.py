@@ -20,14 +20,17 @@ def _by_group(arch, preset):
     return {g.group: g for g in group_verdicts(check_on_policy(arch, Recipe.preset(preset)))}
 
 
-def test_moe_groups_under_jetrl_experts_differ_router_bf16():
+def test_moe_groups_under_jetrl_experts_same_router_bf16():
     g = _by_group(QWEN3_MOE, "jetrl")
     assert list(g) == ["embed", "kv", "attn", "router", "experts", "lm_head"]
     assert g["attn"].same and "FP8" in g["attn"].train
     assert g["router"].same and g["router"].train == g["router"].rollout == "BF16"
-    # vLLM's FusedMoE quantizer in the rollout vs TE's rule in training.
-    assert not g["experts"].same
-    assert "(vllm)" in g["experts"].rollout and "(te)" in g["experts"].train
+    # Our experts kernel in the rollout (quantizer jetrl) vs TE's grouped linear in training.
+    assert g["experts"].same
+    assert "(jetrl)" in g["experts"].rollout and "(te)" in g["experts"].train
+    # fp8_rollout: vLLM's own FusedMoE quantizer in the rollout.
+    f = _by_group(QWEN3_MOE, "fp8_rollout")
+    assert not f["experts"].same and "(vllm)" in f["experts"].rollout
     assert g["experts"].layers == "0-47"
 
 
@@ -75,17 +78,30 @@ def test_routing_note_reads_router_replay(value, word):
 EX = "examples/configs/qwen3_8b_base"
 
 
-def test_check_prints_groups_then_refuses_fp8_moe_naming_what_is_missing(cli):
-    code, out = cli("check", f"{EX}/jetrl.yaml", "policy.model_name=Qwen/Qwen3-30B-A3B")
+def test_check_prints_groups_then_refuses_shared_experts_naming_them(cli):
+    code, out = cli(
+        "check",
+        f"{EX}/jetrl.yaml",
+        "policy.model_name=moonshotai/Moonlight-16B-A3B-Instruct",
+        "++jetrl.unaligned_layers=bf16",
+    )
     assert code == 2
     table, _, error = out.partition("jetrl check: error")
     assert "verdict per group:" in table and "NOT replayed" in table
-    assert "experts     0-47    DIFFERS" in table
-    assert (
-        "policy.model_name" in error
-        and "no FP8 experts kernel yet" in error
-        and "experts row" in error
+    assert "policy.model_name" in error and "shared experts (shared_experts" in error
+
+
+def test_check_fp8_moe_without_shared_experts_is_on_policy_per_backend(cli):
+    code, out = cli(
+        "check",
+        f"{EX}/jetrl.yaml",
+        "policy.model_name=Qwen/Qwen3-30B-A3B",
+        "+policy.router_replay.enabled=true",
     )
+    assert code == 1, out  # off on one backend only
+    assert "experts     0-47    same" in out and "REPLAYED" in out
+    assert "local: on-policy" in out and "nemo-rl v0.7.0: on-policy" in out
+    assert "OFF-POLICY on nemo-rl main" in out and "vLLM 0.25.1" in out
 
 
 def test_check_bf16_moe_with_router_replay_is_on_policy(cli):
