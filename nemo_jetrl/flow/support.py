@@ -94,15 +94,15 @@ _VLLM_EXPERT_SPLIT = (
 )
 
 
-def _moe_gaps(cfg: Any, arch: Any, evidence: list[str]) -> list[tuple[str, str]]:
+def _moe_gaps(cfg: Any, arch: Any) -> list[tuple[str, str]]:
     """(key, what) an FP8 MoE run needs that no backend runs yet (empty: covered)."""
     moe = getattr(arch, "moe", None)
     if moe is None:
         return [
             (
                 "jetrl.model_config",
-                f"the flow has no description of this model's experts ({'; '.join(evidence)}): set "
-                "jetrl.model_config to its config.json (or use a built-in model name)",
+                "the flow has no description of this model's experts: set jetrl.model_config "
+                "to its config.json (or use a built-in model name)",
             )
         ]
     gaps = []
@@ -142,5 +142,5 @@ def unsupported_issues(cfg: Any, recipe: Recipe, arch: Any = None) -> list[Confi
             f"layers ({EXPERT_LAYERS}) cannot be made on-policy this way; or run it in BF16 "
             f"(policy.generation.vllm_cfg.precision=bfloat16, {S.FP8_ENABLED}=false)",
         )
-        for key, what in _moe_gaps(cfg, arch, evidence)
+        for key, what in _moe_gaps(cfg, arch)
     ]

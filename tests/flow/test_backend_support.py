@@ -57,7 +57,7 @@ def test_pow2_without_hook_is_on_policy_except_v070_fp8_kv():
         (
             "+policy.megatron_cfg.expert_model_parallel_size=4",
             "jetrl.model_config",
-            "no description of this model's experts (policy.megatron_cfg.expert_model_parallel_size=4)",
+            "(policy.megatron_cfg.expert_model_parallel_size=4) with FP8: the flow has no description",
         ),
         (
             "policy.model_name=Qwen/Qwen3-30B-A3B policy.generation.vllm_cfg.tensor_parallel_size=2",
