@@ -177,4 +177,4 @@ def test_unknown_rollout_engine_names_key_and_choices(tmp_path):
 
     (issue,) = validate_local_config({"rollout_engine": "sglang"})
     assert issue.path == "jetrl.local.rollout_engine"
-    assert "'sglang'" in issue.message and "hf, vllm" in issue.message
+    assert "'sglang'" in issue.message and "(allowed: hf, vllm)" in str(issue)
