@@ -134,13 +134,14 @@ def _check_inputs(
 
 def _quantize_rows(
     ops: ModuleType, t: torch.Tensor, offsets: torch.Tensor, fmt: Fp8Format,
-    config: Fp8LinearConfig, name: str, what: str,
+    config: Fp8LinearConfig, name: str, what: str, check: bool = True,
 ) -> BlockQuantized:  # fmt: skip
-    """1x128 per token; non-finite input raises (CPU) or is flagged per expert (CUDA)."""
-    deferred = finite_flags.sync_free(t)
+    """1x128 per token; non-finite input raises (CPU) or is flagged per expert (CUDA), unless
+    ``check`` is False (a serving engine: non-finite values pass through, as in its dense path)."""
+    deferred = check and finite_flags.sync_free(t)
     q = ops.quantize_rows(
         t, offsets, fmt=fmt, pow2_scales=config.pow2_scales, eps=config.eps,
-        name=name, what=what, check_finite=not deferred,
+        name=name, what=what, check_finite=check and not deferred,
     )  # fmt: skip
     if deferred:
         owner = expert_of_rows(offsets, t.shape[0])
@@ -318,10 +319,14 @@ def grouped_fp8_linear_inference(
     config: Fp8LinearConfig,
     name: str,
     bias: torch.Tensor | None = None,
+    *,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Rollout twin of `grouped_fp8_linear`'s forward on pre-quantized expert weights: the
     same activation quantizer and GEMM, so the same output bits. ``bias`` (optional, ``[E, N]``)
-    is added in fp32 to the fp32 GEMM result, as the dense layer's epilogue does."""
+    is added in fp32 to the fp32 GEMM result, as the dense layer's epilogue does.
+    ``check_finite=False``: non-finite input is not an error (a serving engine's warm-up runs on
+    uninitialised buffers; vLLM's dense path under our kernel lets such values through too)."""
     n_exp, n, k = qweights.data.shape
     _check_inputs(x, n, k, n_exp, offsets, name)
     if qweights.fmt != config.forward_format.name or qweights.pow2_scales != config.pow2_scales:
@@ -332,7 +337,7 @@ def grouped_fp8_linear_inference(
     if bias is not None and tuple(bias.shape) != (n_exp, n):
         raise ValueError(f"{name}: bias must be [{n_exp}, {n}], got {tuple(bias.shape)}")
     ops = _ops(x)
-    qx = _quantize_rows(ops, x, offsets, config.forward_format, config, name, "input")
+    qx = _quantize_rows(ops, x, offsets, config.forward_format, config, name, "input", check_finite)
     return _fprop(ops, qx, qweights, offsets, bias, x.dtype, config.exact_gemm)
 
 

@@ -116,10 +116,14 @@ def experts_forward(
         offsets[1:] = torch.cumsum(counts, 0)
         q13 = GroupedQuantizedWeights(w13, w13_s, "e4m3", pow2)
         q2 = GroupedQuantizedWeights(w2, w2_s, "e4m3", pow2)
-        gu = grouped_fp8_linear_inference(x[token], q13, offsets, cfg, "experts.w13")
+        # Serving: no stop on non-finite input (vLLM's warm-up runs on uninitialised buffers),
+        # as the dense serving kernel does.
+        gu = grouped_fp8_linear_inference(
+            x[token], q13, offsets, cfg, "experts.w13", check_finite=False
+        )
         gate, up = gu.split(two_i // 2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
-        y = grouped_fp8_linear_inference(act, q2, offsets, cfg, "experts.w2")
+        y = grouped_fp8_linear_inference(act, q2, offsets, cfg, "experts.w2", check_finite=False)
         acc.index_add_(0, token, y.float() * weight[:, None])
         return acc.to(x.dtype)
     # One 1x128 quantization per routed row; a row's bits do not depend on its neighbours.
