@@ -52,7 +52,12 @@ class Layer(torch.nn.Module):
 def _mapping(model: torch.nn.Module, e: int) -> list[tuple[str, str, int, str]]:
     try:
         from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-    except ImportError:  # the same table vLLM builds (param prefix, ckpt prefix, expert, shard)
+    except ImportError:
+        FusedMoE = None
+    # vLLM 0.25 made FusedMoE a factory function (the mapping moved to RoutedExperts, with other
+    # parameter prefixes): this stand-in keeps 0.20/0.32's names and writes their table out.
+    if not hasattr(FusedMoE, "make_expert_params_mapping"):
+        # the same table vLLM builds (param prefix, ckpt prefix, expert, shard)
         return [
             ("experts.w13_" if w != "down_proj" else "experts.w2_", f"experts.{i}.{w}.", i, s)
             for i in range(e)
