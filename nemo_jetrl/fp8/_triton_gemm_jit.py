@@ -17,6 +17,29 @@ def _operand(codes, lut_ptr, NATIVE: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def tile_dot(
+    a,
+    b,
+    lut_a_ptr,
+    lut_b_ptr,
+    NATIVE: tl.constexpr,
+    TF32: tl.constexpr,
+    FP8_A: tl.constexpr,
+    FP8_B: tl.constexpr,
+):
+    # p_t, the fp32 dot of one 128-wide K tile of FP8 codes (shared by the dense and grouped
+    # GEMMs, so every kernel forms its partial products the same way).
+    av = _operand(a, lut_a_ptr, NATIVE, FP8_A)
+    bv = _operand(b, lut_b_ptr, NATIVE, FP8_B)
+    if NATIVE:
+        return tl.dot(av, bv, out_dtype=tl.float32)
+    if TF32:
+        # Exact: every FP8 value fits TF32's 10-bit mantissa and its exponent range.
+        return tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
+    return tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
+
+
+@triton.jit
 def block_fp8_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -68,15 +91,7 @@ def block_fp8_gemm_kernel(
             mask=(rn[None, :] < N) & (k[:, None] < K),
             other=0,
         )
-        av = _operand(a, lut_a_ptr, NATIVE, FP8_A)
-        bv = _operand(b, lut_b_ptr, NATIVE, FP8_B)
-        if NATIVE:
-            p = tl.dot(av, bv, out_dtype=tl.float32)
-        elif TF32:
-            # Exact: every FP8 value fits TF32's 10-bit mantissa and its exponent range.
-            p = tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
-        else:
-            p = tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
+        p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
         sa = tl.load(sa_ptr + rm * ssam + t * ssak, mask=rm < M, other=0.0)
         sb = tl.load(sb_ptr + (rn // B_ROWS) * ssbn + t * ssbk, mask=rn < N, other=0.0)
         acc = tl.fma(p * sa[:, None], sb[None, :], acc)

@@ -8,8 +8,8 @@ into this module's globals, where Triton resolves the names a kernel calls).
 import triton
 import triton.language as tl
 
-from nemo_jetrl.fp8._triton_gemm_jit import _operand
-from nemo_jetrl.fp8._triton_jit import block_scale, finish_scale_inv, quantize_values, to_fp32
+from nemo_jetrl.fp8._triton_gemm_jit import tile_dot
+from nemo_jetrl.fp8._triton_jit import quantize_cols, to_fp32
 
 
 @triton.jit
@@ -61,10 +61,8 @@ def quantize_tokens_kernel(
     mask = (rows < r1)[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxc, mask=mask, other=0.0)
     x = to_fp32(x, IN_BF16)
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
-    scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
-    q = quantize_values(x, scale[None, :], FMAX, MANT, BIAS, NATIVE, FP8)
-    tl.store(s_ptr + cols * ssc + pid_b, finish_scale_inv(scale, amax_bits), mask=cmask)
+    q, sinv = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+    tl.store(s_ptr + cols * ssc + pid_b, sinv, mask=cmask)
     tl.store(q_ptr + cols[None, :] * sqc + rows[:, None], q, mask=mask)
 
 
@@ -131,14 +129,7 @@ def grouped_rows_gemm_kernel(
             mask=(rn[None, :] < N) & (k[:, None] < K),
             other=0,
         )
-        av = _operand(a, lut_a_ptr, NATIVE, FP8_A)
-        bv = _operand(b, lut_b_ptr, NATIVE, FP8_B)
-        if NATIVE:
-            p = tl.dot(av, bv, out_dtype=tl.float32)
-        elif TF32:  # exact: FP8 values fit TF32
-            p = tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
-        else:
-            p = tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
+        p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
         sa = tl.load(sa_ptr + rm * ssam + t * ssak, mask=mmask, other=0.0)
         sb = tl.load(sb_ptr + (rn // 128) * ssbn + t * ssbk, mask=rn < N, other=0.0)
         acc = tl.fma(p * sa[:, None], sb[None, :], acc)
@@ -207,14 +198,7 @@ def grouped_tokens_gemm_kernel(
             mask=(rn[None, :] < K) & tmask[:, None],
             other=0,
         )
-        av = _operand(a, lut_a_ptr, NATIVE, FP8_A)
-        bv = _operand(b, lut_b_ptr, NATIVE, FP8_B)
-        if NATIVE:
-            p = tl.dot(av, bv, out_dtype=tl.float32)
-        elif TF32:
-            p = tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
-        else:
-            p = tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
+        p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
         sa = tl.load(sa_ptr + rm * ssam + (b0 + t) * ssat, mask=rm < N, other=0.0)
         sb = tl.load(sb_ptr + rn * ssbn + (b0 + t) * ssbt, mask=rn < K, other=0.0)
         acc = tl.fma(p * sa[:, None], sb[None, :], acc)

@@ -106,6 +106,25 @@ def quantize_rows(
 
 
 @triton.jit
+def quantize_cols(
+    x,
+    FMAX: tl.constexpr,
+    MAXV: tl.constexpr,
+    EPS: tl.constexpr,
+    POW2: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    NATIVE: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    # Each column of the fp32 tile x [128, TK] is one 128x1 block: (codes, scale_inv per column).
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
+    scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
+    q = quantize_values(x, scale[None, :], FMAX, MANT, BIAS, NATIVE, FP8)
+    return q, finish_scale_inv(scale, amax_bits)
+
+
+@triton.jit
 def quantize_kernel(
     x_ptr,
     q_ptr,
@@ -143,24 +162,18 @@ def quantize_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
     x = to_fp32(x, IN_BF16)
-    abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     if MODE == 0:
         q, sinv = quantize_rows(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(s_ptr + rows * ssm + pid_k * ssk, sinv, mask=rows < M)
     elif MODE == 1:
+        abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         amax_bits = tl.max(tl.max(abits, axis=1), axis=0)
         scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
         q = quantize_values(x, scale, FMAX, MANT, BIAS, NATIVE, FP8)
         tl.store(s_ptr + pid_m * ssm + pid_k * ssk, finish_scale_inv(scale, amax_bits))
     else:
-        amax_bits = tl.max(abits, axis=0)
-        scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
-        q = quantize_values(x, scale[None, :], FMAX, MANT, BIAS, NATIVE, FP8)
-        tl.store(
-            s_ptr + pid_m * ssm + cols * ssk,
-            finish_scale_inv(scale, amax_bits),
-            mask=cols < K,
-        )
+        q, sinv = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+        tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cols < K)
     tl.store(q_ptr + rows[:, None] * sqm + cols[None, :] * sqk, q, mask=mask)
     if WRITE_T:  # the same codes again as a contiguous [K, M] (DGrad's weight operand)
         tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
