@@ -10,9 +10,14 @@ returns a handle whose ``restore()`` puts the original forwards back (idempotent
 
 Names. Megatron fuses HF's q/k/v into ``self_attention.linear_qkv`` and gate/up into
 ``mlp.linear_fc1`` (``linear_proj`` = o_proj, ``linear_fc2`` = down_proj), and numbers layers per
-pipeline stage: a module is kept BF16 when every HF linear it fuses
-(``model.layers.<global index>.self_attn.q_proj`` ...) matches a word of the list
-(`nemo_jetrl.config.layer_lists` refuses lists that split a fused group).
+pipeline stage. Latent attention (megatron-core 0.16 ``MLASelfAttention``, DeepSeek-V3 and
+Moonlight) keeps HF's projections apart: ``linear_q_proj`` = q_proj (no q LoRA),
+``linear_q_down_proj`` / ``linear_q_up_proj`` = q_a_proj / q_b_proj, ``linear_kv_down_proj`` =
+kv_a_proj_with_mqa, ``linear_kv_up_proj`` = kv_b_proj (the up projections hold the a-side
+layernorm in TE's spec, as Megatron-Bridge's DeepSeek mapping has it). Routed and shared experts
+(``mlp.experts.*``, ``mlp.shared_experts.*``) are not matched. A module is kept BF16 when every
+HF linear it fuses (``model.layers.<global index>.self_attn.q_proj`` ...) matches a word of the
+list (`nemo_jetrl.config.layer_lists` refuses lists that split a fused group).
 """
 
 from __future__ import annotations
@@ -24,15 +29,20 @@ from typing import Any
 
 from torch import nn
 
-_MEGATRON_LINEAR = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(self_attention|mlp)\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)$"
-)
 FUSED_HF = {
     "linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
     "linear_proj": ("self_attn", ("o_proj",)),
     "linear_fc1": ("mlp", ("gate_proj", "up_proj")),
     "linear_fc2": ("mlp", ("down_proj",)),
+    "linear_q_proj": ("self_attn", ("q_proj",)),
+    "linear_q_down_proj": ("self_attn", ("q_a_proj",)),
+    "linear_q_up_proj": ("self_attn", ("q_b_proj",)),
+    "linear_kv_down_proj": ("self_attn", ("kv_a_proj_with_mqa",)),
+    "linear_kv_up_proj": ("self_attn", ("kv_b_proj",)),
 }
+_MEGATRON_LINEAR = re.compile(
+    rf"(?:^|\.)layers\.(\d+)\.(self_attention|mlp)\.({'|'.join(FUSED_HF)})$"
+)
 
 
 def hf_linear_names(megatron_name: str, layer_offset: int = 0) -> list[str]:

@@ -89,3 +89,83 @@ def test_a_list_splitting_a_fused_gemm_is_refused(gpt):
     with pytest.raises(ValueError, match="one GEMM"):
         keep_bf16_by_name(gpt, ["q_proj"], fp8_disabled=contextmanager(lambda: (yield)))
     assert not any("forward" in m.__dict__ for _, m in gpt.named_modules())
+
+
+def _mla_gpt(q_lora_rank):
+    """A real megatron-core 0.16 MLA GPTModel (DeepSeek-V3 / Moonlight attention) on CPU. Two
+    stand-ins: the local spec's DotProductAttention takes no MLA ``k_channels`` (a plain causal
+    SDPA here), and without TE ``multi_latent_attention.TELinear`` is a mock, not a type."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    class CausalSdpa(torch.nn.Module):
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+        def forward(self, q, k, v, *args, **kwargs):
+            s, b = q.shape[:2]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    cfg = MLATransformerConfig(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=2,
+        ffn_hidden_size=256,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=64,
+        qk_head_dim=32,
+        qk_pos_emb_head_dim=16,  # kv_a_proj_with_mqa: 64 + 16 rows, as Moonlight's 512 + 64
+        v_head_dim=32,
+        rope_type="rope",
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    spec = get_gpt_layer_local_spec(
+        multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"
+    )
+    spec.submodules.self_attention.submodules.core_attention = CausalSdpa
+    saved = mla.TELinear
+    mla.TELinear = type("NoTransformerEngine", (), {})
+    try:
+        return GPTModel(
+            config=cfg,
+            transformer_layer_spec=spec,
+            vocab_size=100,
+            max_sequence_length=16,
+            position_embedding_type="rope",
+            share_embeddings_and_output_weights=False,
+        ).eval()
+    finally:
+        mla.TELinear = saved
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 48])
+def test_latent_attention_projections_run_inside_the_fp8_off_context(gpt, q_lora_rank):
+    """Moonlight's (no q LoRA) and DeepSeek-V3's per-name words: NeMo-RL's ['a_proj', 'b_proj']
+    keep q_a/q_b/kv_a/kv_b BF16; ['kv_a_proj_with_mqa'] exactly the 576-row kind. (``gpt``:
+    its fixture holds the module's megatron_cpu state, which cannot be entered twice.)"""
+    model = _mla_gpt(q_lora_rank)
+    handle, inside, _ = _run_recording(model, ["a_proj", "b_proj"])
+    down_up = ["linear_kv_down_proj", "linear_kv_up_proj"]
+    if q_lora_rank:
+        down_up += ["linear_q_down_proj", "linear_q_up_proj"]
+    want = sorted(f"decoder.layers.{i}.self_attention.{m}" for i in (0, 1) for m in down_up)
+    assert inside == sorted(handle.names) == want
+    handle.restore()
+    handle, inside, _ = _run_recording(model, ["kv_a_proj_with_mqa"])
+    assert inside == [f"decoder.layers.{i}.self_attention.linear_kv_down_proj" for i in (0, 1)]
+    handle.restore()
+    assert hf_linear_names("module.decoder.layers.2.self_attention.linear_kv_down_proj", 3) == [
+        "model.layers.5.self_attn.kv_a_proj_with_mqa"
+    ]
+    assert hf_linear_names("decoder.layers.0.mlp.experts.linear_fc1") == []
