@@ -180,6 +180,27 @@ QWEN35_35B_A3B = {
     "vision_config": _vision(2048),
 }
 
+# MiniMaxAI/MiniMax-M2 (-M2.5, -M2.7 share the layout): transformers 5.24's MiniMaxM2Config
+# defaults (62 layers of 3072, 48/8 heads of 128, 256 experts of 1536, top-8, every layer MoE,
+# Mixtral-style `mlp.gate` + `mlp.experts`; vocab 200064). The hub files are not readable here,
+# so M2.5's and M2.7's own numbers are not cross-checked: set jetrl.model_config to the
+# checkpoint's config.json where they differ. Not linears, so not recorded: the sigmoid router's
+# e_score_correction_bias (a buffer), q_norm/k_norm over all heads, and the partial rotary
+# (`rotary_dim`), none of which changes a linear's shape.
+MINIMAX_M2 = {
+    "model_type": "minimax_m2",
+    "hidden_size": 3072,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_local_experts": 256,
+    "num_experts_per_tok": 8,
+    "vocab_size": 200064,
+    "tie_word_embeddings": False,
+}
+
 CATALOG: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
     "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B,
@@ -193,5 +214,8 @@ CATALOG: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3.5-9B-Base": QWEN35_9B,
     "Qwen/Qwen3.5-35B-A3B": QWEN35_35B_A3B,
     "Qwen/Qwen3.5-35B-A3B-Base": QWEN35_35B_A3B,
+    "MiniMaxAI/MiniMax-M2": MINIMAX_M2,
+    "MiniMaxAI/MiniMax-M2.5": MINIMAX_M2,
+    "MiniMaxAI/MiniMax-M2.7": MINIMAX_M2,
 }
 """HF repo id -> config.json keys."""

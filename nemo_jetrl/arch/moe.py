@@ -8,16 +8,16 @@ An MoE layer's MLP (`mlp.`) holds, as transformers 5 stores them (weights [E, ou
     shared_experts.{gate,up,down}_proj, width n_shared_experts * I       (DeepSeek-V3)
 
 Checkpoints on the hub and vLLM's loader name each expert's own matrices
-(`experts.{e}.gate_proj` ...; Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`);
+(`experts.{e}.gate_proj` ...; Mixtral, MiniMax-M2: `block_sparse_moe.experts.{e}.w1/w3/w2`);
 `per_expert_linears` lists them. The other layers have a dense MLP (`mlp.{gate,up,down}_proj`,
 width `intermediate_size`). Which layers are MoE, read with the keys each model type names:
 
     qwen2_moe, qwen3_moe, qwen3_next   layer i not in mlp_only_layers and (i+1) % decoder_sparse_step == 0
-    qwen3_5_moe, mixtral               every layer
+    qwen3_5_moe, mixtral, minimax_m2   every layer
     deepseek_v3 (DeepSeek-V3, Moonlight)   i >= first_k_dense_replace and i % moe_layer_freq == 0
 
 Expert counts: `num_experts` (Qwen), `num_local_experts` (Mixtral), `n_routed_experts`
-(DeepSeek); top-k `num_experts_per_tok`; expert width `moe_intermediate_size` (Mixtral:
+(DeepSeek); top-k `num_experts_per_tok`; expert width `moe_intermediate_size` (Mixtral, MiniMax-M2:
 `intermediate_size`).
 """
 
@@ -33,7 +33,18 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """config.json keys that count routed experts (Qwen, Mixtral, DeepSeek spellings)."""
 
 _COUNT_KEY_OF = {"deepseek": "n_routed_experts", "mixtral": "num_local_experts"}
-SHARED_GATE_BF16 = "the [1, hidden] shared-expert gate: vLLM runs it unquantized"
+# Every layer MoE, no dense MLP: `intermediate_size` is one expert's width (MiniMax-M2 is
+# Mixtral's block with a sigmoid router; transformers 5.24 minimax_m2).
+_NO_DENSE_MLP = ("mixtral", "minimax_m2")
+# vLLM 0.20 / 0.25.1 / 0.32 build `shared_expert_gate` as a ReplicatedLinear with
+# quant_config=None (qwen2_moe.py, qwen3_next.py; qwen3_5.py reuses qwen3_next's block);
+# megatron-core 0.16's SharedExpertMLP holds it as a plain `gate_weight` Parameter in
+# params_dtype, applied with torch's F.linear outside TE's FP8 autocast. A [1, hidden] weight
+# cannot be 128x128-blocked either.
+SHARED_GATE_BF16 = (
+    "the [1, hidden] shared-expert gate (sigmoid): BF16 on both sides (vLLM builds it without "
+    "quant_config; Megatron applies gate_weight with torch, outside TE)"
+)
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ def read_moe(keys: Keys, model_type: str, num_layers: int) -> MoeSpec | None:
             f"num_experts_per_tok={top_k} exceeds {count_key}={num}: a token cannot be routed "
             f"to more experts than there are; set num_experts_per_tok <= {num}"
         )
-    size_key = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
+    size_key = "intermediate_size" if model_type in _NO_DENSE_MLP else "moe_intermediate_size"
     size = keys.int(size_key)
     shared, shared_module = 0, "shared_expert"
     if model_type.startswith("deepseek"):
@@ -161,9 +172,9 @@ def read_moe(keys: Keys, model_type: str, num_layers: int) -> MoeSpec | None:
             keys.problem(f"n_routed_experts={num} is not a multiple of n_group={n_group}")
         if topk_group > n_group:
             keys.problem(f"topk_group={topk_group} exceeds n_group={n_group}")
-    elif model_type == "mixtral" or model_type.startswith("qwen3_5_moe"):
+    elif model_type in _NO_DENSE_MLP or model_type.startswith("qwen3_5_moe"):
         layers = frozenset(range(num_layers))  # no dense layers in these families
-        if model_type != "mixtral":
+        if model_type not in _NO_DENSE_MLP:
             shared = keys.int("shared_expert_intermediate_size", 0, minimum=0)
     else:
         dense = set(keys.int_list("mlp_only_layers", num_layers))

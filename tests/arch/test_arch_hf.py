@@ -141,6 +141,48 @@ def test_mixtral_every_layer_moe():
     assert up.weight_shape == (3, 512, 128) and arch.moe.expert_size == 256
 
 
+def _tiny_minimax_m2() -> dict:
+    return {
+        "model_type": "minimax_m2",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 64,
+    }
+
+
+def test_minimax_m2_mixtral_block_with_sigmoid_router():
+    """MiniMax-M2: every layer MoE, expert width from intermediate_size, the router mlp.gate
+    BF16; its q/k norms span all heads and e_score_correction_bias is a buffer (no linear)."""
+    arch = assert_matches_real(_tiny_minimax_m2())
+    assert arch.family == "moe" and sorted(arch.moe.moe_layers) == [0, 1]
+    assert arch.moe.expert_size == 256 and arch.moe.num_experts == 4
+    kinds = [(x.group, x.kind) for x in arch.layer_linears(1)]
+    assert kinds == [
+        *(("attn", k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        ("router", "gate"),
+        ("experts", "gate_up_proj"),
+        ("experts", "down_proj"),
+    ]
+
+
+def test_minimax_m2_builtin_names():
+    from nemo_jetrl.arch import builtin_arch
+
+    archs = {
+        n: builtin_arch(f"MiniMaxAI/{n}") for n in ("MiniMax-M2", "MiniMax-M2.5", "MiniMax-M2.7")
+    }
+    assert all(a is not None and a.model_type == "minimax_m2" for a in archs.values())
+    m27 = archs["MiniMax-M2.7"]
+    assert (m27.num_layers, m27.moe.num_experts, m27.moe.top_k) == (62, 256, 8)
+    assert m27.unaligned_linears() == []  # every dim tiles 128: blockwise FP8 as it is
+
+
 def _tiny_deepseek(**kw) -> dict:
     return {
         "model_type": "deepseek_v3",
@@ -288,6 +330,7 @@ def test_builtin_arch_matches_a_real_transformers_model(name):
             "vocab_size": 64,
         },
         _tiny_deepseek(),
+        _tiny_minimax_m2(),
     ],
     ids=lambda c: c["model_type"],
 )
@@ -303,7 +346,7 @@ def test_per_expert_linears_are_the_saved_checkpoints_names(cfg, tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = f.keys()  # safe_open is not iterable
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in keys if ".experts." in k}
-    mixtral = cfg["model_type"] == "mixtral"
+    mixtral = cfg["model_type"] in ("mixtral", "minimax_m2")  # block_sparse_moe.experts.{e}.w1
     ours = {
         f"{x.name}.weight": x.weight_shape
         for lin in arch.linears()
