@@ -65,6 +65,29 @@ def _builtins() -> Mapping[str, ModelArch]:
 
 BUILTIN_ARCHS: Mapping[str, ModelArch] = _builtins()
 
+# NeMo-RL's DeepSeek-V3 configs (both trees) ship this text as policy.model_name: its
+# docs/guides/deepseek.md has the user cast deepseek-ai/DeepSeek-V3 to BF16 (config.json copied
+# without quantization_config) and point model_name at that directory. The exact text stands for
+# that model; anything else, such as the path filled in later, resolves as itself.
+PLACEHOLDER_MODELS: Mapping[str, str] = MappingProxyType(
+    {
+        "Follow instructions in https://github.com/NVIDIA-NeMo/RL/blob/main/docs/guides/"
+        "deepseek.md": "deepseek-ai/DeepSeek-V3",
+    }
+)
+
+
+def placeholder_note(model_name: object) -> str | None:
+    """What `check` says when ``model_name`` is a NeMo-RL placeholder it reads as a built-in."""
+    builtin = PLACEHOLDER_MODELS.get(model_name) if isinstance(model_name, str) else None
+    if builtin is None:
+        return None
+    return (
+        f"NeMo-RL's placeholder (convert {builtin} to BF16 as its guide says): checked as the "
+        f"built-in {builtin}; set jetrl.model_config to the converted checkpoint's config.json "
+        "(or policy.model_name to its directory) to check that file instead"
+    )
+
 
 def builtin_arch(name: str) -> ModelArch | None:
     """The built-in description for a HF repo id (case-insensitive), or None."""
@@ -75,13 +98,14 @@ def builtin_arch(name: str) -> ModelArch | None:
 
 
 def resolve_arch(model_name: str | None, model_config: str | None = None) -> ModelArch | None:
-    """The architecture from an explicit config.json path, else a built-in for `model_name`,
-    else None (unknown model). An existing local directory as model_name is read too."""
+    """The architecture from an explicit config.json path, else a built-in for `model_name` (or
+    the one a `PLACEHOLDER_MODELS` text stands for), else None (unknown model). An existing local
+    directory as model_name is read too."""
     if model_config:
         return ModelArch.from_json(model_config)
     if not model_name:
         return None
-    arch = builtin_arch(model_name)
+    arch = builtin_arch(PLACEHOLDER_MODELS.get(model_name, model_name))
     if arch is not None:
         return arch
     p = Path(str(model_name))

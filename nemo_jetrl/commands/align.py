@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from nemo_jetrl.commands._align_moe import load_source, moe_align_updates, router_bf16_words
+    from nemo_jetrl.commands._align_unaligned import unaligned_target_words
     from nemo_jetrl.commands._output import make_output_dir
     from nemo_jetrl.commands.check import load_and_check, report
     from nemo_jetrl.config import (
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         recipe_to_config_updates,
     )
     from nemo_jetrl.errors import UserError
+    from nemo_jetrl.flow.backend import megatron_off
     from nemo_jetrl.flow.mxfp8 import align_notes
     from nemo_jetrl.recipe import Recipe, matching_preset
 
@@ -67,20 +69,25 @@ def run(args: argparse.Namespace) -> int:
     )  # before any work: where the file goes must be writable
     if out.resolve() == Path(args.config).resolve():
         raise UserError("the output must not be the input file")
-    overrides, mirrored = list(args.overrides), None
+    overrides, mirrored, untiled, untiled_notes = list(args.overrides), None, [], []
     try:
         before = load_source(args.config, overrides)  # cfg + recipe; checked below
     except UserError as exc:
         # Align keeps the rollout's per-name BF16 list in training too: an input refused only
         # because training runs those linears in FP8 (Qwen3.5's 32-row in_proj_a/b) aligns.
         mirrored = _mirrored_bf16_list(args.config, overrides)
+        # Linears no 128x128 block tiles (Moonlight's 576-row kv_a_proj_with_mqa) go BF16 by
+        # name on both sides (`_align_unaligned`).
+        untiled, untiled_notes = _untiled_list_overrides(args.config, overrides)
+        retry = untiled or ([mirrored] if mirrored else [])
         try:
-            before = load_source(args.config, [*overrides, mirrored]) if mirrored else None
+            before = load_source(args.config, [*overrides, *retry]) if retry else None
         except UserError:
             before = None
         if before is None:
             raise exc from None
-        overrides.append(mirrored)
+        mirrored = None if untiled else mirrored
+        overrides += retry
     if args.recipe:
         target = Recipe.preset(args.recipe)
     else:
@@ -91,14 +98,23 @@ def run(args: argparse.Namespace) -> int:
     # The user's per-name BF16 linears stay BF16, now on both sides.
     kws = before.recipe.bf16_layer_kws()
     router_words, router_notes = router_bf16_words(before.arch, target, kws)  # vLLM FP8 router
-    target = target.with_bf16_layer_kws(kws + router_words)
+    tile_words, tile_notes = unaligned_target_words(before.arch, target, kws + router_words)
+    tile_notes = untiled_notes or tile_notes  # the words added to the input, said once
+    target = target.with_bf16_layer_kws(kws + router_words + tile_words)
     if before.recipe.unaligned_layers_bf16 and not target.unaligned_layers_bf16:  # so do these
         target = target.with_(unaligned_layers_bf16=True)
         target = target.with_(name=matching_preset(target) or "custom")
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
     moe_updates, moe_notes = moe_align_updates(before.cfg)  # MoE: routing replay, dropless
-    moe_notes += router_notes
+    moe_notes += router_notes + tile_notes
+    if target.train.fp8_linears and megatron_off(before.cfg):
+        moe_notes.append(
+            "align writes the recipe's training FP8 keys but cannot change the training policy: "
+            "NeMo-RL's DTensor policy (policy.megatron_cfg.enabled=false) ignores fp8_cfg and "
+            "trains BF16, so this file is off-policy on NeMo-RL (per backend below)"
+            + ("; without --recipe align follows that BF16 training" if args.recipe else "")
+        )
     updates.update(moe_updates)
     cfg = merge_updates(before.cfg, updates)
     origin = "preset " + args.recipe if args.recipe else "rollout derived from training"
@@ -119,6 +135,13 @@ def run(args: argparse.Namespace) -> int:
             f"  {mirrored}: the input keeps these linears BF16 in the rollout only and is "
             "invalid as given (training would run them in FP8); align keeps them BF16 in "
             "training too",
+            file=sys.stdout,
+        )
+    if untiled:
+        print(
+            f"  {' '.join(untiled)}: the input runs linears in blockwise FP8 whose dims are not "
+            "multiples of 128 and is invalid as given; align keeps them BF16 on both sides "
+            "(notes below)",
             file=sys.stdout,
         )
     for key, old, new in changed:
@@ -154,6 +177,20 @@ def _mirrored_bf16_list(config: str, overrides: list[str]) -> str | None:
     if has_train or not kws or not all(isinstance(k, str) for k in kws):
         return None
     return f"+{TRAIN_KEY}=[{','.join(kws)}]"
+
+
+def _untiled_list_overrides(config: str, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """`_align_unaligned.unaligned_list_overrides` of the input as loaded; nothing when it
+    cannot be read (its own errors are what the user sees)."""
+    from nemo_jetrl.commands._align_unaligned import unaligned_list_overrides
+    from nemo_jetrl.config import load_config
+    from nemo_jetrl.config.reader import arch_from_config
+
+    try:
+        cfg = load_config(config, overrides)
+        return unaligned_list_overrides(cfg, arch_from_config(cfg))
+    except Exception:  # the config's own errors are what the user sees
+        return [], []
 
 
 def _child(parent: Path, out: Path, overrides: list[str], updates: dict):

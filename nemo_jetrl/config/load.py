@@ -60,7 +60,13 @@ class ConfigError(ValueError):
         errors = [i for i in self.issues if i.level == "error"] or self.issues
         head = f"{len(errors)} problem{'s' if len(errors) != 1 else ''} in config"
         head += f" {source}" if source else ""
-        super().__init__(head + ":\n" + "\n".join(f"  - {i}" for i in errors))
+        # Notes say how the config was read (e.g. which model a placeholder name stands for).
+        notes = [i for i in self.issues if i.level == "note" and i not in errors]
+        super().__init__(
+            head
+            + ":\n"
+            + "\n".join([*(f"  - {i}" for i in errors), *(f"  note: {i}" for i in notes)])
+        )
 
 
 def _fmt(v: Any) -> str:

@@ -179,6 +179,12 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
             "to its config.json to check layer counts and 128-alignment",
         )
         return
+    from nemo_jetrl.arch.builtins import placeholder_note
+
+    placeholder = None if r.get("jetrl.model_config", None) else r.get(S.MODEL_NAME, None)
+    note = placeholder_note(placeholder)
+    if note:
+        r.note(S.MODEL_NAME, note)
     _check_bf16_layer_counts(r, recipe, arch.num_layers)
     _check_alignment(r, arch, recipe)
     check_layer_lists(r, recipe, arch)

@@ -10,6 +10,9 @@ rollout actually runs can add a difference the recipe does not show:
   them with nemo_jetrl.fp8. Measured against TE's quantizer on 4x2048^2 BF16 weights: 0 differing
   bytes with power-of-two scales, 402 per million with FP32 scales. Without the hook NeMo-RL
   v0.7.0's colocated refit also sends vLLM no calibrated KV scales (grpo.py ~1924).
+- NeMo-RL with ``policy.megatron_cfg.enabled: false`` (its DTensor/automodel policy, as the
+  MiniMax-M2.7 config): ``fp8_cfg`` is read by the Megatron policy worker only, so training is
+  BF16 whatever the recipe says; an FP8-training recipe is off there.
 - NeMo-RL with FP8 routed experts: the rollout's experts run nemo_jetrl's vLLM experts kernel only
   on the vLLM releases it covers (`vllm_patch.experts.moe_supported`): v0.7.0 ships vLLM 0.20.0
   (covered); main ships 0.25.1 (not yet: the patch's guard refuses vLLM's own FP8 expert kernels
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_jetrl.config.schema import FP8_ENABLED, MEGATRON_ENABLED
 from nemo_jetrl.flow.check import FlowCheck
 
 NEMO_RL_TREES = ("v0.7.0", "main")
@@ -49,12 +53,29 @@ def _flag(cfg: Any, key: str, default: bool) -> bool:
     return default if v is None else v is True
 
 
+def megatron_off(cfg: Any) -> bool:
+    """The config turns NeMo-RL's Megatron policy off (its DTensor policy trains)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, MEGATRON_ENABLED, default=None) is False
+
+
 def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
     """The verdict on NeMo-RL ``tree`` given how its refit quantizes weights and KV scales."""
     name = f"nemo-rl {tree}"
     recipe = check.recipe
     if not check.on_policy:
         return BackendVerdict(name, False, "off-policy as the flow check says")
+    if recipe.train.fp8_linears and megatron_off(cfg):
+        return BackendVerdict(
+            name,
+            False,
+            f"training FP8 ({FP8_ENABLED}) is applied by NeMo-RL's Megatron policy only; with "
+            f"{MEGATRON_ENABLED}=false the DTensor (automodel) policy trains in BF16 while the "
+            "recipe says FP8 (and our refit hook and policy worker are Megatron's). Set "
+            f"{MEGATRON_ENABLED}=true and policy.dtensor_cfg.enabled=false where NeMo-RL's "
+            f"Megatron path runs this model, or {FP8_ENABLED}=false with a BF16 rollout",
+        )
     if not recipe.rollout.fp8_linears:
         return BackendVerdict(name, True, "BF16 rollout: refit copies the weights unchanged")
     fp8_experts = any(e.group == "experts" and e.precision.is_fp8 for e in check.rollout.edges)

@@ -111,7 +111,9 @@ def check_config(
     recipe, arch, note = valid.recipe, valid.arch, None
     refused = unsupported_issues(valid.cfg, recipe, arch)
     if refused and not keep_refused:
-        raise ConfigError(refused, None if not isinstance(cfg, (str, os.PathLike)) else str(cfg))
+        notes = [i for i in valid.issues if i.level == "note"]  # how the model was read
+        source = None if not isinstance(cfg, (str, os.PathLike)) else str(cfg)
+        raise ConfigError([*refused, *notes], source)
     if arch is None:
         n = generic_layers_for(recipe)
         arch = generic_arch(n)

@@ -1,0 +1,108 @@
+"""Linears whose dims do not tile 128: `jetrl align` keeps them BF16 by name on both sides.
+
+Blockwise FP8 (and MXFP8) needs both GEMM dims of a linear to be multiples of 128 (the check
+refuses otherwise, `config.validate._check_alignment`). Moonlight's and DeepSeek-V3's MLA
+``kv_a_proj_with_mqa`` has kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 rows. Align adds one
+per-name word per such linear kind to both lists, which is what each side really honours:
+
+- rollout, ``policy.generation.vllm_cfg.quantization_ignored_layer_kws``: NeMo-RL's ``init_fp8``
+  (v0.7.0 and main) puts every ``model.<AutoModel parameter>`` containing a word into
+  ``quantization_config.ignored_layers``; vLLM's ``Fp8Config.get_quant_method`` (0.20, 0.25.1)
+  gives a prefix found there ``UnquantizedLinearMethod`` (BF16).
+- training, ``jetrl.train_bf16_layer_kws``: NeMo-RL has no training-side list in either tree;
+  our Megatron policy worker (a subclass of both trees' ``MegatronPolicyWorkerImpl``) runs the
+  matching Megatron modules outside TE's FP8 autocast (`nemo_jetrl.megatron.bf16_names`, MLA
+  projections included).
+
+``jetrl.unaligned_layers: bf16`` says the same to the flow but neither NeMo-RL side reads it, so
+align writes the words. vLLM runs a fused group as one GEMM (``fused_qkv_a_proj`` = q_a_proj +
+kv_a_proj_with_mqa in DeepSeek-V3), so a word goes in with its group's other members.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from nemo_jetrl.config.layer_lists import FUSED_GROUPS, ROLLOUT_KEY, TRAIN_KEY
+from nemo_jetrl.fp8.spec import BLOCK
+
+_BLOCKED = ("blockwise", "mxfp8")
+
+
+def _needs_tiling(recipe: Any) -> bool:
+    return any(s.fp8_linears and s.scaling in _BLOCKED for s in (recipe.train, recipe.rollout))
+
+
+def unaligned_words(arch: Any, kws: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
+    """(words to add to ``kws`` on both sides, notes naming each linear kind and why) for the
+    FP8-capable decoder linears of ``arch`` whose dims are not multiples of 128."""
+    if arch is None:
+        return (), []
+    decoder = [x for i in range(arch.num_layers) for x in arch.layer_linears(i)]
+    every = [*decoder, *arch.nondecoder_linears()]
+    kinds: dict[str, list[Any]] = {}
+    for x in decoder:
+        if x.fp8_capable and not x.aligned:
+            kinds.setdefault(x.kind, []).append(x)
+    words: list[str] = []
+    notes: list[str] = []
+    for kind, xs in kinds.items():
+        x = xs[0]
+        what = (
+            f"{re.sub(r'[.]layers[.][0-9]+[.]', '.layers.*.', x.name)} "
+            f"[{x.out_features}, {x.in_features}] in {len(xs)} layer(s): a dim is not a multiple "
+            f"of {BLOCK}, so blockwise FP8's {BLOCK}x{BLOCK} weight blocks do not tile it"
+        )
+        covering = [k for k in kws if all(k in y.name for y in xs)]
+        if covering:
+            notes.append(f"{what}; BF16 on both sides through the per-name word {covering[0]!r}")
+            continue
+        if x.group == "experts" or any(kind in y.name for y in every if y.kind != kind):
+            notes.append(
+                f"{what}; align adds no word for it ({kind!r} would name other linears too): "
+                f"list these linears in {ROLLOUT_KEY} and {TRAIN_KEY}"
+            )
+            continue
+        words.append(kind)
+        notes.append(f"{what}; align adds {kind!r} to {ROLLOUT_KEY} and {TRAIN_KEY}")
+        present = {y.kind for y in decoder if y.layer == x.layer}
+        group = next((g for g in FUSED_GROUPS if kind in g), ())
+        for partner in group:
+            kept = any(k in y.name for k in (*kws, *words) for y in decoder if y.kind == partner)
+            if partner in present and not kept:
+                words.append(partner)
+                notes.append(
+                    f"{partner!r} added too: vLLM runs it with {kind} as one fused GEMM "
+                    f"({'/'.join(group)}), which has one precision"
+                )
+    return tuple(words), notes
+
+
+def unaligned_target_words(
+    arch: Any, recipe: Any, kws: tuple[str, ...]
+) -> tuple[tuple[str, ...], list[str]]:
+    """`unaligned_words` when ``recipe`` (what align writes) runs blockwise or MX FP8 on a side;
+    nothing otherwise (a BF16 run tiles nothing)."""
+    if not _needs_tiling(recipe):
+        return (), []
+    return unaligned_words(arch, kws)
+
+
+def unaligned_list_overrides(cfg: Any, arch: Any) -> tuple[list[str], list[str]]:
+    """(``++`` overrides adding the words to both lists of an input the check refuses for its
+    untiled linears, the training list taken from the rollout's when absent; the notes):
+    nothing when no word is needed or the two lists differ (a mismatch the user settles)."""
+    from omegaconf import OmegaConf
+
+    roll = OmegaConf.select(cfg, ROLLOUT_KEY, default=None)
+    train = OmegaConf.select(cfg, TRAIN_KEY, default=None)
+    roll = list(roll) if roll is not None else []
+    train = list(train) if train is not None else None
+    if train is not None and train != roll:
+        return [], []
+    words, notes = unaligned_words(arch, tuple(roll))
+    if not words:
+        return [], []
+    new = f"[{','.join([*roll, *words])}]"
+    return [f"++{ROLLOUT_KEY}={new}", f"++{TRAIN_KEY}={new}"], notes
