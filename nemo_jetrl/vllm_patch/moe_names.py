@@ -10,38 +10,46 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-_EXPERT_NAME = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
-# HF per-expert projection -> (vLLM parameter prefix, shard index within it)
-_EXPERT_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+from nemo_jetrl.vllm_patch.expert_shards import (
+    EXPERT_SHARDS,
+    experts_layer,
+    local_expert,
+    split_expert_name,
+)
 
 
 def resolve_expert_tensor(model: Any, hf_name: str) -> tuple[str, torch.Tensor, int, int] | None:
-    """(vLLM name, the expert's slice of the parameter, row start, row count) for an HF
-    per-expert tensor such as ``model.layers.1.mlp.experts.3.up_proj.weight`` (or its
-    ``weight_scale_inv``) in a routed-experts layer; None for any other name."""
-    match = _EXPERT_NAME.match(hf_name)
-    if match is None:
+    """(vLLM name, this rank's slice of the parameter for the expert, row start, row count) for
+    an HF per-expert tensor such as ``model.layers.1.mlp.experts.3.up_proj.weight`` (or its
+    ``weight_scale_inv``) in a routed-experts layer; None for any other name. Under tensor
+    parallel the slice is the rank's shard (``expert_shards.hf_slice`` says which part of the HF
+    tensor); under expert parallel the global id is mapped to the local one, and an expert held
+    by another rank raises `NotLocalExpert`."""
+    parts = split_expert_name(hf_name)
+    if parts is None:
         return None
-    path, expert, proj, leaf = match.groups()
-    try:
-        layer = model.get_submodule(path)
-    except AttributeError:
+    path, expert, proj, leaf = parts
+    layer = experts_layer(model, path)
+    prefix, shard = EXPERT_SHARDS[proj]
+    if layer is None or leaf not in ("weight", "weight_scale_inv"):
         return None
-    inner = getattr(layer, "routed_experts", None)  # 0.32: the runner holds RoutedExperts
-    if not hasattr(layer, "w13_weight") and isinstance(inner, torch.nn.Module):
-        layer, path = inner, f"{path}.routed_experts"
-    prefix, shard = _EXPERT_SHARDS[proj]
-    if leaf not in ("weight", "weight_scale_inv") or not hasattr(layer, f"{prefix}_weight"):
-        return None
+    if layer is not model.get_submodule(path):
+        path = f"{path}.routed_experts"  # 0.32: the runner holds RoutedExperts
+    local = local_expert(layer, expert)
+    if local is None:
+        raise NotLocalExpert(f"{hf_name}: expert {expert} is held by another expert-parallel rank")
     param = getattr(layer, f"{prefix}_{leaf}")
     rows = param.shape[1] // (2 if prefix == "w13" else 1)
-    return f"{path}.{prefix}_{leaf}", param.data[int(expert)], shard * rows, rows
+    return f"{path}.{prefix}_{leaf}", param.data[local], shard * rows, rows
+
+
+class NotLocalExpert(KeyError):
+    """An expert-parallel engine holds this routed expert on another rank."""
 
 
 def router_modules(model_dir: str | Path) -> tuple[str, ...]:

@@ -119,6 +119,8 @@ class ParityReport:
     """Unquantized linear weights also read back through the layer's own GEMM."""
     differing: tuple[str, ...]
     """Names of tensors whose bits differ (empty when parity holds)."""
+    not_local: int = 0
+    """Routed-expert tensors sent that this expert-parallel rank does not hold (not compared)."""
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,9 @@ def test_recipe_and_engine_disagreeing_on_expert_precision_is_refused(grouped):
 
 
 def test_an_expert_the_engine_does_not_hold_is_refused_by_name():
-    """An engine with 2 experts per layer (as one expert-parallel rank holds) gets 4: experts 2
-    and 3 are named, nothing is loaded."""
+    """An engine with 2 experts per layer and no expert map (no rank holds experts 2 and 3)
+    gets 4: experts 2 and 3 are named, nothing is loaded. (An expert-parallel rank's experts
+    held elsewhere are left to vLLM's loader: tests/vllm_patch/test_expert_shards_unit.py.)"""
     model = MoeModel(e=2)
     w = trainer_weights(MoeModel(), 8)
     batch = [(k, v) for k, v in w.items() if "layers.0" in k]

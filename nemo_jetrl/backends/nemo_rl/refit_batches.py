@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.backends.nemo_rl import refit_experts
-from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch import compat, expert_shards
 from nemo_jetrl.vllm_patch.refit import (
     REFUSED,
     SCALE_SUFFIX,
@@ -58,9 +58,11 @@ class SentTensors:
 def _engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
     if (slab := refit_experts.grouped_param(model, name)) is not None:
         return slab.dtype
+    if (dtype := expert_shards.fused_dtype(model, name)) is not None:
+        return dtype  # also for an expert another expert-parallel rank holds
     try:
         return resolve_hf_name(model, name)[1].dtype
-    except (KeyError, AttributeError, IndexError):  # IndexError: an expert this rank lacks
+    except (KeyError, AttributeError, IndexError):
         return None
 
 
@@ -143,13 +145,17 @@ def _kv_differences(model: torch.nn.Module, kv: dict[str, dict[str, float]], fp8
 
 
 def check_refit_parity(worker: Any, sent: SentTensors) -> ParityReport:
-    """Everything one refit sent vs what the engine now holds; ParityError names differences."""
-    qsd = QuantizedStateDict({**sent.fp8, **sent.other}, tuple(sent.fp8_layers), tuple(sent.other))
+    """Everything one refit sent vs what the engine now holds; ParityError names differences.
+    Routed experts on a TP/EP rank: its shard of each sent tensor, for the experts it holds."""
+    model = worker.model_runner.model
+    mine, elsewhere = expert_shards.rank_view(model, {**sent.fp8, **sent.other})
+    layers = tuple(m for m in sent.fp8_layers if f"{m}.weight" in mine)
+    qsd = QuantizedStateDict(mine, layers, tuple(n for n in sent.other if n in mine))
     report = check_parity(
         None, qsd, functools.partial(refit_experts.read_back_with_experts, worker)
     )
     fp8_kv = "fp8" in str(worker.vllm_config.cache_config.cache_dtype)
-    kv = _kv_differences(worker.model_runner.model, sent.kv, fp8_kv)
+    kv = _kv_differences(model, sent.kv, fp8_kv)
     if kv:
         raise ParityError("refit parity check failed: KV scales differ:\n  - " + "\n  - ".join(kv))
     return ParityReport(
@@ -157,4 +163,5 @@ def check_refit_parity(worker: Any, sent: SentTensors) -> ParityReport:
         fp8=report.fp8,
         through_kernel=report.through_kernel,
         differing=(),
+        not_local=elsewhere,
     )
