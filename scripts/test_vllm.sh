@@ -22,6 +22,6 @@ cd "$REPO"
 start=$(date +%s)
 rc=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/vllm_patch tests/backends/test_local_vllm.py "$@" || rc=$?
+    tests/vllm_patch tests/backends/test_local_vllm.py tests/backends/test_local_vllm_moe.py "$@" || rc=$?
 echo "[test_vllm] finished in $(( $(date +%s) - start )) s"
 exit $rc

@@ -38,6 +38,8 @@ class Generation:
     ``generation_logprobs``)."""
     text: str
     finish_reason: str | None
+    request_id: str = ""
+    """vLLM's id of the request (``routing_capture.for_request`` finds its routing by it)."""
 
 
 class KvCacheDtypeMismatch(RuntimeError):
@@ -184,7 +186,12 @@ class VllmRolloutEngine:
             )
             result.append(
                 Generation(
-                    tuple(o.prompt_token_ids), tuple(c.token_ids), lps, c.text, c.finish_reason
+                    tuple(o.prompt_token_ids),
+                    tuple(c.token_ids),
+                    lps,
+                    c.text,
+                    c.finish_reason,
+                    str(o.request_id),
                 )
             )
         return result

@@ -22,6 +22,8 @@ and ``self.model_runner.model`` the model. Names start with ``jetrl_`` to avoid 
 * ``jetrl_set_kv_scales`` / ``jetrl_kv_scales``: per-layer q/k/v scales on the attention layers
   (vLLM convention: the dequantization multiplier, k_fp8 = k / k_scale), all-or-nothing.
 * ``jetrl_capture`` / ``jetrl_captured``: record what enters our FP8 GEMM (eager mode).
+* ``jetrl_routing_capture`` / ``jetrl_routing_take``: record the experts vLLM's routers pick,
+  per request and position (``routing_capture``).
 * ``jetrl_kernels``: which kernel class each linear layer runs; ``jetrl_kernel_report``: the
   guard's per-layer report (is it ours, with which settings and GEMM backend) for
   ``guard.verify_engine_kernels``; ``jetrl_repacked``: which unquantized linears vLLM repacked
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.vllm_patch import compat, rollback
+from nemo_jetrl.vllm_patch.expert_shards import split_expert_name
 from nemo_jetrl.vllm_patch.moe_names import resolve_expert_tensor
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
@@ -175,9 +178,15 @@ def read_back(
     bytes (absent where vLLM repacked the weight; a view, not a copy, when the model is on the
     CPU), and with ``through_kernel`` also ``name|kernel`` -> the weight as an unquantized
     linear's GEMM sees it. One tensor at a time so that a parity check holds one, not all."""
-    if int(worker.vllm_config.parallel_config.tensor_parallel_size) != 1:
-        raise NotImplementedError("jetrl_read_back supports tensor_parallel_size=1 only")
     model = _model(worker)
+    tp = int(worker.vllm_config.parallel_config.tensor_parallel_size)
+    # Routed experts resolve to this rank's shard (expert_shards); dense shards do not yet.
+    dense = [n for n in hf_names if split_expert_name(n) is None]
+    if tp != 1 and dense:
+        raise NotImplementedError(
+            f"jetrl_read_back at tensor_parallel_size={tp} reads routed experts only, not "
+            f"{dense[:3]} ({len(dense)} tensors)"
+        )
     for name in hf_names:
         vname, p, start, rows = resolve_hf_name(model, name)
         layer = model.get_submodule(vname.rpartition(".")[0])
@@ -291,6 +300,26 @@ class JetRLWorkerExtension:
                 items = call.items() if isinstance(call, dict) else zip("xqs", call, strict=True)
                 out.update({f"{name}|{i}|{k}": t for k, t in items})
         return pack(out)
+
+    def jetrl_routing_capture(self, on: bool) -> list[int]:
+        """Start (the decoder layers hooked) or stop recording the experts vLLM's routers pick
+        (``routing_capture.RoutingRecorder``: per request and position)."""
+        from nemo_jetrl.vllm_patch.routing_capture import RoutingRecorder
+
+        rec = getattr(self, "_jetrl_routing", None)
+        if rec is not None:
+            rec.uninstall()
+            self._jetrl_routing = None
+        if not on:
+            return []
+        self._jetrl_routing = RoutingRecorder(_model(self), self.model_runner)
+        self._jetrl_routing.install()
+        return self._jetrl_routing.layers
+
+    def jetrl_routing_take(self) -> bytes:
+        """What the routing recorder holds (``pack``ed, ``RoutingRecorder.take``), cleared."""
+        rec = getattr(self, "_jetrl_routing", None)
+        return pack(rec.take() if rec is not None else {})
 
     def jetrl_kernels(self) -> dict[str, str]:
         """Linear layer name -> kernel class (FP8 layers) or quant method class (others)."""

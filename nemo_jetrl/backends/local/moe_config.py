@@ -4,7 +4,10 @@ Read from the YAML (NeMo-RL's key ``policy.router_replay.enabled``, ``jetrl.loca
 model's config.json (``jetrl.local.model_config``). Refused, each naming the key to change:
 
 - ``policy.router_replay.enabled`` true for a dense model (not true/false: the typed schema);
-- an MoE model with ``jetrl.local.rollout_engine: vllm`` (the vLLM rollout runs dense models);
+- an MoE model other than Qwen3-MoE with ``jetrl.local.rollout_engine: vllm`` (the expert
+  names it sends are Qwen3-MoE checkpoint names);
+- ``policy.router_replay.enabled`` with ``jetrl.local.rollout_engine: vllm`` where the installed
+  vLLM's routing cannot be recorded (`nemo_jetrl.vllm_patch.routing_capture.capture_problem`);
 - an MoE config.json with ``num_experts_per_tok`` outside [1, experts], Mixtral's
   ``router_jitter_noise`` above 0 (random routing in training forwards), an activation other
   than silu, or ``output_router_logits: true`` (an auxiliary loss nothing here computes).
@@ -47,6 +50,18 @@ def _model_json(cfg: DictConfig) -> tuple[str, dict[str, Any] | None]:
     return path, data if isinstance(data, dict) else None
 
 
+def _engine_capture_problem() -> str | None:
+    """Why the installed vLLM's routing cannot be recorded (None: it can, or no vLLM here, which
+    the rollout engine's own check reports)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return None
+    from nemo_jetrl.vllm_patch.routing_capture import capture_problem
+
+    return capture_problem()
+
+
 def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
     """Every MoE-related problem of a local run's config (see the module docstring)."""
     issues: list[ConfigIssue] = []
@@ -66,14 +81,27 @@ def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
             )
         return issues
     where = "jetrl.local.model_config"
-    if _select(cfg, "jetrl.local.rollout_engine") == "vllm":
+    on_vllm = _select(cfg, "jetrl.local.rollout_engine") == "vllm"
+    if on_vllm and model.get("model_type") != "qwen3_moe":
         issues.append(
             ConfigIssue(
                 "jetrl.local.rollout_engine",
-                f"{path} is a mixture-of-experts model; the local vLLM rollout runs dense models "
-                "only: set jetrl.local.rollout_engine=hf",
+                f"{path}: the local vLLM rollout serves Qwen3-MoE checkpoints only (its expert "
+                f"names), not model_type {model.get('model_type')!r}: set "
+                "jetrl.local.rollout_engine=hf",
             )
         )
+    if on_vllm and replay is True:
+        why = _engine_capture_problem()
+        if why is not None:
+            issues.append(
+                ConfigIssue(
+                    ROUTER_REPLAY_KEY,
+                    "routing replay needs the vLLM engine's routed experts, which cannot be "
+                    f"recorded here ({why}): set policy.router_replay.enabled=false or "
+                    "jetrl.local.rollout_engine=hf",
+                )
+            )
     k = model.get("num_experts_per_tok")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= experts:
         issues.append(

@@ -15,6 +15,12 @@ Per step (`RunStep.train_step`):
    ``t``) and every MoE layer. Under replay it still compares the trainer's *own* choices: what
    replay removed. A dense model has no blocks: everything here is a no-op and no metric.
 
+With the vLLM rollout engine (`use_engine`), step 1 is the engine's own routing, recorded
+inside it (`nemo_jetrl.vllm_patch.routing_capture`) and handed over by `set_rollout` with a mask
+of the positions it holds; the metric compares those positions only and
+``jetrl/moe/routing_captured_frac`` says how many response tokens that was. Where the engine's
+routing cannot be recorded, no metric is logged (never a made-up 0).
+
 Cost of replay: k int32 per token per MoE layer kept from rollout to update.
 """
 
@@ -29,6 +35,8 @@ from torch import nn
 from nemo_jetrl.backends.local.moe import MoeBlock, moe_blocks
 
 ROUTING_MISMATCH = "jetrl/moe/routing_mismatch"
+# vLLM rollout: the fraction of response tokens whose rollout routing the engine's capture holds
+ROUTING_CAPTURED = "jetrl/moe/routing_captured_frac"
 
 
 class RoutingController:
@@ -44,7 +52,24 @@ class RoutingController:
             )
         self.replay = replay
         self.rollout_choices: list[torch.Tensor] | None = None
+        self.rollout_valid: torch.Tensor | None = None
+        """``[B, S]`` positions the rollout's record holds (None: all of them)."""
         self.train_choices: list[torch.Tensor] | None = None
+        self.external = False
+        """The rollout runs in the vLLM engine: its choices come through `set_rollout`."""
+        self.unavailable: str | None = None
+        """Why the rollout's routing is unknown (the metric is then not logged)."""
+
+    def use_engine(self, unavailable: str | None) -> None:
+        """The rollout runs in a vLLM engine whose routing arrives by `set_rollout` (or is
+        unknown, ``unavailable`` saying why)."""
+        self.external, self.unavailable = True, unavailable
+
+    def set_rollout(self, choices: list[torch.Tensor], valid: torch.Tensor) -> None:
+        """The engine's routing of this step's rollout (`vllm_moe.routing_tensors`)."""
+        if len(choices) != len(self.train_blocks):
+            raise ValueError(f"{len(choices)} routed layers, trainer {len(self.train_blocks)}")
+        self.rollout_choices, self.rollout_valid = choices, valid
 
     @property
     def active(self) -> bool:
@@ -58,6 +83,10 @@ class RoutingController:
     def rollout(self) -> Iterator[None]:
         """Record the rollout's top-k during generation (`rollout_choices`)."""
         if not self.active:
+            yield
+            return
+        if self.external:  # the engine's capture arrives through set_rollout
+            self.rollout_choices = self.rollout_valid = None
             yield
             return
         self._set_record(self.rollout_blocks, True)
@@ -78,7 +107,9 @@ class RoutingController:
             if self.rollout_choices is None:
                 raise RuntimeError("routing replay: no rollout routing was recorded this step")
             for b, rec in zip(self.train_blocks, self.rollout_choices, strict=True):
-                valid = torch.ones(rec.shape[:2], dtype=torch.bool)
+                valid = self.rollout_valid
+                if valid is None:
+                    valid = torch.ones(rec.shape[:2], dtype=torch.bool)
                 # the last position was never fed to the rollout: the trainer routes it itself
                 b.replay = (_pad_one(rec), _pad_one(valid.unsqueeze(-1)).squeeze(-1))
         if record:
@@ -93,12 +124,17 @@ class RoutingController:
 
     def metrics(self, prompt_len: int, mask: torch.Tensor) -> dict[str, float]:
         """``jetrl/moe/routing_mismatch`` of this step (see the module docstring)."""
-        if not self.active:
+        if not self.active or self.unavailable is not None:
             return {}
         if self.rollout_choices is None or self.train_choices is None:
             raise RuntimeError("routing metrics need this step's rollout and trainer routing")
         r = mask.shape[1]
         sel = mask.bool()
+        out = {}
+        if self.rollout_valid is not None:  # the engine's capture: positions it recorded
+            seen = self.rollout_valid[:, prompt_len - 1 : prompt_len - 1 + r]
+            out[ROUTING_CAPTURED] = float((seen & sel).sum()) / max(1, int(sel.sum()))
+            sel = sel & seen
         differ = total = 0
         for roll, own in zip(self.rollout_choices, self.train_choices, strict=True):
             a = roll[:, prompt_len - 1 : prompt_len - 1 + r].long()  # [B, R, k]
@@ -106,7 +142,9 @@ class RoutingController:
             found = (a.unsqueeze(-1) == t.unsqueeze(-2)).any(-1)  # [B, R, k]
             differ += int((~found & sel.unsqueeze(-1)).sum())
             total += int(sel.sum()) * a.shape[-1]
-        return {ROUTING_MISMATCH: differ / total if total else 0.0}
+        if total:  # no compared choice: no value (never a made-up 0)
+            out[ROUTING_MISMATCH] = differ / total
+        return out
 
 
 def _pad_one(t: torch.Tensor) -> torch.Tensor:

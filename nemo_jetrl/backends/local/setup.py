@@ -238,7 +238,16 @@ class LocalRun(RunStep, RunCheckpointing):
             ),
             max_num_seqs=min(batch, 256),
             seed=self.run.seed,
+            moe_layers=[b.layer for b in self.routing.train_blocks],
+            top_k=self.routing.train_blocks[0].top_k if self.routing.active else 0,
         )
+        if self.routing.active:
+            self.routing.use_engine(self.engine.routing_unavailable)
+            if self.engine.routing_unavailable is not None:
+                self.log(
+                    "jetrl/moe/routing_mismatch not logged: the vLLM engine's routing cannot "
+                    f"be recorded ({self.engine.routing_unavailable})"
+                )
         try:
             rep = self.engine.refit(export_weights(self.trainer.model))
         except BaseException:

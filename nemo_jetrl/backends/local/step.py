@@ -202,6 +202,9 @@ class RunStep:
         if self.engine is not None and self.kv is not None:  # layers whose scales this rollout uses
             s["jetrl/local/vllm_kv_layers"] = float(self.engine_kv_layers)
         rb = self._generate(prompt_ids, self.sample_gen, greedy=False)
+        routed = getattr(self.engine, "last_routing", None)
+        if routed is not None and self.routing.active:  # the engine's routing of this rollout
+            self.routing.set_rollout(*routed)
         return problems, prompt_ids, rb
 
     def _first_kv_calibration(self, prompt_ids: torch.Tensor) -> None:

@@ -24,6 +24,12 @@ nemo_jetrl patch through `nemo_jetrl.vllm_patch.engine.VllmRolloutEngine`. What 
 
 * **the KV scales** (``jetrl_kv``): the trainer's calibrated q/k/v scales go to the engine's
   attention layers at the first calibration and with every refit, and are read back.
+* **an MoE policy** (Qwen3-MoE): the trainer's fused experts are sent under the checkpoint's
+  per-expert names (`vllm_moe.engine_weights`; parity covers every expert tensor), prefix
+  caching is off, and the engine's routing of every generation is recorded in the engine
+  (`nemo_jetrl.vllm_patch.routing_capture`) and laid out as the HF rollout's record
+  (`last_routing`, `vllm_moe.routing_tensors`); where it cannot be recorded,
+  ``routing_unavailable`` says why.
 
 Checked by `vllm_recipe_issues` before anything starts: an FP8 KV cache runs only where the
 installed vLLM's CPU attention runs one (vLLM >= 0.25 on x86 with AVX-512 or AMX; never 0.20),
@@ -34,6 +40,7 @@ every CPU (this engine serves FP8 linears through the nemo_jetrl kernel only).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,7 +176,11 @@ class VllmRollout:
         max_model_len: int,
         max_num_seqs: int,
         seed: int,
+        moe_layers: Sequence[int] = (),
+        top_k: int = 0,
     ) -> None:
+        """``moe_layers`` / ``top_k``: an MoE policy's MoE decoder layers and experts per token;
+        the engine's routing is then recorded in every generation (`last_routing`)."""
         require_vllm()
         from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
 
@@ -185,6 +196,13 @@ class VllmRollout:
             seed=seed,
             logprobs_mode="processed_logprobs",  # log softmax(logits / T), as the trainer
         )
+        self.moe_layers, self.top_k = list(moe_layers), top_k
+        self.last_routing: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        self.routing_unavailable: str | None = None
+        if self.moe_layers:
+            # every position of every request computed by this rollout (a cached prefix would
+            # carry another request's routing); the prompts here are a few tokens
+            kwargs["enable_prefix_caching"] = False
         self.refits = 0
         self.engine: VllmRolloutEngine | None = None
         try:
@@ -195,9 +213,26 @@ class VllmRollout:
                 num_layers=model.config.num_hidden_layers,
                 initial_refit=False,
             )
+            if self.moe_layers:
+                self._start_routing_capture()
         except BaseException:
             self.close()
             raise
+
+    def _start_routing_capture(self) -> None:
+        """Hook the engine's routers (`routing_capture`), or say why its routing is unknown."""
+        from nemo_jetrl.vllm_patch import routing_capture
+
+        self.routing_unavailable = routing_capture.capture_problem()
+        if self.routing_unavailable is not None:
+            return
+        hooked = routing_capture.start(self._live().llm)
+        if hooked != self.moe_layers:
+            routing_capture.stop(self._live().llm)
+            self.routing_unavailable = (
+                f"the engine's hookable routers are in decoder layers {hooked}, the policy's MoE "
+                f"layers are {self.moe_layers}"
+            )
 
     @property
     def closed(self) -> bool:
@@ -217,7 +252,9 @@ class VllmRollout:
         Raises ``RefitError`` or ``ParityError`` (bits differ); either way the engine holds the
         weights it had before (refused before sending, or rolled back).
         """
-        rep = self._live().refit(weights, kv_scales=kv_scales, parity=True)
+        from nemo_jetrl.backends.local.vllm_moe import engine_weights
+
+        rep = self._live().refit(engine_weights(weights), kv_scales=kv_scales, parity=True)
         self.refits += 1
         return EngineRefit(
             fp8_layers=rep.fp8_layers,
@@ -265,7 +302,24 @@ class VllmRollout:
                 lps[i, :n] = torch.tensor(g.logprobs, dtype=torch.float32)
                 mask[i, :n] = True
                 done[i] = g.token_ids[-1] == eos_id
+        if self.moe_layers and self.routing_unavailable is None:
+            self.last_routing = self._take_routing(gens, prompt_ids.shape[1], width)
         return RolloutBatch(ids, lps, mask, done)
+
+    def _take_routing(self, gens: list, prompt_len: int, width: int):
+        """The experts the engine routed this generation to (`vllm_moe.routing_tensors`)."""
+        from nemo_jetrl.backends.local.vllm_moe import routing_tensors
+        from nemo_jetrl.vllm_patch import routing_capture
+
+        return routing_tensors(
+            routing_capture.take(self._live().llm),
+            [g.request_id for g in gens],
+            [len(g.token_ids) for g in gens],
+            prompt_len=prompt_len,
+            width=width,
+            layers=len(self.moe_layers),
+            top_k=self.top_k,
+        )
 
     def close(self) -> None:
         """Shut the engine down and revert the patch (idempotent)."""
