@@ -183,6 +183,12 @@ def convert_moe_blocks(
     for name, mod in list(model.named_modules()):
         if not _is_hf_moe_block(mod):
             continue
+        shared = [a for a in ("shared_expert", "shared_experts") if hasattr(mod, a)]
+        if shared:  # MoeBlock computes routed experts only: swapping would drop them
+            raise ValueError(
+                f"{name}.{shared[0]}: shared experts are not run by the local backend's MoE "
+                "blocks (Qwen3-MoE and Mixtral only)"
+            )
         fp8, kept = _expert_fp8(f"{name}.experts", mod.experts, side, config, n)
         ex_name = f"{name}.experts"
         experts = (
