@@ -17,9 +17,11 @@ block across two experts or across gate/up; a shape that would need one is refus
 The engine side is vLLM's fused expert parameters, ``w13_*`` [E, 2I, .] (gate shard first, up
 second) and ``w2_*`` [E, H, .], on the ``FusedMoE`` module (vLLM 0.20) or the ``RoutedExperts``
 a ``MoERunner`` owns (0.25+): a per-expert name resolves to its slice through
-``worker_ext.resolve_hf_name`` (``vllm_patch.experts.resolve_expert_tensor``, global expert ids:
-an expert-parallel engine's non-local expert is not found and is refused by name); a BF16
-grouped slab to its whole parameter (`grouped_param`).
+``worker_ext.resolve_hf_name`` (``vllm_patch.moe_names.resolve_expert_tensor``: this rank's
+shard under tensor parallel, global ids mapped to local ones under expert parallel, where the
+experts other ranks hold are left to vLLM's loader and out of this rank's parity check:
+``vllm_patch.expert_shards``); a BF16 grouped slab to its whole parameter (`grouped_param`;
+whole, so its parity check assumes unsplit experts).
 """
 
 from __future__ import annotations
