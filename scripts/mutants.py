@@ -412,6 +412,14 @@ MUTANTS = [
         env="nemo_rl",
     ),
     Mutant(
+        "worker passes the lengths of other rows",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        'lengths = part["input_lengths"].reshape(-1).to(torch.long).cpu()',
+        'lengths = part["input_lengths"].reshape(-1).to(torch.long).cpu().flip(0)',
+        T_NRL_GLUE,
+        env="nemo_rl",
+    ),
+    Mutant(
         "worker never masks by lengths",
         "nemo_jetrl/backends/nemo_rl/worker.py",
         'by_lengths = settings.mask != "none" and not packed and not dynamic',

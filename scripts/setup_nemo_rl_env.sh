@@ -6,7 +6,8 @@
 #   main-*       -> .venv-vllm025 (vLLM 0.25.1)
 # plus one overlay, .venv-nemo-rl/site (pip --target, --no-deps), holding the pinned pure-Python
 # dependencies NeMo-RL imports that the vLLM envs lack (scripts/nemo_rl_overlay_requirements.txt:
-# ray, hydra-core, torchdata, mlflow, wandb, datasets, transformers < 5.9, ...).
+# ray, hydra-core, torchdata, mlflow, wandb, datasets, transformers < 5.9, megatron-core 0.16.1,
+# megatron-bridge 0.3.1, ...).
 #
 # NeMo-RL requires Python >= 3.13; the vLLM CPU envs are Python 3.11. NeMo-RL's code compiles on
 # 3.11; the one runtime difference it hits is pydantic refusing typing.TypedDict fields on
@@ -17,7 +18,7 @@
 # Usage: bash scripts/setup_nemo_rl_env.sh [TREE...]   (default: v0.7.0 main-7ea279a)
 # Idempotent: the overlay is rebuilt only when the requirements file changes; a missing vLLM env
 # is made by scripts/setup_vllm_env.sh. Measured on the shared 2-core machine: overlay 100-300 s
-# (~1.1 GB, mostly download); .venv-vllm025 594 s (6.2 GB); an existing env: ~25 s (sanity import).
+# (~1.2 GB, mostly download); .venv-vllm025 594 s (6.2 GB); an existing env: ~25 s (sanity import).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$REPO/scripts/nemo_rl_env.sh"

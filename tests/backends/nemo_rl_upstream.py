@@ -165,15 +165,16 @@ def _source_function(module_file: str, name: str, namespace: dict) -> Any:
 def _pack_parameters_function() -> Any:
     """NeMo-RL's ``_get_pack_sequence_parameters_for_megatron``.
 
-    v0.7.0: imported. main's ``nemo_rl/models/megatron/data.py`` imports Megatron-Bridge (needs
-    Transformer Engine, GPU builds only) and its ``common.py`` a newer megatron-core at the top;
-    the function uses neither, only the pure ``_round_up_to_multiple`` of ``common.py``. There
-    both functions are compiled, unchanged, from the tree's source files.
+    v0.7.0: imported. main's ``nemo_rl/models/megatron/data.py`` imports Megatron-Bridge (the
+    overlay's 0.3.1 imports Transformer Engine, GPU builds only) and its ``common.py`` a newer
+    megatron-core at the top; the function uses neither, only the pure ``_round_up_to_multiple``
+    of ``common.py``. There both functions are compiled, unchanged, from the tree's source files.
     """
     try:
         from nemo_rl.models.megatron.data import _get_pack_sequence_parameters_for_megatron
     except ModuleNotFoundError as exc:
-        if not str(exc.name or "").startswith("megatron."):
+        name = str(exc.name or "")
+        if not (name.startswith("megatron.") or name.split(".")[0] == "transformer_engine"):
             raise
     else:
         return _get_pack_sequence_parameters_for_megatron
