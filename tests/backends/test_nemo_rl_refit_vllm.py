@@ -127,6 +127,12 @@ def nemo_rl_engine(
             (CPUWorker, "init_device"),
         ):
             mp.setattr(owner, name, getattr(owner, name))
+        # vLLM loads plugins once per process, and 0.25's CPU worker lives in this one: without
+        # this, a second engine here (the next module's) would start without the stand-in and
+        # our hook, which the first engine's exit undid.
+        import vllm.plugins
+
+        mp.setattr(vllm.plugins, "plugins_loaded", False)
         mp.setenv("PYTHONPATH", os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]))
         mp.syspath_prepend(str(STANDINS))
         for k, v in vllm_refit.refit_hook_env(True).items():
