@@ -14,9 +14,10 @@ rollout actually runs can add a difference the recipe does not show:
   MiniMax-M2.7 config): ``fp8_cfg`` is read by the Megatron policy worker only, so training is
   BF16 whatever the recipe says; an FP8-training recipe is off there.
 - NeMo-RL with FP8 routed experts: the rollout's experts run nemo_jetrl's vLLM experts kernel only
-  on the vLLM releases it covers (`vllm_patch.experts.moe_supported`): v0.7.0 ships vLLM 0.20.0
-  (covered); main ships 0.25.1 (not yet: the patch's guard refuses vLLM's own FP8 expert kernels
-  at engine start, so such a run stops instead of rolling out off-policy).
+  on the vLLM releases it covers (`vllm_patch.moe_versions.moe_supported`: 0.20.0, 0.25.1,
+  0.32.x). Both trees' releases are covered (v0.7.0 ships vLLM 0.20.0, main 0.25.1); on another
+  release the patch's guard refuses vLLM's own FP8 expert kernels at engine start, so such a run
+  stops instead of rolling out off-policy, and the verdict names it off.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
         return BackendVerdict(name, True, "BF16 rollout: refit copies the weights unchanged")
     fp8_experts = any(e.group == "experts" and e.precision.is_fp8 for e in check.rollout.edges)
     if fp8_experts:
-        from nemo_jetrl.vllm_patch.experts import moe_supported
+        from nemo_jetrl.vllm_patch.moe_versions import COVERED, moe_supported
 
         vllm = NEMO_RL_VLLM[tree]
         if not moe_supported(vllm):
@@ -88,9 +89,9 @@ def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
                 name,
                 False,
                 f"FP8 routed experts on NeMo-RL {tree}'s vLLM {vllm}: nemo_jetrl's experts "
-                "kernel covers vLLM 0.20 and 0.32 only, so on this release the patch's guard "
+                f"kernel covers vLLM {COVERED} only, so on this release the patch's guard "
                 "refuses vLLM's own FP8 expert kernels at engine start: not runnable on-policy "
-                "here yet (NeMo-RL v0.7.0 with vLLM 0.20 is)",
+                "here yet",
             )
     hook = _flag(cfg, "jetrl.vllm_patch", False) and _flag(cfg, "jetrl.refit_hook", True)
     if hook:

@@ -14,7 +14,7 @@ on some side, is refused after `jetrl check` prints the flow table and the verdi
 - a vLLM rollout whose experts are split over ranks (``vllm_cfg.tensor_parallel_size`` or
   ``expert_parallel_size`` above 1): the experts kernel needs one rank's full experts.
 
-Which vLLM releases run the experts kernel (0.20, 0.32) is a per-backend fact
+Which vLLM releases run the experts kernel (0.20, 0.25.1, 0.32) is a per-backend fact
 (`flow.backend`). Per-name BF16 lists (``quantization_ignored_layer_kws``) are part of the recipe
 (`nemo_jetrl.config.layer_lists`); a word naming something outside the flow is refused there.
 Only configs with FP8 on some side are refused (a BF16 MoE run has nothing to align).

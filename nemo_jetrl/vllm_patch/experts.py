@@ -1,4 +1,5 @@
-"""Our block-FP8 experts kernel for vLLM's mixture-of-experts layers (vLLM 0.20.0 and 0.32.x).
+"""Our block-FP8 experts kernel for vLLM's mixture-of-experts layers (vLLM 0.20.0, 0.25.1, 0.32.x;
+what differs between them: ``moe_versions.py``).
 
 vLLM builds each routed-experts layer of a block-FP8 checkpoint with ``Fp8MoEMethod``
 (``vllm.model_executor.layers.quantization.fp8``), which picks one of vLLM's own FP8 expert
@@ -21,8 +22,10 @@ subclass; ``uninstall_moe_method`` puts vLLM's back. Our method
 
 The router (``mlp.gate``) is an ordinary linear and must stay BF16 (the checkpoint's
 ``modules_to_not_convert``; ``guard.kernel_problems`` refuses an FP8 one). What is not covered is
-refused when the layer is built, naming it: tensor/expert parallel experts, biased experts,
-activations other than SiLU, weight blocks other than 128x128, shared experts.
+refused when the layer is built, naming it: TP shards of the expert width that are not
+128-aligned and vLLM data parallel (``expert_shards.py``, which also serves TP/EP shards),
+biased experts, activations other than SiLU, weight blocks other than 128x128. Shared experts are run and
+added by vLLM's MoE runner (``shared_experts.py``).
 
 Only recipes whose activation and weight scale modes differ take a per-expert loop over our
 dense kernel's ops, which reads the token counts on the host.
@@ -36,16 +39,15 @@ import torch
 
 from nemo_jetrl.fp8.gemm_backends import plan_gemm
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
-from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch import moe_versions
+from nemo_jetrl.vllm_patch.expert_shards import expert_map, local_routes, shard_problems
 from nemo_jetrl.vllm_patch.kernel import _serving_device, ensure_ops, serving_exclusions
+from nemo_jetrl.vllm_patch.moe_versions import MOE_RANGES, moe_supported  # noqa: F401 (API)
 from nemo_jetrl.vllm_patch.settings import PatchSettings
+from nemo_jetrl.vllm_patch.shared_experts import check_runner_runs_shared
 
 # Marks our MoE method classes (revert and idempotence need no global state).
 MOE_MARKER = "_nemo_jetrl_moe_method"
-# vLLM releases whose Fp8MoEMethod (0.20: on FusedMoE; 0.32: on RoutedExperts inside the MoE
-# runner) this module was written and engine-tested for. 0.25 (MoERunner + RoutedExperts) and
-# 0.33 are not yet: there the guard refuses vLLM's own expert kernels.
-MOE_RANGES = (((0, 20, 0), (0, 20, 1)), ((0, 32, 0), (0, 33, 0)))
 # The module whose global ``Fp8MoEMethod`` ``Fp8Config.get_quant_method`` constructs.
 FP8_MODULE = "vllm.model_executor.layers.quantization.fp8"
 SLOT = "Fp8MoEMethod"
@@ -53,11 +55,6 @@ SLOT = "Fp8MoEMethod"
 
 class MoeNotSupported(RuntimeError):
     """The installed vLLM's MoE layers are not covered by our experts kernel."""
-
-
-def moe_supported(version: str) -> bool:
-    rel = compat.release(version)
-    return any(lo <= rel < hi for lo, hi in MOE_RANGES)
 
 
 def _fp8_module() -> Any:
@@ -87,6 +84,7 @@ def experts_forward(
     w_pow2: bool,
     eps: float,
     backend: str,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU-gated experts on block-FP8 weights. ``x`` ``[M, H]``, ``topk_*`` ``[M, k]``.
 
@@ -99,11 +97,10 @@ def experts_forward(
     on the host."""
     m, h = x.shape
     e, two_i, _ = w13.shape
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).long()
+    # expert parallel: global ids -> this rank's (expert_shards.local_routes); others dropped
+    flat, token, weight = local_routes(topk_ids, topk_weights, expert_map)
     order = torch.argsort(flat, stable=True)
-    token = torch.arange(m, device=x.device).repeat_interleave(k)[order]
-    weight = topk_weights.reshape(-1)[order].float()
+    token, weight = token[order], weight[order]
     counts = torch.bincount(flat, minlength=e)
     acc = torch.zeros(m, h, dtype=torch.float32, device=x.device)
     if pow2 == w_pow2:
@@ -172,9 +169,10 @@ def route_softmax_topk(
 
 def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: bool) -> type:
     """Our subclass of vLLM's ``Fp8MoEMethod`` (``base``) bound to ``settings``. With
-    ``own_routing`` (vLLM 0.20, whose CPU build lacks the ``topk_softmax`` op its router needs
-    for non-monolithic methods) the method is monolithic and routes with
-    `route_softmax_topk`; otherwise vLLM's router picks the experts."""
+    ``own_routing`` (vLLM 0.20 / 0.25, whose CPU builds lack the ``topk_softmax`` op their
+    router needs for non-monolithic methods: `moe_versions.own_routing`) the method is
+    monolithic and routes with `route_softmax_topk`; otherwise vLLM's router picks the
+    experts."""
     ops = ensure_ops()
     pow2, w_pow2, eps = settings.pow2_activation_scales, settings.pow2_weight_scales, settings.eps
     method_base = next(c for c in base.__mro__[1:] if c.__name__ == "FusedMoEMethodBase")
@@ -218,7 +216,7 @@ def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: b
         ) -> torch.Tensor:
             weights, ids = route_softmax_topk(layer, router_logits)
             # vLLM's routed-experts capture (enable_return_routed_experts) hooks its router.
-            capture = getattr(getattr(layer, "router", None), "capture_fn", None)
+            capture = moe_versions.router_capture_fn(layer)
             if capture is not None:
                 capture(ids)
             return self.apply(layer, x, weights, ids)
@@ -258,15 +256,14 @@ def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: b
             *args: Any,
             **kw: Any,
         ) -> torch.Tensor:
-            # 0.32 passes shared_experts= (and runs them itself when no vLLM kernel owns them:
-            # refused here all the same); 0.20 passes only shared_experts_input=.
-            if kw.get("shared_experts") is not None:
-                raise NotImplementedError("nemo_jetrl experts kernel: shared experts")
+            # vLLM's runner runs shared experts and adds them (shared_experts.py).
+            check_runner_runs_shared(self, layer, kw.get("shared_experts"))
             self.jetrl_calls += 1
             out = experts_forward(
                 ops, x, layer.w13_weight, layer.w13_weight_scale_inv,
                 layer.w2_weight, layer.w2_weight_scale_inv, topk_weights, topk_ids,
                 pow2=pow2, w_pow2=w_pow2, eps=eps, backend=self.jetrl_gemm_backend,
+                expert_map=expert_map(layer),
             )  # fmt: skip
             capture = getattr(layer, "_jetrl_capture", None)  # eager-mode tests (worker_ext)
             if capture is not None and len(capture) < capture.maxlen:
@@ -289,9 +286,7 @@ def _unsupported(quant_config: Any, layer: Any) -> list[str]:
         )
     if getattr(quant_config, "activation_scheme", "dynamic") != "dynamic":
         problems.append(f"activation_scheme {quant_config.activation_scheme!r}")
-    par = moe.moe_parallel_config
-    if par.tp_size != 1 or par.ep_size != 1 or par.dp_size != 1:
-        problems.append(f"tp/ep/dp {par.tp_size}/{par.ep_size}/{par.dp_size} (needs 1/1/1)")
+    problems += shard_problems(layer)  # TP shards 128-aligned, EP, no vLLM DP
     if moe.has_bias:
         problems.append("biased experts")
     if getattr(moe, "swiglu_limit", None) is not None or getattr(moe, "swiglu_alpha", None):
@@ -317,7 +312,8 @@ def install_moe_method(settings: PatchSettings) -> type:
 
     if not moe_supported(vllm.__version__):
         raise MoeNotSupported(
-            f"nemo_jetrl experts kernel: vLLM {vllm.__version__} is not covered (0.20.0, 0.32.x)"
+            f"nemo_jetrl experts kernel: vLLM {vllm.__version__} is not covered "
+            f"({moe_versions.COVERED})"
         )
     mod = _fp8_module()
     if not _slot_in_effect(mod):
@@ -333,7 +329,7 @@ def install_moe_method(settings: PatchSettings) -> type:
                 f"({existing.jetrl_settings_json}); revert the previous patch first"
             )
         return existing
-    own_routing = compat.release(vllm.__version__) < (0, 32, 0)
+    own_routing = moe_versions.own_routing(vllm.__version__)
     cls = make_moe_method_class(settings, getattr(mod, SLOT), own_routing=own_routing)
     setattr(mod, SLOT, cls)
     if getattr(mod, SLOT) is not cls:

@@ -1,5 +1,6 @@
-"""NeMo-RL's real vLLM refit of a block-FP8 MoE model with our hook (issue 28): v0.7.0's sender
-(``stream_weights_via_ipc_zmq_impl``) over a real ZMQ socket into its real receiver
+"""NeMo-RL's real vLLM refit of a block-FP8 MoE model with our hook (issue 28), in each NeMo-RL
+tier (v0.7.0 on vLLM 0.20, main on vLLM 0.25.1, both served by our experts kernel): the
+tree's sender (``stream_weights_via_ipc_zmq_impl``) over a real ZMQ socket into its real receiver
 (``update_weights_via_ipc_zmq`` -> ``fp8.load_weights``, hooked) of a ``vllm.LLM`` started as
 NeMo-RL starts it (`test_nemo_rl_refit_vllm.nemo_rl_engine`: the same GPU stand-ins), serving a
 tiny Qwen3-MoE (2 layers of 4 experts of width 128, top-2) whose experts run our experts kernel
@@ -27,25 +28,7 @@ from test_nemo_rl_refit_vllm import _last_parity, _read_fp8, _refit_via_nemo_rl,
 
 from nemo_jetrl.vllm_patch.worker_ext import unpack
 
-
-def _experts_kernel_here() -> bool:
-    try:
-        import vllm
-    except ImportError:
-        return True  # the vllm marker skips
-    from nemo_jetrl.vllm_patch.experts import moe_supported
-
-    return moe_supported(vllm.__version__)
-
-
-pytestmark = [
-    pytest.mark.nemo_rl,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not _experts_kernel_here(),
-        reason="nemo_jetrl's experts kernel does not serve this vLLM (vllm_patch.experts)",
-    ),
-]
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
 E, INTER = 4, 128
 ROUTERS = ["mlp.gate"]
 
@@ -123,7 +106,7 @@ def test_nemo_rls_refit_lands_our_expert_bits_with_parity(moe_engine):
     back = unpack(llm.collective_rpc(_read_fp8, args=(qsd.fp8_names(),))[0])
     for name in qsd.fp8_names():  # independent of the hook's own check: the bits are ours
         assert torch.equal(back[name].view(torch.uint8), qsd.tensors[name].view(torch.uint8)), name
-    print(f"\nNeMo-RL v0.7.0 refit of a block-FP8 MoE: parity over {rep.compared} tensors "
+    print(f"\nNeMo-RL refit of a block-FP8 MoE: parity over {rep.compared} tensors "
           f"({rep.fp8} FP8, {len(experts)} of them experts)")  # fmt: skip
     # A second refit to other weights lands them too (the hook stays armed across refits).
     weights2 = per_expert(tiny_moe(2))

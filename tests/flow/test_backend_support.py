@@ -76,14 +76,22 @@ def test_fp8_moe_refused_naming_what_is_not_covered(override, key, needle):
     assert key in msg
 
 
-def test_fp8_moe_without_shared_experts_checks_per_backend():
-    """Routed experts run our experts computation on both sides: the flow verdict holds; NeMo-RL
-    main (vLLM 0.25.1) is named off for the experts kernel's release range, v0.7.0 (0.20) not."""
-    c = check_config(str(E2E), ["policy.model_name=Qwen/Qwen3-30B-A3B", "jetrl.vllm_patch=true"])
+def test_fp8_moe_without_shared_experts_checks_per_backend(monkeypatch):
+    """Routed experts run our experts computation on both sides: the flow verdict holds on every
+    backend, as the experts kernel covers both NeMo-RL trees' vLLM (v0.7.0: 0.20.0, main: 0.25.1);
+    a tree on a release it does not cover is named off, with the release."""
+    from nemo_jetrl.flow import backend
+
+    args = ["policy.model_name=Qwen/Qwen3-30B-A3B", "jetrl.vllm_patch=true"]
+    c = check_config(str(E2E), args)
     assert c.check.on_policy  # the flow: every rollout tensor equals its training tensor
     by = {b.backend: b for b in c.backends}
-    assert by["local"].on_policy and by["nemo-rl v0.7.0"].on_policy
-    assert not by["nemo-rl main"].on_policy and "vLLM 0.25.1" in by["nemo-rl main"].reason
+    assert all(b.on_policy for b in by.values()), by
+    assert "our refit hook" in by["nemo-rl main"].reason
+    monkeypatch.setitem(backend.NEMO_RL_VLLM, "main", "0.33.0")  # no CPU build: not covered
+    by = {b.backend: b for b in check_config(str(E2E), args).backends}
+    assert by["nemo-rl v0.7.0"].on_policy and not by["nemo-rl main"].on_policy
+    assert "vLLM 0.33.0" in by["nemo-rl main"].reason and "0.25.1" in by["nemo-rl main"].reason
 
 
 def test_bf16_moe_is_not_refused():

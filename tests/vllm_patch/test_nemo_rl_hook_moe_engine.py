@@ -1,13 +1,13 @@
-"""The NeMo-RL refit hook's MoE path on a real vLLM 0.32 CPU engine serving block-FP8 experts
-under our patch (issue 28): what the hooked ``fp8.load_weights`` does with each streamed batch
-(``refit_batches.quantize_batch`` -> the model's own ``load_weights``, as NeMo-RL calls it) and
-the parity check its transport runs after, executed inside vLLM's worker.
+"""The NeMo-RL refit hook's MoE path on a real vLLM CPU engine (0.32, 0.25.1 and 0.20 tiers)
+serving block-FP8 experts under our patch (issue 28): what the hooked ``fp8.load_weights`` does
+with each streamed batch (``refit_batches.quantize_batch`` -> the model's own ``load_weights``, as
+NeMo-RL calls it) and the parity check its transport runs after, executed inside vLLM's worker.
 
-NeMo-RL itself is not imported here (its trees need vLLM 0.20 / 0.25, which have no CPU path for
-FP8 experts); its receive loop around these two calls is covered on vLLM 0.20 with a stand-in
-engine (tests/backends/test_nemo_rl_refit_experts.py). Both of NeMo-RL's layouts are sent: per
+NeMo-RL itself is not imported here (NeMo-RL v0.7.0's real transport into a vLLM 0.20 / 0.25.1
+engine is tests/backends/test_nemo_rl_refit_vllm_moe.py). Both of NeMo-RL's layouts are sent: per
 expert names, and main's grouped slabs (``experts.gate_up_proj`` [E, 2I, H]), which is exactly
-how transformers 5 stores the trainer model's experts.
+how transformers 5 stores the trainer model's experts. vLLM 0.25.1 (NeMo-RL main's) has no vLLM
+tier: the NeMo-RL main tier runs this module (marker ``vllm_in_nemo_rl``, scripts/test_nemo_rl.sh).
 """
 
 from __future__ import annotations
@@ -23,26 +23,19 @@ from test_vllm_moe import (  # noqa: F401  (module fixtures: one engine for this
     trainer,
 )
 
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_in_nemo_rl]
+
 
 def _experts_kernel_here() -> bool:
-    """Our experts kernel serves this vLLM (0.32.x / 0.33.0); True without vLLM (the marker
-    skips then)."""
+    """Our experts kernel serves the installed vLLM (0.20.0, 0.25.1, 0.32.x); True without vLLM
+    (the marker skips then). Not a skip here: every vLLM with a CPU build is covered."""
     try:
         import vllm
     except ImportError:
         return True
-    from nemo_jetrl.vllm_patch.experts import moe_supported
+    from nemo_jetrl.vllm_patch.moe_versions import moe_supported
 
     return moe_supported(vllm.__version__)
-
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not _experts_kernel_here(),
-        reason="nemo_jetrl's experts kernel serves vLLM 0.32-0.33 only (vllm_patch.experts)",
-    ),
-]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,7 +7,8 @@ blocks, routers ``mlp.gate`` and ``lm_head`` BF16, as real Qwen3 FP8 checkpoints
 ``modules_to_not_convert``) and served by ``vllm.LLM`` under ``apply_patches``: dense linears run
 our linear kernel and the routed experts our experts kernel (vllm_patch/experts.py), on any CPU
 (vLLM's own CPU FP8 expert kernels need AMX). One FP8 engine and one BF16 control engine per
-module.
+module (and one more for the rollout engine's test). vLLM 0.32, 0.25.1 (run by the NeMo-RL main
+tier: the ``vllm_in_nemo_rl`` tests) and 0.20.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
 from vllm_fixtures import fp8_gap_bound, logprob_gap, vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
+# The tests on the one FP8 engine (`served`): the NeMo-RL main tier runs them too, as vLLM 0.25.1
+# has no vLLM tier of its own (scripts/test_nemo_rl.sh); the BF16 control's and the rollout
+# engine's tests run in the vLLM tiers only.
+ONE_ENGINE = pytest.mark.vllm_in_nemo_rl
 
 E, INTER, LAYERS, MOE_LAYERS = 8, 128, 3, (1, 2)
 MAX_TOKENS = 8
@@ -37,19 +42,19 @@ def _vllm_cpu_env():
 
 
 def experts_layer(i: int) -> str:
-    """vLLM's module holding layer ``i``'s expert weights: 0.32 nests RoutedExperts in the MoE
-    runner, 0.20's FusedMoE holds them itself."""
+    """vLLM's module holding layer ``i``'s expert weights: 0.25 and 0.32 nest RoutedExperts in
+    the MoE runner, 0.20's FusedMoE holds them itself."""
     import vllm
 
     from nemo_jetrl.vllm_patch.compat import release
 
-    nested = release(vllm.__version__) >= (0, 32, 0)
+    nested = release(vllm.__version__) >= (0, 25, 0)
     return f"model.layers.{i}.mlp.experts" + (".routed_experts" if nested else "")
 
 
 def routed_experts_supported() -> bool:
-    """vLLM 0.20's CPU build returns routed experts; 0.32's needs Model Runner V2, which
-    needs Triton (none on CPU builds)."""
+    """vLLM 0.20's and 0.25.1's CPU builds return routed experts (their V1 model runner records
+    them); 0.32's needs Model Runner V2, which needs Triton (none on CPU builds)."""
     import vllm
 
     from nemo_jetrl.vllm_patch.compat import release
@@ -226,6 +231,7 @@ def served(tmp_path_factory, trainer, settings):
     gc.collect()
 
 
+@ONE_ENGINE
 def test_patch_installs_and_reverts_our_moe_method(settings):
     """apply_patches makes Fp8Config build our experts method (idempotent), revert restores
     vLLM's own class object; other settings while applied are refused."""
@@ -247,6 +253,23 @@ def test_patch_installs_and_reverts_our_moe_method(settings):
     assert fp8_mod.Fp8MoEMethod is original
 
 
+@ONE_ENGINE
+def test_versions_covered_and_own_routing_where_vllm_cannot_route_on_cpu():
+    """The experts kernel covers the installed vLLM (and exactly the engine-tested releases);
+    our method routes itself exactly where vLLM's router cannot run on a CPU (0.20, 0.25.1: no
+    ``topk_softmax`` op and no CPU router), so the version rule is checked against the build."""
+    import vllm
+
+    from nemo_jetrl.vllm_patch import moe_versions
+
+    assert moe_versions.moe_supported(vllm.__version__)
+    ok = {v: moe_versions.moe_supported(v) for v in ("0.20.0", "0.25.1", "0.32.0", "0.32.9")}
+    no = {v: moe_versions.moe_supported(v) for v in ("0.20.1", "0.25.0", "0.25.2", "0.33.0")}
+    assert all(ok.values()) and not any(no.values()), (ok, no)
+    assert moe_versions.own_routing(vllm.__version__) == (not moe_versions.vllm_routes_on_cpu())
+
+
+@ONE_ENGINE
 def test_experts_run_our_kernel_and_no_vllm_fp8_expert_kernel(served, settings):
     from nemo_jetrl.vllm_patch.guard import kernel_problems
 
@@ -291,6 +314,7 @@ def _expert_names(sd):
     return sorted(n for n in sd if ".mlp.experts." in n)
 
 
+@ONE_ENGINE
 def test_refit_loads_new_experts_with_parity_over_every_expert_tensor(served, settings):
     """A refit to another model's weights lands every expert tensor as the trainer quantized
     it (parity bit for bit over all 2 layers x 8 experts x 3 projections x weight/scale), the
@@ -321,6 +345,7 @@ def test_refit_loads_new_experts_with_parity_over_every_expert_tensor(served, se
     assert _expert_names(sd0)
 
 
+@ONE_ENGINE
 def test_parity_names_a_corrupted_expert_and_rollback_restores_it(served, settings):
     """One flipped FP8 byte in one expert is named by parity; the worker's snapshot/restore
     (what a failed refit's rollback runs) puts every expert tensor back bit for bit."""
@@ -355,6 +380,7 @@ def _expert_weights(sd, layer: int, e: int):
     return q("gate_proj", "up_proj"), q("down_proj")
 
 
+@ONE_ENGINE
 def test_engine_experts_bit_exact_to_the_dense_path(served, settings):
     """What vLLM's MoE layers computed during generate, recomputed from their captured inputs
     with the checkpoint's FP8 experts through the dense path (nemo_jetrl.fp8 quantizer, the
@@ -405,11 +431,13 @@ def test_engine_experts_bit_exact_to_the_dense_path(served, settings):
     assert same_route >= 0.9 * routed
 
 
+@ONE_ENGINE
 def test_routed_experts_returned_for_routing_replay(served, trainer, tmp_path):
-    """vLLM 0.20: with enable_return_routed_experts an output carries, per token, the experts
-    our kernel computed it with ([tokens - 1, layers, top_k]; the dense layer 0 all zeros):
-    exactly the ids captured inside our experts method, call by call. vLLM 0.32's CPU build
-    refuses the option (Model Runner V2 needs Triton), so there routing replay has no source."""
+    """vLLM 0.20 and 0.25.1: with enable_return_routed_experts an output carries, per token, the
+    experts our kernel computed it with ([tokens - 1, layers, top_k]; the dense layer 0 all
+    zeros): exactly the ids captured inside our experts method, call by call (our monolithic
+    method feeds vLLM's capture: 0.20 on the layer's router, 0.25.1 on the MoE runner's). vLLM
+    0.32's CPU build refuses the option (Model Runner V2 needs Triton): no source there."""
     from vllm import SamplingParams
 
     from nemo_jetrl.vllm_patch.experts import routed_experts
