@@ -139,9 +139,9 @@ def stop(llm: Any) -> None:
 def take(llm: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{engine request id: (positions [n], experts [n, layers, k])}`` recorded since the
     last take (worker 0: the recorder supports ``tensor_parallel_size=1``)."""
-    from nemo_jetrl.vllm_patch.worker_ext import unpack
+    from safetensors.torch import load  # the worker packs with worker_ext.pack (safetensors)
 
-    flat = unpack(llm.collective_rpc("jetrl_routing_take")[0])
+    flat = load(bytes(llm.collective_rpc("jetrl_routing_take")[0]))
     out = {}
     for key, pos in flat.items():
         rid, _, kind = key.rpartition("|")

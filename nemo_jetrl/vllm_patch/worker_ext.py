@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.vllm_patch import compat, rollback
+from nemo_jetrl.vllm_patch.cpu_moe_repack import plain_rows, repack_reloaded_experts
 from nemo_jetrl.vllm_patch.expert_shards import split_expert_name
 from nemo_jetrl.vllm_patch.moe_names import resolve_expert_tensor
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
@@ -78,7 +79,7 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
     A repacked weight (empty parameter, see ``compat.weight_was_repacked``) still gets its
     checkpoint row range; ``checkpoint_shape`` gives its full shape."""
     if (expert := resolve_expert_tensor(model, hf_name)) is not None:  # routed experts
-        return expert
+        return plain_rows(model, hf_name, expert)  # CPU BF16 experts: the rows before packing
     module_path, _, leaf = hf_name.rpartition(".")
     parent, _, proj = module_path.rpartition(".")
     packed = getattr(model, "packed_modules_mapping", {}) or {}
@@ -224,14 +225,16 @@ class JetRLWorkerExtension:
         """Load a ``pack``ed {HF name: tensor} blob in place; report names and identity."""
         model = _model(self)
         before = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
+        tensors = unpack(blob)
         loaded = compat.reload_weights(
             model,
             self.vllm_config.model_config,  # type: ignore[attr-defined]
-            iter(unpack(blob).items()),
+            iter(tensors.items()),
         )
+        repacked = repack_reloaded_experts(model, tensors)  # the reload leaves them unpacked
         after = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
         moved = sorted(n for n in before if after.get(n) != before[n])
-        return {"loaded": sorted(loaded or []), "moved": moved}
+        return {"loaded": sorted(loaded or []), "moved": moved, "repacked": repacked}
 
     def jetrl_snapshot(self) -> dict[str, Any]:
         """Save the model's whole state for `jetrl_restore` (``rollback``); one per worker."""
