@@ -368,6 +368,48 @@ def test_parity_names_a_corrupted_expert_and_rollback_restores_it(served, settin
     assert check_parity(llm, qsd).differing == ()
 
 
+@ONE_ENGINE
+def test_refused_refits_leave_every_expert_bit_identical(served, settings):
+    """A refit refused before sending (one non-finite expert weight among otherwise valid new
+    weights) changes nothing; a refit that failed in the engine after every tensor was written
+    (parity finds a flipped expert byte inside ``engine_rollback``, as ``refit`` runs it) is
+    rolled back: parity against the previous weights passes over every expert tensor again."""
+    from nemo_jetrl.vllm_patch.refit import (
+        ParityError,
+        RefitError,
+        check_parity,
+        quantize_state_dict,
+        refit,
+    )
+    from nemo_jetrl.vllm_patch.rollback import engine_rollback
+    from nemo_jetrl.vllm_patch.worker_ext import pack
+
+    llm, _, _ = served
+    qsd0 = quantize_state_dict(per_expert_state_dict(tiny_qwen3_moe(0)), settings)
+    assert check_parity(llm, qsd0).differing == ()  # what the engine holds now
+    bad_name = "model.layers.2.mlp.experts.3.up_proj.weight"
+    bad = per_expert_state_dict(tiny_qwen3_moe(4))
+    bad[bad_name][0, 0] = float("nan")
+    with pytest.raises(RefitError, match=bad_name.replace(".", r"\.")):
+        refit(llm, bad, settings)
+    assert check_parity(llm, qsd0).differing == ()
+    new = quantize_state_dict(per_expert_state_dict(tiny_qwen3_moe(4)), settings)
+    flipped = dict(new.tensors)
+    name = "model.layers.1.mlp.experts.6.gate_proj.weight"
+    raw = flipped[name].clone().view(torch.uint8)
+    raw[1, 2] ^= 0x01
+    flipped[name] = raw.view(torch.float8_e4m3fn)
+    want = dataclasses.replace(new, tensors=flipped)
+    named = r"experts\.6\.gate_proj\.weight[\s\S]*rolled back"
+    with pytest.raises(ParityError, match=named), engine_rollback(llm):
+        llm.collective_rpc("jetrl_load_weights", args=(pack(new.tensors),))
+        check_parity(llm, want)  # names the flipped expert: the rollback runs
+    back = check_parity(llm, qsd0)  # every expert weight and scale as before the refit
+    experts = [n for n in qsd0.fp8_names() if ".mlp.experts." in n]
+    assert back.differing == () and back.fp8 == len(qsd0.fp8_names())
+    assert len(experts) == len(MOE_LAYERS) * E * 3 * 2
+
+
 def _expert_weights(sd, layer: int, e: int):
     from nemo_jetrl.fp8.quantize import BlockQuantized
 
