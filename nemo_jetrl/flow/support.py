@@ -9,10 +9,15 @@ on some side, is refused after `jetrl check` prints the flow table and the verdi
 
 - an MoE model the flow cannot describe (evidence only from Megatron's expert keys or a model
   name of a known MoE family): point ``jetrl.model_config`` at its config.json;
-- shared experts (Qwen2/3.5-MoE ``shared_expert``, DeepSeek/Moonlight ``shared_experts``): the vLLM
-  experts kernel refuses them when the layer is built and the local backend does not run them;
-- a vLLM rollout whose experts are split over ranks (``vllm_cfg.tensor_parallel_size`` or
-  ``expert_parallel_size`` above 1): the experts kernel needs one rank's full experts.
+- a vLLM rollout that splits the experts over ranks in a way the experts kernel cannot serve
+  with training's FP8 blocks (`_split_gaps`): ``vllm_cfg.tensor_parallel_size`` leaving a
+  per-rank expert width that is not a multiple of 128 without expert parallel, or
+  ``expert_parallel_size`` above ``tensor_parallel_size`` (vLLM data parallel).
+
+Shared experts (Qwen ``shared_expert`` + ``shared_expert_gate``, DeepSeek/Moonlight
+``shared_experts``) are dense linears, drawn with each side's dense quantizer (group "shared
+experts"); the local backend refuses them by name when it swaps the MoE blocks
+(`backends.local.moe.convert_moe_blocks`: its blocks compute routed experts only).
 
 Which vLLM releases run the experts kernel (0.20, 0.25.1, 0.32) is a per-backend fact
 (`flow.backend`). Per-name BF16 lists (``quantization_ignored_layer_kws``) are part of the recipe
@@ -87,11 +92,45 @@ def moe_evidence(cfg: Any, arch: Any = None) -> list[str]:
     return found
 
 
-# vLLM keys that split one MoE layer's experts over ranks.
-_VLLM_EXPERT_SPLIT = (
-    "policy.generation.vllm_cfg.tensor_parallel_size",
-    "policy.generation.vllm_cfg.expert_parallel_size",
-)
+_VLLM_TP = "policy.generation.vllm_cfg.tensor_parallel_size"
+_VLLM_EP = "policy.generation.vllm_cfg.expert_parallel_size"
+
+
+def _int_key(cfg: Any, key: str) -> int:
+    v = _select(cfg, key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 1 else 1
+
+
+def _split_gaps(cfg: Any, width: int) -> list[tuple[str, str]]:
+    """(key, what) for a vLLM rollout whose experts of ``width`` the experts kernel cannot split
+    over ranks with training's FP8 blocks (`vllm_patch.expert_shards`). NeMo-RL: EP > 1 turns
+    on vLLM expert parallel (whole experts per rank; EP = TP x vLLM DP); otherwise TP splits each
+    expert's width, which keeps training's 1x128/128x128 blocks iff width / TP is a multiple
+    of 128 (the partial sums' all-reduce then reorders accumulation, as a dense row-parallel
+    linear under TP does)."""
+    tp, ep = _int_key(cfg, _VLLM_TP), _int_key(cfg, _VLLM_EP)
+    if ep > tp:
+        return [
+            (
+                _VLLM_EP,
+                f"{_VLLM_EP}={ep} > {_VLLM_TP}={tp} runs vLLM data parallel inside the MoE "
+                f"layers, which nemo_jetrl's vLLM experts kernel has not run: set {_VLLM_EP}"
+                f"={tp} (whole experts per rank) or 1",
+            )
+        ]
+    if ep > 1 or tp == 1 or width % (128 * tp) == 0:
+        return []
+    fits = [t for t in range(tp - 1, 0, -1) if tp % t == 0 and width % (128 * t) == 0]
+    smaller = f" or {_VLLM_TP}={fits[0]} (width / TP a multiple of 128)" if fits else ""
+    return [
+        (
+            _VLLM_TP,
+            f"{_VLLM_TP}={tp} splits each expert's width {width} into {width / tp:g} per rank, "
+            f"not a multiple of 128: the rollout's FP8 blocks of the experts would not be "
+            f"training's. Set {_VLLM_EP}={tp} (vLLM expert parallel: whole experts per "
+            f"rank){smaller}",
+        )
+    ]
 
 
 def _moe_gaps(cfg: Any, arch: Any) -> list[tuple[str, str]]:
@@ -105,26 +144,10 @@ def _moe_gaps(cfg: Any, arch: Any) -> list[tuple[str, str]]:
                 "to its config.json (or use a built-in model name)",
             )
         ]
-    gaps = []
-    if moe.shared_size:
-        gaps.append(
-            (
-                S.MODEL_NAME,
-                f"shared experts ({moe.shared_module}, width {moe.shared_size}): neither the "
-                "vLLM experts kernel nor the local backend runs them yet",
-            )
-        )
-    for key in _VLLM_EXPERT_SPLIT:
-        v = _select(cfg, key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
-            gaps.append(
-                (
-                    key,
-                    f"{key}={v} splits each MoE layer's experts over ranks; nemo_jetrl's vLLM "
-                    "experts kernel needs one rank's full experts (set it to 1)",
-                )
-            )
-    return gaps
+    # Shared experts are not a gap: dense linears on each side's dense quantizer (vLLM's MoE
+    # runner runs them itself around our experts kernel; Megatron's SharedExpertMLP is TE), and
+    # Qwen's [1, hidden] shared_expert_gate is BF16 on both (arch.moe.SHARED_GATE_BF16).
+    return _split_gaps(cfg, moe.expert_size)
 
 
 def unsupported_issues(cfg: Any, recipe: Recipe, arch: Any = None) -> list[ConfigIssue]:

@@ -50,19 +50,14 @@ def test_pow2_without_hook_is_on_policy_except_v070_fp8_kv():
     ("override", "key", "needle"),
     [
         (
-            "policy.model_name=moonshotai/Moonlight-16B-A3B-Instruct ++jetrl.unaligned_layers=bf16",
-            "policy.model_name",
-            "shared experts (shared_experts",
-        ),
-        (
             "+policy.megatron_cfg.expert_model_parallel_size=4",
             "jetrl.model_config",
             "(policy.megatron_cfg.expert_model_parallel_size=4) with FP8: the flow has no description",
         ),
         (
-            "policy.model_name=Qwen/Qwen3-30B-A3B policy.generation.vllm_cfg.tensor_parallel_size=2",
+            "policy.model_name=Qwen/Qwen3-30B-A3B policy.generation.vllm_cfg.tensor_parallel_size=4",
             "policy.generation.vllm_cfg.tensor_parallel_size",
-            "splits each MoE layer's experts over ranks",
+            "splits each expert's width 768 into 192 per rank, not a multiple of 128",
         ),
     ],
 )
@@ -92,6 +87,26 @@ def test_fp8_moe_without_shared_experts_checks_per_backend(monkeypatch):
     by = {b.backend: b for b in check_config(str(E2E), args).backends}
     assert by["nemo-rl v0.7.0"].on_policy and not by["nemo-rl main"].on_policy
     assert "vLLM 0.33.0" in by["nemo-rl main"].reason and "0.25.1" in by["nemo-rl main"].reason
+
+
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [
+        ("moonshotai/Moonlight-16B-A3B-Instruct", ["++jetrl.unaligned_layers=bf16"]),
+        ("Qwen/Qwen3.5-35B-A3B-Base", ["++jetrl.unaligned_layers=bf16"]),
+    ],
+)
+def test_fp8_moe_with_shared_experts_is_not_refused(model, extra):
+    """Shared experts (DeepSeek's shared_experts, Qwen's shared_expert + shared_expert_gate)
+    run on each side's dense quantizer: the flow holds them the same, nothing is refused."""
+    from nemo_jetrl.flow.graph import same_numbers
+
+    c = check_config(str(E2E), [f"policy.model_name={model}", "jetrl.vllm_patch=true", *extra])
+    assert c.arch.moe.shared_size > 0
+    shared = [e for e in c.check.rollout.edges if e.group == "shared_experts"]
+    fwd = c.check.train_fwd.by_key()
+    assert shared and all(same_numbers(fwd[e.key].precision, e.precision) for e in shared)
+    assert any(e.precision.is_fp8 for e in shared)
 
 
 def test_bf16_moe_is_not_refused():
