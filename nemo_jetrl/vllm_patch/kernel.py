@@ -182,14 +182,20 @@ def make_kernel_class(settings: PatchSettings) -> type:
             # The GEMM backend, decided here once for this layer (see kernel.py's docstring).
             self._plan_gemm(_serving_device())
 
-        def _plan_gemm(self, device: torch.device, shape: tuple[int, int] | None = None) -> None:
+        def _plan_gemm(
+            self,
+            device: torch.device,
+            shape: tuple[int, int] | None = None,
+            out_dtype: torch.dtype | None = None,
+        ) -> str:
             config = self.config
+            out_dtype = out_dtype or config.out_dtype
             shape = shape or getattr(config, "weight_shape", None)
             excluded = serving_exclusions(shape, device)
             try:
                 plan = plan_gemm(
                     device,
-                    out_dtype=config.out_dtype,
+                    out_dtype=out_dtype,
                     pow2_scales=pow2 and w_pow2,
                     kind="fprop",
                     excluded=excluded,
@@ -197,11 +203,13 @@ def make_kernel_class(settings: PatchSettings) -> type:
             except GemmBackendError as exc:
                 shape = getattr(config, "weight_shape", "?")
                 raise ValueError(
-                    f"nemo_jetrl kernel: block-FP8 linear {shape} with {config.out_dtype} "
+                    f"nemo_jetrl kernel: block-FP8 linear {shape} with {out_dtype} "
                     f"output on {device}: {exc}"
                 ) from exc
-            self.jetrl_gemm_device, self.jetrl_gemm_backend = device, plan.backend
-            self._jetrl_excluded = excluded
+            if out_dtype == config.out_dtype:
+                self.jetrl_gemm_device, self.jetrl_gemm_backend = device, plan.backend
+                self._jetrl_excluded = excluded
+            return plan.backend
 
         @classmethod
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -244,6 +252,11 @@ def make_kernel_class(settings: PatchSettings) -> type:
             ):
                 self._plan_gemm(w.device, (n, k))
             layer.jetrl_gemm_backend = self.jetrl_gemm_backend
+            # A biased layer adds its bias to the fp32 accumulator and rounds once, as the
+            # trainer does (TE's GEMM epilogue; fp8.linear.fp8_linear_forward): its GEMM writes
+            # fp32, so it may need another backend (DeepGEMM writes bf16 only).
+            if getattr(layer, "bias", None) is not None:
+                layer.jetrl_bias_gemm_backend = self._plan_gemm(w.device, (n, k), torch.float32)
             key = (n, k, str(w.device), self.config.out_dtype, self.jetrl_gemm_backend)
             if self.jetrl_gemm_backend == "deep_gemm" and key not in warmed:
                 warm_up_gemm(w, s, self.config.out_dtype, pow2, w_pow2, "deep_gemm")
@@ -262,23 +275,25 @@ def make_kernel_class(settings: PatchSettings) -> type:
             **kw: Any,
         ) -> torch.Tensor:
             x2 = x.reshape(-1, x.shape[-1])
-            mn_major = self.jetrl_gemm_backend == "deep_gemm"  # DeepGEMM reads MN-major scales
+            if bias is None:
+                backend, gemm_dtype = self.jetrl_gemm_backend, self.config.out_dtype
+            else:
+                backend = getattr(layer, "jetrl_bias_gemm_backend", None)
+                if backend is None:  # bias handed in by the caller, not the layer's own
+                    backend = layer.jetrl_bias_gemm_backend = self._plan_gemm(
+                        layer.weight.device, tuple(layer.weight.shape), torch.float32
+                    )
+                gemm_dtype = torch.float32
+            mn_major = backend == "deep_gemm"  # DeepGEMM reads MN-major scales
             q, q_s = ops.quantize_act_1x128(x2, pow2, eps, mn_major)
             capture = getattr(layer, "_jetrl_capture", None)
             if capture is not None and len(capture) < capture.maxlen:
                 capture.append((x2.detach().clone(), q.detach().clone(), q_s.detach().clone()))
             out = ops.fp8_block_gemm(
-                q,
-                q_s,
-                layer.weight,
-                layer.weight_scale_inv,
-                self.config.out_dtype,
-                pow2,
-                w_pow2,
-                self.jetrl_gemm_backend,
+                q, q_s, layer.weight, layer.weight_scale_inv, gemm_dtype, pow2, w_pow2, backend
             )
             if bias is not None:
-                out = out + bias
+                out = (out + bias.float()).to(self.config.out_dtype)
             return out.view(*x.shape[:-1], layer.weight.shape[0])
 
     setattr(JetRLFp8BlockLinearKernel, MARKER, True)

@@ -91,6 +91,36 @@ def test_kernel_quantizes_with_nemo_jetrl_in_both_scale_modes(pow2):
     assert bool((err <= bound + exact.abs() * 2**-8 + 1e-30).all())
 
 
+def test_biased_layer_adds_its_bias_in_fp32_and_rounds_once_as_the_trainer():
+    """Qwen2's q/k/v carry biases: the trainer adds them to the fp32 accumulator and rounds once
+    (TE's epilogue, `fp8_linear_forward`). Adding them after a bf16 GEMM output rounds twice and
+    moved 27% of a [64, 384] x [256, 384] layer's outputs by one bf16 step (found with the
+    shared-experts engine test). Bit for bit against the trainer's forward on the same operands."""
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.fp8.linear import fp8_linear_forward
+    from nemo_jetrl.vllm_patch.kernel import make_kernel_class
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16)
+    bias = (torch.randn(256, generator=g) * 0.5).to(torch.bfloat16)
+    x = torch.randn(64, 384, generator=g).to(torch.bfloat16)
+    kernel = make_kernel_class(PatchSettings())(_config())
+    layer, qw = _layer(w, True)
+    layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    kernel.process_weights_after_loading(layer)
+    assert layer.jetrl_bias_gemm_backend in ("reference", "scaled_mm", "triton")  # fp32 out
+    y = kernel.apply_weights(layer, x, bias=layer.bias)
+    qx = quantize_blockwise(x, (1, 128), pow2_scales=True)
+    want = fp8_linear_forward(qx, qw, bias, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    twice = (fp8_linear_forward(qx, qw, None, torch.bfloat16) + bias).to(torch.bfloat16)
+    assert not torch.equal(twice, want)  # the old rule differs on these operands
+    assert torch.equal(
+        kernel.apply_weights(layer, x), fp8_linear_forward(qx, qw, None, torch.bfloat16)
+    )
+
+
 def test_kernel_propagates_nan_like_vllm_without_stopping_the_engine():
     """A NaN token (vLLM's warm-up feeds placeholders) gives NaN in its row only."""
     from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise

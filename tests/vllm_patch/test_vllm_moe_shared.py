@@ -3,7 +3,7 @@ Jet-RL patch (issue 28: shared experts end to end).
 
 The model (transformers' Qwen2MoeForCausalLM: hidden 256, 2 layers, both MoE with 4 experts of
 width 128, top-2, a shared expert of width 256 and ``shared_expert_gate`` [1, 256], q/k/v
-biases (zero), head_dim 128) is written block-FP8 by our trainer-side quantizer
+biases N(0, 0.1), head_dim 128) is written block-FP8 by our trainer-side quantizer
 (``refit.quantize_state_dict``: routers, ``shared_expert_gate`` and ``lm_head`` stay BF16). Under
 ``apply_patches(jetrl)`` the routed experts run our experts kernel, the shared expert's
 ``gate_up_proj`` / ``down_proj`` our dense kernel, and vLLM's MoE runner runs the shared expert
@@ -66,10 +66,15 @@ def tiny_qwen2_moe(seed: int) -> torch.nn.Module:
         tie_word_embeddings=False,
         initializer_range=0.08,
     )
-    # q/k/v biases stay HF's zeros: our dense serving kernel adds a bias to the BF16 GEMM output
-    # in BF16, where training adds it in fp32 before one cast (a dense-kernel gap, not the
-    # shared experts'; with N(0, 0.1) biases the engine-vs-reference gap here was 0.49 nats).
-    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
+    model = tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
+    # Non-zero q/k/v biases: the serving kernel must add them in fp32 before one cast, as the
+    # trainer does (adding them to the BF16 GEMM output measured 0.49 nats here).
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
 
 
 def write_checkpoint(model, directory, settings=None) -> dict[str, torch.Tensor]:
