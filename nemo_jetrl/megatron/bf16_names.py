@@ -18,6 +18,16 @@ layernorm in TE's spec, as Megatron-Bridge's DeepSeek mapping has it). Routed an
 (``mlp.experts.*``, ``mlp.shared_experts.*``) are not matched. A module is kept BF16 when every
 HF linear it fuses (``model.layers.<global index>.self_attn.q_proj`` ...) matches a word of the
 list (`nemo_jetrl.config.layer_lists` refuses lists that split a fused group).
+
+Gated delta net (megatron-core 0.16 ``ssm.gated_delta_net.GatedDeltaNet``, Qwen3-Next/Qwen3.5
+linear attention, in the ``self_attention`` slot) computes q, k, v, z, b and a in ONE
+``in_proj`` GEMM (HF: Qwen3.5's in_proj_qkv/z/b/a, Qwen3-Next's in_proj_qkvz/ba); its
+``out_proj`` is HF's ``linear_attn.out_proj``. A word keeps ``in_proj`` BF16 only when it names
+the stem ``linear_attn.in_proj`` every part shares; a word naming some parts only is refused.
+
+A word that names no module of this stage is refused too (it would silently do nothing),
+except words for what training keeps BF16 anyway (vision tower, conv1d, lm_head, embeddings)
+and words naming a layer another pipeline stage holds.
 """
 
 from __future__ import annotations
@@ -39,7 +49,26 @@ FUSED_HF = {
     "linear_q_up_proj": ("self_attn", ("q_b_proj",)),
     "linear_kv_down_proj": ("self_attn", ("kv_a_proj_with_mqa",)),
     "linear_kv_up_proj": ("self_attn", ("kv_b_proj",)),
+    "in_proj": ("linear_attn", ("in_proj",)),  # GatedDeltaNet: the stem of every HF part
+    "out_proj": ("linear_attn", ("out_proj",)),
 }
+# HF parts of GatedDeltaNet's one in_proj GEMM (Qwen3.5, Qwen3-Next).
+GDN_IN_PROJ_PARTS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "in_proj_qkvz",
+    "in_proj_ba",
+)
+GDN_IN_PROJ_WORD = "linear_attn.in_proj"
+# Training keeps these BF16 without a list (outside Megatron's FP8 decoder linears / not GEMMs).
+# Training keeps these BF16 without a list: not Megatron FP8 decoder linears (the vision tower,
+# conv1d, lm_head, embeddings; the MoE router ``mlp.gate`` and Qwen's shared_expert_gate run in
+# torch outside TE).
+TRAIN_BF16_ANYWAY = ("visual", "conv1d", "lm_head", "embed_tokens", "shared_expert_gate")
+ROUTER_WORD_END = "mlp.gate"
+_LAYER_WORD = re.compile(r"layers\.(\d+)\.")
 _MEGATRON_LINEAR = re.compile(
     rf"(?:^|\.)layers\.(\d+)\.(self_attention|mlp)\.({'|'.join(FUSED_HF)})$"
 )
@@ -95,10 +124,17 @@ def keep_bf16_by_name(
     matches a fused group only in part (the list cannot be applied to fused GEMMs)."""
     chunks = list(model) if isinstance(model, Sequence) else [model]
     wrapped: list[tuple[str, nn.Module]] = []
+    used: set[str] = set()
+    layers: set[int] = set()
     for chunk in chunks:
         for name, mod in chunk.named_modules():
             hf = hf_linear_names(name, layer_offset)
+            if hf:
+                layers.add(int(_LAYER_WORD.search(hf[0]).group(1)))  # type: ignore[union-attr]
+            if hf and hf[0].endswith(".linear_attn.in_proj"):
+                _refuse_part_of_in_proj(name, hf[0], kws)
             hits = [h for h in hf if any(kw in h for kw in kws)]
+            used.update(kw for kw in kws if any(kw in h for h in hf))
             if not hits:
                 continue
             if len(hits) < len(hf):
@@ -108,7 +144,41 @@ def keep_bf16_by_name(
                 )
             _wrap(mod, fp8_disabled)
             wrapped.append((name, mod))
+    unused = [kw for kw in kws if kw not in used and _should_match(kw, layers)]
+    if unused:
+        for _, mod in wrapped:
+            mod.__dict__.pop("forward", None)
+        raise ValueError(
+            f"jetrl.train_bf16_layer_kws: {unused} match no Megatron linear of this model "
+            "(decoder linears: linear_qkv/linear_proj/linear_fc1/linear_fc2, MLA projections, "
+            "gated delta net in_proj/out_proj): training would run them in FP8 unnoticed; "
+            "remove them or name a linear the model has"
+        )
     return Bf16NameHandle(wrapped)
+
+
+def _refuse_part_of_in_proj(name: str, stem: str, kws: Sequence[str]) -> None:
+    """GatedDeltaNet's in_proj is one GEMM: a word naming some of its HF parts cannot apply."""
+    if any(kw in stem for kw in kws):
+        return
+    parts = [
+        kw for kw in kws if any(kw in f"{stem}{p[len('in_proj') :]}" for p in GDN_IN_PROJ_PARTS)
+    ]
+    if parts:
+        raise ValueError(
+            f"jetrl.train_bf16_layer_kws: {parts} name part of {name}, which megatron-core "
+            f"computes as one GEMM (q, k, v, z, b, a): use {GDN_IN_PROJ_WORD!r} in both "
+            "jetrl.train_bf16_layer_kws and policy.generation.vllm_cfg."
+            "quantization_ignored_layer_kws (vLLM's in_proj_qkvz + in_proj_ba) or neither"
+        )
+
+
+def _should_match(kw: str, layers: set[int]) -> bool:
+    """False for words training keeps BF16 anyway and words naming another stage's layer."""
+    if any(a in kw for a in TRAIN_BF16_ANYWAY) or kw.endswith(ROUTER_WORD_END):
+        return False
+    m = _LAYER_WORD.search(kw)
+    return m is None or not layers or int(m.group(1)) in layers
 
 
 def _wrap(mod: nn.Module, fp8_disabled: Callable[[], AbstractContextManager[Any]]) -> None:

@@ -1,0 +1,124 @@
+"""keep_bf16_by_name on megatron-core 0.16.1's real GatedDeltaNet (Qwen3.5 / Qwen3-Next linear
+attention, CPU): its in_proj computes q, k, v, z, b, a as one GEMM, so NeMo-RL's per-name words
+``linear_attn.in_proj_a`` / ``in_proj_b`` cannot apply and are refused naming the word to use;
+``linear_attn.in_proj`` runs the whole in_proj inside the FP8-off context; a word that matches
+no module is refused instead of silently doing nothing."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from nemo_jetrl.megatron.bf16_names import hf_linear_names, keep_bf16_by_name
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def gdn_model():
+    """decoder.layers.0.self_attention = a real GatedDeltaNet (local-spec linears). Its forward
+    needs the FLA kernels (not installed on CPU); the module is built with HAVE_FLA forced, and
+    the tests call its in_proj/out_proj, which are plain megatron linears."""
+    import megatron.core.ssm.gated_delta_net as gdn
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron_shims import megatron_cpu
+
+    with megatron_cpu():
+        cfg = TransformerConfig(
+            num_layers=1,
+            hidden_size=128,
+            num_attention_heads=2,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+        saved = gdn.HAVE_FLA
+        gdn.HAVE_FLA = True
+        try:
+            attn = gdn.GatedDeltaNet(
+                cfg,
+                gdn.GatedDeltaNetSubmodules(
+                    in_proj=ModuleSpec(module=ColumnParallelLinear),
+                    out_proj=ModuleSpec(module=RowParallelLinear),
+                ),
+                layer_number=1,
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+            )
+        finally:
+            gdn.HAVE_FLA = saved
+        layer = torch.nn.Module()
+        layer.self_attention = attn
+        model = torch.nn.Module()
+        model.decoder = torch.nn.Module()
+        model.decoder.layers = torch.nn.ModuleList([layer])
+        yield model
+
+
+def _off_recorder():
+    entered = {"n": 0}
+
+    @contextmanager
+    def fp8_off():
+        entered["n"] += 1
+        yield
+
+    return entered, fp8_off
+
+
+def test_in_proj_is_one_gemm_of_every_hf_part(gdn_model):
+    in_proj = gdn_model.decoder.layers[0].self_attention.in_proj
+    # q, k (2 * 64) + v, z (2 * 128) + b, a (2 * 4 heads): one weight, one GEMM.
+    assert in_proj.weight.shape[0] == 2 * 64 + 2 * 128 + 2 * 4
+    assert hf_linear_names("decoder.layers.0.self_attention.in_proj", 3) == [
+        "model.layers.3.linear_attn.in_proj"
+    ]
+
+
+@pytest.mark.parametrize(
+    "kws", [["linear_attn.in_proj_a", "linear_attn.in_proj_b"], ["in_proj_qkvz"], ["in_proj_z"]]
+)
+def test_a_word_naming_part_of_in_proj_is_refused(gdn_model, kws):
+    with pytest.raises(ValueError, match=r"one GEMM.*'linear_attn\.in_proj'") as exc:
+        keep_bf16_by_name(gdn_model, kws, fp8_disabled=_off_recorder()[1])
+    assert "jetrl.train_bf16_layer_kws" in str(exc.value) and kws[0] in str(exc.value)
+    assert not any("forward" in m.__dict__ for _, m in gdn_model.named_modules())
+
+
+def test_the_whole_in_proj_runs_with_fp8_off(gdn_model):
+    entered, fp8_off = _off_recorder()
+    kws = ["linear_attn.conv1d", "linear_attn.in_proj", "visual"]  # what align writes
+    handle = keep_bf16_by_name(gdn_model, kws, fp8_disabled=fp8_off)
+    assert handle.names == ["decoder.layers.0.self_attention.in_proj"]
+    attn = gdn_model.decoder.layers[0].self_attention
+    x = torch.randn(3, 1, 128)
+    with torch.no_grad():
+        attn.out_proj(torch.randn(3, 1, 128))
+        assert entered["n"] == 0
+        attn.in_proj(x)
+    assert entered["n"] == 1
+    handle.restore()
+    handle = keep_bf16_by_name(gdn_model, ["linear_attn.out_proj"], fp8_disabled=fp8_off)
+    assert handle.names == ["decoder.layers.0.self_attention.out_proj"]
+    handle.restore()
+
+
+@pytest.mark.parametrize("word", ["in_proj_c", "layers.0.self_attn.q_proj", "gate_proj"])
+def test_a_word_matching_no_module_is_refused(gdn_model, word):
+    with pytest.raises(ValueError, match="match no Megatron linear") as exc:
+        keep_bf16_by_name(gdn_model, ["linear_attn.in_proj", word], fp8_disabled=_off_recorder()[1])
+    assert repr(word) in str(exc.value) and "jetrl.train_bf16_layer_kws" in str(exc.value)
+    assert not any("forward" in m.__dict__ for _, m in gdn_model.named_modules())
+    # a word naming a layer another pipeline stage holds is that stage's to apply
+    keep_bf16_by_name(gdn_model, ["layers.7.mlp"], fp8_disabled=_off_recorder()[1]).restore()
+    # words for what training keeps BF16 anyway (align writes the MoE router's mlp.gate)
+    anyway = ["visual", "linear_attn.conv1d", "lm_head", "mlp.gate", "mlp.shared_expert_gate"]
+    assert keep_bf16_by_name(gdn_model, anyway, fp8_disabled=_off_recorder()[1]).names == []
