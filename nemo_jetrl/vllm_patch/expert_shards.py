@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
+from nemo_jetrl.vllm_patch import dense_shards
 
 EXPERT_NAME = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 # HF per-expert projection -> (vLLM parameter prefix, shard index within it)
@@ -144,11 +145,11 @@ def experts_layer(model: Any, path: str) -> Any | None:
 def rank_expected(model: Any, hf_name: str, tensor: torch.Tensor) -> torch.Tensor | None:
     """This rank's part of the full HF tensor ``tensor`` named ``hf_name``: the shard vLLM's
     loader writes for a routed-expert tensor, None for an expert held by another rank, the
-    tensor itself for anything else."""
+    dense tensor's shard on this tensor-parallel rank (``dense_shards``) for anything else."""
     parts = split_expert_name(hf_name)
     layer = experts_layer(model, parts[0]) if parts is not None else None
     if parts is None or layer is None:
-        return tensor
+        return dense_shards.rank_expected(model, hf_name, tensor)
     _, expert, proj, _ = parts
     if local_expert(layer, expert) is None:
         return None
@@ -176,7 +177,7 @@ def fused_dtype(model: Any, hf_name: str) -> torch.dtype | None:
 def rank_view(model: Any, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
     """What this rank should hold of ``tensors`` (full HF tensors, as sent): routed-expert
     tensors narrowed to its shard (`rank_expected`), those of experts held by other ranks left
-    out (and counted), the rest as they are."""
+    out (and counted), dense tensors narrowed to this tensor-parallel rank's part."""
     out, elsewhere = {}, 0
     for name, t in tensors.items():
         mine = rank_expected(model, name, t)

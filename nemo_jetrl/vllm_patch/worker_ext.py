@@ -41,7 +41,7 @@ import torch
 
 from nemo_jetrl.vllm_patch import compat, rollback
 from nemo_jetrl.vllm_patch.cpu_moe_repack import plain_rows, repack_reloaded_experts
-from nemo_jetrl.vllm_patch.expert_shards import split_expert_name
+from nemo_jetrl.vllm_patch.dense_shards import engine_rows
 from nemo_jetrl.vllm_patch.moe_names import resolve_expert_tensor
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
@@ -105,11 +105,11 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
     params = dict(model.named_parameters(remove_duplicate=False))
     if hf_name in params:
         p = params[hf_name]
-        # vLLM pads the vocab dim of the embedding / lm_head (to a multiple of 64); the loader
-        # expects the checkpoint's org_vocab_size rows, and only those hold real tokens.
-        vocab = getattr(modules.get(module_path), "org_vocab_size", None)
-        if leaf == "weight" and isinstance(vocab, int) and p.dim() and vocab < p.shape[0]:
-            return hf_name, p, 0, vocab
+        # vLLM pads the vocab dim of the embedding / lm_head (to a multiple of 64, per TP rank);
+        # only this rank's org_vocab rows, first in the parameter, hold real tokens.
+        layer = modules.get(module_path)
+        if leaf == "weight" and getattr(layer, "shard_indices", None) is not None and p.dim():
+            return hf_name, p, 0, engine_rows(layer, leaf, p.shape[0])
         if compat.weight_was_repacked(modules.get(module_path)) and leaf == "weight":
             return hf_name, p, 0, checkpoint_shape(modules[module_path])[0]
         return hf_name, p, 0, p.shape[0] if p.dim() else 0
@@ -180,13 +180,14 @@ def read_back(
     CPU), and with ``through_kernel`` also ``name|kernel`` -> the weight as an unquantized
     linear's GEMM sees it. One tensor at a time so that a parity check holds one, not all."""
     model = _model(worker)
-    tp = int(worker.vllm_config.parallel_config.tensor_parallel_size)
-    # Routed experts resolve to this rank's shard (expert_shards); dense shards do not yet.
-    dense = [n for n in hf_names if split_expert_name(n) is None]
-    if tp != 1 and dense:
+    # Each TP rank reads its own shard (routed experts: expert_shards; dense: the fused shard's
+    # rows on this rank; the caller narrows what it expects with dense_shards). Pipeline stages
+    # hold other layers: not covered.
+    pp = int(getattr(worker.vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    if pp != 1:
         raise NotImplementedError(
-            f"jetrl_read_back at tensor_parallel_size={tp} reads routed experts only, not "
-            f"{dense[:3]} ({len(dense)} tensors)"
+            f"jetrl_read_back at pipeline_parallel_size={pp}: each stage holds other layers; "
+            "parity read-back supports pipeline_parallel_size=1"
         )
     for name in hf_names:
         vname, p, start, rows = resolve_hf_name(model, name)

@@ -16,7 +16,9 @@ the training forward. `install_refit_hook(settings)` replaces, inside the vLLM w
 2. the transports ``update_weights_via_ipc_zmq`` / ``update_weights_from_collective``: they run
    as before, then (``jetrl.refit_parity_check``) every tensor sent in this refit is read back
    with our worker extension's ``jetrl_read_back`` and compared by ``refit.check_parity``
-   (FP8 bytes and scales bit for bit); the KV scales sent are compared with what the attention
+   (FP8 bytes and scales bit for bit; at vLLM tensor_parallel_size > 1 each rank compares its
+   own shard of every tensor, ``dense_shards`` / ``expert_shards``; pipeline parallel is
+   refused); the KV scales sent are compared with what the attention
    layers hold. A difference raises ``ParityError`` naming the tensors, out of the transport, so
    NeMo-RL's driver stops the run instead of rolling out with other weights.
    All-or-nothing (``jetrl.refit_rollback``): the batches stream in one by one, so a refusal in
@@ -169,11 +171,13 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
     @functools.wraps(original)
     def transport(self: Any, *args: Any, **kwargs: Any) -> Any:
         runner = self.model_runner
-        tp = int(self.vllm_config.parallel_config.tensor_parallel_size)
-        if state.parity and tp != 1:  # the read-back (jetrl_read_back) slices unsharded params
+        # Each TP rank checks its own shards (dense_shards / expert_shards); pipeline stages
+        # hold other layers than the refit sends to them: not covered.
+        pp = int(getattr(self.vllm_config.parallel_config, "pipeline_parallel_size", 1))
+        if state.parity and pp != 1:
             raise RefitError(
-                f"jetrl.refit_parity_check supports vLLM tensor_parallel_size=1, this engine "
-                f"has {tp}: set it to false (weights are still quantized by nemo_jetrl.fp8)"
+                f"jetrl.refit_parity_check supports vLLM pipeline_parallel_size=1, this engine "
+                f"has {pp}: set it to false (weights are still quantized by nemo_jetrl.fp8)"
             )
         snap = take_snapshot(runner.model, runner) if state.rollback else None
         if snap is not None:

@@ -1,0 +1,246 @@
+"""Refit parity on dense tensors split over two vLLM ranks: a real vLLM CPU engine at
+``tensor_parallel_size=2`` (multiprocessing executor, two workers) serving a tiny block-FP8
+Qwen3 with GQA (4 query heads, 2 KV heads of 128; hidden 256, MLP 512: every per-rank shard a
+multiple of 128) and a vocab of 160 (padded to 192: rank 1 holds 64 real rows + 32 padding).
+
+vLLM's own loaders write each rank's shards (q/k/v and gate/up into fused column-parallel
+parameters, o/down row-parallel, embedding/lm_head vocab-parallel); each rank then compares its
+parameters with its part of what was sent, cut by ``dense_shards``: parity over every tensor on
+each rank passes, a flipped byte in one rank's shard is named there only, and NeMo-RL's hooked
+transport (``vllm_refit``) rolls a rank whose parity fails back to the previous weights.
+One engine start for the module.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
+from vllm_fixtures import vllm_cpu_env
+
+# vllm_in_nemo_rl: the NeMo-RL main tier runs it on its vLLM 0.25.1 (NeMo-RL refit path)
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_in_nemo_rl]
+
+LAYERS = 2
+USER = dict(
+    dtype="bfloat16", max_model_len=128, max_num_seqs=2, enforce_eager=True, seed=0,
+    tensor_parallel_size=2, distributed_executor_backend="mp", load_format="auto",
+)  # fmt: skip
+
+
+def tiny_qwen3(seed: int) -> torch.nn.Module:
+    cfg = tiny_hf_config(
+        "qwen3", vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.08,
+    )  # fmt: skip
+    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in tiny_qwen3(seed).state_dict().items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env():
+    import os
+
+    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # test functions sent to workers
+        if cpu_omp_threads_bind() != "nobind" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cpus = sorted(os.sched_getaffinity(0))  # vLLM 0.20: one CPU list per rank
+            half = max(1, len(cpus) // 2)
+            lists = [cpus[:half], cpus[half:] or cpus[:half]]
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in lists))
+        with vllm_cpu_env():
+            yield
+
+
+@pytest.fixture(scope="module")
+def settings():
+    from nemo_jetrl.recipe import Recipe
+    from nemo_jetrl.vllm_patch import settings_from_recipe
+
+    return settings_from_recipe(Recipe.preset("jetrl"))
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, settings):
+    from safetensors.torch import save_file
+    from vllm import LLM
+
+    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
+    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+    from nemo_jetrl.vllm_patch.engine_args import quantization_config
+    from nemo_jetrl.vllm_patch.refit import quantize_state_dict
+
+    d = tmp_path_factory.mktemp("dense_tp2")
+    model = tiny_qwen3(0)
+    sd = quantize_state_dict(model.state_dict(), settings, dtype=torch.bfloat16).tensors
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
+    cfg = dict(model.config.to_dict(), architectures=["Qwen3ForCausalLM"])
+    cfg["quantization_config"] = quantization_config(settings)
+    (d / "config.json").write_text(json.dumps(cfg))
+    char_tokenizer().save_pretrained(d)
+    patch = apply_patches(settings)
+    engine = LLM(model=str(d), **build_engine_kwargs(settings, USER).kwargs)
+    try:
+        verify_engine_kernels(engine, settings)
+        yield engine
+    finally:
+        shutdown_engine(engine)
+        patch.revert()
+        gc.collect()
+
+
+def _refit(self, blob: bytes, settings_json: str, load: bool = True) -> dict:
+    """In each worker: the hooked fp8.load_weights' batch path (as NeMo-RL streams it), then
+    parity over everything sent (``load=False``: parity only, against what the engine holds)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from nemo_jetrl.backends.nemo_rl.refit_batches import (
+        SentTensors,
+        check_refit_parity,
+        quantize_batch,
+    )
+    from nemo_jetrl.vllm_patch import compat
+    from nemo_jetrl.vllm_patch.refit import ParityError
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+    from nemo_jetrl.vllm_patch.worker_ext import unpack
+
+    model, sent = self.model_runner.model, SentTensors()
+    batch = quantize_batch(
+        list(unpack(blob).items()), model, PatchSettings.from_json(settings_json), sent
+    )
+    if load:
+        compat.reload_weights(model, self.vllm_config.model_config, iter(batch))
+    out = {"rank": get_tensor_model_parallel_rank(), "sent": len(sent.fp8) + len(sent.other)}
+    try:
+        r = check_refit_parity(self, sent)
+    except ParityError as exc:
+        return {**out, "error": str(exc)}
+    return {**out, "compared": r.compared, "fp8": r.fp8, "kernel": r.through_kernel}
+
+
+def _shapes(self) -> dict:
+    m = self.model_runner.model
+    return {
+        "qkv": tuple(m.model.layers[0].self_attn.qkv_proj.weight.shape),
+        "qkv_s": tuple(m.model.layers[0].self_attn.qkv_proj.weight_scale_inv.shape),
+        "o": tuple(m.model.layers[0].self_attn.o_proj.weight.shape),
+        "o_s": tuple(m.model.layers[0].self_attn.o_proj.weight_scale_inv.shape),
+        "embed": tuple(m.model.embed_tokens.weight.shape),
+    }
+
+
+def _flip(self) -> int:
+    """Rank 0: one byte of layer 0's k rows in qkv_proj (column-parallel, fused; the k shard
+    starts after the rank's 256 q rows); rank 1: one byte of layer 1's o_proj (row-parallel)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rank, m = get_tensor_model_parallel_rank(), self.model_runner.model
+    if rank == 0:
+        m.model.layers[0].self_attn.qkv_proj.weight.data.view(torch.uint8)[256 + 5, 7] ^= 1
+    else:
+        m.model.layers[1].self_attn.o_proj.weight.data.view(torch.uint8)[3, 200] ^= 1
+    return rank
+
+
+FP8_TENSORS = LAYERS * 7 * 2  # q k v o gate up down, weight + scale_inv
+
+
+def test_each_rank_holds_its_shards(llm):
+    for got in llm.collective_rpc(_shapes):
+        assert got == {
+            "qkv": (512, 256), "qkv_s": (4, 2), "o": (256, 256), "o_s": (2, 2), "embed": (96, 256),
+        }, got  # fmt: skip
+
+
+def test_refit_parity_over_every_tensor_on_each_rank(llm, settings):
+    from nemo_jetrl.vllm_patch.worker_ext import pack
+
+    new = weights(1)
+    res = llm.collective_rpc(_refit, args=(pack(new), settings.to_json()))
+    print(f"parity per rank: {res}")
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert "error" not in r, r
+        assert r["compared"] == r["sent"] == len(new) + FP8_TENSORS // 2, r  # + one scale each
+        assert r["fp8"] == FP8_TENSORS and r["kernel"] >= 1, r  # lm_head through its GEMM
+    # the served (seed 0) weights are not what either rank holds now: parity can fail
+    old = llm.collective_rpc(_refit, args=(pack(weights(0)), settings.to_json(), False))
+    assert all("error" in r for r in old), old
+
+
+def test_flipped_byte_named_on_its_rank_only(llm, settings):
+    from nemo_jetrl.vllm_patch.worker_ext import pack
+
+    blob = pack(weights(1))
+    assert all(
+        "error" not in r for r in llm.collective_rpc(_refit, args=(blob, settings.to_json()))
+    )
+    assert llm.collective_rpc(_flip) == [0, 1]
+    r0, r1 = llm.collective_rpc(_refit, args=(blob, settings.to_json(), False))
+    assert "model.layers.0.self_attn.k_proj.weight (1 of 32768 bytes differ)" in r0["error"], r0
+    assert "model.layers.1.self_attn.o_proj.weight (1 of 65536 bytes differ)" in r1["error"], r1
+    for r in (r0, r1):
+        assert r["error"].count("\n  - ") == 1, r  # that tensor only
+    res = llm.collective_rpc(_refit, args=(blob, settings.to_json()))  # a refit rewrites them
+    assert all("error" not in r for r in res), res
+
+
+def _transport(self, blob: bytes, settings_json: str) -> dict:
+    """NeMo-RL's hooked transport (parity and rollback on) around a stand-in for NeMo-RL's own
+    transport that loads ``blob`` through the hooked batch path and, on rank 1, corrupts one
+    byte of layer 0's down_proj after loading (what the parity check must catch)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from nemo_jetrl.backends.nemo_rl.refit_batches import quantize_batch
+    from nemo_jetrl.backends.nemo_rl.vllm_refit import HookState, _make_transport
+    from nemo_jetrl.vllm_patch import compat
+    from nemo_jetrl.vllm_patch.refit import ParityError
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+    from nemo_jetrl.vllm_patch.worker_ext import unpack
+
+    s = PatchSettings.from_json(settings_json)
+    rank = get_tensor_model_parallel_rank()
+
+    def nemo_rl_transport(worker) -> bool:
+        model = worker.model_runner.model
+        batch = quantize_batch(
+            list(unpack(blob).items()), model, s, worker.model_runner._jetrl_sent
+        )
+        compat.reload_weights(model, worker.vllm_config.model_config, iter(batch))
+        if rank == 1:
+            model.model.layers[0].mlp.down_proj.weight.data.view(torch.uint8)[9, 17] ^= 4
+        return True
+
+    hooked = _make_transport(
+        "update_weights_via_ipc_zmq", nemo_rl_transport, HookState(s, True, True, "test")
+    )
+    try:
+        return {"rank": rank, "ok": hooked(self)}
+    except ParityError as exc:
+        return {"rank": rank, "error": str(exc)}
+
+
+def test_hooked_transport_checks_and_rolls_back_each_rank(llm, settings):
+    from nemo_jetrl.vllm_patch.worker_ext import pack
+
+    before, after = pack(weights(1)), pack(weights(2))
+    assert all(
+        "error" not in r for r in llm.collective_rpc(_refit, args=(before, settings.to_json()))
+    )
+    r0, r1 = llm.collective_rpc(_transport, args=(after, settings.to_json()))
+    assert r0 == {"rank": 0, "ok": True}, r0
+    assert "model.layers.0.mlp.down_proj.weight (1 of " in r1["error"], r1
+    assert "rolled back" in r1["error"] and r1["error"].count("\n  - ") == 1, r1
+    # rank 0 holds the new weights; rank 1 was rolled back to the previous ones, bit for bit
+    p0, _ = llm.collective_rpc(_refit, args=(after, settings.to_json(), False))
+    _, p1 = llm.collective_rpc(_refit, args=(before, settings.to_json(), False))
+    assert "error" not in p0 and "error" not in p1, (p0, p1)
