@@ -30,6 +30,14 @@ from nemo_jetrl.arch.keys import Keys
 from nemo_jetrl.arch.linear import CONV_BF16, VISION_BF16, VISION_WORD, Linear
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# megatron-core 0.16's GatedDeltaNet computes every in_proj part (q, k, v, z, b, a) as ONE
+# ``in_proj`` GEMM, where vLLM runs two (in_proj_qkvz, in_proj_ba): a per-name list keeps all
+# of them BF16 or none, and the word true on both sides is their shared stem.
+MEGATRON_IN_PROJ_GROUPS = (
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Qwen3.5
+    ("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next
+)
+IN_PROJ_WORD = "linear_attn.in_proj"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nemo_jetrl.config.layer_lists import FUSED_GROUPS, ROLLOUT_KEY, TRAIN_KEY
+from nemo_jetrl.config.layer_lists import FUSED_GROUPS, ROLLOUT_KEY, TRAIN_KEY, whole_in_proj_words
 from nemo_jetrl.fp8.spec import BLOCK
 
 _BLOCKED = ("blockwise", "mxfp8")
@@ -92,7 +92,9 @@ def unaligned_target_words(
 def unaligned_list_overrides(cfg: Any, arch: Any) -> tuple[list[str], list[str]]:
     """(``++`` overrides adding the words to both lists of an input the check refuses for its
     untiled linears, the training list taken from the rollout's when absent; the notes):
-    nothing when no word is needed or the two lists differ (a mismatch the user settles)."""
+    nothing when no word is needed or the two lists differ (a mismatch the user settles). Words
+    keeping part of Megatron's fused in_proj BF16 become ``linear_attn.in_proj`` (Qwen3.5's
+    in_proj_a/b: `layer_lists.whole_in_proj_words`)."""
     from omegaconf import OmegaConf
 
     roll = OmegaConf.select(cfg, ROLLOUT_KEY, default=None)
@@ -101,8 +103,17 @@ def unaligned_list_overrides(cfg: Any, arch: Any) -> tuple[list[str], list[str]]
     train = list(train) if train is not None else None
     if train is not None and train != roll:
         return [], []
-    words, notes = unaligned_words(arch, tuple(roll))
-    if not words:
+    whole = list(whole_in_proj_words(arch, tuple(roll)))
+    words, notes = unaligned_words(arch, tuple(whole))
+    if whole != roll:
+        notes = [
+            f"{[k for k in roll if k not in whole]} -> {[k for k in whole if k not in roll]}: "
+            "megatron-core computes the gated delta net's in_proj (q, k, v, z, b, a) as one GEMM, "
+            "so only a word naming all of it can be BF16 in training; vLLM keeps in_proj_qkvz "
+            "and in_proj_ba BF16 for it",
+            *notes,
+        ]
+    elif not words:
         return [], []
-    new = f"[{','.join([*roll, *words])}]"
+    new = f"[{','.join([*whole, *words])}]"
     return [f"++{ROLLOUT_KEY}={new}", f"++{TRAIN_KEY}={new}"], notes

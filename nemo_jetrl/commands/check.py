@@ -78,7 +78,8 @@ def report(
     if check.on_policy:
         print("per backend (precision):", file=out)
         for b in c.backends:
-            print(f"  {b.backend}: {'on' if b.on_policy else 'OFF'}-policy: {b.reason}", file=out)
+            state = "not run" if not b.runs else f"{'on' if b.on_policy else 'OFF'}-policy"
+            print(f"  {b.backend}: {state}: {b.reason}", file=out)
     if c.limits:
         return _print_limits(c, out)
     if c.on_policy:
@@ -87,7 +88,7 @@ def report(
         )
         return EXIT_ON_POLICY
     if check.on_policy:
-        off = [b.backend for b in c.backends if not b.on_policy]
+        off = [b.backend for b in c.backends if b.runs and not b.on_policy]
         print(f"verdict: OFF-POLICY on {', '.join(off)} (see per backend)", file=out)
         return EXIT_OFF_POLICY
     n = len(check.mismatches)
@@ -230,7 +231,8 @@ def summary(c: Checked) -> dict[str, Any]:
         "precision_on_policy": c.precision_on_policy,
         "limits": [{"kind": x.kind, "keys": list(x.keys), "message": x.message} for x in c.limits],
         "backends": [
-            {"backend": b.backend, "on_policy": b.on_policy, "reason": b.reason} for b in c.backends
+            {"backend": b.backend, "on_policy": b.on_policy, "runs": b.runs, "reason": b.reason}
+            for b in c.backends
         ],
         "issues": [
             {"level": i.level, "path": i.path, "message": i.message, "allowed": list(i.allowed)}

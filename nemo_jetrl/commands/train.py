@@ -58,6 +58,7 @@ def _run_nemo_rl(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
+    from nemo_jetrl.backends.local.families import model_key
     from nemo_jetrl.backends.local.loop import run_local
     from nemo_jetrl.backends.local.setup import resolve_run
     from nemo_jetrl.config import ConfigError
@@ -67,6 +68,13 @@ def _run_local(args: argparse.Namespace) -> int:
     try:
         # The one validation (every key, every problem at once), before any work starts.
         checked = check_config(args.config, list(args.overrides), run=True)
+        local = next(b for b in checked.backends if b.backend == "local")
+        if not local.runs:  # an MoE family it does not run: refused before any work
+            raise UserError(
+                f"{model_key(checked.cfg)}: the local backend does not run this model: "
+                f"{local.reason}. Set jetrl.local.model_config to a Qwen3-MoE, Mixtral or dense "
+                "config.json, or run it with --backend nemo-rl"
+            )
         resolve_run(checked.cfg)  # what only a local run needs (e.g. the vLLM engine)
         refusal = off_policy_refusal(checked)
         if refusal:

@@ -11,13 +11,17 @@ Two checks, both errors naming the key: a word must match at least one decoder l
 model (a word naming something the flow does not draw, such as a linear-attention or vision
 projection, cannot be checked), and a list must keep each fused group whole: vLLM and Megatron
 run q/k/v and gate/up as one GEMM each, so keeping q_proj BF16 but not k_proj is not something
-either engine can do.
+either engine can do. Megatron fuses more than vLLM: its GatedDeltaNet computes Qwen3.5's
+in_proj_qkv/z/b/a (Qwen3-Next's in_proj_qkvz/ba) as one in_proj GEMM, so a word keeping part of
+it BF16 is refused in either list (a rollout-only choice training cannot match); the word true
+on both sides is ``linear_attn.in_proj`` (`whole_in_proj_words` rewrites a list to it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from nemo_jetrl.arch.hybrid import IN_PROJ_WORD, MEGATRON_IN_PROJ_GROUPS
 from nemo_jetrl.arch.linear import VISION_WORD
 from nemo_jetrl.config import schema as S
 
@@ -64,24 +68,73 @@ def check_layer_lists(r: Any, recipe: Any, arch: Any) -> None:
                 f"(names like {linears[0].name}); the precision flow has no layer these words "
                 "name, so it cannot check them",
             )
-        split = _split_group(side, arch)
-        if split:
+        for split in _split_groups(side, arch):
             r.error(key, split)
 
 
-def _split_group(side: Any, arch: Any) -> str | None:
+def _split_groups(side: Any, arch: Any) -> list[str]:
+    """The first fused group split by ``side``'s list in vLLM, then in Megatron (at most one
+    message each)."""
+    out: list[str] = []
+    for groups, who in ((FUSED_GROUPS, "vllm"), (MEGATRON_IN_PROJ_GROUPS, "megatron")):
+        hit = _first_split(side, arch, groups)
+        if hit is None:
+            continue
+        layer, group, kept, rest = hit
+        if who == "vllm":
+            out.append(
+                f"keeps {kept} of layer {layer} BF16 but not {rest}: vLLM runs "
+                f"{'/'.join(group)} as one fused GEMM; list all of them or none"
+            )
+        else:
+            out.append(
+                f"keeps {kept} of layer {layer} BF16 but not {rest}: megatron-core's "
+                f"GatedDeltaNet computes {'/'.join(group)} as one in_proj GEMM, so training "
+                f"cannot keep part of it BF16; use {IN_PROJ_WORD!r} (vLLM's in_proj_qkvz + "
+                f"in_proj_ba, Megatron's in_proj) in both {ROLLOUT_KEY} and {TRAIN_KEY}, or neither"
+            )
+    return out
+
+
+def _first_split(side: Any, arch: Any, groups: tuple) -> tuple | None:
     for layer in range(arch.num_layers):
         names = {lin.kind: lin.name for lin in arch.layer_linears(layer)}
-        for group in FUSED_GROUPS:
+        for group in groups:
             present = [k for k in group if k in names]  # Moonlight has no q_a_proj
             kept = [k for k in present if side.keeps_bf16(names[k])]
             if kept and len(kept) < len(present):
-                return (
-                    f"keeps {kept} of layer {layer} BF16 but not "
-                    f"{[k for k in present if k not in kept]}: vLLM runs "
-                    f"{'/'.join(group)} as one fused GEMM; list all of them or none"
-                )
+                return layer, present, kept, [k for k in present if k not in kept]
     return None
+
+
+def bf16_words_for(arch: Any, kinds: list[str]) -> list[str]:
+    """Per-name words keeping linears of these kinds BF16 that both engines can apply: a part
+    of Megatron's fused in_proj becomes ``linear_attn.in_proj``; a vLLM fused group's partners
+    present in ``arch`` come along."""
+    parts = {p for g in MEGATRON_IN_PROJ_GROUPS for p in g}
+    present = {x.kind for i in range(arch.num_layers) for x in arch.layer_linears(i)}
+    words: list[str] = []
+    for kind in kinds:
+        if kind in parts:
+            words.append(IN_PROJ_WORD)
+            continue
+        group = next((g for g in FUSED_GROUPS if kind in g), (kind,))
+        words += [k for k in group if k in present or k == kind]
+    return list(dict.fromkeys(words))
+
+
+def whole_in_proj_words(arch: Any, kws: tuple[str, ...]) -> tuple[str, ...]:
+    """``kws`` with every word that keeps part of a Megatron-fused in_proj BF16 replaced by
+    ``linear_attn.in_proj`` (the whole projection on both sides); unchanged otherwise."""
+    if arch is None or getattr(arch, "hybrid", None) is None:
+        return kws
+    parts = {p for g in MEGATRON_IN_PROJ_GROUPS for p in g}
+    layer = next(i for i in range(arch.num_layers) if arch.hybrid.is_linear(i))
+    names = [x.name for x in arch.layer_linears(layer) if x.kind in parts]
+    partial = [k for k in kws if any(k in n for n in names) and not all(k in n for n in names)]
+    if not partial:
+        return kws
+    return tuple(dict.fromkeys(IN_PROJ_WORD if k in partial else k for k in kws))
 
 
 def per_name_mismatch(linear_name: str, train: Any, rollout: Any) -> tuple | None:

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from nemo_jetrl.config import schema as S
-from nemo_jetrl.config.layer_lists import check_layer_lists
+from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY, bf16_words_for, check_layer_lists
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.config.run_keys import check_run_keys
@@ -244,10 +244,30 @@ def _check_alignment(r: _Reader, arch: Any, recipe: Recipe) -> None:
         key = S.FP8_ENABLED if recipe.train.fp8_linears else S.VLLM_PRECISION
         r.error(
             key,
-            f"blockwise FP8 needs every linear's dims to be multiples of 128; {arch.name} has "
-            f"{names}{more}. Set jetrl.unaligned_layers=bf16 to keep them BF16 on both sides, "
-            "or turn FP8 off",
+            f"blockwise FP8 needs every linear's dims to be multiples of 128; {arch.name} "
+            f"has {names}{more}. {_unaligned_fix(r, arch, bad)}",
         )
+
+
+def _unaligned_fix(r: _Reader, arch: Any, bad: list) -> str:
+    """What keeps those linears BF16 where this config runs: the local backend honours
+    jetrl.unaligned_layers (its FP8 conversion skips them on both sides); NeMo-RL reads only
+    the per-name lists (vLLM's ignored layers, our Megatron worker's training list)."""
+    if isinstance(r.get("jetrl.local", None), Mapping):
+        return "Set jetrl.unaligned_layers=bf16 to keep them BF16 on both sides, or turn FP8 off"
+    dense = [x for x in bad if x.group != "experts"]
+    words = bf16_words_for(arch, list(dict.fromkeys(x.kind for x in dense)))
+    experts = (
+        "; no per-name word keeps routed experts BF16 in Megatron (our worker matches decoder "
+        "linears only): use a model whose expert sizes are multiples of 128"
+        if len(dense) < len(bad)
+        else ""
+    )
+    named = f"add {words} to both {ROLLOUT_KEY} and {TRAIN_KEY}, or " if words else ""
+    return (
+        f"Run `jetrl align` (it keeps such linears BF16 on both sides by name), or {named}turn "
+        f"FP8 off (jetrl.unaligned_layers is read by the local backend only){experts}"
+    )
 
 
 def _no_fp8_coverage(r: _Reader, arch: Any, recipe: Recipe, bad: list) -> None:

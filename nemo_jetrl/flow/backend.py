@@ -3,7 +3,9 @@
 `check_on_policy` compares the rollout the recipe describes with the training forward. Where the
 rollout actually runs can add a difference the recipe does not show:
 
-- local (embedded CPU backend): the recipe is what runs; the flow verdict holds.
+- local (embedded CPU backend): the recipe is what runs; the flow verdict holds, for the models
+  it runs: an MoE family it does not run (`backends.local.families`: MiniMax-M2, DeepSeek-V3,
+  Qwen3.5-MoE, shared experts) gets "not run" (no verdict; `jetrl train --backend local` refuses).
 - NeMo-RL (v0.7.0 and main): at every refit NeMo-RL streams BF16 weights to its vLLM worker,
   which quantizes them with its own code (``cast_tensor_to_fp8_blockwise``, ``x / (amax/448)``),
   unless our refit hook (``jetrl.refit_hook``, default on with ``jetrl.vllm_patch``) quantizes
@@ -45,6 +47,9 @@ class BackendVerdict:
 
     reason: str
     """Why, in plain words."""
+
+    runs: bool = True
+    """False when this backend does not run the model at all (no verdict claimed there)."""
 
 
 def _flag(cfg: Any, key: str, default: bool) -> bool:
@@ -126,9 +131,18 @@ def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
     )
 
 
-def backend_verdicts(cfg: Any, check: FlowCheck) -> tuple[BackendVerdict, ...]:
-    """The verdict on every backend: local, then each NeMo-RL tree."""
-    local = BackendVerdict(
-        "local", check.on_policy, "the recipe runs as written (embedded CPU backend)"
-    )
+def backend_verdicts(cfg: Any, check: FlowCheck, arch: Any = None) -> tuple[BackendVerdict, ...]:
+    """The verdict on every backend: local, then each NeMo-RL tree (``arch``: the model
+    checked, for what the local backend runs)."""
+    from nemo_jetrl.backends.local.families import local_moe_problem, model_key
+
+    problem = local_moe_problem(arch)
+    if problem is not None:
+        local = BackendVerdict(
+            "local", False, f"{problem} ({model_key(cfg)}); no local verdict", runs=False
+        )
+    else:
+        local = BackendVerdict(
+            "local", check.on_policy, "the recipe runs as written (embedded CPU backend)"
+        )
     return (local, *(nemo_rl_refit(cfg, check, t) for t in NEMO_RL_TREES))

@@ -65,7 +65,7 @@ class Checked:
     @property
     def precision_on_policy(self) -> bool:
         """The flow check passes and holds on every backend (precision only)."""
-        return self.check.on_policy and all(b.on_policy for b in self.backends)
+        return self.check.on_policy and all(b.on_policy for b in self.backends if b.runs)
 
     @property
     def on_policy(self) -> bool:
@@ -123,7 +123,7 @@ def check_config(
             "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
         )
     check = check_on_policy(arch, recipe)
-    backends = backend_verdicts(valid.cfg, check)
+    backends = backend_verdicts(valid.cfg, check, arch)
     return Checked(
         valid.cfg,
         recipe,

@@ -39,6 +39,8 @@ from typing import Any
 
 from torch import nn
 
+from nemo_jetrl.arch.hybrid import IN_PROJ_WORD, MEGATRON_IN_PROJ_GROUPS
+
 FUSED_HF = {
     "linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
     "linear_proj": ("self_attn", ("o_proj",)),
@@ -53,15 +55,7 @@ FUSED_HF = {
     "out_proj": ("linear_attn", ("out_proj",)),
 }
 # HF parts of GatedDeltaNet's one in_proj GEMM (Qwen3.5, Qwen3-Next).
-GDN_IN_PROJ_PARTS = (
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
-    "in_proj_qkvz",
-    "in_proj_ba",
-)
-GDN_IN_PROJ_WORD = "linear_attn.in_proj"
+GDN_IN_PROJ_PARTS = tuple(p for g in MEGATRON_IN_PROJ_GROUPS for p in g)
 # Training keeps these BF16 without a list (outside Megatron's FP8 decoder linears / not GEMMs).
 # Training keeps these BF16 without a list: not Megatron FP8 decoder linears (the vision tower,
 # conv1d, lm_head, embeddings; the MoE router ``mlp.gate`` and Qwen's shared_expert_gate run in
@@ -167,7 +161,7 @@ def _refuse_part_of_in_proj(name: str, stem: str, kws: Sequence[str]) -> None:
     if parts:
         raise ValueError(
             f"jetrl.train_bf16_layer_kws: {parts} name part of {name}, which megatron-core "
-            f"computes as one GEMM (q, k, v, z, b, a): use {GDN_IN_PROJ_WORD!r} in both "
+            f"computes as one GEMM (q, k, v, z, b, a): use {IN_PROJ_WORD!r} in both "
             "jetrl.train_bf16_layer_kws and policy.generation.vllm_cfg."
             "quantization_ignored_layer_kws (vLLM's in_proj_qkvz + in_proj_ba) or neither"
         )

@@ -118,7 +118,8 @@ def test_cli_unaligned_experts_refused_like_dense_linears(cli, tmp_path):
     code, out = cli("check", f"{EX}/jetrl.yaml", path)
     assert code == 2
     assert "policy.megatron_cfg.fp8_cfg.enabled" in out
-    assert "mlp.experts.gate_up_proj 192x256" in out and "jetrl.unaligned_layers=bf16" in out
+    assert "mlp.experts.gate_up_proj 192x256" in out and "no per-name word keeps routed" in out
+    assert "jetrl.unaligned_layers=bf16" not in out  # NeMo-RL does not read it
     code, out = cli("check", f"{EX}/bf16.yaml", path)  # BF16: nothing to tile
     assert code == 0, out
 

@@ -1,6 +1,8 @@
 """`jetrl align` keeps the rollout's per-name BF16 list in training too, also when the input is
 invalid only for want of it (NeMo-RL main's Qwen3.5 FP8 recipes: the rollout keeps the 32-row
-linear_attn.in_proj_a/b BF16, training would run them in blockwise FP8; issue 26)."""
+linear_attn.in_proj_a/b BF16, training would run them in blockwise FP8; issue 26). Megatron
+computes those with in_proj_qkv/z as one in_proj GEMM, so align writes the word true on both
+sides, linear_attn.in_proj, to both lists."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ QWEN35 = [
     "policy.model_name=Qwen/Qwen3.5-9B-Base",
     f"+policy.generation.vllm_cfg.quantization_ignored_layer_kws={KWS}",
 ]
-MIRROR = f"+jetrl.train_bf16_layer_kws={KWS}"
+ROLLOUT = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
 
 
 def test_input_is_refused_naming_the_unaligned_training_linears(cli):
@@ -30,12 +32,16 @@ def test_align_mirrors_the_list_says_so_and_is_on_policy(cli, tmp_path):
         "align", EX / "nemo_rl_fp8_e2e.yaml", *QWEN35, "--recipe", "jetrl", "-o", out_yaml
     )
     assert code == 0, out
-    assert f"  {MIRROR}: the input keeps these linears BF16 in the rollout only" in out
+    whole = "[linear_attn.conv1d,linear_attn.in_proj,visual]"
+    written = f"++{ROLLOUT}={whole} ++jetrl.train_bf16_layer_kws={whole}"
+    assert f"  {written}: the input runs linears in blockwise FP8" in out
+    assert "-> ['linear_attn.in_proj']: megatron-core computes the gated delta net's in_proj" in out
     assert "verdict: ON-POLICY" in out
-    assert f"with overrides {' '.join(QWEN35)} {MIRROR}" in out_yaml.read_text()
+    assert f"with overrides {' '.join(QWEN35)} {written}" in out_yaml.read_text()
     cfg = load_config(out_yaml)
-    want = ["linear_attn.conv1d", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "visual"]
+    want = ["linear_attn.conv1d", "linear_attn.in_proj", "visual"]
     assert list(OmegaConf.select(cfg, "jetrl.train_bf16_layer_kws")) == want
+    assert list(OmegaConf.select(cfg, ROLLOUT)) == want
     child = tmp_path / "child.yaml"
     code, out = cli(
         "align",

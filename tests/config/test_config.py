@@ -374,7 +374,19 @@ def test_unaligned_model_is_rejected_unless_bf16_fallback(tmp_path):
     found = issue_paths(cfg_with(*ov))
     (issue,) = found["policy.megatron_cfg.fp8_cfg.enabled"]
     assert "multiples of 128" in issue.message and "gate_proj" in issue.message
-    assert "jetrl.unaligned_layers=bf16" in issue.message
+    # NeMo-RL reads no jetrl.unaligned_layers: the fix named is align or the per-name words
+    assert "jetrl.unaligned_layers=bf16" not in issue.message and "`jetrl align`" in issue.message
+    assert (
+        "add ['gate_proj', 'up_proj', 'down_proj'] to both policy.generation.vllm_cfg."
+        in issue.message
+    )
+    assert "and jetrl.train_bf16_layer_kws" in issue.message
+    words, IGNORED = (
+        "[gate_proj,up_proj,down_proj]",
+        "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+    )
+    both = [f"+{k}={words}" for k in ("jetrl.train_bf16_layer_kws", IGNORED)]
+    assert errors(validate(cfg_with(*ov, *both))) == []
     assert errors(validate(cfg_with(*ov, "jetrl.unaligned_layers=bf16"))) == []
     # the same model in BF16 has nothing to complain about
     assert errors(validate(cfg_with(f"+jetrl.model_config={cfgjson}"))) == []

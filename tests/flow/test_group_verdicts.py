@@ -168,7 +168,9 @@ def test_check_json_has_groups_and_routing(cli):
 
 
 def test_unaligned_linears_kept_bf16_by_name_on_both_sides_need_no_tiling(cli):
-    # NeMo-RL's Qwen3.5 lists: linear_attn.in_proj_a/b (32 x hidden) and the tower stay BF16.
+    # NeMo-RL's Qwen3.5 lists name linear_attn.in_proj_a/b (32 x hidden); megatron-core computes
+    # them with in_proj_qkv/z as ONE in_proj GEMM, so no training list can keep only them BF16:
+    # refused in both lists naming the word true on both sides.
     words = "[linear_attn.conv1d,linear_attn.in_proj_a,linear_attn.in_proj_b,visual]"
     base = (f"{EX}/jetrl.yaml", "policy.model_name=Qwen/Qwen3.5-9B-Base")
     code, out = cli(
@@ -180,6 +182,17 @@ def test_unaligned_linears_kept_bf16_by_name_on_both_sides_need_no_tiling(cli):
         *base,
         f"+policy.generation.vllm_cfg.quantization_ignored_layer_kws={words}",
         f"+jetrl.train_bf16_layer_kws={words}",
+    )
+    assert code == 2, out
+    for key in ("jetrl.train_bf16_layer_kws:", "quantization_ignored_layer_kws:"):
+        line = next(x for x in out.splitlines() if key in x and "one in_proj GEMM" in x)
+        assert "use 'linear_attn.in_proj'" in line
+    whole = "[linear_attn.conv1d,linear_attn.in_proj,visual]"
+    code, out = cli(
+        "check",
+        *base,
+        f"+policy.generation.vllm_cfg.quantization_ignored_layer_kws={whole}",
+        f"+jetrl.train_bf16_layer_kws={whole}",
     )
     assert code == 0, out
     assert "linear attention  0-2, 4-6" in out and "vision tower      -" in out

@@ -38,7 +38,7 @@ from nemo_jetrl.recipe_parts import SideRecipe
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # config.json keys that count routed experts (Qwen3-MoE, Mixtral).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# The families whose blocks these are: `families.LOCAL_MOE_MODEL_TYPES` (read at config check).
 
 
 def num_experts(config: Any) -> int:
