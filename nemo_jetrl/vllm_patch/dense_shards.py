@@ -89,6 +89,11 @@ def dense_slice(model: Any, hf_name: str, shape: tuple[int, ...]) -> tuple[int, 
         dim, start = 0, group * length
     else:
         return None  # ReplicatedLinear, norms, ...
+    if start + length > shape[dim] * (WEIGHT_BLOCK[dim] if leaf == SCALE else 1):
+        raise ValueError(
+            f"{hf_name}: shape {shape} has no rows [{start}, {start + length}) in dim {dim} "
+            f"for tensor-parallel rank {rank} of {tp} (vLLM's layer: {type(layer).__name__})"
+        )
     if leaf == SCALE:
         block = WEIGHT_BLOCK[dim]
         if start % block or length % block:
@@ -108,11 +113,6 @@ def rank_expected(model: Any, hf_name: str, tensor: torch.Tensor) -> torch.Tenso
     if part is None:
         return tensor
     dim, start, length = part
-    if start + length > tensor.shape[dim]:
-        raise ValueError(
-            f"{hf_name}: shape {tuple(tensor.shape)} has no rows [{start}, {start + length}) "
-            f"in dim {dim} for this tensor-parallel rank"
-        )
     return tensor.narrow(dim, start, length)
 
 

@@ -6,10 +6,9 @@ under the patch (8 experts of width 256: 128 per TP rank, i.e. 128-aligned shard
 On each rank: our experts kernel serves the layer (kernel report), what it computed during
 generate is recomputed from the checkpoint's FP8 tensors (this rank's shard of each, or its
 experts) through the dense path bit for bit, the logprobs agree with the FP8 reference forward,
-and NeMo-RL's refit batch path lands every expert with parity over each rank's part (a
-flipped byte on rank 1 is named there, rank 0 stays clean). Dense layers are TP-sharded too;
-their per-rank read-back is not implemented (``worker_ext.read_back`` refuses them at TP > 1),
-so the parity here is over the routed experts.
+and NeMo-RL's refit batch path lands every tensor with parity over each rank's part (a
+flipped byte on rank 1 is named there, rank 0 stays clean): its experts' shards and its shards of
+the TP-sharded dense layers (``dense_shards``; attention stays TP-sharded under expert parallel).
 """
 
 from __future__ import annotations
@@ -266,7 +265,7 @@ def trainer_ref():
 
 def _nrl_refit_experts(self, blob: bytes, settings_json: str, load: bool = True) -> dict:
     """In each worker: the hooked fp8.load_weights' batch path (as NeMo-RL streams it), then
-    the parity check over the routed experts sent (dense TP shards: not read back)."""
+    the parity check over everything sent (this rank's part of it)."""
     from nemo_jetrl.backends.nemo_rl.refit_batches import (
         SentTensors,
         check_refit_parity,
@@ -282,14 +281,12 @@ def _nrl_refit_experts(self, blob: bytes, settings_json: str, load: bool = True)
     batch = quantize_batch(list(unpack(blob).items()), model, s, sent)
     if load:  # else: parity only, against what the engine holds
         compat.reload_weights(model, self.vllm_config.model_config, iter(batch))
-    experts = [m for m in sent.fp8_layers if ".mlp.experts." in m]
-    sent.fp8_layers, sent.other, sent.kv = experts, {}, {}
-    sent.fp8 = {k: v for k, v in sent.fp8.items() if ".mlp.experts." in k}
+    n = len(sent.fp8) + len(sent.other)
     try:
         r = check_refit_parity(self, sent)
     except ParityError as exc:
         return {"error": str(exc)}
-    return {"fp8": r.fp8, "compared": r.compared, "not_local": r.not_local}
+    return {"fp8": r.fp8, "compared": r.compared, "not_local": r.not_local, "sent": n}
 
 
 def _flip_on_rank1(self) -> int:
@@ -311,15 +308,17 @@ def test_refit_lands_every_expert_with_parity_on_each_rank(served, settings):
     new = per_expert(tiny_moe(1))
     res = llm.collective_rpc(_nrl_refit_experts, args=(pack(new), settings.to_json()))
     all_experts = len(MOE_LAYERS) * E * 3 * 2  # layers x experts x (gate, up, down) x (w, scale)
-    for r in res:  # TP: every expert's shard; EP: the 4 local experts of 8
+    dense_fp8 = (3 * 4 + 3) * 2  # q k v o in 3 layers, gate up down of layer 0; w + scale
+    for r in res:  # TP: every expert's shard; EP: the 4 local experts of 8; all dense shards
         want = all_experts if mode == "tp" else all_experts // 2
-        assert r == {"fp8": want, "compared": want, "not_local": all_experts - want}, r
+        assert (r["fp8"], r["not_local"]) == (want + dense_fp8, all_experts - want), r
+        assert r["compared"] == r["sent"] - r["not_local"], r
     print(f"{mode}: parity per rank {res}")
     assert llm.collective_rpc(_flip_on_rank1) == [0, 1]
     r0, r1 = llm.collective_rpc(_nrl_refit_experts, args=(pack(new), settings.to_json(), False))
     assert "error" not in r0, r0
     assert "model.layers.2.mlp.experts.5.down_proj.weight (1 of " in r1["error"], r1
-    assert r1["error"].count(".mlp.experts.") == 1
+    assert r1["error"].count(".mlp.experts.") == 1 and r1["error"].count("\n  - ") == 1, r1
     # a refit rewrites the byte; back to the served weights, clean on both ranks
     back = pack(per_expert(tiny_moe(0)))
     res = llm.collective_rpc(_nrl_refit_experts, args=(back, settings.to_json()))
