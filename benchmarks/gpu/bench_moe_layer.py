@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _common.gpu_name()
     probe = torch.empty(1, 128, device="cuda", dtype=torch.bfloat16)
     print(f"# {device}; scales {'pow2' if args.pow2 else 'fp32'}; grouped backend "
-          f"{grouped_backend(probe)}; never run on a GPU before this run")  # fmt: skip
+          f"{grouped_backend(probe)}; first figures: results/README.md")  # fmt: skip
     rows: list[dict] = []
     skipped: list[str] = []
     for model in args.models:

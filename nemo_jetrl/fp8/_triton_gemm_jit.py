@@ -10,10 +10,14 @@ import triton.language as tl
 @triton.jit
 def _operand(codes, lut_ptr, NATIVE: tl.constexpr, FP8: tl.constexpr):
     # FP8 codes (uint8) as values the dot consumes: the FP8 type itself (tensor cores, SM89+),
-    # or fp32 from a 256-entry table (exact; any GPU and Triton's CPU interpreter).
-    if NATIVE:
-        return codes.to(FP8, bitcast=True)
-    return tl.load(lut_ptr + codes.to(tl.int32))
+    # or fp32 from a 256-entry table (exact; any GPU and Triton's CPU interpreter). One return:
+    # the compiler types every return statement it reaches, and a constexpr `if` that returns
+    # early still lets it reach the one after (fp8 vs fp32: "Inconsistent return types").
+    if NATIVE:  # noqa: SIM108 (a statement-level constexpr branch: only the taken one compiles)
+        v = codes.to(FP8, bitcast=True)
+    else:
+        v = tl.load(lut_ptr + codes.to(tl.int32))
+    return v
 
 
 @triton.jit
@@ -32,11 +36,13 @@ def tile_dot(
     av = _operand(a, lut_a_ptr, NATIVE, FP8_A)
     bv = _operand(b, lut_b_ptr, NATIVE, FP8_B)
     if NATIVE:
-        return tl.dot(av, bv, out_dtype=tl.float32)
-    if TF32:
+        p = tl.dot(av, bv, out_dtype=tl.float32)
+    elif TF32:
         # Exact: every FP8 value fits TF32's 10-bit mantissa and its exponent range.
-        return tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
-    return tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
+        p = tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
+    else:
+        p = tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
+    return p
 
 
 @triton.jit

@@ -230,8 +230,11 @@ def rmsnorm_quantize_kernel(
         if OUT_BF16:
             # fp32 -> bf16 round-to-nearest-even on the bit pattern (the interpreter's own
             # bf16 conversion truncates); then back to fp32 exactly.
+            # NaN maps to 0x7FC0 as torch's conversion does: a GPU's canonical NaN 0x7FFFFFFF
+            # would overflow the rounding add into -0.0 and hide the NaN from the check.
             b = y.to(tl.int32, bitcast=True)
             hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            hi = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, hi)
             tl.store(y_ptr + rows[:, None] * sym + cols[None, :], hi.to(tl.int16), mask=mask)
             yr = (hi << 16).to(tl.float32, bitcast=True)
         else:

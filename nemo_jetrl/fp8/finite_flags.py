@@ -38,11 +38,16 @@ def record_each(template: str, bad: torch.Tensor) -> None:
     ``template.format(i)`` (e.g. ``"moe.expert{}.input"``: the grouped expert linear)."""
     key = (template, bad.device)
     _TEMPLATES.add(template)
+    bad = bad.reshape(-1)
     flag = _FLAGS.get(key)
     if flag is None:
-        _FLAGS[key] = bad.reshape(-1).clone()
-    else:
-        flag.logical_or_(bad.reshape(-1))
+        _FLAGS[key] = bad.clone()
+        return
+    if flag.numel() < bad.numel():
+        # More groups than the pending flag holds (a flag left by a step that never reached
+        # check_non_finite, or another layer under the same template): flag i stays group i.
+        flag = _FLAGS[key] = torch.cat([flag, flag.new_zeros(bad.numel() - flag.numel())])
+    flag[: bad.numel()].logical_or_(bad)
 
 
 def pending() -> int:

@@ -18,6 +18,10 @@ Order of preference for CUDA operands (``auto``):
 3. ``triton`` - our Triton block GEMM (`triton_gemm`): any CUDA GPU, any output dtype, E4M3 or
    E5M2 operands, FProp/DGrad and WGrad pairs.
 
+A plan holds for every shape but one rule: a GEMM whose shape cuBLASLt refuses (`shape_problem`:
+e.g. WGrad over 300 tokens, an expert's 129 rows; measured on an H100, torch 2.11 / CUDA 13.0)
+runs on ``triton`` instead when the plan is ``scaled_mm`` and nothing was forced (`dispatch`).
+
 When none applies on a GPU, planning fails with `GemmBackendError` naming what to install or
 change: a GPU never falls back to dequantizing the weight to fp32 on every call. CPU operands use
 ``reference`` (`gemm.blockwise_matmul`). ``JETRL_FP8_GEMM_BACKEND`` or ``backend=`` forces one
@@ -277,6 +281,18 @@ def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> 
     else:
         module.fp8_gemm_nt(*pairs, out)  # type: ignore[union-attr]
     return out
+
+
+def shape_problem(backend: str, m: int, n: int, k: int) -> str | None:
+    """Why ``backend`` cannot take an ``[M, K] x [N, K]`` GEMM of this shape (None: it can).
+    Measured on an H100 (torch 2.11, CUDA 13.0; benchmarks/gpu/probe_scaled_mm.py): blockwise
+    ``F.scaled_mm`` refuses K or N not a multiple of 16, and cuBLASLt answers NOT_SUPPORTED for
+    M not a multiple of 4 (its M-major 1x128 scales; torch will not take a padded stride)."""
+    if backend == "scaled_mm" and (m % 4 or n % 16 or k % 16):
+        return (
+            f"cuBLASLt blockwise FP8 needs M % 4, N % 16 and K % 16 == 0 (got M={m}, N={n}, K={k})"
+        )
+    return None
 
 
 def _mn_major(s: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ from nemo_jetrl.fp8.grouped_tensors import (
 )
 from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK, BLOCK, WEIGHT_BLOCK, WGRAD_BLOCK
-from nemo_jetrl.fp8.triton_gemm import native_dot, value_table
+from nemo_jetrl.fp8.triton_gemm import native_dot, pipeline_stages, value_table
 from nemo_jetrl.fp8.triton_kernels import (
     NO_FTZ,
     _bits_if_bf16,
@@ -165,6 +165,11 @@ def _dot_args(fmt_a: str, fmt_b: str, a: torch.Tensor, sa, sb) -> tuple:
     return lut_a, lut_b, native, a.is_cuda, fp8[fmt_a], fp8[fmt_b]
 
 
+def _tiles(native: bool) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages): whole-matrix tiles under the interpreter."""
+    return (128, 128, 4, 1) if interpreting() else (64, 128, 4, pipeline_stages(native))
+
+
 def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
     # The interpreter's own fp32 -> bf16 conversion truncates: write fp32 there, round in torch.
     return torch.float32 if interpreting() else out_dtype
@@ -185,12 +190,12 @@ def gemm_rows(
     n_exp, n = qb.num_experts, qb.out_features
     out = torch.empty(m, n, dtype=_store_dtype(out_dtype), device=qa.data.device)
     if m and n:
-        bm, bn, warps, stages = (128, 128, 4, 1) if interpreting() else (64, 128, 4, 3)
-        tiles = (offsets[1:] - offsets[:-1] + (bm - 1)) // bm
-        toff = torch.cat([offsets.new_zeros(1), torch.cumsum(tiles, 0)])
         qa8, qb8 = qa.data.view(torch.uint8), qb.data.view(torch.uint8)
         sa, sb = qa.scale_inv, qb.scale_inv
         lut_a, lut_b, native, tf32, fa, fb = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
+        bm, bn, warps, stages = _tiles(native)
+        tiles = (offsets[1:] - offsets[:-1] + (bm - 1)) // bm
+        toff = torch.cat([offsets.new_zeros(1), torch.cumsum(tiles, 0)])
         _kernels().grouped_rows_gemm_kernel[(-(-m // bm) + n_exp, -(-n // bn))](
             qa8, qb8, out, sa, sb, lut_a, lut_b, offsets, toff, n_exp, n, k,
             qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1), qb8.stride(2),
@@ -217,10 +222,10 @@ def gemm_tokens(
     n_exp = offsets.shape[0] - 1
     out = torch.empty(n_exp, n, k, dtype=_store_dtype(out_dtype), device=qa.data.device)
     if n and k:
-        bm, bn, warps, stages = (128, 128, 4, 1) if interpreting() else (64, 128, 4, 3)
         qa8, qb8 = qa.data.view(torch.uint8), qb.data.view(torch.uint8)
         sa, sb = qa.scale_inv, qb.scale_inv
         lut_a, lut_b, native, tf32, fa, fb = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
+        bm, bn, warps, stages = _tiles(native)
         _kernels().grouped_tokens_gemm_kernel[(n_exp, -(-n // bm), -(-k // bn))](
             qa8, qb8, out, sa, sb, lut_a, lut_b, offsets, qa.block_offsets, n, k,
             qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1),

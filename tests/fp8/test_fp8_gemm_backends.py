@@ -134,13 +134,28 @@ def _to(q: BlockQuantized, device: str) -> BlockQuantized:
     return BlockQuantized(q.data.to(device), q.scale_inv.to(device), q.block, q.fmt, q.pow2_scales)
 
 
+# Hopper's FP8 tensor-core dot (Triton's native tl.dot on SM90, wgmma) keeps ~14 bits when it
+# adds its products (DeepSeek-V3 report, sec. 3.3.2; seen here on an H100: 512 ulp off on exactly
+# representable sums, benchmarks/gpu/results/README.md). Each group of 32 products then loses at
+# most 32 * 2**-14 of its largest product's size: <= 2**-9 of the group's |A||B|.
+HOPPER_FP8_DOT = 2**-9
+
+
+def _native(a: BlockQuantized, b: BlockQuantized) -> bool:
+    from nemo_jetrl.fp8.triton_gemm import native_dot
+
+    return DEVICE == "cuda" and native_dot((a.fmt, b.fmt), torch.cuda.get_device_capability())
+
+
 def _bound_check(out: torch.Tensor, a: BlockQuantized, b: BlockQuantized) -> None:
-    """Within fp32 accumulation over K (``K * 2**-24 * |A||B|^T``) plus the output rounding."""
+    """Within fp32 accumulation over K (``K * 2**-24 * |A||B|^T``) plus the output rounding, plus
+    `HOPPER_FP8_DOT` of ``|A||B|^T`` where the GPU's FP8 dot runs (`_native`)."""
     da, db = a.dequantize(torch.float64), b.dequantize(torch.float64)
     exact = da @ db.t()
     k = a.data.shape[1]
     unit = {BF16: 2**-8, FP16: 2**-11, FP32: 2**-24}[out.dtype]
-    bound = k * 2**-24 * (da.abs() @ db.abs().t()) + unit * exact.abs() + 1e-30
+    dot = k * 2**-24 + (HOPPER_FP8_DOT if _native(a, b) else 0.0)
+    bound = dot * (da.abs() @ db.abs().t()) + unit * exact.abs() + 1e-30
     assert bool(((out.double() - exact).abs() <= bound).all())
 
 
@@ -212,3 +227,38 @@ def test_gpu_triton_gemm_compiled_matches_float64_and_is_graph_capturable(pow2):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, gemm_backends.run_gemm("triton", a, b, BF16))
+
+
+# ------------------------------------------- rules found on the first H100 run (see results/)
+
+
+def test_scaled_mm_shape_rule_names_the_shape():
+    assert gemm_backends.shape_problem("scaled_mm", 300, 768, 1024) is None
+    why = gemm_backends.shape_problem("scaled_mm", 768, 1024, 300)  # WGrad over 300 tokens
+    assert why is not None and "K=300" in why
+    assert gemm_backends.shape_problem("scaled_mm", 64, 264, 128) is not None  # N % 16
+    assert gemm_backends.shape_problem("scaled_mm", 129, 256, 128) is not None  # an expert's M
+    assert gemm_backends.shape_problem("scaled_mm", 4, 256, 128) is None
+    assert gemm_backends.shape_problem("triton", 768, 1024, 300) is None
+
+
+@pytest.mark.triton
+def test_a_shape_cublaslt_refuses_runs_on_triton(monkeypatch):
+    """A scaled_mm plan with K = 300 (cuBLASLt needs K % 16 == 0) runs the Triton kernel."""
+    ran = []
+    monkeypatch.setattr(
+        dispatch, "_plan", lambda *a: gemm_backends.GemmPlan("scaled_mm", "stand-in plan")
+    )
+    monkeypatch.setattr(dispatch, "run_gemm", lambda name, *a: ran.append(name))
+    g = torch.Generator().manual_seed(5)
+    a = quantize_blockwise(torch.randn(70, 300, generator=g), (1, 128))
+    b = quantize_blockwise(torch.randn(64, 300, generator=g), (1, 128))
+    monkeypatch.setattr(dispatch, "device_caps", lambda dev: DeviceCaps(cuda=True, triton=True))
+    dispatch.fp8_gemm(a, b)
+    a16 = quantize_blockwise(torch.randn(72, 256, generator=g), (1, 128))
+    b16 = quantize_blockwise(torch.randn(64, 256, generator=g), (1, 128))
+    dispatch.fp8_gemm(a16, b16)
+    assert ran == ["triton", "scaled_mm"]
+    monkeypatch.setattr(dispatch, "device_caps", lambda dev: DeviceCaps(cuda=True))
+    with pytest.raises(GemmBackendError, match=r"K=300.*triton is not installed"):
+        dispatch.fp8_gemm(a, b)

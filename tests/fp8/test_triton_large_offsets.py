@@ -1,4 +1,5 @@
-"""Element offsets past 2**31 in the Triton kernels (issue 29, point 2), under the interpreter.
+"""Element offsets past 2**31 in the Triton kernels (issue 29, point 2): under the interpreter
+on CPU, compiled on a GPU (the tensors then live there: ~4.5 GB and ~9 GB of address space).
 
 WGrad hands the Triton GEMM transposed views: K is the token count and the K stride is the
 layer width, so ``k * stride`` passes 2**31 at ~131k tokens of a 16384-wide layer. The
@@ -14,6 +15,7 @@ import torch
 from nemo_jetrl.fp8 import BlockQuantized
 
 pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton takes CUDA tensors
 
 
 def _codes(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
@@ -43,14 +45,15 @@ def test_triton_gemm_k_offsets_past_2_31_do_not_wrap(stride, tokens):
     # r0 rows sit before the views to keep wrapped addresses inside the allocation (rows 0..127,
     # zeroed). ~4.3 GB of address space; only the elements the views cover are touched.
     r0 = 2**31 // stride
-    storage = torch.empty(r0 + tokens, stride, dtype=torch.uint8)
-    storage[r0:, :256] = _codes(tokens, 256, g)
+    storage = torch.empty(r0 + tokens, stride, dtype=torch.uint8, device=DEVICE)
+    storage[r0:, :256] = _codes(tokens, 256, g).to(DEVICE)
     storage[:128, :256] = 0
     kb = -(-tokens // 128)
     views = [storage[r0:, c : c + 128].t().view(torch.float8_e4m3fn) for c in (0, 128)]
     assert views[0].shape == (128, tokens) and views[0].stride() == (1, stride)
     assert (tokens - 1) * stride >= 2**31
-    a, b = (BlockQuantized(v, _pow2_scales(128, kb, g), (1, 128), "e4m3", True) for v in views)
+    a, b = (BlockQuantized(v, _pow2_scales(128, kb, g).to(DEVICE), (1, 128), "e4m3", True)
+            for v in views)  # fmt: skip
     got = block_fp8_gemm_triton(a, b, out_dtype=torch.float32)
     # The same kernel on contiguous copies (offsets < 2**31) accumulates in the same order.
     a_c, b_c = (BlockQuantized(q.data.contiguous(), q.scale_inv, (1, 128), "e4m3", True)
@@ -69,13 +72,14 @@ def test_quantizer_row_offsets_past_2_31_do_not_wrap(block):
 
     stride, tokens = 2**21, 1024 + 128
     r0 = 2**31 // stride
-    storage = torch.empty(r0 + tokens, stride, dtype=torch.bfloat16)
+    storage = torch.empty(r0 + tokens, stride, dtype=torch.bfloat16, device=DEVICE)
     g = torch.Generator().manual_seed(1)
-    storage[r0:, :256] = torch.randn(tokens, 256, generator=g).to(torch.bfloat16)
+    storage[r0:, :256] = torch.randn(tokens, 256, generator=g).to(torch.bfloat16).to(DEVICE)
     storage[:128, :256] = 0
     x = storage[r0:, :256]
     assert x.stride(0) * (tokens - 1) >= 2**31
-    want = quantize_blockwise(x.contiguous(), block)
+    want = quantize_blockwise(x.cpu().contiguous(), block)  # the torch reference, on CPU
     got = quantize_blockwise_triton(x, block)
+    got = BlockQuantized(got.data.cpu(), got.scale_inv.cpu(), got.block, got.fmt, True)
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(got.scale_inv.view(torch.int32), want.scale_inv.view(torch.int32))

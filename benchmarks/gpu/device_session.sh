@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One lease of a bare CUDA machine, spent in order of value: the fp8 GPU tests (compiled Triton
+# kernels, GEMM backends, CUDA graphs, sync-free FP8 linear), then the benchmarks at reduced
+# iteration counts. Each step is bounded by its own timeout so one hang cannot eat the lease,
+# and every log is written as it goes to $RESULTS (default benchmarks/gpu/results).
+#   bash benchmarks/gpu/device_session.sh [RESULTS_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-benchmarks/gpu/results}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+step() {  # step NAME SECONDS CMD...: CMD under a timeout (0: skip), log to $out/NAME.log, note its rc
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  [ "$secs" -gt 0 ] || { echo "== $name skipped (limit 0)" | tee -a "$out/summary.txt"; return; }
+  echo "== $name (limit ${secs}s): $*" | tee "$out/$name.log"
+  timeout -k 5 "$secs" "$@" 2>&1 | tee -a "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$out/$name.log" "$out/summary.txt"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$py" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+  git log -1 --format='commit %H' 2>/dev/null; } > "$out/summary.txt" 2>&1
+cat "$out/summary.txt"
+# Tests: no bench (arguments given), per-test timeout so a hung kernel fails with a stack.
+step gpu_tests "${JETRL_TESTS_S:-240}" bash scripts/gpu_check.sh -q --timeout 90 -rfE
+step probe_scaled_mm "${JETRL_PROBE_S:-60}" "$py" benchmarks/gpu/probe_scaled_mm.py \
+  --json "$out/probe_scaled_mm.json"
+step bench_moe_layer "${JETRL_MOE_S:-150}" "$py" benchmarks/gpu/bench_moe_layer.py \
+  --iters 20 --json "$out/bench_moe_layer.json"
+step bench_quantizer "${JETRL_QUANT_S:-60}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py --iters 20
+step bench_fp8_linear "${JETRL_LINEAR_S:-90}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
+cat "$out/summary.txt"
