@@ -159,12 +159,11 @@ included) whose resolved config has FP8 on some side: vLLM `precision: fp8` (MXF
 config as shipped; the `align` column is the verdict `jetrl align --recipe jetrl` prints for the
 file it writes. Every config aligned with exit 0 or 1 also passes NeMo-RL's own loader,
 `MasterConfig` and `grpo.setup` checks (GPU pieces stood in) in the NeMo-RL tier
-(`test_every_fp8_grpo_config_of_the_tree_checks_aligns_and_is_accepted`). A refusal (exit 2)
-names the key and its first problem; that test allows refusals only for mixture-of-experts
-models (their own issues) and hybrid Qwen3.5 models. An exit 1 after `align` is a run that is
-on-policy in precision but lags by `grpo.async_grpo` (named), or one whose verdict names what is
-still off (e.g. FP8 routed experts on NeMo-RL main's vLLM 0.25.1, which the experts kernel does
-not cover yet). MXFP8 rows: see "`jetrl align`"
+(`test_every_fp8_grpo_config_of_the_tree_checks_aligns_and_is_accepted`, which allows no
+refusal from `align`). A `check` refusal (exit 2) names the key and its first problem. An exit 1
+after `align` is a run that is on-policy in precision but lags by `grpo.async_grpo` (named), or
+one whose verdict names what align must not change (a DTensor policy, which never trains FP8:
+plain `jetrl align`, a BF16 rollout, is on-policy for it). MXFP8 rows: see "`jetrl align`"
 in docs/configs.md for what changes. Every GRPO config, FP8 or not, gets a verdict checked
 against an independent classification in `tests/backends/test_nemo_rl_every_grpo_config.py`.
 """
