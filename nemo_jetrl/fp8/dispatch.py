@@ -37,12 +37,10 @@ from nemo_jetrl.fp8.gemm_backends import GEMM_BACKENDS as GEMM_BACKENDS
 from nemo_jetrl.fp8.gemm_backends import (
     GemmBackendError,
     GemmPlan,
-    device_caps,
     forced_backend,
     pair_kind,
     plan_gemm,
     run_gemm,
-    shape_problem,
 )
 from nemo_jetrl.fp8.quantize import Block, BlockQuantized, check_block, quantize_reference
 
@@ -214,13 +212,6 @@ def fp8_gemm(
     kernels always accumulate per K tile.
     """
     chosen = _plan(a, b, out_dtype, backend).backend
-    if chosen == "scaled_mm" and forced_backend(backend) == "auto":
-        m, k = a.data.shape
-        why = shape_problem(chosen, m, b.data.shape[0], k)
-        if why is not None:
-            if not device_caps(a.data.device).triton:
-                raise GemmBackendError(f"fp8_gemm: {why}, and triton is not installed")
-            chosen = "triton"  # same per-tile rule; see gemm_backends' docstring
     if chosen == "reference":
         return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
     return run_gemm(chosen, a, b, out_dtype)

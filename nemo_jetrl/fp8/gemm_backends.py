@@ -20,7 +20,7 @@ Order of preference for CUDA operands (``auto``):
 
 A plan holds for every shape but one rule: a GEMM whose shape cuBLASLt refuses (`shape_problem`:
 e.g. WGrad over 300 tokens, an expert's 129 rows; measured on an H100, torch 2.11 / CUDA 13.0)
-runs on ``triton`` instead when the plan is ``scaled_mm`` and nothing was forced (`dispatch`).
+runs on ``triton`` instead (`run_gemm`: the trainer's linears, the vLLM kernel's decode batches).
 
 When none applies on a GPU, planning fails with `GemmBackendError` naming what to install or
 change: a GPU never falls back to dequantizing the weight to fp32 on every call. CPU operands use
@@ -231,7 +231,9 @@ def _plan_cached(device, out_dtype, pow2_scales, kind, fmts, forced, excluded) -
         forced=forced,
         excluded=excluded,
     )
-    if plan.backend == "triton":  # its value tables must exist before any CUDA graph capture
+    # Triton's value tables must exist before any CUDA graph capture (scaled_mm plans too: the
+    # shapes cuBLASLt refuses run on Triton, see `run_gemm`).
+    if plan.backend == "triton" or (plan.backend == "scaled_mm" and device_caps(device).triton):
         from nemo_jetrl.fp8.triton_gemm import prepare
 
         prepare(device, fmts)
@@ -345,5 +347,14 @@ RUNNERS = {
 def run_gemm(
     backend: str, a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``a @ b.T`` on a backend `plan_gemm` chose (nothing is decided or imported here)."""
+    """``a @ b.T`` on a backend `plan_gemm` chose (nothing imported, no host read). The one
+    per-call rule: a shape cuBLASLt refuses (`shape_problem`) runs on Triton, whose value tables
+    a ``scaled_mm`` plan prepared (a decode batch of 37 tokens on a scaled_mm layer, say)."""
+    if backend == "scaled_mm":
+        m, k = a.data.shape
+        why = shape_problem(backend, m, b.data.shape[0], k)
+        if why is not None:
+            if not device_caps(a.data.device).triton:
+                raise GemmBackendError(f"fp8_gemm: {why}, and triton is not installed")
+            backend = "triton"
     return RUNNERS[backend](a, b, out_dtype)

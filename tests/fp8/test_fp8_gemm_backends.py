@@ -244,21 +244,22 @@ def test_scaled_mm_shape_rule_names_the_shape():
 
 @pytest.mark.triton
 def test_a_shape_cublaslt_refuses_runs_on_triton(monkeypatch):
-    """A scaled_mm plan with K = 300 (cuBLASLt needs K % 16 == 0) runs the Triton kernel."""
+    """On a scaled_mm plan, K = 300 (WGrad over 300 tokens) and M = 37 (a decode batch) run the
+    Triton kernel; M = 72, K = 256 runs cuBLASLt. Runners stood in (no GPU here)."""
     ran = []
-    monkeypatch.setattr(
-        dispatch, "_plan", lambda *a: gemm_backends.GemmPlan("scaled_mm", "stand-in plan")
-    )
-    monkeypatch.setattr(dispatch, "run_gemm", lambda name, *a: ran.append(name))
+    for name in ("scaled_mm", "triton"):
+        monkeypatch.setitem(gemm_backends.RUNNERS, name, lambda a, b, o, n=name: ran.append(n))
     g = torch.Generator().manual_seed(5)
-    a = quantize_blockwise(torch.randn(70, 300, generator=g), (1, 128))
-    b = quantize_blockwise(torch.randn(64, 300, generator=g), (1, 128))
-    monkeypatch.setattr(dispatch, "device_caps", lambda dev: DeviceCaps(cuda=True, triton=True))
-    dispatch.fp8_gemm(a, b)
-    a16 = quantize_blockwise(torch.randn(72, 256, generator=g), (1, 128))
-    b16 = quantize_blockwise(torch.randn(64, 256, generator=g), (1, 128))
-    dispatch.fp8_gemm(a16, b16)
-    assert ran == ["triton", "scaled_mm"]
-    monkeypatch.setattr(dispatch, "device_caps", lambda dev: DeviceCaps(cuda=True))
+
+    def q(rows, k):
+        return quantize_blockwise(torch.randn(rows, k, generator=g), (1, 128))
+
+    monkeypatch.setattr(
+        gemm_backends, "device_caps", lambda dev: DeviceCaps(cuda=True, triton=True)
+    )
+    for m, k in ((70, 300), (37, 256), (72, 256)):
+        gemm_backends.run_gemm("scaled_mm", q(m, k), q(64, k), BF16)
+    assert ran == ["triton", "triton", "scaled_mm"]
+    monkeypatch.setattr(gemm_backends, "device_caps", lambda dev: DeviceCaps(cuda=True))
     with pytest.raises(GemmBackendError, match=r"K=300.*triton is not installed"):
-        dispatch.fp8_gemm(a, b)
+        gemm_backends.run_gemm("scaled_mm", q(70, 300), q(64, 300), BF16)
