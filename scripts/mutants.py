@@ -37,6 +37,8 @@ T_PARITY = ("tests/vllm_patch/test_parity_unit.py",)
 T_ROLLBACK = ("tests/vllm_patch/test_rollback_unit.py",)
 T_NRL_KV = ("tests/backends/test_nemo_rl_kv.py",)
 T_NRL_GLUE = ("tests/backends/test_nemo_rl_worker_glue.py",)
+# NeMo-RL's real transport into a real vLLM 0.20 CPU engine (one engine start for the three).
+T_NRL_REFIT = "tests/backends/test_nemo_rl_refit_vllm.py::"
 T_TE = ("tests/megatron/test_te_layout_from_te.py",)  # TE 2.20.2's own layout code
 # A real vLLM engine's attention output under set KV scales (an FP8 KV cache runs on AVX-512 /
 # AMX CPUs; elsewhere the test checks vLLM's refusal, so each mutant also lists a default test).
@@ -441,6 +443,30 @@ MUTANTS = [
         'self._jetrl_vllm_scales = dict(out["layers"])',
         "self._jetrl_vllm_scales = None",
         T_NRL_GLUE,
+        env="nemo_rl",
+    ),
+    Mutant(
+        "refit hook: a refusal inside NeMo-RL's transport is not re-raised",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "            if sent.error is not None:\n                raise sent.error\n",
+        "            if False:\n                raise sent.error\n",
+        (T_NRL_REFIT + "test_a_batch_refused_mid_stream_leaves_the_engine_bit_identical",),
+        env="nemo_rl",
+    ),
+    Mutant(
+        "refit hook: parity never checked after the transport",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "if ok and state.parity:",
+        "if ok and False:",
+        (T_NRL_REFIT + "test_a_corrupted_load_is_named_by_the_parity_check_inside_the_transport",),
+        env="nemo_rl",
+    ),
+    Mutant(
+        "refit hook: a failed NeMo-RL transport is not rolled back",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "if not ok and snap is not None:",
+        "if False:",
+        (T_NRL_REFIT + "test_a_failure_inside_nemo_rls_own_transport_is_rolled_back_too",),
         env="nemo_rl",
     ),
     Mutant(

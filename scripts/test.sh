@@ -22,7 +22,8 @@
 # exits non-zero and the remaining tiers still run. A tier whose environment cannot be made (pip
 # retries each install first: scripts/pip_retry.sh) is likewise reported in the summary as not run,
 # with its setup log's tail above, and the script goes on to the next tier and then exits 1.
-# With CI=true (.ci/run sets it) a tier that cannot run (e.g. no NeMo-RL source) fails the run.
+# With CI=true (.ci/run sets it) a tier that cannot run (e.g. no NeMo-RL source) fails the run,
+# and so does a tier skipped with a JETRL_SKIP_* flag.
 #   4. the mutation check (scripts/mutation_check.py, mutants in scripts/mutants.py): each mutant
 #      on a temporary copy, judged by the tests listed for it; a survivor fails the run.
 #      JETRL_SKIP_MUTANTS=1 skips it.
@@ -35,12 +36,9 @@ fi
 
 rc=0
 summary=()
-source scripts/tier.sh  # tier NAME CMD...: one tier under JETRL_TIER_TIMEOUT_S, its line in $summary
-not_run() {  # NAME WHY: a tier that could not start fails the run; the others still run
-  echo "test.sh: $1: $2" >&2
-  summary+=("$1: not run, $2 (exit 1)")
-  rc=1
-}
+# tier NAME CMD...: one tier under JETRL_TIER_TIMEOUT_S, its line in $summary; not_run NAME WHY;
+# skipped_tiers (the JETRL_SKIP_* flags: a failure under CI=true)
+source scripts/tier.sh
 echo "== default suite (.venv) =="
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
 if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
@@ -98,12 +96,8 @@ if [ "${JETRL_SKIP_MUTANTS:-0}" != "1" ]; then
   # Last: its NeMo-RL mutants run in the env the NeMo-RL tier set up (scripts/mutants.py).
   echo "== mutation check (scripts/mutation_check.py: each mutant on a temporary copy) =="
   tier "mutation check" .venv/bin/python scripts/mutation_check.py
-else
-  summary+=("mutation check: skipped (JETRL_SKIP_MUTANTS=1)")
 fi
-for skip in JETRL_SKIP_VLLM JETRL_SKIP_NEMO_RL; do
-  if [ "${!skip:-0}" = "1" ]; then summary+=("$skip=1: that tier was skipped"); fi
-done
+skipped_tiers
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
 exit $rc

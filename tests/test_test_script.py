@@ -33,6 +33,26 @@ def _run_tiers(tiers: str, tmp_path: Path, **env: str) -> tuple[list[str], float
     return done.stdout.strip().splitlines()[-3:], time.monotonic() - t0
 
 
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_a_skipped_tier_fails_ci_and_is_a_summary_line_elsewhere(tmp_path: Path, ci: str) -> None:
+    lines, _ = _run_tiers(
+        "skipped_tiers", tmp_path, CI=ci, JETRL_SKIP_VLLM="1", JETRL_SKIP_MUTANTS="1",
+        JETRL_SKIP_NEMO_RL="0",
+    )  # fmt: skip
+    if ci:
+        assert lines == [
+            "JETRL_SKIP_VLLM=1: not run, CI=true runs every tier; unset JETRL_SKIP_VLLM (exit 1)",
+            "JETRL_SKIP_MUTANTS=1: not run, CI=true runs every tier; unset JETRL_SKIP_MUTANTS (exit 1)",
+            "rc=1",
+        ]
+    else:
+        assert lines[-3:] == [
+            "JETRL_SKIP_VLLM=1: that tier was skipped",
+            "JETRL_SKIP_MUTANTS=1: that tier was skipped",
+            "rc=0",
+        ]
+
+
 def _alive(pid_file: Path) -> bool:
     pid = int(pid_file.read_text())
     try:
