@@ -4,6 +4,9 @@
 # iteration counts. Each step is bounded by its own timeout so one hang cannot eat the lease,
 # and every log is written as it goes to $RESULTS (default benchmarks/gpu/results).
 #   bash benchmarks/gpu/device_session.sh [RESULTS_DIR]
+# Needs CUDA torch, triton, pytest, safetensors; bench_fp8_linear.py also the package's own
+# dependencies (pydantic, omegaconf: a bare CUDA image lacks them; install the wheels first).
+# JETRL_{TESTS,PROBE,MOE,QUANT,LINEAR}_S set each step's limit in seconds (0 skips it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-benchmarks/gpu/results}
