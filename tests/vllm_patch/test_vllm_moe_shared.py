@@ -22,7 +22,7 @@ import pytest
 import torch
 from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
 from test_vllm_moe import per_expert_state_dict  # fused 3-D experts -> experts.{e}.*_proj
-from vllm_fixtures import fp8_gap_bound, logprob_gap, vllm_cpu_env
+from vllm_fixtures import fp8_rounding_gap, logprob_gap, moe_fp8_gap_bound, vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
 
@@ -278,12 +278,14 @@ def test_logprobs_match_the_fp8_reference_forward(served, trainer, bf16_control)
     for i in MOE_LAYERS:
         no_shared.model.layers[i].mlp.shared_expert_gate.weight.data.fill_(-1e4)  # sigmoid -> 0
     gap_without = logprob_gap(outs, no_shared)
-    bound = fp8_gap_bound(bf16_control)
+    rounding = fp8_rounding_gap(outs, ref)
+    bound = moe_fp8_gap_bound(bf16_control, rounding)
     print(
-        f"moe+shared logprob gap: fp8 engine vs fp8 ref {gap:.4f} (bound {bound:.4f}, control "
-        f"{bf16_control:.4f}); vs the reference without its shared expert {gap_without:.4f}"
+        f"moe+shared logprob gap: fp8 engine vs fp8 ref {gap:.4f} (bound {bound:.4f}, controls "
+        f"{bf16_control:.4f}, fp8 ref bf16 vs fp32 {rounding:.4f}); vs the reference without "
+        f"its shared expert {gap_without:.4f}"
     )
-    assert gap <= bound, (gap, bf16_control)
+    assert gap <= bound, (gap, bf16_control, rounding)
     assert gap_without > bound, gap_without
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
 
