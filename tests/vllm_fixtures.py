@@ -106,6 +106,11 @@ BF16_GAP_FLOOR = 0.003
 FP8_GAP_PER_BF16_GAP = 10.0
 FP8_GAP_FLOOR = 0.02
 FP8_GAP_PER_FP8_ROUNDING_GAP = 2.0
+# Experts split over expert-parallel ranks: each rank's partial sum is rounded to BF16 before
+# vLLM's cross-rank reduce, one rounding the single-process reference does not have (every MoE
+# call itself is checked bit for bit). Measured (vLLM 0.20, AMD EPYC, TP 2): EP gap 0.677 against
+# an FP8 rounding control of 0.233 (2.9x); TP 0.141 against 0.190.
+EP_FP8_GAP_PER_FP8_ROUNDING_GAP = 4.0
 
 
 def bf16_gap_bound(rounding_gap: float) -> float:
@@ -156,9 +161,11 @@ def fp8_rounding_gap(outs, fp8_model) -> float:
     return bf16_rounding_gap(outs, fp8_model)
 
 
-def moe_fp8_gap_bound(bf16_gap: float, fp8_rounding: float) -> float:
+def moe_fp8_gap_bound(
+    bf16_gap: float, fp8_rounding: float, per_rounding: float = FP8_GAP_PER_FP8_ROUNDING_GAP
+) -> float:
     """Largest engine-vs-FP8-trainer gap allowed to an FP8 MoE engine, from both controls."""
-    return max(fp8_gap_bound(bf16_gap), FP8_GAP_PER_FP8_ROUNDING_GAP * fp8_rounding)
+    return max(fp8_gap_bound(bf16_gap), per_rounding * fp8_rounding)
 
 
 def bf16_recipe_gap(model_dir, engine_kwargs: dict, generate, trainer) -> float:

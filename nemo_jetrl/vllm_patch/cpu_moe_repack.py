@@ -13,6 +13,14 @@ objects and storage stay) and keeps the plain rows as ``layer._jetrl_unpacked``;
 then gives the parity read-back those rows, after `repack_reloaded_experts` checked that the
 packed parameter is ``cpu_prepack_moe_weight`` of them. A layer whose parameters do not hold the
 sent rows (a vLLM that packs on reload) is left alone, and parity names it.
+
+vLLM 0.20 packs on reload: its CPU experts (``cpu_fused_moe.CPUFusedMOE``, grouped GEMM, "vec"
+on AVX-512 without AMX) prepack in ``process_weights_after_loading``, which the layerwise reload
+runs, so after a refit the parameters hold the packed layout of the sent rows (measured on an
+AMD EPYC: 58,601 of 65,536 bytes of an expert differ from the rows sent, and parity refused every
+refit of a local bf16 MoE run). `repack_reloaded_experts` checks that each parameter is exactly
+``cpu_prepack_moe_weight`` of the sent rows (every expert of the layer sent) and then keeps those
+rows for the read-back as above; anything else is left for parity to name.
 """
 
 from __future__ import annotations
@@ -39,22 +47,59 @@ def _cpu_experts_isa(layer: torch.nn.Module) -> str | None:
     return getattr(kernel, "isa", None)
 
 
+def _packed_on_load_isa(layer: torch.nn.Module) -> str | None:
+    """vLLM 0.20: the ISA ``CPUFusedMOE`` packed ``layer``'s BF16 experts for (None: none)."""
+    if hasattr(layer, "w13_weight_scale_inv") or not hasattr(layer, "w13_weight"):
+        return None
+    fused = getattr(getattr(layer, "quant_method", None), "cpu_fused_moe", None)
+    if type(fused).__name__ != "CPUFusedMOE":
+        return None
+    if getattr(getattr(fused, "forward_method", None), "__name__", "") != "forward_grouped_gemm":
+        return None
+    return getattr(fused, "isa", None)
+
+
+def _plain_if_packed_on_load(layer: torch.nn.Module, sent_rows: list, isa: str) -> dict | None:
+    """The sent rows as full parameters, if every parameter is exactly their packed layout."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    plain = {w: torch.full_like(getattr(layer, w).data, float("nan")) for w in WEIGHTS}
+    for leaf, expert_view, start, rows, t in sent_rows:
+        full = getattr(layer, leaf).data
+        local = (expert_view.data_ptr() - full.data_ptr()) // (full.stride(0) * full.element_size())
+        plain[leaf][local, start : start + rows] = t.to(full.dtype)
+    if any(bool(torch.isnan(p).any()) for p in plain.values()):
+        return None  # not every expert row of the layer was sent
+    for w in WEIGHTS:
+        if not torch.equal(getattr(layer, w).data, cpu_prepack_moe_weight(plain[w], isa)):
+            return None
+    return plain
+
+
 def repack_reloaded_experts(model: torch.nn.Module, sent: Mapping[str, torch.Tensor]) -> list[str]:
-    """Pack again the CPU BF16 experts layers the reload left plain (module docstring); returns
-    their names. ``sent``: the HF-named tensors this refit loaded."""
-    by_layer: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    """Pack again the CPU BF16 experts layers the reload left plain, or check the ones it packed
+    (module docstring); returns their names. ``sent``: the HF-named tensors this refit loaded."""
+    by_layer: dict[str, list[tuple]] = {}
     for name, t in sent.items():
         got = resolve_expert_tensor(model, name)
         if got is not None:
             vname, param, start, rows = got
-            by_layer.setdefault(vname.rpartition(".")[0], []).append(
-                (param[start : start + rows], t)
-            )
+            path, _, leaf = vname.rpartition(".")
+            by_layer.setdefault(path, []).append((leaf, param, start, rows, t))
     repacked = []
-    for path, pairs in by_layer.items():
+    for path, sent_rows in by_layer.items():
         layer = model.get_submodule(path)
+        packed_isa = _packed_on_load_isa(layer)
+        if packed_isa is not None:
+            plain = _plain_if_packed_on_load(layer, sent_rows, packed_isa)
+            if plain is not None:
+                layer._jetrl_unpacked = plain
+                repacked.append(path)
+            continue
         isa = _cpu_experts_isa(layer)
-        if isa is None or not all(torch.equal(p, t.to(p.dtype)) for p, t in pairs):
+        if isa is None or not all(
+            torch.equal(p[s : s + r], t.to(p.dtype)) for _, p, s, r, t in sent_rows
+        ):
             continue
         from vllm._custom_ops import cpu_prepack_moe_weight
 

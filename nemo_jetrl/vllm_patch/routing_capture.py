@@ -43,12 +43,24 @@ def capture_problem() -> str | None:
     return None
 
 
+def routes_inside_its_kernel(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s experts kernel takes the router logits and routes itself without
+    calling the router's capture hook: vLLM's own ``is_monolithic`` methods (e.g. vLLM 0.20's CPU
+    BF16 experts). Ours, monolithic below vLLM 0.32, calls the hook (`experts.py`)."""
+    method = getattr(layer, "quant_method", None)
+    ours = hasattr(method, "jetrl_settings_json")
+    return bool(getattr(method, "is_monolithic", False)) and not ours
+
+
 def _routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """(decoder layer index, router) of every MoE layer with a capture hook, in layer order."""
+    """(decoder layer index, router) of every MoE layer with a capture hook that its forward
+    calls, in layer order."""
     out = []
     for name, m in model.named_modules():
         router = getattr(m, "router", None)
         if router is None or not callable(getattr(router, "set_capture_fn", None)):
+            continue
+        if routes_inside_its_kernel(m):
             continue
         match = _LAYER.search(f"{name}.")
         out.append((int(match.group(1)) if match else -1, router))

@@ -213,7 +213,7 @@ def _gaps(log_dir: Path, step: int) -> float:
     return max(gaps)
 
 
-def _check_engine_run(run, steps: list[dict[str, float]], recipe: str) -> None:
+def _check_engine_run(run, steps: list[dict[str, float]], recipe: str, captured=True) -> None:
     from nemo_jetrl.backends.local.refit import export_weights
 
     sent = engine_weights(export_weights(run.trainer.model))
@@ -229,15 +229,30 @@ def _check_engine_run(run, steps: list[dict[str, float]], recipe: str) -> None:
         assert s["jetrl/local/refit_refused"] == 0.0
         # every tensor sent read back, every expert's included (+ one scale per FP8 weight)
         assert s["jetrl/local/vllm_parity_tensors"] == len(sent) + fp8, (i, len(sent), fp8)
-        assert s[ROUTING_CAPTURED] == 1.0, (i, s[ROUTING_CAPTURED])
+        if captured:
+            assert s[ROUTING_CAPTURED] == 1.0, (i, s[ROUTING_CAPTURED])
+        else:  # the engine's routing is unknown: no routing metric at all, not a made-up one
+            assert ROUTING_CAPTURED not in s and ROUTING_MISMATCH not in s, sorted(s)
 
 
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
-    """The control: the bf16 recipe's run (replay on, as the jetrl run)."""
+    """The control: the bf16 recipe's run (replay on, as the jetrl run). Where vLLM's own BF16
+    experts route inside their kernel (vLLM 0.20's CPU experts: no router hook is called), replay
+    is refused at engine start naming the key, and the control runs without it (its routing
+    metric is then not logged)."""
+    from nemo_jetrl.config.load import ConfigError
+
     d = tmp_path_factory.mktemp("moe_bf16_control")
-    run, steps = _engine_run(d, "bf16", "policy.router_replay.enabled=true")
-    _check_engine_run(run, steps, "bf16")
+    try:
+        run, steps = _engine_run(d, "bf16", "policy.router_replay.enabled=true")
+        captured = True
+    except ConfigError as exc:
+        assert "policy.router_replay.enabled" in str(exc) and "routes inside itself" in str(exc)
+        d = tmp_path_factory.mktemp("moe_bf16_control_no_replay")
+        run, steps = _engine_run(d, "bf16")
+        captured = False
+    _check_engine_run(run, steps, "bf16", captured=captured)
     tmpe = [abs(s["train/token_mult_prob_error"] - 1.0) for s in steps]
     gaps = [_gaps(d / "run", i) for i in (1, 2)]
     return run, steps, tmpe, gaps
@@ -248,9 +263,10 @@ def test_bf16_moe_on_the_vllm_engine_is_the_control(bf16_run):
     _, steps, tmpe, gaps = bf16_run
     for i, (s, t, g) in enumerate(zip(steps, tmpe, gaps, strict=True), 1):
         print(f"bf16 step {i}: |tmpe-1| {t:.6f}, gap {g:.4f} nats, "
-              f"routing_mismatch {s[ROUTING_MISMATCH]:.4f}")  # fmt: skip
+              f"routing_mismatch {s.get(ROUTING_MISMATCH)}")  # fmt: skip
         assert t < CONTROL_TMPE_BOUND and g < CONTROL_GAP_BOUND, (i, t, g)
-        assert 0.0 <= s[ROUTING_MISMATCH] < ALIGNED_MISMATCH_BOUND, (i, s[ROUTING_MISMATCH])
+        if ROUTING_MISMATCH in s:  # absent where vLLM's BF16 experts route inside their kernel
+            assert 0.0 <= s[ROUTING_MISMATCH] < ALIGNED_MISMATCH_BOUND, (i, s[ROUTING_MISMATCH])
 
 
 @pytest.mark.vllm

@@ -21,7 +21,15 @@ import pytest
 import torch
 from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
 from test_nemo_rl_hook_moe_engine import _experts_kernel_here
-from vllm_fixtures import bf16_rounding_gap, fp8_gap_bound, logprob_gap, vllm_cpu_env
+from vllm_fixtures import (
+    EP_FP8_GAP_PER_FP8_ROUNDING_GAP,
+    FP8_GAP_PER_FP8_ROUNDING_GAP,
+    bf16_rounding_gap,
+    fp8_rounding_gap,
+    logprob_gap,
+    moe_fp8_gap_bound,
+    vllm_cpu_env,
+)
 
 pytestmark = [
     pytest.mark.vllm,
@@ -251,8 +259,11 @@ def test_each_rank_computes_its_part_with_trainings_bits(served, settings, train
     assert calls >= 2 * 2 * MAX_TOKENS  # both ranks, both MoE layers, prefill + decode steps
     ref, trainer = trainer_ref
     gap, control = logprob_gap(outs, ref), bf16_rounding_gap(outs, trainer)
-    print(f"{mode}: {calls} calls bit-exact; fp8 gap {gap:.4f}, bf16 control {control:.4f}")
-    assert gap <= fp8_gap_bound(control), (gap, control)
+    rounding = fp8_rounding_gap(outs, ref)
+    print(f"{mode}: {calls} calls bit-exact; fp8 gap {gap:.4f}, controls: bf16 {control:.4f}, "
+          f"fp8 ref bf16 vs fp32 {rounding:.4f}")  # fmt: skip
+    per = EP_FP8_GAP_PER_FP8_ROUNDING_GAP if mode == "ep" else FP8_GAP_PER_FP8_ROUNDING_GAP
+    assert gap <= moe_fp8_gap_bound(control, rounding, per), (gap, control, rounding)
 
 
 @pytest.fixture(scope="module")

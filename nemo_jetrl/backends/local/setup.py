@@ -243,6 +243,19 @@ class LocalRun(RunStep, RunCheckpointing):
         )
         if self.routing.active:
             self.routing.use_engine(self.engine.routing_unavailable)
+            if self.engine.routing_unavailable is not None and self.routing.replay:
+                why = self.engine.routing_unavailable
+                self.close()
+                raise ConfigError(
+                    [
+                        ConfigIssue(
+                            "policy.router_replay.enabled",
+                            "routing replay needs the vLLM engine's routed experts, which this "
+                            f"engine cannot record ({why}): set policy.router_replay.enabled=false "
+                            "or jetrl.local.rollout_engine=hf",
+                        )
+                    ]
+                )
             if self.engine.routing_unavailable is not None:
                 self.log(
                     "jetrl/moe/routing_mismatch not logged: the vLLM engine's routing cannot "
