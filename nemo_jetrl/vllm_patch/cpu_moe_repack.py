@@ -35,9 +35,14 @@ from nemo_jetrl.vllm_patch.moe_names import resolve_expert_tensor
 WEIGHTS = ("w13_weight", "w2_weight")
 
 
+def _bf16_experts(layer: torch.nn.Module) -> bool:
+    """An unquantized routed-experts layer (w13/w2 weights, no FP8 scales)."""
+    return hasattr(layer, "w13_weight") and not hasattr(layer, "w13_weight_scale_inv")
+
+
 def _cpu_experts_isa(layer: torch.nn.Module) -> str | None:
     """The ISA a CPU unquantized experts kernel packed ``layer``'s weights for (None: none)."""
-    if hasattr(layer, "w13_weight_scale_inv") or not hasattr(layer, "w13_weight"):
+    if not _bf16_experts(layer):
         return None
     kernel = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)  # fmt: skip
     if kernel is None or getattr(kernel, "_use_zentorch", False):
@@ -49,7 +54,7 @@ def _cpu_experts_isa(layer: torch.nn.Module) -> str | None:
 
 def _packed_on_load_isa(layer: torch.nn.Module) -> str | None:
     """vLLM 0.20: the ISA ``CPUFusedMOE`` packed ``layer``'s BF16 experts for (None: none)."""
-    if hasattr(layer, "w13_weight_scale_inv") or not hasattr(layer, "w13_weight"):
+    if not _bf16_experts(layer):
         return None
     fused = getattr(getattr(layer, "quant_method", None), "cpu_fused_moe", None)
     if type(fused).__name__ != "CPUFusedMOE":

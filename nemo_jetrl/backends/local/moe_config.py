@@ -62,6 +62,16 @@ def _engine_capture_problem() -> str | None:
     return capture_problem()
 
 
+def replay_unrecordable(why: str) -> ConfigIssue:
+    """Replay refused because the vLLM engine's routing cannot be recorded (``why``): before the
+    run (`moe_run_issues`, from vLLM's code) or at engine start (the engine's own answer)."""
+    return ConfigIssue(
+        ROUTER_REPLAY_KEY,
+        f"routing replay needs the vLLM engine's routed experts, which cannot be recorded here "
+        f"({why}): set policy.router_replay.enabled=false or jetrl.local.rollout_engine=hf",
+    )
+
+
 def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
     """Every MoE-related problem of a local run's config (see the module docstring)."""
     issues: list[ConfigIssue] = []
@@ -94,14 +104,7 @@ def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
     if on_vllm and replay is True:
         why = _engine_capture_problem()
         if why is not None:
-            issues.append(
-                ConfigIssue(
-                    ROUTER_REPLAY_KEY,
-                    "routing replay needs the vLLM engine's routed experts, which cannot be "
-                    f"recorded here ({why}): set policy.router_replay.enabled=false or "
-                    "jetrl.local.rollout_engine=hf",
-                )
-            )
+            issues.append(replay_unrecordable(why))
     k = model.get("num_experts_per_tok")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= experts:
         issues.append(

@@ -18,7 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
 from nemo_jetrl.backends.local.model import build_model, load_model_config
-from nemo_jetrl.backends.local.moe_config import moe_run_issues, router_replay_enabled
+from nemo_jetrl.backends.local.moe_config import (
+    moe_run_issues,
+    replay_unrecordable,
+    router_replay_enabled,
+)
 from nemo_jetrl.backends.local.precision import (
     freeze,
     make_rollout_model,
@@ -246,16 +250,7 @@ class LocalRun(RunStep, RunCheckpointing):
             if self.engine.routing_unavailable is not None and self.routing.replay:
                 why = self.engine.routing_unavailable
                 self.close()
-                raise ConfigError(
-                    [
-                        ConfigIssue(
-                            "policy.router_replay.enabled",
-                            "routing replay needs the vLLM engine's routed experts, which this "
-                            f"engine cannot record ({why}): set policy.router_replay.enabled=false "
-                            "or jetrl.local.rollout_engine=hf",
-                        )
-                    ]
-                )
+                raise ConfigError([replay_unrecordable(why)])
             if self.engine.routing_unavailable is not None:
                 self.log(
                     "jetrl/moe/routing_mismatch not logged: the vLLM engine's routing cannot "

@@ -231,8 +231,8 @@ class VllmRollout:
             routing_capture.stop(self._live().llm)
             self.routing_unavailable = (
                 f"the engine's hookable routers are in decoder layers {hooked}, the policy's MoE "
-                f"layers are {self.moe_layers} (an experts kernel that routes inside itself, as "
-                "vLLM 0.20's CPU BF16 experts do, calls no router hook)"
+                f"layers are {self.moe_layers}; an experts kernel that routes inside itself, "
+                "e.g. vLLM 0.20's CPU BF16 experts, calls no router hook"
             )
 
     @property
