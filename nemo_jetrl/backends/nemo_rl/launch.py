@@ -7,10 +7,14 @@ Steps, in order (each user error ends the run with a message, no traceback):
 3. translate into NeMo-RL keys and worker plumbing (`nemo_rl_translate.translate`);
 4. check that NeMo-RL (and Ray) import; if not, say what is missing and how to get it (the
    Docker image built from docker/Dockerfile);
-5. launch as NeMo-RL's ``examples/run_grpo.py`` does (config -> ``MasterConfig``, ``init_ray``,
-   tokenizer, ``configure_generation_config``, ``setup_response_data``, ``grpo.setup`` with our
-   ``policy_factory``, ``grpo_train``), with our policy worker registered, the loss function
-   wrapped to add mismatch metrics and the logger proxied (`nemo_rl_metrics`).
+5. before Ray starts (`driver.prepare_master`): the trainer kind (async GRPO, or a refusal of
+   the TransferQueue data plane), every path the config names made absolute or refused by key
+   (`paths.py`), the workers' venvs (`venvs.py`), the vLLM version in the vLLM workers' venv;
+6. launch as NeMo-RL's ``examples/run_grpo.py`` does (``init_ray``, tokenizer,
+   ``configure_generation_config``, ``setup_response_data``, ``grpo.setup`` with our
+   ``policy_factory``, ``grpo_train`` or ``async_grpo_train``), with our policy worker
+   registered, the loss function wrapped to add mismatch metrics and the logger proxied
+   (`driver.py`, `metrics.py`).
 
 Entry point for the CLI: ``run_nemo_rl(cfg, overrides) -> int``.
 """
@@ -132,11 +136,13 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
 
 @contextlib.contextmanager
 def registered_policy_worker(
-    registry: MutableMapping[str, str], fqn: str = POLICY_WORKER_FQN
+    registry: MutableMapping[str, str], fqn: str = POLICY_WORKER_FQN, entry: str | None = None
 ) -> Iterator[str]:
     """Register our policy worker with the stock Megatron worker's Python environment; revert after.
 
     NeMo-RL refuses to start an actor whose class has no entry in ``ACTOR_ENVIRONMENT_REGISTRY``.
+    ``entry``: the stock worker venv's python (`venvs.policy_worker_entry`); default the stock
+    entry itself.
     """
     if STOCK_POLICY_WORKER not in registry:
         raise RuntimeError(
@@ -145,7 +151,7 @@ def registered_policy_worker(
         )
     had = fqn in registry
     old = registry.get(fqn)
-    registry[fqn] = registry[STOCK_POLICY_WORKER]
+    registry[fqn] = entry or registry[STOCK_POLICY_WORKER]
     try:
         yield registry[fqn]
     finally:
@@ -157,10 +163,13 @@ def registered_policy_worker(
 
 def vllm_worker_python(registry: Mapping[str, str], venv_dir: str | None = None) -> str:
     """The Python that NeMo-RL's vLLM workers run (prebuilt venv in the image, else the entry)."""
+    from nemo_jetrl.backends.nemo_rl.venvs import venv_dir as nemo_rl_venv_dir
+
     entry = registry.get(VLLM_WORKER, "python")
     if entry.startswith("uv"):
-        base = venv_dir or os.environ.get("NEMO_RL_VENV_DIR", "venvs")
-        return str(Path(base) / VLLM_WORKER / "bin" / "python")
+        # NeMo-RL's own default: <its git root>/venvs, never the working directory.
+        base = Path(venv_dir) if venv_dir else nemo_rl_venv_dir()
+        return str(base / VLLM_WORKER / "bin" / "python")
     return entry
 
 
@@ -218,100 +227,63 @@ def merge_nemo_rl_defaults(master: Mapping[str, Any], base_yaml: Path) -> dict[s
 # -- launch (needs NeMo-RL) ----------------------------------------------------------------------
 
 
-def launch(prepared: Prepared) -> int:  # pragma: no cover - runs in the Docker image (nemo_rl test)
-    """Step 5: NeMo-RL's GRPO, as examples/run_grpo.py runs it, with our pieces plugged in."""
+def launch(prepared: Prepared) -> int:  # pragma: no cover - NeMo-RL tier up to grpo.setup; GPUs
+    """Step 5: NeMo-RL's GRPO, as examples/run_grpo.py runs it, with our pieces plugged in.
+
+    Every check (trainer kind, paths, worker venvs, vLLM version) runs before ``init_ray``."""
     from nemo_rl.distributed import ray_actor_environment_registry as reg
     from nemo_rl.distributed.virtual_cluster import init_ray
 
-    config = _master_config(prepared, reg.ACTOR_ENVIRONMENT_REGISTRY)
-    with registered_policy_worker(reg.ACTOR_ENVIRONMENT_REGISTRY):
+    from nemo_jetrl.backends.nemo_rl import driver
+
+    config, kind, entry, max_age = _master_config(prepared, reg.ACTOR_ENVIRONMENT_REGISTRY)
+    with registered_policy_worker(reg.ACTOR_ENVIRONMENT_REGISTRY, entry=entry):
         init_ray()
-        _train(config, prepared.plan)
+        driver.train(config, prepared.plan, kind, max_age)
     return 0
 
 
 def _master_config(prepared: Prepared, registry: Mapping[str, str]) -> Any:  # pragma: no cover
-    """Preflight the vLLM patch, then NeMo-RL's MasterConfig on its defaults with a new log dir."""
+    """NeMo-RL's MasterConfig on its defaults after the driver's checks; (config, trainer kind,
+    our worker's registry entry, async max trajectory age)."""
     from nemo_rl.algorithms.grpo import MasterConfig
     from nemo_rl.utils.config import register_omegaconf_resolvers
     from nemo_rl.utils.logger import get_next_experiment_dir
 
+    from nemo_jetrl.backends.nemo_rl import driver, venvs
+    from nemo_jetrl.build_info import version_line
+
     plan = prepared.plan
-    if VLLM_PATCH_ENV in plan.workers.vllm_env:
-        preflight_vllm_patch(vllm_worker_python(registry))
+    defaults = nemo_rl_defaults_path()
+    merged = merge_nemo_rl_defaults(plan.master_config, defaults)
+    base = venvs.venv_dir()
+    kind, entry, lines = driver.prepare_master(
+        merged,
+        plan.master_config,
+        nemo_rl_dir=defaults.parents[2],
+        venv_base=base,
+        stock_entry=registry[STOCK_POLICY_WORKER],
+        vllm_entry=registry.get(VLLM_WORKER, "python"),
+        vllm_patch=VLLM_PATCH_ENV in plan.workers.vllm_env,
+        environ=os.environ,
+        next_log_dir=get_next_experiment_dir,
+        preflight=preflight_vllm_patch,
+    )
     register_omegaconf_resolvers()
-    config = MasterConfig(**merge_nemo_rl_defaults(plan.master_config, nemo_rl_defaults_path()))
-    config.logger["log_dir"] = get_next_experiment_dir(config.logger["log_dir"])
-    print(f"jetrl: recipe {plan.recipe.name}; NeMo-RL log dir {config.logger['log_dir']}")
+    config = MasterConfig(**merged)
+    log_dir = config.logger["log_dir"]
+    print(f"jetrl: {version_line()}; recipe {plan.recipe.name}; trainer {kind}")
+    print(f"jetrl: NeMo-RL log dir {log_dir} (TensorBoard: {log_dir}/tensorboard)")
+    if config.checkpointing["enabled"]:
+        print(f"jetrl: checkpoints {config.checkpointing['checkpoint_dir']}")
+    for line in lines:
+        print(f"jetrl: {line}")
     for w in prepared.warnings:
         print(f"jetrl: note: {w}")
-    return config
-
-
-def _tokenizer_and_data(config: Any) -> tuple[Any, ...]:  # pragma: no cover
-    """Tokenizer, generation config and datasets as run_grpo.py builds them; returns
-    (tokenizer, dataset, val_dataset, task_to_env, val_task_to_env)."""
-    from nemo_rl.algorithms.utils import get_tokenizer
-    from nemo_rl.data.utils import setup_response_data
-    from nemo_rl.models.generation import configure_generation_config
-
-    tokenizer = get_tokenizer(config.policy["tokenizer"])
-    megatron_cfg = config.policy.get("megatron_cfg") or {}
-    config.policy["generation"] = configure_generation_config(
-        config.policy["generation"],
-        tokenizer,
-        has_refit_draft_weights=bool(config.policy["draft"]["enabled"]),
-        trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
+    max_age = ((merged.get("grpo") or {}).get("async_grpo") or {}).get(
+        "max_trajectory_age_steps", 1
     )
-    return (tokenizer, *setup_response_data(tokenizer, config.data, config.env))
-
-
-def _train(config: Any, plan: NemoRlPlan) -> None:  # pragma: no cover
-    """grpo.setup with our policy worker, then grpo_train with the mismatch-metrics loss wrapper
-    and logger proxy."""
-    from nemo_rl.algorithms.grpo import grpo_train, setup
-    from nemo_rl.models.policy.lm_policy import Policy
-
-    from nemo_jetrl.backends.nemo_rl.metrics import JetrlLoggerProxy, MismatchMetricsLoss
-
-    def policy_factory(**kwargs: Any) -> Any:
-        return Policy(**kwargs, worker_extension_cls_fqn=plan.workers.policy_worker_fqn)
-
-    tokenizer, dataset, val_dataset, task_to_env, val_task_to_env = _tokenizer_and_data(config)
-    (
-        policy,
-        policy_generation,
-        _gym,
-        _cluster,
-        dataloader,
-        val_dataloader,
-        loss_fn,
-        logger,
-        checkpointer,
-        grpo_state,
-        master_config,
-        _teachers,
-        _aliases,
-    ) = setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory)
-    loss_fn = MismatchMetricsLoss(loss_fn, plan.workers.ratio_bounds)
-    logger = JetrlLoggerProxy(logger)
-    try:
-        grpo_train(
-            policy,
-            policy_generation,
-            dataloader,
-            val_dataloader,
-            tokenizer,
-            loss_fn,
-            task_to_env,
-            val_task_to_env,
-            logger,
-            checkpointer,
-            grpo_state,
-            master_config,
-        )
-    finally:
-        policy_generation.shutdown()
+    return config, kind, entry, int(max_age or 1)
 
 
 def run_nemo_rl(cfg: Any, overrides: Sequence[str] = ()) -> int:

@@ -1,0 +1,225 @@
+"""The Ray driver's side of ``jetrl train --backend nemo-rl``, as NeMo-RL's ``examples/run_grpo.py``
+runs it (v0.7.0 and main 7ea279a read): MasterConfig on NeMo-RL's defaults, tokenizer, data,
+``grpo.setup`` with our policy worker, then the trainer ``run_grpo.py`` picks.
+
+Everything a user can get wrong is checked in :func:`master_config`, before ``init_ray``: the
+trainer kind (async GRPO and its unsupported features, NeMo-RL's TransferQueue data plane),
+every path the config names (`paths.py`), the workers' Python (`venvs.py`), the vLLM version
+in the vLLM workers' venv.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SYNC = "sync"
+ASYNC = "async"
+# run_grpo.py refuses these with async GRPO (NotImplementedError there; a UserError here).
+ASYNC_UNSUPPORTED = ("use_dynamic_sampling", "reward_scaling", "reward_shaping")
+
+
+def _user_error(msg: str) -> Exception:
+    from nemo_jetrl.errors import UserError
+
+    return UserError(msg)
+
+
+def _enabled(node: Any) -> bool:
+    return bool(node.get("enabled")) if isinstance(node, Mapping) else bool(node)
+
+
+def trainer_kind(cfg: Mapping[str, Any]) -> str:
+    """``async`` when ``grpo.async_grpo.enabled`` (NeMo-RL's ``async_grpo_train``), else ``sync``.
+
+    Refused by key: ``data_plane.enabled`` (NeMo-RL's TransferQueue trainer ``grpo_train_sync``
+    with its ``TQPolicy``: our policy worker and loss wrapper are not wired into it), and the
+    features run_grpo.py refuses with async GRPO.
+    """
+    if _enabled((cfg.get("data_plane") or {}).get("enabled", False)):
+        raise _user_error(
+            "data_plane.enabled=true (NeMo-RL's TransferQueue trainer grpo_train_sync with "
+            "TQPolicy) is not supported by the nemo-rl backend: our policy worker, loss wrapper "
+            "and mismatch metrics run with the legacy trainer only. Set data_plane.enabled=false."
+        )
+    grpo = cfg.get("grpo") or {}
+    if not _enabled((grpo.get("async_grpo") or {}).get("enabled", False)):
+        return SYNC
+    bad = [
+        f"grpo.{k}" + ("" if k == "use_dynamic_sampling" else ".enabled")
+        for k in ASYNC_UNSUPPORTED
+        if k in grpo and _enabled(grpo[k])
+    ]
+    if (cfg.get("data") or {}).get("use_multiple_dataloader"):
+        bad.append("data.use_multiple_dataloader")
+    if bad:
+        raise _user_error(
+            "grpo.async_grpo.enabled=true: NeMo-RL's async GRPO does not support "
+            + ", ".join(bad)
+            + " (examples/run_grpo.py refuses them); turn those off or async_grpo off"
+        )
+    return ASYNC
+
+
+@dataclass
+class DriverSetup:
+    """What the driver needs after its checks: NeMo-RL's MasterConfig and how to run it."""
+
+    config: Any
+    kind: str
+    policy_entry: str
+    log_lines: list[str] = field(default_factory=list)
+
+
+def prepare_master(
+    merged: MutableMapping[str, Any],
+    ours: Mapping[str, Any],
+    *,
+    nemo_rl_dir: Path,
+    venv_base: Path,
+    stock_entry: str,
+    vllm_entry: str,
+    vllm_patch: bool,
+    environ: Mapping[str, str],
+    next_log_dir: Any,
+    preflight: Any,
+    cwd: Path | None = None,
+) -> tuple[str, str, list[str]]:
+    """The checks and path/venv settings on the merged dict (NeMo-RL's defaults + ours), in place.
+
+    Returns (trainer kind, registry entry for our policy worker, log lines). No Ray, no NeMo-RL
+    import: NeMo-RL's ``get_next_experiment_dir`` and the vLLM preflight come in as callables.
+    """
+    from nemo_jetrl.backends.nemo_rl import venvs
+    from nemo_jetrl.backends.nemo_rl.paths import PathProblem, resolve_config_paths
+    from nemo_jetrl.backends.nemo_rl.translate import POLICY_WORKER_FQN, STOCK_POLICY_WORKER
+
+    kind = trainer_kind(merged)
+    try:
+        lines = [f"path {c}" for c in resolve_config_paths(merged, ours, nemo_rl_dir, cwd)]
+    except PathProblem as exc:
+        raise _user_error(str(exc)) from None
+    rebuild = venvs.force_rebuild(environ)
+    entry, line = venvs.policy_worker_entry(stock_entry, STOCK_POLICY_WORKER, venv_base, rebuild)
+    lines.append(line)
+    vllm_py = venvs.venv_python(
+        venv_base, "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
+    )
+    if vllm_patch:
+        if not vllm_entry.startswith("uv"):
+            preflight(vllm_entry)
+        elif vllm_py.is_file() and not rebuild:
+            preflight(str(vllm_py))
+        else:
+            lines.append(
+                f"vLLM version check deferred to engine start ({vllm_py} is "
+                + ("rebuilt by NeMo-RL" if rebuild else "not built yet")
+                + "; the plugin refuses an unsupported vLLM there)"
+            )
+    logger = merged.setdefault("logger", {})
+    logger["log_dir"] = str(
+        next_log_dir(str(Path(cwd or Path.cwd()) / logger.get("log_dir", "logs")))
+    )
+    if rebuild:
+        stale = venvs.remove_stale_link(venv_base, POLICY_WORKER_FQN)
+        if stale:
+            lines.append(stale)
+        overlay = venvs.write_overlay(Path(logger["log_dir"]) / venvs.OVERLAY_NAME)
+        policy = merged.setdefault("policy", {})
+        for path in (("megatron_cfg",), ("generation", "vllm_cfg")):
+            node = policy
+            for p in path:
+                node = node.setdefault(p, {})
+            node["env_vars"] = venvs.with_pythonpath(node.get("env_vars") or {}, overlay)
+        lines.append(
+            f"{venvs.FORCE_REBUILD_ENV}=true: NeMo-RL rebuilds its worker venvs without "
+            f"nemo_jetrl; put {overlay} (nemo_jetrl + its vLLM plugin entry point) on the "
+            "Megatron and vLLM workers' PYTHONPATH"
+        )
+    return kind, entry, lines
+
+
+def train(config: Any, plan: Any, kind: str, max_age: int = 1) -> None:  # pragma: no cover
+    # (runs in the NeMo-RL tier up to grpo.setup, and on GPUs)
+    """Tokenizer, data, ``grpo.setup`` with our policy worker, then the trainer for ``kind``, with
+    the mismatch-metrics loss wrapper and logger proxy."""
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.models.generation import configure_generation_config
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    from nemo_jetrl.backends.nemo_rl.metrics import JetrlLoggerProxy, MismatchMetricsLoss
+
+    tokenizer = get_tokenizer(config.policy["tokenizer"])
+    megatron_cfg = config.policy.get("megatron_cfg") or {}
+    config.policy["generation"] = configure_generation_config(
+        config.policy["generation"],
+        tokenizer,
+        has_refit_draft_weights=bool(config.policy["draft"]["enabled"]),
+        trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
+    )
+    dataset, val_dataset, task_to_env, val_task_to_env = setup_response_data(
+        tokenizer, config.data, config.env
+    )
+
+    def policy_factory(**kwargs: Any) -> Any:
+        return Policy(**kwargs, worker_extension_cls_fqn=plan.workers.policy_worker_fqn)
+
+    (
+        policy,
+        policy_generation,
+        _gym,
+        _cluster,
+        dataloader,
+        val_dataloader,
+        loss_fn,
+        logger,
+        checkpointer,
+        grpo_state,
+        master_config,
+        teachers,
+        aliases,
+    ) = grpo.setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory)
+    loss_fn = MismatchMetricsLoss(loss_fn, plan.workers.ratio_bounds)
+    logger = JetrlLoggerProxy(logger)
+    try:
+        if kind == ASYNC:
+            print("jetrl: running NeMo-RL's async GRPO (grpo.async_grpo.enabled)", flush=True)
+            grpo.async_grpo_train(
+                policy=policy,
+                policy_generation=policy_generation,
+                dataloader=dataloader,
+                val_dataloader=val_dataloader,
+                tokenizer=tokenizer,
+                loss_fn=loss_fn,
+                task_to_env=task_to_env,
+                val_task_to_env=val_task_to_env,
+                logger=logger,
+                checkpointer=checkpointer,
+                grpo_save_state=grpo_state,
+                master_config=master_config,
+                max_trajectory_age_steps=max_age,
+                teacher_worker_groups=teachers,
+                alias_to_group_alias=aliases,
+            )
+        else:
+            print("jetrl: running NeMo-RL's synchronous GRPO (grpo_train)", flush=True)
+            grpo.grpo_train(
+                policy,
+                policy_generation,
+                dataloader,
+                val_dataloader,
+                tokenizer,
+                loss_fn,
+                task_to_env,
+                val_task_to_env,
+                logger,
+                checkpointer,
+                grpo_state,
+                master_config,
+            )
+    finally:
+        policy_generation.shutdown()

@@ -1,0 +1,133 @@
+"""Where NeMo-RL's Ray workers get their Python, and how nemo_jetrl stays in it.
+
+NeMo-RL (``nemo_rl/utils/venvs.py``) builds one venv per actor class under ``$NEMO_RL_VENV_DIR``
+(default ``<NeMo-RL git root>/venvs``, not the working directory) and reuses an existing one;
+``NRL_FORCE_REBUILD_VENVS=true`` makes it ``shutil.rmtree`` each venv and ``uv sync`` it afresh
+from NeMo-RL's own project, which drops nemo_jetrl (our worker class, our vLLM plugin).
+
+What the launch does about it (driver process, before Ray starts):
+
+- our policy worker runs on the stock Megatron worker's venv *by its python path* when that venv
+  is built (no venv named after our class, no symlink for NeMo-RL to trip over);
+- with the rebuild flag on, the stock venvs are rebuilt without nemo_jetrl, so the launch writes
+  an overlay (a directory with a link to this nemo_jetrl and its entry-point metadata) next to
+  the venvs and puts it on the workers' ``PYTHONPATH`` (Megatron workers and vLLM workers, whose
+  engine subprocesses inherit it): rebuilt venvs import nemo_jetrl and load our vLLM plugin.
+  A stale link left by an older image at our class's venv name is removed (NeMo-RL's rmtree
+  raises OSError on a link).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+FORCE_REBUILD_ENV = "NRL_FORCE_REBUILD_VENVS"
+OVERLAY_NAME = "nemo_jetrl_overlay"
+
+
+def force_rebuild(environ: Mapping[str, str] | None = None) -> bool:
+    """NeMo-RL's own test of the flag (``venvs.create_local_venv_on_each_node``)."""
+    env = os.environ if environ is None else environ
+    return env.get(FORCE_REBUILD_ENV, "false").lower() == "true"
+
+
+def nemo_rl_git_root() -> Path | None:
+    """NeMo-RL's checkout (the directory above the ``nemo_rl`` package), found without importing it."""
+    try:
+        spec = importlib.util.find_spec("nemo_rl")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve().parent
+
+
+def venv_dir(environ: Mapping[str, str] | None = None, git_root: Path | None = None) -> Path:
+    """``$NEMO_RL_VENV_DIR``, else NeMo-RL's ``DEFAULT_VENV_DIR`` (``<git root>/venvs``)."""
+    env = os.environ if environ is None else environ
+    if env.get("NEMO_RL_VENV_DIR"):
+        return Path(os.path.normpath(env["NEMO_RL_VENV_DIR"]))
+    root = git_root or nemo_rl_git_root()
+    if root is None:
+        raise RuntimeError("NeMo-RL is not importable: cannot place its venvs")
+    return root / "venvs"
+
+
+def venv_python(base: Path, actor_fqn: str) -> Path:
+    return base / actor_fqn / "bin" / "python"
+
+
+def policy_worker_entry(
+    stock_entry: str, stock_fqn: str, base: Path, rebuild: bool
+) -> tuple[str, str]:
+    """(registry entry for our worker class, log line).
+
+    The stock worker's built venv by path when there is one and no rebuild is asked for; else
+    the stock entry itself (a ``uv run ...`` line: NeMo-RL builds a venv for our class name).
+    """
+    py = venv_python(base, stock_fqn)
+    if not stock_entry.startswith("uv"):
+        return stock_entry, f"policy worker python: {stock_entry}"
+    if py.is_file() and not rebuild:
+        return str(py), f"policy worker python: {py} (NeMo-RL's Megatron worker venv)"
+    why = f"{FORCE_REBUILD_ENV}=true" if rebuild else f"{py} not built yet"
+    return stock_entry, f"policy worker venv built by NeMo-RL ({why}): {stock_entry}"
+
+
+def remove_stale_link(base: Path, our_fqn: str) -> str | None:
+    """An older image linked our class's venv name to the stock venv; NeMo-RL's forced rebuild
+    rmtree's it and fails on a link. Remove the link (never a real venv)."""
+    p = base / our_fqn
+    if p.is_symlink():
+        p.unlink()
+        return f"removed {p} (a link NeMo-RL's {FORCE_REBUILD_ENV} rebuild cannot remove)"
+    return None
+
+
+def write_overlay(target: Path, dist_name: str = "nemo_jetrl", package: str = "nemo_jetrl") -> Path:
+    """A directory importable from ``PYTHONPATH`` that holds this nemo_jetrl and its metadata.
+
+    ``<target>/nemo_jetrl`` links to the package the driver imports; ``<target>/<dist>.dist-info``
+    copies its METADATA and ``entry_points.txt`` so ``importlib.metadata`` (vLLM's plugin loader)
+    finds our ``vllm.general_plugins`` entry. Rewritten on every launch (idempotent).
+    """
+    dist = importlib.metadata.distribution(dist_name)
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"{package} is not importable")
+    pkg_dir = Path(next(iter(spec.submodule_search_locations))).resolve()
+    target.mkdir(parents=True, exist_ok=True)
+    link = target / package
+    if link.is_symlink() or link.exists():
+        if link.is_symlink() and Path(os.readlink(link)) == pkg_dir:
+            pass
+        else:
+            link.unlink()
+            link.symlink_to(pkg_dir, target_is_directory=True)
+    else:
+        link.symlink_to(pkg_dir, target_is_directory=True)
+    info = target / f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}.dist-info"
+    for old in target.glob("*.dist-info"):
+        if old != info:
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {dist.metadata['Name']}\nVersion: {dist.version}\n"
+    )
+    (info / "entry_points.txt").write_text(dist.read_text("entry_points.txt") or "")
+    return target
+
+
+def with_pythonpath(env_vars: Mapping[str, str], entry: Path) -> dict[str, str]:
+    """``env_vars`` with ``entry`` first on ``PYTHONPATH`` (the config's value, else the driver's)."""
+    out = dict(env_vars)
+    rest = out.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    parts = [str(entry)] + [p for p in rest.split(os.pathsep) if p and p != str(entry)]
+    out["PYTHONPATH"] = os.pathsep.join(parts)
+    return out

@@ -1,0 +1,189 @@
+"""What the nemo-rl launch checks and sets before Ray starts (issue 36): every path the config
+names made absolute or refused by key, the trainer kind (async GRPO / data plane), the workers'
+venvs under NRL_FORCE_REBUILD_VENVS. NeMo-RL's real loader and data setup on both trees:
+tests/backends/test_nemo_rl_launch_data.py (NeMo-RL tier)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_jetrl.backends.nemo_rl import driver, venvs
+from nemo_jetrl.backends.nemo_rl.paths import PathProblem, resolve_config_paths
+from nemo_jetrl.backends.nemo_rl.translate import POLICY_WORKER_FQN, STOCK_POLICY_WORKER
+from nemo_jetrl.errors import UserError
+
+VLLM_FQN = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
+MCORE_UV = "uv run --locked --extra mcore"
+
+
+def _nemo_rl_tree(tmp: Path) -> Path:
+    tree = tmp / "nemo-rl"
+    (tree / "examples" / "prompts").mkdir(parents=True)
+    (tree / "examples" / "prompts" / "cot.txt").write_text("Think step by step. {}")
+    return tree
+
+
+def _merged(**data) -> dict:
+    return {
+        "data": {"default": {"prompt_file": "examples/prompts/cot.txt"}, **data},
+        "logger": {"log_dir": "logs/x"},
+        "checkpointing": {"checkpoint_dir": "results/x"},
+    }
+
+
+def test_defaults_prompt_file_resolves_against_nemo_rl_from_any_directory(tmp_path):
+    tree, cwd = _nemo_rl_tree(tmp_path), tmp_path / "elsewhere"
+    cwd.mkdir()
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    changed = resolve_config_paths(merged, {}, tree, cwd)
+    assert merged["data"]["default"]["prompt_file"] == str(tree / "examples/prompts/cot.txt")
+    assert merged["logger"]["log_dir"] == str(cwd / "logs/x")
+    assert merged["checkpointing"]["checkpoint_dir"] == str(cwd / "results/x")
+    assert len(changed) == 3 and changed[0].startswith("data.default.prompt_file: ")
+
+
+def test_user_paths_resolve_against_the_launch_directory_first(tmp_path):
+    tree, cwd = _nemo_rl_tree(tmp_path), tmp_path / "work"
+    (cwd / "examples" / "prompts").mkdir(parents=True)
+    (cwd / "examples" / "prompts" / "cot.txt").write_text("mine {}")
+    (cwd / "train.jsonl").write_text("{}\n")
+    ours = {"data": {"default": {"prompt_file": "examples/prompts/cot.txt"}}}
+    merged = _merged(train=[{"data_path": "train.jsonl"}, {"data_path": "org/hub-dataset"}])
+    resolve_config_paths(merged, ours, tree, cwd)
+    assert merged["data"]["default"]["prompt_file"] == str(cwd / "examples/prompts/cot.txt")
+    assert merged["data"]["train"][0]["data_path"] == str(cwd / "train.jsonl")
+    assert merged["data"]["train"][1]["data_path"] == "org/hub-dataset"  # a HuggingFace name
+
+
+def test_missing_paths_are_refused_by_key(tmp_path):
+    tree, cwd = _nemo_rl_tree(tmp_path), tmp_path
+    merged = _merged(
+        train={"data_path": "nope/train.jsonl", "system_prompt_file": "/abs/missing.txt"}
+    )
+    (cwd / "results").mkdir()
+    (cwd / "results" / "x").write_text("a file")
+    with pytest.raises(PathProblem) as e:
+        resolve_config_paths(merged, {}, tree, cwd)
+    msg = str(e.value)
+    assert "data.train.data_path: 'nope/train.jsonl' does not exist" in msg
+    assert "data.train.system_prompt_file: '/abs/missing.txt' does not exist" in msg
+    assert "checkpointing.checkpoint_dir:" in msg and "is not a directory" in msg
+
+
+def _prep(merged, tmp_path, environ=None, **kw):
+    calls = []
+    args = dict(
+        nemo_rl_dir=_nemo_rl_tree(tmp_path)
+        if not (tmp_path / "nemo-rl").exists()
+        else tmp_path / "nemo-rl",
+        venv_base=tmp_path / "venvs",
+        stock_entry=MCORE_UV,
+        vllm_entry="uv run --locked --extra vllm",
+        vllm_patch=True,
+        environ=environ or {},
+        next_log_dir=lambda d: os.path.join(d, "exp_001"),
+        preflight=calls.append,
+        cwd=tmp_path,
+    )
+    args.update(kw)
+    return (*driver.prepare_master(merged, {}, **args), calls)
+
+
+def test_trainer_kind_follows_run_grpo_and_refuses_by_key():
+    assert driver.trainer_kind({"grpo": {"async_grpo": {"enabled": False}}}) == driver.SYNC
+    cfg = {"grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": False}}
+    assert driver.trainer_kind(cfg) == driver.ASYNC
+    with pytest.raises(UserError, match=r"grpo\.use_dynamic_sampling.*data\.use_multiple"):
+        driver.trainer_kind(
+            {
+                "grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": True},
+                "data": {"use_multiple_dataloader": True},
+            }
+        )
+    with pytest.raises(UserError, match=r"grpo\.reward_shaping\.enabled"):
+        driver.trainer_kind(
+            {"grpo": {"async_grpo": {"enabled": True}, "reward_shaping": {"enabled": True}}}
+        )
+    with pytest.raises(UserError, match=r"data_plane\.enabled=true"):
+        driver.trainer_kind({"data_plane": {"enabled": True}})
+
+
+def test_prepare_master_checks_paths_before_anything_else(tmp_path):
+    merged = _merged(train={"data_path": "missing.jsonl"})
+    with pytest.raises(UserError, match=r"data\.train\.data_path"):
+        _prep(merged, tmp_path)
+
+
+def test_bare_metal_venvs_are_nemo_rl_git_root_venvs(tmp_path):
+    assert venvs.venv_dir({}, git_root=tmp_path) == tmp_path / "venvs"
+    assert venvs.venv_dir({"NEMO_RL_VENV_DIR": "/opt/ray_venvs/"}) == Path("/opt/ray_venvs")
+    # Not built yet (bare metal before NeMo-RL made them): the vLLM check waits for engine start.
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    kind, entry, lines, calls = _prep(merged, tmp_path)
+    assert kind == driver.SYNC and entry == MCORE_UV and calls == []
+    assert any("vLLM version check deferred" in line for line in lines)
+    assert merged["logger"]["log_dir"].endswith("logs/x/exp_001")
+
+
+def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
+    base = tmp_path / "venvs"
+    for fqn in (STOCK_POLICY_WORKER, VLLM_FQN):
+        (base / fqn / "bin").mkdir(parents=True)
+        (base / fqn / "bin" / "python").write_text("")
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    _, entry, _, calls = _prep(merged, tmp_path)
+    assert entry == str(base / STOCK_POLICY_WORKER / "bin" / "python")
+    assert calls == [str(base / VLLM_FQN / "bin" / "python")]  # the vLLM preflight ran
+    assert not (base / POLICY_WORKER_FQN).exists()  # no venv named after our class
+
+
+def test_force_rebuild_keeps_nemo_jetrl_in_rebuilt_venvs(tmp_path):
+    import shutil
+
+    base = tmp_path / "venvs"
+    (base / STOCK_POLICY_WORKER / "bin").mkdir(parents=True)
+    (base / STOCK_POLICY_WORKER / "bin" / "python").write_text("")
+    # An older image's link at our class's venv name: NeMo-RL's forced rebuild rmtree's it.
+    (base / POLICY_WORKER_FQN).symlink_to(base / STOCK_POLICY_WORKER)
+    with pytest.raises(OSError):
+        shutil.rmtree(base / POLICY_WORKER_FQN)  # what venvs.create_local_venv would do
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    merged["policy"] = {"megatron_cfg": {"env_vars": {"A": "1"}}}
+    _, entry, lines, calls = _prep(merged, tmp_path, {venvs.FORCE_REBUILD_ENV: "true"})
+    assert entry == MCORE_UV and calls == []  # NeMo-RL builds it; the version check waits
+    assert not (base / POLICY_WORKER_FQN).is_symlink()
+    text = "\n".join(lines)
+    assert "removed" in text and "NRL_FORCE_REBUILD_VENVS=true" in text
+    overlay = Path(merged["logger"]["log_dir"]) / venvs.OVERLAY_NAME
+    for env in (
+        merged["policy"]["megatron_cfg"]["env_vars"],
+        merged["policy"]["generation"]["vllm_cfg"]["env_vars"],
+    ):
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == str(overlay)
+    assert merged["policy"]["megatron_cfg"]["env_vars"]["A"] == "1"
+    # A fresh interpreter without site-packages (a rebuilt venv) imports nemo_jetrl from the
+    # overlay and finds our vLLM plugin entry points there.
+    probe = (
+        "import importlib.metadata as m, nemo_jetrl, sys;"
+        "eps = sorted(e.value for e in m.entry_points(group='vllm.general_plugins'));"
+        "print(nemo_jetrl.__file__); print(eps)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", probe],
+        env={"PYTHONPATH": str(overlay), "PATH": os.environ.get("PATH", "")},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    first, eps = out.stdout.splitlines()
+    assert first.startswith(str(overlay / "nemo_jetrl"))
+    assert "nemo_jetrl.vllm_patch.plugin:load_in_worker" in eps
+    # Idempotent: a second launch rewrites the same overlay.
+    assert venvs.write_overlay(overlay) == overlay
