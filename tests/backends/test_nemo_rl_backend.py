@@ -29,7 +29,7 @@ def test_translate_jetrl_kv_config():
     p = nr.prepare(str(QWEN / "jetrl_kv.yaml"))
     plan = p.plan
     mc = plan.master_config
-    assert "jetrl" not in mc
+    assert mc["jetrl"] == {"recipe": "jetrl_kv"}  # only the run's identity reaches NeMo-RL
     assert mc["policy"]["megatron_cfg"]["fp8_cfg"] == {
         "enabled": True,
         "fp8": "e4m3",
@@ -239,7 +239,6 @@ def test_slurm_launch_builds_ray_sub_submission():
         "--nodes=2",
         "--account=acct",
         "--partition=batch",
-        "--gres=gpu:8",
         "--job-name=jetrl-qwen3_8b_base-jetrl",
         "./ray.sub",
     ):
