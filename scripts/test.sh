@@ -13,6 +13,10 @@
 #      scripts/setup_nemo_rl_env.sh (the tree's vLLM env, .venv-vllm020 / .venv-vllm025, plus a
 #      pinned dependency overlay, .venv-nemo-rl).
 # gpu tests skip with a reason here; they run in the Docker image (scripts/run_gpu_tests.sh).
+# The environments of tiers 2-4 (download- and disk-bound: ~6 GB each for 0.20 and 0.25) are built
+# in the background, one after another, while the default suite runs (scripts/tier.sh env_queue:
+# only those this run's tiers need; one already importing vllm is not rebuilt); each tier waits
+# for its own, and a failed build is that tier's "not run, environment setup failed (log: ...)".
 #
 # With pytest arguments (e.g. `bash scripts/test.sh -k fp8 -x`) only the default suite runs,
 # with those arguments. JETRL_SKIP_VLLM=1 skips the vLLM tier, JETRL_SKIP_NEMO_RL=1 the
@@ -37,61 +41,78 @@ fi
 rc=0
 summary=()
 # tier NAME CMD...: one tier under JETRL_TIER_TIMEOUT_S, its line in $summary; not_run NAME WHY;
-# skipped_tiers (the JETRL_SKIP_* flags: a failure under CI=true)
+# skipped_tiers (the JETRL_SKIP_* flags: a failure under CI=true); env_queue/env_start/env_wait:
+# the environments below, built in the background while the default suite runs
 source scripts/tier.sh
+trap env_stop EXIT
+vllm_versions=() nemo_rl_trees=()
+[ "${JETRL_SKIP_VLLM:-0}" = "1" ] || read -r -a vllm_versions <<< "${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}"
+[ "${JETRL_SKIP_NEMO_RL:-0}" = "1" ] || read -r -a nemo_rl_trees <<< "${JETRL_NEMO_RL_TREES:-v0.7.0 main-7ea279a}"
+upstream="${JETRL_NEMO_RL_UPSTREAM:-../shared/upstream/nemo-rl}"
+vllm_venv() {  # VERSION: its environment (0.32: .venv-vllm; 0.20.0: .venv-vllm020, ...)
+  case "$1" in
+    0.32.*) echo .venv-vllm ;;
+    *) echo ".venv-vllm$(echo "$1" | cut -d. -f1-2 | tr -d .)" ;;
+  esac
+}
+# Only what this run's tiers need is built, each once, in the order the tiers come.
+for version in "${vllm_versions[@]}"; do
+  case "$version" in
+    0.32.*)  # this tier also runs vLLM 0.33.0's CUDA-wheel selection code (no CPU build)
+      env_queue vllm-src "${TMPDIR:-/tmp}/jetrl-vllm-src.log" \
+        env PYTHON=.venv/bin/python bash scripts/fetch_vllm_src.sh ;;
+  esac
+  venv=$(vllm_venv "$version")  # made only where it does not import vllm yet
+  env_queue "vllm-$version" "${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log" env VLLM_VERSION="$version" \
+    VLLM_VENV="$venv" bash -c '"$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null && echo "$VLLM_VENV: ready" ||
+      exec bash scripts/setup_vllm_env.sh'
+done
+for tree in "${nemo_rl_trees[@]}"; do  # its vLLM env (if no vLLM tier made it), then the overlay
+  [ ! -d "$upstream/$tree/nemo_rl" ] || env_queue "nemo-rl-$tree" \
+    "${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log" bash scripts/setup_nemo_rl_env.sh "$tree"
+done
+env_start
 echo "== default suite (.venv) =="
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
-if [ "${JETRL_SKIP_VLLM:-0}" != "1" ]; then
-  # 0.32: the current vLLM CPU build; 0.20: the vLLM NeMo-RL v0.7.0 ships (the cluster target).
-  for version in ${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}; do
-    case "$version" in
-      0.32.*) venv=.venv-vllm ;;
-      *) venv=.venv-vllm$(echo "$version" | cut -d. -f1-2 | tr -d .) ;;
-    esac
-    echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
-    case "$version" in
-      0.32.*)  # this tier also runs vLLM 0.33.0's CUDA-wheel selection code (no CPU build)
-        if ! PYTHON=.venv/bin/python bash scripts/fetch_vllm_src.sh > /dev/null; then
-          not_run "vLLM $version tier ($venv)" "fetching vLLM 0.33.0's source failed"
-          continue
-        fi ;;
-    esac
-    log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
-    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
-      echo "setting up $venv (vLLM $version CPU build; a few minutes, log: $log)"
-      if ! VLLM_VERSION="$version" VLLM_VENV="$venv" bash scripts/setup_vllm_env.sh > "$log" 2>&1; then
-        tail -n 40 "$log"
-        not_run "vLLM $version tier ($venv)" "environment setup failed (log: $log)"
+# 0.32: the current vLLM CPU build; 0.20: the vLLM NeMo-RL v0.7.0 ships (the cluster target).
+for version in "${vllm_versions[@]}"; do
+  venv=$(vllm_venv "$version")
+  echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
+  case "$version" in
+    0.32.*)
+      if ! env_wait vllm-src; then
+        tail -n 20 "${TMPDIR:-/tmp}/jetrl-vllm-src.log"
+        not_run "vLLM $version tier ($venv)" "fetching vLLM 0.33.0's source failed"
         continue
-      fi
+      fi ;;
+  esac
+  log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
+  if ! env_wait "vllm-$version"; then
+    tail -n 40 "$log"
+    not_run "vLLM $version tier ($venv)" "environment setup failed (log: $log)"
+    continue
+  fi
+  tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
+done
+for tree in "${nemo_rl_trees[@]}"; do
+  echo "== NeMo-RL $tree tier (NeMo-RL's real source, CPU) =="
+  if [ ! -d "$upstream/$tree/nemo_rl" ]; then
+    echo "no NeMo-RL source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM): tier not run"
+    if [ "${CI:-}" = "true" ]; then  # in CI a tier that cannot run fails the run
+      not_run "NeMo-RL $tree tier" "no source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM)"
+    else
+      summary+=("NeMo-RL $tree tier: not run, no source at $upstream/$tree")
     fi
-    tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
-  done
-fi
-if [ "${JETRL_SKIP_NEMO_RL:-0}" != "1" ]; then
-  upstream="${JETRL_NEMO_RL_UPSTREAM:-../shared/upstream/nemo-rl}"
-  for tree in ${JETRL_NEMO_RL_TREES:-v0.7.0 main-7ea279a}; do
-    echo "== NeMo-RL $tree tier (NeMo-RL's real source, CPU) =="
-    if [ ! -d "$upstream/$tree/nemo_rl" ]; then
-      echo "no NeMo-RL source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM): tier not run"
-      if [ "${CI:-}" = "true" ]; then  # in CI a tier that cannot run fails the run
-        not_run "NeMo-RL $tree tier" "no source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM)"
-      else
-        summary+=("NeMo-RL $tree tier: not run, no source at $upstream/$tree")
-      fi
-      continue
-    fi
-    log="${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log"
-    s0=$(date +%s)
-    if ! bash scripts/setup_nemo_rl_env.sh "$tree" > "$log" 2>&1; then
-      tail -n 40 "$log"
-      not_run "NeMo-RL $tree tier" "environment setup failed (log: $log)"
-      continue
-    fi
-    echo "NeMo-RL $tree environment ready in $(( $(date +%s) - s0 )) s (log: $log)"
-    tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow
-  done
-fi
+    continue
+  fi
+  log="${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log"
+  if ! env_wait "nemo-rl-$tree"; then
+    tail -n 40 "$log"
+    not_run "NeMo-RL $tree tier" "environment setup failed (log: $log)"
+    continue
+  fi
+  tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow
+done
 if [ "${JETRL_SKIP_MUTANTS:-0}" != "1" ]; then
   # Last: its NeMo-RL mutants run in the env the NeMo-RL tier set up (scripts/mutants.py).
   echo "== mutation check (scripts/mutation_check.py: each mutant on a temporary copy) =="

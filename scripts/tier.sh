@@ -78,3 +78,61 @@ skipped_tiers() {  # a tier skipped by a JETRL_SKIP_* flag did not run: under CI
     fi
   done
 }
+
+# -- environments built in the background ------------------------------------------------------
+# The later tiers' environments (vLLM CPU builds, the NeMo-RL overlay) are download- and
+# disk-bound: test.sh queues the ones this run needs (`env_queue KEY LOG CMD`), starts them one
+# after another in the background while the default suite runs (`env_start`), and each tier waits
+# for its own (`env_wait KEY`: CMD's exit status; CMD's output is in LOG). The builds run in a
+# session of their own (setsid) so that a Ctrl-C stops the tier and not a half-written venv's pip
+# mid-file; `env_stop` (test.sh's EXIT trap) ends them.
+_env_args=()
+ENV_STATE="" ENV_PID=""
+
+env_queue() {  # KEY LOG CMD...: CMD (one shell word list) builds KEY's environment, output in LOG
+  local key=$1 log=$2
+  shift 2
+  _env_args+=("$key" "$log" "$(printf '%q ' "$@")")
+}
+
+_env_chain() {  # STATE (KEY LOG CMD)...: run the queued builds in order, each one's status in STATE
+  local state=$1 key log cmd s0 erc
+  shift
+  while [ "$#" -ge 3 ]; do
+    key=$1 log=$2 cmd=$3
+    shift 3
+    s0=$(date +%s) erc=0
+    eval "$cmd" > "$log" 2>&1 < /dev/null || erc=$?
+    echo "$erc $(( $(date +%s) - s0 ))" > "$state/$key.tmp" && mv "$state/$key.tmp" "$state/$key.rc"
+  done
+}
+
+env_start() {  # start the queued builds (nothing queued: nothing starts)
+  ENV_STATE=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-envs.XXXXXX")
+  [ "${#_env_args[@]}" -gt 0 ] || return 0
+  setsid bash -c 'source scripts/tier.sh; _env_chain "$@"' _env_chain "$ENV_STATE" "${_env_args[@]}" &
+  ENV_PID=$!
+  echo "environments building in the background: $(printf '%s\n' "${_env_args[@]}" | awk 'NR % 3 == 1' | xargs)"
+}
+
+env_wait() {  # KEY: wait for KEY's build; its exit status (1 when it was never queued or died)
+  local f="$ENV_STATE/$1.rc" s0 erc took
+  s0=$(date +%s)
+  while [ ! -f "$f" ]; do
+    if [ -z "$ENV_PID" ] || ! kill -0 "$ENV_PID" 2>/dev/null; then
+      [ -f "$f" ] && break
+      echo "test.sh: no environment build for $1 (never queued, or its build was killed)" >&2
+      return 1
+    fi
+    sleep 2
+  done
+  read -r erc took < "$f"
+  echo "environment $1: built in the background in $took s (exit $erc; waited $(( $(date +%s) - s0 )) s for it)"
+  return "$erc"
+}
+
+env_stop() {  # end the background builds (they are a session of their own: signal all of it)
+  [ -n "$ENV_PID" ] && kill -TERM -- "-$ENV_PID" 2>/dev/null
+  [ -z "$ENV_STATE" ] || rm -rf "$ENV_STATE"
+  return 0
+}

@@ -197,3 +197,155 @@ def test_pip_retry_refuses_bad_settings_before_running_pip(
     assert done.returncode == 2
     assert calls == []  # pip never ran
     assert "JETRL_PIP_ATTEMPTS" in done.stderr and "JETRL_PIP_RETRY_WAIT_S" in done.stderr
+
+
+# -- scripts/test.sh's control flow, on a stand-in repository ---------------------------------
+# test.sh and tier.sh are the real scripts; every program they start (setup scripts, pytest, the
+# tier scripts) is a labelled stand-in that logs "start NAME" / "end NAME" to a journal, so the
+# order, the overlap of environment builds with the default suite and the summary are observable.
+_STANDIN = """#!/usr/bin/env bash
+# stand-in for {name} (tests/test_test_script.py)
+echo "start {name} $*" >> "$JOURNAL"
+sleep "${{STANDIN_SLEEP_{key}:-0}}"
+echo "end {name}" >> "$JOURNAL"
+{tail}
+"""
+
+
+def _standin_repo(tmp_path: Path, fail: str = "") -> Path:
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("test.sh", "tier.sh"):
+        (root / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
+    tails = {
+        "setup_env": "",
+        "setup_vllm_env": 'echo "setup $VLLM_VERSION failed" >&2; [ "$VLLM_VERSION" != "{f}" ]',
+        "fetch_vllm_src": "",
+        "setup_nemo_rl_env": "",
+        "test_vllm": 'echo "== 3 passed in 1s =="',
+        "test_nemo_rl": 'echo "== 2 passed in 1s =="',
+    }
+    for name, tail in tails.items():
+        p = root / "scripts" / f"{name}.sh"
+        p.write_text(_STANDIN.format(name=name, key=name.upper(), tail=tail.format(f=fail)))
+    py = root / ".venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text(_STANDIN.format(name="default-python", key="PY", tail='echo "== 5 passed =="'))
+    py.chmod(0o755)
+    for tree in ("v0.7.0", "main-abc"):
+        (tmp_path / "upstream" / tree / "nemo_rl").mkdir(parents=True)
+    return root
+
+
+def _run_test_sh(tmp_path: Path, fail: str = "", **env: str) -> tuple[list[str], list[str], str]:
+    root = _standin_repo(tmp_path, fail)
+    journal = tmp_path / "journal"
+    done = subprocess.run(
+        ["bash", "scripts/test.sh"],
+        cwd=root,
+        env={
+            **os.environ,
+            "TMPDIR": str(tmp_path),
+            "JOURNAL": str(journal),
+            "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
+            "JETRL_NEMO_RL_TREES": "v0.7.0 main-abc",
+            "CI": "true",
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    summary = done.stdout.split("== summary ==\n", 1)[1].splitlines()
+    return summary, journal.read_text().splitlines(), done.stdout + done.stderr
+
+
+def test_environments_build_while_the_default_suite_runs_and_each_tier_waits_for_its_own(
+    tmp_path: Path,
+) -> None:
+    summary, journal, out = _run_test_sh(
+        tmp_path, STANDIN_SLEEP_PY="2", STANDIN_SLEEP_SETUP_VLLM_ENV="0.5"
+    )
+    assert summary == [
+        "default suite (.venv): 5 passed (exit 0)",
+        "vLLM 0.32.0 tier (.venv-vllm): 3 passed in 1s (exit 0)",
+        "vLLM 0.20.0 tier (.venv-vllm020): 3 passed in 1s (exit 0)",
+        "NeMo-RL v0.7.0 tier: 2 passed in 1s (exit 0)",
+        "NeMo-RL main-abc tier: 2 passed in 1s (exit 0)",
+        "mutation check: 5 passed (exit 0)",
+    ], out
+    builds = [ln.split()[1] for ln in journal if ln.startswith("start ") and "setup" in ln]
+    builds = [b for b in builds if b != "setup_env"]  # .venv: made first, in the foreground
+    # each environment once, in the order of the tiers (0.32 and its source, 0.20, the trees)
+    assert builds == ["setup_vllm_env", "setup_vllm_env", "setup_nemo_rl_env", "setup_nemo_rl_env"]
+    assert _at(journal, "start fetch_vllm_src") < _at(journal, "start setup_vllm_env")
+    # all of them built while the default suite ran, before the first tier that needs one
+    assert _at(journal, "end setup_nemo_rl_env") < _at(journal, "end default-python")
+    assert _at(journal, "end default-python") < _at(journal, "start test_vllm")
+
+
+def _at(journal: list[str], prefix: str) -> int:
+    """Index of the first journal line starting with ``prefix``."""
+    return next(i for i, ln in enumerate(journal) if ln.startswith(prefix))
+
+
+def test_a_failed_environment_is_its_tier_not_run_and_the_others_still_run(
+    tmp_path: Path,
+) -> None:
+    summary, journal, out = _run_test_sh(tmp_path, fail="0.20.0")
+    log = tmp_path / "jetrl-vllm-setup-0.20.0.log"
+    assert summary == [
+        "default suite (.venv): 5 passed (exit 0)",
+        "vLLM 0.32.0 tier (.venv-vllm): 3 passed in 1s (exit 0)",
+        f"vLLM 0.20.0 tier (.venv-vllm020): not run, environment setup failed (log: {log}) (exit 1)",
+        "NeMo-RL v0.7.0 tier: 2 passed in 1s (exit 0)",
+        "NeMo-RL main-abc tier: 2 passed in 1s (exit 0)",
+        "mutation check: 5 passed (exit 0)",
+    ], out
+    assert "setup 0.20.0 failed" in out  # the setup log's tail is shown above the summary
+    assert sum(ln.startswith("start test_vllm") for ln in journal) == 1
+
+
+def test_skipped_tiers_build_no_environment_and_still_fail_ci(tmp_path: Path) -> None:
+    summary, journal, _ = _run_test_sh(tmp_path, JETRL_SKIP_VLLM="1", JETRL_SKIP_NEMO_RL="1")
+    assert not [ln for ln in journal if "setup_vllm_env" in ln or "setup_nemo_rl_env" in ln]
+    assert summary[-2:] == [
+        "JETRL_SKIP_VLLM=1: not run, CI=true runs every tier; unset JETRL_SKIP_VLLM (exit 1)",
+        "JETRL_SKIP_NEMO_RL=1: not run, CI=true runs every tier; unset JETRL_SKIP_NEMO_RL (exit 1)",
+    ]
+
+
+def test_an_interrupted_run_ends_its_background_builds(tmp_path: Path) -> None:
+    root = _standin_repo(tmp_path)
+    journal = tmp_path / "journal"
+    proc = subprocess.Popen(
+        ["bash", "scripts/test.sh"],
+        cwd=root,
+        env={
+            **os.environ,
+            "TMPDIR": str(tmp_path),
+            "JOURNAL": str(journal),
+            "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
+            "STANDIN_SLEEP_PY": "30",
+            "STANDIN_SLEEP_FETCH_VLLM_SRC": "30",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "start default-python" not in (
+        journal.read_text() if journal.exists() else ""
+    ):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    time.sleep(0.5)
+    lines = journal.read_text().splitlines()
+    assert "start fetch_vllm_src " in [ln[: len("start fetch_vllm_src ")] for ln in lines]
+    assert "end fetch_vllm_src" not in lines  # the 30 s build was ended, not left running
+    assert not any(ln.startswith("start setup_vllm_env") for ln in lines)
