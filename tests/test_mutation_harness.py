@@ -112,3 +112,38 @@ def test_end_to_end_killed_survived_equivalent(tmp_path: Path) -> None:
         "1 killed, 2 equivalent, 1 survived, 0 errors, 0 not run"
     ), out
     assert (root / "pkg/mod.py").read_text() == MOD  # the working tree was never edited
+
+
+def test_a_kill_by_a_test_that_fails_unmutated_is_an_error(tmp_path: Path) -> None:
+    # test_broken fails on the unmutated code: the mutant it "kills" proves nothing, so the
+    # harness reports ERROR (exit 2) after running the killing tests unmutated (confirm_kills).
+    root = tmp_path / "repo"
+    broken = TEST + "\n\ndef test_broken():\n    assert clip(5, 0, 3) == 5\n"
+    mutants = MUTANTS.replace(
+        'T = ("tests/test_mod.py",)', 'T = ("tests/test_mod.py::test_broken",)'
+    )
+    for rel, text in {
+        "pkg/__init__.py": "",
+        "pkg/mod.py": MOD,
+        "tests/test_mod.py": broken,
+        "tests/conftest.py": CONFTEST,
+        "scripts/mutants.py": mutants.split('    Mutant("pad')[0] + "]\n",
+        ".gitignore": ".venv\n",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    shutil.copy(REPO / "scripts/mutation_check.py", root / "scripts")
+    (root / ".venv").symlink_to(Path(sys.executable).parents[1])
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run(
+        [sys.executable, "scripts/mutation_check.py", "--root", str(root)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "ERROR      clip max->min" in p.stdout and "fails unmutated too" in p.stdout
+    assert p.stdout.splitlines()[-1].startswith("0 killed, 0 equivalent, 0 survived, 1 errors")
