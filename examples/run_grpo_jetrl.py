@@ -1,10 +1,13 @@
 """Launch GRPO through NeMo-RL with a nemo_jetrl recipe, the way NeMo-RL's examples are launched.
 
-    uv run examples/run_grpo_jetrl.py --config examples/configs/qwen3_8b_base/jetrl.yaml \\
+    python examples/run_grpo_jetrl.py --config examples/configs/qwen3_8b_base/jetrl.yaml \\
         grpo.max_num_steps=100 cluster.gpus_per_node=8
 
-(Inside the nemo-jetrl image `python examples/run_grpo_jetrl.py ...` works the same; on SLURM
-use it as COMMAND for NeMo-RL's ray.sub, or slurm/launch.sh.) Same as
+with the Python that has NeMo-RL (in the image: /opt/nemo_rl_venv/bin/python, the `python` on
+PATH). Not through uv's project runner: in the image UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv,
+so it would sync this repository's pyproject.toml into NeMo-RL's driver venv (replacing its
+torch) and need the network. On SLURM use it as COMMAND for NeMo-RL's ray.sub, or
+slurm/launch.sh. Same as
 ``jetrl train CONFIG --backend nemo-rl [overrides]``: the config is validated, an off-policy
 recipe is refused unless ``jetrl.allow_off_policy=true``, and NeMo-RL's GRPO runs with our
 policy worker, vLLM patch, KV calibration and mismatch metrics.

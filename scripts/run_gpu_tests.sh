@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Run the GPU tiers inside the nemo-jetrl Docker image (docker/Dockerfile), on a machine with an
-# NVIDIA GPU (H100 for the blockwise-FP8 TE paths):
+# Run the GPU tiers inside the nemo-jetrl image (docker/Dockerfile), on a machine with an
+# NVIDIA GPU (H100 for the blockwise-FP8 TE paths). Docker:
 #
-#   docker run --gpus all --rm -v $HOME/.cache/huggingface:/root/.cache/huggingface \
+#   docker run --gpus all --rm --ipc=host --shm-size=64g --ulimit memlock=-1 \
+#     -v $HOME/.cache/huggingface:/root/.cache/huggingface -e HF_TOKEN \
 #     nemo-jetrl:latest bash scripts/run_gpu_tests.sh [extra pytest args]
+#
+# SLURM with pyxis/enroot (the image imported as a .sqsh, docs/cluster.md):
+#
+#   srun -N1 --gpus-per-node=1 --container-image=$PWD/nemo-jetrl.sqsh \
+#     --container-mounts=$HF_HOME:/root/.cache/huggingface --container-workdir=/opt/nemo-jetrl \
+#     bash scripts/run_gpu_tests.sh [extra pytest args]
 #
 # Each tier runs with the Python environment that has its dependencies:
 #   1. megatron + gpu  -> the Megatron policy worker venv (megatron-core, Transformer Engine):
@@ -31,7 +38,7 @@ unset TRITON_INTERPRET
 
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
   || "$driver_py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
-  || { echo "run_gpu_tests: no CUDA GPU visible (docker run --gpus all ...)" >&2; exit 2; }
+  || { echo "run_gpu_tests: no CUDA GPU visible (docker run --gpus all ..., or srun --gpus-per-node=1 ...)" >&2; exit 2; }
 
 status=0
 run_tier() {
