@@ -1,8 +1,10 @@
 """`jetrl compare RUN_DIR... [-o OUT] [--metric ...]`: put NeMo-RL runs side by side.
 
 Reads each run directory (TensorBoard scalars anywhere under it, train_data_step*.jsonl to
-recompute missing mismatch metrics), prints a table per run and metric (last, mean, median,
-max, steps covered), and writes summary.json / summary.csv and one PNG per metric into OUT.
+recompute missing mismatch metrics), labels each by the recipe / ``jetrl.run_name`` its logged
+hyperparameters name, joins a job resumed across ``exp_NNN`` directories into one run
+(``runs/resume.py``), prints a table per run and metric (last, mean, median, max, steps
+covered), and writes summary.json / summary.csv and one PNG per metric into OUT.
 Refused (exit 2) before anything is read: an OUT that is a file or cannot be created, and a
 run directory holding the events of several runs (``--allow-mixed`` compares it, labelled).
 """
@@ -30,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="metric tag or short name, repeatable or comma-separated (default: "
-        "token_mult_prob_error, gen_kl_error, reward, validation accuracy)",
+        "token_mult_prob_error, gen_kl_error, jetrl/mismatch/{k1_kl,chi2_token,is_ratio_mean}, "
+        "reward, validation accuracy)",
     )
     parser.add_argument(
         "--format",

@@ -77,6 +77,9 @@ class JetrlSection(OurSection):
     recipe: choice(*PRESET_NAMES, None) = None  # type: ignore[valid-type]
     """the recipe this config is meant to be (a label); the NeMo-RL keys decide, and `jetrl
     check` warns when they describe something else"""
+    run_name: text("a run name (a string)", null=True) = None  # type: ignore[valid-type]
+    """a name for this run: `jetrl compare` labels the run with it (default: the recipe's name);
+    the NeMo-RL backend logs it with the hyperparameters (``jetrl.run_name``)"""
     vllm_patch: flag() = False  # type: ignore[valid-type]
     """apply nemo_jetrl's vLLM patch: vLLM quantizes activations with TE's formula and loads
     trainer-quantized weights without requantizing"""

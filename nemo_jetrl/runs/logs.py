@@ -127,6 +127,13 @@ class RunData:
     warnings: list[str] = field(default_factory=list)
     """What could not be read (the data above is partial then)."""
 
+    parts: tuple[Path, ...] = ()
+    """the directories of one run resumed across several (``exp_001``, ``exp_002``... joined by
+    `nemo_jetrl.runs.resume.join_resumed`), oldest first; () for a run in one directory."""
+
+    joined: str = ""
+    """how the parts were joined (each part's steps, which steps the later part replaced)."""
+
     def tags(self) -> list[str]:
         return sorted(self.scalars)
 

@@ -30,12 +30,18 @@ from typing import Any
 from nemo_jetrl._optional import require
 from nemo_jetrl.rl.metrics import JETRL_PREFIX, metric_names
 from nemo_jetrl.runs.logs import RunData, read_run
+from nemo_jetrl.runs.resume import join_resumed
 
 #: NeMo-RL tags (grpo.py logs loss metrics and reward with prefix "train", validation with
 #: "validation").
 DEFAULT_METRICS = (
     "train/token_mult_prob_error",
     "train/gen_kl_error",
+    # ours (local backend and the NeMo-RL loss wrapper log them; recomputed from train_data
+    # jsonl where missing): per-token mismatch and the importance ratio's mean
+    "jetrl/mismatch/k1_kl",
+    "jetrl/mismatch/chi2_token",
+    "jetrl/mismatch/is_ratio_mean",
     "train/reward",
     "validation/accuracy",
 )
@@ -147,6 +153,11 @@ def unique_labels(runs: Sequence[RunData]) -> list[str]:
     return final
 
 
+def _run_dirs(run: RunData) -> str:
+    """The run's directory, or its directories joined by '+' (a resumed run)."""
+    return "+".join(str(p) for p in run.parts) if run.parts else str(run.path)
+
+
 def summarize(
     runs: Sequence[RunData], metrics: Sequence[str] = DEFAULT_METRICS
 ) -> tuple[list[MetricSummary], list[str]]:
@@ -162,7 +173,7 @@ def summarize(
                 msgs.append(f"{label}: no metric {metric!r} in {run.path}")
                 out.append(
                     MetricSummary(
-                        label, str(run.path), metric, None, nan, nan, nan, nan, 0, None, None, ""
+                        label, _run_dirs(run), metric, None, nan, nan, nan, nan, 0, None, None, ""
                     )
                 )
                 continue
@@ -176,7 +187,7 @@ def summarize(
             out.append(
                 MetricSummary(
                     label=label,
-                    run_dir=str(run.path),
+                    run_dir=_run_dirs(run),
                     metric=metric,
                     tag=tag,
                     last=vals[-1] if vals else nan,
@@ -209,8 +220,8 @@ def _fmt(v: float) -> str:
     return f"{v:.6g}"
 
 
-def format_table(summaries: Sequence[MetricSummary]) -> str:
-    """A plain-text table: one row per run and metric."""
+def format_table(summaries: Sequence[MetricSummary], notes: Sequence[str] = ()) -> str:
+    """A plain-text table: one row per run and metric, then ``notes`` (e.g. joined runs)."""
     head = ["run", "metric", "last", "mean", "median", "max", "steps", "range"]
     rows = [head]
     for s in summaries:
@@ -229,6 +240,7 @@ def format_table(summaries: Sequence[MetricSummary]) -> str:
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines.extend(f"joined: {n}" for n in notes)
     return "\n".join(lines)
 
 
@@ -330,13 +342,13 @@ def compare_runs(
     """
     metrics = list(metrics or DEFAULT_METRICS)
     wanted = [canonical_metric(m) for m in metrics]
-    runs = [read_run(d, recompute=recompute, tags=wanted) for d in run_dirs]
+    # a job resubmitted after its time limit (exp_001, exp_002...) is one run
+    runs = join_resumed([read_run(d, recompute=recompute, tags=wanted) for d in run_dirs])
     msgs = [f"{r.label}: {m}" for r in runs for m in r.warnings]
     summaries, w = summarize(runs, metrics)
     msgs.extend(w)
-    result = CompareResult(
-        runs=runs, summaries=summaries, table=format_table(summaries), warnings=msgs
-    )
+    table = format_table(summaries, notes=[r.joined for r in runs if r.joined])
+    result = CompareResult(runs=runs, summaries=summaries, table=table, warnings=msgs)
     if out_dir is None:
         return result
     out = Path(out_dir)

@@ -376,3 +376,17 @@ def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
     assert "jetrl/mismatch/k1_kl" in scalars
     err = list(scalars["train/token_mult_prob_error"].values)
     assert len(err) == 2 and all(math.isfinite(e) for e in err) and max(err) < 1.05
+
+
+@pytest.mark.parametrize(
+    "key", ["linear_backend", "kernel_config.linear_backend"], ids=["top", "kernel_config"]
+)
+def test_a_non_auto_linear_backend_is_refused_before_start(key):
+    """vLLM would drop our block-FP8 kernel for that backend's (guard.engine_arg_problems, the
+    local engine's rule): refused in translate, naming the key, before any worker starts."""
+    with pytest.raises(
+        UserError, match=rf"policy\.generation\.vllm_kwargs\.{key}: you set 'cutlass'"
+    ):
+        nr.prepare(str(QWEN / "jetrl.yaml"), [f"+policy.generation.vllm_kwargs.{key}=cutlass"])
+    nr.prepare(str(QWEN / "jetrl.yaml"), [f"+policy.generation.vllm_kwargs.{key}=auto"])
+    nr.prepare(str(QWEN / "bf16.yaml"), [f"+policy.generation.vllm_kwargs.{key}=cutlass"])

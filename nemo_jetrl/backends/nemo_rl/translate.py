@@ -29,6 +29,12 @@ Ray workers (all read from that source, file paths relative to its repository):
 - KV scales: grpo.py calls ``policy.calibrate_qkv_fp8_scales(data, include_q=True)`` when
   ``kv_cache_dtype`` is fp8 and ships ``result["layers"]`` with the refit; our worker overrides
   that method (masking, refusal of invalid scales, our settings).
+- Run identity: the ``jetrl:`` section itself is not NeMo-RL's, so only ``{"recipe": <the
+  recipe's name>, "run_name": <jetrl.run_name>}`` goes on as the master config's ``jetrl`` key
+  (`run_identity`). NeMo-RL's ``MasterConfig`` keeps extra keys (``extra="allow"``) and
+  ``grpo.setup`` logs ``master_config.model_dump()`` with ``logger.log_hyperparams`` (TensorBoard:
+  ``add_hparams`` of the flattened config), where ``jetrl compare`` reads ``jetrl.run_name`` /
+  ``jetrl.recipe`` to label the run (``runs/logs.py``).
 - Metrics: grpo.py sums every loss-function metric over micro-batches; our loss wrapper adds
   additive ``jetrl/mismatch/*`` contributions, and a logger proxy writes them without the
   ``train/`` prefix, as the local backend does (``nemo_rl_metrics.py``).
@@ -60,6 +66,8 @@ STOCK_POLICY_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.Mega
 POLICY_WORKER_FQN = "nemo_jetrl.backends.nemo_rl.worker.JetrlMegatronPolicyWorker"
 RECIPE_ENV = "NEMO_JETRL_RECIPE"
 VLLM_PATCH_ENV = "NEMO_JETRL_VLLM_PATCH"
+# The master config's key for the run's identity (logged by NeMo-RL as hparams ``jetrl.*``).
+IDENTITY_KEY = "jetrl"
 
 
 class TranslationError(ValueError):
@@ -147,12 +155,13 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
     ``num_layers`` the model's decoder layer count. The input is not modified.
     """
     cfg = copy.deepcopy(dict(config))
-    cfg.pop("jetrl", None)  # ours; NeMo-RL's MasterConfig would carry it along unread
+    cfg.pop("jetrl", None)  # ours; NeMo-RL gets only the run's identity (below)
+    cfg[IDENTITY_KEY] = run_identity(config, recipe)
 
     problems = _backend_problems(cfg) + _bf16_layer_problems(recipe)
     settings = _megatron_settings(cfg, recipe, num_layers, problems)
     problems += _kv_problems(recipe)
-    patch_json = _patch_json_or_problem(recipe, num_layers, problems)
+    patch_json = _patch_json_or_problem(cfg, recipe, num_layers, problems)
     if problems:
         raise TranslationError(problems)
     assert settings is not None
@@ -175,6 +184,16 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
         ratio_bounds=_ratio_bounds(cfg),
     )
     return NemoRlPlan(master_config=cfg, workers=workers, recipe=recipe)
+
+
+def run_identity(config: Mapping[str, Any], recipe: Recipe) -> dict[str, str]:
+    """What NeMo-RL logs as hyperparameters to name the run: the recipe that runs (its name as
+    the NeMo-RL keys make it, e.g. ``jetrl``) and ``jetrl.run_name`` when the user chose one."""
+    out = {"recipe": recipe.name}
+    name = _get(config, "jetrl.run_name")
+    if isinstance(name, str) and name.strip():
+        out["run_name"] = name.strip()
+    return out
 
 
 def _backend_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -255,13 +274,21 @@ def _kv_problems(recipe: Recipe) -> list[tuple[str, str]]:
 
 
 def _patch_json_or_problem(
-    recipe: Recipe, num_layers: int, problems: list[tuple[str, str]]
+    cfg: Mapping[str, Any], recipe: Recipe, num_layers: int, problems: list[tuple[str, str]]
 ) -> str | None:
     """The vLLM patch settings (JSON) when the rollout quantizes with ours, else None; an
     invalid patch is appended to ``problems``."""
     ro = recipe.rollout
     if not (ro.fp8_linears and ro.quantizer == "jetrl"):
         return None
+    from nemo_jetrl.vllm_patch.guard import engine_arg_problems
+
+    # vLLM kwargs that would take block-FP8 linears away from our kernel (the guard's rule, as
+    # the local engine applies it): refused before any worker starts, naming the key.
+    vllm_kwargs = _get(cfg, "policy.generation.vllm_kwargs", {}) or {}
+    for msg in engine_arg_problems(vllm_kwargs if isinstance(vllm_kwargs, Mapping) else {}):
+        key, _, why = msg.partition(": ")  # "<key>: you set ..."
+        problems.append((f"policy.generation.vllm_kwargs.{key}", why))
     try:
         return _vllm_patch_json(recipe, num_layers)
     except ValueError as exc:
