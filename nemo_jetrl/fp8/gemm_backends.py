@@ -285,12 +285,55 @@ def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> 
     return out
 
 
+def row_multiple(backend: str) -> int:
+    """The multiple of rows ``backend`` takes activations in (cuBLASLt: 4, see `shape_problem`).
+    The serving kernel's quantizer pads M to it, so no batch size changes the backend."""
+    return 4 if backend == "scaled_mm" else 1
+
+
+def activation_layout(backend: str) -> tuple[int, str]:
+    """(row multiple, ``scale_inv`` layout) of the 1x128 activations ``backend`` reads with no
+    copy: MN-major ``[M, kb]`` scales (strides ``(1, M)``; DeepGEMM's TMA-aligned layout, which
+    cuBLASLt reads too and Triton reads through strides) on a GPU backend, compact for the
+    reference. The vLLM kernel's quantizer writes exactly this (`vllm_patch.kernel`)."""
+    return row_multiple(backend), ("compact" if backend == "reference" else "mn_major")
+
+
+def gemm_ready_weight_scales(backend: str, scale_inv: torch.Tensor) -> torch.Tensor:
+    """A 128x128 weight's ``[N/128, kb]`` ``scale_inv`` as ``backend`` reads it, for storing at
+    load: for ``scaled_mm`` a view ``[:, :kb]`` of a zero-padded ``[N/128, pad4(kb)]`` array,
+    whose transpose view is cuBLASLt's ``scale_b`` (`_scaled_mm` then pads nothing per call);
+    compact elsewhere (DeepGEMM and the reference read it so; Triton reads strides). Same
+    values, and a view, so in-place writes (a refit) land where the GEMM reads. Idempotent."""
+    nb, kb = scale_inv.shape
+    if backend != "scaled_mm":
+        return scale_inv.contiguous()
+    kb4 = -(-kb // 4) * 4
+    if scale_inv.stride() == (kb4, 1) and _padded_storage(scale_inv) is not None:
+        return scale_inv
+    storage = scale_inv.new_zeros(nb, kb4)
+    storage[:, :kb] = scale_inv
+    return storage[:, :kb]
+
+
+def _padded_storage(s: torch.Tensor) -> torch.Tensor | None:
+    """The ``[pad4(kb), N/128]`` column-major ``scale_b`` view of ``s`` (strides ``(kb4, 1)``,
+    its storage reaching the padding), or None where ``s`` is not stored that way."""
+    nb, kb = s.shape
+    kb4 = -(-kb // 4) * 4
+    if s.stride() != (kb4, 1):
+        return None
+    if s.storage_offset() + nb * kb4 > s.untyped_storage().nbytes() // s.element_size():
+        return None
+    return s.as_strided((kb4, nb), (1, kb4))
+
+
 def shape_problem(backend: str, m: int, n: int, k: int) -> str | None:
     """Why ``backend`` cannot take an ``[M, K] x [N, K]`` GEMM of this shape (None: it can).
     Measured on an H100 (torch 2.11, CUDA 13.0; benchmarks/gpu/probe_scaled_mm.py): blockwise
     ``F.scaled_mm`` refuses K or N not a multiple of 16, and cuBLASLt answers NOT_SUPPORTED for
     M not a multiple of 4 (its M-major 1x128 scales; torch will not take a padded stride)."""
-    if backend == "scaled_mm" and (m % 4 or n % 16 or k % 16):
+    if backend == "scaled_mm" and (m % row_multiple(backend) or n % 16 or k % 16):
         return (
             f"cuBLASLt blockwise FP8 needs M % 4, N % 16 and K % 16 == 0 (got M={m}, N={n}, K={k})"
         )
@@ -306,7 +349,10 @@ def _scaled_mm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> 
     import torch.nn.functional as F
 
     kb = -(-a.data.shape[1] // 128)
-    if b.block == (128, 128):
+    stored = _padded_storage(b.scale_inv) if b.block == (128, 128) else None
+    if stored is not None:  # stored at load (`gemm_ready_weight_scales`): a view, no copy
+        scale_b, recipe_b = stored, F.ScalingType.BlockWise128x128
+    elif b.block == (128, 128):
         # scale_b: [round_up(kb, 4), N/128] with strides (1, round_up(kb, 4)).
         kb4 = -(-kb // 4) * 4
         sb = torch.zeros(b.scale_inv.shape[0], kb4, dtype=torch.float32, device=b.data.device)

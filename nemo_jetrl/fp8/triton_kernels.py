@@ -174,6 +174,26 @@ def _tile(mode: int) -> tuple[int, int, int]:
     return {0: (16, 128, 4), 1: (128, 128, 8), 2: (128, 32, 4)}[mode]
 
 
+def _check_out(out, x2: torch.Tensor, f, label: str) -> None:
+    """``out=(data, scale_inv)``: caller-given buffers for a 2-D 1x128 quantization (the vLLM
+    serving kernel hands the first M rows of row-padded buffers in its GEMM's layout, so nothing
+    is padded or transposed per call). ``data``: ``[M, K]`` FP8 with unit stride along K;
+    ``scale_inv``: ``[M, ceil(K/128)]`` fp32, any strides; both written in place."""
+    m, k = x2.shape
+    data, s = out
+    if tuple(data.shape) != (m, k) or data.dtype != f.dtype or (k > 1 and data.stride(1) != 1):
+        raise ValueError(
+            f"{label}: out data must be a [{m}, {k}] {f.dtype} tensor with unit stride along K, "
+            f"got {tuple(data.shape)} {data.dtype} strides {data.stride()}"
+        )
+    want = (m, -(-k // 128))
+    if tuple(s.shape) != want or s.dtype != torch.float32 or s.device != x2.device:
+        raise ValueError(
+            f"{label}: out scale_inv must be a {list(want)} float32 tensor on {x2.device}, "
+            f"got {tuple(s.shape)} {s.dtype} on {s.device}"
+        )
+
+
 def quantize_blockwise_triton(
     x: torch.Tensor,
     block: Block,
@@ -187,6 +207,7 @@ def quantize_blockwise_triton(
     scale_layout: str = "compact",
     native_cast: bool = False,
     transposed_copy: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockQuantized:
     """`quantize_blockwise` in one Triton kernel: same arguments, same bits, same errors.
 
@@ -214,6 +235,10 @@ def quantize_blockwise_triton(
             raise ValueError(f"{label}: transposed_copy needs 2-D input and shape {want}")
         if transposed_copy.dtype != f.dtype or not transposed_copy.is_contiguous():
             raise ValueError(f"{label}: transposed_copy must be a contiguous {f.dtype} tensor")
+    if out is not None:  # caller-given buffers (`_check_out`)
+        if transpose or x.dim() != 2 or block != (1, 128):
+            raise ValueError(f"{label}: out= is for 2-D 1x128 quantization only")
+        _check_out(out, x2, f, label)
     bm, bk = block
     mb, kb = -(-m // bm), -(-k // bk)
     mode = _MODE[block]
@@ -226,10 +251,10 @@ def quantize_blockwise_triton(
         scale_t = _scale_buffer(k, mb, scale_layout, x.device)
         s_view, ssm, ssk = scale_t, scale_t.stride(1), scale_t.stride(0)
     else:
-        data = torch.empty(m, k, dtype=f.dtype, device=x.device)
+        data = torch.empty(m, k, dtype=f.dtype, device=x.device) if out is None else out[0]
         q_u8 = data.view(torch.uint8)
-        sqm, sqk = max(k, 1), 1
-        s_view = _scale_buffer(mb, kb, scale_layout, x.device)
+        sqm, sqk = (max(k, 1) if out is None else data.stride(0)), 1
+        s_view = _scale_buffer(mb, kb, scale_layout, x.device) if out is None else out[1]
         ssm, ssk = s_view.stride(0), s_view.stride(1)
     if m and k:
         grid = (-(-m // tm), -(-k // tk))

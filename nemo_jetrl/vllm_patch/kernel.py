@@ -16,8 +16,14 @@ first in that registry by ``apply_patches``; it
   (``nemo_jetrl.fp8.gemm_backends.plan_gemm``: DeepGEMM through vLLM's vendored module, cuBLASLt
   blockwise ``scaled_mm`` or our Triton block GEMM on CUDA, the reference on CPU; an output dtype
   no GPU backend writes is refused there, with the reason) against the layer's FP8 ``weight``
-  and ``weight_scale_inv`` exactly as loaded (no repacking, no requantization, parameters kept
-  in place so refits can overwrite them). The choice is readable as
+  and ``weight_scale_inv`` as loaded (no repacking, no requantization). The scales are stored
+  at load in the layout the planned GEMM reads (``gemm_backends.gemm_ready_weight_scales``:
+  cuBLASLt's K-padded array), the parameter a view of that storage, so refits still overwrite
+  it in place and the parity read-back still reads it. The quantizer writes the activations
+  in the GEMM's layout too (``gemm_backends.activation_layout``: MN-major scales, M padded to
+  cuBLASLt's multiple of 4 inside its output buffers; the padded rows are never returned), so
+  a serving call is the quantizer's launch, the GEMM and their output allocations, nothing
+  else, and no batch size moves a layer to another GEMM kernel. The choice is readable as
   ``layer.jetrl_gemm_backend`` (and ``kernel.jetrl_gemm_backend``);
 * works on every platform, which also gives vLLM's CPU build a block-FP8 path on CPUs without
   AMX, where vLLM's own CPU kernels refuse to run.
@@ -35,7 +41,13 @@ from typing import Any
 import torch
 
 from nemo_jetrl.fp8 import BlockQuantized, quantize_blockwise
-from nemo_jetrl.fp8.gemm_backends import GemmBackendError, plan_gemm, run_gemm
+from nemo_jetrl.fp8.gemm_backends import (
+    GemmBackendError,
+    activation_layout,
+    gemm_ready_weight_scales,
+    plan_gemm,
+    run_gemm,
+)
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK as ACT_BLOCK
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
 from nemo_jetrl.vllm_patch import compat
@@ -47,7 +59,7 @@ MARKER = "_nemo_jetrl_kernel"
 
 
 def _quantize_act_impl(
-    x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool = False
+    x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool = False, rows: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 activation quantization: ``quantize_blockwise(x, (1, 128))``, the one quantizer.
 
@@ -57,36 +69,44 @@ def _quantize_act_impl(
     NaN ``scale_inv``, so its token's output row is NaN, as in vLLM's own kernels; the refit
     guard is what keeps non-finite *weights* out.
 
-    ``mn_major`` (layers planned on DeepGEMM): the Triton kernel writes ``scale_inv`` as the
-    MN-major ``[M, kb]`` view DeepGEMM reads (strides ``(1, pad4(M))``), so DeepGEMM does not
-    transpose the scales on every call; same values, other layout. Needs the Triton kernel
-    (CUDA, or its CPU interpreter); elsewhere the compact layout is returned.
+    ``mn_major`` and ``rows`` (`gemm_backends.activation_layout` of the layer's GEMM): the Triton
+    kernel writes into buffers of ``pad(M, rows)`` rows, ``scale_inv`` as the MN-major view
+    (strides ``(1, pad(M, rows))``) DeepGEMM and cuBLASLt read, so the GEMM copies, pads and
+    transposes nothing. Rows past M are left unwritten (never returned: the kernel slices the
+    GEMM's output; each output row depends only on its own row and scales). Same codes and
+    scale values as the compact layout. Needs the Triton kernel (CUDA, or its CPU
+    interpreter); elsewhere the compact, unpadded layout is returned.
     """
     from nemo_jetrl.fp8 import triton_kernels
 
-    if _mn_major_applies(x, mn_major):
-        q = triton_kernels.quantize_blockwise_triton(
+    if _padded_layout_applies(x, mn_major, rows):
+        data, scale_inv = _act_buffers(x, rows)
+        triton_kernels.quantize_blockwise_triton(
             x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, check_finite=False,
-            scale_layout="mn_major",
+            out=(data[: x.shape[0]], scale_inv[: x.shape[0]]),
         )  # fmt: skip
-        return q.data, q.scale_inv
+        return data, scale_inv
     q = quantize_blockwise(
         x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, check_finite=False
     )
     return q.data, q.scale_inv
 
 
-def _mn_major_applies(x: torch.Tensor, mn_major: bool) -> bool:
-    """The one rule (real op and its fake) for when the MN-major layout is written."""
+def _padded_layout_applies(x: torch.Tensor, mn_major: bool, rows: int) -> bool:
+    """The one rule (real op and its fake) for when the GEMM's layout is written."""
     from nemo_jetrl.fp8 import triton_kernels
 
-    return mn_major and x.dim() == 2 and triton_kernels.can_run(x)
+    return (mn_major or rows > 1) and x.dim() == 2 and triton_kernels.can_run(x)
 
 
-def _mn_major_fake(x: torch.Tensor) -> torch.Tensor:
-    """An empty ``[M, kb]`` fp32 tensor with the MN-major strides `_quantize_act_impl` writes."""
-    m, kb = x.shape[0], -(-x.shape[-1] // ACT_BLOCK[1])
-    return x.new_empty_strided((m, kb), (1, -(-m // 4) * 4), dtype=torch.float32)
+def _act_buffers(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``[pad(M, rows), K]`` FP8 data and its MN-major ``[pad(M, rows), kb]`` fp32 scales
+    (strides ``(1, pad4(pad(M, rows)))``, the TMA-aligned layout) on ``x``'s device."""
+    m, k = x.shape
+    mp = -(-m // rows) * rows
+    kb, ld = -(-k // ACT_BLOCK[1]), -(-mp // 4) * 4
+    data = x.new_empty((mp, k), dtype=torch.float8_e4m3fn)
+    return data, x.new_empty((kb, ld), dtype=torch.float32)[:, :mp].t()
 
 
 def _gemm_impl(
@@ -126,18 +146,18 @@ def ensure_ops() -> Any:
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::quantize_act_1x128", mutates_args=())
     def quantize_act_1x128(
-        x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool
+        x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool, rows: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _quantize_act_impl(x, pow2_scales, eps, mn_major)
+        return _quantize_act_impl(x, pow2_scales, eps, mn_major, rows)
 
     @quantize_act_1x128.register_fake
     def _(
-        x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool
+        x: torch.Tensor, pow2_scales: bool, eps: float, mn_major: bool, rows: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if _padded_layout_applies(x, mn_major, rows):
+            return _act_buffers(x, rows)
         kb = -(-x.shape[-1] // ACT_BLOCK[1])
         data = torch.empty_like(x, dtype=torch.float8_e4m3fn)
-        if _mn_major_applies(x, mn_major):
-            return data, _mn_major_fake(x)
         return data, x.new_empty((*x.shape[:-1], kb), dtype=torch.float32)
 
     @torch.library.custom_op(f"{OP_NAMESPACE}::fp8_block_gemm", mutates_args=())
@@ -158,6 +178,29 @@ def ensure_ops() -> Any:
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
     return ns
+
+
+def serving_forward(
+    ops: Any,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    backend: str,
+    out_dtype: torch.dtype,
+    settings: tuple[bool, bool, float],
+    capture: Any = None,
+) -> torch.Tensor:
+    """One serving GEMM: ``x2`` [M, K] quantized in ``backend``'s layout, times the stored weight,
+    the first M rows of the result. ``settings``: (pow2 activation scales, pow2 weight scales,
+    eps). ``capture``: the layer's capture deque (tests), which gets the unpadded operands."""
+    pow2, w_pow2, eps = settings
+    rows, layout = activation_layout(backend)
+    m = x2.shape[0]
+    q, q_s = ops.quantize_act_1x128(x2, pow2, eps, layout == "mn_major", rows)
+    if capture is not None and len(capture) < capture.maxlen:
+        capture.append((x2.detach().clone(), q[:m].detach().clone(), q_s[:m].detach().clone()))
+    out = ops.fp8_block_gemm(q, q_s, weight, weight_scale_inv, out_dtype, pow2, w_pow2, backend)
+    return out if out.shape[0] == m else out[:m]
 
 
 def make_kernel_class(settings: PatchSettings) -> type:
@@ -252,6 +295,13 @@ def make_kernel_class(settings: PatchSettings) -> type:
             ):
                 self._plan_gemm(w.device, (n, k))
             layer.jetrl_gemm_backend = self.jetrl_gemm_backend
+            # Scales stored once in the layout the GEMM reads; the parameter becomes a view of
+            # that storage (same object, same values: refits copy into it in place, and a
+            # reload's copy back lands in the same storage). Other backends read strides.
+            stored = s.data
+            ready = gemm_ready_weight_scales(self.jetrl_gemm_backend, stored)
+            if ready is not stored:
+                s.data = ready
             # A biased layer adds its bias to the fp32 accumulator and rounds once, as the
             # trainer does (TE's GEMM epilogue; fp8.linear.fp8_linear_forward): its GEMM writes
             # fp32, so it may need another backend (DeepGEMM writes bf16 only).
@@ -284,14 +334,10 @@ def make_kernel_class(settings: PatchSettings) -> type:
                         layer.weight.device, tuple(layer.weight.shape), torch.float32
                     )
                 gemm_dtype = torch.float32
-            mn_major = backend == "deep_gemm"  # DeepGEMM reads MN-major scales
-            q, q_s = ops.quantize_act_1x128(x2, pow2, eps, mn_major)
-            capture = getattr(layer, "_jetrl_capture", None)
-            if capture is not None and len(capture) < capture.maxlen:
-                capture.append((x2.detach().clone(), q.detach().clone(), q_s.detach().clone()))
-            out = ops.fp8_block_gemm(
-                q, q_s, layer.weight, layer.weight_scale_inv, gemm_dtype, pow2, w_pow2, backend
-            )
+            out = serving_forward(
+                ops, x2, layer.weight, layer.weight_scale_inv, backend, gemm_dtype,
+                (pow2, w_pow2, eps), getattr(layer, "_jetrl_capture", None),
+            )  # fmt: skip
             if bias is not None:
                 out = (out + bias.float()).to(self.config.out_dtype)
             return out.view(*x.shape[:-1], layer.weight.shape[0])

@@ -1,0 +1,79 @@
+"""One serving call of our vLLM kernel, as vLLM makes it, op by op (no vLLM needed).
+
+A layer planned on cuBLASLt (``scaled_mm``, what an H100 without DeepGEMM plans) is loaded and
+applied through the kernel class's own methods, and a `TorchDispatchMode` records every aten op
+and every Triton launch of ``apply_weights``. Per call only the quantizer's launch, the GEMM and
+plain allocations (the FP8 activations, their scales, the output) may run: no zeros, pads,
+copies or transposed copies of scales, and no decode batch (M % 4 != 0) off cuBLASLt.
+
+Stand-ins (`serving_inventory`): vLLM's kernel base classes, and ``F.scaled_mm`` itself (it
+cannot run on a CPU with blockwise scales); the Triton kernels run in the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from serving_inventory import (
+    OpRecorder,
+    StandInBase,
+    StandInMM,
+    op_bodies,
+    plan_as,
+    recording,
+    scaled_mm_standin,
+    standin_config,
+)
+
+from nemo_jetrl.fp8 import quantize_blockwise, triton_kernels
+from nemo_jetrl.vllm_patch import compat, kernel
+from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+pytestmark = pytest.mark.skipif(
+    not triton_kernels.can_run(torch.zeros(1, dtype=torch.bfloat16)),
+    reason="needs triton (its interpreter on CPU): the quantizer's launch is what is counted",
+)
+N, K = 256, 384  # K/128 = 3 scale columns: cuBLASLt wants them padded to 4
+
+
+def _loaded_layer(monkeypatch, backend: str, pow2: bool, w: torch.Tensor):
+    monkeypatch.setattr(compat, "kernel_base_classes", lambda: (StandInBase, StandInMM))
+    plan_as(monkeypatch, kernel, backend)
+    monkeypatch.setattr(kernel, "ensure_ops", op_bodies)
+    # CUDA tensors get the Triton quantizer: route CPU tensors there too (interpreter).
+    monkeypatch.setattr(kernel, "quantize_blockwise", partial(quantize_blockwise, backend="triton"))
+    cls = kernel.make_kernel_class(
+        PatchSettings(pow2_weight_scales=pow2, pow2_activation_scales=pow2)
+    )
+    kern = cls(standin_config((N, K)))
+    q = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(q.data, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(q.scale_inv.clone(), requires_grad=False)
+    kern.process_weights_after_loading(layer)
+    return kern, layer, q
+
+
+@pytest.mark.parametrize("m", [37, 64, 1])
+def test_one_scaled_mm_serving_call_runs_the_quantizer_the_gemm_and_nothing_else(monkeypatch, m):
+    """On the code before this test (commit 696f711): M=64 ran zeros + copy_ padding the
+    weight's scales and a clone transposing the activation scales around F.scaled_mm; M=37 and
+    M=1 ran the Triton GEMM (a third launch) instead of cuBLASLt."""
+    calls: list = []
+    monkeypatch.setattr(F, "scaled_mm", scaled_mm_standin(calls, compute=False))
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    kern, layer, _ = _loaded_layer(monkeypatch, "scaled_mm", False, w)
+    x = torch.randn(m, K, generator=g).bfloat16()
+    kern.apply_weights(layer, x)  # first call outside: Triton compiles, tables are built
+    calls.clear()
+    with recording(monkeypatch, OpRecorder()) as rec:
+        y = kern.apply_weights(layer, x)
+    assert y.shape == (m, N)
+    assert rec.work_ops() == {}, f"per-call work besides the kernels: {dict(rec.work_ops())}"
+    assert rec.launches == ["quantize_kernel"], rec.launches
+    assert len(calls) == 1, "the GEMM did not run on (the stand-in for) cuBLASLt"
+    assert rec.allocations() <= 3, dict(rec.ops)  # FP8 x, its scales, the output
