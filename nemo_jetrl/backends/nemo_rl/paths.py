@@ -9,6 +9,9 @@ whose working directory is not the driver's. So the launch resolves, once, in th
 - input files (prompt / system-prompt files, local dataset files): a path our config names is
   looked up in the working directory first, then in NeMo-RL's tree; a path that only NeMo-RL's
   defaults name, in NeMo-RL's tree first. Missing everywhere: a UserError naming the YAML key;
+- a ``.jinja`` chat template (``policy.tokenizer.chat_template``): as an input file;
+- a model / tokenizer directory relative to the working directory: made absolute (a name that
+  is no directory there is a HuggingFace hub name and stays);
 - output directories (``logger.log_dir``, ``checkpointing.checkpoint_dir``): absolute against the
   working directory (an existing file there is refused by key).
 
@@ -26,6 +29,8 @@ from typing import Any
 LOCAL_DATA_SUFFIXES = (".arrow", ".csv", ".json", ".jsonl", ".parquet", ".txt")
 INPUT_FILE_KEYS = ("prompt_file", "system_prompt_file")
 OUTPUT_DIR_KEYS = ("logger.log_dir", "checkpointing.checkpoint_dir")
+# A local model/tokenizer directory given relative to the launch directory (else a hub name).
+MODEL_KEYS = ("policy.model_name", "policy.tokenizer.name")
 
 
 class PathProblem(ValueError):
@@ -110,6 +115,22 @@ def resolve_config_paths(
                         f"{key}: {value!r} does not exist (looked in {where}); "
                         "give an absolute path or one relative to the launch directory"
                     )
+    tokenizer = _select(merged, "policy.tokenizer")
+    template = tokenizer.get("chat_template") if isinstance(tokenizer, Mapping) else None
+    if isinstance(template, str) and template.endswith(".jinja"):  # NeMo-RL reads it as a file
+        key = "policy.tokenizer.chat_template"
+        found = _find(template, bases(key))
+        if found is None:
+            problems.append(f"{key}: {template!r} does not exist")
+        else:
+            set_path(tokenizer, "chat_template", key, found)  # type: ignore[arg-type]
+    for key in MODEL_KEYS:
+        parent, field = key.rsplit(".", 1)
+        node = _select(merged, parent)
+        value = node.get(field) if isinstance(node, MutableMapping) else None
+        relative = isinstance(value, str) and value and not Path(value).is_absolute()
+        if relative and (cwd / value).is_dir():
+            set_path(node, field, key, (cwd / value).resolve())  # type: ignore[arg-type]
     for key in OUTPUT_DIR_KEYS:
         section, field = key.split(".")
         node = merged.get(section)
