@@ -20,6 +20,7 @@ SCRIPTS = (
     "bench_vllm_generation",
     "bench_refit_calibration",
     "bench_moe_layer",
+    "bench_serving_kernel",
 )
 
 
@@ -219,3 +220,12 @@ def test_moe_layer_rows_and_record_format(bench, monkeypatch):
     assert module.bar_summary([met]).endswith("MET on every row")
     other = module.make_row(module.MoeShape("m/other", **MOE_TINY), 64, times, {}, {}, "", "")
     assert other["bar"] == "-" and "NOT MEASURED" in module.bar_summary([other])
+
+
+def test_serving_kernel_prints_the_issue_targets(bench):
+    """Issue 35's serving targets, MET / NOT MET per M (>= 1.5x at 1..64, >= 1.3x at 256, 8192)."""
+    module = bench("bench_serving_kernel")
+    assert module.TARGETS == {1: 1.5, 8: 1.5, 32: 1.5, 64: 1.5, 256: 1.3, 8192: 1.3}
+    assert module.build_parser().parse_args([]).tokens == list(module.TARGETS)
+    assert module.verdict(1, 1.5) == "MET" and module.verdict(256, 1.29).startswith("NOT MET")
+    assert module.verdict(3, 9.0) == "-"

@@ -64,13 +64,15 @@ def serve_fn(x, w, pow2: bool, backend: str):
     """The vLLM kernel's forward: its activation quantizer + ``run_gemm(backend)`` on the layer's
     FP8 weight, as `nemo_jetrl.vllm_patch.kernel` runs them (no vLLM needed)."""
     from nemo_jetrl.fp8 import quantize_blockwise
-    from nemo_jetrl.vllm_patch.kernel import _gemm_impl, _quantize_act_impl
+    from nemo_jetrl.fp8.gemm_backends import gemm_ready_weight_scales
+    from nemo_jetrl.vllm_patch.kernel import ensure_ops, serving_forward
 
     qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
+    scale = gemm_ready_weight_scales(backend, qw.scale_inv)  # as stored at load
+    ops = ensure_ops()
 
     def run():
-        a, a_s = _quantize_act_impl(x, pow2, 0.0, backend == "deep_gemm")
-        return _gemm_impl(a, a_s, qw.data, qw.scale_inv, torch.bfloat16, pow2, pow2, backend)
+        return serving_forward(ops, x, qw.data, scale, backend, torch.bfloat16, (pow2, pow2, 0.0))
 
     return run
 

@@ -1,0 +1,127 @@
+"""Does the vLLM serving kernel pay? Our quantizer + planned GEMM vs BF16 ``F.linear``, by M.
+
+For each token count M, the sum over Qwen3-8B's four linears of one decoder layer (qkv, o,
+gate_up, down; `bench_fp8_linear.layer_shapes`) of:
+
+* BF16: ``F.linear(x, W)`` (cuBLAS), captured in a CUDA graph;
+* FP8 (ours): `nemo_jetrl.vllm_patch.kernel.serving_forward`, exactly what the patched vLLM
+  layer runs per call (the 1x128 activation quantizer writing the GEMM's layout, M padded as the
+  GEMM needs, the GEMM backend planned for the layer), against weight scales stored at load as
+  the kernel stores them (`gemm_backends.gemm_ready_weight_scales`), captured in a CUDA graph.
+
+Each row prints the ratio BF16 / FP8 and the issue-35 target with MET / NOT MET: >= 1.5x at
+M = 1, 8, 32, 64 and >= 1.3x at M = 256 and 8192.
+
+Usage: python benchmarks/gpu/bench_serving_kernel.py [--tokens 1 8 32 64 256 8192] [--iters 50]
+         [--pow2 | --no-pow2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+
+import _common
+import torch
+
+MODEL = "Qwen/Qwen3-8B-Base"
+# Issue 35's serving targets: minimum BF16/FP8 time ratio per M.
+TARGETS = {1: 1.5, 8: 1.5, 32: 1.5, 64: 1.5, 256: 1.3, 8192: 1.3}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TARGETS))
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--pow2", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    return ap
+
+
+def verdict(m: int, speedup: float) -> str:
+    """``MET`` / ``NOT MET (target >= T x)`` for M's target, ``-`` where the issue sets none."""
+    target = TARGETS.get(m)
+    if target is None:
+        return "-"
+    return "MET" if speedup >= target else f"NOT MET (target >= {target}x)"
+
+
+def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool):
+    """(BF16 fn, FP8 fn, backends): each fn runs the four linears on ``x`` as served."""
+    import torch.nn.functional as F
+
+    from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+    from nemo_jetrl.vllm_patch import kernel
+
+    ops = kernel.ensure_ops()
+    plan = gemm_backends.plan_gemm(x.device, out_dtype=torch.bfloat16, pow2_scales=pow2)
+    layers = []
+    for w in weights:
+        qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
+        scale = gemm_backends.gemm_ready_weight_scales(plan.backend, qw.scale_inv)
+        layers.append((qw.data, scale))
+
+    def bf16():
+        return [F.linear(x, w) for w in weights]
+
+    def fp8():
+        return [
+            kernel.serving_forward(ops, x, wq, ws, plan.backend, torch.bfloat16, (pow2, pow2, 0.0))
+            for wq, ws in layers
+        ]
+
+    return bf16, fp8, plan.backend
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from bench_fp8_linear import layer_shapes
+
+    shapes = layer_shapes(args.model)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _, n, k in shapes]
+    bench = partial(_common.bench_ms, iters=args.iters, graph=True)
+    rows = []
+    for m in args.tokens:
+        bf16_ms = fp8_ms = 0.0
+        backend = ""
+        for (_, _, k), w in zip(shapes, weights, strict=True):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16, fp8, backend = serving_fns(x, [w], args.pow2)
+            bf16_ms += bench(bf16)
+            fp8_ms += bench(fp8)
+        speedup = bf16_ms / fp8_ms
+        rows.append(
+            {
+                "M": m,
+                "backend": backend,
+                "bf16_ms": bf16_ms,
+                "fp8_ms": fp8_ms,
+                "speedup": speedup,
+                "target": verdict(m, speedup),
+            }
+        )
+    return rows
+
+
+COLUMNS = ("M", "backend", "bf16_ms", "fp8_ms", "speedup", "target")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _common.require_cuda("bench_serving_kernel.py")
+    rows = run(args)
+    print(
+        f"# {_common.gpu_name()}, {args.model}: sum of 4 linears per M, CUDA graph, "
+        f"{'pow2' if args.pow2 else 'fp32'} scales"
+    )
+    _common.print_table(rows, COLUMNS)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
