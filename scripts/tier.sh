@@ -2,7 +2,7 @@
 # under a wall-clock limit, appends "NAME: <pytest summary line> (exit N)" to the array $summary
 # and sets $rc to a failing tier's exit status; the caller prints $summary and exits $rc.
 #
-#   JETRL_TIER_TIMEOUT_S     seconds each tier may run (default 1500), so that one hung test (e.g. a
+#   JETRL_TIER_TIMEOUT_S     seconds each tier may run (default 1800: two lanes share 2 cores), so that one hung test (e.g. a
 #                            destructor waiting forever) costs one tier, not CI's whole budget
 #   JETRL_TIER_KILL_AFTER_S  seconds from the limit's SIGINT to SIGKILL (default 60)
 #
@@ -16,7 +16,7 @@
 
 _tier_limited() {  # CMD...: run CMD in a process group of its own under the limit
   timeout --signal=INT --kill-after="${JETRL_TIER_KILL_AFTER_S:-60}" \
-    "${JETRL_TIER_TIMEOUT_S:-1500}" "$@" &
+    "${JETRL_TIER_TIMEOUT_S:-1800}" "$@" &
   local pid=$! trc=0 stop=0
   # Ctrl-C at a terminal (or a TERM from CI) reaches only the foreground group (this subshell),
   # not the tier's group: pass it to timeout, which passes it to its group (signalling the group
@@ -37,7 +37,7 @@ _tier_limited() {  # CMD...: run CMD in a process group of its own under the lim
 
 tier() {  # NAME CMD...
   local name=$1; shift
-  local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0 s0 line limit=${JETRL_TIER_TIMEOUT_S:-1500}
+  local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0 s0 line limit=${JETRL_TIER_TIMEOUT_S:-1800}
   s0=$(date +%s)
   set +e  # a failing tier must not end the script (set -e + pipefail): the others still run
   # tee ignores SIGINT so that pytest's report of a Ctrl-C still shows.
@@ -132,7 +132,63 @@ env_wait() {  # KEY: wait for KEY's build; its exit status (1 when it was never 
 }
 
 env_stop() {  # end the background builds (they are a session of their own: signal all of it)
-  [ -n "$ENV_PID" ] && kill -TERM -- "-$ENV_PID" 2>/dev/null
+  if [ -n "$ENV_PID" ]; then kill -TERM -- "-$ENV_PID" 2>/dev/null || true; fi
   [ -z "$ENV_STATE" ] || rm -rf "$ENV_STATE"
+  return 0
+}
+
+# -- two lanes of tiers ------------------------------------------------------------------------
+# test.sh lists the tiers after the default suite as jobs ("vllm_tier 0.32.0", ...) in summary
+# order. `job_run I` runs ${jobs[I]} and keeps its summary lines and status; `lane_start I...`
+# runs those jobs one after another in a second lane (a session of its own, output in a log);
+# `lane_finish` waits for it, prints its output, and appends every job's summary lines in order.
+LANE_STATE="" LANE_PID=""
+
+job_run() {  # I: run ${jobs[I]}; its summary lines and exit status go to $LANE_STATE
+  local summary=() rc=0
+  [ -n "$LANE_STATE" ] || LANE_STATE=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-lanes.XXXXXX")
+  ${jobs[$1]}  # word-split on purpose: "vllm_tier 0.32.0"
+  [ "${#summary[@]}" -eq 0 ] || printf '%s\n' "${summary[@]}" > "$LANE_STATE/job-$1.summary"
+  echo "$rc" > "$LANE_STATE/job-$1.rc"
+}
+
+lane_start() {  # I...: run these jobs in order in the second lane
+  local args=() i
+  [ -n "$LANE_STATE" ] || LANE_STATE=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-lanes.XXXXXX")
+  for i in "$@"; do args+=("$i" "${jobs[$i]}"); done
+  export LANE_STATE ENV_STATE ENV_PID upstream
+  export -f tier _tier_limited not_run env_wait vllm_venv vllm_tier nemo_rl_tier job_run
+  echo "second lane: $(for i in "$@"; do printf '%s; ' "${jobs[$i]}"; done)its output follows when it ends"
+  setsid bash -c 'set -euo pipefail; jobs=(); while [ "$#" -ge 2 ]; do
+      jobs[$1]=$2; job_run "$1"; shift 2; done' lane "${args[@]}" \
+    > "$LANE_STATE/lane.log" 2>&1 < /dev/null &
+  LANE_PID=$!
+}
+
+lane_finish() {  # wait for the second lane; every job's summary lines, in job order
+  local i line jrc
+  if [ -n "$LANE_PID" ]; then
+    wait "$LANE_PID" || true  # each job's own status is in its file
+    LANE_PID=""
+    echo "== second lane's output (it ran beside the tiers above) =="
+    cat "$LANE_STATE/lane.log"
+  fi
+  for i in "${!jobs[@]}"; do
+    if [ -f "$LANE_STATE/job-$i.rc" ]; then
+      if [ -f "$LANE_STATE/job-$i.summary" ]; then
+        while IFS= read -r line; do summary+=("$line"); done < "$LANE_STATE/job-$i.summary"
+      fi
+      read -r jrc < "$LANE_STATE/job-$i.rc"
+      [ "$jrc" -eq 0 ] || rc=$jrc
+    else
+      summary+=("${jobs[$i]}: no result, its lane ended early (exit 1)")
+      rc=1
+    fi
+  done
+}
+
+lane_stop() {  # end the second lane (test.sh's EXIT trap): its tiers pass the TERM to pytest
+  if [ -n "$LANE_PID" ]; then kill -TERM -- "-$LANE_PID" 2>/dev/null || true; fi
+  [ -z "$LANE_STATE" ] || rm -rf "$LANE_STATE"
   return 0
 }

@@ -205,9 +205,10 @@ def test_pip_retry_refuses_bad_settings_before_running_pip(
 # order, the overlap of environment builds with the default suite and the summary are observable.
 _STANDIN = """#!/usr/bin/env bash
 # stand-in for {name} (tests/test_test_script.py)
-echo "start {name} $*" >> "$JOURNAL"
+echo "start {name} $* ${{VLLM_VENV:-}}" >> "$JOURNAL"
+echo "$$" >> "$JOURNAL.pids"
 sleep "${{STANDIN_SLEEP_{key}:-0}}"
-echo "end {name}" >> "$JOURNAL"
+echo "end {name} ${{VLLM_VENV:-}}" >> "$JOURNAL"
 {tail}
 """
 
@@ -264,7 +265,7 @@ def test_environments_build_while_the_default_suite_runs_and_each_tier_waits_for
     tmp_path: Path,
 ) -> None:
     summary, journal, out = _run_test_sh(
-        tmp_path, STANDIN_SLEEP_PY="2", STANDIN_SLEEP_SETUP_VLLM_ENV="0.5"
+        tmp_path, STANDIN_SLEEP_PY="3", STANDIN_SLEEP_SETUP_VLLM_ENV="0.5"
     )
     assert summary == [
         "default suite (.venv): 5 passed (exit 0)",
@@ -279,9 +280,10 @@ def test_environments_build_while_the_default_suite_runs_and_each_tier_waits_for
     # each environment once, in the order of the tiers (0.32 and its source, 0.20, the trees)
     assert builds == ["setup_vllm_env", "setup_vllm_env", "setup_nemo_rl_env", "setup_nemo_rl_env"]
     assert _at(journal, "start fetch_vllm_src") < _at(journal, "start setup_vllm_env")
-    # all of them built while the default suite ran, before the first tier that needs one
-    assert _at(journal, "end setup_nemo_rl_env") < _at(journal, "end default-python")
-    assert _at(journal, "end default-python") < _at(journal, "start test_vllm")
+    # built while the default suite runs; each tier starts once its own environment is built
+    assert _at(journal, "start setup_vllm_env") < _at(journal, "end default-python")
+    assert _at(journal, "end setup_vllm_env") < _at(journal, "start test_vllm")
+    assert _at(journal, "end setup_nemo_rl_env") < _at(journal, "start test_nemo_rl")
 
 
 def _at(journal: list[str], prefix: str) -> int:
@@ -346,6 +348,82 @@ def test_an_interrupted_run_ends_its_background_builds(tmp_path: Path) -> None:
     assert proc.returncode == 130
     time.sleep(0.5)
     lines = journal.read_text().splitlines()
-    assert "start fetch_vllm_src " in [ln[: len("start fetch_vllm_src ")] for ln in lines]
-    assert "end fetch_vllm_src" not in lines  # the 30 s build was ended, not left running
+    assert any(ln.startswith("start fetch_vllm_src ") for ln in lines)
+    # the 30 s build was ended, not left running
+    assert not any(ln.startswith("end fetch_vllm_src") for ln in lines)
     assert not any(ln.startswith("start setup_vllm_env") for ln in lines)
+
+
+def test_the_second_lane_runs_beside_the_first_and_the_summary_keeps_tier_order(
+    tmp_path: Path,
+) -> None:
+    summary, journal, out = _run_test_sh(
+        tmp_path, STANDIN_SLEEP_PY="2", STANDIN_SLEEP_TEST_VLLM="2"
+    )
+    assert summary[1:3] == [
+        "vLLM 0.32.0 tier (.venv-vllm): 3 passed in 1s (exit 0)",
+        "vLLM 0.20.0 tier (.venv-vllm020): 3 passed in 1s (exit 0)",
+    ], out
+    # 0.20 (second lane) starts before 0.32 (first lane, after the default suite) ends
+    i20 = _at(journal, "start test_vllm --runslow .venv-vllm020")
+    assert i20 < journal.index("end test_vllm .venv-vllm")
+    assert "== second lane's output (it ran beside the tiers above) ==" in out
+    # one lane: one tier at a time, in summary order
+    summary1, journal1, _ = _run_test_sh(tmp_path / "one", JETRL_TIER_LANES="1")
+    assert summary1 == summary
+    tiers = [ln.split()[1:4] for ln in journal1 if ln.startswith(("start test_", "end test_"))]
+    assert [t[0] for t in tiers] == ["test_vllm", "test_vllm", "test_vllm", "test_vllm"] + [
+        "test_nemo_rl"
+    ] * 4
+    root = _standin_repo(tmp_path / "bad")
+    done = subprocess.run(
+        ["bash", "scripts/test.sh"],
+        cwd=root,
+        env={**os.environ, "JOURNAL": str(tmp_path / "j"), "JETRL_TIER_LANES": "3"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "JETRL_TIER_LANES=3: use 1" in done.stderr
+
+
+def test_an_interrupted_run_ends_the_second_lanes_tier(tmp_path: Path) -> None:
+    root = _standin_repo(tmp_path)
+    journal = tmp_path / "journal"
+    proc = subprocess.Popen(
+        ["bash", "scripts/test.sh"],
+        cwd=root,
+        env={
+            **os.environ,
+            "TMPDIR": str(tmp_path),
+            "JOURNAL": str(journal),
+            "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
+            "STANDIN_SLEEP_PY": "30",
+            "STANDIN_SLEEP_TEST_VLLM": "30",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "start test_vllm" not in (
+        journal.read_text() if journal.exists() else ""
+    ):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, out + err
+    time.sleep(1)
+    lines = journal.read_text().splitlines()
+    assert any(ln.startswith("start test_vllm --runslow .venv-vllm020") for ln in lines)
+    assert not any(ln.startswith(("end test_vllm", "end default-python")) for ln in lines)
+    for pid in map(int, (tmp_path / "journal.pids").read_text().split()):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert stat == "Z", f"stand-in {pid} still running after the interrupt"
