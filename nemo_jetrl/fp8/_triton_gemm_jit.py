@@ -1,48 +1,13 @@
 """The jitted block-scaled FP8 GEMM behind `nemo_jetrl.fp8.triton_gemm` (read its docstring).
 
-Imports triton at its top like `_triton_jit`; only `triton_gemm._kernel()` imports it.
+Imports triton at its top like `_triton_jit`; only `triton_gemm._kernel()` imports it. The FP8
+operand and accumulation helpers are `_triton_common`'s (shared with the grouped kernels).
 """
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _operand(codes, lut_ptr, NATIVE: tl.constexpr, FP8: tl.constexpr):
-    # FP8 codes (uint8) as values the dot consumes: the FP8 type itself (tensor cores, SM89+),
-    # or fp32 from a 256-entry table (exact; any GPU and Triton's CPU interpreter). One return:
-    # the compiler types every return statement it reaches, and a constexpr `if` that returns
-    # early still lets it reach the one after (fp8 vs fp32: "Inconsistent return types").
-    if NATIVE:  # noqa: SIM108 (a statement-level constexpr branch: only the taken one compiles)
-        v = codes.to(FP8, bitcast=True)
-    else:
-        v = tl.load(lut_ptr + codes.to(tl.int32))
-    return v
-
-
-@triton.jit
-def tile_dot(
-    a,
-    b,
-    lut_a_ptr,
-    lut_b_ptr,
-    NATIVE: tl.constexpr,
-    TF32: tl.constexpr,
-    FP8_A: tl.constexpr,
-    FP8_B: tl.constexpr,
-):
-    # p_t, the fp32 dot of one 128-wide K tile of FP8 codes (shared by the dense and grouped
-    # GEMMs, so every kernel forms its partial products the same way).
-    av = _operand(a, lut_a_ptr, NATIVE, FP8_A)
-    bv = _operand(b, lut_b_ptr, NATIVE, FP8_B)
-    if NATIVE:
-        p = tl.dot(av, bv, out_dtype=tl.float32)
-    elif TF32:
-        # Exact: every FP8 value fits TF32's 10-bit mantissa and its exponent range.
-        p = tl.dot(av, bv, input_precision="tf32", out_dtype=tl.float32)
-    else:
-        p = tl.dot(av, bv, input_precision="ieee", out_dtype=tl.float32)
-    return p
+from nemo_jetrl.fp8._triton_common import scaled_accumulate, tile_dot
 
 
 @triton.jit
@@ -100,7 +65,7 @@ def block_fp8_gemm_kernel(
         p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
         sa = tl.load(sa_ptr + rm * ssam + t * ssak, mask=rm < M, other=0.0)
         sb = tl.load(sb_ptr + (rn // B_ROWS) * ssbn + t * ssbk, mask=rn < N, other=0.0)
-        acc = tl.fma(p * sa[:, None], sb[None, :], acc)
+        acc = scaled_accumulate(acc, p, sa, sb)
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(
         c_ptr + rm[:, None] * scm + rn[None, :] * scn,

@@ -1,15 +1,14 @@
 """The jitted grouped-expert kernels behind `nemo_jetrl.fp8.triton_grouped` (read its docstring).
 
 Imports triton at its top like `_triton_jit`; only `triton_grouped._kernels()` imports it. The
-quantization and FP8-operand helpers are `_triton_jit`'s and `_triton_gemm_jit`'s (imported
-into this module's globals, where Triton resolves the names a kernel calls).
+quantization and FP8-operand helpers are `_triton_common`'s, the one home the dense kernels
+share (imported into this module's globals, where Triton resolves the names a kernel calls).
 """
 
 import triton
 import triton.language as tl
 
-from nemo_jetrl.fp8._triton_gemm_jit import tile_dot
-from nemo_jetrl.fp8._triton_jit import quantize_cols, to_fp32
+from nemo_jetrl.fp8._triton_common import quantize_cols, tile_dot, to_fp32
 
 
 @triton.jit

@@ -3,10 +3,13 @@
 On CPU the layers quantize with ``check_finite=True``: NaN/inf input raises at once, naming the
 tensor. On CUDA that check is a device sync per quantization (five per linear per step), so
 there they quantize with ``check_finite=False`` (a block holding NaN/inf gets a NaN
-``scale_inv``, so what it touches turns NaN) and `record` ORs "this operand had a NaN scale"
-into a device flag per tensor name. `check_non_finite` reads every flag with one host read and
-raises the error naming the tensors; call it once per step where the trainer already syncs
-(after reading the loss).
+``scale_inv``, so what it touches turns NaN) and note "this operand had a NaN scale" in a device
+flag per tensor name. The Triton quantizers write that flag themselves: pass
+``nonfinite_flag=flag(name, device)`` and the kernel stores 1 there from the NaN marker it
+computes anyway (no isnan/any kernels per call; the buffer is reused step after step). Other
+paths call `record` (isnan + any + or on the scales). `check_non_finite` reads every flag with
+one host read and raises the error naming the tensors; call it once per step where the trainer
+already syncs (after reading the loss).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 _FLAGS: dict[tuple[str, torch.device], torch.Tensor] = {}
 _TEMPLATES: set[str] = set()  # names recorded by `record_each` (one flag per group)
+_SPARE: dict[tuple[str, torch.device], torch.Tensor] = {}  # read `flag` buffers, zeroed for reuse
 
 
 def sync_free(t: torch.Tensor) -> bool:
@@ -22,15 +26,29 @@ def sync_free(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def flag(name: str, device: torch.device | str) -> torch.Tensor:
+    """The int32 ``[1]`` device flag for ``name`` a quantizer kernel sets to 1 on non-finite
+    input (its ``nonfinite_flag``); pending until `check_non_finite` reads it. One allocation
+    per name and device for the whole run: a read flag is zeroed and handed out again."""
+    key = (name, torch.device(device))
+    got = _FLAGS.get(key)
+    if got is None:
+        got = _SPARE.pop(key, None)
+        if got is None:
+            got = torch.zeros(1, dtype=torch.int32, device=key[1])
+        _FLAGS[key] = got
+    return got
+
+
+def note(flag_t: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """Set ``flag_t`` (from `flag`) where ``scale_inv`` holds a NaN: paths whose quantizer does
+    not write the flag itself (the torch reference). No host read."""
+    flag_t.logical_or_(torch.isnan(scale_inv).any())
+
+
 def record(name: str, scale_inv: torch.Tensor) -> None:
     """Note on the device whether ``scale_inv`` holds a NaN (no host read)."""
-    bad = torch.isnan(scale_inv).any()
-    key = (name, scale_inv.device)
-    flag = _FLAGS.get(key)
-    if flag is None:
-        _FLAGS[key] = bad
-    else:
-        flag.logical_or_(bad)
+    note(flag(name, scale_inv.device), scale_inv)
 
 
 def record_each(template: str, bad: torch.Tensor) -> None:
@@ -63,7 +81,7 @@ def check_non_finite() -> None:
     bad: list[str] = []
     for device in dict.fromkeys(k[1] for k in keys):
         idx = [i for i, k in enumerate(keys) if k[1] == device]
-        values = torch.cat([flags[i].reshape(-1) for i in idx]).tolist()
+        values = torch.cat([flags[i].reshape(-1).int() for i in idx]).tolist()
         for i in idx:
             n, name = flags[i].numel(), keys[i][0]
             vals, values = values[:n], values[n:]
@@ -71,6 +89,10 @@ def check_non_finite() -> None:
                 bad += [name.format(j) for j, v in enumerate(vals) if v]
             elif any(vals):
                 bad.append(name)
+    reuse = [(k, f) for k, f in zip(keys, flags, strict=True) if k[0] not in _TEMPLATES]
+    if reuse:  # after the read: zeroing is ordered after it on the device's stream
+        torch._foreach_zero_([f for _, f in reuse])
+        _SPARE.update(reuse)
     if bad:
         raise ValueError(
             f"non-finite values in FP8 operand(s) {bad} (found on the device without a host "
@@ -80,4 +102,4 @@ def check_non_finite() -> None:
         )
 
 
-__all__ = ["check_non_finite", "pending", "record", "record_each", "sync_free"]
+__all__ = ["check_non_finite", "flag", "note", "pending", "record", "record_each", "sync_free"]

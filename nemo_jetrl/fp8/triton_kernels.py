@@ -15,17 +15,21 @@ cannot:
 * power-of-two scales keep only the sign and exponent bits of the fp32 scale (bit mask), which
   is exactly ``2**floor(log2(scale))``.
 * the FP8 cast is done in integer arithmetic (round to nearest, ties to even, normal and
-  subnormal ranges) after an explicit clamp to ``[-fmax, fmax]``. This is what the hardware
-  ``cvt.rn.satfinite`` instruction does, but written out it gives the same bits on every GPU
-  generation and in Triton's CPU interpreter, whose own FP8/BF16 conversions do not round to
-  nearest-even. ``native_cast=True`` uses the hardware instruction instead (GPU only; a `gpu`
-  test checks it agrees).
+  subnormal ranges) after an explicit clamp to ``[-fmax, fmax]``: the reference encode, the same
+  bits on every GPU generation and in Triton's CPU interpreter, whose own FP8/BF16 conversions
+  do not round to nearest-even. On a GPU with FP8 (SM89+) the kernels use the hardware
+  ``cvt.rn.satfinite`` instead (``native_cast=None``, the default: measured to give the same
+  codes on every finite bf16 pattern, DESIGN.md "GPU facts"; `gpu` tests check it exhaustively).
+  ``native_cast=False``, or ``JETRL_FP8_NATIVE_CAST=0`` (read once per process), keeps the
+  integer encode on a GPU; under the interpreter it is always used.
 
 A block with a non-finite value stores ``scale_inv = NaN`` (as the reference does with
 ``check_finite=False``), so even unchecked output can never look valid; by default the Python
 wrappers check ``scale_inv`` and re-run the torch reference on the input, which raises the
 reference's ValueError naming the tensor and block. ``check_finite=False`` skips that check: no
 host read at all, so the launch can be captured in a CUDA graph (the vLLM serving path).
+``nonfinite_flag`` (an int32 device tensor, `finite_flags.flag`) folds the sync-free check into
+the kernel: it stores 1 there when any block was non-finite, no separate isnan/any kernels.
 
 Layouts: by default the compact layout of `BlockQuantized` (``data`` in the input shape,
 ``scale_inv`` ``[ceil(M/bm), ceil(K/bk)]``). ``transpose=True`` (128x1 only) writes ``data`` as
@@ -43,49 +47,36 @@ imports without it. On CPU the kernels run under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import functools
-import os
-import struct
 from types import ModuleType
 
 import torch
 
-from nemo_jetrl.fp8._deps import available, require
+from nemo_jetrl.fp8._deps import require
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.quantize import (
-    INPUT_DTYPES,
     Block,
     BlockQuantized,
     as_2d,
     check_block,
     quantize_reference,
 )
+from nemo_jetrl.fp8.triton_launch import ENV_NATIVE_CAST as ENV_NATIVE_CAST
+from nemo_jetrl.fp8.triton_launch import NO_FTZ as NO_FTZ
+from nemo_jetrl.fp8.triton_launch import (
+    _bits_if_bf16,
+    _check_device,
+    _flag_arg,
+    _fp32,
+)
+from nemo_jetrl.fp8.triton_launch import _native_cast_on as _native_cast_on
+from nemo_jetrl.fp8.triton_launch import can_run as can_run
+from nemo_jetrl.fp8.triton_launch import interpreting as interpreting
+from nemo_jetrl.fp8.triton_launch import resolve_native_cast as resolve_native_cast
+from nemo_jetrl.fp8.triton_launch import triton_available as triton_available
 
 # Kernel "modes": which axes of a tile one scale covers.
 _MODE = {(1, 128): 0, (128, 128): 1, (128, 1): 2}
-# Passed to every launch. Triton's default (enable_reflect_ftz=True) makes libdevice's div_rn /
-# sqrt_rn flush subnormals (div.rn.ftz.f32): 1/scale for amax < ~5e-36 would store +0 where the
-# reference stores a subnormal scale_inv (2.9e-39). The interpreter ignores the option (it never
-# flushes), so a test checks that every launch passes it.
-NO_FTZ = {"enable_reflect_ftz": False}
 SCALE_LAYOUTS = ("compact", "mn_major")
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.cache
-def triton_available() -> bool:
-    """True when triton imports (never raises; tried once per process, not on every call)."""
-    return available("triton")
-
-
-def can_run(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels can run on ``x``: CUDA tensor, or CPU tensor under the interpreter."""
-    if x.dtype not in INPUT_DTYPES or not triton_available():
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and interpreting())
 
 
 @functools.cache
@@ -110,27 +101,6 @@ def _format_constants(f: Fp8Format, input_dtype: torch.dtype, native_cast: bool)
         "FP8": fp8,
         "IN_BF16": input_dtype == torch.bfloat16,
     }
-
-
-def _fp32(v: float) -> float:
-    """``v`` rounded to fp32 (RNE, as torch rounds a Python scalar against an fp32 tensor).
-
-    Plain Python (no tensor), so the launch path holds no host read of any tensor."""
-    return struct.unpack("f", struct.pack("f", v))[0]
-
-
-def _bits_if_bf16(t: torch.Tensor) -> torch.Tensor:
-    """bf16 is handed to the kernels as its int16 bit pattern (see ``to_fp32``)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
-def _check_device(x: torch.Tensor, label: str) -> None:
-    if x.device.type == "cpu" and not interpreting():
-        raise RuntimeError(
-            f"{label}: the Triton kernels need a CUDA tensor (got a CPU tensor); use "
-            "nemo_jetrl.fp8.quantize_blockwise on CPU, or set TRITON_INTERPRET=1 before "
-            "importing triton to run them in Triton's CPU interpreter"
-        )
 
 
 def _scale_buffer(mb: int, kb: int, layout: str, device: torch.device) -> torch.Tensor:
@@ -205,9 +175,10 @@ def quantize_blockwise_triton(
     check_finite: bool = True,
     transpose: bool = False,
     scale_layout: str = "compact",
-    native_cast: bool = False,
+    native_cast: bool | None = None,
     transposed_copy: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> BlockQuantized:
     """`quantize_blockwise` in one Triton kernel: same arguments, same bits, same errors.
 
@@ -217,7 +188,8 @@ def quantize_blockwise_triton(
     ``[K, M]`` data (TE's columnwise layout). ``scale_layout`` is ``"compact"`` or
     ``"mn_major"`` (see the module docstring). ``transposed_copy`` (2-D input, no ``transpose``):
     a contiguous ``[K, M]`` FP8 tensor that receives the same codes transposed in the same pass
-    (`quantize_with_transpose_triton`).
+    (`quantize_with_transpose_triton`). ``native_cast``: see the module docstring.
+    ``nonfinite_flag``: int32 device tensor set to 1 if a block is non-finite (`finite_flags`).
     """
     block = check_block(block)
     f = get_format(fmt)
@@ -229,6 +201,7 @@ def quantize_blockwise_triton(
     if transpose and block != (128, 1):
         raise ValueError(f"{label}: transpose=True is only for block (128, 1), got {block}")
     m, k = x2.shape
+    flag_kw = _flag_arg(nonfinite_flag, x, label)
     if transposed_copy is not None:
         want = (k, m)
         if transpose or x.dim() != 2 or tuple(transposed_copy.shape) != want:
@@ -263,6 +236,7 @@ def quantize_blockwise_triton(
             q_u8,
             q_u8 if transposed_copy is None else transposed_copy.view(torch.uint8),
             s_view,
+            s_view if nonfinite_flag is None else nonfinite_flag,
             m,
             k,
             x2.stride(0),
@@ -278,8 +252,9 @@ def quantize_blockwise_triton(
             EPS=_fp32(eps) if eps > 0 else 0.0,
             POW2=bool(pow2_scales),
             num_warps=warps,
+            **flag_kw,
             **NO_FTZ,
-            **_format_constants(f, x.dtype, native_cast),
+            **_format_constants(f, x.dtype, resolve_native_cast(x, native_cast)),
         )
         if check_finite and not bool(torch.isfinite(s_view).all()):
             _raise_like_reference(x, block, f, pow2_scales, eps, name)
@@ -320,7 +295,8 @@ def rmsnorm_quantize_1x128(
     name: str | None = None,
     check_finite: bool = True,
     scale_layout: str = "compact",
-    native_cast: bool = False,
+    native_cast: bool | None = None,
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, BlockQuantized]:
     """Fused RMSNorm + 1x128 quantization of its output.
 
@@ -328,7 +304,8 @@ def rmsnorm_quantize_1x128(
     fp32 and rounded once to ``x.dtype`` (bf16 or fp16; TE's RMSNorm rounding), and ``q`` is
     bit-for-bit ``quantize_blockwise(y, (1, 128), ...)``. ``y`` itself agrees with a float64
     RMSNorm within one unit in the last place of ``x.dtype`` (the sum of squares is accumulated
-    in fp32 in a different order than torch's).
+    in fp32 in a different order than torch's). ``nonfinite_flag``: as in
+    `quantize_blockwise_triton` (set when a block of ``y`` is non-finite).
     """
     f = get_format(fmt)
     label = f"rmsnorm_quantize_1x128(tensor {name!r})" if name else "rmsnorm_quantize_1x128"
@@ -338,6 +315,7 @@ def rmsnorm_quantize_1x128(
     if weight.shape != (k,):
         raise ValueError(f"{label}: weight must have shape ({k},), got {tuple(weight.shape)}")
     _check_device(x, label)
+    flag_kw = _flag_arg(nonfinite_flag, x, label)
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -355,6 +333,7 @@ def rmsnorm_quantize_1x128(
             y_store,
             data.view(torch.uint8),
             s_view,
+            s_view if nonfinite_flag is None else nonfinite_flag,
             m,
             k,
             x2.stride(0),
@@ -368,8 +347,9 @@ def rmsnorm_quantize_1x128(
             EPS=_fp32(eps) if eps > 0 else 0.0,
             POW2=bool(pow2_scales),
             num_warps=4,
+            **flag_kw,
             **NO_FTZ,
-            **_format_constants(f, x.dtype, native_cast),
+            **_format_constants(f, x.dtype, resolve_native_cast(x, native_cast)),
         )
         if check_finite and not bool(torch.isfinite(s_view).all()):
             if not bool(torch.isfinite(x).all()):

@@ -1,0 +1,128 @@
+"""Rowwise 1x128 and columnwise 128x1 FP8 from one read of ``x`` (an FP8 linear's x and dy).
+
+A linear's activation ``x`` and gradient ``dy`` are each needed twice per step: 1x128 along K
+(FProp / DGrad) and 128x1 along tokens, stored transposed (WGrad). Two quantizer passes read
+the input twice; `quantize_rowcol_triton` reads each 128 x 128 tile once and writes both (what
+Transformer Engine's ``quantize_transpose_vector_blockwise`` does):
+
+* ``row``: ``quantize_blockwise(x, (1, 128))``: data ``[M, K]``, scale_inv ``[M, ceil(K/128)]``;
+* ``col``: ``quantize_blockwise(x, (128, 1)).t()``: data ``[K, M]`` contiguous, block 1x128,
+  scale_inv ``[K, ceil(M/128)]`` (TE's columnwise layout).
+
+Both bit-for-bit what the two separate quantizations give (incl. partial tiles, both scale
+modes, E4M3/E5M2). ``scale_layout="mn_major"`` writes both scale arrays MN-major with the MN
+stride padded to 4 (the GEMM-ready layouts; `triton_kernels.mn_major_storage`). `quantize_rowcol`
+picks the Triton kernel or `quantize_rowcol_reference` (pure torch) like `quantize_blockwise`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_jetrl.fp8.formats import Fp8Format, get_format
+from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
+
+
+def quantize_rowcol_reference(
+    x: torch.Tensor,
+    *,
+    fmt: str | Fp8Format = "e4m3",
+    pow2_scales: bool = True,
+    eps: float = 0.0,
+    name: str | None = None,
+    check_finite: bool = True,
+) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(row, col)`` by the torch reference: two quantizations, ``col`` transposed contiguous."""
+    kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps, "name": name}
+    row = quantize_reference(x, (1, 128), check_finite=check_finite, **kw)
+    c = quantize_reference(x, (128, 1), check_finite=check_finite, **kw).t()
+    col = BlockQuantized(c.data.contiguous(), c.scale_inv, c.block, c.fmt, c.pow2_scales)
+    return row, col
+
+
+def quantize_rowcol_triton(
+    x: torch.Tensor,
+    *,
+    fmt: str | Fp8Format = "e4m3",
+    pow2_scales: bool = True,
+    eps: float = 0.0,
+    name: str | None = None,
+    check_finite: bool = True,
+    scale_layout: str = "compact",
+    native_cast: bool | None = None,
+    nonfinite_flag: torch.Tensor | None = None,
+) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(row, col)`` of 2-D ``x`` in one Triton kernel (see the module docstring).
+
+    ``check_finite``, ``native_cast`` and ``nonfinite_flag`` are `quantize_blockwise_triton`'s:
+    the default check raises the reference's error naming the tensor; ``check_finite=False``
+    reads nothing on the host (a NaN ``scale_inv`` marks a bad block, and the flag, if given,
+    is set on the device)."""
+    from nemo_jetrl.fp8 import triton_kernels as tk
+    from nemo_jetrl.fp8 import triton_launch as launch
+
+    f = get_format(fmt)
+    label = f"quantize_rowcol(tensor {name!r})" if name else "quantize_rowcol"
+    if x.dim() != 2:
+        raise ValueError(f"{label}: needs 2-D input [tokens, features], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{label}: {x.dtype} cannot be quantized (bf16, fp16 or fp32)")
+    launch._check_device(x, label)
+    flag_kw = launch._flag_arg(nonfinite_flag, x, label)
+    m, k = x.shape
+    mb, kb = -(-m // 128), -(-k // 128)
+    row_data = torch.empty(m, k, dtype=f.dtype, device=x.device)
+    col_data = torch.empty(k, m, dtype=f.dtype, device=x.device)
+    row_s = tk._scale_buffer(m, kb, scale_layout, x.device)
+    col_s = tk._scale_buffer(k, mb, scale_layout, x.device)
+    if m and k:
+        tk._kernels().quantize_rowcol_kernel[(mb, kb)](
+            launch._bits_if_bf16(x),
+            row_data.view(torch.uint8),
+            row_s,
+            col_data.view(torch.uint8),
+            col_s,
+            row_s if nonfinite_flag is None else nonfinite_flag,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            row_s.stride(0),
+            row_s.stride(1),
+            col_s.stride(0),
+            col_s.stride(1),
+            EPS=launch._fp32(eps) if eps > 0 else 0.0,
+            POW2=bool(pow2_scales),
+            num_warps=8,
+            **flag_kw,
+            **launch.NO_FTZ,
+            **tk._format_constants(f, x.dtype, launch.resolve_native_cast(x, native_cast)),
+        )
+        if check_finite and not bool(torch.isfinite(row_s).all()):
+            tk._raise_like_reference(x, (1, 128), f, pow2_scales, eps, name)
+    pow2 = bool(pow2_scales)
+    row = BlockQuantized(row_data, row_s, (1, 128), f.name, pow2)
+    return row, BlockQuantized(col_data, col_s, (1, 128), f.name, pow2)
+
+
+def quantize_rowcol(
+    x: torch.Tensor, *, backend: str | None = None, **kwargs
+) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(row, col)`` on the backend `dispatch.quantize_blockwise` would pick for ``x``: the
+    fused Triton kernel on CUDA (or with ``backend="triton"``), else the torch reference
+    (``scale_layout``, ``native_cast`` and ``nonfinite_flag`` are Triton-only and dropped there;
+    a given flag is then set from the scales, `finite_flags.note`)."""
+    from nemo_jetrl.fp8 import dispatch, finite_flags
+
+    fast = backend != "torch" and (x.is_cuda or backend is not None)
+    if fast and dispatch.quant_backend(x, backend) == "triton":
+        return quantize_rowcol_triton(x, **kwargs)
+    flag = kwargs.pop("nonfinite_flag", None)
+    kwargs.pop("scale_layout", None), kwargs.pop("native_cast", None)
+    row, col = quantize_rowcol_reference(x, **kwargs)
+    if flag is not None:
+        finite_flags.note(flag, row.scale_inv)
+    return row, col
+
+
+__all__ = ["quantize_rowcol", "quantize_rowcol_reference", "quantize_rowcol_triton"]
