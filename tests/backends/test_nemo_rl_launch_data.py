@@ -148,6 +148,15 @@ def test_launch_reaches_grpo_setup_with_real_data_from_any_directory(config, tmp
 
     assert seen["registry_entry"] == reg.ACTOR_ENVIRONMENT_REGISTRY[STOCK_POLICY_WORKER]
     assert POLICY_WORKER_FQN not in reg.ACTOR_ENVIRONMENT_REGISTRY
+    # Nothing built here: NeMo-RL would build the venvs without nemo_jetrl, so the overlay (with
+    # our vLLM plugin's entry points) leads the workers' PYTHONPATH.
+    overlay = Path(cfg.logger["log_dir"]) / "nemo_jetrl_overlay"
+    for env in (
+        cfg.policy["megatron_cfg"]["env_vars"],
+        cfg.policy["generation"]["vllm_cfg"]["env_vars"],
+    ):
+        assert env["PYTHONPATH"].split(":")[0] == str(overlay)
+    assert any(p.name.endswith(".dist-info") for p in overlay.iterdir())
 
 
 def test_missing_path_exits_2_naming_the_key_before_ray(tmp_path, monkeypatch, capsys):

@@ -128,6 +128,11 @@ def test_bare_metal_venvs_are_nemo_rl_git_root_venvs(tmp_path):
     assert kind == driver.SYNC and entry == MCORE_UV and calls == []
     assert any("vLLM version check deferred" in line for line in lines)
     assert merged["logger"]["log_dir"].endswith("logs/x/exp_001")
+    # NeMo-RL builds both venvs during this run, without nemo_jetrl: the overlay goes on the path.
+    overlay = str(Path(merged["logger"]["log_dir"]) / venvs.OVERLAY_NAME)
+    vllm_env = merged["policy"]["generation"]["vllm_cfg"]["env_vars"]
+    assert vllm_env["PYTHONPATH"].split(os.pathsep)[0] == overlay
+    assert any("during this run without nemo_jetrl" in line for line in lines)
 
 
 def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
@@ -140,6 +145,7 @@ def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
     assert entry == str(base / STOCK_POLICY_WORKER / "bin" / "python")
     assert calls == [str(base / VLLM_FQN / "bin" / "python")]  # the vLLM preflight ran
     assert not (base / POLICY_WORKER_FQN).exists()  # no venv named after our class
+    assert "generation" not in merged.get("policy", {})  # built venvs have nemo_jetrl: no overlay
 
 
 def test_force_rebuild_keeps_nemo_jetrl_in_rebuilt_venvs(tmp_path):

@@ -122,8 +122,16 @@ def prepare_master(
     logger["log_dir"] = str(
         next_log_dir(str(Path(cwd or Path.cwd()) / logger.get("log_dir", "logs")))
     )
-    if rebuild:
-        stale = venvs.remove_stale_link(venv_base, POLICY_WORKER_FQN)
+    # NeMo-RL builds (first run, bare metal) or rebuilds (the flag) uv-managed venvs from its
+    # own project during this run: those venvs lack nemo_jetrl unless the overlay is on the path.
+    mcore_py = venvs.venv_python(venv_base, STOCK_POLICY_WORKER)
+    unbuilt = [
+        str(py)
+        for ent, py in ((stock_entry, mcore_py), (vllm_entry, vllm_py))
+        if ent.startswith("uv") and not py.is_file()
+    ]
+    if rebuild or unbuilt:
+        stale = venvs.remove_stale_link(venv_base, POLICY_WORKER_FQN) if rebuild else None
         if stale:
             lines.append(stale)
         overlay = venvs.write_overlay(Path(logger["log_dir"]) / venvs.OVERLAY_NAME)
@@ -133,10 +141,14 @@ def prepare_master(
             for p in path:
                 node = node.setdefault(p, {})
             node["env_vars"] = venvs.with_pythonpath(node.get("env_vars") or {}, overlay)
+        why = (
+            f"{venvs.FORCE_REBUILD_ENV}=true: NeMo-RL rebuilds its worker venvs"
+            if rebuild
+            else "NeMo-RL builds " + ", ".join(unbuilt) + " during this run"
+        )
         lines.append(
-            f"{venvs.FORCE_REBUILD_ENV}=true: NeMo-RL rebuilds its worker venvs without "
-            f"nemo_jetrl; put {overlay} (nemo_jetrl + its vLLM plugin entry point) on the "
-            "Megatron and vLLM workers' PYTHONPATH"
+            f"{why} without nemo_jetrl; put {overlay} (nemo_jetrl + its vLLM plugin entry "
+            "point) first on the Megatron and vLLM workers' PYTHONPATH"
         )
     return kind, entry, lines
 

@@ -9,7 +9,8 @@ What the launch does about it (driver process, before Ray starts):
 
 - our policy worker runs on the stock Megatron worker's venv *by its python path* when that venv
   is built (no venv named after our class, no symlink for NeMo-RL to trip over);
-- with the rebuild flag on, the stock venvs are rebuilt without nemo_jetrl, so the launch writes
+- with the rebuild flag on, or when NeMo-RL will build a venv during the run (bare metal, first
+  run), that venv has no nemo_jetrl, so the launch writes
   an overlay (a directory with a link to this nemo_jetrl and its entry-point metadata) next to
   the venvs and puts it on the workers' ``PYTHONPATH`` (Megatron workers and vLLM workers, whose
   engine subprocesses inherit it): rebuilt venvs import nemo_jetrl and load our vLLM plugin.
@@ -95,7 +96,14 @@ def write_overlay(target: Path, dist_name: str = "nemo_jetrl", package: str = "n
     copies its METADATA and ``entry_points.txt`` so ``importlib.metadata`` (vLLM's plugin loader)
     finds our ``vllm.general_plugins`` entry. Rewritten on every launch (idempotent).
     """
-    dist = importlib.metadata.distribution(dist_name)
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"{dist_name} is importable but not installed (no metadata): install it "
+            "(pip install --no-deps -e .) so its vLLM plugin entry point can be carried to the "
+            "workers"
+        ) from None
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"{package} is not importable")
