@@ -16,7 +16,19 @@ fused as vLLM and Megatron run them, gate/up fused), at ``--tokens`` tokens per 
   graph and replayed, as vLLM runs decode.
 
 Every time is the median of CUDA-event-timed calls after warm-up with L2 flushed before each
-call (`_common.bench_ms`).
+call (`_common.bench_ms`). ``fp8_ms`` is the steady state of micro-batches 2..n (the layer's FP8
+weight cached: the weight is unchanged); ``fp8_new_w_ms`` bumps the weight's version before each
+step (an optimizer step in place: ``add_(0)``, one extra elementwise kernel), so the weight is
+re-quantized as on the first micro-batch after an update.
+
+Host path (issue 35): ``host_ms`` is the median host time to enqueue one FP8 step while the GPU
+is kept busy (``torch.cuda._sleep``, so nothing waits on the GPU); ``gpu_ms`` and ``launches``
+are the summed device time and the number of device activities (kernels, memcpy, memset) per
+step from the CUDA profiler. The layer is host-bound when ``host_ms > gpu_ms``.
+
+Issue 35's targets are printed at the end as MET / NOT MET: FP8 fwd+bwd >= 1.3x BF16 on every
+linear of Llama-3.1-8B and Qwen3-8B at 8192 tokens, host enqueue time below GPU time, <= 12
+launches per step.
 
 Usage: python benchmarks/gpu/bench_fp8_linear.py [--tokens 8192] [--iters 20]
 """
@@ -24,13 +36,19 @@ Usage: python benchmarks/gpu/bench_fp8_linear.py [--tokens 8192] [--iters 20]
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from functools import partial
 
 import _common
 import torch
 
 MODELS = ("meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B-Base")
+# Issue 35's bars for the training linear.
+TARGET_TOKENS = 8192
+TARGET_SPEEDUP = 1.3
+TARGET_LAUNCHES = 12
 
 
 def layer_shapes(model: str) -> list[tuple[str, int, int]]:
@@ -106,7 +124,7 @@ def quant_only(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
     if not callable(getattr(lin_mod, "linear_gemm", None)):
         raise SystemExit("nemo_jetrl.fp8.linear.linear_gemm is gone: update quant_only")
 
-    def no_gemm(a, b, *, out_dtype=torch.bfloat16, exact=False):
+    def no_gemm(a, b, *, out_dtype=torch.bfloat16, exact=False, backend=None):
         return torch.empty(a.data.shape[0], b.data.shape[0], dtype=out_dtype, device=a.data.device)
 
     inner = fwd_bwd(layer, x, dy)
@@ -119,6 +137,50 @@ def quant_only(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
             lin_mod.linear_gemm = real
 
     return run
+
+
+def new_weight_each_step(layer: torch.nn.Module, inner):
+    """``inner`` after an in-place no-op update of the weight (its version changes, as after an
+    optimizer step): the FP8 weight is re-quantized every step."""
+
+    def run():
+        with torch.no_grad():
+            layer.weight.add_(0)
+        inner()
+
+    return run
+
+
+def host_enqueue_ms(fn, *, iters: int = 20) -> float:
+    """Median host time (ms) to enqueue one ``fn()`` while the GPU is busy with a sleep kernel
+    (enqueueing never waits on the GPU; a host sync inside ``fn`` would show as GPU time)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of fn
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def device_activity(fn, *, steps: int = 5) -> tuple[float, float]:
+    """(summed device time in ms, device activities) per ``fn()`` from the CUDA profiler: every
+    kernel, memcpy and memset counts as one launch."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    acts = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in acts)
+    return busy_us / steps / 1e3, len(acts) / steps
 
 
 def te_fwd_bwd_fn(k: int, n: int, x: torch.Tensor, dy: torch.Tensor):
@@ -157,7 +219,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             layer = fp8_layer(w, args.pow2)
             bf16 = bench(fwd_bwd(bf16_lin, x, dy))
             fp8 = bench(fwd_bwd(layer, x, dy))
+            fp8_new_w = bench(new_weight_each_step(layer, fwd_bwd(layer, x, dy)))
             quant = bench(quant_only(layer, x, dy))
+            host = host_enqueue_ms(fwd_bwd(layer, x, dy))
+            gpu, launches = device_activity(fwd_bwd(layer, x, dy))
             te_fn = te_fwd_bwd_fn(k, n, x, dy)
             te_ms = bench(te_fn) if te_fn else None
             qx, qw = qt(x[:128], (1, 128)), qt(w, (128, 128))
@@ -178,7 +243,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "bf16_ms": bf16,
                     "fp8_ms": fp8,
                     "speedup": bf16 / fp8,
+                    "fp8_new_w_ms": fp8_new_w,
                     "quant_share": quant / fp8,
+                    "host_ms": host,
+                    "gpu_ms": gpu,
+                    "launches": launches,
                     "te_fp8_ms": te_ms if te_ms is not None else "n/a",
                     "te_speedup": bf16 / te_ms if te_ms else "n/a",
                     "gemm": f"{gemm_backend(qx, qw)}/{gemm_backend(qa, qa)}",
@@ -199,7 +268,11 @@ COLUMNS = (
     "bf16_ms",
     "fp8_ms",
     "speedup",
+    "fp8_new_w_ms",
     "quant_share",
+    "host_ms",
+    "gpu_ms",
+    "launches",
     "te_fp8_ms",
     "te_speedup",
     "gemm",
@@ -207,6 +280,31 @@ COLUMNS = (
     "serve_ms",
     "serve_triton_ms",
 )
+
+
+def target_summary(rows: list[dict]) -> list[str]:
+    """Issue 35's three training-linear targets, each MET / NOT MET (naming the rows short of
+    it) or NOT MEASURED (the run did not cover every linear of both models at 8192 tokens)."""
+    want = {(m.split("/")[-1], name) for m in MODELS for name, _n, _k in layer_shapes(m)}
+    got = {(r["model"], r["layer"]) for r in rows if r["M"] == TARGET_TOKENS}
+    lines = []
+    checks = (
+        (f"fwd+bwd >= {TARGET_SPEEDUP}x BF16", lambda r: r["speedup"] >= TARGET_SPEEDUP,
+         lambda r: f"{r['speedup']:.2f}x"),
+        ("host enqueue < GPU time", lambda r: r["host_ms"] < r["gpu_ms"],
+         lambda r: f"host {r['host_ms']:.2f} ms vs GPU {r['gpu_ms']:.2f} ms"),
+        (f"<= {TARGET_LAUNCHES} launches per step", lambda r: r["launches"] <= TARGET_LAUNCHES,
+         lambda r: f"{r['launches']:.0f} launches"),
+    )  # fmt: skip
+    for label, ok, show in checks:
+        lead = f"target: Fp8BlockLinear {label} at {TARGET_TOKENS} tokens, Llama-3.1-8B + Qwen3-8B:"
+        if not want <= got:
+            lines.append(f"{lead} NOT MEASURED (run --tokens {TARGET_TOKENS} with both models)")
+            continue
+        short = [f"{r['model']} {r['layer']} {show(r)}" for r in rows
+                 if r["M"] == TARGET_TOKENS and not ok(r)]  # fmt: skip
+        lines.append(f"{lead} " + ("MET" if not short else f"NOT MET ({'; '.join(short)})"))
+    return lines
 
 
 def check_agreement(args: argparse.Namespace) -> float:
@@ -233,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     _common.require_cuda("bench_fp8_linear")
     print(f"# {_common.gpu_name()}; FP8 scales {'pow2' if args.pow2 else 'fp32'}")
     print(f"# sanity: max relative error FP8 vs BF16 (y, dx, dw) = {check_agreement(args):.4f}")
-    _common.print_table(run(args), COLUMNS)
+    rows = run(args)
+    _common.print_table(rows, COLUMNS)
+    for line in target_summary(rows):
+        print(line)
     return 0
 
 

@@ -32,7 +32,7 @@ _EXPORTS = {
     "ConversionReport": "convert",
     "Fp8BlockLinear": "linear",
     "Fp8Format": "formats",
-    "Fp8InferenceLinear": "linear",
+    "Fp8InferenceLinear": "inference_linear",
     "Fp8LinearConfig": "config",
     "GroupedQuantizedWeights": "grouped_tensors",
     "blockwise_matmul": "gemm",

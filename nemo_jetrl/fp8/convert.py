@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from nemo_jetrl.fp8.config import Fp8LinearConfig
-from nemo_jetrl.fp8.linear import Fp8BlockLinear, Fp8InferenceLinear, Quantizer
+from nemo_jetrl.fp8.inference_linear import Fp8InferenceLinear, Quantizer
+from nemo_jetrl.fp8.linear import Fp8BlockLinear
 
 log = logging.getLogger(__name__)
 

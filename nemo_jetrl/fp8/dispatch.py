@@ -93,6 +93,7 @@ def quantize_blockwise(
     backend: str | None = None,
     check_finite: bool = True,
     transpose: bool = False,
+    scale_layout: str = "compact",
 ) -> BlockQuantized:
     """Quantize ``x`` with one scale per ``block``: `quantize.quantize_reference`'s bits.
 
@@ -102,7 +103,9 @@ def quantize_blockwise(
     no host sync on any backend (CUDA-graph safe); blocks with a non-finite value get a NaN
     ``scale_inv`` instead of an error. ``transpose`` (128x1 only) returns the result's ``.t()``
     (block 1x128, data ``[K, M]``: WGrad's operand); Triton writes it directly, the torch path
-    transposes (a contiguous copy on CUDA, a view on CPU).
+    transposes (a contiguous copy on CUDA, a view on CPU). ``scale_layout="mn_major"`` asks the
+    Triton kernel for GEMM-ready MN-major scales (`triton_kernels`); the torch path always
+    returns compact scales (same values; every GEMM backend takes either).
     """
     block = check_block(block)
     f = get_format(fmt)
@@ -115,7 +118,12 @@ def quantize_blockwise(
         from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
 
         return quantize_blockwise_triton(
-            x, block, check_finite=check_finite, transpose=transpose, **kw
+            x,
+            block,
+            check_finite=check_finite,
+            transpose=transpose,
+            scale_layout=scale_layout,
+            **kw,
         )
     q = quantize_reference(x, block, check_finite=check_finite, **kw)
     return _transposed(q) if transpose else q

@@ -196,6 +196,7 @@ def test_jetrl_rollout_weights_equal_trainer_quantization_bit_for_bit(
     tmp_path, cache_dir, monkeypatch
 ):
     import nemo_jetrl.fp8.linear as linear_mod
+    from nemo_jetrl.fp8.weight_cache import invalidate_weight_caches
 
     run = LocalRun(tiny_cfg("jetrl", tmp_path, cache_dir))
     rollout = {
@@ -220,6 +221,9 @@ def test_jetrl_rollout_weights_equal_trainer_quantization_bit_for_bit(
         run.train_step(Hooks())  # refit, rollout, score (the spy sees the trainer's forward)
         refit(run.rollout_model, export_weights(run.trainer.model))  # ship the updated weights
         seen.clear()
+        # the trainer caches its FP8 weights per weight version: drop them so this forward
+        # quantizes again in front of the spy (a hit would give the same bits)
+        invalidate_weight_caches(run.trainer.model)
         run.trainer.score(torch.randint(3, 19, (2, 12)), 6)
         assert set(seen) == set(trainer)
         for name, layer in rollout.items():

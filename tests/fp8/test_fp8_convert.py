@@ -10,7 +10,8 @@ from torch import nn
 
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.convert import convert_to_fp8_inference, convert_to_fp8_training
-from nemo_jetrl.fp8.linear import Fp8BlockLinear, Fp8InferenceLinear
+from nemo_jetrl.fp8.inference_linear import Fp8InferenceLinear
+from nemo_jetrl.fp8.linear import Fp8BlockLinear
 
 
 class Block(nn.Module):

@@ -19,7 +19,8 @@ from nemo_jetrl.fp8.experts import (
     load_expert_weights,
     quantize_expert_weights,
 )
-from nemo_jetrl.fp8.linear import Fp8BlockLinearFunction, Fp8InferenceLinear
+from nemo_jetrl.fp8.inference_linear import Fp8InferenceLinear
+from nemo_jetrl.fp8.linear import Fp8BlockLinearFunction
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COUNTS = [129, 0, 1, 127, 128]  # tokens per expert (M = 385); expert 1 gets none

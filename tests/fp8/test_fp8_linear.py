@@ -8,7 +8,8 @@ from torch import nn
 
 from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
 from nemo_jetrl.fp8.config import Fp8LinearConfig
-from nemo_jetrl.fp8.linear import Fp8BlockLinear, Fp8InferenceLinear
+from nemo_jetrl.fp8.inference_linear import Fp8InferenceLinear
+from nemo_jetrl.fp8.linear import Fp8BlockLinear
 
 U32 = 2.0**-24
 CONFIGS = {

@@ -1,0 +1,95 @@
+"""What an `Fp8BlockLinear` runs, decided once per layer (not per call): `LinearPlan`.
+
+A training step of one FP8 linear makes up to five quantizations and three GEMMs. Everything
+that does not depend on the data is decided here, when the layer first sees an input of a given
+device and dtypes: which quantizer runs (``JETRL_FP8_QUANT_BACKEND`` read now), which GEMM
+backend each GEMM uses (``JETRL_FP8_GEMM_BACKEND`` read now, `gemm_backends.plan_gemm`), the
+scale layout the quantizer writes for those GEMMs, whether non-finite input is checked at once
+(CPU) or flagged on the device (CUDA), and whether the FP8 weight is cached across calls
+(``JETRL_FP8_WEIGHT_CACHE=0`` turns the cache off). The per-call path then reads no
+environment variable and makes no capability query; a changed environment variable reaches a
+layer that already planned only through `Fp8BlockLinear.replan`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nemo_jetrl.fp8.config import Fp8LinearConfig
+from nemo_jetrl.fp8.gemm_backends import plan_gemm
+
+ENV_WEIGHT_CACHE = "JETRL_FP8_WEIGHT_CACHE"
+# GEMM backends handed MN-major activation scales by the quantizer: cuBLASLt reads only that
+# layout (`gemm_backends._scaled_mm` copies compact scales into it per call; at M % 4 == 0 the
+# quantizer's padded layout is exactly that copy). DeepGEMM keeps the compact scales it was
+# verified with on a GPU; the Triton GEMM and the reference read any strides.
+MN_MAJOR_GEMMS = frozenset({"scaled_mm"})
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """One layer's decisions for inputs of one device and dtype (see the module docstring)."""
+
+    key: tuple
+    """(device, x dtype, weight dtype, bias dtype or None): what the plan was made for."""
+    gpu: bool
+    """The CUDA path: GEMMs through the planned backends, non-finite input flagged on the device
+    (`finite_flags`) instead of a host check. False: the torch reference (CPU)."""
+    quant: str | None
+    """``backend=`` of the quantizer calls (None: the CPU reference, chosen by `dispatch`)."""
+    fprop: str | None
+    """GEMM backend of FProp (None: `gemm.blockwise_matmul` on the CPU path)."""
+    dgrad: str | None
+    """GEMM backend of DGrad."""
+    wgrad: str | None
+    """GEMM backend of WGrad."""
+    x_layout: str
+    """``scale_layout`` of x's 1x128 scales (``mn_major`` when FProp's GEMM reads it)."""
+    dy_layout: str
+    """``scale_layout`` of dy's 1x128 scales (``mn_major`` when DGrad's GEMM reads it)."""
+    wgrad_layout: str
+    """``scale_layout`` of the transposed 128x1 x/dy scales."""
+    cache_weight: bool
+    """Reuse the FP8 weight while the master weight is unchanged (`weight_cache`)."""
+
+
+def plan_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What a plan depends on besides the config: device and dtypes."""
+    return (x.device, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+
+
+def weight_cache_enabled() -> bool:
+    """``$JETRL_FP8_WEIGHT_CACHE`` (default on; 0/false/off turn the cache off)."""
+    value = os.environ.get(ENV_WEIGHT_CACHE, "1").strip().lower()
+    if value not in ("1", "true", "on", "0", "false", "off"):
+        raise ValueError(f"environment variable {ENV_WEIGHT_CACHE} is {value!r}; use 1 or 0")
+    return value in ("1", "true", "on")
+
+
+def make_plan(
+    key: tuple, config: Fp8LinearConfig, *, gpu: bool, quant: str | None, cache_weight: bool
+) -> LinearPlan:
+    """Plan the three GEMMs of a layer for inputs described by ``key`` (`plan_key`).
+    ``gpu``/``quant``: the CUDA path and its quantizer, decided by the caller."""
+    device, x_dtype, w_dtype, b_dtype = key
+    cache = cache_weight and weight_cache_enabled()
+    if not gpu:
+        return LinearPlan(key, False, quant, None, None, None, *["compact"] * 3, cache)
+    fwd, grad, pow2 = config.forward_format.name, config.grad_format.name, config.pow2_scales
+
+    def backend(out_dtype: torch.dtype, kind: str, fmts: tuple[str, str]) -> str:
+        return plan_gemm(
+            device, out_dtype=out_dtype, pow2_scales=pow2, kind=kind, fmts=fmts
+        ).backend
+
+    fprop = backend(x_dtype if b_dtype is None else torch.float32, "fprop", (fwd, fwd))
+    dgrad = backend(x_dtype, "fprop", (grad, fwd))
+    wgrad = backend(w_dtype, "wgrad", (grad, fwd))
+    layouts = [
+        "mn_major" if quant == "triton" and gemm in MN_MAJOR_GEMMS else "compact"
+        for gemm in (fprop, dgrad, wgrad)
+    ]  # the torch quantizer writes compact scales only
+    return LinearPlan(key, True, quant, fprop, dgrad, wgrad, *layouts, cache)

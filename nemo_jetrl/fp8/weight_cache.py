@@ -1,0 +1,108 @@
+"""A training weight's FP8 copy, quantized once per weight version (`Fp8BlockLinear`).
+
+TE caches a linear's FP8 weight across micro-batches when the caller says "not the first
+micro-batch". Here nobody has to say it: the copy is keyed on what changes whenever the weight
+does, so a step reuses it exactly as long as the master weight's values cannot have changed:
+
+* the tensor object (a weak reference: a replaced ``Parameter`` misses);
+* its storage (a weak reference to the ``StorageImpl``, which keeps its address from being
+  reused: ``w.data = ...``, ``.to(device/dtype)``, ``load_state_dict(assign=True)`` miss);
+* its version counter ``w._version``, which every in-place op through the tensor bumps (an
+  optimizer step, ``with torch.no_grad(): w.copy_(...)``, ``load_state_dict``);
+* storage offset, shape, strides, dtype, device.
+
+Not seen, by design of torch: writes through ``w.data`` (``w.data.copy_(...)``: ``.data``
+is a new tensor with its own version counter, the same hole autograd's saved-tensor check has;
+Megatron's fp16 optimizer copies main params this way). After such a write call
+`invalidate_weight_caches` (or build the layer with ``cache_weight=False``). Tensors without a
+version counter (inference-mode tensors), tensor subclasses (DTensor, fake tensors) and code
+being traced by ``torch.compile`` are never cached.
+
+The cached tensors come from a quantizer running under autograd's forward (no grad mode), so
+they carry no graph; the cache holds nothing of the activations. A copy/pickle of the layer
+starts with an empty cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from nemo_jetrl.fp8.quantize import BlockQuantized
+
+
+def _key(w: torch.Tensor) -> tuple | None:
+    """What must be unchanged for a cached quantization of ``w`` to hold (None: never cache)."""
+    if type(w) not in (torch.Tensor, torch.nn.Parameter) or torch.compiler.is_compiling():
+        return None
+    try:
+        version = w._version
+        storage = w.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # inference tensors, storage-less tensors
+        return None
+    shape = (w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
+    return storage._cdata, version, shape
+
+
+class WeightCache:
+    """The FP8 ``(W, W.T)`` of one weight version; ``quantizations`` counts misses filled."""
+
+    def __init__(self) -> None:
+        self.quantizations = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the cached copy (the next lookup misses)."""
+        self._key: tuple | None = None
+        self._tensor: weakref.ref | None = None
+        self._storage: StorageWeakRef | None = None
+        self.qw: BlockQuantized | None = None
+        self.qwt: BlockQuantized | None = None
+
+    def lookup(self, w: torch.Tensor, pair: bool) -> tuple[BlockQuantized, BlockQuantized] | None:
+        """The cached ``(qw, qwt)`` if it was made from ``w`` as it is now (``qwt`` may be None
+        unless ``pair``: DGrad needs it)."""
+        if self.qw is None or (pair and self.qwt is None) or self._tensor is None:
+            return None
+        if self._tensor() is not w or self._key != _key(w):
+            return None
+        if self._storage is None or self._storage.expired():
+            return None
+        return self.qw, self.qwt  # type: ignore[return-value]
+
+    def store(self, w: torch.Tensor, qw: BlockQuantized, qwt: BlockQuantized | None) -> None:
+        """Keep ``(qw, qwt)``, quantized from ``w`` as it is now (uncacheable ``w``: nothing)."""
+        self.quantizations += 1
+        key = _key(w)
+        if key is None:
+            self.clear()
+            return
+        self._key, self._tensor = key, weakref.ref(w)
+        self._storage = StorageWeakRef(w.untyped_storage())
+        self.qw, self.qwt = qw, qwt
+
+    def __deepcopy__(self, memo: dict) -> WeightCache:
+        return WeightCache()  # a copied layer has copied (new) storage: nothing carries over
+
+    def __getstate__(self) -> dict:
+        return {"quantizations": 0}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+def invalidate_weight_caches(modules: torch.nn.Module | Iterable[torch.nn.Module]) -> int:
+    """Drop the cached FP8 weights of every FP8 layer in ``modules`` (e.g. after writing master
+    weights through ``.data``, which no version counter sees); returns how many were dropped."""
+    roots = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    n = 0
+    for root in roots:
+        for m in root.modules():
+            cache = getattr(m, "fp8_weight_cache", None)
+            if isinstance(cache, WeightCache):
+                cache.clear()
+                n += 1
+    return n

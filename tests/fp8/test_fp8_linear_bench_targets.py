@@ -1,0 +1,55 @@
+"""benchmarks/gpu/bench_fp8_linear.py's issue-35 target lines, judged on made-up rows (CPU).
+
+The timings themselves need a GPU; what runs here is the verdict logic: MET only when every
+linear of both models was measured at 8192 tokens and each reaches the bar, NOT MET naming the
+rows short of it, NOT MEASURED when the run did not cover them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    return importlib.import_module("bench_fp8_linear")
+
+
+def _rows(bench, **over):
+    rows = []
+    for model in bench.MODELS:
+        for name, n, k in bench.layer_shapes(model):
+            row = {"model": model.split("/")[-1], "layer": name, "M": 8192, "N": n, "K": k,
+                   "speedup": 1.5, "host_ms": 0.5, "gpu_ms": 1.0, "launches": 9.0}  # fmt: skip
+            row.update(over.get(name, {}))
+            rows.append(row)
+    return rows
+
+
+def test_all_targets_met(bench):
+    lines = bench.target_summary(_rows(bench))
+    assert len(lines) == 3 and all(line.endswith(": MET") for line in lines), lines
+
+
+def test_each_target_names_the_rows_short_of_it(bench):
+    rows = _rows(bench, o_proj={"speedup": 0.46, "host_ms": 3.6, "gpu_ms": 1.1, "launches": 38.0})
+    lines = bench.target_summary(rows)
+    assert all("NOT MET" in line for line in lines), lines
+    assert "Llama-3.1-8B o_proj 0.46x" in lines[0] and "Qwen3-8B-Base o_proj" in lines[0]
+    assert "host 3.60 ms vs GPU 1.10 ms" in lines[1] and "38 launches" in lines[2]
+    assert "qkv_proj" not in " ".join(lines)
+
+
+def test_partial_runs_are_not_measured(bench):
+    rows = [r for r in _rows(bench) if r["model"].startswith("Qwen")]
+    assert all("NOT MEASURED" in line for line in bench.target_summary(rows))
+    rows = _rows(bench)
+    for r in rows:
+        r["M"] = 4096
+    assert all("NOT MEASURED" in line for line in bench.target_summary(rows))
