@@ -229,3 +229,20 @@ def test_serving_kernel_prints_the_issue_targets(bench):
     assert module.build_parser().parse_args([]).tokens == list(module.TARGETS)
     assert module.verdict(1, 1.5) == "MET" and module.verdict(256, 1.29).startswith("NOT MET")
     assert module.verdict(3, 9.0) == "-"
+
+
+def test_quantizer_targets_say_met_or_not_met(bench):
+    """Issue 35's quantizer bars from synthetic rows (the real figures need a GPU)."""
+    module = bench("bench_quantizer_bandwidth")
+    shape = module.TARGET_SHAPE
+    rows = [{"shape": shape, "block": b, "of_copy_bw": 0.85} for b in ("1x128", "128x128")]
+    rows += [{"shape": shape, "block": "128x1", "of_copy_bw": bw} for bw in (0.9, 0.79)]
+    rows.append({"shape": module.DECODE_SHAPE, "block": "1x128", "graph/copy_graph": 1.4})
+    lines = module.targets(rows)
+    assert len(lines) == 5
+    assert lines[0].endswith(": MET") and lines[1].endswith(": MET")
+    assert "79%" in lines[2] and lines[2].endswith("NOT MET")  # the worst mode decides
+    assert "rowwise+columnwise: n/a" in lines[3]
+    assert "1.40x" in lines[4] and lines[4].endswith(": MET")
+    rows[-1]["graph/copy_graph"] = 1.6
+    assert module.targets(rows)[4].endswith("NOT MET")

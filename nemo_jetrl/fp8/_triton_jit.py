@@ -74,7 +74,8 @@ def quantize_kernel(
         sinv = finish_scale_inv(scale, amax_bits)
         tl.store(s_ptr + pid_m * ssm + pid_k * ssk, sinv)
         if FLAG:  # one scalar block: the marker is its scale_inv being NaN
-            tl.store(flag_ptr, 1, mask=sinv != sinv)
+            bad = (sinv != sinv).to(tl.int32)
+            tl.store(flag_ptr, bad, mask=bad != 0)
     else:
         q, sinv = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cols < K)
@@ -159,6 +160,8 @@ def quantize_rowcol_kernel(
     flag_ptr,
     M,
     K,
+    MP,
+    KP,
     sxm,
     sxk,
     ssrm,
@@ -180,6 +183,7 @@ def quantize_rowcol_kernel(
     # rowwise: 128 1x128 blocks -> qr [M, K] row-major, sr[m, k // 128];
     # columnwise: 128 128x1 blocks -> qc [K, M] (x.T, contiguous; 1x128 blocks of x.T), sc[k, m // 128].
     # Rows past M load 0, which changes no column amax: a partial tile is the partial block.
+    # MP / KP: the scale arrays' padded extents (mn_major pads M and K to 4): zeros stored there.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
@@ -191,9 +195,9 @@ def quantize_rowcol_kernel(
     x = to_fp32(x, IN_BF16)
     qr, sr = quantize_rows(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(qr_ptr + rows[:, None] * K + cols[None, :], qr, mask=mask)
-    tl.store(sr_ptr + rows * ssrm + pid_k * ssrk, sr, mask=rmask)
+    tl.store(sr_ptr + rows * ssrm + pid_k * ssrk, tl.where(rmask, sr, 0.0), mask=rows < MP)
     flag_non_finite(flag_ptr, sr, FLAG)  # every element is in one row block
     qc, sc = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     # stored as the transposed tile so consecutive lanes write consecutive bytes of qc's rows
     tl.store(qc_ptr + cols[:, None] * M + rows[None, :], tl.trans(qc), mask=tl.trans(mask))
-    tl.store(sc_ptr + cols * sscm + pid_m * ssck, sc, mask=cmask)
+    tl.store(sc_ptr + cols * sscm + pid_m * ssck, tl.where(cmask, sc, 0.0), mask=cols < KP)

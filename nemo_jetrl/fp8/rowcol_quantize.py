@@ -73,8 +73,11 @@ def quantize_rowcol_triton(
     mb, kb = -(-m // 128), -(-k // 128)
     row_data = torch.empty(m, k, dtype=f.dtype, device=x.device)
     col_data = torch.empty(k, m, dtype=f.dtype, device=x.device)
-    row_s = tk._scale_buffer(m, kb, scale_layout, x.device)
-    col_s = tk._scale_buffer(k, mb, scale_layout, x.device)
+    row_s = tk._scale_buffer(m, kb, scale_layout, x.device, kernel_pads=True)
+    col_s = tk._scale_buffer(k, mb, scale_layout, x.device, kernel_pads=True)
+    # mn_major pads M (row scales) and K (column scales) to 4: the kernel writes those zeros
+    # (the padding is < 4 rows/columns, so it always lies in the last, launched tile).
+    mp, kp = (m, k) if scale_layout == "compact" else (-(-m // 4) * 4, -(-k // 4) * 4)
     if m and k:
         tk._kernels().quantize_rowcol_kernel[(mb, kb)](
             launch._bits_if_bf16(x),
@@ -85,6 +88,8 @@ def quantize_rowcol_triton(
             row_s if nonfinite_flag is None else nonfinite_flag,
             m,
             k,
+            mp,
+            kp,
             x.stride(0),
             x.stride(1),
             row_s.stride(0),

@@ -103,14 +103,19 @@ def _format_constants(f: Fp8Format, input_dtype: torch.dtype, native_cast: bool)
     }
 
 
-def _scale_buffer(mb: int, kb: int, layout: str, device: torch.device) -> torch.Tensor:
-    """``[mb, kb]`` fp32 tensor in the requested layout (a strided view for ``mn_major``)."""
+def _scale_buffer(
+    mb: int, kb: int, layout: str, device: torch.device, *, kernel_pads: bool = False
+) -> torch.Tensor:
+    """``[mb, kb]`` fp32 tensor in the requested layout (a strided view for ``mn_major``).
+
+    ``kernel_pads``: the kernel writes the ``mn_major`` padding zeros itself (no fill kernel)."""
     if layout == "compact":
         return torch.empty(mb, kb, dtype=torch.float32, device=device)
     if layout == "mn_major":
         pad = -(-mb // 4) * 4
         # zero padding (as layouts.py writes it); the kernel fills the [kb, mb] part
-        return torch.zeros(kb, pad, dtype=torch.float32, device=device)[:, :mb].t()
+        alloc = torch.empty if kernel_pads else torch.zeros
+        return alloc(kb, pad, dtype=torch.float32, device=device)[:, :mb].t()
     raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
 
 
