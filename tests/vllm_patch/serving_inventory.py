@@ -148,6 +148,22 @@ def scaled_mm_standin(calls: list, *, compute: bool):  # type: ignore[no-untyped
     return scaled_mm
 
 
+def deep_gemm_standin(calls: list) -> Any:
+    """A stand-in for DeepGEMM's module (SM90 only): ``fp8_gemm_nt`` checks the layouts DeepGEMM
+    reads without a transpose (a, b row-major; ``sfa`` MN-major ``[M, kb]`` with strides
+    ``(1, pad4(M))``, TMA-aligned; ``sfb`` compact) and allocates nothing (it writes ``out``)."""
+
+    def fp8_gemm_nt(a_pair, b_pair, out, **_kw):  # type: ignore[no-untyped-def]
+        (a, sfa), (b, sfb) = a_pair, b_pair
+        m, k = a.shape
+        calls.append((tuple(a.shape), sfa.stride()))
+        assert a.is_contiguous() and b.is_contiguous() and sfb.is_contiguous()
+        assert tuple(sfa.shape) == (m, -(-k // 128)) and sfa.stride() == (1, -(-m // 4) * 4)
+        assert tuple(out.shape) == (m, b.shape[0])
+
+    return types.SimpleNamespace(__name__="deep_gemm_standin", fp8_gemm_nt=fp8_gemm_nt)
+
+
 class StandInMM:
     """Stand-in for vLLM's ``MMLinearKernel`` (keeps ``config``, as vLLM's does)."""
 
@@ -174,5 +190,7 @@ def plan_as(monkeypatch: Any, kernel_module: Any, backend: str) -> None:
     monkeypatch.setattr(
         kernel_module, "plan_gemm", lambda *a, **k: GemmPlan(backend, "test: as on an H100")
     )
-    caps = gemm_backends.DeviceCaps(cuda=True, sm=(9, 0), scaled_mm=True, triton=True)
+    caps = gemm_backends.DeviceCaps(
+        cuda=True, sm=(9, 0), deep_gemm=True, scaled_mm=True, triton=True
+    )
     monkeypatch.setattr(gemm_backends, "device_caps", lambda device: caps)

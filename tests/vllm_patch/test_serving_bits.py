@@ -125,3 +125,44 @@ def test_gpu_a_tokens_row_is_the_same_at_every_batch_size_and_equals_the_trainer
         )
         differ = (got != want[:m]).any(dim=1).nonzero().flatten().tolist()
         assert not differ, f"{backend} M={m}: rows {differ[:8]} differ from the trainer's"
+
+
+@pytest.mark.skipif(not TRITON, reason="needs triton (its interpreter on CPU)")
+def test_padded_ops_compile_once_for_every_batch_size(monkeypatch):
+    """vLLM compiles the model with a dynamic token dimension: the quantize op's fake must give
+    the real op's padded shapes and strides, and M padded to 4 inside the ops must not specialize
+    the graph (one compile serves M = 37, 5 and 64, same bits as eager). (Not
+    `torch.library.opcheck`: the padded rows are left unwritten, so two runs differ there.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls: list = []
+    monkeypatch.setattr(F, "scaled_mm", scaled_mm_standin(calls, compute=True))
+    plan_as(monkeypatch, kernel, "scaled_mm")
+    ops = kernel.ensure_ops()
+    w, x = _operands(3, 64)
+    qw = quantize_blockwise(w, (128, 128), pow2_scales=False)
+    scale = gemm_backends.gemm_ready_weight_scales("scaled_mm", qw.scale_inv.clone())
+    x37 = x[:37].clone()
+    q, s = ops.quantize_act_1x128(x37, False, 0.0, True, 4)
+    assert q.shape == (40, K) and s.shape == (40, 3) and s.stride() == (1, 40)
+    with FakeTensorMode() as mode:
+        fake = ops.quantize_act_1x128(mode.from_tensor(x37), False, 0.0, True, 4)
+    for r, f in zip((q, s), fake, strict=True):
+        assert (tuple(r.shape), r.stride(), r.dtype) == (tuple(f.shape), f.stride(), f.dtype)
+
+    def forward(x2):
+        return kernel.serving_forward(
+            ops, x2, qw.data, scale, "scaled_mm", torch.bfloat16, (False, False, 0.0)
+        )
+
+    torch._dynamo.reset()
+    frames = []
+    compiled = torch.compile(
+        forward,
+        backend=lambda gm, inputs: frames.append(gm) or gm.forward,
+        dynamic=True,
+        fullgraph=True,
+    )
+    for m in (37, 5, 64):
+        assert torch.equal(compiled(x[:m]), forward(x[:m])), m
+    assert len(frames) == 1, f"{len(frames)} graphs compiled for 3 batch sizes"
