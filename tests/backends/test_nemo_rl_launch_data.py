@@ -208,11 +208,16 @@ def test_data_plane_is_refused_by_name_before_ray(tmp_path, monkeypatch):
     assert seen["order"] == []
 
 
-def test_venv_dir_default_is_nemo_rl_s(monkeypatch):
-    """Bare metal: our default is NeMo-RL's own DEFAULT_VENV_DIR (<git root>/venvs)."""
+def test_venv_dir_default_and_vllm_pin_are_nemo_rl_s(monkeypatch):
+    """Bare metal: our default is NeMo-RL's own DEFAULT_VENV_DIR (<git root>/venvs); the vLLM
+    pin read from the tree's pyproject is the vLLM this tree ships (scripts/nemo_rl_env.sh)."""
+    import os
+
     from nemo_rl.utils import venvs as nrl_venvs
 
     from nemo_jetrl.backends.nemo_rl import venvs
+    from nemo_jetrl.backends.nemo_rl.launch import nemo_rl_pinned_vllm
 
     monkeypatch.delenv("NEMO_RL_VENV_DIR", raising=False)
     assert venvs.venv_dir() == Path(nrl_venvs.DEFAULT_VENV_DIR)
+    assert nemo_rl_pinned_vllm(tree_dir()) == os.environ["NEMO_RL_VLLM_VERSION"]

@@ -193,3 +193,28 @@ def test_force_rebuild_keeps_nemo_jetrl_in_rebuilt_venvs(tmp_path):
     assert "nemo_jetrl.vllm_patch.plugin:load_in_worker" in eps
     # Idempotent: a second launch rewrites the same overlay.
     assert venvs.write_overlay(overlay) == overlay
+
+
+def test_vllm_replaced_in_nemo_rl_worker_venv_is_refused(tmp_path):
+    """`pip install nemo-jetrl[vllm]` into NeMo-RL's vLLM venv puts vLLM 0.32 (in the patch's
+    range) where NeMo-RL v0.7.0 pins 0.20.0: refused, naming both."""
+    import types
+
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+
+    (tmp_path / "pyproject.toml").write_text(
+        "[project.optional-dependencies]\nvllm = [\n"
+        '  "vllm @ https://github.com/vllm-project/vllm/releases/download/v0.20.0/'
+        "vllm-0.20.0-cp38-abi3-manylinux_2_35_x86_64.whl ; sys_platform == 'linux'\",\n"
+        "  \"vllm==0.20.0 ; sys_platform != 'linux'\",\n]\n"
+    )
+    pinned = nr.nemo_rl_pinned_vllm(tmp_path)
+    assert pinned == "0.20.0" and nr.nemo_rl_pinned_vllm(tmp_path / "none") is None
+
+    def run(version):
+        return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=version, stderr="")
+
+    nr.preflight_vllm_patch("/v/bin/python", run=run("0.20.0"), pinned=pinned)
+    nr.preflight_vllm_patch("/v/bin/python", run=run("0.20.0+cu130"), pinned=pinned)
+    with pytest.raises(UserError, match=r"has vLLM 0\.32\.1, but this NeMo-RL pins vLLM 0\.20\.0"):
+        nr.preflight_vllm_patch("/v/bin/python", run=run("0.32.1"), pinned=pinned)

@@ -22,6 +22,7 @@ Entry point for the CLI: ``run_nemo_rl(cfg, overrides) -> int``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import subprocess
@@ -173,8 +174,21 @@ def vllm_worker_python(registry: Mapping[str, str], venv_dir: str | None = None)
     return entry
 
 
-def preflight_vllm_patch(python: str, run: Any = subprocess.run) -> None:
-    """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range."""
+def nemo_rl_pinned_vllm(nemo_rl_dir: Path) -> str | None:
+    """The vLLM version NeMo-RL's ``pyproject.toml`` pins (``vllm==X`` / ``.../vllm-X-...whl``)."""
+    import re
+
+    try:
+        text = (nemo_rl_dir / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    m = re.search(r'"vllm==([0-9][^ ;"]*)', text) or re.search(r"/vllm-([0-9][^-/]*)-", text)
+    return m.group(1) if m else None
+
+
+def preflight_vllm_patch(python: str, run: Any = subprocess.run, pinned: str | None = None) -> None:
+    """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range, or is
+    not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``)."""
     from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
 
     proc = run(
@@ -193,6 +207,13 @@ def preflight_vllm_patch(python: str, run: Any = subprocess.run) -> None:
         check_vllm_version(version)
     except UnsupportedVllmVersion as exc:
         raise _user_error(f"{exc} (found in NeMo-RL's vLLM worker environment {python})") from None
+    if pinned and version.split("+")[0] != pinned:  # a local build tag (+cu130) is the same vLLM
+        raise _user_error(
+            f"NeMo-RL's vLLM worker environment {python} has vLLM {version}, but this NeMo-RL "
+            f"pins vLLM {pinned}: the environment was changed (e.g. `pip install "
+            "nemo-jetrl[vllm]` replaces NeMo-RL's vLLM; install nemo_jetrl with --no-deps). "
+            "Rebuild the image, or launch once with NRL_FORCE_REBUILD_VENVS=true"
+        )
 
 
 def nemo_rl_defaults_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -267,7 +288,9 @@ def _master_config(prepared: Prepared, registry: Mapping[str, str]) -> Any:  # p
         vllm_patch=VLLM_PATCH_ENV in plan.workers.vllm_env,
         environ=os.environ,
         next_log_dir=get_next_experiment_dir,
-        preflight=preflight_vllm_patch,
+        preflight=functools.partial(
+            preflight_vllm_patch, pinned=nemo_rl_pinned_vllm(defaults.parents[2])
+        ),
     )
     register_omegaconf_resolvers()
     config = MasterConfig(**merged)
