@@ -1,10 +1,12 @@
 """Is the on-policy FP8 MoE expert layer faster than BF16 in the rollout? One routed-experts layer
 (gate_up, SiLU-mul, down, top-k combine) timed three ways in one run.
 
-* ours: the trainer-quantized expert weights (`quantize_expert_weights`, the bytes a refit
-  loads), routed token copies sorted by expert, `grouped_fp8_linear_inference` for gate_up and
-  down (our 1x128 quantizer + the grouped FP8 GEMM; Triton on CUDA,
-  ``JETRL_FP8_GROUPED_BACKEND`` picks), SiLU(gate) * up in BF16, the top-k weighted sum in fp32.
+* ours: the serving layer `fp8.experts_layer` on the trainer-quantized expert weights
+  (`quantize_expert_weights`, the bytes a refit loads): the tokens quantized 1x128 once and read
+  per routed row by the grouped gate/up GEMM (no gathered copy), SiLU(gate) * up fused with the
+  down projection's quantization (`fp8.silu_mul`'s rule), the grouped down GEMM, and the
+  fixed-order fp32 combine (`experts_layer.combine`, no atomics); Triton on CUDA,
+  ``JETRL_FP8_GROUPED_BACKEND`` picks.
 * vllm_fp8: vLLM's own block-FP8 fused MoE, the functional entry point
   ``vllm.model_executor.layers.fused_moe.fused_experts`` with
   ``fp8_w8a8_moe_quant_config(block_shape=[128, 128])`` on the same FP8 bytes and scales (its
@@ -12,22 +14,21 @@
 * bf16: vLLM's ``fused_experts`` unquantized on the BF16 masters (``bf16_vllm``) and a torch
   grouped reference (``torch._grouped_mm``, else a per-expert loop: ``bf16_torch``).
 
-A vLLM row that cannot run (no vLLM, an API change, a kernel error) prints why and stays
-``n/a``; nothing is substituted. Shapes are the routed experts of Qwen3-30B-A3B (hidden 2048,
-768 per expert, 128 experts, top-8), Moonlight-16B-A3B and DeepSeek-V3 from `nemo_jetrl.arch`'s
-catalog (shared experts left out), at decode-size (64, 256) and prefill-size (2048, 8192)
-token counts. Routing: softmax top-k of a random router on random tokens (about balanced).
-Up to ``--graph-max-tokens`` tokens each method is captured in a CUDA graph and its replays
-timed, as vLLM runs decode; above, eager. Times: `_common.bench_ms` (median, L2 flushed).
+A vLLM row that cannot run prints why and stays ``n/a``; nothing is substituted. Shapes: the
+routed experts of Qwen3-30B-A3B (hidden 2048, 768 per expert, 128 experts, top-8),
+Moonlight-16B-A3B and DeepSeek-V3 (`nemo_jetrl.arch`'s catalog), at 64, 256 (decode) and 2048,
+8192 (prefill) tokens; softmax top-k of a random router. Up to ``--graph-max-tokens`` tokens
+each method runs in a CUDA graph, above eager; times `_common.bench_ms` (median, L2 flushed).
 
-The bar: the FP8-RL report's MoE figure (issue 28), W8A8 rollout 30-50% faster than BF16 on
-Qwen3-30B-A3B. Each Qwen3-30B-A3B row is MET when bf16 / ours >= 1.30; that figure is end to
-end, so a layer below it cannot carry the rollout there alone. Before timing, each row checks
-that ours equals the training forward (`grouped_fp8_linear` on the BF16 masters, same routing)
-bit for bit; a mismatch exits 1.
+Bars. Per Qwen3-30B-A3B row, MET when bf16 / ours >= 1.30 (FP8-RL report: W8A8 rollout 30-50%
+faster than BF16; bf16 = vLLM's when it ran). Issue 35's target, its own line: ours >= 1.30x
+``torch._grouped_mm`` BF16 at each of 64, 256, 2048, 8192 tokens; a count not run or a
+per-expert-loop reference is NOT MET, named. Each row first checks ours == the training forward
+(`grouped_fp8_linear`, `silu_mul`, same combine) bit for bit; a mismatch exits 1.
 
-This script has NEVER RUN ON A GPU: it was written on a CPU-only machine; only its CPU-runnable
-parts (tests/test_gpu_benchmarks_cpu.py) have run. Usage:
+First GPU figures (the unfused layer): results/h100_run2. This version (quantize once, fused
+SiLU*up quantization, Triton combine) has not run on a GPU; tests/test_gpu_benchmarks_cpu.py
+runs its CPU parts. Usage:
 python benchmarks/gpu/bench_moe_layer.py [--models ...] [--tokens 64 256 2048 8192] [--json F]
 """
 
@@ -48,6 +49,7 @@ MODELS = ("Qwen/Qwen3-30B-A3B", "moonshotai/Moonlight-16B-A3B", "deepseek-ai/Dee
 TOKENS = (64, 256, 2048, 8192)  # decode steps of 64/256 sequences; prefill chunks
 BAR_MODEL = "Qwen/Qwen3-30B-A3B"
 BAR_SPEEDUP = 1.30  # FP8-RL report: W8A8 rollout 30-50% faster than BF16 on Qwen3-30B-A3B
+TARGET_TOKENS = (64, 256, 2048, 8192)  # issue 35: >= BAR_SPEEDUP x BF16 grouped at each
 RECORD_VERSION = 1
 ERR_SUSPECT = 0.25  # relative error vs BF16 above which an FP8 output means a wrong layout
 
@@ -121,48 +123,61 @@ def sort_routes(ids: torch.Tensor, n_exp: int) -> tuple[torch.Tensor, torch.Tens
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x sorted, offsets) -> y
 
 
+def silu_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """BF16 references: torch's SiLU times up (what a BF16 engine runs)."""
+    return torch.nn.functional.silu(gate) * up
+
+
 def experts_layer(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_exp: int, lin13: Linear,
-    lin2: Linear,
+    lin2: Linear, act: Callable = silu_up,
 ) -> torch.Tensor:  # fmt: skip
-    """Routed experts around two grouped linears; the combine sums each token's k rows in a
-    fixed order (deterministic, unlike an atomic index_add)."""
+    """Routed experts around two grouped linears (the BF16 references and the training
+    forward); the combine sums each token's k rows in a fixed order (deterministic, unlike an
+    atomic index_add)."""
     token, inv, offsets = sort_routes(ids, n_exp)
     gu = lin13(x.index_select(0, token), offsets)
     gate, up = gu.chunk(2, dim=-1)
-    y = lin2(torch.nn.functional.silu(gate) * up, offsets)
+    y = lin2(act(gate, up), offsets)
     y = y.index_select(0, inv).view(x.shape[0], ids.shape[1], -1)
     return (y.float() * weights[..., None]).sum(1).to(x.dtype)
-
-
-def _call(fn: Callable, w, cfg, name: str, x: torch.Tensor, offsets: torch.Tensor):
-    """``fn(x, w, offsets, cfg, name)``: a grouped linear as a `Linear` once w is bound."""
-    return fn(x, w, offsets, cfg, name)
 
 
 def ours_fn(
     x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor
 ) -> Callable[[], torch.Tensor]:
-    """The rollout path: trainer-quantized weights, our quantizer + grouped FP8 GEMM."""
-    from nemo_jetrl.fp8.experts import grouped_fp8_linear_inference as inf
+    """The rollout path: `experts_layer.routed_experts_inference` + `combine` (see above)."""
+    from nemo_jetrl.fp8.experts_layer import combine, routed_experts_inference, sort_routes
 
-    cfg, n_exp = layer["cfg"], layer["q13"].num_experts
-    lin13 = partial(_call, inf, layer["q13"], cfg, "bench.w13")
-    lin2 = partial(_call, inf, layer["q2"], cfg, "bench.w2")
-    return lambda: experts_layer(x, weights, ids, n_exp, lin13, lin2)
+    cfg, k = layer["cfg"], ids.shape[1]
+    n_exp = layer["q13"].num_experts
+
+    def run() -> torch.Tensor:
+        order, token, offsets = sort_routes(ids, n_exp)
+        y = routed_experts_inference(
+            x, token, offsets, layer["q13"], layer["q2"], cfg, "bench", check_finite=False
+        )
+        return combine(y, token, weights.reshape(-1)[order], x.shape[0], k, x.dtype)
+
+    return run
 
 
 def train_forward(
     x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """The training forward on the BF16 masters (`grouped_fp8_linear`), same routing."""
+    """The training forward on the BF16 masters (`grouped_fp8_linear`, `silu_mul`), same
+    routing and combine as ours."""
     from nemo_jetrl.fp8.experts import grouped_fp8_linear as lin
+    from nemo_jetrl.fp8.experts_layer import combine, sort_routes
+    from nemo_jetrl.fp8.silu_mul import silu_mul
 
     cfg, n_exp = layer["cfg"], layer["w13"].shape[0]
-    lin13 = partial(_call, lin, layer["w13"], cfg, "bench.w13")
-    lin2 = partial(_call, lin, layer["w2"], cfg, "bench.w2")
     with torch.no_grad():
-        return experts_layer(x, weights, ids, n_exp, lin13, lin2)
+        order, token, offsets = sort_routes(ids, n_exp)
+        gate, up = lin(x[token], layer["w13"], offsets, cfg, "bench.w13").chunk(2, dim=-1)
+        y = lin(silu_mul(gate, up), layer["w2"], offsets, cfg, "bench.w2")
+        w = weights.reshape(-1)[order]
+        return combine(y, token, w, x.shape[0], ids.shape[1], x.dtype)
 
 
 def _gmm(w: torch.Tensor) -> Linear:
@@ -279,10 +294,34 @@ def bar_summary(rows: list[dict]) -> str:
     return f"{lead} " + ("MET on every row" if not short else "NOT MET (" + ", ".join(short) + ")")
 
 
+def target_summary(rows: list[dict]) -> str:
+    """Issue 35's MoE target: MET only when every token count of `TARGET_TOKENS` was measured on
+    Qwen3-30B-A3B against ``torch._grouped_mm`` BF16 and reached `BAR_SPEEDUP`."""
+    name = BAR_MODEL.split("/")[-1]
+    lead = (
+        f"target (issue 35): {name} >= {BAR_SPEEDUP:.2f}x BF16 grouped (torch._grouped_mm) at "
+        f"{', '.join(map(str, TARGET_TOKENS))} tokens:"
+    )
+    by_tokens = {r["tokens"]: r for r in rows if r["model"] == name}
+    short = []
+    for t in TARGET_TOKENS:
+        r = by_tokens.get(t)
+        if r is None:
+            short.append(f"{t} not run")
+        elif r.get("bf16_torch_impl") != "torch._grouped_mm":
+            short.append(f"{t} BF16 reference is not torch._grouped_mm")
+        else:
+            sp = ratio(r.get("bf16_torch_ms"), r.get("ours_ms"))
+            if sp is None or sp < BAR_SPEEDUP:
+                short.append(f"{t} " + ("not timed" if sp is None else f"{sp:.2f}x"))
+    return f"{lead} " + ("MET" if not short else f"NOT MET ({'; '.join(short)})")
+
+
 def record(rows: list[dict], device: str, args: argparse.Namespace, skipped: list[str]) -> dict:
     return {
         "benchmark": "bench_moe_layer", "version": RECORD_VERSION, "device": device,
         "bar": {"model": BAR_MODEL, "min_speedup": BAR_SPEEDUP, "summary": bar_summary(rows)},
+        "target": {"tokens": list(TARGET_TOKENS), "summary": target_summary(rows)},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "skipped": skipped, "rows": rows,
     }  # fmt: skip
@@ -351,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     display = [{k: ("n/a" if v is None else v) for k, v in r.items()} for r in rows]
     _common.print_table(display, COLUMNS)
     print(f"# {bar_summary(rows)}")
+    print(f"# {target_summary(rows)}")
     for r in rows:
         for key in ("err_ours", "err_vllm_fp8"):
             if r[key] is not None and r[key] > ERR_SUSPECT:

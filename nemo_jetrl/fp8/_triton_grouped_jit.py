@@ -3,12 +3,29 @@
 Imports triton at its top like `_triton_jit`; only `triton_grouped._kernels()` imports it. The
 quantization and FP8-operand helpers are `_triton_common`'s, the one home the dense kernels
 share (imported into this module's globals, where Triton resolves the names a kernel calls).
+The SiLU rule's constants are `silu_mul`'s (one home), bound here as ``tl.constexpr`` globals.
 """
 
 import triton
 import triton.language as tl
 
-from nemo_jetrl.fp8._triton_common import quantize_cols, tile_dot, to_fp32
+from nemo_jetrl.fp8 import silu_mul as _rule
+from nemo_jetrl.fp8._triton_common import (
+    bf16_rne_bits,
+    quantize_cols,
+    quantize_rows,
+    tile_dot,
+    to_fp32,
+)
+
+LOG2E = tl.constexpr(_rule.LOG2E)
+LN2_HI = tl.constexpr(_rule.LN2_HI)
+LN2_LO = tl.constexpr(_rule.LN2_LO)
+EXP_MAX = tl.constexpr(_rule.EXP_MAX)
+EXP_MIN = tl.constexpr(_rule.EXP_MIN)
+C0, C1, C2, C3 = (tl.constexpr(c) for c in _rule.TAYLOR[:4])
+C4, C5, C6, C7 = (tl.constexpr(c) for c in _rule.TAYLOR[4:])
+RNE_SHIFT = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + it) - it rounds |t| < 2**22 to even
 
 
 @triton.jit
@@ -91,9 +108,11 @@ def grouped_rows_gemm_kernel(
     ssbe,
     ssbn,
     ssbk,
+    rows_ptr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     E_POW2: tl.constexpr,
+    GATHER: tl.constexpr,
     NATIVE: tl.constexpr,
     TF32: tl.constexpr,
     FP8_A: tl.constexpr,
@@ -103,6 +122,8 @@ def grouped_rows_gemm_kernel(
     # off[e] + BM * (t - toff[e]), never past off[e+1]) times BN output columns:
     #   C[m, n] = sum over 128-wide K tiles k of fma(p_k * sa[m, k], sb_e[n // 128, k], acc)
     # with B = expert e's 128x128-blocked [N, K] operand (W for FProp, W.t() for DGrad).
+    # GATHER: A row m is rows[m] of the operand (the [T, K] input quantized once, read through
+    # each routed row's token: no gathered copy); its codes and scale are that row's, unchanged.
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, valid = _find_group(toff_ptr, pid_t, E, E_POW2)
@@ -110,6 +131,7 @@ def grouped_rows_gemm_kernel(
     r1 = tl.where(valid, tl.load(off_ptr + e + 1), r0)  # an idle program touches nothing
     rm = r0 + tl.arange(0, BM)
     mmask = rm < r1
+    ra = tl.load(rows_ptr + rm, mask=mmask, other=0).to(tl.int64) if GATHER else rm
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, 128).to(tl.int64)
     b_ptr += e * sbe
@@ -119,7 +141,7 @@ def grouped_rows_gemm_kernel(
     for t in range(0, k_tiles):
         k = t * 128 + rk
         a = tl.load(
-            a_ptr + rm[:, None] * sam + k[None, :] * sak,
+            a_ptr + ra[:, None] * sam + k[None, :] * sak,
             mask=mmask[:, None] & (k[None, :] < K),
             other=0,
         )
@@ -129,7 +151,7 @@ def grouped_rows_gemm_kernel(
             other=0,
         )
         p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
-        sa = tl.load(sa_ptr + rm * ssam + t * ssak, mask=mmask, other=0.0)
+        sa = tl.load(sa_ptr + ra * ssam + t * ssak, mask=mmask, other=0.0)
         sb = tl.load(sb_ptr + (rn // 128) * ssbn + t * ssbk, mask=rn < N, other=0.0)
         acc = tl.fma(p * sa[:, None], sb[None, :], acc)
     c = acc.to(c_ptr.dtype.element_ty)
@@ -207,3 +229,135 @@ def grouped_tokens_gemm_kernel(
         c,
         mask=(rm[:, None] < N) & (rn[None, :] < K),
     )
+
+
+@triton.jit
+def _portable_exp(x):
+    # silu_mul.portable_exp op for op (launched with enable_fp_fusion=False: no mul+add -> fma).
+    xc = tl.minimum(tl.maximum(x, EXP_MIN), EXP_MAX)
+    n = ((xc * LOG2E) + RNE_SHIFT) - RNE_SHIFT
+    r = (xc - n * LN2_HI) - n * LN2_LO
+    p = tl.zeros_like(r) + C0
+    p = p * r + C1
+    p = p * r + C2
+    p = p * r + C3
+    p = p * r + C4
+    p = p * r + C5
+    p = p * r + C6
+    p = p * r + C7
+    k = tl.minimum(tl.maximum(n.to(tl.int32), -252), 254)
+    half = k >> 1  # floor(k / 2)
+    y = (p * ((half + 127) << 23).to(tl.float32, bitcast=True)) * (((k - half) + 127) << 23).to(
+        tl.float32, bitcast=True
+    )
+    y = tl.where(x > EXP_MAX, float("inf"), y)
+    y = tl.where(x < EXP_MIN, 0.0, y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def _round_model(y, MODEL: tl.constexpr):
+    # fp32 -> the model dtype (MODEL 0 bf16, 1 fp16, 2 fp32; round to nearest even) -> fp32.
+    if MODEL == 0:
+        r = (bf16_rne_bits(y) << 16).to(tl.float32, bitcast=True)
+    elif MODEL == 1:
+        r = y.to(tl.float16).to(tl.float32)
+    else:
+        r = y
+    return r
+
+
+@triton.jit
+def silu_mul_quantize_kernel(
+    g_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    INTER,
+    sgm,
+    sqm,
+    ssm,
+    TM: tl.constexpr,
+    MODEL: tl.constexpr,
+    FMAX: tl.constexpr,
+    MAXV: tl.constexpr,
+    EPS: tl.constexpr,
+    POW2: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    NATIVE: tl.constexpr,
+    FP8: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    # Program (m, j): rows m*TM.. of gate_up [M, 2I] (gate columns 0..I-1, up I..2I-1), the
+    # 128 columns of block j: act = round(round(silu(gate)) * up) (silu_mul's rule), then
+    # quantized 1x128 as quantize_blockwise(act) would: codes [M, I], scale_inv [M, I/128].
+    pid_m = tl.program_id(0)
+    pid_j = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * TM + tl.arange(0, TM)
+    cols = pid_j.to(tl.int64) * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < INTER)
+    base = g_ptr + rows[:, None] * sgm + cols[None, :]
+    gate = to_fp32(tl.load(base, mask=mask, other=0), IN_BF16)
+    up = to_fp32(tl.load(base + INTER, mask=mask, other=0), IN_BF16)
+    one = tl.zeros_like(gate) + 1.0
+    s = _round_model(tl.math.div_rn(gate, one + _portable_exp(-gate)), MODEL)
+    act = _round_model(s * up, MODEL)
+    act = tl.where(mask, act, 0.0)
+    q, sinv = quantize_rows(act, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+    tl.store(q_ptr + rows[:, None] * sqm + cols[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * ssm + pid_j, sinv, mask=rmask)
+
+
+@triton.jit
+def _slot_product(
+    y_ptr, w_ptr, pos_ptr, toks, cols, tmask, cmask, spt, syr, j, IN_BF16: tl.constexpr
+):
+    # y[pos[t, j]] * w[pos[t, j]] in fp32 for the tile's tokens; +0 where the slot is absent.
+    r = tl.load(pos_ptr + toks * spt + j, mask=tmask, other=-1)
+    here = r >= 0
+    rr = tl.where(here, r, 0).to(tl.int64)
+    m2 = here[:, None] & cmask[None, :]
+    y = to_fp32(tl.load(y_ptr + rr[:, None] * syr + cols[None, :], mask=m2, other=0), IN_BF16)
+    w = tl.load(w_ptr + rr, mask=here, other=0.0)
+    return tl.where(m2, y * w[:, None], 0.0)
+
+
+@triton.jit
+def combine_kernel(
+    y_ptr,
+    w_ptr,
+    pos_ptr,
+    out_ptr,
+    T,
+    H,
+    syr,
+    spt,
+    sot,
+    K: tl.constexpr,
+    TT: tl.constexpr,
+    BH: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    # Program (t, h): TT tokens x BH columns. Token t's routed rows are pos[t, 0..K-1] (sorted
+    # row indices, -1 absent): acc = y[pos0] * w[pos0], then acc = acc + y[pos_j] * w[pos_j]
+    # (+0 where absent) in slot order, fp32 products and adds; one rounding to the output.
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    toks = pid_t.to(tl.int64) * TT + tl.arange(0, TT)
+    cols = pid_h.to(tl.int64) * BH + tl.arange(0, BH)
+    tmask = toks < T
+    cmask = cols < H
+    acc = _slot_product(y_ptr, w_ptr, pos_ptr, toks, cols, tmask, cmask, spt, syr, 0, IN_BF16)
+    for j in tl.static_range(1, K):
+        acc = acc + _slot_product(
+            y_ptr, w_ptr, pos_ptr, toks, cols, tmask, cmask, spt, syr, j, IN_BF16
+        )
+    omask = tmask[:, None] & cmask[None, :]
+    optr = out_ptr + toks[:, None] * sot + cols[None, :]
+    if OUT_BF16:
+        tl.store(optr, bf16_rne_bits(acc).to(tl.int16), mask=omask)
+    else:
+        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)

@@ -21,6 +21,7 @@ from nemo_jetrl.fp8.grouped_tensors import (
     token_block_offsets,
 )
 from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
+from nemo_jetrl.fp8.silu_mul import silu_mul_quantize_reference
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK, WEIGHT_BLOCK, WGRAD_BLOCK
 
 
@@ -47,6 +48,33 @@ def quantize_rows(
         for e in range(len(off) - 1)
     ]  # fmt: skip
     data, scale = torch.cat([p.data for p in parts]), torch.cat([p.scale_inv for p in parts])
+    return BlockQuantized(data, scale, ACTIVATION_BLOCK, fmt.name, pow2_scales)
+
+
+def quantize_input(
+    x: torch.Tensor, *, fmt: Fp8Format, pow2_scales: bool, eps: float, name: str,
+    check_finite: bool = True,
+) -> BlockQuantized:  # fmt: skip
+    """The unsorted ``[T, H]`` input quantized 1x128 once (the serving MoE layer)."""
+    return quantize_reference(
+        x, ACTIVATION_BLOCK, fmt=fmt, pow2_scales=pow2_scales, eps=eps, name=f"{name}.input",
+        check_finite=check_finite,
+    )  # fmt: skip
+
+
+def silu_mul_quantize(
+    gate_up: torch.Tensor, offsets: torch.Tensor, *, fmt: Fp8Format, pow2_scales: bool,
+    eps: float, name: str, what: str = "input", check_finite: bool = True,
+) -> BlockQuantized:  # fmt: skip
+    """`silu_mul` then the 1x128 quantization, expert by expert (errors name the expert)."""
+    off = _host(offsets)
+    kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps, "check_finite": check_finite}
+    parts = [
+        silu_mul_quantize_reference(gate_up[off[e] : off[e + 1]], name=f"{name}.expert{e}.{what}", **kw)
+        for e in range(len(off) - 1)
+    ]  # fmt: skip
+    data = torch.cat([p.data for p in parts])
+    scale = torch.cat([p.scale_inv for p in parts])
     return BlockQuantized(data, scale, ACTIVATION_BLOCK, fmt.name, pow2_scales)
 
 
@@ -110,8 +138,12 @@ def gemm_rows(
     *,
     out_dtype: torch.dtype,
     exact: bool,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[rows_e] = a[rows_e] @ b[e].T`` per expert (FProp: b = W; DGrad: b = W.t())."""
+    """``out[rows_e] = a[rows_e] @ b[e].T`` per expert (FProp: b = W; DGrad: b = W.t()).
+    ``rows``: output row m reads A row ``rows[m]`` (the serving layer's once-quantized input)."""
+    if rows is not None:  # the gathered codes and scales: the bits of quantizing the gathered x
+        qa = BlockQuantized(qa.data[rows], qa.scale_inv[rows], qa.block, qa.fmt, qa.pow2_scales)
     off = _host(offsets)
     out = torch.zeros(qa.data.shape[0], qb.out_features, dtype=out_dtype, device=qa.data.device)
     for e in range(len(off) - 1):
@@ -142,3 +174,18 @@ def gemm_tokens(
             qa.expert(e, off), qb.expert(e, off), out_dtype=out_dtype, exact=exact
         )
     return out
+
+
+def combine(
+    y: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``out[t] = sum_j y[pos[t, j]] * weight[pos[t, j]]`` (``pos [T, k]``, -1 absent: +0) in
+    slot order: fp32 products, ``k - 1`` fp32 adds, one rounding to ``out_dtype``."""
+    prod = y.float() * weight.float()[:, None]
+    here = pos >= 0
+    rows = pos.clamp(min=0)
+    acc = torch.zeros(pos.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(pos.shape[1]):
+        p = torch.where(here[:, j, None], prod[rows[:, j]], 0.0)
+        acc = p if j == 0 else acc + p
+    return acc.to(out_dtype)

@@ -16,6 +16,16 @@ never calling it. ``offsets`` stays on the device: every kernel finds its expert
   BM tokens per expert (``tile_offsets = [0, cumsum(ceil(count_e/BM))]`` on the device; grid
   ``ceil(M/BM) + E`` row tiles), each reading its expert's 128x128-blocked operand through an
   expert stride: W ``[E, N, K]`` for FProp, the transposed copy viewed ``[E, K, N]`` for DGrad.
+* `quantize_input` / `gemm_rows(rows=...)` (the serving MoE layer, `experts_layer`): the
+  ``[T, H]`` input quantized once 1x128 (a block is one token's 128 values, so the bits are those
+  of quantizing the gathered copy), and the gate/up GEMM reads each routed row's A codes and
+  scale through ``rows[m]`` (its token): no BF16 gather, no FP8 gather.
+* `silu_mul_quantize`: ``silu(gate) * up`` by `silu_mul`'s rule fused with the 1x128
+  quantization of the down projection's input: one launch reads gate_up once and writes the
+  codes and scales (launched with ``enable_fp_fusion=False`` so no mul+add becomes an fma).
+* `combine`: programs of (token tile, column tile) read each token's routed rows through
+  ``pos [T, k]`` and sum ``y * w`` in slot order in fp32, one rounding to the output: the
+  weighted combine without atomics, without a permuted copy and without a ``[T, k, H]`` buffer.
 * `gemm_tokens` (WGrad): programs (expert, N tile, K tile) loop over the expert's 128-token
   tiles; a tile's scales are in column ``block_offsets[e] + t``.
 
@@ -44,7 +54,8 @@ from nemo_jetrl.fp8.grouped_tensors import (
     token_block_capacity,
     token_block_offsets,
 )
-from nemo_jetrl.fp8.quantize import BlockQuantized
+from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
+from nemo_jetrl.fp8.silu_mul import MODEL_DTYPES, silu_mul
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK, BLOCK, WEIGHT_BLOCK, WGRAD_BLOCK
 from nemo_jetrl.fp8.triton_gemm import native_dot, pipeline_stages, value_table
 from nemo_jetrl.fp8.triton_kernels import (
@@ -56,6 +67,9 @@ from nemo_jetrl.fp8.triton_kernels import (
     quantize_blockwise_triton,
     quantize_with_transpose_triton,
 )
+
+# Exact IEEE arithmetic in the SiLU rule: no fma contraction (the interpreter ignores it).
+NO_FMA = {"enable_fp_fusion": False}
 
 
 @functools.cache
@@ -91,6 +105,53 @@ def quantize_rows(
     if check_finite and not bool(torch.isfinite(q.scale_inv).all()):
         raise_non_finite_expert(x, offsets.tolist(), ACTIVATION_BLOCK, _label(name, what), **kw)
     return q
+
+
+def quantize_input(
+    x: torch.Tensor, *, fmt: Fp8Format, pow2_scales: bool, eps: float, name: str,
+    check_finite: bool = True,
+) -> BlockQuantized:  # fmt: skip
+    """The unsorted ``[T, H]`` input quantized 1x128 once (one launch); a non-finite input
+    raises naming ``{name}.input`` (``check_finite``, a host read)."""
+    kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps}
+    q = quantize_blockwise_triton(x, ACTIVATION_BLOCK, check_finite=False, **kw)
+    if check_finite and not bool(torch.isfinite(q.scale_inv).all()):
+        quantize_reference(x.cpu(), ACTIVATION_BLOCK, name=f"{name}.input", **kw)
+    return q
+
+
+def silu_mul_quantize(
+    gate_up: torch.Tensor, offsets: torch.Tensor, *, fmt: Fp8Format, pow2_scales: bool,
+    eps: float, name: str, what: str = "input", check_finite: bool = True,
+) -> BlockQuantized:  # fmt: skip
+    """``gate_up [M, 2I]`` (bf16/fp16/fp32, gate first) -> `silu_mul` -> 1x128 codes ``[M, I]`` and
+    ``scale_inv [M, I/128]``, in one launch; a non-finite row raises naming its expert."""
+    m, two_i = gate_up.shape
+    inter = two_i // 2
+    if gate_up.dtype not in MODEL_DTYPES or two_i % 256:
+        raise ValueError(
+            f"{name}: gate_up must be bf16/fp16/fp32 [M, 2I] with I % 128 == 0, got "
+            f"{gate_up.dtype} {tuple(gate_up.shape)}"
+        )
+    g = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    data = torch.empty(m, inter, dtype=fmt.dtype, device=g.device)
+    scale = torch.empty(m, inter // BLOCK, dtype=torch.float32, device=g.device)
+    tm = 32 if interpreting() else 16
+    if m:
+        _kernels().silu_mul_quantize_kernel[(-(-m // tm), inter // BLOCK)](
+            _bits_if_bf16(g), data.view(torch.uint8), scale, m, inter,
+            g.stride(0), data.stride(0), scale.stride(0),
+            TM=tm, MODEL=MODEL_DTYPES.index(g.dtype), EPS=_fp32(eps) if eps > 0 else 0.0,
+            POW2=bool(pow2_scales), num_warps=4, **NO_FTZ, **NO_FMA,
+            **_format_constants(fmt, g.dtype, False),
+        )  # fmt: skip
+        if check_finite and not bool(torch.isfinite(scale).all()):
+            act = silu_mul(*gate_up.chunk(2, dim=-1))
+            kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps}
+            raise_non_finite_expert(
+                act, offsets.tolist(), ACTIVATION_BLOCK, _label(name, what), **kw
+            )
+    return BlockQuantized(data, scale, ACTIVATION_BLOCK, fmt.name, bool(pow2_scales))
 
 
 def quantize_experts(
@@ -182,11 +243,13 @@ def gemm_rows(
     *,
     out_dtype: torch.dtype,
     exact: bool,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[rows_e] = a[rows_e] @ b[e].T`` for all experts in one launch (``exact``: TE's
-    per-tile order always; accepted for the reference's signature)."""
+    per-tile order always; accepted for the reference's signature). ``rows`` (int64 ``[M]``):
+    output row m reads A row ``rows[m]`` (codes and scale), no gathered copy."""
     del exact
-    m, k = qa.data.shape
+    m, k = (qa.data.shape[0] if rows is None else rows.shape[0]), qa.data.shape[1]
     n_exp, n = qb.num_experts, qb.out_features
     out = torch.empty(m, n, dtype=_store_dtype(out_dtype), device=qa.data.device)
     if m and n:
@@ -200,8 +263,9 @@ def gemm_rows(
             qa8, qb8, out, sa, sb, lut_a, lut_b, offsets, toff, n_exp, n, k,
             qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1), qb8.stride(2),
             out.stride(0), out.stride(1), sa.stride(0), sa.stride(1),
-            sb.stride(0), sb.stride(1), sb.stride(2),
-            BM=bm, BN=bn, E_POW2=_pow2(n_exp), NATIVE=native, TF32=tf32, FP8_A=fa, FP8_B=fb,
+            sb.stride(0), sb.stride(1), sb.stride(2), rows if rows is not None else offsets,
+            BM=bm, BN=bn, E_POW2=_pow2(n_exp), GATHER=rows is not None, NATIVE=native,
+            TF32=tf32, FP8_A=fa, FP8_B=fb,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.to(out_dtype)
@@ -235,3 +299,24 @@ def gemm_tokens(
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.to(out_dtype)
+
+
+def combine(
+    y: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``out[t] = sum_j y[pos[t, j]] * weight[pos[t, j]]`` (``pos`` int64 ``[T, k]``, -1 absent)
+    in slot order, fp32, rounded once to ``out_dtype``: one launch."""
+    t, k = pos.shape
+    h = y.shape[1]
+    yc = y if y.stride(1) == 1 else y.contiguous()
+    out = torch.empty(t, h, dtype=out_dtype, device=y.device)
+    if t and h:
+        bf16 = out_dtype == torch.bfloat16
+        tt, bh = (16, 128) if interpreting() else (4, 256)
+        _kernels().combine_kernel[(-(-t // tt), -(-h // bh))](
+            _bits_if_bf16(yc), weight.float().contiguous(), pos.contiguous(),
+            out.view(torch.int16) if bf16 else out, t, h, yc.stride(0), k, h,
+            K=k, TT=tt, BH=bh, OUT_BF16=bf16, IN_BF16=yc.dtype == torch.bfloat16, num_warps=4,
+            **NO_FMA,
+        )  # fmt: skip
+    return out

@@ -15,10 +15,11 @@ subclass; ``uninstall_moe_method`` puts vLLM's back. Our method
   requantization, so refits write the trainer's bytes into them and parity reads them back;
 * never builds a vLLM experts kernel (``moe_kernel`` stays None, so none of vLLM's can run);
 * computes the experts with ``nemo_jetrl.fp8.experts`` (the trainer's grouped expert linear,
-  per expert bit for bit the dense path; `experts_forward`): the routed tokens' rows quantized
-  1x128 in the patch's scale mode, the gate/up GEMM, SiLU(gate) * up in the model dtype,
-  1x128 again, the down GEMM; the outputs weighted by the router's top-k weights and summed in
-  fp32.
+  per expert bit for bit the dense path; `experts_forward`): the tokens quantized 1x128 once
+  in the patch's scale mode and read per routed row, the gate/up GEMM, SiLU(gate) * up
+  (``fp8.silu_mul``'s rule, model dtype) fused with its 1x128 quantization, the down GEMM; the
+  outputs weighted by the router's top-k weights and summed in fp32 in a fixed order
+  (``fp8.experts_layer.combine``).
 
 The router (``mlp.gate``) is an ordinary linear and must stay BF16 (the checkpoint's
 ``modules_to_not_convert``; ``guard.kernel_problems`` refuses an FP8 one). What is not covered is
@@ -88,44 +89,44 @@ def experts_forward(
 ) -> torch.Tensor:
     """SiLU-gated experts on block-FP8 weights. ``x`` ``[M, H]``, ``topk_*`` ``[M, k]``.
 
-    The routed rows, sorted by expert, go through ``nemo_jetrl.fp8.experts``'
-    ``grouped_fp8_linear_inference`` (the trainer's grouped expert linear: per expert the dense
-    layer's bits; Triton on CUDA with no host read, the reference on CPU, where it raises on a
-    non-finite input naming the expert). Activation and weight scale modes that differ (one
-    ``Fp8LinearConfig`` holds one) take the per-expert loop over our dense kernel's ops
-    (``ops``: ``kernel.ensure_ops()``, ``backend``: its planned GEMM), which reads the counts
-    on the host."""
-    m, h = x.shape
+    The routed rows, sorted by expert, go through ``nemo_jetrl.fp8.experts_layer``'s
+    ``routed_experts_inference`` (``x`` quantized 1x128 once and read through each row's token,
+    the trainer's grouped GEMM, SiLU*up fused with the down projection's quantization by
+    ``fp8.silu_mul``'s rule, the grouped down GEMM: per expert the dense layer's bits; Triton on
+    CUDA with no host read, the reference on CPU) and ``experts_layer.combine`` (each token's
+    rows weighted and summed in fp32 in ascending expert id: no atomics, batch-invariant).
+    Activation and weight scale modes that differ (one ``Fp8LinearConfig`` holds one) take the
+    per-expert loop over our dense kernel's ops (``ops``: ``kernel.ensure_ops()``, ``backend``:
+    its planned GEMM), which reads the counts on the host."""
+    m, k = topk_ids.shape
     e, two_i, _ = w13.shape
+    from nemo_jetrl.fp8.experts_layer import combine
+
     # expert parallel: global ids -> this rank's (expert_shards.local_routes); others dropped
     flat, token, weight = local_routes(topk_ids, topk_weights, expert_map)
     order = torch.argsort(flat, stable=True)
     token, weight = token[order], weight[order]
-    counts = torch.bincount(flat, minlength=e)
-    acc = torch.zeros(m, h, dtype=torch.float32, device=x.device)
     if pow2 == w_pow2:
         from nemo_jetrl.fp8.config import Fp8LinearConfig
-        from nemo_jetrl.fp8.experts import grouped_fp8_linear_inference
+        from nemo_jetrl.fp8.experts_layer import routed_experts_inference
         from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
 
         cfg = Fp8LinearConfig(pow2_scales=pow2, eps=eps)
-        offsets = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
-        offsets[1:] = torch.cumsum(counts, 0)
+        grid = torch.arange(e + 1, device=x.device)
+        offsets = torch.searchsorted(flat[order].contiguous(), grid)  # no host read
         q13 = GroupedQuantizedWeights(w13, w13_s, "e4m3", pow2)
         q2 = GroupedQuantizedWeights(w2, w2_s, "e4m3", pow2)
         # Serving: no stop on non-finite input (vLLM's warm-up runs on uninitialised buffers),
         # as the dense serving kernel does.
-        gu = grouped_fp8_linear_inference(
-            x[token], q13, offsets, cfg, "experts.w13", check_finite=False
-        )
-        gate, up = gu.split(two_i // 2, dim=-1)
-        act = torch.nn.functional.silu(gate) * up
-        y = grouped_fp8_linear_inference(act, q2, offsets, cfg, "experts.w2", check_finite=False)
-        acc.index_add_(0, token, y.float() * weight[:, None])
-        return acc.to(x.dtype)
-    # One 1x128 quantization per routed row; a row's bits do not depend on its neighbours.
-    q, q_s = ops.quantize_act_1x128(x[token], pow2, eps, False)
-    start = 0
+        y = routed_experts_inference(x, token, offsets, q13, q2, cfg, "experts", check_finite=False)
+        return combine(y, token, weight, m, k, x.dtype)
+    from nemo_jetrl.fp8.silu_mul import silu_mul
+
+    # One 1x128 quantization per token; a block's bits do not depend on its neighbours.
+    qx, qx_s = ops.quantize_act_1x128(x, pow2, eps, False)
+    q, q_s = qx[token], qx_s[token]
+    counts = torch.bincount(flat, minlength=e)
+    start, ys = 0, []
     for ex, n in enumerate(counts.tolist()):
         if n == 0:
             continue
@@ -134,12 +135,11 @@ def experts_forward(
             q[rows], q_s[rows], w13[ex], w13_s[ex], x.dtype, pow2, w_pow2, backend
         )
         gate, up = gu.split(two_i // 2, dim=-1)
-        act = torch.nn.functional.silu(gate) * up
-        a, a_s = ops.quantize_act_1x128(act, pow2, eps, False)
-        y = ops.fp8_block_gemm(a, a_s, w2[ex], w2_s[ex], x.dtype, pow2, w_pow2, backend)
-        acc.index_add_(0, token[rows], y.float() * weight[rows, None])
+        a, a_s = ops.quantize_act_1x128(silu_mul(gate, up), pow2, eps, False)
+        ys.append(ops.fp8_block_gemm(a, a_s, w2[ex], w2_s[ex], x.dtype, pow2, w_pow2, backend))
         start += n
-    return acc.to(x.dtype)
+    y = torch.cat(ys) if ys else x.new_zeros(0, x.shape[1])
+    return combine(y, token, weight, m, k, x.dtype)
 
 
 def route_softmax_topk(

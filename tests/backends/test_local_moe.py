@@ -260,3 +260,32 @@ def test_rollout_and_trainer_logprobs_bitwise_and_replay_uses_rollout_experts(ki
         assert router.grad is not None and float(router.grad.abs().sum()) > 0  # R3 keeps it
         tm.zero_grad(set_to_none=True)
         tm.eval()
+
+
+def test_rollout_experts_run_grouped_and_a_refit_restacks_them(monkeypatch):
+    """The jetrl rollout's FP8 experts never call their per-expert layers (the grouped path:
+    tokens quantized once, fused SiLU*up quantization); a refit's new bytes are used at once
+    (the stacked copy follows the layers' buffers), still bit-equal to the trainer."""
+    rm, tm, _, _ = _pair("qwen3_moe", "jetrl")
+    calls: list[str] = []
+    real = Fp8InferenceLinear.forward
+
+    def spy(self, x):
+        if ".experts." in self.name:
+            calls.append(self.name)
+        return real(self, x)
+
+    monkeypatch.setattr(Fp8InferenceLinear, "forward", spy)
+    ids = torch.randint(3, 32, (3, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = sequence_logprobs(rm, ids, 4, 1.0)
+        assert torch.equal(
+            before.view(torch.int32), sequence_logprobs(tm, ids, 4, 1.0).view(torch.int32)
+        )
+        name = "model.layers.1.mlp.experts.down_proj"
+        tm.get_parameter(name).mul_(-1.5)
+        refit(rm, export_weights(tm))
+        after = sequence_logprobs(rm, ids, 4, 1.0)
+        want = sequence_logprobs(tm, ids, 4, 1.0)
+    assert calls == [] and not torch.equal(after, before)
+    assert torch.equal(after.view(torch.int32), want.view(torch.int32))

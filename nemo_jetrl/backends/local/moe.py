@@ -8,8 +8,9 @@ computes:
 1. routing (`nemo_jetrl.invariant.moe`): router logits, fp32 softmax, top-k with ties to the
    lower expert index, top-k weights (renormalised when the model says so: Qwen3-MoE's
    ``norm_topk_prob``, always for Mixtral). The router is never FP8;
-2. the experts (`moe_experts.Experts`) on rows sorted by expert, FP8 where the side's filters
-   say (the dense linears' rules: ``bf16_first_layers`` / ``bf16_last_layers``,
+2. the experts (`moe_experts.Experts`) on the routed rows sorted by expert (each row's token
+   given, so an FP8 rollout quantizes the tokens once and gathers codes), FP8 where the side's
+   filters say (the dense linears' rules: ``bf16_first_layers`` / ``bf16_last_layers``,
    ``bf16_layer_kws`` matched on ``...experts.gate_up_proj`` / ``...experts.down_proj``);
 3. the weighted sum of the k expert outputs in slot order (fp32, cast once).
 
@@ -107,7 +108,7 @@ class MoeBlock(nn.Module):
         self.last_used = idx.detach().reshape(b, s, self.top_k)
         w = imoe.slot_weights(probs, idx, normalize=self.normalize, invariant=inv)
         order, offsets = imoe.group_by_expert(idx, self.num_experts)
-        ys = self.experts(x[order // self.top_k], offsets)
+        ys = self.experts(x, order // self.top_k, offsets)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
         y = ys[inverse].reshape(b * s, self.top_k, h)

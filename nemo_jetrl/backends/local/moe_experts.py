@@ -1,21 +1,30 @@
 """The experts of one MoE block as the local backend runs them, per side and recipe.
 
 An HF MoE block (transformers 5) stores its experts fused: ``experts.gate_up_proj`` ``[E, 2I, H]``
-and ``experts.down_proj`` ``[E, H, I]``. `Experts` computes them on rows already sorted by expert
-(``offsets [E+1]``: expert ``e`` owns rows ``offsets[e]:offsets[e+1]``), each projection in one of
-three ways, chosen per projection by the side's FP8 rules (the dense linears' filters):
+and ``experts.down_proj`` ``[E, H, I]``. `Experts` computes them on the routed rows sorted by
+expert (``rows [R]``: each row's token in ``x [T, H]``; ``offsets [E+1]``: expert ``e`` owns rows
+``offsets[e]:offsets[e+1]``), each projection in one of three ways, chosen per projection by the
+side's FP8 rules (the dense linears' filters):
 
 - BF16: the shared 3-D parameter, one torch GEMM per expert;
 - FP8 training: the shared 3-D parameter through `nemo_jetrl.fp8.experts.grouped_fp8_linear`
   (per expert bit-exact to the dense path's `Fp8BlockLinearFunction`: 1x128 activations,
   128x128 weights, TE-order GEMM; WGrad blocks per expert);
-- FP8 rollout: one `Fp8InferenceLinear` per expert (``gate_up_proj.<e>``), whose weight the refit
-  quantizes once with the trainer's config (``jetrl``) or vLLM's emulated quantizer
-  (``vllm_native``, the off-policy ``fp8_rollout``): the dense rollout layer, its load checks
-  and its refit path, unchanged.
+- FP8 rollout: one `Fp8InferenceLinear` per expert (``gate_up_proj.<e>``) holds the weight the
+  refit quantizes once with the trainer's config (``jetrl``) or vLLM's emulated quantizer
+  (``vllm_native``, the off-policy ``fp8_rollout``): the dense rollout layer's load checks and
+  refit path, unchanged. With ``jetrl`` the layers' bytes are stacked (once per refit) into
+  `GroupedQuantizedWeights` and computed grouped, no per-expert loop: both projections FP8 run
+  `fp8.experts_layer.routed_experts_inference` (tokens quantized once and gathered as FP8,
+  SiLU*up fused with the down projection's quantization), one alone
+  `grouped_fp8_linear_inference`. ``vllm_native`` keeps one layer call per expert (vLLM's own
+  quantizer, emulated).
 
-Between the projections: ``silu(gate) * up`` (`nemo_jetrl.invariant.ops.silu` when the block is
-batch-invariant), as HF's experts compute it.
+Between the projections: ``silu(gate) * up``. Where the down projection is FP8 it is
+`nemo_jetrl.fp8.silu_mul.silu_mul` on both sides (the serving kernel's rule: SiLU in fp32 from a
+portable exp, rounded to the model dtype, the product rounded once; bit-equal to
+`nemo_jetrl.invariant.ops.silu` times up), so a fused rollout and the trainer keep equal bits;
+where it is BF16, HF's ``silu(gate) * up`` (`invariant.ops.silu` when batch-invariant).
 """
 
 from __future__ import annotations
@@ -27,7 +36,10 @@ import torch
 from torch import nn
 
 from nemo_jetrl.fp8 import Fp8InferenceLinear, Fp8LinearConfig
-from nemo_jetrl.fp8.experts import grouped_fp8_linear
+from nemo_jetrl.fp8.experts import grouped_fp8_linear, grouped_fp8_linear_inference
+from nemo_jetrl.fp8.experts_layer import routed_experts_inference
+from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
+from nemo_jetrl.fp8.silu_mul import silu_mul
 from nemo_jetrl.invariant import ops
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -63,6 +75,7 @@ class Experts(nn.Module):
         self.name = name
         self.fp8: dict[str, Fp8LinearConfig] = {}
         self.invariant = False
+        self._stacks: dict[str, tuple[tuple[int, ...], GroupedQuantizedWeights]] = {}
 
     @classmethod
     def for_training(
@@ -99,9 +112,32 @@ class Experts(nn.Module):
             setattr(ex, which, layers)
         return ex
 
+    def _stacked(self, which: str) -> GroupedQuantizedWeights | None:
+        """A ``jetrl`` rollout projection's per-expert bytes as one grouped weight, restacked
+        only when a refit wrote them (the buffers' versions); None for any other projection."""
+        layers = getattr(self, which)
+        if not isinstance(layers, nn.ModuleList) or layers[0].quantizer != "jetrl":
+            return None
+        for layer in layers:
+            if not layer.loaded:
+                raise RuntimeError(f"{layer.name}: no weight loaded; call load_weight() first")
+        key = tuple(b._version for m in layers for b in (m.weight_fp8, m.weight_scale_inv))
+        cached = self._stacks.get(which)
+        if cached is None or cached[0] != key:
+            cfg = layers[0].config
+            data = torch.stack([m.weight_fp8 for m in layers])
+            scale = torch.stack([m.weight_scale_inv for m in layers])
+            q = GroupedQuantizedWeights(data, scale, cfg.forward_format.name, cfg.pow2_scales)
+            cached = self._stacks[which] = (key, q)
+        return cached[1]
+
     def _project(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         w = getattr(self, which)
-        if isinstance(w, nn.ModuleList):
+        stacked = self._stacked(which)
+        if stacked is not None:
+            cfg = w[0].config
+            return grouped_fp8_linear_inference(x, stacked, offsets, cfg, f"{self.name}.{which}")
+        if isinstance(w, nn.ModuleList):  # vllm_native: the emulated vLLM quantizer per expert
             outs = [w[e](x[s:t]) for e, s, t in expert_rows(offsets)]
             return torch.cat(outs) if outs else x.new_zeros(0, w[0].out_features)
         cfg = self.fp8.get(which)
@@ -109,11 +145,21 @@ class Experts(nn.Module):
             return grouped_fp8_linear(x, w, offsets, cfg, f"{self.name}.{which}")
         return _bf16_grouped(x, w, offsets)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """``x [M, H]`` sorted by expert -> ``[M, H]``."""
-        gate, up = self._project("gate_up_proj", x, offsets).chunk(2, dim=-1)
-        act = ops.silu(gate) if self.invariant else nn.functional.silu(gate)
-        return self._project("down_proj", act * up, offsets)
+    def _down_fp8(self) -> bool:
+        return isinstance(self.down_proj, nn.ModuleList) or "down_proj" in self.fp8
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, ``rows [R]`` (each routed row's token, sorted by expert) -> ``[R, H]``."""
+        q13, q2 = self._stacked("gate_up_proj"), self._stacked("down_proj")
+        if q13 is not None and q2 is not None:
+            cfg = self.gate_up_proj[0].config
+            return routed_experts_inference(x, rows, offsets, q13, q2, cfg, self.name)
+        gate, up = self._project("gate_up_proj", x[rows], offsets).chunk(2, dim=-1)
+        if self._down_fp8():
+            act = silu_mul(gate, up)
+        else:
+            act = (ops.silu(gate) if self.invariant else nn.functional.silu(gate)) * up
+        return self._project("down_proj", act, offsets)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, fp8={sorted(self.fp8) or 'none'}"
