@@ -246,3 +246,22 @@ def test_quantizer_targets_say_met_or_not_met(bench):
     assert "1.40x" in lines[4] and lines[4].endswith(": MET")
     rows[-1]["graph/copy_graph"] = 1.6
     assert module.targets(rows)[4].endswith("NOT MET")
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+def test_quantizer_tile_sweep_checks_bits(bench, monkeypatch):
+    """--sweep-tiles on a small input in Triton's interpreter (timing stubbed: no GPU): every
+    candidate tile runs and gives the default tile's bits, and the defaults are restored."""
+    from nemo_jetrl.fp8 import rowcol_quantize, triton_kernels
+
+    if not triton_kernels.interpreting():
+        pytest.skip("runs the sweep on CPU tensors in Triton's interpreter")
+    module = bench("bench_quantizer_bandwidth")
+    monkeypatch.setattr(module._common, "cuda_time_ms", lambda fn, iters: (fn(), 1.0)[1])
+    default_tile, default_warps = triton_kernels._tile, rowcol_quantize.ROWCOL_WARPS
+    args = module.build_parser().parse_args(["--sweep-tiles", "--iters", "1"])
+    rows = module.sweep_tiles(args, shape=(130, 256), device="cpu")
+    want = sum(map(len, module.TILE_CANDIDATES.values())) + len(module.ROWCOL_WARPS)
+    assert len(rows) == want and all(r["bits_equal"] is True for r in rows)
+    assert triton_kernels._tile is default_tile
+    assert default_warps == rowcol_quantize.ROWCOL_WARPS

@@ -14,7 +14,11 @@ Issue 35's quantizer targets are printed at the end as MET / NOT MET (bf16 input
   >= 80% of a bf16 copy's bandwidth (worst over the formats and scale modes measured);
 * 128x4096 (a decode batch), 1x128, in a CUDA graph: <= 1.5x a copy's time (also in a graph).
 
-Usage: python benchmarks/gpu/bench_quantizer_bandwidth.py [--iters 50] [--quick]
+``--sweep-tiles`` instead times each block shape at 8192x4096 (bf16, E4M3, pow2) under every
+candidate tile (rows, cols, warps) and the fused kernel under each warp count, checking each
+candidate's bits equal the default's: tiles never change bits, so this only picks the fastest.
+
+Usage: python benchmarks/gpu/bench_quantizer_bandwidth.py [--iters 50] [--quick] [--sweep-tiles]
 """
 
 from __future__ import annotations
@@ -47,7 +51,63 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="E4M3 pow2 only, first 3 shapes")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--sweep-tiles", action="store_true", help="time candidate tiles, 8192x4096")
     return ap
+
+
+# (TM, TK, num_warps) candidates per quantizer mode (triton_kernels._MODE), and fused-kernel warps.
+TILE_CANDIDATES = {
+    (1, 128): ((16, 128, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8)),
+    (128, 128): ((128, 128, 4), (128, 128, 8)),
+    (128, 1): ((128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)),
+}
+ROWCOL_WARPS = (4, 8, 16)
+
+
+def sweep_tiles(
+    args: argparse.Namespace, shape: tuple[int, int] = (8192, 4096), device: str = "cuda"
+) -> list[dict]:
+    """Time every candidate tile at ``shape``; a candidate whose bits differ is reported."""
+    from nemo_jetrl.fp8 import rowcol_quantize as rq
+    from nemo_jetrl.fp8 import triton_kernels as tk
+
+    m, k = shape
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(x)
+    copy_ms = _common.cuda_time_ms(partial(dst.copy_, x), iters=args.iters)
+    copy_gbs = 2 * x.numel() * 2 / copy_ms / 1e6
+    rows, default_tile, default_warps = [], tk._tile, rq.ROWCOL_WARPS
+
+    def bits(q):
+        return torch.cat(
+            [q.data.view(torch.uint8).flatten(), q.scale_inv.view(torch.uint8).flatten()]
+        )
+
+    try:
+        for block, candidates in TILE_CANDIDATES.items():
+            tk._tile = default_tile
+            want = bits(tk.quantize_blockwise_triton(x, block, check_finite=False))
+            for tile in candidates:
+                tk._tile = lambda mode, tile=tile: tile
+                fn = partial(tk.quantize_blockwise_triton, x, block, check_finite=False)
+                same = torch.equal(bits(fn()), want)
+                t_ms = _common.cuda_time_ms(fn, iters=args.iters)
+                gbs = _bytes_moved(m, k, block, 2) / t_ms / 1e6
+                rows.append({"block": f"{block[0]}x{block[1]}", "tile": str(tile), "us": 1e3 * t_ms,
+                             "of_copy_bw": gbs / copy_gbs, "bits_equal": same})  # fmt: skip
+        tk._tile = default_tile
+        want = [bits(q) for q in rq.quantize_rowcol_triton(x, check_finite=False)]
+        for warps in ROWCOL_WARPS:
+            rq.ROWCOL_WARPS = warps
+            fn = partial(rq.quantize_rowcol_triton, x, check_finite=False)
+            same = all(torch.equal(bits(q), w) for q, w in zip(fn(), want, strict=True))
+            t_ms = _common.cuda_time_ms(fn, iters=args.iters)
+            gbs = _rowcol_bytes(m, k, 2) / t_ms / 1e6
+            rows.append({"block": ROWCOL, "tile": f"(128, 128, {warps})", "us": 1e3 * t_ms,
+                         "of_copy_bw": gbs / copy_gbs, "bits_equal": same})  # fmt: skip
+    finally:
+        tk._tile, rq.ROWCOL_WARPS = default_tile, default_warps
+    return rows
 
 
 def _bytes_moved(m: int, k: int, block: tuple[int, int], elem: int) -> int:
@@ -224,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _common.require_cuda("bench_quantizer_bandwidth")
     print(f"# {_common.gpu_name()}, input {args.dtype}")
+    if args.sweep_tiles:
+        _common.print_table(sweep_tiles(args), ("block", "tile", "us", "of_copy_bw", "bits_equal"))
+        return 0
     rows = run(args)
     _common.print_table(rows, COLUMNS)
     print("# issue 35 quantizer targets" + ("" if args.dtype == "bfloat16" else ": n/a, not bf16"))

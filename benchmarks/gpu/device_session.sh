@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu/device_session.sh [RESULTS_DIR]
 # Needs CUDA torch, triton, pytest, safetensors; bench_fp8_linear.py also the package's own
 # dependencies (pydantic, omegaconf: a bare CUDA image lacks them; install the wheels first).
-# JETRL_{TESTS,PROBE,MOE,QUANT,LINEAR,SERVING}_S set each step's limit in seconds (0 skips it).
+# JETRL_{TESTS,PROBE,MOE,QUANT,QUANT_TILES,LINEAR,SERVING}_S set each step's limit in seconds
+# (0 skips it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-benchmarks/gpu/results}
@@ -34,6 +35,8 @@ step probe_scaled_mm "${JETRL_PROBE_S:-60}" "$py" benchmarks/gpu/probe_scaled_mm
 step bench_moe_layer "${JETRL_MOE_S:-150}" "$py" benchmarks/gpu/bench_moe_layer.py \
   --iters 20 --json "$out/bench_moe_layer.json"
 step bench_quantizer "${JETRL_QUANT_S:-60}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py --iters 20
+step bench_quantizer_tiles "${JETRL_QUANT_TILES_S:-30}" "$py" \
+  benchmarks/gpu/bench_quantizer_bandwidth.py --sweep-tiles --iters 20
 step bench_fp8_linear "${JETRL_LINEAR_S:-90}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
 step bench_serving_kernel "${JETRL_SERVING_S:-60}" "$py" benchmarks/gpu/bench_serving_kernel.py \
   --iters 20 --json "$out/bench_serving_kernel.json"

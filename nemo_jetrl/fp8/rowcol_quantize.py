@@ -22,6 +22,10 @@ import torch
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
 
+# Warps per 128x128 tile (any value gives the same bits; a GPU picks it: bench_quantizer_bandwidth
+# --sweep-tiles).
+ROWCOL_WARPS = 8
+
 
 def quantize_rowcol_reference(
     x: torch.Tensor,
@@ -98,7 +102,7 @@ def quantize_rowcol_triton(
             col_s.stride(1),
             EPS=launch._fp32(eps) if eps > 0 else 0.0,
             POW2=bool(pow2_scales),
-            num_warps=8,
+            num_warps=ROWCOL_WARPS,
             **flag_kw,
             **launch.NO_FTZ,
             **tk._format_constants(f, x.dtype, launch.resolve_native_cast(x, native_cast)),
