@@ -199,5 +199,6 @@ def quantize_rowcol_kernel(
     flag_non_finite(flag_ptr, sr, FLAG)  # every element is in one row block
     qc, sc = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     # stored as the transposed tile so consecutive lanes write consecutive bytes of qc's rows
-    tl.store(qc_ptr + cols[:, None] * M + rows[None, :], tl.trans(qc), mask=tl.trans(mask))
+    tmask = cmask[:, None] & rmask[None, :]  # built directly: no transpose of an i1 tensor
+    tl.store(qc_ptr + cols[:, None] * M + rows[None, :], tl.trans(qc), mask=tmask)
     tl.store(sc_ptr + cols * sscm + pid_m * ssck, tl.where(cmask, sc, 0.0), mask=cols < KP)
