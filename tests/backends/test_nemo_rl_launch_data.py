@@ -221,3 +221,26 @@ def test_venv_dir_default_and_vllm_pin_are_nemo_rl_s(monkeypatch):
     monkeypatch.delenv("NEMO_RL_VENV_DIR", raising=False)
     assert venvs.venv_dir() == Path(nrl_venvs.DEFAULT_VENV_DIR)
     assert nemo_rl_pinned_vllm(tree_dir()) == os.environ["NEMO_RL_VLLM_VERSION"]
+
+
+def test_smoke_config_passes_nemo_rl_loader_and_grpo_setup(tmp_path, monkeypatch):
+    """The one-node smoke config: NeMo-RL's own loader reads it as ours does, and NeMo-RL's
+    grpo.setup (up to the vLLM workers) and its packing rules accept what our launch hands it."""
+    from nemo_rl_upstream import (
+        check_sequence_padding,
+        drive_setup,
+        nemo_rl_load,
+        with_nemo_rl_defaults,
+    )
+    from omegaconf import OmegaConf
+
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+    from nemo_jetrl.config import load_config
+
+    smoke = CONFIGS[1]
+    assert nemo_rl_load(smoke) == OmegaConf.to_container(load_config(smoke), resolve=True)
+    master = drive_setup(
+        with_nemo_rl_defaults(nr.prepare(str(smoke)).plan.master_config), tmp_path, monkeypatch
+    )
+    check_sequence_padding(master)
+    assert master.cluster["num_nodes"] == 1 and master.cluster["gpus_per_node"] == 8
