@@ -104,9 +104,7 @@ def prepare_master(
     rebuild = venvs.force_rebuild(environ)
     entry, line = venvs.policy_worker_entry(stock_entry, STOCK_POLICY_WORKER, venv_base, rebuild)
     lines.append(line)
-    vllm_py = venvs.venv_python(
-        venv_base, "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
-    )
+    vllm_py = venvs.venv_python(venv_base, venvs.VLLM_WORKER)
     if vllm_patch:
         if not vllm_entry.startswith("uv"):
             preflight(vllm_entry)
@@ -154,9 +152,9 @@ def prepare_master(
 
 
 def train(config: Any, plan: Any, kind: str, max_age: int = 1) -> None:  # pragma: no cover
-    # (runs in the NeMo-RL tier up to grpo.setup, and on GPUs)
     """Tokenizer, data, ``grpo.setup`` with our policy worker, then the trainer for ``kind``, with
-    the mismatch-metrics loss wrapper and logger proxy."""
+    the mismatch-metrics loss wrapper and logger proxy. (The NeMo-RL tier runs it up to
+    ``grpo.setup``; the rest needs GPUs.)"""
     from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.data.utils import setup_response_data

@@ -41,9 +41,9 @@ from nemo_jetrl.backends.nemo_rl.translate import (
     TranslationError,
     translate,
 )
+from nemo_jetrl.backends.nemo_rl.venvs import VLLM_WORKER
 from nemo_jetrl.megatron.config import FP32_SCALES_ENV
 
-VLLM_WORKER = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
 # Modules the backend needs in the driver process, with what each is for.
 REQUIRED_MODULES: tuple[tuple[str, str], ...] = (
     ("nemo_rl", "NeMo-RL itself"),

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 FORCE_REBUILD_ENV = "NRL_FORCE_REBUILD_VENVS"
+# NeMo-RL's vLLM worker class: its venv is named after it.
+VLLM_WORKER = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
 OVERLAY_NAME = "nemo_jetrl_overlay"
 
 
