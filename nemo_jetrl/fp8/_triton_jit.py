@@ -30,6 +30,7 @@ def quantize_kernel(
     s_ptr,
     flag_ptr,
     M,
+    M_OUT,
     K,
     sxm,
     sxk,
@@ -54,7 +55,8 @@ def quantize_kernel(
 ):
     # One program quantizes a TM x TK tile made of whole blocks:
     # MODE 0: TM rows x 128 (one 1x128 block per row); 1: one 128x128 block;
-    # 2: 128 x TK (one 128x1 block per column).
+    # 2: 128 x TK (one 128x1 block per column). Rows M..M_OUT-1 (M_OUT >= M: a GEMM's row
+    # padding, mode 0 only) are stored as the quantized zero rows they load as: codes 0, scale 1.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m.to(tl.int64) * TM + tl.arange(0, TM)
@@ -64,7 +66,7 @@ def quantize_kernel(
     x = to_fp32(x, IN_BF16)
     if MODE == 0:
         q, sinv = quantize_rows(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
-        tl.store(s_ptr + rows * ssm + pid_k * ssk, sinv, mask=rows < M)
+        tl.store(s_ptr + rows * ssm + pid_k * ssk, sinv, mask=rows < M_OUT)
         flag_non_finite(flag_ptr, sinv, FLAG)
     elif MODE == 1:
         abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -80,7 +82,8 @@ def quantize_kernel(
         q, sinv = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cols < K)
         flag_non_finite(flag_ptr, sinv, FLAG)
-    tl.store(q_ptr + rows[:, None] * sqm + cols[None, :] * sqk, q, mask=mask)
+    omask = (rows[:, None] < M_OUT) & (cols[None, :] < K)
+    tl.store(q_ptr + rows[:, None] * sqm + cols[None, :] * sqk, q, mask=omask)
     if WRITE_T:  # the same codes again as a contiguous [K, M] (DGrad's weight operand)
         tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
 

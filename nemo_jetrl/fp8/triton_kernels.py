@@ -150,18 +150,20 @@ def _tile(mode: int) -> tuple[int, int, int]:
 
 
 def _check_out(out, x2: torch.Tensor, f, label: str) -> None:
-    """``out=(data, scale_inv)``: caller-given buffers for a 2-D 1x128 quantization (the vLLM
-    serving kernel hands the first M rows of row-padded buffers in its GEMM's layout, so nothing
-    is padded or transposed per call). ``data``: ``[M, K]`` FP8 with unit stride along K;
-    ``scale_inv``: ``[M, ceil(K/128)]`` fp32, any strides; both written in place."""
+    """``out=(data, scale_inv)``: caller-given buffers for a 2-D 1x128 quantization, written in
+    place (the vLLM serving kernel hands buffers in its GEMM's layout, so nothing is padded or
+    transposed per call). ``data``: ``[R, K]`` FP8, R >= M, unit stride along K; ``scale_inv``:
+    ``[R, ceil(K/128)]`` fp32, any strides. Rows M..R-1 are written as quantized zero rows (codes
+    0, ``scale_inv`` 1): the zero padding a GEMM that takes rows in multiples needs."""
     m, k = x2.shape
     data, s = out
-    if tuple(data.shape) != (m, k) or data.dtype != f.dtype or (k > 1 and data.stride(1) != 1):
+    r = data.shape[0] if data.dim() == 2 else -1
+    if r < m or data.shape[-1] != k or data.dtype != f.dtype or (k > 1 and data.stride(-1) != 1):
         raise ValueError(
-            f"{label}: out data must be a [{m}, {k}] {f.dtype} tensor with unit stride along K, "
-            f"got {tuple(data.shape)} {data.dtype} strides {data.stride()}"
+            f"{label}: out data must be an [R >= {m}, {k}] {f.dtype} tensor with unit stride "
+            f"along K, got {tuple(data.shape)} {data.dtype} strides {data.stride()}"
         )
-    want = (m, -(-k // 128))
+    want = (r, -(-k // 128))
     if tuple(s.shape) != want or s.dtype != torch.float32 or s.device != x2.device:
         raise ValueError(
             f"{label}: out scale_inv must be a {list(want)} float32 tensor on {x2.device}, "
@@ -234,8 +236,9 @@ def quantize_blockwise_triton(
         sqm, sqk = (max(k, 1) if out is None else data.stride(0)), 1
         s_view = _scale_buffer(mb, kb, scale_layout, x.device) if out is None else out[1]
         ssm, ssk = s_view.stride(0), s_view.stride(1)
-    if m and k:
-        grid = (-(-m // tm), -(-k // tk))
+    m_out = m if out is None else out[0].shape[0]  # rows stored (`_check_out`)
+    if m_out and k:
+        grid = (-(-m_out // tm), -(-k // tk))
         _kernels().quantize_kernel[grid](
             _bits_if_bf16(x2),
             q_u8,
@@ -243,6 +246,7 @@ def quantize_blockwise_triton(
             s_view,
             s_view if nonfinite_flag is None else nonfinite_flag,
             m,
+            m_out,
             k,
             x2.stride(0),
             x2.stride(1),
@@ -266,6 +270,8 @@ def quantize_blockwise_triton(
     if transpose:
         return BlockQuantized(data_t, scale_t, (1, 128), f.name, bool(pow2_scales))
     scale_inv = s_view
+    if out is not None:  # 2-D (checked above); R >= M rows
+        return BlockQuantized(data, scale_inv, block, f.name, bool(pow2_scales))
     if x.dim() != 2:  # compact only (checked above)
         scale_inv = scale_inv.reshape(*x.shape[:-1], kb)
     return BlockQuantized(data.reshape(x.shape), scale_inv, block, f.name, bool(pow2_scales))

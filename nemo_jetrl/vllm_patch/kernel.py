@@ -72,9 +72,9 @@ def _quantize_act_impl(
     ``mn_major`` and ``rows`` (`gemm_backends.activation_layout` of the layer's GEMM): the Triton
     kernel writes into buffers of ``pad(M, rows)`` rows, ``scale_inv`` as the MN-major view
     (strides ``(1, pad(M, rows))``) DeepGEMM and cuBLASLt read, so the GEMM copies, pads and
-    transposes nothing. Rows past M are left unwritten (never returned: the kernel slices the
-    GEMM's output; each output row depends only on its own row and scales). Same codes and
-    scale values as the compact layout. Needs the Triton kernel (CUDA, or its CPU
+    transposes nothing. Rows past M are zero (codes 0, ``scale_inv`` 1, written by the same
+    launch) and never returned: the kernel slices the GEMM's output. Same codes and scale values
+    as the compact layout. Needs the Triton kernel (CUDA, or its CPU
     interpreter); elsewhere the compact, unpadded layout is returned.
     """
     from nemo_jetrl.fp8 import triton_kernels
@@ -83,7 +83,7 @@ def _quantize_act_impl(
         data, scale_inv = _act_buffers(x, rows)
         triton_kernels.quantize_blockwise_triton(
             x, ACT_BLOCK, fmt="e4m3", pow2_scales=pow2_scales, eps=eps, check_finite=False,
-            out=(data[: x.shape[0]], scale_inv[: x.shape[0]]),
+            out=(data, scale_inv),
         )  # fmt: skip
         return data, scale_inv
     q = quantize_blockwise(
