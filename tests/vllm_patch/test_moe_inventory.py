@@ -34,6 +34,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
 ]
 E, H, INTER, TOPK, T = 4, 256, 128, 2, 9
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the compiled kernels on a GPU
 
 
 class _Recorder(TorchDispatchMode):
@@ -83,11 +84,12 @@ def test_one_moe_layer_quantizes_tokens_once_fuses_silu_and_combines_without_ato
     g = torch.Generator().manual_seed(0)
     q13 = [quantize_reference(torch.randn(2 * INTER, H, generator=g) * 0.05, (128, 128)) for _ in range(E)]  # fmt: skip
     q2 = [quantize_reference(torch.randn(H, INTER, generator=g) * 0.05, (128, 128)) for _ in range(E)]  # fmt: skip
-    w13, s13 = torch.stack([q.data for q in q13]), torch.stack([q.scale_inv for q in q13])
-    w2, s2 = torch.stack([q.data for q in q2]), torch.stack([q.scale_inv for q in q2])
-    x = torch.randn(T, H, generator=g).bfloat16()
+    stack = lambda qs, f: torch.stack([getattr(q, f) for q in qs]).to(DEVICE)  # noqa: E731
+    w13, s13, w2, s2 = stack(q13, "data"), stack(q13, "scale_inv"), stack(q2, "data"), stack(q2, "scale_inv")  # fmt: skip
+    x = torch.randn(T, H, generator=g).bfloat16().to(DEVICE)
     ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [2, 1], [1, 0], [0, 1], [2, 0], [1, 2]])
-    wts = torch.rand(T, TOPK, generator=g)
+    ids = ids.to(DEVICE)
+    wts = torch.rand(T, TOPK, generator=g).to(DEVICE)
     ops = ensure_ops()
     rec = _Recorder()
     for mod in (triton_grouped, triton_kernels):
