@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from nemo_jetrl.fp8 import finite_flags
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.gemm_backends import ENV_GEMM_BACKEND as ENV_GEMM_BACKEND
@@ -94,6 +95,7 @@ def quantize_blockwise(
     check_finite: bool = True,
     transpose: bool = False,
     scale_layout: str = "compact",
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> BlockQuantized:
     """Quantize ``x`` with one scale per ``block``: `quantize.quantize_reference`'s bits.
 
@@ -105,7 +107,9 @@ def quantize_blockwise(
     (block 1x128, data ``[K, M]``: WGrad's operand); Triton writes it directly, the torch path
     transposes (a contiguous copy on CUDA, a view on CPU). ``scale_layout="mn_major"`` asks the
     Triton kernel for GEMM-ready MN-major scales (`triton_kernels`); the torch path always
-    returns compact scales (same values; every GEMM backend takes either).
+    returns compact scales (same values; every GEMM backend takes either). ``nonfinite_flag``
+    (`finite_flags.flag`): set on the device where a block is non-finite, by the Triton kernel
+    itself (no extra launch), by `finite_flags.note` on the torch path.
     """
     block = check_block(block)
     f = get_format(fmt)
@@ -123,9 +127,12 @@ def quantize_blockwise(
             check_finite=check_finite,
             transpose=transpose,
             scale_layout=scale_layout,
+            nonfinite_flag=nonfinite_flag,
             **kw,
         )
     q = quantize_reference(x, block, check_finite=check_finite, **kw)
+    if nonfinite_flag is not None:
+        finite_flags.note(nonfinite_flag, q.scale_inv)
     return _transposed(q) if transpose else q
 
 
@@ -139,17 +146,21 @@ def quantize_with_transpose(
     name: str | None = None,
     backend: str | None = None,
     check_finite: bool = True,
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> tuple[BlockQuantized, BlockQuantized]:
     """``(q, q.t())`` of 2-D ``x`` (the FP8 weight for FProp and DGrad): one Triton pass writes
-    both data layouts contiguous; the torch path transposes (a copy on CUDA, a view on CPU)."""
+    both data layouts contiguous; the torch path transposes (a copy on CUDA, a view on CPU).
+    ``nonfinite_flag`` as in `quantize_blockwise`."""
     kw = {"fmt": get_format(fmt), "pow2_scales": pow2_scales, "eps": eps, "name": name}
     if _fast(x, backend):
         from nemo_jetrl.fp8.triton_kernels import quantize_with_transpose_triton
 
         return quantize_with_transpose_triton(
-            x, check_block(block), check_finite=check_finite, **kw
+            x, check_block(block), check_finite=check_finite, nonfinite_flag=nonfinite_flag, **kw
         )
     q = quantize_reference(x, check_block(block), check_finite=check_finite, **kw)
+    if nonfinite_flag is not None:
+        finite_flags.note(nonfinite_flag, q.scale_inv)
     return q, _transposed(q)
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nemo_jetrl.fp8 import finite_flags
+from nemo_jetrl.fp8 import dispatch, finite_flags
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.dispatch import (
     fp8_gemm,
@@ -50,6 +50,7 @@ from nemo_jetrl.fp8.dispatch import (
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.linear_plan import LinearPlan, make_plan, plan_key
 from nemo_jetrl.fp8.quantize import BlockQuantized
+from nemo_jetrl.fp8.rowcol_quantize import quantize_rowcol_reference, quantize_rowcol_triton
 from nemo_jetrl.fp8.weight_cache import WeightCache
 
 
@@ -143,18 +144,23 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
         plan = state.plan_for(x, weight, bias, config)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        qx = _quantize_forward(
-            x2, config.ACTIVATION_BLOCK, config, f"{name}.input", plan, scale_layout=plan.x_layout
-        )
+        xname = f"{name}.input"
+        fwd = {"fmt": config.forward_format, "pow2_scales": config.pow2_scales, "eps": config.eps}
+        if plan.gpu and ctx.needs_input_grad[1]:  # FProp's 1x128 and WGrad's 128x1, one read
+            qx, qxc = _quantize_rowcol(x2, xname, plan, (plan.x_layout, plan.wgrad_layout), **fwd)
+        else:
+            qx = _quantize(
+                x2, config.ACTIVATION_BLOCK, xname, plan, scale_layout=plan.x_layout, **fwd
+            )
         qw, qwt = _weight(weight, config, name, plan, state.cache, pair=ctx.needs_input_grad[0])
         exact = config.exact_gemm
         out = fp8_linear_forward(qx, qw, bias, x.dtype, exact=exact, backend=plan.fprop)
         tensors = [qwt.data, qwt.scale_inv]
         if ctx.needs_input_grad[1]:  # WGrad needs x blocked along tokens, as its [K, M] transpose
-            qxc = _quantize_forward(
-                x2, config.WGRAD_BLOCK, config, f"{name}.input", plan, transpose=True,
-                scale_layout=plan.wgrad_layout, flag=False,  # same values as qx: flagged there
-            )  # fmt: skip
+            if not plan.gpu:
+                qxc = _quantize(
+                    x2, config.WGRAD_BLOCK, xname, plan, transpose=True, flag=False, **fwd
+                )  # same values as qx: checked there
             tensors += [qxc.data, qxc.scale_inv]
         ctx.save_for_backward(*tensors)
         ctx.config, ctx.name, ctx.plan = config, name, plan
@@ -173,22 +179,27 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
         kw = {"fmt": config.grad_format, "pow2_scales": pow2, "eps": config.eps}
         name = f"{ctx.name}.grad_output"
         dx = dw = db = None
-        flagged = False  # dy's two quantizations see the same values: one flag is enough
-        if ctx.needs_input_grad[0]:
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if plan.gpu and need_dx and need_dw:  # DGrad's 1x128 and WGrad's 128x1, one read
+            qdy, qdyct = _quantize_rowcol(
+                dy2, name, plan, (plan.dy_layout, plan.wgrad_layout), **kw
+            )
+        elif need_dx:
             qdy = _quantize(
                 dy2, config.ACTIVATION_BLOCK, name, plan, scale_layout=plan.dy_layout, **kw
             )
-            flagged = True
+        if need_dw and not (plan.gpu and need_dx):
+            qdyct = _quantize(
+                dy2, config.WGRAD_BLOCK, name, plan, transpose=True,
+                scale_layout=plan.wgrad_layout, flag=not need_dx, **kw,
+            )  # fmt: skip
+        if need_dx:
             dx = linear_gemm(
                 qdy, qwt, out_dtype=ctx.x_dtype, exact=config.exact_gemm, backend=plan.dgrad
             )
             dx = dx.reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:  # both operands transposed: [N, M] x [K, M], 1x128 blocks
+        if need_dw:  # both operands transposed: [N, M] x [K, M], 1x128 blocks
             qxct = BlockQuantized(saved[2], saved[3], config.ACTIVATION_BLOCK, fwd, pow2)
-            qdyct = _quantize(
-                dy2, config.WGRAD_BLOCK, name, plan, transpose=True,
-                scale_layout=plan.wgrad_layout, flag=not flagged, **kw,
-            )  # fmt: skip
             dw = linear_gemm(
                 qdyct, qxct, out_dtype=ctx.w_dtype, exact=config.exact_gemm, backend=plan.wgrad
             )
@@ -282,19 +293,31 @@ class Fp8BlockLinear(nn.Linear):
 def _quantize(  # type: ignore[no-untyped-def]
     t: torch.Tensor, block, name: str, plan: LinearPlan, *, pair=False, flag=True, **kw
 ):
-    """Quantize as ``plan`` says: on the CUDA path without a host sync (`finite_flags`, noted
-    when ``flag``: an operand whose values another quantization already flagged passes False),
-    checked at once on CPU. ``pair``: ``(q, q.t())`` from `quantize_with_transpose`."""
-    deferred = plan.gpu
-    kw.update(name=name, check_finite=not deferred, backend=plan.quant)
+    """Quantize as ``plan`` says: on the CUDA path without a host sync (the quantizer sets the
+    device flag `finite_flags.flag` of ``name`` when ``flag``: an operand whose values another
+    quantization already flags passes False), checked at once on CPU. ``pair``:
+    ``(q, q.t())`` from `quantize_with_transpose`."""
+    kw.update(name=name, check_finite=not plan.gpu, backend=plan.quant)
+    if plan.gpu and flag:
+        kw["nonfinite_flag"] = finite_flags.flag(name, t.device)
     if pair:
         kw.pop("scale_layout", None)
-        out = quantize_with_transpose(t, block, **kw)
-    else:
-        out = quantize_blockwise(t, block, **kw)
-    if deferred and flag:
-        finite_flags.record(name, (out[0] if pair else out).scale_inv)
-    return out
+        return quantize_with_transpose(t, block, **kw)
+    return quantize_blockwise(t, block, **kw)
+
+
+def _quantize_rowcol(t: torch.Tensor, name: str, plan: LinearPlan, layouts, **kw):  # type: ignore[no-untyped-def]
+    """The CUDA path's ``(1x128, 128x1 transposed)`` pair of ``t`` from one read (the fused
+    Triton kernel; the torch quantizer twice), flagged on the device. One ``scale_layout`` for
+    both: the planned one where the two GEMMs agree, else compact."""
+    flag = finite_flags.flag(name, t.device)
+    layout = layouts[0] if layouts[0] == layouts[1] else "compact"
+    kw.update(name=name, check_finite=False)
+    if dispatch._fast(t, plan.quant):
+        return quantize_rowcol_triton(t, scale_layout=layout, nonfinite_flag=flag, **kw)
+    row, col = quantize_rowcol_reference(t, **kw)
+    finite_flags.note(flag, row.scale_inv)
+    return row, col
 
 
 def _quantize_forward(t, block, config: Fp8LinearConfig, name: str, plan: LinearPlan, **kw):  # type: ignore[no-untyped-def]
