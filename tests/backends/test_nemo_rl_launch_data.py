@@ -185,7 +185,10 @@ def test_trainer_follows_run_grpo(extra, expected, tmp_path, monkeypatch):
     work = _workdir(tmp_path)
     monkeypatch.chdir(work)
     seen = _stand_ins(monkeypatch, tmp_path, trainer=True)
-    assert nr.run_nemo_rl(str(CONFIGS[0]), _overrides(extra)) == 0
+    # bf16: the dispatch does not depend on the recipe, and no FP8 engine needs proving (the
+    # generation stand-in has no vLLM engine to ask).
+    bf16 = CONFIGS[0].with_name("bf16.yaml")
+    assert nr.run_nemo_rl(str(bf16), _overrides(extra)) == 0
     assert seen["order"][-2:] == [expected, "shutdown"]
     if expected == "async_grpo_train":
         kw = seen["async_kwargs"]
