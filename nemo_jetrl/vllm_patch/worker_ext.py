@@ -64,9 +64,13 @@ def unpack(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     return load(bytes(blob))
 
 
-def _model(worker: Any) -> torch.nn.Module:
+def model_of(worker: Any) -> torch.nn.Module:
+    """The model a vLLM worker serves (any worker extension, ours or NeMo-RL's)."""
     runner = worker.model_runner
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+_model = model_of
 
 
 def _attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

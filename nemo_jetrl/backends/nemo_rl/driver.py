@@ -161,6 +161,7 @@ def train(config: Any, plan: Any, kind: str, max_age: int = 1) -> None:  # pragm
     from nemo_rl.models.generation import configure_generation_config
     from nemo_rl.models.policy.lm_policy import Policy
 
+    from nemo_jetrl.backends.nemo_rl.engine_check import prove_generation_engines
     from nemo_jetrl.backends.nemo_rl.metrics import JetrlLoggerProxy, MismatchMetricsLoss
 
     tokenizer = get_tokenizer(config.policy["tokenizer"])
@@ -196,6 +197,8 @@ def train(config: Any, plan: Any, kind: str, max_age: int = 1) -> None:  # pragm
     loss_fn = MismatchMetricsLoss(loss_fn, plan.workers.ratio_bounds)
     logger = JetrlLoggerProxy(logger)
     try:
+        # every vLLM engine runs our kernel and refit hook, or the run stops here (engine_check)
+        prove_generation_engines(policy_generation, plan.workers.vllm_env, logger)
         if kind == ASYNC:
             print("jetrl: running NeMo-RL's async GRPO (grpo.async_grpo.enabled)", flush=True)
             grpo.async_grpo_train(

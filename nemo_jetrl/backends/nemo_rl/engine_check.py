@@ -1,0 +1,254 @@
+"""Proof at engine start that NeMo-RL's vLLM engines run our kernel and our refit hook.
+
+In NeMo-RL nothing of ours starts the vLLM engine: each generation worker (a Ray actor of
+``VllmGenerationWorker``) builds ``vllm.LLM`` in ``_create_engine`` with NeMo-RL's own
+``worker_extension_cls`` (``VllmInternalWorkerExtension``), and our code reaches it only through
+the two ``vllm.general_plugins`` entry points, armed by the env the launcher writes
+(``NEMO_JETRL_VLLM_PATCH``: the kernel, ``vllm_patch/plugin.py``; ``NEMO_JETRL_NRL_REFIT``: the
+refit hook, ``vllm_refit.py``). If they do not run (nemo_jetrl missing from a rebuilt venv, an
+entry point not installed, ``VLLM_PLUGINS`` without them, ``VLLM_DISABLED_KERNELS`` naming our
+kernel, a ``linear_backend`` other than auto) the rollout silently runs vLLM's own kernel and
+NeMo-RL's own refit quantizer. So, after ``grpo.setup`` and before the first step, the driver
+(`prove_generation_engines`, called by ``launch.py``) runs `check_in_generation_worker` in every
+generation actor (Ray's ``__ray_call__``: no method of ours needs to exist there), which asks
+every vLLM worker of its engine (``collective_rpc`` with `worker_status`, a plain function) for:
+
+* the kernel of each block-FP8 linear (``guard.layer_kernel_report``), judged by the guard's
+  own rule (``guard.kernel_problems``, as ``verify_engine_kernels`` does for the local engine);
+* whether our refit hook is installed and in effect (``vllm_refit._PLUGIN_HANDLE``);
+* which of our entry points this worker's Python has, and the variables that decide them.
+
+Each vLLM worker prints ``nemo_jetrl: plugin loaded in vLLM worker ...`` in its own log; the
+actor prints ``nemo_jetrl: plugin loaded ... kernel serves N/N FP8 linears, refit hook
+installed``; the driver logs ``jetrl/kernel/fp8_linears_on_our_kernel`` (a fraction, 1.0) and
+``jetrl/kernel/refit_hook_installed`` at step 0. Anything missing raises `EngineNotProven`
+naming the worker, the layers and the cause, and the run stops before its first step.
+
+Not checked: a recipe whose rollout is not ours (bf16, fp8_rollout: no ``NEMO_JETRL_VLLM_PATCH``);
+``vllm_cfg.async_engine`` (vLLM's AsyncLLM answers ``collective_rpc`` only on the actor's event
+loop): the driver says so in its log.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nemo_jetrl.vllm_patch.guard import KernelNotInEffect
+
+FRACTION_METRIC = "jetrl/kernel/fp8_linears_on_our_kernel"
+HOOK_METRIC = "jetrl/kernel/refit_hook_installed"
+# Our vllm.general_plugins entry points (pyproject.toml): name -> target.
+ENTRY_POINTS = {
+    "nemo_jetrl": "nemo_jetrl.vllm_patch.plugin:load_in_worker",
+    "nemo_jetrl_nemo_rl_refit": "nemo_jetrl.backends.nemo_rl.vllm_refit:load_in_worker",
+}
+REFIT_PLUGIN = "nemo_jetrl_nemo_rl_refit"
+# Where NeMo-RL's vLLM actors get their Python (ray_actor_environment_registry / the image).
+REBUILT = (
+    "install nemo_jetrl into the venv NeMo-RL's vLLM workers run (the image links it; after "
+    "NRL_FORCE_REBUILD_VENVS=true or a venv rebuilt by hand, pip install -e /opt/nemo-jetrl "
+    "there again)"
+)
+
+
+class EngineNotProven(KernelNotInEffect):
+    """A NeMo-RL vLLM engine does not run our kernel on every FP8 linear, or lacks our refit hook."""
+
+
+def worker_status(worker: Any) -> dict[str, Any]:
+    """In one vLLM worker (``collective_rpc``): its kernel report, refit hook and plugin facts;
+    prints one line in the worker's log."""
+    from importlib.metadata import entry_points
+
+    from nemo_jetrl.backends.nemo_rl import vllm_refit
+    from nemo_jetrl.vllm_patch.guard import PLUGIN_GROUP, layer_kernel_report
+    from nemo_jetrl.vllm_patch.worker_ext import model_of
+
+    report = layer_kernel_report(model_of(worker))
+    handle = vllm_refit._PLUGIN_HANDLE
+    report["refit_hook"] = (
+        {"active": handle.active, "layout": handle.layout} if handle is not None else None
+    )
+    report["env"][vllm_refit.ENV_VAR] = os.environ.get(vllm_refit.ENV_VAR)
+    report["entry_points"] = {
+        ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP) if ep.name in ENTRY_POINTS
+    }
+    report["python"] = sys.executable
+    layers = report["layers"]
+    ours = sum(1 for info in layers.values() if info.get("ours"))
+    hook = "installed" if handle is not None and handle.active else "NOT installed"
+    print(
+        f"nemo_jetrl: plugin loaded in vLLM worker pid {os.getpid()} ({sys.executable}): "
+        f"kernel serves {ours}/{len(layers)} FP8 linears, refit hook {hook}",
+        flush=True,
+    )
+    return report
+
+
+def _entry_point_problems(report: Mapping[str, Any], rank: int) -> list[str]:
+    have = report.get("entry_points", {})
+    out = []
+    for name, target in ENTRY_POINTS.items():
+        if name not in have:
+            out.append(
+                f"worker {rank}: the vllm.general_plugins entry point {name!r} is not installed "
+                f"in this worker's Python ({report.get('python')}): {REBUILT}"
+            )
+        elif have[name] != target:
+            out.append(
+                f"worker {rank}: entry point {name!r} points to {have[name]!r}, not {target!r} "
+                f"(a stale install): {REBUILT}"
+            )
+    return out
+
+
+def _hook_problem(report: Mapping[str, Any], rank: int) -> str | None:
+    from nemo_jetrl.backends.nemo_rl import vllm_refit
+
+    hook = report.get("refit_hook")
+    if hook and hook.get("active"):
+        return None
+    env = report.get("env", {})
+    causes = []
+    if not env.get(vllm_refit.ENV_VAR):
+        causes.append(f"{vllm_refit.ENV_VAR} is not set in the worker")
+    plugins = env.get("VLLM_PLUGINS")
+    if plugins is not None and REFIT_PLUGIN not in plugins.split(","):
+        causes.append(f"the worker has VLLM_PLUGINS={plugins!r} without {REFIT_PLUGIN!r}")
+    if hook is not None:
+        causes.append("it was installed and then replaced or reverted")
+    why = "; ".join(causes) or f"the {REFIT_PLUGIN!r} plugin did not run in the worker"
+    return (
+        f"worker {rank}: our refit hook is not installed, so NeMo-RL's refit would quantize "
+        f"weights with its own code and skip the parity check ({why})"
+    )
+
+
+def judge(
+    reports: Sequence[Mapping[str, Any]], patch_json: str, hook_expected: bool
+) -> dict[str, Any]:
+    """The verdict on one engine's worker reports: raises EngineNotProven with every problem, or
+    returns the counts and the log line."""
+    from nemo_jetrl.vllm_patch.guard import kernel_problems
+    from nemo_jetrl.vllm_patch.kernel import registered_kernel
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    settings = PatchSettings.from_json(patch_json)
+    try:
+        ours = registered_kernel()
+    except ImportError:  # no vLLM in this process (the driver): the name is for messages only
+        ours = None
+    kernel_name = ours.__name__ if ours is not None else "nemo_jetrl's block-FP8 kernel"
+    problems = []
+    for rank, rep in enumerate(reports):
+        problems += _entry_point_problems(rep, rank)
+        if hook_expected and (p := _hook_problem(rep, rank)):
+            problems.append(p)
+    problems += kernel_problems(list(reports), settings, kernel_name)
+    total = sum(len(r.get("layers", {})) for r in reports)
+    good = sum(1 for r in reports for i in r.get("layers", {}).values() if i.get("ours"))
+    if problems:
+        raise EngineNotProven(
+            "a NeMo-RL vLLM engine does not run nemo_jetrl's kernel and refit hook (its rollout "
+            "would be off-policy); the run stops before its first step:\n  - "
+            + "\n  - ".join(problems)
+        )
+    layouts = sorted({str((r.get("refit_hook") or {}).get("layout")) for r in reports})
+    hook = f"refit hook installed ({', '.join(layouts)})" if hook_expected else "refit hook off"
+    line = (
+        f"nemo_jetrl: plugin loaded in {len(reports)} vLLM worker(s); kernel serves "
+        f"{good}/{total} FP8 linears, {hook}"
+    )
+    return {"workers": len(reports), "fp8_linears": total, "on_our_kernel": good, "line": line}
+
+
+def check_in_generation_worker(actor: Any, patch_json: str, hook_expected: bool) -> dict[str, Any]:
+    """In NeMo-RL's generation actor (``__ray_call__``): ask its engine's vLLM workers and judge.
+    Returns ``judge``'s result ({"async": True} for an AsyncLLM: not checked)."""
+    llm = getattr(actor, "llm", None)
+    if llm is None:
+        raise EngineNotProven(
+            "NeMo-RL's vLLM generation worker has no engine yet (defer_model_load?): nothing to "
+            "check; the check runs after grpo.setup"
+        )
+    if inspect.iscoroutinefunction(getattr(llm, "collective_rpc", None)):
+        return {"async": True}
+    result = judge(llm.collective_rpc(worker_status), patch_json, hook_expected)
+    print(result["line"], flush=True)
+    return result
+
+
+def prove_generation_engines(
+    policy_generation: Any,
+    vllm_env: Mapping[str, str],
+    logger: Any = None,
+    *,
+    get: Any = None,
+) -> dict[str, Any] | None:
+    """In the driver, after ``grpo.setup``: run `check_in_generation_worker` in every generation
+    actor (the leader of each engine), print the line and log the metrics at step 0. Returns the
+    totals (None when the recipe's rollout is not ours). ``get``: ``ray.get`` (a test's stand-in).
+    """
+    from nemo_jetrl.backends.nemo_rl.translate import VLLM_PATCH_ENV
+    from nemo_jetrl.backends.nemo_rl.vllm_refit import ENV_VAR as HOOK_ENV
+
+    patch_json = vllm_env.get(VLLM_PATCH_ENV)
+    if patch_json is None:
+        return None
+    hook = HOOK_ENV in vllm_env
+    if get is None:
+        import ray
+
+        get = ray.get
+    futures = policy_generation.worker_group.run_all_workers_single_data(
+        "__ray_call__",
+        check_in_generation_worker,
+        patch_json,
+        hook,
+        run_rank_0_only_axes=["tensor_parallel", "pipeline_parallel"],
+    )
+    try:
+        results = get(futures)
+    except Exception as exc:  # a RayTaskError carrying the actor's exception
+        raise EngineNotProven(_remote_reason(exc)) from None
+    if any(r.get("async") for r in results):
+        print(
+            "nemo_jetrl: engine check NOT run: policy.generation.vllm_cfg.async_engine=true "
+            "(vLLM's AsyncLLM answers collective_rpc only on the actor's event loop)",
+            flush=True,
+        )
+        return {"async": True}
+    total = sum(r["fp8_linears"] for r in results)
+    good = sum(r["on_our_kernel"] for r in results)
+    workers = sum(r["workers"] for r in results)
+    hook_text = "refit hook installed" if hook else "refit hook off (jetrl.refit_hook: false)"
+    print(
+        f"nemo_jetrl: plugin loaded in {workers} vLLM worker(s) of {len(results)} engine(s); "
+        f"kernel serves {good}/{total} FP8 linears, {hook_text}",
+        flush=True,
+    )
+    metrics = {FRACTION_METRIC: good / total if total else 1.0, HOOK_METRIC: float(hook)}
+    if logger is not None:
+        logger.log_metrics(metrics, 0, prefix="")
+    return {"engines": len(results), "workers": workers, "fp8_linears": total,
+            "on_our_kernel": good, **metrics}  # fmt: skip
+
+
+def _remote_reason(exc: BaseException) -> str:
+    """The actor's own error, unwrapped from Ray's (a missing nemo_jetrl explained)."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, EngineNotProven):
+        return str(cause)
+    if isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("nemo_jetrl"):
+        return (
+            "nemo_jetrl is not importable in NeMo-RL's vLLM generation worker, so neither our "
+            f"kernel nor our refit hook can be in it ({cause}): {REBUILT}"
+        )
+    return (
+        "could not check NeMo-RL's vLLM generation workers for nemo_jetrl's kernel and refit "
+        f"hook ({type(cause).__name__}: {cause})"
+    )

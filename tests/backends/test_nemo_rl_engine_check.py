@@ -1,0 +1,282 @@
+"""Every vLLM engine of a NeMo-RL run proves at start that our kernel serves every FP8 linear and
+our refit hook is installed, or the run stops naming what is missing (issue 36;
+``backends/nemo_rl/engine_check.py``).
+
+What runs for real: NeMo-RL's own ``VllmGenerationWorkerImpl._create_engine`` (the tree under
+test) builds ``vllm.LLM`` (vLLM's CPU build: 0.20 for v0.7.0, 0.25.1 for main) with NeMo-RL's
+``init_fp8`` kwargs and its ``VllmInternalWorkerExtension``, engine core in-process as NeMo-RL
+sets it; our code reaches the engine only as on the cluster: through the ``vllm.general_plugins``
+entry points, armed by the env ``translate`` writes into ``policy.generation.vllm_cfg.env_vars``
+(no ``apply_patches`` in this process). The check is ``check_in_generation_worker`` (what the
+driver runs in each generation actor) and ``prove_generation_engines`` (the driver), logging
+through our ``JetrlLoggerProxy`` into NeMo-RL's real ``Logger`` (TensorBoard), read back by
+``runs/logs.py``.
+
+STAND-INS: Ray (cannot run here): the worker group's ``run_all_workers_single_data(
+"__ray_call__", fn, ...)`` calls ``fn(actor, ...)`` in this process, as Ray's ``__ray_call__``
+does in the actor; the actor is the real class made without its ``__init__`` (GPU placement,
+ports); CUDA-only pieces of NeMo-RL's worker come from ``standins/jetrl_nrl_worker_standin.py``
+(also a vLLM plugin, so ``VLLM_PLUGINS`` naming only it keeps ours out).
+
+On 696f711 nothing checked a NeMo-RL engine: without our plugins it started and served with
+vLLM's kernel and NeMo-RL's refit quantizer, and no line or metric said whether ours ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from hf_models import char_tokenizer, tiny_llama_128
+from nemo_rl_upstream import nemo_rl_vllm_modules
+
+from nemo_jetrl.backends.nemo_rl import engine_check as ec
+from nemo_jetrl.backends.nemo_rl.translate import VLLM_PATCH_ENV
+
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
+
+STANDINS = Path(__file__).resolve().parent / "standins"
+NUM_LAYERS = 2
+ENGINE_KWARGS = dict(
+    dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0
+)
+
+
+def run_vllm_env() -> dict[str, str]:
+    """The vLLM env ``translate`` writes for recipe jetrl (patch settings + refit hook)."""
+    from nemo_jetrl.backends.nemo_rl.translate import _vllm_env, _vllm_patch_json
+    from nemo_jetrl.recipe import Recipe
+
+    return _vllm_env({}, _vllm_patch_json(Recipe.preset("jetrl"), NUM_LAYERS))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nrl_llama")
+    tiny_llama_128(0).save_pretrained(d)
+    char_tokenizer().save_pretrained(d)
+    return d
+
+
+def _unregister_ours() -> None:
+    """Our kernel out of this process's registry (the plugin registers it without a handle)."""
+    from nemo_jetrl.backends.nemo_rl import vllm_refit
+    from nemo_jetrl.vllm_patch.experts import uninstall_moe_method
+    from nemo_jetrl.vllm_patch.kernel import unregister_kernel
+
+    unregister_kernel()
+    uninstall_moe_method()
+    if vllm_refit._PLUGIN_HANDLE is not None:
+        vllm_refit._PLUGIN_HANDLE.revert()
+        vllm_refit._PLUGIN_HANDLE = None
+
+
+@contextlib.contextmanager
+def nemo_rl_generation_worker(d: Path, env: dict[str, str]):
+    """NeMo-RL's generation worker (real class, no __init__) whose engine its own
+    ``_create_engine`` started in an environment holding ``env``; all undone on exit."""
+    from vllm_fixtures import vllm_cpu_env
+
+    vllm_backend, fp8, _ = nemo_rl_vllm_modules()
+    vllm_worker = importlib.import_module("nemo_rl.models.generation.vllm.vllm_worker")
+    mp = pytest.MonkeyPatch()
+    with vllm_cpu_env():
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as NeMo-RL's configure_worker
+        cfg = {"precision": "fp8", "kv_cache_dtype": "auto", "async_engine": False}
+        nrl_kwargs = fp8.init_fp8(cfg, str(d), 1)  # NeMo-RL's own patches and kwargs
+        standin = {"fp8": dataclasses.asdict(fp8.global_fp8_config), "device_id": "jetrl-ec"}
+        mp.setenv("JETRL_NRL_WORKER_STANDIN", json.dumps(standin))
+        from vllm.model_executor.layers import utils as layer_utils
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        for owner, name in (  # what the stand-in plugin replaces in this process
+            (layer_utils, "dispatch_cpu_unquantized_gemm"),
+            (vllm_backend, "rebuild_cuda_tensor_from_ipc"),
+            (vllm_backend.VllmInternalWorkerExtension, "report_device_id"),
+            (CPUWorker, "init_device"),
+        ):
+            mp.setattr(owner, name, getattr(owner, name))
+        import vllm.plugins
+
+        mp.setattr(vllm.plugins, "plugins_loaded", False)  # load again for this engine
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]))
+        mp.syspath_prepend(str(STANDINS))
+        for k, v in env.items():
+            mp.setenv(k, v)
+        _unregister_ours()
+        actor = object.__new__(vllm_worker.VllmGenerationWorkerImpl)
+        try:
+            actor._create_engine(
+                dict(
+                    model=str(d),
+                    load_format="dummy",
+                    worker_extension_cls=f"{vllm_backend.__name__}.VllmInternalWorkerExtension",
+                    **{**ENGINE_KWARGS, **nrl_kwargs},
+                )
+            )
+            yield actor
+        finally:
+            _unregister_ours()
+            for p in fp8.fp8_state.vllm_patches:
+                p.stop()
+            fp8.fp8_state.vllm_patches.clear()
+            fp8.fp8_patches_applied = False
+            llm = actor.__dict__.pop("llm", None)
+            if llm is not None:
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+            mp.undo()
+
+
+class StandInWorkerGroup:
+    """STAND-IN for Ray: ``__ray_call__`` runs ``fn(actor, *args)``, here instead of in the actor."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self.calls: list[dict] = []
+
+    def run_all_workers_single_data(self, method, *args, run_rank_0_only_axes=None, **kw):
+        assert method == "__ray_call__"
+        self.calls.append({"axes": run_rank_0_only_axes})
+        fn, *rest = args
+        try:
+            return [fn(self.actor, *rest, **kw)]
+        except Exception as exc:  # Ray raises it from ray.get: hand it over the same way
+            return [exc]
+
+
+def _get(futures):
+    for f in futures:
+        if isinstance(f, Exception):
+            raise f
+    return futures
+
+
+def nemo_rl_logger(log_dir: Path):
+    from nemo_rl.utils.logger import Logger
+
+    from nemo_jetrl.backends.nemo_rl.metrics import JetrlLoggerProxy
+
+    cfg = dict(
+        log_dir=str(log_dir),
+        wandb_enabled=False,
+        swanlab_enabled=False,
+        tensorboard_enabled=True,
+        mlflow_enabled=False,
+        monitor_gpus=False,
+        tensorboard={},
+        wandb={},
+    )
+    return JetrlLoggerProxy(Logger(cfg))
+
+
+def _force_vllm_kernel(llm, layer: str) -> str:
+    """In the worker, give ``layer`` one of vLLM's own block-FP8 kernel classes (what vLLM picks
+    on a GPU without our plugin: CUTLASS; its CPU build has none of its own); returns its name."""
+
+    def force(worker, layer_name):  # runs in the worker (a closure: sent by value)
+        from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+        from vllm.platforms import PlatformEnum
+
+        other = _POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CUDA][-1]
+        runner = worker.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model.get_submodule(layer_name).quant_method.fp8_linear = object.__new__(other)
+        return other.__name__
+
+    return llm.collective_rpc(force, args=(layer,))[0]
+
+
+def test_without_our_refit_plugin_the_run_stops_naming_it(model_dir, tmp_path, monkeypatch):
+    """``VLLM_PLUGINS`` without our refit hook's entry point (as in a venv whose nemo_jetrl lost
+    it): the engine starts, our check stops the run naming the hook and the variable; then a
+    layer on vLLM's own kernel is named too (the GPU case of a missing kernel plugin)."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the test's closure only
+    env = {**run_vllm_env(), "VLLM_PLUGINS": "jetrl_nrl_worker_standin,nemo_jetrl"}
+    with nemo_rl_generation_worker(model_dir, env) as actor:
+        gen = type("Gen", (), {"worker_group": StandInWorkerGroup(actor)})()
+        logger = nemo_rl_logger(tmp_path / "logs")
+        with pytest.raises(ec.EngineNotProven) as ei:
+            ec.prove_generation_engines(gen, run_vllm_env(), logger, get=_get)
+        msg = str(ei.value)
+        assert "the run stops before its first step" in msg
+        assert "worker 0: our refit hook is not installed" in msg
+        plugins = "VLLM_PLUGINS='jetrl_nrl_worker_standin,nemo_jetrl'"
+        assert f"the worker has {plugins} without 'nemo_jetrl_nemo_rl_refit'" in msg
+        assert "block-FP8 linears run" not in msg  # the kernel plugin did run: ours everywhere
+        victim = "model.layers.1.mlp.down_proj"
+        other = _force_vllm_kernel(actor.llm, victim)
+        with pytest.raises(ec.EngineNotProven) as ei:
+            ec.check_in_generation_worker(actor, env[VLLM_PATCH_ENV], False)
+        assert f"worker 0: 1 of {4 * NUM_LAYERS} block-FP8 linears run {other}, not" in str(
+            ei.value
+        )
+        assert victim in str(ei.value)
+    from nemo_jetrl.runs.logs import read_run
+
+    assert ec.FRACTION_METRIC not in read_run(tmp_path / "logs").scalars  # nothing proven
+
+
+def test_without_our_kernel_plugin_the_engine_never_runs_silently(model_dir, capfd):
+    """``VLLM_PLUGINS`` without our kernel's entry point: vLLM's CPU build has no block-FP8
+    kernel of its own on most CPUs and refuses to start; where it has one (vLLM 0.25 on AMX) it
+    starts and our check names every layer and the variable. Never a silent engine."""
+    env = {**run_vllm_env(), "VLLM_PLUGINS": "jetrl_nrl_worker_standin,nemo_jetrl_nemo_rl_refit"}
+    with contextlib.ExitStack() as stack:
+        try:
+            actor = stack.enter_context(nemo_rl_generation_worker(model_dir, env))
+        except Exception as exc:  # vLLM refused to start: no block-FP8 kernel for this CPU
+            cap = capfd.readouterr()
+            text = f"{exc!r}\n{cap.out}\n{cap.err}"
+            # vLLM 0.20: no CPU entry in its registry; 0.25 without AMX: its CPU kernel refuses
+            assert "KeyError: <PlatformEnum.CPU" in text or (
+                "Failed to find a kernel that can implement the ScaledMM" in text
+            ), exc
+            return
+        with pytest.raises(ec.EngineNotProven) as ei:
+            ec.check_in_generation_worker(actor, env[VLLM_PATCH_ENV], True)
+    msg = str(ei.value)
+    n = 4 * NUM_LAYERS
+    assert f"worker 0: {n} of {n} block-FP8 linears run" in msg
+    assert "the worker has VLLM_PLUGINS='jetrl_nrl_worker_standin,nemo_jetrl_nemo_rl_refit'" in msg
+
+
+def test_with_our_plugins_the_line_and_metric_appear(model_dir, tmp_path, capfd):
+    with nemo_rl_generation_worker(model_dir, run_vllm_env()) as actor:
+        group = StandInWorkerGroup(actor)
+        gen = type("Gen", (), {"worker_group": group})()
+        logger = nemo_rl_logger(tmp_path / "logs")
+        res = ec.prove_generation_engines(gen, run_vllm_env(), logger, get=_get)
+    n = 4 * NUM_LAYERS  # qkv, o, gate_up, down per layer
+    assert res is not None and (res["fp8_linears"], res["on_our_kernel"]) == (n, n)
+    assert group.calls == [{"axes": ["tensor_parallel", "pipeline_parallel"]}]  # one per engine
+    out = capfd.readouterr().out
+    # the vLLM worker's own line (its process: spawned by vLLM 0.20's CPU build, this one on 0.25)
+    assert re.search(rf"nemo_jetrl: plugin loaded in vLLM worker pid \d+ .*: kernel serves {n}/{n} "
+                     r"FP8 linears, refit hook installed", out), out  # fmt: skip
+    # the generation actor's and the driver's lines
+    assert re.search(rf"plugin loaded in 1 vLLM worker\(s\); kernel serves {n}/{n} FP8 linears, "
+                     r"refit hook installed \((v0\.7\.0|main-7ea279a)\)", out), out  # fmt: skip
+    assert f"of 1 engine(s); kernel serves {n}/{n} FP8 linears, refit hook installed" in out
+    for lg in logger.inner.loggers:
+        lg.writer.flush()
+    from nemo_jetrl.runs.logs import read_run
+
+    scalars = read_run(tmp_path / "logs").scalars
+    assert scalars[ec.FRACTION_METRIC].steps == (0,)
+    assert scalars[ec.FRACTION_METRIC].values == (1.0,)
+    assert scalars[ec.HOOK_METRIC].values == (1.0,)
+
+
+def test_a_recipe_whose_rollout_is_not_ours_is_not_checked():
+    """bf16 / fp8_rollout: no NEMO_JETRL_VLLM_PATCH, vLLM's own kernels by design."""
+    gen = type("Gen", (), {"worker_group": None})()
+    assert ec.prove_generation_engines(gen, {}, None) is None

@@ -1,0 +1,98 @@
+"""``engine_check``'s verdicts on worker reports (no vLLM; the real-engine test is
+tests/backends/test_nemo_rl_engine_check.py, NeMo-RL tier): what each missing piece is called,
+and what the driver logs. The reports have the shape ``worker_status`` returns there."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_jetrl.backends.nemo_rl import engine_check as ec
+from nemo_jetrl.backends.nemo_rl.translate import _vllm_env, _vllm_patch_json
+from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+ENV = _vllm_env({}, _vllm_patch_json(Recipe.preset("jetrl"), 2))
+PATCH = ENV["NEMO_JETRL_VLLM_PATCH"]
+LAYERS = [f"model.layers.{i}.{p}" for i in range(2) for p in ("qkv_proj", "o_proj")]
+
+
+def report(ours=True, hook=True, entry_points=tuple(ec.ENTRY_POINTS), plugins=None) -> dict:
+    want = PatchSettings.from_json(PATCH).to_json()
+    kernel = "JetRLFp8BlockLinearKernel" if ours else "CutlassFp8BlockScaledMMKernel"
+    return {
+        "layers": {n: {"kernel": kernel, "ours": ours, "settings": want} for n in LAYERS},
+        "registered": ours,
+        "env": {
+            "VLLM_PLUGINS": plugins,
+            "VLLM_DISABLED_KERNELS": None,
+            "NEMO_JETRL_VLLM_PATCH": PATCH,
+            "NEMO_JETRL_NRL_REFIT": ENV["NEMO_JETRL_NRL_REFIT"],
+        },
+        "refit_hook": {"active": True, "layout": "v0.7.0"} if hook else None,
+        "entry_points": {n: ec.ENTRY_POINTS[n] for n in entry_points},
+        "python": "/opt/nemo_rl_venv/bin/python",
+    }
+
+
+def test_all_present_gives_the_line():
+    res = ec.judge([report(), report()], PATCH, True)
+    assert res["line"] == (
+        "nemo_jetrl: plugin loaded in 2 vLLM worker(s); kernel serves 8/8 FP8 linears, "
+        "refit hook installed (v0.7.0)"
+    )
+
+
+def test_a_rebuilt_venv_without_our_entry_points_is_named():
+    rep = report(ours=False, hook=False, entry_points=())
+    with pytest.raises(ec.EngineNotProven) as ei:
+        ec.judge([rep], PATCH, True)
+    msg = str(ei.value)
+    for name in ec.ENTRY_POINTS:
+        assert f"entry point {name!r} is not installed in this worker's Python " in msg
+    assert "NRL_FORCE_REBUILD_VENVS" in msg
+    assert "worker 0: our refit hook is not installed" in msg
+    assert "worker 0: 4 of 4 block-FP8 linears run CutlassFp8BlockScaledMMKernel" in msg
+
+
+def test_refit_hook_off_by_config_is_not_required():
+    res = ec.judge([report(hook=False)], PATCH, False)
+    assert res["line"].endswith("kernel serves 4/4 FP8 linears, refit hook off")
+
+
+class _Group:
+    def __init__(self, results):
+        self.results = results
+
+    def run_all_workers_single_data(self, method, *args, run_rank_0_only_axes=None):
+        return self.results
+
+
+class _Logger:
+    def __init__(self):
+        self.logged = []
+
+    def log_metrics(self, metrics, step, prefix=""):
+        self.logged.append((metrics, step, prefix))
+
+
+def test_driver_logs_the_fraction_and_names_a_missing_nemo_jetrl(capsys):
+    one = {"workers": 1, "fp8_linears": 4, "on_our_kernel": 4, "line": ""}
+    gen = type("G", (), {"worker_group": _Group([one, one])})()
+    log = _Logger()
+    res = ec.prove_generation_engines(gen, ENV, log, get=lambda f: f)
+    assert res["engines"] == 2 and res[ec.FRACTION_METRIC] == 1.0
+    assert log.logged == [({ec.FRACTION_METRIC: 1.0, ec.HOOK_METRIC: 1.0}, 0, "")]
+    assert "plugin loaded in 2 vLLM worker(s) of 2 engine(s); kernel serves 8/8" in (
+        capsys.readouterr().out
+    )
+
+    def missing(_):  # Ray's error when the actor's venv cannot import nemo_jetrl
+        err = RuntimeError("RayTaskError")
+        err.cause = ModuleNotFoundError("No module named 'nemo_jetrl'", name="nemo_jetrl")
+        raise err
+
+    with pytest.raises(ec.EngineNotProven, match="nemo_jetrl is not importable in NeMo-RL's vLLM"):
+        ec.prove_generation_engines(gen, ENV, log, get=missing)
+    async_gen = type("G", (), {"worker_group": _Group([{"async": True}])})()
+    assert ec.prove_generation_engines(async_gen, ENV, log, get=lambda f: f) == {"async": True}
+    assert "engine check NOT run" in capsys.readouterr().out
