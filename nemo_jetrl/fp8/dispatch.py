@@ -224,13 +224,16 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str | None = None,
     exact: bool = False,
+    planned: bool = False,
 ) -> torch.Tensor:
     """``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]`` blocked along K, on the planned backend.
 
     ``exact`` is the reference's flag (TE's per-tile order, `gemm.blockwise_matmul`); the GPU
-    kernels always accumulate per K tile.
+    kernels always accumulate per K tile. ``planned=True``: ``backend`` is what `plan_gemm`
+    already chose for this GEMM (`linear_plan`): run it with no re-planning (no environment
+    read, no cache lookup per call).
     """
-    chosen = _plan(a, b, out_dtype, backend).backend
+    chosen = backend if planned and backend else _plan(a, b, out_dtype, backend).backend
     if chosen == "reference":
         return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
     return run_gemm(chosen, a, b, out_dtype)

@@ -48,6 +48,7 @@ from nemo_jetrl.fp8.dispatch import (
     quantize_with_transpose,
 )
 from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.fp8.gemm_backends import gemm_ready_weight_scales
 from nemo_jetrl.fp8.linear_plan import LinearPlan, make_plan, plan_key
 from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.rowcol_quantize import quantize_rowcol_reference, quantize_rowcol_triton
@@ -69,9 +70,11 @@ def linear_gemm(
 ) -> torch.Tensor:
     """``a @ b.T`` for the layers' GEMMs: `dispatch.fp8_gemm` on ``backend`` (a planned one;
     None: plan per call on CUDA operands, the reference on CPU ones)."""
-    if backend is None and not _on_gpu(a):
-        return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
-    return fp8_gemm(a, b, out_dtype=out_dtype, exact=exact, backend=backend)
+    if backend is None:
+        if not _on_gpu(a):
+            return blockwise_matmul(a, b, out_dtype=out_dtype, exact=exact)
+        return fp8_gemm(a, b, out_dtype=out_dtype, exact=exact)
+    return fp8_gemm(a, b, out_dtype=out_dtype, exact=exact, backend=backend, planned=True)
 
 
 def fp8_linear_forward(
@@ -309,9 +312,9 @@ def _quantize(  # type: ignore[no-untyped-def]
 def _quantize_rowcol(t: torch.Tensor, name: str, plan: LinearPlan, layouts, **kw):  # type: ignore[no-untyped-def]
     """The CUDA path's ``(1x128, 128x1 transposed)`` pair of ``t`` from one read (the fused
     Triton kernel; the torch quantizer twice), flagged on the device. One ``scale_layout`` for
-    both: the planned one where the two GEMMs agree, else compact."""
+    both: MN-major if either GEMM reads it (the others read any strides)."""
     flag = finite_flags.flag(name, t.device)
-    layout = layouts[0] if layouts[0] == layouts[1] else "compact"
+    layout = "mn_major" if "mn_major" in layouts else "compact"
     kw.update(name=name, check_finite=False)
     if dispatch._fast(t, plan.quant):
         return quantize_rowcol_triton(t, scale_layout=layout, nonfinite_flag=flag, **kw)
@@ -328,18 +331,28 @@ def _quantize_forward(t, block, config: Fp8LinearConfig, name: str, plan: Linear
 
 def _weight(w, config, name: str, plan: LinearPlan, cache: WeightCache, *, pair: bool):  # type: ignore[no-untyped-def]
     """``(qw, qwt)``: the cached pair while ``w`` is unchanged, else quantized now (both layouts
-    from one pass when DGrad needs ``qwt``; else ``qwt`` is ``qw.t()``, never read)."""
+    from one pass when DGrad needs ``qwt``; else ``qwt`` is ``qw.t()``, never read). A cached
+    copy keeps its scales in the layout its GEMM reads (`gemm_ready_weight_scales`: cuBLASLt's
+    padded ``scale_b``, made once per weight version instead of per call)."""
     if plan.cache_weight:
         hit = cache.lookup(w, pair)
         if hit is not None:
             return hit[0], hit[1] if hit[1] is not None else hit[0].t()
+    wname = f"{name}.weight"
     if pair:
-        qw, qwt = _quantize_forward(
-            w, config.WEIGHT_BLOCK, config, f"{name}.weight", plan, pair=True
-        )
+        qw, qwt = _quantize_forward(w, config.WEIGHT_BLOCK, config, wname, plan, pair=True)
     else:
-        qw = _quantize_forward(w, config.WEIGHT_BLOCK, config, f"{name}.weight", plan)
+        qw = _quantize_forward(w, config.WEIGHT_BLOCK, config, wname, plan)
         qwt = None
     if plan.cache_weight:
+        qw = _gemm_ready(qw, plan.fprop)
+        qwt = None if qwt is None else _gemm_ready(qwt, plan.dgrad)
         cache.store(w, qw, qwt)
     return qw, qwt if qwt is not None else qw.t()
+
+
+def _gemm_ready(q: BlockQuantized, backend: str | None) -> BlockQuantized:
+    if backend is None:
+        return q
+    scale_inv = gemm_ready_weight_scales(backend, q.scale_inv)
+    return BlockQuantized(q.data, scale_inv, q.block, q.fmt, q.pow2_scales)

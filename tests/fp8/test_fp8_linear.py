@@ -246,9 +246,9 @@ def test_cuda_path_sends_all_three_gemms_through_dispatch(monkeypatch, bias):
         layer.bias.grad = None
     calls = []
 
-    def recording_gemm(a, b, *, out_dtype, exact=False, backend=None):
+    def recording_gemm(a, b, *, out_dtype, exact=False, **kw):
         calls.append((a.block, b.block, a.fmt, out_dtype, exact))
-        return dispatch.fp8_gemm(a, b, out_dtype=out_dtype, exact=exact, backend=backend)
+        return dispatch.fp8_gemm(a, b, out_dtype=out_dtype, exact=exact, **kw)
 
     monkeypatch.setattr(linear, "_on_gpu", lambda a: True)
     monkeypatch.setattr(linear, "fp8_gemm", recording_gemm)

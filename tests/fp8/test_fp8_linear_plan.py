@@ -66,9 +66,9 @@ class _ReadRecorder(dict):
         return super().__contains__(key)
 
 
-def _step(layer, seed=1):
+def _step(layer, seed=1, tokens=130):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(130, 256, generator=g).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(tokens, 256, generator=g).to(torch.bfloat16).requires_grad_(True)
     y = layer(x)
     y.backward(torch.randn(y.shape, generator=g).to(torch.bfloat16))
     _step.last_dx = x.grad
@@ -167,5 +167,48 @@ def test_mn_major_scales_give_the_same_step_bits(cuda_path, monkeypatch):
     layer = _layer()
     got = [_step(layer).detach(), _step.last_dx, layer.weight.grad, layer.bias.grad]
     assert layer.fp8_state.plan.x_layout == "mn_major"
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_scaled_mm_plan_hands_cublaslt_its_layouts_without_per_call_copies(
+    cuda_path, monkeypatch
+):
+    """With scaled_mm planned (faked: the runner checks the layouts, then computes on the
+    reference), the cached weight's scales are cuBLASLt's padded ``scale_b`` for FProp and
+    DGrad, and the quantizer's activation scales are already MN-major: `_scaled_mm` would copy
+    nothing. Bits equal the reference plan's."""
+    from nemo_jetrl.fp8 import linear_plan
+    from nemo_jetrl.fp8.gemm import blockwise_matmul
+
+    monkeypatch.setenv(gemm_backends.ENV_GEMM_BACKEND, "reference")
+    ref = _layer()
+    want = [_step(ref, tokens=256).detach(), _step.last_dx, ref.weight.grad]
+    seen = []
+
+    def fake_scaled_mm(a, b, out_dtype):  # labelled fake: cuBLASLt cannot run here
+        if b.block == (128, 128):
+            seen.append(("scale_b stored", gemm_backends._padded_storage(b.scale_inv) is not None))
+        else:
+            seen.append(("b mn_major", gemm_backends._mn_major(b.scale_inv) is b.scale_inv))
+        seen.append(("a mn_major", gemm_backends._mn_major(a.scale_inv) is a.scale_inv))
+        return blockwise_matmul(a, b, out_dtype=out_dtype)
+
+    def fake_plan(device, *, out_dtype, pow2_scales, kind, fmts):
+        return gemm_backends.GemmPlan("scaled_mm", "faked for the test")
+
+    monkeypatch.setattr(linear_plan, "plan_gemm", fake_plan)
+    monkeypatch.setattr(linear, "quant_backend", lambda x, backend=None: "triton")
+    monkeypatch.setitem(gemm_backends.RUNNERS, "scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(
+        gemm_backends, "device_caps", lambda d: gemm_backends.DeviceCaps(cuda=False)
+    )
+    layer = _layer()
+    for _ in range(2):  # the second step on the cached weight
+        layer.zero_grad(set_to_none=True)
+        seen.clear()
+        y = _step(layer, seed=1, tokens=256)  # M % 4 == 0: cuBLASLt's shape
+    assert len(seen) == 6 and all(ok for _, ok in seen), seen
+    got = [y.detach(), _step.last_dx, layer.weight.grad]
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
