@@ -286,39 +286,35 @@ def _deep_gemm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> 
 
 
 def row_multiple(backend: str) -> int:
-    """The multiple of rows ``backend`` takes activations in (cuBLASLt: 4, see `shape_problem`).
-    The serving kernel's quantizer pads M to it, so no batch size changes the backend."""
+    """Rows ``backend`` takes activations in multiples of (cuBLASLt: 4, see `shape_problem`)."""
     return 4 if backend == "scaled_mm" else 1
 
 
 def activation_layout(backend: str) -> tuple[int, str]:
     """(row multiple, ``scale_inv`` layout) of the 1x128 activations ``backend`` reads with no
-    copy: MN-major ``[M, kb]`` scales (strides ``(1, M)``; DeepGEMM's TMA-aligned layout, which
-    cuBLASLt reads too and Triton reads through strides) on a GPU backend, compact for the
-    reference. The vLLM kernel's quantizer writes exactly this (`vllm_patch.kernel`)."""
+    copy: MN-major ``[M, kb]`` scales (DeepGEMM's TMA-aligned layout; cuBLASLt's; Triton reads
+    strides) on a GPU, compact for the reference. The vLLM kernel's quantizer writes this."""
     return row_multiple(backend), ("compact" if backend == "reference" else "mn_major")
 
 
 def gemm_ready_weight_scales(backend: str, scale_inv: torch.Tensor) -> torch.Tensor:
-    """A 128x128 weight's ``[N/128, kb]`` ``scale_inv`` as ``backend`` reads it, for storing at
-    load: for ``scaled_mm`` a view ``[:, :kb]`` of a zero-padded ``[N/128, pad4(kb)]`` array,
-    whose transpose view is cuBLASLt's ``scale_b`` (`_scaled_mm` then pads nothing per call);
-    compact elsewhere (DeepGEMM and the reference read it so; Triton reads strides). Same
-    values, and a view, so in-place writes (a refit) land where the GEMM reads. Idempotent."""
-    nb, kb = scale_inv.shape
+    """A 128x128 weight's ``[N/128, kb]`` ``scale_inv`` as ``backend`` reads it, stored at load:
+    for ``scaled_mm`` a view ``[:, :kb]`` of a zero-padded ``[N/128, pad4(kb)]`` array whose
+    transpose is cuBLASLt's ``scale_b`` (no per-call pad); compact elsewhere (Triton reads
+    strides). Same values; in-place writes (a refit) land where the GEMM reads. Idempotent."""
     if backend != "scaled_mm":
         return scale_inv.contiguous()
-    kb4 = -(-kb // 4) * 4
-    if scale_inv.stride() == (kb4, 1) and _padded_storage(scale_inv) is not None:
+    if _padded_storage(scale_inv) is not None:
         return scale_inv
-    storage = scale_inv.new_zeros(nb, kb4)
+    nb, kb = scale_inv.shape
+    storage = scale_inv.new_zeros(nb, -(-kb // 4) * 4)
     storage[:, :kb] = scale_inv
     return storage[:, :kb]
 
 
 def _padded_storage(s: torch.Tensor) -> torch.Tensor | None:
-    """The ``[pad4(kb), N/128]`` column-major ``scale_b`` view of ``s`` (strides ``(kb4, 1)``,
-    its storage reaching the padding), or None where ``s`` is not stored that way."""
+    """``s``'s storage as cuBLASLt's ``scale_b`` ``[pad4(kb), N/128]`` (strides ``(1, pad4(kb))``),
+    or None where ``s`` is not stored so (strides ``(pad4(kb), 1)``, storage covering the pad)."""
     nb, kb = s.shape
     kb4 = -(-kb // 4) * 4
     if s.stride() != (kb4, 1):
@@ -348,16 +344,11 @@ def _mn_major(s: torch.Tensor) -> torch.Tensor:
 def _scaled_mm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
     import torch.nn.functional as F
 
-    kb = -(-a.data.shape[1] // 128)
-    stored = _padded_storage(b.scale_inv) if b.block == (128, 128) else None
-    if stored is not None:  # stored at load (`gemm_ready_weight_scales`): a view, no copy
-        scale_b, recipe_b = stored, F.ScalingType.BlockWise128x128
-    elif b.block == (128, 128):
-        # scale_b: [round_up(kb, 4), N/128] with strides (1, round_up(kb, 4)).
-        kb4 = -(-kb // 4) * 4
-        sb = torch.zeros(b.scale_inv.shape[0], kb4, dtype=torch.float32, device=b.data.device)
-        sb[:, :kb] = b.scale_inv
-        scale_b, recipe_b = sb.t(), F.ScalingType.BlockWise128x128
+    if b.block == (128, 128):
+        # [pad4(kb), N/128], strides (1, pad4(kb)): a view of scales stored so at load (the
+        # serving kernel); padded here, per call, for scales stored compact (the trainer).
+        stored = gemm_ready_weight_scales("scaled_mm", b.scale_inv)
+        scale_b, recipe_b = _padded_storage(stored), F.ScalingType.BlockWise128x128
     else:
         scale_b, recipe_b = _mn_major(b.scale_inv), F.ScalingType.BlockWise1x128
     # b is passed as [K, N] column-major (= b.data.t()), scale_a as [M, kb] strides (1, M).

@@ -31,7 +31,7 @@ from serving_inventory import (
 
 from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise, triton_kernels
 from nemo_jetrl.fp8.linear import fp8_linear_forward
-from nemo_jetrl.vllm_patch import compat, kernel
+from nemo_jetrl.vllm_patch import compat, kernel, serving_ops
 from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 N, K = 256, 384
@@ -59,7 +59,9 @@ def test_a_tokens_row_is_the_same_at_every_batch_size_and_equals_the_trainers(
     monkeypatch.setattr(compat, "kernel_base_classes", lambda: (StandInBase, StandInMM))
     plan_as(monkeypatch, kernel, backend)
     # CUDA tensors get the Triton quantizer (interpreter here)
-    monkeypatch.setattr(kernel, "quantize_blockwise", partial(quantize_blockwise, backend="triton"))
+    monkeypatch.setattr(
+        serving_ops, "quantize_blockwise", partial(quantize_blockwise, backend="triton")
+    )
     w, x = _operands(11 + pow2, max(CPU_M))
     kern = kernel.make_kernel_class(
         PatchSettings(pow2_weight_scales=pow2, pow2_activation_scales=pow2)

@@ -31,7 +31,7 @@ from serving_inventory import (
 )
 
 from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise, triton_kernels
-from nemo_jetrl.vllm_patch import compat, kernel
+from nemo_jetrl.vllm_patch import compat, kernel, serving_ops
 from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 pytestmark = pytest.mark.skipif(
@@ -48,7 +48,9 @@ def _loaded_layer(monkeypatch, backend: str, pow2: bool, w: torch.Tensor):
     plan_as(monkeypatch, kernel, backend)
     monkeypatch.setattr(kernel, "ensure_ops", op_bodies)
     # CUDA tensors get the Triton quantizer: route CPU tensors there too (interpreter).
-    monkeypatch.setattr(kernel, "quantize_blockwise", partial(quantize_blockwise, backend="triton"))
+    monkeypatch.setattr(
+        serving_ops, "quantize_blockwise", partial(quantize_blockwise, backend="triton")
+    )
     cls = kernel.make_kernel_class(
         PatchSettings(pow2_weight_scales=pow2, pow2_activation_scales=pow2)
     )

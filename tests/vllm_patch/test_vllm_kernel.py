@@ -211,7 +211,7 @@ def test_op_impls_read_nothing_on_the_host(monkeypatch):
 
     from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
     from nemo_jetrl.fp8.sync_check import HostReadError, no_host_reads
-    from nemo_jetrl.vllm_patch import kernel
+    from nemo_jetrl.vllm_patch import kernel, serving_ops
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 384, generator=g).to(torch.bfloat16)
@@ -227,7 +227,7 @@ def test_op_impls_read_nothing_on_the_host(monkeypatch):
     if importlib.util.find_spec("triton") is not None and (x.is_cuda or interpreted):
         routes["triton (as on CUDA)"] = functools.partial(quantize_blockwise, backend="triton")
     for route, quantizer in routes.items():
-        monkeypatch.setattr(kernel, "quantize_blockwise", quantizer)
+        monkeypatch.setattr(serving_ops, "quantize_blockwise", quantizer)
         kernel._quantize_act_impl(x, False, 0.0)  # Triton compiles outside the detector
         with no_host_reads() as mode:
             q, s = kernel._quantize_act_impl(x, False, 0.0)
@@ -235,19 +235,19 @@ def test_op_impls_read_nothing_on_the_host(monkeypatch):
         assert mode.ops_seen > 0 and out.shape == (40, 256), route
         assert torch.equal(fp8_bits(q.cpu()), fp8_bits(ref.data))
         assert torch.equal(s.cpu(), ref.scale_inv)
-    monkeypatch.setattr(kernel, "quantize_blockwise", quantize_blockwise)
+    monkeypatch.setattr(serving_ops, "quantize_blockwise", quantize_blockwise)
     with pytest.raises(HostReadError), no_host_reads():
         quantize_blockwise(x, (1, 128))
 
 
 def test_gemm_backend_is_chosen_once_per_layer_and_readable(monkeypatch):
-    from nemo_jetrl.vllm_patch import kernel
+    from nemo_jetrl.vllm_patch import kernel, serving_ops
     from nemo_jetrl.vllm_patch.settings import PatchSettings
 
     plans, runs = [], []
-    real_plan, real_run = kernel.plan_gemm, kernel.run_gemm
+    real_plan, real_run = kernel.plan_gemm, serving_ops.run_gemm
     monkeypatch.setattr(kernel, "plan_gemm", lambda *a, **k: plans.append(k) or real_plan(*a, **k))
-    monkeypatch.setattr(kernel, "run_gemm", lambda b, *a: runs.append(b) or real_run(b, *a))
+    monkeypatch.setattr(serving_ops, "run_gemm", lambda b, *a: runs.append(b) or real_run(b, *a))
     cls = kernel.make_kernel_class(PatchSettings())
     layers = []
     device = kernel._serving_device()  # the CPU here; the GPU in the GPU image
