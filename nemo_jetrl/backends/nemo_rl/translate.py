@@ -17,7 +17,9 @@ Ray workers (all read from that source, file paths relative to its repository):
   ``NEMO_JETRL_VLLM_PATCH`` (the patch settings, JSON) is set (``nemo_jetrl/vllm_patch/plugin.py``),
   and a second entry point hooks NeMo-RL's refit loader when ``NEMO_JETRL_NRL_REFIT`` is set
   (``vllm_refit.py``: our weight quantizer and the parity check; set unless
-  ``jetrl.refit_hook: false``, parity per ``jetrl.refit_parity_check``).
+  ``jetrl.refit_hook: false``, parity per ``jetrl.refit_parity_check``). That both ran is
+  proven at engine start (``engine_check.py``); a non-``auto`` ``linear_backend`` in
+  ``policy.generation.vllm_kwargs`` is refused here (the guard's ``engine_arg_problems``).
   (``vllm_kwargs`` cannot carry a worker extension: NeMo-RL passes its own
   ``worker_extension_cls`` to ``vllm.LLM`` next to ``**vllm_kwargs``.)
 - The Megatron policy worker class: ``grpo.setup(..., policy_factory=...)`` builds the policy with
