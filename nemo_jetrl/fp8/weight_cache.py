@@ -9,12 +9,20 @@ does, so a step reuses it exactly as long as the master weight's values cannot h
   reused: ``w.data = ...``, ``.to(device/dtype)``, ``load_state_dict(assign=True)`` miss);
 * its version counter ``w._version``, which every in-place op through the tensor bumps (an
   optimizer step, ``with torch.no_grad(): w.copy_(...)``, ``load_state_dict``);
-* storage offset, shape, strides, dtype, device.
+* storage offset, shape, strides, dtype, device;
+* the count of ``torch.optim`` optimizer steps taken in this process: fused optimizers
+  (``AdamW(fused=True)``, measured on torch 2.13) update parameters without bumping
+  ``_version``. The first cached quantization registers one process-wide, count-only
+  ``register_optimizer_step_post_hook`` (every ``torch.optim.Optimizer`` subclass's ``step``
+  runs it, apex/TE fused optimizers and the torch optimizer inside Megatron's included).
 
-Not seen, by design of torch: writes through ``w.data`` (``w.data.copy_(...)``: ``.data``
-is a new tensor with its own version counter, the same hole autograd's saved-tensor check has;
-Megatron's fp16 optimizer copies main params this way). After such a write call
-`invalidate_weight_caches` (or build the layer with ``cache_weight=False``). Tensors without a
+Not seen: writes through ``w.data`` (``w.data.copy_(...)``: ``.data`` is a new tensor with its
+own version counter, the same hole autograd's saved-tensor check has) and kernels that write
+parameters outside any tensor op and outside an optimizer's ``step`` (a raw
+``torch._fused_adamw_`` or ``multi_tensor_applier`` call). Megatron's fp16 optimizer copies main
+params through ``.data`` inside its ``step``, after its torch optimizer stepped: counted. After
+any other such write call `invalidate_weight_caches` (or build the layer with
+``cache_weight=False``). Tensors without a
 version counter (inference-mode tensors), tensor subclasses (DTensor, fake tensors) and code
 being traced by ``torch.compile`` are never cached.
 
@@ -33,6 +41,21 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from nemo_jetrl.fp8.quantize import BlockQuantized
 
+_OPTIMIZER_STEPS = [0]  # torch.optim steps seen by the hook (a list: mutated in place)
+_HOOK: list = []  # the hook's removable handle, once registered
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:  # type: ignore[no-untyped-def]
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Register the count-only optimizer step hook (once per process)."""
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+
 
 def _key(w: torch.Tensor) -> tuple | None:
     """What must be unchanged for a cached quantization of ``w`` to hold (None: never cache)."""
@@ -44,7 +67,7 @@ def _key(w: torch.Tensor) -> tuple | None:
     except (RuntimeError, NotImplementedError):  # inference tensors, storage-less tensors
         return None
     shape = (w.storage_offset(), tuple(w.shape), w.stride(), w.dtype, w.device)
-    return storage._cdata, version, shape
+    return storage._cdata, version, _OPTIMIZER_STEPS[0], shape
 
 
 class WeightCache:
@@ -76,6 +99,7 @@ class WeightCache:
     def store(self, w: torch.Tensor, qw: BlockQuantized, qwt: BlockQuantized | None) -> None:
         """Keep ``(qw, qwt)``, quantized from ``w`` as it is now (uncacheable ``w``: nothing)."""
         self.quantizations += 1
+        _watch_optimizer_steps()
         key = _key(w)
         if key is None:
             self.clear()

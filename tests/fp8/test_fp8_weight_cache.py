@@ -98,6 +98,12 @@ def _opt_step(layer, opt_cls):
 
 UPDATES = {
     "adamw step": lambda layer: _opt_step(layer, torch.optim.AdamW),
+    "adamw foreach step": lambda layer: _opt_step(
+        layer, lambda p, lr: torch.optim.AdamW(p, lr=lr, foreach=True)
+    ),
+    "adamw fused step (no version bump)": lambda layer: _opt_step(
+        layer, lambda p, lr: torch.optim.AdamW(p, lr=lr, fused=True)
+    ),
     "sgd step (for-loop)": lambda layer: _opt_step(
         layer, lambda p, lr: torch.optim.SGD(p, lr=lr, foreach=False)
     ),
