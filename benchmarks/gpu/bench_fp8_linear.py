@@ -151,14 +151,14 @@ def new_weight_each_step(layer: torch.nn.Module, inner):
     return run
 
 
-def host_enqueue_ms(fn, *, iters: int = 20) -> float:
+def host_enqueue_ms(fn, *, iters: int = 10) -> float:
     """Median host time (ms) to enqueue one ``fn()`` while the GPU is busy with a sleep kernel
     (enqueueing never waits on the GPU; a host sync inside ``fn`` would show as GPU time)."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of fn
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU work queued ahead of fn
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -166,7 +166,7 @@ def host_enqueue_ms(fn, *, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def device_activity(fn, *, steps: int = 5) -> tuple[float, float]:
+def device_activity(fn, *, steps: int = 3) -> tuple[float, float]:
     """(summed device time in ms, device activities) per ``fn()`` from the CUDA profiler: every
     kernel, memcpy and memset counts as one launch."""
     from torch.autograd import DeviceType

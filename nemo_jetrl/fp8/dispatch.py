@@ -9,7 +9,9 @@ straight to the reference; CUDA tensors, or an explicit ``backend``, pick:
 * ``"auto"`` (default) - Triton for CUDA tensors when triton imports, else torch.
 
 The environment variable ``JETRL_FP8_QUANT_BACKEND`` (``auto``/``triton``/``torch``) overrides
-the default for CUDA tensors; an explicit ``backend=`` argument overrides both. Backends are
+the default for CUDA tensors; an explicit ``backend=`` argument overrides both. These functions
+read it per call when no ``backend`` is given; `Fp8BlockLinear` reads it (and
+``JETRL_FP8_GEMM_BACKEND``) once per layer plan and passes ``backend=`` (`linear_plan`). Backends are
 bit-identical by construction and by test, so the choice changes speed only.
 
 GEMM. `fp8_gemm(a, b)` computes ``a @ b.T`` for ``a`` 1x128-blocked ``[M, K]`` and ``b``

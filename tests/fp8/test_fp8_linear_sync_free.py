@@ -185,3 +185,37 @@ def test_gpu_trainer_linear_forward_backward_never_syncs(key):
         torch.cuda.set_sync_debug_mode("default")
     finite_flags.check_non_finite()  # the one read, where a trainer already syncs
     assert bool(torch.isfinite(layer.weight.grad).all())
+
+
+@pytest.mark.gpu
+def test_gpu_cached_weight_follows_a_fused_optimizer_step():
+    """On CUDA: the second micro-batch reuses the FP8 weight (no weight quantization, still no
+    sync), and a fused AdamW step (which leaves ``_version`` alone) gives the fresh weight's
+    output bits on the next forward."""
+    from nemo_jetrl.fp8 import linear
+
+    torch.manual_seed(0)
+    base = nn.Linear(1024, 768, dtype=torch.bfloat16).cuda()
+    layer = Fp8BlockLinear.from_linear(base, CONFIGS["pow2"], name="blk")
+    x = torch.randn(256, 1024, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(256, 768, device="cuda").to(torch.bfloat16)
+    layer(x).backward(dy)
+    made = layer.fp8_weight_cache.quantizations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).backward(dy)  # micro-batch 2: cached weight
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert layer.fp8_weight_cache.quantizations == made
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+    opt.step()
+    with torch.no_grad():
+        got = layer(x)
+        fresh = linear.Fp8BlockLinear.from_linear(
+            base, CONFIGS["pow2"], name="blk", cache_weight=False
+        )
+        want = fresh(x)
+    assert layer.fp8_weight_cache.quantizations == made + 1
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    finite_flags.check_non_finite()
