@@ -96,3 +96,69 @@ def test_driver_logs_the_fraction_and_names_a_missing_nemo_jetrl(capsys):
     async_gen = type("G", (), {"worker_group": _Group([{"async": True}])})()
     assert ec.prove_generation_engines(async_gen, ENV, log, get=lambda f: f) == {"async": True}
     assert "engine check NOT run" in capsys.readouterr().out
+
+
+class _AsyncLLM:
+    """Stand-in for vLLM's AsyncLLM: ``collective_rpc`` is a coroutine answered on its loop."""
+
+    def __init__(self, reports):
+        self.reports = reports
+        self.calls = 0
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        import asyncio
+
+        assert method is ec.worker_status
+        self.calls += 1
+        await asyncio.sleep(0.3)  # the driver polls meanwhile
+        return self.reports
+
+
+class _AsyncActorGroup:
+    """STAND-IN for Ray with an async actor (NeMo-RL's VllmAsyncGenerationWorker): a sync method
+    such as ``__ray_call__`` runs on the actor's event loop (Ray's ``sync_to_async``), here a
+    loop in a thread."""
+
+    def __init__(self, actor):
+        import asyncio
+        import threading
+
+        self.actor = actor
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.polls = 0
+
+    def run_all_workers_single_data(self, method, fn, *args, run_rank_0_only_axes=None):
+        import asyncio
+
+        async def on_loop():
+            return fn(self.actor, *args)
+
+        self.polls += 1
+        return [asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result()]
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["all_present", "hook_missing"])
+def test_async_engine_is_checked_on_the_actors_loop(hook, capsys):
+    import types
+
+    llm = _AsyncLLM([report(hook=hook), report(hook=hook)])
+    group = _AsyncActorGroup(types.SimpleNamespace(llm=llm))
+    gen = type("G", (), {"worker_group": group})()
+    log = _Logger()
+    try:
+        if hook:
+            res = ec.prove_generation_engines(gen, ENV, log, get=lambda f: f)
+            assert (res["fp8_linears"], res["on_our_kernel"]) == (8, 8)
+            assert log.logged == [({ec.FRACTION_METRIC: 1.0, ec.HOOK_METRIC: 1.0}, 0, "")]
+            assert "kernel serves 8/8 FP8 linears, refit hook installed" in capsys.readouterr().out
+        else:
+            with pytest.raises(ec.EngineNotProven, match="worker 1: our refit hook is not"):
+                ec.prove_generation_engines(gen, ENV, log, get=lambda f: f)
+            assert log.logged == []
+    finally:
+        group.close()
+    assert llm.calls == 1 and group.polls > 1  # one RPC, polled until it finished

@@ -24,9 +24,10 @@ installed``; the driver logs ``jetrl/kernel/fp8_linears_on_our_kernel`` (a fract
 ``jetrl/kernel/refit_hook_installed`` at step 0. Anything missing raises `EngineNotProven`
 naming the worker, the layers and the cause, and the run stops before its first step.
 
-Not checked: a recipe whose rollout is not ours (bf16, fp8_rollout: no ``NEMO_JETRL_VLLM_PATCH``);
-``vllm_cfg.async_engine`` (vLLM's AsyncLLM answers ``collective_rpc`` only on the actor's event
-loop): the driver says so in its log.
+Not checked: a recipe whose rollout is not ours (bf16, fp8_rollout: no ``NEMO_JETRL_VLLM_PATCH``).
+With ``vllm_cfg.async_engine`` vLLM's AsyncLLM answers ``collective_rpc`` only on the actor's
+event loop: the check starts it there as a task and the driver polls (`_async_step`); if the
+call does not run on that loop, the driver logs ``engine check NOT run``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +49,10 @@ ENTRY_POINTS = {
     "nemo_jetrl_nemo_rl_refit": "nemo_jetrl.backends.nemo_rl.vllm_refit:load_in_worker",
 }
 REFIT_PLUGIN = "nemo_jetrl_nemo_rl_refit"
+# Async engines (vllm_cfg.async_engine): where the actor keeps the check's task, how long the
+# driver polls for it.
+_ASYNC_STATE = "_jetrl_engine_check"
+ASYNC_TIMEOUT_S = 600
 # Where NeMo-RL's vLLM actors get their Python (ray_actor_environment_registry / the image).
 REBUILT = (
     "install nemo_jetrl into the venv NeMo-RL's vLLM workers run (the image links it; after "
@@ -176,9 +182,34 @@ def check_in_generation_worker(actor: Any, patch_json: str, hook_expected: bool)
             "check; the check runs after grpo.setup"
         )
     if inspect.iscoroutinefunction(getattr(llm, "collective_rpc", None)):
-        return {"async": True}
+        return _async_step(actor, llm, patch_json, hook_expected)
     result = judge(llm.collective_rpc(worker_status), patch_json, hook_expected)
     print(result["line"], flush=True)
+    return result
+
+
+def _async_step(actor: Any, llm: Any, patch_json: str, hook_expected: bool) -> dict[str, Any]:
+    """vLLM's AsyncLLM (``vllm_cfg.async_engine``) answers on the actor's event loop, where Ray
+    runs a sync method of an async actor (``sync_to_async``): start the RPC as a task there and
+    answer ``{"pending": True}`` until a later call finds it done (the driver polls)."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not on the actor's loop: AsyncLLM cannot be awaited from here
+        return {"async": True}
+    state = actor.__dict__.get(_ASYNC_STATE)
+    if state is None:
+        actor.__dict__[_ASYNC_STATE] = loop.create_task(llm.collective_rpc(worker_status))
+        return {"pending": True}
+    if isinstance(state, dict):  # judged on an earlier poll
+        return state
+    if not state.done():
+        return {"pending": True}
+    del actor.__dict__[_ASYNC_STATE]  # a failure below is raised once; a new call starts over
+    result = judge(state.result(), patch_json, hook_expected)
+    print(result["line"], flush=True)
+    actor.__dict__[_ASYNC_STATE] = result
     return result
 
 
@@ -204,21 +235,31 @@ def prove_generation_engines(
         import ray
 
         get = ray.get
-    futures = policy_generation.worker_group.run_all_workers_single_data(
-        "__ray_call__",
-        check_in_generation_worker,
-        patch_json,
-        hook,
-        run_rank_0_only_axes=["tensor_parallel", "pipeline_parallel"],
-    )
-    try:
-        results = get(futures)
-    except Exception as exc:  # a RayTaskError carrying the actor's exception
-        raise EngineNotProven(_remote_reason(exc)) from None
+    deadline = time.monotonic() + ASYNC_TIMEOUT_S
+    while True:
+        futures = policy_generation.worker_group.run_all_workers_single_data(
+            "__ray_call__",
+            check_in_generation_worker,
+            patch_json,
+            hook,
+            run_rank_0_only_axes=["tensor_parallel", "pipeline_parallel"],
+        )
+        try:
+            results = get(futures)
+        except Exception as exc:  # a RayTaskError carrying the actor's exception
+            raise EngineNotProven(_remote_reason(exc)) from None
+        if not any(r.get("pending") for r in results):
+            break
+        if time.monotonic() > deadline:  # an async engine's RPC never came back
+            raise EngineNotProven(
+                f"NeMo-RL's async vLLM engines did not answer nemo_jetrl's check within "
+                f"{ASYNC_TIMEOUT_S} s"
+            )
+        time.sleep(0.2)
     if any(r.get("async") for r in results):
         print(
-            "nemo_jetrl: engine check NOT run: policy.generation.vllm_cfg.async_engine=true "
-            "(vLLM's AsyncLLM answers collective_rpc only on the actor's event loop)",
+            "nemo_jetrl: engine check NOT run: policy.generation.vllm_cfg.async_engine=true and "
+            "the check did not run on the actor's event loop",
             flush=True,
         )
         return {"async": True}
