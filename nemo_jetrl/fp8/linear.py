@@ -121,11 +121,12 @@ class LayerState:
         self.cache = WeightCache()
 
     def plan_for(self, x, weight, bias, config: Fp8LinearConfig) -> LinearPlan:  # type: ignore[no-untyped-def]
-        """The plan for these inputs: the held one while device and dtypes match (one tuple
-        compare per call), else a new one (reads the environment, plans the GEMMs)."""
-        key = plan_key(x, weight, bias)
+        """The plan for these inputs: the held one while device, dtypes and config match (one
+        tuple compare per call), else a new one (reads the environment, plans the GEMMs)."""
+        key = plan_key(x, weight, bias, config)
         plan = self.plan
         if plan is None or plan.key != key:
+            self.cache.clear()  # a new config or device: the cached weight may not fit it
             gpu = _on_gpu(x)
             quant = quant_backend(x) if gpu else None
             plan = self.plan = make_plan(

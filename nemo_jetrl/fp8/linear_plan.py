@@ -34,7 +34,7 @@ class LinearPlan:
     """One layer's decisions for inputs of one device and dtype (see the module docstring)."""
 
     key: tuple
-    """(device, x dtype, weight dtype, bias dtype or None): what the plan was made for."""
+    """(device, x dtype, weight dtype, bias dtype or None, config): what it was made for."""
     gpu: bool
     """The CUDA path: GEMMs through the planned backends, non-finite input flagged on the device
     (`finite_flags`) instead of a host check. False: the torch reference (CPU)."""
@@ -56,9 +56,12 @@ class LinearPlan:
     """Reuse the FP8 weight while the master weight is unchanged (`weight_cache`)."""
 
 
-def plan_key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """What a plan depends on besides the config: device and dtypes."""
-    return (x.device, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+def plan_key(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: Fp8LinearConfig
+) -> tuple:
+    """What a plan depends on: device, dtypes and the config object (a layer whose ``config`` is
+    reassigned plans again; the same object compares by identity, no field compare per call)."""
+    return (x.device, x.dtype, weight.dtype, None if bias is None else bias.dtype, config)
 
 
 def weight_cache_enabled() -> bool:
@@ -74,7 +77,7 @@ def make_plan(
 ) -> LinearPlan:
     """Plan the three GEMMs of a layer for inputs described by ``key`` (`plan_key`).
     ``gpu``/``quant``: the CUDA path and its quantizer, decided by the caller."""
-    device, x_dtype, w_dtype, b_dtype = key
+    device, x_dtype, w_dtype, b_dtype = key[:4]
     cache = cache_weight and weight_cache_enabled()
     if not gpu:
         return LinearPlan(key, False, quant, None, None, None, *["compact"] * 3, cache)

@@ -134,7 +134,7 @@ def test_scaled_mm_plans_ask_the_quantizer_for_its_scale_layout():
     the compact layout."""
     from nemo_jetrl.fp8 import linear_plan
 
-    key = (torch.device("cuda", 0), torch.bfloat16, torch.bfloat16, None)
+    key = (torch.device("cuda", 0), torch.bfloat16, torch.bfloat16, None, None)
     real = linear_plan.plan_gemm
 
     def fake_plan(device, *, out_dtype, pow2_scales, kind, fmts):  # a GPU's decisions
