@@ -140,27 +140,32 @@ class LayerState:
 
 class Fp8BlockLinearFunction(torch.autograd.Function):
     """Autograd function of ``Fp8BlockLinear`` (see the module docstring for the three GEMMs).
-    ``state``: the layer's `LayerState` (None: plan this call alone, cache nothing)."""
+    ``state``: the layer's `LayerState` (None: plan this call alone, cache nothing). ``grad``:
+    grad mode at the call (inside ``forward`` it is always off); False quantizes only what
+    FProp reads (a scoring forward). ``keep_pair``: make W.T with W even then (a training-mode
+    layer: a reentrant checkpoint's no-grad first pass, whose recompute needs it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, config: Fp8LinearConfig, name: str, state=None):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, config, name, state=None, grad=True, keep_pair=False):  # type: ignore[override]
         state = state or LayerState(cache_weight=False)
+        need_dw = grad and ctx.needs_input_grad[1]
         plan = state.plan_for(x, weight, bias, config)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         xname = f"{name}.input"
         fwd = {"fmt": config.forward_format, "pow2_scales": config.pow2_scales, "eps": config.eps}
-        if plan.gpu and ctx.needs_input_grad[1]:  # FProp's 1x128 and WGrad's 128x1, one read
+        if plan.gpu and need_dw:  # FProp's 1x128 and WGrad's 128x1, one read
             qx, qxc = _quantize_rowcol(x2, xname, plan, (plan.x_layout, plan.wgrad_layout), **fwd)
         else:
             qx = _quantize(
                 x2, config.ACTIVATION_BLOCK, xname, plan, scale_layout=plan.x_layout, **fwd
             )
-        qw, qwt = _weight(weight, config, name, plan, state.cache, pair=ctx.needs_input_grad[0])
+        pair = ctx.needs_input_grad[0] and (grad or keep_pair)
+        qw, qwt = _weight(weight, config, name, plan, state.cache, pair=pair)
         exact = config.exact_gemm
         out = fp8_linear_forward(qx, qw, bias, x.dtype, exact=exact, backend=plan.fprop)
         tensors = [qwt.data, qwt.scale_inv]
-        if ctx.needs_input_grad[1]:  # WGrad needs x blocked along tokens, as its [K, M] transpose
+        if need_dw:  # WGrad needs x blocked along tokens, as its [K, M] transpose
             if not plan.gpu:
                 qxc = _quantize(
                     x2, config.WGRAD_BLOCK, xname, plan, transpose=True, flag=False, **fwd
@@ -209,7 +214,7 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
             )
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class Fp8BlockLinear(nn.Linear):
@@ -286,8 +291,9 @@ class Fp8BlockLinear(nn.Linear):
             raise ValueError(
                 f"{self.name}: input last dim {x.shape[-1]} != in_features {self.in_features}"
             )
+        grad = torch.is_grad_enabled()
         return Fp8BlockLinearFunction.apply(
-            x, self.weight, self.bias, self.config, self.name, self.fp8_state
+            x, self.weight, self.bias, self.config, self.name, self.fp8_state, grad, self.training
         )
 
     def extra_repr(self) -> str:

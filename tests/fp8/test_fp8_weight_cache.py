@@ -270,3 +270,30 @@ def test_cache_knob_is_read_at_plan_time(monkeypatch, weight_quants):
     monkeypatch.setenv(ENV_WEIGHT_CACHE, "maybe")
     with pytest.raises(ValueError, match=ENV_WEIGHT_CACHE):
         _step(_layer())
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_no_grad_forward_quantizes_only_what_fprop_reads(monkeypatch, training):
+    """Scoring (no grad): x 1x128 and W only; no 128x1 x (WGrad) and no W.T unless the layer is
+    in training mode (a reentrant checkpoint's first pass; its recompute needs W.T)."""
+    seen = []
+    real_one, real_pair = linear.quantize_blockwise, linear.quantize_with_transpose
+
+    def one(t, block, **kw):
+        seen.append((kw["name"], block))
+        return real_one(t, block, **kw)
+
+    def pair(t, block, **kw):
+        seen.append((kw["name"], "pair"))
+        return real_pair(t, block, **kw)
+
+    monkeypatch.setattr(linear, "quantize_blockwise", one)
+    monkeypatch.setattr(linear, "quantize_with_transpose", pair)
+    layer = _layer()
+    layer.train(training)
+    x = torch.randn(64, 256).to(torch.bfloat16).requires_grad_(True)
+    with torch.no_grad():
+        y = layer(x)
+    w = ("blk.weight", "pair") if training else ("blk.weight", (128, 128))
+    assert seen == [("blk.input", (1, 128)), w]
+    assert torch.equal(fp8_bits(y), fp8_bits(_fresh(layer)(x).detach()))
