@@ -115,9 +115,10 @@ class _AsyncLLM:
 
 
 class _AsyncActorGroup:
-    """STAND-IN for Ray with an async actor (NeMo-RL's VllmAsyncGenerationWorker): a sync method
-    such as ``__ray_call__`` runs on the actor's event loop (Ray's ``sync_to_async``), here a
-    loop in a thread."""
+    """STAND-IN for a Ray that runs a sync method of an async actor (``__ray_call__``) on the
+    actor's event loop (``ray._private.async_compat.sync_to_async``), here a loop in a thread:
+    `_async_step`'s polling branch. Ray 2.60 runs it in a thread of its own instead, the branch
+    tests/backends/test_nemo_rl_engine_check_ray.py runs through real Ray."""
 
     def __init__(self, actor):
         import asyncio

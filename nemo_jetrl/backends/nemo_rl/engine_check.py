@@ -25,9 +25,10 @@ installed``; the driver logs ``jetrl/kernel/fp8_linears_on_our_kernel`` (a fract
 naming the worker, the layers and the cause, and the run stops before its first step.
 
 Not checked: a recipe whose rollout is not ours (bf16, fp8_rollout: no ``NEMO_JETRL_VLLM_PATCH``).
-With ``vllm_cfg.async_engine`` vLLM's AsyncLLM answers ``collective_rpc`` only on the actor's
-event loop: the check starts it there as a task and the driver polls (`_async_step`); if the
-call does not run on that loop, the driver logs ``engine check NOT run``.
+With ``vllm_cfg.async_engine`` vLLM's AsyncLLM answers ``collective_rpc`` only on its event
+loop: `_async_step` sends it there (found through AsyncLLM's running output tasks) or, when
+called on that loop, starts it as a task the driver polls for; with no loop found the driver
+logs ``engine check NOT run``.
 """
 
 from __future__ import annotations
@@ -188,19 +189,42 @@ def check_in_generation_worker(actor: Any, patch_json: str, hook_expected: bool)
     return result
 
 
+def _engine_loop(llm: Any) -> Any:
+    """The event loop vLLM's AsyncLLM runs on (its output handler's, or its engine client's
+    output task's); None when neither has started."""
+    for task in (
+        getattr(llm, "output_handler", None),
+        getattr(getattr(llm, "engine_core", None), "output_queue_task", None),
+    ):
+        get_loop = getattr(task, "get_loop", None)
+        if get_loop is not None and not get_loop().is_closed():
+            return get_loop()
+    return None
+
+
 def _async_step(actor: Any, llm: Any, patch_json: str, hook_expected: bool) -> dict[str, Any]:
-    """vLLM's AsyncLLM (``vllm_cfg.async_engine``) answers on the actor's event loop, where Ray
-    runs a sync method of an async actor (``sync_to_async``): start the RPC as a task there and
-    answer ``{"pending": True}`` until a later call finds it done (the driver polls)."""
+    """vLLM's AsyncLLM (``vllm_cfg.async_engine``) answers ``collective_rpc`` only on its event
+    loop. Ray (2.60) runs a sync method of an async actor, ``__ray_call__`` included, in a thread
+    of its own: there the RPC is sent to AsyncLLM's loop and awaited from this thread. Where
+    Ray runs it on the loop itself, the RPC becomes a task there and this answers
+    ``{"pending": True}`` until a later call finds it done (the driver polls)."""
     import asyncio
 
     try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # not on the actor's loop: AsyncLLM cannot be awaited from here
-        return {"async": True}
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is None:
+        loop = _engine_loop(llm)
+        if loop is None:
+            return {"async": True}
+        rpc = asyncio.run_coroutine_threadsafe(llm.collective_rpc(worker_status), loop)
+        result = judge(rpc.result(timeout=ASYNC_TIMEOUT_S), patch_json, hook_expected)
+        print(result["line"], flush=True)
+        return result
     state = actor.__dict__.get(_ASYNC_STATE)
     if state is None:
-        actor.__dict__[_ASYNC_STATE] = loop.create_task(llm.collective_rpc(worker_status))
+        actor.__dict__[_ASYNC_STATE] = running.create_task(llm.collective_rpc(worker_status))
         return {"pending": True}
     if isinstance(state, dict):  # judged on an earlier poll
         return state
@@ -259,7 +283,7 @@ def prove_generation_engines(
     if any(r.get("async") for r in results):
         print(
             "nemo_jetrl: engine check NOT run: policy.generation.vllm_cfg.async_engine=true and "
-            "the check did not run on the actor's event loop",
+            "vLLM's AsyncLLM has no running event loop to ask on yet",
             flush=True,
         )
         return {"async": True}
