@@ -239,7 +239,7 @@ def _standin_repo(tmp_path: Path, fail: str = "") -> Path:
 
 
 def _run_test_sh(tmp_path: Path, fail: str = "", **env: str) -> tuple[list[str], list[str], str]:
-    root = _standin_repo(tmp_path, fail)
+    root = tmp_path / "repo" if (tmp_path / "repo").is_dir() else _standin_repo(tmp_path, fail)
     journal = tmp_path / "journal"
     done = subprocess.run(
         ["bash", "scripts/test.sh"],
@@ -427,3 +427,15 @@ def test_an_interrupted_run_ends_the_second_lanes_tier(tmp_path: Path) -> None:
             continue
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         assert stat == "Z", f"stand-in {pid} still running after the interrupt"
+
+
+def test_an_environment_that_imports_vllm_is_not_rebuilt(tmp_path: Path) -> None:
+    root = _standin_repo(tmp_path)
+    ready = root / ".venv-vllm" / "bin" / "python"  # stand-in: `python -c "import vllm"` works
+    ready.parent.mkdir(parents=True)
+    ready.write_text("#!/usr/bin/env bash\nexit 0\n")
+    ready.chmod(0o755)
+    summary, journal, out = _run_test_sh(tmp_path)
+    builds = [ln for ln in journal if ln.startswith("start setup_vllm_env")]
+    assert builds == ["start setup_vllm_env  .venv-vllm020"], journal  # 0.20 only
+    assert summary[1] == "vLLM 0.32.0 tier (.venv-vllm): 3 passed in 1s (exit 0)", out
