@@ -93,6 +93,11 @@ def local_expert(layer: Any, expert: int) -> int | None:
     return local if local >= 0 else None
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s CUDA stream is capturing a CUDA graph (no host read allowed)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def local_routes(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, emap: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,7 +113,7 @@ def local_routes(
         return flat, token, weight
     flat = emap.to(flat.device)[flat].long()
     here = flat >= 0
-    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(topk_ids):
         return flat.clamp(min=0), token, weight * here
     return flat[here], token[here], weight[here]
 
