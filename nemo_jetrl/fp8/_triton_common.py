@@ -108,9 +108,16 @@ def finish_scale_inv(scale, amax_bits):
     return tl.where(amax_bits >= 0x7F800000, nan, sinv)
 
 
+# quantize_blocks' AXIS: ROWS makes each row of a [TM, 128] tile one 1x128 block, COLS each
+# column of a [128, TK] tile one 128x1 block (module constexprs, so kernels pass them by name).
+ROWS = tl.constexpr(1)
+COLS = tl.constexpr(0)
+
+
 @triton.jit
-def quantize_rows(
+def quantize_blocks(
     x,
+    AXIS: tl.constexpr,
     FMAX: tl.constexpr,
     MAXV: tl.constexpr,
     EPS: tl.constexpr,
@@ -120,29 +127,12 @@ def quantize_rows(
     NATIVE: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    # Each row of the fp32 tile x [TM, 128] is one 1x128 block: (FP8 codes, scale_inv per row).
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    # The fp32 tile x quantized in blocks along AXIS (ROWS: one block per row, COLS: one per
+    # column): (FP8 codes, scale_inv per block). expand_dims(scale, AXIS) is scale[:, None] for
+    # ROWS and scale[None, :] for COLS.
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
     scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
-    q = quantize_values(x, scale[:, None], FMAX, MANT, BIAS, NATIVE, FP8)
-    return q, finish_scale_inv(scale, amax_bits)
-
-
-@triton.jit
-def quantize_cols(
-    x,
-    FMAX: tl.constexpr,
-    MAXV: tl.constexpr,
-    EPS: tl.constexpr,
-    POW2: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    NATIVE: tl.constexpr,
-    FP8: tl.constexpr,
-):
-    # Each column of the fp32 tile x [128, TK] is one 128x1 block: (codes, scale_inv per column).
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)
-    scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
-    q = quantize_values(x, scale[None, :], FMAX, MANT, BIAS, NATIVE, FP8)
+    q = quantize_values(x, tl.expand_dims(scale, AXIS), FMAX, MANT, BIAS, NATIVE, FP8)
     return q, finish_scale_inv(scale, amax_bits)
 
 

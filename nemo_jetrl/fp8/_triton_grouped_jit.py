@@ -11,9 +11,11 @@ import triton.language as tl
 
 from nemo_jetrl.fp8 import silu_mul as _rule
 from nemo_jetrl.fp8._triton_common import (
+    COLS,
+    ROWS,
     bf16_rne_bits,
-    quantize_cols,
-    quantize_rows,
+    quantize_blocks,
+    scaled_accumulate,
     tile_dot,
     to_fp32,
 )
@@ -36,6 +38,17 @@ def _find_group(starts_ptr, pid, E, E_POW2: tl.constexpr):
     ends = tl.load(starts_ptr + 1 + ex, mask=ex < E, other=0)
     g = tl.sum(((ends <= pid) & (ex < E)).to(tl.int32), axis=0)
     return tl.minimum(g, E - 1).to(tl.int64), g < E
+
+
+@triton.jit
+def _group_tile(off_ptr, toff_ptr, pid, E, E_POW2: tl.constexpr, TILE: tl.constexpr):
+    # Program pid's tile of a grouped schedule: group e (tiles toff[e].. of TILE rows each), its
+    # first row r0 = off[e] + TILE * (pid - toff[e]) and end r1 = off[e+1] (r0 for an idle
+    # program, which then touches nothing).
+    e, valid = _find_group(toff_ptr, pid, E, E_POW2)
+    r0 = tl.load(off_ptr + e) + (pid - tl.load(toff_ptr + e)) * TILE
+    r1 = tl.where(valid, tl.load(off_ptr + e + 1), r0)
+    return e, valid, r0, r1
 
 
 @triton.jit
@@ -68,16 +81,14 @@ def quantize_tokens_kernel(
     # ([C, M]) and one scale per channel in column b.
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
-    e, valid = _find_group(boff_ptr, pid_b, E, E_POW2)
-    r0 = tl.load(off_ptr + e) + (pid_b - tl.load(boff_ptr + e)) * 128
-    r1 = tl.where(valid, tl.load(off_ptr + e + 1), r0)  # an idle program touches nothing
+    _e, valid, r0, r1 = _group_tile(off_ptr, boff_ptr, pid_b, E, E_POW2, 128)
     rows = r0 + tl.arange(0, 128)
     cols = pid_c.to(tl.int64) * TC + tl.arange(0, TC)
     cmask = cols < tl.where(valid, C, 0)
     mask = (rows < r1)[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxc, mask=mask, other=0.0)
     x = to_fp32(x, IN_BF16)
-    q, sinv = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+    q, sinv = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(s_ptr + cols * ssc + pid_b, sinv, mask=cmask)
     tl.store(q_ptr + cols[None, :] * sqc + rows[:, None], q, mask=mask)
 
@@ -126,9 +137,7 @@ def grouped_rows_gemm_kernel(
     # each routed row's token: no gathered copy); its codes and scale are that row's, unchanged.
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e, valid = _find_group(toff_ptr, pid_t, E, E_POW2)
-    r0 = tl.load(off_ptr + e) + (pid_t - tl.load(toff_ptr + e)) * BM
-    r1 = tl.where(valid, tl.load(off_ptr + e + 1), r0)  # an idle program touches nothing
+    e, valid, r0, r1 = _group_tile(off_ptr, toff_ptr, pid_t, E, E_POW2, BM)
     rm = r0 + tl.arange(0, BM)
     mmask = rm < r1
     ra = tl.load(rows_ptr + rm, mask=mmask, other=0).to(tl.int64) if GATHER else rm
@@ -153,7 +162,7 @@ def grouped_rows_gemm_kernel(
         p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
         sa = tl.load(sa_ptr + ra * ssam + t * ssak, mask=mmask, other=0.0)
         sb = tl.load(sb_ptr + (rn // 128) * ssbn + t * ssbk, mask=rn < N, other=0.0)
-        acc = tl.fma(p * sa[:, None], sb[None, :], acc)
+        acc = scaled_accumulate(acc, p, sa, sb)
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(
         c_ptr + rm[:, None] * scm + rn[None, :] * scn,
@@ -222,7 +231,7 @@ def grouped_tokens_gemm_kernel(
         p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
         sa = tl.load(sa_ptr + rm * ssam + (b0 + t) * ssat, mask=rm < N, other=0.0)
         sb = tl.load(sb_ptr + rn * ssbn + (b0 + t) * ssbt, mask=rn < K, other=0.0)
-        acc = tl.fma(p * sa[:, None], sb[None, :], acc)
+        acc = scaled_accumulate(acc, p, sa, sb)
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(
         c_ptr + e * sce + rm[:, None] * scm + rn[None, :] * scn,
@@ -305,7 +314,7 @@ def silu_mul_quantize_kernel(
     s = _round_model(tl.math.div_rn(gate, one + _portable_exp(-gate)), MODEL)
     act = _round_model(s * up, MODEL)
     act = tl.where(mask, act, 0.0)
-    q, sinv = quantize_rows(act, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+    q, sinv = quantize_blocks(act, ROWS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(q_ptr + rows[:, None] * sqm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * ssm + pid_j, sinv, mask=rmask)
 

@@ -11,12 +11,13 @@ import triton
 import triton.language as tl
 
 from nemo_jetrl.fp8._triton_common import (
+    COLS,
+    ROWS,
     bf16_rne_bits,
     block_scale,
     finish_scale_inv,
     flag_non_finite,
-    quantize_cols,
-    quantize_rows,
+    quantize_blocks,
     quantize_values,
     to_fp32,
 )
@@ -65,7 +66,7 @@ def quantize_kernel(
     x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
     x = to_fp32(x, IN_BF16)
     if MODE == 0:
-        q, sinv = quantize_rows(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+        q, sinv = quantize_blocks(x, ROWS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(s_ptr + rows * ssm + pid_k * ssk, sinv, mask=rows < M_OUT)
         flag_non_finite(flag_ptr, sinv, FLAG)
     elif MODE == 1:
@@ -79,7 +80,7 @@ def quantize_kernel(
             bad = (sinv != sinv).to(tl.int32)
             tl.store(flag_ptr, bad, mask=bad != 0)
     else:
-        q, sinv = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+        q, sinv = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cols < K)
         flag_non_finite(flag_ptr, sinv, FLAG)
     omask = (rows[:, None] < M_OUT) & (cols[None, :] < K)
@@ -147,7 +148,7 @@ def rmsnorm_quantize_kernel(
             tl.store(y_ptr + rows[:, None] * sym + cols[None, :], yh, mask=mask)
             yr = yh.to(tl.float32)
         yr = tl.where(mask, yr, 0.0)
-        q, sinv = quantize_rows(yr, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+        q, sinv = quantize_blocks(yr, ROWS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(q_ptr + rows[:, None] * sqm + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * ssm + (k0 // 128) * ssk, sinv, mask=rmask)
         flag_non_finite(flag_ptr, sinv, FLAG)
@@ -196,11 +197,11 @@ def quantize_rowcol_kernel(
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
     x = to_fp32(x, IN_BF16)
-    qr, sr = quantize_rows(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+    qr, sr = quantize_blocks(x, ROWS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(qr_ptr + rows[:, None] * K + cols[None, :], qr, mask=mask)
     tl.store(sr_ptr + rows * ssrm + pid_k * ssrk, tl.where(rmask, sr, 0.0), mask=rows < MP)
     flag_non_finite(flag_ptr, sr, FLAG)  # every element is in one row block
-    qc, sc = quantize_cols(x, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+    qc, sc = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     # stored as the transposed tile so consecutive lanes write consecutive bytes of qc's rows
     tmask = cmask[:, None] & rmask[None, :]  # built directly: no transpose of an i1 tensor
     tl.store(qc_ptr + cols[:, None] * M + rows[None, :], tl.trans(qc), mask=tmask)
