@@ -122,18 +122,10 @@ def ensure_ops() -> Any:
         data = torch.empty_like(x, dtype=torch.float8_e4m3fn)
         return data, x.new_empty((*x.shape[:-1], kb), dtype=torch.float32)
 
-    @torch.library.custom_op(f"{OP_NAMESPACE}::fp8_block_gemm", mutates_args=())
-    def fp8_block_gemm(
-        a: torch.Tensor,
-        a_s: torch.Tensor,
-        b: torch.Tensor,
-        b_s: torch.Tensor,
-        out_dtype: torch.dtype,
-        a_pow2: bool,
-        b_pow2: bool,
-        backend: str,
-    ) -> torch.Tensor:
-        return _gemm_impl(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2, backend)
+    # The op's schema is inferred from _gemm_impl's own signature (one list of typed arguments).
+    fp8_block_gemm = torch.library.custom_op(
+        f"{OP_NAMESPACE}::fp8_block_gemm", _gemm_impl, mutates_args=()
+    )
 
     @fp8_block_gemm.register_fake
     def _(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2, backend):  # type: ignore[no-untyped-def]
