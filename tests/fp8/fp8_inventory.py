@@ -65,6 +65,10 @@ class Inventory(TorchDispatchMode):
     def count(self, kind: str) -> int:
         return sum(1 for op in self.ops if self.kind(op) == kind)
 
+    def launches(self) -> list[str]:
+        """The recorded ops that are kernel launches, in order."""
+        return [op for op in self.ops if self.kind(op) == "launch"]
+
     def table(self) -> str:
         """``op xN`` per op, launches first (for assertion messages)."""
         c = Counter(self.ops)

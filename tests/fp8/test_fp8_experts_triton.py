@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_setup import DEVICE, TRITON_MARKS
 
 from nemo_jetrl.fp8 import experts, experts_reference, finite_flags, triton_grouped
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.formats import E4M3, E5M2
 from nemo_jetrl.fp8.sync_check import no_host_reads
 
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = TRITON_MARKS
 COUNTS = [129, 0, 1, 127, 128]
 CONFIGS = {
     "pow2": Fp8LinearConfig.te_blockwise(exact_gemm=True),

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from fp8_inventory import Inventory, record_triton
+from triton_setup import BLOCKS, DEVICE, TRITON_MARKS
 
 from nemo_jetrl.fp8 import finite_flags, fp8_bits, quantize_blockwise
 from nemo_jetrl.fp8.rowcol_quantize import (
@@ -20,14 +21,7 @@ from nemo_jetrl.fp8.rowcol_quantize import (
     quantize_rowcol_triton,
 )
 
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCKS = [(1, 128), (128, 128), (128, 1)]
+pytestmark = TRITON_MARKS
 MODES = [(f, p) for f in ("e4m3", "e5m2") for p in (True, False)]
 
 
@@ -190,52 +184,16 @@ def test_kernel_sets_the_flag_only_for_non_finite_input(which, native):
         assert int(flag) == 1, (which, r, c)
 
 
-class _Ops(TorchDispatchMode):
-    """Aten ops run by a call, Triton launches as ``triton:<kernel>`` (interpreter work not
-    counted: the launch runs with the mode paused)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-    def launches(self) -> list[str]:
-        free = {"view", "detach", "t", "reshape", "_unsafe_view", "as_strided", "transpose"}
-        alloc = {"empty", "empty_strided", "new_empty"}
-        return [op for op in self.ops if op not in free | alloc]
-
-
 @pytest.fixture
 def counted(monkeypatch):
     from nemo_jetrl.fp8 import triton_kernels
 
     if not triton_kernels.interpreting():
         pytest.skip("counts interpreter launches on CPU tensors")
-    mode = _Ops()
-    module = triton_kernels._kernels()
-
-    class Launcher:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                mode.ops.append(f"triton:{self.name}")
-                with _disable_current_modes():
-                    return getattr(module, self.name)[grid](*args, **kwargs)
-
-            return launch
-
-    class Kernels:
-        def __getattr__(self, name):
-            return Launcher(name) if name.endswith("_kernel") else getattr(module, name)
-
-    monkeypatch.setattr(triton_kernels, "_kernels", lambda: Kernels())
+    inventory = Inventory()
+    record_triton(monkeypatch, inventory)
     finite_flags._FLAGS.clear()
-    yield mode
+    yield inventory
     finite_flags._FLAGS.clear()
 
 

@@ -13,20 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from triton_setup import BLOCKS, DEVICE, TRITON_MARKS
 
 from nemo_jetrl.fp8 import E4M3, E5M2, fp8_bits, quantize_blockwise
 
-pytestmark = [
-    pytest.mark.triton,
-    # the interpreter runs kernels in numpy, which warns on 448/0 (zero blocks) and inf*0 (bad input)
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = TRITON_MARKS
 
 
-BLOCKS = [(1, 128), (128, 128), (128, 1)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
