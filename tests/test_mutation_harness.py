@@ -71,14 +71,15 @@ MUTANTS = [
 CONFTEST = "def pytest_addoption(parser):\n    parser.addoption('--runslow', action='store_true')\n"
 
 
-def test_end_to_end_killed_survived_equivalent(tmp_path: Path) -> None:
-    root = tmp_path / "repo"
+def _run_harness(root: Path, test: str, mutants: str) -> subprocess.CompletedProcess[str]:
+    """A git repo at ``root`` holding pkg/mod.py (MOD), ``test`` as its tests and ``mutants`` as
+    its scripts/mutants.py, with this repo's mutation_check.py run on it (no PYTHONPATH)."""
     for rel, text in {
         "pkg/__init__.py": "",
         "pkg/mod.py": MOD,
-        "tests/test_mod.py": TEST,
+        "tests/test_mod.py": test,
         "tests/conftest.py": CONFTEST,
-        "scripts/mutants.py": MUTANTS,
+        "scripts/mutants.py": mutants,
         ".gitignore": ".venv\n",
     }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +88,7 @@ def test_end_to_end_killed_survived_equivalent(tmp_path: Path) -> None:
     (root / ".venv").symlink_to(Path(sys.executable).parents[1])
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run(
+    return subprocess.run(
         [sys.executable, "scripts/mutation_check.py", "--root", str(root)],
         cwd=root,
         env=env,
@@ -95,6 +96,11 @@ def test_end_to_end_killed_survived_equivalent(tmp_path: Path) -> None:
         text=True,
         timeout=300,
     )
+
+
+def test_end_to_end_killed_survived_equivalent(tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    p = _run_harness(root, TEST, MUTANTS)
     out = p.stdout
     verdicts = {
         ln.split(None, 1)[1].split("  [")[0]: ln.split()[0]
@@ -122,28 +128,7 @@ def test_a_kill_by_a_test_that_fails_unmutated_is_an_error(tmp_path: Path) -> No
     mutants = MUTANTS.replace(
         'T = ("tests/test_mod.py",)', 'T = ("tests/test_mod.py::test_broken",)'
     )
-    for rel, text in {
-        "pkg/__init__.py": "",
-        "pkg/mod.py": MOD,
-        "tests/test_mod.py": broken,
-        "tests/conftest.py": CONFTEST,
-        "scripts/mutants.py": mutants.split('    Mutant("pad')[0] + "]\n",
-        ".gitignore": ".venv\n",
-    }.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    shutil.copy(REPO / "scripts/mutation_check.py", root / "scripts")
-    (root / ".venv").symlink_to(Path(sys.executable).parents[1])
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run(
-        [sys.executable, "scripts/mutation_check.py", "--root", str(root)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = _run_harness(root, broken, mutants.split('    Mutant("pad')[0] + "]\n")
     assert p.returncode == 2, p.stdout + p.stderr
     assert "ERROR      clip max->min" in p.stdout and "fails unmutated too" in p.stdout
     assert p.stdout.splitlines()[-1].startswith("0 killed, 0 equivalent, 0 survived, 1 errors")

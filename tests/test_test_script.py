@@ -317,7 +317,10 @@ def test_skipped_tiers_build_no_environment_and_still_fail_ci(tmp_path: Path) ->
     ]
 
 
-def test_an_interrupted_run_ends_its_background_builds(tmp_path: Path) -> None:
+def _interrupt_once_started(tmp_path: Path, started: str, **env: str) -> tuple[int, str]:
+    """Run the stand-in repo's scripts/test.sh (journal at ``tmp_path / "journal"``, ``env``
+    added), interrupt its process group (SIGINT, as Ctrl-C does) once the journal shows
+    ``started``; (exit status, stdout + stderr)."""
     root = _standin_repo(tmp_path)
     journal = tmp_path / "journal"
     proc = subprocess.Popen(
@@ -328,8 +331,7 @@ def test_an_interrupted_run_ends_its_background_builds(tmp_path: Path) -> None:
             "TMPDIR": str(tmp_path),
             "JOURNAL": str(journal),
             "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
-            "STANDIN_SLEEP_PY": "30",
-            "STANDIN_SLEEP_FETCH_VLLM_SRC": "30",
+            **env,
         },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -338,14 +340,22 @@ def test_an_interrupted_run_ends_its_background_builds(tmp_path: Path) -> None:
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and "start default-python" not in (
+    while time.monotonic() < deadline and started not in (
         journal.read_text() if journal.exists() else ""
     ):
         time.sleep(0.05)
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=20)
-    assert proc.returncode == 130
+    out, err = proc.communicate(timeout=20)
+    return proc.returncode, out + err
+
+
+def test_an_interrupted_run_ends_its_background_builds(tmp_path: Path) -> None:
+    returncode, _ = _interrupt_once_started(
+        tmp_path, "start default-python", STANDIN_SLEEP_PY="30", STANDIN_SLEEP_FETCH_VLLM_SRC="30"
+    )
+    assert returncode == 130
+    journal = tmp_path / "journal"
     time.sleep(0.5)
     lines = journal.read_text().splitlines()
     assert any(ln.startswith("start fetch_vllm_src ") for ln in lines)
@@ -388,34 +398,11 @@ def test_the_second_lane_runs_beside_the_first_and_the_summary_keeps_tier_order(
 
 
 def test_an_interrupted_run_ends_the_second_lanes_tier(tmp_path: Path) -> None:
-    root = _standin_repo(tmp_path)
-    journal = tmp_path / "journal"
-    proc = subprocess.Popen(
-        ["bash", "scripts/test.sh"],
-        cwd=root,
-        env={
-            **os.environ,
-            "TMPDIR": str(tmp_path),
-            "JOURNAL": str(journal),
-            "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
-            "STANDIN_SLEEP_PY": "30",
-            "STANDIN_SLEEP_TEST_VLLM": "30",
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    returncode, output = _interrupt_once_started(
+        tmp_path, "start test_vllm", STANDIN_SLEEP_PY="30", STANDIN_SLEEP_TEST_VLLM="30"
     )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and "start test_vllm" not in (
-        journal.read_text() if journal.exists() else ""
-    ):
-        time.sleep(0.05)
-    time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 130, out + err
+    assert returncode == 130, output
+    journal = tmp_path / "journal"
     time.sleep(1)
     lines = journal.read_text().splitlines()
     assert any(ln.startswith("start test_vllm --runslow .venv-vllm020") for ln in lines)
