@@ -238,21 +238,27 @@ def _standin_repo(tmp_path: Path, fail: str = "") -> Path:
     return root
 
 
+def _test_sh_env(tmp_path: Path, **env: str) -> dict[str, str]:
+    """test.sh's environment in a stand-in run: temp files, journal (``tmp_path / "journal"``)
+    and the stand-in upstream trees under ``tmp_path``, then ``env``."""
+    return {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "JOURNAL": str(tmp_path / "journal"),
+        "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
+        **env,
+    }
+
+
 def _run_test_sh(tmp_path: Path, fail: str = "", **env: str) -> tuple[list[str], list[str], str]:
     root = tmp_path / "repo" if (tmp_path / "repo").is_dir() else _standin_repo(tmp_path, fail)
     journal = tmp_path / "journal"
     done = subprocess.run(
         ["bash", "scripts/test.sh"],
         cwd=root,
-        env={
-            **os.environ,
-            "TMPDIR": str(tmp_path),
-            "JOURNAL": str(journal),
-            "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
-            "JETRL_NEMO_RL_TREES": "v0.7.0 main-abc",
-            "CI": "true",
-            **env,
-        },
+        env=_test_sh_env(
+            tmp_path, **{"JETRL_NEMO_RL_TREES": "v0.7.0 main-abc", "CI": "true", **env}
+        ),
         capture_output=True,
         text=True,
         timeout=60,
@@ -326,13 +332,7 @@ def _interrupt_once_started(tmp_path: Path, started: str, **env: str) -> tuple[i
     proc = subprocess.Popen(
         ["bash", "scripts/test.sh"],
         cwd=root,
-        env={
-            **os.environ,
-            "TMPDIR": str(tmp_path),
-            "JOURNAL": str(journal),
-            "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
-            **env,
-        },
+        env=_test_sh_env(tmp_path, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
