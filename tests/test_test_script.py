@@ -368,7 +368,7 @@ def test_the_second_lane_runs_beside_the_first_and_the_summary_keeps_tier_order(
     tmp_path: Path,
 ) -> None:
     summary, journal, out = _run_test_sh(
-        tmp_path, STANDIN_SLEEP_PY="2", STANDIN_SLEEP_TEST_VLLM="2"
+        tmp_path, STANDIN_SLEEP_PY="2", STANDIN_SLEEP_TEST_VLLM="2", JETRL_TIER_LANES="2"
     )
     assert summary[1:3] == [
         "vLLM 0.32.0 tier (.venv-vllm): 3 passed in 1s (exit 0)",
@@ -399,7 +399,11 @@ def test_the_second_lane_runs_beside_the_first_and_the_summary_keeps_tier_order(
 
 def test_an_interrupted_run_ends_the_second_lanes_tier(tmp_path: Path) -> None:
     returncode, output = _interrupt_once_started(
-        tmp_path, "start test_vllm", STANDIN_SLEEP_PY="30", STANDIN_SLEEP_TEST_VLLM="30"
+        tmp_path,
+        "start test_vllm",
+        STANDIN_SLEEP_PY="30",
+        STANDIN_SLEEP_TEST_VLLM="30",
+        JETRL_TIER_LANES="2",
     )
     assert returncode == 130, output
     journal = tmp_path / "journal"
