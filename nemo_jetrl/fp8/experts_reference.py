@@ -182,10 +182,11 @@ def combine(
     """``out[t] = sum_j y[pos[t, j]] * weight[pos[t, j]]`` (``pos [T, k]``, -1 absent: +0) in
     slot order: fp32 products, ``k - 1`` fp32 adds, one rounding to ``out_dtype``."""
     prod = y.float() * weight.float()[:, None]
-    here = pos >= 0
-    rows = pos.clamp(min=0)
-    acc = torch.zeros(pos.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-    for j in range(pos.shape[1]):
-        p = torch.where(here[:, j, None], prod[rows[:, j]], 0.0)
-        acc = p if j == 0 else acc + p
+    # An absent slot reads an appended +0 row: no row may be read when this rank holds no route
+    # at all (expert parallel: every token went to other ranks' experts, y is [0, H]).
+    prod = torch.cat([prod, prod.new_zeros(1, prod.shape[1])])
+    rows = torch.where(pos >= 0, pos, y.shape[0])
+    acc = prod[rows[:, 0]]
+    for j in range(1, pos.shape[1]):
+        acc = acc + prod[rows[:, j]]
     return acc.to(out_dtype)

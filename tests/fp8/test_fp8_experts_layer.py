@@ -204,6 +204,19 @@ def test_combine_with_fewer_rows_for_some_tokens(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_combine_when_this_rank_holds_no_route_at_all(backend):
+    """Expert parallel: every token of a batch routed to other ranks' experts leaves this rank
+    no row (y [0, H]); each token's output is +0, not an IndexError (seen on vLLM 0.32's EP=2
+    engine: test_vllm_moe_shards[ep])."""
+    y = torch.zeros(0, 256, dtype=torch.bfloat16, device=DEVICE)
+    token = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    wt = torch.zeros(0, device=DEVICE)
+    got = combine(y, token, wt, 3, 2, torch.bfloat16)
+    assert got.shape == (3, 256) and _same(got.float(), torch.zeros(3, 256))
+    assert not torch.signbit(got.float()).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_combine_sums_in_slot_order_for_any_top_k(backend):
     """k = 4 with absent slots: the kernel's sum is ((p0 + p1) + p2) + p3 in expert order."""
     g = torch.Generator().manual_seed(6)
