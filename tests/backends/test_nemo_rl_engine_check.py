@@ -34,6 +34,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hf_models import char_tokenizer, tiny_llama_128
 from nemo_rl_upstream import nemo_rl_vllm_modules
 
@@ -89,6 +90,13 @@ def nemo_rl_generation_worker(d: Path, env: dict[str, str]):
     mp = pytest.MonkeyPatch()
     with vllm_cpu_env():
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # as NeMo-RL's configure_worker
+        # init_fp8 sets NeMo-RL's module globals and the in-process engine torch's default dtype:
+        # restored on exit, or later tests of the tier see this engine's FP8 config (seen: the
+        # fp32-scale quantizer tests found no difference, test_loss got a bf16 default dtype).
+        for name in ("global_fp8_config", "fp8_patches_applied"):
+            mp.setattr(fp8, name, getattr(fp8, name))
+        mp.setattr(fp8, "fp8_state", fp8.FP8State())  # its caches fill in place: a fresh one
+        default_dtype = torch.get_default_dtype()
         cfg = {"precision": "fp8", "kv_cache_dtype": "auto", "async_engine": False}
         nrl_kwargs = fp8.init_fp8(cfg, str(d), 1)  # NeMo-RL's own patches and kwargs
         standin = {"fp8": dataclasses.asdict(fp8.global_fp8_config), "device_id": "jetrl-ec"}
@@ -134,6 +142,7 @@ def nemo_rl_generation_worker(d: Path, env: dict[str, str]):
             del llm
             gc.collect()
             mp.undo()
+            torch.set_default_dtype(default_dtype)
 
 
 class StandInWorkerGroup:
