@@ -15,6 +15,13 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
+# A bare image lacks the package's pure-Python dependencies: wheels installed here beforehand with
+#   pip install --target .gpu-deps --python-version 3.12 --only-binary=:all: \
+#     --platform manylinux2014_x86_64 pydantic omegaconf pyyaml safetensors
+# travel with the tree (run's carry) and go on the path only where the image lacks them.
+if ! "$py" -c 'import pydantic, omegaconf, safetensors' 2>/dev/null && [ -d .gpu-deps ]; then
+  export PYTHONPATH="$PYTHONPATH:$PWD/.gpu-deps"
+fi
 step() {  # step NAME SECONDS CMD...: CMD under a timeout (0: skip), log to $out/NAME.log, note its rc
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
