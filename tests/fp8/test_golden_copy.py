@@ -12,6 +12,8 @@ FILES = (
     "te_golden_seed0.json",
     "vllm_golden_seed0.safetensors",
     "vllm_golden_seed0.json",
+    "te_golden_tails_seed0.safetensors",
+    "te_golden_tails_seed0.json",
 )
 
 
