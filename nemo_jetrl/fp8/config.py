@@ -44,7 +44,9 @@ class Fp8LinearConfig:
     )  # FProp x, DGrad dY: per token along K
     WEIGHT_BLOCK: ClassVar[Block] = spec.WEIGHT_BLOCK  # W, reused transposed for DGrad
     WGRAD_BLOCK: ClassVar[Block] = spec.WGRAD_BLOCK  # WGrad x and dY: 128 tokens per block
-    DIM_MULTIPLE: ClassVar[int] = spec.BLOCK  # in/out features must be multiples of this
+    # fused experts' N and K must be multiples of this (their blocks stack per expert); a plain
+    # linear follows `spec.linear_dims_problem` (partial blocks allowed)
+    DIM_MULTIPLE: ClassVar[int] = spec.BLOCK
 
     def __post_init__(self) -> None:
         errors = []

@@ -1,7 +1,8 @@
 """Swap ``nn.Linear`` layers of a model for FP8 ones, in place, and report what was kept.
 
-The recipe rule (DESIGN.md): a layer runs in FP8 only if the filter accepts it *and* both of its
-dims are multiples of 128; everything else stays in BF16, on both sides of an RL step, so the
+The recipe rule (DESIGN.md): a layer runs in FP8 only if the filter accepts it *and* its dims
+pass TE's FP8 rule (`spec.linear_dims_problem`: in % 16, out % 8; partial 128-blocks run);
+everything else stays in BF16, on both sides of an RL step, so the
 trainer and the rollout must make the same choice. Training layers share the original
 ``Parameter`` objects, so an optimizer built before the swap keeps working. The returned
 ``ConversionReport`` (also logged) says which layers were converted and why others were kept.
@@ -18,6 +19,7 @@ from torch import nn
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.inference_linear import Fp8InferenceLinear, Quantizer
 from nemo_jetrl.fp8.linear import Fp8BlockLinear
+from nemo_jetrl.fp8.spec import linear_dims_problem
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +48,13 @@ def _plan(
     model: nn.Module, module_filter_fn: ModuleFilter | None
 ) -> tuple[list[tuple[str, nn.Linear]], dict[str, str]]:
     chosen, kept = [], {}
-    mult = Fp8LinearConfig.DIM_MULTIPLE
     for name, mod in model.named_modules():
         if type(mod) is not nn.Linear:  # already converted layers and subclasses are left alone
             continue
         if module_filter_fn is not None and not module_filter_fn(mod, name):
             kept[name] = "rejected by module_filter_fn"
-        elif mod.in_features % mult or mod.out_features % mult:
-            kept[name] = f"dims ({mod.out_features}, {mod.in_features}) are not multiples of {mult}"
+        elif (why := linear_dims_problem(mod.in_features, mod.out_features)) is not None:
+            kept[name] = f"dims ({mod.out_features}, {mod.in_features}): {why}"
         else:
             chosen.append((name, mod))
     return chosen, kept

@@ -70,7 +70,7 @@ from nemo_jetrl.fp8.grouped_tensors import (
     per_expert_any,
     raise_non_finite_expert,
 )
-from nemo_jetrl.fp8.linear import check_fp8_dims
+from nemo_jetrl.fp8.linear import check_expert_dims
 from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.spec import BLOCK, WEIGHT_BLOCK
 from nemo_jetrl.fp8.staging import quantized_weight_problem
@@ -113,7 +113,7 @@ def _ops(x: torch.Tensor) -> ModuleType:
 def _check_inputs(
     x: torch.Tensor, n: int, k: int, e: int, offsets: torch.Tensor, name: str
 ) -> None:
-    check_fp8_dims(k, n, name)
+    check_expert_dims(k, n, name)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{name}: x must be [M, {k}], got {tuple(x.shape)}")
     if offsets.dtype != torch.int64 or tuple(offsets.shape) != (e + 1,):
@@ -263,7 +263,7 @@ def quantize_expert_weights(
     if weight.dim() != 3:
         raise ValueError(f"{name}: expert weights must be [E, N, K], got {tuple(weight.shape)}")
     n_exp, n, k = weight.shape
-    check_fp8_dims(k, n, name)
+    check_expert_dims(k, n, name)
     fmt, pow2 = config.forward_format, config.pow2_scales
     q = quantize_blockwise(
         weight.reshape(n_exp * n, k), WEIGHT_BLOCK, fmt=fmt, pow2_scales=pow2, eps=config.eps,
@@ -292,7 +292,7 @@ def load_expert_weights(
     if data.dim() != 3:
         raise ValueError(f"{name}: expert weights must be [E, N, K], got {tuple(data.shape)}")
     n_exp, n, k = data.shape
-    check_fp8_dims(k, n, name)
+    check_expert_dims(k, n, name)
     want = config.forward_format.dtype
     data = data.view(want) if data.dtype == torch.uint8 else data
     if data.dtype != want:

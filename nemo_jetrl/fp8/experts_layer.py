@@ -34,7 +34,7 @@ from nemo_jetrl.fp8 import finite_flags
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.experts import _check_inputs, _ops
 from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
-from nemo_jetrl.fp8.linear import check_fp8_dims
+from nemo_jetrl.fp8.linear import check_expert_dims
 
 
 def sort_routes(
@@ -83,7 +83,7 @@ def routed_experts_inference(
         )
     rows = x.new_empty(token.shape[0], h)  # shape only: offsets must cover the routed rows
     _check_inputs(rows, two_i, h, n_exp, offsets, f"{name}.w13")
-    check_fp8_dims(two_i // 2, h, f"{name}.w2")
+    check_expert_dims(two_i // 2, h, f"{name}.w2")
     for q, part in ((w13, "w13"), (w2, "w2")):
         _check_weights(q, config, f"{name}.{part}")
     ops = _ops(x)

@@ -18,9 +18,9 @@ Order of preference for CUDA operands (``auto``):
 3. ``triton`` - our Triton block GEMM (`triton_gemm`): any CUDA GPU, any output dtype, E4M3 or
    E5M2 operands, FProp/DGrad and WGrad pairs.
 
-A plan holds for every shape but one rule: a GEMM whose shape cuBLASLt refuses (`shape_problem`:
-e.g. WGrad over 300 tokens, an expert's 129 rows; measured on an H100, torch 2.11 / CUDA 13.0)
-runs on ``triton`` instead (`run_gemm`: the trainer's linears, the vLLM kernel's decode batches).
+A plan holds for every shape but one rule: a GEMM whose shape cuBLASLt or DeepGEMM refuses
+(`shape_problem`: WGrad over 300 tokens, an expert's 129 rows, a partial K block) runs on
+``triton`` (`run_gemm`: the trainer's linears, the vLLM kernel's decode batches).
 
 When none applies on a GPU, planning fails with `GemmBackendError` naming what to install or
 change: a GPU never falls back to dequantizing the weight to fp32 on every call. CPU operands use
@@ -210,11 +210,7 @@ def forced_backend(backend: str | None = None) -> str:
     value = (backend if backend is not None else os.environ.get(ENV_GEMM_BACKEND, "auto")).lower()
     value = value.strip()
     if value not in GEMM_BACKENDS:
-        source = (
-            "backend argument"
-            if backend is not None
-            else f"environment variable {ENV_GEMM_BACKEND}"
-        )
+        source = "backend argument" if backend is not None else f"variable {ENV_GEMM_BACKEND}"
         raise ValueError(f"{source} is {value!r}; use one of {list(GEMM_BACKENDS)}")
     return value
 
@@ -231,9 +227,10 @@ def _plan_cached(device, out_dtype, pow2_scales, kind, fmts, forced, excluded) -
         forced=forced,
         excluded=excluded,
     )
-    # Triton's value tables must exist before any CUDA graph capture (scaled_mm plans too: the
-    # shapes cuBLASLt refuses run on Triton, see `run_gemm`).
-    if plan.backend == "triton" or (plan.backend == "scaled_mm" and device_caps(device).triton):
+    # Triton's value tables must exist before any CUDA graph capture (scaled_mm / deep_gemm plans
+    # too: the shapes they refuse run on Triton, see `run_gemm`).
+    fallback = plan.backend in ("scaled_mm", "deep_gemm") and device_caps(device).triton
+    if plan.backend == "triton" or fallback:
         from nemo_jetrl.fp8.triton_gemm import prepare
 
         prepare(device, fmts)
@@ -328,11 +325,14 @@ def shape_problem(backend: str, m: int, n: int, k: int) -> str | None:
     """Why ``backend`` cannot take an ``[M, K] x [N, K]`` GEMM of this shape (None: it can).
     Measured on an H100 (torch 2.11, CUDA 13.0; benchmarks/gpu/probe_scaled_mm.py): blockwise
     ``F.scaled_mm`` refuses K or N not a multiple of 16, and cuBLASLt answers NOT_SUPPORTED for
-    M not a multiple of 4 (its M-major 1x128 scales; torch will not take a padded stride)."""
+    M not a multiple of 4 (its M-major 1x128 scales). DeepGEMM: vLLM 0.33's own rule
+    (``should_use_deepgemm_for_fp8_linear``: N % 64, K % 128; e.g. a 576-wide DGrad is not)."""
     if backend == "scaled_mm" and (m % row_multiple(backend) or n % 16 or k % 16):
         return (
             f"cuBLASLt blockwise FP8 needs M % 4, N % 16 and K % 16 == 0 (got M={m}, N={n}, K={k})"
         )
+    if backend == "deep_gemm" and (n % 64 or k % 128):
+        return f"DeepGEMM needs N % 64 and K % 128 == 0 (got N={n}, K={k})"
     return None
 
 
@@ -385,9 +385,9 @@ def run_gemm(
     backend: str, a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``a @ b.T`` on a backend `plan_gemm` chose (nothing imported, no host read). The one
-    per-call rule: a shape cuBLASLt refuses (`shape_problem`) runs on Triton, whose value tables
-    a ``scaled_mm`` plan prepared (a decode batch of 37 tokens on a scaled_mm layer, say)."""
-    if backend == "scaled_mm":
+    per-call rule: a shape cuBLASLt or DeepGEMM refuses (`shape_problem`: 37 decode tokens, a
+    576-row weight's DGrad) runs on Triton, whose value tables the plan prepared."""
+    if backend in ("scaled_mm", "deep_gemm"):
         m, k = a.data.shape
         why = shape_problem(backend, m, b.data.shape[0], k)
         if why is not None:

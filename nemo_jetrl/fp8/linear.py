@@ -52,6 +52,7 @@ from nemo_jetrl.fp8.gemm_backends import gemm_ready_weight_scales
 from nemo_jetrl.fp8.linear_plan import LinearPlan, make_plan, plan_key
 from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.rowcol_quantize import quantize_rowcol_reference, quantize_rowcol_triton
+from nemo_jetrl.fp8.spec import linear_dims_problem
 from nemo_jetrl.fp8.weight_cache import WeightCache
 
 
@@ -102,7 +103,19 @@ def fp8_linear_forward(
 
 
 def check_fp8_dims(in_features: int, out_features: int, label: str) -> None:
-    """FP8 layers need both dims to be multiples of 128 (else keep the layer in BF16)."""
+    """A linear's dims under TE's FP8 rule (`spec.linear_dims_problem`): partial 128-blocks run
+    (ceil-sized scale grids), dims TE would refuse are refused (keep the layer in BF16)."""
+    why = linear_dims_problem(in_features, out_features)
+    if why is not None:
+        raise ValueError(
+            f"{label}: {why}; keep this layer in BF16 (convert_to_fp8_training does so "
+            "automatically)"
+        )
+
+
+def check_expert_dims(in_features: int, out_features: int, label: str) -> None:
+    """Fused experts need both dims to be multiples of 128 (each expert's blocks must start on a
+    block edge of the stacked weight); else keep the experts in BF16."""
     mult = Fp8LinearConfig.DIM_MULTIPLE
     if in_features % mult or out_features % mult:
         raise ValueError(

@@ -55,7 +55,8 @@ def test_training_conversion_swaps_and_reports(caplog):
     assert report.kept == {
         "layers.0.router": "rejected by module_filter_fn",
         "layers.1.router": "rejected by module_filter_fn",
-        "odd": "dims (100, 256) are not multiples of 128",
+        "odd": "dims (100, 256): out_features=100 is not a multiple of 8 (Transformer Engine's "
+        "FP8 GEMM rule; partial 128-blocks are fine)",
         "lm_head": "rejected by module_filter_fn",
     }
     assert isinstance(model.layers[1].down, Fp8BlockLinear)

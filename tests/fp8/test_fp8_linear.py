@@ -153,7 +153,7 @@ def test_no_bias_and_frozen_weight_skip_wgrad():
 
 
 def test_errors_name_the_layer():
-    with pytest.raises(ValueError, match=r"blk\.odd.*multiples of 128"):
+    with pytest.raises(ValueError, match=r"blk\.odd: in_features=100 is not a multiple of 16"):
         Fp8BlockLinear(100, 128, name="blk.odd")
     _, layer = _layer()
     x = torch.randn(4, 256, dtype=torch.bfloat16)

@@ -13,8 +13,9 @@ decoder linears are swapped for FP8 layers:
 Which layers: decoder linears (``*_proj`` inside ``model.layers``) of the layers the side's
 recipe marks FP8 (``bf16_first_layers`` / ``bf16_last_layers``), except those on its per-name
 BF16 list (``bf16_layer_kws``, matched against the HF module name); embeddings, norms, attention
-math and ``lm_head`` stay in the BF16 compute dtype on both sides. A linear whose dims are not
-multiples of 128 is kept BF16 by the converter and reported. MoE blocks are swapped on every
+math and ``lm_head`` stay in the BF16 compute dtype on both sides. A linear whose dims fail TE's
+FP8 rule (`fp8.spec.linear_dims_problem`: in % 16, out % 8; partial 128-blocks run) is kept BF16
+by the converter and reported. MoE blocks are swapped on every
 recipe (`moe.convert_moe_blocks`); their expert projections follow the same rules.
 """
 
