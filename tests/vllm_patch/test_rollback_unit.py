@@ -1,6 +1,6 @@
 """`vllm_patch.rollback` on real torch modules and a real HF model (no vLLM needed): everything a
 failed refit can do to a layer is undone bit for bit, object for object; a restore that does not
-take is named. The real engines run it in tests/vllm_patch/test_vllm_rollback.py (vLLM) and
+take is named. The real engines run it in tests/vllm_patch/test_vllm_cpu_gemm.py (vLLM) and
 tests/backends/test_nemo_rl_refit_vllm.py (NeMo-RL's streamed refit)."""
 
 from __future__ import annotations

@@ -21,14 +21,39 @@ unmarked engines run whatever this CPU really does. A refit that
 only copied into parameters would fail the shape guard (repacked weights) or leave the packed
 copies stale; both are caught here by the parity read-back through the layer's own GEMM and by
 logprobs against the trainer.
+
+Refits that fail after tensors reached the engine are rolled back (issue 17; these tests were
+tests/vllm_patch/test_vllm_rollback.py). `refit.refit` checks every input before sending; what
+can still fail is in the engine: the loader raising half way, the parity check finding a
+difference. Both are injected in the worker (closures sent by value, test-only
+``VLLM_ALLOW_INSECURE_SERIALIZATION``) around the real loader: after each failure the engine's
+read-back state (FP8 bytes, scales, other tensors, GEMM views, KV scales) equals the state before
+the refit bit for bit, and greedy generation gives the same tokens and logprobs. The mutation
+(``rollback=False``) leaves the engine changed. Each rollback case runs on three engines: jetrl as
+this CPU runs it, and jetrl and BF16 with the stand-in, where a half-load makes vLLM build new
+GEMM closures and the rollback must put the old ones back (checked by identity, and by reading
+every weight back through its GEMM).
+
+Engines (issue 40): both kinds of test share one engine per (dtype, recipe, stand-in), started
+once by ``dense_engines.EnginePool`` (5 starts, not 8); the rollback tests first refit a known
+state (seed 0) and compare against a read-back taken in the same engine.
 """
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+from dense_engines import (
+    KEYS,
+    EnginePool,
+    changed,
+    gemm_closures,
+    has_snapshot,
+    inject,
+    remove_fault,
+)
+from hf_models import tiny_llama_128
+from test_vllm_engine import _engine_state, _generate, _token_logprobs
 from vllm_fixtures import (
     DECODER_LINEARS,
     bf16_gap_bound,
@@ -49,6 +74,20 @@ def _vllm_cpu_env():
         yield
 
 
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = EnginePool(tmp_path_factory)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def engine_key(request):
+    """The engine a test runs on (indirect, module scope: pytest runs each engine's tests
+    together, so each engine starts once)."""
+    return KEYS[request.param]
+
+
 def test_with_the_standin_vllm_repacks_on_this_cpu():
     """The premise of the ``standin`` engines: vLLM's dispatch then takes its oneDNN branch."""
     with onednn_standin(True):
@@ -56,8 +95,6 @@ def test_with_the_standin_vllm_repacks_on_this_cpu():
 
 
 def _trainer(seed: int, dtype: torch.dtype, recipe_name: str):
-    from hf_models import tiny_llama_128
-
     from nemo_jetrl.fp8.config import Fp8LinearConfig
     from nemo_jetrl.fp8.convert import convert_to_fp8_training
 
@@ -70,96 +107,162 @@ def _trainer(seed: int, dtype: torch.dtype, recipe_name: str):
 
 
 # vLLM's fp8 quantization serves bfloat16/float16 only, so jetrl runs in bfloat16; the FP32
-# engine (BF16 recipe) is the one that repacks on every CPU, lm_head included. Each test runs its
-# recipes in order on the same CPU: the BF16 recipe's engine-vs-trainer gaps, each bounded by the
-# trainer's own BF16-vs-FP32 gap on the same tokens (vllm_fixtures.bf16_gap_bound), are then the
-# controls of the jetrl engine's gaps for the same weights (vllm_fixtures.fp8_gap_bound). Fixed
-# bounds before: 0.05 (FP32), 0.25 (BF16) and 0.25 (jetrl) nats; stale packed copies (the dummy
-# weights) gave 1.5-3.3 nats on AVX-512 CPUs.
-@pytest.mark.parametrize(
-    ("dtype_name", "recipes", "standin"),
-    [
-        ("float32", ("bf16",), False),
-        ("bfloat16", ("bf16", "jetrl"), False),
-        ("bfloat16", ("bf16", "jetrl"), True),
-    ],
-    ids=["fp32-bf16", "bf16-bf16+jetrl", "standin-bf16-bf16+jetrl"],
-)
-def test_refit_rebuilds_what_vllm_derives_from_the_weights(
-    tmp_path, monkeypatch, dtype_name, recipes, standin
-):
+# engine (BF16 recipe) is the one that repacks on every CPU, lm_head included. The BF16 recipe's
+# engine-vs-trainer gaps, each bounded by the trainer's own BF16-vs-FP32 gap on the same tokens
+# (vllm_fixtures.bf16_gap_bound), are the controls of the jetrl engine's gaps for the same dtype,
+# stand-in and weights (vllm_fixtures.fp8_gap_bound): measured by the BF16 engine's test first
+# (or, where that test did not run first, by it inside the jetrl one). Fixed bounds before: 0.05
+# (FP32), 0.25 (BF16) and 0.25 (jetrl) nats; stale packed copies (the dummy weights) gave 1.5-3.3
+# nats on AVX-512 CPUs.
+@pytest.mark.parametrize("engine_key", list(KEYS), indirect=True)
+def test_refit_rebuilds_what_vllm_derives_from_the_weights(pool, engine_key):
+    key = engine_key
     controls = None
-    with onednn_standin(standin, monkeypatch):
-        for recipe_name in recipes:
-            controls = _check_refits(
-                tmp_path / recipe_name, dtype_name, recipe_name, standin, controls
-            )
+    if key.recipe_name == "jetrl":
+        bf16 = KEYS[key.id.replace("jetrl", "bf16")]
+        if bf16 not in pool.gaps:
+            pool.gaps[bf16] = _check_refits(pool, bf16, None)
+        controls = pool.gaps[bf16]
+    gaps = _check_refits(pool, key, controls)
+    if key.recipe_name == "bf16":
+        pool.gaps[key] = gaps
 
 
-def _check_refits(tmp_path, dtype_name, recipe_name, standin, controls):
-    """One engine of ``recipe_name``, loaded and refitted; returns its logprob gap to the
-    trainer for seeds 0 and 1 (the controls of an FP8 engine that follows)."""
-    from hf_models import char_tokenizer, tiny_llama_128
-    from test_vllm_engine import PROMPTS, _generate
+def _check_refits(pool: EnginePool, key, controls):
+    """``key``'s engine as loaded (dummy weights, then the initial refit) and refitted; returns
+    its logprob gap to the trainer for seeds 0 and 1 (the controls of an FP8 engine that
+    follows)."""
+    from test_vllm_engine import PROMPTS
 
-    from nemo_jetrl.recipe import Recipe
-    from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
     from nemo_jetrl.vllm_patch.refit import ParityError, check_parity, quantize_state_dict
 
+    dtype_name, recipe_name = key.dtype_name, key.recipe_name
+    # fresh: it checks the initial refit's report and the weights it loaded (seed 0)
+    eng = pool.get(key, fresh=True)
     dtype = getattr(torch, dtype_name)
-    repacks = vllm_repacks(dtype)
-    assert repacks or not standin
-    tiny_llama_128(0).to(dtype).save_pretrained(tmp_path)
-    char_tokenizer().save_pretrained(tmp_path)
-    recipe = Recipe.preset(recipe_name)
-    kwargs = dict(
-        dtype=dtype_name, max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0,
-        load_format="dummy",  # random placeholders: every real value must arrive by refit
-    )  # fmt: skip
-    eng = VllmRolloutEngine(tmp_path, recipe, engine_kwargs=kwargs)
-    try:
-        llm = eng.llm
-        repacked = set(llm.collective_rpc("jetrl_repacked")[0])
-        bf16_linears = DECODER_LINEARS if recipe_name == "bf16" else set()
-        assert repacked == (bf16_linears if repacks else set()), (repacks, sorted(repacked))
-        rep = eng.last_refit.parity
-        assert rep is not None and rep.differing == ()
-        # embed_tokens and lm_head, plus every decoder linear the recipe keeps unquantized
-        assert rep.through_kernel == 2 + (14 if recipe_name == "bf16" else 0)  # HF tensors
-        assert rep.compared == len(tiny_llama_128(0).state_dict()) + rep.fp8 // 2
+    repacks = vllm_repacks(dtype)  # in-process, under the engine's stand-in (if any)
+    assert repacks or not key.standin
+    recipe = eng.recipe
+    llm = eng.llm
+    repacked = set(llm.collective_rpc("jetrl_repacked")[0])
+    bf16_linears = DECODER_LINEARS if recipe_name == "bf16" else set()
+    assert repacked == (bf16_linears if repacks else set()), (repacks, sorted(repacked))
+    rep = eng.last_refit.parity
+    assert rep is not None and rep.differing == ()
+    # embed_tokens and lm_head, plus every decoder linear the recipe keeps unquantized
+    assert rep.through_kernel == 2 + (14 if recipe_name == "bf16" else 0)  # HF tensors
+    assert rep.compared == len(tiny_llama_128(0).state_dict()) + rep.fp8 // 2
 
-        gaps = []
-        for seed in (0, 1):
-            if seed:  # a second refit changes what the engine computes; it tracks the new trainer
-                eng.refit(tiny_llama_128(seed).to(dtype).state_dict())
-            out = _generate(llm, logprobs=0)
-            trainer = _trainer(seed, dtype, recipe_name)
-            gap = logprob_gap(out, trainer)
-            if recipe_name == "bf16":
-                control, what = bf16_rounding_gap(out, trainer), "the trainer's BF16-vs-FP32 gap"
-                bound = bf16_gap_bound(control)
-            else:
-                control, what = controls[seed], "the BF16 recipe's engine-vs-trainer gap"
-                bound = fp8_gap_bound(control)
-            print(f"{dtype_name} {recipe_name} seed {seed}: gap {gap:.4f}, control {control:.4f}")
-            assert gap < bound, (
-                f"{dtype_name} engine, {recipe_name} recipe, weights of seed {seed}: logprobs "
-                f"{gap:.4f} nats from the trainer's, bound {bound:.4f} from {what} {control:.4f}"
-            )
-            gaps.append(gap)
+    gaps = []
+    for seed in (0, 1):
+        if seed:  # a second refit changes what the engine computes; it tracks the new trainer
+            eng.refit(tiny_llama_128(seed).to(dtype).state_dict())
+        out = _generate(llm, logprobs=0)
+        trainer = _trainer(seed, dtype, recipe_name)
+        gap = logprob_gap(out, trainer)
+        if recipe_name == "bf16":
+            control, what = bf16_rounding_gap(out, trainer), "the trainer's BF16-vs-FP32 gap"
+            bound = bf16_gap_bound(control)
+        else:
+            control, what = controls[seed], "the BF16 recipe's engine-vs-trainer gap"
+            bound = fp8_gap_bound(control)
+        print(f"{dtype_name} {recipe_name} seed {seed}: gap {gap:.4f}, control {control:.4f}")
+        assert gap < bound, (
+            f"{dtype_name} engine, {recipe_name} recipe, weights of seed {seed}: logprobs "
+            f"{gap:.4f} nats from the trainer's, bound {bound:.4f} from {what} {control:.4f}"
+        )
+        gaps.append(gap)
 
-        # The read-back is not vacuous: against other weights it names the unquantized linears
-        # through their GEMM (the only copy a repacked layer has).
-        other = quantize_state_dict(tiny_llama_128(2).to(dtype).state_dict(), recipe, dtype=dtype)
-        with pytest.raises(ParityError) as ei:
-            check_parity(llm, other)
-        msg = str(ei.value)
-        assert "lm_head.weight (through the layer's GEMM:" in msg
-        for layer in bf16_linears:
-            name = layer.replace("qkv_proj", "q_proj").replace("gate_up_proj", "up_proj")
-            assert f"{name}.weight (through the layer's GEMM:" in msg, name
-        assert len(PROMPTS) == 2
-    finally:
-        eng.close()
-        gc.collect()
+    # The read-back is not vacuous: against other weights it names the unquantized linears
+    # through their GEMM (the only copy a repacked layer has).
+    other = quantize_state_dict(tiny_llama_128(2).to(dtype).state_dict(), recipe, dtype=dtype)
+    with pytest.raises(ParityError) as ei:
+        check_parity(llm, other)
+    msg = str(ei.value)
+    assert "lm_head.weight (through the layer's GEMM:" in msg
+    for layer in bf16_linears:
+        name = layer.replace("qkv_proj", "q_proj").replace("gate_up_proj", "up_proj")
+        assert f"{name}.weight (through the layer's GEMM:" in msg, name
+    assert len(PROMPTS) == 2
     return gaps
+
+
+# The rollback tests' engines (ids as in the former test_vllm_rollback.py).
+ROLLOUT = pytest.mark.parametrize(
+    "engine_key",
+    ["bf16-jetrl", "standin-bf16-jetrl", "standin-bf16-bf16"],
+    ids=["jetrl", "standin-jetrl", "standin-bf16"],
+    indirect=True,
+)
+
+
+def _rollout(pool: EnginePool, key):
+    """The shared engine, refitted to a known state (seed 0, as the trainer sends it), with the
+    stand-in engines' premise checked: vLLM took a repacking branch there."""
+    eng = pool.get(key)
+    eng.refit(tiny_llama_128(0).state_dict())
+    if key.standin:
+        # lm_head and the embedding (vLLM dispatches it too, keeping its weight) always
+        embeddings = {"lm_head", "model.embed_tokens"}
+        packed = set(gemm_closures(eng.llm))
+        assert packed == embeddings | (DECODER_LINEARS if key.recipe_name == "bf16" else set())
+        assert set(eng.llm.collective_rpc("jetrl_repacked")[0]) == packed - embeddings
+    return eng  # without the stand-in: whatever this CPU does (AVX-512 repacks lm_head too)
+
+
+@pytest.mark.parametrize(
+    "fault, error, match",
+    [
+        ("half", "RefitError", r"refit failed in the engine \(.*injected loader failure after "),
+        ("flip", "ParityError", r"(layers\.1\.mlp\.down_proj|embed_tokens)\.weight \(1 of "),
+    ],
+)
+@ROLLOUT
+def test_a_refit_failing_inside_the_engine_leaves_it_bit_identical(
+    pool, engine_key, fault, error, match
+):
+    from nemo_jetrl.vllm_patch import refit as refit_mod
+
+    rollout = _rollout(pool, engine_key)
+    llm, recipe = rollout.llm, rollout.recipe
+    before, out_before = _engine_state(llm, recipe), _generate(llm, logprobs=1)
+    closures = gemm_closures(llm)
+    inject(llm, fault)
+    try:
+        with pytest.raises(getattr(refit_mod, error), match=match) as ei:
+            rollout.refit(tiny_llama_128(7).state_dict())
+    finally:
+        remove_fault(llm)
+    assert "rolled back to its state before this refit" in str(ei.value)
+    assert not changed(before, _engine_state(llm, recipe))
+    assert gemm_closures(llm) == closures  # the same closure objects, not rebuilt copies
+    out = _generate(llm, logprobs=1)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in out_before]
+    assert _token_logprobs(out) == _token_logprobs(out_before)
+    assert not has_snapshot(llm)  # restored and freed
+
+
+@ROLLOUT
+def test_without_rollback_the_same_failure_leaves_the_engine_changed(pool, engine_key):
+    """The mutation: what the rollback undoes is real (half of another seed's weights load)."""
+    rollout = _rollout(pool, engine_key)
+    llm, recipe = rollout.llm, rollout.recipe
+    before, closures = _engine_state(llm, recipe), gemm_closures(llm)
+    inject(llm, "half")
+    try:
+        with pytest.raises(Exception, match="injected loader failure") as ei:
+            rollout.refit(tiny_llama_128(7).state_dict(), rollback=False)
+    finally:
+        remove_fault(llm)
+    assert "rolled back" not in str(ei.value)
+    diff = changed(before, _engine_state(llm, recipe))
+    assert diff, "the injected half-load changed nothing: the rollback test would be vacuous"
+    if closures:  # lm_head sorts into the loaded half: vLLM rebuilt its packed closure
+        rebuilt = {n for n, i in gemm_closures(llm).items() if closures.get(n) != i}
+        assert "lm_head" in rebuilt, rebuilt
+        assert "lm_head.weight" in diff, diff  # read back through the new closure
+    # A good refit (with rollback: its snapshot is freed after) makes the engine whole again.
+    rep = rollout.refit(tiny_llama_128(0).state_dict())
+    assert rep.parity is not None and rep.parity.differing == ()
+    assert not changed(before, _engine_state(llm, recipe))
+    assert not has_snapshot(llm)

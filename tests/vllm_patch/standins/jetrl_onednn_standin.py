@@ -9,7 +9,7 @@ the "handler" keeps its own copy of the weight, exactly as oneDNN's packed weigh
 that does not make vLLM rebuild it leaves the GEMM on stale values. It is registered as a
 ``vllm.general_plugins`` entry point by the ``*.dist-info`` beside it, found when this folder is
 on ``sys.path``/``PYTHONPATH`` (``tests/vllm_fixtures.onednn_standin`` puts it there for the
-engines of ``test_vllm_cpu_gemm.py`` and ``test_vllm_rollback.py``).
+engines of ``test_vllm_cpu_gemm.py``, its rollback tests included).
 """
 
 from __future__ import annotations
