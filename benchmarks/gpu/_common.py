@@ -29,6 +29,9 @@ def require_cuda(script: str) -> None:
 _L2_FLUSH_BYTES = 256 << 20  # > 2x the L2 of an H100 (50 MB) / H200 (60 MB)
 
 
+_LEAD_CYCLES = 500_000  # ~0.3 ms at Hopper's ~1.7 GHz SM clock
+
+
 def bench_ms(
     fn: Callable[[], object],
     *,
@@ -70,6 +73,11 @@ def bench_ms(
     for _ in range(iters):
         if flush is not None:
             flush.zero_()
+        # ~0.3 ms of queued GPU work before the start event: the host enqueues the whole of fn
+        # while it runs, so the events time the GPU's work, not the host's launch latency (an
+        # H100 run, results/h100_run4, timed one 3 us quantizer launch at 5-127 us without it).
+        # Host time is measured on its own (bench_fp8_linear's host_ms, profile_host.py).
+        torch.cuda._sleep(_LEAD_CYCLES)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()

@@ -18,15 +18,12 @@ Order of preference for CUDA operands (``auto``):
 3. ``triton`` - our Triton block GEMM (`triton_gemm`): any CUDA GPU, any output dtype, E4M3 or
    E5M2 operands, FProp/DGrad and WGrad pairs.
 
-A plan holds for every shape but one rule: a GEMM whose shape cuBLASLt or DeepGEMM refuses
-(`shape_problem`: WGrad over 300 tokens, an expert's 129 rows, a partial K block) runs on
-``triton`` (`run_gemm`: the trainer's linears, the vLLM kernel's decode batches).
+One per-shape rule: a GEMM cuBLASLt or DeepGEMM refuses (`shape_problem`: WGrad over 300 tokens,
+an expert's 129 rows, a partial K block) runs on ``triton`` (`run_gemm`).
 
-When none applies on a GPU, planning fails with `GemmBackendError` naming what to install or
-change: a GPU never falls back to dequantizing the weight to fp32 on every call. CPU operands use
-``reference`` (`gemm.blockwise_matmul`). ``JETRL_FP8_GEMM_BACKEND`` or ``backend=`` forces one
-(``reference`` may be forced on a GPU, for debugging only); a forced backend that cannot run is
-refused at planning time.
+None applies on a GPU: `GemmBackendError` naming what to install or change (never a per-call
+fp32 dequantization). CPU: ``reference`` (`gemm.blockwise_matmul`). ``JETRL_FP8_GEMM_BACKEND`` or
+``backend=`` forces one (``reference`` on a GPU: debugging only), refused at planning if it cannot run.
 """
 
 from __future__ import annotations
@@ -287,11 +284,17 @@ def row_multiple(backend: str) -> int:
     return 4 if backend == "scaled_mm" else 1
 
 
-def activation_layout(backend: str) -> tuple[int, str]:
+# cuBLASLt, FP32 scales, K >= 12288: a token's row at M <= 16 != its row among 8192 (pow2, M >= 32: =)
+FP32_SCALE_ROW_MULTIPLE = 32
+
+
+def activation_layout(backend: str, pow2_scales: bool = True) -> tuple[int, str]:
     """(row multiple, ``scale_inv`` layout) of the 1x128 activations ``backend`` reads with no
     copy: MN-major ``[M, kb]`` scales (DeepGEMM's TMA-aligned layout; cuBLASLt's; Triton reads
     strides) on a GPU, compact for the reference. The vLLM kernel's quantizer writes this."""
-    return row_multiple(backend), ("compact" if backend == "reference" else "mn_major")
+    fp32 = backend == "scaled_mm" and not pow2_scales
+    rows = FP32_SCALE_ROW_MULTIPLE if fp32 else row_multiple(backend)
+    return rows, ("compact" if backend == "reference" else "mn_major")
 
 
 def gemm_ready_weight_scales(backend: str, scale_inv: torch.Tensor) -> torch.Tensor:

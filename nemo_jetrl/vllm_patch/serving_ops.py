@@ -148,7 +148,7 @@ def serving_forward(
     the first M rows of the result. ``settings``: (pow2 activation scales, pow2 weight scales,
     eps). ``capture``: the layer's capture deque (tests), which gets the unpadded operands."""
     pow2, w_pow2, eps = settings
-    rows, layout = activation_layout(backend)
+    rows, layout = activation_layout(backend, pow2 and w_pow2)
     m = x2.shape[0]
     q, q_s = ops.quantize_act_1x128(x2, pow2, eps, layout == "mn_major", rows)
     if capture is not None and len(capture) < capture.maxlen:
