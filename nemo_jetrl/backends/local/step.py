@@ -49,6 +49,7 @@ from nemo_jetrl.backends.local.task import (
     sample_problems,
     score,
 )
+from nemo_jetrl.invariant import is_batch_invariant
 from nemo_jetrl.rl.loss import group_advantages
 from nemo_jetrl.rl.metrics import mismatch_metrics
 
@@ -124,20 +125,49 @@ class RunStep:
 
     def validate(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        prompts = encode_prompts(self.val_problems, self.tokenizer)
+        rows, where = self._validation_rows()
+        prompts = encode_prompts(rows, self.tokenizer)
         g = torch.Generator().manual_seed(self.run.seed + 1000 + self.step)
         rb = self._generate(prompts, g, greedy=self.local.val_greedy)
         texts, finished, mask = decode_responses(rb.response_ids, self.tokenizer)
         results = [
-            score(p, t, f, self.task)
-            for p, t, f in zip(self.val_problems, texts, finished, strict=True)
+            score(p, texts[i], finished[i], self.task)
+            for p, i in zip(self.val_problems, where, strict=True)
         ]
         return {
             "validation/accuracy": sum(c for _, c in results) / len(results),
             "validation/avg_reward": sum(r for r, _ in results) / len(results),
-            "validation/avg_length": float(mask.sum(1).float().mean()),
+            "validation/avg_length": float(mask.sum(1).float()[where].mean()),
             "timing/validation/total_validation_time": time.perf_counter() - t0,
         }
+
+    def _validation_rows(self) -> tuple[list[Any], list[int]]:
+        """The validation problems to decode and, per validation problem, its row among them.
+
+        256 draws of the 200 one-operation problems hold only ~145-150 distinct ones. Greedy
+        decoding where every op is batch-invariant (`nemo_jetrl.invariant` plus FP8 linears with
+        the exact, order-free GEMM, no BF16 GEMM left) gives a prompt the same response whatever
+        else is in the batch, so each distinct prompt is decoded once (same metrics, ~40% fewer
+        rows). Sampled validation, BF16 decoder GEMMs (their rounding may depend on the row
+        count), HF's ops and the vLLM engine decode every row."""
+        problems = self.val_problems
+        plan = self.rollout_plan.config
+        if not (
+            self.local.val_greedy
+            and self.engine is None
+            and is_batch_invariant(self.rollout_model)
+            and plan is not None
+            and plan.exact_gemm
+            and not any(type(m) is torch.nn.Linear for m in self.rollout_model.modules())
+        ):
+            return problems, list(range(len(problems)))
+        index: dict[str, int] = {}
+        rows = []
+        for p in problems:
+            if p.prompt not in index:
+                index[p.prompt] = len(rows)
+                rows.append(p)
+        return rows, [index[p.prompt] for p in problems]
 
     def train_step(self, hooks: Hooks) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """One GRPO step (see the module docstring); returns (scalars, train-data records)."""
