@@ -37,6 +37,8 @@ CONTROL_TMPE_BOUND, CONTROL_GAP_BOUND = 0.03, 0.5
 PER_BF16, TMPE_FLOOR, GAP_FLOOR = 20.0, 0.005, 0.02
 
 
+# Fresh engines (issue 40): each local run starts its own engine (run_local owns it, with the
+# recipe's engine arguments) and _run_on_vllm_engine checks it is gone after the run.
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
     """The control: ``[(|tmpe - 1|, largest logprob gap)]`` per step of the bf16 recipe's run."""

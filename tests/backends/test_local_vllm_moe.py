@@ -235,6 +235,7 @@ def _check_engine_run(run, steps: list[dict[str, float]], recipe: str, captured=
             assert ROUTING_CAPTURED not in s and ROUTING_MISMATCH not in s, sorted(s)
 
 
+# Fresh engine (issue 40): a local run starts and closes its own engine (run_local owns it).
 @pytest.fixture(scope="module")
 def bf16_run(tmp_path_factory):
     """The control: the bf16 recipe's run (replay on, as the jetrl run). Where vLLM's own BF16
@@ -276,6 +277,7 @@ def test_jetrl_moe_on_the_vllm_engine_with_its_routing_recorded_and_replayed(tmp
     step 3: the metric reports the engine's routing (every slot differs), and the trainer's
     replayed forward computes with exactly the engine's experts."""
     _, _, c_tmpe, c_gaps = bf16_run
+    # Fresh engine: its own run (jetrl recipe, replay on), which closes it at the end.
     run, steps = _engine_run(
         tmp_path, "jetrl", "policy.router_replay.enabled=true", steps=3,
         hooks_kw={"before_refit": _negate_router_at(3)},

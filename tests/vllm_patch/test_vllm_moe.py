@@ -190,6 +190,7 @@ def trainer():
     return tiny_qwen3_moe(0)
 
 
+# Its own engine (issue 40): vLLM unpatched, BF16 experts (the control).
 @pytest.fixture(scope="module")
 def bf16_control(tmp_path_factory, trainer):
     """Control: the BF16 checkpoint on vLLM (BF16 experts) vs the BF16 HF forward."""
@@ -208,6 +209,7 @@ def bf16_control(tmp_path_factory, trainer):
     return logprob_gap(outs, trainer)
 
 
+# Its own engine: the FP8 checkpoint through vLLM's loader, shared by every test below.
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, trainer, settings):
     """(llm, patch, checkpoint tensors) of the FP8 checkpoint under the patch."""
@@ -492,6 +494,7 @@ def test_routed_experts_returned_for_routing_replay(served, trainer, tmp_path):
     if not routed_experts_supported():
         from vllm import LLM
 
+        # a start of its own: the engine option is what is refused (before loading)
         write_checkpoint(trainer, tmp_path)  # BF16: the option is refused before loading
         with pytest.raises(Exception, match="Model Runner V2"):
             LLM(model=str(tmp_path), enable_return_routed_experts=True, **USER_KWARGS)
@@ -523,6 +526,7 @@ def test_rollout_engine_serves_a_bf16_moe_checkpoint(tmp_path_factory, trainer, 
     from nemo_jetrl.recipe import Recipe
     from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
 
+    # Fresh engine: what is checked is VllmRolloutEngine's own start (dummy load, first refit).
     d = tmp_path_factory.mktemp("moe_bf16_ckpt")
     write_checkpoint(trainer, d)
     with VllmRolloutEngine(d, Recipe.preset("jetrl"), engine_kwargs=USER_KWARGS) as eng:

@@ -186,6 +186,7 @@ def trainer():
     return tiny_qwen2_moe(0)
 
 
+# Its own engine (issue 40): vLLM unpatched, BF16 experts (the control).
 @pytest.fixture(scope="module")
 def bf16_control(tmp_path_factory, trainer):
     """Control: the BF16 checkpoint on vLLM (no patch) vs the BF16 HF forward."""
@@ -204,6 +205,7 @@ def bf16_control(tmp_path_factory, trainer):
     return logprob_gap(outs, trainer)
 
 
+# Its own engine: the FP8 checkpoint under the patch, shared by every test below.
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, trainer, settings, bf16_control):
     """(llm, checkpoint tensors) of the FP8 checkpoint under the patch (after the control: one
