@@ -82,23 +82,24 @@ def test_check_and_train_refuse_the_same_bad_value(capsys, tmp_path, override, f
 
 
 def test_unaligned_local_model_is_refused_not_silently_bf16(capsys, tmp_path):
-    """Item 3: hidden 192 / MLP 320 has no 128-multiple linear; the jetrl recipe must say so
-    (it trained all-BF16 under the jetrl label), and check must look at that model."""
-    model = _model_json(tmp_path / "m192.json", hidden_size=192, intermediate_size=320,
-                        num_attention_heads=3, num_key_value_heads=1, head_dim=64)  # fmt: skip
+    """Item 3: hidden 200 / MLP 324 has no linear TE's FP8 GEMM takes (in % 16, out % 8; partial
+    128-blocks alone would be fine); the jetrl recipe must say so (it trained all-BF16 under
+    the jetrl label), and check must look at that model."""
+    model = _model_json(tmp_path / "m200.json", hidden_size=200, intermediate_size=324,
+                        num_attention_heads=5, num_key_value_heads=1, head_dim=40)  # fmt: skip
     key = f"jetrl.local.model_config={model}"
     code, _, err = _cli(capsys, "check", LOCAL / "jetrl.yaml", key)
     assert code == 2
     assert "policy.megatron_cfg.fp8_cfg.enabled: promises FP8 but no linear" in err
     assert "policy.generation.vllm_cfg.precision: promises FP8" in err
-    assert "q_proj 192x192" in err and "gate_proj 320x192" in err
+    assert "q_proj 200x200" in err and "gate_proj 324x200" in err
     code, _, err = _cli(capsys, "check", LOCAL / "jetrl.yaml", key, "+jetrl.unaligned_layers=bf16")
     assert code == 2 and "jetrl.unaligned_layers=bf16 does not help" in err
     code, _, err = _train(capsys, tmp_path, LOCAL / "jetrl.yaml", key)
     assert code == 2 and "promises FP8 but no linear" in err
     # The BF16 recipe on that model is fine, and check reports the configured model's shapes.
     code, out, _ = _cli(capsys, "check", LOCAL / "bf16.yaml", key)
-    assert code == 0 and "hidden 192, intermediate 320" in out
+    assert code == 0 and "hidden 200, intermediate 324" in out
 
 
 def test_check_uses_the_local_model_not_a_generic_one(capsys):
@@ -109,9 +110,15 @@ def test_check_uses_the_local_model_not_a_generic_one(capsys):
 
 
 def test_partly_unaligned_model_names_the_layers_and_the_knob(capsys, tmp_path):
-    model = _model_json(tmp_path / "m.json", intermediate_size=320)  # MLP unaligned only
+    model = _model_json(tmp_path / "m.json", intermediate_size=324)  # MLP unfit only (324 % 8)
     code, _, err = _cli(capsys, "check", LOCAL / "jetrl.yaml", f"jetrl.local.model_config={model}")
-    assert code == 2 and "gate_proj 320x256" in err and "jetrl.unaligned_layers=bf16" in err
+    assert code == 2 and "gate_proj 324x256" in err and "jetrl.unaligned_layers=bf16" in err
+    # 320 = 2*128 + 64: partial blocks, FP8 on both sides (issue 39)
+    model = _model_json(tmp_path / "m320.json", intermediate_size=320)
+    code, out, err = _cli(
+        capsys, "check", LOCAL / "jetrl.yaml", f"jetrl.local.model_config={model}"
+    )
+    assert code == 0, err + out
 
 
 def test_model_config_head_dim(capsys, tmp_path):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from nemo_jetrl.fp8.spec import BLOCK
+from nemo_jetrl.fp8.spec import BLOCK, linear_dims_problem
 
 # Per-layer linears in execution order, with the HF module path under `model.layers.{i}.`.
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -53,6 +53,13 @@ VISION_BF16 = (
     f"quant_config to the tower, so the rollout keeps it BF16 only when its per-name list "
     f"names {VISION_WORD!r}"
 )
+
+
+# How vLLM (0.33 deepseek_v2.py, qwen3_next.py, llama.py) shards a decoder linear over
+# tensor-parallel ranks: replicated (every rank holds it whole), row-parallel (input columns
+# split), else column-parallel (output rows split; merged q/k/v, gate/up, in_proj_qkvz/ba too).
+VLLM_REPLICATED = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
+VLLM_ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj"})
 
 
 class ArchError(ValueError):
@@ -110,6 +117,32 @@ class Linear:
         """Both dims are multiples of 128, so blockwise FP8 tiles the weight exactly (each
         expert's own [out, in] matrix for fused experts)."""
         return self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0
+
+    def fits(self, scaling: str = "blockwise") -> bool:
+        """FP8 of ``scaling`` runs this shape on both sides. Blockwise: a linear's dims pass TE's
+        FP8 GEMM rule (`spec.linear_dims_problem`); partial 128-blocks run (TE's quantizers and
+        vLLM's block-FP8 linear take ceil-sized scale grids). Fused experts and MXFP8 keep
+        `aligned` (each expert's blocks stack; MXFP8 not reviewed for tails)."""
+        if scaling != "blockwise" or self.group == "experts" or self.experts:
+            return self.aligned
+        return linear_dims_problem(self.in_features, self.out_features) is None
+
+    def vllm_tp_problem(self, tp: int) -> str | None:
+        """Why vLLM's ``tensor_parallel_size=tp`` splits this block-FP8 linear off a 128-block
+        edge (its loader then refuses it, or each rank re-blocks its slice: not training's
+        blocks); None where every rank's slice starts on a block edge. Asked of partial-block
+        linears (the 128-multiple ones: `flow.support`, the loaders)."""
+        if tp <= 1 or self.aligned or self.kind in VLLM_REPLICATED or self.group == "experts":
+            return None
+        row = self.kind in VLLM_ROW_PARALLEL
+        width = self.in_features if row else self.out_features
+        if width % (BLOCK * tp) == 0:
+            return None
+        what = "input columns" if row else "output rows"
+        return (
+            f"vLLM tensor_parallel_size={tp} splits its {width} {what} into {width / tp:g} per "
+            f"rank, off a {BLOCK}-block edge"
+        )
 
     @property
     def fp8_capable(self) -> bool:

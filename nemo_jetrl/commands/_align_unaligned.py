@@ -1,9 +1,11 @@
-"""Linears whose dims do not tile 128: `jetrl align` keeps them BF16 by name on both sides.
+"""Linears FP8 cannot run: `jetrl align` keeps them BF16 by name on both sides.
 
-Blockwise FP8 (and MXFP8) needs both GEMM dims of a linear to be multiples of 128 (the check
-refuses otherwise, `config.validate._check_alignment`). Moonlight's and DeepSeek-V3's MLA
-``kv_a_proj_with_mqa`` has kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 rows. Align adds one
-per-name word per such linear kind to both lists, which is what each side really honours:
+Blockwise FP8 runs partial 128-blocks (Moonlight's and DeepSeek-V3's MLA ``kv_a_proj_with_mqa``,
+kv_lora_rank + qk_rope_head_dim = 576 rows, stays FP8) but not dims TE's FP8 GEMM refuses
+(in % 16, out % 8: `fp8.spec.linear_dims_problem`); fused experts and MXFP8 need multiples of
+128 (`arch.linear.Linear.fits`; the check refuses otherwise,
+`config.validate._check_alignment`). Align adds one per-name word per such linear kind to both
+lists, which is what each side really honours:
 
 - rollout, ``policy.generation.vllm_cfg.quantization_ignored_layer_kws``: NeMo-RL's ``init_fp8``
   (v0.7.0 and main) puts every ``model.<AutoModel parameter>`` containing a word into
@@ -25,7 +27,7 @@ import re
 from typing import Any
 
 from nemo_jetrl.config.layer_lists import FUSED_GROUPS, ROLLOUT_KEY, TRAIN_KEY, whole_in_proj_words
-from nemo_jetrl.fp8.spec import BLOCK
+from nemo_jetrl.fp8.spec import BLOCK, linear_dims_problem
 
 _BLOCKED = ("blockwise", "mxfp8")
 
@@ -34,16 +36,20 @@ def _needs_tiling(recipe: Any) -> bool:
     return any(s.fp8_linears and s.scaling in _BLOCKED for s in (recipe.train, recipe.rollout))
 
 
-def unaligned_words(arch: Any, kws: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
+def unaligned_words(
+    arch: Any, kws: tuple[str, ...], scalings: tuple[str, ...] = ("blockwise",)
+) -> tuple[tuple[str, ...], list[str]]:
     """(words to add to ``kws`` on both sides, notes naming each linear kind and why) for the
-    FP8-capable decoder linears of ``arch`` whose dims are not multiples of 128."""
+    FP8-capable decoder linears of ``arch`` some side's ``scalings`` cannot run (`Linear.fits`:
+    blockwise takes partial 128-blocks under TE's dims rule; experts and MXFP8 need multiples
+    of 128)."""
     if arch is None:
         return (), []
     decoder = [x for i in range(arch.num_layers) for x in arch.layer_linears(i)]
     every = [*decoder, *arch.nondecoder_linears()]
     kinds: dict[str, list[Any]] = {}
     for x in decoder:
-        if x.fp8_capable and not x.aligned:
+        if x.fp8_capable and not all(x.fits(s) for s in scalings):
             kinds.setdefault(x.kind, []).append(x)
     words: list[str] = []
     notes: list[str] = []
@@ -51,8 +57,8 @@ def unaligned_words(arch: Any, kws: tuple[str, ...]) -> tuple[tuple[str, ...], l
         x = xs[0]
         what = (
             f"{re.sub(r'[.]layers[.][0-9]+[.]', '.layers.*.', x.name)} "
-            f"[{x.out_features}, {x.in_features}] in {len(xs)} layer(s): a dim is not a multiple "
-            f"of {BLOCK}, so blockwise FP8's {BLOCK}x{BLOCK} weight blocks do not tile it"
+            f"[{x.out_features}, {x.in_features}] in {len(xs)} layer(s): "
+            + next(_unfit(x, s) for s in scalings if not x.fits(s))
         )
         covering = [k for k in kws if all(k in y.name for y in xs)]
         if covering:
@@ -79,6 +85,18 @@ def unaligned_words(arch: Any, kws: tuple[str, ...]) -> tuple[tuple[str, ...], l
     return tuple(words), notes
 
 
+def _unfit(x: Any, scaling: str) -> str:
+    if scaling == "blockwise" and x.group != "experts":
+        return f"{linear_dims_problem(x.in_features, x.out_features)}"
+    what = "MXFP8" if scaling == "mxfp8" else "fused experts"
+    return f"a dim is not a multiple of {BLOCK}, which {what} needs"
+
+
+def _scalings(recipe: Any) -> tuple[str, ...]:
+    return tuple({s.scaling for s in (recipe.train, recipe.rollout)
+                  if s.fp8_linears and s.scaling in _BLOCKED})  # fmt: skip
+
+
 def unaligned_target_words(
     arch: Any, recipe: Any, kws: tuple[str, ...]
 ) -> tuple[tuple[str, ...], list[str]]:
@@ -86,7 +104,7 @@ def unaligned_target_words(
     nothing otherwise (a BF16 run tiles nothing)."""
     if not _needs_tiling(recipe):
         return (), []
-    return unaligned_words(arch, kws)
+    return unaligned_words(arch, kws, _scalings(recipe))
 
 
 def unaligned_list_overrides(cfg: Any, arch: Any) -> tuple[list[str], list[str]]:

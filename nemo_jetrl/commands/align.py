@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if untiled:
         print(
-            f"  {' '.join(untiled)}: the input runs linears in blockwise FP8 whose dims are not "
-            "multiples of 128 and is invalid as given; align keeps them BF16 on both sides "
-            "(notes below)",
+            f"  {' '.join(untiled)}: the input's per-name BF16 lists are invalid as given (a part "
+            "of a fused GEMM, or linears FP8 cannot run: notes below); align writes lists both "
+            "sides honour",
             file=sys.stdout,
         )
     for key, old, new in changed:

@@ -22,6 +22,7 @@ from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.config.run_keys import check_run_keys
 from nemo_jetrl.config.sections import NO_SECTIONS, SectionProviders
+from nemo_jetrl.fp8.spec import BLOCK, linear_dims_problem
 from nemo_jetrl.recipe import PRESET_NAMES, Recipe, preset_differences
 
 __all__ = ["arch_from_config", "errors", "recipe_from_config", "validate"]
@@ -225,8 +226,10 @@ def _check_bf16_layer_counts(r: _Reader, recipe: Recipe, n: int) -> None:
 
 
 def _check_alignment(r: _Reader, arch: Any, recipe: Recipe) -> None:
-    """Blockwise/MX FP8 needs 128-aligned linears: all unaligned is refused, some unaligned
-    only with ``jetrl.unaligned_layers: bf16``."""
+    """Linears blockwise/MX FP8 cannot run (`Linear.fits`: blockwise takes partial 128-blocks
+    under TE's dims rule; experts and MXFP8 need multiples of 128), and partial-block linears
+    vLLM's tensor parallelism splits off a block edge (`Linear.vllm_tp_problem`): all unfit is
+    refused, some only with ``jetrl.unaligned_layers: bf16``."""
     blockwise = [
         s
         for s in (recipe.train, recipe.rollout)
@@ -234,19 +237,41 @@ def _check_alignment(r: _Reader, arch: Any, recipe: Recipe) -> None:
     ]
     if not blockwise:
         return
-    # A linear that every FP8 side keeps BF16 by name (per-name lists) needs no 128 tiling.
-    bad = [x for x in arch.unaligned_linears() if any(not s.keeps_bf16(x.name) for s in blockwise)]
+    tp = r.get(_VLLM_TP, 1) if recipe.rollout.fp8_linears else 1
+    tp = tp if isinstance(tp, int) and not isinstance(tp, bool) else 1
+    why: dict[str, str] = {}
+    for x in arch.distinct_linears():
+        # A linear that every FP8 side keeps BF16 by name (per-name lists) needs no tiling.
+        sides = [s for s in blockwise if not s.keeps_bf16(x.name)]
+        if any(not x.fits(s.scaling) for s in sides):
+            unfit = [s.scaling for s in sides if not x.fits(s.scaling)]
+            why[x.name] = _unfit_words(x, unfit[0])
+        elif recipe.rollout in sides and (split := x.vllm_tp_problem(tp)):
+            why[x.name] = split
+    bad = [x for x in arch.distinct_linears() if x.name in why]
     if len(bad) == len(arch.distinct_linears()):
         _no_fp8_coverage(r, arch, recipe, bad)
     elif bad and not recipe.unaligned_layers_bf16:
-        names = ", ".join(f"{lin.name} {lin.out_features}x{lin.in_features}" for lin in bad[:6])
+        names = "; ".join(
+            f"{lin.name} {lin.out_features}x{lin.in_features}: {why[lin.name]}" for lin in bad[:6]
+        )
         more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
         key = S.FP8_ENABLED if recipe.train.fp8_linears else S.VLLM_PRECISION
         r.error(
             key,
-            f"blockwise FP8 needs every linear's dims to be multiples of 128; {arch.name} "
-            f"has {names}{more}. {_unaligned_fix(r, arch, bad)}",
+            f"blockwise FP8 cannot run every linear of {arch.name} ({names}{more}). "
+            f"{_unaligned_fix(r, arch, bad)}",
         )
+
+
+_VLLM_TP = "policy.generation.vllm_cfg.tensor_parallel_size"
+
+
+def _unfit_words(x: Any, scaling: str) -> str:
+    if scaling == "blockwise" and x.group != "experts":
+        return linear_dims_problem(x.in_features, x.out_features) or ""
+    what = "MXFP8" if scaling == "mxfp8" else "fused experts"
+    return f"{what} needs both dims to be multiples of {BLOCK}"
 
 
 def _unaligned_fix(r: _Reader, arch: Any, bad: list) -> str:
@@ -278,8 +303,8 @@ def _no_fp8_coverage(r: _Reader, arch: Any, recipe: Recipe, bad: list) -> None:
         if side.fp8_linears:
             r.error(
                 key,
-                f"promises FP8 but no linear of {arch.name} can be blockwise FP8 (both dims "
-                f"must be multiples of 128; it has {dims}): every layer would run BF16 under the "
+                f"promises FP8 but no linear of {arch.name} can be blockwise FP8 (TE's FP8 dims "
+                f"rule, in % 16 and out % 8; it has {dims}): every layer would run BF16 under the "
                 f"FP8 recipe {recipe.name!r}. Turn FP8 off here (jetrl.unaligned_layers=bf16 "
                 "does not help) or use a model whose hidden/intermediate sizes are multiples "
                 "of 128",

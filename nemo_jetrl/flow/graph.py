@@ -193,7 +193,8 @@ def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
     out: list[Edge] = []
     for layer in range(n):
         for lin in arch.layer_linears(layer):
-            fp8 = lin.fp8_capable and _linear_is_fp8(side, recipe, layer, n, lin.aligned, lin.name)
+            fits = lin.fits(side.scaling)
+            fp8 = lin.fp8_capable and _linear_is_fp8(side, recipe, layer, n, fits, lin.name)
             grp = lin.group
             # Experts follow the side's quantizer like every linear: our vLLM patch runs its
             # experts kernel under a Jet-RL recipe (the releases it covers: flow.backend).

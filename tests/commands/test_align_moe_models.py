@@ -36,9 +36,11 @@ def test_placeholder_name_is_deepseek_v3_and_a_real_path_wins(cli, tmp_path):
     assert resolve_arch(PLACEHOLDER).name == "deepseek-ai/DeepSeek-V3"
     assert resolve_arch(PLACEHOLDER + " (edited)") is None  # recognised narrowly
     code, out = cli("check", E2E, f"policy.model_name={PLACEHOLDER}", DS_LIST)
-    # The list now names q_a/kv_a/q_b/kv_b; training has none, so the 576-row linear is FP8 there.
-    assert code == 2 and "match no decoder linear" not in out
-    assert "deepseek-ai/DeepSeek-V3 has model.layers.0.self_attn.kv_a_proj_with_mqa 576x7168" in out
+    # The list names q_a/kv_a/q_b/kv_b; training has none, so they are FP8 there: a mismatch
+    # (exit 1), not an invalid config: the 576-row kv_a_proj_with_mqa runs FP8 in partial
+    # 128-blocks (issue 39; it was refused as "not multiples of 128" before).
+    assert code == 1 and "match no decoder linear" not in out and "576x7168" not in out
+    assert "the rollout's per-name BF16 list keeps these linears BF16 while training" in out
     assert "note: policy.model_name: NeMo-RL's placeholder" in out and "jetrl.model_config" in out
     # The converted checkpoint the guide makes: its config.json decides, no note.
     ckpt = tmp_path / "DeepSeek-V3-BF16"
@@ -46,7 +48,9 @@ def test_placeholder_name_is_deepseek_v3_and_a_real_path_wins(cli, tmp_path):
     tiny = {**resolve_arch(PLACEHOLDER).hf_config, "num_hidden_layers": 4}
     (ckpt / "config.json").write_text(json.dumps(tiny))
     code, out = cli("check", E2E, f"policy.model_name={ckpt}", DS_LIST)
-    assert code == 2 and "NeMo-RL's placeholder" not in out and "576x7168" in out
+    assert code == 1 and "NeMo-RL's placeholder" not in out
+    model_line = next(x for x in out.splitlines() if x.startswith("model:"))
+    assert str(ckpt) in model_line and "4 layers" in model_line, model_line
 
 
 def test_align_models_the_placeholder_and_copies_the_list_to_training(cli, tmp_path):
@@ -56,34 +60,31 @@ def test_align_models_the_placeholder_and_copies_the_list_to_training(cli, tmp_p
         "-o", out_yaml,
     )  # fmt: skip
     assert out_yaml.exists(), out
-    assert f"+{TRAIN}=[a_proj,b_proj]: the input keeps these linears BF16" in out
+    # the user's rollout list now holds in training too (align's rule for per-name lists)
+    assert f"{TRAIN}: '<unset>' -> ['a_proj', 'b_proj']" in out
     assert "model:  deepseek-ai/DeepSeek-V3" in out and "NeMo-RL's placeholder" in out
-    assert "[576, 7168] in 61 layer(s)" in out and "through the per-name word 'a_proj'" in out
     assert _lists(out_yaml) == (["a_proj", "b_proj"], ["a_proj", "b_proj"])
-    assert "multiples of 128" not in out.split("config: ")[-1]  # the written file tiles
+    assert "verdict: ON-POLICY" in out.split("config: ")[-1]
 
 
-def test_align_adds_words_for_exactly_the_untiled_linears(cli, tmp_path):
-    """Moonlight (no q LoRA): kv_a_proj_with_mqa alone; DeepSeek-V3: with q_a_proj, which vLLM
-    runs with it as one GEMM (fused_qkv_a_proj). Both lists get them; the check of the input
-    names the FP8 training key."""
+def test_align_keeps_the_576_row_mla_projection_fp8_on_both_sides(cli, tmp_path):
+    """Moonlight (no q LoRA) and DeepSeek-V3 (kv_a_proj_with_mqa fused with q_a_proj in vLLM):
+    the 576-row projection runs blockwise FP8 in partial 128-blocks on both sides (issue 39).
+    The input is valid (its mismatches are vLLM's own quantizer: exit 1); align adds no BF16
+    word and the written config is on-policy with attention FP8 in training and rollout."""
     moon = "policy.model_name=moonshotai/Moonlight-16B-A3B-Instruct"
     code, out = cli("check", E2E, moon)
-    assert code == 2 and "policy.megatron_cfg.fp8_cfg.enabled: blockwise FP8 needs" in out
-    for model, words in (
-        (moon, ["kv_a_proj_with_mqa"]),
-        (f"policy.model_name={PLACEHOLDER}", ["kv_a_proj_with_mqa", "q_a_proj"]),
-    ):
-        out_yaml = tmp_path / f"{len(words)}.yaml"
-        _, out = cli("align", E2E, model, "--recipe", "jetrl", "-o", out_yaml)
-        assert out_yaml.exists(), out
-        assert f"align adds 'kv_a_proj_with_mqa' to {ROLL} and {TRAIN}" in out
-        assert ("'q_a_proj' added too: vLLM runs it with kv_a_proj_with_mqa" in out) == (
-            len(words) == 2
-        )
-        assert _lists(out_yaml) == (words, words)
+    assert code == 1 and "blockwise FP8 cannot run" not in out, out
+    for i, model in enumerate((moon, f"policy.model_name={PLACEHOLDER}")):
+        out_yaml = tmp_path / f"out{i}.yaml"
+        code, out = cli("align", E2E, model, "--recipe", "jetrl", "-o", out_yaml)
+        assert code == 0 and out_yaml.exists(), out
+        assert "align adds" not in out and "kv_a_proj_with_mqa" not in out
+        assert _lists(out_yaml) == ([], [])
         written = out.split("config: ")[-1]
-        assert "multiples of 128" not in written and "per-name BF16 list" not in written
+        assert "verdict: ON-POLICY" in written
+        row = next(x for x in written.splitlines() if x.strip().startswith("attention"))
+        assert row.split()[2] == "same" and "FP8 e4m3 pow2 (te)" in row and "(jetrl)" in row
 
 
 MINIMAX = [

@@ -365,15 +365,25 @@ def test_all_errors_are_reported_together():
 
 
 def test_unaligned_model_is_rejected_unless_bf16_fallback(tmp_path):
-    cfgjson = write(
-        tmp_path / "tiny" / "config.json",
+    # 688 = 5*128 + 48: partial 128-blocks, which blockwise FP8 runs (issue 39)
+    partial = write(
+        tmp_path / "partial" / "config.json",
         '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, '
         '"num_hidden_layers": 4, "num_attention_heads": 2, "vocab_size": 1000}',
     )
-    ov = [f"+jetrl.model_config={cfgjson}", "policy.megatron_cfg.fp8_cfg.enabled=true"]
+    fp8 = "policy.megatron_cfg.fp8_cfg.enabled=true"
+    assert errors(validate(cfg_with(f"+jetrl.model_config={partial}", fp8))) == []
+    # 684 is not a multiple of 8 (TE's FP8 GEMM rule): refused
+    cfgjson = write(
+        tmp_path / "tiny" / "config.json",
+        '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 684, '
+        '"num_hidden_layers": 4, "num_attention_heads": 2, "vocab_size": 1000}',
+    )
+    ov = [f"+jetrl.model_config={cfgjson}", fp8]
     found = issue_paths(cfg_with(*ov))
     (issue,) = found["policy.megatron_cfg.fp8_cfg.enabled"]
-    assert "multiples of 128" in issue.message and "gate_proj" in issue.message
+    assert "out_features=684 is not a multiple of 8" in issue.message
+    assert "gate_proj" in issue.message
     # NeMo-RL reads no jetrl.unaligned_layers: the fix named is align or the per-name words
     assert "jetrl.unaligned_layers=bf16" not in issue.message and "`jetrl align`" in issue.message
     assert (

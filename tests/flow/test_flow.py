@@ -219,11 +219,17 @@ def test_onpolicy_kv_needs_scales_the_trainer_knows():
 
 
 def test_unaligned_layers_stay_bf16_on_both_sides():
-    toy = ModelArch("toy", "llama", 256, 200, 2, 2, 2, 128, 512)
+    toy = ModelArch("toy", "llama", 256, 204, 2, 2, 2, 128, 512)  # 204 % 8: TE refuses it
     r = Recipe.preset("jetrl").with_(unaligned_layers_bf16=True)
     roll = build_flow(toy, r, "rollout").by_key()
     assert roll[("model.layers.0.mlp.up_proj", "input")].precision == BF16
     assert roll[("model.layers.0.self_attn.q_proj", "input")].precision.is_fp8
+    assert check_on_policy(toy, r).on_policy
+    # 200 = 128 + 72: a partial block, FP8 on both sides (issue 39)
+    toy = ModelArch("toy", "llama", 256, 200, 2, 2, 2, 128, 512)
+    for phase in ("rollout", "train_fwd"):
+        edges = build_flow(toy, r, phase).by_key()
+        assert edges[("model.layers.0.mlp.up_proj", "input")].precision.is_fp8, phase
     assert check_on_policy(toy, r).on_policy
 
 
