@@ -9,27 +9,22 @@ line. An exact 1 / exact 0 has no place on a log axis: such recipes are named in
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 from nemo_jetrl._optional import require
-from nemo_jetrl.commands._demo_report import ACC, GEN_KL, MIN_SEEDS, TMPE, RecipeCurves, group
+from nemo_jetrl.commands._demo_report import (
+    ACC,
+    GEN_KL,
+    MIN_SEEDS,
+    TMPE,
+    RecipeCurves,
+    group,
+    per_step_mean,
+)
 from nemo_jetrl.commands._demo_stats import t_interval
 
 STYLES = ("-", "--", "-.", ":")
-
-
-def _per_step_mean(runs: Sequence[RecipeCurves], tag: str, offset: float) -> tuple[list, list]:
-    """Steps and the mean over runs of ``value - offset`` at each step all runs logged."""
-    by_step: dict[int, list[float]] = {}
-    for r in runs:
-        for s, v in zip(*r.series(tag), strict=True):
-            if math.isfinite(v):
-                by_step.setdefault(s, []).append(v - offset)
-    steps = sorted(s for s, vs in by_step.items() if len(vs) == len(runs))
-    return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
 def exact_notes(runs: Sequence[RecipeCurves], tag: str, ideal: float) -> list[str]:
@@ -48,7 +43,7 @@ def exact_notes(runs: Sequence[RecipeCurves], tag: str, ideal: float) -> list[st
 
 def _mismatch_panel(ax, runs: Sequence[RecipeCurves], tag: str, ideal: float) -> None:
     for i, g in enumerate(group(runs)):
-        steps, ys = _per_step_mean(g.runs, tag, ideal)
+        steps, ys = per_step_mean(g.runs, tag, ideal)
         pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y > 0]
         if pts:
             xs, vs = zip(*pts, strict=True)
@@ -88,7 +83,7 @@ def summary_page(runs: Sequence[RecipeCurves], path: str | Path, title: str = ""
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(2, 2, 1)
     for i, g in enumerate(group(runs)):
-        steps, mean = _per_step_mean(g.runs, ACC, 0.0)
+        steps, mean = per_step_mean(g.runs, ACC, 0.0)
         lo = [min(r.curves[ACC][1][r.curves[ACC][0].index(s)] for r in g.runs) for s in steps]
         hi = [max(r.curves[ACC][1][r.curves[ACC][0].index(s)] for r in g.runs) for s in steps]
         ax.plot(steps, mean, STYLES[i % 4], color=f"C{i % 10}", marker="o", markersize=3,

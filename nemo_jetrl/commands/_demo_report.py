@@ -1,11 +1,11 @@
 """What `jetrl demo` shows: per-recipe numbers over the demo's seeds, its claims, and the table.
 
 The demo runs every recipe once per GRPO seed (`nemo_jetrl.commands._demo_stats.derive_seeds`)
-and answers two questions: does GRPO learn (validation accuracy, first -> last evaluation) and
-how far is each recipe's rollout from its trainer. Learning is judged over the seeds, never on
-one run: the one-sided 95% Student-t lower confidence bound of the mean gain must lie above 0,
-and that of jetrl's paired gain difference to bf16 above ``-NONINF_MARGIN`` (a non-inferiority
-test at the 5% level). Mismatch is recomputed in float64 from each
+and answers two questions: does GRPO learn (validation accuracy, first -> last evaluation; the
+evaluations between them draw the curve, `curve_lines`) and how far is each recipe's rollout
+from its trainer. Learning is judged over the seeds, never on one run: the one-sided 95%
+Student-t lower confidence bound of the mean gain must lie above 0, and that of jetrl's paired
+gain difference to bf16 above ``-NONINF_MARGIN`` (a non-inferiority test at the 5% level). Mismatch is recomputed in float64 from each
 step's ``train_data_step{N}.jsonl`` (the logged scalars are float32, where 1 + 1e-8 reads as 1),
 so an exact 1 means the trainer's logprobs equal the rollout's bit for bit on every token.
 """
@@ -25,8 +25,10 @@ REWARD = "train/reward"
 TMPE = "train/token_mult_prob_error"
 GEN_KL = "train/gen_kl_error"
 # jetrl may learn less than bf16 by at most this much validation accuracy (paired, one-sided
-# 95% lower bound). Why this size: docs/local_backend.md "jetrl demo: claims and their seeds".
-NONINF_MARGIN = 0.25
+# 95% lower bound): well under bf16's gain (~0.24-0.39 over the base seeds measured), so a
+# jetrl that does not learn fails it. Why this size and what it cannot show:
+# docs/local_backend.md "jetrl demo: claims and their seeds".
+NONINF_MARGIN = 0.1
 MIN_SEEDS = 3  # a claim about learning needs an interval over at least this many seeds
 EXACT_RECIPES = ("jetrl", "jetrl_kv")  # one quantizer on both sides: bit-exact logprobs
 OFF_POLICY_RECIPES = ("fp8_rollout",)  # vLLM's quantizer at rollout, TE's in training
@@ -193,6 +195,41 @@ def _off_policy(g: RecipeSeeds) -> tuple[bool, str]:
     )
 
 
+def _as_well_as_bf16(name: str, iv: Interval, bf16: RecipeSeeds) -> tuple[bool, str]:
+    """The non-inferiority claim, with the margin also shown as a share of bf16's mean gain."""
+    gain = statistics.fmean(bf16.gains()) if bf16.gains() else math.nan
+    share = f" ({NONINF_MARGIN / gain:.0%} of bf16's mean gain {gain:+.3f})" if gain > 0 else ""
+    return iv.lower > -NONINF_MARGIN, (
+        f"{name} learns as well as bf16 (margin {NONINF_MARGIN}): paired gain difference "
+        f"{name} - bf16 {iv.text()}; one-sided 95% lower bound {iv.lower:+.3f}; claim: lower "
+        f"bound > -{NONINF_MARGIN}{share}"
+    )
+
+
+def per_step_mean(
+    runs: Sequence[RecipeCurves], tag: str, offset: float = 0.0
+) -> tuple[list[int], list[float]]:
+    """Steps and the mean over runs of ``value - offset`` at each step all runs logged."""
+    by_step: dict[int, list[float]] = {}
+    for r in runs:
+        for s, v in zip(*r.series(tag), strict=True):
+            if math.isfinite(v):
+                by_step.setdefault(s, []).append(v - offset)
+    steps = sorted(s for s, vs in by_step.items() if len(vs) == len(runs))
+    return steps, [statistics.fmean(by_step[s]) for s in steps]
+
+
+def curve_lines(runs: Sequence[RecipeCurves]) -> list[str]:
+    """Per recipe: mean validation accuracy over its seeds at each evaluated step (the
+    summary plot's curve, as text)."""
+    out = []
+    for g in group(runs):
+        steps, mean = per_step_mean(g.runs, ACC)
+        pts = ", ".join(f"{s}: {v:.3f}" for s, v in zip(steps, mean, strict=True))
+        out.append(f"{g.recipe} ({len(g.runs)} seeds), mean validation accuracy at step {pts}")
+    return out
+
+
 def demo_checks(
     runs: Sequence[RecipeCurves], val_size: int | None = None
 ) -> list[tuple[bool, str]]:
@@ -208,14 +245,7 @@ def demo_checks(
         for name in ("jetrl", "jetrl_kv"):
             iv = _paired(by[name], by["bf16"]) if name in by else None
             if iv is not None:
-                out.append(
-                    (
-                        iv.lower > -NONINF_MARGIN,
-                        f"{name} learns as well as bf16 (margin {NONINF_MARGIN}): paired gain "
-                        f"difference {name} - bf16 {iv.text()}; one-sided 95% lower bound "
-                        f"{iv.lower:+.3f}; claim: lower bound > -{NONINF_MARGIN}",
-                    )
-                )
+                out.append(_as_well_as_bf16(name, iv, by["bf16"]))
     out += [_off_policy(by[n]) for n in OFF_POLICY_RECIPES if n in by]
     out += [_exact(by[n]) for n in EXACT_RECIPES if n in by]
     return out

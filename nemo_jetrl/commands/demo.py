@@ -8,11 +8,12 @@ One run's validation gain depends on its seed more than on the recipe (0.0-0.6, 
 warm-start seed (the warm start every run shares, cached) and K GRPO seeds, and every claim is
 computed over the K runs (`nemo_jetrl.commands._demo_report`: mean, sd and 95% interval of the
 gain; paired differences; mismatch on every step, recomputed in float64 from the train data).
-It prints per recipe the accuracy first -> last and the mismatch, then the claims as measured
-ok / NOT MET lines; it writes ``OUT/compare/summary.png`` (`nemo_jetrl.commands._demo_plot`),
-the full metric table (``OUT/compare/table.txt``), summary.json/csv and one PNG per metric.
-Each run directory (``OUT/runs/<recipe>/seed-<S>``) is a NeMo-RL-layout log dir that
-`jetrl compare` and TensorBoard read.
+It prints per recipe the accuracy first -> last and the mismatch, the mean validation curve
+(evaluated every `_val_period` steps), then the claims as measured ok / NOT MET lines; it
+writes ``OUT/compare/summary.png`` (`nemo_jetrl.commands._demo_plot`), the full metric table
+(``OUT/compare/table.txt``), summary.json/csv and one PNG per metric. Each run directory
+(``OUT/runs/<recipe>/seed-<S>``) is a NeMo-RL-layout log dir that `jetrl compare` and
+TensorBoard read.
 
 The base config is the packaged ``local_base.yaml`` (same as examples/configs/local/base.yaml)
 plus `DEMO_SETTINGS`; each recipe's keys come from `nemo_jetrl.config.recipe_to_config_updates`,
@@ -44,8 +45,9 @@ MISMATCH_ONLY = ("fp8_rollout", "jetrl_kv")
 MISMATCH_SEEDS = 2
 VAL_SIZE = 256
 # What the demo changes in the base config, before --set: a demo has nothing to resume, and 256
-# validation problems (evaluated at the first and the last step: `_val_period`) instead of 64
-# (5 evaluations) halve the accuracy's sampling noise (binomial sd 0.03 instead of 0.06).
+# validation problems instead of 64 halve the accuracy's sampling noise (binomial sd 0.03
+# instead of 0.06); they are evaluated VAL_INTERVALS + 1 times along the run (`_val_period`).
+VAL_INTERVALS = 4
 DEMO_SETTINGS = ("checkpointing.enabled=false", f"jetrl.local.task.val_size={VAL_SIZE}")
 SEED_KEYS = ("grpo.seed", "jetrl.local.warmstart.seed")  # derived from --seed, never --set
 
@@ -97,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machine's CPUs)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--device",
+        metavar="DEV",
+        default=None,
+        help="cpu, cuda or cuda:N: where every run computes (jetrl.local.device; default cpu)",
+    )
     parser.add_argument(
         "--study",
         choices=("length",),
@@ -165,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"grpo.max_num_steps={args.steps}")
     if args.num_ops is not None:
         overrides.append(f"jetrl.local.task.num_ops={args.num_ops}")
+    if args.device is not None:  # refused here (exit 2) before any run starts
+        from nemo_jetrl.backends.local.device import check_device_flag
+
+        check_device_flag(args.device)
+        overrides.append(f"++jetrl.local.device={args.device}")
     # One demo per --out: it deletes its old runs there, so a second demo must not run beside it.
     lock = RunDirLock(f"demo-{os.getpid()}").acquire([("--out", out)])
     try:
@@ -179,7 +192,7 @@ def _demo(args: argparse.Namespace, out: Path, overrides: list[str], recipes: li
     import warnings
 
     from nemo_jetrl.commands._demo_plot import summary_page
-    from nemo_jetrl.commands._demo_report import demo_checks, lead_table
+    from nemo_jetrl.commands._demo_report import curve_lines, demo_checks, lead_table
     from nemo_jetrl.commands._demo_runs import Job, run_jobs
     from nemo_jetrl.commands._demo_stats import derive_seeds
     from nemo_jetrl.config import ConfigError
@@ -219,6 +232,7 @@ def _demo(args: argparse.Namespace, out: Path, overrides: list[str], recipes: li
     page = summary_page(curves, out / "compare" / "summary.png", title=_title(seeds))
     (out / "compare" / "table.txt").write_text(cmp.table + "\n")
     print("\n" + lead_table(curves) + "\n")
+    print("\n".join(curve_lines(curves)) + "\n")
     for ok, line in demo_checks(curves, val_size=_val_size(overrides)):
         print(f"[{'ok' if ok else 'NOT MET'}] {line}")
     for w in cmp.warnings:
@@ -262,12 +276,17 @@ def _cpu_seconds() -> float:
 
 
 def _val_period(steps: int | None) -> int:
-    """Validation at step 0 and at the end only: the claims compare those two."""
+    """Validation every ``period`` steps from step 0: the largest divisor of ``steps`` that
+    still gives ``VAL_INTERVALS`` intervals (16 steps: 4, so 0/4/8/12/16), so the curve has
+    several points and always ends at the last step, which the claims compare with step 0
+    (a prime ``steps`` above 4 validates every step)."""
     if steps is None:
         from nemo_jetrl.config import load_config
 
         steps = int(load_config(base_config_path())["grpo"]["max_num_steps"])
-    return steps
+    return max(
+        d for d in range(1, steps + 1) if steps % d == 0 and (steps // d >= VAL_INTERVALS or d == 1)
+    )
 
 
 def _val_size(overrides: list[str]) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -35,8 +36,9 @@ def test_demo_refuses_options_that_break_its_seeds(capsys, tmp_path, argv, needl
 
 @pytest.mark.slow
 def test_demo_claims_hold_on_an_untuned_seed(capsys, tmp_path, monkeypatch):
-    """The whole default demo (bf16 and jetrl x 6 GRPO seeds, fp8_rollout and jetrl_kv x 2) on
-    base seed 20251124, which no setting was chosen on: every claim ok, nothing warned."""
+    """The whole default demo (bf16 and jetrl x 8 GRPO seeds, fp8_rollout and jetrl_kv x 2) on
+    base seed 20251124, which no setting was chosen on: every claim ok (non-inferiority margin
+    0.1), every run's validation curve evaluated at steps 0/4/8/12/16, nothing warned."""
     monkeypatch.setenv("JETRL_CACHE_DIR", str(tmp_path / "cache"))
     code, text = _run(capsys, "--out", str(tmp_path / "demo"), "--seed", "20251124",
                       "--no-progress")  # fmt: skip
@@ -46,10 +48,27 @@ def test_demo_claims_hold_on_an_untuned_seed(capsys, tmp_path, monkeypatch):
     assert names == [
         "bf16 learns",
         "jetrl learns",
-        "jetrl learns as well as bf16 (margin 0.25)",
+        "jetrl learns as well as bf16 (margin 0.1)",
         "fp8_rollout is off-policy",
         "jetrl is exactly on-policy",
         "jetrl_kv is exactly on-policy",
     ], text
     assert all(ok == "ok" for ok, _ in claims), text
     assert not re.search(r"warning|deprecat", text, flags=re.I), text
+    summaries = json.loads((tmp_path / "demo" / "compare" / "summary.json").read_text())
+    val = [s for s in summaries["summaries"] if s["metric"] == "validation/accuracy"]
+    assert len(val) == 20  # 8 + 2 + 8 + 2 runs
+    assert all((s["steps"], s["first_step"], s["last_step"]) == (5, 0, 16) for s in val), val
+    assert re.search(r"^jetrl \(8 seeds\), mean validation accuracy at step 0: .*, 16: ", text,
+                     flags=re.M), text  # fmt: skip
+
+
+def test_validation_is_a_curve_that_ends_at_the_last_step():
+    """Issue 37: summary.png's validation curve had two points (first and last step)."""
+    from nemo_jetrl.commands.demo import VAL_INTERVALS, _val_period
+
+    assert [_val_period(n) for n in (16, 20, 12, 18, 7, 3)] == [4, 5, 3, 3, 1, 1]
+    assert _val_period(None) == 4  # the base config's 16 steps: 0/4/8/12/16
+    for n in range(1, 130):
+        p = _val_period(n)
+        assert n % p == 0 and (n // p >= VAL_INTERVALS or p == 1), n

@@ -17,6 +17,7 @@ from nemo_jetrl.commands._demo_report import (
     REWARD,
     TMPE,
     RecipeCurves,
+    curve_lines,
     demo_checks,
     lead_table,
     mismatch_curves,
@@ -146,3 +147,42 @@ def test_summary_page_and_study_plot_write_pngs(tmp_path):
     rows = study_table(results).splitlines()
     assert rows[1].split()[:6] == ["2", "15", "fp8_rollout", "1.003000", "[1.002000,", "1.004000]"]
     assert "0.600 [0.600, 0.600]" in rows[2]  # the NaN seed is left out of the accuracy stats
+
+
+# bf16's gains on base seed 20251124's 8 GRPO seeds (the slow demo test's seed, measured)
+BF16_GAINS = (0.422, 0.386, 0.359, 0.371, 0.434, 0.344, 0.398, 0.399)
+
+
+def test_a_jetrl_that_does_not_learn_fails_both_learning_claims():
+    """lr=0 planted for jetrl: its weights never move, so greedy validation gives the same
+    accuracy at every evaluation (gain exactly 0 on every seed)."""
+    bf16 = _seeds("bf16", list(BF16_GAINS))
+    flat = [_recipe("jetrl", (0.2, 0.2, 0.2), 1.0, 0.0, seed=i) for i in range(len(BF16_GAINS))]
+    claims = {t[1].split(":")[0]: t for t in demo_checks(bf16 + flat)}
+    assert claims["bf16 learns"][0] is True
+    assert claims["jetrl learns"][0] is False
+    passed, text = claims[f"jetrl learns as well as bf16 (margin {NONINF_MARGIN})"]
+    assert not passed and "paired gain difference jetrl - bf16 -0.389" in text
+    assert "26% of bf16's mean gain +0.389" in text
+    # a jetrl keeping only 70% of bf16's gain (0.27 of 0.39) fails too: the margin is 0.1
+    weak = _seeds("jetrl", [0.7 * g for g in BF16_GAINS])
+    claims = {t[1].split(":")[0]: t for t in demo_checks(bf16 + weak)}
+    assert claims["jetrl learns"][0] is True
+    assert claims[f"jetrl learns as well as bf16 (margin {NONINF_MARGIN})"][0] is False
+
+
+def test_margin_is_at_most_0_1():
+    """Issue 37: the old margin (0.25) let a jetrl gaining 0.15 of bf16's 0.39 pass."""
+    assert NONINF_MARGIN <= 0.1
+    bf16 = _seeds("bf16", list(BF16_GAINS))
+    jetrl = _seeds("jetrl", [g - 0.24 for g in BF16_GAINS])
+    claims = {t[1].split(":")[0]: t for t in demo_checks(bf16 + jetrl)}
+    assert claims[f"jetrl learns as well as bf16 (margin {NONINF_MARGIN})"][0] is False
+
+
+def test_curve_lines_give_the_mean_at_every_evaluated_step():
+    rs = [*_seeds("bf16", [0.3, 0.5]), *_seeds("jetrl", [0.4, 0.4])]
+    assert curve_lines(rs) == [
+        "bf16 (2 seeds), mean validation accuracy at step 0: 0.200, 4: 0.300, 8: 0.600",
+        "jetrl (2 seeds), mean validation accuracy at step 0: 0.200, 4: 0.300, 8: 0.600",
+    ]
