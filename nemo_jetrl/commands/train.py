@@ -31,6 +31,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="local backend: continue from the latest checkpoint in checkpointing.checkpoint_dir",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--device",
+        metavar="DEV",
+        default=None,
+        help="local backend: cpu, cuda or cuda:N (sets jetrl.local.device; default: the config's, "
+        "else cpu)",
+    )
+
+
+def device_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides with ``--device`` as ``jetrl.local.device`` (last, so it wins)."""
+    extra = [f"++jetrl.local.device={args.device}"] if args.device else []
+    return [*args.overrides, *extra]
+
+
+def requested_device_issues(args: argparse.Namespace) -> list:
+    """The problem this machine has with the requested device (``--device``, else the config's
+    ``jetrl.local.device``), to report beside the config's other errors when the validator
+    failed (`resolve_run` reports it when the config is otherwise valid)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from nemo_jetrl.backends.local.config import is_device_name
+    from nemo_jetrl.backends.local.device import device_issues
+    from nemo_jetrl.config import ConfigError, load_config
+
+    device = args.device
+    if device is None:
+        try:  # the config as given; an unreadable one has no device to add
+            cfg = load_config(args.config, list(args.overrides))
+            device = OmegaConf.select(cfg, "jetrl.local.device", default=None)
+        except (ConfigError, OmegaConfBaseException, OSError, ValueError):
+            return []
+    ok = isinstance(device, str) and is_device_name(device)
+    return device_issues(device) if ok else []
 
 
 def pick_backend(requested: str) -> str:
@@ -52,6 +87,11 @@ def _run_nemo_rl(args: argparse.Namespace) -> int:
             f"the nemo-rl backend is not available in this install ({exc}); "
             "use --backend local, or run inside the Docker image (docs/cluster.md)"
         ) from None
+    if args.device:
+        raise UserError(
+            "--device is the local backend's (jetrl.local.device); NeMo-RL places its workers "
+            "itself (cluster.gpus_per_node): drop --device or use --backend local"
+        )
     if args.resume:
         print("note: --resume is handled by NeMo-RL's own checkpointing (checkpointing.*)")
     return int(run_nemo_rl(args.config, list(args.overrides)) or 0)
@@ -67,7 +107,10 @@ def _run_local(args: argparse.Namespace) -> int:
 
     try:
         # The one validation (every key, every problem at once), before any work starts.
-        checked = check_config(args.config, list(args.overrides), run=True)
+        try:
+            checked = check_config(args.config, device_overrides(args), run=True)
+        except ConfigError as exc:  # a missing --device GPU is named with the other errors
+            raise ConfigError([*exc.issues, *requested_device_issues(args)], exc.source) from None
         local = next(b for b in checked.backends if b.backend == "local")
         if not local.runs:  # an MoE family it does not run: refused before any work
             raise UserError(

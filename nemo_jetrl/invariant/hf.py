@@ -79,9 +79,11 @@ class RotaryTable(nn.Module):
                 "batch-invariant model needs a fixed rotary table (set jetrl.local.batch_invariant"
                 " to false for this model)"
             )
-        pos = torch.arange(max_positions)[None]
+        # on the rotary's own device (its inv_freq buffer): a model moved to CUDA first
+        dev = next((b.device for b in rotary.buffers()), torch.device("cpu"))
+        pos = torch.arange(max_positions, device=dev)[None]
         with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=dev), pos)
         self.register_buffer("cos", cos[0].float(), persistent=False)
         self.register_buffer("sin", sin[0].float(), persistent=False)
 

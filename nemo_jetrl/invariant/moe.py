@@ -59,7 +59,7 @@ def group_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     flat = idx.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=num_experts)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return order, offsets
 

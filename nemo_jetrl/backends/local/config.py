@@ -42,6 +42,16 @@ from nemo_jetrl.config.typed import (
 
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")
+DEVICE_FORM = "cpu, cuda or cuda:N (N a GPU index)"
+
+
+def is_device_name(v: str) -> bool:
+    """``cpu``, ``cuda`` or ``cuda:N``: the devices the local backend runs on (whether this
+    machine has them is `nemo_jetrl.backends.local.device.device_issues`' to say)."""
+    if v in ("cpu", "cuda"):
+        return True
+    head, _, idx = v.partition(":")
+    return head == "cuda" and idx.isdigit() and not (len(idx) > 1 and idx[0] == "0")
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,11 @@ class LocalSettings:
     process) or "vllm" (a real vLLM CPU engine under the nemo_jetrl patch, refit every step
     through the guarded path with the parity check on; needs the .venv-vllm environment from
     scripts/setup_vllm_env.sh; recipes bf16 and jetrl, bfloat16 dtype)."""
+    device: str = "cpu"
+    """Where the models, the rollout, the trainer, the invariant ops and the metrics run: "cpu",
+    "cuda" or "cuda:N" (``jetrl train/demo --device``). A CUDA device this machine lacks is
+    refused before any work (`nemo_jetrl.backends.local.device`). The warm start stays on the
+    CPU (its cached weights are the same for every device)."""
 
     def resolved_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -173,6 +188,7 @@ class _LocalKeys(OurSection):
     val_greedy: flag() = None  # type: ignore[valid-type]
     batch_invariant: flag() = None  # type: ignore[valid-type]
     rollout_engine: choice(*ROLLOUT_ENGINES) = None  # type: ignore[valid-type]
+    device: rule(str, DEVICE_FORM, ok=is_device_name) = None  # type: ignore[valid-type]
 
 
 def _given(model: Any) -> dict[str, Any]:

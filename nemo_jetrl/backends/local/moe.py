@@ -110,7 +110,7 @@ class MoeBlock(nn.Module):
         order, offsets = imoe.group_by_expert(idx, self.num_experts)
         ys = self.experts(x, order // self.top_k, offsets)
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
+        inverse[order] = torch.arange(order.numel(), device=order.device)
         y = ys[inverse].reshape(b * s, self.top_k, h)
         return imoe.combine(y, w, invariant=inv).to(hidden.dtype).reshape(b, s, h)
 

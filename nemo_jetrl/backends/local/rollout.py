@@ -48,6 +48,19 @@ def token_logprobs(
     return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One id per row drawn from ``probs`` [B, V] on the generator's device (the CPU for a
+    local run: the same draws and checkpointed generator state on every device), returned on
+    ``probs``' device."""
+    if generator is not None and generator.device != probs.device:
+        return (
+            torch.multinomial(probs.to(generator.device), 1, generator=generator)
+            .to(probs.device)
+            .squeeze(-1)
+        )
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -65,12 +78,13 @@ def generate(
     tf = __import__("transformers")
     bsz = prompt_ids.shape[0]
     cache = cache_factory() if cache_factory is not None else tf.DynamicCache()
-    ids_out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long)
-    lp_out = torch.zeros(bsz, max_new_tokens, dtype=torch.float32)
-    mask = torch.zeros(bsz, max_new_tokens, dtype=torch.bool)
-    done = torch.zeros(bsz, dtype=torch.bool)
+    dev = prompt_ids.device  # the model's (`LocalRun` moves the prompts there)
+    ids_out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=dev)
+    lp_out = torch.zeros(bsz, max_new_tokens, dtype=torch.float32, device=dev)
+    mask = torch.zeros(bsz, max_new_tokens, dtype=torch.bool, device=dev)
+    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
     inp = prompt_ids
-    pos = torch.arange(prompt_ids.shape[1]).unsqueeze(0).expand(bsz, -1)
+    pos = torch.arange(prompt_ids.shape[1], device=dev).unsqueeze(0).expand(bsz, -1)
     used = 0
     invariant = is_batch_invariant(model)
     cache_kw = (
@@ -86,7 +100,7 @@ def generate(
         else:
             scaled = logits / temperature
             probs = ops.softmax(scaled) if invariant else torch.softmax(scaled, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            nxt = sample(probs, generator)
         lp = token_logprobs(logits, nxt, temperature, invariant=invariant)
         live = ~done
         ids_out[:, t] = torch.where(live, nxt, torch.full_like(nxt, pad_id))

@@ -109,7 +109,7 @@ class RoutingController:
             for b, rec in zip(self.train_blocks, self.rollout_choices, strict=True):
                 valid = self.rollout_valid
                 if valid is None:
-                    valid = torch.ones(rec.shape[:2], dtype=torch.bool)
+                    valid = torch.ones(rec.shape[:2], dtype=torch.bool, device=rec.device)
                 # the last position was never fed to the rollout: the trainer routes it itself
                 b.replay = (_pad_one(rec), _pad_one(valid.unsqueeze(-1)).squeeze(-1))
         if record:

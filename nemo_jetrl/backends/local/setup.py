@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
+from nemo_jetrl.backends.local.device import device_issues
 from nemo_jetrl.backends.local.model import build_model, load_model_config
 from nemo_jetrl.backends.local.moe_config import (
     moe_run_issues,
@@ -78,6 +79,8 @@ def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GR
             out.append(None)
     recipe, local = out[0], out[2]
     issues.extend(moe_run_issues(cfg))
+    if local is not None:  # before any work: a CUDA device this machine lacks (exit 2)
+        issues.extend(device_issues(local.device))
     if local is not None and local.rollout_engine == "vllm":
         from nemo_jetrl.backends.local.vllm_rollout import vllm_importable, vllm_recipe_issues
 
@@ -106,6 +109,7 @@ class LocalRun(RunStep, RunCheckpointing):
         self.recipe, self.run, self.local, loss_cfg = resolved or resolve_run(cfg)
         self.run_id: str | None = None  # set by run_local; kept across --resume
         self._set_num_threads()
+        self.device = torch.device(self.local.device)
         self.tokenizer = load_tokenizer(self.local.tokenizer)
         self.model_config = load_model_config(self.local.model_config)
         self.task = self.local.task
@@ -118,6 +122,8 @@ class LocalRun(RunStep, RunCheckpointing):
             self.rollout_model, train_model, replay=router_replay_enabled(cfg)
         )
         seed = self.run.seed
+        # CPU generators on every device: rollout.sample draws on the CPU, so the checkpointed
+        # generator states and the draws given the same probabilities do not depend on the device
         self.data_gen = torch.Generator().manual_seed(seed + 2)
         self.sample_gen = torch.Generator().manual_seed(seed + 3)
         self.val_problems = validation_problems(self.task, seed)
@@ -172,6 +178,7 @@ class LocalRun(RunStep, RunCheckpointing):
         (fp32 masters loaded from ``weights``) and, with a KL penalty, a frozen reference copy
         of the same weights. Returns the training model."""
         train_model = build_model(self.model_config, dtype=dtype, seed=self.run.seed)
+        train_model.to(self.device)  # before the FP8 swap: its layers are built on the device
         invariant = self.local.batch_invariant
         self.train_plan = make_trainer_model(train_model, self.recipe, exact_gemm=invariant)
         if invariant:
@@ -203,6 +210,7 @@ class LocalRun(RunStep, RunCheckpointing):
         """The rollout side: same class, config and weights as ``train_model``, FP8 layers as
         the rollout recipe says, frozen; no vLLM engine yet (`_start_engine`)."""
         rollout_model = build_model(self.model_config, dtype=dtype, seed=self.run.seed)
+        rollout_model.to(self.device)
         rollout_model.load_state_dict(train_model.state_dict(), strict=True)
         invariant = self.local.batch_invariant
         self.rollout_plan = make_rollout_model(rollout_model, self.recipe, exact_gemm=invariant)

@@ -30,11 +30,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from nemo_jetrl.backends.local.device import to_device
 from nemo_jetrl.backends.local.guard import guarded_update
 from nemo_jetrl.backends.local.refit import (
     RefitRefused,
@@ -107,7 +108,7 @@ class RunStep:
         return True, None
 
     def _generate(self, prompt_ids: torch.Tensor, generator: torch.Generator, *, greedy: bool):
-        """Rollout on the configured engine (HF model or vLLM)."""
+        """Rollout on the configured engine (HF model or vLLM), on ``self.device``."""
         kw = dict(
             max_new_tokens=self.max_new_tokens,
             temperature=self.run.temperature,
@@ -116,8 +117,12 @@ class RunStep:
             generator=generator,
             greedy=greedy,
         )
-        if self.engine is not None:
-            return self.engine.generate(prompt_ids, **kw)
+        if self.engine is not None:  # vLLM answers on the host; the rest of the step runs here
+            rb = self.engine.generate(prompt_ids.cpu(), **kw)
+            return RolloutBatch(
+                **{f.name: to_device(getattr(rb, f.name), self.device) for f in fields(rb)}
+            )
+        prompt_ids = to_device(prompt_ids, self.device)
         return generate(self.rollout_model, prompt_ids, cache_factory=self._cache_factory(), **kw)
 
     def _cache_factory(self):
@@ -227,6 +232,7 @@ class RunStep:
         G = self.run.num_generations_per_prompt
         problems = sample_problems(self.run.num_prompts_per_step, self.task, self.data_gen)
         prompt_ids = encode_prompts(problems, self.tokenizer).repeat_interleave(G, dim=0)
+        prompt_ids = to_device(prompt_ids, self.device)
         if self.kv is not None and not self.kv_calibrated:
             self._first_kv_calibration(prompt_ids)
         if self.engine is not None and self.kv is not None:  # layers whose scales this rollout uses
@@ -260,7 +266,7 @@ class RunStep:
             normalize_rewards=self.run.normalize_rewards,
             leave_one_out_baseline=self.run.use_leave_one_out_baseline,
         )
-        return _Scored(texts, mask, scored, rewards, adv)
+        return _Scored(texts, mask, scored, rewards, to_device(adv, self.device))
 
     def _recalibrate_kv(
         self, ids: torch.Tensor, prompt_ids: torch.Tensor, mask: torch.Tensor
@@ -321,6 +327,9 @@ def _records(
 ) -> list[dict[str, Any]]:
     """Per-sample train-data records (NeMo-RL's jsonl layout, prompt positions padded)."""
     records = []
+    ids, gen, prev, mask, adv = (
+        t.cpu() for t in (ids, gen, prev, b.mask, b.adv)
+    )  # once, not per row
     for i in range(ids.shape[0]):
         pad = [0.0] * P
         records.append(
@@ -329,10 +338,10 @@ def _records(
                 "token_ids": ids[i].tolist(),
                 "generation_logprobs": pad + gen[i].tolist(),
                 "prev_logprobs": pad + prev[i].tolist(),
-                "token_loss_mask": [0] * P + b.mask[i].int().tolist(),
+                "token_loss_mask": [0] * P + mask[i].int().tolist(),
                 "sample_loss_mask": 1,
                 "rewards": float(b.rewards[i]),
-                "advantages": float(b.adv[i]),
+                "advantages": float(adv[i]),
             }
         )
     return records

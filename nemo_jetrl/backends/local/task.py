@@ -153,7 +153,7 @@ def decode_responses(
     is_eos = response_ids == eos
     finished = is_eos.any(dim=1)
     first = torch.where(finished, is_eos.float().argmax(dim=1), response_ids.shape[1])
-    pos = torch.arange(response_ids.shape[1])[None, :]
+    pos = torch.arange(response_ids.shape[1], device=response_ids.device)[None, :]
     mask = pos <= first[:, None]
     mask &= pos < response_ids.shape[1]
     texts = [

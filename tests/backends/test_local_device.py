@@ -1,0 +1,152 @@
+"""``jetrl.local.device`` / ``--device``: where a local run computes (issue 37).
+
+On CPU: a CUDA device this machine lacks is refused with exit 2 before any work, beside the
+config's other errors; a malformed name is a config error at the key; a short run with the
+device passed explicitly through the same code path keeps every model tensor and every step
+tensor on it and stays exactly on-policy (jetrl). The ``gpu``-marked test runs the same on CUDA
+(jetrl and jetrl_kv); it is the only proof of the GPU path and skips without CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from local_configs import EXAMPLES, tiny_cfg
+
+from nemo_jetrl.backends.local.config import LocalSettings, is_device_name
+from nemo_jetrl.backends.local.device import device_issues
+from nemo_jetrl.backends.local.loop import Hooks, run_local
+from nemo_jetrl.config import ConfigError
+
+# A GPU index no machine has: refused on a CPU box and on a GPU box alike.
+ABSENT = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("jetrl_cache")
+
+
+def test_device_names_are_validated_at_the_key():
+    for ok in ("cpu", "cuda", "cuda:0", "cuda:7", "cuda:12"):
+        assert is_device_name(ok), ok
+    for bad in ("gpu", "CUDA", "cuda:", "cuda:-1", "cuda:01", "cuda:x", "mps", " cpu", "cuda0"):
+        assert not is_device_name(bad), bad
+    assert LocalSettings.from_cfg({}).device == "cpu"
+    with pytest.raises(ConfigError) as e:
+        LocalSettings.from_cfg({"device": "gpu", "dtype": "fp16"})
+    msg = str(e.value)  # both problems, one error
+    assert "jetrl.local.device" in msg and "cuda:N" in msg and "jetrl.local.dtype" in msg
+
+
+def test_absent_gpu_is_named_with_what_to_change():
+    assert device_issues("cpu") == []
+    (issue,) = device_issues(ABSENT)
+    assert issue.path == "jetrl.local.device"
+    assert ABSENT in issue.message and "--device cpu" in issue.message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plain 'cuda' exists on this machine")
+def test_plain_cuda_refused_without_a_gpu():
+    (issue,) = device_issues("cuda")
+    assert "none visible" in issue.message and "jetrl.local.device: cpu" in issue.message
+
+
+def _train_args(tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        str(EXAMPLES / "jetrl.yaml"),
+        "grpo.max_num_steps=1",
+        "grpo.val_at_start=false",
+        "jetrl.local.warmstart.steps=3",
+        f"jetrl.local.cache_dir={cache_dir}",
+        f"logger.log_dir={tmp_path / 'run'}",
+        *extra,
+        "--backend",
+        "local",
+        "--no-progress",
+    ]
+
+
+def test_train_refuses_absent_gpu_before_any_work(tmp_path, cache_dir, capsys):
+    from nemo_jetrl.cli import main
+
+    for how in (["--device", ABSENT], [f"jetrl.local.device={ABSENT}"]):
+        assert main(_train_args(tmp_path, cache_dir, *how)) == 2
+        err = capsys.readouterr().err
+        assert "jetrl.local.device" in err and ABSENT in err and "--device cpu" in err, err
+        assert "Traceback" not in err
+        assert not (tmp_path / "run").exists()  # no log dir, no warm start: before any work
+        assert not any(cache_dir.iterdir())
+    # reported together with the config's other errors (flag and key alike)
+    for how in (["--device", ABSENT], [f"jetrl.local.device={ABSENT}"]):
+        bad = _train_args(tmp_path, cache_dir, "policy.generation.temperature=-1", *how)
+        assert main(bad) == 2
+        err = capsys.readouterr().err
+        assert "policy.generation.temperature" in err and "jetrl.local.device" in err, err
+    assert main(_train_args(tmp_path, cache_dir, "--device", "gpu")) == 2
+    assert "jetrl.local.device" in capsys.readouterr().err
+
+
+def test_demo_refuses_absent_gpu_before_any_run(tmp_path, capsys):
+    from nemo_jetrl.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--device", ABSENT, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--device" in err and ABSENT in err and "jetrl.local.device" in err, err
+    assert not (out / "runs").exists()
+    assert main(["demo", "--out", str(out), "--device", "tpu", "--no-progress"]) == 2
+    assert "cuda:N" in capsys.readouterr().err
+
+
+def _run_on(device: str, recipe: str, tmp_path: Path, cache_dir: Path) -> list[dict]:
+    """A 2-step run with ``jetrl.local.device`` set; asserts where its tensors live."""
+    seen: dict = {}
+    want = torch.device(device)
+
+    def on_run(run) -> None:
+        seen["run"] = run
+        score = run.trainer.score
+
+        def spy(ids, P):  # the scored batch: prompts + the rollout's responses
+            seen.setdefault("ids", ids.device)
+            out = score(ids, P)
+            seen.setdefault("prev", out.device)
+            return out
+
+        run.trainer.score = spy
+
+    cfg = tiny_cfg(recipe, tmp_path / recipe, cache_dir, f"jetrl.local.device={device}")
+    res = run_local(cfg, progress=False, log=print, hooks=Hooks(on_run=on_run))
+    run = seen["run"]
+    assert run.device.type == want.type
+    for model in (run.trainer.model, run.rollout_model):
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            assert t.device.type == want.type, (name, t.device)
+    assert all(m.device.type == want.type for m in run.trainer.master)
+    assert seen["ids"].type == want.type and seen["prev"].type == want.type
+    return res.history
+
+
+def _assert_on_policy(history: list[dict]) -> None:
+    assert len(history) == 2
+    for h in history:
+        assert h["train/token_mult_prob_error"] == 1.0 and h["train/gen_kl_error"] == 0.0, h
+        assert math.isfinite(h["train/loss"]) and h["jetrl/local/refit_refused"] == 0.0
+
+
+def test_explicit_cpu_device_runs_the_same_path_exactly_on_policy(tmp_path, cache_dir):
+    _assert_on_policy(_run_on("cpu", "jetrl", tmp_path, cache_dir))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["jetrl", "jetrl_kv"])
+def test_cuda_run_exactly_on_policy(recipe, tmp_path, cache_dir):
+    _assert_on_policy(_run_on("cuda", recipe, tmp_path, cache_dir))
