@@ -13,8 +13,8 @@ One refit does, in order (nothing is sent unless every check before it passed):
    tensors (embeddings, norms, lm_head, BF16 layers) are sent in the model dtype. Non-finite values
    are refused naming the tensor, as are FP8 blocks whose dequantized values overflow fp32
    (a BF16/FP16-max weight with power-of-two scales) and tensors that overflow the engine's
-   dtype when cast; FP8 weights whose dims are not multiples of 128 are refused (they must be
-   in the BF16 set on both sides).
+   dtype when cast; FP8 weights TE's FP8 GEMM refuses (`fp8.spec.linear_dims_problem`) too (BF16
+   on both sides). Partial 128-blocks are sent as they are (576 rows: a [5, K/128] scale).
 3. Shape guard: each tensor's shape and dtype is compared with the engine's parameter slice it
    will land in; all mismatches are reported together, naming the layers.
 4. Load through vLLM's own layerwise reload (``compat.reload_weights``): the model's
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.fp8 import quantize_blockwise
+from nemo_jetrl.fp8.spec import linear_dims_problem
 from nemo_jetrl.fp8.staging import quantized_weight_problem
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.refit_kv import (
@@ -162,11 +163,11 @@ def quantize_state_dict(
             errors.append(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             continue
         if is_fp8_weight(name, settings):
-            if t.dim() != 2 or any(d % b for d, b in zip(t.shape, WEIGHT_BLOCK, strict=True)):
+            why = "not 2-D" if t.dim() != 2 else linear_dims_problem(t.shape[1], t.shape[0])
+            if why is not None:  # partial 128-blocks are fine (ceil-sized scale grid)
                 errors.append(
-                    f"{name}: shape {tuple(t.shape)} is not a 2-D multiple of {WEIGHT_BLOCK}; "
-                    "128x128 block FP8 needs both dims divisible by 128. Keep this layer in BF16 "
-                    "on both sides (add it to the recipe's BF16 layers)"
+                    f"{name}: shape {tuple(t.shape)}: {why}. Keep this layer in BF16 on both "
+                    "sides (add it to the recipe's BF16 layers)"
                 )
                 continue
             try:

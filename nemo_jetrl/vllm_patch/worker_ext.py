@@ -100,6 +100,12 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
             i = shards.index(proj)
             start, rows = sum(widths[:i]), widths[i]
             if leaf == "weight_scale_inv":
+                if start % WEIGHT_BLOCK[0]:  # a partial block before it: scales shared
+                    raise ValueError(
+                        f"{hf_name}: starts at row {start} of {fused_path}, off a "
+                        f"{WEIGHT_BLOCK[0]}-row block edge: its scales would share a block with "
+                        f"{shards[i - 1]}; keep {'/'.join(shards)} BF16 on both sides"
+                    )
                 start, rows = start // WEIGHT_BLOCK[0], -(-rows // WEIGHT_BLOCK[0])
             elif leaf == "bias" or leaf == "weight":
                 pass
