@@ -21,6 +21,7 @@ SCRIPTS = (
     "bench_refit_calibration",
     "bench_moe_layer",
     "bench_serving_kernel",
+    "bench_local_grpo",
 )
 
 
@@ -265,3 +266,24 @@ def test_quantizer_tile_sweep_checks_bits(bench, monkeypatch):
     assert len(rows) == want and all(r["bits_equal"] is True for r in rows)
     assert triton_kernels._tile is default_tile
     assert default_warps == rowcol_quantize.ROWCOL_WARPS
+
+
+def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
+    """``--device cpu --steps 1 --tiny``: the same code path as on cuda, every recipe; jetrl and
+    jetrl_kv exactly on-policy (MET), fp8_rollout off-policy (mismatch > 0)."""
+    module = bench("bench_local_grpo")
+    out = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--steps", "1", "--tiny", "--models", "qwen3-0.6b-shaped",
+            "--json", str(out)]  # fmt: skip
+    assert module.main(argv) == 0
+    text = capsys.readouterr().out
+    rows = {r["recipe"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == sorted(module.RECIPES)
+    for r in ("jetrl", "jetrl_kv"):
+        assert rows[r]["exactly_on_policy"] == "MET" and rows[r]["tmpe_max"] == 1.0
+        assert rows[r]["gen_kl_max"] == 0.0
+    assert rows["fp8_rollout"]["mismatch"] > 0 and rows["fp8_rollout"]["exactly_on_policy"] == "-"
+    for row in rows.values():
+        assert row["step_s"] > 0 and row["tokens_per_s"] > 0
+        assert 0 < row["invariant_ops_share"] < 1  # every recipe runs the invariant ops
+    assert text.count("exactly on-policy: MET") == 2

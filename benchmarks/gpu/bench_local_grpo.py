@@ -1,0 +1,214 @@
+"""Short local GRPO runs per recipe on one device: exactly on-policy, mismatch, step time (issue 37).
+
+For each model (the demo's 2-layer Llama, and a ~0.6B-parameter Qwen3-0.6B-shaped model with
+random weights built from a config: no hub access on a GPU node) and each recipe (bf16,
+fp8_rollout, jetrl, jetrl_kv) it runs the demo's config (`nemo_jetrl.commands.demo.recipe_config`,
+warm start off: random weights, so responses run to ``max_new_tokens``) for ``--steps`` steps on
+``--device`` through `run_local`, and prints per recipe:
+
+- tmpe: the largest ``train/token_mult_prob_error`` over the steps; jetrl/jetrl_kv must be
+  exactly 1 on every step (MET / NOT MET), and gen_kl (``train/gen_kl_error``) exactly 0;
+- fp8_rollout's mismatch (tmpe - 1, its largest);
+- step time: median ``timing/train/total_step_time`` of the steps after the first (the first
+  compiles and warms up; with one step, that step), and tokens/s = response tokens per step /
+  step time;
+- the share of the last step's time spent in `nemo_jetrl.invariant.ops` (outermost calls only,
+  timed with a device sync around each: the last step is instrumented and left out of the step
+  time when there are 3 or more steps).
+
+The Qwen3-shaped model is a Llama config with Qwen3-0.6B's sizes (the local backend has no dense
+Qwen3 class; Qwen3's q/k RMSNorm is the one difference). ``--tiny``: the Qwen3-shaped model at 2 layers,
+hidden 128, and 2x2 samples per step, for a CPU smoke test (`tests/test_gpu_benchmarks_cpu.py`). Exit 1 when jetrl/jetrl_kv is not exactly on-policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
+EXACT = ("jetrl", "jetrl_kv")
+# Qwen3-0.6B's sizes (hidden 1024, 28 layers, 16 q / 8 kv heads of 128, MLP 3072, vocab 151936,
+# tied embeddings, rope theta 1e6): ~0.6B parameters.
+QWEN3_SHAPED = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+    rope_theta=1_000_000.0, max_position_embeddings=4096,
+)  # fmt: skip
+TINY = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=64, vocab_size=256, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=4, help="GRPO steps per run (default: %(default)s)")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="default: %(default)s")
+    p.add_argument(
+        "--models", default="demo,qwen3-0.6b-shaped", help="demo and/or qwen3-0.6b-shaped"
+    )
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (default: 8)")
+    p.add_argument("--generations", type=int, default=4, help="samples per prompt (default: 4)")
+    p.add_argument("--tiny", action="store_true", help="small models, 2x2 samples (CPU smoke test)")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    return p
+
+
+def model_json(name: str, tiny: bool, out: Path) -> str | None:
+    """The config.json of ``name`` (None: the demo's own model)."""
+    from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON
+
+    if name == "demo":  # already tiny (2 layers, hidden 256)
+        return None
+    cfg = json.loads(Path(MODEL_CONFIG_JSON).read_text())  # token ids of the local tokenizer
+    cfg.update(TINY if tiny else QWEN3_SHAPED)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+class OpsTimer:
+    """Wall time of the outermost `nemo_jetrl.invariant.ops` calls while ``on`` (device synced
+    around each call, so the instrumented step is slower: it is not a timed step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from nemo_jetrl.invariant import ops
+
+        self.ops, self.device, self.on, self.depth, self.seconds = ops, device, False, 0, 0.0
+        self.saved = {
+            n: f for n, f in vars(ops).items()
+            if callable(f) and not n.startswith("_") and getattr(f, "__module__", "") == ops.__name__
+        }  # fmt: skip
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _wrap(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            if not self.on or self.depth:
+                return fn(*a, **kw)
+            self._sync()
+            self.depth, t0 = 1, time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._sync()
+                self.seconds += time.perf_counter() - t0
+                self.depth = 0
+
+        return timed
+
+    def __enter__(self) -> OpsTimer:
+        for n, f in self.saved.items():
+            setattr(self.ops, n, self._wrap(f))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n, f in self.saved.items():
+            setattr(self.ops, n, f)
+
+
+def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
+    from nemo_jetrl.backends.local.loop import Hooks, run_local
+    from nemo_jetrl.commands.demo import recipe_config
+
+    device = torch.device(args.device)
+    n = max(1, args.steps)
+    keys = [
+        f"++jetrl.local.device={args.device}", "jetrl.local.warmstart.enabled=false",
+        "checkpointing.enabled=false", "grpo.val_period=0", "grpo.val_at_start=false",
+        f"grpo.max_num_steps={n}", f"grpo.num_prompts_per_step={args.prompts}",
+        f"grpo.num_generations_per_prompt={args.generations}",
+        f"jetrl.local.cache_dir={work / 'cache'}", "jetrl.local.num_threads=null",
+    ]  # fmt: skip
+    if model is not None:
+        keys.append(f"jetrl.local.model_config={model}")
+    run_dir = work / "runs" / f"{Path(model or 'demo').stem}-{recipe}"
+    cfg = recipe_config(recipe, work, [f"logger.log_dir={run_dir}", *keys])
+    timer = OpsTimer(device)
+    profiled = n  # the last step is the instrumented one; timed: the steps between
+    timed_steps = list(range(2, n)) if n >= 3 else [n]
+
+    def after_step(step: int, _s: dict) -> None:
+        timer.on = step + 1 == profiled  # instrument the next step when it is the last
+
+    timer.on = profiled == 1
+    with timer:
+        res = run_local(
+            cfg, progress=False, log=lambda *_: None, hooks=Hooks(after_step=after_step)
+        )
+    h = {int(r["step"]): r for r in res.history}
+    tmpe = max(r["train/token_mult_prob_error"] for r in res.history)
+    kl = max(abs(r["train/gen_kl_error"]) for r in res.history)
+    st = statistics.median(h[s]["timing/train/total_step_time"] for s in timed_steps)
+    toks = statistics.median(
+        h[s]["jetrl/local/mean_response_tokens"] * args.prompts * args.generations
+        for s in timed_steps
+    )
+    last = h[profiled]["timing/train/total_step_time"]
+    exact = all(
+        r["train/token_mult_prob_error"] == 1.0 and r["train/gen_kl_error"] == 0.0
+        for r in res.history
+    )
+    return {
+        "recipe": recipe, "tmpe_max": tmpe, "gen_kl_max": kl, "exact_every_step": exact,
+        "mismatch": tmpe - 1.0, "step_s": st, "tokens_per_s": toks / st,
+        "invariant_ops_share": timer.seconds / last if last > 0 else float("nan"), "steps": n,
+    }  # fmt: skip
+
+
+def _verdict(row: dict) -> str:
+    if row["recipe"] not in EXACT:
+        return "-"
+    return "MET" if row["exact_every_step"] else "NOT MET"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device.startswith("cuda"):
+        from _common import require_cuda
+
+        require_cuda("bench_local_grpo.py")
+    if args.tiny:
+        args.prompts, args.generations = min(args.prompts, 2), min(args.generations, 2)
+    recipes = [r for r in args.recipes.split(",") if r]
+    rows = []
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="bench_local_grpo_") as tmp:
+        work = Path(tmp)
+        for name in [m for m in args.models.split(",") if m]:
+            model = model_json(name, args.tiny, work)
+            print(f"model {name}{' (tiny)' if args.tiny else ''} on {args.device}:", flush=True)
+            for recipe in recipes:
+                row = {"model": name, **run_recipe(recipe, model, args, work)}
+                row["exactly_on_policy"] = _verdict(row)
+                ok &= row["exactly_on_policy"] != "NOT MET"
+                rows.append(row)
+                print(
+                    f"  {recipe:12s} tmpe {row['tmpe_max']:.6f}  gen_kl {row['gen_kl_max']:.3e}  "
+                    f"exactly on-policy: {row['exactly_on_policy']:7s} "
+                    f"mismatch {row['mismatch']:.3e}  step {row['step_s']:.3f} s  "
+                    f"{row['tokens_per_s']:.1f} tokens/s  invariant ops "
+                    f"{100 * row['invariant_ops_share']:.1f}% of the instrumented step",
+                    flush=True,
+                )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "rows": rows}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
