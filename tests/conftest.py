@@ -98,22 +98,33 @@ def installed_vllm_line() -> str | None:
 
 
 def _deselect_other_vllm_lines(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import vllm_coverage  # tests/vllm_coverage.py: which lines run which test, and why
+
     if os.environ.get(VLLM_ALL_VERSIONS_VAR) == "1":
         return
     line = installed_vllm_line()
     if line is None:  # no vLLM: the `vllm` tests skip with their reason, as always
         return
-    keep, gone = [], []
+    # The map decides for the vLLM tiers only (test_vllm.sh selects by path, never with -m; the
+    # NeMo-RL tiers select with -m on 0.20/0.25 and keep what they select); markers always.
+    use_map = line in vllm_coverage.TIER_LINES and not config.getoption("markexpr", "")
+    keep, gone, on = [], [], set()
     for item in items:
         mark = item.get_closest_marker("vllm_versions")
         if mark is not None and not mark.kwargs.get("why"):
             raise pytest.UsageError(f"{item.nodeid}: vllm_versions(...) needs why='...'")
-        (gone if mark is not None and line not in mark.args else keep).append(item)
+        found = vllm_coverage.decide(
+            item.nodeid, {m.name for m in item.iter_markers()}, mark.args if mark else None
+        )
+        if found is not None and (mark is not None or use_map) and line not in found[0]:
+            gone.append(item)
+            on.update(found[0])
+        else:
+            keep.append(item)
     if gone:
         config.hook.pytest_deselected(items=gone)
         items[:] = keep
-        lines = sorted({v for i in gone for v in i.get_closest_marker("vllm_versions").args})
-        _VLLM_DESELECTED.update(line=line, count=len(gone), on=", ".join(lines))
+        _VLLM_DESELECTED.update(line=line, count=len(gone), on=", ".join(sorted(on)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -159,9 +170,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if _VLLM_DESELECTED:
         d = _VLLM_DESELECTED
         terminalreporter.write_line(
-            f"vLLM {d['line']}: {d['count']} tests deselected, their code path is the same on "
-            f"every line and the vLLM {d['on']} tier runs them (marker vllm_versions; "
-            f"{VLLM_ALL_VERSIONS_VAR}=1 runs them here too)"
+            f"vLLM {d['line']}: {d['count']} tests deselected as covered on vLLM {d['on']} "
+            f"(tests/vllm_coverage.py; {VLLM_ALL_VERSIONS_VAR}=1 runs them here too)"
         )
 
 
