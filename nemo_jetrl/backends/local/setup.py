@@ -181,6 +181,7 @@ class LocalRun(RunStep, RunCheckpointing):
         train_model.to(self.device)  # before the FP8 swap: its layers are built on the device
         invariant = self.local.batch_invariant
         self.train_plan = make_trainer_model(train_model, self.recipe, exact_gemm=invariant)
+        train_model.to(self.device)  # what the swap made on the host (MoE expert stacks)
         if invariant:
             make_batch_invariant(train_model)
         reference = None
@@ -214,6 +215,7 @@ class LocalRun(RunStep, RunCheckpointing):
         rollout_model.load_state_dict(train_model.state_dict(), strict=True)
         invariant = self.local.batch_invariant
         self.rollout_plan = make_rollout_model(rollout_model, self.recipe, exact_gemm=invariant)
+        rollout_model.to(self.device)  # Fp8InferenceLinear makes its FP8 buffers on the host
         if invariant:
             make_batch_invariant(rollout_model)
         self.rollout_model = freeze(rollout_model)

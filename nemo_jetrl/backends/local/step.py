@@ -240,7 +240,9 @@ class RunStep:
         rb = self._generate(prompt_ids, self.sample_gen, greedy=False)
         routed = getattr(self.engine, "last_routing", None)
         if routed is not None and self.routing.active:  # the engine's routing of this rollout
-            self.routing.set_rollout(*routed)
+            choices, valid = routed  # on the host, like the engine's tokens
+            dev = self.device
+            self.routing.set_rollout([to_device(c, dev) for c in choices], to_device(valid, dev))
         return problems, prompt_ids, rb
 
     def _first_kv_calibration(self, prompt_ids: torch.Tensor) -> None:
