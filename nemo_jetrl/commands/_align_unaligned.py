@@ -107,6 +107,16 @@ def unaligned_target_words(
     return unaligned_words(arch, kws, _scalings(recipe))
 
 
+def in_proj_note(before: Any, after: Any) -> str:
+    """Why align replaced words keeping part of Megatron's fused in_proj by the whole one."""
+    return (
+        f"{[k for k in before if k not in after]} -> {[k for k in after if k not in before]}: "
+        "megatron-core computes the gated delta net's in_proj (q, k, v, z, b, a) as one GEMM, "
+        "so only a word naming all of it can be BF16 in training; vLLM keeps in_proj_qkvz "
+        "and in_proj_ba BF16 for it"
+    )
+
+
 def unaligned_list_overrides(cfg: Any, arch: Any) -> tuple[list[str], list[str]]:
     """(``++`` overrides adding the words to both lists of an input the check refuses for its
     untiled linears, the training list taken from the rollout's when absent; the notes):
@@ -124,13 +134,7 @@ def unaligned_list_overrides(cfg: Any, arch: Any) -> tuple[list[str], list[str]]
     whole = list(whole_in_proj_words(arch, tuple(roll)))
     words, notes = unaligned_words(arch, tuple(whole))
     if whole != roll:
-        notes = [
-            f"{[k for k in roll if k not in whole]} -> {[k for k in whole if k not in roll]}: "
-            "megatron-core computes the gated delta net's in_proj (q, k, v, z, b, a) as one GEMM, "
-            "so only a word naming all of it can be BF16 in training; vLLM keeps in_proj_qkvz "
-            "and in_proj_ba BF16 for it",
-            *notes,
-        ]
+        notes = [in_proj_note(roll, whole), *notes]
     elif not words:
         return [], []
     new = f"[{','.join([*whole, *words])}]"

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from nemo_jetrl.commands._align_moe import load_source, moe_align_updates, router_bf16_words
-    from nemo_jetrl.commands._align_unaligned import unaligned_target_words
+    from nemo_jetrl.commands._align_unaligned import in_proj_note, unaligned_target_words
     from nemo_jetrl.commands._output import make_output_dir
     from nemo_jetrl.commands.check import load_and_check, report
     from nemo_jetrl.config import (
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         nemo_rl_setup_updates,
         recipe_to_config_updates,
     )
+    from nemo_jetrl.config.layer_lists import whole_in_proj_words
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.backend import megatron_off
     from nemo_jetrl.flow.mxfp8 import align_notes
@@ -95,8 +96,13 @@ def run(args: argparse.Namespace) -> int:
             target = before.recipe.aligned_to_training(kv=args.kv)
         except ValueError as exc:
             raise UserError(f"cannot align {args.config}: {exc}") from None
-    # The user's per-name BF16 linears stay BF16, now on both sides.
+    # The user's per-name BF16 linears stay BF16, now on both sides; a word keeping part of
+    # Megatron's fused in_proj becomes the whole in_proj (the only list training can honour).
     kws = before.recipe.bf16_layer_kws()
+    whole = whole_in_proj_words(before.arch, kws)
+    if whole != kws:
+        untiled_notes = [*untiled_notes, in_proj_note(kws, whole)]
+        kws = whole
     router_words, router_notes = router_bf16_words(before.arch, target, kws)  # vLLM FP8 router
     tile_words, tile_notes = unaligned_target_words(before.arch, target, kws + router_words)
     tile_notes = untiled_notes or tile_notes  # the words added to the input, said once

@@ -13,8 +13,9 @@ projection, cannot be checked), and a list must keep each fused group whole: vLL
 run q/k/v and gate/up as one GEMM each, so keeping q_proj BF16 but not k_proj is not something
 either engine can do. Megatron fuses more than vLLM: its GatedDeltaNet computes Qwen3.5's
 in_proj_qkv/z/b/a (Qwen3-Next's in_proj_qkvz/ba) as one in_proj GEMM, so a word keeping part of
-it BF16 is refused in either list (a rollout-only choice training cannot match); the word true
-on both sides is ``linear_attn.in_proj`` (`whole_in_proj_words` rewrites a list to it).
+it BF16 is refused in the training list and reported in the rollout list (vLLM can run it; the
+flow names the mismatch with training, exit 1); the word true on both sides is
+``linear_attn.in_proj`` (`whole_in_proj_words` rewrites a list to it).
 """
 
 from __future__ import annotations
@@ -68,14 +69,19 @@ def check_layer_lists(r: Any, recipe: Any, arch: Any) -> None:
                 f"(names like {linears[0].name}); the precision flow has no layer these words "
                 "name, so it cannot check them",
             )
-        for split in _split_groups(side, arch):
-            r.error(key, split)
+        for split, megatron in _split_groups(side, arch):
+            if megatron and key == ROLLOUT_KEY:
+                # vLLM can do it (in_proj_ba is its own GEMM); training cannot match it: a
+                # mismatch the flow reports by layer (exit 1), not an invalid list
+                r.warn(key, split + "; as given, training runs the whole in_proj in FP8")
+            else:
+                r.error(key, split)
 
 
-def _split_groups(side: Any, arch: Any) -> list[str]:
+def _split_groups(side: Any, arch: Any) -> list[tuple[str, bool]]:
     """The first fused group split by ``side``'s list in vLLM, then in Megatron (at most one
-    message each)."""
-    out: list[str] = []
+    message each; True for Megatron's)."""
+    out: list[tuple[str, bool]] = []
     for groups, who in ((FUSED_GROUPS, "vllm"), (MEGATRON_IN_PROJ_GROUPS, "megatron")):
         hit = _first_split(side, arch, groups)
         if hit is None:
@@ -83,15 +89,22 @@ def _split_groups(side: Any, arch: Any) -> list[str]:
         layer, group, kept, rest = hit
         if who == "vllm":
             out.append(
-                f"keeps {kept} of layer {layer} BF16 but not {rest}: vLLM runs "
-                f"{'/'.join(group)} as one fused GEMM; list all of them or none"
+                (
+                    f"keeps {kept} of layer {layer} BF16 but not {rest}: vLLM runs "
+                    f"{'/'.join(group)} as one fused GEMM; list all of them or none",
+                    False,
+                )
             )
         else:
             out.append(
-                f"keeps {kept} of layer {layer} BF16 but not {rest}: megatron-core's "
-                f"GatedDeltaNet computes {'/'.join(group)} as one in_proj GEMM, so training "
-                f"cannot keep part of it BF16; use {IN_PROJ_WORD!r} (vLLM's in_proj_qkvz + "
-                f"in_proj_ba, Megatron's in_proj) in both {ROLLOUT_KEY} and {TRAIN_KEY}, or neither"
+                (
+                    f"keeps {kept} of layer {layer} BF16 but not {rest}: megatron-core's "
+                    f"GatedDeltaNet computes {'/'.join(group)} as one in_proj GEMM, so training "
+                    f"cannot keep part of it BF16; use {IN_PROJ_WORD!r} (vLLM's in_proj_qkvz + "
+                    f"in_proj_ba, Megatron's in_proj) in both {ROLLOUT_KEY} and {TRAIN_KEY}, or "
+                    "neither",
+                    True,
+                )
             )
     return out
 
