@@ -10,6 +10,7 @@ today when FP8). ``${oc.env:...}`` data/venv paths get placeholders when unset.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from dataclasses import dataclass
@@ -41,22 +42,32 @@ def raw_declares_grpo(path: Path) -> bool:
     return isinstance(doc, dict) and "grpo" in doc
 
 
+# One walk per tree and process: three modules of the tier read every config (~1 min per walk on
+# 2 cores). The resolved dicts depend only on the files and the two ``oc.env`` variables the
+# trees use (ENV_PLACEHOLDERS' keys), which key the cache; callers get their own deep copies.
+_WALKS: dict[tuple, tuple[list[tuple[Path, dict]], list[Path]]] = {}
+
+
 def grpo_configs(tree: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
     """((path, resolved dict) of every GRPO config, YAML files NeMo-RL's loader cannot read).
 
     A file the loader cannot read must not declare ``grpo:`` itself (asserted by callers)."""
     from nemo_rl_upstream import nemo_rl_load
 
-    found, unreadable = [], []
-    for path in sorted((tree / "examples").rglob("*.yaml")):
-        try:
-            cfg = nemo_rl_load(path)
-        except Exception:
-            unreadable.append(path)
-            continue
-        if isinstance(cfg.get("grpo"), dict) and isinstance(cfg.get("policy"), dict):
-            found.append((path, cfg))
-    return found, unreadable
+    key = (str(Path(tree).resolve()), *(os.environ.get(k) for k in ENV_PLACEHOLDERS))
+    if key not in _WALKS:
+        found, unreadable = [], []
+        for path in sorted((tree / "examples").rglob("*.yaml")):
+            try:
+                cfg = nemo_rl_load(path)
+            except Exception:
+                unreadable.append(path)
+                continue
+            if isinstance(cfg.get("grpo"), dict) and isinstance(cfg.get("policy"), dict):
+                found.append((path, cfg))
+        _WALKS[key] = (found, unreadable)
+    found, unreadable = _WALKS[key]
+    return copy.deepcopy(found), list(unreadable)
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,11 @@ def _force_vllm_kernel(llm, layer: str) -> str:
     return llm.collective_rpc(force, args=(layer,))[0]
 
 
+# Each engine test below starts its own engine: vLLM reads VLLM_PLUGINS once, at engine start,
+# and each test's claim is about the engine a different plugin set starts (none shareable).
+
+
+# Own engine: started WITHOUT our refit hook's entry point (then its kernel is swapped by hand).
 def test_without_our_refit_plugin_the_run_stops_naming_it(model_dir, tmp_path, monkeypatch):
     """``VLLM_PLUGINS`` without our refit hook's entry point (as in a venv whose nemo_jetrl lost
     it): the engine starts, our check stops the run naming the hook and the variable; then a
@@ -234,6 +239,7 @@ def test_without_our_refit_plugin_the_run_stops_naming_it(model_dir, tmp_path, m
     assert ec.FRACTION_METRIC not in read_run(tmp_path / "logs").scalars  # nothing proven
 
 
+# Own engine: started WITHOUT our kernel's entry point (on most CPUs vLLM refuses to start).
 def test_without_our_kernel_plugin_the_engine_never_runs_silently(model_dir, capfd):
     """``VLLM_PLUGINS`` without our kernel's entry point: vLLM's CPU build has no block-FP8
     kernel of its own on most CPUs and refuses to start; where it has one (vLLM 0.25 on AMX) it
@@ -258,6 +264,7 @@ def test_without_our_kernel_plugin_the_engine_never_runs_silently(model_dir, cap
     assert "the worker has VLLM_PLUGINS='jetrl_nrl_worker_standin,nemo_jetrl_nemo_rl_refit'" in msg
 
 
+# Own engine: started with both of our plugins; its workers print their line at start.
 def test_with_our_plugins_the_line_and_metric_appear(model_dir, tmp_path, capfd):
     with nemo_rl_generation_worker(model_dir, run_vllm_env()) as actor:
         group = StandInWorkerGroup(actor)

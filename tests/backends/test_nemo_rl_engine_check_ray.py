@@ -61,6 +61,13 @@ class SyncGen:
     def __init__(self, reports):
         self.llm = SyncLLM(reports) if reports is not None else None
 
+    def reset(self, reports):
+        """This actor as a new one holding ``reports`` (its whole state: the check reads only
+        ``llm`` and what it stores in ``__dict__``); each Ray actor is a ~10 s worker process."""
+        self.__dict__.clear()
+        self.__init__(reports)
+        return True
+
 
 class AsyncGen:
     def __init__(self, reports):
@@ -73,6 +80,15 @@ class AsyncGen:
 
         self.llm.output_handler = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
         return True
+
+    async def reset(self, reports, start=False):
+        """This actor as a new one (SyncGen.reset), its old engine's output handler cancelled."""
+        handler = getattr(self.llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+        self.__dict__.clear()
+        self.__init__(reports)
+        return await self.start() if start else True
 
 
 @pytest.fixture(scope="module")
@@ -89,33 +105,41 @@ def ray_local():
         os.environ["PYTHONPATH"] = old
 
 
-def _gen(ray, cls, reports, start=False):
-    actor = ray.remote(cls).remote(reports)
-    if start:
-        assert ray.get(actor.start.remote())
+@pytest.fixture(scope="module")
+def actors(ray_local):
+    """One real Ray actor of each kind (sync, async), reset to a new state for each case."""
+    return {cls: ray_local.remote(cls).remote(None) for cls in (SyncGen, AsyncGen)}
+
+
+def _gen(ray, actors, cls, reports, start=False):
+    """NeMo-RL's generation (its worker group) over ``cls``'s actor, reset to hold ``reports``
+    (and, ``start``: an engine loop serving)."""
+    actor = actors[cls]
+    args = (reports, start) if cls is AsyncGen else (reports,)
+    assert ray.get(actor.reset.remote(*args))
     return type("G", (), {"worker_group": Group([actor])})()
 
 
-def test_sync_actor_line_and_missing_engine(ray_local, capsys):
-    res = ec.prove_generation_engines(_gen(ray_local, SyncGen, [report()]), ENV, None)
+def test_sync_actor_line_and_missing_engine(ray_local, actors, capsys):
+    res = ec.prove_generation_engines(_gen(ray_local, actors, SyncGen, [report()]), ENV, None)
     assert (res["fp8_linears"], res["on_our_kernel"]) == (4, 4)
+    bad = _gen(ray_local, actors, SyncGen, [report(hook=False)])
     with pytest.raises(ec.EngineNotProven, match="worker 0: our refit hook is not installed"):
-        ec.prove_generation_engines(_gen(ray_local, SyncGen, [report(hook=False)]), ENV, None)
+        ec.prove_generation_engines(bad, ENV, None)
     with pytest.raises(ec.EngineNotProven, match="has no engine yet"):
-        ec.prove_generation_engines(_gen(ray_local, SyncGen, None), ENV, None)
+        ec.prove_generation_engines(_gen(ray_local, actors, SyncGen, None), ENV, None)
 
 
-def test_async_actor_is_checked_on_its_engines_event_loop(ray_local, capsys):
+def test_async_actor_is_checked_on_its_engines_event_loop(ray_local, actors, capsys):
     """Ray 2.60 runs ``__ray_call__`` of an async actor off its event loop: the check sends the
     RPC to the engine's loop and waits; before the engine has a loop it says NOT run."""
-    gen = _gen(ray_local, AsyncGen, [report(), report()], start=True)
+    gen = _gen(ray_local, actors, AsyncGen, [report(), report()], start=True)
     res = ec.prove_generation_engines(gen, ENV, None)
     assert res.get("async") is None, res
     assert (res["workers"], res["fp8_linears"], res["on_our_kernel"]) == (2, 8, 8)
-    bad = _gen(ray_local, AsyncGen, [report(ours=False)], start=True)
+    bad = _gen(ray_local, actors, AsyncGen, [report(ours=False)], start=True)
     with pytest.raises(ec.EngineNotProven, match="worker 0: 4 of 4 block-FP8 linears run"):
         ec.prove_generation_engines(bad, ENV, None)
-    assert ec.prove_generation_engines(_gen(ray_local, AsyncGen, [report()]), ENV, None) == {
-        "async": True
-    }
+    unstarted = _gen(ray_local, actors, AsyncGen, [report()])
+    assert ec.prove_generation_engines(unstarted, ENV, None) == {"async": True}
     assert "engine check NOT run" in capsys.readouterr().out
