@@ -9,6 +9,7 @@ tensor on it and stays exactly on-policy (jetrl). The ``gpu``-marked test runs t
 
 from __future__ import annotations
 
+import ast
 import math
 from pathlib import Path
 
@@ -31,6 +32,53 @@ ABSENT = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jetrl_cache")
+
+
+REPO = Path(__file__).resolve().parents[2]
+_FACTORIES = {"zeros", "ones", "full", "empty", "arange", "eye", "linspace", "tensor", "as_tensor",
+              "rand", "randn", "randint"}  # fmt: skip
+# Tensors the local backend makes on the host on purpose, by (module, function): why.
+HOST_SIDE = {
+    ("backends/local/task.py", "sample_problems"): "problems are drawn on the CPU generator",
+    ("backends/local/task.py", "encode_prompts"): "token ids; LocalRun moves prompts to the device",
+    ("backends/local/task.py", "encode_targets"): "warm-start targets (the warm start is CPU)",
+    ("backends/local/warmstart.py", "warmstart_targets"): "the warm start runs on the CPU",
+    ("backends/local/step.py", "_rewards"): "rewards of host-scored texts; advantages are moved",
+    ("backends/local/vllm_rollout.py", "generate"): "vLLM's answer on the host; step moves it",
+    ("backends/local/vllm_moe.py", "routing_tensors"): "vLLM's routing on the host; step moves it",
+}
+
+
+def _host_factories() -> set[tuple[str, str]]:
+    """(module, function) of every ``torch.<factory>(...)`` without ``device=`` in the local
+    backend and the invariant ops (``*_like`` follow their input and are not listed)."""
+    found = set()
+    for sub in ("backends/local", "invariant"):
+        for path in sorted((REPO / "nemo_jetrl" / sub).glob("*.py")):
+            rel = path.relative_to(REPO / "nemo_jetrl").as_posix()
+            for fn in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(fn, ast.FunctionDef):
+                    continue
+                for n in ast.walk(fn):
+                    f = getattr(n, "func", None)
+                    if (
+                        isinstance(n, ast.Call)
+                        and isinstance(f, ast.Attribute)
+                        and f.attr in _FACTORIES
+                        and isinstance(f.value, ast.Name)
+                        and f.value.id == "torch"
+                        and not any(k.arg == "device" for k in n.keywords)
+                    ):
+                        found.add((rel, fn.name))
+    return found
+
+
+def test_every_tensor_the_run_makes_takes_the_device():
+    """Static: a factory call without ``device=`` on the run's path would put a host tensor
+    beside CUDA ones (what a CPU run cannot show); only the listed host-side ones may."""
+    found = _host_factories()
+    assert found - set(HOST_SIDE) == set(), "make these on the run's device (or list why not)"
+    assert set(HOST_SIDE) <= found  # the list stays current
 
 
 def test_device_names_are_validated_at_the_key():
