@@ -287,3 +287,33 @@ def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
         assert row["step_s"] > 0 and row["tokens_per_s"] > 0
         assert 0 < row["invariant_ops_share"] < 1  # every recipe runs the invariant ops
     assert text.count("exactly on-policy: MET") == 2
+
+
+def test_local_grpo_reports_a_failed_or_off_policy_run_and_runs_the_rest(
+    bench, tmp_path, monkeypatch
+):
+    """The verdict and error paths (runs stubbed: the real ones are the test above): a run that
+    raises is a row with its error, a jetrl that is not exactly 1 is NOT MET, exit 1 either way,
+    and the JSON holds every row."""
+    module = bench("bench_local_grpo")
+    done = []
+
+    def fake(recipe, model, args, work):
+        done.append(recipe)
+        if recipe == "bf16":
+            raise RuntimeError("CUDA out of memory (planted)")
+        tmpe = 1.0 + 1e-6 if recipe == "jetrl" else 1.0
+        return {"recipe": recipe, "tmpe_max": tmpe, "gen_kl_max": 0.0, "mismatch": tmpe - 1,
+                "exact_every_step": tmpe == 1.0, "step_s": 1.0, "tokens_per_s": 1.0,
+                "invariant_ops_share": 0.5, "steps": 1}  # fmt: skip
+
+    monkeypatch.setattr(module, "run_recipe", fake)
+    out = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--models", "demo", "--recipes", "bf16,jetrl,jetrl_kv",
+            "--json", str(out)]  # fmt: skip
+    assert module.main(argv) == 1
+    assert done == ["bf16", "jetrl", "jetrl_kv"]
+    rows = {r["recipe"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "planted" in rows["bf16"]["error"]
+    assert rows["jetrl"]["exactly_on_policy"] == "NOT MET"
+    assert rows["jetrl_kv"]["exactly_on_policy"] == "MET"

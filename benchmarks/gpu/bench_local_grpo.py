@@ -1,4 +1,4 @@
-"""Short local GRPO runs per recipe on one device: exactly on-policy, mismatch, step time (issue 37).
+"""Short local GRPO runs per recipe on one device: exactly on-policy, mismatch, step time.
 
 For each model (the demo's 2-layer Llama, and a ~0.6B-parameter Qwen3-0.6B-shaped model with
 random weights built from a config: no hub access on a GPU node) and each recipe (bf16,
@@ -17,8 +17,11 @@ warm start off: random weights, so responses run to ``max_new_tokens``) for ``--
   time when there are 3 or more steps).
 
 The Qwen3-shaped model is a Llama config with Qwen3-0.6B's sizes (the local backend has no dense
-Qwen3 class; Qwen3's q/k RMSNorm is the one difference). ``--tiny``: the Qwen3-shaped model at 2 layers,
-hidden 128, and 2x2 samples per step, for a CPU smoke test (`tests/test_gpu_benchmarks_cpu.py`). Exit 1 when jetrl/jetrl_kv is not exactly on-policy.
+Qwen3 class; Qwen3's q/k RMSNorm is the one difference). ``--tiny``: the Qwen3-shaped model at
+2 layers, hidden 128, and 2x2 samples per step, for a CPU smoke test
+(`tests/test_gpu_benchmarks_cpu.py`). Exit 1 when jetrl/jetrl_kv is not exactly on-policy or a
+run failed (a failed run is printed and the others still run; ``--json`` is rewritten after every
+run, so a lease that times out keeps what finished).
 """
 
 from __future__ import annotations
@@ -176,6 +179,12 @@ def _verdict(row: dict) -> str:
     return "MET" if row["exact_every_step"] else "NOT MET"
 
 
+def _write(path: str | None, rows: list[dict]) -> None:
+    if path:
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        Path(path).write_text(json.dumps({"device": dev, "rows": rows}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.device.startswith("cuda"):
@@ -193,10 +202,18 @@ def main(argv: list[str] | None = None) -> int:
             model = model_json(name, args.tiny, work)
             print(f"model {name}{' (tiny)' if args.tiny else ''} on {args.device}:", flush=True)
             for recipe in recipes:
-                row = {"model": name, **run_recipe(recipe, model, args, work)}
+                try:
+                    row = {"model": name, **run_recipe(recipe, model, args, work)}
+                except Exception as exc:  # one lease: report it, run the rest
+                    print(f"  {recipe:12s} FAILED: {type(exc).__name__}: {exc}", flush=True)
+                    rows.append({"model": name, "recipe": recipe, "error": repr(exc)})
+                    ok = False
+                    _write(args.json, rows)
+                    continue
                 row["exactly_on_policy"] = _verdict(row)
                 ok &= row["exactly_on_policy"] != "NOT MET"
                 rows.append(row)
+                _write(args.json, rows)  # after every row: a timed-out lease keeps what ran
                 print(
                     f"  {recipe:12s} tmpe {row['tmpe_max']:.6f}  gen_kl {row['gen_kl_max']:.3e}  "
                     f"exactly on-policy: {row['exactly_on_policy']:7s} "
@@ -205,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"{100 * row['invariant_ops_share']:.1f}% of the instrumented step",
                     flush=True,
                 )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "rows": rows}, indent=1))
     return 0 if ok else 1
 
 
