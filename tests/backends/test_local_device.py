@@ -122,8 +122,11 @@ def _train_args(tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_train_refuses_absent_gpu_before_any_work(tmp_path, cache_dir, capsys):
+def test_train_refuses_absent_gpu_before_any_work(tmp_path, capsys):
     from nemo_jetrl.cli import main
+
+    cache_dir = tmp_path / "cache"  # its own: empty unless a warm start ran
+    cache_dir.mkdir()
 
     for how in (["--device", ABSENT], [f"jetrl.local.device={ABSENT}"]):
         assert main(_train_args(tmp_path, cache_dir, *how)) == 2
