@@ -25,7 +25,7 @@ REWARD = "train/reward"
 TMPE = "train/token_mult_prob_error"
 GEN_KL = "train/gen_kl_error"
 # jetrl may learn less than bf16 by at most this much validation accuracy (paired, one-sided
-# 95% lower bound): well under bf16's gain (~0.24-0.39 over the base seeds measured), so a
+# 95% lower bound): well under bf16's gain (~0.26-0.39 over the base seeds measured), so a
 # jetrl that does not learn fails it. Why this size and what it cannot show:
 # docs/local_backend.md "jetrl demo: claims and their seeds".
 NONINF_MARGIN = 0.1

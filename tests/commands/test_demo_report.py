@@ -154,7 +154,8 @@ BF16_GAINS = (0.422, 0.386, 0.359, 0.371, 0.434, 0.344, 0.398, 0.399)
 
 
 def test_a_jetrl_that_does_not_learn_fails_both_learning_claims():
-    """lr=0 planted for jetrl: its weights never move, so greedy validation gives the same
+    """A jetrl that does not learn (what lr=1e-12 planted for jetrl gives in a real demo,
+    docs/local_backend.md): its weights never move, so greedy validation gives the same
     accuracy at every evaluation (gain exactly 0 on every seed)."""
     bf16 = _seeds("bf16", list(BF16_GAINS))
     flat = [_recipe("jetrl", (0.2, 0.2, 0.2), 1.0, 0.0, seed=i) for i in range(len(BF16_GAINS))]
