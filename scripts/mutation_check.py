@@ -23,8 +23,14 @@ harness cannot tell a surviving mutant from a killed one (exit 2). Usage, from t
 
     python scripts/mutation_check.py [--only SUBSTR ...] [--json OUT] [--keep]
 
-``--only`` runs the mutants whose name contains one of the substrings (the controls always run).
-The last line reads ``N killed, ...`` (scripts/tier.sh shows it in test.sh's summary).
+``--only`` runs the mutants whose name contains one of the substrings, ``--first N`` the first N
+listed (the controls always run). The last line reads ``N killed, ...`` (scripts/tier.sh shows it
+in test.sh's summary).
+
+Each run is one pytest session in a fresh process forked by a server per environment that
+imported torch, numpy, triton, pytest... once (scripts/mutation_fork.py; never a module of this
+repository, so the mutated module is imported afresh in every child). ``JETRL_MUTANTS_FORK=0``
+starts a fresh ``python -m pytest`` per mutant instead (the old path, for debugging).
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutation_fork import ForkServer  # the standard library only
+
 REPO = Path(__file__).resolve().parents[1]
+FORK_VAR = "JETRL_MUTANTS_FORK"  # 0: a fresh interpreter per mutant run (the old path)
 TEST_TIMEOUT_S = 120  # per test (pytest-timeout): a hung test fails with its stack
 RUN_TIMEOUT_S = 300  # per mutant run: past it the mutant counts as killed (it hangs)
 PROBE = "_jetrl_mutation_probe"
@@ -159,23 +169,50 @@ def missing_env(root: Path, kind: str) -> str | None:
     return f"missing {', '.join(gone)}" if gone else None
 
 
-def run_tests(root: Path, copy: Path, m: Mutant, probe: Path) -> tuple[int, str, str | None]:
+class Servers:
+    """One fork server per environment kind, started at its first mutant (None: the old path)."""
+
+    def __init__(self, root: Path, copy: Path) -> None:
+        self.root, self.copy, self.live = root, copy, {}
+
+    def get(self, kind: str) -> ForkServer:
+        if kind in self.live and self.live[kind].proc.poll() is not None:  # it died: a new one
+            self.live.pop(kind).close()
+        if kind not in self.live:
+            cmd, env = command(self.root, self.copy, kind, [])
+            self.live[kind] = ForkServer(cmd[0], self.copy, env, [self.copy, self.root])
+        return self.live[kind]
+
+    def close(self) -> None:
+        for s in self.live.values():
+            s.close()
+        self.live.clear()
+
+
+def run_tests(
+    root: Path, copy: Path, m: Mutant, probe: Path, servers: Servers | None = None
+) -> tuple[int, str, str | None]:
     """(pytest exit status or 124 on timeout, its output, the mutated module's file or None)."""
     cmd, env = command(root, copy, m.env, list(m.tests))
     env.update(JETRL_MUTANT_MODULE=module_name(m.file), JETRL_MUTANT_PROBE=str(probe))
     probe.unlink(missing_ok=True)
-    try:
-        p = subprocess.run(
-            cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-        )
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, out = 124, str(exc.stdout or "")
+    if servers is not None:  # cmd = [python, -m, pytest, *args]: the same args in a forked child
+        out_file = copy / "_jetrl_mutant_output.txt"
+        rc = servers.get(m.env).run(copy, cmd[3:], env, out_file, RUN_TIMEOUT_S)
+        out = out_file.read_text(errors="replace")
+    else:
+        try:
+            p = subprocess.run(
+                cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+            )
+            rc, out = p.returncode, p.stdout + p.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, out = 124, str(exc.stdout or "")
     where = json.loads(probe.read_text())["file"] if probe.exists() else None
     return rc, out, where
 
 
-def judge(root: Path, copy: Path, m: Mutant, probe: Path) -> Outcome:
+def judge(root: Path, copy: Path, m: Mutant, probe: Path, servers: Servers | None) -> Outcome:
     path = copy / m.file
     try:
         text = path.read_text()
@@ -185,11 +222,16 @@ def judge(root: Path, copy: Path, m: Mutant, probe: Path) -> Outcome:
     if is_noop(text, mutated):
         return Outcome(m, "EQUIVALENT", detail="no AST change; tests not run")
     t0 = time.monotonic()
-    path.write_text(mutated)
     try:
-        rc, out, where = run_tests(root, copy, m, probe)
-    finally:
-        path.write_text(text)
+        if servers is not None:  # its imports happen before the mutant is written
+            servers.get(m.env)
+        path.write_text(mutated)
+        try:
+            rc, out, where = run_tests(root, copy, m, probe, servers)
+        finally:
+            path.write_text(text)
+    except (RuntimeError, OSError) as exc:  # the fork server refused to serve or died (exit 2)
+        return Outcome(m, "ERROR", time.monotonic() - t0, str(exc))
     dt = time.monotonic() - t0
     failed = [ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     if where is None or Path(where).resolve() != path.resolve():
@@ -235,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=REPO, help="repository root")
     ap.add_argument("--only", nargs="*", help="run mutants whose name contains one of these")
+    ap.add_argument("--first", type=int, help="run only the first N mutants listed")
     ap.add_argument("--json", type=Path, help="write the outcomes here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
     ap.add_argument(
@@ -245,10 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     mutants = load_mutants(args.root / "scripts" / "mutants.py")
     if args.only:
         mutants = [m for m in mutants if m.planted or any(s in m.name for s in args.only)]
+    if args.first is not None:
+        controls = [m for m in mutants if m.planted]
+        mutants = controls + [m for m in mutants if not m.planted][: args.first]
     copy = Path(tempfile.mkdtemp(prefix="jetrl-mutants-"))
+    fork = os.environ.get(FORK_VAR, "1") != "0"
+    servers = Servers(args.root, copy) if fork else None
     try:
         copy_repo(args.root, copy)
-        print(f"mutation check: {len(mutants)} mutants on a copy in {copy}", flush=True)
+        how = "forked from one server per environment" if fork else f"{FORK_VAR}=0: fresh pythons"
+        print(f"mutation check: {len(mutants)} mutants on a copy in {copy} ({how})", flush=True)
         outcomes = []
         absent = {k: why for k in {m.env for m in mutants} if (why := missing_env(args.root, k))}
         for m in mutants:
@@ -256,15 +305,19 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes.append(Outcome(m, "NOT RUN", detail=f"{m.env}: {absent[m.env]}"))
                 print(f"NOT RUN    {m.name}  [{m.file}; {m.env}: {absent[m.env]}]", flush=True)
                 continue
-            o = judge(args.root, copy, m, copy / "probe.json")
+            o = judge(args.root, copy, m, copy / "probe.json", servers)
             outcomes.append(o)
             tag = " (planted control)" if m.planted else ""
             print(f"{o.verdict:10s} {m.name}{tag}  [{m.file}; {o.seconds:.0f} s]", flush=True)
             if o.verdict in ("SURVIVED", "ERROR") or (m.planted and o.verdict == "KILLED"):
                 print("    " + o.detail.replace("\n", "\n    "), flush=True)
+        if servers is not None:
+            servers.close()
         if not args.no_baseline:
             confirm_kills(args.root, copy, outcomes)
     finally:
+        if servers is not None:
+            servers.close()
         if args.keep:
             print(f"kept the copy in {copy}")
         else:

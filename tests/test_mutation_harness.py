@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,9 @@ MUTANTS = [
 CONFTEST = "def pytest_addoption(parser):\n    parser.addoption('--runslow', action='store_true')\n"
 
 
-def _run_harness(root: Path, test: str, mutants: str) -> subprocess.CompletedProcess[str]:
+def _run_harness(
+    root: Path, test: str, mutants: str, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
     """A git repo at ``root`` holding pkg/mod.py (MOD), ``test`` as its tests and ``mutants`` as
     its scripts/mutants.py, with this repo's mutation_check.py run on it (no PYTHONPATH)."""
     for rel, text in {
@@ -84,10 +87,11 @@ def _run_harness(root: Path, test: str, mutants: str) -> subprocess.CompletedPro
     }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    shutil.copy(REPO / "scripts/mutation_check.py", root / "scripts")
+    for script in ("mutation_check.py", "mutation_fork.py"):
+        shutil.copy(REPO / "scripts" / script, root / "scripts")
     (root / ".venv").symlink_to(Path(sys.executable).parents[1])
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | env_vars
     return subprocess.run(
         [sys.executable, "scripts/mutation_check.py", "--root", str(root)],
         cwd=root,
@@ -98,10 +102,12 @@ def _run_harness(root: Path, test: str, mutants: str) -> subprocess.CompletedPro
     )
 
 
-def test_end_to_end_killed_survived_equivalent(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", ["1", "0"])  # the fork server (default) and fresh pythons
+def test_end_to_end_killed_survived_equivalent(tmp_path: Path, fork: str) -> None:
     root = tmp_path / "repo"
-    p = _run_harness(root, TEST, MUTANTS)
+    p = _run_harness(root, TEST, MUTANTS, JETRL_MUTANTS_FORK=fork)
     out = p.stdout
+    assert ("forked from one server" in out.splitlines()[0]) == (fork == "1"), out
     verdicts = {
         ln.split(None, 1)[1].split("  [")[0]: ln.split()[0]
         for ln in out.splitlines()
@@ -132,3 +138,61 @@ def test_a_kill_by_a_test_that_fails_unmutated_is_an_error(tmp_path: Path) -> No
     assert p.returncode == 2, p.stdout + p.stderr
     assert "ERROR      clip max->min" in p.stdout and "fails unmutated too" in p.stdout
     assert p.stdout.splitlines()[-1].startswith("0 killed, 0 equivalent, 0 survived, 1 errors")
+
+
+def test_a_module_the_fork_server_imported_from_the_copy_refuses_every_run(tmp_path: Path) -> None:
+    # Were pkg.mod imported by the server before the mutant is written, every child would run the
+    # unmutated module from the copy's path (the probe cannot tell): "clip max->min" would be
+    # SURVIVED. The server refuses to serve instead (exit 2, the module named).
+    root = tmp_path / "repo"
+    p = _run_harness(root, TEST, MUTANTS, JETRL_MUTANTS_PREIMPORT="pkg.mod")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "ERROR      clip max->min" in p.stdout and "refused to serve" in p.stdout, p.stdout
+    assert "'pkg.mod'" in p.stdout and "SURVIVED" not in p.stdout, p.stdout
+
+
+def test_the_fork_server_in_this_repo_never_imported_nemo_jetrl() -> None:
+    # The real server, as the check starts it for the default environment: its heavy imports
+    # (torch, numpy, triton, pytest...) pulled in nothing of this repository.
+    mc = _harness()
+    cmd, env = mc.command(REPO, REPO, "default", [])
+    server = mc.ForkServer(cmd[0], REPO, env, [REPO])
+    server.close()
+    assert {"torch", "numpy", "pytest"} <= set(server.hello["loaded"]), server.hello
+    assert server.hello["own"] == [] and server.hello["threads"] == 1, server.hello
+    # ...and the check it relies on names nemo_jetrl when it is imported:
+    fork = importlib.import_module("mutation_fork")
+    import nemo_jetrl.rl.metrics  # noqa: F401
+
+    assert "nemo_jetrl.rl.metrics" in fork.loaded_from([str(REPO)])
+
+
+def _serve(tmp_path: Path, tests: str):
+    (tmp_path / "test_t.py").write_text(tests)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
+    fork = _harness().ForkServer(sys.executable, tmp_path, env, [tmp_path])
+    return fork, env
+
+
+def test_the_fork_server_returns_pytests_status_and_kills_a_run_past_its_limit(
+    tmp_path: Path,
+) -> None:
+    t = "import time\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    assert 0\n\n"
+    t += "def test_hang():\n    time.sleep(600)\n"
+    fork, env = _serve(tmp_path, t)
+    out = tmp_path / "out.txt"
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:timeout"]
+    try:
+        assert fork.run(tmp_path, [*args, "test_t.py::test_ok"], env, out, 60) == 0
+        assert "1 passed" in out.read_text()
+        assert fork.run(tmp_path, [*args, "test_t.py::test_bad"], env, out, 60) == 1
+        assert "1 failed" in out.read_text()
+        t0 = time.monotonic()
+        assert fork.run(tmp_path, [*args, "test_t.py::test_hang"], env, out, 3) == 124
+        assert time.monotonic() - t0 < 30
+        # a run whose environment differs from the server's (its imports saw another) is refused
+        assert fork.run(tmp_path, args, env | {"OTHER": "1"}, out, 60) == 3
+        assert "differs in ['OTHER']" in out.read_text()
+    finally:
+        fork.close()
