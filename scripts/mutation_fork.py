@@ -36,26 +36,28 @@ from pathlib import Path
 from typing import IO, Any
 
 # Heavy third-party modules the suite imports (measured: torch alone ~1.4 s of CPU per start).
-# A module missing from an environment is left out. Never a module of this repository.
+# A module missing from an environment is left out. Never a module of this repository, nor
+# triton: it fixes interpreter-or-compiler per @jit function from TRITON_INTERPRET, which
+# tests/conftest.py sets during the session (a preimported triton failed the Triton kernel
+# tests: "Cannot call @triton.jit'd outside of the scope of a kernel"); so neither
+# torch._dynamo nor transformers.modeling_utils, which import it.
 PREIMPORT = (
     "numpy",
     "torch",
-    "triton",
-    "triton.language",
     "safetensors.torch",
     "yaml",
     "omegaconf",
     "pydantic",
-    "transformers.modeling_utils",  # ~5 s: torch._dynamo, masking utils (the HF-model tests)
+    "transformers",
     "pytest",
 )
 PREIMPORT_VAR = "JETRL_MUTANTS_PREIMPORT"  # more modules, comma separated (tuning, tests)
 OWN_KEYS = ("JETRL_MUTANT_MODULE", "JETRL_MUTANT_PROBE")  # the only per-request variables
-OWN_PACKAGES = ("nemo_jetrl", "tests", "conftest")
+OWN_PACKAGES = ("nemo_jetrl", "tests", "conftest", "triton")  # imported by each child only
 
 
 def loaded_from(roots: list[str]) -> list[str]:
-    """Modules in ``sys.modules`` of this repository: a package named in ``OWN_PACKAGES``, or a
+    """Modules in ``sys.modules`` a child must import itself: a package in ``OWN_PACKAGES``, or a
     file under one of ``roots`` outside its hidden folders (.venv*, .cache: third-party)."""
     bad = []
     for name, mod in list(sys.modules.items()):

@@ -160,6 +160,10 @@ def test_the_fork_server_in_this_repo_never_imported_nemo_jetrl() -> None:
     server.close()
     assert {"torch", "numpy", "pytest"} <= set(server.hello["loaded"]), server.hello
     assert server.hello["own"] == [] and server.hello["threads"] == 1, server.hello
+    # triton decides interpreter-or-compiler per kernel from TRITON_INTERPRET, which the tests'
+    # conftest sets during the session: a server that imported it refuses to serve.
+    with pytest.raises(RuntimeError, match=r"refused to serve.*'triton'"):
+        mc.ForkServer(cmd[0], REPO, env | {"JETRL_MUTANTS_PREIMPORT": "triton"}, [REPO])
     # ...and the check it relies on names nemo_jetrl when it is imported:
     fork = importlib.import_module("mutation_fork")
     import nemo_jetrl.rl.metrics  # noqa: F401
