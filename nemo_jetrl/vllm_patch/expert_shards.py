@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
+from nemo_jetrl.fp8.spec import BLOCK, WEIGHT_BLOCK, linear_dims_problem
 from nemo_jetrl.vllm_patch import dense_shards
 
 EXPERT_NAME = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
@@ -191,3 +191,12 @@ def rank_view(model: Any, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, t
         else:
             out[name] = mine
     return out, elsewhere
+
+
+def fp8_dims_problem(name: str, shape: torch.Size) -> str | None:
+    """Why an FP8 weight sent as ``name`` cannot be refit (None: it can): TE's linear rule
+    (partial 128-blocks run), but a routed expert needs whole blocks (vLLM stacks the experts,
+    so each expert's blocks must start on a block edge)."""
+    if EXPERT_NAME.match(name) and (shape[0] % BLOCK or shape[1] % BLOCK):
+        return f"a routed expert's dims must be multiples of {BLOCK} (experts are stacked)"
+    return linear_dims_problem(shape[1], shape[0])

@@ -48,9 +48,8 @@ from typing import Any
 import torch
 
 from nemo_jetrl.fp8 import quantize_blockwise
-from nemo_jetrl.fp8.spec import linear_dims_problem
 from nemo_jetrl.fp8.staging import quantized_weight_problem
-from nemo_jetrl.vllm_patch import compat
+from nemo_jetrl.vllm_patch import compat, expert_shards
 from nemo_jetrl.vllm_patch.refit_kv import (
     ParityError,
     RefitError,
@@ -163,7 +162,7 @@ def quantize_state_dict(
             errors.append(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             continue
         if is_fp8_weight(name, settings):
-            why = "not 2-D" if t.dim() != 2 else linear_dims_problem(t.shape[1], t.shape[0])
+            why = "not 2-D" if t.dim() != 2 else expert_shards.fp8_dims_problem(name, t.shape)
             if why is not None:  # partial 128-blocks are fine (ceil-sized scale grid)
                 errors.append(
                     f"{name}: shape {tuple(t.shape)}: {why}. Keep this layer in BF16 on both "
