@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_steps import quantize_as, run_step
 from torch import nn
 
 from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
@@ -25,17 +26,8 @@ def _layer(k=256, n=384, dtype=torch.float32, seed=0, config=None):
     return base, Fp8BlockLinear.from_linear(base, config or Fp8LinearConfig(), name="blk.fc1")
 
 
-def _run(layer, shape=(3, 70, 256), seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(*shape, generator=g) * 2).to(torch.bfloat16).requires_grad_(True)
-    y = layer(x)
-    dy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
-    y.backward(dy)
-    return x, y, dy
-
-
-def _q(t, block, cfg, fmt):
-    return quantize_blockwise(t, block, fmt=fmt, pow2_scales=cfg.pow2_scales, eps=cfg.eps)
+def _run(layer, shape=(3, 70, 256), seed=1):  # type: ignore[no-untyped-def]
+    return run_step(layer, shape, seed)
 
 
 @pytest.mark.parametrize("key", sorted(CONFIGS))
@@ -46,9 +38,9 @@ def test_forward_dgrad_wgrad_vs_float64_on_quantized_operands(key):
     x2, dy2 = x.detach().reshape(-1, 256), dy.reshape(-1, 384)
     w, b = base.weight.detach(), base.bias.detach()
     gfmt = "e5m2" if cfg.fmt == "hybrid" else "e4m3"
-    qx, qw = _q(x2, (1, 128), cfg, "e4m3"), _q(w, (128, 128), cfg, "e4m3")
-    qdy, qdyc = _q(dy2, (1, 128), cfg, gfmt), _q(dy2, (128, 1), cfg, gfmt)
-    qxc = _q(x2, (128, 1), cfg, "e4m3")
+    qx, qw = quantize_as(x2, (1, 128), cfg, "e4m3"), quantize_as(w, (128, 128), cfg, "e4m3")
+    qdy, qdyc = quantize_as(dy2, (1, 128), cfg, gfmt), quantize_as(dy2, (128, 1), cfg, gfmt)
+    qxc = quantize_as(x2, (128, 1), cfg, "e4m3")
     d = lambda q: q.dequantize(torch.float64)  # noqa: E731
     # forward: fp32 GEMM + bias, one bf16 rounding of the output
     ref = d(qx) @ d(qw).t() + b.double()
@@ -274,8 +266,8 @@ def test_cuda_linear_within_gemm_bound_of_float64(bias):
     layer = Fp8BlockLinear.from_linear(base, cfg, name="blk.fc1")
     x = torch.randn(300, 1024, device="cuda").to(torch.bfloat16)
     y = layer(x).double()
-    a64 = _q(x, (1, 128), cfg, "e4m3").dequantize(torch.float64)
-    b64 = _q(layer.weight.detach(), (128, 128), cfg, "e4m3").dequantize(torch.float64)
+    a64 = quantize_as(x, (1, 128), cfg, "e4m3").dequantize(torch.float64)
+    b64 = quantize_as(layer.weight.detach(), (128, 128), cfg, "e4m3").dequantize(torch.float64)
     ref = a64 @ b64.t() + (layer.bias.double() if bias else 0.0)
     tol = dispatch.GEMM_TOLERANCE
     bound = tol["REL"] * (a64.abs() @ b64.abs().t()) + tol["OUT"] * ref.abs()

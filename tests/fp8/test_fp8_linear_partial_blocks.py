@@ -9,13 +9,14 @@ Shapes: Moonlight's ``kv_a_proj_with_mqa`` (2048 -> 576: a 64-row tail block), Q
 
 from __future__ import annotations
 
+import linear_steps
 import pytest
 import torch
+from linear_steps import quantize_as, run_step
 from torch import nn
 
 from nemo_jetrl.fp8 import (
     BlockQuantized,
-    dispatch,
     finite_flags,
     fp8_bits,
     gemm_backends,
@@ -37,24 +38,13 @@ CONFIGS = {
 }
 TOKENS = (7, 11)  # 77 tokens
 
+cuda_path = linear_steps.cuda_path  # the shared fixture (tests/fp8/linear_steps.py)
+
 
 def _layer(k, n, config, seed=0):
     torch.manual_seed(seed)
     base = nn.Linear(k, n, dtype=torch.float32)
     return base, Fp8BlockLinear.from_linear(base, config, name="blk.kv_a")
-
-
-def _step(layer, k, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(*TOKENS, k, generator=g) * 2).to(torch.bfloat16).requires_grad_(True)
-    y = layer(x)
-    dy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
-    y.backward(dy)
-    return x, y, dy
-
-
-def _q(t, block, cfg, fmt):
-    return quantize_blockwise(t, block, fmt=fmt, pow2_scales=cfg.pow2_scales, eps=cfg.eps)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -64,17 +54,17 @@ def test_forward_dgrad_wgrad_vs_float64(shape, key):
     the dequantized FP8 operands, quantized with partial blocks by `quantize_blockwise`."""
     cfg, (k, n) = CONFIGS[key], SHAPES[shape]
     base, layer = _layer(k, n, cfg)
-    x, y, dy = _step(layer, k)
+    x, y, dy = run_step(layer, (*TOKENS, k))
     m = TOKENS[0] * TOKENS[1]
     x2, dy2 = x.detach().reshape(m, k), dy.reshape(m, n)
     w, b = base.weight.detach(), base.bias.detach()
     gfmt = "e5m2" if cfg.fmt == "hybrid" else "e4m3"
-    qx, qw = _q(x2, (1, 128), cfg, "e4m3"), _q(w, (128, 128), cfg, "e4m3")
+    qx, qw = quantize_as(x2, (1, 128), cfg, "e4m3"), quantize_as(w, (128, 128), cfg, "e4m3")
     assert qw.scale_inv.shape == (-(-n // 128), -(-k // 128))  # ceil-sized grid
     qdy, qdyc, qxc = (
-        _q(dy2, (1, 128), cfg, gfmt),
-        _q(dy2, (128, 1), cfg, gfmt),
-        _q(x2, (128, 1), cfg, "e4m3"),
+        quantize_as(dy2, (1, 128), cfg, gfmt),
+        quantize_as(dy2, (128, 1), cfg, gfmt),
+        quantize_as(x2, (128, 1), cfg, "e4m3"),
     )
     d = lambda q: q.dequantize(torch.float64)  # noqa: E731
     ref = d(qx) @ d(qw).t() + b.double()
@@ -97,10 +87,10 @@ def test_weight_operand_bits_are_the_quantizers():
     included (the on-policy promise: the rollout quantizes the same weight to the same bits)."""
     cfg = CONFIGS["pow2"]
     base, layer = _layer(2048, 576, cfg)
-    _step(layer, 2048)
+    run_step(layer, (*TOKENS, 2048))
     cached = layer.fp8_state.cache.lookup(layer.weight, pair=False)
     assert cached is not None
-    want = _q(base.weight.detach(), (128, 128), cfg, "e4m3")
+    want = quantize_as(base.weight.detach(), (128, 128), cfg, "e4m3")
     assert torch.equal(fp8_bits(cached[0].data), fp8_bits(want.data))
     assert torch.equal(cached[0].scale_inv, want.scale_inv) and want.scale_inv.shape == (5, 16)
 
@@ -208,24 +198,6 @@ def test_triton_gemm_with_tails_gives_the_reference_bits(m, n, k, b_block):
 # --------------------------------------------- the CUDA code path on CPU (Triton interpreter)
 
 
-@pytest.fixture
-def cuda_path(monkeypatch):
-    """The layer's CUDA path on CPU tensors (as test_fp8_linear_sync_free): Triton quantizers,
-    device-side finite flags, GEMMs through the dispatch."""
-    from nemo_jetrl.fp8 import linear
-    from nemo_jetrl.fp8.triton_kernels import interpreting
-
-    if not interpreting():
-        pytest.skip("emulates the CUDA path on CPU tensors in Triton's interpreter")
-    monkeypatch.setattr(finite_flags, "sync_free", lambda t: True)
-    monkeypatch.setattr(linear, "_on_gpu", lambda a: True)
-    monkeypatch.setattr(dispatch, "_fast", lambda x, backend: True)
-    gemm_backends._plan_cached.cache_clear()
-    yield
-    gemm_backends._plan_cached.cache_clear()
-    finite_flags._FLAGS.clear()
-
-
 @pytest.mark.triton
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
 @pytest.mark.parametrize("shape", ["kv_a_proj_with_mqa", "both_tails"])
@@ -242,5 +214,5 @@ def test_cuda_path_gives_the_cpu_bits(shape, cuda_path, monkeypatch):
 
 def _outs(pair, k):
     base, layer = pair
-    x, y, _ = _step(layer, k)
+    x, y, _ = run_step(layer, (*TOKENS, k))
     return y.detach(), x.grad, base.weight.grad, base.bias.grad

@@ -10,11 +10,12 @@ import os
 import sys
 from collections import Counter
 
+import linear_steps
 import pytest
 import torch
 from torch import nn
 
-from nemo_jetrl.fp8 import dispatch, finite_flags, gemm_backends, linear
+from nemo_jetrl.fp8 import dispatch, gemm_backends, linear
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.linear import Fp8BlockLinear
 
@@ -27,20 +28,7 @@ pytestmark = [
 # The modules of the training linear's per-call path this test holds to "no environment read".
 OWN = ("linear", "linear_plan", "weight_cache", "dispatch", "gemm_backends")
 
-
-@pytest.fixture
-def cuda_path(monkeypatch):
-    from nemo_jetrl.fp8.triton_kernels import interpreting
-
-    if not interpreting():
-        pytest.skip("emulates the CUDA path on CPU tensors in Triton's interpreter")
-    monkeypatch.setattr(finite_flags, "sync_free", lambda t: True)
-    monkeypatch.setattr(linear, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(dispatch, "_fast", lambda x, backend: True)
-    gemm_backends._plan_cached.cache_clear()
-    yield
-    gemm_backends._plan_cached.cache_clear()
-    finite_flags._FLAGS.clear()
+cuda_path = linear_steps.cuda_path  # the shared fixture (tests/fp8/linear_steps.py)
 
 
 class _ReadRecorder(dict):
