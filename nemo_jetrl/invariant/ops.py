@@ -9,7 +9,13 @@ threading or which kernel torch picked for the tensor's shape. Reductions are fi
 torch's own transcendental kernels take a SIMD path for most elements and a scalar libm path for a
 tensor's tail, and the two can differ in the last bit.
 
-Depends on torch alone.
+On CUDA tensors `rms_norm`, `log_softmax`, `linear` and `attention` run their reductions in the
+Triton kernels of `nemo_jetrl.invariant.kernels` instead (an order fixed per feature dimension,
+never per batch or sequence length; the elementwise parts stay here); `dispatch` holds the
+choice (``JETRL_INVARIANT_KERNELS`` / `dispatch.set_kernels`: ``auto``, ``torch``, ``triton``).
+CPU tensors take the elementwise path unless ``triton`` is chosen under ``TRITON_INTERPRET=1``.
+
+Depends on torch (triton lazily, through the kernels).
 """
 
 from __future__ import annotations
@@ -17,6 +23,11 @@ from __future__ import annotations
 import math
 
 import torch
+
+from nemo_jetrl.invariant.dispatch import use_triton
+from nemo_jetrl.invariant.kernels import attention as k_attention
+from nemo_jetrl.invariant.kernels import matmul as k_matmul
+from nemo_jetrl.invariant.kernels import rows as k_rows
 
 _LOG2E = 1.4426950408889634
 # ln 2 split so that n * _LN2_HI is exact in fp32 for |n| < 2**15 (Cody-Waite reduction).
@@ -137,8 +148,13 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """fp32 ``log_softmax`` along ``dim`` from `exp`, `tree_sum` and `log`."""
+    """fp32 ``log_softmax`` along ``dim`` from `exp`, `tree_sum` and `log` (Triton kernel:
+    ``(x - max) - log_sum`` with the row's max and log-sum-exp from `kernels.rows`)."""
     x = x.float()
+    if use_triton(x, "log_softmax"):
+        xt = x.movedim(dim, -1)
+        mx, log_sum = k_rows.LogSumExp.apply(xt)
+        return ((xt - mx) - log_sum).movedim(-1, dim)
     shifted = x - x.amax(dim=dim, keepdim=True)
     return shifted - log(tree_sum(exp(shifted), dim=dim, keepdim=True))
 
@@ -150,10 +166,15 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Llama/Qwen write it (fp32 statistics, scale applied in the input dtype)."""
+    """RMSNorm as Llama/Qwen write it (fp32 statistics, scale applied in the input dtype); the
+    Triton kernel (`kernels.rows`) computes the same ``rstd``, the rest is the same expression."""
     xf = x.float()
-    var = tree_sum(xf * xf, dim=-1, keepdim=True) / xf.shape[-1]
-    return weight * (xf * (1.0 / torch.sqrt(var + eps))).to(x.dtype)
+    if use_triton(x, "rms_norm"):
+        rstd = k_rows.RmsRstd.apply(x, eps)
+    else:
+        var = tree_sum(xf * xf, dim=-1, keepdim=True) / xf.shape[-1]
+        rstd = 1.0 / torch.sqrt(var + eps)
+    return weight * (xf * rstd).to(x.dtype)
 
 
 # Chunk rows so a broadcast product holds at most this many fp32 elements (64 MiB).
@@ -197,7 +218,13 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with fp32 products (exact for BF16 operands) summed by
     `tree_sum`; result in ``x.dtype``. Memory ~ rows * N * K: for narrow layers (``lm_head`` of a
-    small vocabulary), not for a model's big GEMMs."""
+    small vocabulary), not for a model's big GEMMs. The Triton kernel (`kernels.matmul`: fixed
+    tiles and K order, fp32 accumulation) has no such limit."""
+    if use_triton(x, "linear"):
+        out = k_matmul.Matmul.apply(x, weight)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
     return _Linear.apply(x, weight, bias)
 
 
@@ -240,7 +267,7 @@ def attention(
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention for ``query`` ``[B, H, Tq, D]`` and ``key``/``value``
     ``[B, H, Tk, D]`` (already repeated for grouped KV heads); ``mask`` is additive (0 or a
     large negative), broadcastable to ``[B, H, Tq, Tk]``.
@@ -248,6 +275,11 @@ def attention(
     Scores are fp32 dot products over ``D`` (`tree_sum`), scaled, masked, `softmax`-ed; the
     probabilities are rounded to the query dtype (as eager attention does) and the output is a
     `tree_sum` over keys. Returns ``(out [B, Tq, H, D] in query dtype, probs [B, H, Tq, Tk])``.
+    The Triton kernel (`kernels.attention`: online softmax over fixed key chunks, the same bits
+    for a query in a decode step and in a prefill) returns ``probs`` None, as fused attention does.
     """
+    if use_triton(query, "attention"):
+        out = k_attention.Attention.apply(query, key, value, mask, scaling).to(query.dtype)
+        return out.transpose(1, 2).contiguous(), None
     out, probs = _Attention.apply(query, key, value, mask, scaling)
     return out.transpose(1, 2).contiguous(), probs

@@ -1,0 +1,132 @@
+"""Attention in Triton whose output row for a query has the same bits in a decode step over a KV
+cache and in a prefill over the whole sequence: the invariant `ops.attention` on CUDA.
+
+A query's keys are walked in ``BN``-wide chunks from key 0 up, with an online softmax in fp32
+(running max, running sum, rescaled output), one ``tl.dot`` per chunk for the scores and one for
+probabilities x values (probabilities rounded to the value dtype first, as eager attention
+rounds them). ``BM`` (queries per program) and ``BN`` are launch constants, never chosen from the
+number of queries or keys, and there is no split over keys (no flash-decoding): a decode step
+(one query, keys ``0..t``) and a prefill (``T`` queries, a causal mask) run the same chunks in the
+same order for query ``t``, and the chunks a prefill row walks past its own position add exactly
+nothing (read `_jit_attention`). One kernel serves both modes.
+
+Inputs are `ops.attention`'s: ``q [B, H, Tq, D]``, ``k``/``v [B, H, Tk, D]`` (grouped KV heads
+already repeated), ``mask`` additive (0, a large negative or -inf), broadcastable to
+``[B, H, Tq, Tk]``, or None. The output is fp32 ``[B, H, Tq, D]``; `ops.attention` casts it.
+`attention_reference` (float64) is what the tests measure the kernel against; the kernel never
+calls it. The backward (`Attention`) recomputes the probabilities with torch (not part of the
+on-policy promise).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from nemo_jetrl.fp8._deps import require
+from nemo_jetrl.fp8.triton_launch import NO_FTZ, interpreting
+
+ATTN_BLOCK_M = 64
+ATTN_BLOCK_N = 64
+ATTN_WARPS = 4
+ATTN_STAGES = 2
+ATTN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _jit() -> ModuleType:
+    require("triton", feature="the batch-invariant Triton kernels")
+    from nemo_jetrl.invariant.kernels import _jit_attention
+
+    return _jit_attention
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for label, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() != 4 or t.dtype not in ATTN_DTYPES:
+            raise ValueError(
+                f"attention {label}: expected a 4-d [B, H, T, D] tensor of {ATTN_DTYPES}, got "
+                f"{t.dtype} {list(t.shape)}"
+            )
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"attention: query {list(q.shape)}, key {list(k.shape)} and value {list(v.shape)} "
+            "do not match (repeat grouped KV heads first)"
+        )
+
+
+def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    *,
+    block_m: int = ATTN_BLOCK_M,
+    block_n: int = ATTN_BLOCK_N,
+) -> torch.Tensor:
+    """fp32 ``softmax(q k^T * scaling + mask) v``, ``[B, H, Tq, D]`` (no grad)."""
+    _check(q, k, v)
+    if not (q.dtype == k.dtype == v.dtype):  # widen all to fp32: exact
+        q, k, v = q.float(), k.float(), v.float()
+    q, k, v = _last_dim_unit(q), _last_dim_unit(k), _last_dim_unit(v)
+    bsz, heads, tq, d = q.shape
+    tk = k.shape[2]
+    out = torch.empty(bsz, heads, tq, d, dtype=torch.float32, device=q.device)
+    if not out.numel():
+        return out
+    if mask is not None:
+        mask = mask.float().expand(bsz, heads, tq, tk)
+        sm = mask.stride()
+    else:
+        mask, sm = out, (0, 0, 0, 0)  # never read (HAS_MASK=False)
+    grid = (-(-tq // block_m), bsz * heads)
+    _jit().attention_kernel[grid](
+        q, k, v, mask, out, heads, tq, tk, d, float(scaling),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *sm, out.stride(0), out.stride(1), out.stride(2),
+        HAS_MASK=mask is not out, BM=block_m, BN=block_n, BD=max(16, 1 << (d - 1).bit_length()),
+        IEEE=q.dtype == torch.float32, ORDERED=interpreting(), num_warps=ATTN_WARPS,
+        num_stages=ATTN_STAGES, **NO_FTZ,
+    )  # fmt: skip
+    return out
+
+
+class Attention(torch.autograd.Function):
+    """`attention` forward; the backward recomputes fp32 probabilities with torch's GEMMs and
+    softmax and applies eager attention's gradient (as `ops`' torch path does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scaling = scaling
+        return attention(q, k, v, mask, scaling)
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, mask = ctx.saved_tensors
+        scores = (q.float() @ k.float().transpose(-1, -2)) * ctx.scaling
+        if mask is not None:
+            scores = scores + mask.float()
+        p, do = torch.softmax(scores, dim=-1), dout.float()
+        dv = p.transpose(-1, -2) @ do
+        dp = do @ v.float().transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scaling
+        dq, dk = ds @ k.float(), ds.transpose(-1, -2) @ q.float()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """float64 attention, ``[B, H, Tq, D]``."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scaling
+    if mask is not None:
+        scores = scores + mask.double()
+    return torch.softmax(scores, dim=-1) @ v.double()
