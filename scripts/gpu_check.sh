@@ -39,7 +39,9 @@ tests=(tests/fp8/test_triton_kernels.py tests/fp8/test_triton_large_offsets.py
   tests/fp8/test_quantizer_fused.py tests/fp8/test_fp8_experts_layer.py
   tests/fp8/test_fp8_weight_cache.py tests/fp8/test_fp8_linear_plan.py
   tests/fp8/test_fp8_linear_inventory.py tests/vllm_patch/test_moe_inventory.py
-  tests/vllm_patch/test_serving_bits.py tests/vllm_patch/test_serving_inventory.py)
+  tests/vllm_patch/test_serving_bits.py tests/vllm_patch/test_serving_inventory.py
+  tests/invariant/test_invariant_kernels.py tests/invariant/test_invariant_attention_kernel.py
+  tests/invariant/test_invariant_kernels_gpu.py)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -m pytest -ra -p no:cacheprovider "${tests[@]}" "$@" || exit
 # Then, once the kernels pass, the MoE layer benchmark (ours vs vLLM's block-FP8 MoE where vLLM

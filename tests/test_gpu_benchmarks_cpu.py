@@ -22,6 +22,7 @@ SCRIPTS = (
     "bench_moe_layer",
     "bench_serving_kernel",
     "bench_local_grpo",
+    "bench_invariant_ops",
 )
 
 

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu/device_session.sh [RESULTS_DIR]
 # Needs CUDA torch, triton, pytest, safetensors; bench_fp8_linear.py also the package's own
 # dependencies (pydantic, omegaconf: a bare CUDA image lacks them; install the wheels first).
-# JETRL_{TESTS,PROBE,MOE,QUANT,QUANT_TILES,LINEAR,SERVING,LOCAL_GRPO}_S set each step's limit in seconds
+# JETRL_{TESTS,PROBE,MOE,QUANT,QUANT_TILES,LINEAR,SERVING,INVARIANT_OPS,LOCAL_GRPO}_S set each step's limit in seconds
 # (0 skips it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,6 +50,9 @@ step bench_quantizer_tiles "${JETRL_QUANT_TILES_S:-30}" "$py" \
 step bench_fp8_linear "${JETRL_LINEAR_S:-90}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
 step bench_serving_kernel "${JETRL_SERVING_S:-60}" "$py" benchmarks/gpu/bench_serving_kernel.py \
   --iters 20 --json "$out/bench_serving_kernel.json"
+# The batch-invariant ops (issue 37): Triton kernels vs torch's own ops vs the elementwise path.
+step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-60}" "$py" benchmarks/gpu/bench_invariant_ops.py \
+  --iters 20 --json "$out/bench_invariant_ops.json"
 # Local GRPO per recipe on cuda (demo model, then the ~0.6B Qwen3-shaped one): tmpe exactly 1 for
 # jetrl/jetrl_kv, mismatch, step time, tokens/s, invariant-ops share. Needs transformers and
 # tokenizers too (add them to the .gpu-deps wheels where the image lacks them).

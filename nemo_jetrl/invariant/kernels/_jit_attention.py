@@ -110,7 +110,7 @@ def attention_kernel(
             acc = tl.dot(pv, vv, acc)
         m_i = m_new
     # + 0.0: an all-zero output is +0 whether or not masked chunks added (+-0) products
-    out = tl.math.div_rn(acc, l_i[:, None]) + 0.0
+    out = tl.math.div_rn(acc, l_i[:, None] + tl.zeros([BM, BD], dtype=tl.float32)) + 0.0
     tl.store(
         o_ptr + b * sob + h * soh + rq[:, None] * sot + rd[None, :],
         out,

@@ -34,10 +34,12 @@ def rms_rstd_kernel(
         c = start + cols
         x = to_fp32(tl.load(x_ptr + row * stride_row + c, mask=c < H, other=0), IN_BF16)
         acc += x * x
-    total = tl.sum(acc, axis=0)
-    var = tl.math.div_rn(total, h_float)  # a float argument: Triton specializes int 1
-    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
-    tl.store(out_ptr + row, rstd)
+    # [1]-shaped from here on (keep_dims): no 0-d tensors or scalar-first div_rn to compile
+    total = tl.sum(acc, axis=0, keep_dims=True)
+    var = tl.math.div_rn(total, tl.zeros_like(total) + h_float)  # float: Triton specializes int 1
+    sq = tl.math.sqrt_rn(var + eps)
+    rstd = tl.math.div_rn(tl.zeros_like(sq) + 1.0, sq)
+    tl.store(out_ptr + row + tl.arange(0, 1), rstd)
 
 
 @triton.jit
@@ -61,12 +63,13 @@ def logsumexp_kernel(
         c = start + cols
         x = to_fp32(tl.load(base + c, mask=c < V, other=0), IN_BF16)
         mx = tl.maximum(mx, tl.where(c < V, x, float("-inf")))
-    m = tl.max(mx, axis=0)
+    m = tl.max(mx, axis=0, keep_dims=True)  # [1]
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         c = start + cols
         x = to_fp32(tl.load(base + c, mask=c < V, other=0), IN_BF16)
         acc += tl.where(c < V, tl.exp(x - m), 0.0)
-    total = tl.sum(acc, axis=0)
-    tl.store(max_ptr + row, m)
-    tl.store(log_sum_ptr + row, tl.log(total))
+    total = tl.sum(acc, axis=0, keep_dims=True)
+    one = tl.arange(0, 1)
+    tl.store(max_ptr + row + one, m)
+    tl.store(log_sum_ptr + row + one, tl.log(total))
