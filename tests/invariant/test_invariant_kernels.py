@@ -20,6 +20,9 @@ from nemo_jetrl.invariant.kernels import rows
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 U32 = 2.0**-24  # fp32 unit roundoff
+# Compiled on a GPU: tl.exp/tl.log are ex2/lg2.approx (~2 ulp) and tensor cores may truncate
+# inside their fp32 accumulation, so the bounds there are looser (the interpreter is IEEE).
+ON_GPU = DEVICE == "cuda"
 
 
 def _rand(*shape, dtype=torch.float32, scale=1.0, seed=0):
@@ -53,7 +56,8 @@ def test_log_softmax_same_bits_at_every_batch_size_and_close_to_float64():
     ref = rows.log_softmax_reference(x).cpu()
     err = (lsm(x).double().cpu() - ref).abs()
     # the subtraction rounds at |ref| (<= 2 ulp), log(sum) adds a few ulp of ~log(V)
-    assert (err <= 4 * U32 * ref.abs() + 1e-6).all(), float((err - 4 * U32 * ref.abs()).max())
+    bound = 4 * U32 * ref.abs() + (4e-6 if ON_GPU else 1e-6)
+    assert (err <= bound).all(), float((err - bound).max())
 
 
 def test_a_row_block_chosen_from_the_batch_size_fails_the_invariance_check():
@@ -78,7 +82,12 @@ def test_matmul_same_bits_at_every_batch_size_and_within_gamma_k_of_float64(dtyp
     assert batch_variance(lambda t: km.matmul(t, w), x) == []
     got, ref = km.matmul(x, w).double().cpu(), km.matmul_reference(x, w).cpu()
     # fp32 products (exact for bf16) summed in fp32: |err| <= (K + 1) u sum |x w|
-    bound = (72 + 1) * U32 * (x.double().abs().cpu() @ w.double().abs().cpu().t())
+    bound = (
+        (2 if ON_GPU else 1)
+        * (72 + 1)
+        * U32
+        * (x.double().abs().cpu() @ w.double().abs().cpu().t())
+    )
     assert ((got - ref).abs() <= bound).all()
 
 

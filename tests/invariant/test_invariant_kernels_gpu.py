@@ -50,7 +50,9 @@ def test_log_softmax_and_token_logprob_at_vocab_151936():
     assert batch_variance(lsm, x, (1, 3, 8, 17)) == []
     ref = rows.log_softmax_reference(x)
     err = (lsm(x).double() - ref).abs()
-    assert (err <= 4 * U32 * ref.abs() + 1e-6).all(), float((err - 4 * U32 * ref.abs()).max())
+    # tl.exp / tl.log compile to ex2.approx / lg2.approx (~2 ulp): a looser floor than on CPU
+    bound = 4 * U32 * ref.abs() + 4e-6
+    assert (err <= bound).all(), float((err - bound).max())
     # the chosen token's logprob from the row statistics alone: the same bits as the full row's
     ids = torch.randint(
         0, VOCAB, (64, 1), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
@@ -64,7 +66,8 @@ def test_lm_head_matmul_bf16_at_vocab_151936():
     assert batch_variance(lambda t: km.matmul(t, w), x, SIZES) == []
     pick = torch.tensor([0, 1000, 2047], device="cuda")
     got, ref = km.matmul(x[pick], w).double(), km.matmul_reference(x[pick], w)
-    bound = (896 + 1) * U32 * (x[pick].double().abs() @ w.double().abs().t())
+    # 2x the fp32 gamma_K: tensor cores may truncate inside their fp32 accumulation
+    bound = 2 * (896 + 1) * U32 * (x[pick].double().abs() @ w.double().abs().t())
     assert ((got - ref).abs() <= bound).all()
 
 
@@ -73,7 +76,7 @@ def test_router_and_square_matmuls_fp32_and_bf16():
         x, w = _rand(2048, k, dtype=dtype), _rand(n, k, dtype=dtype, seed=1)
         assert batch_variance(lambda t, w=w: km.matmul(t, w), x, SIZES) == [], (dtype, n, k)
         got, ref = km.matmul(x[:17], w).double(), km.matmul_reference(x[:17], w)
-        bound = (k + 1) * U32 * (x[:17].double().abs() @ w.double().abs().t())
+        bound = 2 * (k + 1) * U32 * (x[:17].double().abs() @ w.double().abs().t())
         assert ((got - ref).abs() <= bound).all(), (dtype, n, k)
 
 
