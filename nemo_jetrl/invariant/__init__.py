@@ -17,7 +17,11 @@ dot product of E4M3 values is exact in float64. `hf.make_batch_invariant` puts t
 HuggingFace Llama/Qwen2 model (reversibly); the local backend does so on both sides
 (``jetrl.local.batch_invariant``), which makes ``jetrl`` and ``jetrl_kv`` bitwise on-policy.
 
-`ops` depends on torch alone; `hf` imports transformers lazily.
+On CUDA tensors `ops` runs RMSNorm's and log-softmax's row reductions, the linear and attention
+in Triton kernels (`kernels`) whose reduction order is fixed per feature dimension instead, so
+the same holds there at a GPU's speed; `dispatch` holds the choice (``JETRL_INVARIANT_KERNELS``).
+
+`ops` depends on torch (triton lazily, through `kernels`); `hf` imports transformers lazily.
 """
 
 from nemo_jetrl.invariant.hf import InvariantHandle, is_batch_invariant, make_batch_invariant
