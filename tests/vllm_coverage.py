@@ -122,6 +122,14 @@ COVERAGE: tuple[Coverage, ...] = (
         "returned_for_routing_replay and the FP8 MoE refit in test_vllm_moe.py; the BF16 "
         "control run (cpu_moe_repack's 0.20 branch) stays on 0.20",
     ),
+    Coverage(
+        "tests/vllm_patch/test_vllm_mla.py",
+        None,
+        ("0.32",),
+        "MLA cannot run on 0.20 (nor 0.25.1): their CPU platform's get_attn_backend_cls raises "
+        "'MLA is not supported on CPU.'; 0.32 has CPU_MLA. The refit/parity path it takes on "
+        "0.32 (compat.reload_weights, fused shards, parity) runs on 0.20 in test_vllm_engine.py",
+    ),
 )
 
 

@@ -25,8 +25,8 @@ One refit does, in order (nothing is sent unless every check before it passed):
 5. Parity (on by default): every tensor is read back through paths independent of the loader and
    compared with what the trainer sent: FP8 weights and scales byte for byte, other tensors
    byte for byte where the parameter holds them, and unquantized linear weights also *through the
-   layer's GEMM* (identity rows in, ``W^T`` out), so a stale derived copy cannot pass. Any
-   differing tensor is named.
+   layer's GEMM* (identity rows in, ``W^T`` out), so a stale derived copy cannot pass, nor a
+   stale MLA ``W_UK_T``/``W_UV`` (`parity_views`). Any differing tensor is named.
 6. Rollback (on by default): steps 4-5 run inside ``rollback.engine_rollback``: each worker
    snapshots its model before the first tensor lands; if loading, the KV scales or the parity
    check fail, every worker is put back and verified bit for bit, and the error says so. The
@@ -49,7 +49,7 @@ import torch
 
 from nemo_jetrl.fp8 import quantize_blockwise
 from nemo_jetrl.fp8.staging import quantized_weight_problem
-from nemo_jetrl.vllm_patch import compat, expert_shards
+from nemo_jetrl.vllm_patch import compat, expert_shards, parity_views
 from nemo_jetrl.vllm_patch.refit_kv import (
     ParityError,
     RefitError,
@@ -62,6 +62,7 @@ from nemo_jetrl.vllm_patch.refit_kv import (
 from nemo_jetrl.vllm_patch.rollback import engine_rollback
 from nemo_jetrl.vllm_patch.settings import (
     ATTN_PROJS,
+    MLA_PROJS,
     MLP_PROJS,
     WEIGHT_BLOCK,
     PatchSettings,
@@ -89,7 +90,7 @@ __all__ = [
     "unpack",
 ]
 
-FP8_PROJS = ATTN_PROJS + MLP_PROJS
+FP8_PROJS = ATTN_PROJS + MLA_PROJS + MLP_PROJS
 SCALE_SUFFIX = "weight_scale_inv"
 # How a refusal before the engine was touched starts.
 REFUSED = "refit refused, nothing was loaded"
@@ -121,6 +122,8 @@ class ParityReport:
     """Names of tensors whose bits differ (empty when parity holds)."""
     not_local: int = 0
     """Routed-expert tensors sent that this expert-parallel rank does not hold (not compared)."""
+    derived: int = 0
+    """vLLM's MLA copies of a sent kv_b_proj (W_UK_T/W_UV, `parity_views`) compared."""
 
 
 @dataclass(frozen=True)
@@ -219,31 +222,16 @@ def guard_shapes(llm: Any, qsd: QuantizedStateDict) -> None:
         shape, dtype = info
         if tuple(shape) != tuple(t.shape):
             errors.append(f"{name}: trainer shape {tuple(t.shape)}, engine expects {tuple(shape)}")
-        elif (t.element_size() == 1 or name.endswith(SCALE_SUFFIX)) and str(t.dtype) != dtype:
-            # FP8 bytes and their scales must land in identically typed parameters (copying would
-            # otherwise convert them); BF16 tensors are cast by vLLM's loader as usual.
+        elif (t.element_size() == 1 or SCALE_SUFFIX in name or "float8" in dtype) and (
+            str(t.dtype) != dtype
+        ):  # FP8 bytes and scales land in identically typed parameters only (a copy converts:
+            # BF16 into FP8 without scales); other BF16 tensors are cast by vLLM's loader.
             errors.append(
                 f"{name}: trainer dtype {t.dtype}, engine holds {dtype} (is the engine running "
                 "with the recipe's engine kwargs, quantization fp8 with 128x128 blocks?)"
             )
     if errors:
         raise RefitError(f"{REFUSED}:\n  - " + "\n  - ".join(errors))
-
-
-def _differ(got: torch.Tensor, want: torch.Tensor, *, bytewise: bool) -> str | None:
-    """None if equal, else how they differ (bytewise: raw bytes; else values, so +0 == -0)."""
-    if got.shape != want.shape:
-        return f"engine {got.dtype} {tuple(got.shape)}, trainer {tuple(want.shape)}"
-    if bytewise:
-        if got.dtype != want.dtype:
-            want = want.to(got.dtype)  # what vLLM's loader's copy_ makes of it
-        gb, wb = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-        if torch.equal(gb, wb):  # no mask of the tensor's size unless something differs
-            return None
-        return f"{int((gb != wb).sum())} of {wb.numel()} bytes differ"
-    if torch.equal(got, want.to(got.dtype)):
-        return None
-    return f"{int((got != want.to(got.dtype)).sum())} of {got.numel()} values differ"
 
 
 # A reader: (HF names, through_kernel) -> (name or "name|kernel", host tensor), one at a time
@@ -279,13 +267,19 @@ def check_parity(llm: Any, qsd: QuantizedStateDict, read: ReadBack | None = None
         read = rpc_read_back(llm, sizes)
     fp8_names = qsd.fp8_names()
     other = [n for n in qsd.tensors if n not in set(fp8_names)]
-    differing, seen = [], set()
-    for name, got in read(fp8_names, False):
+    differing, seen, derived = [], set(), 0
+    for key, got in read(fp8_names, True):  # through_kernel: views of what vLLM derives
+        name, _, view = key.partition("|")
         want = qsd.tensors[name]
         seen.add(name)
-        if got.dtype != want.dtype:
+        if view:  # MLA's W_UK_T/W_UV from an FP8 kv_b_proj
+            derived += 1
+            scale = qsd.tensors[f"{name.rpartition('.')[0]}.{SCALE_SUFFIX}"]
+            if (why := parity_views.view_problem(got, want, scale)) is not None:
+                differing.append(f"{name} ({why})")
+        elif got.dtype != want.dtype:
             differing.append(f"{name} (engine holds {got.dtype})")
-        elif (why := _differ(got, want, bytewise=True)) is not None:
+        elif (why := parity_views.differ(got, want, bytewise=True)) is not None:
             differing.append(f"{name} ({why})")
     differing += [f"{n} (engine holds None)" for n in fp8_names if n not in seen]
     kernel_views = 0
@@ -293,9 +287,12 @@ def check_parity(llm: Any, qsd: QuantizedStateDict, read: ReadBack | None = None
         name, _, view = key.partition("|")
         seen.add(name)
         kernel_views += view == "kernel"
-        why = _differ(got, qsd.tensors[name], bytewise=view == "")
+        if view == parity_views.VIEW:  # MLA's W_UK_T/W_UV from a BF16 kv_b_proj
+            derived, why = derived + 1, parity_views.view_problem(got, qsd.tensors[name], None)
+        else:
+            why = parity_views.differ(got, qsd.tensors[name], bytewise=view == "")
         if why is not None:
-            label = "through the layer's GEMM: " if view else ""
+            label = "through the layer's GEMM: " if view == "kernel" else ""
             differing.append(f"{name} ({label}{why})")
     differing += [f"{n} (the engine has no readable copy of it)" for n in other if n not in seen]
     if differing:
@@ -304,7 +301,11 @@ def check_parity(llm: Any, qsd: QuantizedStateDict, read: ReadBack | None = None
             "the trainer sent in:\n  - " + "\n  - ".join(differing)
         )
     return ParityReport(
-        compared=len(qsd.tensors), fp8=len(fp8_names), through_kernel=kernel_views, differing=()
+        compared=len(qsd.tensors),
+        fp8=len(fp8_names),
+        through_kernel=kernel_views,
+        differing=(),
+        derived=derived,
     )
 
 

@@ -28,6 +28,9 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # HF projection names of a Llama/Qwen decoder layer, and the module that holds each.
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+# The latent-attention (MLA: DeepSeek-V2/V3, Moonlight) projections besides o_proj (arch/mla.py);
+# vLLM fuses q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj when q_lora_rank is set.
+MLA_PROJS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def bf16_layer_modules(layer_indices: list[int] | range, prefix: str = "model.la
     """vLLM module names of every linear in the given decoder layers (for first-N/last-M BF16)."""
     out = []
     for i in layer_indices:
-        out += [f"{prefix}.{i}.self_attn.{p}" for p in ATTN_PROJS]
+        out += [f"{prefix}.{i}.self_attn.{p}" for p in ATTN_PROJS + MLA_PROJS]
         out += [f"{prefix}.{i}.mlp.{p}" for p in MLP_PROJS]
     return out
 

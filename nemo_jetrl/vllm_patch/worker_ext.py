@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.vllm_patch import compat, rollback
+from nemo_jetrl.vllm_patch import compat, parity_views, rollback
 from nemo_jetrl.vllm_patch.cpu_moe_repack import plain_rows, repack_reloaded_experts
 from nemo_jetrl.vllm_patch.dense_shards import engine_rows
 from nemo_jetrl.vllm_patch.moe_names import resolve_expert_tensor
@@ -188,8 +188,10 @@ def read_back(
     """The engine's tensors for ``hf_names``, one at a time on the host: ``name`` -> parameter
     bytes (absent where vLLM repacked the weight; a view, not a copy, when the model is on the
     CPU), and with ``through_kernel`` also ``name|kernel`` -> the weight as an unquantized
-    linear's GEMM sees it. One tensor at a time so that a parity check holds one, not all."""
+    linear's GEMM sees it, and ``name|mla`` -> the W_UK_T/W_UV an MLA attention derived from a
+    kv_b_proj weight (`parity_views`). One tensor at a time: a parity check holds one, not all."""
     model = _model(worker)
+    mla = parity_views.attention_by_kv_b(model) if through_kernel else {}
     # Each TP rank reads its own shard (routed experts: expert_shards; dense: the fused shard's
     # rows on this rank; the caller narrows what it expects with dense_shards). Pipeline stages
     # hold other layers: not covered.
@@ -209,6 +211,8 @@ def read_back(
         if through_kernel and leaf == "weight" and _is_unquantized_linear(layer):
             dtype = p.dtype if p.numel() else worker.vllm_config.model_config.dtype
             yield f"{name}|kernel", weight_through_kernel(layer, start, rows, dtype)
+        if leaf == "weight" and id(layer) in mla:
+            yield f"{name}|{parity_views.VIEW}", parity_views.derived_view(mla[id(layer)])
 
 
 class JetRLWorkerExtension:
