@@ -131,3 +131,14 @@ def test_ops_attention_takes_the_kernel_and_keeps_its_gradient():
     assert torch.allclose(out_k, out_t, atol=1e-6)
     for a, b in zip(grads_k, grads_t, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_no_mask_and_empty_inputs():
+    # mask None (HAS_MASK off): every key visible; a row alone has the batch's bits
+    q, k, v = _qkv(torch.float32, b=2, t=20)
+    full = ka.attention(q, k, v, None, SCALE, **TILES)
+    assert same_bits(ka.attention(q[1:], k[1:], v[1:], None, SCALE, **TILES), full[1:])
+    ref = ka.attention_reference(q, k, v, None, SCALE).cpu()
+    assert (full.double().cpu() - ref).abs().max() <= 1e-6
+    empty = ka.attention(q[:, :, :0], k, v, None, SCALE)
+    assert empty.shape == (2, H, 0, D)
