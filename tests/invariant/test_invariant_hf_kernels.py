@@ -17,7 +17,9 @@ from nemo_jetrl.backends.local.rollout import generate
 from nemo_jetrl.backends.local.trainer import sequence_logprobs
 from nemo_jetrl.invariant import dispatch
 
-pytestmark = pytest.mark.triton
+# slow: ~8 s of CPU (a jetrl model pair, then every kernel in the interpreter); the only test of
+# HF's masks, grouped KV heads and cache shapes reaching the kernels as a GPU run does.
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 
 def test_decode_logprobs_equal_training_forward_on_the_kernels():
