@@ -159,6 +159,18 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return shifted - log(tree_sum(exp(shifted), dim=dim, keepdim=True))
 
 
+def token_log_softmax(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(x)`` over the last dim gathered at ``ids`` (``x.shape[:-1]``), fp32: the same
+    bits as gathering from `log_softmax`'s output. The Triton path forms only the chosen entries
+    from the row's max and log-sum-exp (no ``[rows, V]`` output)."""
+    x = x.float()
+    idx = ids.unsqueeze(-1)
+    if use_triton(x, "log_softmax"):
+        mx, log_sum = k_rows.LogSumExp.apply(x)
+        return ((x.gather(-1, idx) - mx) - log_sum).squeeze(-1)
+    return log_softmax(x).gather(-1, idx).squeeze(-1)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(x)`` computed as ``x / (1 + e**-x)`` in fp32, returned in ``x.dtype``."""
     xf = x.float()

@@ -167,3 +167,16 @@ def test_the_kernel_choice_is_checked_and_refused_by_name(monkeypatch):
             ValueError, match=r"log_softmax: .* on a cpu tensor need TRITON_INTERPRET"
         ):
             ops.log_softmax(_rand(2, 8))
+
+
+def test_token_log_softmax_has_the_gathered_rows_bits_on_both_paths():
+    logits = _rand(2, 5, 700, scale=4.0).requires_grad_()
+    ids = torch.randint(0, 700, (2, 5), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads = []
+    for choice in ("triton", "torch"):
+        with dispatch.use_kernels(choice):
+            tok = ops.token_log_softmax(logits, ids)
+            full = ops.log_softmax(logits).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            assert same_bits(tok, full), choice
+            grads.append(torch.autograd.grad(tok.sum(), logits)[0])
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)

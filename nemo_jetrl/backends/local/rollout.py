@@ -44,7 +44,9 @@ def token_logprobs(
     ``invariant``: the batch-invariant `nemo_jetrl.invariant.ops.log_softmax` (same bits for a
     row whether it comes from a decode step or a full-sequence forward)."""
     scaled = logits.float() / temperature
-    lp = ops.log_softmax(scaled) if invariant else torch.log_softmax(scaled, dim=-1)
+    if invariant:  # the same bits as gathering from ops.log_softmax, less memory on a GPU
+        return ops.token_log_softmax(scaled, ids)
+    lp = torch.log_softmax(scaled, dim=-1)
     return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
