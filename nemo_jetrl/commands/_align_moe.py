@@ -20,42 +20,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_jetrl.config import Settings
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.flow.support import moe_evidence
 
-ROUTER_REPLAY = "policy.router_replay.enabled"
-ROUTER_DTYPE = "policy.megatron_cfg.moe_router_dtype"
+ROUTER_REPLAY = S.ROUTER_REPLAY
+ROUTER_DTYPE = S.ROUTER_DTYPE
 ROUTER_DTYPES = ("fp32", "fp64")
-VPP = "policy.megatron_cfg.virtual_pipeline_model_parallel_size"
-CAPACITY = "policy.megatron_cfg.moe_expert_capacity_factor"
-PAD_TO_CAPACITY = "policy.megatron_cfg.moe_pad_expert_input_to_capacity"
-GENERATION_BACKEND = "policy.generation.backend"
-ASYNC_GRPO = "grpo.async_grpo.enabled"
-DATA_PLANE = "data_plane.enabled"
+VPP = S.VPP_SIZE
+CAPACITY = S.MOE_CAPACITY
+PAD_TO_CAPACITY = S.MOE_PAD_TO_CAPACITY
+DATA_PLANE = S.DATA_PLANE
 
 
-def _get(cfg: Any, key: str) -> Any:
-    from omegaconf import OmegaConf
-
-    try:
-        return OmegaConf.select(cfg, key, default=None)
-    except Exception:  # an unresolvable value is validation's to report
-        return None
-
-
-def moe_align_updates(cfg: Any) -> tuple[dict[str, Any], list[str]]:
+def moe_align_updates(settings: Settings) -> tuple[dict[str, Any], list[str]]:
     """(flat dotted keys to write, notes to print) for an MoE config; ({}, []) for a dense one."""
-    if not moe_evidence(cfg):
+    if not moe_evidence(settings):
         return {}, []
     out: dict[str, Any] = {}
     notes: list[str] = []
-    megatron = _get(cfg, S.MEGATRON_ENABLED) is True
-    if megatron and _get(cfg, GENERATION_BACKEND) == "vllm":
-        if _get(cfg, ROUTER_REPLAY) is not True:
+    moe = settings.moe
+    megatron = settings.megatron_enabled is True
+    if megatron and settings.generation_backend == "vllm":
+        if moe.router_replay is not True:
             out[ROUTER_REPLAY] = True
-        if _get(cfg, VPP) not in (None, 1):
+        if moe.virtual_pipeline not in (None, 1):
             out[VPP] = None  # NeMo-RL's router replay refuses virtual pipeline parallelism
-        if _get(cfg, ASYNC_GRPO) is True and _get(cfg, DATA_PLANE) is True:
+        if settings.lag.async_enabled and settings.lag.data_plane:
             out[DATA_PLANE] = False
     else:
         notes.append(
@@ -64,11 +55,11 @@ def moe_align_updates(cfg: Any) -> tuple[dict[str, Any], list[str]]:
             "trainer's routers may pick different experts for a token"
         )
     if megatron:
-        if _get(cfg, ROUTER_DTYPE) not in ROUTER_DTYPES:
+        if moe.router_dtype not in ROUTER_DTYPES:
             out[ROUTER_DTYPE] = "fp32"
-        if _get(cfg, CAPACITY) is not None:
+        if moe.capacity_factor is not None:
             out[CAPACITY] = None  # dropless: every routed token reaches its experts
-        if _get(cfg, PAD_TO_CAPACITY) is True:
+        if moe.pad_to_capacity is True:
             out[PAD_TO_CAPACITY] = False
     return out, notes
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from nemo_jetrl.config import Settings
 from nemo_jetrl.config.layer_lists import FUSED_GROUPS, ROLLOUT_KEY, TRAIN_KEY, whole_in_proj_words
 from nemo_jetrl.fp8.spec import BLOCK, linear_dims_problem
 
@@ -117,18 +118,14 @@ def in_proj_note(before: Any, after: Any) -> str:
     )
 
 
-def unaligned_list_overrides(cfg: Any, arch: Any) -> tuple[list[str], list[str]]:
+def unaligned_list_overrides(settings: Settings, arch: Any) -> tuple[list[str], list[str]]:
     """(``++`` overrides adding the words to both lists of an input the check refuses for its
     untiled linears, the training list taken from the rollout's when absent; the notes):
     nothing when no word is needed or the two lists differ (a mismatch the user settles). Words
     keeping part of Megatron's fused in_proj BF16 become ``linear_attn.in_proj`` (Qwen3.5's
     in_proj_a/b: `layer_lists.whole_in_proj_words`)."""
-    from omegaconf import OmegaConf
-
-    roll = OmegaConf.select(cfg, ROLLOUT_KEY, default=None)
-    train = OmegaConf.select(cfg, TRAIN_KEY, default=None)
-    roll = list(roll) if roll is not None else []
-    train = list(train) if train is not None else None
+    roll = list(settings.rollout_kws or ())
+    train = list(settings.train_kws) if settings.train_kws is not None else None
     if train is not None and train != roll:
         return [], []
     whole = list(whole_in_proj_words(arch, tuple(roll)))

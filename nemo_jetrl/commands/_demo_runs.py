@@ -28,8 +28,9 @@ RELATIVE_COST = {"bf16": 1.0, "fp8_rollout": 2.0, "jetrl": 2.5, "jetrl_kv": 2.5}
 
 @dataclass(frozen=True)
 class Job:
-    """One demo run: its recipe, GRPO seed, log dir and full config (`omegaconf.DictConfig`,
-    picklable, built by the demo so a bad ``--set`` fails before any run)."""
+    """One demo run: its recipe, GRPO seed, log dir and full config (the loaded tree the local
+    backend's door `run_local` reads; picklable, built by the demo so a bad ``--set`` fails
+    before any run)."""
 
     recipe: str
     seed: int
@@ -76,9 +77,9 @@ def run_job(job: Job, progress: bool = False, log: Callable[[str], None] | None 
 
 
 def _starts_an_engine(job: Job) -> bool:
-    from omegaconf import OmegaConf
+    from nemo_jetrl.config import settings_of
 
-    return OmegaConf.select(job.cfg, "jetrl.local.rollout_engine", default="hf") == "vllm"
+    return settings_of(job.cfg).local.rollout_engine == "vllm"
 
 
 def prepare_warm_start(job: Job, log: Callable[[str], None]) -> str | None:

@@ -56,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from nemo_jetrl.config.layer_lists import whole_in_proj_words
     from nemo_jetrl.errors import UserError
-    from nemo_jetrl.flow.backend import megatron_off
     from nemo_jetrl.flow.mxfp8 import align_notes
     from nemo_jetrl.recipe import Recipe, matching_preset
 
@@ -112,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
         target = target.with_(name=matching_preset(target) or "custom")
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
-    moe_updates, moe_notes = moe_align_updates(before.cfg)  # MoE: routing replay, dropless
+    moe_updates, moe_notes = moe_align_updates(before.settings)  # MoE: routing replay, dropless
     moe_notes += router_notes + tile_notes
-    if target.train.fp8_linears and megatron_off(before.cfg):
+    if target.train.fp8_linears and before.settings.megatron_off:
         moe_notes.append(
             "align writes the recipe's training FP8 keys but cannot change the training policy: "
             "NeMo-RL's DTensor policy (policy.megatron_cfg.enabled=false) ignores fp8_cfg and "
@@ -189,12 +188,12 @@ def _untiled_list_overrides(config: str, overrides: list[str]) -> tuple[list[str
     """`_align_unaligned.unaligned_list_overrides` of the input as loaded; nothing when it
     cannot be read (its own errors are what the user sees)."""
     from nemo_jetrl.commands._align_unaligned import unaligned_list_overrides
-    from nemo_jetrl.config import load_config
+    from nemo_jetrl.config import load_config, settings_of
     from nemo_jetrl.config.reader import arch_from_config
 
     try:
         cfg = load_config(config, overrides)
-        return unaligned_list_overrides(cfg, arch_from_config(cfg))
+        return unaligned_list_overrides(settings_of(cfg), arch_from_config(cfg))
     except Exception:  # the config's own errors are what the user sees
         return [], []
 

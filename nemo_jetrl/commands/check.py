@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
+from nemo_jetrl.config.settings import CorrectionKeys
 from nemo_jetrl.flow.pipeline import Checked
 
 NAME = "check"
@@ -130,7 +131,7 @@ def _print_groups(c: Checked, out: TextIO) -> None:
         for g in group_verdicts(c.check)
     ]
     _table([("group", "layers", "status", "training forward", "rollout"), *rows], out)
-    note = routing_note(c.cfg, c.arch)
+    note = routing_note(c.settings, c.arch)
     if note:
         print(f"  {note}", file=out)
 
@@ -152,7 +153,7 @@ def _print_header(c: Checked, source: str, out: TextIO) -> None:
             continue  # said above
         print(f"{i.level}: {i}", file=out)
     print(c.recipe.describe(), file=out)
-    print(f"  importance-sampling correction: {_is_correction(c.cfg)}", file=out)
+    print(f"  importance-sampling correction: {_is_correction(c.settings.correction)}", file=out)
 
 
 def _print_backward(c: Checked, out: TextIO) -> None:
@@ -189,20 +190,14 @@ def _print_mismatches(c: Checked, out: TextIO, *, edges: bool) -> None:
                 print(f"     {e}", file=out)
 
 
-def _is_correction(cfg: Any) -> str:
+def _is_correction(keys: CorrectionKeys) -> str:
     """One phrase on NeMo-RL's loss_fn IS correction (it reweights; it does not align)."""
-    from omegaconf import OmegaConf
-
-    def sel(key: str) -> Any:
-        return OmegaConf.select(cfg, f"loss_fn.{key}", default=None)
-
-    if sel("use_importance_sampling_correction") is not True:
+    if keys.enabled is not True:
         return "off"
-    kind = sel("truncated_importance_sampling_type")
+    kind = keys.kind
     if kind is None:
         return "on (untruncated)"
-    lo = sel("truncated_importance_sampling_ratio_min")
-    hi = sel("truncated_importance_sampling_ratio")
+    lo, hi = keys.ratio_min, keys.ratio_max
     return f"on ({kind}, weights in [{0 if lo is None else lo}, {hi}])"
 
 
@@ -224,7 +219,7 @@ def summary(c: Checked) -> dict[str, Any]:
             }
             for g in group_verdicts(check)
         ],
-        "routing": routing_note(c.cfg, c.arch),
+        "routing": routing_note(c.settings, c.arch),
         "model_note": c.arch_note,
         "recipe": c.recipe.to_dict(),
         "on_policy": c.on_policy,

@@ -50,19 +50,15 @@ def requested_device_issues(args: argparse.Namespace) -> list:
     """The problem this machine has with the requested device (``--device``, else the config's
     ``jetrl.local.device``), to report beside the config's other errors when the validator
     failed (`resolve_run` reports it when the config is otherwise valid)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     from nemo_jetrl.backends.local.config import is_device_name
     from nemo_jetrl.backends.local.device import device_issues
-    from nemo_jetrl.config import ConfigError, load_config
+    from nemo_jetrl.config import load_config, settings_of
 
     device = args.device
     if device is None:
         try:  # the config as given; an unreadable one has no device to add
-            cfg = load_config(args.config, list(args.overrides))
-            device = OmegaConf.select(cfg, "jetrl.local.device", default=None)
-        except (ConfigError, OmegaConfBaseException, OSError, ValueError):
+            device = settings_of(load_config(args.config, list(args.overrides))).local.device
+        except Exception:  # unreadable YAML, a bad override: the validator names them
             return []
     ok = isinstance(device, str) and is_device_name(device)
     return device_issues(device) if ok else []
@@ -98,7 +94,6 @@ def _run_nemo_rl(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from nemo_jetrl.backends.local.families import model_key
     from nemo_jetrl.backends.local.loop import run_local
     from nemo_jetrl.backends.local.setup import resolve_run
     from nemo_jetrl.config import ConfigError
@@ -114,7 +109,7 @@ def _run_local(args: argparse.Namespace) -> int:
         local = next(b for b in checked.backends if b.backend == "local")
         if not local.runs:  # an MoE family it does not run: refused before any work
             raise UserError(
-                f"{model_key(checked.cfg)}: the local backend does not run this model: "
+                f"{checked.settings.model.chosen_by}: the local backend does not run this model: "
                 f"{local.reason}. Set jetrl.local.model_config to a Qwen3-MoE, Mixtral or dense "
                 "config.json, or run it with --backend nemo-rl"
             )

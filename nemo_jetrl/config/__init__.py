@@ -6,7 +6,8 @@
   `ConfigError` listing all errors (`nemo_jetrl.config.validate`, reading through
   `nemo_jetrl.config.reader`); `arch_from_config(cfg)` -> the model's `ModelArch` or None.
 - `load_valid_config(path_or_cfg, overrides)`: all of the above in one call for commands and
-  backends -> `ValidConfig` (config, recipe, architecture, warnings) or a `ConfigError`.
+  backends -> `ValidConfig` (config, recipe, architecture, warnings, and the typed `Settings`
+  the modules below the door read: `nemo_jetrl.config.settings`) or a `ConfigError`.
 - `recipe_to_config_updates(recipe)`: the NeMo-RL and ``jetrl:`` keys expressing a recipe (the
   inverse mapping, used by `jetrl align`); `minimal_updates` keeps only what changes;
   `merge_updates` applies them.
@@ -36,6 +37,7 @@ from nemo_jetrl.config.load import (
 )
 from nemo_jetrl.config.reader import arch_from_config
 from nemo_jetrl.config.sections import NO_SECTIONS, BackendSection, SectionProviders
+from nemo_jetrl.config.settings import Settings, settings_of
 from nemo_jetrl.config.updates import (
     merge_updates,
     minimal_updates,
@@ -52,6 +54,7 @@ __all__ = [
     "ConfigError",
     "ConfigIssue",
     "SectionProviders",
+    "Settings",
     "ValidConfig",
     "apply_overrides",
     "arch_from_config",
@@ -65,6 +68,7 @@ __all__ = [
     "preset_differences",
     "recipe_from_config",
     "recipe_to_config_updates",
+    "settings_of",
     "validate",
     "vllm_cfg_for",
 ]
@@ -85,6 +89,9 @@ class ValidConfig:
 
     issues: tuple[ConfigIssue, ...]
     """Every issue `validate` found (warnings and notes only: errors raise)."""
+
+    settings: Settings
+    """The typed keys the modules below the door read (`nemo_jetrl.config.settings`)."""
 
 
 def load_valid_config(
@@ -116,7 +123,8 @@ def load_valid_config(
     issues = bad_overrides + _name_overrides(issues, overrides)
     if errors(issues):
         raise ConfigError(issues, source)
-    return ValidConfig(conf, recipe, arch_from_config(conf, sections), tuple(issues))
+    arch = arch_from_config(conf, sections)
+    return ValidConfig(conf, recipe, arch, tuple(issues), settings_of(conf))
 
 
 def _name_overrides(issues: list[ConfigIssue], overrides: Sequence[str]) -> list[ConfigIssue]:

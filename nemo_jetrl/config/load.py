@@ -280,3 +280,16 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     register_resolvers()
     cfg = _load_with_inheritance(Path(path), ())
     return apply_overrides(cfg, overrides)
+
+
+def config_yaml(config: Any, *, recipe: str | None = None) -> str:
+    """``config`` (a loaded config or a plain mapping) as YAML, with ``jetrl.recipe`` set from
+    ``recipe`` when absent. Interpolations are written as given, not resolved, so a secret
+    behind ``${oc.env:...}`` never reaches the text."""
+    out = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=False)
+    assert isinstance(out, dict)
+    if recipe is not None:
+        jet = out.setdefault("jetrl", {})
+        if isinstance(jet, dict):
+            jet.setdefault("recipe", recipe)
+    return OmegaConf.to_yaml(OmegaConf.create(out))

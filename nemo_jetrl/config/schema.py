@@ -53,6 +53,27 @@ TIS_TYPE = "loss_fn.truncated_importance_sampling_type"
 TIS_RATIO = "loss_fn.truncated_importance_sampling_ratio"
 TIS_RATIO_MIN = "loss_fn.truncated_importance_sampling_ratio_min"
 SEQ_LEVEL_IS = "loss_fn.sequence_level_importance_ratios"
+VLLM_TP = f"{VLLM_CFG}.tensor_parallel_size"
+VLLM_EP = f"{VLLM_CFG}.expert_parallel_size"
+LOCAL_MODEL_CONFIG = "jetrl.local.model_config"
+# Mixture of experts: Megatron's expert keys (a value > 1 means experts), routing replay (R3)
+# and Megatron's routing knobs `jetrl align` sets.
+MEGATRON_MOE_KEYS = (
+    "policy.megatron_cfg.expert_model_parallel_size",
+    "policy.megatron_cfg.expert_tensor_parallel_size",
+    "policy.megatron_cfg.num_moe_experts",
+)
+ROUTER_REPLAY = "policy.router_replay.enabled"
+ROUTER_DTYPE = "policy.megatron_cfg.moe_router_dtype"
+VPP_SIZE = "policy.megatron_cfg.virtual_pipeline_model_parallel_size"
+MOE_CAPACITY = "policy.megatron_cfg.moe_expert_capacity_factor"
+MOE_PAD_TO_CAPACITY = "policy.megatron_cfg.moe_pad_expert_input_to_capacity"
+# Policy lag (async GRPO) and ModelOpt quantization: what a precision verdict cannot model.
+ASYNC_ENABLED = "grpo.async_grpo.enabled"
+ASYNC_AGE = "grpo.async_grpo.max_trajectory_age_steps"
+ASYNC_IN_FLIGHT = "grpo.async_grpo.in_flight_weight_updates"
+DATA_PLANE = "data_plane.enabled"
+QUANT_CFG_KEYS = ("policy.quant_cfg", "policy.generation.quant_cfg")
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("blockwise", "mxfp8", "tensorwise", "delayed")

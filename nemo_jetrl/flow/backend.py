@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_jetrl.config import Settings
 from nemo_jetrl.config.schema import FP8_ENABLED, MEGATRON_ENABLED
 from nemo_jetrl.flow.check import FlowCheck
 
@@ -52,27 +53,13 @@ class BackendVerdict:
     """False when this backend does not run the model at all (no verdict claimed there)."""
 
 
-def _flag(cfg: Any, key: str, default: bool) -> bool:
-    from omegaconf import OmegaConf
-
-    v = OmegaConf.select(cfg, key, default=None)
-    return default if v is None else v is True
-
-
-def megatron_off(cfg: Any) -> bool:
-    """The config turns NeMo-RL's Megatron policy off (its DTensor policy trains)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, MEGATRON_ENABLED, default=None) is False
-
-
-def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
+def nemo_rl_refit(settings: Settings, check: FlowCheck, tree: str) -> BackendVerdict:
     """The verdict on NeMo-RL ``tree`` given how its refit quantizes weights and KV scales."""
     name = f"nemo-rl {tree}"
     recipe = check.recipe
     if not check.on_policy:
         return BackendVerdict(name, False, "off-policy as the flow check says")
-    if recipe.train.fp8_linears and megatron_off(cfg):
+    if recipe.train.fp8_linears and settings.megatron_off:
         return BackendVerdict(
             name,
             False,
@@ -98,10 +85,9 @@ def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
                 "refuses vLLM's own FP8 expert kernels at engine start: not runnable on-policy "
                 "here yet",
             )
-    hook = _flag(cfg, "jetrl.vllm_patch", False) and _flag(cfg, "jetrl.refit_hook", True)
-    if hook:
-        parity = _flag(cfg, "jetrl.refit_parity_check", True)
-        rollback = _flag(cfg, "jetrl.refit_rollback", True)
+    refit = settings.refit
+    if refit.ours:
+        parity, rollback = refit.parity_check, refit.rollback
         return BackendVerdict(
             name,
             True,
@@ -131,18 +117,19 @@ def nemo_rl_refit(cfg: Any, check: FlowCheck, tree: str) -> BackendVerdict:
     )
 
 
-def backend_verdicts(cfg: Any, check: FlowCheck, arch: Any = None) -> tuple[BackendVerdict, ...]:
+def backend_verdicts(
+    settings: Settings, check: FlowCheck, arch: Any = None
+) -> tuple[BackendVerdict, ...]:
     """The verdict on every backend: local, then each NeMo-RL tree (``arch``: the model
     checked, for what the local backend runs)."""
-    from nemo_jetrl.backends.local.families import local_moe_problem, model_key
+    from nemo_jetrl.backends.local.families import local_moe_problem
 
     problem = local_moe_problem(arch)
     if problem is not None:
-        local = BackendVerdict(
-            "local", False, f"{problem} ({model_key(cfg)}); no local verdict", runs=False
-        )
+        where = settings.model.chosen_by
+        local = BackendVerdict("local", False, f"{problem} ({where}); no local verdict", runs=False)
     else:
         local = BackendVerdict(
             "local", check.on_policy, "the recipe runs as written (embedded CPU backend)"
         )
-    return (local, *(nemo_rl_refit(cfg, check, t) for t in NEMO_RL_TREES))
+    return (local, *(nemo_rl_refit(settings, check, t) for t in NEMO_RL_TREES))

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_jetrl.arch import ModelArch
+from nemo_jetrl.config import Settings
+from nemo_jetrl.config import schema as S
 from nemo_jetrl.flow.check import FlowCheck, format_ranges
 from nemo_jetrl.flow.graph import BF16, same_numbers
 from nemo_jetrl.flow.table import ORDER, cell_text
 
-ROUTER_REPLAY_KEY = "policy.router_replay.enabled"
+ROUTER_REPLAY_KEY = S.ROUTER_REPLAY
 ROUTING_METRIC = "jetrl/moe/routing_mismatch"
 LABELS = {
     "embed": "embeddings",
@@ -85,16 +87,11 @@ def group_verdicts(check: FlowCheck) -> list[GroupVerdict]:
     return out
 
 
-def routing_note(cfg: Any, arch: ModelArch) -> str | None:
+def routing_note(settings: Settings, arch: ModelArch) -> str | None:
     """Whether routing is replayed, for an MoE model (None for a dense one)."""
     if arch.moe is None:
         return None
-    from omegaconf import OmegaConf
-
-    try:
-        replay = OmegaConf.select(cfg, ROUTER_REPLAY_KEY, default=None) is True
-    except Exception:  # an unresolvable value is validation's to report
-        replay = False
+    replay = settings.moe.router_replay is True
     moe = arch.moe
     head = f"{moe.num_experts} experts, top-{moe.top_k}, {len(moe.moe_layers)} MoE layers"
     if replay:

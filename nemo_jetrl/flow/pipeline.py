@@ -20,6 +20,7 @@ from nemo_jetrl.config import (
     ConfigError,
     ConfigIssue,
     SectionProviders,
+    Settings,
     load_valid_config,
 )
 from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
@@ -34,7 +35,8 @@ class Checked:
     """A loaded, validated config and its flow check (what `check` and `align` print)."""
 
     cfg: Any
-    """The loaded config (omegaconf DictConfig, overrides applied)."""
+    """The loaded config tree (overrides applied): for what edits or runs the file itself
+    (`jetrl align`, a backend's door); everything else reads `settings`."""
 
     recipe: Recipe
     """The Recipe it describes."""
@@ -50,6 +52,9 @@ class Checked:
 
     check: FlowCheck
     """The flow check: training forward vs rollout, edge by edge."""
+
+    settings: Settings
+    """The typed keys read below the door (`nemo_jetrl.config.settings`), read once."""
 
     backends: tuple[BackendVerdict, ...] = ()
     """The verdict on each backend (`nemo_jetrl.flow.backend`)."""
@@ -79,8 +84,7 @@ class Checked:
     @property
     def allow_off_policy(self) -> bool:
         """``jetrl.allow_off_policy``: run a recipe this check finds off-policy."""
-        jetrl = self.cfg.get("jetrl") or {}
-        return bool(jetrl.get("allow_off_policy", False))
+        return self.settings.allow_off_policy
 
 
 def _local_section() -> BackendSection:
@@ -105,11 +109,9 @@ def check_config(
     ``run``: the config is about to train on this machine (its directories must be writable).
     ``keep_refused``: return the `flow.support` refusals in `Checked.refused` instead of raising
     them (the caller must still refuse; `jetrl check` prints the flow first)."""
-    from omegaconf import OmegaConf
-
     valid = load_valid_config(cfg, overrides, run=run, sections=BACKEND_SECTIONS)
-    recipe, arch, note = valid.recipe, valid.arch, None
-    refused = unsupported_issues(valid.cfg, recipe, arch)
+    recipe, arch, note, settings = valid.recipe, valid.arch, None, valid.settings
+    refused = unsupported_issues(settings, recipe, arch)
     if refused and not keep_refused:
         notes = [i for i in valid.issues if i.level == "note"]  # how the model was read
         source = None if not isinstance(cfg, (str, os.PathLike)) else str(cfg)
@@ -117,13 +119,12 @@ def check_config(
     if arch is None:
         n = generic_layers_for(recipe)
         arch = generic_arch(n)
-        model = OmegaConf.select(valid.cfg, "policy.model_name", default=None)
         note = (
-            f"model {model!r} has no built-in description: checked with {n} generic aligned "
+            f"model {settings.model.name!r} has no built-in description: checked with {n} generic aligned "
             "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
         )
     check = check_on_policy(arch, recipe)
-    backends = backend_verdicts(valid.cfg, check, arch)
+    backends = backend_verdicts(settings, check, arch)
     return Checked(
         valid.cfg,
         recipe,
@@ -131,8 +132,9 @@ def check_config(
         note,
         valid.issues,
         check,
+        settings,
         backends,
-        verdict_limits(valid.cfg),
+        verdict_limits(settings),
         tuple(refused),
     )
 

@@ -31,17 +31,11 @@ import json
 import re
 from typing import Any
 
-from nemo_jetrl.config import ConfigIssue
+from nemo_jetrl.config import ConfigIssue, Settings
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.recipe import Recipe
 
 EXPERT_LAYERS = "mlp.experts.*.{gate,up,down}_proj, the router mlp.gate and shared experts"
-# Megatron keys whose value > 1 (or set) means experts.
-_MOE_KEYS = (
-    "policy.megatron_cfg.expert_model_parallel_size",
-    "policy.megatron_cfg.expert_tensor_parallel_size",
-    "policy.megatron_cfg.num_moe_experts",
-)
 # config.json keys that count experts (HF Mixtral/Qwen-MoE/DeepSeek/MiniMax spellings).
 _HF_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 # Model families that are MoE: "<N>B-A<M>B" active-parameter names (Qwen3-30B-A3B,
@@ -53,16 +47,7 @@ _MOE_NAME = re.compile(
 )
 
 
-def _select(cfg: Any, key: str) -> Any:
-    from omegaconf import OmegaConf
-
-    try:
-        return OmegaConf.select(cfg, key, default=None)
-    except Exception:  # an unresolvable value is validation's to report
-        return None
-
-
-def moe_evidence(cfg: Any, arch: Any = None) -> list[str]:
+def moe_evidence(settings: Settings, arch: Any = None) -> list[str]:
     """Why the config's model is mixture-of-experts ("key=value" phrases; empty: dense)."""
     found = []
     moe = getattr(arch, "moe", None)
@@ -71,11 +56,10 @@ def moe_evidence(cfg: Any, arch: Any = None) -> list[str]:
             f"{arch.name}: {moe.num_experts} routed experts, top-{moe.top_k}, in "
             f"{len(moe.moe_layers)} of {arch.num_layers} layers"
         )
-    for key in _MOE_KEYS:
-        v = _select(cfg, key)
+    for key, v in settings.moe.megatron_experts:  # Megatron's expert keys: > 1 means experts
         if isinstance(v, int) and not isinstance(v, bool) and v > 1:
             found.append(f"{key}={v}")
-    path = _select(cfg, "jetrl.model_config")
+    path = settings.model.config
     if isinstance(path, str):
         try:
             with open(path) as f:
@@ -85,30 +69,24 @@ def moe_evidence(cfg: Any, arch: Any = None) -> list[str]:
         for k in _HF_EXPERT_KEYS:
             if isinstance(hf.get(k), int) and hf[k] > 1:
                 found.append(f"jetrl.model_config {k}={hf[k]}")
-    name = _select(cfg, S.MODEL_NAME)
+    name = settings.model.name
     # A known description settles it; the name is only a hint for models arch cannot describe.
     if arch is None and isinstance(name, str) and _MOE_NAME.search(name):
         found.append(f"{S.MODEL_NAME}={name!r} (a mixture-of-experts family)")
     return found
 
 
-_VLLM_TP = "policy.generation.vllm_cfg.tensor_parallel_size"
-_VLLM_EP = "policy.generation.vllm_cfg.expert_parallel_size"
+_VLLM_TP, _VLLM_EP = S.VLLM_TP, S.VLLM_EP
 
 
-def _int_key(cfg: Any, key: str) -> int:
-    v = _select(cfg, key)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 1 else 1
-
-
-def _split_gaps(cfg: Any, width: int) -> list[tuple[str, str]]:
+def _split_gaps(settings: Settings, width: int) -> list[tuple[str, str]]:
     """(key, what) for a vLLM rollout whose experts of ``width`` the experts kernel cannot split
     over ranks with training's FP8 blocks (`vllm_patch.expert_shards`). NeMo-RL: EP > 1 turns
     on vLLM expert parallel (whole experts per rank; EP = TP x vLLM DP); otherwise TP splits each
     expert's width, which keeps training's 1x128/128x128 blocks iff width / TP is a multiple
     of 128 (the partial sums' all-reduce then reorders accumulation, as a dense row-parallel
     linear under TP does)."""
-    tp, ep = _int_key(cfg, _VLLM_TP), _int_key(cfg, _VLLM_EP)
+    tp, ep = settings.moe.vllm_tp, settings.moe.vllm_ep  # 1 unless an int > 1
     if ep > tp:
         return [
             (
@@ -133,7 +111,7 @@ def _split_gaps(cfg: Any, width: int) -> list[tuple[str, str]]:
     ]
 
 
-def _moe_gaps(cfg: Any, arch: Any) -> list[tuple[str, str]]:
+def _moe_gaps(settings: Settings, arch: Any) -> list[tuple[str, str]]:
     """(key, what) an FP8 MoE run needs that no backend runs yet (empty: covered)."""
     moe = getattr(arch, "moe", None)
     if moe is None:
@@ -147,15 +125,15 @@ def _moe_gaps(cfg: Any, arch: Any) -> list[tuple[str, str]]:
     # Shared experts are not a gap: dense linears on each side's dense quantizer (vLLM's MoE
     # runner runs them itself around our experts kernel; Megatron's SharedExpertMLP is TE), and
     # Qwen's [1, hidden] shared_expert_gate is BF16 on both (arch.moe.SHARED_GATE_BF16).
-    return _split_gaps(cfg, moe.expert_size)
+    return _split_gaps(settings, moe.expert_size)
 
 
-def unsupported_issues(cfg: Any, recipe: Recipe, arch: Any = None) -> list[ConfigIssue]:
+def unsupported_issues(settings: Settings, recipe: Recipe, arch: Any = None) -> list[ConfigIssue]:
     """Errors for what no backend can run on-policy yet (parts of FP8 MoE runs); ``arch``: the
     model's description, when known."""
     if not (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):
         return []
-    evidence = moe_evidence(cfg, arch)
+    evidence = moe_evidence(settings, arch)
     if not evidence:
         return []
     return [
@@ -165,5 +143,5 @@ def unsupported_issues(cfg: Any, recipe: Recipe, arch: Any = None) -> list[Confi
             f"layers ({EXPERT_LAYERS}) cannot be made on-policy this way; or run it in BF16 "
             f"(policy.generation.vllm_cfg.precision=bfloat16, {S.FP8_ENABLED}=false)",
         )
-        for key, what in _moe_gaps(cfg, arch)
+        for key, what in _moe_gaps(settings, arch)
     ]

@@ -248,7 +248,8 @@ class CorrectionConfig:
 
     @classmethod
     def from_loss_fn_cfg(cls, cfg: Mapping[str, Any], *, path: str = "loss_fn") -> CorrectionConfig:
-        """Build from a NeMo-RL ``loss_fn`` mapping (dict or OmegaConf); raise listing all errors."""
+        """Build from a NeMo-RL ``loss_fn`` mapping (the section's plain data); raise listing
+        all errors."""
         if not isinstance(cfg, Mapping) and hasattr(cfg, "items"):
             cfg = dict(cfg.items())
         errs = validate_loss_fn_cfg(cfg, path=path)

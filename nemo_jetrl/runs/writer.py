@@ -94,19 +94,14 @@ class RunWriter:
         stays that text and a secret's value never reaches the file. A literal secret can still
         come in as an override, so the file is owner-only (``CONFIG_MODE``, 0600), written
         atomically."""
-        from omegaconf import OmegaConf
+        from nemo_jetrl.config.load import config_yaml  # the one YAML writer of a config
 
-        cfg = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=False)
-        assert isinstance(cfg, dict)
-        if recipe is not None:
-            jet = cfg.setdefault("jetrl", {})
-            if isinstance(jet, dict):
-                jet.setdefault("recipe", recipe)
+        text = config_yaml(config, recipe=recipe)
         path = self.run_dir / CONFIG_FILE
         tmp = path.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, CONFIG_MODE)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+            f.write(text)
         os.chmod(tmp, CONFIG_MODE)  # also when the file existed with a wider mode
         tmp.replace(path)
         return path

@@ -29,10 +29,13 @@ IGNORED_KWS = "policy.generation.vllm_cfg.quantization_ignored_layer_kws"
 
 
 def _moe_configs() -> list[Path]:
+    from nemo_jetrl.config import settings_of
     from nemo_jetrl.flow.support import moe_evidence
 
     return [
-        p for p in fp8_grpo_configs(tree_dir()) if moe_evidence(OmegaConf.create(nemo_rl_load(p)))
+        p
+        for p in fp8_grpo_configs(tree_dir())
+        if moe_evidence(settings_of(OmegaConf.create(nemo_rl_load(p))))
     ]
 
 

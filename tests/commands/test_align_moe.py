@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_jetrl.commands._align_moe import moe_align_updates
+from nemo_jetrl.commands._align_moe import moe_align_updates as _updates
+from nemo_jetrl.config import settings_of
 
 MOE = {"model_name": "Qwen/Qwen3-30B-A3B", "generation": {"backend": "vllm"}}
 
@@ -15,6 +16,10 @@ MOE = {"model_name": "Qwen/Qwen3-30B-A3B", "generation": {"backend": "vllm"}}
 def _cfg(megatron: dict | None = None, **top) -> OmegaConf:
     pol = dict(MOE, megatron_cfg={"enabled": True, **(megatron or {})})
     return OmegaConf.create({"policy": pol, **top})
+
+
+def moe_align_updates(cfg):
+    return _updates(settings_of(cfg))  # align passes the source's typed settings
 
 
 def test_replay_router_dtype_and_dropless_keys():

@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_jetrl.arch import builtin_arch
+from nemo_jetrl.config import settings_of
 from nemo_jetrl.flow.check import check_on_policy
 from nemo_jetrl.flow.graph import build_flow
 from nemo_jetrl.flow.groups import group_verdicts, routing_note
@@ -69,7 +70,7 @@ def test_hybrid_groups_kv_only_on_full_attention_and_vision_bf16():
 
 @pytest.mark.parametrize(("value", "word"), [(True, "REPLAYED"), (None, "NOT replayed")])
 def test_routing_note_reads_router_replay(value, word):
-    cfg = OmegaConf.create({"policy": {"router_replay": {"enabled": value}}})
+    cfg = settings_of(OmegaConf.create({"policy": {"router_replay": {"enabled": value}}}))
     note = routing_note(cfg, QWEN3_MOE)
     assert word in note and "jetrl/moe/routing_mismatch" in note
     assert routing_note(cfg, builtin_arch("Qwen/Qwen3-32B")) is None
@@ -144,10 +145,10 @@ def test_check_bf16_moe_with_router_replay_is_on_policy(cli):
 def test_dense_r1_distill_is_not_refused_as_moe():
     from nemo_jetrl.flow.support import moe_evidence
 
-    cfg = OmegaConf.create({"policy": {"model_name": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"}})
-    assert moe_evidence(cfg) == []
-    cfg = OmegaConf.create({"policy": {"model_name": "deepseek-ai/DeepSeek-R1"}})
-    assert moe_evidence(cfg)
+    cfg = {"policy": {"model_name": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"}}
+    assert moe_evidence(settings_of(cfg)) == []
+    cfg = {"policy": {"model_name": "deepseek-ai/DeepSeek-R1"}}
+    assert moe_evidence(settings_of(cfg))
 
 
 def test_check_json_has_groups_and_routing(cli):

@@ -14,19 +14,6 @@ from typing import Any
 LOCAL_MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
-def model_key(cfg: Any) -> str:
-    """The YAML key that chose the model the check read (the local model config first)."""
-    from omegaconf import OmegaConf
-
-    for key in ("jetrl.local.model_config", "jetrl.model_config"):
-        try:
-            if OmegaConf.select(cfg, key, default=None):
-                return key
-        except Exception:  # an unresolvable value is the validator's to report
-            continue
-    return "policy.model_name"
-
-
 def local_moe_problem(arch: Any) -> str | None:
     """Why the local backend does not run ``arch`` (a `ModelArch`), or None (dense, or an MoE
     family it runs)."""

@@ -1,0 +1,74 @@
+"""Issue 38: the raw config is read at the door, and below it modules take typed settings.
+
+A ratchet: the modules outside `nemo_jetrl/config/` and the NeMo-RL boundary
+(`nemo_jetrl/backends/nemo_rl/`) that still touch OmegaConf may only get fewer (lower
+`MAX_RAW_READERS` as they go; the issue's target is 3: `runs/logs.py` reading a logged
+config.yaml as data, `commands/align.py` editing the file, the local backend's door). And the
+typed `Settings` hold each key's default once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_jetrl.config import load_valid_config, settings_of
+
+PKG = Path(__file__).resolve().parents[2] / "nemo_jetrl"
+RAW = re.compile(r"omegaconf|DictConfig|OmegaConf")
+DOORS = ("config/", "backends/nemo_rl/")
+MAX_RAW_READERS = 6  # 19 before issue 38's first stage
+
+
+def _raw_readers() -> list[str]:
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if not rel.startswith(DOORS) and RAW.search(path.read_text(encoding="utf-8")):
+            out.append(rel)
+    return out
+
+
+def test_raw_config_readers_only_get_fewer():
+    found = _raw_readers()
+    assert len(found) <= MAX_RAW_READERS, (
+        f"{len(found)} modules below the door read the raw OmegaConf tree (at most "
+        f"{MAX_RAW_READERS}): {found}; take `nemo_jetrl.config.Settings` (or a typed section) "
+        "instead"
+    )
+
+
+def test_each_default_is_read_once_into_the_settings():
+    s = settings_of({"policy": {"model_name": "Qwen/Qwen3-8B-Base"}})
+    assert s.lag.max_age == 1 and not s.lag.async_enabled  # NeMo-RL's default age
+    assert s.refit.hook and s.refit.parity_check and s.refit.rollback and not s.refit.ours
+    assert (s.moe.vllm_tp, s.moe.vllm_ep) == (1, 1) and s.local.rollout_engine == "hf"
+    assert s.model.chosen_by == "policy.model_name" and s.megatron_enabled is None
+    given = settings_of(
+        OmegaConf.create(
+            {
+                "grpo": {"async_grpo": {"enabled": True, "max_trajectory_age_steps": 3}},
+                "policy": {
+                    "quant_cfg": {"algo": "${oc.env:Q}"},  # as written: a message never resolves it
+                    "generation": {"vllm_cfg": {"tensor_parallel_size": 4}},
+                },
+                "jetrl": {"vllm_patch": True, "model_config": "/m.json"},
+            }
+        )
+    )
+    assert given.lag.max_age == 3 and given.lag.async_enabled and given.refit.ours
+    assert given.moe.vllm_tp == 4 and given.model.chosen_by == "jetrl.model_config"
+    assert dict(given.quant_cfg)["policy.quant_cfg"] == {"algo": "${oc.env:Q}"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.lag.max_age = 0  # type: ignore[misc]
+
+
+def test_the_door_builds_the_settings_once_with_the_recipe():
+    repo = PKG.parent
+    valid = load_valid_config(repo / "examples/configs/qwen3_8b_base/jetrl.yaml")
+    assert valid.settings == settings_of(valid.cfg)
+    assert valid.settings.model.name == OmegaConf.select(valid.cfg, "policy.model_name")
