@@ -12,7 +12,8 @@ optimizer state are untouched):
   ``lm_head``) for `InvariantLinear` (`ops.linear`); decoder linears are left alone: under an FP8
   recipe they are FP8 linears whose exact GEMM is already order-free
   (`nemo_jetrl.fp8.gemm.blockwise_matmul(exact=True)`), under BF16 they keep torch's GEMM, the
-  one batch-variant op left (a broadcast-product GEMM would cost ~rows*N*K memory);
+  one batch-variant op left (a broadcast-product GEMM would cost ~rows*N*K memory on CPU; on
+  CUDA `ops.linear` is a Triton GEMM, so ``linear_filter`` may accept them there);
 - MoE blocks that offer ``set_batch_invariant`` (`moe` routing and combine) are switched on;
   an HF sparse MoE block without it is refused;
 - the attention function for `ops.attention`, registered with transformers' AttentionInterface
