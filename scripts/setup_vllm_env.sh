@@ -50,7 +50,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 # --no-compile: no .pyc for the ~6 GB of packages up front (minutes of CPU that CI's tests, running
-# beside this build, would lose); Python writes them on first import, for the modules used only.
+# beside this build, would lose); Python writes them on first import, for the modules used only
+# (scripts/test.sh unsets PYTHONDONTWRITEBYTECODE, which CI's image sets, so that it can).
 PIP=(pip_retry "$VENV/bin/python" install --no-compile -c "$CONSTRAINTS")
 
 pip_retry "$VENV/bin/python" install -q --upgrade pip packaging

@@ -33,6 +33,14 @@
 #      JETRL_SKIP_MUTANTS=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Bytecode, written once: CI's image sets PYTHONDONTWRITEBYTECODE=1 and the vLLM envs are installed
+# --no-compile, so every Python process of every tier (each vLLM engine, Ray actor, pytest) would
+# compile torch, vLLM and transformers from source again: test_vllm_engine.py on vLLM 0.20 took
+# 112 s of CPU that way against 70 s with bytecode (docs/ci_times.md). Python writes it on first
+# import, under .cache/pycache only (never into ../shared's NeMo-RL source or beside the venvs'
+# files). The mutation check's mutant runs still write none (scripts/mutation_check.py).
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$PWD/.cache/pycache}"
 bash scripts/setup_env.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
