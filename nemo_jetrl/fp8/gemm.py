@@ -41,6 +41,7 @@ import math
 
 import torch
 
+from nemo_jetrl.fp8.fp64_operands import fp64_of
 from nemo_jetrl.fp8.quantize import BlockQuantized
 
 TILE_K = 128
@@ -95,15 +96,21 @@ def blockwise_matmul(
         return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
     sa = _row_scales(a, m)  # [M, Kt]
     sb = _row_scales(b, n)  # [N, Kt]
-    qa, qb = a.data.double(), b.data.double()
+    # b blocked 128x128 is the weight (W, or W.T in DGrad): its float64 copy is made once per
+    # weight version on CPU (`fp64_operands`); a is an activation, new on every call.
+    qa = a.data.double()
+    qb = fp64_of(b.data) if b.block[0] == TILE_K else b.data.double()
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     plain = _scaling_is_exact(sa, sb)
+    s_ab = torch.empty(m, n, dtype=torch.float32, device=a.data.device) if plain else None
     for t, k0 in enumerate(range(0, k, TILE_K)):
         p = (qa[:, k0 : k0 + TILE_K] @ qb[:, k0 : k0 + TILE_K].t()).float()
+        if plain:  # p * (s_a * s_b) is exact: one rounding in the add, as in the fma
+            torch.mul(sa[:, t, None], sb[None, :, t], out=s_ab)  # in place: no fresh [M, N]
+            acc = p.mul_(s_ab).add_(acc)
+            continue
         s_a, s_b = sa[:, t, None].expand(m, n), sb[None, :, t].expand(m, n)
-        if plain:  # p * s_a * s_b is exact: one rounding in the add, as in the fma
-            acc = acc + p * (s_a * s_b)
-        elif a.block[0] == 1:
+        if a.block[0] == 1:
             acc = fma_fp32(p * s_a, s_b, acc)
         elif b.block[0] == 1:
             acc = fma_fp32(p * s_b, s_a, acc)
