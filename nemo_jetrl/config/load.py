@@ -286,7 +286,8 @@ def config_yaml(config: Any, *, recipe: str | None = None) -> str:
     """``config`` (a loaded config or a plain mapping) as YAML, with ``jetrl.recipe`` set from
     ``recipe`` when absent. Interpolations are written as given, not resolved, so a secret
     behind ``${oc.env:...}`` never reaches the text."""
-    out = OmegaConf.to_container(OmegaConf.create(dict(config)), resolve=False)
+    node = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
+    out = OmegaConf.to_container(node, resolve=False)  # never dict(cfg): it resolves leaves
     assert isinstance(out, dict)
     if recipe is not None:
         jet = out.setdefault("jetrl", {})

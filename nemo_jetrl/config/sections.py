@@ -13,9 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
-
 from nemo_jetrl.config.load import ConfigIssue
+from nemo_jetrl.config.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -25,8 +24,9 @@ class BackendSection:
     validate: Callable[[Any, str], list[ConfigIssue]]
     """Every problem of the section itself (arguments: the section, its YAML path)."""
 
-    validate_run: Callable[[DictConfig], list[ConfigIssue]]
-    """Problems of the rest of the config that only this backend restricts."""
+    validate_run: Callable[[Settings], list[ConfigIssue]]
+    """Problems of the rest of the config that only this backend restricts (given the typed
+    `Settings`, never the tree)."""
 
     model_config: Callable[[Any], str | None]
     """The config.json the backend builds its model from, given the section: what `jetrl check`

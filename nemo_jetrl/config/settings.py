@@ -162,6 +162,8 @@ class Settings:
     """``jetrl.train_bf16_layer_kws`` (None: absent)."""
     allow_off_policy: bool
     local: LocalKeys
+    optimizer_name: Any
+    """``policy.optimizer.name`` as given (None: absent)."""
 
     @property
     def megatron_off(self) -> bool:
@@ -170,11 +172,13 @@ class Settings:
 
 
 def _words(v: Any) -> tuple[str, ...] | None:
-    return None if v is None else tuple(v)
+    """A per-name list (None: absent, or no list: the typed parse names it)."""
+    return tuple(v) if isinstance(v, (list, tuple)) else None
 
 
 def settings_of(cfg: Any) -> Settings:
-    """The `Settings` of a loaded config (``cfg``: an OmegaConf config or a plain mapping)."""
+    """The `Settings` of a loaded config (``cfg``: an OmegaConf config or a plain mapping);
+    never raises, so the validator's hooks can read them before every key is known good."""
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(dict(cfg))
 
@@ -215,5 +219,6 @@ def settings_of(cfg: Any) -> Settings:
         rollout_kws=_words(get(ROLLOUT_KEY)),
         train_kws=_words(get(TRAIN_KEY)),
         allow_off_policy=bool(get("jetrl.allow_off_policy")),
+        optimizer_name=get("policy.optimizer.name"),
         local=LocalKeys(get("jetrl.local.device"), _or(get("jetrl.local.rollout_engine"), "hf")),
     )

@@ -22,6 +22,7 @@ from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
 from nemo_jetrl.config.run_keys import check_run_keys
 from nemo_jetrl.config.sections import NO_SECTIONS, SectionProviders
+from nemo_jetrl.config.settings import settings_of
 from nemo_jetrl.fp8.spec import BLOCK, linear_dims_problem
 from nemo_jetrl.recipe import PRESET_NAMES, Recipe, preset_differences
 
@@ -58,7 +59,8 @@ def _check_local(r: _Reader) -> None:
         )
         return
     r.issues.extend(section.validate(r.cfg.jetrl.local, "jetrl.local"))
-    r.issues.extend(section.validate_run(r.cfg))  # NeMo-RL keys only that backend restricts
+    # NeMo-RL keys only that backend restricts, read through the typed settings
+    r.issues.extend(section.validate_run(settings_of(r.cfg)))
 
 
 def _check_nemo_rl_keys(r: _Reader) -> None:

@@ -140,7 +140,11 @@ def test_replay_with_the_vllm_engine_is_refused_where_its_routing_cannot_be_reco
 
 
 def test_a_non_qwen3_moe_model_on_the_vllm_engine_is_refused_naming_the_key(tmp_path):
-    from nemo_jetrl.backends.local.moe_config import moe_run_issues
+    from nemo_jetrl.backends.local.moe_config import moe_run_issues as issues_of
+    from nemo_jetrl.config import settings_of
+
+    def moe_run_issues(cfg):
+        return issues_of(settings_of(cfg))  # the typed keys the door reads
 
     mixtral = tmp_path / "mixtral.json"
     mixtral.write_text(

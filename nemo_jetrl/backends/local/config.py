@@ -3,9 +3,12 @@
 A local run is described by the same NeMo-RL-shaped YAML as a cluster run. What NeMo-RL has keys
 for (batch sizes, steps, temperature, optimizer, loss, checkpointing, log dir) is read from those
 keys (`RunSettings`); what only the local backend needs (which small model, the synthetic task,
-the warm start, the compute dtype) lives under ``jetrl.local:`` (`LocalSettings`). Both
-``from_cfg`` constructors collect *every* problem with its full key path and raise one
-`ConfigError`; `validate_local_config` is the hook `jetrl check` calls for ``jetrl.local``.
+the warm start, the compute dtype) lives under ``jetrl.local:`` (`LocalSettings`). Neither reads
+the config tree: `LocalSettings.from_cfg` takes the ``jetrl.local`` mapping, `RunSettings.from_keys`
+the NeMo-RL keys `setup.resolve_run` (this backend's door) read, and the rules on other keys take
+the typed `nemo_jetrl.config.Settings`; each collects *every* problem with its full key path
+and raises one `ConfigError`. `validate_local_config` / `validate_local_run` are the hooks
+`jetrl check` calls (`SECTION`).
 Every key is documented in docs/local_backend.md.
 """
 
@@ -18,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from pydantic import Field
 
 from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON, SUPPORTED_TYPES
 from nemo_jetrl.backends.local.moe_config import moe_run_issues
 from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
-from nemo_jetrl.config.run_keys import path_problem, read_run_keys
+from nemo_jetrl.config.run_keys import path_problem
 from nemo_jetrl.config.sections import BackendSection
+from nemo_jetrl.config.settings import Settings
 from nemo_jetrl.config.typed import (
     OurSection,
     choice,
@@ -260,10 +263,10 @@ def validate_local_config(section: Any, path: str = "jetrl.local") -> list[Confi
     return issues
 
 
-def validate_local_run(cfg: DictConfig) -> list[ConfigIssue]:
+def validate_local_run(settings: Settings) -> list[ConfigIssue]:
     """Problems of NeMo-RL keys only the local backend restricts (`SECTION.validate_run`),
     and of an MoE run (`moe_config.moe_run_issues`: router replay, the model's routing)."""
-    return optimizer_issues(cfg) + moe_run_issues(cfg)
+    return optimizer_issues(settings) + moe_run_issues(settings)
 
 
 def local_model_config(section: Any) -> str:
@@ -325,12 +328,12 @@ class RunSettings:
     """``logger.log_dir``: the run directory (TensorBoard, train_data_step{N}.jsonl, config)."""
 
     @classmethod
-    def from_cfg(cls, cfg: DictConfig) -> RunSettings:
-        """Read the NeMo-RL keys (rules: `nemo_jetrl.config.run_keys`); `ConfigError` listing
-        every problem."""
-        issues: list[ConfigIssue] = []
-        kw = read_run_keys(cfg, issues)
-        issues += optimizer_issues(cfg)
+    def from_keys(
+        cls, kw: Mapping[str, Any], issues: list[ConfigIssue], settings: Settings
+    ) -> RunSettings:
+        """From the NeMo-RL keys the door read (`nemo_jetrl.config.run_keys.read_run_keys`, with
+        the ``issues`` it found); `ConfigError` listing every problem."""
+        issues = [*issues, *optimizer_issues(settings)]
         if issues:
             raise ConfigError(issues)
         return cls(**kw)
@@ -346,9 +349,9 @@ class RunSettings:
         )
 
 
-def optimizer_issues(cfg: DictConfig) -> list[ConfigIssue]:
+def optimizer_issues(settings: Settings) -> list[ConfigIssue]:
     """The local backend trains with AdamW only: any other ``policy.optimizer.name`` is refused."""
-    name = OmegaConf.select(cfg, "policy.optimizer.name", default=None)
+    name = settings.optimizer_name
     if name in (None, "torch.optim.AdamW", "adamw", "AdamW"):
         return []
     return [

@@ -21,8 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from omegaconf import DictConfig, OmegaConf
+from typing import Any
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.backends.local import checkpoint as ckpt
@@ -50,14 +49,16 @@ class RunResult:
 
 
 def run_local(
-    cfg: DictConfig,
+    cfg: Any,
     *,
     resume: bool = False,
     progress: bool = True,
     hooks: Hooks | None = None,
     log=None,
 ) -> RunResult:
-    """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config.
+    """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config (``cfg``: the
+    loaded tree; `resolve_run` reads it once, this backend's door, and the run's config.yaml
+    is written from it as given).
 
     The run owns ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` for its lifetime
     (`nemo_jetrl.runs.lock`); `UserError` (exit 2) when another live run holds them, when a
@@ -185,7 +186,7 @@ def _open_writer(cfg, run: LocalRun, *, resumed: bool):
 
     return RunWriter(
         Path(run.run.log_dir),
-        config=OmegaConf.to_container(cfg, resolve=False),  # secrets stay ${oc.env:...}
+        config=cfg,  # written unresolved (`config.load.config_yaml`): secrets stay ${oc.env:...}
         recipe=run.recipe.name,
         run_id=run.run_id,
         purge_step=run.step + 1 if resumed else None,

@@ -19,29 +19,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from nemo_jetrl.backends.local.model import MODEL_CONFIG_JSON
 from nemo_jetrl.backends.local.moe import num_experts
+from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.load import ConfigIssue
+from nemo_jetrl.config.settings import Settings
 
-ROUTER_REPLAY_KEY = "policy.router_replay.enabled"
-
-
-def _select(cfg: DictConfig, key: str) -> Any:
-    try:
-        return OmegaConf.select(cfg, key, default=None)
-    except Exception:  # an unresolvable value is the validator's to report
-        return None
+ROUTER_REPLAY_KEY = S.ROUTER_REPLAY
 
 
-def router_replay_enabled(cfg: DictConfig) -> bool:
+def router_replay_enabled(settings: Settings) -> bool:
     """NeMo-RL's ``policy.router_replay.enabled`` (absent: false)."""
-    return _select(cfg, ROUTER_REPLAY_KEY) is True
+    return settings.moe.router_replay is True
 
 
-def _model_json(cfg: DictConfig) -> tuple[str, dict[str, Any] | None]:
-    p = _select(cfg, "jetrl.local.model_config")
+def _model_json(settings: Settings) -> tuple[str, dict[str, Any] | None]:
+    p = settings.model.local_config
     path = str(Path(p).expanduser()) if isinstance(p, str) and p else str(MODEL_CONFIG_JSON)
     try:
         data = json.loads(Path(path).read_text())
@@ -72,11 +65,11 @@ def replay_unrecordable(why: str) -> ConfigIssue:
     )
 
 
-def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
+def moe_run_issues(settings: Settings) -> list[ConfigIssue]:
     """Every MoE-related problem of a local run's config (see the module docstring)."""
     issues: list[ConfigIssue] = []
-    replay = _select(cfg, ROUTER_REPLAY_KEY)  # its type: config.nemo_rl_model.RouterReplay
-    path, model = _model_json(cfg)
+    replay = settings.moe.router_replay  # its type: config.nemo_rl_model.RouterReplay
+    path, model = _model_json(settings)
     if model is None:
         return issues
     experts = num_experts(model)
@@ -91,7 +84,7 @@ def moe_run_issues(cfg: DictConfig) -> list[ConfigIssue]:
             )
         return issues
     where = "jetrl.local.model_config"
-    on_vllm = _select(cfg, "jetrl.local.rollout_engine") == "vllm"
+    on_vllm = settings.local.rollout_engine == "vllm"
     if on_vllm and model.get("model_type") != "qwen3_moe":
         issues.append(
             ConfigIssue(

@@ -39,6 +39,8 @@ from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
 from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.config.run_keys import read_run_keys
+from nemo_jetrl.config.settings import Settings, settings_of
 from nemo_jetrl.invariant import make_batch_invariant
 from nemo_jetrl.recipe import Recipe
 from nemo_jetrl.rl.loss_config import GRPOLossConfig
@@ -56,15 +58,22 @@ def _loss_config(cfg: DictConfig) -> GRPOLossConfig:
         raise ConfigError([ConfigIssue("loss_fn", e) for e in exc.errors]) from None
 
 
+def _run_settings(cfg: DictConfig, settings: Settings) -> RunSettings:
+    found: list[ConfigIssue] = []
+    return RunSettings.from_keys(read_run_keys(cfg, found), found, settings)
+
+
 def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GRPOLossConfig]:
-    """Recipe and settings of a local run; `ConfigError` listing every problem."""
+    """Recipe and settings of a local run, read from the tree once here (the local backend's
+    door); `ConfigError` listing every problem."""
     from nemo_jetrl.config import recipe_from_config
 
+    settings = settings_of(cfg)
     issues: list[ConfigIssue] = []
     out: list[Any] = []
     checks = (
         lambda: recipe_from_config(cfg),
-        lambda: RunSettings.from_cfg(cfg),
+        lambda: _run_settings(cfg, settings),
         lambda: LocalSettings.from_cfg(OmegaConf.select(cfg, "jetrl.local", default=None)),
         lambda: _loss_config(cfg),
     )
@@ -78,7 +87,7 @@ def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GR
             issues.extend(new)
             out.append(None)
     recipe, local = out[0], out[2]
-    issues.extend(moe_run_issues(cfg))
+    issues.extend(moe_run_issues(settings))
     if local is not None:  # before any work: a CUDA device this machine lacks (exit 2)
         issues.extend(device_issues(local.device))
     if local is not None and local.rollout_engine == "vllm":
@@ -119,7 +128,7 @@ class LocalRun(RunStep, RunCheckpointing):
         self._build_rollout_model(train_model, dtype)
         self._attach_kv_cache(train_model)
         self.routing = RoutingController(
-            self.rollout_model, train_model, replay=router_replay_enabled(cfg)
+            self.rollout_model, train_model, replay=router_replay_enabled(settings_of(cfg))
         )
         seed = self.run.seed
         # CPU generators on every device: rollout.sample draws on the CPU, so the checkpointed
