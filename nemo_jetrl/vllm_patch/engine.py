@@ -71,6 +71,27 @@ def _num_layers(model_dir: str | Path) -> int | None:
     return json.loads(cfg.read_text()).get("num_hidden_layers")
 
 
+def mla_cpu_backend(model_dir: str | Path, user: Mapping[str, Any]) -> dict[str, str]:
+    """``{"attention_backend": "CPU_MLA"}`` for an MLA model (config.json ``kv_lora_rank``) on
+    vLLM's CPU build when it has that backend and the user chose none: on AMX CPUs vLLM 0.32
+    would pick ``AMX_MLA``, which requantizes kv_b_proj per tensor and empties its weight
+    (docs/vllm_patch.md, "MLA"); CPU_MLA serves the recipe's blocks on every CPU."""
+    cfg = Path(model_dir) / "config.json"
+    if "attention_backend" in user or "attention_config" in user or not cfg.is_file():
+        return {}
+    if json.loads(cfg.read_text()).get("kv_lora_rank") is None:
+        return {}
+    from vllm.platforms import current_platform
+
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:  # older vLLM: no CPU MLA at all
+        return {}
+    if not current_platform.is_cpu() or "CPU_MLA" not in AttentionBackendEnum.__members__:
+        return {}
+    return {"attention_backend": "CPU_MLA"}
+
+
 class VllmRolloutEngine:
     """``vllm.LLM`` started under the patch for ``recipe``, checked to run our kernel on every
     block-FP8 linear (``guard.verify_engine_kernels``), and loaded by a first refit."""
@@ -88,6 +109,7 @@ class VllmRolloutEngine:
         self.model_dir = str(model_dir)
         self.recipe = recipe
         n = num_layers if num_layers is not None else _num_layers(model_dir)
+        engine_kwargs = {**(engine_kwargs or {}), **mla_cpu_backend(model_dir, engine_kwargs or {})}
         self.engine_kwargs: EngineKwargs = build_engine_kwargs(recipe, engine_kwargs, num_layers=n)
         routers = [
             r

@@ -11,8 +11,9 @@ vLLM's MLA derives BF16 tensors from kv_b_proj at load (``MLAAttention.
 process_weights_after_loading``: ``W_UK_T`` and ``W_UV``, the dequantized weight split per head,
 which its decode path multiplies with in BF16); the refit's parity check compares them bit for
 bit with what the trainer's FP8 bytes and scales dequantize to (`mla_derived`), and one test
-shows a stale pair is named. The attention backend is pinned to ``CPU_MLA``: on AMX CPUs vLLM
-would pick ``AMX_MLA``, which requantizes kv_b_proj per tensor and empties its weight.
+shows a stale pair is named. The engine picks the ``CPU_MLA`` attention backend
+(`engine.mla_cpu_backend`): on AMX CPUs vLLM would pick ``AMX_MLA``, which requantizes kv_b_proj
+per tensor and empties its weight.
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ from vllm_fixtures import vllm_cpu_env
 pytestmark = pytest.mark.vllm
 
 LAYERS = 1
-USER_KWARGS = dict(
-    dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0,
-    attention_backend="CPU_MLA",
-)  # fmt: skip
+# No attention backend given: VllmRolloutEngine picks CPU_MLA (`engine.mla_cpu_backend`).
+USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
 ATTN = "model.layers.0.self_attn"
 
 
@@ -107,6 +106,7 @@ def test_every_mla_linear_runs_our_kernel_and_parity_holds(rollout, recipe):
     from nemo_jetrl.vllm_patch.refit import refit
 
     llm = rollout.llm
+    assert rollout.engine_kwargs.kwargs["attention_backend"] == "CPU_MLA"  # on every CPU kind
     kernels = llm.collective_rpc("jetrl_kernels")[0]
     fp8 = {n: k for n, k in kernels.items() if n.startswith("model.layers.")}
     assert set(fp8) == FP8_LAYERS and set(fp8.values()) == {"JetRLFp8BlockLinearKernel"}
@@ -144,6 +144,17 @@ def test_a_bf16_weight_for_an_fp8_mla_layer_is_refused_before_loading(rollout, r
     msg = str(ei.value)
     assert msg.count("\n  - ") == 1, msg
     assert f"{ATTN}.kv_a_proj_with_mqa.weight: trainer dtype torch.bfloat16, engine holds " in msg
+
+
+def test_the_cpu_mla_default_yields_to_a_user_choice_and_skips_other_models(tmp_path):
+    from nemo_jetrl.vllm_patch.engine import mla_cpu_backend
+
+    tiny_mla(0).config.to_json_file(tmp_path / "config.json")
+    assert mla_cpu_backend(tmp_path, {}) == {"attention_backend": "CPU_MLA"}
+    assert mla_cpu_backend(tmp_path, {"attention_backend": "AMX_MLA"}) == {}
+    assert mla_cpu_backend(tmp_path, {"attention_config": {"backend": "AMX_MLA"}}) == {}
+    tiny_hf_config("llama").to_json_file(tmp_path / "config.json")
+    assert mla_cpu_backend(tmp_path, {}) == {}
 
 
 def _stale_mla(worker, on: bool) -> bool:
