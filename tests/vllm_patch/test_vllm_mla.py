@@ -157,6 +157,25 @@ def test_the_cpu_mla_default_yields_to_a_user_choice_and_skips_other_models(tmp_
     assert mla_cpu_backend(tmp_path, {}) == {}
 
 
+@pytest.mark.parametrize("pow2", [True, False])
+def test_expected_w_uk_w_uv_are_vllms_own_dequantization(pow2):
+    """`parity_views.expected_view` is vLLM's `scaled_dequantize` (what split_kv_b_proj calls)
+    bit for bit, in both scale modes (the engine test runs pow2 only)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        GroupShape,
+        scaled_dequantize,
+    )
+
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.vllm_patch.parity_views import expected_view
+
+    w = torch.randn(512, 384, generator=torch.Generator().manual_seed(0)) * 0.05
+    q = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
+    vllm = scaled_dequantize(q.data, q.scale_inv, GroupShape(128, 128), out_dtype=torch.bfloat16)
+    ours = expected_view(q.data, q.scale_inv, torch.bfloat16)
+    assert torch.equal(ours.view(torch.int16), vllm.view(torch.int16))
+
+
 def _stale_mla(worker, on: bool) -> bool:
     """Plant (test-only): vLLM's MLA attention stops re-deriving W_UK_T/W_UV after a load."""
     from nemo_jetrl.vllm_patch.parity_views import attention_by_kv_b
