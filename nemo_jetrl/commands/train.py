@@ -113,13 +113,16 @@ def _run_local(args: argparse.Namespace) -> int:
                 f"{local.reason}. Set jetrl.local.model_config to a Qwen3-MoE, Mixtral or dense "
                 "config.json, or run it with --backend nemo-rl"
             )
-        resolve_run(checked.cfg)  # what only a local run needs (e.g. the vLLM engine)
+        # What only a local run needs (e.g. the vLLM engine), read once: the run gets it.
+        resolved = resolve_run(checked.cfg, recipe=checked.recipe)
         refusal = off_policy_refusal(checked)
         if refusal:
             raise UserError(refusal)
         for note in run_notes(checked):
             print(f"note: {note}")
-        result = run_local(checked.cfg, resume=args.resume, progress=not args.no_progress)
+        result = run_local(
+            checked.cfg, resume=args.resume, progress=not args.no_progress, resolved=resolved
+        )
     except ConfigError as exc:
         raise UserError(str(exc)) from None
     except (MissingDependencyError, FileNotFoundError) as exc:

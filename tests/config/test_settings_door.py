@@ -73,3 +73,46 @@ def test_the_door_builds_the_settings_once_with_the_recipe():
     valid = load_valid_config(repo / "examples/configs/qwen3_8b_base/jetrl.yaml")
     assert valid.settings == settings_of(valid.cfg)
     assert valid.settings.model.name == OmegaConf.select(valid.cfg, "policy.model_name")
+
+
+def test_jetrl_train_validates_the_config_once(tmp_path, monkeypatch, capsys):
+    """`jetrl train --backend local` parses at the door: the run reuses what the check read
+    (before issue 38's stage 3 the tree was validated 3 times: check, resolve, run)."""
+    import sys
+
+    import nemo_jetrl.config as config_pkg
+    from nemo_jetrl.cli import main
+
+    validate_mod = sys.modules[
+        "nemo_jetrl.config.validate"
+    ]  # the package's `validate` is a function
+
+    calls = []
+    real = validate_mod.validated
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(validate_mod, "validated", counted)  # recipe_from_config's
+    monkeypatch.setattr(config_pkg, "validated", counted)  # load_valid_config's
+    local = PKG.parent / "examples" / "configs" / "local"
+    args = [
+        "train",
+        str(local / "bf16.yaml"),
+        "grpo.max_num_steps=1",
+        "grpo.num_prompts_per_step=2",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "jetrl.local.task.num_ops=1",
+        "jetrl.local.warmstart.steps=3",
+        "jetrl.local.warmstart.batch_size=8",
+        f"jetrl.local.cache_dir={tmp_path / 'cache'}",
+        f"logger.log_dir={tmp_path / 'run'}",
+        "--backend",
+        "local",
+        "--no-progress",
+    ]
+    assert main(args) == 0, capsys.readouterr().err
+    assert len(calls) == 1

@@ -55,10 +55,12 @@ def run_local(
     progress: bool = True,
     hooks: Hooks | None = None,
     log=None,
+    resolved: tuple | None = None,
 ) -> RunResult:
     """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config (``cfg``: the
     loaded tree; `resolve_run` reads it once, this backend's door, and the run's config.yaml
-    is written from it as given).
+    is written from it as given). ``resolved``: what `resolve_run(cfg)` returned, when the
+    caller (`jetrl train`) already read it, so the tree is read once.
 
     The run owns ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` for its lifetime
     (`nemo_jetrl.runs.lock`); `UserError` (exit 2) when another live run holds them, when a
@@ -69,7 +71,7 @@ def run_local(
     tqdm_mod = require("tqdm", feature="the training progress bar") if progress else None
     write = (tqdm_mod.tqdm.write if tqdm_mod else print) if log is None else log
     t_begin = time.perf_counter()
-    resolved = resolve_run(cfg)
+    resolved = resolved or resolve_run(cfg)
     rs = resolved[1]
     lock = _own_run_dirs(rs, resume=resume, log=write)
     try:

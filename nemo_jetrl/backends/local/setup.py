@@ -63,16 +63,19 @@ def _run_settings(cfg: DictConfig, settings: Settings) -> RunSettings:
     return RunSettings.from_keys(read_run_keys(cfg, found), found, settings)
 
 
-def resolve_run(cfg: DictConfig) -> tuple[Recipe, RunSettings, LocalSettings, GRPOLossConfig]:
+def resolve_run(
+    cfg: DictConfig, *, recipe: Recipe | None = None
+) -> tuple[Recipe, RunSettings, LocalSettings, GRPOLossConfig]:
     """Recipe and settings of a local run, read from the tree once here (the local backend's
-    door); `ConfigError` listing every problem."""
+    door); `ConfigError` listing every problem. ``recipe``: the one the caller's validation
+    (`flow.pipeline.check_config`) already built from this tree, not validated again."""
     from nemo_jetrl.config import recipe_from_config
 
     settings = settings_of(cfg)
     issues: list[ConfigIssue] = []
     out: list[Any] = []
     checks = (
-        lambda: recipe_from_config(cfg),
+        lambda: recipe if recipe is not None else recipe_from_config(cfg),
         lambda: _run_settings(cfg, settings),
         lambda: LocalSettings.from_cfg(OmegaConf.select(cfg, "jetrl.local", default=None)),
         lambda: _loss_config(cfg),
