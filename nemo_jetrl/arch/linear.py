@@ -102,6 +102,11 @@ class Linear:
     """Why this layer never runs FP8 (router, convolution, vision tower); None: the recipe
     decides."""
 
+    vllm_bf16_why: str | None = None
+    """Why vLLM's rollout multiplies by this weight in BF16 whatever the recipe says (DeepSeek
+    MLA decode's absorbed kv_b_proj: `arch.mla.KV_B_ABSORBED`); the flow draws its rollout edges
+    BF16 on a vLLM rollout where the side would run it FP8. None: the recipe decides."""
+
     kernel: tuple[int, ...] = ()
     """A convolution's kernel dims (weight [out, in per group, *kernel]); () for a linear."""
 

@@ -17,6 +17,19 @@ from dataclasses import dataclass
 from nemo_jetrl.arch.keys import Keys
 from nemo_jetrl.arch.linear import Linear
 
+KV_B_WORD = "kv_b_proj"
+"""The per-name BF16 word that keeps kv_b_proj BF16 on both sides (vLLM's ignored layers, our
+patch's BF16 list; Megatron's ``linear_kv_up_proj``, `megatron.bf16_names`)."""
+KV_B_ABSORBED = (
+    "vLLM's MLA decode never runs kv_b_proj as a GEMM: MLAAttention.process_weights_after_loading "
+    "dequantizes its FP8 weight once into BF16 W_UK_T/W_UV (the absorbed path) and decode "
+    "multiplies the BF16 query and attention output by them, so its input (the latent kv_c) is "
+    "never quantized to FP8 1x128 there, while training's FP8 kv_b_proj GEMM quantizes it"
+)
+"""Why a vLLM rollout runs kv_b_proj's product in BF16 (vLLM 0.32 mla_attention.py
+``forward_mqa``; its GPU MLA backends use the same W_UK_T/W_UV). Prefill runs kv_b_proj on the
+FP8 kernel, but one path off training's numbers is enough to be off-policy."""
+
 
 @dataclass(frozen=True)
 class MlaSpec:
@@ -60,6 +73,7 @@ class MlaSpec:
                 kv,
                 heads * (self.qk_nope_head_dim + self.v_head_dim),
                 group="attn",
+                vllm_bf16_why=KV_B_ABSORBED,
             ),
             Linear(f"{p}.o_proj", "o_proj", layer, heads * self.v_head_dim, hidden, b),
         ]

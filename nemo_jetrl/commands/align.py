@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jetrl.config.layer_lists import whole_in_proj_words
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.mxfp8 import align_notes
+    from nemo_jetrl.flow.vllm_bf16 import vllm_bf16_words
     from nemo_jetrl.recipe import Recipe, matching_preset
 
     out = Path(args.output)
@@ -106,13 +107,16 @@ def run(args: argparse.Namespace) -> int:
     tile_words, tile_notes = unaligned_target_words(before.arch, target, kws + router_words)
     tile_notes = untiled_notes or tile_notes  # the words added to the input, said once
     target = target.with_bf16_layer_kws(kws + router_words + tile_words)
+    vllm_words, vllm_notes = vllm_bf16_words(before.arch, target)  # MLA decode's kv_b_proj
+    if vllm_words:
+        target = target.with_bf16_layer_kws(kws + router_words + tile_words + vllm_words)
     if before.recipe.unaligned_layers_bf16 and not target.unaligned_layers_bf16:  # so do these
         target = target.with_(unaligned_layers_bf16=True)
         target = target.with_(name=matching_preset(target) or "custom")
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
     moe_updates, moe_notes = moe_align_updates(before.settings)  # MoE: routing replay, dropless
-    moe_notes += router_notes + tile_notes
+    moe_notes += router_notes + tile_notes + vllm_notes
     if target.train.fp8_linears and before.settings.megatron_off:
         moe_notes.append(
             "align writes the recipe's training FP8 keys but cannot change the training policy: "

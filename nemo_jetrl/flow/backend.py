@@ -132,4 +132,22 @@ def backend_verdicts(
         local = BackendVerdict(
             "local", check.on_policy, "the recipe runs as written (embedded CPU backend)"
         )
+        if not check.on_policy and arch is not None and settings.local.rollout_engine == "hf":
+            local = _local_hf_rollout(check, arch) or local
     return (local, *(nemo_rl_refit(settings, check, t) for t in NEMO_RL_TREES))
+
+
+def _local_hf_rollout(check: FlowCheck, arch: Any) -> BackendVerdict | None:
+    """The local verdict where only vLLM's own BF16 products (`flow.vllm_bf16`) are off: the
+    local HF rollout (``jetrl.local.rollout_engine: hf``) runs them as FP8 GEMMs; else None."""
+    from nemo_jetrl.flow.check import check_on_policy
+    from nemo_jetrl.flow.graph import HF_ROLLOUT_BUILDERS
+
+    if not check_on_policy(arch, check.recipe, HF_ROLLOUT_BUILDERS).on_policy:
+        return None
+    return BackendVerdict(
+        "local",
+        True,
+        "the recipe runs as written (embedded CPU backend): its HF rollout runs every FP8 linear "
+        "as the recipe's FP8 GEMM (kv_b_proj included), unlike vLLM's MLA decode",
+    )

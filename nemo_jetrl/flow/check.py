@@ -56,6 +56,7 @@ from nemo_jetrl.flow.graph import (
     same_numbers,
 )
 from nemo_jetrl.flow.mxfp8 import is_mx, mx_fp8_mismatch, mx_rollout_vs_bf16
+from nemo_jetrl.flow.vllm_bf16 import vllm_bf16_mismatch
 from nemo_jetrl.recipe import Recipe
 
 __all__ = [
@@ -166,6 +167,8 @@ def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> t
     """(reason, keys, fixes, severity) when rollout `roll` differs from training `train`."""
     if edge.group == "kv":
         return _compare_kv(train, roll, recipe)
+    if roll.why is not None:
+        return vllm_bf16_mismatch(edge.kind, roll, recipe)
     if train.is_fp8 != roll.is_fp8:
         return _compare_fp8_vs_bf16(edge, roll, recipe)
     if not roll.is_fp8:

@@ -12,12 +12,19 @@ dtype, FP8 format, block shape, scale mode and the implementation that quantizes
 Edges come from *builders*, functions ``(arch, recipe, phase) -> list[Edge]``; `build_flow`
 runs `DEFAULT_BUILDERS` (embeddings/lm_head, decoder linears, K/V) or any tuple you pass, so new
 edge kinds plug in without editing this module. The comparison lives in `nemo_jetrl.flow.check`.
+
+The rollout engine: `DEFAULT_BUILDERS` draw vLLM's rollout (what a recipe's rollout keys set;
+NeMo-RL's Megatron generation, a rollout quantizer "te", runs the training model instead).
+Where vLLM computes a linear's product in BF16 whatever the recipe says (`Linear.vllm_bf16_why`:
+DeepSeek MLA decode's absorbed kv_b_proj), its rollout edges are BF16 with that reason.
+`HF_ROLLOUT_BUILDERS` draw the local backend's HF rollout (``jetrl.local.rollout_engine: hf``),
+whose FP8 linears run every product as the recipe says.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from nemo_jetrl.arch import ModelArch
@@ -53,15 +60,21 @@ class Precision:
     impl: str | None = None
     """Code that quantizes: "te", "jetrl", "vllm"; None for BF16."""
 
+    why: str | None = field(default=None, compare=False)
+    """Why the engine runs this edge BF16 against the recipe (`Linear.vllm_bf16_why`); not part
+    of the numbers."""
+
     @property
     def is_fp8(self) -> bool:
         return self.dtype == "fp8"
 
     def short(self) -> str:
         """Compact text, e.g. "FP8 e4m3 1x128 pow2 [te]"."""
-        if not self.is_fp8:
-            return "BF16"
         block = f"{self.block[0]}x{self.block[1]}" if self.block else "per-tensor"
+        if not self.is_fp8:
+            if self.fmt is None:
+                return "BF16"
+            return f"BF16 dequantized from FP8 {self.fmt} {block} {self.scale} [{self.impl}]"
         return f"FP8 {self.fmt} {block} {self.scale} [{self.impl}]"
 
 
@@ -186,9 +199,31 @@ def _fwd_precisions(side: SideRecipe, impl: str) -> tuple[Precision, Precision]:
     )
 
 
-def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
-    """Edges into every decoder linear (weight and input; backward operands for train_bwd)."""
+ROLLOUT_ENGINES = ("vllm", "hf")
+"""Rollout engines the flow draws: vLLM (NeMo-RL, ``jetrl.local.rollout_engine: vllm``) and the
+local backend's HF model with our FP8 linears (``hf``)."""
+
+
+def _vllm_bf16(lin, w_fp8: Precision) -> tuple[Precision, Precision]:
+    """(weight, input) of a linear whose product vLLM takes in BF16 (`Linear.vllm_bf16_why`): the
+    weight is the FP8 one dequantized to BF16 (fmt/block/scale kept: not the BF16 master
+    weight), the input is never quantized."""
+    why = lin.vllm_bf16_why
+    weight = Precision("bf16", w_fp8.fmt, w_fp8.block, w_fp8.scale, w_fp8.impl, why=why)
+    return weight, Precision("bf16", why=why)
+
+
+def linear_edges(
+    arch: ModelArch, recipe: Recipe, phase: str, rollout_engine: str = "vllm"
+) -> list[Edge]:
+    """Edges into every decoder linear (weight and input; backward operands for train_bwd).
+    ``rollout_engine`` (`ROLLOUT_ENGINES`): which engine the rollout phase runs on."""
+    if rollout_engine not in ROLLOUT_ENGINES:
+        raise ValueError(f"rollout_engine must be one of {ROLLOUT_ENGINES}, got {rollout_engine!r}")
     side = recipe.rollout if phase == "rollout" else recipe.train
+    # vLLM's own computation, unless the rollout runs the training model (NeMo-RL's Megatron
+    # generation: rollout quantizer "te") or the local HF model
+    on_vllm = phase == "rollout" and rollout_engine == "vllm" and side.quantizer != "te"
     n = arch.num_layers
     out: list[Edge] = []
     for layer in range(n):
@@ -205,6 +240,8 @@ def linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
 
             if phase in ("rollout", "train_fwd"):
                 w, x = _fwd_precisions(side, impl) if fp8 else (BF16, BF16)
+                if fp8 and on_vllm and lin.vllm_bf16_why:
+                    w, x = _vllm_bf16(lin, w)
                 add("weight", w)
                 add("input", x)
                 continue
@@ -293,7 +330,13 @@ def kv_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
     return out
 
 
+def hf_linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
+    """`linear_edges` with the rollout on the local backend's HF model."""
+    return linear_edges(arch, recipe, phase, rollout_engine="hf")
+
+
 DEFAULT_BUILDERS: tuple[EdgeBuilder, ...] = (bf16_edges, linear_edges, kv_edges)
+HF_ROLLOUT_BUILDERS: tuple[EdgeBuilder, ...] = (bf16_edges, hf_linear_edges, kv_edges)
 
 
 def build_flow(

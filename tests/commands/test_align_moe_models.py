@@ -70,21 +70,31 @@ def test_align_models_the_placeholder_and_copies_the_list_to_training(cli, tmp_p
 def test_align_keeps_the_576_row_mla_projection_fp8_on_both_sides(cli, tmp_path):
     """Moonlight (no q LoRA) and DeepSeek-V3 (kv_a_proj_with_mqa fused with q_a_proj in vLLM):
     the 576-row projection runs blockwise FP8 in partial 128-blocks on both sides (issue 39).
-    The input is valid (its mismatches are vLLM's own quantizer: exit 1); align adds no BF16
-    word and the written config is on-policy with attention FP8 in training and rollout."""
+    The input is valid (its mismatches are vLLM's own quantizer: exit 1). vLLM's MLA decode
+    takes kv_b_proj's product in BF16 (absorbed W_UK_T/W_UV; `flow.vllm_bf16`), so align keeps
+    kv_b_proj, and only it, BF16 on both sides; the written config is on-policy with the rest
+    of attention FP8 in training and rollout."""
+    from nemo_jetrl.flow.pipeline import check_config
+
     moon = "policy.model_name=moonshotai/Moonlight-16B-A3B-Instruct"
     code, out = cli("check", E2E, moon)
     assert code == 1 and "blockwise FP8 cannot run" not in out, out
+    assert "W_UK_T/W_UV" in out  # the kv_b_proj mismatch is named (exit 1, not 2)
     for i, model in enumerate((moon, f"policy.model_name={PLACEHOLDER}")):
         out_yaml = tmp_path / f"out{i}.yaml"
         code, out = cli("align", E2E, model, "--recipe", "jetrl", "-o", out_yaml)
         assert code == 0 and out_yaml.exists(), out
-        assert "align adds" not in out and "kv_a_proj_with_mqa" not in out
-        assert _lists(out_yaml) == ([], [])
+        assert "align adds 'kv_b_proj'" in out and "kv_a_proj_with_mqa" not in out
+        assert _lists(out_yaml) == (["kv_b_proj"], ["kv_b_proj"])
         written = out.split("config: ")[-1]
         assert "verdict: ON-POLICY" in written
         row = next(x for x in written.splitlines() if x.strip().startswith("attention"))
         assert row.split()[2] == "same" and "FP8 e4m3 pow2 (te)" in row and "(jetrl)" in row
+        check = check_config(out_yaml).check
+        for flow in (check.rollout, check.train_fwd):
+            for e in flow.edges:
+                if e.kind in ("kv_b_proj", "kv_a_proj_with_mqa"):
+                    assert e.precision.is_fp8 is (e.kind == "kv_a_proj_with_mqa"), e
 
 
 MINIMAX = [

@@ -102,6 +102,28 @@ def test_mla_weights_are_quantized_with_a_576_row_tail_block(recipe):
         assert torch.equal(qsd.tensors[f"{kv_a}.weight_scale_inv"], want.scale_inv)
 
 
+def test_kv_b_proj_on_the_bf16_list_is_served_and_refit_bf16(recipe):
+    """No engine: what `jetrl align` writes for an MLA model (kv_b_proj BF16 on both sides,
+    because vLLM's MLA decode takes its product in BF16): vLLM's Fp8Config gets kv_b_proj in
+    modules_to_not_convert (its ignored_layers), the refit sends it BF16, and the 576-row
+    kv_a_proj_with_mqa stays FP8 in both."""
+    from nemo_jetrl.vllm_patch.engine_args import build_engine_kwargs
+    from nemo_jetrl.vllm_patch.refit import quantize_state_dict
+
+    kept = recipe.with_bf16_layer_kws(("kv_b_proj",))
+    ek = build_engine_kwargs(kept, USER_KWARGS, num_layers=LAYERS)
+    skip = ek.kwargs["hf_overrides"]["quantization_config"]["modules_to_not_convert"]
+    assert f"{ATTN}.kv_b_proj" in skip
+    assert not any("kv_a_proj" in m or "q_a_proj" in m or "mlp" in m for m in skip), skip
+    sd = tiny_mla(1).state_dict()
+    qsd = quantize_state_dict(sd, ek.settings)
+    assert f"{ATTN}.kv_b_proj" not in qsd.fp8_layers
+    assert f"{ATTN}.kv_a_proj_with_mqa" in qsd.fp8_layers and f"{ATTN}.q_b_proj" in qsd.fp8_layers
+    assert qsd.tensors[f"{ATTN}.kv_b_proj.weight"].dtype == torch.bfloat16
+    assert f"{ATTN}.kv_b_proj.weight_scale_inv" not in qsd.tensors
+    assert torch.equal(qsd.tensors[f"{ATTN}.kv_b_proj.weight"], sd[f"{ATTN}.kv_b_proj.weight"])
+
+
 def test_every_mla_linear_runs_our_kernel_and_parity_holds(rollout, recipe):
     from nemo_jetrl.vllm_patch.refit import refit
 
