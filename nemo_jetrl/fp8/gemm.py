@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from nemo_jetrl.fp8.fp64_operands import fp64_of
+from nemo_jetrl.fp8.fp64_operands import fp8_to_fp64, fp64_of
 from nemo_jetrl.fp8.quantize import BlockQuantized
 
 TILE_K = 128
@@ -98,8 +98,8 @@ def blockwise_matmul(
     sb = _row_scales(b, n)  # [N, Kt]
     # b blocked 128x128 is the weight (W, or W.T in DGrad): its float64 copy is made once per
     # weight version on CPU (`fp64_operands`); a is an activation, new on every call.
-    qa = a.data.double()
-    qb = fp64_of(b.data) if b.block[0] == TILE_K else b.data.double()
+    qa = fp8_to_fp64(a.data)
+    qb = fp64_of(b.data) if b.block[0] == TILE_K else fp8_to_fp64(b.data)
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     plain = _scaling_is_exact(sa, sb)
     s_ab = torch.empty(m, n, dtype=torch.float32, device=a.data.device) if plain else None

@@ -15,7 +15,12 @@ from torch import nn
 
 from nemo_jetrl.fp8 import fp8_bits
 from nemo_jetrl.fp8.config import Fp8LinearConfig
-from nemo_jetrl.fp8.fp64_operands import clear_fp64_operands, fp64_of, fp64_operand_stats
+from nemo_jetrl.fp8.fp64_operands import (
+    clear_fp64_operands,
+    fp8_to_fp64,
+    fp64_of,
+    fp64_operand_stats,
+)
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.inference_linear import Fp8InferenceLinear
 from nemo_jetrl.fp8.linear import Fp8BlockLinear
@@ -151,3 +156,15 @@ def test_inference_tensors_and_activations_are_never_cached():
     blockwise_matmul(a, w, exact=False)  # the fast path converts nothing to float64
     assert fp64_operand_stats() == before
     assert torch.equal(_bits(out), _bits(blockwise_matmul(a, _copy(q), exact=True)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_code_table_gives_the_casts_bits_for_every_code(dtype):
+    """NaN and inf codes included, in a large tensor (torch's vectorised cast) and a view."""
+    codes = torch.randint(0, 256, (333, 1000), dtype=torch.uint8)
+    codes[0, :256] = torch.arange(256, dtype=torch.uint8)
+    t = codes.view(dtype)
+    for x in (t, t.t(), t[:, 7:300]):
+        got, want = fp8_to_fp64(x), x.double()
+        assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+        assert got.stride() == want.stride()
