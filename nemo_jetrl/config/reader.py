@@ -130,17 +130,8 @@ def _rollout_side(r: _Reader) -> SideRecipe:
     pow2_w = r.get(S.VLLM_POW2_W, False) is True
     pow2_a = r.get(S.VLLM_POW2_A, False) is True
     if patch and fp8_roll:
-        # Our patch quantizes activations with the weights' scale rule; NeMo-RL's key turns on
-        # its own activation patch of the same vLLM function (v0.7.0: crashes vLLM start-up,
-        # nemo_rl/models/generation/vllm/quantization/fp8.py:143).
-        if pow2_a:
-            r.error(
-                S.VLLM_POW2_A,
-                "must be false with jetrl.vllm_patch=true: our patch quantizes the rollout's "
-                f"activations with the rule of {S.VLLM_POW2_W}; true would also turn on NeMo-RL's "
-                "own activation patch of the same vLLM function (and crashes vLLM start-up on "
-                "NeMo-RL v0.7.0)",
-            )
+        # Our patch quantizes activations with the weights' scale rule (pow2_activation true
+        # with it is refused: `validate._check_patch_activation_scales`).
         pow2_a = pow2_w
     return SideRecipe(
         fp8_linears=fp8_roll,

@@ -116,6 +116,25 @@ def _check_loss_fn(r: _Reader) -> None:
             r.error(issue.key, issue.message, issue.allowed)
 
 
+def _check_patch_activation_scales(r: _Reader) -> None:
+    """Our patch quantizes the rollout's activations with the weights' scale rule; NeMo-RL's
+    key turns on its own activation patch of the same vLLM function (v0.7.0: crashes vLLM
+    start-up, nemo_rl/models/generation/vllm/quantization/fp8.py:143)."""
+    patch = r.get("jetrl.vllm_patch", False) is True
+    if (
+        patch
+        and r.get(S.VLLM_PRECISION, "bfloat16") == "fp8"
+        and r.get(S.VLLM_POW2_A, False) is True
+    ):
+        r.error(
+            S.VLLM_POW2_A,
+            "must be false with jetrl.vllm_patch=true: our patch quantizes the rollout's "
+            f"activations with the rule of {S.VLLM_POW2_W}; true would also turn on NeMo-RL's "
+            "own activation patch of the same vLLM function (and crashes vLLM start-up on "
+            "NeMo-RL v0.7.0)",
+        )
+
+
 def _check_recipe_consistency(r: _Reader, recipe: Recipe) -> None:
     label = r.get("jetrl.recipe", None)
     if isinstance(label, str) and label in PRESET_NAMES:
@@ -266,7 +285,7 @@ def _check_alignment(r: _Reader, arch: Any, recipe: Recipe) -> None:
         )
 
 
-_VLLM_TP = "policy.generation.vllm_cfg.tensor_parallel_size"
+_VLLM_TP = S.VLLM_TP
 
 
 def _unfit_words(x: Any, scaling: str) -> str:
@@ -333,6 +352,7 @@ def validated(
     except ValueError as exc:  # a Recipe invariant the checks above did not name
         r.error("jetrl", str(exc))
         recipe = Recipe()
+    _check_patch_activation_scales(r)
     _check_recipe_consistency(r, recipe)
     _check_arch(r, recipe)
     seen: set[tuple[str, str]] = set()
