@@ -378,7 +378,7 @@ MUTANTS = [
     # ---- vLLM patch: refit parity and rollback
     Mutant(
         "parity compares values, not bytes",
-        "nemo_jetrl/vllm_patch/refit.py",
+        "nemo_jetrl/vllm_patch/parity_views.py",
         "if torch.equal(gb, wb):",
         "if torch.equal(got, want):",
         T_PARITY,
