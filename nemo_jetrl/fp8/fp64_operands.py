@@ -26,6 +26,7 @@ contiguous too), so every matmul reads the same layout as before and gives the s
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -34,6 +35,23 @@ import torch
 _ENTRIES: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
 _STATS = {"made": 0, "reused": 0}
 _TABLES: dict[torch.dtype, torch.Tensor] = {}  # FP8 dtype -> float64 of its 256 codes
+# At most this many bytes of float64 copies are held (8 per FP8 weight element: a 0.6B-parameter
+# model run exact on CPU, trainer and rollout, would hold ~9.6 GB); past it a weight converts per
+# call as before (same bits). JETRL_FP64_OPERAND_BYTES sets it; 0 turns the cache off.
+_BUDGET_ENV = "JETRL_FP64_OPERAND_BYTES"
+_DEFAULT_BUDGET = 2 << 30
+
+
+def _budget() -> int:
+    raw = os.environ.get(_BUDGET_ENV)
+    if raw is None:
+        return _DEFAULT_BUDGET
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(
+            f"{_BUDGET_ENV}={raw!r}: give a byte count (0 turns the cache off)"
+        ) from None
 
 
 def fp8_to_fp64(t: torch.Tensor) -> torch.Tensor:
@@ -89,6 +107,8 @@ def fp64_of(t: torch.Tensor) -> torch.Tensor:
         _STATS["reused"] += 1
     else:
         n = key[1] // t.element_size()
+        if _held_bytes() + 8 * n > _budget():
+            return t.double()  # over the budget: this weight converts per call (same bits)
         with torch.inference_mode(False), torch.no_grad():
             full = fp8_to_fp64(t.as_strided((n,), (1,), 0))  # the whole storage
         i = id(root)
@@ -106,6 +126,10 @@ def _drop(i: int, ref: weakref.ref) -> None:
         del _ENTRIES[i]
 
 
+def _held_bytes() -> int:
+    return 8 * sum(e[2].numel() for e in _ENTRIES.values())
+
+
 def clear_fp64_operands() -> int:
     """Drop every cached float64 copy (after writing FP8 weights through ``.data``); returns
     how many were dropped."""
@@ -117,5 +141,4 @@ def clear_fp64_operands() -> int:
 def fp64_operand_stats() -> dict[str, int]:
     """Copies made and reused since the process started, and how many are held now (bytes
     included: 8 per FP8 element of each held storage)."""
-    held = sum(e[2].numel() for e in _ENTRIES.values())
-    return {**_STATS, "held": len(_ENTRIES), "bytes": 8 * held}
+    return {**_STATS, "held": len(_ENTRIES), "bytes": _held_bytes(), "budget": _budget()}

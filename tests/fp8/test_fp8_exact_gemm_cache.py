@@ -168,3 +168,20 @@ def test_the_code_table_gives_the_casts_bits_for_every_code(dtype):
         got, want = fp8_to_fp64(x), x.double()
         assert torch.equal(got.view(torch.int64), want.view(torch.int64))
         assert got.stride() == want.stride()
+
+
+def test_a_weight_past_the_byte_budget_converts_per_call(monkeypatch):
+    """JETRL_FP64_OPERAND_BYTES bounds what is held (8 bytes per FP8 element): a weight that
+    would pass it is converted per call, same values, nothing held; a bad value is named."""
+    clear_fp64_operands()
+    q = quantize_reference(torch.randn(256, 512), (128, 128)).data
+    monkeypatch.setenv("JETRL_FP64_OPERAND_BYTES", str(8 * q.numel() - 1))
+    assert torch.equal(fp64_of(q), q.double())
+    assert fp64_operand_stats()["held"] == 0
+    monkeypatch.setenv("JETRL_FP64_OPERAND_BYTES", str(8 * q.numel()))
+    assert torch.equal(fp64_of(q), q.double())
+    assert fp64_operand_stats()["bytes"] == 8 * q.numel()
+    monkeypatch.setenv("JETRL_FP64_OPERAND_BYTES", "lots")
+    clear_fp64_operands()
+    with pytest.raises(ValueError, match="JETRL_FP64_OPERAND_BYTES='lots'"):
+        fp64_of(q)
