@@ -115,7 +115,7 @@ def _run_local(args: argparse.Namespace) -> int:
             )
         # What only a local run needs (e.g. the vLLM engine), read once: the run gets it.
         resolved = resolve_run(checked.cfg, recipe=checked.recipe)
-        refusal = off_policy_refusal(checked)
+        refusal = off_policy_refusal(checked, backend="local")
         if refusal:
             raise UserError(refusal)
         for note in run_notes(checked):

@@ -142,7 +142,8 @@ def check_config(
 def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | None:
     """Why ``jetrl train`` refuses this config (off-policy, not allowed), or None to run it.
 
-    ``backend`` ("nemo-rl"): also refuse what is off-policy only there (`flow.backend`)."""
+    ``backend`` ("nemo-rl"): also refuse what is off-policy only there (`flow.backend`);
+    "local": the local verdict decides (its HF rollout runs what vLLM's MLA decode keeps BF16)."""
     check = checked.check
     if checked.allow_off_policy:
         return None
@@ -152,6 +153,10 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
             f"{unmodelled[0].message}. Remove {', '.join(unmodelled[0].keys)} or set "
             "jetrl.allow_off_policy=true to run it anyway."
         )
+    if backend == "local" and not check.on_policy:
+        local = next((b for b in checked.backends if b.backend == "local"), None)
+        if local is not None and local.on_policy:
+            return None
     if check.on_policy:
         off = [b for b in checked.backends if backend and b.backend.startswith(backend)]
         off = [b for b in off if not b.on_policy]

@@ -89,3 +89,30 @@ def test_the_local_verdict_follows_its_rollout_engine():
         verdict = backend_verdicts(settings, check, TINY_MLA)[0]
         assert (verdict.backend, verdict.on_policy) == ("local", on), verdict
         assert ("kv_b_proj included" in verdict.reason) is on
+
+
+def test_jetrl_train_on_the_local_hf_rollout_is_not_refused_for_vllms_mla_decode():
+    """The train gate (`off_policy_refusal(backend="local")`) follows the local verdict: the HF
+    rollout runs kv_b_proj as an FP8 GEMM, so only a vLLM rollout is refused."""
+    from types import SimpleNamespace
+
+    from nemo_jetrl.config import load_config, settings_of
+    from nemo_jetrl.flow.backend import backend_verdicts
+    from nemo_jetrl.flow.pipeline import off_policy_refusal
+
+    jetrl = Recipe.preset("jetrl")
+    check = check_on_policy(TINY_MLA, jetrl)
+    local = "examples/configs/local/jetrl.yaml"
+    for engine, refused in (("hf", False), ("vllm", True)):
+        settings = settings_of(load_config(local, [f"++jetrl.local.rollout_engine={engine}"]))
+        checked = SimpleNamespace(
+            check=check,
+            allow_off_policy=False,
+            limits_of=lambda kind: [],
+            backends=backend_verdicts(settings, check, TINY_MLA),
+            recipe=jetrl,
+        )
+        why = off_policy_refusal(checked, backend="local")
+        assert (why is not None) is refused, why
+        if refused:
+            assert "kv_b_proj" in why
