@@ -9,7 +9,7 @@ does not depend on values):
   refit saves first) of a module holding exactly the refit's tensors, as the engine's model
   holds them (FP8 weights, scales, BF16 rest); its bytes are printed.
 * ``refit_load_parity``: each sent tensor copied into that module (the engine's load) and read
-  back and compared byte for byte (the refit's parity check, `refit._differ`), one tensor at a
+  back and compared byte for byte (the refit's parity check, `parity_views.differ`), one tensor at a
   time as `check_parity` does.
 * ``refit_total``: the three above, the refit as the patch runs it with rollback and parity on
   (the transport between processes is not included).
@@ -94,7 +94,7 @@ def _engine_stand_in(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 def _load_and_compare(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     """Copy each tensor in, read it back, compare bytes (the refit's load + parity check)."""
-    from nemo_jetrl.vllm_patch.refit import _differ
+    from nemo_jetrl.vllm_patch.parity_views import differ as _differ
 
     bad = 0
     for (_, dst), src in zip(model.named_buffers(), tensors.values(), strict=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class RunWriter:
         tb = require("torch.utils.tensorboard", feature="writing TensorBoard logs")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        _after_earlier_event_files(self.run_dir / TB_SUBDIR)
         self._tb = tb.SummaryWriter(
             log_dir=str(self.run_dir / TB_SUBDIR),
             purge_step=purge_step,
@@ -120,6 +122,20 @@ class RunWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _after_earlier_event_files(tb_dir: Path) -> None:
+    """Wait (under ~1 s, only when needed) until the clock's second is past every events file's
+    in ``tb_dir``. Readers take a directory's files in name order, and a name starts with its
+    creation second (then host, pid): a run resumed within the second its killed run started
+    could sort first, and its restart marker would purge nothing (tests/runs/test_faults.py)."""
+    newest = -1
+    for f in tb_dir.glob("events.out.tfevents.*"):
+        stamp = f.name.split(".")[3]
+        if stamp.isdigit():
+            newest = max(newest, int(stamp))
+    while int(time.time()) <= newest:
+        time.sleep(0.02)
 
 
 def _scalar(value: Any) -> float | None:

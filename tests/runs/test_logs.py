@@ -236,8 +236,6 @@ def test_label_from_nemo_rl_hparams_when_no_config(tmp_path):
 def test_restart_marker_drops_later_steps_of_earlier_file(tmp_path):
     """A resumed run (``purge_step``) hides what the killed run logged at or after that step,
     for TensorBoard's own reader and for ours, and both files carry the run id."""
-    import time
-
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from nemo_jetrl.runs.logs import read_scalars, run_ids
@@ -245,7 +243,7 @@ def test_restart_marker_drops_later_steps_of_earlier_file(tmp_path):
     with RunWriter(tmp_path, run_id="r1") as w:  # the killed run: steps 1-3, checkpoint at 2
         for s in (1, 2, 3):
             w.log_scalars(s, {"train/reward": float(s), "train/only_old": 1.0})
-    time.sleep(1.1)  # events file names start with the creation second
+    # no sleep: the writer itself starts the resumed file after the killed one's second
     with RunWriter(tmp_path, run_id="r1", purge_step=3) as w:  # resumed from step 2
         w.log_scalars(4, {"train/reward": 40.0})
     series, warns = read_scalars(tmp_path)
@@ -258,3 +256,32 @@ def test_restart_marker_drops_later_steps_of_earlier_file(tmp_path):
     assert [e.step for e in acc.Scalars("train/reward")] == [1, 2, 4]
     assert run_ids(tmp_path) == ("r1",)
     assert all(p.name.endswith(".jetrl-run-r1") for p in find_event_files(tmp_path))
+
+
+def test_a_run_resumed_within_its_killed_runs_second_still_sorts_after_it(tmp_path):
+    """Events file names start with the creation second, then host and pid: a killed child
+    (larger pid) and a run resumed in the same second would sort resumed-first, and the restart
+    marker would purge nothing (seen in test_faults on a fast machine). The writer waits for the
+    next second instead."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with RunWriter(tmp_path, run_id="r1") as w:
+        for s in (1, 2, 3):
+            w.log_scalars(s, {"train/reward": float(s)})
+    (old,) = find_event_files(tmp_path)
+    parts = old.name.split(".")
+    parts[3], parts[5] = f"{int(time.time()):010d}", "99999999"  # this second, a later pid
+    old.rename(old.with_name(".".join(parts)))
+    with RunWriter(tmp_path, run_id="r1", purge_step=3) as w:
+        w.log_scalars(3, {"train/reward": 30.0})
+    names = sorted(p.name for p in find_event_files(tmp_path))
+    assert names[0] == ".".join(parts), names
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+    ]
