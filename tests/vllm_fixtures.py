@@ -186,3 +186,16 @@ def bf16_recipe_gap(model_dir, engine_kwargs: dict, generate, trainer) -> float:
     finally:
         shutdown_engine(llm)
     return logprob_gap(outs, trainer)
+
+
+def generate_each(llm, prompts, sampling_params) -> list:
+    """``llm.generate`` one prompt per call, so repeated calls compare bit for bit.
+
+    vLLM's engine core (its own process) starts a step as soon as it holds one request, so
+    ``llm.generate(prompts)`` is scheduled as one batch or as [the first request(s) alone, then the
+    rest], by when the others arrive. vLLM's BF16 GEMMs on CPU (the lm_head) are not batch
+    invariant, so a prompt's last-position logits then move in their last bits: "0123456" on the
+    tiny Qwen2-MoE gave -2.1052492 batched, -2.1052327 alone, and failed an exact refit-back
+    comparison in the fresh-clone CI runs of 32b4941 and cf3c66a. One request runs one batch.
+    """
+    return [llm.generate([p], sampling_params, use_tqdm=False)[0] for p in prompts]

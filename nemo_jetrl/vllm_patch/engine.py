@@ -179,7 +179,9 @@ class VllmRolloutEngine:
         """Sample one response per prompt, with the logprob of every generated token.
 
         ``seed``: one seed for every prompt, or one per prompt (so that repeated prompts, e.g. the
-        samples of one GRPO group, draw different responses reproducibly).
+        samples of one GRPO group, draw different responses reproducibly). Logprobs repeat bit for
+        bit only where vLLM runs the same batches: its engine core may step before every prompt of
+        a call has arrived, and its BF16 GEMMs (lm_head) are not batch invariant.
         """
         from vllm import SamplingParams
 

@@ -21,6 +21,7 @@ from vllm_fixtures import (
     FP8_GAP_PER_BF16_GAP,
     bf16_recipe_gap,
     fp8_gap_bound,
+    generate_each,
     hf_logprobs,
     logprob_gap,
     vllm_cpu_env,
@@ -76,7 +77,7 @@ def _generate(llm, logprobs=0):
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=logprobs, ignore_eos=True)
-    return llm.generate(PROMPTS, sp, use_tqdm=False)
+    return generate_each(llm, PROMPTS, sp)  # same batches every call
 
 
 def _token_logprobs(out):
@@ -109,8 +110,9 @@ def test_rollout_engine_generate_api(rollout):
         assert all(math.isfinite(v) and v <= 0.0 for v in g.logprobs)
         assert tok.decode(list(g.token_ids)) == g.text
     # Sampling at temperature 1 with a seed is reproducible and returns the sampled token's logprob
-    a = rollout.generate(prompts, max_tokens=4, temperature=1.0, seed=7)
-    b = rollout.generate(prompts, max_tokens=4, temperature=1.0, seed=7)
+    # (one prompt per call: the same batches each time, see vllm_fixtures.generate_each)
+    a = [g for p in prompts for g in rollout.generate([p], max_tokens=4, temperature=1.0, seed=7)]
+    b = [g for p in prompts for g in rollout.generate([p], max_tokens=4, temperature=1.0, seed=7)]
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     assert [g.logprobs for g in a] == [g.logprobs for g in b]
 

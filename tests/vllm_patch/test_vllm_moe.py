@@ -20,7 +20,13 @@ import json
 import pytest
 import torch
 from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
-from vllm_fixtures import fp8_rounding_gap, logprob_gap, moe_fp8_gap_bound, vllm_cpu_env
+from vllm_fixtures import (
+    fp8_rounding_gap,
+    generate_each,
+    logprob_gap,
+    moe_fp8_gap_bound,
+    vllm_cpu_env,
+)
 
 pytestmark = pytest.mark.vllm
 # The tests on the one FP8 engine (`served`): the NeMo-RL main tier runs them too, as vLLM 0.25.1
@@ -171,7 +177,7 @@ def _generate(llm):
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    return llm.generate(PROMPTS, sp, use_tqdm=False)
+    return generate_each(llm, PROMPTS, sp)  # same batches every call
 
 
 @pytest.fixture(scope="module")

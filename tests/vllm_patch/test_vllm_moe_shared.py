@@ -22,7 +22,13 @@ import pytest
 import torch
 from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
 from test_vllm_moe import per_expert_state_dict  # fused 3-D experts -> experts.{e}.*_proj
-from vllm_fixtures import fp8_rounding_gap, logprob_gap, moe_fp8_gap_bound, vllm_cpu_env
+from vllm_fixtures import (
+    fp8_rounding_gap,
+    generate_each,
+    logprob_gap,
+    moe_fp8_gap_bound,
+    vllm_cpu_env,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -147,7 +153,7 @@ def _generate(llm):
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    return llm.generate(PROMPTS, sp, use_tqdm=False)
+    return generate_each(llm, PROMPTS, sp)  # same batches every call
 
 
 def _lps(o) -> list[float]:
