@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from nemo_jetrl.backends.local.loop import Hooks, LocalRun
+    from nemo_jetrl.backends.local.loop import Hooks, LocalRun, resolve_run
     from nemo_jetrl.commands.demo import recipe_config
 
     def build(recipe: str, invariant: bool) -> LocalRun:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                 *args.set,
             ],
         )
-        return LocalRun(cfg, log=lambda m: print(m, file=sys.stderr))
+        return LocalRun(resolve_run(cfg), log=lambda m: print(m, file=sys.stderr))
 
     results: dict[str, dict] = {}
     for recipe in args.recipes.split(","):

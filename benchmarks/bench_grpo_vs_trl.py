@@ -76,9 +76,9 @@ def our_config(args: argparse.Namespace, seed: int, out: Path):
 
 def run_ours(cfg) -> dict[int, float]:
     """{step: validation accuracy} of the local backend (step 0 = before any update)."""
-    from nemo_jetrl.backends.local.loop import Hooks, LocalRun
+    from nemo_jetrl.backends.local.loop import Hooks, LocalRun, resolve_run
 
-    run = LocalRun(cfg, log=lambda _m: None)
+    run = LocalRun(resolve_run(cfg), log=lambda _m: None)
     try:
         rs = run.run
         curve = {0: run.validate()["validation/accuracy"]}
@@ -131,7 +131,8 @@ def run_trl(cfg, seed: int, workdir: Path) -> dict[int, float]:
     from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
     from nemo_jetrl.backends.local.warmstart import load_or_train
 
-    _recipe, rs, local, loss_cfg = resolve_run(cfg)
+    resolved = resolve_run(cfg)
+    rs, local, loss_cfg = resolved.run, resolved.local, resolved.loss
     from nemo_jetrl.backends.local.model import build_model, load_model_config
 
     torch.set_num_threads(local.num_threads or torch.get_num_threads())

@@ -48,7 +48,7 @@ def _skew_hook(scale: float):
 
 
 def run_one(recipe: str, replay: bool, steps: int, work: Path, hooks=None) -> dict:
-    from nemo_jetrl.backends.local.loop import run_local
+    from nemo_jetrl.backends.local.loop import resolve_run, run_local
     from nemo_jetrl.config import load_config
 
     cfg = load_config(
@@ -63,7 +63,7 @@ def run_one(recipe: str, replay: bool, steps: int, work: Path, hooks=None) -> di
         ],
     )
     t0 = time.perf_counter()
-    hist = run_local(cfg, progress=False, log=lambda *_: None, hooks=hooks).history
+    hist = run_local(resolve_run(cfg), progress=False, log=lambda *_: None, hooks=hooks).history
     row = {tag: [h[tag] for h in hist] for tag in TAGS}
     row["train/reward"] = [h["train/reward"] for h in hist]
     row["median_step_s"] = statistics.median(h["timing/train/total_step_time"] for h in hist)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from nemo_jetrl.backends.local.loop import Hooks, LocalRun
+    from nemo_jetrl.backends.local.loop import Hooks, LocalRun, resolve_run
     from nemo_jetrl.commands.demo import recipe_config
 
     out_dir = Path("/tmp/jetrl_bench_local")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 *args.set,
             ],
         )
-        run = LocalRun(cfg, log=lambda m: print(m, file=sys.stderr))
+        run = LocalRun(resolve_run(cfg), log=lambda m: print(m, file=sys.stderr))
         for _ in range(args.warmup):
             run.train_step(Hooks())
         rows: list[dict[str, float]] = []

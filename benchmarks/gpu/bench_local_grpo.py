@@ -125,7 +125,7 @@ class OpsTimer:
 
 
 def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
-    from nemo_jetrl.backends.local.loop import Hooks, run_local
+    from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
     from nemo_jetrl.commands.demo import recipe_config
 
     device = torch.device(args.device)
@@ -151,7 +151,10 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     timer.on = profiled == 1
     with timer:
         res = run_local(
-            cfg, progress=False, log=lambda *_: None, hooks=Hooks(after_step=after_step)
+            resolve_run(cfg),
+            progress=False,
+            log=lambda *_: None,
+            hooks=Hooks(after_step=after_step),
         )
     h = {int(r["step"]): r for r in res.history}
     tmpe = max(r["train/token_mult_prob_error"] for r in res.history)

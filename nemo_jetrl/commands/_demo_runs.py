@@ -54,14 +54,14 @@ class Done:
 
 def run_job(job: Job, progress: bool = False, log: Callable[[str], None] | None = None) -> Done:
     """Run one job to completion (in this process); never raises for a config error."""
-    from nemo_jetrl.backends.local.loop import run_local
+    from nemo_jetrl.backends.local.loop import resolve_run, run_local
     from nemo_jetrl.commands._demo_report import TMPE, mismatch_curves
     from nemo_jetrl.commands._demo_stats import fmt_ratio
     from nemo_jetrl.config import ConfigError
 
     lines: list[str] = []
     try:
-        res = run_local(job.cfg, progress=progress, log=log or lines.append)
+        res = run_local(resolve_run(job.cfg), progress=progress, log=log or lines.append)
     except ConfigError as exc:
         return Done(job, {}, "", tuple(lines), error=str(exc))
     accs = [h["validation/accuracy"] for h in res.history if "validation/accuracy" in h]
@@ -86,11 +86,11 @@ def prepare_warm_start(job: Job, log: Callable[[str], None]) -> str | None:
     """Load or train (and cache) the warm start of ``job`` in this process, before any pool
     process needs it: building the run's `LocalRun` does exactly that, through the same cache
     key; the run is closed without a step. Returns a config error's message, else None."""
-    from nemo_jetrl.backends.local.setup import LocalRun
+    from nemo_jetrl.backends.local.setup import LocalRun, resolve_run
     from nemo_jetrl.config import ConfigError
 
     try:
-        LocalRun(job.cfg, log=log).close()
+        LocalRun(resolve_run(job.cfg), log=log).close()
     except ConfigError as exc:
         return str(exc)
     return None

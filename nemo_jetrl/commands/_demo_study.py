@@ -34,7 +34,7 @@ QUANTITIES = (
 
 def _run_one(recipe: str, num_ops: int, seed: int, out: Path, overrides: list[str], progress,
              recipe_config: Callable):  # fmt: skip
-    from nemo_jetrl.backends.local.loop import run_local
+    from nemo_jetrl.backends.local.loop import resolve_run, run_local
 
     ov = [
         f"jetrl.local.task.num_ops={num_ops}",
@@ -44,7 +44,7 @@ def _run_one(recipe: str, num_ops: int, seed: int, out: Path, overrides: list[st
         *overrides,
     ]
     cfg = recipe_config(recipe, out / f"ops{num_ops}_seed{seed}", ov)
-    res = run_local(cfg, progress=progress)
+    res = run_local(resolve_run(cfg), progress=progress)
     hist = res.history
     accs = [h[ACC] for h in hist if ACC in h]
     return {

@@ -120,9 +120,7 @@ def _run_local(args: argparse.Namespace) -> int:
             raise UserError(refusal)
         for note in run_notes(checked):
             print(f"note: {note}")
-        result = run_local(
-            checked.cfg, resume=args.resume, progress=not args.no_progress, resolved=resolved
-        )
+        result = run_local(resolved, resume=args.resume, progress=not args.no_progress)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
     except (MissingDependencyError, FileNotFoundError) as exc:

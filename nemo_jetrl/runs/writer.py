@@ -29,12 +29,13 @@ class RunWriter:
         self,
         run_dir: str | Path,
         *,
-        config: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | str | None = None,
         recipe: str | None = None,
         run_id: str | None = None,
         purge_step: int | None = None,
     ) -> None:
-        """Create ``run_dir`` and the TensorBoard writer; write ``config`` if given.
+        """Create ``run_dir`` and the TensorBoard writer; write ``config`` if given (a mapping,
+        or its YAML text as `config.load.config_yaml` wrote it).
 
         ``recipe`` (a preset name such as "jetrl") is stored as ``jetrl.recipe`` in config.yaml
         when the config does not already say, so `jetrl compare` labels the run with it.
@@ -89,7 +90,7 @@ class RunWriter:
         tmp.replace(path)  # a reader never sees half a file
         return path
 
-    def write_config(self, config: Mapping[str, Any], *, recipe: str | None = None) -> Path:
+    def write_config(self, config: Mapping[str, Any] | str, *, recipe: str | None = None) -> Path:
         """Write ``config.yaml`` (with ``jetrl.recipe`` set from ``recipe`` when absent).
 
         Interpolations are written as given, not resolved, so ``${oc.env:WANDB_API_KEY}``
@@ -98,7 +99,7 @@ class RunWriter:
         atomically."""
         from nemo_jetrl.config.load import config_yaml  # the one YAML writer of a config
 
-        text = config_yaml(config, recipe=recipe)
+        text = config if isinstance(config, str) else config_yaml(config, recipe=recipe)
         path = self.run_dir / CONFIG_FILE
         tmp = path.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, CONFIG_MODE)

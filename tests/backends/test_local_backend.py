@@ -20,7 +20,7 @@ from local_configs import EXAMPLES, tiny_cfg
 
 from nemo_jetrl.backends.local import checkpoint as ckpt
 from nemo_jetrl.backends.local.config import LocalSettings, validate_local_config
-from nemo_jetrl.backends.local.loop import Hooks, LocalRun, run_local
+from nemo_jetrl.backends.local.loop import Hooks, LocalRun, resolve_run, run_local
 from nemo_jetrl.backends.local.refit import RefitRefused, export_weights, refit
 from nemo_jetrl.backends.local.task import TaskConfig, make_problem, score
 from nemo_jetrl.config import ConfigError
@@ -107,7 +107,9 @@ def test_packaged_base_matches_example():
 def test_short_run_logs_metrics_checkpoints(recipe, tmp_path, cache_dir):
     from nemo_jetrl.runs.logs import read_scalars, train_data_files
 
-    res = run_local(tiny_cfg(recipe, tmp_path / "run", cache_dir), progress=False, log=print)
+    res = run_local(
+        resolve_run(tiny_cfg(recipe, tmp_path / "run", cache_dir)), progress=False, log=print
+    )
     assert res.recipe == recipe and res.last_step == 2 and len(res.history) == 2
     for h in res.history:
         for key in (
@@ -198,7 +200,7 @@ def test_jetrl_rollout_weights_equal_trainer_quantization_bit_for_bit(
     import nemo_jetrl.fp8.linear as linear_mod
     from nemo_jetrl.fp8.weight_cache import invalidate_weight_caches
 
-    run = LocalRun(tiny_cfg("jetrl", tmp_path, cache_dir))
+    run = LocalRun(resolve_run(tiny_cfg("jetrl", tmp_path, cache_dir)))
     rollout = {
         n: m for n, m in run.rollout_model.named_modules() if isinstance(m, Fp8InferenceLinear)
     }
@@ -239,7 +241,7 @@ def test_jetrl_rollout_weights_equal_trainer_quantization_bit_for_bit(
 def test_fp8_rollout_uses_vllm_native_quantizer(tmp_path, cache_dir):
     from nemo_jetrl.fp8.vllm_native import per_block_cast_native
 
-    run = LocalRun(tiny_cfg("fp8_rollout", tmp_path, cache_dir))
+    run = LocalRun(resolve_run(tiny_cfg("fp8_rollout", tmp_path, cache_dir)))
     assert not any(isinstance(m, Fp8BlockLinear) for m in run.trainer.model.modules())
     weights = export_weights(run.trainer.model)
     refit(run.rollout_model, weights)
@@ -266,7 +268,7 @@ def _fp8_bits(model) -> dict[str, torch.Tensor]:
 
 def test_refit_with_nan_is_refused_and_run_continues_on_last_good_weights(tmp_path, cache_dir):
     messages: list[str] = []
-    run = LocalRun(tiny_cfg("jetrl", tmp_path, cache_dir), log=messages.append)
+    run = LocalRun(resolve_run(tiny_cfg("jetrl", tmp_path, cache_dir)), log=messages.append)
     bad_layer = "model.layers.1.mlp.down_proj"
 
     def inject(step, weights):
@@ -304,7 +306,7 @@ def test_refit_with_nan_is_refused_and_run_continues_on_last_good_weights(tmp_pa
 
 
 def test_refit_refuses_misshaped_and_missing_tensors_naming_them(tmp_path, cache_dir):
-    run = LocalRun(tiny_cfg("jetrl", tmp_path, cache_dir))
+    run = LocalRun(resolve_run(tiny_cfg("jetrl", tmp_path, cache_dir)))
     weights = export_weights(run.trainer.model)
     weights["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(128, 256)
     del weights["model.norm.weight"]
@@ -324,18 +326,26 @@ def test_refit_refuses_misshaped_and_missing_tensors_naming_them(tmp_path, cache
 def test_resume_reproduces_uninterrupted_run_exactly(tmp_path, cache_dir):
     extra = ("grpo.max_num_steps=4", "grpo.val_period=2")
     full = run_local(
-        tiny_cfg("jetrl_kv", tmp_path / "full", cache_dir, *extra), progress=False, log=print
+        resolve_run(tiny_cfg("jetrl_kv", tmp_path / "full", cache_dir, *extra)),
+        progress=False,
+        log=print,
     )
     part_cfg = tiny_cfg("jetrl_kv", tmp_path / "part", cache_dir, *extra)
     first = run_local(
-        tiny_cfg(
-            "jetrl_kv", tmp_path / "part", cache_dir, "grpo.max_num_steps=2", "grpo.val_period=2"
+        resolve_run(
+            tiny_cfg(
+                "jetrl_kv",
+                tmp_path / "part",
+                cache_dir,
+                "grpo.max_num_steps=2",
+                "grpo.val_period=2",
+            )
         ),
         progress=False,
         log=print,
     )
     assert first.last_step == 2
-    second = run_local(part_cfg, resume=True, progress=False, log=print)
+    second = run_local(resolve_run(part_cfg), resume=True, progress=False, log=print)
     assert second.first_step == 2 and second.last_step == 4
     for a, b in zip(full.history[2:], second.history, strict=True):
         assert _no_timing(a) == _no_timing(b)

@@ -22,7 +22,7 @@ from local_configs import EXAMPLES, tiny_cfg
 
 from nemo_jetrl.backends.local.config import LocalSettings, is_device_name
 from nemo_jetrl.backends.local.device import device_issues
-from nemo_jetrl.backends.local.loop import Hooks, run_local
+from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
 from nemo_jetrl.config import ConfigError
 
 # A GPU index no machine has: refused on a CPU box and on a GPU box alike.
@@ -175,7 +175,7 @@ def _run_on(device: str, recipe: str, tmp_path: Path, cache_dir: Path) -> list[d
         run.trainer.score = spy
 
     cfg = tiny_cfg(recipe, tmp_path / recipe, cache_dir, f"jetrl.local.device={device}")
-    res = run_local(cfg, progress=False, log=print, hooks=Hooks(on_run=on_run))
+    res = run_local(resolve_run(cfg), progress=False, log=print, hooks=Hooks(on_run=on_run))
     run = seen["run"]
     assert run.device.type == want.type
     for model in (run.trainer.model, run.rollout_model):

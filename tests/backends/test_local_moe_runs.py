@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from local_configs import REPO, TINY_OVERRIDES
 
-from nemo_jetrl.backends.local.loop import Hooks, run_local
+from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
 from nemo_jetrl.backends.local.routing import ROUTING_MISMATCH
 
 RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
@@ -48,7 +48,7 @@ def _moe_run(recipe: str, tmp_path: Path, cache_dir: Path, *extra: str, hooks=No
             *extra,
         ],
     )
-    return run_local(cfg, progress=False, log=print, hooks=hooks)
+    return run_local(resolve_run(cfg), progress=False, log=print, hooks=hooks)
 
 
 def test_moe_examples_ship_for_every_recipe():
@@ -131,7 +131,7 @@ def test_moe_resume_with_replay_reproduces_the_uninterrupted_run(tmp_path, cache
          f"jetrl.local.cache_dir={cache_dir}", f"logger.log_dir={tmp_path / 'part' / 'run'}",
          "grpo.max_num_steps=3", *replay],
     )  # fmt: skip
-    second = run_local(cfg, resume=True, progress=False, log=print)
+    second = run_local(resolve_run(cfg), resume=True, progress=False, log=print)
     assert second.first_step == 2 and second.last_step == 3
     keep = ("train/", "jetrl/moe/")
     a = {k: v for k, v in full.history[2].items() if k.startswith(keep)}

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from local_configs import tiny_cfg
 
 import nemo_jetrl.backends.local.step as step_mod
-from nemo_jetrl.backends.local.loop import LocalRun
+from nemo_jetrl.backends.local.loop import LocalRun, resolve_run
 
 # random-init weights (no warm start): their greedy answers differ from prompt to prompt
 SETTINGS = ("jetrl.local.task.val_size=96", "jetrl.local.warmstart.enabled=false")
@@ -41,7 +41,7 @@ def _validate(run: LocalRun, monkeypatch) -> tuple[dict, list[int], list[tuple]]
 
 @pytest.mark.parametrize("recipe", ["jetrl", "fp8_rollout", "jetrl_kv"])
 def test_each_distinct_prompt_is_decoded_once_with_the_same_metrics(tmp_path, monkeypatch, recipe):
-    run = LocalRun(tiny_cfg(recipe, tmp_path, tmp_path / "cache", *SETTINGS))
+    run = LocalRun(resolve_run(tiny_cfg(recipe, tmp_path, tmp_path / "cache", *SETTINGS)))
     try:
         distinct = len({p.prompt for p in run.val_problems})
         assert distinct < len(run.val_problems) == 96  # the set repeats problems
@@ -68,7 +68,7 @@ def test_each_distinct_prompt_is_decoded_once_with_the_same_metrics(tmp_path, mo
 def test_batch_variant_or_sampled_validation_decodes_every_row(
     tmp_path, monkeypatch, recipe, extra
 ):
-    run = LocalRun(tiny_cfg(recipe, tmp_path, tmp_path / "cache", *SETTINGS, *extra))
+    run = LocalRun(resolve_run(tiny_cfg(recipe, tmp_path, tmp_path / "cache", *SETTINGS, *extra)))
     try:
         _, rows, _ = _validate(run, monkeypatch)
         assert rows == [96]

@@ -109,7 +109,7 @@ def test_jetrl_kv_on_the_vllm_engine_where_vllm_runs_fp8_kv_here(tmp_path, reque
 def _run_on_vllm_engine(tmp_path, recipe) -> list[tuple[float, float]]:
     """A 2-step run on the vLLM engine, checked; per step, |tmpe - 1| and the largest
     |generation - prev| logprob gap (bounded by the callers)."""
-    from nemo_jetrl.backends.local.loop import Hooks, run_local
+    from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
     from nemo_jetrl.backends.local.refit import export_weights
     from nemo_jetrl.vllm_patch.settings import ENV_VAR
 
@@ -118,7 +118,10 @@ def _run_on_vllm_engine(tmp_path, recipe) -> list[tuple[float, float]]:
     hooks = Hooks(on_run=runs.append, after_step=lambda step, s: steps.append((step, dict(s))))
     log_dir = tmp_path / "run"
     res = run_local(
-        _cfg(recipe, log_dir, tmp_path / "cache"), progress=False, hooks=hooks, log=print
+        resolve_run(_cfg(recipe, log_dir, tmp_path / "cache")),
+        progress=False,
+        hooks=hooks,
+        log=print,
     )
     assert res.last_step == 2 and [s for s, _ in steps] == [1, 2]
     (run,) = runs

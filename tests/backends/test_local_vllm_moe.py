@@ -189,7 +189,7 @@ def _negate_router_at(step_no: int):
 
 
 def _engine_run(tmp_path: Path, recipe: str, *extra: str, steps: int = 2, hooks_kw=None):
-    from nemo_jetrl.backends.local.loop import Hooks, run_local
+    from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
 
     runs, out = [], []
     hooks = Hooks(
@@ -198,7 +198,7 @@ def _engine_run(tmp_path: Path, recipe: str, *extra: str, steps: int = 2, hooks_
         **(hooks_kw or {}),
     )
     cfg = _cfg(recipe, tmp_path, f"grpo.max_num_steps={steps}", *extra)
-    res = run_local(cfg, progress=False, hooks=hooks, log=print)
+    res = run_local(resolve_run(cfg), progress=False, hooks=hooks, log=print)
     assert res.last_step == steps and len(out) == steps
     (run,) = runs
     return run, out

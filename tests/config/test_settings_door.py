@@ -4,12 +4,14 @@ A ratchet: the modules outside `nemo_jetrl/config/` and the NeMo-RL boundary
 (`nemo_jetrl/backends/nemo_rl/`) that still touch OmegaConf may only get fewer (lower
 `MAX_RAW_READERS` as they go; the issue's target is 3: `runs/logs.py` reading a logged
 config.yaml as data, `commands/align.py` editing the file, the local backend's door
-`backends/local/setup.resolve_run`). And the
-typed `Settings` hold each key's default once.
+`backends/local/setup.resolve_run`). No function below the door takes the whole tree as a
+parameter (the local run takes `setup.ResolvedRun`). And the typed `Settings` hold each key's
+default once.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -41,6 +43,47 @@ def test_raw_config_readers_only_get_fewer():
         f"{MAX_RAW_READERS}): {found}; take `nemo_jetrl.config.Settings` (or a typed section) "
         "instead"
     )
+
+
+#: Functions below the door that may take a parameter named ``cfg`` typed Any/DictConfig (or not
+#: typed), and why: each hands the tree to `nemo_jetrl.config` untouched or is not our config.
+TREE_TAKERS = {
+    ("backends/local/setup.py", "resolve_run"): "the local backend's door",
+    ("backends/local/setup.py", "_loss_config"): "resolve_run's reader of loss_fn",
+    ("backends/local/setup.py", "_run_settings"): "resolve_run's reader of the run keys",
+    ("flow/pipeline.py", "check_config"): "a YAML path or tree, passed to config.load_valid_config",
+    ("megatron/export.py", "from_megatron_config"): "Megatron-Core's TransformerConfig",
+    ("invariant/hf.py", "_replacement"): "an Fp8LinearConfig or None",
+}
+
+
+def _tree_takers() -> set[tuple[str, str]]:
+    out = set()
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith(DOORS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            for a in args:
+                ann = ast.unparse(a.annotation) if a.annotation is not None else "Any"
+                # (a section parser's `Mapping[str, Any]`, e.g. rl.correction's of loss_fn, is fine)
+                if a.arg == "cfg" and (ann.endswith("Any") or "DictConfig" in ann):
+                    out.add((rel, node.name))
+    return out
+
+
+def test_no_function_below_the_door_takes_the_whole_tree():
+    """Before issue 38's last stage `run_local(cfg)` and `LocalRun(cfg)` took the tree (and
+    `LocalRun` read MoE settings from it again); they take `ResolvedRun` now."""
+    found = _tree_takers()
+    assert found <= set(TREE_TAKERS), (
+        f"{sorted(found - set(TREE_TAKERS))} take the raw config below the door: take "
+        "`nemo_jetrl.config.Settings` or the typed section (e.g. backends.local.setup.ResolvedRun)"
+    )
+    assert ("backends/local/setup.py", "resolve_run") in found  # the scan sees a real taker
 
 
 def test_each_default_is_read_once_into_the_settings():

@@ -63,13 +63,13 @@ def test_local_backend_keeps_listed_linears_bf16_on_both_sides_exactly_on_policy
     sys.path.insert(0, str(REPO / "tests"))
     from local_configs import tiny_cfg
 
-    from nemo_jetrl.backends.local.loop import Hooks, LocalRun
+    from nemo_jetrl.backends.local.loop import Hooks, LocalRun, resolve_run
     from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8InferenceLinear
 
     cfg = tiny_cfg(
         "jetrl", tmp_path / "run", tmp_path / "cache", f"+{ROLL}={ATTN}", f"+{TRAIN}={ATTN}"
     )
-    run_ = LocalRun(cfg, log=lambda m: None)
+    run_ = LocalRun(resolve_run(cfg), log=lambda m: None)
     try:
         for model, fp8_type in (
             (run_.trainer.model, Fp8BlockLinear),

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from local_configs import EXAMPLES, REPO, TINY_OVERRIDES, tiny_cfg
 
 from nemo_jetrl.backends.local import checkpoint as ckpt
-from nemo_jetrl.backends.local.loop import Hooks, run_local
+from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
 from nemo_jetrl.cli import main
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.runs.lock import LOCK_FILE, RunDirBusy, RunDirLock
@@ -37,9 +37,9 @@ RECIPE = "jetrl"  # the FP8-training recipe: the one whose resume must be exact
 def cache_dir(tmp_path_factory) -> Path:
     """A warm-start cache filled once, in this process, before any subprocess reads it."""
     d = tmp_path_factory.mktemp("faults_cache")
-    from nemo_jetrl.backends.local.setup import LocalRun
+    from nemo_jetrl.backends.local.setup import LocalRun, resolve_run
 
-    LocalRun(tiny_cfg(RECIPE, tmp_path_factory.mktemp("warm"), d)).close()
+    LocalRun(resolve_run(tiny_cfg(RECIPE, tmp_path_factory.mktemp("warm"), d))).close()
     return d
 
 
@@ -59,7 +59,7 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     from local_configs import tiny_cfg
     from nemo_jetrl.backends.local import checkpoint as ckpt
-    from nemo_jetrl.backends.local.loop import Hooks, run_local
+    from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
 
     recipe, log_dir, cache, mode, marker, go, *extra = sys.argv[1:]
 
@@ -81,7 +81,7 @@ CHILD = textwrap.dedent(
             return real(d)
 
         ckpt._check_files = check
-    run_local(tiny_cfg(recipe, Path(log_dir), Path(cache), *extra), hooks=hooks, progress=False)
+    run_local(resolve_run(tiny_cfg(recipe, Path(log_dir), Path(cache), *extra)), hooks=hooks, progress=False)
     """
 )
 
@@ -154,13 +154,15 @@ def test_a_fresh_run_into_an_earlier_runs_log_dir_is_refused(tmp_path, cache_dir
     once replaced the first's config.yaml (seed 42 -> 43) and train data with only a note."""
     log_dir = tmp_path / "run"
     off = ("grpo.max_num_steps=1", "grpo.val_period=0", "checkpointing.enabled=false")
-    run_local(tiny_cfg(RECIPE, log_dir, cache_dir, *off), progress=False, log=lambda m: None)
+    run_local(
+        resolve_run(tiny_cfg(RECIPE, log_dir, cache_dir, *off)), progress=False, log=lambda m: None
+    )
     before = {p.name: p.read_bytes() for p in log_dir.iterdir() if p.is_file()}
     assert "config.yaml" in before
     second = tiny_cfg(RECIPE, log_dir, cache_dir, *off, "grpo.seed=43")
     with pytest.raises(UserError, match=r"already holds an earlier run \(TensorBoard events, "
                        r"config\.yaml, 1 train_data_step\*\.jsonl\).*--resume"):  # fmt: skip
-        run_local(second, progress=False, log=lambda m: None)
+        run_local(resolve_run(second), progress=False, log=lambda m: None)
     assert {p.name: p.read_bytes() for p in log_dir.iterdir() if p.is_file()} == before
 
 
@@ -172,7 +174,7 @@ def test_stale_lock_of_killed_run_is_taken_over(tmp_path, cache_dir):
     assert str(holder.pid) in (log_dir / LOCK_FILE).read_text()  # the dead holder's lock stays
     msgs: list[str] = []
     res = run_local(
-        tiny_cfg(RECIPE, log_dir, cache_dir, "grpo.max_num_steps=1"),
+        resolve_run(tiny_cfg(RECIPE, log_dir, cache_dir, "grpo.max_num_steps=1")),
         progress=False,
         log=msgs.append,
     )
@@ -185,13 +187,13 @@ def test_lock_is_released_on_exception_and_held_in_process(tmp_path, cache_dir):
     cfg = tiny_cfg(RECIPE, tmp_path / "run", cache_dir, "grpo.max_num_steps=1")
     lock = RunDirLock("other").acquire([("logger.log_dir", tmp_path / "run")])
     with lock, pytest.raises(RunDirBusy, match=f"pid {os.getpid()}"):
-        run_local(cfg, progress=False, log=print)
+        run_local(resolve_run(cfg), progress=False, log=print)
 
     def boom(run):
         raise RuntimeError("injected")
 
     with pytest.raises(RuntimeError, match="injected"):
-        run_local(cfg, progress=False, log=print, hooks=Hooks(on_run=boom))
+        run_local(resolve_run(cfg), progress=False, log=print, hooks=Hooks(on_run=boom))
     assert not (tmp_path / "run" / LOCK_FILE).exists()
     assert not (tmp_path / "run" / "checkpoints" / LOCK_FILE).exists()
 
@@ -205,7 +207,9 @@ def test_kill_during_save_then_resume_matches_uninterrupted_run(tmp_path, cache_
     from nemo_jetrl.runs.logs import find_event_files, read_event_file, read_scalars, run_ids
 
     extra = ("grpo.max_num_steps=3", "grpo.val_period=0")
-    full = run_local(tiny_cfg(RECIPE, tmp_path / "full", cache_dir, *extra), progress=False)
+    full = run_local(
+        resolve_run(tiny_cfg(RECIPE, tmp_path / "full", cache_dir, *extra)), progress=False
+    )
     part = tmp_path / "part"
     child, _go = _child(tmp_path, part, cache_dir, "save3", *extra)
     child.send_signal(signal.SIGKILL)
@@ -215,7 +219,10 @@ def test_kill_during_save_then_resume_matches_uninterrupted_run(tmp_path, cache_
     assert [s for s, _ in ckpt.list_checkpoints(ck)] == [1, 2]
     msgs: list[str] = []
     res = run_local(
-        tiny_cfg(RECIPE, part, cache_dir, *extra), resume=True, progress=False, log=msgs.append
+        resolve_run(tiny_cfg(RECIPE, part, cache_dir, *extra)),
+        resume=True,
+        progress=False,
+        log=msgs.append,
     )
     text = "\n".join(msgs)
     assert f"stale lock of pid {child.pid}" in text
@@ -255,7 +262,7 @@ def test_kill_during_save_then_resume_matches_uninterrupted_run(tmp_path, cache_
 @pytest.fixture(scope="module")
 def two_step_run(tmp_path_factory, cache_dir) -> Path:
     d = tmp_path_factory.mktemp("two") / "run"
-    run_local(tiny_cfg(RECIPE, d, cache_dir), progress=False, log=print)
+    run_local(resolve_run(tiny_cfg(RECIPE, d, cache_dir)), progress=False, log=print)
     return d
 
 
@@ -276,9 +283,11 @@ def test_torn_latest_checkpoint_resumes_from_previous(damage, tmp_path, cache_di
         (ck / "step_2" / ckpt.MANIFEST_FILE).unlink()
     # a fresh start would mix with these checkpoints: refused, naming --resume
     with pytest.raises(UserError, match="--resume"):
-        run_local(tiny_cfg(RECIPE, run, cache_dir), progress=False, log=print)
+        run_local(resolve_run(tiny_cfg(RECIPE, run, cache_dir)), progress=False, log=print)
     msgs: list[str] = []
-    res = run_local(tiny_cfg(RECIPE, run, cache_dir), resume=True, progress=False, log=msgs.append)
+    res = run_local(
+        resolve_run(tiny_cfg(RECIPE, run, cache_dir)), resume=True, progress=False, log=msgs.append
+    )
     text = "\n".join(msgs)
     why = "does not load" if damage.startswith("legacy") else f"{name} is "
     assert f"skipping {ck / 'step_2'}: " in text and why in text, text
@@ -328,7 +337,11 @@ def test_overflowing_update_is_refused_and_nothing_non_finite_is_saved(bad_lr, t
 
     msgs: list[str] = []
     res = run_local(
-        tiny_cfg(RECIPE, tmp_path / "run", cache_dir, "grpo.max_num_steps=3", "grpo.val_period=0"),
+        resolve_run(
+            tiny_cfg(
+                RECIPE, tmp_path / "run", cache_dir, "grpo.max_num_steps=3", "grpo.val_period=0"
+            )
+        ),
         progress=False,
         log=msgs.append,
         hooks=Hooks(on_run=run_ref.append, after_step=after_step),
@@ -373,7 +386,7 @@ def test_an_update_to_finite_but_huge_weights_is_refused(tmp_path, cache_dir):
 
     msgs: list[str] = []
     cfg = tiny_cfg(RECIPE, tmp_path / "run", cache_dir, "grpo.max_num_steps=3", "grpo.val_period=0")
-    res = run_local(cfg, progress=False, log=msgs.append, hooks=Hooks(on_run=on_run))
+    res = run_local(resolve_run(cfg), progress=False, log=msgs.append, hooks=Hooks(on_run=on_run))
     assert [h["jetrl/local/update_refused"] for h in res.history] == [0.0, 1.0, 0.0]
     assert any(m.startswith("step 2: update refused: the updated policy's forward is not finite")
                for m in msgs), msgs  # fmt: skip
@@ -487,7 +500,7 @@ def test_config_yaml_keeps_env_interpolation_and_is_owner_only(tmp_path, cache_d
         "grpo.max_num_steps=1",
         "+logger.wandb.api_key=${oc.env:JETRL_FAULT_SECRET}",
     )
-    run_local(cfg, progress=False, log=print)
+    run_local(resolve_run(cfg), progress=False, log=print)
     text = (log_dir / "config.yaml").read_text()
     assert "s3cr3t-value" not in text and "${oc.env:JETRL_FAULT_SECRET}" in text
     assert (log_dir / "config.yaml").stat().st_mode & 0o777 == 0o600

@@ -1,10 +1,11 @@
 """The local GRPO loop: refit, rollout, score, metrics, update (and KV recalibration) every step.
 
-`run_local` builds a `LocalRun` (`nemo_jetrl.backends.local.setup`: models, trainer, KV
-controller, vLLM engine start/close) and runs its steps: the phases of DESIGN.md ("One RL
+`run_local` builds a `LocalRun` from the `ResolvedRun` that `resolve_run` read from the config
+(`nemo_jetrl.backends.local.setup`: models, trainer, KV controller, vLLM engine start/close) and
+runs its steps: the phases of DESIGN.md ("One RL
 step"), timed with NeMo-RL's timing names, are in `nemo_jetrl.backends.local.step`, the
-checkpoint state in `nemo_jetrl.backends.local.resume`. `LocalRun`, `Hooks` and `resolve_run`
-are importable from here too.
+checkpoint state in `nemo_jetrl.backends.local.resume`. `LocalRun`, `Hooks`, `ResolvedRun` and
+`resolve_run` are importable from here too.
 
 Logs go to ``logger.log_dir`` in NeMo-RL's layout through `nemo_jetrl.runs.writer.RunWriter`;
 validation accuracy every ``grpo.val_period`` steps; a checkpoint every
@@ -21,19 +22,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.backends.local import checkpoint as ckpt
 from nemo_jetrl.backends.local.config import RunSettings
-from nemo_jetrl.backends.local.setup import LocalRun, resolve_run
+from nemo_jetrl.backends.local.setup import LocalRun, ResolvedRun, resolve_run
 from nemo_jetrl.backends.local.step import Hooks
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.runs.lock import RunDirLock
 from nemo_jetrl.runs.logs import CONFIG_FILE
 from nemo_jetrl.runs.tensorboard import find_event_files
 
-__all__ = ["Hooks", "LocalRun", "RunResult", "resolve_run", "run_local"]
+__all__ = ["Hooks", "LocalRun", "ResolvedRun", "RunResult", "resolve_run", "run_local"]
 
 
 @dataclass
@@ -49,18 +49,15 @@ class RunResult:
 
 
 def run_local(
-    cfg: Any,
+    resolved: ResolvedRun,
     *,
     resume: bool = False,
     progress: bool = True,
     hooks: Hooks | None = None,
     log=None,
-    resolved: tuple | None = None,
 ) -> RunResult:
-    """Run (or resume) a local GRPO run described by a NeMo-RL-shaped config (``cfg``: the
-    loaded tree; `resolve_run` reads it once, this backend's door, and the run's config.yaml
-    is written from it as given). ``resolved``: what `resolve_run(cfg)` returned, when the
-    caller (`jetrl train`) already read it, so the tree is read once.
+    """Run (or resume) the local GRPO run that `resolve_run` read from a NeMo-RL-shaped config
+    (this backend's door: ``run_local(resolve_run(cfg))``); its config.yaml is the config as given.
 
     The run owns ``logger.log_dir`` and ``checkpointing.checkpoint_dir`` for its lifetime
     (`nemo_jetrl.runs.lock`); `UserError` (exit 2) when another live run holds them, when a
@@ -71,8 +68,7 @@ def run_local(
     tqdm_mod = require("tqdm", feature="the training progress bar") if progress else None
     write = (tqdm_mod.tqdm.write if tqdm_mod else print) if log is None else log
     t_begin = time.perf_counter()
-    resolved = resolved or resolve_run(cfg)
-    rs = resolved[1]
+    rs = resolved.run
     lock = _own_run_dirs(rs, resume=resume, log=write)
     try:
         found = None
@@ -80,7 +76,7 @@ def run_local(
             found = ckpt.find_resumable(rs.resolved_checkpoint_dir(), log=write)
             if found is None:
                 write(f"--resume: no checkpoint in {rs.resolved_checkpoint_dir()}; starting fresh")
-        return _run_owned(cfg, resolved, lock.run_id, found, hooks, tqdm_mod, write, t_begin)
+        return _run_owned(resolved, lock.run_id, found, hooks, tqdm_mod, write, t_begin)
     except ckpt.CheckpointError as exc:
         raise UserError(str(exc)) from None
     finally:
@@ -131,13 +127,13 @@ def _earlier_run_files(log_dir: Path) -> list[str]:
     return found
 
 
-def _run_owned(cfg, resolved, run_id, found, hooks, tqdm_mod, write, t_begin) -> RunResult:
+def _run_owned(resolved, run_id, found, hooks, tqdm_mod, write, t_begin) -> RunResult:
     """The run itself, in directories this process owns; ``found``: the verified checkpoint
     to continue from (`checkpoint.find_resumable`), or None."""
-    run = _start_run(cfg, resolved, run_id, found, hooks, write)
+    run = _start_run(resolved, run_id, found, hooks, write)
     rs = run.run
     first = run.step
-    writer = _open_writer(cfg, run, resumed=found is not None)
+    writer = _open_writer(run, resumed=found is not None)
     history: list[dict[str, float]] = []
     bar = _progress_bar(tqdm_mod, run)
     try:
@@ -164,10 +160,10 @@ def _run_owned(cfg, resolved, run_id, found, hooks, tqdm_mod, write, t_begin) ->
     )
 
 
-def _start_run(cfg, resolved, run_id, found, hooks, write) -> LocalRun:
+def _start_run(resolved, run_id, found, hooks, write) -> LocalRun:
     """Build the `LocalRun`, call ``hooks.on_run`` and restore ``found`` (if any), closing the
     run (its vLLM engine) when the restore fails."""
-    run = LocalRun(cfg, log=write, resolved=resolved)
+    run = LocalRun(resolved, log=write)
     run.run_id = run_id
     if hooks.on_run is not None:
         hooks.on_run(run)
@@ -181,14 +177,14 @@ def _start_run(cfg, resolved, run_id, found, hooks, write) -> LocalRun:
     return run
 
 
-def _open_writer(cfg, run: LocalRun, *, resumed: bool):
+def _open_writer(run: LocalRun, *, resumed: bool):
     """The run's `RunWriter` on ``logger.log_dir``; a resumed run purges the TensorBoard
     events after its restored step."""
     from nemo_jetrl.runs.writer import RunWriter
 
     return RunWriter(
         Path(run.run.log_dir),
-        config=cfg,  # written unresolved (`config.load.config_yaml`): secrets stay ${oc.env:...}
+        config=run.resolved.config_yaml,  # unresolved: secrets stay ${oc.env:...}
         recipe=run.recipe.name,
         run_id=run.run_id,
         purge_step=run.step + 1 if resumed else None,

@@ -1,5 +1,6 @@
-"""Setting up a local GRPO run: `resolve_run` checks the config (every problem at once) and
-`LocalRun` builds the run's state from it (tokenizer, warm-started weights, the trainer with its
+"""Setting up a local GRPO run: `resolve_run` reads and checks the config once (every problem at
+once; this backend's door) into a typed `ResolvedRun`, and `LocalRun` builds the run's state from
+that (tokenizer, warm-started weights, the trainer with its
 fp32 masters and optional frozen reference, the rollout model under the recipe's FP8 layers, the
 FP8 KV controller, the MoE routing controller, generators) and starts or closes the vLLM rollout engine. Its step phases
 come from `nemo_jetrl.backends.local.step`, its checkpointing from
@@ -9,6 +10,7 @@ come from `nemo_jetrl.backends.local.step`, its checkpointing from
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from nemo_jetrl.backends.local.task import encode_prompts, validation_problems
 from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
 from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
-from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.config.load import ConfigError, ConfigIssue, config_yaml
 from nemo_jetrl.config.run_keys import read_run_keys
 from nemo_jetrl.config.settings import Settings, settings_of
 from nemo_jetrl.invariant import make_batch_invariant
@@ -63,11 +65,21 @@ def _run_settings(cfg: DictConfig, settings: Settings) -> RunSettings:
     return RunSettings.from_keys(read_run_keys(cfg, found), found, settings)
 
 
-def resolve_run(
-    cfg: DictConfig, *, recipe: Recipe | None = None
-) -> tuple[Recipe, RunSettings, LocalSettings, GRPOLossConfig]:
-    """Recipe and settings of a local run, read from the tree once here (the local backend's
-    door); `ConfigError` listing every problem. ``recipe``: the one the caller's validation
+@dataclasses.dataclass(frozen=True)
+class ResolvedRun:
+    """Everything a local run reads from its config, typed, read once by `resolve_run`."""
+
+    recipe: Recipe
+    run: RunSettings  # NeMo-RL's grpo/policy/logger/checkpointing keys this run uses
+    local: LocalSettings  # jetrl.local
+    loss: GRPOLossConfig  # loss_fn
+    settings: Settings  # the config's typed settings (MoE routing replay, ...)
+    config_yaml: str  # config.yaml as written: interpolations unresolved, jetrl.recipe set
+
+
+def resolve_run(cfg: DictConfig, *, recipe: Recipe | None = None) -> ResolvedRun:
+    """What a local run needs, read from the tree once here (the local backend's door);
+    `ConfigError` listing every problem. ``recipe``: the one the caller's validation
     (`flow.pipeline.check_config`) already built from this tree, not validated again."""
     from nemo_jetrl.config import recipe_from_config
 
@@ -106,19 +118,20 @@ def resolve_run(
                 seen.add((i.path, i.message))
                 unique.append(i)
         raise ConfigError(unique)
-    return tuple(out)  # type: ignore[return-value]
+    text = config_yaml(cfg, recipe=recipe.name)
+    return ResolvedRun(*out, settings=settings, config_yaml=text)
 
 
 class LocalRun(RunStep, RunCheckpointing):
     """All state of one local GRPO run (models, trainer, generators, KV controller, writer);
     the step phases come from `RunStep`, the checkpoint state from `RunCheckpointing`."""
 
-    def __init__(self, cfg: DictConfig, *, log=print, resolved: tuple | None = None) -> None:
-        """``resolved``: what `resolve_run(cfg)` returned, when the caller already has it
-        (`run_local` resolves first to lock the run's directories before any work)."""
-        self.cfg = cfg
+    def __init__(self, resolved: ResolvedRun, *, log=print) -> None:
+        """``resolved``: the run's config as `resolve_run` read it."""
+        self.resolved = resolved
         self.log = log
-        self.recipe, self.run, self.local, loss_cfg = resolved or resolve_run(cfg)
+        self.recipe, self.run, self.local = resolved.recipe, resolved.run, resolved.local
+        loss_cfg = resolved.loss
         self.run_id: str | None = None  # set by run_local; kept across --resume
         self._set_num_threads()
         self.device = torch.device(self.local.device)
@@ -131,7 +144,7 @@ class LocalRun(RunStep, RunCheckpointing):
         self._build_rollout_model(train_model, dtype)
         self._attach_kv_cache(train_model)
         self.routing = RoutingController(
-            self.rollout_model, train_model, replay=router_replay_enabled(settings_of(cfg))
+            self.rollout_model, train_model, replay=router_replay_enabled(resolved.settings)
         )
         seed = self.run.seed
         # CPU generators on every device: rollout.sample draws on the CPU, so the checkpointed
