@@ -188,6 +188,26 @@ def bf16_recipe_gap(model_dir, engine_kwargs: dict, generate, trainer) -> float:
     return logprob_gap(outs, trainer)
 
 
+@contextmanager
+def served_checkpoint(model, directory: Path, recipe, engine_kwargs: dict) -> Iterator:
+    """``model`` saved with the char tokenizer to ``directory`` and served by a
+    `VllmRolloutEngine` under ``recipe`` (loaded by its first refit); closed after."""
+    import gc
+
+    from hf_models import char_tokenizer
+
+    from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
+
+    model.save_pretrained(directory)
+    char_tokenizer().save_pretrained(directory)
+    eng = VllmRolloutEngine(directory, recipe, engine_kwargs=engine_kwargs)
+    try:
+        yield eng
+    finally:
+        eng.close()
+        gc.collect()
+
+
 def generate_each(llm, prompts, sampling_params) -> list:
     """``llm.generate`` one prompt per call, so repeated calls compare bit for bit.
 

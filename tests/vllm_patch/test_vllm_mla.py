@@ -18,13 +18,12 @@ per tensor and empties its weight.
 
 from __future__ import annotations
 
-import gc
 import math
 
 import pytest
 import torch
 from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
-from vllm_fixtures import vllm_cpu_env
+from vllm_fixtures import served_checkpoint, vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
 
@@ -69,15 +68,9 @@ def recipe():
 
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory, recipe):
-    from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
-
     d = tmp_path_factory.mktemp("tiny_mla")
-    tiny_mla(0).save_pretrained(d)
-    char_tokenizer().save_pretrained(d)
-    eng = VllmRolloutEngine(d, recipe, engine_kwargs=USER_KWARGS)
-    yield eng
-    eng.close()
-    gc.collect()
+    with served_checkpoint(tiny_mla(0), d, recipe, USER_KWARGS) as eng:
+        yield eng
 
 
 def test_mla_weights_are_quantized_with_a_576_row_tail_block(recipe):

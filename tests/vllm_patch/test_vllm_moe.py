@@ -13,6 +13,7 @@ tier: the ``vllm_in_nemo_rl`` tests) and 0.20.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -124,7 +125,7 @@ def write_checkpoint(model, directory, settings=None) -> dict[str, torch.Tensor]
         sd = quantize_state_dict(sd, settings, dtype=torch.bfloat16).tensors
     save_file({k: v.contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"))
     cfg = model.config.to_dict()
-    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["architectures"] = [type(model).__name__]
     if settings is not None:
         cfg["quantization_config"] = quantization_config(settings)
     (directory / "config.json").write_text(json.dumps(cfg))
@@ -180,15 +181,58 @@ def _generate(llm):
     return generate_each(llm, PROMPTS, sp)  # same batches every call
 
 
-@pytest.fixture(scope="module")
-def settings():
+def moe_settings(routers):
+    """The jetrl recipe's patch settings with the MoE ``routers`` kept BF16."""
     from nemo_jetrl.recipe import Recipe
     from nemo_jetrl.vllm_patch import settings_from_recipe
 
     base = settings_from_recipe(Recipe.preset("jetrl"))
     return dataclasses.replace(
-        base, modules_to_not_convert=(*base.modules_to_not_convert, *ROUTERS)
+        base, modules_to_not_convert=(*base.modules_to_not_convert, *routers)
     )
+
+
+def bf16_control_gap(trainer, directory, generate) -> float:
+    """Control: ``trainer``'s BF16 checkpoint on vLLM unpatched vs the BF16 HF forward."""
+    from vllm import LLM
+
+    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+
+    write_checkpoint(trainer, directory)
+    llm = LLM(model=str(directory), **USER_KWARGS)
+    try:
+        outs = generate(llm)
+    finally:
+        shutdown_engine(llm)
+        gc.collect()
+    return logprob_gap(outs, trainer)
+
+
+@contextlib.contextmanager
+def served_fp8(trainer, directory, settings, **user):
+    """(llm, patch, checkpoint tensors): ``trainer``'s FP8 checkpoint through vLLM's loader under
+    the patch, every block-FP8 linear checked to run our kernel."""
+    from vllm import LLM
+
+    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
+    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+
+    sd = write_checkpoint(trainer, directory, settings)
+    patch = apply_patches(settings)
+    kwargs = build_engine_kwargs(settings, dict(USER_KWARGS, load_format="auto", **user)).kwargs
+    llm = LLM(model=str(directory), **kwargs)
+    try:
+        verify_engine_kernels(llm, settings)
+        yield llm, patch, sd
+    finally:
+        shutdown_engine(llm)
+        patch.revert()
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def settings():
+    return moe_settings(ROUTERS)
 
 
 @pytest.fixture(scope="module")
@@ -200,43 +244,16 @@ def trainer():
 @pytest.fixture(scope="module")
 def bf16_control(tmp_path_factory, trainer):
     """Control: the BF16 checkpoint on vLLM (BF16 experts) vs the BF16 HF forward."""
-    from vllm import LLM
-
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
-
-    d = tmp_path_factory.mktemp("moe_bf16")
-    write_checkpoint(trainer, d)
-    llm = LLM(model=str(d), **USER_KWARGS)
-    try:
-        outs = _generate(llm)
-    finally:
-        shutdown_engine(llm)
-        gc.collect()
-    return logprob_gap(outs, trainer)
+    return bf16_control_gap(trainer, tmp_path_factory.mktemp("moe_bf16"), _generate)
 
 
 # Its own engine: the FP8 checkpoint through vLLM's loader, shared by every test below.
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, trainer, settings):
     """(llm, patch, checkpoint tensors) of the FP8 checkpoint under the patch."""
-    from vllm import LLM
-
-    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
-
-    d = tmp_path_factory.mktemp("moe_fp8")
-    sd = write_checkpoint(trainer, d, settings)
-    patch = apply_patches(settings)
-    user = dict(USER_KWARGS, load_format="auto")
-    if routed_experts_supported():
-        user["enable_return_routed_experts"] = True
-    kwargs = build_engine_kwargs(settings, user).kwargs
-    llm = LLM(model=str(d), **kwargs)
-    verify_engine_kernels(llm, settings)
-    yield llm, patch, sd
-    shutdown_engine(llm)
-    patch.revert()
-    gc.collect()
+    user = {"enable_return_routed_experts": True} if routed_experts_supported() else {}
+    with served_fp8(trainer, tmp_path_factory.mktemp("moe_fp8"), settings, **user) as served:
+        yield served
 
 
 @ONE_ENGINE

@@ -14,14 +14,16 @@ Runs on vLLM 0.32 (.venv-vllm) and 0.20 (.venv-vllm020) alike.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import gc
-import json
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
-from test_vllm_moe import per_expert_state_dict  # fused 3-D experts -> experts.{e}.*_proj
+from hf_models import tiny_hf_config, tiny_hf_model
+from test_vllm_moe import (  # the MoE engine set-up of the Qwen3-MoE module
+    bf16_control_gap,
+    moe_settings,
+    per_expert_state_dict,  # fused 3-D experts -> experts.{e}.*_proj
+    served_fp8,
+)
 from vllm_fixtures import (
     fp8_rounding_gap,
     generate_each,
@@ -36,7 +38,6 @@ E, INTER, SHARED, LAYERS = 4, 128, 256, 2
 MOE_LAYERS = (0, 1)
 MAX_TOKENS = 8
 PROMPTS = ["Hello wor", "The cat s", "0123456"]
-USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
 ROUTERS = tuple(f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS)
 SHARED_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -81,25 +82,6 @@ def tiny_qwen2_moe(seed: int) -> torch.nn.Module:
             if name.endswith("_proj.bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     return model
-
-
-def write_checkpoint(model, directory, settings=None) -> dict[str, torch.Tensor]:
-    from safetensors.torch import save_file
-
-    from nemo_jetrl.vllm_patch.engine_args import quantization_config
-    from nemo_jetrl.vllm_patch.refit import quantize_state_dict
-
-    sd = per_expert_state_dict(model)
-    if settings is not None:
-        sd = quantize_state_dict(sd, settings, dtype=torch.bfloat16).tensors
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"))
-    cfg = model.config.to_dict()
-    cfg["architectures"] = ["Qwen2MoeForCausalLM"]
-    if settings is not None:
-        cfg["quantization_config"] = quantization_config(settings)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    char_tokenizer().save_pretrained(directory)
-    return sd
 
 
 def fp8_reference(model: torch.nn.Module) -> torch.nn.Module:
@@ -178,13 +160,7 @@ def shared_names(kind: str = "weight") -> list[str]:
 
 @pytest.fixture(scope="module")
 def settings():
-    from nemo_jetrl.recipe import Recipe
-    from nemo_jetrl.vllm_patch import settings_from_recipe
-
-    base = settings_from_recipe(Recipe.preset("jetrl"))
-    return dataclasses.replace(
-        base, modules_to_not_convert=(*base.modules_to_not_convert, *ROUTERS)
-    )
+    return moe_settings(ROUTERS)
 
 
 @pytest.fixture(scope="module")
@@ -196,19 +172,7 @@ def trainer():
 @pytest.fixture(scope="module")
 def bf16_control(tmp_path_factory, trainer):
     """Control: the BF16 checkpoint on vLLM (no patch) vs the BF16 HF forward."""
-    from vllm import LLM
-
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
-
-    d = tmp_path_factory.mktemp("moe_shared_bf16")
-    write_checkpoint(trainer, d)
-    llm = LLM(model=str(d), **USER_KWARGS)
-    try:
-        outs = _generate(llm)
-    finally:
-        shutdown_engine(llm)
-        gc.collect()
-    return logprob_gap(outs, trainer)
+    return bf16_control_gap(trainer, tmp_path_factory.mktemp("moe_shared_bf16"), _generate)
 
 
 # Its own engine: the FP8 checkpoint under the patch, shared by every test below.
@@ -216,21 +180,9 @@ def bf16_control(tmp_path_factory, trainer):
 def served(tmp_path_factory, trainer, settings, bf16_control):
     """(llm, checkpoint tensors) of the FP8 checkpoint under the patch (after the control: one
     engine at a time)."""
-    from vllm import LLM
-
-    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
-
-    d = tmp_path_factory.mktemp("moe_shared_fp8")
-    sd = write_checkpoint(trainer, d, settings)
-    patch = apply_patches(settings)
-    kwargs = build_engine_kwargs(settings, dict(USER_KWARGS, load_format="auto")).kwargs
-    llm = LLM(model=str(d), **kwargs)
-    verify_engine_kernels(llm, settings)
-    yield llm, sd
-    shutdown_engine(llm)
-    patch.revert()
-    gc.collect()
+    with served_fp8(trainer, tmp_path_factory.mktemp("moe_shared_fp8"), settings) as served:
+        llm, _patch, sd = served
+        yield llm, sd
 
 
 def test_checkpoint_keeps_the_shared_gate_bf16_and_quantizes_the_shared_expert(served):
