@@ -15,8 +15,7 @@ One refit does, in order (nothing is sent unless every check before it passed):
    (a BF16/FP16-max weight with power-of-two scales) and tensors that overflow the engine's
    dtype when cast; FP8 weights TE's FP8 GEMM refuses (`fp8.spec.linear_dims_problem`) too (BF16
    on both sides). Partial 128-blocks are sent as they are (576 rows: a [5, K/128] scale).
-3. Shape guard: each tensor's shape and dtype is compared with the engine's parameter slice it
-   will land in; all mismatches are reported together, naming the layers.
+3. Shape guard: each tensor's shape and dtype against the engine's parameter slice (all named).
 4. Load through vLLM's own layerwise reload (``compat.reload_weights``): the model's
    ``load_weights`` routes each tensor, every layer's ``process_weights_after_loading`` runs again
    (what vLLM derives from a weight, such as the CPU build's packed GEMM copies, is rebuilt), and
@@ -26,15 +25,14 @@ One refit does, in order (nothing is sent unless every check before it passed):
    compared with what the trainer sent: FP8 weights and scales byte for byte, other tensors
    byte for byte where the parameter holds them, and unquantized linear weights also *through the
    layer's GEMM* (identity rows in, ``W^T`` out), so a stale derived copy cannot pass, nor a
-   stale MLA ``W_UK_T``/``W_UV`` (`parity_views`). Any differing tensor is named.
-6. Rollback (on by default): steps 4-5 run inside ``rollback.engine_rollback``: each worker
-   snapshots its model before the first tensor lands; if loading, the KV scales or the parity
-   check fail, every worker is put back and verified bit for bit, and the error says so. The
-   snapshot costs one copy of the weights for the refit's duration (never the KV cache).
+   stale MLA ``W_UK_T``/``W_UV`` (`parity_views`). Any differing tensor is named. Then the
+   prefix cache is emptied (`refit_kv.drop_cached_prefixes`: no KV of the old weights reused).
+6. Rollback (on by default): steps 4-5 (and the reset) run in ``rollback.engine_rollback``: each
+   worker snapshots its model (one copy of the weights, never the KV cache) before the first
+   tensor lands; if one fails, every worker is put back, verified bit for bit, and the error says so.
 
-Tensors cross to the worker processes through ``LLM.collective_rpc`` (FP8 as uint8 bytes), which
-is fine for small models and CPU tests; large GPU models go through NeMo-RL's own transport,
-calling the same worker methods.
+Tensors cross to the workers by ``LLM.collective_rpc`` (FP8 as uint8 bytes: small models, CPU
+tests); large GPU models go through NeMo-RL's own transport to the same worker methods.
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ from nemo_jetrl.vllm_patch.refit_kv import (
     ParityError,
     RefitError,
     check_kv_layers,
+    drop_cached_prefixes,
     fresh_kv_layers,
     kv_scales,
     normalize_kv_scales,
@@ -353,6 +352,7 @@ def refit(
         if scales is not None:
             kv_layers = set_kv_scales(llm, scales)
         report = check_parity(llm, qsd) if parity else None
+        drop_cached_prefixes(llm)  # KV cached under the old weights; refused: rolled back
     return RefitReport(
         fp8_layers=len(qsd.fp8_layers),
         other_tensors=len(qsd.other_names),

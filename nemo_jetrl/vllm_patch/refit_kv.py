@@ -2,7 +2,7 @@
 
 `nemo_jetrl.vllm_patch.refit.refit` calls these before any weight is sent (so invalid or stale
 scales refuse the whole refit) and `set_kv_scales` after the weights are in; `set_kv_scales` is
-also the scales-only path. The rule for one scale value and one layer index is
+also the scales-only path. After either, `drop_cached_prefixes` empties vLLM's prefix cache. The rule for one scale value and one layer index is
 `nemo_jetrl.kvcache.scales` (`scale_problem`, `layer_problem`), the same rule `KVScales` applies.
 The refit errors live here (re-exported by `refit`) so that both halves raise the same classes.
 """
@@ -83,7 +83,22 @@ def set_kv_scales(llm: Any, kv_scales: Mapping[Any, Mapping[str, float]]) -> tup
         raise ParityError(
             "KV scales did not reach the attention layers:\n  - " + "\n  - ".join(wrong)
         )
+    drop_cached_prefixes(llm)  # cached FP8 KV was quantized with the old scales
     return tuple(results[0])
+
+
+def drop_cached_prefixes(llm: Any) -> None:
+    """Empty ``llm``'s prefix cache: KV blocks computed under the weights (or KV scales) a refit
+    just replaced must not serve a later prompt with the same prefix, or the rollout would run
+    on the old policy for that prefix while parity says the new one is in. NeMo-RL does the same
+    after its own refits (``invalidate_kv_cache``). vLLM refuses while requests still hold KV
+    blocks; that is an error here (a refit must not run under live requests)."""
+    if not llm.reset_prefix_cache():
+        raise RefitError(
+            "vLLM's prefix cache could not be reset after the refit (requests are still "
+            "running): KV computed under the old weights could be reused; refit between "
+            "generate calls"
+        )
 
 
 def kv_scales(llm: Any) -> dict[str, dict[str, float]]:
