@@ -159,3 +159,15 @@ def test_jetrl_train_validates_the_config_once(tmp_path, monkeypatch, capsys):
     ]
     assert main(args) == 0, capsys.readouterr().err
     assert len(calls) == 1
+
+
+def test_the_local_run_given_the_raw_tree_says_to_resolve_it_first():
+    """`run_local(cfg)` / `LocalRun(cfg)` (how they were called before the typed door) fail at
+    once with the call to make, before any directory is locked or model built."""
+    from nemo_jetrl.backends.local.loop import LocalRun, run_local
+
+    cfg = OmegaConf.create({"policy": {"model_name": "Qwen/Qwen3-8B-Base"}})
+    with pytest.raises(TypeError, match=r"run_local\(resolve_run\(cfg\)\)"):
+        run_local(cfg, progress=False)
+    with pytest.raises(TypeError, match=r"LocalRun\(resolve_run\(cfg\)\)"):
+        LocalRun(cfg)

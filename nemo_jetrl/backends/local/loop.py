@@ -2,9 +2,8 @@
 
 `run_local` builds a `LocalRun` from the `ResolvedRun` that `resolve_run` read from the config
 (`nemo_jetrl.backends.local.setup`: models, trainer, KV controller, vLLM engine start/close) and
-runs its steps: the phases of DESIGN.md ("One RL
-step"), timed with NeMo-RL's timing names, are in `nemo_jetrl.backends.local.step`, the
-checkpoint state in `nemo_jetrl.backends.local.resume`. `LocalRun`, `Hooks`, `ResolvedRun` and
+runs its steps: the phases of DESIGN.md ("One RL step"), timed with NeMo-RL's timing names, are
+in `nemo_jetrl.backends.local.step`, the checkpoint state in `nemo_jetrl.backends.local.resume`. `LocalRun`, `Hooks`, `ResolvedRun` and
 `resolve_run` are importable from here too.
 
 Logs go to ``logger.log_dir`` in NeMo-RL's layout through `nemo_jetrl.runs.writer.RunWriter`;
@@ -64,6 +63,11 @@ def run_local(
     directory cannot be created, or when a fresh start would mix with another run's logs or
     checkpoints.
     """
+    if not isinstance(resolved, ResolvedRun):  # the tree itself, as run_local took it before
+        raise TypeError(
+            f"run_local takes the ResolvedRun of a config, got {type(resolved).__name__}: "
+            "call run_local(resolve_run(cfg)) (resolve_run reports every config problem at once)"
+        )
     hooks = hooks or Hooks()
     tqdm_mod = require("tqdm", feature="the training progress bar") if progress else None
     write = (tqdm_mod.tqdm.write if tqdm_mod else print) if log is None else log

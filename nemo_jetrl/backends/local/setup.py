@@ -1,10 +1,9 @@
 """Setting up a local GRPO run: `resolve_run` reads and checks the config once (every problem at
 once; this backend's door) into a typed `ResolvedRun`, and `LocalRun` builds the run's state from
-that (tokenizer, warm-started weights, the trainer with its
-fp32 masters and optional frozen reference, the rollout model under the recipe's FP8 layers, the
-FP8 KV controller, the MoE routing controller, generators) and starts or closes the vLLM rollout engine. Its step phases
-come from `nemo_jetrl.backends.local.step`, its checkpointing from
-`nemo_jetrl.backends.local.resume`.
+that (tokenizer, warm-started weights, the trainer with its fp32 masters and optional frozen
+reference, the rollout model under the recipe's FP8 layers, the FP8 KV controller, the MoE routing
+controller, generators) and starts or closes the vLLM rollout engine. Its step phases come from
+`nemo_jetrl.backends.local.step`, its checkpointing from `nemo_jetrl.backends.local.resume`.
 """
 
 from __future__ import annotations
@@ -128,6 +127,11 @@ class LocalRun(RunStep, RunCheckpointing):
 
     def __init__(self, resolved: ResolvedRun, *, log=print) -> None:
         """``resolved``: the run's config as `resolve_run` read it."""
+        if not isinstance(resolved, ResolvedRun):  # the tree itself, as LocalRun took it before
+            raise TypeError(
+                f"LocalRun takes the ResolvedRun of a config, got {type(resolved).__name__}: "
+                "call LocalRun(resolve_run(cfg))"
+            )
         self.resolved = resolved
         self.log = log
         self.recipe, self.run, self.local = resolved.recipe, resolved.run, resolved.local
