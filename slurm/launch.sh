@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # Submit `jetrl train CONFIG --backend nemo-rl` to SLURM through NeMo-RL's own ray.sub.
 #
-# NeMo-RL's convention (docs/cluster.md in NVIDIA-NeMo/RL): ray.sub brings up a Ray cluster in
-# the container on every allocated node and runs $COMMAND on the head node; it reads CONTAINER,
+# NeMo-RL's convention (README.md in NVIDIA-NeMo/RL): ray.sub brings up a Ray cluster in the
+# container on every allocated node and runs $COMMAND on the head node; it reads CONTAINER,
 # MOUNTS, COMMAND (and optional SETUP_COMMAND, GPUS_PER_NODE, ...) from the environment, and the
-# sbatch flags (--nodes, --account, --partition, --time) from the command line. This script only
-# fills those in; it does not replace ray.sub.
+# sbatch flags (--nodes, --account, --partition, --time, --gres=gpu:8) from the command line.
+# This script only fills those in; it does not replace ray.sub.
 #
-# Nodes and GPUs come from one place: the config's cluster.num_nodes / cluster.gpus_per_node
-# (read with nemo_jetrl's loader when $PYTHON can import it) set sbatch --nodes and GPUS_PER_NODE,
-# and the values SLURM is asked for are passed to the run as cluster.num_nodes=... /
-# cluster.gpus_per_node=... overrides. NODES / GPUS_PER_NODE (or cluster.* overrides on the
-# command line) that disagree with the config are refused, naming both.
+# Nodes and GPUs are never guessed. They come from the config's cluster.num_nodes /
+# cluster.gpus_per_node, read with nemo_jetrl's loader (defaults chain and command-line
+# overrides applied) when $PYTHON can import nemo_jetrl; NODES / GPUS_PER_NODE that disagree
+# with the config are refused, naming both. When $PYTHON cannot read the config (the usual
+# login node), a cluster.num_nodes=N / cluster.gpus_per_node=G override on the command line
+# counts as the config's value; otherwise NODES and GPUS_PER_NODE must both be set (exit 2
+# naming them). Either way the values SLURM is asked for reach the run as cluster.num_nodes=... /
+# cluster.gpus_per_node=... overrides (last override wins): read from the config, they change
+# nothing; set by you when the config could not be read, they replace the config's values.
 #
 # Usage (on the login node, from the repository root):
 #   RAY_SUB=./ray.sub CONTAINER=/path/nemo-jetrl.sqsh ACCOUNT=myacct PARTITION=batch \
-#   NODES=1 TIME=4:00:00 \
+#   TIME=4:00:00 PYTHON=~/jetrl-venv/bin/python \
 #     bash slurm/launch.sh examples/configs/qwen3_8b_base/jetrl.yaml [key=value ...]
+#   (without such a PYTHON: NODES=1 GPUS_PER_NODE=8 bash slurm/launch.sh ..., the config's values)
+# It prints the job id on stdout (sbatch --parsable), so a second job can wait for it:
+#   first=$(bash slurm/launch.sh A.yaml) && DEPENDENCY=afterany:$first bash slurm/launch.sh B.yaml
 #
 # Get ray.sub from the image once (it is NeMo-RL's file, we do not ship a copy):
 #   docker run --rm nemo-jetrl:latest cat /opt/nemo-rl/ray.sub > ray.sub        (Docker)
@@ -27,19 +34,26 @@
 #   CONTAINER   image for srun --container-image (enroot .sqsh or registry name; required)
 #   MOUNTS      extra container mounts, comma-separated        (default: "$PWD:$PWD")
 #   ACCOUNT, PARTITION, TIME (default 4:00:00),
-#   NODES       default: the config's cluster.num_nodes (1 if it cannot be read)
-#   GPUS_PER_NODE  default: the config's cluster.gpus_per_node (8 if it cannot be read)
-#   GRES        e.g. gpu:8; passed to sbatch as --gres only when set (ray.sub detects GRES
-#               for its own srun steps)
+#   NODES       default: the config's cluster.num_nodes; required when it cannot be read
+#   GPUS_PER_NODE  default: the config's cluster.gpus_per_node; required when it cannot be read
+#   GRES        sbatch --gres (default: gpu:$GPUS_PER_NODE, as NeMo-RL's README passes
+#               --gres=gpu:8); GRES=gpu:h100:8 passes that; GRES= (empty) or GRES=none passes
+#               none, for clusters that refuse --gres
+#   DEPENDENCY  sbatch --dependency, e.g. afterany:<jobid> (docs/cluster.md section 6: the first
+#               recipe converts the HF model into $HF_HOME/nemo_rl, the others wait for it)
 #   PYTHON      a Python that imports nemo_jetrl, to read the config (default: python3)
 #   JOB_NAME (default: jetrl-<config stem>), HF_HOME (mounted and exported when set),
 #   HF_TOKEN    for gated models (Llama): exported in your shell, sbatch/srun pass it on; it is
 #               never written into the command line
 #   DRY_RUN=1   print the sbatch command instead of running it.
+# The driver command (COMMAND) runs `jetrl train` with PYTHONUNBUFFERED=1 (ray.sub sends its
+# output to <jobid>-logs/ray-driver.log) and first compares the image's nemo_jetrl commit
+# (`jetrl --version`) with this clone's (git rev-parse HEAD at submission, JETRL_CLONE_COMMIT):
+# a difference is a warning in the driver log, not an error.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,40p' "$0" >&2
+  sed -n '2,52p' "$0" >&2
   exit 2
 fi
 config=$1
@@ -57,10 +71,18 @@ fi
 : "${ACCOUNT:?set ACCOUNT (sbatch --account)}"
 : "${PARTITION:?set PARTITION (sbatch --partition)}"
 TIME=${TIME:-4:00:00}
+DEPENDENCY=${DEPENDENCY:-}
+if [[ "$DEPENDENCY" == *: || "$DEPENDENCY" == *:[,?]* ]]; then
+  echo "launch.sh: DEPENDENCY=$DEPENDENCY names no job id (did the first submission fail?)" >&2
+  exit 2
+fi
 
 # The config's cluster size and model (with its defaults: chain and the command-line overrides).
-read -r cfg_nodes cfg_gpus cfg_model < <(
-  "${PYTHON:-python3}" - "$config" "$@" 2>/dev/null <<'PY' || echo "- - -"
+PYTHON=${PYTHON:-python3}
+py_err=$(mktemp)
+trap 'rm -f "$py_err"' EXIT
+read_error=""
+if cfg_line=$("$PYTHON" - "$config" "$@" 2>"$py_err" <<'PY'
 import sys
 from omegaconf import OmegaConf
 from nemo_jetrl.config import load_config
@@ -68,21 +90,52 @@ cfg = load_config(sys.argv[1], [o for o in sys.argv[2:] if "=" in o])
 sel = lambda k: OmegaConf.select(cfg, k, default=None)
 print(sel("cluster.num_nodes") or "-", sel("cluster.gpus_per_node") or "-", sel("policy.model_name") or "-")
 PY
-)
-if [[ "$cfg_nodes" == "-" ]]; then
-  echo "launch.sh: note: could not read cluster.num_nodes from $config (set PYTHON to a Python that imports nemo_jetrl); using NODES=${NODES:-1}" >&2
-  cfg_nodes=${NODES:-1}
+); then
+  read -r cfg_nodes cfg_gpus cfg_model <<<"$cfg_line"
+  source_of="the config"
+else
+  read_error=$(grep -v '^\s*$' "$py_err" | tail -n 1 || true)
+  cfg_nodes=- cfg_gpus=- cfg_model=-
+  # A cluster.* override on the command line is what the run will use (last one wins).
+  for o in "$@"; do
+    case "$o" in
+      cluster.num_nodes=* | +cluster.num_nodes=* | ++cluster.num_nodes=*) cfg_nodes=${o#*=} ;;
+      cluster.gpus_per_node=* | +cluster.gpus_per_node=* | ++cluster.gpus_per_node=*) cfg_gpus=${o#*=} ;;
+    esac
+  done
+  source_of="the command line"
 fi
-[[ "$cfg_gpus" == "-" ]] && cfg_gpus=${GPUS_PER_NODE:-8}
+if [[ "$source_of" == "the config" ]]; then
+  why="it has no cluster.num_nodes / cluster.gpus_per_node"
+else
+  why="PYTHON=$PYTHON could not read it${read_error:+ ($read_error)}"
+fi
+if [[ "$cfg_nodes" == "-" && -z "${NODES:-}" ]] || [[ "$cfg_gpus" == "-" && -z "${GPUS_PER_NODE:-}" ]]; then
+  {
+    echo "launch.sh: cannot tell how many nodes and GPUs $config needs: $why."
+    echo "  Either set PYTHON to a Python that imports nemo_jetrl (e.g. python3 -m venv ~/jetrl-venv &&"
+    echo "  ~/jetrl-venv/bin/pip install --no-deps -e . && ~/jetrl-venv/bin/pip install omegaconf pydantic),"
+    echo "  or set NODES and GPUS_PER_NODE to the config's cluster.num_nodes and cluster.gpus_per_node"
+    echo "  (they are then passed to the run as cluster.num_nodes=\$NODES cluster.gpus_per_node=\$GPUS_PER_NODE)."
+  } >&2
+  exit 2
+fi
+if [[ "$source_of" != "the config" || "$cfg_nodes" == "-" || "$cfg_gpus" == "-" ]]; then
+  echo "launch.sh: note: $config: $why; using NODES=${NODES:-$cfg_nodes} GPUS_PER_NODE=${GPUS_PER_NODE:-$cfg_gpus}" \
+    "as set, passed to the run as cluster.num_nodes=${NODES:-$cfg_nodes}" \
+    "cluster.gpus_per_node=${GPUS_PER_NODE:-$cfg_gpus} (they replace the config's values)" >&2
+fi
+[[ "$cfg_nodes" == "-" ]] && cfg_nodes=$NODES
+[[ "$cfg_gpus" == "-" ]] && cfg_gpus=$GPUS_PER_NODE
 NODES=${NODES:-$cfg_nodes}
 GPUS_PER_NODE=${GPUS_PER_NODE:-$cfg_gpus}
 if [[ "$NODES" != "$cfg_nodes" ]]; then
-  echo "launch.sh: NODES=$NODES but the config has cluster.num_nodes=$cfg_nodes ($config):" \
+  echo "launch.sh: NODES=$NODES but $source_of has cluster.num_nodes=$cfg_nodes ($config):" \
     "unset NODES, or pass cluster.num_nodes=$NODES" >&2
   exit 2
 fi
 if [[ "$GPUS_PER_NODE" != "$cfg_gpus" ]]; then
-  echo "launch.sh: GPUS_PER_NODE=$GPUS_PER_NODE but the config has cluster.gpus_per_node=$cfg_gpus ($config):" \
+  echo "launch.sh: GPUS_PER_NODE=$GPUS_PER_NODE but $source_of has cluster.gpus_per_node=$cfg_gpus ($config):" \
     "unset GPUS_PER_NODE, or pass cluster.gpus_per_node=$GPUS_PER_NODE" >&2
   exit 2
 fi
@@ -94,23 +147,49 @@ stem=$(basename "$(dirname "$config")")-$(basename "$config" .yaml)
 JOB_NAME=${JOB_NAME:-jetrl-$stem}
 
 MOUNTS=${MOUNTS:-"$PWD:$PWD"}
-env_prefix=""
+env_prefix="PYTHONUNBUFFERED=1 "   # ray.sub sends the driver's stdout to a file
 if [[ -n "${HF_HOME:-}" ]]; then
   MOUNTS+=",$HF_HOME:$HF_HOME"
-  env_prefix="HF_HOME=$(printf '%q' "$HF_HOME") "
+  env_prefix+="HF_HOME=$(printf '%q' "$HF_HOME") "
 fi
 
-# The driver command ray.sub runs on the head node, inside the container.
+# The image's nemo_jetrl against this clone's commit (the configs were written for the clone's
+# HEAD), run in the container before the driver: a warning in the driver log, never a failure.
+# The commits compare as equal when one is a prefix (>= 7 hex digits) of the other.
+clone_commit=$(git -C "$(dirname "$config")" rev-parse HEAD 2>/dev/null || true)
+commit_check=""
+if [[ -n "$clone_commit" ]]; then
+  commit_check=$(cat <<'SH'
+img=$(jetrl --version 2>/dev/null | sed -n 's/.*(commit \([^)]*\)).*/\1/p');
+clone=$JETRL_CLONE_COMMIT;
+if [[ -z $img || $img == unknown ]]; then
+  echo "launch: note: the image's nemo_jetrl does not say its commit (jetrl --version); not compared with this clone's $clone" >&2;
+elif [[ ${#img} -ge 7 && $clone == "$img"* ]] || [[ ${#clone} -ge 7 && $img == "$clone"* ]]; then
+  echo "launch: the image's nemo_jetrl is commit $img, as this clone" >&2;
+else
+  echo "launch: warning: the image's nemo_jetrl is commit $img, this clone is at $clone: the clone's configs may need what that commit lacks; rebuild the image from this clone (docs/cluster.md 1a) or check out $img" >&2;
+fi;
+SH
+)
+  commit_check="export JETRL_CLONE_COMMIT=$clone_commit; ${commit_check//$'\n'/ } "
+else
+  echo "launch.sh: note: $(dirname "$config") is not in a git checkout (git rev-parse HEAD failed there): the image's nemo_jetrl commit is not compared with it" >&2
+fi
+
+# The driver command ray.sub runs on the head node, inside the container (it writes COMMAND to
+# a file and runs it with bash).
 overrides=""
 for o in "$@"; do overrides+=" $(printf '%q' "$o")"; done
 # What SLURM is asked for reaches the config (last override wins).
 overrides+=" cluster.num_nodes=$NODES cluster.gpus_per_node=$GPUS_PER_NODE"
-COMMAND="cd $(printf '%q' "$PWD") && ${env_prefix}jetrl train $(printf '%q' "$config") --backend nemo-rl${overrides}"
+COMMAND="cd $(printf '%q' "$PWD") || exit 2; ${commit_check}${env_prefix}jetrl train $(printf '%q' "$config") --backend nemo-rl${overrides}"
 export CONTAINER MOUNTS COMMAND
 
-cmd=(sbatch --nodes="$NODES" --account="$ACCOUNT" --partition="$PARTITION" --time="$TIME"
-     --job-name="$JOB_NAME")
-[[ -n "${GRES:-}" ]] && cmd+=(--gres="$GRES")
+cmd=(sbatch --parsable --nodes="$NODES" --account="$ACCOUNT" --partition="$PARTITION"
+     --time="$TIME" --job-name="$JOB_NAME")
+GRES=${GRES-gpu:$GPUS_PER_NODE}
+[[ -n "$GRES" && "$GRES" != none ]] && cmd+=(--gres="$GRES")
+[[ -n "$DEPENDENCY" ]] && cmd+=(--dependency="$DEPENDENCY")
 cmd+=("$RAY_SUB")
 if [[ -n "${DRY_RUN:-}" ]]; then
   printf 'CONTAINER=%q MOUNTS=%q COMMAND=%q GPUS_PER_NODE=%q \\\n  ' \
@@ -119,4 +198,7 @@ if [[ -n "${DRY_RUN:-}" ]]; then
   echo
   exit 0
 fi
-"${cmd[@]}"
+out=$("${cmd[@]}")
+jobid=${out%%;*}   # --parsable prints <jobid>[;<cluster>]
+echo "launch.sh: submitted job $jobid ($JOB_NAME); driver log: ${BASE_LOG_DIR:-$PWD}/$jobid-logs/ray-driver.log" >&2
+echo "$jobid"
