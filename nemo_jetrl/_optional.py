@@ -11,6 +11,7 @@ __all__ = ["MissingDependencyError", "available", "require"]
 
 # module -> how a user gets it
 _INSTALL_HINTS = {
+    "torch": "pip install torch -c constraints-cpu.txt (the CPU build is enough)",
     "vllm": "bash scripts/setup_vllm_env.sh (vLLM lives in its own environment, .venv-vllm)",
     "megatron.core": "pip install 'nemo-jetrl[megatron]' -c constraints-cpu.txt",
     "transformer_engine": "use the Docker image (docker/Dockerfile); TE needs CUDA to build",

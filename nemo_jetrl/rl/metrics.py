@@ -60,10 +60,11 @@ from collections.abc import Sequence
 
 import torch
 
-#: prefix of every metric NeMo-RL also logs (grpo.py logs the loss metrics under ``train``).
-NEMO_RL_PREFIX = "train/"
-#: the one prefix of every metric NeMo-RL does not have.
-JETRL_PREFIX = "jetrl/mismatch/"
+# The prefixes and `metric_names()` (the tags `mismatch_metrics` returns) live, torch-free, in
+# `nemo_jetrl.rl.metric_names`: `jetrl compare` needs them where torch is not installed.
+from nemo_jetrl.rl.metric_names import JETRL_PREFIX, NEMO_RL_PREFIX
+from nemo_jetrl.rl.metric_names import metric_names as metric_names
+
 #: default importance-ratio bounds for the "fraction outside" and "after truncation" statistics.
 DEFAULT_RATIO_BOUNDS = (0.5, 2.0)
 #: |sum_t log rho| is clamped to this before exp(2*.) in chi2_seq, so one runaway sequence gives
@@ -289,9 +290,3 @@ def _is_ratio_metrics(rho: torch.Tensor, lo: float, hi: float) -> dict[str, floa
     out[_ours("is_ratio_frac_below")] = float((rho < lo).sum()) / n if n else math.nan
     out.update(_ratio_stats(rho.clamp(lo, hi), "is_ratio_trunc"))
     return out
-
-
-def metric_names() -> list[str]:
-    """Every tag `mismatch_metrics` returns, in its order (for docs and tests)."""
-    one = torch.zeros(1, 1)
-    return list(mismatch_metrics(one, one, torch.ones(1, 1)).keys())

@@ -19,7 +19,10 @@ step logged twice, e.g. after a restart, the later wall time wins) and, where a 
 or the reward is missing for a step that has a ``train_data_step{N}.jsonl``, recomputes it from
 the per-token logprobs with `nemo_jetrl.rl.metrics.mismatch_metrics`. As NeMo-RL's loss does
 (``[:, 1:]``), position 0 of each sequence is ignored: logprob t belongs to token t, and token
-0 has no logprob.
+0 has no logprob. Only that recomputation needs torch: reading needs tensorboard (its event
+reader) and omegaconf, so `jetrl compare` runs in a light venv; there, steps that would be
+recomputed are compared as logged, with a warning (``recompute="always"`` raises
+`MissingDependencyError`).
 
 Nothing here crashes on bad data: a truncated or corrupt events file keeps the records before
 the damage, a broken jsonl line is skipped, a missing metric is reported; every such event is a
@@ -35,11 +38,13 @@ The readers live in `nemo_jetrl.runs.tensorboard` (events files) and
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_jetrl._optional import MissingDependencyError, require
+from nemo_jetrl.rl.metric_names import metric_names
 from nemo_jetrl.runs.tensorboard import (
     EVENTS_GLOB,
     TB_SUBDIR,
@@ -230,6 +235,7 @@ def read_run(
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory.
+        MissingDependencyError: recompute="always" with jsonl files and no torch.
     """
     if recompute not in ("missing", "always", "never"):
         raise ValueError(f"recompute must be 'missing', 'always' or 'never', got {recompute!r}")
@@ -239,7 +245,10 @@ def read_run(
     run, files = _read_logged(run_dir)
     if recompute == "never" or not files:
         return run
-    if recompute == "missing" and not _jsonl_needed(run.scalars, files, tags):
+    lacking = _lacking_recomputable(run.scalars, files, tags)
+    if recompute == "missing" and not lacking:
+        return run
+    if not _torch_to_recompute(run, lacking, strict=recompute == "always"):
         return run
     computed, w = _recompute_from_jsonl(files, ratio_bounds)
     for m in w:
@@ -281,18 +290,38 @@ def _read_logged(run_dir: Path) -> tuple[RunData, dict[int, Path]]:
     return run, files
 
 
-def _jsonl_needed(
+def _lacking_recomputable(
     series: Mapping[str, Series], files: Mapping[int, Path], tags: Iterable[str] | None
-) -> bool:
-    """Whether one of the wanted recomputable ``tags`` (None: any) lacks a step that has a
-    train_data jsonl file."""
-    from nemo_jetrl.rl.metrics import metric_names
-
+) -> list[str]:
+    """The wanted recomputable ``tags`` (None: any) that lack a step that has a train_data
+    jsonl file."""
     recomputable = [*metric_names(), "train/reward"]
     wanted = recomputable if tags is None else [t for t in tags if t in recomputable]
-    return any(
-        step not in set(series[t].steps) if t in series else True for t in wanted for step in files
-    )
+    return [t for t in wanted if t not in series or not set(files) <= set(series[t].steps)]
+
+
+def _torch_to_recompute(run: RunData, lacking: Sequence[str], *, strict: bool) -> bool:
+    """Whether torch imports: recomputing from jsonl is torch maths (`nemo_jetrl.rl.metrics`),
+    and `jetrl compare` runs where torch may be absent (a login node's light venv). Without it
+    ``strict`` (recompute="always") raises `MissingDependencyError`; otherwise the run stays as
+    logged, with a warning naming the ``lacking`` tags."""
+    try:
+        require("torch", feature="recomputing metrics from train_data_step*.jsonl")
+    except MissingDependencyError:
+        if strict:
+            raise
+        shown = ", ".join(lacking[:6]) + (
+            f" and {len(lacking) - 6} more" if len(lacking) > 6 else ""
+        )
+        _warn(
+            run.warnings,
+            f"{run.path}: {shown} lack steps that train_data_step*.jsonl has; recomputing them "
+            "needs torch, which is not importable here: compared as logged (install torch, the "
+            "CPU build is enough, to recompute them; --recompute never silences this)",
+            stacklevel=4,
+        )
+        return False
+    return True
 
 
 def _recompute_from_jsonl(

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jetrl._optional import require
-from nemo_jetrl.rl.metrics import JETRL_PREFIX, metric_names
+from nemo_jetrl.rl.metric_names import JETRL_PREFIX, metric_names
 from nemo_jetrl.runs.logs import RunData, read_run
 from nemo_jetrl.runs.resume import join_resumed
 
