@@ -153,6 +153,9 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
             f"{unmodelled[0].message}. Remove {', '.join(unmodelled[0].keys)} or set "
             "jetrl.allow_off_policy=true to run it anyway."
         )
+    lag = checked.limits_of("policy_lag")
+    if lag:  # jetrl check says OFF-POLICY (exit 1) for it: the gate follows that verdict
+        return f"{lag[0].message}. Or set jetrl.allow_off_policy=true to run it anyway."
     if backend == "local" and not check.on_policy:
         local = next((b for b in checked.backends if b.backend == "local"), None)
         if local is not None and local.on_policy:

@@ -221,7 +221,8 @@ def test_slurm_launch_builds_ray_sub_submission():
         "CONTAINER": "/images/nemo-jetrl.sqsh",
         "ACCOUNT": "acct",
         "PARTITION": "batch",
-        "NODES": "2",
+        "NODES": "2",  # python3 here cannot read the config: both are required (issue 46)
+        "GPUS_PER_NODE": "8",
         "HF_HOME": "/hf",
     }
     cfg = "examples/configs/qwen3_8b_base/jetrl.yaml"

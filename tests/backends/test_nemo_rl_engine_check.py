@@ -12,9 +12,10 @@ driver runs in each generation actor) and ``prove_generation_engines`` (the driv
 through our ``JetrlLoggerProxy`` into NeMo-RL's real ``Logger`` (TensorBoard), read back by
 ``runs/logs.py``.
 
-STAND-INS: Ray (cannot run here): the worker group's ``run_all_workers_single_data(
-"__ray_call__", fn, ...)`` calls ``fn(actor, ...)`` in this process, as Ray's ``__ray_call__``
-does in the actor; the actor is the real class made without its ``__init__`` (GPU placement,
+STAND-INS: the worker group (tests/backends/worker_group_shape.py: NeMo-RL's call contract and
+its keywords-only assert, signature compared with the real one) runs Ray's ``__ray_call__`` in
+this process, because the engine is started here, in the test's process, where the test can
+reach its layers; the actor is the real class made without its ``__init__`` (GPU placement,
 ports); CUDA-only pieces of NeMo-RL's worker come from ``standins/jetrl_nrl_worker_standin.py``
 (also a vLLM plugin, so ``VLLM_PLUGINS`` naming only it keeps ours out).
 
@@ -37,6 +38,7 @@ import pytest
 import torch
 from hf_models import char_tokenizer, tiny_llama_128
 from nemo_rl_upstream import nemo_rl_vllm_modules
+from worker_group_shape import CallShapeWorkerGroup, get_raising
 
 from nemo_jetrl.backends.nemo_rl import engine_check as ec
 from nemo_jetrl.backends.nemo_rl.translate import VLLM_PATCH_ENV
@@ -145,30 +147,6 @@ def nemo_rl_generation_worker(d: Path, env: dict[str, str]):
             torch.set_default_dtype(default_dtype)
 
 
-class StandInWorkerGroup:
-    """STAND-IN for Ray: ``__ray_call__`` runs ``fn(actor, *args)``, here instead of in the actor."""
-
-    def __init__(self, actor) -> None:
-        self.actor = actor
-        self.calls: list[dict] = []
-
-    def run_all_workers_single_data(self, method, *args, run_rank_0_only_axes=None, **kw):
-        assert method == "__ray_call__"
-        self.calls.append({"axes": run_rank_0_only_axes})
-        fn, *rest = args
-        try:
-            return [fn(self.actor, *rest, **kw)]
-        except Exception as exc:  # Ray raises it from ray.get: hand it over the same way
-            return [exc]
-
-
-def _get(futures):
-    for f in futures:
-        if isinstance(f, Exception):
-            raise f
-    return futures
-
-
 def nemo_rl_logger(log_dir: Path):
     from nemo_rl.utils.logger import Logger
 
@@ -216,10 +194,10 @@ def test_without_our_refit_plugin_the_run_stops_naming_it(model_dir, tmp_path, m
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the test's closure only
     env = {**run_vllm_env(), "VLLM_PLUGINS": "jetrl_nrl_worker_standin,nemo_jetrl"}
     with nemo_rl_generation_worker(model_dir, env) as actor:
-        gen = type("Gen", (), {"worker_group": StandInWorkerGroup(actor)})()
+        gen = type("Gen", (), {"worker_group": CallShapeWorkerGroup([actor])})()
         logger = nemo_rl_logger(tmp_path / "logs")
         with pytest.raises(ec.EngineNotProven) as ei:
-            ec.prove_generation_engines(gen, run_vllm_env(), logger, get=_get)
+            ec.prove_generation_engines(gen, run_vllm_env(), logger, get=get_raising)
         msg = str(ei.value)
         assert "the run stops before its first step" in msg
         assert "worker 0: our refit hook is not installed" in msg
@@ -267,13 +245,13 @@ def test_without_our_kernel_plugin_the_engine_never_runs_silently(model_dir, cap
 # Own engine: started with both of our plugins; its workers print their line at start.
 def test_with_our_plugins_the_line_and_metric_appear(model_dir, tmp_path, capfd):
     with nemo_rl_generation_worker(model_dir, run_vllm_env()) as actor:
-        group = StandInWorkerGroup(actor)
+        group = CallShapeWorkerGroup([actor])
         gen = type("Gen", (), {"worker_group": group})()
         logger = nemo_rl_logger(tmp_path / "logs")
-        res = ec.prove_generation_engines(gen, run_vllm_env(), logger, get=_get)
+        res = ec.prove_generation_engines(gen, run_vllm_env(), logger, get=get_raising)
     n = 4 * NUM_LAYERS  # qkv, o, gate_up, down per layer
     assert res is not None and (res["fp8_linears"], res["on_our_kernel"]) == (n, n)
-    assert group.calls == [{"axes": ["tensor_parallel", "pipeline_parallel"]}]  # one per engine
+    assert [c["axes"] for c in group.calls] == [["tensor_parallel", "pipeline_parallel"]]
     out = capfd.readouterr().out
     # the vLLM worker's own line (its process: spawned by vLLM 0.20's CPU build, this one on 0.25)
     assert re.search(rf"nemo_jetrl: plugin loaded in vLLM worker pid \d+ .*: kernel serves {n}/{n} "

@@ -5,6 +5,7 @@ and what the driver logs. The reports have the shape ``worker_status`` returns t
 from __future__ import annotations
 
 import pytest
+from worker_group_shape import POSITIONAL_REFUSED, CallShapeWorkerGroup, get_raising, ray_call
 
 from nemo_jetrl.backends.nemo_rl import engine_check as ec
 from nemo_jetrl.backends.nemo_rl.translate import _vllm_env, _vllm_patch_json
@@ -59,14 +60,6 @@ def test_refit_hook_off_by_config_is_not_required():
     assert res["line"].endswith("kernel serves 4/4 FP8 linears, refit hook off")
 
 
-class _Group:
-    def __init__(self, results):
-        self.results = results
-
-    def run_all_workers_single_data(self, method, *args, run_rank_0_only_axes=None):
-        return self.results
-
-
 class _Logger:
     def __init__(self):
         self.logged = []
@@ -77,7 +70,7 @@ class _Logger:
 
 def test_driver_logs_the_fraction_and_names_a_missing_nemo_jetrl(capsys):
     one = {"workers": 1, "fp8_linears": 4, "on_our_kernel": 4, "line": ""}
-    gen = type("G", (), {"worker_group": _Group([one, one])})()
+    gen = type("G", (), {"worker_group": CallShapeWorkerGroup(results=[one, one])})()
     log = _Logger()
     res = ec.prove_generation_engines(gen, ENV, log, get=lambda f: f)
     assert res["engines"] == 2 and res[ec.FRACTION_METRIC] == 1.0
@@ -93,7 +86,7 @@ def test_driver_logs_the_fraction_and_names_a_missing_nemo_jetrl(capsys):
 
     with pytest.raises(ec.EngineNotProven, match="nemo_jetrl is not importable in NeMo-RL's vLLM"):
         ec.prove_generation_engines(gen, ENV, log, get=missing)
-    async_gen = type("G", (), {"worker_group": _Group([{"async": True}])})()
+    async_gen = type("G", (), {"worker_group": CallShapeWorkerGroup(results=[{"async": True}])})()
     assert ec.prove_generation_engines(async_gen, ENV, log, get=lambda f: f) == {"async": True}
     assert "engine check NOT run" in capsys.readouterr().out
 
@@ -114,7 +107,7 @@ class _AsyncLLM:
         return self.reports
 
 
-class _AsyncActorGroup:
+class _AsyncActorGroup(CallShapeWorkerGroup):
     """STAND-IN for a Ray that runs a sync method of an async actor (``__ray_call__``) on the
     actor's event loop (``ray._private.async_compat.sync_to_async``), here a loop in a thread:
     `_async_step`'s polling branch. Ray 2.60 runs it in a thread of its own instead, the branch
@@ -124,19 +117,21 @@ class _AsyncActorGroup:
         import asyncio
         import threading
 
-        self.actor = actor
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.polls = 0
+        super().__init__([actor], call=self._on_loop)
 
-    def run_all_workers_single_data(self, method, fn, *args, run_rank_0_only_axes=None):
+    @property
+    def polls(self) -> int:
+        return len(self.calls)
+
+    def _on_loop(self, actor, method_name, kwargs):
         import asyncio
 
         async def on_loop():
-            return fn(self.actor, *args)
+            return ray_call(actor, method_name, kwargs)
 
-        self.polls += 1
-        return [asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result()]
+        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result()
 
     def close(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -158,8 +153,27 @@ def test_async_engine_is_checked_on_the_actors_loop(hook, capsys):
             assert "kernel serves 8/8 FP8 linears, refit hook installed" in capsys.readouterr().out
         else:
             with pytest.raises(ec.EngineNotProven, match="worker 1: our refit hook is not"):
-                ec.prove_generation_engines(gen, ENV, log, get=lambda f: f)
+                ec.prove_generation_engines(gen, ENV, log, get=get_raising)
             assert log.logged == []
     finally:
         group.close()
     assert llm.calls == 1 and group.polls > 1  # one RPC, polled until it finished
+
+
+def test_the_check_passes_keywords_only_as_nemo_rls_worker_group_requires():
+    """NeMo-RL's ``run_all_workers_single_data`` asserts ``len(args) == 0``: on fd6dbfb the
+    driver passed its function positionally and every FP8 run died after setup."""
+    one = {"workers": 1, "fp8_linears": 4, "on_our_kernel": 4, "line": ""}
+    group = CallShapeWorkerGroup(results=[one])
+    gen = type("G", (), {"worker_group": group})()
+    ec.prove_generation_engines(gen, ENV, None, get=lambda f: f)
+    (call,) = group.calls
+    assert call["method"] == "__ray_call__"
+    assert call["axes"] == ["tensor_parallel", "pipeline_parallel"]
+    assert call["kwargs"] == {
+        "fn": ec.check_in_generation_worker,
+        "patch_json": PATCH,
+        "hook_expected": True,
+    }
+    with pytest.raises(AssertionError, match=POSITIONAL_REFUSED):
+        group.run_all_workers_single_data("__ray_call__", ec.check_in_generation_worker)

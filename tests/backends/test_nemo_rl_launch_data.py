@@ -173,9 +173,18 @@ def test_missing_path_exits_2_naming_the_key_before_ray(tmp_path, monkeypatch, c
     assert seen["order"] == []  # no Ray, no environment, no setup
 
 
+# docs/cluster.md's async keys: NeMo-RL's async_grpo_train asserts the last two at its start.
+ASYNC_KEYS = (
+    "+grpo.async_grpo.enabled=true",
+    "policy.generation.vllm_cfg.async_engine=true",
+    "loss_fn.use_importance_sampling_correction=true",
+    "jetrl.allow_off_policy=true",  # off-policy by policy lag, whatever the precision
+)
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
-    [((), "grpo_train"), (("+grpo.async_grpo.enabled=true",), "async_grpo_train")],
+    [((), "grpo_train"), (ASYNC_KEYS, "async_grpo_train")],
     ids=["sync", "async"],
 )
 def test_trainer_follows_run_grpo(extra, expected, tmp_path, monkeypatch):
@@ -208,6 +217,22 @@ def test_data_plane_is_refused_by_name_before_ray(tmp_path, monkeypatch):
     seen = _stand_ins(monkeypatch, tmp_path, trainer=True)
     with pytest.raises(UserError, match=r"data_plane\.enabled=true"):
         nr.run_nemo_rl(str(CONFIGS[0]), _overrides(("+data_plane.enabled=true",)))
+    assert seen["order"] == []
+
+
+def test_async_without_the_async_engine_is_refused_before_ray(tmp_path, monkeypatch):
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+    from nemo_jetrl.errors import UserError
+
+    work = _workdir(tmp_path)
+    monkeypatch.chdir(work)
+    seen = _stand_ins(monkeypatch, tmp_path, trainer=True)
+    bf16 = CONFIGS[0].with_name("bf16.yaml")
+    with pytest.raises(UserError, match=r"policy\.generation\.vllm_cfg\.async_engine=true"):
+        nr.run_nemo_rl(str(bf16), _overrides(ASYNC_KEYS[:1] + ASYNC_KEYS[-1:]))
+    assert seen["order"] == []  # no Ray, no environment, no setup
+    with pytest.raises(UserError, match=r"off-policy by policy lag.*jetrl\.allow_off_policy=true"):
+        nr.run_nemo_rl(str(bf16), _overrides(ASYNC_KEYS[:-1]))  # refused as jetrl check says
     assert seen["order"] == []
 
 

@@ -94,20 +94,52 @@ def _prep(merged, tmp_path, environ=None, **kw):
     return (*driver.prepare_master(merged, {}, **args), calls)
 
 
+# What NeMo-RL's async_grpo_train asserts at its start (grpo.py v0.7.0 :3364, :3371).
+ASYNC_OK = {
+    "policy": {"generation": {"backend": "vllm", "vllm_cfg": {"async_engine": True}}},
+    "loss_fn": {"use_importance_sampling_correction": True},
+}
+
+
+def test_async_grpo_without_what_nemo_rl_asserts_is_refused_by_key_together():
+    """On fd6dbfb these passed the driver's checks and NeMo-RL's async_grpo_train asserted
+    after Ray, model load and vLLM start."""
+    cfg = {"grpo": {"async_grpo": {"enabled": True}}}
+    with pytest.raises(UserError) as ei:
+        driver.trainer_kind(cfg)
+    msg = str(ei.value)
+    assert "set policy.generation.vllm_cfg.async_engine=true" in msg
+    assert "set loss_fn.use_importance_sampling_correction=true" in msg
+    half = {**cfg, "loss_fn": ASYNC_OK["loss_fn"]}
+    with pytest.raises(UserError, match=r"async_engine=true") as ei:
+        driver.trainer_kind(half)
+    assert "use_importance_sampling_correction" not in str(ei.value)
+    megatron = {
+        **cfg,
+        "loss_fn": ASYNC_OK["loss_fn"],
+        "policy": {"generation": {"backend": "megatron"}},
+    }
+    assert driver.trainer_kind(megatron) == driver.ASYNC  # vLLM's key is not Megatron's
+
+
 def test_trainer_kind_follows_run_grpo_and_refuses_by_key():
     assert driver.trainer_kind({"grpo": {"async_grpo": {"enabled": False}}}) == driver.SYNC
-    cfg = {"grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": False}}
+    cfg = {"grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": False}, **ASYNC_OK}
     assert driver.trainer_kind(cfg) == driver.ASYNC
     with pytest.raises(UserError, match=r"grpo\.use_dynamic_sampling.*data\.use_multiple"):
         driver.trainer_kind(
             {
                 "grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": True},
                 "data": {"use_multiple_dataloader": True},
+                **ASYNC_OK,
             }
         )
     with pytest.raises(UserError, match=r"grpo\.reward_shaping\.enabled"):
         driver.trainer_kind(
-            {"grpo": {"async_grpo": {"enabled": True}, "reward_shaping": {"enabled": True}}}
+            {
+                "grpo": {"async_grpo": {"enabled": True}, "reward_shaping": {"enabled": True}},
+                **ASYNC_OK,
+            }
         )
     with pytest.raises(UserError, match=r"data_plane\.enabled=true"):
         driver.trainer_kind({"data_plane": {"enabled": True}})

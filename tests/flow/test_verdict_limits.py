@@ -64,6 +64,19 @@ def test_train_refuses_unmodelled_quantization_unless_allowed(cli, tmp_path):
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
+def test_train_refuses_policy_lag_as_check_calls_it_unless_allowed(cli):
+    """``jetrl check`` calls async GRPO off-policy by policy lag (exit 1); ``jetrl train`` used
+    to run it anyway (fd6dbfb), against docs/cluster.md's rule that it refuses what check calls
+    off-policy unless ``jetrl.allow_off_policy=true``."""
+    jetrl = REPO / "examples" / "configs" / "qwen3_8b_base" / "jetrl.yaml"
+    code, out = cli("train", jetrl, "--backend", "nemo-rl", "+grpo.async_grpo.enabled=true")
+    assert code == 2 and "off-policy by policy lag" in out, out
+    assert "set jetrl.allow_off_policy=true to run it anyway" in out
+    code, out = cli("train", jetrl, "--backend", "nemo-rl", "+grpo.async_grpo.enabled=true",
+                    "jetrl.allow_off_policy=true")  # fmt: skip
+    assert "error: grpo.async_grpo.enabled=true, max_trajectory_age_steps" not in out, out
+
+
 def _upstream_configs(pattern: str) -> list[Path]:
     return sorted(p for tree in ("v0.7.0", "main-7ea279a") for p in (UPSTREAM / tree).glob(pattern))
 

@@ -54,12 +54,30 @@ def trainer_kind(cfg: Mapping[str, Any]) -> str:
     ]
     if (cfg.get("data") or {}).get("use_multiple_dataloader"):
         bad.append("data.use_multiple_dataloader")
+    problems = []
     if bad:
-        raise _user_error(
-            "grpo.async_grpo.enabled=true: NeMo-RL's async GRPO does not support "
+        problems.append(
+            "NeMo-RL's async GRPO does not support "
             + ", ".join(bad)
             + " (examples/run_grpo.py refuses them); turn those off or async_grpo off"
         )
+    # async_grpo_train asserts these at its start, after Ray, model load and vLLM start
+    # (nemo_rl/algorithms/grpo.py, v0.7.0 :3364 and :3371): refused here, minutes earlier.
+    generation = (cfg.get("policy") or {}).get("generation") or {}
+    if generation.get("backend", "vllm") == "vllm" and not (generation.get("vllm_cfg") or {}).get(
+        "async_engine", False
+    ):
+        problems.append(
+            "NeMo-RL's async GRPO needs vLLM's async engine: set "
+            "policy.generation.vllm_cfg.async_engine=true"
+        )
+    if not (cfg.get("loss_fn") or {}).get("use_importance_sampling_correction", False):
+        problems.append(
+            "NeMo-RL's async GRPO needs importance-sampling correction for its stale "
+            "trajectories: set loss_fn.use_importance_sampling_correction=true"
+        )
+    if problems:
+        raise _user_error("grpo.async_grpo.enabled=true:\n  - " + "\n  - ".join(problems))
     return ASYNC
 
 

@@ -261,11 +261,14 @@ def prove_generation_engines(
         get = ray.get
     deadline = time.monotonic() + ASYNC_TIMEOUT_S
     while True:
+        # Keywords only: NeMo-RL's RayWorkerGroup.run_all_workers_single_data asserts that no
+        # positional argument follows the method name (it ray.put()s each keyword's value);
+        # Ray's __ray_call__(self, fn, *args, **kwargs) then calls fn(actor, **kwargs).
         futures = policy_generation.worker_group.run_all_workers_single_data(
             "__ray_call__",
-            check_in_generation_worker,
-            patch_json,
-            hook,
+            fn=check_in_generation_worker,
+            patch_json=patch_json,
+            hook_expected=hook,
             run_rank_0_only_axes=["tensor_parallel", "pipeline_parallel"],
         )
         try:
