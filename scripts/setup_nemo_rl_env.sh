@@ -39,6 +39,28 @@ for tree in "${TREES[@]}"; do
         echo "[setup_nemo_rl_env] $tree: creating $NEMO_RL_VENV (vLLM $NEMO_RL_VLLM_VERSION)"
         VLLM_VERSION="$NEMO_RL_VLLM_VERSION" VLLM_VENV="$NEMO_RL_VENV" bash "$REPO/scripts/setup_vllm_env.sh"
     fi
+    # An env built before pyproject.toml gained an entry point (e.g. nemo_jetrl_rehearsal) lacks
+    # it until nemo_jetrl is installed again (editable: only its metadata changes, seconds).
+    # The repo's nemo_jetrl.egg-info (a build artifact of an older install) shadows the installed
+    # metadata where the repo is first on PYTHONPATH (the tier's): it goes too.
+    check_eps() {
+        (cd "$REPO" && PYTHONPATH="$REPO" "$NEMO_RL_VENV/bin/python" - "$REPO/pyproject.toml") <<'PY'
+import sys
+import tomllib
+from importlib.metadata import entry_points
+
+group = "vllm.general_plugins"
+want = tomllib.load(open(sys.argv[1], "rb"))["project"]["entry-points"][group]
+have = {ep.name: ep.value for ep in entry_points(group=group)}
+sys.exit(0 if all(have.get(k) == v for k, v in want.items()) else 1)
+PY
+    }
+    if ! check_eps; then
+        echo "[setup_nemo_rl_env] $tree: nemo_jetrl's vLLM entry points are stale in $NEMO_RL_VENV: reinstalling"
+        rm -rf "$REPO/nemo_jetrl.egg-info"
+        pip_retry "$NEMO_RL_VENV/bin/python" install -q --no-deps --no-build-isolation -e "$REPO"
+        check_eps || { echo "[setup_nemo_rl_env] $tree: entry points still stale after reinstall" >&2; exit 1; }
+    fi
     stamp="$NEMO_RL_OVERLAY/.requirements.sha256"
     want=$(sha256sum "$REQS" | cut -d' ' -f1)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

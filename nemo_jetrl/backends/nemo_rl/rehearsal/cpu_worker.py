@@ -1,0 +1,136 @@
+"""The rehearsal's vLLM plugin: what NeMo-RL's vLLM generation worker needs a GPU for, replaced
+on vLLM's CPU build, in every vLLM process of a rehearsal and nowhere else.
+
+It is a ``vllm.general_plugins`` entry point (``nemo_jetrl_rehearsal``, pyproject.toml) that
+does nothing unless ``NEMO_JETRL_REHEARSAL`` holds its JSON, which only ``jetrl rehearse`` writes
+into ``policy.generation.vllm_cfg.env_vars``. vLLM runs general plugins in each of its processes
+(the Ray actor that owns the engine, and the worker process vLLM's CPU build spawns) before it
+builds the model. Each substitute below names the call it replaces and why it cannot run here:
+
+``sleep_mode``
+    NeMo-RL starts a colocated engine with ``enable_sleep_mode=True``. vLLM's CPU platform
+    refuses that (``is_sleep_mode_available``), and its worker's weight and KV-cache loads then go
+    through CUDA's virtual-memory pool (``CuMemAllocator``). Here the platform accepts it and the
+    worker starts with it off: vLLM's ``CPUWorker.sleep``/``wake_up`` are already no-ops, the
+    weights stay in host memory.
+``bind_numa``
+    NeMo-RL's ``VllmInternalWorkerExtension.bind_numa`` pins the worker to its GPU's NUMA node
+    (``torch.cuda.current_device``): no GPU, nothing to pin; answers False ("not bound").
+``report_device_id``
+    The GPU's UUID, which names the refit's ZMQ socket: a per-host id here.
+``fp8_patches``
+    NeMo-RL's ``init_fp8`` patches vLLM in the actor's process; on a GPU with one worker vLLM
+    runs there. vLLM's CPU build (0.20) spawns its worker, so NeMo-RL's own ``init_fp8`` (which
+    applies its patches with one worker) runs again there, with the actor's settings (in the
+    JSON).
+``device``
+    NeMo-RL's extension reads ``worker.device``; vLLM's ``CPUWorker`` has none: ``cpu``.
+
+`load_in_worker` keeps the handle in `_HANDLE`; `RehearsalHandle.active` says whether every
+replacement is still in place and `revert` puts vLLM's and NeMo-RL's own back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_VAR = "NEMO_JETRL_REHEARSAL"
+SUBSTITUTES = ("sleep_mode", "bind_numa", "report_device_id", "fp8_patches", "device")
+
+
+@dataclass
+class RehearsalHandle:
+    """What `install` replaced: (owner, attribute, original, ours) for each."""
+
+    patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+    applied: tuple[str, ...] = ()
+    _reverted: bool = False
+
+    @property
+    def active(self) -> bool:
+        return not self._reverted and all(getattr(o, n) is new for o, n, _, new in self.patches)
+
+    def revert(self) -> None:
+        if self._reverted:
+            return
+        for owner, name, original, _ in reversed(self.patches):
+            setattr(owner, name, original)
+        self._reverted = True
+
+
+def device_id() -> str:
+    """The rehearsal's stand-in for a GPU UUID (NeMo-RL names the refit's ZMQ socket by it)."""
+    return f"rehearsal-{socket.gethostname()}"
+
+
+def install(settings: dict[str, Any]) -> RehearsalHandle:
+    """Replace, in this process, what NeMo-RL's vLLM worker needs a GPU for (module docstring).
+    ``settings``: the JSON of `ENV_VAR` (``vllm_cfg``, ``model``, ``model_parallel_size``)."""
+    from nemo_rl.models.generation.vllm import vllm_backend
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    ext = vllm_backend.VllmInternalWorkerExtension
+    platform = type(current_platform)
+    init, init_device = CPUWorker.__init__, CPUWorker.init_device
+
+    def cpu_init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        vllm_config.model_config.enable_sleep_mode = False  # no CUDA memory pool on CPU
+        init(self, vllm_config, *args, **kwargs)
+
+    def cpu_init_device(self: Any) -> None:
+        import torch
+
+        init_device(self)
+        self.device = torch.device("cpu")
+
+    ours = [
+        (platform, "is_sleep_mode_available", lambda self: True),
+        (CPUWorker, "__init__", cpu_init),
+        (CPUWorker, "init_device", cpu_init_device),
+        (ext, "bind_numa", lambda self: False),
+        (ext, "report_device_id", lambda self: device_id()),
+    ]
+    patches = [(o, n, o.__dict__.get(n, getattr(o, n)), new) for o, n, new in ours]
+    for owner, name, _, new in patches:
+        setattr(owner, name, new)
+    applied = ["sleep_mode", "device", "bind_numa", "report_device_id"]
+    vllm_cfg = settings.get("vllm_cfg") or {}
+    if vllm_cfg.get("precision") == "fp8":
+        from nemo_rl.models.generation.vllm.quantization import fp8
+
+        if not fp8.fp8_patches_applied:  # a spawned worker: NeMo-RL's own call, once more
+            # (with one worker per engine init_fp8 applies its patches in this process itself)
+            fp8.init_fp8(vllm_cfg, settings["model"], int(settings["model_parallel_size"]))
+        applied.append("fp8_patches")
+    handle = RehearsalHandle(patches, tuple(applied))
+    if not handle.active:  # verified in effect
+        handle.revert()
+        raise RuntimeError("nemo_jetrl rehearsal: the CPU substitutes did not take effect")
+    return handle
+
+
+_HANDLE: RehearsalHandle | None = None
+
+
+def load_in_worker() -> None:
+    """``vllm.general_plugins`` entry point: installs the substitutes when `ENV_VAR` is set;
+    idempotent (vLLM may load plugins more than once in a process)."""
+    global _HANDLE
+    text = os.environ.get(ENV_VAR)
+    if not text or (_HANDLE is not None and _HANDLE.active):
+        return
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{ENV_VAR}={text!r} is not JSON ({exc})") from None
+    _HANDLE = install(settings)
+    print(
+        f"nemo_jetrl rehearsal: CPU substitutes in vLLM process {os.getpid()}: "
+        + ", ".join(_HANDLE.applied),
+        flush=True,
+    )
