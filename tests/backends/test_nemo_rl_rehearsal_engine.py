@@ -43,7 +43,7 @@ def _generation_config(model_dir, tokenizer, env):
         env_vars=dict(env),
     )  # fmt: skip
     gen["colocated"]["enabled"] = True
-    cpu_generation_overrides(gen, model_parallel=1)
+    cpu_generation_overrides(gen, str(model_dir), model_parallel=1)
     return configure_generation_config(gen, tokenizer)
 
 
@@ -96,7 +96,8 @@ def test_nemo_rls_vllm_generation_serves_our_kernel_on_cpu(tmp_path, capfd):
     assert f"of 1 engine(s); kernel serves {n}/{n} FP8 linears, refit hook installed" in text
     # the substitutes, named by the plugin in each vLLM process it ran in
     assert re.search(r"nemo_jetrl rehearsal: CPU substitutes in vLLM process \d+: sleep_mode, "
-                     r"device, bind_numa, report_device_id, fp8_patches", text), text  # fmt: skip
+                     r"device, bind_numa, report_device_id, ipc_buffer, bf16_weights, "
+                     r"fp8_patches", text), text  # fmt: skip
     assert out["output_ids"].shape[0] == 2
     assert (out["generation_lengths"] > 0).all()
     assert torch.isfinite(out["logprobs"]).all()

@@ -169,10 +169,20 @@ def prepare_master(
     return kind, entry, lines
 
 
-def train(config: Any, plan: Any, kind: str, max_age: int = 1) -> None:  # pragma: no cover
+def train(
+    config: Any,
+    plan: Any,
+    kind: str,
+    max_age: int = 1,
+    make_policy: Any = None,
+    on_setup: Any = None,
+) -> None:  # pragma: no cover
     """Tokenizer, data, ``grpo.setup`` with our policy worker, then the trainer for ``kind``, with
-    the mismatch-metrics loss wrapper and logger proxy. (The NeMo-RL tier runs it up to
-    ``grpo.setup``; the rest needs GPUs.)"""
+    the mismatch-metrics loss wrapper and logger proxy. ``make_policy(**kwargs)``: what builds
+    the policy from ``grpo.setup``'s keywords (default NeMo-RL's ``Policy`` with our Megatron
+    worker; ``jetrl rehearse`` passes its CPU policy); ``on_setup(policy, policy_generation)``:
+    called after the engine check, before the first step. The NeMo-RL tier runs it whole through
+    ``jetrl rehearse`` (tests/backends/test_nemo_rl_rehearse.py)."""
     from nemo_rl.algorithms import grpo
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.data.utils import setup_response_data
@@ -195,6 +205,8 @@ def train(config: Any, plan: Any, kind: str, max_age: int = 1) -> None:  # pragm
     )
 
     def policy_factory(**kwargs: Any) -> Any:
+        if make_policy is not None:
+            return make_policy(**kwargs)
         return Policy(**kwargs, worker_extension_cls_fqn=plan.workers.policy_worker_fqn)
 
     (
@@ -217,6 +229,8 @@ def train(config: Any, plan: Any, kind: str, max_age: int = 1) -> None:  # pragm
     try:
         # every vLLM engine runs our kernel and refit hook, or the run stops here (engine_check)
         prove_generation_engines(policy_generation, plan.workers.vllm_env, logger)
+        if on_setup is not None:
+            on_setup(policy, policy_generation)
         if kind == ASYNC:
             print("jetrl: running NeMo-RL's async GRPO (grpo.async_grpo.enabled)", flush=True)
             grpo.async_grpo_train(

@@ -188,7 +188,12 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
             if sent.error is not None:
                 raise sent.error
             if ok and state.parity:
-                runner._jetrl_last_parity = check_refit_parity(self, sent)
+                rep = runner._jetrl_last_parity = check_refit_parity(self, sent)
+                print(
+                    f"nemo_jetrl: refit parity held: {rep.compared} tensors identical to the "
+                    f"trainer's ({rep.fp8} FP8 weights and scales byte for byte)",
+                    flush=True,
+                )
         except Exception as exc:
             if snap is None:
                 raise

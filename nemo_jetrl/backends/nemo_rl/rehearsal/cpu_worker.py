@@ -25,6 +25,17 @@ builds the model. Each substitute below names the call it replaces and why it ca
     JSON).
 ``device``
     NeMo-RL's extension reads ``worker.device``; vLLM's ``CPUWorker`` has none: ``cpu``.
+``ipc_buffer``
+    The refit's receiver (NeMo-RL's ``update_weights_via_ipc_zmq``) maps each packed buffer from
+    a CUDA IPC handle (``rebuild_cuda_tensor_from_ipc``) and syncs the CUDA stream before its
+    ACK. Here the rehearsal's CPU policy (`policy.py`) writes the buffer to a shared-memory file
+    and sends ``(path,)`` as the handle; the receiver maps that file, and the stream sync is a
+    no-op. NeMo-RL's socket, messages, slicing, ``_load_weights`` and ACKs are unchanged.
+``bf16_weights``
+    vLLM's CPU build moves a BF16 linear's weight into a packed oneDNN copy and empties
+    ``layer.weight``, so NeMo-RL's refit (``model.load_weights``) could not land in it; here the
+    weight stays in place (vLLM's own no-oneDNN branch: ``torch.nn.functional.linear``), as on
+    a GPU.
 
 `load_in_worker` keeps the handle in `_HANDLE`; `RehearsalHandle.active` says whether every
 replacement is still in place and `revert` puts vLLM's and NeMo-RL's own back.
@@ -39,7 +50,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV_VAR = "NEMO_JETRL_REHEARSAL"
-SUBSTITUTES = ("sleep_mode", "bind_numa", "report_device_id", "fp8_patches", "device")
+SUBSTITUTES = (
+    "sleep_mode", "bind_numa", "report_device_id", "fp8_patches", "device", "ipc_buffer",
+    "bf16_weights",
+)  # fmt: skip
+
+
+class _NoStream:
+    """``torch.cuda.current_stream()`` on CPU: nothing to synchronize."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def buffer_from_handle(handle: Any, device_id: Any = None) -> Any:
+    """The receiver's side of the IPC substitute: the file the CPU sender wrote, mapped."""
+    import torch
+
+    return torch.from_file(handle[0], shared=False, size=os.path.getsize(handle[0]),
+                           dtype=torch.uint8)  # fmt: skip
+
+
+def _keep_bf16_weight(layer: Any, remove_weight: bool) -> None:
+    import torch
+
+    layer.cpu_linear = torch.nn.functional.linear
 
 
 @dataclass
@@ -88,8 +123,14 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
         init_device(self)
         self.device = torch.device("cpu")
 
+    import torch
+    from vllm.model_executor.layers import utils as layer_utils
+
     ours = [
         (platform, "is_sleep_mode_available", lambda self: True),
+        (vllm_backend, "rebuild_cuda_tensor_from_ipc", buffer_from_handle),
+        (torch.cuda, "current_stream", lambda *a, **k: _NoStream()),
+        (layer_utils, "dispatch_cpu_unquantized_gemm", _keep_bf16_weight),
         (CPUWorker, "__init__", cpu_init),
         (CPUWorker, "init_device", cpu_init_device),
         (ext, "bind_numa", lambda self: False),
@@ -98,7 +139,8 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
     patches = [(o, n, o.__dict__.get(n, getattr(o, n)), new) for o, n, new in ours]
     for owner, name, _, new in patches:
         setattr(owner, name, new)
-    applied = ["sleep_mode", "device", "bind_numa", "report_device_id"]
+    applied = ["sleep_mode", "device", "bind_numa", "report_device_id", "ipc_buffer",
+               "bf16_weights"]  # fmt: skip
     vllm_cfg = settings.get("vllm_cfg") or {}
     if vllm_cfg.get("precision") == "fp8":
         from nemo_rl.models.generation.vllm.quantization import fp8

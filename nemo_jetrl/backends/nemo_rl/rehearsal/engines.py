@@ -44,14 +44,16 @@ def rehearsal_env(vllm_cfg: Mapping[str, Any], model: str, model_parallel_size: 
     }
 
 
-def cpu_generation_overrides(generation: MutableMapping[str, Any], model_parallel: int) -> None:
-    """``policy.generation`` made to run on vLLM's CPU build, in place (see the module text)."""
+def cpu_generation_overrides(
+    generation: MutableMapping[str, Any], model: str, model_parallel: int
+) -> None:
+    """``policy.generation`` made to run on vLLM's CPU build, in place (see the module text);
+    ``model``: what vLLM loads (``policy.model_name``)."""
     vllm_cfg = generation.setdefault("vllm_cfg", {})
     if vllm_cfg.get("enable_prefix_caching") is None:
         vllm_cfg["enable_prefix_caching"] = True  # what NeMo-RL picks on an H100
     env = dict(vllm_cfg.get("env_vars") or {})
-    model = str(generation["model_name"])
-    for k, v in rehearsal_env(vllm_cfg, model, model_parallel).items():
+    for k, v in rehearsal_env(vllm_cfg, str(model), model_parallel).items():
         env.setdefault(k, v)
     vllm_cfg["env_vars"] = env
 

@@ -1,0 +1,113 @@
+"""The rehearsal's model, tokenizer and prompts: the config's model family shrunk to run on CPU.
+
+The model is the same HF architecture class (``model_type`` from `nemo_jetrl.arch`) with the
+real model's layer kinds (grouped KV heads, q/k norms, biases, tied embeddings) and its tail blocks
+(a dimension that is not a multiple of 128 keeps a partial block), the dims shrunk to two
+128-blocks (hidden: two heads of 128) and the layers to `LAYERS`, weights random from a seed. The tokenizer is one token
+per printable ASCII character (NeMo-RL's prompts and answers are plain text) whose chat
+template joins the messages' contents. The prompts are small sums with
+their answers, in the jsonl NeMo-RL's ``ResponseDataset`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+LAYERS = 2
+BLOCK = 128
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHARS = tuple(string.printable[:95])  # digits, letters, punctuation, space
+PROMPTS = 8
+
+
+class UnsupportedFamily(ValueError):
+    """The config's model family has no tiny stand-in yet (named)."""
+
+
+def _shrunk(real: int, blocks: int) -> int:
+    """``blocks`` 128-blocks, plus the real dimension's tail (its size mod 128) if it has one."""
+    return blocks * BLOCK + real % BLOCK
+
+
+def tiny_config(arch: Any, vocab_size: int) -> Any:
+    """The HF config of the tiny model of ``arch``'s family (a `ModelArch`)."""
+    from transformers import AutoConfig
+
+    if arch.moe is not None or arch.mla is not None or arch.hybrid is not None:
+        kind = "mixture of experts" if arch.moe else "MLA" if arch.mla else "hybrid attention"
+        raise UnsupportedFamily(
+            f"{arch.name} ({arch.model_type}, {kind}): jetrl rehearse runs dense models only "
+            "for now; run `jetrl check` on it and rehearse a dense config of the same recipe"
+        )
+    # head_dim 128: q, k and v each whole FP8 blocks (vLLM loads each one's block scales apart);
+    # hidden = heads * head_dim, so families without a head_dim key agree
+    heads, head_dim = 2, BLOCK
+    grouped = arch.num_kv_heads < arch.num_heads
+    keys = dict(
+        hidden_size=_shrunk(arch.hidden_size, heads),
+        intermediate_size=_shrunk(arch.intermediate_size, 2),
+        num_hidden_layers=LAYERS,
+        num_attention_heads=heads,
+        num_key_value_heads=1 if grouped else heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        tie_word_embeddings=bool(arch.tie_word_embeddings),
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch.model_type in ("llama", "qwen3", "mistral"):
+        keys["attention_bias"] = bool(arch.qkv_bias)
+    config = AutoConfig.for_model(arch.model_type, **keys)
+    config.architectures = [_architecture(arch.model_type)]
+    return config
+
+
+def _architecture(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def build_tokenizer() -> Any:
+    """One token per printable ASCII character, ``<pad>``/``<bos>``/``<eos>`` first."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIALS))
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=SPECIALS[0], bos_token=SPECIALS[1], eos_token=SPECIALS[2]
+    )
+    out.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return out
+
+
+def write_model(arch: Any, dest: Path, seed: int = 0) -> Path:
+    """The tiny model (random weights from ``seed``) and its tokenizer, saved in ``dest``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tokenizer()
+    vocab = -(-len(tok) // BLOCK) * BLOCK  # a whole number of blocks
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), torch_dtype=torch.float32)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return dest
+
+
+def write_prompts(dest: Path, count: int = PROMPTS) -> Path:
+    """``count`` sums with their answers, as NeMo-RL's ``ResponseDataset`` jsonl."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"input": f"{a}+{a + 3}=", "output": str(2 * a + 3)} for a in range(1, count + 1)]
+    dest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return dest

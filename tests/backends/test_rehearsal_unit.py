@@ -1,0 +1,85 @@
+"""``jetrl rehearse``'s pieces that need no NeMo-RL: the tiny stand-in model of a config's family,
+the prompts file, the keys a rehearsal sets, and the CLI's refusals before any work (the whole
+rehearsal runs in the NeMo-RL tier: tests/backends/test_nemo_rl_rehearse.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_jetrl.arch.builtins import resolve_arch
+from nemo_jetrl.backends.nemo_rl.rehearsal import model as tiny
+from nemo_jetrl.backends.nemo_rl.rehearsal.run import _REMOVE, _set, rehearsal_keys
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("Qwen/Qwen3-8B-Base", "Qwen3ForCausalLM"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "LlamaForCausalLM"),
+        ("Qwen/Qwen2.5-7B", "Qwen2ForCausalLM"),
+    ],
+)
+def test_the_stand_in_is_the_real_family_in_whole_fp8_blocks(name, cls):
+    arch = resolve_arch(name)
+    assert arch is not None, name
+    cfg = tiny.tiny_config(arch, vocab_size=128)
+    assert cfg.architectures == [cls] and cfg.model_type == arch.model_type
+    assert cfg.num_hidden_layers == tiny.LAYERS
+    # q, k, v, o, gate/up, down: every dim whole 128-blocks (these models have no tail)
+    assert cfg.hidden_size % 128 == 0 and cfg.intermediate_size % 128 == 0
+    assert cfg.head_dim == 128 and cfg.hidden_size == cfg.num_attention_heads * cfg.head_dim
+    grouped = arch.num_kv_heads < arch.num_heads
+    assert (cfg.num_key_value_heads < cfg.num_attention_heads) == grouped
+    assert cfg.tie_word_embeddings == arch.tie_word_embeddings
+
+
+def test_a_real_tail_block_is_kept():
+    arch = resolve_arch("Qwen/Qwen3-8B-Base")
+    import dataclasses
+
+    tail = dataclasses.replace(arch, intermediate_size=128 * 96 + 64)
+    assert tiny.tiny_config(tail, 128).intermediate_size == 2 * 128 + 64
+
+
+def test_families_without_a_stand_in_are_named():
+    moe = resolve_arch("Qwen/Qwen3-30B-A3B")
+    with pytest.raises(tiny.UnsupportedFamily, match=r"mixture of experts.*dense models only"):
+        tiny.tiny_config(moe, 128)
+
+
+def test_tokenizer_prompts_and_keys(tmp_path):
+    tok = tiny.build_tokenizer()
+    text = "Think step-by-step: 12+15= \\boxed{27}"
+    assert tok.decode(tok(text)["input_ids"]) == text  # every printable character is a token
+    msgs = [{"role": "user", "content": "1+4="}]
+    assert tok.apply_chat_template(msgs, tokenize=False) == "1+4="
+    rows = [
+        json.loads(x) for x in tiny.write_prompts(tmp_path / "p.jsonl").read_text().split("\n") if x
+    ]
+    assert len(rows) == tiny.PROMPTS and all(
+        int(r["output"]) == eval(r["input"][:-1]) for r in rows
+    )
+    keys = rehearsal_keys(tmp_path, tmp_path / "m", tmp_path / "p.jsonl")
+    tree = {
+        "policy": {"tokenizer": {"name": "x", "chat_template": "default"}},
+        "data": {"train": 1},
+    }
+    for k, v in keys.items():
+        _set(tree, k, v)
+    assert "chat_template" not in tree["policy"]["tokenizer"]
+    assert tree["data"]["train"]["dataset_name"] == "ResponseDataset"
+    assert keys["policy.tokenizer.chat_template"] is _REMOVE
+    # enough rows for the checkpoint to fall on the last step (NeMo-RL: drop_last)
+    assert keys["grpo.num_prompts_per_step"] * keys["grpo.max_num_steps"] <= tiny.PROMPTS
+
+
+def test_rehearse_refuses_a_bad_config_before_any_work(tmp_path, capsys):
+    from nemo_jetrl.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("jetrl:\n  recipe: nope\n")
+    assert main(["rehearse", str(bad), "--workdir", str(tmp_path / "w")]) == 2
+    assert "jetrl rehearse: error:" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
