@@ -470,6 +470,14 @@ MUTANTS = [
         env="nemo_rl",
     ),
     Mutant(
+        "engine check passes its function to NeMo-RL's worker group positionally",
+        "nemo_jetrl/backends/nemo_rl/engine_check.py",
+        "            fn=check_in_generation_worker,\n            patch_json=patch_json,\n"
+        "            hook_expected=hook,\n",
+        "            check_in_generation_worker,\n            patch_json,\n            hook,\n",
+        ("tests/backends/test_nemo_rl_engine_check_unit.py",),
+    ),
+    Mutant(
         "refit ships the caller's scales over our calibration",
         "nemo_jetrl/backends/nemo_rl/calibration.py",
         "return None if calibrated is None else dict(calibrated)",

@@ -52,7 +52,7 @@ from nemo_jetrl.vllm_patch.serving_ops import (  # noqa: F401  (re-exported: exp
     ensure_ops,
     serving_forward,
 )
-from nemo_jetrl.vllm_patch.settings import PatchSettings
+from nemo_jetrl.vllm_patch.settings import KERNEL_NAME, PatchSettings
 
 # Marks our kernel classes in vLLM's registry (so revert and idempotence need no global state).
 MARKER = "_nemo_jetrl_kernel"
@@ -198,6 +198,7 @@ def make_kernel_class(settings: PatchSettings) -> type:
             return out.view(*x.shape[:-1], layer.weight.shape[0])
 
     setattr(JetRLFp8BlockLinearKernel, MARKER, True)
+    assert JetRLFp8BlockLinearKernel.__name__ == KERNEL_NAME  # the name users disable it by
     return JetRLFp8BlockLinearKernel
 
 

@@ -24,6 +24,9 @@ from nemo_jetrl.fp8.spec import WEIGHT_BLOCK as WEIGHT_BLOCK  # re-exported
 
 # The environment variable that carries the settings to vLLM's worker processes.
 ENV_VAR = "NEMO_JETRL_VLLM_PATCH"
+# Our kernel class's name in vLLM's registry (kernel.make_kernel_class), as VLLM_DISABLED_KERNELS
+# would name it.
+KERNEL_NAME = "JetRLFp8BlockLinearKernel"
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # HF projection names of a Llama/Qwen decoder layer, and the module that holds each.
 ATTN_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")

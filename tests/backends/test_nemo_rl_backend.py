@@ -16,6 +16,7 @@ import torch
 from nemo_jetrl.backends.nemo_rl import launch as nr
 from nemo_jetrl.backends.nemo_rl import metrics as nm
 from nemo_jetrl.backends.nemo_rl import translate as nt
+from nemo_jetrl.backends.nemo_rl.engine_check import ENTRY_POINTS
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.recipe import Recipe
 from nemo_jetrl.rl.metrics import mismatch_metrics
@@ -183,7 +184,8 @@ def test_worker_class_needs_nemo_rl(monkeypatch):
 
 def test_vllm_preflight_refuses_unsupported_version():
     def fake_run(version):
-        return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=version + "\n", stderr="")
+        out = json.dumps({"vllm": version, "plugins": dict(ENTRY_POINTS)})
+        return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out + "\n", stderr="")
 
     with pytest.raises(UserError, match=r"vLLM 0\.30\.0 is installed"):
         nr.preflight_vllm_patch("/opt/ray_venvs/x/bin/python", run=fake_run("0.30.0"))

@@ -13,6 +13,7 @@ read by NeMo-RL's ``ResponseDataset`` (OpenMathInstruct-2, the default, comes fr
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -101,13 +102,31 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, trainer: bool) -
         return (None, Generation(), None, None, "dl", "vdl", loss, object(), "ckpt", {}, config,
                 "teachers", "aliases")  # fmt: skip
 
-    def sync_train(*args: Any) -> None:
-        seen["order"].append("grpo_train")
-        seen["loss_fn"] = args[5]
+    # NeMo-RL's REAL trainers, stopped at their first Timer(): the driver's call binds to their
+    # signatures and their start asserts run (async: an async engine, IS correction), where
+    # stand-ins taking *args / **kwargs let any call through (issue 46's audit).
+    class _TrainStarted(Exception):
+        pass
 
-    def async_train(**kwargs: Any) -> None:
+    def stop(*a: Any, **k: Any) -> None:
+        raise _TrainStarted()
+
+    monkeypatch.setattr(grpo, "Timer", stop)
+    real_sync, real_async = grpo.grpo_train, grpo.async_grpo_train
+
+    def sync_train(*args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(real_sync).bind(*args, **kwargs)
+        seen["order"].append("grpo_train")
+        seen["loss_fn"] = bound.arguments["loss_fn"]
+        with pytest.raises(_TrainStarted):
+            real_sync(*args, **kwargs)
+
+    def async_train(*args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(real_async).bind(*args, **kwargs)
         seen["order"].append("async_grpo_train")
-        seen["async_kwargs"] = kwargs
+        seen["async_kwargs"] = bound.arguments
+        with pytest.raises(_TrainStarted):
+            real_async(*args, **kwargs)
 
     monkeypatch.setattr(grpo, "setup", setup)
     monkeypatch.setattr(grpo, "grpo_train", sync_train)

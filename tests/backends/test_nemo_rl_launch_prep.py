@@ -5,6 +5,7 @@ tests/backends/test_nemo_rl_launch_data.py (NeMo-RL tier)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from nemo_jetrl.backends.nemo_rl import driver, venvs
+from nemo_jetrl.backends.nemo_rl.engine_check import ENTRY_POINTS
 from nemo_jetrl.backends.nemo_rl.paths import PathProblem, resolve_config_paths
 from nemo_jetrl.backends.nemo_rl.translate import POLICY_WORKER_FQN, STOCK_POLICY_WORKER
 from nemo_jetrl.errors import UserError
@@ -244,9 +246,46 @@ def test_vllm_replaced_in_nemo_rl_worker_venv_is_refused(tmp_path):
     assert pinned == "0.20.0" and nr.nemo_rl_pinned_vllm(tmp_path / "none") is None
 
     def run(version):
-        return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=version, stderr="")
+        out = json.dumps({"vllm": version, "plugins": dict(ENTRY_POINTS)})
+        return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr="")
 
     nr.preflight_vllm_patch("/v/bin/python", run=run("0.20.0"), pinned=pinned)
     nr.preflight_vllm_patch("/v/bin/python", run=run("0.20.0+cu130"), pinned=pinned)
     with pytest.raises(UserError, match=r"has vLLM 0\.32\.1, but this NeMo-RL pins vLLM 0\.20\.0"):
         nr.preflight_vllm_patch("/v/bin/python", run=run("0.32.1"), pinned=pinned)
+
+
+def test_preflight_names_our_entry_points_missing_from_the_vllm_workers_python():
+    """A vLLM worker venv without nemo_jetrl's entry points (rebuilt, or a stale install):
+    named before Ray, where on fd6dbfb the engine check found it minutes in."""
+    import types
+
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+
+    plugins = {k: v for k, v in ENTRY_POINTS.items() if k != "nemo_jetrl"}
+    out = json.dumps({"vllm": "0.20.0", "plugins": plugins})
+    run = lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr="")  # noqa: E731
+    with pytest.raises(UserError) as ei:
+        nr.preflight_vllm_patch("/v/bin/python", run=run, pinned="0.20.0")
+    msg = str(ei.value)
+    assert (
+        "entry point 'nemo_jetrl' is not installed in this worker's Python (/v/bin/python)" in msg
+    )
+    assert "NRL_FORCE_REBUILD_VENVS" in msg and "worker 0" not in msg
+
+
+def test_worker_environment_that_keeps_our_kernel_or_hook_out_is_refused_by_name(tmp_path):
+    env_vars = {"NEMO_JETRL_NRL_REFIT": "{}", "VLLM_PLUGINS": "nemo_jetrl"}
+    merged = _merged()
+    merged["policy"] = {"generation": {"vllm_cfg": {"env_vars": env_vars}}}
+    environ = {"VLLM_DISABLED_KERNELS": "JetRLFp8BlockLinearKernel"}
+    with pytest.raises(UserError) as ei:
+        _prep(merged, tmp_path, environ=environ)
+    msg = str(ei.value)
+    assert "nothing started" in msg
+    assert "names JetRLFp8BlockLinearKernel" in msg
+    assert "(set by VLLM_DISABLED_KERNELS in the launch environment)" in msg
+    assert "does not list 'nemo_jetrl_nemo_rl_refit'" in msg
+    assert "(set by policy.generation.vllm_cfg.env_vars.VLLM_PLUGINS)" in msg
+    merged["policy"]["generation"]["vllm_cfg"]["env_vars"] = {"NEMO_JETRL_NRL_REFIT": "{}"}
+    _prep(merged, tmp_path)  # the same worker env without them: no refusal

@@ -124,6 +124,17 @@ def prepare_master(
     lines.append(line)
     vllm_py = venvs.venv_python(venv_base, venvs.VLLM_WORKER)
     if vllm_patch:
+        from nemo_jetrl.backends.nemo_rl.engine_check import worker_env_problems
+        from nemo_jetrl.backends.nemo_rl.vllm_refit import ENV_VAR as HOOK_ENV
+
+        vllm_cfg = ((merged.get("policy") or {}).get("generation") or {}).get("vllm_cfg") or {}
+        env_vars = vllm_cfg.get("env_vars") or {}
+        bad = worker_env_problems(environ, env_vars, HOOK_ENV in env_vars)
+        if bad:
+            raise _user_error(
+                "the vLLM workers would start without nemo_jetrl's kernel or refit hook (an "
+                "off-policy rollout); nothing started:\n  - " + "\n  - ".join(bad)
+            )
         if not vllm_entry.startswith("uv"):
             preflight(vllm_entry)
         elif vllm_py.is_file() and not rebuild:

@@ -96,6 +96,45 @@ def worker_status(worker: Any) -> dict[str, Any]:
     return report
 
 
+def _listed(value: str | None) -> list[str] | None:
+    """A comma-separated vLLM variable as vLLM parses it (None: unset)."""
+    return None if value is None else [p.strip() for p in value.split(",") if p.strip()]
+
+
+def worker_env_problems(
+    environ: Mapping[str, str], env_vars: Mapping[str, Any], hook_expected: bool
+) -> list[str]:
+    """Before Ray: what the vLLM workers' environment (this process's, which NeMo-RL's worker
+    groups copy, under ``policy.generation.vllm_cfg.env_vars``) would do to our plugins and
+    kernel. Each problem names the variable and where it was set."""
+    from nemo_jetrl.vllm_patch.guard import env_problems
+    from nemo_jetrl.vllm_patch.settings import KERNEL_NAME
+
+    def where(key: str) -> tuple[str | None, str]:
+        if key in env_vars:
+            return str(env_vars[key]), f"policy.generation.vllm_cfg.env_vars.{key}"
+        return environ.get(key), f"{key} in the launch environment"
+
+    plugins, p_src = where("VLLM_PLUGINS")
+    disabled, d_src = where("VLLM_DISABLED_KERNELS")
+    out = [
+        f"{msg} (set by {p_src if msg.startswith('VLLM_PLUGINS') else d_src})"
+        for msg in env_problems(KERNEL_NAME, _listed(plugins), _listed(disabled) or [])
+    ]
+    listed = _listed(plugins)
+    if hook_expected and listed is not None and REFIT_PLUGIN not in listed:
+        out.append(
+            f"VLLM_PLUGINS={plugins!r} does not list {REFIT_PLUGIN!r} (set by {p_src}), so "
+            "NeMo-RL's refit would quantize with its own code: add it or unset VLLM_PLUGINS"
+        )
+    return out
+
+
+def entry_point_problems(have: Mapping[str, str], python: str) -> list[str]:
+    """Our entry points missing from (or stale in) the vLLM workers' Python ``python``."""
+    return _entry_point_problems({"entry_points": dict(have), "python": python}, 0)
+
+
 def _entry_point_problems(report: Mapping[str, Any], rank: int) -> list[str]:
     have = report.get("entry_points", {})
     out = []

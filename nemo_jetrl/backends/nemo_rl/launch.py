@@ -186,23 +186,39 @@ def nemo_rl_pinned_vllm(nemo_rl_dir: Path) -> str | None:
     return m.group(1) if m else None
 
 
+# Run by the vLLM workers' Python: its vLLM version and its vllm.general_plugins entry points.
+_PREFLIGHT = (
+    "import json, vllm\n"
+    "from importlib.metadata import entry_points\n"
+    "eps = {e.name: e.value for e in entry_points(group='vllm.general_plugins')}\n"
+    "print(json.dumps({'vllm': vllm.__version__, 'plugins': eps}))"
+)
+
+
 def preflight_vllm_patch(python: str, run: Any = subprocess.run, pinned: str | None = None) -> None:
     """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range, or is
     not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``)."""
     from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
 
-    proc = run(
-        [python, "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise _user_error(
             f"cannot import vLLM with NeMo-RL's vLLM worker Python {python}: "
             f"{(proc.stderr or '').strip()[-500:]}"
         )
-    version = proc.stdout.strip().splitlines()[-1]
+    import json
+
+    from nemo_jetrl.backends.nemo_rl.engine_check import entry_point_problems
+
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    version = found["vllm"]
+    missing = entry_point_problems(found["plugins"], python)
+    if missing:
+        raise _user_error(
+            "NeMo-RL's vLLM workers would start without nemo_jetrl's plugins (an off-policy "
+            "rollout); nothing started:\n  - " + "\n  - ".join(m.removeprefix("worker 0: ")
+                                                          for m in missing)
+        )  # fmt: skip
     try:
         check_vllm_version(version)
     except UnsupportedVllmVersion as exc:

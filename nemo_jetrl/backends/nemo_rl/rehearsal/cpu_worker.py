@@ -148,7 +148,7 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
         if not fp8.fp8_patches_applied:  # a spawned worker: NeMo-RL's own call, once more
             # (with one worker per engine init_fp8 applies its patches in this process itself)
             fp8.init_fp8(vllm_cfg, settings["model"], int(settings["model_parallel_size"]))
-        applied.append("fp8_patches")
+            applied.append("fp8_patches")
     handle = RehearsalHandle(patches, tuple(applied))
     if not handle.active:  # verified in effect
         handle.revert()

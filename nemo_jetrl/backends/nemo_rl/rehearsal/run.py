@@ -116,11 +116,24 @@ def _parity_in_actor(actor: Any) -> Any:
     return actor.llm.collective_rpc(_parity_in_worker)
 
 
+def _substitutes_in_worker(worker: Any) -> Any:
+    """In a vLLM worker: the rehearsal's substitutes in effect there (None: none)."""
+    from nemo_jetrl.backends.nemo_rl.rehearsal import cpu_worker
+
+    handle = cpu_worker._HANDLE
+    return list(handle.applied) if handle is not None and handle.active else None
+
+
+def _substitutes_in_actor(actor: Any) -> Any:
+    return actor.llm.collective_rpc(_substitutes_in_worker)
+
+
 class _Watch:
     """What the rehearsal reads while NeMo-RL runs: the policy, the generation, each refit."""
 
-    def __init__(self, recipe: Any) -> None:
+    def __init__(self, recipe: Any, hook: bool) -> None:
         self.recipe = recipe
+        self.hook = hook  # our refit hook is in the engines: each refit's parity is checked
         self.policy: Any = None
         self.generation: Any = None
         self.parity: list[Any] = []
@@ -133,12 +146,27 @@ class _Watch:
         return self.policy
 
     def on_setup(self, policy: Any, generation: Any) -> None:
+        import ray
+
         self.generation = generation
+        futures = generation.worker_group.run_all_workers_single_data(
+            "__ray_call__", fn=_substitutes_in_actor, run_rank_0_only_axes=["tensor_parallel"]
+        )
+        found = [w for engine in ray.get(futures) for w in engine]
+        for rank, applied in enumerate(found):
+            what = ", ".join(applied) if applied else "NONE (the rehearsal plugin did not run)"
+            print(f"jetrl rehearse: vLLM worker {rank}: CPU substitutes in effect: {what}",
+                  flush=True)  # fmt: skip
 
     def after_refit(self) -> None:
         import ray
 
         if self.generation is None:  # setup's own refit info, before the first step
+            return
+        if not self.hook:  # bf16 / fp8_rollout: NeMo-RL's own refit, vLLM's own quantizer
+            self.parity.append([])
+            print(f"jetrl rehearse: step {len(self.parity)}: refit by NeMo-RL's own code (no "
+                  f"nemo_jetrl hook for recipe {self.recipe.name})", flush=True)  # fmt: skip
             return
         group = self.generation.worker_group
         futures = group.run_all_workers_single_data(
@@ -180,6 +208,14 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
             "PYTHONPATH=$NEMO_RL_PYTHONPATH, see docs/rehearsal.md)"
         )
     plan = prepared.plan
+    from nemo_jetrl.backends.nemo_rl.translate import VLLM_PATCH_ENV
+
+    if plan.recipe.rollout.fp8_linears and VLLM_PATCH_ENV not in plan.workers.vllm_env:
+        raise _user_error(
+            f"recipe {plan.recipe.name!r} serves block-FP8 with vLLM's own kernel, which vLLM's "
+            "CPU build does not have (vLLM 0.20 has no CPU block-FP8 kernel; 0.25 only on AMX "
+            "CPUs): it cannot be rehearsed here. Rehearse the jetrl recipe (our kernel) and bf16"
+        )
     name = (plan.master_config.get("policy") or {}).get("model_name")
     arch = resolve_arch(name)
     if arch is None:
@@ -240,7 +276,9 @@ def _run(prepared: Any, work: Path, model_dir: Path, prompts: Path, start: float
     for w in prepared.warnings:
         print(f"jetrl rehearse: note: {w}", flush=True)
     log_dir = Path(config.logger["log_dir"])
-    watch = _Watch(plan.recipe)
+    from nemo_jetrl.backends.nemo_rl.vllm_refit import ENV_VAR as HOOK_ENV
+
+    watch = _Watch(plan.recipe, HOOK_ENV in plan.workers.vllm_env)
     failure = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(local_ray(gpus=1, cpus=4))
@@ -280,7 +318,7 @@ def _report(watch: _Watch, log_dir: Path, config: Any, failure: Any, start: floa
     problems = []
     if len(watch.parity) < STEPS:
         problems.append(f"{len(watch.parity)} of {STEPS} refits checked")
-    if any(r is None for step in watch.parity for r in step):
+    if watch.hook and any(not step or None in step for step in watch.parity):
         problems.append("a refit's parity was not checked (jetrl.refit_parity_check off?)")
     if problems:
         print("jetrl rehearse: NOT ready: " + "; ".join(problems), flush=True)
