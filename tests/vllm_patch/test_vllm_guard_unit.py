@@ -209,5 +209,6 @@ def test_guard_names_the_entry_point_pyproject_declares():
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     declared = tomllib.loads(pyproject.read_text())["project"]["entry-points"][PLUGIN_GROUP]
     assert declared[PLUGIN_NAME] == PLUGIN_TARGET
-    # The only other plugin is the NeMo-RL refit hook (inert unless NEMO_JETRL_NRL_REFIT is set).
-    assert set(declared) - {PLUGIN_NAME} == {"nemo_jetrl_nemo_rl_refit"}
+    # The other plugins: the NeMo-RL refit hook (inert unless NEMO_JETRL_NRL_REFIT is set) and
+    # the rehearsal's CPU substitutes (inert unless NEMO_JETRL_REHEARSAL is set).
+    assert set(declared) - {PLUGIN_NAME} == {"nemo_jetrl_nemo_rl_refit", "nemo_jetrl_rehearsal"}
