@@ -83,3 +83,25 @@ def test_rehearse_refuses_a_bad_config_before_any_work(tmp_path, capsys):
     assert main(["rehearse", str(bad), "--workdir", str(tmp_path / "w")]) == 2
     assert "jetrl rehearse: error:" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_model_or_family_without_a_stand_in_is_named_before_any_work(tmp_path, capsys):
+    """Config problems come before NeMo-RL is needed (this env has none): an unknown model
+    names jetrl.model_config, a mixture of experts names its family."""
+    from pathlib import Path
+
+    from nemo_jetrl.cli import main
+
+    repo = Path(__file__).resolve().parents[2]
+    smoke = repo / "examples" / "configs" / "smoke" / "qwen3_1.7b_jetrl.yaml"
+    assert main(["rehearse", str(smoke), "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "set jetrl.model_config=PATH to the model's HF config.json" in err, err
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**resolve_arch("Qwen/Qwen3-30B-A3B").hf_config}))
+    moe = main(
+        ["rehearse", str(smoke), f"+jetrl.model_config={cfg}", "--workdir", str(tmp_path / "w")]
+    )
+    assert moe == 2
+    assert "mixture of experts" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

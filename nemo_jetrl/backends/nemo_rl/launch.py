@@ -91,6 +91,9 @@ class Prepared:
     plan: NemoRlPlan
     source: str
     warnings: tuple[str, ...] = ()
+    arch: Any = None
+    """The model's `ModelArch` as the config check read it (built-in or ``jetrl.model_config``);
+    None when it had none and checked generic layers."""
 
 
 def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
@@ -129,7 +132,8 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
         plan = translate(container, recipe, num_layers=arch.num_layers)
     except TranslationError as exc:
         raise _user_error(str(exc)) from None
-    return Prepared(plan=plan, source=source, warnings=tuple(notes))
+    described = None if checked.arch_note else arch  # a note: generic layers stood in
+    return Prepared(plan=plan, source=source, warnings=tuple(notes), arch=described)
 
 
 # -- worker registration (driver process) ---------------------------------------------------------

@@ -193,20 +193,11 @@ def _nemo_rl_dir() -> Path:
 def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = None) -> int:
     """The rehearsal (module docstring); 0 when ready for the cluster, 1 on the first problem,
     UserError (exit 2) for a bad config, as ``jetrl check``."""
-    from nemo_jetrl.arch.builtins import resolve_arch
     from nemo_jetrl.backends.nemo_rl import launch
     from nemo_jetrl.backends.nemo_rl.rehearsal import model as tiny
 
     start = time.monotonic()
     prepared = launch.prepare(config, overrides)
-    missing = launch.missing_dependencies()
-    if missing:
-        raise _user_error(
-            "jetrl rehearse runs NeMo-RL's own code and needs it importable here; missing: "
-            + ", ".join(missing)
-            + " (the NeMo-RL tier's env: bash scripts/setup_nemo_rl_env.sh v0.7.0, then "
-            "PYTHONPATH=$NEMO_RL_PYTHONPATH, see docs/rehearsal.md)"
-        )
     plan = prepared.plan
     from nemo_jetrl.backends.nemo_rl.translate import VLLM_PATCH_ENV
 
@@ -217,17 +208,28 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
             "CPUs): it cannot be rehearsed here. Rehearse the jetrl recipe (our kernel) and bf16"
         )
     name = (plan.master_config.get("policy") or {}).get("model_name")
-    arch = resolve_arch(name)
+    arch = prepared.arch
     if arch is None:
         raise _user_error(
-            f"policy.model_name={name!r}: no architecture known to build its stand-in"
+            f"policy.model_name={name!r} is not a model nemo_jetrl knows, so the rehearsal "
+            "cannot build a stand-in of its family: set jetrl.model_config=PATH to the model's "
+            "HF config.json"
+        )
+    try:
+        tiny.tiny_config(arch, tiny.BLOCK)  # its family has a stand-in (before any work)
+    except tiny.UnsupportedFamily as exc:
+        raise _user_error(str(exc)) from None
+    missing = launch.missing_dependencies()
+    if missing:
+        raise _user_error(
+            "jetrl rehearse runs NeMo-RL's own code and needs it importable here; missing: "
+            + ", ".join(missing)
+            + " (the NeMo-RL tier's env: bash scripts/setup_nemo_rl_env.sh v0.7.0, then "
+            "PYTHONPATH=$NEMO_RL_PYTHONPATH, see docs/rehearsal.md)"
         )
     work = Path(workdir or tempfile.mkdtemp(prefix=f"jetrl-rehearse-{Path(config).stem}-"))
     work = work.resolve()
-    try:
-        model_dir = tiny.write_model(arch, work / "model")
-    except tiny.UnsupportedFamily as exc:
-        raise _user_error(str(exc)) from None
+    model_dir = tiny.write_model(arch, work / "model")
     prompts = tiny.write_prompts(work / "data" / "prompts.jsonl")
     print(f"jetrl rehearse: {config}: recipe {plan.recipe.name}; {arch.name} -> "
           f"{tiny.LAYERS}-layer {arch.model_type} stand-in in {model_dir}", flush=True)  # fmt: skip
