@@ -78,9 +78,9 @@ class _CpuPolicyBody:
             self.optimizer.load_state_dict(torch.load(Path(optimizer_path) / "optim.pt"))
         gen = config["generation"]
         self.temperature = float(gen.get("temperature") or 1.0)
-        self.vllm_dtype = torch.bfloat16 if gen["vllm_cfg"].get("precision") != "float32" else (
-            torch.float32
-        )  # fmt: skip
+        # vLLM's model dtype: BF16 for an FP8 or BF16 rollout (what the refit announces and sends)
+        float32 = gen["vllm_cfg"].get("precision") == "float32"
+        self.vllm_dtype = torch.float32 if float32 else torch.bfloat16
         self.refit_buffer_size_gb = config.get("refit_buffer_size_gb")
         self.debug_payload_metrics = None
         self._sender: threading.Thread | None = None
@@ -179,9 +179,13 @@ class _CpuPolicyBody:
                 if not eval_mode:
                     loss.backward()
                 total = total + loss.detach()
-                metrics = {**metrics, "global_valid_seqs": float(seqs), "global_valid_toks":
-                           float(toks), "lr": self.optimizer.param_groups[0]["lr"]
-                           if self.optimizer else 0.0}  # fmt: skip
+                lr = self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+                metrics = {
+                    **metrics,
+                    "global_valid_seqs": float(seqs),
+                    "global_valid_toks": float(toks),
+                    "lr": lr,
+                }
                 for key, value in metrics.items():
                     v = float(value) / (batches if not key.endswith(("_min", "_max")) else 1)
                     mb_metrics.setdefault(key, []).append(v)
