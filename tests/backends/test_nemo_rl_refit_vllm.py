@@ -474,14 +474,28 @@ def test_calibrated_kv_scales_ride_nemo_rls_refit_into_the_attention_layers(nrl_
     """What our policy worker ships (`refit_kv_scales` -> NeMo-RL's refit iterator names) goes
     through NeMo-RL's real sender/receiver and vLLM's loader into every attention layer; our
     parity check compares them. (vLLM 0.20's CPU build has no FP8 KV cache, so the values
-    attention would use with one are not reached here.)"""
+    attention would use with one are not reached here.) The scales are calibrated-looking fp32
+    values no BF16 holds: vLLM creates the scale parameters in the model's dtype, and our hook
+    makes them float32 before loading (a BF16 parameter would round them)."""
     from nemo_jetrl.backends.nemo_rl.calibration import refit_kv_scales
     from nemo_jetrl.kvcache import KVScales
 
+    def f32(x: float) -> float:
+        return float(torch.tensor(x, dtype=torch.float32))
+
     llm, _, device_id = nrl_engine
     ours = KVScales(
-        {i: {"q": 0.75 + i, "k": 0.0625 * (i + 3), "v": 1.5 / (i + 2)} for i in range(2)}
+        {
+            i: {
+                "q": f32(0.0123 + i / 1000),
+                "k": f32(0.00937 * (i + 1)),
+                "v": f32(0.0035 / (i + 1)),
+            }
+            for i in range(2)
+        }
     )
+    assert all(f32(float(torch.tensor(v, dtype=torch.bfloat16))) != v
+               for per in ours.layers.values() for v in per.values())  # fmt: skip
     shipped = refit_kv_scales(None, ours.to_vllm(include_q=True))  # v0.7.0 colocated: none given
     weights = _state_dict(4)
     weights.update({k: torch.tensor([v], dtype=torch.float32) for k, v in shipped.items()})

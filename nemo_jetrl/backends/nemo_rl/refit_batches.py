@@ -66,6 +66,20 @@ def _engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
         return None
 
 
+def _float32_kv_scale(model: torch.nn.Module, layer: str, t: str) -> None:
+    """Make the attention layer's ``{t}_scale`` parameter float32 before the loader copies into
+    it: vLLM creates it under the model's default dtype (``torch.tensor(-1.0)`` inside
+    ``set_default_torch_dtype(bf16)``), so a calibrated fp32 scale would land rounded to BF16
+    and attention (whose ``_k_scale`` is float32) would use another scale than the trainer's
+    on-policy KV. A rollback rebinds the old storage (`vllm_patch.rollback`)."""
+    try:
+        param = getattr(model.get_submodule(f"{layer}.attn"), f"{t}_scale", None)
+    except AttributeError:
+        return  # not an attention layer here: the loader and the parity check name it
+    if isinstance(param, torch.Tensor) and param.dtype != torch.float32:
+        param.data = param.data.to(torch.float32)
+
+
 def quantize_batch(
     weights: list[tuple[str, torch.Tensor]],
     model: torch.nn.Module,
@@ -106,6 +120,7 @@ def quantize_batch(
             # NeMo-RL names q "<layer>.self_attn.attn.q_scale"; vLLM's loader (0.20's
             # maybe_remap_kv_scale_name) maps that to "...attn.attn.q_scale" and drops it. The
             # k/v form loads: "<layer>.self_attn.q_scale" -> "<layer>.self_attn.attn.q_scale".
+            _float32_kv_scale(model, m["layer"], m["t"])
             out.append((f"{m['layer']}.{m['t']}_scale", v))
         else:
             out.append((k, v))

@@ -73,7 +73,11 @@ def system_python_workers(registry: MutableMapping[str, str], python: str) -> It
 @contextlib.contextmanager
 def local_ray(gpus: int, cpus: int | None = None) -> Iterator[Any]:
     """A local Ray declaring ``gpus`` logical GPUs (and ``cpus`` logical CPUs: default one per
-    GPU plus two), shut down on exit."""
+    GPU plus two), shut down on exit. ``RAY_ADDRESS`` names it while it runs: NeMo-RL's memory
+    tracker (main: ``memory_summary()`` at each stage) looks the cluster up by address, and
+    refuses when another Ray runs on the machine (e.g. a second rehearsal)."""
+    import os
+
     import ray
 
     ray.init(
@@ -82,7 +86,13 @@ def local_ray(gpus: int, cpus: int | None = None) -> Iterator[Any]:
         include_dashboard=False,
         log_to_driver=True,
     )
+    old = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     try:
         yield ray
     finally:
+        if old is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = old
         ray.shutdown()

@@ -6,7 +6,8 @@ NeMo-RL's ``Policy``) and what ``grpo_train`` drives for a whole step: log-proba
 NeMo-RL's ``get_next_token_logprobs_from_logits`` computes them without tensor parallelism (its
 own code moves token ids to CUDA), a train step with the loss function ``grpo.setup`` built
 (wrapped by our mismatch metrics), a checkpoint, and the refit into the vLLM engines over
-NeMo-RL's own ZMQ protocol.
+NeMo-RL's own ZMQ protocol. With an FP8 KV cache recipe (jetrl_kv) the training model carries our
+KV machinery, and the policy calibrates the q/k/v scales and ships them in the refit (`kv.py`).
 
 The model is the tiny model of the config's family (`model.py`) with the recipe's FP8 training
 linears (`Fp8BlockLinear`, TE's blockwise recipe), master weights in float32, streamed in
@@ -19,6 +20,7 @@ NeMo-RL's (``nemo_rl.models.policy.utils``: ``IPCProtocol``, ``calculate_aligned
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import tempfile
 import threading
@@ -28,6 +30,12 @@ from typing import Any
 import torch
 
 from nemo_jetrl.backends.nemo_rl.rehearsal.cpu_worker import device_id
+from nemo_jetrl.backends.nemo_rl.rehearsal.kv import (
+    CpuKV,
+    fp8_kv_cache,
+    kv_refit_tensors,
+    scale_names,
+)
 
 ZMQ_TIMEOUT_MS = 120_000  # NeMo-RL's policy worker's
 
@@ -72,6 +80,8 @@ class _CpuPolicyBody:
         self.reference = freeze(copy.deepcopy(model)) if init_reference_model else None
         self.plan = make_trainer_model(model, recipe) if recipe is not None else None
         self.model = model
+        # our on-policy FP8 KV on the training model (the local backend's `_attach_kv_cache`)
+        self.kv = CpuKV(model, recipe) if recipe is not None and recipe.kv_fp8 else None
         lr = float(((config.get("megatron_cfg") or {}).get("optimizer") or {}).get("lr") or 1e-5)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr) if init_optimizer else None
         if optimizer_path and self.optimizer is not None:
@@ -81,6 +91,11 @@ class _CpuPolicyBody:
         # vLLM's model dtype: BF16 for an FP8 or BF16 rollout (what the refit announces and sends)
         float32 = gen["vllm_cfg"].get("precision") == "float32"
         self.vllm_dtype = torch.float32 if float32 else torch.bfloat16
+        # the refit appends the KV scales after the weights when vLLM's cache is FP8 (NeMo-RL's
+        # Megatron worker: every layer of the model, NeMo-RL's names)
+        layers = int(model.config.num_hidden_layers)
+        self.kv_names = scale_names(layers) if fp8_kv_cache(gen) else []
+        self.kv_sent: dict[str, float] = {}  # the last refit's KV scales
         self.refit_buffer_size_gb = config.get("refit_buffer_size_gb")
         self.debug_payload_metrics = None
         self._sender: threading.Thread | None = None
@@ -199,9 +214,19 @@ class _CpuPolicyBody:
 
     def calibrate_qkv_fp8_scales(self, data: Any, micro_batch_size: Any = None, percentile=99.9,
                                  margin=1.05, include_q=False) -> dict:  # fmt: skip
-        raise NotImplementedError(
-            "the rehearsal's CPU policy does not calibrate FP8 KV scales yet (jetrl_kv)"
-        )
+        """Our calibration (the recipe's jetrl.kv_calibration, as the Megatron worker: NeMo-RL's
+        percentile and margin are not used) on the CPU model, installed for on-policy KV."""
+        if self.kv is None:
+            raise RuntimeError(
+                "NeMo-RL asked for FP8 KV scales but the recipe has no FP8 KV cache: set "
+                "policy.generation.vllm_cfg.kv_cache_dtype=auto or use the jetrl_kv recipe"
+            )
+        self.model.eval()
+        mbs = int(micro_batch_size or self.cfg["logprob_batch_size"])
+        return self.kv.calibrate(
+            self.model, data["input_ids"], data["input_lengths"],
+            micro_batch_size=mbs, include_q=include_q,
+        )  # fmt: skip
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         self.model.train()
@@ -233,8 +258,14 @@ class _CpuPolicyBody:
     def _weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
+    def _kv_tensors(self, kv_scales: Any) -> list[tuple[str, torch.Tensor]]:
+        """The KV scales a refit sends (float32, never cast to vLLM's dtype), as NeMo-RL."""
+        calibrated = self.kv.vllm_scales if self.kv is not None else None
+        return kv_refit_tensors(self.kv_names, kv_scales, calibrated)
+
     def prepare_refit_info(self) -> dict[str, Any]:
-        return {n: (t.shape, self.vllm_dtype) for n, t in self._weights().items()}
+        info = {n: (t.shape, self.vllm_dtype) for n, t in self._weights().items()}
+        return {**info, **{n: (t.shape, t.dtype) for n, t in self._kv_tensors(None)}}
 
     def get_free_memory_bytes(self) -> int:
         return 1 << 30  # host memory: NeMo-RL takes 30% of it for the refit buffer
@@ -246,22 +277,24 @@ class _CpuPolicyBody:
         """Starts the sender and returns at once (NeMo-RL starts the receivers after this
         call); `offload_after_refit` waits for it."""
         self._sender_error = None
+        kv = self._kv_tensors(kv_scales)  # refuses scales contradicting our calibration, here
+        self.kv_sent = {n: float(t) for n, t in kv}
         self._sender = threading.Thread(
-            target=self._send, args=(max(int(buffer_size_bytes) // 2, 1 << 20),), daemon=True
+            target=self._send, args=(max(int(buffer_size_bytes) // 2, 1 << 20), kv), daemon=True
         )
         self._sender.start()
         return []
 
-    def _send(self, capacity: int) -> None:
+    def _send(self, capacity: int, kv: list[tuple[str, torch.Tensor]]) -> None:
         try:
-            self._send_groups(capacity)
+            self._send_groups(capacity, kv)
         except BaseException as exc:  # handed to the driver in offload_after_refit
             self._sender_error = exc
             if self._socket is not None:
                 self._socket.close(linger=0)
                 self._socket = None
 
-    def _send_groups(self, capacity: int) -> None:
+    def _send_groups(self, capacity: int, kv: list[tuple[str, torch.Tensor]]) -> None:
         import zmq
         from nemo_rl.models.policy.utils import IPCProtocol, calculate_aligned_size
 
@@ -291,8 +324,8 @@ class _CpuPolicyBody:
             self.refit_bytes += used
             group, used = [], 0
 
-        for name, tensor in self._weights().items():
-            t = tensor.to(self.vllm_dtype)
+        weights = ((n, t.to(self.vllm_dtype)) for n, t in self._weights().items())
+        for name, t in itertools.chain(weights, kv):  # one cast weight at a time
             size = calculate_aligned_size(t.numel() * t.element_size())
             if group and used + size > capacity:
                 flush()

@@ -116,6 +116,12 @@ def _parity_in_actor(actor: Any) -> Any:
     return actor.llm.collective_rpc(_parity_in_worker)
 
 
+def _kv_in_actor(actor: Any) -> Any:
+    from nemo_jetrl.backends.nemo_rl.rehearsal.kv import engine_kv_scales
+
+    return actor.llm.collective_rpc(engine_kv_scales)
+
+
 def _substitutes_in_worker(worker: Any) -> Any:
     """In a vLLM worker: the rehearsal's substitutes in effect there (None: none)."""
     from nemo_jetrl.backends.nemo_rl.rehearsal import cpu_worker
@@ -137,6 +143,7 @@ class _Watch:
         self.policy: Any = None
         self.generation: Any = None
         self.parity: list[Any] = []
+        self.kv_problems: list[str] = []
 
     def make_policy(self, **kwargs: Any) -> Any:
         from nemo_jetrl.backends.nemo_rl.rehearsal.policy import make_cpu_policy_class
@@ -182,6 +189,24 @@ class _Watch:
             print(f"jetrl rehearse: step {step}: refit parity held, {n} tensors ({fp8} FP8) "
                   "identical to the trainer's", flush=True)  # fmt: skip
         self.parity.append(reports)
+        if self.policy.kv_names:  # vLLM's cache is FP8: the scales the engine now uses
+            self._kv_line(step)
+
+    def _kv_line(self, step: int) -> None:
+        import ray
+
+        from nemo_jetrl.backends.nemo_rl.rehearsal.kv import kv_report
+
+        futures = self.generation.worker_group.run_all_workers_single_data(
+            "__ray_call__", fn=_kv_in_actor, run_rank_0_only_axes=["tensor_parallel"]
+        )
+        engines = [w for engine in ray.get(futures) for w in engine]
+        kv = self.policy.kv
+        line, differ = kv_report(self.policy.kv_sent, kv.vllm_scales if kv else None, engines)
+        print(f"jetrl rehearse: step {step}: {line}", flush=True)
+        for d in differ:
+            print(f"jetrl rehearse:   - {d}", flush=True)
+        self.kv_problems += [f"step {step}: {d}" for d in differ]
 
 
 def _nemo_rl_dir() -> Path:
@@ -227,6 +252,14 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
             + " (the NeMo-RL tier's env: bash scripts/setup_nemo_rl_env.sh v0.7.0, then "
             "PYTHONPATH=$NEMO_RL_PYTHONPATH, see docs/rehearsal.md)"
         )
+    from nemo_jetrl.backends.nemo_rl.rehearsal.kv import cpu_fp8_kv_refusal
+
+    # an FP8 KV cache: asked of this Python's vLLM (the vLLM workers' Python), before any work
+    vllm_cfg = ((plan.master_config.get("policy") or {}).get("generation") or {}).get("vllm_cfg")
+    head_size = tiny.tiny_config(arch, tiny.BLOCK).head_dim
+    refusal = cpu_fp8_kv_refusal(vllm_cfg or {}, plan.recipe.name, head_size)
+    if refusal:
+        raise _user_error(refusal)
     work = Path(workdir or tempfile.mkdtemp(prefix=f"jetrl-rehearse-{Path(config).stem}-"))
     work = work.resolve()
     model_dir = tiny.write_model(arch, work / "model")
@@ -322,6 +355,8 @@ def _report(watch: _Watch, log_dir: Path, config: Any, failure: Any, start: floa
         problems.append(f"{len(watch.parity)} of {STEPS} refits checked")
     if watch.hook and any(not step or None in step for step in watch.parity):
         problems.append("a refit's parity was not checked (jetrl.refit_parity_check off?)")
+    if watch.kv_problems:
+        problems.append("KV scales differ in the engine: " + "; ".join(watch.kv_problems))
     if problems:
         print("jetrl rehearse: NOT ready: " + "; ".join(problems), flush=True)
         return 1
