@@ -44,8 +44,8 @@ def test_a_real_tail_block_is_kept():
 
 
 def test_families_without_a_stand_in_are_named():
-    moe = resolve_arch("Qwen/Qwen3-30B-A3B")
-    with pytest.raises(tiny.UnsupportedFamily, match=r"mixture of experts.*dense models only"):
+    moe = resolve_arch("MiniMaxAI/MiniMax-M2")  # Qwen3-MoE has one: test_rehearsal_moe_unit.py
+    with pytest.raises(tiny.UnsupportedFamily, match=r"mixture of experts.*qwen3_moe only"):
         tiny.tiny_config(moe, 128)
 
 
@@ -98,7 +98,7 @@ def test_a_model_or_family_without_a_stand_in_is_named_before_any_work(tmp_path,
     err = capsys.readouterr().err
     assert "set jetrl.model_config=PATH to the model's HF config.json" in err, err
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({**resolve_arch("Qwen/Qwen3-30B-A3B").hf_config}))
+    cfg.write_text(json.dumps({**resolve_arch("MiniMaxAI/MiniMax-M2").hf_config}))
     moe = main(
         ["rehearse", str(smoke), f"+jetrl.model_config={cfg}", "--workdir", str(tmp_path / "w")]
     )

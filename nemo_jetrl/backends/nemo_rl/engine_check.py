@@ -20,7 +20,8 @@ every vLLM worker of its engine (``collective_rpc`` with `worker_status`, a plai
 
 Each vLLM worker prints ``nemo_jetrl: plugin loaded in vLLM worker ...`` in its own log; the
 actor prints ``nemo_jetrl: plugin loaded ... kernel serves N/N FP8 linears, refit hook
-installed``; the driver logs ``jetrl/kernel/fp8_linears_on_our_kernel`` (a fraction, 1.0) and
+installed`` (an MoE: ``... and M/M FP8 expert layers (X experts)``); the driver logs
+``jetrl/kernel/fp8_linears_on_our_kernel`` (a fraction of both, 1.0) and
 ``jetrl/kernel/refit_hook_installed`` at step 0. Anything missing raises `EngineNotProven`
 naming the worker, the layers and the cause, and the run stops before its first step.
 
@@ -75,7 +76,8 @@ def worker_status(worker: Any) -> dict[str, Any]:
     from nemo_jetrl.vllm_patch.guard import PLUGIN_GROUP, layer_kernel_report
     from nemo_jetrl.vllm_patch.worker_ext import model_of
 
-    report = layer_kernel_report(model_of(worker))
+    model = model_of(worker)
+    report = layer_kernel_report(model)
     handle = vllm_refit._PLUGIN_HANDLE
     report["refit_hook"] = (
         {"active": handle.active, "layout": handle.layout} if handle is not None else None
@@ -85,15 +87,44 @@ def worker_status(worker: Any) -> dict[str, Any]:
         ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP) if ep.name in ENTRY_POINTS
     }
     report["python"] = sys.executable
-    layers = report["layers"]
-    ours = sum(1 for info in layers.values() if info.get("ours"))
+    for name, info in report["layers"].items():  # experts this engine holds, for the line
+        if info.get("moe"):
+            info["experts"] = int(model.get_submodule(name).w13_weight.shape[0])
     hook = "installed" if handle is not None and handle.active else "NOT installed"
     print(
         f"nemo_jetrl: plugin loaded in vLLM worker pid {os.getpid()} ({sys.executable}): "
-        f"kernel serves {ours}/{len(layers)} FP8 linears, refit hook {hook}",
+        f"{serves_text(served([report]))}, refit hook {hook}",
         flush=True,
     )
     return report
+
+
+SERVED_KEYS = ("linears", "linears_ours", "expert_layers", "expert_layers_ours", "experts")
+
+
+def served(reports: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """What the workers' block-FP8 layers are: linears and routed-expert layers (with the
+    experts they hold), and how many of each run our kernel."""
+    out = dict.fromkeys(SERVED_KEYS, 0)
+    for rep in reports:
+        for info in rep.get("layers", {}).values():
+            kind = "expert_layers" if info.get("moe") else "linears"
+            out[kind] += 1
+            out[f"{kind}_ours"] += int(bool(info.get("ours")))
+            out["experts"] += int(info.get("experts") or 0)
+    return out
+
+
+def serves_text(counts: Mapping[str, int]) -> str:
+    """``kernel serves 8/8 FP8 linears`` (a dense model), ``... and 2/2 FP8 expert layers
+    (8 experts)`` where the engine has routed experts."""
+    text = f"kernel serves {counts['linears_ours']}/{counts['linears']} FP8 linears"
+    if counts.get("expert_layers"):
+        text += (
+            f" and {counts['expert_layers_ours']}/{counts['expert_layers']} FP8 expert layers "
+            f"({counts['experts']} experts)"
+        )
+    return text
 
 
 def _listed(value: str | None) -> list[str] | None:
@@ -205,11 +236,11 @@ def judge(
         )
     layouts = sorted({str((r.get("refit_hook") or {}).get("layout")) for r in reports})
     hook = f"refit hook installed ({', '.join(layouts)})" if hook_expected else "refit hook off"
-    line = (
-        f"nemo_jetrl: plugin loaded in {len(reports)} vLLM worker(s); kernel serves "
-        f"{good}/{total} FP8 linears, {hook}"
-    )
-    return {"workers": len(reports), "fp8_linears": total, "on_our_kernel": good, "line": line}
+    counts = served(reports)
+    line = f"nemo_jetrl: plugin loaded in {len(reports)} vLLM worker(s); {serves_text(counts)}"
+    line += f", {hook}"
+    return {"workers": len(reports), "fp8_linears": total, "on_our_kernel": good,
+            "served": counts, "line": line}  # fmt: skip
 
 
 def check_in_generation_worker(actor: Any, patch_json: str, hook_expected: bool) -> dict[str, Any]:
@@ -333,9 +364,14 @@ def prove_generation_engines(
     good = sum(r["on_our_kernel"] for r in results)
     workers = sum(r["workers"] for r in results)
     hook_text = "refit hook installed" if hook else "refit hook off (jetrl.refit_hook: false)"
+    counts = dict.fromkeys(SERVED_KEYS, 0)
+    for r in results:  # (a result without "served": every layer a linear)
+        got = r.get("served") or {"linears": r["fp8_linears"], "linears_ours": r["on_our_kernel"]}
+        for k in SERVED_KEYS:
+            counts[k] += int(got.get(k, 0))
     print(
         f"nemo_jetrl: plugin loaded in {workers} vLLM worker(s) of {len(results)} engine(s); "
-        f"kernel serves {good}/{total} FP8 linears, {hook_text}",
+        f"{serves_text(counts)}, {hook_text}",
         flush=True,
     )
     metrics = {FRACTION_METRIC: good / total if total else 1.0, HOOK_METRIC: float(hook)}

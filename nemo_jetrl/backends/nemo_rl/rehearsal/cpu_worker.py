@@ -43,6 +43,7 @@ replacement is still in place and `revert` puts vLLM's and NeMo-RL's own back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -102,6 +103,27 @@ def device_id() -> str:
     return f"rehearsal-{socket.gethostname()}"
 
 
+@contextlib.contextmanager
+def _vllm_own_moe_method() -> Any:
+    """vLLM's own ``Fp8MoEMethod`` in its module slot while NeMo-RL's ``init_fp8`` patches it.
+    On a GPU NeMo-RL patches before vLLM loads plugins (``run_engine_core``, or the first
+    ``collective_rpc`` of a Ray executor), so our experts method, installed later, subclasses
+    the patched class and keeps its own ``process_weights_after_loading``; here the patches
+    come after our plugin and would land on our class (NeMo-RL's MoE conversion then asks for
+    vLLM's FP8 MoE backend: ``AttributeError: 'NoneType' object has no attribute 'value'``)."""
+    from nemo_jetrl.vllm_patch import experts
+
+    ours = experts.installed_moe_method()
+    mod = experts._fp8_module()
+    if ours is not None:
+        setattr(mod, experts.SLOT, ours._jetrl_original)
+    try:
+        yield
+    finally:
+        if ours is not None:
+            setattr(mod, experts.SLOT, ours)
+
+
 def install(settings: dict[str, Any]) -> RehearsalHandle:
     """Replace, in this process, what NeMo-RL's vLLM worker needs a GPU for (module docstring).
     ``settings``: the JSON of `ENV_VAR` (``vllm_cfg``, ``model``, ``model_parallel_size``)."""
@@ -147,7 +169,8 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
 
         if not fp8.fp8_patches_applied:  # a spawned worker: NeMo-RL's own call, once more
             # (with one worker per engine init_fp8 applies its patches in this process itself)
-            fp8.init_fp8(vllm_cfg, settings["model"], int(settings["model_parallel_size"]))
+            with _vllm_own_moe_method():
+                fp8.init_fp8(vllm_cfg, settings["model"], int(settings["model_parallel_size"]))
             applied.append("fp8_patches")
     handle = RehearsalHandle(patches, tuple(applied))
     if not handle.active:  # verified in effect

@@ -3,7 +3,10 @@
 The model is the same HF architecture class (``model_type`` from `nemo_jetrl.arch`) with the
 real model's layer kinds (grouped KV heads, q/k norms, biases, tied embeddings) and its tail blocks
 (a dimension that is not a multiple of 128 keeps a partial block), the dims shrunk to two
-128-blocks (hidden: two heads of 128) and the layers to `LAYERS`, weights random from a seed. The tokenizer is one token
+128-blocks (hidden: two heads of 128) and the layers to `LAYERS`, weights random from a seed.
+A mixture of experts (`MOE_FAMILIES`: Qwen3-MoE) keeps its router, its top-k renormalisation
+(``norm_topk_prob``) and which of the kept layers are MoE, with `EXPERTS` experts of one
+128-block (plus the real tail), `TOP_K` per token. The tokenizer is one token
 per printable ASCII character (NeMo-RL's prompts and answers are plain text) whose chat
 template joins the messages' contents. The prompts are small sums with
 their answers, in the jsonl NeMo-RL's ``ResponseDataset`` reads.
@@ -21,6 +24,11 @@ BLOCK = 128
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 CHARS = tuple(string.printable[:95])  # digits, letters, punctuation, space
 PROMPTS = 8
+EXPERTS, TOP_K = 4, 2  # a few experts, more than one routed per token (as every real MoE)
+# MoE families with a stand-in: model_type -> the top-k renormalisation when config.json does
+# not say (Qwen3-30B-A3B's and -235B-A22B's config.json: norm_topk_prob true; transformers'
+# Qwen3MoeConfig default is false, so the stand-in must not take the default)
+MOE_FAMILIES = {"qwen3_moe": True}
 
 
 class UnsupportedFamily(ValueError):
@@ -36,11 +44,19 @@ def tiny_config(arch: Any, vocab_size: int) -> Any:
     """The HF config of the tiny model of ``arch``'s family (a `ModelArch`)."""
     from transformers import AutoConfig
 
-    if arch.moe is not None or arch.mla is not None or arch.hybrid is not None:
-        kind = "mixture of experts" if arch.moe else "MLA" if arch.mla else "hybrid attention"
+    if arch.mla is not None or arch.hybrid is not None:
+        kind = "MLA" if arch.mla else "hybrid attention"
         raise UnsupportedFamily(
-            f"{arch.name} ({arch.model_type}, {kind}): jetrl rehearse runs dense models only "
-            "for now; run `jetrl check` on it and rehearse a dense config of the same recipe"
+            f"{arch.name} ({arch.model_type}, {kind}): jetrl rehearse has no stand-in for "
+            f"{kind} yet (dense and {', '.join(MOE_FAMILIES)} models only); run `jetrl check` "
+            "on it and rehearse a config of the same recipe with a model of those families"
+        )
+    if arch.moe is not None and arch.model_type not in MOE_FAMILIES:
+        raise UnsupportedFamily(
+            f"{arch.name} ({arch.model_type}, mixture of experts): jetrl rehearse has a "
+            f"mixture-of-experts stand-in for {', '.join(MOE_FAMILIES)} only; run `jetrl check` "
+            "on it and rehearse a config of the same recipe with a Qwen3-MoE model (e.g. "
+            "policy.model_name=Qwen/Qwen3-30B-A3B)"
         )
     # head_dim 128: q, k and v each whole FP8 blocks (vLLM loads each one's block scales apart);
     # hidden = heads * head_dim, so families without a head_dim key agree
@@ -60,11 +76,30 @@ def tiny_config(arch: Any, vocab_size: int) -> Any:
         eos_token_id=2,
         pad_token_id=0,
     )
-    if arch.model_type in ("llama", "qwen3", "mistral"):
+    if arch.model_type in ("llama", "qwen3", "mistral", "qwen3_moe"):
         keys["attention_bias"] = bool(arch.qkv_bias)
+    if arch.moe is not None:
+        keys.update(_moe_keys(arch))
     config = AutoConfig.for_model(arch.model_type, **keys)
     config.architectures = [_architecture(arch.model_type)]
     return config
+
+
+def _moe_keys(arch: Any) -> dict[str, Any]:
+    """The MoE keys of the stand-in of ``arch`` (a Qwen3-MoE): its experts shrunk, its router
+    rule and its MoE layers among the kept `LAYERS` (the others dense, as in the real model)."""
+    moe, real = arch.moe, dict(arch.hf_config or {})
+    dense = [i for i in range(LAYERS) if i not in moe.moe_layers]
+    if len(dense) == LAYERS:  # the first layers all dense: keep one MoE layer (the last)
+        dense = dense[:-1]
+    return dict(
+        num_experts=min(moe.num_experts, EXPERTS),
+        num_experts_per_tok=min(moe.top_k, TOP_K),
+        moe_intermediate_size=_shrunk(moe.expert_size, 1),
+        norm_topk_prob=bool(real.get("norm_topk_prob", MOE_FAMILIES[arch.model_type])),
+        decoder_sparse_step=1,  # which layers are MoE: said by mlp_only_layers alone
+        mlp_only_layers=dense,
+    )
 
 
 def _architecture(model_type: str) -> str:

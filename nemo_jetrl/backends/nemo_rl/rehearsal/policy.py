@@ -256,7 +256,13 @@ class _CpuPolicyBody:
     # -- refit (NeMo-RL's ZMQ protocol; files instead of CUDA IPC handles) -------------------
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """The weights under the names NeMo-RL's Megatron bridge exports and vLLM loads: an MoE
+        block's fused experts (transformers 5: ``mlp.experts.gate_up_proj`` [E, 2I, H]) split
+        per expert, ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (views; the local backend's
+        rule, `engine_weights`); the router ``mlp.gate.weight`` and the rest as named."""
+        from nemo_jetrl.backends.local.vllm_moe import engine_weights
+
+        return engine_weights({n: p.detach() for n, p in self.model.named_parameters()})
 
     def _kv_tensors(self, kv_scales: Any) -> list[tuple[str, torch.Tensor]]:
         """The KV scales a refit sends (float32, never cast to vLLM's dtype), as NeMo-RL."""

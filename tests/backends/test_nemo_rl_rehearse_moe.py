@@ -1,0 +1,68 @@
+"""``jetrl rehearse`` of a mixture-of-experts config, as a user gets there (the console script, in
+subprocesses, in the NeMo-RL tier's environment): NeMo-RL's own Qwen3-30B-A3B GRPO config
+(bf16 as shipped) aligned to the jetrl recipe with ``jetrl align``, then rehearsed for two GRPO
+steps of NeMo-RL's own ``grpo_train`` on CPU with a tiny Qwen3-MoE stand-in (``rehearsal/model.py``).
+
+One rehearsal (~4 min on the 2-core machine), on one tree; the stand-in's rules and the refit's
+expert names are unit-tested in the default suite (test_rehearsal_moe_unit.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
+
+CONFIG = "examples/configs/recipes/llm/grpo-math-qwen3-30ba3b-megatron-tp4-32k.yaml"
+# vLLM TP=4 would split each expert's 768 into 192 per rank (not 128-blocks): jetrl align says
+# to serve whole experts per rank instead, as a user then does
+EP = "policy.generation.vllm_cfg.expert_parallel_size=4"
+
+
+def _jetrl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [sys.executable, "-m", "nemo_jetrl.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.skipif(
+    os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0") != "v0.7.0", reason="once, on v0.7.0"
+)
+def test_nemo_rls_qwen3_30b_a3b_config_aligned_to_jetrl_rehearses_ready(tmp_path):
+    from nemo_jetrl.backends.nemo_rl.rehearsal import model as tiny
+
+    tree = Path(os.environ.get("JETRL_NEMO_RL_TREE_DIR") or "")
+    if not (tree / CONFIG).is_file():
+        pytest.skip(f"no NeMo-RL tree with {CONFIG} (JETRL_NEMO_RL_TREE_DIR={str(tree)!r})")
+    aligned = tmp_path / "qwen3_30ba3b_jetrl.yaml"
+    proc = _jetrl("align", str(tree / CONFIG), EP, "--recipe", "jetrl", "-o", str(aligned),
+                  cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verdict: ON-POLICY" in proc.stdout
+    proc = _jetrl("rehearse", str(aligned), "--workdir", str(tmp_path / "w"), cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    assert "Qwen/Qwen3-30B-A3B -> 2-layer qwen3_moe stand-in" in out
+    layers, experts = tiny.LAYERS, tiny.EXPERTS
+    # vLLM fuses q/k/v: qkv_proj and o_proj per layer; one routed-experts layer per layer
+    assert (
+        f"kernel serves {2 * layers}/{2 * layers} FP8 linears and {layers}/{layers} FP8 expert "
+        f"layers ({layers * experts} experts), refit hook installed"
+    ) in out, out
+    # per layer, weights and scales of q, k, v, o and of each expert's gate, up and down
+    fp8 = layers * (4 + 3 * experts) * 2
+    for step in (1, 2):
+        assert re.search(rf"step {step}: refit parity held, \d+ tensors \({fp8} FP8\) ident", out)
+    tmpe = re.search(r"train/token_mult_prob_error: step 1: ([\d.]+), step 2: ([\d.]+)", out)
+    assert tmpe, out
+    # the CPU policy is float32, vLLM's engine block-FP8 experts: close, not bitwise
+    assert all(1.0 <= float(v) < 1.2 for v in tmpe.groups())
+    assert re.search(r"ready for the cluster \(2 GRPO steps in \d+ s\)", out)
+    ckpt = tmp_path / "w" / "checkpoints" / "step_2" / "policy" / "weights"
+    assert ckpt.is_dir()
