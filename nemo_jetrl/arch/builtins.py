@@ -59,6 +59,21 @@ def _builtins() -> Mapping[str, ModelArch]:
             qk_norm=True,
         ),
     ]
+    # Qwen3-1.7B(-Base): the smoke config's model (tied embeddings, 16/8 heads of 128).
+    qwen3_17b = dict(
+        model_type="qwen3",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        qk_norm=True,
+    )
+    archs += [ModelArch(name=f"Qwen/Qwen3-1.7B{s}", **qwen3_17b) for s in ("", "-Base")]
     archs += [ModelArch.from_hf_config(cfg, name=name) for name, cfg in CATALOG.items()]
     return MappingProxyType({a.name: a for a in archs})
 

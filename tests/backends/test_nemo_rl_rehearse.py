@@ -12,62 +12,17 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rehearsals import QWEN, TREE, assert_ready, rehearse
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
 
-REPO = Path(__file__).resolve().parents[2]
-QWEN = REPO / "examples" / "configs" / "qwen3_8b_base"
-
-
-def rehearse(config: Path, *overrides: str, workdir: Path, env: dict | None = None):
-    cmd = [sys.executable, "-m", "nemo_jetrl.cli", "rehearse", str(config), *overrides,
-           "--workdir", str(workdir)]  # fmt: skip
-    full = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
-    # from the work dir's parent, as a user anywhere (the repo's nemo_jetrl.egg-info, a build
-    # artifact, would shadow the entry points on the path; this process's are what count)
-    cwd = Path(workdir).parent
-    return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
-
-
-@pytest.fixture(scope="module")
-def jetrl_rehearsal(tmp_path_factory):
-    """One rehearsal of the jetrl recipe (~150 s), read by the tests below."""
-    work = tmp_path_factory.mktemp("jetrl") / "w"
-    return rehearse(QWEN / "jetrl.yaml", workdir=work), work
-
-
-def test_rehearsal_of_the_jetrl_recipe_is_ready_for_the_cluster(jetrl_rehearsal):
-    proc, work = jetrl_rehearsal
-    out = proc.stdout
-    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    # every resolved path, NeMo-RL's prompt from its own tree
-    assert re.search(r"path data\.default\.prompt_file: examples/prompts/cot\.txt -> \S+"
-                     r"/nemo-rl/[^/]+/examples/prompts/cot\.txt", out), out  # fmt: skip
-    assert "kernel serves 8/8 FP8 linears, refit hook installed" in out
-    # the CPU substitutes, read back from the vLLM worker (not from Ray's forwarded logs)
-    # (fp8_patches: NeMo-RL's init_fp8 again where vLLM spawned its worker: 0.20, not 0.25)
-    assert re.search(r"vLLM worker 0: CPU substitutes in effect: sleep_mode, device, bind_numa, "
-                     r"report_device_id, ipc_buffer, bf16_weights(, fp8_patches)?\n", out), out  # fmt: skip
-    for step in (1, 2):
-        assert re.search(rf"step {step}: refit parity held, \d+ tensors \(\d+ FP8\) identical", out)
-    tmpe = re.search(r"train/token_mult_prob_error: step 1: ([\d.]+), step 2: ([\d.]+)", out)
-    assert tmpe, out
-    # the CPU policy is float32, vLLM's engine block-FP8: close, not bitwise
-    assert all(1.0 <= float(v) < 1.2 for v in tmpe.groups())
-    assert re.search(r"ready for the cluster \(2 GRPO steps in \d+ s\)", out)
-    ckpt = work / "checkpoints" / "step_2"
-    assert (ckpt / "training_info.json").is_file() and (ckpt / "policy" / "weights").is_dir()
-    from nemo_jetrl.runs.logs import read_run
-
-    (exp,) = (work / "logs").glob("exp_*")
-    scalars = read_run(exp).scalars
-    assert scalars["jetrl/kernel/fp8_linears_on_our_kernel"].values == (1.0,)
-    assert scalars["train/token_mult_prob_error"].steps == (1, 2)
+ONE_TREE = pytest.mark.skipif(
+    TREE != "v0.7.0",
+    reason="once, on NeMo-RL v0.7.0 (the launch is the same code on both trees up to setup)",
+)
 
 
 def test_a_missing_prompt_file_stops_the_rehearsal_naming_the_key(tmp_path):  # both trees
@@ -78,9 +33,7 @@ def test_a_missing_prompt_file_stops_the_rehearsal_naming_the_key(tmp_path):  # 
     assert "ready for the cluster" not in proc.stdout
 
 
-@pytest.mark.skipif(
-    os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0") != "v0.7.0", reason="once, on v0.7.0"
-)
+@ONE_TREE
 def test_our_kernel_disabled_stops_the_rehearsal_before_ray(tmp_path):
     env = {"VLLM_DISABLED_KERNELS": "JetRLFp8BlockLinearKernel"}
     proc = rehearse(QWEN / "jetrl.yaml", workdir=tmp_path / "w", env=env)
@@ -92,9 +45,7 @@ def test_our_kernel_disabled_stops_the_rehearsal_before_ray(tmp_path):
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
 
 
-@pytest.mark.skipif(
-    os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0") != "v0.7.0", reason="once, on v0.7.0"
-)
+@ONE_TREE
 def test_our_plugin_entry_point_removed_stops_the_rehearsal_naming_it(tmp_path):
     """The vLLM workers' Python without our kernel's entry point (a venv rebuilt without
     nemo_jetrl, or an install whose metadata lost it): a shadowing dist-info first on the path
@@ -116,37 +67,76 @@ def test_our_plugin_entry_point_removed_stops_the_rehearsal_naming_it(tmp_path):
     assert "NRL_FORCE_REBUILD_VENVS" in proc.stderr  # what to do about it
 
 
-ONE_TREE = pytest.mark.skipif(
-    os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0") != "v0.7.0",
-    reason="once, on NeMo-RL v0.7.0 (the launch is the same code on both trees up to setup)",
-)
+SHIPPED_FP8 = "grpo-llama3.1-8b-instruct-2n8g-megatron-fp8-e2e.yaml"  # NeMo-RL's own, dense
 
 
 @ONE_TREE
-def test_rehearsal_of_the_bf16_recipe_then_compare_labels_both(jetrl_rehearsal, tmp_path):
-    from nemo_jetrl.cli import main
-
-    proc = rehearse(QWEN / "bf16.yaml", workdir=tmp_path / "w")
-    out = proc.stdout
-    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    # NeMo-RL's own refit into vLLM's own kernels: no engine check, no hook, said so
-    assert "kernel serves" not in out
-    assert "step 2: refit by NeMo-RL's own code (no nemo_jetrl hook for recipe bf16)" in out
-    assert "ready for the cluster" in out
-    runs = [
-        str(p) for w in (tmp_path / "w", jetrl_rehearsal[1]) for p in (w / "logs").glob("exp_*")
-    ]
-    assert main(["compare", *runs, "-o", str(tmp_path / "cmp"), "--no-plots"]) == 0
+def test_nemo_rls_shipped_fp8_config_rehearses_as_three_recipes_and_compare_labels_them(
+    tmp_path,
+):
+    """What a NeMo-RL user does with their FP8 config: `jetrl align --recipe R` for bf16,
+    fp8_rollout and jetrl, a rehearsal of each, then `jetrl compare` over the three. fp8_rollout
+    serves with vLLM's own quantizer through the rehearsal's CPU GEMM stand-in (vLLM has no CPU
+    block-FP8 kernel); bf16 and fp8_rollout refit with NeMo-RL's own code, jetrl with our hook."""
     import json
 
+    from nemo_jetrl.cli import main
+
+    shipped = (
+        Path(os.environ["JETRL_NEMO_RL_TREE_DIR"]) / "examples/configs/recipes/llm" / SHIPPED_FP8
+    )
+    from concurrent.futures import ThreadPoolExecutor
+
+    recipes = ("bf16", "fp8_rollout", "jetrl")
+    for recipe in recipes:
+        off_policy = recipe == "fp8_rollout"  # align writes it, and its check says OFF-POLICY
+        cfg = str(tmp_path / f"{recipe}.yaml")
+        assert main(["align", str(shipped), "--recipe", recipe, "-o", cfg]) == int(off_policy)
+    # two at a time, as two users on one login node: each rehearsal has its own Ray
+    # (RAY_ADDRESS) and its own refit socket (the driver's pid names it)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        extra = {
+            r: ["++jetrl.allow_off_policy=true"] if r == "fp8_rollout" else [] for r in recipes
+        }
+        jobs = {
+            r: pool.submit(rehearse, tmp_path / f"{r}.yaml", *extra[r], workdir=tmp_path / r)
+            for r in recipes
+        }
+        procs = {r: job.result() for r, job in jobs.items()}
+    out = {r: proc.stdout for r, proc in procs.items()}
+    for recipe, proc in procs.items():
+        assert proc.returncode == 0, recipe + proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert re.search(r"ready for the cluster \(2 GRPO steps in \d+ s\)", proc.stdout)
+    runs = [str(p) for r in recipes for p in (tmp_path / r / "logs").glob("exp_*")]
+    # bf16 and fp8_rollout: NeMo-RL's own refit and vLLM's own quantizer, said so
+    for recipe in ("bf16", "fp8_rollout"):
+        assert "kernel serves" not in out[recipe]
+        assert (
+            f"step 2: refit by NeMo-RL's own code (no nemo_jetrl hook for recipe {recipe})"
+            in (out[recipe])
+        )
+    # the GEMM stand-in only where vLLM's own block-FP8 kernel serves, read back from the worker
+    assert re.search(r"CPU substitutes in effect: [^\n]*, vllm_block_fp8\n", out["fp8_rollout"])
+    for recipe in ("bf16", "jetrl"):
+        assert "vllm_block_fp8" not in out[recipe]
+    # jetrl: our kernel and hook, parity at both steps, every readiness check
+    assert_ready(procs["jetrl"], tmp_path / "jetrl")
+    assert main(["compare", *runs, "-o", str(tmp_path / "cmp"), "--no-plots"]) == 0
     summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
     labels = {row["label"] for row in summary["summaries"]}
-    assert labels == {"bf16", "jetrl"}, labels
+    assert labels == {"bf16", "fp8_rollout", "jetrl"}, labels
 
 
 @ONE_TREE
-def test_a_recipe_on_vllms_own_fp8_kernel_is_refused_naming_why(tmp_path):
-    proc = rehearse(QWEN / "fp8_rollout.yaml", "jetrl.allow_off_policy=true",
+def test_a_crash_in_nemo_rls_setup_exits_1_naming_it_and_does_not_hang(tmp_path):
+    """A vLLM engine that cannot start (a typo in ``vllm_kwargs``: vLLM's own TypeError in the
+    actor) ends the rehearsal with exit 1 and the cause. NeMo-RL's half-built ``VllmGeneration``
+    is released while our Ray still runs: before, its ``__del__`` started a second Ray after
+    ours was shut down and waited on it forever."""
+    proc = rehearse(QWEN / "jetrl.yaml", "+policy.generation.vllm_kwargs.not_a_vllm_arg=1",
                     workdir=tmp_path / "w")  # fmt: skip
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "vLLM's own kernel, which vLLM's CPU build does not have" in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert re.search(r"jetrl rehearse: FAILED after \d+ s: \w+", proc.stdout), out[-4000:]
+    assert "not_a_vllm_arg" in out
+    assert "ready for the cluster" not in proc.stdout

@@ -94,7 +94,8 @@ def test_a_model_or_family_without_a_stand_in_is_named_before_any_work(tmp_path,
 
     repo = Path(__file__).resolve().parents[2]
     smoke = repo / "examples" / "configs" / "smoke" / "qwen3_1.7b_jetrl.yaml"
-    assert main(["rehearse", str(smoke), "--workdir", str(tmp_path / "w")]) == 2
+    unknown = "policy.model_name=example-org/Unknown-7B"
+    assert main(["rehearse", str(smoke), unknown, "--workdir", str(tmp_path / "w")]) == 2
     err = capsys.readouterr().err
     assert "set jetrl.model_config=PATH to the model's HF config.json" in err, err
     cfg = tmp_path / "config.json"

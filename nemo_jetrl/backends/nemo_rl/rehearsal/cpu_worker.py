@@ -17,7 +17,8 @@ builds the model. Each substitute below names the call it replaces and why it ca
     NeMo-RL's ``VllmInternalWorkerExtension.bind_numa`` pins the worker to its GPU's NUMA node
     (``torch.cuda.current_device``): no GPU, nothing to pin; answers False ("not bound").
 ``report_device_id``
-    The GPU's UUID, which names the refit's ZMQ socket: a per-host id here.
+    The GPU's UUID, which names the refit's ZMQ socket: here the host and the rehearsal's driver
+    pid (where the CPU policy binds it), so concurrent rehearsals on one host stay apart.
 ``fp8_patches``
     NeMo-RL's ``init_fp8`` patches vLLM in the actor's process; on a GPU with one worker vLLM
     runs there. vLLM's CPU build (0.20) spawns its worker, so NeMo-RL's own ``init_fp8`` (which
@@ -36,6 +37,11 @@ builds the model. Each substitute below names the call it replaces and why it ca
     ``layer.weight``, so NeMo-RL's refit (``model.load_weights``) could not land in it; here the
     weight stays in place (vLLM's own no-oneDNN branch: ``torch.nn.functional.linear``), as on
     a GPU.
+``vllm_block_fp8``
+    Only for a recipe served by vLLM's own block-FP8 kernel (``fp8_rollout``: no nemo_jetrl
+    patch in the worker): vLLM's GPU GEMMs have no CPU build (0.20 has no CPU entry in its
+    kernel registry: ``KeyError: PlatformEnum.CPU``). vLLM's kernel class with the reference
+    GEMM stands in, appended last (`vllm_block_fp8`); vLLM's quantizer runs as on a GPU.
 
 `load_in_worker` keeps the handle in `_HANDLE`; `RehearsalHandle.active` says whether every
 replacement is still in place and `revert` puts vLLM's and NeMo-RL's own back.
@@ -53,7 +59,7 @@ from typing import Any
 ENV_VAR = "NEMO_JETRL_REHEARSAL"
 SUBSTITUTES = (
     "sleep_mode", "bind_numa", "report_device_id", "fp8_patches", "device", "ipc_buffer",
-    "bf16_weights",
+    "bf16_weights", "vllm_block_fp8",
 )  # fmt: skip
 
 
@@ -80,27 +86,36 @@ def _keep_bf16_weight(layer: Any, remove_weight: bool) -> None:
 
 @dataclass
 class RehearsalHandle:
-    """What `install` replaced: (owner, attribute, original, ours) for each."""
+    """What `install` replaced: (owner, attribute, original, ours) for each, and registrations
+    as (still in place?, undo) pairs."""
 
     patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
     applied: tuple[str, ...] = ()
+    registrations: list[tuple[Any, Any]] = field(default_factory=list)
     _reverted: bool = False
 
     @property
     def active(self) -> bool:
-        return not self._reverted and all(getattr(o, n) is new for o, n, _, new in self.patches)
+        return (
+            not self._reverted
+            and all(getattr(o, n) is new for o, n, _, new in self.patches)
+            and all(in_place() for in_place, _ in self.registrations)
+        )
 
     def revert(self) -> None:
         if self._reverted:
             return
+        for _, undo in reversed(self.registrations):
+            undo()
         for owner, name, original, _ in reversed(self.patches):
             setattr(owner, name, original)
         self._reverted = True
 
 
-def device_id() -> str:
-    """The rehearsal's stand-in for a GPU UUID (NeMo-RL names the refit's ZMQ socket by it)."""
-    return f"rehearsal-{socket.gethostname()}"
+def device_id(driver_pid: int | None = None) -> str:
+    """The rehearsal's stand-in for a GPU UUID (NeMo-RL names the refit's ZMQ socket by it):
+    one per rehearsal (its driver's pid), so two rehearsals on one host never share a socket."""
+    return f"rehearsal-{socket.gethostname()}-{driver_pid or os.getpid()}"
 
 
 @contextlib.contextmanager
@@ -126,7 +141,9 @@ def _vllm_own_moe_method() -> Any:
 
 def install(settings: dict[str, Any]) -> RehearsalHandle:
     """Replace, in this process, what NeMo-RL's vLLM worker needs a GPU for (module docstring).
-    ``settings``: the JSON of `ENV_VAR` (``vllm_cfg``, ``model``, ``model_parallel_size``)."""
+    ``settings``: the JSON of `ENV_VAR` (``vllm_cfg``, ``model``, ``model_parallel_size``,
+    ``driver_pid``)."""
+    driver_pid = int(settings["driver_pid"])  # the CPU policy's process names the refit socket
     from nemo_rl.models.generation.vllm import vllm_backend
     from vllm.platforms import current_platform
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -156,7 +173,7 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
         (CPUWorker, "__init__", cpu_init),
         (CPUWorker, "init_device", cpu_init_device),
         (ext, "bind_numa", lambda self: False),
-        (ext, "report_device_id", lambda self: device_id()),
+        (ext, "report_device_id", lambda self: device_id(driver_pid)),
     ]
     patches = [(o, n, o.__dict__.get(n, getattr(o, n)), new) for o, n, new in ours]
     for owner, name, _, new in patches:
@@ -172,7 +189,16 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
             with _vllm_own_moe_method():
                 fp8.init_fp8(vllm_cfg, settings["model"], int(settings["model_parallel_size"]))
             applied.append("fp8_patches")
-    handle = RehearsalHandle(patches, tuple(applied))
+    from nemo_jetrl.vllm_patch.settings import ENV_VAR as PATCH_ENV
+
+    registrations = []
+    if vllm_cfg.get("precision") == "fp8" and not os.environ.get(PATCH_ENV):
+        from nemo_jetrl.backends.nemo_rl.rehearsal import vllm_block_fp8
+
+        _, undo = vllm_block_fp8.register()
+        registrations.append((vllm_block_fp8.registered, undo))
+        applied.append("vllm_block_fp8")
+    handle = RehearsalHandle(patches, tuple(applied), registrations)
     if not handle.active:  # verified in effect
         handle.revert()
         raise RuntimeError("nemo_jetrl rehearsal: the CPU substitutes did not take effect")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -36,7 +37,12 @@ def rehearsal_env(vllm_cfg: Mapping[str, Any], model: str, model_parallel_size: 
     plain = {k: v for k, v in vllm_cfg.items() if k != "env_vars"}
     return {
         ENV_VAR: json.dumps(
-            {"vllm_cfg": plain, "model": model, "model_parallel_size": model_parallel_size},
+            {
+                "vllm_cfg": plain,
+                "model": model,
+                "model_parallel_size": model_parallel_size,
+                "driver_pid": os.getpid(),
+            },
             sort_keys=True,
         ),
         "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -224,14 +226,6 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
     start = time.monotonic()
     prepared = launch.prepare(config, overrides)
     plan = prepared.plan
-    from nemo_jetrl.backends.nemo_rl.translate import VLLM_PATCH_ENV
-
-    if plan.recipe.rollout.fp8_linears and VLLM_PATCH_ENV not in plan.workers.vllm_env:
-        raise _user_error(
-            f"recipe {plan.recipe.name!r} serves block-FP8 with vLLM's own kernel, which vLLM's "
-            "CPU build does not have (vLLM 0.20 has no CPU block-FP8 kernel; 0.25 only on AMX "
-            "CPUs): it cannot be rehearsed here. Rehearse the jetrl recipe (our kernel) and bf16"
-        )
     name = (plan.master_config.get("policy") or {}).get("model_name")
     arch = prepared.arch
     if arch is None:
@@ -322,11 +316,23 @@ def _run(prepared: Any, work: Path, model_dir: Path, prompts: Path, start: float
             driver.train(config, plan, kind, make_policy=watch.make_policy,
                          on_setup=watch.on_setup)  # fmt: skip
         except Exception as exc:  # the first problem, named; the run is over
-            failure = exc
+            failure = (exc, "".join(traceback.format_exception(exc)))
+            traceback.clear_frames(exc.__traceback__)  # the objects its frames hold, freed below
         finally:
-            if watch.policy is not None:
-                watch.policy.shutdown()
+            _release(watch)
     return _report(watch, log_dir, config, failure, start)
+
+
+def _release(watch: _Watch) -> None:
+    """NeMo-RL's generation and the CPU policy shut down while our Ray still runs: NeMo-RL's
+    ``VllmGeneration.__del__`` calls into Ray, and after ``ray.shutdown`` that call starts a new
+    Ray and waits on it forever (a failed rehearsal hung instead of exiting 1)."""
+    if watch.generation is not None:
+        watch.generation.shutdown()  # idempotent: a second call (its __del__) finds no workers
+        watch.generation = None
+    if watch.policy is not None:
+        watch.policy.shutdown()
+    gc.collect()  # a half-built VllmGeneration (setup failed) is collected here, Ray still up
 
 
 def _report(watch: _Watch, log_dir: Path, config: Any, failure: Any, start: float) -> int:
@@ -336,11 +342,9 @@ def _report(watch: _Watch, log_dir: Path, config: Any, failure: Any, start: floa
     print(f"jetrl rehearse: logs {log_dir} (TensorBoard: {log_dir}/tensorboard)", flush=True)
     print(f"jetrl rehearse: checkpoints {config.checkpointing['checkpoint_dir']}", flush=True)
     if failure is not None:
-        import traceback
-
-        trace = "".join(traceback.format_exception(failure))
-        print(f"{trace}jetrl rehearse: FAILED after {took:.0f} s: {type(failure).__name__}: "
-              f"{failure}", flush=True)  # fmt: skip
+        exc, trace = failure
+        print(f"{trace}jetrl rehearse: FAILED after {took:.0f} s: {type(exc).__name__}: {exc}",
+              flush=True)  # fmt: skip
         return 1
     scalars = read_run(log_dir).scalars
     for key in ("train/token_mult_prob_error", "train/gen_kl_error"):

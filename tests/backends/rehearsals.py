@@ -1,0 +1,58 @@
+"""Running ``jetrl rehearse`` as a user does (the console entry, a subprocess, from the work
+dir's parent) and what every rehearsal that ends "ready for the cluster" must have printed and
+written; shared by the NeMo-RL tier's rehearsal tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN = REPO / "examples" / "configs" / "qwen3_8b_base"
+TREE = os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0")
+
+
+def rehearse(config: Path, *overrides: str, workdir: Path, env: dict | None = None):
+    cmd = [sys.executable, "-m", "nemo_jetrl.cli", "rehearse", str(config), *overrides,
+           "--workdir", str(workdir)]  # fmt: skip
+    full = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+    # from the work dir's parent, as a user anywhere (the repo's nemo_jetrl.egg-info, a build
+    # artifact, would shadow the entry points on the path; this process's are what count)
+    cwd = Path(workdir).parent
+    return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
+
+
+def assert_ready(proc, work: Path, *, fp8: int = 28) -> str:
+    """A rehearsal of one of our recipes (our kernel and refit hook in the engine) that is ready
+    for the cluster: exit 0, NeMo-RL's prompt resolved in its own tree, the engine check line,
+    the substitutes read back from the vLLM worker, parity at both steps, the mismatch per step,
+    the checkpoint and the kernel metric. Returns stdout."""
+    out = proc.stdout
+    assert proc.returncode == 0, out[-5000:] + proc.stderr[-5000:]
+    assert re.search(r"path data\.default\.prompt_file: examples/prompts/cot\.txt -> \S+"
+                     r"/nemo-rl/[^/]+/examples/prompts/cot\.txt", out), out  # fmt: skip
+    assert "kernel serves 8/8 FP8 linears, refit hook installed" in out
+    # fp8_patches: NeMo-RL's init_fp8 again where vLLM spawned its worker (0.20, not 0.25)
+    assert re.search(r"vLLM worker 0: CPU substitutes in effect: sleep_mode, device, bind_numa, "
+                     r"report_device_id, ipc_buffer, bf16_weights(, fp8_patches)?\n", out), out  # fmt: skip
+    for step in (1, 2):
+        assert re.search(rf"step {step}: refit parity held, \d+ tensors \({fp8} FP8\) identical",
+                         out), out[-5000:]  # fmt: skip
+    tmpe = re.search(r"train/token_mult_prob_error: step 1: ([\d.]+), step 2: ([\d.]+)", out)
+    assert tmpe, out[-5000:]
+    # the CPU policy is float32, vLLM's engine block-FP8: close, not bitwise
+    assert all(1.0 <= float(v) < 1.2 for v in tmpe.groups())
+    assert re.search(r"ready for the cluster \(2 GRPO steps in \d+ s\)", out)
+    ckpt = work / "checkpoints" / "step_2"
+    assert (ckpt / "training_info.json").is_file() and (ckpt / "policy" / "weights").is_dir()
+    from nemo_jetrl.runs.logs import read_run
+
+    (exp,) = (work / "logs").glob("exp_*")
+    scalars = read_run(exp).scalars
+    assert scalars["jetrl/kernel/fp8_linears_on_our_kernel"].values == (1.0,)
+    assert scalars["train/token_mult_prob_error"].steps == (1, 2)
+    return out
