@@ -3,9 +3,11 @@
 ``drive_setup`` runs NeMo-RL's own ``grpo.setup`` (logger, checkpointing, data loaders, loss
 function, cluster sizing, the vLLM FP8 / FP8-KV asserts, router-replay settings) until it builds
 the vLLM generation workers. What needs GPUs is replaced by stand-ins, labelled as such: the Ray
-virtual cluster (``RayVirtualCluster``: GPU placement groups) and the live Ray node table
-(``get_ray_cluster_topology``, for configs with ``cluster.segment_size``), the vLLM generation workers
-(``VllmGeneration``) and the Megatron policy (``policy_factory``). Reaching the generation stand-in
+virtual cluster's placement groups (``stand_in_cluster_class``: NeMo-RL's ``RayVirtualCluster``
+subclassed, its constructor and asserts run; GPU bundles cannot be placed here) and the live Ray
+node table (``get_ray_cluster_topology``, for configs with ``cluster.segment_size``), the vLLM
+generation workers (``VllmGeneration``) and the Megatron policy (``policy_factory``), each of
+those two a stop that first binds setup's call to the real class's signature. Reaching the generation stand-in
 means every check of ``setup`` before it passed (v0.7.0 ``nemo_rl/algorithms/grpo.py``
 lines 254-1060; main 7ea279a lines 434-1190).
 """
@@ -13,6 +15,7 @@ lines 254-1060; main 7ea279a lines 434-1190).
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -57,14 +60,18 @@ class ReachedGeneration(Exception):
     """Raised by the vLLM generation stand-in: setup's checks before it all passed."""
 
 
-class StandInCluster:
-    """Stand-in for NeMo-RL's RayVirtualCluster (GPU placement groups cannot exist here)."""
+def stand_in_cluster_class() -> type:
+    """NeMo-RL's own ``RayVirtualCluster`` (its ``__init__``, its asserts, every method) with
+    only its placement groups replaced: GPU bundles cannot be placed on this CPU's Ray, and
+    setup asks for them only on its non-colocated path. STAND-IN, a subclass of the real class."""
+    from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
+    class StandInCluster(RayVirtualCluster):
+        def _init_placement_groups(self, strategy: Any = None, use_unified_pg: bool = False):
+            self._node_placement_groups = []  # no GPU bundles here
+            return self._node_placement_groups
 
-    def get_placement_groups(self) -> list:
-        return []
+    return StandInCluster
 
 
 def tree_dir() -> Path:
@@ -125,10 +132,23 @@ def drive_setup(cfg: dict, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     master = grpo.MasterConfig(**_cpu_settings(cfg, tmp))
     assert master.policy["generation"]["backend"] == "vllm"
 
-    def generation_stand_in(*args: Any, **kwargs: Any) -> Any:
-        raise ReachedGeneration()  # stand-in for vLLM workers / the Megatron policy (GPUs)
+    from nemo_rl.models.policy.lm_policy import Policy
 
-    monkeypatch.setattr(grpo, "RayVirtualCluster", StandInCluster)
+    def stops_here(real: Any) -> Any:
+        """STAND-IN for ``real`` (vLLM workers, the Megatron policy: GPUs): setup's call must
+        fit the real signature, then setup stops here."""
+
+        def stand_in(*args: Any, **kwargs: Any) -> Any:
+            inspect.signature(real).bind(*args, **kwargs)
+            raise ReachedGeneration()
+
+        return stand_in
+
+    generation_stand_in = stops_here(grpo.VllmGeneration)
+
+    cluster_cls = stand_in_cluster_class()
+    assert cluster_cls.__init__ is grpo.RayVirtualCluster.__init__  # the real constructor
+    monkeypatch.setattr(grpo, "RayVirtualCluster", cluster_cls)
     # Stand-in for the live Ray cluster's node table (segment_size configs query it): the
     # configured nodes, with no NVLink domain info (NeMo-RL's own "unknown" values).
     vc = importlib.import_module("nemo_rl.distributed.virtual_cluster")
@@ -148,7 +168,7 @@ def drive_setup(cfg: dict, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     )
     data = [{"idx": i} for i in range(n)]
     with pytest.raises(ReachedGeneration):
-        grpo.setup(master, None, data, data, policy_factory=generation_stand_in)
+        grpo.setup(master, None, data, data, policy_factory=stops_here(Policy))
     return master
 
 

@@ -49,6 +49,9 @@ def test_nemo_rls_qwen3_30b_a3b_config_aligned_to_jetrl_rehearses_ready(tmp_path
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     assert "Qwen/Qwen3-30B-A3B -> 2-layer qwen3_moe stand-in" in out
+    from nemo_jetrl.backends.nemo_rl.rehearsal.run import REPLAY_NOTE
+
+    assert REPLAY_NOTE in out  # align turned router replay on; the CPU policy does not replay
     layers, experts = tiny.LAYERS, tiny.EXPERTS
     # vLLM fuses q/k/v: qkv_proj and o_proj per layer; one routed-experts layer per layer
     assert (

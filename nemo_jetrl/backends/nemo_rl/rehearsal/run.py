@@ -31,6 +31,11 @@ from typing import Any
 STEPS = 2
 _REMOVE = object()  # rehearsal_keys: the key goes
 PROMPTS_PER_STEP = 2
+REPLAY_NOTE = (
+    "policy.router_replay.enabled: vLLM records each token's experts and NeMo-RL hands them to "
+    "the policy, but the rehearsal's CPU policy routes with its own router: replay itself is "
+    "not rehearsed"
+)
 GENERATIONS = 2
 
 
@@ -304,6 +309,8 @@ def _run(prepared: Any, work: Path, model_dir: Path, prompts: Path, start: float
         print(f"jetrl rehearse: {line}", flush=True)
     for w in prepared.warnings:
         print(f"jetrl rehearse: note: {w}", flush=True)
+    if (merged["policy"].get("router_replay") or {}).get("enabled"):
+        print(f"jetrl rehearse: note: {REPLAY_NOTE}", flush=True)
     log_dir = Path(config.logger["log_dir"])
     from nemo_jetrl.backends.nemo_rl.vllm_refit import ENV_VAR as HOOK_ENV
 
