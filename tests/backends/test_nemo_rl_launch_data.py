@@ -266,7 +266,8 @@ def test_venv_dir_default_and_vllm_pin_are_nemo_rl_s(monkeypatch):
     from nemo_jetrl.backends.nemo_rl.launch import nemo_rl_pinned_vllm
 
     monkeypatch.delenv("NEMO_RL_VENV_DIR", raising=False)
-    assert venvs.venv_dir() == Path(nrl_venvs.DEFAULT_VENV_DIR)
+    # the same directory (a symlinked checkout spells it two ways: ours is resolved)
+    assert venvs.venv_dir().resolve() == Path(nrl_venvs.DEFAULT_VENV_DIR).resolve()
     assert nemo_rl_pinned_vllm(tree_dir()) == os.environ["NEMO_RL_VLLM_VERSION"]
 
 

@@ -71,6 +71,7 @@ SHIPPED_FP8 = "grpo-llama3.1-8b-instruct-2n8g-megatron-fp8-e2e.yaml"  # NeMo-RL'
 
 
 @ONE_TREE
+@pytest.mark.timeout(1800)  # three rehearsals in a row (~3 x 170 s idle, more under load)
 def test_nemo_rls_shipped_fp8_config_rehearses_as_three_recipes_and_compare_labels_them(
     tmp_path,
 ):
@@ -85,28 +86,17 @@ def test_nemo_rls_shipped_fp8_config_rehearses_as_three_recipes_and_compare_labe
     shipped = (
         Path(os.environ["JETRL_NEMO_RL_TREE_DIR"]) / "examples/configs/recipes/llm" / SHIPPED_FP8
     )
-    from concurrent.futures import ThreadPoolExecutor
-
     recipes = ("bf16", "fp8_rollout", "jetrl")
+    procs = {}
     for recipe in recipes:
         off_policy = recipe == "fp8_rollout"  # align writes it, and its check says OFF-POLICY
-        cfg = str(tmp_path / f"{recipe}.yaml")
-        assert main(["align", str(shipped), "--recipe", recipe, "-o", cfg]) == int(off_policy)
-    # two at a time, as two users on one login node: each rehearsal has its own Ray
-    # (RAY_ADDRESS) and its own refit socket (the driver's pid names it)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        extra = {
-            r: ["++jetrl.allow_off_policy=true"] if r == "fp8_rollout" else [] for r in recipes
-        }
-        jobs = {
-            r: pool.submit(rehearse, tmp_path / f"{r}.yaml", *extra[r], workdir=tmp_path / r)
-            for r in recipes
-        }
-        procs = {r: job.result() for r, job in jobs.items()}
-    out = {r: proc.stdout for r, proc in procs.items()}
-    for recipe, proc in procs.items():
+        cfg = tmp_path / f"{recipe}.yaml"
+        assert main(["align", str(shipped), "--recipe", recipe, "-o", str(cfg)]) == int(off_policy)
+        extra = ["++jetrl.allow_off_policy=true"] if off_policy else []
+        proc = procs[recipe] = rehearse(cfg, *extra, workdir=tmp_path / recipe)
         assert proc.returncode == 0, recipe + proc.stdout[-4000:] + proc.stderr[-4000:]
         assert re.search(r"ready for the cluster \(2 GRPO steps in \d+ s\)", proc.stdout)
+    out = {r: proc.stdout for r, proc in procs.items()}
     runs = [str(p) for r in recipes for p in (tmp_path / r / "logs").glob("exp_*")]
     # bf16 and fp8_rollout: NeMo-RL's own refit and vLLM's own quantizer, said so
     for recipe in ("bf16", "fp8_rollout"):
