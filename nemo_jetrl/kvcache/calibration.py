@@ -260,6 +260,14 @@ class CalibrationResult:
             "layers": self.scales.to_vllm(include_q=settings.include_q),
         }
 
+    def report(self) -> dict[str, Any]:
+        """What our policy workers add to NeMo-RL's result under ``"jetrl"``."""
+        return {
+            "refused": dict(self.refused),
+            "seconds": self.seconds,
+            "micro_batches": self.micro_batches,
+        }
+
 
 def scales_from_amax(
     amax: Mapping[int, Mapping[str, float]],

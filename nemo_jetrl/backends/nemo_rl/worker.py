@@ -152,11 +152,7 @@ def make_worker_class() -> type:
             self._jetrl_kv.set_scales(res.scales)
             out = res.to_nemo_rl(settings)
             self._jetrl_vllm_scales = dict(out["layers"])
-            out["jetrl"] = {
-                "refused": dict(res.refused),
-                "seconds": res.seconds,
-                "micro_batches": res.micro_batches,
-            }
+            out["jetrl"] = res.report()
             return out
 
         def _iter_params_with_optional_kv_scales(

@@ -108,11 +108,7 @@ class CpuKV:
         self.controller.last = res
         out = res.to_nemo_rl(settings)
         self.vllm_scales = dict(out["layers"])
-        out["jetrl"] = {
-            "refused": dict(res.refused),
-            "seconds": res.seconds,
-            "micro_batches": res.micro_batches,
-        }
+        out["jetrl"] = res.report()
         return out
 
 
