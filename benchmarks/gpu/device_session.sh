@@ -1,61 +1,332 @@
 #!/usr/bin/env bash
-# One lease of a bare CUDA machine, spent in order of value: the fp8 GPU tests (compiled Triton
-# kernels, GEMM backends, CUDA graphs, sync-free FP8 linear), then the benchmarks at reduced
-# iteration counts. Each step is bounded by its own timeout so one hang cannot eat the lease,
-# and every log is written as it goes to $RESULTS (default benchmarks/gpu/results).
-#   bash benchmarks/gpu/device_session.sh [RESULTS_DIR]
-# Needs CUDA torch, triton, pytest, safetensors; bench_fp8_linear.py also the package's own
-# dependencies (pydantic, omegaconf: a bare CUDA image lacks them; install the wheels first).
-# JETRL_{TESTS,PROBE,MOE,QUANT,QUANT_TILES,LINEAR,SERVING,INVARIANT_OPS,LOCAL_GRPO}_S set each step's limit in seconds
-# (0 skips it).
-set -uo pipefail
+# Every GPU check of issues 47 and 48 in ONE call of a lent bare GPU machine (docs/gpu.md):
+#
+#   bash benchmarks/gpu/device_session.sh --prepare      # here, first: wheels, source stamp, sizes,
+#                                                        # and the exact `run` call to make
+#   bash benchmarks/gpu/device_session.sh "$OUT"         # on the device (run: timeout_s 590)
+#   bash benchmarks/gpu/device_session.sh --collect DIR  # here, after: DIR = the call's files_at
+#   bash benchmarks/gpu/device_session.sh --dry-run      # the steps and limits; exit 1 over 540 s
+#
+# On the device: a preflight (the carried wheels installed into a temporary --target and put on
+# PYTHONPATH, then benchmarks/gpu/session.py imports every module the steps need, collects the
+# GPU test modules and compiles one Triton kernel; a failed preflight stops the call, exit 3),
+# then the steps in order of value, each under `timeout -k 3` and all within 540 s: issue 47's
+# on-policy run first (the invariant kernels' GPU tests, bench_local_grpo.py on both models,
+# every recipe, 3 steps), then issue 48's benchmarks (serving kernel in both scale modes, MoE
+# layer, Fp8BlockLinear, quantizer) and the fp8 GPU tests, which get whatever time is left.
+# A failed step is recorded and the next one runs. OUTDIR receives at most 4 files, rewritten
+# after every step (a call stopped early still returns what ran): summary.txt (source commit,
+# device, versions, each step's rc and time, then every MET / NOT MET line of every log),
+# results.json (the same plus the benchmarks' JSON records), logs.tar.gz (logs/*.log, json/*),
+# triton-cache.tar.gz (the compiled kernels, reused by the next call on the same
+# torch/Triton/CUDA/driver/GPU: --collect puts it in .cache/triton-gpu, which the call carries).
+#
+# Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,SERVING_FP32,
+# SERVING_POW2,MOE,LINEAR,QUANT,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
+# JETRL_GPU_WHEELS_DIR (.cache/gpu-wheels; empty: install nothing, use the interpreter as it is),
+# JETRL_TRITON_CARRY (.cache/triton-gpu), JETRL_TRITON_CACHE_DIR (/tmp/jetrl-triton-cache: a fixed
+# path, since Triton's cache index stores absolute paths), JETRL_TRITON_BINARY_ONLY (1: cache
+# cubins only), JETRL_SESSION_NO_CUDA=1 (CPU test of this script), JETRL_PREFLIGHT_REQUIRE
+# (extra modules the preflight must import), JETRL_SOURCE (the source line, else
+# $JETRL_GPU_WHEELS_DIR/SOURCE.txt written by --prepare; the device copy's git is not the tree's),
+# JETRL_RESULTS_ROOT (--collect's folder, benchmarks/gpu/results).
+set -euo pipefail
+self=$(realpath "$0")
 cd "$(dirname "$0")/../.."
-out=${1:-benchmarks/gpu/results}
-mkdir -p "$out"
+readonly BUDGET_S=540 PACK_S=15 KILL_S=3 CARRY_MIB=64 RETURN_MIB=15
 py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
-# A bare image lacks the package's pure-Python dependencies: wheels installed here beforehand with
-#   pip install --target .gpu-deps --python-version 3.12 --only-binary=:all: \
-#     --platform manylinux2014_x86_64 pydantic omegaconf pyyaml safetensors
-# travel with the tree (run's carry) and go on the path only where the image lacks them.
-if ! "$py" -c 'import pydantic, omegaconf, safetensors' 2>/dev/null && [ -d .gpu-deps ]; then
-  export PYTHONPATH="$PYTHONPATH:$PWD/.gpu-deps"
-fi
-step() {  # step NAME SECONDS CMD...: CMD under a timeout (0: skip), log to $out/NAME.log, note its rc
-  local name=$1 secs=$2; shift 2
-  local t0=$SECONDS
-  [ "$secs" -gt 0 ] || { echo "== $name skipped (limit 0)" | tee -a "$out/summary.txt"; return; }
-  echo "== $name (limit ${secs}s): $*" | tee "$out/$name.log"
-  timeout -k 5 "$secs" "$@" 2>&1 | tee -a "$out/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$out/$name.log" "$out/summary.txt"
+wheels=${JETRL_GPU_WHEELS_DIR-.cache/gpu-wheels}
+carry_cache=${JETRL_TRITON_CARRY:-.cache/triton-gpu}
+triton_dir=${JETRL_TRITON_CACHE_DIR:-/tmp/jetrl-triton-cache}
+site=${JETRL_GPU_SITE:-/tmp/jetrl-gpu-site}
+benches=(bench_local_grpo bench_invariant_ops bench_serving_kernel bench_moe_layer
+  bench_fp8_linear bench_quantizer_bandwidth)
+mapfile -t all_tests < <(bash scripts/gpu_check.sh --list)
+inv_tests=() fp8_tests=()
+for t in "${all_tests[@]}"; do
+  case $t in tests/invariant/*) inv_tests+=("$t") ;; *) fp8_tests+=("$t") ;; esac
+done
+
+# The steps, in order of value: `step NAME LIMIT [--elastic] CMD...`. --elastic: the step also
+# gets what the steps before it left unused of the budget.
+plan() {
+  step preflight "${JETRL_PREFLIGHT_S:-30}" bash benchmarks/gpu/device_session.sh --_preflight
+  # Issue 47: exactly on-policy on a GPU.
+  step invariant_tests "${JETRL_INVARIANT_TESTS_S:-75}" env JETRL_GPU_TESTS="${inv_tests[*]}" \
+    JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=45 bash scripts/gpu_check.sh -rfE --durations=5
+  # Both models (the demo's, then the ~0.6B Qwen3-shaped one), the exact recipes first: the JSON
+  # is rewritten after every recipe, so a timeout keeps what ran.
+  step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-140}" "$py" benchmarks/gpu/bench_local_grpo.py \
+    --steps 3 --recipes jetrl,jetrl_kv,fp8_rollout,bf16 --json "$work/json/bench_local_grpo.json"
+  step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-30}" "$py" benchmarks/gpu/bench_invariant_ops.py \
+    --iters 20 --json "$work/json/bench_invariant_ops.json"
+  # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache).
+  step bench_serving_fp32 "${JETRL_SERVING_FP32_S:-25}" "$py" benchmarks/gpu/bench_serving_kernel.py \
+    --no-pow2 --iters 20 --json "$work/json/bench_serving_fp32.json"
+  step bench_serving_pow2 "${JETRL_SERVING_POW2_S:-25}" "$py" benchmarks/gpu/bench_serving_kernel.py \
+    --pow2 --iters 20 --json "$work/json/bench_serving_pow2.json"
+  step bench_moe_layer "${JETRL_MOE_S:-35}" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
+    --json "$work/json/bench_moe_layer.json"
+  step bench_fp8_linear "${JETRL_LINEAR_S:-35}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
+  step bench_quantizer "${JETRL_QUANT_S:-35}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py --iters 20
+  # ~370 s with a cold Triton cache on an H100: the rest of the budget, more with a warm cache.
+  step fp8_tests "${JETRL_FP8_TESTS_S:-95}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
+    JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=60 bash scripts/gpu_check.sh -rfE --durations=10
 }
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  "$py" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
-  git log -1 --format='commit %H' 2>/dev/null; } > "$out/summary.txt" 2>&1
-cat "$out/summary.txt"
-# Tests: no bench (arguments given), per-test timeout so a hung kernel fails with a stack. The
-# 373 tests took ~370 s on an H100 (results/h100_run4-5, mostly Triton compiles): with the
-# benchmarks (~110 s) that is over one device call's 600 s, so a lease runs two calls, e.g.
-# JETRL_TESTS_S=0 for the second.
-step gpu_tests "${JETRL_TESTS_S:-420}" bash scripts/gpu_check.sh -q --timeout 90 -rfE
-step probe_scaled_mm "${JETRL_PROBE_S:-60}" "$py" benchmarks/gpu/probe_scaled_mm.py \
-  --json "$out/probe_scaled_mm.json"
-step bench_moe_layer "${JETRL_MOE_S:-150}" "$py" benchmarks/gpu/bench_moe_layer.py \
-  --iters 20 --json "$out/bench_moe_layer.json"
-step bench_quantizer "${JETRL_QUANT_S:-60}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py --iters 20
-step bench_quantizer_tiles "${JETRL_QUANT_TILES_S:-30}" "$py" \
-  benchmarks/gpu/bench_quantizer_bandwidth.py --sweep-tiles --iters 20
-step bench_fp8_linear "${JETRL_LINEAR_S:-90}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
-step bench_serving_kernel "${JETRL_SERVING_S:-60}" "$py" benchmarks/gpu/bench_serving_kernel.py \
-  --iters 20 --json "$out/bench_serving_kernel.json"
-# The batch-invariant ops (issue 37): Triton kernels vs torch's own ops vs the elementwise path.
-step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-60}" "$py" benchmarks/gpu/bench_invariant_ops.py \
-  --iters 20 --json "$out/bench_invariant_ops.json"
-# Local GRPO per recipe on cuda (demo model, then the ~0.6B Qwen3-shaped one): tmpe exactly 1 for
-# jetrl/jetrl_kv, mismatch, step time, tokens/s, invariant-ops share. Needs transformers and
-# tokenizers too (add them to the .gpu-deps wheels where the image lacks them).
-step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-120}" "$py" benchmarks/gpu/bench_local_grpo.py \
-  --steps 3 --json "$out/bench_local_grpo.json"
-cat "$out/summary.txt"
+
+dry_run() {
+  local total=0 n=0
+  step() {
+    local name=$1 limit=$2 extra=""
+    shift 2
+    if [[ ${1:-} == --elastic ]]; then
+      shift
+      extra=" + what the steps before leave"
+    fi
+    total=$((total + limit)) n=$((n + 1))
+    local shown=() a listed
+    for a in "$@"; do  # a test list as its count
+      if [[ $a == JETRL_GPU_TESTS=* ]]; then
+        read -r -a listed <<<"${a#*=}"
+        a="JETRL_GPU_TESTS=(${#listed[@]} modules of gpu_check.sh --list)"
+      fi
+      shown+=("$a")
+    done
+    printf '  %-20s %4d s%s: %s\n' "$name" "$limit" "$extra" "${shown[*]}"
+  }
+  echo "device_session.sh: steps in order of value (budget ${BUDGET_S} s, each under timeout -k ${KILL_S}):"
+  work=\$WORK  # shown as written, not expanded
+  plan
+  printf '  %-20s %4d s: summary.txt, results.json, logs.tar.gz, triton-cache.tar.gz\n' pack "$PACK_S"
+  total=$((total + PACK_S))
+  if ((total > BUDGET_S)); then
+    echo "sum ${total} s > ${BUDGET_S} s: over the budget of one call (run's timeout_s 590)"
+    return 1
+  fi
+  echo "sum ${total} s <= ${BUDGET_S} s ($n steps + pack); run it with timeout_s 590"
+}
+
+inner_preflight() {  # the preflight step's command (its own process, under the step's timeout)
+  if [[ -n "$wheels" ]]; then
+    shopt -s nullglob
+    local whl=("$wheels"/*.whl)
+    if ((${#whl[@]} == 0)); then
+      echo "preflight: FAILED: no wheels in $wheels (run 'bash benchmarks/gpu/device_session.sh --prepare' here and carry $wheels)"
+      return 3
+    fi
+    rm -rf "$site"
+    local t0=$SECONDS
+    "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+      --no-cache-dir --target "$site" "${whl[@]}" ||
+      { echo "preflight: FAILED: pip could not install the ${#whl[@]} wheels of $wheels"; return 3; }
+    echo "preflight: installed ${#whl[@]} wheels from $wheels into $site in $((SECONDS - t0)) s"
+  fi
+  local cuda=()
+  [[ "${JETRL_SESSION_NO_CUDA:-0}" != 1 ]] || cuda=(--no-cuda)
+  # shellcheck disable=SC2086  # JETRL_PREFLIGHT_REQUIRE: a space-separated list
+  "$py" benchmarks/gpu/session.py preflight "${cuda[@]}" --stamp "$work/stamp" \
+    --require ${JETRL_PREFLIGHT_REQUIRE:-} --bench "${benches[@]}" --tests "${all_tests[@]}"
+}
+
+report() {
+  "$py" benchmarks/gpu/session.py report "$work" "$out" || echo "device_session: report failed"
+  tar -czf "$out/logs.tar.gz" -C "$work" logs json 2>/dev/null || echo "device_session: tar failed"
+}
+
+pack_cache() {  # the Triton cache back into OUTDIR, under what one returned file may weigh
+  [[ -s "$work/stamp" ]] || return 0
+  cp "$work/stamp" "$triton_dir/STAMP"
+  local tarball=$out/triton-cache.tar.gz
+  tar -czf "$tarball" -C "$triton_dir" .
+  if (($(stat -c %s "$tarball") > RETURN_MIB * 1048576)); then  # keep this call's kernels only
+    (cd "$triton_dir" && find . -newer "$work/start" -type f -print0 |
+      tar -czf "$tarball" --null -T -)
+    echo "triton cache: over ${RETURN_MIB} MiB, only this call's kernels kept" >>"$work/header.txt"
+  fi
+  if (($(stat -c %s "$tarball") > RETURN_MIB * 1048576)); then
+    rm -f "$tarball"
+    echo "triton cache: not returned (over ${RETURN_MIB} MiB)" >>"$work/header.txt"
+  fi
+}
+
+session() {
+  out=$1
+  mkdir -p "$out"
+  [[ -z "$(ls -A "$out")" ]] || echo "device_session: $out is not empty: its files are rewritten"
+  work=$(mktemp -d /tmp/jetrl-session.XXXXXX)
+  mkdir -p "$work/logs" "$work/json" "$triton_dir"
+  touch "$work/start"
+  export work
+  export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+  export TRITON_CACHE_DIR=$triton_dir TRITON_STORE_BINARY_ONLY=${JETRL_TRITON_BINARY_ONLY:-1}
+  unset TRITON_INTERPRET
+  if [[ -n "${JETRL_SOURCE:-}" ]]; then
+    echo "$JETRL_SOURCE" >"$work/source.txt"
+  elif [[ -n "$wheels" && -f "$wheels/SOURCE.txt" ]]; then
+    cp "$wheels/SOURCE.txt" "$work/source.txt"
+  fi
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "budget: ${BUDGET_S} s, run in one call"
+    if command -v nvidia-smi >/dev/null; then
+      echo "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
+    fi
+  } >"$work/header.txt"
+  : >"$work/steps.tsv"
+  local t_start=$SECONDS failed=0 stopped=0
+  step() {
+    local name=$1 limit=$2 elastic=0
+    shift 2
+    if [[ ${1:-} == --elastic ]]; then elastic=1; shift; fi
+    local left=$((BUDGET_S - PACK_S - (SECONDS - t_start)))
+    if ((stopped)); then
+      printf '%s\t%s\t\t0\t%s\n' "$name" "$limit" "not run: the preflight failed" >>"$work/steps.tsv"
+      return
+    fi
+    if ((limit == 0)); then
+      printf '%s\t0\t\t0\t%s\n' "$name" "skipped (limit 0)" >>"$work/steps.tsv"
+      echo "== $name skipped (limit 0)"
+      return
+    fi
+    ((elastic)) && limit=$left
+    ((limit <= left)) || limit=$left
+    if ((limit <= 0)); then
+      printf '%s\t%s\t\t0\t%s\n' "$name" "$limit" "not run: no time left" >>"$work/steps.tsv"
+      echo "== $name not run (no time left)"
+      return
+    fi
+    local log=$work/logs/$name.log t0=$SECONDS rc note=""
+    echo "== $name (limit ${limit}s)"
+    echo "== $name (limit ${limit}s): $*" >"$log"
+    set +e
+    timeout -k "$KILL_S" "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    set -e
+    ((rc != 124 && rc != 137)) || note="TIMEOUT"
+    ((rc == 0)) || failed=1
+    echo "== $name rc=$rc in $((SECONDS - t0))s ${note}" >>"$log"
+    tail -n +2 "$log" | tail -n 4
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$limit" "$rc" "$((SECONDS - t0))" "$note" >>"$work/steps.tsv"
+    if [[ $name == preflight ]]; then
+      grep '^preflight: version' "$log" | sed 's/^preflight: //' >>"$work/header.txt" || true
+      if ((rc != 0)); then
+        stopped=1
+        echo "device_session: the preflight failed (rc=$rc): no step runs; see its log's last line"
+      else
+        echo "stamp: $(cat "$work/stamp")" >>"$work/header.txt"
+        reuse_cache
+      fi
+    fi
+    report
+  }
+  plan
+  pack_cache
+  echo "finished in $((SECONDS - t_start)) s of ${BUDGET_S}" >>"$work/header.txt"
+  report
+  rm -rf "$work"
+  echo "device_session: wrote $(cd "$out" && printf '%s ' *)in $out"
+  cat "$out/summary.txt"
+  ((stopped)) && return 3
+  return "$failed"
+}
+
+reuse_cache() {  # the carried Triton cache, only under the same versions
+  local tarball=$carry_cache/triton-cache.tar.gz note
+  if [[ ! -f "$tarball" ]]; then
+    note="cold (no $tarball carried)"
+  else
+    local old
+    old=$(tar -xzOf "$tarball" ./STAMP 2>/dev/null || true)
+    if [[ "$old" == "$(cat "$work/stamp")" ]]; then
+      tar -xzf "$tarball" -C "$triton_dir"
+      note="reused $(tar -tzf "$tarball" | grep -vc '/$' || true) files from $tarball"
+    else
+      note="cold (carried cache not reused: made under '${old:-no stamp}')"
+    fi
+  fi
+  echo "triton cache: $note" >>"$work/header.txt"
+}
+
+travel_mib() {  # what a call sends: tracked and untracked-not-ignored files, plus carried paths
+  local tree carried=0 p
+  tree=$({ git ls-files -z -c -o --exclude-standard | xargs -0 stat -c %s -- 2>/dev/null || true; } |
+    awk '{s += $1} END {print s + 0}')
+  for p in "$@"; do
+    [[ -e "$p" ]] && carried=$((carried + $(du -sb "$p" | cut -f1)))
+  done
+  echo "$tree $carried"
+}
+
+prepare() {
+  bash scripts/gpu_wheels.sh "$wheels"
+  local head dirty
+  head=$(git rev-parse HEAD)
+  dirty=$(git status --porcelain --untracked-files=normal | wc -l)
+  if ((dirty == 0)); then
+    echo "commit $head ($(git log -1 --format=%cs)), tree clean" >"$wheels/SOURCE.txt"
+  else
+    echo "commit $head ($(git log -1 --format=%cs)) + $dirty paths changed or untracked (git status --porcelain)" >"$wheels/SOURCE.txt"
+  fi
+  echo "source stamp: $(cat "$wheels/SOURCE.txt")"
+  mkdir -p "$carry_cache"
+  if [[ -f "$carry_cache/triton-cache.tar.gz" ]]; then
+    echo "triton cache: $(du -h "$carry_cache/triton-cache.tar.gz" | cut -f1), made under: $(tar -xzOf "$carry_cache/triton-cache.tar.gz" ./STAMP 2>/dev/null || echo '?')"
+  else
+    echo "triton cache: none yet (the first call compiles every kernel; --collect keeps its cache)"
+  fi
+  local sizes tree carried total
+  sizes=$(travel_mib "$wheels" "$carry_cache")
+  tree=${sizes% *} carried=${sizes#* }
+  total=$((tree + carried))
+  awk -v t="$tree" -v c="$carried" -v m="$CARRY_MIB" 'BEGIN {
+    printf "travels: tree %.1f MiB + carried %.1f MiB = %.1f MiB (limit %d MiB)\n", t/1048576, c/1048576, (t+c)/1048576, m }'
+  if ((total > CARRY_MIB * 1048576)); then
+    echo "device_session: over the ${CARRY_MIB} MiB a call may send: drop the Triton cache or ignore large untracked files" >&2
+    return 1
+  fi
+  dry_run
+  cat <<EOF
+The call (device tool 'run'):
+  command:   bash benchmarks/gpu/device_session.sh "\$OUT"
+  timeout_s: 590
+  carry:     ["$wheels", "$carry_cache"]
+EOF
+}
+
+collect() {  # here, after a call: results into benchmarks/gpu/results/<date>_<gpu>/, cache kept
+  local from=$1 dest=${2:-}
+  [[ -f "$from/summary.txt" ]] || { echo "device_session: no summary.txt in $from" >&2; return 1; }
+  if [[ -z "$dest" ]]; then
+    local name
+    name=$("$py" - "$from/results.json" <<'PY'
+import json, re, sys
+head = json.load(open(sys.argv[1]))["header"]
+date = next((h.split()[1][:10] for h in head if h.startswith("date: ")), "undated")
+gpu = next((h[5:].split(",")[0] for h in head if h.startswith("gpu: ")), "gpu")
+print(f"{date}_{re.sub(r'[^a-z0-9]+', '-', gpu.lower().replace('nvidia', '')).strip('-')}")
+PY
+)
+    dest=${JETRL_RESULTS_ROOT:-benchmarks/gpu/results}/$name
+  fi
+  mkdir -p "$dest"
+  cp "$from/summary.txt" "$from/results.json" "$dest/"
+  [[ ! -f "$from/logs.tar.gz" ]] ||
+    tar -xzf "$from/logs.tar.gz" -C "$dest" --strip-components=1
+  if [[ -f "$from/triton-cache.tar.gz" ]]; then
+    mkdir -p "$carry_cache"
+    cp "$from/triton-cache.tar.gz" "$carry_cache/"
+    echo "triton cache -> $carry_cache/triton-cache.tar.gz (carried by the next call)"
+  fi
+  echo "results -> $dest: $(cd "$dest" && printf '%s ' *)"
+  echo "commit them: git add $dest && git commit -m '...'  (the source line of summary.txt names the tree)"
+}
+
+case ${1:-} in
+  --dry-run) dry_run ;;
+  --prepare) prepare ;;
+  --collect) collect "${2:?--collect DIR [DEST]}" "${3:-}" ;;
+  --_preflight) inner_preflight ;;
+  "" | -h | --help) sed -n '2,/^set -euo/p' "$self" | sed '$d' ;;
+  -*) echo "device_session: unknown option $1 (see --help)" >&2; exit 2 ;;
+  *) session "$1" ;;
+esac
