@@ -753,3 +753,91 @@ MUTANTS += [
         (T_FAULTS + "test_load_quantized_refuses_bad_scales",),
     ),
 ]
+
+# ---- issue 48: measured facts stated as literals in their tests (point 7), and the invariant
+# kernels' checks keep their power to fail under the interpreter (point 6)
+T_INV = "tests/invariant/test_invariant_kernels.py::"
+T_SERVE_BITS = "tests/vllm_patch/test_serving_bits.py::"
+MUTANTS += [
+    Mutant(
+        "FP32-scale serving batches padded to 4 rows (cuBLASLt gave other bits below 32)",
+        "nemo_jetrl/fp8/gemm_backends.py",
+        "FP32_SCALE_ROW_MULTIPLE = 32\n",
+        "FP32_SCALE_ROW_MULTIPLE = 4\n",
+        (
+            T_SERVE_BITS + "test_a_tokens_row_is_the_same_at_every_batch_size_and_equals_the"
+            "_trainers[scaled_mm-fp32_scales]",
+        ),
+    ),
+    Mutant(
+        "vLLM's QuantFP8 scale floor emulated as 1 / (448 * 256)",
+        "nemo_jetrl/fp8/vllm_native.py",
+        "SCALE_FLOOR = 1.0 / (E4M3.fmax * 512.0)",
+        "SCALE_FLOOR = 1.0 / (E4M3.fmax * 256.0)",
+        ("tests/vllm_patch/test_fp8_vllm_native.py::test_group_native_floor_and_nd_input",),
+    ),
+    Mutant(
+        "refit snapshot leaves 1 GiB free on the GPU instead of 2",
+        "nemo_jetrl/vllm_patch/rollback.py",
+        "RESERVE_BYTES = 2 << 30\n",
+        "RESERVE_BYTES = 1 << 30\n",
+        (
+            "tests/vllm_patch/test_rollback_unit.py::"
+            "test_snapshot_stays_on_the_gpu_only_when_it_leaves_the_reserve_free",
+        ),
+    ),
+    Mutant(
+        "Megatron export leaves down_proj BF16",
+        "nemo_jetrl/megatron/export.py",
+        '    "mlp.up_proj.weight",\n    "mlp.down_proj.weight",\n)',
+        '    "mlp.up_proj.weight",\n)',
+        (
+            "tests/megatron/test_megatron_export.py::"
+            "test_fp8_export_matches_quantizer_on_unfused_weights",
+        ),
+    ),
+    Mutant(
+        "FP8 GEMM bound loosened to 2**-4",
+        "nemo_jetrl/fp8/dispatch.py",
+        'GEMM_TOLERANCE = {"REL": 2.0**-7, "OUT": 2.0**-8}',
+        'GEMM_TOLERANCE = {"REL": 2.0**-4, "OUT": 2.0**-8}',
+        ("tests/fp8/test_fp8_dispatch.py::test_the_gemm_bound_is_the_stated_one",),
+    ),
+    Mutant(
+        "invariant RMS rstd: fewer lanes for batches under 8 rows",
+        "nemo_jetrl/invariant/kernels/rows.py",
+        "            x2, out, h, float(h), x2.stride(0), float(eps),\n            BLOCK=block,",
+        "            x2, out, h, float(h), x2.stride(0), float(eps),\n"
+        "            BLOCK=block if x2.shape[0] >= 8 else 64,",
+        (T_INV + "test_rms_rstd_same_bits_at_every_batch_size_and_within_2ulp_of_float64",),
+    ),
+    Mutant(
+        "invariant log-sum-exp: fewer lanes for batches under 8 rows",
+        "nemo_jetrl/invariant/kernels/rows.py",
+        "            x2, mx, log_sum, x.shape[-1], x2.stride(0),\n            BLOCK=block,",
+        "            x2, mx, log_sum, x.shape[-1], x2.stride(0),\n"
+        "            BLOCK=block if n >= 8 else 128,",
+        (T_INV + "test_log_softmax_same_bits_at_every_batch_size_and_close_to_float64",),
+    ),
+    Mutant(
+        "invariant matmul: shorter K steps for batches under 8 rows",
+        "nemo_jetrl/invariant/kernels/matmul.py",
+        "BK=block_k,",
+        "BK=block_k if m >= 8 else 32,",
+        (T_INV + "test_matmul_same_bits_at_every_batch_size_and_within_gamma_k_of_float64",),
+    ),
+    Mutant(
+        "attention keeps 2 stages where they overflow Hopper's shared memory",
+        "nemo_jetrl/invariant/kernels/attention.py",
+        "    return ATTN_STAGES if fits else 1\n",
+        "    return ATTN_STAGES\n",
+        (T_INV + "test_attention_stages_fit_hoppers_shared_memory_and_change_no_bit",),
+    ),
+    Mutant(
+        "attention stages sized for bf16 whatever the operand dtype",
+        "nemo_jetrl/invariant/kernels/attention.py",
+        "attention_stages(d, q.element_size())",
+        "attention_stages(d, 2)",
+        (T_INV + "test_attention_launches_with_the_rules_stages",),
+    ),
+]

@@ -147,6 +147,14 @@ def test_native_hardware_cast_agrees_with_integer_cast():
             assert torch.equal(fp8_bits(soft.data), fp8_bits(hard.data)), (fmt, block)
 
 
+def test_the_gemm_bound_is_the_stated_one():
+    """`GEMM_TOLERANCE` is what the GEMM bound tests here, in test_fp8_linear and in
+    test_fp8_experts_triton hold each fast path to: Hopper accumulates FP8 products in ~14 bits
+    inside a 128-wide K tile (DeepSeek-V3 report, section 3.3.2), 128 * 2**-14 = 2**-7 of
+    ``|A| @ |B|``; the bf16 output rounds by 2**-8. A literal, so loosening it fails here."""
+    assert dispatch.GEMM_TOLERANCE == {"REL": 2.0**-7, "OUT": 2.0**-8}
+
+
 @pytest.mark.gpu
 def test_fast_gemm_backends_within_stated_bound():
     """|out - ref64| <= REL * (|A| @ |B|.T) + OUT * |ref64| with A, B the dequantized operands."""

@@ -4,16 +4,29 @@ Without a GPU the kernels run in Triton's CPU interpreter (conftest sets TRITON_
 one, the same tests run the compiled kernels (the realistic sizes are in
 test_invariant_kernels_gpu.py). Each kernel: a row's bits at batch sizes 1, 3, 8, 17 and at
 another position in the batch (`batch_variance`), and its error vs float64 within a stated bound.
-A planted variant whose reduction order depends on the batch fails the same check.
+A planted variant whose reduction order depends on the batch fails the same check, on a GPU as
+under the interpreter: the planted checks assert that some row's bits move (which rows depends on
+the arithmetic: FMA contraction and ex2/lg2.approx on a GPU, IEEE here), and the matmul's is a
+split of K on bf16 operands (tensor cores), not a K-step width (one MMA chain per output on a GPU
+whatever BK). The attention kernel's pipeline stages fit Hopper's shared memory at head_dim
+64/128/256 and change no bit.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from invariant_checks import batch_variance, same_bits
 
 from nemo_jetrl.invariant import dispatch, ops
+from nemo_jetrl.invariant.kernels import attention as ka
 from nemo_jetrl.invariant.kernels import matmul as km
 from nemo_jetrl.invariant.kernels import rows
 
@@ -61,15 +74,17 @@ def test_log_softmax_same_bits_at_every_batch_size_and_close_to_float64():
 
 
 def test_a_row_block_chosen_from_the_batch_size_fails_the_invariance_check():
-    # The planted bug: fewer lanes for small batches (a 'decode' tuning) changes the order.
+    # The planted bug: fewer lanes for batches under 17 rows (a 'decode' tuning) changes the
+    # order of m=1, 3 and 8 (12 rows). Some row's bits must move; which ones depends on the
+    # arithmetic, so the test names none. The full batch, reversed, takes the shipped lanes.
     x = _rand(17, 1500, scale=3.0)
-    planted = batch_variance(lambda t: rows.rms_rstd(t, 1e-6, block=64 if len(t) < 8 else 1024), x)
-    assert planted == ["m=1", "m=3"]
+    planted = batch_variance(lambda t: rows.rms_rstd(t, 1e-6, block=64 if len(t) < 17 else 1024), x)
+    assert planted and "reversed" not in planted, planted
     xl = _rand(17, 5000, scale=5.0)
     planted = batch_variance(
-        lambda t: rows.logsumexp_parts(t, block=128 if len(t) < 8 else 1024)[1], xl
+        lambda t: rows.logsumexp_parts(t, block=128 if len(t) < 17 else 1024)[1], xl
     )
-    assert planted == ["m=1", "m=3"]
+    assert planted and "reversed" not in planted, planted
 
 
 # ------------------------------------------------------------------------------ matmul
@@ -91,12 +106,113 @@ def test_matmul_same_bits_at_every_batch_size_and_within_gamma_k_of_float64(dtyp
     assert ((got - ref).abs() <= bound).all()
 
 
-def test_a_k_step_chosen_from_the_batch_size_fails_the_invariance_check():
-    # The planted bug: shorter K steps for small batches (each step's dot is added into the
-    # accumulator as one partial sum, so the step width is part of the order).
-    x, w = _rand(17, 128), _rand(40, 128, seed=1)
-    planted = batch_variance(lambda t: km.matmul(t, w, block_k=32 if len(t) < 8 else 64), x)
-    assert planted == ["m=1", "m=3"]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_k_split_chosen_from_the_batch_size_fails_the_invariance_check(dtype):
+    # The planted bug: batches under 17 rows split K in two and add the halves (split-K, what
+    # cuBLAS picks for small M). bf16 is the tensor-core path on a GPU, where a K step's width is
+    # not part of the order (the MMAs chain through one accumulator whatever BK) but a split is;
+    # fp32 there is one fma chain per output, which a split also cuts. Under the interpreter the
+    # split at 40 (not a multiple of BK = 64) regroups the K steps' partial sums.
+    x, w = _rand(17, 128, dtype=dtype), _rand(40, 128, dtype=dtype, seed=1)
+
+    def split_k(t):
+        if len(t) == len(x):
+            return km.matmul(t, w)
+        return km.matmul(t[:, :40], w[:, :40]) + km.matmul(t[:, 40:], w[:, 40:])
+
+    planted = batch_variance(split_k, x)
+    assert planted and "reversed" not in planted, planted
+
+
+# ------------------------------------------------------------------------------ attention stages
+
+# Shared memory a block may take on Hopper (sm_90), bytes: 227 KiB, Triton's "Hardware limit:
+# 232448" on an H100 (benchmarks/gpu/results/h100_run1_landed/gpu_tests.log).
+HOPPER_SMEM = 232_448
+# (head_dim, operand bytes) -> pipeline stages: 2 where the tiles fit, 1 for fp32 at 256.
+STAGES = {(64, 2): 2, (128, 2): 2, (256, 2): 2, (64, 4): 2, (128, 4): 2, (256, 4): 1}
+NEG = torch.finfo(torch.bfloat16).min
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_stages_fit_hoppers_shared_memory_and_change_no_bit(dtype, head_dim):
+    size = dtype.itemsize
+    stages = ka.attention_stages(head_dim, size)
+    assert stages == STAGES[head_dim, size]
+    assert ka.attention_smem_bytes(head_dim, size, stages) <= HOPPER_SMEM
+    if stages < 2:  # what the rule is for: the 2 stages shipped before it would not fit
+        assert ka.attention_smem_bytes(head_dim, size, 2) > HOPPER_SMEM
+    q, k, v = (_rand(1, 2, 20, head_dim, dtype=dtype, seed=s) for s in range(3))
+    mask = torch.full((20, 20), NEG, device=DEVICE).triu(1)
+    got = ka.attention(q, k, v, mask, head_dim**-0.5)
+    before = ka.attention(q, k, v, mask, head_dim**-0.5, num_stages=2)  # the old configuration
+    assert same_bits(got, before)
+
+
+def test_attention_launches_with_the_rules_stages(monkeypatch):
+    launched = []
+
+    class Kernel:  # records the launch instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw["num_stages"])
+
+    monkeypatch.setattr(ka, "_jit", lambda: SimpleNamespace(attention_kernel=Kernel()))
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for q_dtype, kv_dtype, d in ((bf16, bf16, 256), (fp32, fp32, 256), (fp32, fp32, 128), (bf16, fp32, 256)):  # fmt: skip
+        q, kv = torch.zeros(1, 1, 3, d, dtype=q_dtype), torch.zeros(1, 1, 3, d, dtype=kv_dtype)
+        ka.attention(q, kv, kv, None, 1.0)
+    assert launched == [2, 1, 2, 1]  # mixed operands are widened to fp32 first
+
+
+# Compiles the attention kernel for sm_90 with Triton's own compiler (no GPU needed) at the rule's
+# stages and prints the shared memory Triton allocates: the estimate must bound it.
+_SM90_COMPILE = """
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nemo_jetrl.fp8.triton_launch import NO_FTZ
+from nemo_jetrl.invariant.kernels import _jit_attention as ja, attention as ka
+CONST = ("HAS_MASK", "BM", "BN", "BD", "IEEE", "ORDERED")
+out = []
+for dtype, size in (("bf16", 2), ("fp32", 4)):
+    for d in (64, 128, 256):
+        sig = {p: "i32" for p in inspect.signature(ja.attention_kernel.fn).parameters}
+        sig.update({p: "constexpr" for p in CONST}, scale="fp32", mask_ptr="*fp32", o_ptr="*fp32")
+        sig.update(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype)
+        consts = dict(HAS_MASK=True, BM=ka.ATTN_BLOCK_M, BN=ka.ATTN_BLOCK_N,
+                      BD=ka._head_block(d), IEEE=size == 4, ORDERED=False)
+        stages = ka.attention_stages(d, size)
+        kernel = triton.compile(
+            ASTSource(fn=ja.attention_kernel, signature=sig, constexprs=consts),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=ka.ATTN_WARPS, num_stages=stages, **NO_FTZ),
+        )
+        out.append([d, size, stages, kernel.metadata.shared])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_shared_memory_triton_allocates_for_sm90_is_within_the_estimate():
+    # ~1 min on 2 CPU cores (fp32 at head_dim 256 compiles for ~30 s); cached afterwards
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiler, not the interpreter
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(d, size) for d, size, _, _ in compiled] == list(STAGES)
+    for d, size, stages, shared in compiled:
+        assert stages == STAGES[d, size]
+        assert 0 < shared <= ka.attention_smem_bytes(d, size, stages) <= HOPPER_SMEM, (d, size)
 
 
 def test_matmul_refuses_mismatched_operands_by_name():

@@ -3,7 +3,11 @@
 equal to the prefill, and each kernel within its float64 bound. `gpu`: skipped without CUDA (the
 interpreter runs the same checks at small sizes in test_invariant_kernels.py and
 test_invariant_attention_kernel.py). Realistic-size planted variants must fail too: that the GPU's
-tl.dot and reductions order a row the same way wherever it sits is what these tests measure.
+tl.dot and reductions order a row the same way wherever it sits is what these tests measure. A
+planted check asserts that some row's bits move, never which (FMA contraction and ex2/lg2.approx
+decide that); the matmul's plant splits K (an MMA chain does not see a K step's width). Attention
+compiles at head_dim 64/128/256 in bf16 and fp32 (the stages `attention_stages` picks fit
+Hopper's shared memory) and its stages change no bit.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ def test_log_softmax_and_token_logprob_at_vocab_151936():
         return (t - mx) - log_sum
 
     assert batch_variance(lsm, x, (1, 3, 8, 17)) == []
+    planted = batch_variance(
+        lambda t: rows.logsumexp_parts(t, block=256 if len(t) < 64 else 1024)[1], x, (1, 3, 8, 17)
+    )
+    assert planted, "a lane count chosen from M left every row's log-sum-exp unchanged"
     ref = rows.log_softmax_reference(x)
     err = (lsm(x).double() - ref).abs()
     # tl.exp / tl.log compile to ex2.approx / lg2.approx (~2 ulp): a looser floor than on CPU
@@ -69,6 +77,13 @@ def test_lm_head_matmul_bf16_at_vocab_151936():
     # 2x the fp32 gamma_K: tensor cores may truncate inside their fp32 accumulation
     bound = 2 * (896 + 1) * U32 * (x[pick].double().abs() @ w.double().abs().t())
     assert ((got - ref).abs() <= bound).all()
+
+    def split_k(t):  # the planted bug: small batches split K in two (cuBLAS's small-M choice)
+        if len(t) == len(x):
+            return km.matmul(t, w)
+        return km.matmul(t[:, :448], w[:, :448]) + km.matmul(t[:, 448:], w[:, 448:])
+
+    assert batch_variance(split_k, x, SIZES), "a K split chosen from M left every row unchanged"
 
 
 def test_router_and_square_matmuls_fp32_and_bf16():
@@ -111,3 +126,15 @@ def test_attention_decode_equals_prefill_at_seq_2048_head_dim_128():
     assert not same_bits(planted, full[:, :, 2047]), (
         "a key chunk chosen from Tq left the bits unchanged"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_attention_compiles_at_head_dim_64_128_256_and_its_stages_change_no_bit(d, dtype):
+    # fp32 at head_dim 256 runs 1 stage (2 would not fit Hopper's 227 KiB by the estimate)
+    q, k, v, mask, scale = _attention_case(b=1, h=4, t=300, d=d, pad=(20,))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    full = ka.attention(q, k, v, mask, scale)
+    for t in (20, 63, 64, 299):
+        assert same_bits(_step(q, k, v, mask, scale, t)[:, :, 0], full[:, :, t]), (d, dtype, t)
+    assert same_bits(ka.attention(q, k, v, mask, scale, num_stages=1), full)

@@ -17,6 +17,18 @@ from nemo_jetrl.megatron import export as ex
 from nemo_jetrl.recipe import Recipe
 
 JETRL = Recipe.preset("jetrl")
+# The seven linears of a Llama/Qwen decoder layer in HF's names (LlamaDecoderLayer's self_attn
+# and mlp): every one runs FP8 in an FP8 layer, so every one must be exported FP8. A literal, so
+# a linear dropped from `export.FP8_LINEARS` fails here.
+LAYER_LINEARS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +101,7 @@ def test_fp8_export_matches_quantizer_on_unfused_weights(megatron_env):
     tensors, quantized = ex.export_hf(model.state_dict(), shape, recipe)
     hf = ex.megatron_to_hf(model.state_dict(), shape)
     # Layer 0 stays BF16 on the rollout side; layer 1's seven linears are FP8.
-    assert sorted(quantized) == sorted(f"model.layers.1.{s}" for s in ex.FP8_LINEARS)
+    assert sorted(quantized) == sorted(f"model.layers.1.{s}" for s in LAYER_LINEARS)
     assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
     for name, q in quantized.items():
@@ -142,7 +154,7 @@ def test_te_layout_relayout_is_bit_identical(megatron_env, pow2):
             assert te.rowwise_scale_inv.shape[1] % 4 == 0  # TE's padded scale layout
             from_te.update(ex.te_fp8_to_hf(name, te, shape, pow2_scales=pow2))
     assert ex.parity_check(master, from_te) == []
-    assert len(master) == 2 * len(ex.FP8_LINEARS)
+    assert len(master) == 2 * len(LAYER_LINEARS)  # two layers
     # The check names what differs.
     name = "model.layers.1.mlp.up_proj.weight"
     bad = dict(from_te)

@@ -9,7 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
-from nemo_jetrl.fp8.vllm_native import SCALE_FLOOR, per_block_cast_native, quantize_group_native
+from nemo_jetrl.fp8.vllm_native import per_block_cast_native, quantize_group_native
+
+# QuantFP8's smallest scale, vLLM's `_FP8_MIN_SCALING_FACTOR = 1.0 / (_FP8_MAX * 512.0)` (read in
+# vllm/model_executor/layers/quantization/input_quant_fp8.py, 0.20 and 0.25; E4M3 max 448): a
+# literal, so a wrong floor in vllm_native fails here.
+VLLM_SCALE_FLOOR = 1.0 / (448.0 * 512.0)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +69,8 @@ def test_group_native_floor_and_nd_input():
     x[1, 2, 128:] *= 1e-4  # amax < 1/512: floored scale
     q = quantize_group_native(x, ue8m0=True)
     assert q.data.shape == x.shape and q.scale_inv.shape == (2, 3, 2)
-    assert float(q.scale_inv[0, 1, 0]) == pytest.approx(SCALE_FLOOR, rel=1e-7)
-    assert float(q.scale_inv[1, 2, 1]) == pytest.approx(SCALE_FLOOR, rel=1e-7)
+    assert float(q.scale_inv[0, 1, 0]) == pytest.approx(VLLM_SCALE_FLOOR, rel=1e-7)
+    assert float(q.scale_inv[1, 2, 1]) == pytest.approx(VLLM_SCALE_FLOOR, rel=1e-7)
     flat = quantize_group_native(x.reshape(6, 256), ue8m0=True)
     assert torch.equal(fp8_bits(flat.data).reshape(x.shape), fp8_bits(q.data))
 

@@ -145,7 +145,7 @@ def test_snapshot_stays_on_the_gpu_only_when_it_leaves_the_reserve_free(monkeypa
     free = {"bytes": 0}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["bytes"], 80 << 30))
     need = 10 << 30
-    free["bytes"] = need + rollback.RESERVE_BYTES
+    free["bytes"] = need + (2 << 30)  # the 2 GiB reserve docs/vllm_patch.md states, a literal
     assert rollback.snapshot_device(need, gpu) == gpu
     free["bytes"] -= 1
     assert rollback.snapshot_device(need, gpu) == torch.device("cpu")

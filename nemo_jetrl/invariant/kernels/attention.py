@@ -32,7 +32,12 @@ ATTN_BLOCK_M = 64
 ATTN_BLOCK_N = 64
 ATTN_WARPS = 4
 ATTN_STAGES = 2
+"""Software-pipeline depth where the tiles fit; `attention_stages` picks 1 where they do not."""
 ATTN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SMEM_LIMIT_BYTES = 232_448
+"""Shared memory one block may take on Hopper (sm_90): 227 KiB of the SM's 228 KiB (CUDA
+programming guide, compute capability 9.0; Triton printed "Hardware limit: 232448" on an H100,
+benchmarks/gpu/results/h100_run1_landed/gpu_tests.log)."""
 
 
 @functools.cache
@@ -57,6 +62,38 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
+def _head_block(head_dim: int) -> int:
+    """``BD``: the head dimension padded to a power of two (at least 16, `tl.dot`'s minimum)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def attention_smem_bytes(
+    head_dim: int,
+    itemsize: int,
+    stages: int,
+    *,
+    block_m: int = ATTN_BLOCK_M,
+    block_n: int = ATTN_BLOCK_N,
+) -> int:
+    """An upper estimate of the kernel's shared memory: ``stages`` buffers of each loop load
+    (key and value tiles at ``itemsize`` bytes, the fp32 mask tile), plus the query tile and the
+    probabilities as the second dot's operand. At or above what Triton 3.9 allocates compiling
+    for sm_90 at head_dim 64/128/256, 1-3 stages, bf16 and fp32 (fp32, head_dim 256: 144 KiB at 1
+    stage, 224 KiB at 2; estimated 224 and 368). A slow test compiles the rule's choices."""
+    bd = _head_block(head_dim)
+    per_stage = 2 * block_n * bd * itemsize + block_m * block_n * 4
+    return stages * per_stage + block_m * bd * itemsize + block_m * block_n * itemsize
+
+
+def attention_stages(head_dim: int, itemsize: int) -> int:
+    """The pipeline depth for ``head_dim`` and operands of ``itemsize`` bytes: `ATTN_STAGES`
+    where `attention_smem_bytes` fits `SMEM_LIMIT_BYTES`, else 1 (fp32 operands at head_dim
+    256). Stages change when a tile's loads are issued, not the arithmetic: no bit moves. Tiles
+    stay fixed: ``BN`` is part of a row's order and ``BM`` picks the MMA instruction shape."""
+    fits = attention_smem_bytes(head_dim, itemsize, ATTN_STAGES) <= SMEM_LIMIT_BYTES
+    return ATTN_STAGES if fits else 1
+
+
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -70,8 +107,10 @@ def attention(
     *,
     block_m: int = ATTN_BLOCK_M,
     block_n: int = ATTN_BLOCK_N,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """fp32 ``softmax(q k^T * scaling + mask) v``, ``[B, H, Tq, D]`` (no grad)."""
+    """fp32 ``softmax(q k^T * scaling + mask) v``, ``[B, H, Tq, D]`` (no grad). ``num_stages``
+    None: `attention_stages` (a tuning knob only, it changes no bit)."""
     _check(q, k, v)
     if not (q.dtype == k.dtype == v.dtype):  # widen all to fp32: exact
         q, k, v = q.float(), k.float(), v.float()
@@ -87,13 +126,14 @@ def attention(
     else:
         mask, sm = out, (0, 0, 0, 0)  # never read (HAS_MASK=False)
     grid = (-(-tq // block_m), bsz * heads)
+    stages = attention_stages(d, q.element_size()) if num_stages is None else num_stages
     _jit().attention_kernel[grid](
         q, k, v, mask, out, heads, tq, tk, d, float(scaling),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *sm, out.stride(0), out.stride(1), out.stride(2),
-        HAS_MASK=mask is not out, BM=block_m, BN=block_n, BD=max(16, 1 << (d - 1).bit_length()),
+        HAS_MASK=mask is not out, BM=block_m, BN=block_n, BD=_head_block(d),
         IEEE=q.dtype == torch.float32, ORDERED=interpreting(), num_warps=ATTN_WARPS,
-        num_stages=ATTN_STAGES, **NO_FTZ,
+        num_stages=stages, **NO_FTZ,
     )  # fmt: skip
     return out
 
