@@ -6,7 +6,9 @@ real model's layer kinds (grouped KV heads, q/k norms, biases, tied embeddings) 
 128-blocks (hidden: two heads of 128) and the layers to `LAYERS`, weights random from a seed.
 A mixture of experts (`MOE_FAMILIES`: Qwen3-MoE) keeps its router, its top-k renormalisation
 (``norm_topk_prob``) and which of the kept layers are MoE, with `EXPERTS` experts of one
-128-block (plus the real tail), `TOP_K` per token. The tokenizer is one token
+128-block (plus the real tail), `TOP_K` per token. MLA and hybrid-attention families have no
+stand-in: `families.family_refusal` (asked first by `jetrl rehearse`) says whether this env's
+vLLM CPU engine could serve them and what to do instead. The tokenizer is one token
 per printable ASCII character (NeMo-RL's prompts and answers are plain text) whose chat
 template joins the messages' contents. The prompts are small sums with
 their answers, in the jsonl NeMo-RL's ``ResponseDataset`` reads.
@@ -48,8 +50,9 @@ def tiny_config(arch: Any, vocab_size: int) -> Any:
         kind = "MLA" if arch.mla else "hybrid attention"
         raise UnsupportedFamily(
             f"{arch.name} ({arch.model_type}, {kind}): jetrl rehearse has no stand-in for "
-            f"{kind} yet (dense and {', '.join(MOE_FAMILIES)} models only); run `jetrl check` "
-            "on it and rehearse a config of the same recipe with a model of those families"
+            f"{kind} yet (dense and {', '.join(MOE_FAMILIES)} models only; `jetrl rehearse` "
+            "says whether this env's vLLM CPU engine could serve it); run `jetrl check` on it "
+            "and rehearse a config of the same recipe with a model of those families"
         )
     if arch.moe is not None and arch.model_type not in MOE_FAMILIES:
         raise UnsupportedFamily(

@@ -239,6 +239,13 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
             "cannot build a stand-in of its family: set jetrl.model_config=PATH to the model's "
             "HF config.json"
         )
+    from nemo_jetrl.backends.nemo_rl.rehearsal.families import family_refusal
+
+    generation = (plan.master_config.get("policy") or {}).get("generation") or {}
+    ignored = (generation.get("vllm_cfg") or {}).get("quantization_ignored_layer_kws") or ()
+    refusal = family_refusal(arch, config, ignored)  # MLA, hybrid: asked of this env's vLLM
+    if refusal:
+        raise _user_error(refusal)
     try:
         tiny.tiny_config(arch, tiny.BLOCK)  # its family has a stand-in (before any work)
     except tiny.UnsupportedFamily as exc:
