@@ -21,17 +21,32 @@ DECODER_LINEARS = {
 }
 
 
+# torch.compile off in an eager engine's processes: vLLM's CPU sampler compiles one function
+# (``compiled_random_sample``) at every engine's warm-up even with enforce_eager, and inductor's
+# ISA probe and codegen made that 8-17 s of each ~37 s engine start on the 2-core EPYC (LLM()
+# 36.9 s -> 20.1 s, vLLM 0.20; docs/ci_times.md). It only changes how that function draws its
+# random numbers (eager exponential_); no test compares randomly sampled tokens with fixed ones,
+# and a GPU serves with other sampler code. Engines built with enforce_eager=False pass compiled.
+NO_COMPILE = ("TORCH_COMPILE_DISABLE", "1")
+
+
 @contextmanager
-def vllm_cpu_env() -> Iterator[None]:
+def vllm_cpu_env(compiled: bool = False) -> Iterator[None]:
     """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning
-    (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind).
-    Variables the caller already set are kept; the rest are restored on exit."""
+    (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind); for an
+    eager engine (not ``compiled``) no torch.compile in its processes (`NO_COMPILE`). Variables
+    the caller already set are kept; the rest are restored on exit."""
+    import torch._dynamo  # noqa: F401  (reads TORCH_COMPILE_DISABLE now: this process keeps it)
+
     from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
 
     with pytest.MonkeyPatch.context() as mp:
+        if compiled:  # the engine's own torch.compile must run
+            mp.delenv(NO_COMPILE[0], raising=False)
         for key, value in (
             ("VLLM_CPU_KVCACHE_SPACE", "1"),
             ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
+            *(() if compiled else (NO_COMPILE,)),
         ):
             if key not in os.environ:
                 mp.setenv(key, value)

@@ -1,5 +1,7 @@
 """``jetrl rehearse`` of the jetrl_kv recipe (FP8 KV cache, trainer-calibrated q/k/v scales,
-on-policy KV in the trainer), in the NeMo-RL tier: where this Python's vLLM CPU build can run an
+on-policy KV in the trainer) on NeMo-RL's own FP8 KV cache config
+(``grpo-qwen3-8b-base-1n8g-fp8-kvcache-megatron.yaml``) after ``jetrl align --recipe jetrl_kv``, as
+its user does, in the NeMo-RL tier: where this Python's vLLM CPU build can run an
 FP8 KV cache (vLLM >= 0.25 on an x86 CPU with AVX-512 or AMX) the rehearsal runs NeMo-RL's
 ``grpo_train`` with our calibration and the scales in every refit; elsewhere (NeMo-RL v0.7.0's
 vLLM 0.20 always) it is refused before Ray, naming why, and on main the jetrl recipe is rehearsed
@@ -12,6 +14,7 @@ its calibration through NeMo-RL's ``BatchedDataDict``.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -21,16 +24,22 @@ from rehearsals import QWEN, TREE, assert_ready, rehearse
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
 
-JETRL_KV = QWEN / "jetrl_kv.yaml"
+SHIPPED_KV = "examples/configs/recipes/llm/grpo-qwen3-8b-base-1n8g-fp8-kvcache-megatron.yaml"
 
 
-def test_jetrl_kv_rehearses_where_vllms_cpu_build_runs_an_fp8_kv_cache_else_is_refused(tmp_path):
+def test_nemo_rls_fp8_kv_config_aligned_to_jetrl_kv_rehearses_where_vllm_runs_fp8_kv_else_refused(
+    tmp_path,
+):
     from nemo_jetrl.backends.nemo_rl.rehearsal import model as tiny
+    from nemo_jetrl.cli import main
     from nemo_jetrl.vllm_patch.compat import cpu_fp8_kv_cache
 
+    shipped = Path(os.environ["JETRL_NEMO_RL_TREE_DIR"]) / SHIPPED_KV  # in both trees
+    aligned = tmp_path / "qwen3_8b_fp8_kv_jetrl_kv.yaml"
+    assert main(["align", str(shipped), "--recipe", "jetrl_kv", "-o", str(aligned)]) == 0
     runs, why = cpu_fp8_kv_cache(head_size=tiny.BLOCK)  # the stand-in's head size
     work = tmp_path / "w"
-    proc = rehearse(JETRL_KV, workdir=work)
+    proc = rehearse(aligned, workdir=work)
     out, err = proc.stdout, proc.stderr
     if not runs:  # NeMo-RL v0.7.0 (vLLM 0.20), or a CPU without AVX-512/AMX on vLLM >= 0.25
         assert proc.returncode == 2, out[-3000:] + err[-3000:]
@@ -42,7 +51,9 @@ def test_jetrl_kv_rehearses_where_vllms_cpu_build_runs_an_fp8_kv_cache_else_is_r
             # (v0.7.0 rehearses NeMo-RL's shipped FP8 config as jetrl: test_nemo_rl_rehearse.py)
             assert_ready(rehearse(QWEN / "jetrl.yaml", workdir=tmp_path / "j"), tmp_path / "j")
         return
-    assert_ready(proc, work)  # every check of a jetrl rehearsal, the KV scales on top
+    # every check of a jetrl rehearsal, the KV scales on top (this config sets
+    # data.default.prompt_file: null: no prompt to resolve)
+    assert_ready(proc, work, prompt_file=False)
     for step in (1, 2):
         held = re.search(rf"step {step}: refit parity held, (\d+) tensors \((\d+) FP8\)", out)
         assert held, out[-5000:]

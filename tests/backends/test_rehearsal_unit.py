@@ -63,12 +63,19 @@ def test_tokenizer_prompts_and_keys(tmp_path):
     )
     keys = rehearsal_keys(tmp_path, tmp_path / "m", tmp_path / "p.jsonl")
     tree = {
-        "policy": {"tokenizer": {"name": "x", "chat_template": "default"}},
+        "policy": {
+            "tokenizer": {"name": "x", "chat_template": "default"},
+            "generation": {"vllm_cfg": {"env_vars": {"USER_VAR": "kept"}}},
+        },
         "data": {"train": 1},
     }
     for k, v in keys.items():
         _set(tree, k, v)
     assert "chat_template" not in tree["policy"]["tokenizer"]
+    # vLLM eager, its CPU sampler included; the config's own worker variables kept
+    vllm_cfg = tree["policy"]["generation"]["vllm_cfg"]
+    assert vllm_cfg["enforce_eager"] is True
+    assert vllm_cfg["env_vars"] == {"USER_VAR": "kept", "TORCH_COMPILE_DISABLE": "1"}
     assert tree["data"]["train"]["dataset_name"] == "ResponseDataset"
     assert keys["policy.tokenizer.chat_template"] is _REMOVE
     # enough rows for the checkpoint to fall on the last step (NeMo-RL: drop_last)

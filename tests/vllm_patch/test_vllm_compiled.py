@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_cpu_env():
-    with vllm_cpu_env():
+    with vllm_cpu_env(compiled=True):
         yield
 
 

@@ -64,6 +64,9 @@ def rehearsal_keys(work: Path, model: Path, prompts: Path) -> dict[str, Any]:
         "policy.generation.vllm_cfg.expert_parallel_size": 1,
         "policy.generation.vllm_cfg.max_model_len": 256,
         "policy.generation.vllm_cfg.enforce_eager": True,
+        # and vLLM's CPU sampler eager too (its one torch.compile left: 8-17 s of inductor ISA
+        # probes and codegen per engine on 2 cores; a GPU samples with other code)
+        "policy.generation.vllm_cfg.env_vars.TORCH_COMPILE_DISABLE": "1",
         "policy.generation.vllm_cfg.async_engine": False,
         "policy.generation.colocated.enabled": True,
         "grpo.num_prompts_per_step": PROMPTS_PER_STEP,
