@@ -71,6 +71,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # module that touches the dispatch; set it once for the session on CPU-only machines.
     if not _cuda():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # A vLLM tier (vLLM installed, CPU): its engines start without torch.compile's warm-up
+    # (tests/vllm_fixtures.engines_without_compile says why; a compiled engine turns it back on)
+    if installed_vllm_line() is not None and not _cuda():
+        from vllm_fixtures import engines_without_compile
+
+        engines_without_compile()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -21,7 +21,7 @@ DECODER_LINEARS = {
 }
 
 
-# torch.compile off in an eager engine's processes: vLLM's CPU sampler compiles one function
+# torch.compile off in the vLLM engines' processes: vLLM's CPU sampler compiles one function
 # (``compiled_random_sample``) at every engine's warm-up even with enforce_eager, and inductor's
 # ISA probe and codegen made that 8-17 s of each ~37 s engine start on the 2-core EPYC (LLM()
 # 36.9 s -> 20.1 s, vLLM 0.20; docs/ci_times.md). It only changes how that function draws its
@@ -30,14 +30,22 @@ DECODER_LINEARS = {
 NO_COMPILE = ("TORCH_COMPILE_DISABLE", "1")
 
 
+def engines_without_compile() -> None:
+    """For the session of a vLLM tier (tests/conftest.py): the engines' processes, spawned later,
+    inherit `NO_COMPILE`; this process read torch's setting first and keeps torch.compile (tests
+    that compile in-process, e.g. test_serving_bits.py, still do)."""
+    import torch._dynamo  # noqa: F401  (reads TORCH_COMPILE_DISABLE now)
+
+    os.environ.setdefault(*NO_COMPILE)
+
+
 @contextmanager
 def vllm_cpu_env(compiled: bool = False) -> Iterator[None]:
     """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning
-    (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind); for an
-    eager engine (not ``compiled``) no torch.compile in its processes (`NO_COMPILE`). Variables
-    the caller already set are kept; the rest are restored on exit."""
-    import torch._dynamo  # noqa: F401  (reads TORCH_COMPILE_DISABLE now: this process keeps it)
-
+    (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind); for a
+    ``compiled`` engine (enforce_eager=False) torch.compile back on in its processes (the
+    session turned it off: `engines_without_compile`). Variables the caller already set are
+    kept; the rest are restored on exit."""
     from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
 
     with pytest.MonkeyPatch.context() as mp:
@@ -46,7 +54,6 @@ def vllm_cpu_env(compiled: bool = False) -> Iterator[None]:
         for key, value in (
             ("VLLM_CPU_KVCACHE_SPACE", "1"),
             ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
-            *(() if compiled else (NO_COMPILE,)),
         ):
             if key not in os.environ:
                 mp.setenv(key, value)

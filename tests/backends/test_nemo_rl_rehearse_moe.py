@@ -1,9 +1,11 @@
 """``jetrl rehearse`` of a mixture-of-experts config, as a user gets there (the console script, in
 subprocesses, in the NeMo-RL tier's environment): NeMo-RL's own Qwen3-30B-A3B GRPO config
-(bf16 as shipped) aligned to the jetrl recipe with ``jetrl align``, then rehearsed for two GRPO
-steps of NeMo-RL's own ``grpo_train`` on CPU with a tiny Qwen3-MoE stand-in (``rehearsal/model.py``).
+(bf16 as shipped) aligned with ``jetrl align``, then rehearsed for two GRPO steps of NeMo-RL's own
+``grpo_train`` on CPU with a tiny Qwen3-MoE stand-in (``rehearsal/model.py``). On each tree: jetrl
+on v0.7.0 (vLLM 0.20 has no CPU FP8 KV cache), jetrl_kv on main where its vLLM CPU build runs an
+FP8 KV cache (``compat.cpu_fp8_kv_cache``; else jetrl), so the MoE refit carries the KV scales too.
 
-One rehearsal (~4 min on the 2-core machine), on one tree; the stand-in's rules and the refit's
+One rehearsal per tree (~1-4 min on the 2-core machine); the stand-in's rules and the refit's
 expert names are unit-tested in the default suite (test_rehearsal_moe_unit.py).
 """
 
@@ -31,17 +33,25 @@ def _jetrl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.skipif(
-    os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0") != "v0.7.0", reason="once, on v0.7.0"
-)
+def _recipe() -> str:
+    """jetrl_kv where this tree's vLLM CPU build runs an FP8 KV cache (main's 0.25.1 with
+    AVX-512/AMX), else jetrl (v0.7.0's 0.20: never)."""
+    from nemo_jetrl.backends.nemo_rl.rehearsal import model as tiny
+    from nemo_jetrl.vllm_patch.compat import cpu_fp8_kv_cache
+
+    kv = os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0") != "v0.7.0"
+    return "jetrl_kv" if kv and cpu_fp8_kv_cache(head_size=tiny.BLOCK)[0] else "jetrl"
+
+
 def test_nemo_rls_qwen3_30b_a3b_config_aligned_to_jetrl_rehearses_ready(tmp_path):
     from nemo_jetrl.backends.nemo_rl.rehearsal import model as tiny
 
     tree = Path(os.environ.get("JETRL_NEMO_RL_TREE_DIR") or "")
     if not (tree / CONFIG).is_file():
         pytest.skip(f"no NeMo-RL tree with {CONFIG} (JETRL_NEMO_RL_TREE_DIR={str(tree)!r})")
-    aligned = tmp_path / "qwen3_30ba3b_jetrl.yaml"
-    proc = _jetrl("align", str(tree / CONFIG), EP, "--recipe", "jetrl", "-o", str(aligned),
+    recipe = _recipe()
+    aligned = tmp_path / f"qwen3_30ba3b_{recipe}.yaml"
+    proc = _jetrl("align", str(tree / CONFIG), EP, "--recipe", recipe, "-o", str(aligned),
                   cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verdict: ON-POLICY" in proc.stdout
@@ -61,7 +71,11 @@ def test_nemo_rls_qwen3_30b_a3b_config_aligned_to_jetrl_rehearses_ready(tmp_path
     # per layer, weights and scales of q, k, v, o and of each expert's gate, up and down
     fp8 = layers * (4 + 3 * experts) * 2
     for step in (1, 2):
-        assert re.search(rf"step {step}: refit parity held, \d+ tensors \({fp8} FP8\) ident", out)
+        held = re.search(rf"step {step}: refit parity held, (\d+) tensors \({fp8} FP8\) ident", out)
+        assert held, out[-5000:]
+        if recipe == "jetrl_kv":  # the 3 KV scales of each layer ride the same refit
+            assert int(held[1]) - fp8 >= 3 * layers
+            assert f"step {step}: KV scales: {layers} layers calibrated (q,k,v), identical" in out
     tmpe = re.search(r"train/token_mult_prob_error: step 1: ([\d.]+), step 2: ([\d.]+)", out)
     assert tmpe, out
     # the CPU policy is float32, vLLM's engine block-FP8 experts: close, not bitwise
