@@ -86,7 +86,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # One home per fact (issue 40): a `vllm` test whose code path is the same on every vLLM release
 # line runs on the line named in its `vllm_versions` marker (the 0.32 tier) and is deselected on
 # the others, with a count in the summary; a test that exercises a version-gated branch of the
-# patch (vllm_patch/compat.py, moe_versions.py, the README's CPU table) stays unmarked.
+# patch (vllm_patch/compat.py, moe_versions.py, docs/testing.md's CPU table) stays unmarked.
 VLLM_ALL_VERSIONS_VAR = "JETRL_VLLM_ALL_VERSIONS"
 _VLLM_DESELECTED: dict[str, object] = {}
 

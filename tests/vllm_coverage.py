@@ -8,7 +8,7 @@ scale copies and 0.20's ``calculate_kv_scales``, the KV cache attribute, FP8 KV 
 routing below 0.32, the router capture), ``expert_shards`` / ``moe_names`` (``routed_experts``),
 ``shared_experts`` (who runs the shared expert), ``cpu_moe_repack`` (0.20 packs BF16 experts on
 reload), ``engine.py`` / ``vllm_rollout.py`` (0.20 falls back from an FP8 KV cache), and vLLM's
-own CPU dispatch differs by version (README, "What depends on the CPU"). A test that reaches one
+own CPU dispatch differs by version (docs/testing.md, "What depends on the CPU"). A test that reaches one
 of those runs on every line. A test whose path is the same on every line, and whose vLLM contact
 point another test reaches on 0.20, runs on 0.32 only: each entry below names that other test.
 
