@@ -148,7 +148,8 @@ if [ "$lanes" = 2 ] && [ "${#jobs[@]}" -gt 1 ]; then
   lane_start "${second[@]}"
 fi
 echo "== default suite (.venv) =="
-tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow
+# --durations: each tier's slowest tests in the log, what CI time is cut from (docs/ci_times.md)
+tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20
 for i in "${!jobs[@]}"; do
   if [ "$lanes" = 2 ] && [ $((i % 2)) -eq 1 ] && [ "${#jobs[@]}" -gt 1 ]; then
     continue  # the second lane's

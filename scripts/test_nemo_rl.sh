@@ -30,6 +30,6 @@ esac
 cd "$REPO"
 start=$(date +%s)
 rc=0
-"$NEMO_RL_VENV/bin/python" -m pytest -q -p no:cacheprovider -m "$marks" tests "$@" || rc=$?
+"$NEMO_RL_VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=20 -m "$marks" tests "$@" || rc=$?
 echo "[test_nemo_rl] $tree finished in $(( $(date +%s) - start )) s"
 exit $rc

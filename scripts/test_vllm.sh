@@ -21,7 +21,7 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 cd "$REPO"
 start=$(date +%s)
 rc=0
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=20 \
     tests/vllm_patch tests/backends/test_local_vllm.py tests/backends/test_local_vllm_moe.py "$@" || rc=$?
 echo "[test_vllm] finished in $(( $(date +%s) - start )) s"
 exit $rc
