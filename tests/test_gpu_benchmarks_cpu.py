@@ -280,14 +280,16 @@ def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
     text = capsys.readouterr().out
     rows = {r["recipe"]: r for r in json.loads(out.read_text())["rows"]}
     assert sorted(rows) == sorted(module.RECIPES)
-    for r in ("jetrl", "jetrl_kv"):
+    for r in ("jetrl", "jetrl@fp32", "jetrl_kv"):  # jetrl in both scale modes
         assert rows[r]["exactly_on_policy"] == "MET" and rows[r]["tmpe_max"] == 1.0
         assert rows[r]["gen_kl_max"] == 0.0
     assert rows["fp8_rollout"]["mismatch"] > 0 and rows["fp8_rollout"]["exactly_on_policy"] == "-"
     for row in rows.values():
         assert row["step_s"] > 0 and row["tokens_per_s"] > 0
         assert 0 < row["invariant_ops_share"] < 1  # every recipe runs the invariant ops
-    assert text.count("exactly on-policy: MET") == 2
+    assert text.count("exactly on-policy: MET") == 3
+    with pytest.raises(ValueError, match="the only scale suffix is @fp32"):
+        module.run_recipe("jetrl@e8m0", None, module.build_parser().parse_args([]), tmp_path)
 
 
 def test_local_grpo_reports_a_failed_or_off_policy_run_and_runs_the_rest(

@@ -38,8 +38,14 @@ from pathlib import Path
 
 import torch
 
-RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
+# "RECIPE@fp32": the preset with TE's exact FP32 block scales on both sides instead of pow2 (the
+# keys `jetrl check` reads as "FP8 e4m3 fp32 (te)" / "(jetrl)": on-policy in both scale modes)
+RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl@fp32", "jetrl_kv")
 EXACT = ("jetrl", "jetrl_kv")
+FP32_SCALE_KEYS = (
+    "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
+    "policy.generation.vllm_cfg.pow2_weight_scaling_factors=false",
+)
 # Qwen3-0.6B's sizes (hidden 1024, 28 layers, 16 q / 8 kv heads of 128, MLP 3072, vocab 151936,
 # tied embeddings, rope theta 1e6): ~0.6B parameters.
 QWEN3_SHAPED = dict(
@@ -139,8 +145,13 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     ]  # fmt: skip
     if model is not None:
         keys.append(f"jetrl.local.model_config={model}")
-    run_dir = work / "runs" / f"{Path(model or 'demo').stem}-{recipe}"
-    cfg = recipe_config(recipe, work, [f"logger.log_dir={run_dir}", *keys])
+    preset, _, scales = recipe.partition("@")
+    if scales not in ("", "fp32"):
+        raise ValueError(f"--recipes: {recipe!r}: the only scale suffix is @fp32")
+    if scales:
+        keys.extend(FP32_SCALE_KEYS)
+    run_dir = work / "runs" / f"{Path(model or 'demo').stem}-{preset}-{scales or 'preset'}"
+    cfg = recipe_config(preset, work, [f"logger.log_dir={run_dir}", *keys])
     timer = OpsTimer(device)
     profiled = n  # the last step is the instrumented one; timed: the steps between
     timed_steps = list(range(2, n)) if n >= 3 else [n]
@@ -177,7 +188,7 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
 
 
 def _verdict(row: dict) -> str:
-    if row["recipe"] not in EXACT:
+    if row["recipe"].partition("@")[0] not in EXACT:
         return "-"
     return "MET" if row["exact_every_step"] else "NOT MET"
 
