@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from nemo_jetrl.commands._demo_plot import exact_notes, summary_page
+from nemo_jetrl.commands._demo_plot import exact_notes, same_seeds, summary_page
 from nemo_jetrl.commands._demo_report import (
     ACC,
     GEN_KL,
@@ -187,3 +187,19 @@ def test_curve_lines_give_the_mean_at_every_evaluated_step():
         "bf16 (2 seeds), mean validation accuracy at step 0: 0.200, 4: 0.300, 8: 0.600",
         "jetrl (2 seeds), mean validation accuracy at step 0: 0.200, 4: 0.300, 8: 0.600",
     ]
+
+
+def test_the_accuracy_panel_compares_recipes_over_the_same_seeds():
+    """The demo runs fp8_rollout on its first 2 seeds, bf16 and jetrl on 8: the accuracy panel's
+    means are over the 2 seeds all three ran (a 2-seed curve above an 8-seed mean read as "the
+    off-policy recipe learns best")."""
+    rs = [
+        *_seeds("bf16", [0.1] * 8),
+        *_seeds("fp8_rollout", [0.5, 0.5]),
+        *_seeds("jetrl", [0.1] * 8),
+    ]
+    kept = same_seeds(rs)
+    assert {(r.recipe, r.seed) for r in kept} == {
+        (name, seed) for name in ("bf16", "fp8_rollout", "jetrl") for seed in (0, 1)
+    }
+    assert same_seeds(_seeds("jetrl", [0.3, 0.5])) == _seeds("jetrl", [0.3, 0.5])
