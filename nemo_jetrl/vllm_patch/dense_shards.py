@@ -34,7 +34,9 @@ SCALE = "weight_scale_inv"
 def _layer(model: Any, hf_name: str) -> tuple[Any, str, str, list[str]] | None:
     """(vLLM layer, HF projection, leaf, the fused layer's HF shards or []) holding HF tensor
     ``hf_name``; None if no such module."""
-    module_path, _, leaf = hf_name.rpartition(".")
+    from nemo_jetrl.vllm_patch.engine_names import engine_path
+
+    module_path, _, leaf = engine_path(model, hf_name).rpartition(".")
     parent, _, proj = module_path.rpartition(".")
     for fused, shards in (getattr(model, "packed_modules_mapping", {}) or {}).items():
         if proj in shards:

@@ -137,8 +137,10 @@ def split_expert_name(hf_name: str) -> tuple[str, int, str, str] | None:
 
 def experts_layer(model: Any, path: str) -> Any | None:
     """The module holding ``w13_weight`` for HF prefix ``path`` (``...mlp.experts``)."""
+    from nemo_jetrl.vllm_patch.engine_names import engine_path
+
     try:
-        layer = model.get_submodule(path)
+        layer = model.get_submodule(engine_path(model, path))
     except AttributeError:
         return None
     inner = getattr(layer, "routed_experts", None)  # 0.32: the runner holds RoutedExperts

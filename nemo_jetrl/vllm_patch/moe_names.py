@@ -33,7 +33,10 @@ def resolve_expert_tensor(model: Any, hf_name: str) -> tuple[str, torch.Tensor, 
     parts = split_expert_name(hf_name)
     if parts is None:
         return None
+    from nemo_jetrl.vllm_patch.engine_names import engine_path
+
     path, expert, proj, leaf = parts
+    path = engine_path(model, path)  # the engine's module path (Qwen3.5: language_model.model.)
     layer = experts_layer(model, path)
     prefix, shard = EXPERT_SHARDS[proj]
     if layer is None or leaf not in ("weight", "weight_scale_inv"):

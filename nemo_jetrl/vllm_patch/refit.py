@@ -61,6 +61,7 @@ from nemo_jetrl.vllm_patch.refit_kv import (
 from nemo_jetrl.vllm_patch.rollback import engine_rollback
 from nemo_jetrl.vllm_patch.settings import (
     ATTN_PROJS,
+    GDN_PROJS,
     MLA_PROJS,
     MLP_PROJS,
     WEIGHT_BLOCK,
@@ -89,7 +90,7 @@ __all__ = [
     "unpack",
 ]
 
-FP8_PROJS = ATTN_PROJS + MLA_PROJS + MLP_PROJS
+FP8_PROJS = ATTN_PROJS + MLA_PROJS + MLP_PROJS + GDN_PROJS
 SCALE_SUFFIX = "weight_scale_inv"
 # How a refusal before the engine was touched starts.
 REFUSED = "refit refused, nothing was loaded"

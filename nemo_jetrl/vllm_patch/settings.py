@@ -34,6 +34,10 @@ MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
 # The latent-attention (MLA: DeepSeek-V2/V3, Moonlight) projections besides o_proj (arch/mla.py);
 # vLLM fuses q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj when q_lora_rank is set.
 MLA_PROJS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+# The gated DeltaNet's linears (Qwen3.5's checkpoint names; vLLM fuses in_proj_qkv + in_proj_z
+# into in_proj_qkvz and in_proj_b + in_proj_a into in_proj_ba); the recipe's BF16 keywords keep
+# some BF16 (NeMo-RL's Qwen3.5 configs: in_proj_a, in_proj_b, conv1d).
+GDN_PROJS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @dataclass(frozen=True)

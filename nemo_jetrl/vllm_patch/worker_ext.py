@@ -42,6 +42,7 @@ import torch
 from nemo_jetrl.vllm_patch import compat, parity_views, rollback
 from nemo_jetrl.vllm_patch.cpu_moe_repack import plain_rows, repack_reloaded_experts
 from nemo_jetrl.vllm_patch.dense_shards import engine_rows
+from nemo_jetrl.vllm_patch.engine_names import engine_path, stacked_outputs
 from nemo_jetrl.vllm_patch.moe_names import resolve_expert_tensor
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK
 
@@ -84,6 +85,7 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
     checkpoint row range; ``checkpoint_shape`` gives its full shape."""
     if (expert := resolve_expert_tensor(model, hf_name)) is not None:  # routed experts
         return plain_rows(model, hf_name, expert)  # CPU BF16 experts: the rows before packing
+    hf_name = engine_path(model, hf_name)
     module_path, _, leaf = hf_name.rpartition(".")
     parent, _, proj = module_path.rpartition(".")
     packed = getattr(model, "packed_modules_mapping", {}) or {}
@@ -98,7 +100,8 @@ def resolve_hf_name(model: torch.nn.Module, hf_name: str) -> tuple[str, torch.Te
             # FP8 layers record logical_widths; unquantized (BF16) ones only their partition sizes
             widths = list(getattr(layer, "logical_widths", None) or layer.output_partition_sizes)
             i = shards.index(proj)
-            start, rows = sum(widths[:i]), widths[i]
+            outs = stacked_outputs(model, proj, fused, i, len(widths))
+            start, rows = sum(widths[: outs[0]]), sum(widths[o] for o in outs)
             if leaf == "weight_scale_inv":
                 if start % WEIGHT_BLOCK[0]:  # a partial block before it: scales shared
                     raise ValueError(
@@ -208,7 +211,9 @@ def read_back(
         if not (leaf == "weight" and compat.weight_was_repacked(layer)):  # else: kernel view only
             t = p.data if p.dim() == 0 else p.data[start : start + rows]
             yield name, t.detach().to("cpu")
-        if through_kernel and leaf == "weight" and _is_unquantized_linear(layer):
+        # a 2-D weight only: Qwen3.5's conv1d is a ColumnParallelLinear holding a 3-D conv
+        # weight that its layer never multiplies as a GEMM (the read-back above checks it)
+        if through_kernel and leaf == "weight" and _is_unquantized_linear(layer) and p.dim() == 2:
             dtype = p.dtype if p.numel() else worker.vllm_config.model_config.dtype
             yield f"{name}|kernel", weight_through_kernel(layer, start, rows, dtype)
         if leaf == "weight" and id(layer) in mla:

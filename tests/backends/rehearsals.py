@@ -26,7 +26,9 @@ def rehearse(config: Path, *overrides: str, workdir: Path, env: dict | None = No
     return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
 
 
-def assert_ready(proc, work: Path, *, fp8: int = 28, prompt_file: bool = True) -> str:
+def assert_ready(
+    proc, work: Path, *, fp8: int = 28, prompt_file: bool = True, kernel: str = "8/8 FP8 linears"
+) -> str:
     """A rehearsal of one of our recipes (our kernel and refit hook in the engine) that is ready
     for the cluster: exit 0, NeMo-RL's prompt resolved in its own tree (where the config keeps
     grpo_math's ``prompt_file``), the engine check line, the substitutes read back from the vLLM
@@ -37,7 +39,7 @@ def assert_ready(proc, work: Path, *, fp8: int = 28, prompt_file: bool = True) -
     if prompt_file:
         assert re.search(r"path data\.default\.prompt_file: examples/prompts/cot\.txt -> \S+"
                          r"/nemo-rl/[^/]+/examples/prompts/cot\.txt", out), out  # fmt: skip
-    assert "kernel serves 8/8 FP8 linears, refit hook installed" in out
+    assert f"kernel serves {kernel}, refit hook installed" in out
     # fp8_patches: NeMo-RL's init_fp8 again where vLLM spawned its worker (0.20, not 0.25)
     assert re.search(r"vLLM worker 0: CPU substitutes in effect: sleep_mode, device, bind_numa, "
                      r"report_device_id, ipc_buffer, bf16_weights(, fp8_patches)?\n", out), out  # fmt: skip

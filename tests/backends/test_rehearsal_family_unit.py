@@ -177,7 +177,128 @@ def test_without_a_vllm_to_ask_the_refusal_says_so(monkeypatch):
     assert "jetrl rehearse has no MLA stand-in" in msg
 
 
+QWEN3_NEXT = {  # Qwen3-Next: hybrid, no stand-in (its fused in_proj_qkvz checkpoint)
+    "model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120,
+    "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "full_attention_interval": 4, "vocab_size": 1000,
+}  # fmt: skip
+
+
 def test_the_stand_in_builder_still_refuses_these_families_by_name():
-    for name, kind in ((MOONLIGHT, "MLA"), ("Qwen/Qwen3.5-9B-Base", "hybrid attention")):
+    from nemo_jetrl.arch.model import ModelArch
+
+    for arch, kind in (
+        (resolve_arch(MOONLIGHT), "MLA"),
+        (ModelArch.from_hf_config(QWEN3_NEXT), "hybrid attention"),
+    ):
         with pytest.raises(tiny.UnsupportedFamily, match=f"no stand-in for {kind}"):
-            tiny.tiny_config(resolve_arch(name), 128)
+            tiny.tiny_config(arch, 128)
+
+
+def test_qwen35_is_rehearsed_where_vllm_serves_it_and_refused_where_not():
+    for name in ("Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-35B-A3B-Base"):
+        arch = resolve_arch(name)
+        assert fam.family_refusal(arch, "q.yaml", serving=fam.Serving(True, "ok")) is None
+        no = fam.family_refusal(arch, "q.yaml", serving=fam.Serving(False, "no CPU forward"))
+        assert "cannot serve hybrid attention: no CPU forward" in no
+    # Qwen3-Next: vLLM may serve it, the rehearsal has no stand-in: still refused, saying so
+    nxt = _arch_from(QWEN3_NEXT)
+    msg = fam.family_refusal(nxt, "n.yaml", serving=fam.Serving(True, "ok"), version="0.25.1")
+    assert "can serve hybrid attention here (ok), but jetrl rehearse has no" in msg
+
+
+def _arch_from(raw: dict):
+    from nemo_jetrl.arch.model import ModelArch
+
+    return ModelArch.from_hf_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "moe"),
+    [
+        ("Qwen/Qwen3.5-9B-Base", "Qwen3_5ForConditionalGeneration", False),
+        ("Qwen/Qwen3.5-35B-A3B-Base", "Qwen3_5MoeForConditionalGeneration", True),
+    ],
+)
+def test_the_qwen35_stand_in_is_the_multimodal_class_vllm_serves(name, cls, moe):
+    from nemo_jetrl.backends.nemo_rl.rehearsal import hybrid
+
+    arch = resolve_arch(name)
+    cfg = tiny.tiny_config(arch, 128)
+    assert cfg.architectures == [cls]  # vLLM refuses the text class (Qwen3_5TextConfig)
+    text = cfg.text_config
+    # the real kinds, shrunk: a gated-DeltaNet layer, then the full-attention layer
+    assert text.layer_types == ["linear_attention", "full_attention"]
+    assert text.head_dim == 256 and text.num_attention_heads == 2 and text.num_key_value_heads == 1
+    h = arch.hybrid  # value heads per key head kept (32/16), every in_proj part whole blocks
+    assert (
+        text.linear_num_value_heads // text.linear_num_key_heads == h.num_v_heads // h.num_k_heads
+    )
+    assert text.linear_key_head_dim == text.linear_value_head_dim == 128
+    assert cfg.vision_config.depth == 1 and cfg.vision_config.out_hidden_size == text.hidden_size
+    if moe:
+        assert (text.num_experts, text.num_experts_per_tok) == (tiny.EXPERTS, tiny.TOP_K)
+        assert text.moe_intermediate_size == text.shared_expert_intermediate_size == 128
+    assert hybrid.text_config(cfg) is text and hybrid.text_config(text) is text
+    keys = hybrid.vllm_keys()
+    assert keys["policy.generation.vllm_kwargs.mamba_ssm_cache_dtype"] == "float32"
+    assert keys["policy.generation.vllm_kwargs.limit_mm_per_prompt"] == {"image": 0, "video": 0}
+
+
+def test_the_cpu_policy_runs_qwen35_moe_with_fp8_linears_and_sends_main_s_names(tmp_path):
+    """The 35B-A3B stand-in in `CpuPolicy`: experts and shared expert FP8 (Qwen3.5's block:
+    routed + sigmoid-gated shared expert), the aligned recipe's BF16 in_proj/conv1d/vision kept,
+    the forward equal to HF's own block before training, and the refit sending the checkpoint's
+    names (model.language_model.*, grouped expert slabs, as main's Megatron worker) and values."""
+    import torch
+    from safetensors import safe_open
+
+    from nemo_jetrl.backends.local.vllm_moe import engine_weights
+    from nemo_jetrl.backends.nemo_rl.rehearsal.policy import _CpuPolicyBody
+    from nemo_jetrl.fp8 import Fp8BlockLinear
+    from nemo_jetrl.recipe import Recipe
+
+    model_dir = tiny.write_model(resolve_arch("Qwen/Qwen3.5-35B-A3B-Base"), tmp_path / "m")
+    gen = {"vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "auto"}, "temperature": 1.0}
+    # what `jetrl align` makes of NeMo-RL's config: the whole GDN in_proj BF16 (one Megatron GEMM)
+    recipe = Recipe.preset("jetrl").with_bf16_layer_kws(
+        ("linear_attn.conv1d", "linear_attn.in_proj", "visual")
+    )
+    policy = _CpuPolicyBody(
+        None, {"model_name": str(model_dir), "generation": gen}, None,
+        init_optimizer=False, init_reference_model=True, recipe=recipe,
+    )  # fmt: skip
+    mods = dict(policy.model.named_modules())
+    lm = "model.language_model.layers"
+    fp8 = {n for n, m in mods.items() if isinstance(m, Fp8BlockLinear)}
+    assert f"{lm}.0.linear_attn.out_proj" in fp8 and f"{lm}.1.self_attn.q_proj" in fp8
+    assert {
+        f"{lm}.{i}.mlp.shared_expert.{p}" for i in (0, 1) for p in ("gate_proj", "down_proj")
+    } <= fp8
+    assert not any("in_proj" in n or "visual" in n or n.endswith("gate") for n in fp8)
+    experts = mods[f"{lm}.0.mlp.experts"]
+    assert set(experts.fp8) == {"gate_up_proj", "down_proj"}  # the routed experts FP8 too
+    ids = torch.randint(3, 98, (2, 9))
+    with torch.no_grad():
+        ours, ref = policy.model(input_ids=ids).logits, policy.reference(input_ids=ids).logits
+    assert 0 < (ours - ref).abs().mean() < 0.1 * ref.abs().mean()  # FP8 vs HF's float32
+    # without FP8 the swapped block is HF's own Qwen3.5-MoE block (routing, renormalised top-k,
+    # the sigmoid-gated shared expert), so the logits agree to float32 rounding
+    plain = _CpuPolicyBody(
+        None, {"model_name": str(model_dir), "generation": gen}, None,
+        init_optimizer=False, init_reference_model=True, recipe=Recipe.preset("bf16"),
+    )  # fmt: skip
+    assert type(dict(plain.model.named_modules())[f"{lm}.1.mlp"]).__name__ == "_SharedExpertMoe"
+    with torch.no_grad():
+        got, want = plain.model(input_ids=ids).logits, plain.reference(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    sent = policy._weights()
+    # grouped slabs (main's Megatron worker for Qwen3.5-MoE; our hook expands them per expert)
+    assert sent[f"{lm}.0.mlp.experts.gate_up_proj"].shape == (tiny.EXPERTS, 256, 256)
+    per_expert = engine_weights(sent)  # the checkpoint's per-expert names (transformers saves)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as ckpt:
+        assert set(per_expert) == set(ckpt.keys())
+        for name in sorted(per_expert):
+            assert torch.equal(per_expert[name], ckpt.get_tensor(name)), name
+    assert policy.kv_names == [] and set(policy.prepare_refit_info()) == set(sent)

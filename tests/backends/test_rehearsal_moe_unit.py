@@ -60,7 +60,6 @@ def test_the_stand_in_keeps_a_tail_block_dense_layers_and_the_router_rule():
     [
         ("MiniMaxAI/MiniMax-M2", r"minimax_m2, mixture of experts\): .* for qwen3_moe only"),
         ("moonshotai/Moonlight-16B-A3B", r"deepseek_v3, MLA\): .*no stand-in for MLA"),
-        ("Qwen/Qwen3.5-35B-A3B", r"hybrid attention\): .*no stand-in for hybrid attention"),
     ],
 )
 def test_families_without_a_stand_in_are_refused_by_name(name, said):

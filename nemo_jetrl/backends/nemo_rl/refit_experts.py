@@ -41,8 +41,10 @@ GROUPED = re.compile(r"^(?P<base>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$
 
 def experts_module(model: torch.nn.Module, base: str) -> torch.nn.Module | None:
     """The module holding ``w13_weight`` / ``w2_weight`` for HF prefix ``base`` (None if none)."""
+    from nemo_jetrl.vllm_patch.engine_names import engine_path
+
     try:
-        m = model.get_submodule(base)
+        m = model.get_submodule(engine_path(model, base))
     except AttributeError:
         return None
     m = getattr(m, "routed_experts", m)  # vLLM >= 0.25: MoERunner -> RoutedExperts

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_jetrl.backends.nemo_rl.rehearsal.hybrid import multimodal_type
+
 MLA, HYBRID = "MLA", "hybrid attention"
 # vLLM's model module (vllm/model_executor/models/<module>.py) for each hybrid family; the
 # "_text" decoder configs of Qwen3.5 are served by the multimodal checkpoint's module
@@ -231,7 +233,8 @@ def family_refusal(
     version: str | None = None,
 ) -> str | None:
     """Why ``jetrl rehearse CONFIG`` cannot run ``arch``'s family here and what to do instead;
-    None for a family with a stand-in. ``serving``/``version``: this env's vLLM's (None: ask)."""
+    None for a family with a stand-in (Qwen3.5 where this vLLM's CPU engine serves it).
+    ``serving``/``version``: this env's vLLM's (None: ask)."""
     kind = family_kind(arch)
     if kind is None:
         return None
@@ -240,6 +243,8 @@ def family_refusal(
             serving = cpu_serving(arch)
         except (ImportError, TypeError, AttributeError, OSError, SyntaxError) as exc:
             serving = Serving(False, f"{type(exc).__name__}: {exc}", asked=False)
+    if serving.can and kind == HYBRID and multimodal_type(arch.model_type) is not None:
+        return None  # Qwen3.5: vLLM's CPU engine serves it and `hybrid.py` has its stand-in
     version = version or vllm_version()
     moe = arch.moe is not None
     family = f"{arch.model_type} ({kind}{', mixture of experts' if moe else ''})"

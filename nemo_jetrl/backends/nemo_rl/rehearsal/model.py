@@ -6,9 +6,10 @@ real model's layer kinds (grouped KV heads, q/k norms, biases, tied embeddings) 
 128-blocks (hidden: two heads of 128) and the layers to `LAYERS`, weights random from a seed.
 A mixture of experts (`MOE_FAMILIES`: Qwen3-MoE) keeps its router, its top-k renormalisation
 (``norm_topk_prob``) and which of the kept layers are MoE, with `EXPERTS` experts of one
-128-block (plus the real tail), `TOP_K` per token. MLA and hybrid-attention families have no
-stand-in: `families.family_refusal` (asked first by `jetrl rehearse`) says whether this env's
-vLLM CPU engine could serve them and what to do instead. The tokenizer is one token
+128-block (plus the real tail), `TOP_K` per token. Qwen3.5 (hybrid attention, dense or MoE
+with its shared expert) is built as vLLM serves it, the multimodal class (`hybrid.py`). MLA and
+Qwen3-Next have no stand-in: `families.family_refusal` (asked first by `jetrl rehearse`) says
+whether this env's vLLM CPU engine could serve them and what to do instead. The tokenizer is one token
 per printable ASCII character (NeMo-RL's prompts and answers are plain text) whose chat
 template joins the messages' contents. The prompts are small sums with
 their answers, in the jsonl NeMo-RL's ``ResponseDataset`` reads.
@@ -31,6 +32,7 @@ EXPERTS, TOP_K = 4, 2  # a few experts, more than one routed per token (as every
 # not say (Qwen3-30B-A3B's and -235B-A22B's config.json: norm_topk_prob true; transformers'
 # Qwen3MoeConfig default is false, so the stand-in must not take the default)
 MOE_FAMILIES = {"qwen3_moe": True}
+# (Qwen3.5-MoE, with its shared expert, has its own stand-in: `hybrid.py`)
 
 
 class UnsupportedFamily(ValueError):
@@ -46,7 +48,10 @@ def tiny_config(arch: Any, vocab_size: int) -> Any:
     """The HF config of the tiny model of ``arch``'s family (a `ModelArch`)."""
     from transformers import AutoConfig
 
-    if arch.mla is not None or arch.hybrid is not None:
+    from nemo_jetrl.backends.nemo_rl.rehearsal import hybrid
+
+    qwen35 = arch.hybrid is not None and hybrid.multimodal_type(arch.model_type) is not None
+    if arch.mla is not None or (arch.hybrid is not None and not qwen35):
         kind = "MLA" if arch.mla else "hybrid attention"
         raise UnsupportedFamily(
             f"{arch.name} ({arch.model_type}, {kind}): jetrl rehearse has no stand-in for "
@@ -54,7 +59,7 @@ def tiny_config(arch: Any, vocab_size: int) -> Any:
             "says whether this env's vLLM CPU engine could serve it); run `jetrl check` on it "
             "and rehearse a config of the same recipe with a model of those families"
         )
-    if arch.moe is not None and arch.model_type not in MOE_FAMILIES:
+    if arch.moe is not None and not qwen35 and arch.model_type not in MOE_FAMILIES:
         raise UnsupportedFamily(
             f"{arch.name} ({arch.model_type}, mixture of experts): jetrl rehearse has a "
             f"mixture-of-experts stand-in for {', '.join(MOE_FAMILIES)} only; run `jetrl check` "
@@ -81,6 +86,8 @@ def tiny_config(arch: Any, vocab_size: int) -> Any:
     )
     if arch.model_type in ("llama", "qwen3", "mistral", "qwen3_moe"):
         keys["attention_bias"] = bool(arch.qkv_bias)
+    if qwen35:
+        return hybrid.tiny_hybrid_config(arch, keys, _moe_keys(arch) if arch.moe else None)
     if arch.moe is not None:
         keys.update(_moe_keys(arch))
     config = AutoConfig.for_model(arch.model_type, **keys)
@@ -92,13 +99,18 @@ def _moe_keys(arch: Any) -> dict[str, Any]:
     """The MoE keys of the stand-in of ``arch`` (a Qwen3-MoE): its experts shrunk, its router
     rule and its MoE layers among the kept `LAYERS` (the others dense, as in the real model)."""
     moe, real = arch.moe, dict(arch.hf_config or {})
+    keys = dict(
+        num_experts=min(moe.num_experts, EXPERTS),
+        num_experts_per_tok=min(moe.top_k, TOP_K),
+        moe_intermediate_size=_shrunk(moe.expert_size, 1),
+    )
+    if moe.shared_size:  # Qwen3.5-MoE: every layer MoE, one gated shared expert
+        return {**keys, "shared_expert_intermediate_size": _shrunk(moe.shared_size, 1)}
     dense = [i for i in range(LAYERS) if i not in moe.moe_layers]
     if len(dense) == LAYERS:  # the first layers all dense: keep one MoE layer (the last)
         dense = dense[:-1]
     return dict(
-        num_experts=min(moe.num_experts, EXPERTS),
-        num_experts_per_tok=min(moe.top_k, TOP_K),
-        moe_intermediate_size=_shrunk(moe.expert_size, 1),
+        **keys,
         norm_topk_prob=bool(real.get("norm_topk_prob", MOE_FAMILIES[arch.model_type])),
         decoder_sparse_step=1,  # which layers are MoE: said by mlp_only_layers alone
         mlp_only_layers=dense,
@@ -131,15 +143,19 @@ def build_tokenizer() -> Any:
 def write_model(arch: Any, dest: Path, seed: int = 0) -> Path:
     """The tiny model (random weights from ``seed``) and its tokenizer, saved in ``dest``."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from nemo_jetrl.backends.nemo_rl.rehearsal import hybrid
 
     tok = build_tokenizer()
     vocab = -(-len(tok) // BLOCK) * BLOCK  # a whole number of blocks
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), torch_dtype=torch.float32)
+    config = tiny_config(arch, vocab)
+    model = hybrid.model_class(config).from_config(config, dtype=torch.float32)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
+    if hasattr(config, "vision_config"):
+        hybrid.write_processors(dest)
     return dest
 
 

@@ -52,6 +52,25 @@ def make_cpu_policy_class() -> type:
     return type("CpuPolicy", (_CpuPolicyBody, base), {"__module__": __name__})
 
 
+def _trainer_model(model: torch.nn.Module, recipe: Any) -> Any:
+    """The recipe's training side on ``model`` (the local backend's `make_trainer_model`); a
+    Qwen3.5 model first gets its shared-expert MoE blocks (`hybrid`) and is converted through
+    its decoder's config."""
+    from nemo_jetrl.backends.local.precision import make_trainer_model, side_fp8_config
+    from nemo_jetrl.backends.nemo_rl.rehearsal import hybrid
+
+    if not hasattr(model.config, "text_config"):
+        return make_trainer_model(model, recipe)
+    side = recipe.train
+    layers = int(hybrid.text_config(model.config).num_hidden_layers)
+    fp8 = side_fp8_config(side) if side.fp8_linears else None
+    hybrid.convert_shared_expert_moe(model, side, fp8, layers)
+    plan = make_trainer_model(hybrid.DecoderView(model), recipe)
+    if fp8 is not None:
+        hybrid.convert_gdn_in_proj(model, side, fp8, layers)
+    return plan
+
+
 class _CpuPolicyBody:
     """The methods; `make_cpu_policy_class` puts NeMo-RL's interface under them."""
 
@@ -69,16 +88,18 @@ class _CpuPolicyBody:
         recipe: Any = None,
         **_unused: Any,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        from nemo_jetrl.backends.local.precision import freeze, make_trainer_model
+        from nemo_jetrl.backends.local.precision import freeze
+        from nemo_jetrl.backends.nemo_rl.rehearsal import hybrid
 
         self.cfg = config
         self.tokenizer = tokenizer
         source = str(weights_path) if weights_path else config["model_name"]
-        model = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
+        auto = hybrid.model_class(AutoConfig.from_pretrained(source))  # Qwen3.5: multimodal
+        model = auto.from_pretrained(source, dtype=torch.float32)
         self.reference = freeze(copy.deepcopy(model)) if init_reference_model else None
-        self.plan = make_trainer_model(model, recipe) if recipe is not None else None
+        self.plan = _trainer_model(model, recipe) if recipe is not None else None
         self.model = model
         # our on-policy FP8 KV on the training model (the local backend's `_attach_kv_cache`)
         self.kv = CpuKV(model, recipe) if recipe is not None and recipe.kv_fp8 else None
@@ -93,7 +114,7 @@ class _CpuPolicyBody:
         self.vllm_dtype = torch.float32 if float32 else torch.bfloat16
         # the refit appends the KV scales after the weights when vLLM's cache is FP8 (NeMo-RL's
         # Megatron worker: every layer of the model, NeMo-RL's names)
-        layers = int(model.config.num_hidden_layers)
+        layers = int(hybrid.text_config(model.config).num_hidden_layers)
         self.kv_names = scale_names(layers) if fp8_kv_cache(gen) else []
         self.kv_sent: dict[str, float] = {}  # the last refit's KV scales
         self.refit_buffer_size_gb = config.get("refit_buffer_size_gb")
@@ -262,7 +283,10 @@ class _CpuPolicyBody:
         rule, `engine_weights`); the router ``mlp.gate.weight`` and the rest as named."""
         from nemo_jetrl.backends.local.vllm_moe import engine_weights
 
-        return engine_weights({n: p.detach() for n, p in self.model.named_parameters()})
+        weights = {n: p.detach() for n, p in self.model.named_parameters()}
+        if hasattr(self.model.config, "text_config"):  # Qwen3.5: main's Megatron worker sends
+            return weights  # grouped expert slabs (refit_experts.py), HF's multimodal names
+        return engine_weights(weights)
 
     def _kv_tensors(self, kv_scales: Any) -> list[tuple[str, torch.Tensor]]:
         """The KV scales a refit sends (float32, never cast to vLLM's dtype), as NeMo-RL."""

@@ -45,10 +45,14 @@ def _user_error(msg: str) -> Exception:
     return UserError(msg)
 
 
-def rehearsal_keys(work: Path, model: Path, prompts: Path) -> dict[str, Any]:
-    """The keys a rehearsal sets on the merged config (dotted key -> value)."""
+def rehearsal_keys(work: Path, model: Path, prompts: Path, hybrid: bool = False) -> dict[str, Any]:
+    """The keys a rehearsal sets on the merged config (dotted key -> value); ``hybrid``: the
+    stand-in is Qwen3.5's (`hybrid.vllm_keys`: what vLLM's CPU engine needs for it)."""
+    from nemo_jetrl.backends.nemo_rl.rehearsal.hybrid import vllm_keys
+
     rows = PROMPTS_PER_STEP * GENERATIONS
     return {
+        **(vllm_keys() if hybrid else {}),
         "policy.model_name": str(model),
         "policy.tokenizer.name": str(model),
         "policy.tokenizer.chat_template": _REMOVE,  # the stand-in tokenizer's own template
@@ -243,6 +247,7 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
             "HF config.json"
         )
     from nemo_jetrl.backends.nemo_rl.rehearsal.families import family_refusal
+    from nemo_jetrl.backends.nemo_rl.rehearsal.hybrid import text_config
 
     generation = (plan.master_config.get("policy") or {}).get("generation") or {}
     ignored = (generation.get("vllm_cfg") or {}).get("quantization_ignored_layer_kws") or ()
@@ -265,7 +270,7 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
 
     # an FP8 KV cache: asked of this Python's vLLM (the vLLM workers' Python), before any work
     vllm_cfg = ((plan.master_config.get("policy") or {}).get("generation") or {}).get("vllm_cfg")
-    head_size = tiny.tiny_config(arch, tiny.BLOCK).head_dim
+    head_size = text_config(tiny.tiny_config(arch, tiny.BLOCK)).head_dim
     refusal = cpu_fp8_kv_refusal(vllm_cfg or {}, plan.recipe.name, head_size)
     if refusal:
         raise _user_error(refusal)
@@ -294,7 +299,7 @@ def _run(prepared: Any, work: Path, model_dir: Path, prompts: Path, start: float
 
     plan = prepared.plan
     tree = _nemo_rl_dir()
-    keys = rehearsal_keys(work, model_dir, prompts)
+    keys = rehearsal_keys(work, model_dir, prompts, hybrid=prepared.arch.hybrid is not None)
     merged = launch.merge_nemo_rl_defaults(
         plan.master_config, tree / "examples/configs/grpo_math_1B_megatron.yaml"
     )
