@@ -211,9 +211,10 @@ def read_back(
         if not (leaf == "weight" and compat.weight_was_repacked(layer)):  # else: kernel view only
             t = p.data if p.dim() == 0 else p.data[start : start + rows]
             yield name, t.detach().to("cpu")
-        # a 2-D weight only: Qwen3.5's conv1d is a ColumnParallelLinear holding a 3-D conv
-        # weight that its layer never multiplies as a GEMM (the read-back above checks it)
-        if through_kernel and leaf == "weight" and _is_unquantized_linear(layer) and p.dim() == 2:
+        # not a 3-D weight: Qwen3.5's conv1d is a ColumnParallelLinear holding a conv weight
+        # its layer never multiplies as a GEMM (the read-back above checks it); a repacked
+        # weight's emptied parameter (1-D) still gets its kernel view
+        if through_kernel and leaf == "weight" and _is_unquantized_linear(layer) and p.dim() < 3:
             dtype = p.dtype if p.numel() else worker.vllm_config.model_config.dtype
             yield f"{name}|kernel", weight_through_kernel(layer, start, rows, dtype)
         if leaf == "weight" and id(layer) in mla:
