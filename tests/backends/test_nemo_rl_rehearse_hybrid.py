@@ -8,7 +8,7 @@ stand-in (`rehearsal/hybrid.py`: its CPU gated DeltaNet, state cache float32) an
 Skipped, with the reason, only where this tree's vLLM cannot serve Qwen3.5 (NeMo-RL v0.7.0's
 vLLM 0.20 has no CPU gated DeltaNet and the config is not in its tree); on main a missing
 torchvision (vLLM's Qwen3.5 module imports it; scripts/setup_nemo_rl_env.sh installs it) fails
-under CI=true instead of skipping. ~90 s on the 2-core machine (one vLLM engine).
+under CI=true instead of skipping. 50-76 s on the 2-core machine (one vLLM engine).
 """
 
 from __future__ import annotations

@@ -304,29 +304,6 @@ def test_the_cpu_policy_runs_qwen35_moe_with_fp8_linears_and_sends_main_s_names(
     assert policy.kv_names == [] and set(policy.prepare_refit_info()) == set(sent)
 
 
-def test_the_cpu_policy_runs_the_gdn_in_proj_fp8_where_the_recipe_does(tmp_path):
-    """NeMo-RL's own words (in_proj_a/in_proj_b BF16, not the whole in_proj): the trainer runs
-    in_proj_qkv and in_proj_z FP8 as vLLM's in_proj_qkvz does (the local backend's filter takes
-    "*_proj" names only, so `hybrid.convert_gdn_in_proj` does it)."""
-    from nemo_jetrl.backends.nemo_rl.rehearsal.policy import _CpuPolicyBody
-    from nemo_jetrl.fp8 import Fp8BlockLinear
-    from nemo_jetrl.recipe import Recipe
-
-    model_dir = tiny.write_model(resolve_arch("Qwen/Qwen3.5-9B-Base"), tmp_path / "m")
-    gen = {"vllm_cfg": {"precision": "fp8", "kv_cache_dtype": "auto"}, "temperature": 1.0}
-    words = ("linear_attn.conv1d", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "visual")
-    policy = _CpuPolicyBody(
-        None, {"model_name": str(model_dir), "generation": gen}, None, init_optimizer=False,
-        init_reference_model=False, recipe=Recipe.preset("jetrl").with_bf16_layer_kws(words),
-    )  # fmt: skip
-    gdn = "model.language_model.layers.0.linear_attn"
-    kinds = {n: type(m) for n, m in policy.model.named_modules() if n.startswith(f"{gdn}.")}
-    for proj in ("in_proj_qkv", "in_proj_z", "out_proj"):
-        assert kinds[f"{gdn}.{proj}"] is Fp8BlockLinear, proj
-    for proj in ("in_proj_a", "in_proj_b"):
-        assert kinds[f"{gdn}.{proj}"] is not Fp8BlockLinear, proj
-
-
 def test_hf_names_map_to_the_engines_modules_and_fused_outputs():
     """`vllm_patch.engine_names` on a model shaped as vLLM's Qwen3.5 (prefix mapper, in_proj_qkv
     filling 3 of in_proj_qkvz's 4 outputs) and as one without a mapper (names unchanged)."""

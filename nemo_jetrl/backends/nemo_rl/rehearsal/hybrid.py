@@ -141,32 +141,6 @@ def convert_shared_expert_moe(model: nn.Module, side: Any, cfg: Any, layers: int
     return fp8_names
 
 
-# the gated DeltaNet's input projections: the local backend's FP8 filter takes "*_proj" names
-# only; vLLM fuses these into in_proj_qkvz / in_proj_ba and serves them FP8 unless ignored
-GDN_IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-
-
-def convert_gdn_in_proj(model: nn.Module, side: Any, cfg: Any, layers: int) -> list[str]:
-    """The training side's FP8 on the gated DeltaNet's ``in_proj_*`` linears the recipe runs
-    FP8 (its BF16 keywords keep ``in_proj_b``/``in_proj_a``, as NeMo-RL's Qwen3.5 configs do);
-    the names converted."""
-    from nemo_jetrl.backends.local.moe import _LAYER_RE
-    from nemo_jetrl.fp8 import convert_to_fp8_training
-
-    done: list[str] = []
-
-    def accept(_module: nn.Module, name: str) -> bool:
-        m = _LAYER_RE.search(name)
-        ok = m is not None and name.rsplit(".", 1)[-1] in GDN_IN_PROJ
-        ok = ok and side.is_fp8_linear(name, int(m.group(1)), layers)
-        if ok:
-            done.append(name)
-        return ok
-
-    convert_to_fp8_training(model, cfg, module_filter_fn=accept)
-    return done
-
-
 class DecoderView(nn.Module):
     """``model`` seen with its decoder's config, for the trainer conversion (which reads
     ``config.num_hidden_layers``; a multimodal config has it under ``text_config``). No MoE

@@ -65,10 +65,9 @@ def _trainer_model(model: torch.nn.Module, recipe: Any) -> Any:
     layers = int(hybrid.text_config(model.config).num_hidden_layers)
     fp8 = side_fp8_config(side) if side.fp8_linears else None
     hybrid.convert_shared_expert_moe(model, side, fp8, layers)
-    plan = make_trainer_model(hybrid.DecoderView(model), recipe)
-    if fp8 is not None:
-        hybrid.convert_gdn_in_proj(model, side, fp8, layers)
-    return plan
+    # the GDN's in_proj_* are not "*_proj" names, so they stay BF16: as `jetrl check` requires
+    # of a Megatron config (one in_proj GEMM there; vLLM's in_proj_ba has 2-row shards)
+    return make_trainer_model(hybrid.DecoderView(model), recipe)
 
 
 class _CpuPolicyBody:
