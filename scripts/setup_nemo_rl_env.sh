@@ -7,7 +7,9 @@
 # plus one overlay, .venv-nemo-rl/site (pip --target, --no-deps), holding the pinned pure-Python
 # dependencies NeMo-RL imports that the vLLM envs lack (scripts/nemo_rl_overlay_requirements.txt:
 # ray, hydra-core, torchdata, mlflow, wandb, datasets, transformers < 5.9, megatron-core 0.16.1,
-# megatron-bridge 0.3.1, ...).
+# megatron-bridge 0.3.1, ...). main-* also gets torchvision==0.26.0 (PyPI's build for the env's
+# torch 2.11.0) in .venv-vllm025: vLLM 0.25.1 serves Qwen3.5 only through a module importing it
+# (`jetrl rehearse` of NeMo-RL main's Qwen3.5 configs; docs/rehearsal.md).
 #
 # NeMo-RL requires Python >= 3.13; the vLLM CPU envs are Python 3.11. NeMo-RL's code compiles on
 # 3.11; the one runtime difference it hits is pydantic refusing typing.TypedDict fields on
