@@ -25,7 +25,9 @@ harness cannot tell a surviving mutant from a killed one (exit 2). Usage, from t
 
 ``--only`` runs the mutants whose name contains one of the substrings, ``--first N`` the first N
 listed (the controls always run). The last line reads ``N killed, ...`` (scripts/tier.sh shows it
-in test.sh's summary).
+in test.sh's summary). ``--jobs N`` (default ``JETRL_MUTANT_JOBS`` or 2) judges N mutants at a
+time, each lane on its own copy with its own fork servers: a mutant's run is mostly one Python
+thread (imports, small tensors), so two lanes use CI's two cores (docs/ci_times.md).
 
 Each run is one pytest session in a fresh process forked by a server per environment that
 imported torch, numpy, triton, pytest... once (scripts/mutation_fork.py; never a module of this
@@ -44,15 +46,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutation_fork import ForkServer  # the standard library only
+from mutation_report import report
 
 REPO = Path(__file__).resolve().parents[1]
 FORK_VAR = "JETRL_MUTANTS_FORK"  # 0: a fresh interpreter per mutant run (the old path)
+JOBS_VAR = "JETRL_MUTANT_JOBS"  # mutants judged at a time (lanes), default 2
 TEST_TIMEOUT_S = 120  # per test (pytest-timeout): a hung test fails with its stack
 RUN_TIMEOUT_S = 300  # per mutant run: past it the mutant counts as killed (it hangs)
 PROBE = "_jetrl_mutation_probe"
@@ -252,25 +257,84 @@ def confirm_kills(root: Path, copy: Path, outcomes: list[Outcome]) -> None:
     too becomes ERROR. (Cheaper than running every listed test unmutated first: a mutant's run
     stops at its first failure, -x, so most listed tests never run at all.)"""
     killed = [o for o in outcomes if o.verdict == "KILLED"]
-    for kind in dict.fromkeys(o.mutant.env for o in killed):
-        mine = [o for o in killed if o.mutant.env == kind]
-        tests = list(dict.fromkeys(t for o in mine for t in (o.failed or o.mutant.tests)))
-        cmd, env = command(root, copy, kind, tests)
-        cmd.remove("-x")
-        p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
-        out = p.stdout + p.stderr
-        if p.returncode == 0:
-            continue
-        bad = {ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))}
-        for o in mine:
-            own = set(o.failed or o.mutant.tests)
-            if bad & own or not bad:  # not bad: the run failed as a whole (collection, usage)
-                o.verdict = "ERROR"
-                o.detail = (
-                    f"its killing test fails unmutated too (exit {p.returncode}):\n" + (out[-1500:])
-                )
-                print(f"ERROR      {o.mutant.name}  [{o.mutant.file}]", flush=True)
+    kinds = dict.fromkeys(o.mutant.env for o in killed)
+    # one environment's run per thread: they are separate processes on their own tests
+    threads = [threading.Thread(target=_confirm, args=(root, copy, killed, k)) for k in kinds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _confirm(root: Path, copy: Path, killed: list[Outcome], kind: str) -> None:
+    """`confirm_kills` for the mutants of one environment kind."""
+    mine = [o for o in killed if o.mutant.env == kind]
+    tests = list(dict.fromkeys(t for o in mine for t in (o.failed or o.mutant.tests)))
+    cmd, env = command(root, copy, kind, tests)
+    cmd.remove("-x")
+    p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
+    out = p.stdout + p.stderr
+    if p.returncode == 0:
+        return
+    bad = {ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))}
+    for o in mine:
+        own = set(o.failed or o.mutant.tests)
+        if bad & own or not bad:  # not bad: the run failed as a whole (collection, usage)
+            o.verdict = "ERROR"
+            o.detail = (
+                f"its killing test fails unmutated too (exit {p.returncode}):\n" + (out[-1500:])
+            )
+            print(f"ERROR      {o.mutant.name}  [{o.mutant.file}]", flush=True)
+            print("    " + o.detail.replace("\n", "\n    "), flush=True)
+
+
+def judge_all(root: Path, copies: list[Path], mutants: list[Mutant], fork: bool) -> list[Outcome]:
+    """Every mutant's outcome, in list order: one lane (thread) per copy, each taking the next
+    mutant and mutating only its own copy, through its own fork servers; lines print as each
+    verdict comes."""
+    outcomes: list[Outcome | None] = [None] * len(mutants)
+    absent = {k: why for k in {m.env for m in mutants} if (why := missing_env(root, k))}
+    todo = list(enumerate(mutants))
+    lock = threading.Lock()
+
+    def show(o: Outcome) -> None:
+        m = o.mutant
+        with lock:
+            if o.verdict == "NOT RUN":
+                print(f"NOT RUN    {m.name}  [{m.file}; {o.detail}]", flush=True)
+                return
+            tag = " (planted control)" if m.planted else ""
+            print(f"{o.verdict:10s} {m.name}{tag}  [{m.file}; {o.seconds:.0f} s]", flush=True)
+            if o.verdict in ("SURVIVED", "ERROR") or (m.planted and o.verdict == "KILLED"):
                 print("    " + o.detail.replace("\n", "\n    "), flush=True)
+
+    def lane(copy: Path) -> None:
+        servers = Servers(root, copy) if fork else None
+        try:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i, m = todo.pop(0)
+                if m.env in absent:  # in CI a failure (report()), elsewhere a warning
+                    o = Outcome(m, "NOT RUN", detail=f"{m.env}: {absent[m.env]}")
+                else:
+                    o = judge(root, copy, m, copy / "probe.json", servers)
+                outcomes[i] = o
+                show(o)
+        finally:
+            if servers is not None:
+                servers.close()
+
+    threads = [threading.Thread(target=lane, args=(c,), daemon=True) for c in copies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lost = [m.name for m, o in zip(mutants, outcomes, strict=True) if o is None]
+    if lost:  # a lane died on something judge() does not catch: never a silent gap
+        raise RuntimeError(f"mutation check: no verdict for {lost}")
+    return [o for o in outcomes if o is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,9 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the outcomes here")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
     ap.add_argument(
+        "--jobs",
+        type=int,
+        default=int(os.environ.get(JOBS_VAR, "2")),
+        help=f"mutants judged at a time, each on its own copy (default ${JOBS_VAR} or 2)",
+    )
+    ap.add_argument(
         "--no-baseline", action="store_true", help="skip the unmutated run of the killing tests"
     )
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs} (or ${JOBS_VAR}): use 1 or more")
     t_start = time.monotonic()
     mutants = load_mutants(args.root / "scripts" / "mutants.py")
     if args.only:
@@ -291,74 +363,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.first is not None:
         controls = [m for m in mutants if m.planted]
         mutants = controls + [m for m in mutants if not m.planted][: args.first]
-    copy = Path(tempfile.mkdtemp(prefix="jetrl-mutants-"))
+    jobs = min(args.jobs, max(1, len(mutants)))
+    copies = [Path(tempfile.mkdtemp(prefix="jetrl-mutants-")) for _ in range(jobs)]
     fork = os.environ.get(FORK_VAR, "1") != "0"
-    servers = Servers(args.root, copy) if fork else None
     try:
-        copy_repo(args.root, copy)
+        for copy in copies:
+            copy_repo(args.root, copy)
         how = "forked from one server per environment" if fork else f"{FORK_VAR}=0: fresh pythons"
-        print(f"mutation check: {len(mutants)} mutants on a copy in {copy} ({how})", flush=True)
-        outcomes = []
-        absent = {k: why for k in {m.env for m in mutants} if (why := missing_env(args.root, k))}
-        for m in mutants:
-            if m.env in absent:  # in CI a failure (report()), elsewhere a warning
-                outcomes.append(Outcome(m, "NOT RUN", detail=f"{m.env}: {absent[m.env]}"))
-                print(f"NOT RUN    {m.name}  [{m.file}; {m.env}: {absent[m.env]}]", flush=True)
-                continue
-            o = judge(args.root, copy, m, copy / "probe.json", servers)
-            outcomes.append(o)
-            tag = " (planted control)" if m.planted else ""
-            print(f"{o.verdict:10s} {m.name}{tag}  [{m.file}; {o.seconds:.0f} s]", flush=True)
-            if o.verdict in ("SURVIVED", "ERROR") or (m.planted and o.verdict == "KILLED"):
-                print("    " + o.detail.replace("\n", "\n    "), flush=True)
-        if servers is not None:
-            servers.close()
+        where = ", ".join(map(str, copies))
+        print(
+            f"mutation check: {len(mutants)} mutants, {jobs} at a time, on copies in {where} ({how})",
+            flush=True,
+        )
+        outcomes = judge_all(args.root, copies, mutants, fork)
         if not args.no_baseline:
-            confirm_kills(args.root, copy, outcomes)
+            confirm_kills(args.root, copies[0], outcomes)
     finally:
-        if servers is not None:
-            servers.close()
         if args.keep:
-            print(f"kept the copy in {copy}")
+            print(f"kept the copies in {', '.join(map(str, copies))}")
         else:
-            shutil.rmtree(copy, ignore_errors=True)
+            for copy in copies:
+                shutil.rmtree(copy, ignore_errors=True)
     return report(outcomes, time.monotonic() - t_start, args.json)
-
-
-def report(outcomes: list[Outcome], seconds: float, json_out: Path | None) -> int:
-    real = [o for o in outcomes if not o.mutant.planted]
-    count = {v: sum(o.verdict == v for o in real) for v in ("KILLED", "EQUIVALENT", "SURVIVED")}
-    errors = [o.mutant.name for o in real if o.verdict == "ERROR"]
-    not_run = [o.mutant.name for o in real if o.verdict == "NOT RUN"]
-    if not_run:
-        print(f"not run (environment missing): {not_run}")
-        if os.environ.get("CI") == "true":  # in CI a mutant that cannot run is a failure
-            errors += not_run
-    bad_controls = [
-        o.mutant.name
-        for o in outcomes
-        if o.mutant.planted and o.verdict not in ("SURVIVED", "EQUIVALENT")
-    ]
-    survivors = [o.mutant.name for o in real if o.verdict == "SURVIVED"]
-    if json_out:
-        rows = [
-            {"name": o.mutant.name, "file": o.mutant.file, "verdict": o.verdict}
-            | {"seconds": round(o.seconds, 1), "failed": o.failed, "detail": o.detail[:500]}
-            for o in outcomes
-        ]
-        json_out.write_text(json.dumps(rows, indent=1) + "\n")
-    if survivors:
-        print(f"survivors (real bugs the tests let through): {survivors}")
-    if errors or bad_controls:
-        print(f"errors: {errors}; planted controls not reported as survivors: {bad_controls}")
-    controls = ", ".join(f"{o.mutant.name}: {o.verdict}" for o in outcomes if o.mutant.planted)
-    print(
-        f"{count['KILLED']} killed, {count['EQUIVALENT']} equivalent, {count['SURVIVED']} survived,"
-        f" {len(errors)} errors, {len(not_run)} not run of {len(real)} mutants in {seconds:.0f} s (controls: {controls})"
-    )
-    if errors or bad_controls:
-        return 2
-    return 1 if survivors else 0
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def _run_harness(
     }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    for script in ("mutation_check.py", "mutation_fork.py"):
+    for script in ("mutation_check.py", "mutation_fork.py", "mutation_report.py"):
         shutil.copy(REPO / "scripts" / script, root / "scripts")
     (root / ".venv").symlink_to(Path(sys.executable).parents[1])
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
@@ -102,12 +102,17 @@ def _run_harness(
     )
 
 
-@pytest.mark.parametrize("fork", ["1", "0"])  # the fork server (default) and fresh pythons
-def test_end_to_end_killed_survived_equivalent(tmp_path: Path, fork: str) -> None:
+# the fork server (default) and fresh pythons; one lane, or two lanes mutating the same file,
+# each on its own copy (were they to share one, "pad +1 -> +2" could run beside clip's mutant
+# and be reported KILLED instead of SURVIVED)
+@pytest.mark.parametrize(("fork", "jobs"), [("1", "2"), ("0", "2"), ("1", "1")])
+def test_end_to_end_killed_survived_equivalent(tmp_path: Path, fork: str, jobs: str) -> None:
     root = tmp_path / "repo"
-    p = _run_harness(root, TEST, MUTANTS, JETRL_MUTANTS_FORK=fork)
+    p = _run_harness(root, TEST, MUTANTS, JETRL_MUTANTS_FORK=fork, JETRL_MUTANT_JOBS=jobs)
     out = p.stdout
     assert ("forked from one server" in out.splitlines()[0]) == (fork == "1"), out
+    assert f"{jobs} at a time, on copies in " in out.splitlines()[0], out
+    assert out.splitlines()[0].count("jetrl-mutants-") == int(jobs), out
     verdicts = {
         ln.split(None, 1)[1].split("  [")[0]: ln.split()[0]
         for ln in out.splitlines()

@@ -64,6 +64,7 @@ def test_the_copy_has_the_values_and_strides_of_a_fresh_conversion(shape):
 
 def test_one_copy_per_weight_version_shared_by_w_and_its_transpose():
     layer = Fp8BlockLinear.from_linear(nn.Linear(256, 384), EXACT, name="blk")
+    gc.collect()  # layers of earlier tests in this process free their copies now, not below
     before = fp64_operand_stats()
     for seed in (1, 2, 3):
         x = _x(seed=seed).requires_grad_(True)
@@ -150,6 +151,7 @@ def test_inference_tensors_and_activations_are_never_cached():
         q = quantize_reference(torch.randn(256, 256), (128, 128))
     a = quantize_reference(torch.randn(8, 256), (1, 128))
     w = quantize_reference(torch.randn(256, 256), (128, 128))
+    gc.collect()  # earlier tests' layers free their copies now, not mid-test
     before = fp64_operand_stats()
     out = blockwise_matmul(a, q, exact=True)  # b: an inference tensor (no version counter)
     blockwise_matmul(w, a, exact=True)  # 128x128 a, 1x128 b (activation-like): converted
