@@ -48,6 +48,14 @@ export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$PWD/.cache/pycache}"
 # skips only the base "does it build and load" probe of an ISA the CPU reports; the ISA chosen is
 # the same (VecAVX512VNNI here), so no kernel changes (docs/ci_times.md).
 export TORCHINDUCTOR_VEC_ISA_OK="${TORCHINDUCTOR_VEC_ISA_OK:-1}"
+# One OpenMP thread per process. Every tier runs several processes at once on CI's 2 cores (two
+# pytest workers; pytest + vLLM's engine core + its worker; Ray actors; the environments built in
+# the background), and a torch op's second OpenMP thread then spins at each barrier waiting for a
+# core another process holds: tests/fp8+flow+rl+kvcache on a busy 2-core machine took 217 s wall,
+# 232 s CPU with torch's default 2 threads and 109 s / 105 s with 1 (docs/ci_times.md). vLLM's CPU
+# engine takes its thread count from this too (it sets none on CPU). Results do not depend on it:
+# both sides of every exact comparison run one thread, and no test asks for more.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 bash scripts/setup_env.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
@@ -148,8 +156,11 @@ if [ "$lanes" = 2 ] && [ "${#jobs[@]}" -gt 1 ]; then
   lane_start "${second[@]}"
 fi
 echo "== default suite (.venv) =="
-# --durations: each tier's slowest tests in the log, what CI time is cut from (docs/ci_times.md)
-tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20
+# --durations: each tier's slowest tests in the log, what CI time is cut from (docs/ci_times.md).
+# -n 2 (pytest-xdist): the suite is one Python thread most of the time (108% CPU alone), so two
+# workers use both cores; --dist loadfile keeps each file (and its module fixtures) in one worker.
+tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20 \
+  -n "${JETRL_TEST_WORKERS:-2}" --dist loadfile
 for i in "${!jobs[@]}"; do
   if [ "$lanes" = 2 ] && [ $((i % 2)) -eq 1 ] && [ "${#jobs[@]}" -gt 1 ]; then
     continue  # the second lane's
