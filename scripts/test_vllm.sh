@@ -19,9 +19,20 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 # reserves and pins cores, which starves everything else on a 2-core machine; the value that
 # avoids it differs by vLLM version: nemo_jetrl.vllm_patch.compat.cpu_omp_threads_bind).
 cd "$REPO"
+# Two pytest-xdist workers (JETRL_TEST_WORKERS, 0 = one process), each file in one worker (its
+# engines, module-scoped, start once): an engine start is one Python thread most of the time, so
+# two at once use both cores (0.32 tier, one OpenMP thread each: 800 s -> 436 s, docs/ci_times.md).
+# An environment made before pytest-xdist was in the dev extra gets it here. One OpenMP thread per
+# process unless set (scripts/test.sh says why).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if ! "$VENV/bin/python" -c "import xdist" 2>/dev/null; then
+    source "$REPO/scripts/pip_retry.sh"
+    pip_retry "$VENV/bin/python" install -q pytest-xdist
+fi
 start=$(date +%s)
 rc=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=20 \
+    -n "${JETRL_TEST_WORKERS:-2}" --dist loadfile \
     tests/vllm_patch tests/backends/test_local_vllm.py tests/backends/test_local_vllm_moe.py "$@" || rc=$?
 echo "[test_vllm] finished in $(( $(date +%s) - start )) s"
 exit $rc

@@ -30,13 +30,22 @@ DECODER_LINEARS = {
 NO_COMPILE = ("TORCH_COMPILE_DISABLE", "1")
 
 
+# set beside NO_COMPILE by `engines_without_compile`: a process that inherits both (a
+# pytest-xdist worker of the session that set them) keeps torch.compile as its parent did
+NO_COMPILE_BY_TESTS = "JETRL_TESTS_SET_TORCH_COMPILE_DISABLE"
+
+
 def engines_without_compile() -> None:
     """For the session of a vLLM tier (tests/conftest.py): the engines' processes, spawned later,
     inherit `NO_COMPILE`; this process read torch's setting first and keeps torch.compile (tests
-    that compile in-process, e.g. test_serving_bits.py, still do)."""
-    import torch._dynamo  # noqa: F401  (reads TORCH_COMPILE_DISABLE now)
+    that compile in-process, e.g. test_serving_bits.py, still do), and so do the session's
+    pytest-xdist workers, which inherit the variable (torch read it when they imported it)."""
+    import torch._dynamo.config  # reads TORCH_COMPILE_DISABLE now
 
-    os.environ.setdefault(*NO_COMPILE)
+    if os.environ.get(NO_COMPILE_BY_TESTS) == "1":  # ours, inherited: not the user's setting
+        torch._dynamo.config.disable = False
+    elif NO_COMPILE[0] not in os.environ:
+        os.environ.update((NO_COMPILE, (NO_COMPILE_BY_TESTS, "1")))
 
 
 @contextmanager
