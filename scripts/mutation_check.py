@@ -347,15 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--jobs",
         type=int,
-        default=int(os.environ.get(JOBS_VAR, "2")),
+        default=None,
         help=f"mutants judged at a time, each on its own copy (default ${JOBS_VAR} or 2)",
     )
     ap.add_argument(
         "--no-baseline", action="store_true", help="skip the unmutated run of the killing tests"
     )
     args = ap.parse_args(argv)
-    if args.jobs < 1:
-        ap.error(f"--jobs {args.jobs} (or ${JOBS_VAR}): use 1 or more")
+    raw = str(args.jobs) if args.jobs is not None else os.environ.get(JOBS_VAR, "2")
+    if not raw.isdigit() or int(raw) < 1:  # exit 2 before any copy is made
+        where = "--jobs" if args.jobs is not None else f"${JOBS_VAR}"
+        ap.error(f"{where}={raw!r}: use a whole number of mutants at a time, 1 or more")
+    args.jobs = int(raw)
     t_start = time.monotonic()
     mutants = load_mutants(args.root / "scripts" / "mutants.py")
     if args.only:

@@ -56,6 +56,10 @@ export TORCHINDUCTOR_VEC_ISA_OK="${TORCHINDUCTOR_VEC_ISA_OK:-1}"
 # engine takes its thread count from this too (it sets none on CPU). Results do not depend on it:
 # both sides of every exact comparison run one thread, and no test asks for more.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+workers=${JETRL_TEST_WORKERS:-2}  # pytest-xdist workers of the default suite and vLLM tiers
+case "$workers" in
+  ''|*[!0-9]*) echo "test.sh: JETRL_TEST_WORKERS=$workers: use a whole number of pytest workers (0: one process)" >&2; exit 2 ;;
+esac
 bash scripts/setup_env.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
@@ -160,7 +164,7 @@ echo "== default suite (.venv) =="
 # -n 2 (pytest-xdist): the suite is one Python thread most of the time (108% CPU alone), so two
 # workers use both cores; --dist loadfile keeps each file (and its module fixtures) in one worker.
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20 \
-  -n "${JETRL_TEST_WORKERS:-2}" --dist loadfile
+  -n "$workers" --dist loadfile
 for i in "${!jobs[@]}"; do
   if [ "$lanes" = 2 ] && [ $((i % 2)) -eq 1 ] && [ "${#jobs[@]}" -gt 1 ]; then
     continue  # the second lane's

@@ -25,6 +25,10 @@ cd "$REPO"
 # An environment made before pytest-xdist was in the dev extra gets it here. One OpenMP thread per
 # process unless set (scripts/test.sh says why).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+workers=${JETRL_TEST_WORKERS:-2}
+case "$workers" in
+    ''|*[!0-9]*) echo "test_vllm.sh: JETRL_TEST_WORKERS=$workers: use a whole number of pytest workers (0: one process)" >&2; exit 2 ;;
+esac
 if ! "$VENV/bin/python" -c "import xdist" 2>/dev/null; then
     source "$REPO/scripts/pip_retry.sh"
     pip_retry "$VENV/bin/python" install -q pytest-xdist
@@ -32,7 +36,7 @@ fi
 start=$(date +%s)
 rc=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=20 \
-    -n "${JETRL_TEST_WORKERS:-2}" --dist loadfile \
+    -n "$workers" --dist loadfile \
     tests/vllm_patch tests/backends/test_local_vllm.py tests/backends/test_local_vllm_moe.py "$@" || rc=$?
 echo "[test_vllm] finished in $(( $(date +%s) - start )) s"
 exit $rc

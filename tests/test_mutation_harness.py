@@ -131,6 +131,14 @@ def test_end_to_end_killed_survived_equivalent(tmp_path: Path, fork: str, jobs: 
     assert (root / "pkg/mod.py").read_text() == MOD  # the working tree was never edited
 
 
+@pytest.mark.parametrize("jobs", ["lots", "0"])
+def test_a_bad_lane_count_exits_2_naming_the_variable(tmp_path: Path, jobs: str) -> None:
+    p = _run_harness(tmp_path / "repo", TEST, MUTANTS, JETRL_MUTANT_JOBS=jobs)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"$JETRL_MUTANT_JOBS={jobs!r}: use a whole number" in p.stderr, p.stderr
+    assert "mutants," not in p.stdout  # nothing judged, no copy announced
+
+
 def test_a_kill_by_a_test_that_fails_unmutated_is_an_error(tmp_path: Path) -> None:
     # test_broken fails on the unmutated code: the mutant it "kills" proves nothing, so the
     # harness reports ERROR (exit 2) after running the killing tests unmutated (confirm_kills).

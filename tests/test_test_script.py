@@ -395,6 +395,12 @@ def test_the_second_lane_runs_beside_the_first_and_the_summary_keeps_tier_order(
         timeout=60,
     )
     assert done.returncode == 2 and "JETRL_TIER_LANES=3: use 1" in done.stderr
+    env = {**os.environ, "JOURNAL": str(tmp_path / "j2"), "JETRL_TEST_WORKERS": "two"}
+    done = subprocess.run(
+        ["bash", "scripts/test.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and "JETRL_TEST_WORKERS=two: use a whole number" in done.stderr
+    assert not (tmp_path / "j2").exists()  # nothing started, not even the setup
 
 
 def test_an_interrupted_run_ends_the_second_lanes_tier(tmp_path: Path) -> None:
