@@ -241,8 +241,10 @@ def _standin_repo(tmp_path: Path, fail: str = "") -> Path:
 def _test_sh_env(tmp_path: Path, **env: str) -> dict[str, str]:
     """test.sh's environment in a stand-in run: temp files, journal (``tmp_path / "journal"``)
     and the stand-in upstream trees under ``tmp_path``, then ``env``."""
+    # the caller's own tier knobs (e.g. `JETRL_SKIP_VLLM=1 bash scripts/test.sh`) stay out
+    mine = ("JETRL_SKIP_", "JETRL_TIER_", "JETRL_TEST_WORKERS", "JETRL_VLLM_VERSIONS")
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith(mine)},
         "TMPDIR": str(tmp_path),
         "JOURNAL": str(tmp_path / "journal"),
         "JETRL_NEMO_RL_UPSTREAM": str(tmp_path / "upstream"),
