@@ -18,6 +18,9 @@ Order of preference for CUDA operands (``auto``):
 3. ``triton`` - our Triton block GEMM (`triton_gemm`): any CUDA GPU, any output dtype, E4M3 or
    E5M2 operands, FProp/DGrad and WGrad pairs.
 
+``triton_splitk`` (`triton_split`; requested only, not ``auto``'s until measured on a GPU):
+split-K in an order fixed by K alone, so a token's row has the same bits at every batch size.
+
 One per-shape rule: a GEMM cuBLASLt or DeepGEMM refuses (`shape_problem`: WGrad over 300 tokens,
 an expert's 129 rows, a partial K block) runs on ``triton`` (`run_gemm`).
 
@@ -40,7 +43,7 @@ from nemo_jetrl.fp8._deps import available
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.quantize import BlockQuantized
 
-GEMM_BACKENDS = ("auto", "deep_gemm", "scaled_mm", "triton", "reference")
+GEMM_BACKENDS = ("auto", "deep_gemm", "scaled_mm", "triton", "triton_splitk", "reference")
 ENV_GEMM_BACKEND = "JETRL_FP8_GEMM_BACKEND"
 # Operand pairs: "fprop" = a 1x128 x b 128x128 (FProp, DGrad); "wgrad" = a 1x128 x b 1x128.
 GEMM_KINDS = ("fprop", "wgrad")
@@ -77,9 +80,7 @@ class GemmPlan:
 
 
 def _cuda_at_least(major: int, minor: int) -> bool:
-    version = torch.version.cuda
-    if not version:
-        return False
+    version = torch.version.cuda or "0.0"
     return tuple(int(p) for p in version.split(".")[:2]) >= (major, minor)
 
 
@@ -130,7 +131,7 @@ def _why_not(backend: str, caps: DeviceCaps, out_dtype, pow2: bool, kind: str, f
     e4m3 = fmts == ("e4m3", "e4m3")
     if backend == "reference":
         return None
-    if backend == "triton":
+    if backend in ("triton", "triton_splitk"):
         if caps.triton:
             return None
         if caps.cuda:
@@ -227,7 +228,7 @@ def _plan_cached(device, out_dtype, pow2_scales, kind, fmts, forced, excluded) -
     # Triton's value tables must exist before any CUDA graph capture (scaled_mm / deep_gemm plans
     # too: the shapes they refuse run on Triton, see `run_gemm`).
     fallback = plan.backend in ("scaled_mm", "deep_gemm") and device_caps(device).triton
-    if plan.backend == "triton" or fallback:
+    if plan.backend in ("triton", "triton_splitk") or fallback:
         from nemo_jetrl.fp8.triton_gemm import prepare
 
         prepare(device, fmts)
@@ -366,21 +367,20 @@ def _scaled_mm(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> 
     )
 
 
-def _triton(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
-    from nemo_jetrl.fp8.triton_gemm import block_fp8_gemm_triton
+def _triton(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype, split: bool = False):
+    from nemo_jetrl.fp8 import triton_gemm, triton_split
 
-    return block_fp8_gemm_triton(a, b, out_dtype=out_dtype)
-
-
-def _reference(a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype) -> torch.Tensor:
-    return blockwise_matmul(a, b, out_dtype=out_dtype)
+    if split:
+        return triton_split.split_gemm(a, b, out_dtype=out_dtype)
+    return triton_gemm.block_fp8_gemm_triton(a, b, out_dtype=out_dtype)
 
 
 RUNNERS = {
     "deep_gemm": _deep_gemm,
     "scaled_mm": _scaled_mm,
     "triton": _triton,
-    "reference": _reference,
+    "triton_splitk": functools.partial(_triton, split=True),
+    "reference": lambda a, b, out_dtype: blockwise_matmul(a, b, out_dtype=out_dtype),
 }
 
 

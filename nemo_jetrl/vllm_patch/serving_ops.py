@@ -2,7 +2,9 @@
 
 ``torch.ops.nemo_jetrl.quantize_act_1x128`` (nemo_jetrl.fp8's 1x128 quantizer, written in the
 layout the layer's GEMM reads) and ``torch.ops.nemo_jetrl.fp8_block_gemm`` (the planned GEMM
-backend): opaque to vLLM's torch.compile/inductor, so the quantizer is never re-derived.
+backend): opaque to vLLM's torch.compile/inductor, so the quantizer is never re-derived. On the
+``triton_splitk`` backend one op, ``fp8_split_linear``, does both (`triton_split.split_linear`:
+at decode sizes the quantization runs inside the GEMM's launch, with the same codes).
 `serving_forward` is what a patched layer runs per call.
 """
 
@@ -86,6 +88,21 @@ def _gemm_impl(
     return run_gemm(backend, qa, qb, out_dtype)
 
 
+def _split_linear_impl(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    out_dtype: torch.dtype,
+    a_pow2: bool,
+    b_pow2: bool,
+    eps: float,
+) -> torch.Tensor:
+    from nemo_jetrl.fp8.triton_split import split_linear
+
+    qb = BlockQuantized(b, b_s, WEIGHT_BLOCK, "e4m3", b_pow2)
+    return split_linear(x, qb, pow2_scales=a_pow2, eps=eps, out_dtype=out_dtype)
+
+
 def _serving_device() -> torch.device:
     """Where this worker's weights live: its current CUDA device, else the CPU."""
     if torch.cuda.is_available():
@@ -101,7 +118,7 @@ def ensure_ops() -> Any:
     """
     ns = getattr(torch.ops, OP_NAMESPACE)
     try:
-        ns.fp8_block_gemm.default  # noqa: B018  (lookup raises when undefined)
+        ns.fp8_split_linear.default  # noqa: B018  (lookup raises when undefined)
         return ns
     except (AttributeError, RuntimeError):
         pass
@@ -131,6 +148,14 @@ def ensure_ops() -> Any:
     def _(a, a_s, b, b_s, out_dtype, a_pow2, b_pow2, backend):  # type: ignore[no-untyped-def]
         return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
+    fp8_split_linear = torch.library.custom_op(
+        f"{OP_NAMESPACE}::fp8_split_linear", _split_linear_impl, mutates_args=()
+    )
+
+    @fp8_split_linear.register_fake
+    def _(x, b, b_s, out_dtype, a_pow2, b_pow2, eps):  # type: ignore[no-untyped-def]
+        return x.new_empty((x.shape[0], b.shape[0]), dtype=out_dtype)
+
     return ns
 
 
@@ -148,6 +173,8 @@ def serving_forward(
     the first M rows of the result. ``settings``: (pow2 activation scales, pow2 weight scales,
     eps). ``capture``: the layer's capture deque (tests), which gets the unpadded operands."""
     pow2, w_pow2, eps = settings
+    if backend == "triton_splitk" and capture is None:
+        return ops.fp8_split_linear(x2, weight, weight_scale_inv, out_dtype, pow2, w_pow2, eps)
     rows, layout = activation_layout(backend, pow2 and w_pow2)
     m = x2.shape[0]
     q, q_s = ops.quantize_act_1x128(x2, pow2, eps, layout == "mn_major", rows)

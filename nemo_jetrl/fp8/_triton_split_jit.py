@@ -1,0 +1,122 @@
+"""The jitted fixed-split FP8 GEMM behind `nemo_jetrl.fp8.triton_split` (read its docstring).
+
+Imports triton at its top like `_triton_gemm_jit`; only `triton_split._kernel()` imports it.
+Every tile is computed swapped: the weight's rows are the MMA's M dimension (64 rows, Hopper's
+wgmma height, for every batch size) and the tokens its N dimension, so a decode batch of one
+token wastes no MMA rows and the instruction never changes with M.
+"""
+
+import triton
+import triton.language as tl
+
+from nemo_jetrl.fp8._triton_common import ROWS, _operand, quantize_blocks, to_fp32
+
+# DOT modes: the FP8 types on tensor cores; exact fp32 values from tables in TF32 (GPUs without
+# an FP8 dot for these formats); the same tables in float64, one rounding per tile (the
+# interpreter: the tile dot is then exact and the kernel gives `split_order_matmul`'s bits).
+DOT_NATIVE = tl.constexpr(0)
+DOT_TF32 = tl.constexpr(1)
+DOT_EXACT = tl.constexpr(2)
+
+
+@triton.jit
+def _tile_dot(w, xq, lut_w_ptr, lut_x_ptr, DOT: tl.constexpr, FP8_W: tl.constexpr,
+              FP8_X: tl.constexpr):  # fmt: skip
+    # [BW, 128] weight codes x [BT, 128] token codes -> fp32 [BW, BT]: one K tile's dot.
+    wv = _operand(w, lut_w_ptr, DOT == DOT_NATIVE, FP8_W)
+    xv = tl.trans(_operand(xq, lut_x_ptr, DOT == DOT_NATIVE, FP8_X))
+    if DOT == DOT_NATIVE:
+        p = tl.dot(wv, xv, out_dtype=tl.float32)
+    elif DOT == DOT_TF32:
+        p = tl.dot(wv, xv, input_precision="tf32", out_dtype=tl.float32)
+    else:
+        p = tl.dot(
+            wv.to(tl.float64), xv.to(tl.float64), input_precision="ieee", out_dtype=tl.float64
+        ).to(tl.float32)
+    return p
+
+
+@triton.jit
+def _chunk_sum(
+    x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr,
+    rw, rt, c, M, N, K, KB,
+    sxm, sxk, sam, sak, ssam, ssak, sbn, sbk, ssbn, ssbk,
+    CHUNK: tl.constexpr, B_ROWS: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+    FUSED: tl.constexpr, IN_BF16: tl.constexpr, FMAX: tl.constexpr, MAXV: tl.constexpr,
+    EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+    NATIVE_CAST: tl.constexpr, DOT: tl.constexpr, FP8_A: tl.constexpr, FP8_B: tl.constexpr,
+):  # fmt: skip
+    # Chunk c's sum for weight rows rw and tokens rt, from zero, in TE's per-tile order:
+    #   acc = fma(p_t * sa[token, t], sb[row, t], acc)   (`split_order` module docstring).
+    # FUSED: the tokens arrive unquantized and each 1x128 block is quantized here with the
+    # quantizer's own helpers (the codes and scale_inv `quantize_blockwise` writes).
+    rk = tl.arange(0, 128).to(tl.int64)
+    acc = tl.zeros([BW, BT], dtype=tl.float32)
+    t_end = tl.minimum((c + 1) * CHUNK, KB)
+    for t in range(c * CHUNK, t_end):
+        k = t * 128 + rk
+        kmask = k[None, :] < K
+        w = tl.load(b_ptr + rw[:, None] * sbn + k[None, :] * sbk,
+                    mask=(rw[:, None] < N) & kmask, other=0)  # fmt: skip
+        tmask = (rt[:, None] < M) & kmask
+        if FUSED:
+            xv = tl.load(x_ptr + rt[:, None] * sxm + k[None, :] * sxk, mask=tmask, other=0)
+            xq, sa = quantize_blocks(to_fp32(xv, IN_BF16), ROWS, FMAX, MAXV, EPS, POW2, MANT,
+                                     BIAS, NATIVE_CAST, FP8_A)  # fmt: skip
+        else:
+            xq = tl.load(a_ptr + rt[:, None] * sam + k[None, :] * sak, mask=tmask, other=0)
+            sa = tl.load(sa_ptr + rt * ssam + t * ssak, mask=rt < M, other=0.0)
+        p = _tile_dot(w, xq, lut_b_ptr, lut_a_ptr, DOT, FP8_B, FP8_A)
+        sb = tl.load(sb_ptr + (rw // B_ROWS) * ssbn + t * ssbk, mask=rw < N, other=0.0)
+        acc = tl.fma(p * sa[None, :], sb[:, None], acc)
+    return acc
+
+
+@triton.jit
+def split_gemm_kernel(
+    x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, ws_ptr, c_ptr,
+    M, N, K, KB, S,
+    sxm, sxk, sam, sak, ssam, ssak, sbn, sbk, ssbn, ssbk, sws, swm, scm, scn,
+    CHUNK: tl.constexpr, B_ROWS: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
+    SPLIT: tl.constexpr, FUSED: tl.constexpr, IN_BF16: tl.constexpr, FMAX: tl.constexpr,
+    MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr,
+    BIAS: tl.constexpr, NATIVE_CAST: tl.constexpr, DOT: tl.constexpr, FP8_A: tl.constexpr,
+    FP8_B: tl.constexpr,
+):  # fmt: skip
+    # Program (w, t[, c]): weight rows [w*BW, +BW) x tokens [t*BT, +BT).
+    # SPLIT: chunk c = program_id(2) only, its partial stored to ws[c] (`fold_kernel` adds the
+    # partials in order); else every chunk here, folded left to right in registers.
+    rw = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
+    rt = tl.program_id(1).to(tl.int64) * BT + tl.arange(0, BT)
+    if SPLIT:  # noqa: SIM108 (a statement-level constexpr branch: only the taken one compiles)
+        c0 = tl.program_id(2)
+    else:
+        c0 = 0
+    total = _chunk_sum(x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, rw, rt, c0,
+                       M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk, ssbn, ssbk, CHUNK,
+                       B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV, EPS, POW2, MANT, BIAS,
+                       NATIVE_CAST, DOT, FP8_A, FP8_B)  # fmt: skip
+    mask = (rt[None, :] < M) & (rw[:, None] < N)
+    if SPLIT:
+        tl.store(ws_ptr + c0.to(tl.int64) * sws + rt[None, :] * swm + rw[:, None], total, mask=mask)
+    else:
+        # the same adds, in the same order, as `fold_kernel` makes of the partials
+        for c in range(1, S):
+            total += _chunk_sum(x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, rw,
+                                rt, c, M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk,
+                                ssbn, ssbk, CHUNK, B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV,
+                                EPS, POW2, MANT, BIAS, NATIVE_CAST, DOT, FP8_A, FP8_B)  # fmt: skip
+        dst = c_ptr + rt[None, :] * scm + rw[:, None] * scn
+        tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fold_kernel(ws_ptr, c_ptr, MN, N, S, sws, scm, scn, BLOCK: tl.constexpr):
+    # out = ((ws[0] + ws[1]) + ws[2]) + ...: the split kernel's partials in chunk order, cast once.
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    total = tl.load(ws_ptr + i, mask=mask, other=0.0)
+    for c in range(1, S):
+        total += tl.load(ws_ptr + c * sws + i, mask=mask, other=0.0)
+    dst = c_ptr + (i // N) * scm + (i % N) * scn
+    tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)

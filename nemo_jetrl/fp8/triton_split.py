@@ -1,0 +1,199 @@
+"""The ``triton_splitk`` FP8 GEMM: split-K for decode, with a row's bits independent of the batch.
+
+``split_gemm(a, b)`` computes ``a @ b.T`` (`gemm`'s operand convention: ``a`` 1x128 ``[M, K]``,
+``b`` 128x128 or 1x128 ``[N, K]``) in the fixed split order of `split_order`: K is cut into
+chunks of 8 scale tiles, each chunk summed in TE's per-tile order, the chunk sums added left to
+right. Two launch modes give the same bits for every element:
+
+* **split** (M <= `SPLIT_MAX_M`, the decode sizes): one program per (64 weight rows, token
+  tile, chunk), each writing its chunk's partial; a second launch (`fold_kernel`) adds the
+  partials in chunk order and casts. The weight is read by ``ceil(N/64) * chunks`` programs at
+  once (K = 4096, N = 4096: 256 programs), which is what a memory-bound decode GEMM needs.
+* **fold in registers** (larger M, prefill and the trainer's forward): one program per
+  (64 weight rows, 128 tokens) sums every chunk and folds as it goes; no workspace.
+
+Every tile is computed swapped (the weight's 64 rows are the MMA's M dimension: Hopper's wgmma
+for every batch size, no 64-row token tile for one token). ``split_linear(x, b)`` also quantizes
+the activation: at M <= `FUSE_MAX_M` inside the GEMM's programs (the quantizer's own helpers,
+so the same codes and scales as `quantize_blockwise`; no separate launch), else with the 1x128
+Triton quantizer first.
+
+Because the order is a function of K alone, a token's row is the same at M = 1 and among 8192
+tokens, in both scale modes (no row padding as cuBLASLt's FP32-scale path needs); when the
+rollout engine and the trainer both run this backend (``JETRL_FP8_GEMM_BACKEND=triton_splitk``),
+the serving rows equal the trainer's forward. Under Triton's CPU interpreter the tile dot is
+taken in float64 (exact), and the kernel gives `split_order.split_order_matmul`'s bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from nemo_jetrl.fp8._deps import require
+from nemo_jetrl.fp8.formats import get_format
+from nemo_jetrl.fp8.quantize import INPUT_DTYPES, BlockQuantized
+from nemo_jetrl.fp8.split_order import CHUNK_TILES, split_count
+from nemo_jetrl.fp8.triton_gemm import native_dot, pipeline_stages, value_table
+from nemo_jetrl.fp8.triton_launch import NO_FTZ, _bits_if_bf16, _fp32, interpreting
+
+SPLIT_MAX_M = 64
+"""Token counts at or below which the split mode runs (speed only: both modes give one result)."""
+FUSE_MAX_M = 16
+"""Token counts at or below which `split_linear` quantizes inside the GEMM (speed only)."""
+WEIGHT_ROWS = 64
+"""Weight rows per program: the MMA's M dimension (Hopper's wgmma height) at every batch size."""
+FOLD_BLOCK = 1024
+
+
+@functools.cache
+def _kernel() -> ModuleType:
+    require("triton", feature="the split-K FP8 GEMM")
+    from nemo_jetrl.fp8 import _triton_split_jit
+
+    return _triton_split_jit
+
+
+@dataclass(frozen=True)
+class SplitLaunch:
+    """How one call is launched (chosen from M; the bits do not depend on it)."""
+
+    split: bool
+    """Split mode (a program per chunk, then the fold launch) or the fold in registers."""
+    token_tile: int
+    """Tokens per program: the MMA's N dimension (16, 32, 64 or 128)."""
+    chunks: int
+    """`split_order.split_count(K)`."""
+
+
+def launch_for(m: int, k: int) -> SplitLaunch:
+    """The launch mode and token tile for ``m`` tokens and reduction length ``k``."""
+    chunks = split_count(k)
+    split = chunks > 1 and m <= SPLIT_MAX_M
+    tile = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return SplitLaunch(split, tile, chunks)
+
+
+def _check(label: str, a_block, b: BlockQuantized, a_shape, out_dtype: torch.dtype) -> None:
+    if a_block != (1, 128) or b.block not in ((1, 128), (128, 128)):
+        raise ValueError(
+            f"{label}: needs a 1x128 [M, K] and b 1x128 or 128x128 [N, K]; got a {a_block} "
+            f"and b {b.block} (pass 128x1 operands as q.t())"
+        )
+    if len(a_shape) != 2 or b.data.dim() != 2 or a_shape[1] != b.data.shape[1]:
+        raise ValueError(
+            f"{label}: operands must be 2-D with the same K; got {tuple(a_shape)} and "
+            f"{tuple(b.data.shape)}"
+        )
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{label}: out_dtype {out_dtype} is not bf16/fp16/fp32")
+
+
+def _dot_mode(fmts: tuple[str, str], device: torch.device):
+    jit = _kernel()
+    if interpreting() or device.type != "cuda":
+        return jit.DOT_EXACT
+    if native_dot(fmts, torch.cuda.get_device_capability(device)):
+        return jit.DOT_NATIVE
+    return jit.DOT_TF32
+
+
+def _launch(x, qa, b: BlockQuantized, out_dtype, fused: dict | None, launch: SplitLaunch):
+    """One call of the kernel (and of the fold): ``x`` the unquantized input when ``fused``
+    holds the quantizer's constants, else ``qa`` the quantized one."""
+    jit = _kernel()
+    m, k = (x if fused else qa.data).shape
+    n = b.data.shape[0]
+    dev = b.data.device
+    a_fmt = fused["fmt"] if fused else qa.fmt
+    dot = _dot_mode((a_fmt, b.fmt), dev)
+    native = dot == jit.DOT_NATIVE
+    # The interpreter's own fp32 -> bf16 conversion truncates: write fp32 there, round in torch.
+    store_dtype = torch.float32 if interpreting() else out_dtype
+    out = torch.empty(m, n, dtype=store_dtype, device=dev)
+    if not (m and n):
+        return out.to(out_dtype)
+    fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
+    lut_a = b.scale_inv if native else value_table(a_fmt, dev)
+    lut_b = b.scale_inv if native else value_table(b.fmt, dev)
+    qb, sb = b.data.view(torch.uint8), b.scale_inv
+    if fused:
+        xa, qdat, sa = _bits_if_bf16(x), sb, sb  # any pointer stands in for the unused ones
+        sx, sq, ss = (xa.stride(0), xa.stride(1)), (0, 0), (0, 0)
+        quant = {key: v for key, v in fused.items() if key != "fmt"}
+    else:
+        xa, qdat, sa = sb, qa.data.view(torch.uint8), qa.scale_inv
+        sx, sq, ss = (0, 0), (qdat.stride(0), qdat.stride(1)), (sa.stride(0), sa.stride(1))
+        quant = dict(IN_BF16=False, FMAX=0.0, MAXV=0.0, EPS=0.0, POW2=False, MANT=3, BIAS=7,
+                     NATIVE_CAST=False)  # fmt: skip
+    kb, bt, s = -(-k // 128), launch.token_tile, launch.chunks
+    ws = torch.empty(s if launch.split else 0, m, n, dtype=torch.float32, device=dev)
+    grid = (-(-n // WEIGHT_ROWS), -(-m // bt), s if launch.split else 1)
+    jit.split_gemm_kernel[grid](
+        xa, qdat, sa, qb, sb, lut_a, lut_b, ws, out, m, n, k, kb, s,
+        *sx, *sq, *ss, qb.stride(0), qb.stride(1), sb.stride(0), sb.stride(1),
+        m * n, n, out.stride(0), out.stride(1),
+        CHUNK=CHUNK_TILES, B_ROWS=b.block[0], BW=WEIGHT_ROWS, BT=bt, SPLIT=launch.split,
+        FUSED=fused is not None, DOT=dot, FP8_A=fp8[a_fmt], FP8_B=fp8[b.fmt], **quant,
+        num_warps=4, num_stages=pipeline_stages(native), **NO_FTZ,
+    )  # fmt: skip
+    if launch.split:
+        jit.fold_kernel[(-(-(m * n) // FOLD_BLOCK),)](
+            ws, out, m * n, n, s, m * n, out.stride(0), out.stride(1),
+            BLOCK=FOLD_BLOCK, num_warps=4, **NO_FTZ,
+        )  # fmt: skip
+    return out if store_dtype == out_dtype else out.to(out_dtype)
+
+
+def split_gemm(
+    a: BlockQuantized,
+    b: BlockQuantized,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    split: bool | None = None,
+) -> torch.Tensor:
+    """``a @ b.T`` in the fixed split order (module docstring). ``split`` forces a mode
+    (tests: both must give the same bits); None chooses from M (`launch_for`)."""
+    _check("split_gemm", a.block, b, a.data.shape, out_dtype)
+    launch = launch_for(a.data.shape[0], a.data.shape[1])
+    if split is not None:
+        launch = SplitLaunch(split and launch.chunks > 1, launch.token_tile, launch.chunks)
+    return _launch(None, a, b, out_dtype, None, launch)
+
+
+def split_linear(
+    x: torch.Tensor,
+    b: BlockQuantized,
+    *,
+    pow2_scales: bool,
+    eps: float = 0.0,
+    fmt: str = "e4m3",
+    out_dtype: torch.dtype = torch.bfloat16,
+    fused: bool | None = None,
+) -> torch.Tensor:
+    """``quantize(x, 1x128) @ b.T`` with `quantize_blockwise`'s codes and scales, unchecked (a
+    non-finite block gives its token a NaN row, as the serving quantizer does); ``fused``
+    quantizes inside the GEMM (None: at M <= `FUSE_MAX_M`)."""
+    from nemo_jetrl.fp8 import triton_kernels
+
+    _check("split_linear", (1, 128), b, x.shape, out_dtype)
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"split_linear: x is {x.dtype}; use one of {INPUT_DTYPES}")
+    m, k = x.shape
+    fused = m <= FUSE_MAX_M if fused is None else fused
+    if not fused:
+        qa = triton_kernels.quantize_blockwise_triton(
+            x, (1, 128), fmt=fmt, pow2_scales=pow2_scales, eps=eps, check_finite=False
+        )
+        return _launch(None, qa, b, out_dtype, None, launch_for(m, k))
+    native_cast = triton_kernels.resolve_native_cast(x, None)
+    consts = triton_kernels._format_constants(get_format(fmt), x.dtype, native_cast)
+    quant = dict(
+        fmt=fmt, IN_BF16=consts["IN_BF16"], FMAX=consts["FMAX"], MAXV=consts["MAXV"],
+        EPS=_fp32(eps) if eps > 0 else 0.0, POW2=bool(pow2_scales), MANT=consts["MANT"],
+        BIAS=consts["BIAS"], NATIVE_CAST=consts["NATIVE"],
+    )  # fmt: skip
+    return _launch(x, None, b, out_dtype, quant, launch_for(m, k))

@@ -1,0 +1,198 @@
+"""The ``triton_splitk`` GEMM (`triton_split`): its fixed split order, its bits, its two modes.
+
+CPU (Triton's interpreter, where the tile dot is exact): every output equals the pure-torch
+reference `split_order_matmul` bit for bit in both launch modes, so a token's row is the same at
+every M; the fused activation quantization gives the quantizer's codes. GPU (``gpu`` tests): the
+tensor cores round inside a tile's dot, so there the claims are row invariance M = 1..8192 and
+the serving path's rows equal to the trainer's forward, on Qwen3-8B's shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.fp8.split_order import chunk_bounds, split_count, split_order_matmul
+
+triton_split = pytest.importorskip("nemo_jetrl.fp8.triton_split")
+pytestmark = pytest.mark.triton
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def _operands(m, n, k, *, pow2, seed, w_block=(128, 128), w_fmt="e4m3", device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    # scaled per row so the 1x128 scales differ (FP32 scales then round in the order's steps)
+    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g))
+    w = torch.randn(n, k, generator=g) * 0.05
+    qx = quantize_blockwise(x.to(BF16).to(device), (1, 128), pow2_scales=pow2)
+    qw = quantize_blockwise(w.to(BF16).to(device), w_block, fmt=w_fmt, pow2_scales=pow2)
+    return x.to(BF16).to(device), qx, qw
+
+
+def _rows(q, m):
+    return type(q)(q.data[:m], q.scale_inv[:m], q.block, q.fmt, q.pow2_scales)
+
+
+# --------------------------------------------------------------------------------- the rule
+
+
+def test_the_split_is_a_function_of_k_alone():
+    # Literals (the bits' definition, `split_order.CHUNK_TILES` = 8 tiles of 128): Qwen3-8B's
+    # K = 4096 (qkv, o, gate_up) gives 4 chunks, the down projection's K = 12288 gives 12.
+    assert [split_count(k) for k in (1, 128, 1024, 1025, 4096, 12288)] == [1, 1, 1, 2, 4, 12]
+    assert chunk_bounds(2500) == [(0, 1024), (1024, 2048), (2048, 2500)]
+    launches = {m: triton_split.launch_for(m, 4096) for m in (1, 16, 17, 33, 64, 65, 8192)}
+    assert [launches[m].token_tile for m in launches] == [16, 16, 32, 64, 64, 128, 128]
+    assert [launches[m].split for m in launches] == [True] * 5 + [False] * 2
+    assert not triton_split.launch_for(1, 1024).split  # one chunk: nothing to split
+
+
+def test_the_order_differs_from_one_chain_so_the_bit_tests_can_fail():
+    """FP32 scales over 3 chunks: the fixed split's bits are not the single TE chain's (a
+    kernel that forgot the split would fail the tests below), nor the reversed fold's."""
+    _, qx, qw = _operands(24, 64, 2500, pow2=False, seed=1)
+    split = split_order_matmul(qx, qw, out_dtype=FP32)
+    chain = blockwise_matmul(qx, qw, out_dtype=FP32, exact=True)
+    assert not torch.equal(split, chain)
+    parts = [
+        split_order_matmul(
+            type(qx)(qx.data[:, k0:k1], qx.scale_inv[:, k0 // 128 : -(-k1 // 128)], qx.block,
+                     qx.fmt, qx.pow2_scales),
+            type(qw)(qw.data[:, k0:k1], qw.scale_inv[:, k0 // 128 : -(-k1 // 128)], qw.block,
+                     qw.fmt, qw.pow2_scales),
+            out_dtype=FP32,
+        )
+        for k0, k1 in chunk_bounds(2500)
+    ]  # fmt: skip
+    assert torch.equal(split, (parts[0] + parts[1]) + parts[2])
+    assert not torch.equal(split, parts[0] + (parts[1] + parts[2]))
+
+
+# --------------------------------------------------------------------- bits (interpreter)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant(pow2):
+    # K = 2500: 3 chunks, a partial last tile; N = 200: a partial 64-row tile and 128-block
+    _, qx, qw = _operands(70, 200, 2500, pow2=pow2, seed=2 + pow2)
+    want = split_order_matmul(qx, qw, out_dtype=FP32)
+    for split in (True, False):
+        assert torch.equal(triton_split.split_gemm(qx, qw, out_dtype=FP32, split=split), want)
+    assert torch.equal(triton_split.split_gemm(qx, qw, out_dtype=BF16), want.to(BF16))
+    for m in (1, 3, 16, 17, 33, 64):  # every token tile, split mode up to 64
+        got = triton_split.split_gemm(_rows(qx, m), qw, out_dtype=FP32)
+        assert torch.equal(got, want[:m]), m
+
+
+def test_wgrad_and_mixed_format_pairs():
+    """The WGrad pair (b 1x128: a scale per row of b) and the hybrid recipe's E5M2 x E4M3."""
+    _, qx, qw = _operands(20, 72, 1300, pow2=False, seed=5, w_block=(1, 128))
+    for split in (True, False):
+        got = triton_split.split_gemm(qx, qw, out_dtype=FP32, split=split)
+        assert torch.equal(got, split_order_matmul(qx, qw, out_dtype=FP32))
+    g = torch.Generator().manual_seed(6)
+    dy = quantize_blockwise(torch.randn(9, 1300, generator=g).to(BF16), (1, 128), fmt="e5m2")
+    _, _, w = _operands(1, 96, 1300, pow2=False, seed=7)
+    got = triton_split.split_gemm(dy, w, out_dtype=FP32)
+    assert torch.equal(got, split_order_matmul(dy, w, out_dtype=FP32))
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_fused_quantization_gives_the_quantizers_codes(dtype):
+    x, _, qw = _operands(20, 130, 1300, pow2=False, seed=8)
+    x = x.to(dtype)
+    x[4, 300] = float("inf")  # token 4's second block is non-finite: its row only is NaN
+    for pow2 in (True, False):
+        qx = quantize_blockwise(x, (1, 128), pow2_scales=pow2, eps=1e-12, check_finite=False)
+        want = split_order_matmul(qx, qw, out_dtype=FP32)
+        for m in (1, 5, 20):
+            for fused in (True, False):
+                got = triton_split.split_linear(
+                    x[:m], qw, pow2_scales=pow2, eps=1e-12, out_dtype=FP32, fused=fused
+                )
+                rows = [i for i in range(m) if i != 4]
+                assert torch.equal(got[rows], want[:m][rows]), (m, fused, pow2)
+                if m > 4:
+                    assert bool(got[4].isnan().all())
+
+
+def test_refuses_operands_by_name():
+    _, _, qw = _operands(4, 64, 256, pow2=True, seed=9)
+    with pytest.raises(ValueError, match=r"split_gemm: needs a 1x128"):
+        triton_split.split_gemm(qw, qw)
+    with pytest.raises(ValueError, match=r"split_linear: operands must be 2-D with the same K"):
+        triton_split.split_linear(torch.zeros(2, 128), qw, pow2_scales=True)
+    with pytest.raises(ValueError, match=r"split_linear: x is torch.int32"):
+        triton_split.split_linear(torch.zeros(2, 256, dtype=torch.int32), qw, pow2_scales=True)
+
+
+# ------------------------------------------------------------------- as a planned backend
+
+
+def test_serving_rows_equal_the_trainers_forward_on_triton_splitk():
+    """The serving op (`serving_forward`, what the patched vLLM layer runs) at M = 1..40 vs the
+    trainer's forward over all 40 tokens (`fp8_linear_forward` on the same backend)."""
+    from nemo_jetrl.fp8.linear import fp8_linear_forward
+    from nemo_jetrl.vllm_patch import serving_ops
+
+    x, qx, qw = _operands(40, 136, 1300, pow2=False, seed=10)
+    plan = gemm_backends.plan_gemm(
+        "cpu", out_dtype=BF16, pow2_scales=False, backend="triton_splitk"
+    )
+    assert plan.backend == "triton_splitk"
+    want = fp8_linear_forward(qx, qw, None, BF16, backend=plan.backend)
+    ops = serving_ops.ensure_ops()
+    for m in (1, 2, 7, 16, 40):
+        got = serving_ops.serving_forward(
+            ops, x[:m], qw.data, qw.scale_inv, plan.backend, BF16, (False, False, 0.0)
+        )
+        assert torch.equal(got, want[:m]), m
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("name", list(QWEN3_8B))
+def test_gpu_every_row_at_every_batch_size_equals_the_trainers_forward(name, pow2):
+    """Qwen3-8B's linears on the GPU: the serving op's rows at M = 1..64 (split mode, fused
+    quantization up to 16) and at 65..8192 equal the trainer's forward over 8192 tokens."""
+    from nemo_jetrl.fp8.linear import fp8_linear_forward
+    from nemo_jetrl.vllm_patch import serving_ops
+
+    n, k = QWEN3_8B[name]
+    x, qx, qw = _operands(8192, n, k, pow2=pow2, seed=11, device="cuda")
+    want = fp8_linear_forward(qx, qw, None, BF16, backend="triton_splitk")
+    ops = serving_ops.ensure_ops()
+    for m in (1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 64, 65, 255, 256, 1000, 8192):
+        got = serving_ops.serving_forward(
+            ops, x[:m], qw.data, qw.scale_inv, "triton_splitk", BF16, (pow2, pow2, 0.0)
+        )
+        bad = (got != want[:m]).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"{name} M={m}: rows {bad[:8]} differ from the trainer's forward"
+
+
+@pytest.mark.gpu
+def test_gpu_split_gemm_is_graph_capturable_and_within_the_gemm_bound():
+    x, qx, qw = _operands(8, 4096, 4096, pow2=False, seed=12, device="cuda")
+    out = triton_split.split_linear(x, qw, pow2_scales=False)  # compiled before capture
+    ref = split_order_matmul(_to_cpu(qx), _to_cpu(qw), out_dtype=FP32)
+    # Hopper's FP8 dot keeps ~14 bits per group of 32 products (results/README.md): 2**-9 of
+    # |A||B|, the bound the other GPU GEMM tests use
+    bound = _to_cpu(qx).dequantize(FP32).abs() @ _to_cpu(qw).dequantize(FP32).abs().t()
+    assert bool(((out.float().cpu() - ref).abs() <= bound * 2**-9 + 2**-20).all())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_split.split_linear(x, qw, pow2_scales=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+
+
+def _to_cpu(q):
+    return type(q)(q.data.cpu(), q.scale_inv.cpu(), q.block, q.fmt, q.pow2_scales)
