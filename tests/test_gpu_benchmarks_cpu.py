@@ -233,6 +233,38 @@ def test_serving_kernel_prints_the_issue_targets(bench):
     assert module.verdict(3, 9.0) == "-"
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypatch):
+    """``--backends auto,triton_splitk`` on CPU (interpreter; timing stubbed): one BF16 time per
+    M, a row per backend with its ratio and the weight bytes per second (TB/s)."""
+    from nemo_jetrl.fp8 import triton_kernels
+
+    if not triton_kernels.interpreting():
+        pytest.skip("runs the split-K kernel on CPU tensors in Triton's interpreter")
+    module = bench("bench_serving_kernel")
+    import bench_fp8_linear
+
+    monkeypatch.setattr(bench_fp8_linear, "layer_shapes", lambda model: [("o", 136, 1300)])
+    outs = []
+
+    def timed(fn, **kw):
+        outs.append(fn())
+        return 2.0 if outs[-1][0].dtype == torch.bfloat16 and len(outs) % 3 == 1 else 1.0
+
+    monkeypatch.setattr(module._common, "bench_ms", timed)
+    args = module.build_parser().parse_args(
+        ["--device", "cpu", "--tokens", "1", "3", "--backends", "auto,triton_splitk", "--no-pow2"]
+    )
+    rows = module.run(args)
+    assert [(r["M"], r["backend"]) for r in rows] == [
+        (1, "reference"), (1, "triton_splitk"), (3, "reference"), (3, "triton_splitk")
+    ]  # fmt: skip
+    assert [tuple(o[0].shape) for o in outs] == [(1, 136)] * 3 + [(3, 136)] * 3
+    for r in rows:
+        assert r["speedup"] == 2.0 and r["fp8_TBps"] == 136 * 1300 / 1.0 / 1e9
+        assert r["bf16_TBps"] == 2 * 136 * 1300 / 2.0 / 1e9 and r["target"] in ("MET", "-")
+
+
 def test_quantizer_targets_say_met_or_not_met(bench):
     """Issue 35's quantizer bars from synthetic rows (the real figures need a GPU)."""
     module = bench("bench_quantizer_bandwidth")
@@ -280,15 +312,16 @@ def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
     text = capsys.readouterr().out
     rows = {r["recipe"]: r for r in json.loads(out.read_text())["rows"]}
     assert sorted(rows) == sorted(module.RECIPES)
-    for r in ("jetrl", "jetrl@fp32", "jetrl_kv"):  # jetrl in both scale modes
+    # jetrl in both scale modes and on the split-K GEMM (CUDA operands only: here the reference)
+    for r in ("jetrl", "jetrl@fp32", "jetrl_kv", "jetrl@splitk"):
         assert rows[r]["exactly_on_policy"] == "MET" and rows[r]["tmpe_max"] == 1.0
         assert rows[r]["gen_kl_max"] == 0.0
     assert rows["fp8_rollout"]["mismatch"] > 0 and rows["fp8_rollout"]["exactly_on_policy"] == "-"
     for row in rows.values():
         assert row["step_s"] > 0 and row["tokens_per_s"] > 0
         assert 0 < row["invariant_ops_share"] < 1  # every recipe runs the invariant ops
-    assert text.count("exactly on-policy: MET") == 3
-    with pytest.raises(ValueError, match="the only scale suffix is @fp32"):
+    assert text.count("exactly on-policy: MET") == 4
+    with pytest.raises(ValueError, match="the suffixes are @fp32, @splitk, @fp32"):
         module.run_recipe("jetrl@e8m0", None, module.build_parser().parse_args([]), tmp_path)
 
 

@@ -76,10 +76,13 @@ def test_dry_run_lists_the_steps_in_order_within_540_s():
         assert bench in names and names.index(bench) > names.index("bench_local_grpo")
     assert names[-1] == "pack"
     assert "--steps 3" in p.stdout and "jetrl,jetrl_kv,fp8_rollout,bf16" in p.stdout
-    # the two test steps split gpu_check.sh's list between them, each module once
+    # the three test steps split gpu_check.sh's list between them, each module once: the
+    # invariant kernels', the split-K GEMM's (before the serving benchmarks), the rest
     counts = [int(n) for n in re.findall(r"JETRL_GPU_TESTS=\((\d+) modules", p.stdout)]
     inv = [m for m in gpu_test_modules() if m.startswith("tests/invariant/")]
-    assert counts == [len(inv), len(gpu_test_modules()) - len(inv)] and len(inv) >= 3
+    assert counts == [len(inv), 1, len(gpu_test_modules()) - len(inv) - 1] and len(inv) >= 3
+    assert names.index("split_gemm_tests") < names.index("bench_serving_fp32")
+    assert "jetrl@splitk" in p.stdout and p.stdout.count("--backends auto,triton_splitk") == 2
 
 
 def test_dry_run_fails_when_the_limits_exceed_the_budget():
@@ -359,8 +362,8 @@ def test_the_wheel_set_alone_collects_the_gpu_tests_and_runs_the_local_grpo_step
 
 # -- the session script on CPU ------------------------------------------------------------------
 
-STEP_LIMITS = ("PREFLIGHT", "INVARIANT_TESTS", "LOCAL_GRPO", "INVARIANT_OPS", "SERVING_FP32",
-               "SERVING_POW2", "MOE", "LINEAR", "QUANT", "FP8_TESTS")  # fmt: skip
+STEP_LIMITS = ("PREFLIGHT", "INVARIANT_TESTS", "LOCAL_GRPO", "INVARIANT_OPS", "SPLIT_TESTS",
+               "SERVING_FP32", "SERVING_POW2", "MOE", "LINEAR", "QUANT", "FP8_TESTS")  # fmt: skip
 
 
 def session(tmp_path: Path, name: str, carry: Path, run: tuple[str, ...], **env: str):

@@ -27,8 +27,10 @@ run, so a lease that times out keeps what finished).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -40,7 +42,11 @@ import torch
 
 # "RECIPE@fp32": the preset with TE's exact FP32 block scales on both sides instead of pow2 (the
 # keys `jetrl check` reads as "FP8 e4m3 fp32 (te)" / "(jetrl)": on-policy in both scale modes)
-RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl@fp32", "jetrl_kv")
+# "RECIPE@splitk": both sides' FP8 GEMMs on the triton_splitk backend (`fp8.triton_split`: a
+# token's row has the same bits at every batch size by construction), JETRL_FP8_GEMM_BACKEND set
+# for the run; "@fp32+splitk" both.
+RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl@fp32", "jetrl_kv", "jetrl@splitk")
+SUFFIXES = ("fp32", "splitk")
 EXACT = ("jetrl", "jetrl_kv")
 FP32_SCALE_KEYS = (
     "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
@@ -130,6 +136,19 @@ class OpsTimer:
             setattr(self.ops, n, f)
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str | None]):
+    """Environment variables set (a value) or unset (None) inside the block, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
 def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
     from nemo_jetrl.commands.demo import recipe_config
@@ -145,12 +164,13 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     ]  # fmt: skip
     if model is not None:
         keys.append(f"jetrl.local.model_config={model}")
-    preset, _, scales = recipe.partition("@")
-    if scales not in ("", "fp32"):
-        raise ValueError(f"--recipes: {recipe!r}: the only scale suffix is @fp32")
-    if scales:
+    preset, _, suffix = recipe.partition("@")
+    parts = [p for p in suffix.split("+") if p]
+    if any(p not in SUFFIXES for p in parts) or (suffix and not parts):
+        raise ValueError(f"--recipes: {recipe!r}: the suffixes are @fp32, @splitk, @fp32+splitk")
+    if "fp32" in parts:
         keys.extend(FP32_SCALE_KEYS)
-    run_dir = work / "runs" / f"{Path(model or 'demo').stem}-{preset}-{scales or 'preset'}"
+    run_dir = work / "runs" / f"{Path(model or 'demo').stem}-{preset}-{suffix or 'preset'}"
     cfg = recipe_config(preset, work, [f"logger.log_dir={run_dir}", *keys])
     timer = OpsTimer(device)
     profiled = n  # the last step is the instrumented one; timed: the steps between
@@ -160,7 +180,8 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
         timer.on = step + 1 == profiled  # instrument the next step when it is the last
 
     timer.on = profiled == 1
-    with timer:
+    backend = {"JETRL_FP8_GEMM_BACKEND": "triton_splitk" if "splitk" in parts else None}
+    with timer, _environ(backend):
         res = run_local(
             resolve_run(cfg),
             progress=False,

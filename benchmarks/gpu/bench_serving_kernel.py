@@ -9,11 +9,13 @@ gate_up, down; `bench_fp8_linear.layer_shapes`) of:
   GEMM needs, the GEMM backend planned for the layer), against weight scales stored at load as
   the kernel stores them (`gemm_backends.gemm_ready_weight_scales`), captured in a CUDA graph.
 
-Each row prints the ratio BF16 / FP8 and the issue-35 target with MET / NOT MET: >= 1.5x at
-M = 1, 8, 32, 64 and >= 1.3x at M = 256 and 8192.
+Each row prints the ratio BF16 / FP8, the weight bytes each read per second (TB/s: the
+decode sizes are bound by them) and the target with MET / NOT MET: >= 1.5x at M = 1, 8, 32, 64
+and >= 1.3x at M = 256 and 8192. ``--backends`` times several GEMM backends in one run against
+the same BF16 times (``auto``: what the layer plans; ``triton_splitk``: the split-K kernel).
 
 Usage: python benchmarks/gpu/bench_serving_kernel.py [--tokens 1 8 32 64 256 8192] [--iters 50]
-         [--pow2 | --no-pow2] [--json FILE]
+         [--pow2 | --no-pow2] [--backends auto,triton_splitk] [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--pow2", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--backends", default="auto", help="comma-separated GEMM backends to time")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU test
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     return ap
 
@@ -49,15 +53,17 @@ def verdict(m: int, speedup: float) -> str:
     return "MET" if speedup >= target else f"NOT MET (target >= {target}x)"
 
 
-def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool):
-    """(BF16 fn, FP8 fn, backends): each fn runs the four linears on ``x`` as served."""
+def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backend: str = "auto"):
+    """(BF16 fn, FP8 fn, backend): each fn runs the linears on ``x`` as served on ``backend``."""
     import torch.nn.functional as F
 
     from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
     from nemo_jetrl.vllm_patch import kernel
 
     ops = kernel.ensure_ops()
-    plan = gemm_backends.plan_gemm(x.device, out_dtype=torch.bfloat16, pow2_scales=pow2)
+    plan = gemm_backends.plan_gemm(
+        x.device, out_dtype=torch.bfloat16, pow2_scales=pow2, backend=backend
+    )
     layers = []
     for w in weights:
         qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
@@ -80,32 +86,37 @@ def run(args: argparse.Namespace) -> list[dict]:
     from bench_fp8_linear import layer_shapes
 
     shapes = layer_shapes(args.model)
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _, n, k in shapes]
+    dev = args.device
+    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _, n, k in shapes]
+    weight_bytes = sum(n * k for _, n, k in shapes)  # FP8: one byte per weight (BF16: two)
     bench = partial(_common.bench_ms, iters=args.iters, graph=True)
     rows = []
     for m in args.tokens:
-        bf16_ms = fp8_ms = 0.0
-        backend = ""
-        for (_, _, k), w in zip(shapes, weights, strict=True):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16, fp8, backend = serving_fns(x, [w], args.pow2)
-            bf16_ms += bench(bf16)
-            fp8_ms += bench(fp8)
-        speedup = bf16_ms / fp8_ms
-        rows.append(
-            {
-                "M": m,
-                "backend": backend,
-                "bf16_ms": bf16_ms,
-                "fp8_ms": fp8_ms,
-                "speedup": speedup,
-                "target": verdict(m, speedup),
-            }
-        )
+        xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _, _, k in shapes]
+        pairs = list(zip(xs, weights, strict=True))
+        bf16_ms = sum(bench(serving_fns(x, [w], args.pow2)[0]) for x, w in pairs)
+        for name in args.backends.split(","):
+            fp8_ms, backend = 0.0, ""
+            for x, w in pairs:
+                _, fp8, backend = serving_fns(x, [w], args.pow2, name)
+                fp8_ms += bench(fp8)
+            speedup = bf16_ms / fp8_ms
+            rows.append(
+                {
+                    "M": m,
+                    "backend": backend,
+                    "bf16_ms": bf16_ms,
+                    "fp8_ms": fp8_ms,
+                    "speedup": speedup,
+                    "bf16_TBps": 2 * weight_bytes / bf16_ms / 1e9,
+                    "fp8_TBps": weight_bytes / fp8_ms / 1e9,
+                    "target": verdict(m, speedup),
+                }
+            )
     return rows
 
 
-COLUMNS = ("M", "backend", "bf16_ms", "fp8_ms", "speedup", "target")
+COLUMNS = ("M", "backend", "bf16_ms", "fp8_ms", "speedup", "bf16_TBps", "fp8_TBps", "target")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,8 +21,8 @@
 # triton-cache.tar.gz (the compiled kernels, reused by the next call on the same
 # torch/Triton/CUDA/driver/GPU: --collect puts it in .cache/triton-gpu, which the call carries).
 #
-# Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,SERVING_FP32,
-# SERVING_POW2,MOE,LINEAR,QUANT,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
+# Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,SPLIT_TESTS,
+# SERVING_FP32,SERVING_POW2,MOE,LINEAR,QUANT,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
 # JETRL_GPU_WHEELS_DIR (.cache/gpu-wheels; empty: install nothing, use the interpreter as it is),
 # JETRL_TRITON_CARRY (.cache/triton-gpu), JETRL_TRITON_CACHE_DIR (/tmp/jetrl-triton-cache: a fixed
 # path, since Triton's cache index stores absolute paths), JETRL_TRITON_BINARY_ONLY (1: cache
@@ -42,9 +42,13 @@ site=${JETRL_GPU_SITE:-/tmp/jetrl-gpu-site}
 benches=(bench_local_grpo bench_invariant_ops bench_serving_kernel bench_moe_layer
   bench_fp8_linear bench_quantizer_bandwidth)
 mapfile -t all_tests < <(bash scripts/gpu_check.sh --list)
-inv_tests=() fp8_tests=()
+inv_tests=() split_tests=() fp8_tests=()
 for t in "${all_tests[@]}"; do
-  case $t in tests/invariant/*) inv_tests+=("$t") ;; *) fp8_tests+=("$t") ;; esac
+  case $t in
+    tests/invariant/*) inv_tests+=("$t") ;;
+    tests/fp8/test_split_gemm.py) split_tests+=("$t") ;;
+    *) fp8_tests+=("$t") ;;
+  esac
 done
 
 # The steps, in order of value: `step NAME LIMIT [--elastic] CMD...`. --elastic: the step also
@@ -57,20 +61,25 @@ plan() {
   # Both models (the demo's, then the ~0.6B Qwen3-shaped one), the exact recipes first: the JSON
   # is rewritten after every recipe, so a timeout keeps what ran.
   step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-140}" "$py" benchmarks/gpu/bench_local_grpo.py \
-    --steps 3 --recipes jetrl,jetrl_kv,fp8_rollout,bf16 --json "$work/json/bench_local_grpo.json"
+    --steps 3 --recipes jetrl,jetrl_kv,fp8_rollout,bf16,jetrl@splitk \
+    --json "$work/json/bench_local_grpo.json"
   step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-30}" "$py" benchmarks/gpu/bench_invariant_ops.py \
     --iters 20 --json "$work/json/bench_invariant_ops.json"
-  # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache).
-  step bench_serving_fp32 "${JETRL_SERVING_FP32_S:-25}" "$py" benchmarks/gpu/bench_serving_kernel.py \
-    --no-pow2 --iters 20 --json "$work/json/bench_serving_fp32.json"
-  step bench_serving_pow2 "${JETRL_SERVING_POW2_S:-25}" "$py" benchmarks/gpu/bench_serving_kernel.py \
-    --pow2 --iters 20 --json "$work/json/bench_serving_pow2.json"
+  # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache). The split-K
+  # GEMM's GPU tests first (never run on a GPU: rows = the trainer's forward at M = 1..8192), then
+  # the serving kernel on cuBLASLt (auto) and on it, against one BF16 time per M.
+  step split_gemm_tests "${JETRL_SPLIT_TESTS_S:-45}" env JETRL_GPU_TESTS="${split_tests[*]}" \
+    JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=40 bash scripts/gpu_check.sh -rfE --durations=5 -k gpu
+  step bench_serving_fp32 "${JETRL_SERVING_FP32_S:-35}" "$py" benchmarks/gpu/bench_serving_kernel.py \
+    --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
+  step bench_serving_pow2 "${JETRL_SERVING_POW2_S:-35}" "$py" benchmarks/gpu/bench_serving_kernel.py \
+    --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
   step bench_moe_layer "${JETRL_MOE_S:-35}" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
     --json "$work/json/bench_moe_layer.json"
   step bench_fp8_linear "${JETRL_LINEAR_S:-35}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
   step bench_quantizer "${JETRL_QUANT_S:-35}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py --iters 20
   # ~370 s with a cold Triton cache on an H100: the rest of the budget, more with a warm cache.
-  step fp8_tests "${JETRL_FP8_TESTS_S:-95}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
+  step fp8_tests "${JETRL_FP8_TESTS_S:-30}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=60 bash scripts/gpu_check.sh -rfE --durations=10
 }
 

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_setup import TRITON_MARKS
 
 from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
 from nemo_jetrl.fp8.gemm import blockwise_matmul
 from nemo_jetrl.fp8.split_order import chunk_bounds, split_count, split_order_matmul
+from nemo_jetrl.fp8.triton_launch import interpreting
 
 triton_split = pytest.importorskip("nemo_jetrl.fp8.triton_split")
-pytestmark = pytest.mark.triton
+pytestmark = TRITON_MARKS
+# The exact tile dot (float64) is the interpreter's: on a GPU the `gpu` tests below hold instead.
+interpreter_bits = pytest.mark.skipif(
+    not interpreting(), reason="the reference's bits need Triton's CPU interpreter"
+)
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -73,6 +79,7 @@ def test_the_order_differs_from_one_chain_so_the_bit_tests_can_fail():
 # --------------------------------------------------------------------- bits (interpreter)
 
 
+@interpreter_bits
 @pytest.mark.parametrize("pow2", [True, False])
 def test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant(pow2):
     # K = 2500: 3 chunks, a partial last tile; N = 200: a partial 64-row tile and 128-block
@@ -86,6 +93,7 @@ def test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant(pow
         assert torch.equal(got, want[:m]), m
 
 
+@interpreter_bits
 def test_wgrad_and_mixed_format_pairs():
     """The WGrad pair (b 1x128: a scale per row of b) and the hybrid recipe's E5M2 x E4M3."""
     _, qx, qw = _operands(20, 72, 1300, pow2=False, seed=5, w_block=(1, 128))
@@ -99,6 +107,7 @@ def test_wgrad_and_mixed_format_pairs():
     assert torch.equal(got, split_order_matmul(dy, w, out_dtype=FP32))
 
 
+@interpreter_bits
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_fused_quantization_gives_the_quantizers_codes(dtype):
     x, _, qw = _operands(20, 130, 1300, pow2=False, seed=8)
@@ -131,6 +140,7 @@ def test_refuses_operands_by_name():
 # ------------------------------------------------------------------- as a planned backend
 
 
+@interpreter_bits
 def test_serving_rows_equal_the_trainers_forward_on_triton_splitk():
     """The serving op (`serving_forward`, what the patched vLLM layer runs) at M = 1..40 vs the
     trainer's forward over all 40 tokens (`fp8_linear_forward` on the same backend)."""
@@ -149,6 +159,71 @@ def test_serving_rows_equal_the_trainers_forward_on_triton_splitk():
             ops, x[:m], qw.data, qw.scale_inv, plan.backend, BF16, (False, False, 0.0)
         )
         assert torch.equal(got, want[:m]), m
+
+
+# ------------------------------------------------------------------- compiled for sm_90
+
+# Compiles the kernel for sm_90 with this machine's Triton (no GPU needed) in each launch mode
+# and prints what the GPU would run: the MMA instructions, shared memory, registers.
+_SM90_COMPILE = r"""
+import inspect, json, re
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nemo_jetrl.fp8 import _triton_split_jit as js
+from nemo_jetrl.fp8.split_order import CHUNK_TILES
+from nemo_jetrl.fp8.triton_gemm import pipeline_stages
+from nemo_jetrl.fp8.triton_launch import NO_FTZ
+from nemo_jetrl.fp8.triton_split import WEIGHT_ROWS
+ptrs = {"x_ptr": "*i16", "a_ptr": "*u8", "sa_ptr": "*fp32", "b_ptr": "*u8", "sb_ptr": "*fp32",
+        "lut_a_ptr": "*fp32", "lut_b_ptr": "*fp32", "ws_ptr": "*fp32", "c_ptr": "*bf16"}
+out = []
+for split, fused, bt in ((True, True, 16), (True, False, 64), (False, False, 128)):
+    consts = dict(CHUNK=CHUNK_TILES, B_ROWS=128, BW=WEIGHT_ROWS, BT=bt, SPLIT=split, FUSED=fused,
+                  IN_BF16=True, FMAX=448.0, MAXV=3.3895313892515355e38, EPS=0.0, POW2=False,
+                  MANT=3, BIAS=7, NATIVE_CAST=True, DOT=0, FP8_A=tl.float8e4nv,
+                  FP8_B=tl.float8e4nv)
+    params = inspect.signature(js.split_gemm_kernel.fn).parameters
+    sig = {p: "constexpr" if p in consts else ptrs.get(p, "i32") for p in params}
+    k = triton.compile(ASTSource(fn=js.split_gemm_kernel, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=pipeline_stages(True), **NO_FTZ))
+    ptx = k.asm["ptx"]
+    out.append(dict(split=split, fused=fused, bt=bt, shared=k.metadata.shared,
+                    wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
+                    mma_sync=len(re.findall(r"\bmma\.sync", ptx))))
+sig = {p: "i32" for p in inspect.signature(js.fold_kernel.fn).parameters}
+sig.update(ws_ptr="*fp32", c_ptr="*bf16", BLOCK="constexpr")
+triton.compile(ASTSource(fn=js.fold_kernel, signature=sig, constexprs={"BLOCK": 1024}),
+               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **NO_FTZ))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_every_mode_compiles_for_sm90_to_the_same_wgmma_family():
+    """Hopper rounds inside an FP8 MMA, and a 16-row mma.sync rounds unlike a 64-row wgmma (an
+    H100 run saw it: results/README.md): every mode and token tile must compile to wgmma
+    m64nXk32 e4m3 (the weight in the 64 rows), never mma.sync, within Hopper's shared memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE], env=env, cwd=repo, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [c["bt"] for c in compiled] == [16, 64, 128]
+    for c in compiled:
+        want = f"wgmma.mma_async.sync.aligned.m64n{c['bt']}k32.f32.e4m3.e4m3"
+        assert c["wgmma"] == [want] and c["mma_sync"] == 0, c
+        assert 0 < c["shared"] <= 232448, c  # Hopper's limit as Triton states it (H100 log)
 
 
 # ------------------------------------------------------------------------------------- GPU
