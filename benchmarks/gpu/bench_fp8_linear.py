@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {_common.gpu_name()}; FP8 scales {'pow2' if args.pow2 else 'fp32'}")
     print(f"# sanity: max relative error FP8 vs BF16 (y, dx, dw) = {check_agreement(args):.4f}")
     rows = run(args)
+    from nemo_jetrl.fp8.triton_launch import direct_launch_status
+
+    on, why = direct_launch_status()  # issue 48: compiled launchers called directly or not
+    print(f"# Triton launches: {'direct (compiled launcher)' if on else 'JITFunction.run'}: {why}")
     _common.print_table(rows, COLUMNS)
     for line in target_summary(rows):
         print(line)

@@ -142,9 +142,11 @@ class LayerState:
             self.cache.clear()  # a new config or device: the cached weight may not fit it
             gpu = _on_gpu(x)
             quant = quant_backend(x) if gpu else None
+            fused = gpu and dispatch._fast(x, quant)  # asked once here, not per call
             plan = self.plan = make_plan(
-                key, config, gpu=gpu, quant=quant, cache_weight=self.cache_weight
-            )
+                key, config, gpu=gpu, quant=quant, cache_weight=self.cache_weight,
+                fused_rowcol=fused,
+            )  # fmt: skip
         return plan
 
     def __deepcopy__(self, memo: dict) -> LayerState:
@@ -164,9 +166,9 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
         need_dw = grad and ctx.needs_input_grad[1]
         plan = state.plan_for(x, weight, bias, config)
         k = x.shape[-1]
-        x2 = x.reshape(-1, k)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # 2-D: no view op per call
         xname = f"{name}.input"
-        fwd = {"fmt": config.forward_format, "pow2_scales": config.pow2_scales, "eps": config.eps}
+        fwd = plan.fwd_kw
         if plan.gpu and need_dw:  # FProp's 1x128 and WGrad's 128x1, one read
             qx, qxc = _quantize_rowcol(x2, xname, plan, (plan.x_layout, plan.wgrad_layout), **fwd)
         else:
@@ -188,17 +190,19 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
         ctx.config, ctx.name, ctx.plan = config, name, plan
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         config: Fp8LinearConfig = ctx.config
         plan: LinearPlan = ctx.plan
         saved = ctx.saved_tensors
-        fwd, pow2 = config.forward_format.name, config.pow2_scales
+        fwd, pow2 = plan.fwd_kw["fmt"].name, config.pow2_scales
         qwt = BlockQuantized(saved[0], saved[1], config.WEIGHT_BLOCK, fwd, pow2)  # W.T's blocks
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(ctx.x_dtype)
-        kw = {"fmt": config.grad_format, "pow2_scales": pow2, "eps": config.eps}
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
+        if dy2.dtype != ctx.x_dtype:
+            dy2 = dy2.to(ctx.x_dtype)
+        kw = plan.grad_kw
         name = f"{ctx.name}.grad_output"
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -219,7 +223,8 @@ class Fp8BlockLinearFunction(torch.autograd.Function):
             dx = linear_gemm(
                 qdy, qwt, out_dtype=ctx.x_dtype, exact=config.exact_gemm, backend=plan.dgrad
             )
-            dx = dx.reshape(ctx.x_shape)
+            if dx.shape != ctx.x_shape:
+                dx = dx.reshape(ctx.x_shape)
         if need_dw:  # both operands transposed: [N, M] x [K, M], 1x128 blocks
             qxct = BlockQuantized(saved[2], saved[3], config.ACTIVATION_BLOCK, fwd, pow2)
             dw = linear_gemm(
@@ -335,18 +340,18 @@ def _quantize_rowcol(t: torch.Tensor, name: str, plan: LinearPlan, layouts, **kw
     both: MN-major if either GEMM reads it (the others read any strides)."""
     flag = finite_flags.flag(name, t.device)
     layout = "mn_major" if "mn_major" in layouts else "compact"
-    kw.update(name=name, check_finite=False)
-    if dispatch._fast(t, plan.quant):
-        return quantize_rowcol_triton(t, scale_layout=layout, nonfinite_flag=flag, **kw)
-    row, col = quantize_rowcol_reference(t, **kw)
+    if plan.fused_rowcol:  # decided at plan time (`LayerState.plan_for`)
+        return quantize_rowcol_triton(
+            t, scale_layout=layout, nonfinite_flag=flag, name=name, check_finite=False, **kw
+        )
+    row, col = quantize_rowcol_reference(t, name=name, check_finite=False, **kw)
     finite_flags.note(flag, row.scale_inv)
     return row, col
 
 
 def _quantize_forward(t, block, config: Fp8LinearConfig, name: str, plan: LinearPlan, **kw):  # type: ignore[no-untyped-def]
     """A forward operand (weight or activation) in the config's forward format and scale rule."""
-    fmt, pow2 = config.forward_format, config.pow2_scales
-    return _quantize(t, block, name, plan, fmt=fmt, pow2_scales=pow2, eps=config.eps, **kw)
+    return _quantize(t, block, name, plan, **plan.fwd_kw, **kw)
 
 
 def _weight(w, config, name: str, plan: LinearPlan, cache: WeightCache, *, pair: bool):  # type: ignore[no-untyped-def]

@@ -54,6 +54,13 @@ class LinearPlan:
     """``scale_layout`` of the transposed 128x1 x/dy scales."""
     cache_weight: bool
     """Reuse the FP8 weight while the master weight is unchanged (`weight_cache`)."""
+    fused_rowcol: bool
+    """x and dy quantized 1x128 and 128x1 from one read by the fused Triton kernel (the CUDA path
+    with the Triton quantizer); False: the torch quantizer twice."""
+    fwd_kw: dict
+    """Format, scale rule and eps of x and W (quantizer keywords, built once, never mutated)."""
+    grad_kw: dict
+    """The same for dy (the grad format: E5M2 under ``hybrid``)."""
 
 
 def plan_key(
@@ -73,14 +80,24 @@ def weight_cache_enabled() -> bool:
 
 
 def make_plan(
-    key: tuple, config: Fp8LinearConfig, *, gpu: bool, quant: str | None, cache_weight: bool
+    key: tuple,
+    config: Fp8LinearConfig,
+    *,
+    gpu: bool,
+    quant: str | None,
+    cache_weight: bool,
+    fused_rowcol: bool | None = None,
 ) -> LinearPlan:
     """Plan the three GEMMs of a layer for inputs described by ``key`` (`plan_key`).
-    ``gpu``/``quant``: the CUDA path and its quantizer, decided by the caller."""
+    ``gpu``/``quant``: the CUDA path and its quantizer, decided by the caller;
+    ``fused_rowcol``: whether the fused Triton kernel runs (None: ``quant == "triton"``)."""
     device, x_dtype, w_dtype, b_dtype = key[:4]
     cache = cache_weight and weight_cache_enabled()
+    scales = {"pow2_scales": config.pow2_scales, "eps": config.eps}
+    kws = ({"fmt": config.forward_format, **scales}, {"fmt": config.grad_format, **scales})
+    fused = gpu and (quant == "triton" if fused_rowcol is None else fused_rowcol)
     if not gpu:
-        return LinearPlan(key, False, quant, None, None, None, *["compact"] * 3, cache)
+        return LinearPlan(key, False, quant, None, None, None, *["compact"] * 3, cache, False, *kws)
     fwd, grad, pow2 = config.forward_format.name, config.grad_format.name, config.pow2_scales
 
     def backend(out_dtype: torch.dtype, kind: str, fmts: tuple[str, str]) -> str:
@@ -95,4 +112,4 @@ def make_plan(
         "mn_major" if quant == "triton" and gemm in MN_MAJOR_GEMMS else "compact"
         for gemm in (fprop, dgrad, wgrad)
     ]  # the torch quantizer writes compact scales only
-    return LinearPlan(key, True, quant, fprop, dgrad, wgrad, *layouts, cache)
+    return LinearPlan(key, True, quant, fprop, dgrad, wgrad, *layouts, cache, fused, *kws)

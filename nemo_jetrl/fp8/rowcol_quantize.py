@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from nemo_jetrl.fp8 import triton_kernels as tk
+from nemo_jetrl.fp8 import triton_launch as launch
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
-from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
+from nemo_jetrl.fp8.quantize import INPUT_DTYPES, BlockQuantized, quantize_reference
 
 # Warps per 128x128 tile (any value gives the same bits; a GPU picks it: bench_quantizer_bandwidth
 # --sweep-tiles).
@@ -61,18 +63,15 @@ def quantize_rowcol_triton(
     ``check_finite``, ``native_cast`` and ``nonfinite_flag`` are `quantize_blockwise_triton`'s:
     the default check raises the reference's error naming the tensor; ``check_finite=False``
     reads nothing on the host (a NaN ``scale_inv`` marks a bad block, and the flag, if given,
-    is set on the device)."""
-    from nemo_jetrl.fp8 import triton_kernels as tk
-    from nemo_jetrl.fp8 import triton_launch as launch
-
+    is set on the device). Per call this checks the input and launches; everything that depends
+    only on the settings is built once (`triton_launch.launch_meta`)."""
     f = get_format(fmt)
-    label = f"quantize_rowcol(tensor {name!r})" if name else "quantize_rowcol"
-    if x.dim() != 2:
-        raise ValueError(f"{label}: needs 2-D input [tokens, features], got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"{label}: {x.dtype} cannot be quantized (bf16, fp16 or fp32)")
-    launch._check_device(x, label)
-    flag_kw = launch._flag_arg(nonfinite_flag, x, label)
+    if x.dim() != 2 or x.dtype not in INPUT_DTYPES or not x.is_cuda:
+        _refuse(x, name)
+    flag = nonfinite_flag
+    bad_flag = flag is not None and (flag.dtype != torch.int32 or flag.numel() < 1)
+    if bad_flag or (flag is not None and flag.device != x.device):
+        launch._flag_arg(flag, x, _label(name))  # raises naming the tensor
     m, k = x.shape
     mb, kb = -(-m // 128), -(-k // 128)
     row_data = torch.empty(m, k, dtype=f.dtype, device=x.device)
@@ -82,36 +81,39 @@ def quantize_rowcol_triton(
     # mn_major pads M (row scales) and K (column scales) to 4: the kernel writes those zeros
     # (the padding is < 4 rows/columns, so it always lies in the last, launched tile).
     mp, kp = (m, k) if scale_layout == "compact" else (-(-m // 4) * 4, -(-k // 4) * 4)
+    pow2 = bool(pow2_scales)
     if m and k:
-        tk._kernels().quantize_rowcol_kernel[(mb, kb)](
-            launch._bits_if_bf16(x),
-            row_data.view(torch.uint8),
-            row_s,
-            col_data.view(torch.uint8),
-            col_s,
-            row_s if nonfinite_flag is None else nonfinite_flag,
-            m,
-            k,
-            mp,
-            kp,
-            x.stride(0),
-            x.stride(1),
-            row_s.stride(0),
-            row_s.stride(1),
-            col_s.stride(0),
-            col_s.stride(1),
-            EPS=launch._fp32(eps) if eps > 0 else 0.0,
-            POW2=bool(pow2_scales),
-            num_warps=ROWCOL_WARPS,
-            **flag_kw,
-            **launch.NO_FTZ,
-            **tk._format_constants(f, x.dtype, launch.resolve_native_cast(x, native_cast)),
+        if native_cast is None:
+            native = x.is_cuda and launch.native_cast_default(x.device.index or 0)
+        else:
+            native = bool(native_cast)
+        meta = launch.launch_meta(
+            f.name, x.dtype, native, eps, pow2, flag is not None, ROWCOL_WARPS
         )
+        xs = x.stride()
+        args = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
+                row_data.view(torch.uint8), row_s, col_data.view(torch.uint8), col_s,
+                row_s if flag is None else flag, m, k, mp, kp, xs[0], xs[1],
+                *row_s.stride(), *col_s.stride())  # fmt: skip
+        launch.launch(tk._kernels().quantize_rowcol_kernel, (mb, kb), args, meta)
         if check_finite and not bool(torch.isfinite(row_s).all()):
             tk._raise_like_reference(x, (1, 128), f, pow2_scales, eps, name)
-    pow2 = bool(pow2_scales)
     row = BlockQuantized(row_data, row_s, (1, 128), f.name, pow2)
     return row, BlockQuantized(col_data, col_s, (1, 128), f.name, pow2)
+
+
+def _label(name: str | None) -> str:
+    return f"quantize_rowcol(tensor {name!r})" if name else "quantize_rowcol"
+
+
+def _refuse(x: torch.Tensor, name: str | None) -> None:
+    """Raise for input the fused kernel does not take (a CPU tensor only under the interpreter)."""
+    label = _label(name)
+    if x.dim() != 2:
+        raise ValueError(f"{label}: needs 2-D input [tokens, features], got {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{label}: {x.dtype} cannot be quantized (bf16, fp16 or fp32)")
+    launch._check_device(x, label)
 
 
 def quantize_rowcol(

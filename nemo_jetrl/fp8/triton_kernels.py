@@ -67,6 +67,8 @@ from nemo_jetrl.fp8.triton_launch import (
     _check_device,
     _flag_arg,
     _fp32,
+    launch,
+    launch_meta,
 )
 from nemo_jetrl.fp8.triton_launch import _native_cast_on as _native_cast_on
 from nemo_jetrl.fp8.triton_launch import can_run as can_run
@@ -142,8 +144,10 @@ def _raise_like_reference(x, block, f, pow2_scales, eps, name) -> None:
     )
 
 
+@functools.cache
 def _tile(mode: int) -> tuple[int, int, int]:
-    """(TM, TK, num_warps) per mode; bigger tiles under the interpreter (fewer Python programs)."""
+    """(TM, TK, num_warps) per mode; bigger tiles under the interpreter (fewer Python programs).
+    Decided once per process (Triton fixes interpreter-or-compiler when it defines a kernel)."""
     if interpreting():
         return {0: (64, 128, 4), 1: (128, 128, 4), 2: (128, 128, 4)}[mode]
     return {0: (16, 128, 4), 1: (128, 128, 8), 2: (128, 32, 4)}[mode]
@@ -202,13 +206,15 @@ def quantize_blockwise_triton(
     f = get_format(fmt)
     label = f"quantize_blockwise(tensor {name!r})" if name else "quantize_blockwise"
     x2 = as_2d(x, block, label)
-    _check_device(x, label)
+    if not x.is_cuda:
+        _check_device(x, label)
     if x.dim() != 2 and scale_layout != "compact":
         raise ValueError(f"{label}: scale_layout={scale_layout!r} needs 2-D input")
     if transpose and block != (128, 1):
         raise ValueError(f"{label}: transpose=True is only for block (128, 1), got {block}")
     m, k = x2.shape
-    flag_kw = _flag_arg(nonfinite_flag, x, label)
+    if nonfinite_flag is not None:
+        _flag_arg(nonfinite_flag, x, label)
     if transposed_copy is not None:
         want = (k, m)
         if transpose or x.dim() != 2 or tuple(transposed_copy.shape) != want:
@@ -239,32 +245,16 @@ def quantize_blockwise_triton(
     m_out = m if out is None else out[0].shape[0]  # rows stored (`_check_out`)
     if m_out and k:
         grid = (-(-m_out // tm), -(-k // tk))
-        _kernels().quantize_kernel[grid](
-            _bits_if_bf16(x2),
-            q_u8,
-            q_u8 if transposed_copy is None else transposed_copy.view(torch.uint8),
-            s_view,
-            s_view if nonfinite_flag is None else nonfinite_flag,
-            m,
-            m_out,
-            k,
-            x2.stride(0),
-            x2.stride(1),
-            sqm,
-            sqk,
-            ssm,
-            ssk,
-            MODE=mode,
-            WRITE_T=transposed_copy is not None,
-            TM=tm,
-            TK=tk,
-            EPS=_fp32(eps) if eps > 0 else 0.0,
-            POW2=bool(pow2_scales),
-            num_warps=warps,
-            **flag_kw,
-            **NO_FTZ,
-            **_format_constants(f, x.dtype, resolve_native_cast(x, native_cast)),
-        )
+        native = resolve_native_cast(x, native_cast)
+        flag = nonfinite_flag is not None
+        write_t = transposed_copy is not None
+        meta = launch_meta(f.name, x.dtype, native, eps, bool(pow2_scales), flag, warps,
+                           MODE=mode, WRITE_T=write_t, TM=tm, TK=tk)  # fmt: skip
+        xs = x2.stride()
+        args = (_bits_if_bf16(x2), q_u8, transposed_copy.view(torch.uint8) if write_t else q_u8,
+                s_view, nonfinite_flag if flag else s_view, m, m_out, k, xs[0], xs[1],
+                sqm, sqk, ssm, ssk)  # fmt: skip
+        launch(_kernels().quantize_kernel, grid, args, meta)
         if check_finite and not bool(torch.isfinite(s_view).all()):
             _raise_like_reference(x, block, f, pow2_scales, eps, name)
     if transpose:

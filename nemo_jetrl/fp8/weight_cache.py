@@ -90,9 +90,10 @@ class WeightCache:
         unless ``pair``: DGrad needs it)."""
         if self.qw is None or (pair and self.qwt is None) or self._tensor is None:
             return None
+        # No separate expired() check of the stored storage: the key holds its address, which
+        # ``_storage`` keeps from being reused, and ``w``'s storage is alive, so an equal key
+        # means the same live storage.
         if self._tensor() is not w or self._key != _key(w):
-            return None
-        if self._storage is None or self._storage.expired():
             return None
         return self.qw, self.qwt  # type: ignore[return-value]
 
