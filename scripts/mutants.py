@@ -841,3 +841,36 @@ MUTANTS += [
         (T_INV + "test_attention_launches_with_the_rules_stages",),
     ),
 ]
+
+# ---- issue 48 point 2: the split-K GEMM's fixed order, fused quantizer and MMA instruction
+T_SPLIT = "tests/fp8/test_split_gemm.py::"
+MUTANTS += [
+    Mutant(
+        "split-K fold in registers skips the second chunk",
+        "nemo_jetrl/fp8/_triton_split_jit.py",
+        "        for c in range(1, S):\n            total +=",
+        "        for c in range(2, S):\n            total +=",
+        (T_SPLIT + "test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant",),
+    ),
+    Mutant(
+        "split-K tile step scales once by sa * sb (not TE's p * sa, then sb)",
+        "nemo_jetrl/fp8/_triton_split_jit.py",
+        "acc = tl.fma(p * sa[None, :], sb[:, None], acc)",
+        "acc = tl.fma(p, sa[None, :] * sb[:, None], acc)",
+        (T_SPLIT + "test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant",),
+    ),
+    Mutant(
+        "split-K fused quantizer always rounds scales to powers of two",
+        "nemo_jetrl/fp8/triton_split.py",
+        "POW2=bool(pow2_scales), MANT",
+        "POW2=True, MANT",
+        (T_SPLIT + "test_fused_quantization_gives_the_quantizers_codes",),
+    ),
+    Mutant(
+        "split-K weight tiles of 16 rows (mma.sync, which rounds unlike wgmma on Hopper)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "WEIGHT_ROWS = 64\n",
+        "WEIGHT_ROWS = 16\n",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_the_same_wgmma_family",),
+    ),
+]

@@ -92,6 +92,54 @@ def test_a_tokens_row_is_the_same_at_every_batch_size_and_equals_the_trainers(
         assert [c[0][0] for c in calls[1:]] == [-(-m // rows) * rows for m in CPU_M]
 
 
+def test_on_the_split_k_backend_the_layers_rows_equal_the_trainers_and_compile_once(monkeypatch):
+    """``triton_splitk`` (one op per call: quantization inside the GEMM at M <= 16), driven as
+    vLLM drives the layer, K = 1280 (two chunks: split mode up to 64 tokens): every row at every
+    batch size equals the trainer's forward on the same backend, with no row padding in FP32-
+    scale mode; the op's fake matches it, and one dynamic-shape compile serves every M."""
+    if not TRITON:
+        pytest.skip("needs triton (its interpreter on CPU)")
+    monkeypatch.setattr(compat, "kernel_base_classes", lambda: (StandInBase, StandInMM))
+    plan_as(monkeypatch, kernel, "triton_splitk")
+    k = 1280
+    w, x = _operands(13, max(CPU_M), k=k)
+    kern = kernel.make_kernel_class(
+        PatchSettings(pow2_weight_scales=False, pow2_activation_scales=False)
+    )(standin_config((N, k)))
+    qw = quantize_blockwise(w, (128, 128), pow2_scales=False)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(qw.data, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(qw.scale_inv.clone(), requires_grad=False)
+    kern.process_weights_after_loading(layer)
+    qx = quantize_blockwise(x, (1, 128), pow2_scales=False)
+    want = fp8_linear_forward(qx, qw, None, torch.bfloat16, backend="triton_splitk")
+    for m in CPU_M:
+        got = kern.apply_weights(layer, x[:m])
+        bad = [i for i in range(m) if not torch.equal(got[i], want[i])]
+        assert got.shape == (m, N) and not bad, f"M={m}: rows {bad} differ"
+
+    ops = kernel.ensure_ops()
+    args = (qw.data, qw.scale_inv, torch.bfloat16, False, False, 0.0)
+    # the fake's shapes (schema checking compares inputs with mul, which FP8 tensors lack)
+    op = ops.fp8_split_linear.default
+    torch.library.opcheck(op, (x[:5].clone(), *args), test_utils=("test_faketensor",))
+
+    def forward(x2):
+        return kernel.serving_forward(
+            ops, x2, qw.data, qw.scale_inv, "triton_splitk", torch.bfloat16, (False, False, 0.0)
+        )
+
+    torch._dynamo.reset()
+    frames = []
+    compiled = torch.compile(
+        forward, backend=lambda gm, inputs: frames.append(gm) or gm.forward, dynamic=True,
+        fullgraph=True,
+    )  # fmt: skip
+    for m in (37, 5, 3):
+        assert torch.equal(compiled(x[:m]), want[:m]), m
+    assert len(frames) == 1, f"{len(frames)} graphs compiled for 3 batch sizes"
+
+
 def test_stored_weight_scales_are_a_view_that_in_place_writes_reach(monkeypatch):
     """Refit copies into ``weight_scale_inv`` in place and the parity read-back reads it: both
     must see the storage cuBLASLt reads (`gemm_ready_weight_scales`), and storing is idempotent
