@@ -34,7 +34,7 @@ BUDGET_S = 540
 IMAGE_ROOTS = ("torch", "triton", "numpy", "pytest", "tensorboard")
 BENCHES = (
     "bench_local_grpo", "bench_invariant_ops", "bench_serving_kernel", "bench_moe_layer",
-    "bench_fp8_linear", "bench_quantizer_bandwidth",
+    "bench_fp8_linear", "profile_host", "bench_quantizer_bandwidth",
 )  # fmt: skip
 DEVICE_TAGS = [
     *("--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"),
@@ -363,7 +363,8 @@ def test_the_wheel_set_alone_collects_the_gpu_tests_and_runs_the_local_grpo_step
 # -- the session script on CPU ------------------------------------------------------------------
 
 STEP_LIMITS = ("PREFLIGHT", "INVARIANT_TESTS", "LOCAL_GRPO", "INVARIANT_OPS", "SPLIT_TESTS",
-               "SERVING_FP32", "SERVING_POW2", "MOE", "LINEAR", "QUANT", "FP8_TESTS")  # fmt: skip
+               "SERVING_FP32", "SERVING_POW2", "MOE", "LINEAR", "PROFILE_HOST", "QUANT",
+               "FP8_TESTS")  # fmt: skip
 
 
 def session(tmp_path: Path, name: str, carry: Path, run: tuple[str, ...], **env: str):
@@ -433,3 +434,15 @@ def test_a_failed_preflight_stops_the_call(tmp_path):
         log = tar.extractfile("logs/preflight.log").read().decode()
     assert names == {"preflight.log"}
     assert "missing jetrl_no_such_module (needed by the session)" in log
+
+
+def test_direct_launch_check_compares_launch_paths_and_says_which_ran():
+    """The preflight's direct-launch check (its own process on the GPU; here the interpreter,
+    where direct launches are off and every launch is JITFunction.run's)."""
+    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    p = sh(sys.executable, str(REPO / "benchmarks/gpu/session.py"), "direct-launch-check", env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1] == (
+        "direct launch check: direct launches off (Triton's interpreter runs the kernels "
+        "(TRITON_INTERPRET=1)); same bits as JITFunction.run"
+    )

@@ -22,7 +22,7 @@
 # torch/Triton/CUDA/driver/GPU: --collect puts it in .cache/triton-gpu, which the call carries).
 #
 # Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,SPLIT_TESTS,
-# SERVING_FP32,SERVING_POW2,MOE,LINEAR,QUANT,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
+# SERVING_FP32,SERVING_POW2,MOE,LINEAR,PROFILE_HOST,QUANT,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
 # JETRL_GPU_WHEELS_DIR (.cache/gpu-wheels; empty: install nothing, use the interpreter as it is),
 # JETRL_TRITON_CARRY (.cache/triton-gpu), JETRL_TRITON_CACHE_DIR (/tmp/jetrl-triton-cache: a fixed
 # path, since Triton's cache index stores absolute paths), JETRL_TRITON_BINARY_ONLY (1: cache
@@ -40,7 +40,7 @@ carry_cache=${JETRL_TRITON_CARRY:-.cache/triton-gpu}
 triton_dir=${JETRL_TRITON_CACHE_DIR:-/tmp/jetrl-triton-cache}
 site=${JETRL_GPU_SITE:-/tmp/jetrl-gpu-site}
 benches=(bench_local_grpo bench_invariant_ops bench_serving_kernel bench_moe_layer
-  bench_fp8_linear bench_quantizer_bandwidth)
+  bench_fp8_linear profile_host bench_quantizer_bandwidth)
 mapfile -t all_tests < <(bash scripts/gpu_check.sh --list)
 inv_tests=() split_tests=() fp8_tests=()
 for t in "${all_tests[@]}"; do
@@ -63,7 +63,7 @@ plan() {
   step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-140}" "$py" benchmarks/gpu/bench_local_grpo.py \
     --steps 3 --recipes jetrl,jetrl_kv,fp8_rollout,bf16,jetrl@splitk \
     --json "$work/json/bench_local_grpo.json"
-  step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-30}" "$py" benchmarks/gpu/bench_invariant_ops.py \
+  step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-25}" "$py" benchmarks/gpu/bench_invariant_ops.py \
     --iters 20 --json "$work/json/bench_invariant_ops.json"
   # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache). The split-K
   # GEMM's GPU tests first (never run on a GPU: rows = the trainer's forward at M = 1..8192), then
@@ -77,9 +77,12 @@ plan() {
   step bench_moe_layer "${JETRL_MOE_S:-35}" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
     --json "$work/json/bench_moe_layer.json"
   step bench_fp8_linear "${JETRL_LINEAR_S:-35}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
+  # host enqueue vs GPU time per Qwen3-8B shape (point 5), on the kernels bench_fp8_linear compiled
+  step profile_host "${JETRL_PROFILE_HOST_S:-20}" "$py" benchmarks/gpu/profile_host.py --iters 10 \
+    --ops 8
   step bench_quantizer "${JETRL_QUANT_S:-35}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py --iters 20
   # ~370 s with a cold Triton cache on an H100: the rest of the budget, more with a warm cache.
-  step fp8_tests "${JETRL_FP8_TESTS_S:-30}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
+  step fp8_tests "${JETRL_FP8_TESTS_S:-15}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=60 bash scripts/gpu_check.sh -rfE --durations=10
 }
 
@@ -134,7 +137,16 @@ inner_preflight() {  # the preflight step's command (its own process, under the 
   [[ "${JETRL_SESSION_NO_CUDA:-0}" != 1 ]] || cuda=(--no-cuda)
   # shellcheck disable=SC2086  # JETRL_PREFLIGHT_REQUIRE: a space-separated list
   "$py" benchmarks/gpu/session.py preflight "${cuda[@]}" --stamp "$work/stamp" \
-    --require ${JETRL_PREFLIGHT_REQUIRE:-} --bench "${benches[@]}" --tests "${all_tests[@]}"
+    --require ${JETRL_PREFLIGHT_REQUIRE:-} --bench "${benches[@]}" --tests "${all_tests[@]}" ||
+    return
+  # Direct Triton launches (triton_launch.launch) checked in their own process: if they crash or
+  # give other bits, every later step runs with them off instead of losing every FP8 step.
+  ((${#cuda[@]} == 0)) || return 0
+  local rc=0 line
+  line=$("$py" benchmarks/gpu/session.py direct-launch-check 2>&1 | tail -n 1) || rc=$?
+  echo "$line"
+  ((rc == 0)) || line="failed (rc=$rc: ${line:-no output}): JETRL_TRITON_DIRECT_LAUNCH=0 from here on"
+  echo "$line" >"$work/direct_launch.txt"
 }
 
 report() {
@@ -224,6 +236,7 @@ session() {
       else
         echo "stamp: $(cat "$work/stamp")" >>"$work/header.txt"
         reuse_cache
+        direct_launches
       fi
     fi
     report
@@ -237,6 +250,14 @@ session() {
   cat "$out/summary.txt"
   ((stopped)) && return 3
   return "$failed"
+}
+
+direct_launches() {  # after the preflight: the check's verdict (inner_preflight) for every later step
+  [[ -f "$work/direct_launch.txt" ]] || return 0
+  local line
+  line=$(cat "$work/direct_launch.txt")
+  [[ $line != failed* ]] || export JETRL_TRITON_DIRECT_LAUNCH=0
+  echo "direct launches: $line" >>"$work/header.txt"
 }
 
 reuse_cache() {  # the carried Triton cache, only under the same versions

@@ -213,6 +213,32 @@ def preflight(args: argparse.Namespace) -> int:
     return 0
 
 
+def direct_launch_check() -> int:
+    """Exit 0 when `triton_launch.launch`'s direct launches give JITFunction.run's bits on this
+    GPU (or are off anyway), 1 when they differ; a crash is the caller's cue too. Run in its own
+    process after the preflight: the session turns direct launches off for every later step
+    when this fails (``JETRL_TRITON_DIRECT_LAUNCH=0``), instead of losing every FP8 step."""
+    import torch
+
+    from nemo_jetrl.fp8 import rowcol_quantize, triton_kernels, triton_launch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter (CPU test)
+    x = torch.randn(300, 640, device=dev, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):  # the first of each kernel through JITFunction.run, the others direct
+        q = triton_kernels.quantize_blockwise_triton(x, (1, 128), check_finite=False)
+        r, c = rowcol_quantize.quantize_rowcol_triton(x, check_finite=False)
+        runs.append([t.view(torch.uint8) if t.element_size() == 1 else t for t in
+                     (q.data, q.scale_inv, r.data, r.scale_inv, c.data, c.scale_inv)])  # fmt: skip
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    on, why = triton_launch.direct_launch_status()
+    same = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(run, runs[0], strict=True))
+    print(f"direct launch check: direct launches {'on' if on else 'off'} ({why}); "
+          f"{'same bits as JITFunction.run' if same else 'OTHER BITS than JITFunction.run'}")  # fmt: skip
+    return 0 if same else 1
+
+
 def _read(path: Path, default: str = "") -> str:
     return path.read_text() if path.is_file() else default
 
@@ -267,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--require", nargs="*", default=[], help="more modules that must import")
     p.add_argument("--no-cuda", action="store_true", help="no GPU checks (the CPU test)")
     p.add_argument("--stamp", default=None, help="write the Triton cache stamp here")
+    sub.add_parser("direct-launch-check", help="direct Triton launches give the same bits")
     r = sub.add_parser("report", help="summary.txt and results.json from a work folder")
     r.add_argument("work", type=Path)
     r.add_argument("out", type=Path)
@@ -278,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "preflight":
         os.chdir(REPO)
         return preflight(args)
+    if args.cmd == "direct-launch-check":
+        os.chdir(REPO)
+        return direct_launch_check()
     return report(args.work, args.out)
 
 

@@ -145,6 +145,14 @@ class LaunchMeta(dict):
 _META_KEYS = itertools.count()
 
 
+def frozen_meta(**meta: object) -> LaunchMeta:
+    """A `launch` meta dict built once by its caller (constexprs and options by name), keyed by
+    a number like `launch_meta`'s: for kernels other than the quantizers (the split-K GEMM)."""
+    out = LaunchMeta(meta)
+    out.key = next(_META_KEYS)
+    return out
+
+
 # ------------------------------------------------------------------------- direct launches
 #
 # ``kernel[grid](*args, **meta)`` runs Triton's ``JITFunction.run`` on every call: it reads

@@ -38,7 +38,14 @@ from nemo_jetrl.fp8.formats import get_format
 from nemo_jetrl.fp8.quantize import INPUT_DTYPES, BlockQuantized
 from nemo_jetrl.fp8.split_order import CHUNK_TILES, split_count
 from nemo_jetrl.fp8.triton_gemm import native_dot, pipeline_stages, value_table
-from nemo_jetrl.fp8.triton_launch import NO_FTZ, _bits_if_bf16, _fp32, interpreting
+from nemo_jetrl.fp8.triton_launch import (
+    NO_FTZ,
+    _bits_if_bf16,
+    _fp32,
+    frozen_meta,
+    interpreting,
+    launch,
+)
 
 SPLIT_MAX_M = 64
 """Token counts at or below which the split mode runs (speed only: both modes give one result)."""
@@ -92,60 +99,90 @@ def _check(label: str, a_block, b: BlockQuantized, a_shape, out_dtype: torch.dty
         raise ValueError(f"{label}: out_dtype {out_dtype} is not bf16/fp16/fp32")
 
 
-def _dot_mode(fmts: tuple[str, str], device: torch.device):
+@functools.cache
+def _dot_mode(fmts: tuple[str, str], device: torch.device) -> int:
+    """The tile dot for these formats on ``device`` (decided once per device and formats)."""
     jit = _kernel()
     if interpreting() or device.type != "cuda":
-        return jit.DOT_EXACT
+        return jit.DOT_EXACT.value
     if native_dot(fmts, torch.cuda.get_device_capability(device)):
-        return jit.DOT_NATIVE
-    return jit.DOT_TF32
+        return jit.DOT_NATIVE.value
+    return jit.DOT_TF32.value
 
 
-def _launch(x, qa, b: BlockQuantized, out_dtype, fused: dict | None, launch: SplitLaunch):
-    """One call of the kernel (and of the fold): ``x`` the unquantized input when ``fused``
-    holds the quantizer's constants, else ``qa`` the quantized one."""
+_UNFUSED = (("IN_BF16", False), ("FMAX", 0.0), ("MAXV", 0.0), ("EPS", 0.0), ("POW2", False),
+            ("MANT", 3), ("BIAS", 7), ("NATIVE_CAST", False))  # fmt: skip
+
+
+@functools.cache
+def _meta(b_rows: int, bt: int, split: bool, quant: tuple, dot: int, fmts: tuple[str, str]):
+    """The kernel's constexprs and launch options for one configuration, built once."""
     jit = _kernel()
+    fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
+    return frozen_meta(
+        CHUNK=CHUNK_TILES, B_ROWS=b_rows, BW=WEIGHT_ROWS, BT=bt, SPLIT=split,
+        FUSED=quant is not _UNFUSED, DOT=dot, FP8_A=fp8[fmts[0]], FP8_B=fp8[fmts[1]],
+        **dict(quant), num_warps=4, num_stages=pipeline_stages(dot == jit.DOT_NATIVE.value),
+        **NO_FTZ,
+    )  # fmt: skip
+
+
+@functools.cache
+def _fold_meta():
+    return frozen_meta(BLOCK=FOLD_BLOCK, num_warps=4, **NO_FTZ)
+
+
+def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan: SplitLaunch):
+    """One call of the kernel (and of the fold): ``x`` the unquantized input when ``quant``
+    holds the quantizer's constants (`_fused_quant`), else ``qa`` the quantized one."""
+    jit = _kernel()
+    fused = quant is not _UNFUSED
     m, k = (x if fused else qa.data).shape
     n = b.data.shape[0]
     dev = b.data.device
-    a_fmt = fused["fmt"] if fused else qa.fmt
     dot = _dot_mode((a_fmt, b.fmt), dev)
-    native = dot == jit.DOT_NATIVE
     # The interpreter's own fp32 -> bf16 conversion truncates: write fp32 there, round in torch.
     store_dtype = torch.float32 if interpreting() else out_dtype
     out = torch.empty(m, n, dtype=store_dtype, device=dev)
     if not (m and n):
         return out.to(out_dtype)
-    fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
+    native = dot == jit.DOT_NATIVE.value
     lut_a = b.scale_inv if native else value_table(a_fmt, dev)
     lut_b = b.scale_inv if native else value_table(b.fmt, dev)
     qb, sb = b.data.view(torch.uint8), b.scale_inv
     if fused:
         xa, qdat, sa = _bits_if_bf16(x), sb, sb  # any pointer stands in for the unused ones
         sx, sq, ss = (xa.stride(0), xa.stride(1)), (0, 0), (0, 0)
-        quant = {key: v for key, v in fused.items() if key != "fmt"}
     else:
         xa, qdat, sa = sb, qa.data.view(torch.uint8), qa.scale_inv
         sx, sq, ss = (0, 0), (qdat.stride(0), qdat.stride(1)), (sa.stride(0), sa.stride(1))
-        quant = dict(IN_BF16=False, FMAX=0.0, MAXV=0.0, EPS=0.0, POW2=False, MANT=3, BIAS=7,
-                     NATIVE_CAST=False)  # fmt: skip
-    kb, bt, s = -(-k // 128), launch.token_tile, launch.chunks
-    ws = torch.empty(s if launch.split else 0, m, n, dtype=torch.float32, device=dev)
-    grid = (-(-n // WEIGHT_ROWS), -(-m // bt), s if launch.split else 1)
-    jit.split_gemm_kernel[grid](
+    kb, bt, s = -(-k // 128), plan.token_tile, plan.chunks
+    ws = torch.empty(s if plan.split else 0, m, n, dtype=torch.float32, device=dev)
+    grid = (-(-n // WEIGHT_ROWS), -(-m // bt), s if plan.split else 1)
+    args = (
         xa, qdat, sa, qb, sb, lut_a, lut_b, ws, out, m, n, k, kb, s,
         *sx, *sq, *ss, qb.stride(0), qb.stride(1), sb.stride(0), sb.stride(1),
         m * n, n, out.stride(0), out.stride(1),
-        CHUNK=CHUNK_TILES, B_ROWS=b.block[0], BW=WEIGHT_ROWS, BT=bt, SPLIT=launch.split,
-        FUSED=fused is not None, DOT=dot, FP8_A=fp8[a_fmt], FP8_B=fp8[b.fmt], **quant,
-        num_warps=4, num_stages=pipeline_stages(native), **NO_FTZ,
     )  # fmt: skip
-    if launch.split:
-        jit.fold_kernel[(-(-(m * n) // FOLD_BLOCK),)](
-            ws, out, m * n, n, s, m * n, out.stride(0), out.stride(1),
-            BLOCK=FOLD_BLOCK, num_warps=4, **NO_FTZ,
-        )  # fmt: skip
+    meta = _meta(b.block[0], bt, plan.split, quant, dot, (a_fmt, b.fmt))
+    launch(jit.split_gemm_kernel, grid, args, meta)
+    if plan.split:
+        fold = (ws, out, m * n, n, s, m * n, out.stride(0), out.stride(1))
+        launch(jit.fold_kernel, (-(-(m * n) // FOLD_BLOCK),), fold, _fold_meta())
     return out if store_dtype == out_dtype else out.to(out_dtype)
+
+
+@functools.cache
+def _fused_quant(fmt: str, dtype: torch.dtype, native_cast: bool, eps: float, pow2: bool):
+    """The quantizer's constants for the fused launch (`triton_kernels`' own), built once."""
+    from nemo_jetrl.fp8 import triton_kernels
+
+    consts = triton_kernels._format_constants(get_format(fmt), dtype, native_cast)
+    return (
+        ("IN_BF16", consts["IN_BF16"]), ("FMAX", consts["FMAX"]), ("MAXV", consts["MAXV"]),
+        ("EPS", _fp32(eps) if eps > 0 else 0.0), ("POW2", bool(pow2)), ("MANT", consts["MANT"]),
+        ("BIAS", consts["BIAS"]), ("NATIVE_CAST", consts["NATIVE"]),
+    )  # fmt: skip
 
 
 def split_gemm(
@@ -158,10 +195,10 @@ def split_gemm(
     """``a @ b.T`` in the fixed split order (module docstring). ``split`` forces a mode
     (tests: both must give the same bits); None chooses from M (`launch_for`)."""
     _check("split_gemm", a.block, b, a.data.shape, out_dtype)
-    launch = launch_for(a.data.shape[0], a.data.shape[1])
+    plan = launch_for(a.data.shape[0], a.data.shape[1])
     if split is not None:
-        launch = SplitLaunch(split and launch.chunks > 1, launch.token_tile, launch.chunks)
-    return _launch(None, a, b, out_dtype, None, launch)
+        plan = SplitLaunch(split and plan.chunks > 1, plan.token_tile, plan.chunks)
+    return _launch(None, a, b, out_dtype, _UNFUSED, a.fmt, plan)
 
 
 def split_linear(
@@ -188,12 +225,7 @@ def split_linear(
         qa = triton_kernels.quantize_blockwise_triton(
             x, (1, 128), fmt=fmt, pow2_scales=pow2_scales, eps=eps, check_finite=False
         )
-        return _launch(None, qa, b, out_dtype, None, launch_for(m, k))
+        return _launch(None, qa, b, out_dtype, _UNFUSED, fmt, launch_for(m, k))
     native_cast = triton_kernels.resolve_native_cast(x, None)
-    consts = triton_kernels._format_constants(get_format(fmt), x.dtype, native_cast)
-    quant = dict(
-        fmt=fmt, IN_BF16=consts["IN_BF16"], FMAX=consts["FMAX"], MAXV=consts["MAXV"],
-        EPS=_fp32(eps) if eps > 0 else 0.0, POW2=bool(pow2_scales), MANT=consts["MANT"],
-        BIAS=consts["BIAS"], NATIVE_CAST=consts["NATIVE"],
-    )  # fmt: skip
-    return _launch(x, None, b, out_dtype, quant, launch_for(m, k))
+    quant = _fused_quant(fmt, x.dtype, native_cast, float(eps), bool(pow2_scales))
+    return _launch(x, None, b, out_dtype, quant, fmt, launch_for(m, k))
