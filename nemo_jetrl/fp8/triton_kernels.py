@@ -72,6 +72,7 @@ from nemo_jetrl.fp8.triton_launch import (
 )
 from nemo_jetrl.fp8.triton_launch import _native_cast_on as _native_cast_on
 from nemo_jetrl.fp8.triton_launch import can_run as can_run
+from nemo_jetrl.fp8.triton_launch import format_constants as _format_constants
 from nemo_jetrl.fp8.triton_launch import interpreting as interpreting
 from nemo_jetrl.fp8.triton_launch import resolve_native_cast as resolve_native_cast
 from nemo_jetrl.fp8.triton_launch import triton_available as triton_available
@@ -88,21 +89,6 @@ def _kernels() -> ModuleType:
     from nemo_jetrl.fp8 import _triton_jit
 
     return _triton_jit
-
-
-def _format_constants(f: Fp8Format, input_dtype: torch.dtype, native_cast: bool) -> dict:
-    tl = _kernels().tl
-    mant, bias = (3, 7) if f.name == "e4m3" else (2, 15)
-    fp8 = tl.float8e4nv if f.name == "e4m3" else tl.float8e5
-    return {
-        "FMAX": float(f.fmax),
-        "MAXV": float(torch.finfo(input_dtype).max),
-        "MANT": mant,
-        "BIAS": bias,
-        "NATIVE": bool(native_cast),
-        "FP8": fp8,
-        "IN_BF16": input_dtype == torch.bfloat16,
-    }
 
 
 def _scale_buffer(

@@ -16,6 +16,7 @@ import struct
 import torch
 
 from nemo_jetrl.fp8._deps import available
+from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.quantize import INPUT_DTYPES
 
 # Passed to every launch. Triton's default (enable_reflect_ftz=True) makes libdevice's div_rn /
@@ -104,6 +105,23 @@ def native_cast_default(device_index: int) -> bool:
     return not interpreting() and _native_cast_on(device_index)
 
 
+def format_constants(f: Fp8Format, input_dtype: torch.dtype, native_cast: bool) -> dict:
+    """The quantizer kernels' format constexprs (``_triton_common.quantize_blocks``'s): fp8
+    max, the input dtype's max, mantissa bits and bias, the cast, the FP8 type, bf16 input."""
+    import triton.language as tl
+
+    mant, bias = (3, 7) if f.name == "e4m3" else (2, 15)
+    return {
+        "FMAX": float(f.fmax),
+        "MAXV": float(torch.finfo(input_dtype).max),
+        "MANT": mant,
+        "BIAS": bias,
+        "NATIVE": bool(native_cast),
+        "FP8": tl.float8e4nv if f.name == "e4m3" else tl.float8e5,
+        "IN_BF16": input_dtype == torch.bfloat16,
+    }
+
+
 @functools.cache
 def launch_meta(
     fmt_name: str,
@@ -118,9 +136,6 @@ def launch_meta(
     """The keyword arguments of a quantizer launch that depend only on its settings (format
     constants, scale rule, flag, options incl. `NO_FTZ`), built once per setting instead of per
     call. Shared: callers unpack it and never mutate it."""
-    from nemo_jetrl.fp8.formats import get_format
-    from nemo_jetrl.fp8.triton_kernels import _format_constants
-
     f = get_format(fmt_name)
     meta = LaunchMeta(
         EPS=_fp32(eps) if eps > 0 else 0.0,
@@ -129,7 +144,7 @@ def launch_meta(
         FLAG=flag,
         **constexprs,
         **NO_FTZ,
-        **_format_constants(f, input_dtype, native),
+        **format_constants(f, input_dtype, native),
     )
     meta.key = next(_META_KEYS)
     return meta

@@ -42,6 +42,7 @@ from nemo_jetrl.fp8.triton_launch import (
     NO_FTZ,
     _bits_if_bf16,
     _fp32,
+    format_constants,
     frozen_meta,
     interpreting,
     launch,
@@ -175,9 +176,7 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
 @functools.cache
 def _fused_quant(fmt: str, dtype: torch.dtype, native_cast: bool, eps: float, pow2: bool):
     """The quantizer's constants for the fused launch (`triton_kernels`' own), built once."""
-    from nemo_jetrl.fp8 import triton_kernels
-
-    consts = triton_kernels._format_constants(get_format(fmt), dtype, native_cast)
+    consts = format_constants(get_format(fmt), dtype, native_cast)
     return (
         ("IN_BF16", consts["IN_BF16"]), ("FMAX", consts["FMAX"]), ("MAXV", consts["MAXV"]),
         ("EPS", _fp32(eps) if eps > 0 else 0.0), ("POW2", bool(pow2)), ("MANT", consts["MANT"]),
