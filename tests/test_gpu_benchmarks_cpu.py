@@ -317,11 +317,15 @@ def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
         assert rows[r]["exactly_on_policy"] == "MET" and rows[r]["tmpe_max"] == 1.0
         assert rows[r]["gen_kl_max"] == 0.0
     assert rows["fp8_rollout"]["mismatch"] > 0 and rows["fp8_rollout"]["exactly_on_policy"] == "-"
-    for row in rows.values():
+    for name, row in rows.items():
         assert row["step_s"] > 0 and row["tokens_per_s"] > 0
-        assert 0 < row["invariant_ops_share"] < 1  # every recipe runs the invariant ops
+        if name == "jetrl@fast":  # batch_invariant=false: none of the invariant ops ran
+            assert row["invariant_ops_share"] == 0 and row["exactly_on_policy"] == "-"
+        else:
+            assert 0 < row["invariant_ops_share"] < 1  # every other recipe runs them
     assert text.count("exactly on-policy: MET") == 4
-    with pytest.raises(ValueError, match="the suffixes are @fp32, @splitk, @fp32"):
+    assert "cost of exactness (qwen3-0.6b-shaped): jetrl step " in text
+    with pytest.raises(ValueError, match="the suffixes are @fp32, @splitk, @fast"):
         module.run_recipe("jetrl@e8m0", None, module.build_parser().parse_args([]), tmp_path)
 
 

@@ -12,6 +12,8 @@ warm start off: random weights, so responses run to ``max_new_tokens``) for ``--
 - step time: median ``timing/train/total_step_time`` of the steps after the first (the first
   compiles and warms up; with one step, that step), and tokens/s = response tokens per step /
   step time;
+- the cost of exactness per model: jetrl's step time over ``jetrl@fast``'s (the same recipe
+  without the batch-invariant ops), when both ran;
 - the share of the last step's time spent in `nemo_jetrl.invariant.ops` (outermost calls only,
   timed with a device sync around each: the last step is instrumented and left out of the step
   time when there are 3 or more steps).
@@ -44,9 +46,11 @@ import torch
 # keys `jetrl check` reads as "FP8 e4m3 fp32 (te)" / "(jetrl)": on-policy in both scale modes)
 # "RECIPE@splitk": both sides' FP8 GEMMs on the triton_splitk backend (`fp8.triton_split`: a
 # token's row has the same bits at every batch size by construction), JETRL_FP8_GEMM_BACKEND set
-# for the run; "@fp32+splitk" both.
-RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl@fp32", "jetrl_kv", "jetrl@splitk")
-SUFFIXES = ("fp32", "splitk")
+# for the run; "@fp32+splitk" both. "RECIPE@fast": without the batch-invariant ops
+# (``jetrl.local.batch_invariant=false``: torch's own GEMMs, attention and reductions), not
+# exact by design: the cost of exactness is jetrl's step time over jetrl@fast's (`exactness_cost`).
+RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl@fp32", "jetrl_kv", "jetrl@splitk", "jetrl@fast")
+SUFFIXES = ("fp32", "splitk", "fast")
 EXACT = ("jetrl", "jetrl_kv")
 FP32_SCALE_KEYS = (
     "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
@@ -167,9 +171,14 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     preset, _, suffix = recipe.partition("@")
     parts = [p for p in suffix.split("+") if p]
     if any(p not in SUFFIXES for p in parts) or (suffix and not parts):
-        raise ValueError(f"--recipes: {recipe!r}: the suffixes are @fp32, @splitk, @fp32+splitk")
+        raise ValueError(
+            f"--recipes: {recipe!r}: the suffixes are @fp32, @splitk, @fast, joined by + "
+            "(@fp32+splitk)"
+        )
     if "fp32" in parts:
         keys.extend(FP32_SCALE_KEYS)
+    if "fast" in parts:
+        keys.append("jetrl.local.batch_invariant=false")
     run_dir = work / "runs" / f"{Path(model or 'demo').stem}-{preset}-{suffix or 'preset'}"
     cfg = recipe_config(preset, work, [f"logger.log_dir={run_dir}", *keys])
     timer = OpsTimer(device)
@@ -209,9 +218,29 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
 
 
 def _verdict(row: dict) -> str:
-    if row["recipe"].partition("@")[0] not in EXACT:
+    preset, _, suffix = row["recipe"].partition("@")
+    if preset not in EXACT or "fast" in suffix.split("+"):
         return "-"
     return "MET" if row["exact_every_step"] else "NOT MET"
+
+
+def exactness_cost(rows: list[dict]) -> list[str]:
+    """Per model with both runs: jetrl's step time over jetrl@fast's (the batch-invariant ops'
+    cost; the field's anchors: ~1.1x veRL's zero-diff W8A8 preview, ~1.01x Megatron-LM's tuned
+    BF16 batch-invariant inference)."""
+    lines = []
+    by = {(r["model"], r["recipe"]): r for r in rows if "step_s" in r}
+    for (model, recipe), fast in by.items():
+        exact = by.get((model, "jetrl"))
+        if recipe != "jetrl@fast" or exact is None:
+            continue
+        ratio = exact["step_s"] / fast["step_s"]
+        lines.append(
+            f"cost of exactness ({model}): jetrl step {exact['step_s']:.3f} s, without the "
+            f"invariant ops {fast['step_s']:.3f} s: {ratio:.2f}x the step time, tokens/s "
+            f"{exact['tokens_per_s']:.1f} vs {fast['tokens_per_s']:.1f}"
+        )
+    return lines
 
 
 def _write(path: str | None, rows: list[dict]) -> None:
@@ -257,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{100 * row['invariant_ops_share']:.1f}% of the instrumented step",
                     flush=True,
                 )
+    for line in exactness_cost(rows):
+        print(line, flush=True)
     return 0 if ok else 1
 
 
