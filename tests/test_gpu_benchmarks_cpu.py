@@ -235,9 +235,10 @@ def test_serving_kernel_prints_the_issue_targets(bench):
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
 def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypatch):
-    """``--backends auto,triton_splitk`` on CPU (interpreter; timing stubbed): one BF16 time per
-    M, a row per backend with its ratio and the weight bytes per second (TB/s)."""
-    from nemo_jetrl.fp8 import triton_kernels
+    """``--backends auto,triton_splitk,triton_splitk:0:1`` on CPU (interpreter; timing stubbed):
+    one BF16 time per M, a row per backend with its ratio and the weight bytes per second
+    (TB/s); the forced split-K modes are set for their row only."""
+    from nemo_jetrl.fp8 import triton_kernels, triton_split
 
     if not triton_kernels.interpreting():
         pytest.skip("runs the split-K kernel on CPU tensors in Triton's interpreter")
@@ -245,24 +246,27 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
     import bench_fp8_linear
 
     monkeypatch.setattr(bench_fp8_linear, "layer_shapes", lambda model: [("o", 136, 1300)])
-    outs = []
+    outs, modes = [], []
 
     def timed(fn, **kw):
         outs.append(fn())
-        return 2.0 if outs[-1][0].dtype == torch.bfloat16 and len(outs) % 3 == 1 else 1.0
+        modes.append((triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M))
+        return 2.0 if fn.__name__ == "bf16" else 1.0
 
     monkeypatch.setattr(module._common, "bench_ms", timed)
-    args = module.build_parser().parse_args(
-        ["--device", "cpu", "--tokens", "1", "3", "--backends", "auto,triton_splitk", "--no-pow2"]
-    )
-    rows = module.run(args)
-    assert [(r["M"], r["backend"]) for r in rows] == [
-        (1, "reference"), (1, "triton_splitk"), (3, "reference"), (3, "triton_splitk")
-    ]  # fmt: skip
-    assert [tuple(o[0].shape) for o in outs] == [(1, 136)] * 3 + [(3, 136)] * 3
+    backends = "auto,triton_splitk,triton_splitk:0:1"
+    argv = ["--device", "cpu", "--tokens", "1", "3", "--backends", backends, "--no-pow2"]
+    rows = module.run(module.build_parser().parse_args(argv))
+    names = ["reference", "triton_splitk", "triton_splitk:0:1"]
+    assert [(r["M"], r["backend"]) for r in rows] == [(m, b) for m in (1, 3) for b in names]
+    assert [tuple(o[0].shape) for o in outs] == [(1, 136)] * 4 + [(3, 136)] * 4
+    default = (triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M)
+    assert modes == [default, default, default, (0, 1 << 30)] * 2 and default == (64, 16)
     for r in rows:
         assert r["speedup"] == 2.0 and r["fp8_TBps"] == 136 * 1300 / 1.0 / 1e9
         assert r["bf16_TBps"] == 2 * 136 * 1300 / 2.0 / 1e9 and r["target"] in ("MET", "-")
+    with pytest.raises(SystemExit, match="modes are triton_splitk:SPLIT:FUSED"):
+        module.run(module.build_parser().parse_args([*argv[:5], "--backends", "scaled_mm:1:1"]))
 
 
 def test_quantizer_targets_say_met_or_not_met(bench):

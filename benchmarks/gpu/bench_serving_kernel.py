@@ -21,6 +21,7 @@ Usage: python benchmarks/gpu/bench_serving_kernel.py [--tokens 1 8 32 64 256 819
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from functools import partial
@@ -39,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--pow2", action=argparse.BooleanOptionalAction, default=False)
-    ap.add_argument("--backends", default="auto", help="comma-separated GEMM backends to time")
+    ap.add_argument(
+        "--backends",
+        default="auto",
+        help="comma-separated GEMM backends to time; triton_splitk:split:fused (each 0 or 1) "
+        "forces the split-K kernel's launch mode and fused quantization at every M",
+    )
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU test
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     return ap
@@ -82,6 +88,29 @@ def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backen
     return bf16, fp8, plan.backend
 
 
+@contextlib.contextmanager
+def splitk_modes(name: str):
+    """``triton_splitk:S:F``: the split-K kernel with split mode S and fused quantization F (0
+    or 1) at every M (its thresholds set for the block, restored after; the bits do not depend
+    on them). Yields the backend name without the modes."""
+    backend, *modes = name.split(":")
+    if not modes:
+        yield backend
+        return
+    from nemo_jetrl.fp8 import triton_split
+
+    if backend != "triton_splitk" or len(modes) != 2 or not set(modes) <= {"0", "1"}:
+        raise SystemExit(f"--backends: {name!r}: modes are triton_splitk:SPLIT:FUSED, each 0 or 1")
+    saved = triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M
+    big = 1 << 30
+    triton_split.SPLIT_MAX_M = big if modes[0] == "1" else 0
+    triton_split.FUSE_MAX_M = big if modes[1] == "1" else 0
+    try:
+        yield backend
+    finally:
+        triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M = saved
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     from bench_fp8_linear import layer_shapes
 
@@ -97,9 +126,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         bf16_ms = sum(bench(serving_fns(x, [w], args.pow2)[0]) for x, w in pairs)
         for name in args.backends.split(","):
             fp8_ms, backend = 0.0, ""
-            for x, w in pairs:
-                _, fp8, backend = serving_fns(x, [w], args.pow2, name)
-                fp8_ms += bench(fp8)
+            with splitk_modes(name) as plain:
+                for x, w in pairs:
+                    _, fp8, backend = serving_fns(x, [w], args.pow2, plain)
+                    fp8_ms += bench(fp8)
+            backend += name[len(plain) :]
             speedup = bf16_ms / fp8_ms
             rows.append(
                 {
