@@ -871,6 +871,13 @@ MUTANTS += [
         "nemo_jetrl/fp8/triton_split.py",
         "WEIGHT_ROWS = 64\n",
         "WEIGHT_ROWS = 16\n",
-        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_the_same_wgmma_family",),
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
+    ),
+    Mutant(
+        "FP8 GEMMs on tensor cores run one pipeline stage (no cp.async: every load waited on)",
+        "nemo_jetrl/fp8/triton_gemm.py",
+        "return 3 if native else 1",
+        "return 1",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
     ),
 ]

@@ -163,48 +163,68 @@ def test_serving_rows_equal_the_trainers_forward_on_triton_splitk():
 
 # ------------------------------------------------------------------- compiled for sm_90
 
-# Compiles the kernel for sm_90 with this machine's Triton (no GPU needed) in each launch mode
-# and prints what the GPU would run: the MMA instructions, shared memory, registers.
+# Compiles, for sm_90 with this machine's Triton (no GPU needed), exactly the launches the host
+# code makes (recorded from split_linear / split_gemm on CPU tensors), specialised as Triton's JIT
+# specialises them (16-byte aligned pointers and multiples of 16, ints equal to 1), with what
+# depends on the device set as an H100 launch gets it (the FP8 tensor-core dot, the hardware
+# cast, `pipeline_stages(True)`), and prints what the GPU would run.
 _SM90_COMPILE = r"""
-import inspect, json, re
-import triton, triton.language as tl
+import json, re
+import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nemo_jetrl.fp8 import _triton_split_jit as js
-from nemo_jetrl.fp8.split_order import CHUNK_TILES
+from nemo_jetrl.fp8 import quantize_blockwise, triton_split
 from nemo_jetrl.fp8.triton_gemm import pipeline_stages
 from nemo_jetrl.fp8.triton_launch import NO_FTZ
-from nemo_jetrl.fp8.triton_split import WEIGHT_ROWS
-ptrs = {"x_ptr": "*i16", "a_ptr": "*u8", "sa_ptr": "*fp32", "b_ptr": "*u8", "sb_ptr": "*fp32",
-        "lut_a_ptr": "*fp32", "lut_b_ptr": "*fp32", "ws_ptr": "*fp32", "c_ptr": "*bf16"}
-out = []
-for split, fused, bt in ((True, True, 16), (True, False, 64), (False, False, 128)):
-    consts = dict(CHUNK=CHUNK_TILES, B_ROWS=128, BW=WEIGHT_ROWS, BT=bt, SPLIT=split, FUSED=fused,
-                  IN_BF16=True, FMAX=448.0, MAXV=3.3895313892515355e38, EPS=0.0, POW2=False,
-                  MANT=3, BIAS=7, NATIVE_CAST=True, DOT=0, FP8_A=tl.float8e4nv,
-                  FP8_B=tl.float8e4nv)
-    params = inspect.signature(js.split_gemm_kernel.fn).parameters
-    sig = {p: "constexpr" if p in consts else ptrs.get(p, "i32") for p in params}
-    k = triton.compile(ASTSource(fn=js.split_gemm_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=pipeline_stages(True), **NO_FTZ))
+
+calls = []
+triton_split.launch = lambda kernel, grid, args, meta: calls.append((kernel, args, dict(meta)))
+TYPES = {torch.uint8: "*u8", torch.int16: "*i16", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
+
+def compile_sm90(kernel, args, meta):
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, a) in enumerate(zip(kernel.arg_names, args)):
+        if isinstance(a, torch.Tensor):
+            sig[name] = TYPES[a.dtype]
+            aligned = a.data_ptr() % 16 == 0
+        elif a == 1:
+            sig[name], consts[name], aligned = "constexpr", 1, False
+        else:
+            sig[name], aligned = ("i32" if -2**31 <= a < 2**31 else "i64"), a % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = {k: meta.pop(k) for k in ("num_warps", "num_stages", *NO_FTZ) if k in meta}
+    for name, v in meta.items():
+        sig[name], consts[name] = "constexpr", v
+    if "DOT" in consts:  # an H100's launch: FP8 tensor-core dot, hardware cast, pipelined
+        consts.update(DOT=0, NATIVE_CAST=True)
+        opts["num_stages"] = pipeline_stages(True)
+    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
-    out.append(dict(split=split, fused=fused, bt=bt, shared=k.metadata.shared,
-                    wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
-                    mma_sync=len(re.findall(r"\bmma\.sync", ptx))))
-sig = {p: "i32" for p in inspect.signature(js.fold_kernel.fn).parameters}
-sig.update(ws_ptr="*fp32", c_ptr="*bf16", BLOCK="constexpr")
-triton.compile(ASTSource(fn=js.fold_kernel, signature=sig, constexprs={"BLOCK": 1024}),
-               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **NO_FTZ))
-print(json.dumps(out))
+    return dict(kernel=kernel.__name__, bt=consts.get("BT"), fused=consts.get("FUSED"),
+                shared=k.metadata.shared,
+                wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
+                mma_sync=len(re.findall(r"mma\.sync", ptx)),
+                cp_async=len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)))
+
+g = torch.Generator().manual_seed(0)
+w = quantize_blockwise((torch.randn(4096, 4096, generator=g) * 0.05).bfloat16(), (128, 128))
+x = torch.randn(256, 4096, generator=g).bfloat16()
+triton_split.split_linear(x[:1], w, pow2_scales=True)               # split, fused quantization
+triton_split.split_gemm(quantize_blockwise(x[:64], (1, 128)), w)    # split
+triton_split.split_gemm(quantize_blockwise(x, (1, 128)), w)         # fold in registers
+print(json.dumps([compile_sm90(*c) for c in calls]))
 """
 
 
 @pytest.mark.slow
-def test_every_mode_compiles_for_sm90_to_the_same_wgmma_family():
+def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads():
     """Hopper rounds inside an FP8 MMA, and a 16-row mma.sync rounds unlike a 64-row wgmma (an
     H100 run saw it: results/README.md): every mode and token tile must compile to wgmma
-    m64nXk32 e4m3 (the weight in the 64 rows), never mma.sync, within Hopper's shared memory."""
+    m64nXk32 e4m3 (the weight in the 64 rows), never mma.sync, within Hopper's shared memory; and
+    the operand loads must be software-pipelined (cp.async), or a decode GEMM waits on every
+    load instead of streaming the weight."""
     import json
     import os
     import subprocess
@@ -219,10 +239,14 @@ def test_every_mode_compiles_for_sm90_to_the_same_wgmma_family():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [c["bt"] for c in compiled] == [16, 64, 128]
-    for c in compiled:
+    gemms = [c for c in compiled if c["kernel"] == "split_gemm_kernel"]
+    folds = [c for c in compiled if c["kernel"] == "fold_kernel"]
+    assert [(c["bt"], c["fused"]) for c in gemms] == [(16, True), (64, False), (128, False)]
+    assert len(folds) == 2  # the two split launches; the fold in registers has none
+    for c in gemms:
         want = f"wgmma.mma_async.sync.aligned.m64n{c['bt']}k32.f32.e4m3.e4m3"
         assert c["wgmma"] == [want] and c["mma_sync"] == 0, c
+        assert c["cp_async"] > 0, c
         assert 0 < c["shared"] <= 232448, c  # Hopper's limit as Triton states it (H100 log)
 
 
