@@ -10,10 +10,11 @@ right. Two launch modes give the same bits for every element:
   partials in chunk order and casts. The weight is read by ``ceil(N/64) * chunks`` programs at
   once (K = 4096, N = 4096: 256 programs), which is what a memory-bound decode GEMM needs.
 * **fold in registers** (larger M, prefill and the trainer's forward): one program per
-  (64 weight rows, 128 tokens) sums every chunk and folds as it goes; no workspace.
+  (128 weight rows, 128 tokens; two warpgroups of 64 rows) sums every chunk and folds as it
+  goes; no workspace.
 
-Every tile is computed swapped (the weight's 64 rows are the MMA's M dimension: Hopper's wgmma
-for every batch size, no 64-row token tile for one token). ``split_linear(x, b)`` also quantizes
+Every tile is computed swapped (each warpgroup's 64 weight rows are the MMA's M dimension:
+Hopper's wgmma m64nXk32 for every batch size, no 64-row token tile for one token). ``split_linear(x, b)`` also quantizes
 the activation: at M <= `FUSE_MAX_M` inside the GEMM's programs (the quantizer's own helpers,
 so the same codes and scales as `quantize_blockwise`; no separate launch), else with the 1x128
 Triton quantizer first.
@@ -53,7 +54,10 @@ SPLIT_MAX_M = 64
 FUSE_MAX_M = 16
 """Token counts at or below which `split_linear` quantizes inside the GEMM (speed only)."""
 WEIGHT_ROWS = 64
-"""Weight rows per program: the MMA's M dimension (Hopper's wgmma height) at every batch size."""
+"""Weight rows per warpgroup: the MMA's M dimension (Hopper's wgmma height) at every batch size.
+A decode program has one warpgroup (4 warps); above `SPLIT_MAX_M` tokens a program has
+`PREFILL_WARPGROUPS` of them, each running the same wgmma on its own 64 rows."""
+PREFILL_WARPGROUPS = 2
 FOLD_BLOCK = 1024
 
 
@@ -75,14 +79,16 @@ class SplitLaunch:
     """Tokens per program: the MMA's N dimension (16, 32, 64 or 128)."""
     chunks: int
     """`split_order.split_count(K)`."""
+    warpgroups: int = 1
+    """Warpgroups per program, `WEIGHT_ROWS` weight rows each."""
 
 
 def launch_for(m: int, k: int) -> SplitLaunch:
-    """The launch mode and token tile for ``m`` tokens and reduction length ``k``."""
+    """The launch mode and tile for ``m`` tokens and reduction length ``k``."""
     chunks = split_count(k)
     split = chunks > 1 and m <= SPLIT_MAX_M
     tile = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    return SplitLaunch(split, tile, chunks)
+    return SplitLaunch(split, tile, chunks, 1 if m <= SPLIT_MAX_M else PREFILL_WARPGROUPS)
 
 
 def _check(label: str, a_block, b: BlockQuantized, a_shape, out_dtype: torch.dtype) -> None:
@@ -116,15 +122,15 @@ _UNFUSED = (("IN_BF16", False), ("FMAX", 0.0), ("MAXV", 0.0), ("EPS", 0.0), ("PO
 
 
 @functools.cache
-def _meta(b_rows: int, bt: int, split: bool, quant: tuple, dot: int, fmts: tuple[str, str]):
+def _meta(b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[str, str]):
     """The kernel's constexprs and launch options for one configuration, built once."""
     jit = _kernel()
     fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
     return frozen_meta(
-        CHUNK=CHUNK_TILES, B_ROWS=b_rows, BW=WEIGHT_ROWS, BT=bt, SPLIT=split,
-        FUSED=quant is not _UNFUSED, DOT=dot, FP8_A=fp8[fmts[0]], FP8_B=fp8[fmts[1]],
-        **dict(quant), num_warps=4, num_stages=pipeline_stages(dot == jit.DOT_NATIVE.value),
-        **NO_FTZ,
+        CHUNK=CHUNK_TILES, B_ROWS=b_rows, BW=WEIGHT_ROWS * plan.warpgroups, BT=plan.token_tile,
+        SPLIT=plan.split, FUSED=quant is not _UNFUSED, DOT=dot, FP8_A=fp8[fmts[0]],
+        FP8_B=fp8[fmts[1]], **dict(quant), num_warps=4 * plan.warpgroups,
+        num_stages=pipeline_stages(dot == jit.DOT_NATIVE.value), **NO_FTZ,
     )  # fmt: skip
 
 
@@ -159,13 +165,13 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
         sx, sq, ss = (0, 0), (qdat.stride(0), qdat.stride(1)), (sa.stride(0), sa.stride(1))
     kb, bt, s = -(-k // 128), plan.token_tile, plan.chunks
     ws = torch.empty(s if plan.split else 0, m, n, dtype=torch.float32, device=dev)
-    grid = (-(-n // WEIGHT_ROWS), -(-m // bt), s if plan.split else 1)
+    grid = (-(-n // (WEIGHT_ROWS * plan.warpgroups)), -(-m // bt), s if plan.split else 1)
     args = (
         xa, qdat, sa, qb, sb, lut_a, lut_b, ws, out, m, n, k, kb, s,
         *sx, *sq, *ss, qb.stride(0), qb.stride(1), sb.stride(0), sb.stride(1),
         m * n, n, out.stride(0), out.stride(1),
     )  # fmt: skip
-    meta = _meta(b.block[0], bt, plan.split, quant, dot, (a_fmt, b.fmt))
+    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt))
     launch(jit.split_gemm_kernel, grid, args, meta)
     if plan.split:
         fold = (ws, out, m * n, n, s, m * n, out.stride(0), out.stride(1))
@@ -196,7 +202,7 @@ def split_gemm(
     _check("split_gemm", a.block, b, a.data.shape, out_dtype)
     plan = launch_for(a.data.shape[0], a.data.shape[1])
     if split is not None:
-        plan = SplitLaunch(split and plan.chunks > 1, plan.token_tile, plan.chunks)
+        plan = SplitLaunch(split and plan.chunks > 1, plan.token_tile, plan.chunks, plan.warpgroups)
     return _launch(None, a, b, out_dtype, _UNFUSED, a.fmt, plan)
 
 

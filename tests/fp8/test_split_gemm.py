@@ -52,6 +52,7 @@ def test_the_split_is_a_function_of_k_alone():
     launches = {m: triton_split.launch_for(m, 4096) for m in (1, 16, 17, 33, 64, 65, 8192)}
     assert [launches[m].token_tile for m in launches] == [16, 16, 32, 64, 64, 128, 128]
     assert [launches[m].split for m in launches] == [True] * 5 + [False] * 2
+    assert [launches[m].warpgroups for m in launches] == [1] * 5 + [2] * 2
     assert not triton_split.launch_for(1, 1024).split  # one chunk: nothing to split
 
 
@@ -202,7 +203,8 @@ def compile_sm90(kernel, args, meta):
     k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
-    return dict(kernel=kernel.__name__, bt=consts.get("BT"), fused=consts.get("FUSED"),
+    return dict(kernel=kernel.__name__, bt=consts.get("BT"), bw=consts.get("BW"),
+                fused=consts.get("FUSED"), warps=opts["num_warps"],
                 shared=k.metadata.shared,
                 wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
                 mma_sync=len(re.findall(r"mma\.sync", ptx)),
@@ -241,7 +243,10 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     gemms = [c for c in compiled if c["kernel"] == "split_gemm_kernel"]
     folds = [c for c in compiled if c["kernel"] == "fold_kernel"]
-    assert [(c["bt"], c["fused"]) for c in gemms] == [(16, True), (64, False), (128, False)]
+    # decode: one warpgroup on 64 weight rows; above 64 tokens two, each on its own 64 rows
+    assert [(c["bt"], c["fused"], c["bw"], c["warps"]) for c in gemms] == [
+        (16, True, 64, 4), (64, False, 64, 4), (128, False, 128, 8)
+    ]  # fmt: skip
     assert len(folds) == 2  # the two split launches; the fold in registers has none
     for c in gemms:
         want = f"wgmma.mma_async.sync.aligned.m64n{c['bt']}k32.f32.e4m3.e4m3"
