@@ -26,10 +26,18 @@ faster than BF16; bf16 = vLLM's when it ran). Issue 35's target, its own line: o
 per-expert-loop reference is NOT MET, named. Each row first checks ours == the training forward
 (`grouped_fp8_linear`, `silu_mul`, same combine) bit for bit; a mismatch exits 1.
 
-First GPU figures (the unfused layer): results/h100_run2. This version (quantize once, fused
-SiLU*up quantization, Triton combine) has not run on a GPU; tests/test_gpu_benchmarks_cpu.py
-runs its CPU parts. Usage:
-python benchmarks/gpu/bench_moe_layer.py [--models ...] [--tokens 64 256 2048 8192] [--json F]
+Issue 48's prefill target, its own line: ours >= 1.30x ``torch._grouped_mm`` BF16 at 2048 and
+8192 tokens on Qwen3-30B-A3B and DeepSeek-V3, timed eager (vLLM runs prefill batches above its
+CUDA-graph sizes eagerly). Each row names the grouped GEMM's program shape the default path
+chose (``tile``, `fp8.grouped_tiles`); ``--tiles p64 g128 ...`` also times ours under those
+shapes (``JETRL_FP8_GROUPED_ROWS_TILE``) at the prefill counts, each checked bit for bit
+against the training forward (the bits must not depend on the shape), and names the fastest.
+
+First GPU figures (the unfused layer): results/h100_run2; the fused layer: results/README.md
+runs 4-6. The device-scheduled persistent grouped GEMM (issue 48) has not run on a GPU;
+tests/test_gpu_benchmarks_cpu.py runs its CPU parts. Usage:
+python benchmarks/gpu/bench_moe_layer.py [--models ...] [--tokens 64 256 2048 8192]
+    [--tiles p64 g128 d64] [--json F]
 """
 
 from __future__ import annotations
@@ -38,29 +46,34 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import _common
 import torch
+from _moe_report import (  # re-exported: the tests use them here
+    BAR_MODEL,
+    BAR_SPEEDUP,
+    COLUMNS,
+    PREFILL_MODELS,
+    PREFILL_TOKENS,
+    TARGET_TOKENS,
+    MoeShape,
+    bar_summary,
+    forced_tile,
+    make_row,
+    prefill_summary,
+    target_summary,
+    tile_choice,
+)
+
+from nemo_jetrl.fp8.grouped_tiles import ROWS_TILES
 
 MODELS = ("Qwen/Qwen3-30B-A3B", "moonshotai/Moonlight-16B-A3B", "deepseek-ai/DeepSeek-V3")
 TOKENS = (64, 256, 2048, 8192)  # decode steps of 64/256 sequences; prefill chunks
-BAR_MODEL = "Qwen/Qwen3-30B-A3B"
-BAR_SPEEDUP = 1.30  # FP8-RL report: W8A8 rollout 30-50% faster than BF16 on Qwen3-30B-A3B
-TARGET_TOKENS = (64, 256, 2048, 8192)  # issue 35: >= BAR_SPEEDUP x BF16 grouped at each
-RECORD_VERSION = 1
+
+RECORD_VERSION = 2  # 2: tile, tile_ms, tile_bitwise_equal; the prefill target
 ERR_SUSPECT = 0.25  # relative error vs BF16 above which an FP8 output means a wrong layout
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    model: str
-    hidden: int
-    inter: int  # one expert's MLP width I (gate_up is [2I, hidden])
-    experts: int
-    top_k: int
 
 
 def moe_shape(model: str) -> MoeShape:
@@ -81,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--pow2", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--graph-max-tokens", type=int, default=512, help="CUDA graph up to here")
+    ap.add_argument(
+        "--tiles", nargs="*", default=[], choices=list(ROWS_TILES), metavar="SHAPE",
+        help=f"also time ours under these grouped GEMM shapes at the prefill token counts "
+        f"(fp8.grouped_tiles: {', '.join(ROWS_TILES)})",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="write the result record here")
     ap.add_argument("--seed", type=int, default=0)
     return ap
@@ -244,77 +262,29 @@ def vllm_fn(
     return run, "vllm fused_experts"
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+
+
 def rel_err(a: torch.Tensor | None, ref: torch.Tensor | None) -> float | None:
     if a is None or ref is None:
         return None
     return float((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def bitwise_check(x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor) -> dict:
-    """Ours (rollout) vs the training forward on the same inputs: equal bytes or not."""
+def bitwise_check(
+    x: torch.Tensor, layer: dict, weights: torch.Tensor, ids: torch.Tensor, tiles: tuple = ()
+) -> dict:
+    """Ours (rollout) vs the training forward on the same inputs: equal bytes or not; ours is
+    also checked under each forced shape in ``tiles`` (``tile_bitwise_equal``)."""
     ours = ours_fn(x, layer, weights, ids)()
     train = train_forward(x, layer, weights, ids)
-    equal = bool(torch.equal(ours.view(torch.int16), train.view(torch.int16)))
     diff = int((ours.view(torch.int16) != train.view(torch.int16)).sum())
-    return {"bitwise_equal": equal, "differing": diff, "elements": ours.numel()}
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num and den else None
-
-
-def make_row(
-    shape: MoeShape, tokens: int, times: dict[str, float | None], errs: dict[str, float | None],
-    bitwise: dict, mode: str, bf16_impl: str,
-) -> dict:  # fmt: skip
-    """One result record; ``speedup`` = bf16 / ours with bf16 = vLLM's BF16 when it ran."""
-    bf16 = times.get("bf16_vllm_ms") or times.get("bf16_torch_ms")
-    speedup = ratio(bf16, times.get("ours_ms"))
-    bar = "-"  # the bar is Qwen3-30B-A3B's
-    if shape.model == BAR_MODEL:
-        bar = "n/a" if speedup is None else ("MET" if speedup >= BAR_SPEEDUP else "NOT MET")
-    return {
-        "model": shape.model.split("/")[-1], "tokens": tokens, "routed_rows": tokens * shape.top_k,
-        "E": shape.experts, "top_k": shape.top_k, "H": shape.hidden, "I": shape.inter,
-        "mode": mode, **times, "bf16_torch_impl": bf16_impl,
-        "speedup": speedup, "vllm_fp8_speedup": ratio(bf16, times.get("vllm_fp8_ms")),
-        "ours_vs_vllm_fp8": ratio(times.get("vllm_fp8_ms"), times.get("ours_ms")), "bar": bar,
-        **errs, **bitwise,
-    }  # fmt: skip
-
-
-def bar_summary(rows: list[dict]) -> str:
-    """MET only when every Qwen3-30B-A3B row measured reaches the bar."""
-    name = BAR_MODEL.split("/")[-1]
-    mine = [r for r in rows if r["model"] == name]
-    lead = f"bar (FP8-RL report, {name} W8A8 rollout >= {BAR_SPEEDUP:.2f}x BF16), layer level:"
-    if not mine or any(r["bar"] == "n/a" for r in mine):
-        return f"{lead} NOT MEASURED"
-    short = [f"{r['tokens']} tokens {r['speedup']:.2f}x" for r in mine if r["bar"] != "MET"]
-    return f"{lead} " + ("MET on every row" if not short else "NOT MET (" + ", ".join(short) + ")")
-
-
-def target_summary(rows: list[dict]) -> str:
-    """Issue 35's MoE target: MET only when every token count of `TARGET_TOKENS` was measured on
-    Qwen3-30B-A3B against ``torch._grouped_mm`` BF16 and reached `BAR_SPEEDUP`."""
-    name = BAR_MODEL.split("/")[-1]
-    lead = (
-        f"target (issue 35): {name} >= {BAR_SPEEDUP:.2f}x BF16 grouped (torch._grouped_mm) at "
-        f"{', '.join(map(str, TARGET_TOKENS))} tokens:"
-    )
-    by_tokens = {r["tokens"]: r for r in rows if r["model"] == name}
-    short = []
-    for t in TARGET_TOKENS:
-        r = by_tokens.get(t)
-        if r is None:
-            short.append(f"{t} not run")
-        elif r.get("bf16_torch_impl") != "torch._grouped_mm":
-            short.append(f"{t} BF16 reference is not torch._grouped_mm")
-        else:
-            sp = ratio(r.get("bf16_torch_ms"), r.get("ours_ms"))
-            if sp is None or sp < BAR_SPEEDUP:
-                short.append(f"{t} " + ("not timed" if sp is None else f"{sp:.2f}x"))
-    return f"{lead} " + ("MET" if not short else f"NOT MET ({'; '.join(short)})")
+    out = {"bitwise_equal": same_bits(ours, train), "differing": diff, "elements": ours.numel()}
+    if tiles:
+        forced = {t: forced_tile(ours_fn(x, layer, weights, ids), t)() for t in tiles}
+        out["tile_bitwise_equal"] = {t: same_bits(y, train) for t, y in forced.items()}
+    return out
 
 
 def record(rows: list[dict], device: str, args: argparse.Namespace, skipped: list[str]) -> dict:
@@ -322,6 +292,10 @@ def record(rows: list[dict], device: str, args: argparse.Namespace, skipped: lis
         "benchmark": "bench_moe_layer", "version": RECORD_VERSION, "device": device,
         "bar": {"model": BAR_MODEL, "min_speedup": BAR_SPEEDUP, "summary": bar_summary(rows)},
         "target": {"tokens": list(TARGET_TOKENS), "summary": target_summary(rows)},
+        "prefill_target": {
+            "models": list(PREFILL_MODELS), "tokens": list(PREFILL_TOKENS),
+            "summary": prefill_summary(rows),
+        },
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "skipped": skipped, "rows": rows,
     }  # fmt: skip
@@ -334,7 +308,8 @@ def run_row(
     g = torch.Generator(device=dev).manual_seed(args.seed + tokens)
     x = torch.randn(tokens, shape.hidden, generator=g, device=dev, dtype=torch.bfloat16)
     weights, ids = route(x, layer["router"], shape.top_k)
-    bitwise = bitwise_check(x, layer, weights, ids)
+    tiles = tuple(args.tiles) if tokens in PREFILL_TOKENS else ()
+    bitwise = bitwise_check(x, layer, weights, ids, tiles)
     graph = tokens <= args.graph_max_tokens
     fns: dict[str, Callable | None] = {"ours_ms": ours_fn(x, layer, weights, ids)}
     fns["bf16_torch_ms"], bf16_impl = bf16_torch_fn(x, layer, weights, ids)
@@ -355,15 +330,19 @@ def run_row(
         except Exception as exc:
             times[key] = None
             skipped.append(f"{shape.model} {tokens} tokens {key}: timing failed: {exc!r}"[:300])
+    tile_ms: dict[str, float | None] = {}
+    for t in tiles:  # ours under each forced shape (same graph/eager mode as the row)
+        fn = forced_tile(fns["ours_ms"], t)
+        try:
+            tile_ms[t] = _common.bench_ms(fn, iters=args.iters, graph=graph)
+        except Exception as exc:
+            tile_ms[t] = None
+            skipped.append(f"{shape.model} {tokens} tokens tile {t}: timing failed: {exc!r}"[:300])
     mode = "graph" if graph else "eager"
-    return make_row(shape, tokens, times, errs, bitwise, mode, bf16_impl)
-
-
-COLUMNS = (
-    "model", "tokens", "mode", "ours_ms", "vllm_fp8_ms", "bf16_vllm_ms", "bf16_torch_ms",
-    "speedup", "vllm_fp8_speedup", "ours_vs_vllm_fp8", "bar", "err_ours", "err_vllm_fp8",
-    "bitwise_equal",
-)  # fmt: skip
+    row = make_row(shape, tokens, times, errs, bitwise, mode, bf16_impl, tile_choice(shape, tokens))
+    if tiles:
+        row["tile_ms"] = tile_ms
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     _common.print_table(display, COLUMNS)
     print(f"# {bar_summary(rows)}")
     print(f"# {target_summary(rows)}")
+    print(f"# {prefill_summary(rows)}")
     for r in rows:
         for key in ("err_ours", "err_vllm_fp8"):
             if r[key] is not None and r[key] > ERR_SUSPECT:
@@ -403,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(record(rows, device, args, skipped), indent=1))
         print(f"# wrote {args.json}")
     bad = [r for r in rows if not r["bitwise_equal"]]
+    bad += [r for r in rows if not all((r.get("tile_bitwise_equal") or {}).values())]
     if bad:
         print(f"# FAILED: ours != the training forward on {len(bad)} row(s)", file=sys.stderr)
         return 1

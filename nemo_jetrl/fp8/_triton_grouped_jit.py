@@ -4,6 +4,8 @@ Imports triton at its top like `_triton_jit`; only `triton_grouped._kernels()` i
 quantization and FP8-operand helpers are `_triton_common`'s, the one home the dense kernels
 share (imported into this module's globals, where Triton resolves the names a kernel calls).
 The SiLU rule's constants are `silu_mul`'s (one home), bound here as ``tl.constexpr`` globals.
+The grouped rows GEMM lives in `_triton_grouped_gemm_jit` and is re-exported here, so every
+grouped kernel is reached through `triton_grouped._kernels()`.
 """
 
 import triton
@@ -19,6 +21,7 @@ from nemo_jetrl.fp8._triton_common import (
     tile_dot,
     to_fp32,
 )
+from nemo_jetrl.fp8._triton_grouped_gemm_jit import grouped_rows_gemm_kernel  # noqa: F401
 
 LOG2E = tl.constexpr(_rule.LOG2E)
 LN2_HI = tl.constexpr(_rule.LN2_HI)
@@ -91,84 +94,6 @@ def quantize_tokens_kernel(
     q, sinv = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(s_ptr + cols * ssc + pid_b, sinv, mask=cmask)
     tl.store(q_ptr + cols[None, :] * sqc + rows[:, None], q, mask=mask)
-
-
-@triton.jit
-def grouped_rows_gemm_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    sa_ptr,
-    sb_ptr,
-    lut_a_ptr,
-    lut_b_ptr,
-    off_ptr,
-    toff_ptr,
-    E,
-    N,
-    K,
-    sam,
-    sak,
-    sbe,
-    sbn,
-    sbk,
-    scm,
-    scn,
-    ssam,
-    ssak,
-    ssbe,
-    ssbn,
-    ssbk,
-    rows_ptr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    E_POW2: tl.constexpr,
-    GATHER: tl.constexpr,
-    NATIVE: tl.constexpr,
-    TF32: tl.constexpr,
-    FP8_A: tl.constexpr,
-    FP8_B: tl.constexpr,
-):
-    # Program (t, n): row tile t of the grouped schedule (expert e's tile t - toff[e], rows from
-    # off[e] + BM * (t - toff[e]), never past off[e+1]) times BN output columns:
-    #   C[m, n] = sum over 128-wide K tiles k of fma(p_k * sa[m, k], sb_e[n // 128, k], acc)
-    # with B = expert e's 128x128-blocked [N, K] operand (W for FProp, W.t() for DGrad).
-    # GATHER: A row m is rows[m] of the operand (the [T, K] input quantized once, read through
-    # each routed row's token: no gathered copy); its codes and scale are that row's, unchanged.
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e, valid, r0, r1 = _group_tile(off_ptr, toff_ptr, pid_t, E, E_POW2, BM)
-    rm = r0 + tl.arange(0, BM)
-    mmask = rm < r1
-    ra = tl.load(rows_ptr + rm, mask=mmask, other=0).to(tl.int64) if GATHER else rm
-    rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, 128).to(tl.int64)
-    b_ptr += e * sbe
-    sb_ptr += e * ssbe
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    k_tiles = tl.where(valid, tl.cdiv(K, 128), 0)  # an idle program runs no tile
-    for t in range(0, k_tiles):
-        k = t * 128 + rk
-        a = tl.load(
-            a_ptr + ra[:, None] * sam + k[None, :] * sak,
-            mask=mmask[:, None] & (k[None, :] < K),
-            other=0,
-        )
-        b = tl.load(
-            b_ptr + rn[None, :] * sbn + k[:, None] * sbk,
-            mask=(rn[None, :] < N) & (k[:, None] < K),
-            other=0,
-        )
-        p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
-        sa = tl.load(sa_ptr + ra * ssam + t * ssak, mask=mmask, other=0.0)
-        sb = tl.load(sb_ptr + (rn // 128) * ssbn + t * ssbk, mask=rn < N, other=0.0)
-        acc = scaled_accumulate(acc, p, sa, sb)
-    c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(
-        c_ptr + rm[:, None] * scm + rn[None, :] * scn,
-        c,
-        mask=mmask[:, None] & (rn[None, :] < N),
-    )
 
 
 @triton.jit

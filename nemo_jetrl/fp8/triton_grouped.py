@@ -12,10 +12,12 @@ never calling it. ``offsets`` stays on the device: every kernel finds its expert
   the experts whose blocks end at or before b in ``block_offsets`` (on the device), reads
   tokens ``offsets[e] + 128 * (b - block_offsets[e])`` onwards (never past ``offsets[e+1]``),
   and writes the codes transposed and the scale into column b. Spare programs write nothing.
-* `gemm_rows` (FProp, DGrad): a grouped GEMM over (row tile, column tile) programs, row tiles of
-  BM tokens per expert (``tile_offsets = [0, cumsum(ceil(count_e/BM))]`` on the device; grid
-  ``ceil(M/BM) + E`` row tiles), each reading its expert's 128x128-blocked operand through an
-  expert stride: W ``[E, N, K]`` for FProp, the transposed copy viewed ``[E, K, N]`` for DGrad.
+* `gemm_rows` (FProp, DGrad): a grouped GEMM over (row tile, column tile) pairs, row tiles of
+  BM tokens per expert, each reading its expert's 128x128-blocked operand through an expert
+  stride: W ``[E, N, K]`` for FProp, the transposed copy viewed ``[E, K, N]`` for DGrad. The
+  tile schedule (per-expert tile counts and their prefix sum) is made inside the kernel from
+  ``offsets`` (`_triton_grouped_gemm_jit`): one launch, no torch op but the output's
+  allocation. `rows_tile` picks the program shape from the shapes alone (`ROWS_TILES`).
 * `quantize_input` / `gemm_rows(rows=...)` (the serving MoE layer, `experts_layer`): the
   ``[T, H]`` input quantized once 1x128 (a block is one token's 128 values, so the bits are those
   of quantizing the gathered copy), and the gate/up GEMM reads each routed row's A codes and
@@ -34,8 +36,10 @@ The GEMMs take each 128-wide tile's fp32 dot ``p`` of the codes (FP8 tensor core
 ``acc = fma(p * sa, sb, acc)``: TE's order, `gemm.blockwise_matmul(exact=True)`'s. They equal the
 reference bit for bit whenever ``p`` is exact in fp32 (any order sums it the same); otherwise
 only the order inside a tile's dot differs. ``exact`` is accepted and ignored (as by the dense GPU
-GEMMs). Tile shapes are fixed, never chosen from M or the expert counts, so a token's arithmetic
-does not change with the batch it arrives in (rollout and training run the same program shapes).
+GEMMs). `gemm_tokens`' tile is fixed; `gemm_rows` picks its program shape from M and E only
+(`grouped_tiles`), and every shape runs a row's arithmetic the same way (64 or 128 rows: one
+wgmma m64n128k32 per 64 rows on Hopper, never a 16-row mma; K tiles in order), so a token's bits
+do not change with the batch it arrives in, nor between rollout and training.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from nemo_jetrl.fp8.grouped_tensors import (
     token_block_capacity,
     token_block_offsets,
 )
+from nemo_jetrl.fp8.grouped_tiles import ROWS_TILES, rows_grid, rows_tile
 from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
 from nemo_jetrl.fp8.silu_mul import MODEL_DTYPES, silu_mul
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK, BLOCK, WEIGHT_BLOCK, WGRAD_BLOCK
@@ -227,8 +232,27 @@ def _dot_args(fmt_a: str, fmt_b: str, a: torch.Tensor, sa, sb) -> tuple:
 
 
 def _tiles(native: bool) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages): whole-matrix tiles under the interpreter."""
+    """(BM, BN, num_warps, num_stages) of `gemm_tokens`: whole-matrix tiles under the
+    interpreter."""
     return (128, 128, 4, 1) if interpreting() else (64, 128, 4, pipeline_stages(native))
+
+
+def _tma(t: torch.Tensor, shape: list[int], rows: int):
+    """A TMA descriptor over contiguous ``t`` seen as 2-D ``shape`` (``[M, K]`` codes, or the
+    ``[E*N, K]`` weight stack), loading ``[rows, 128]`` blocks: host metadata, no torch op."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, shape, [shape[1], 1], [rows, 128])
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    # TMA reads whole contiguous matrices from a 16-byte aligned base (a vLLM parameter may be
+    # a view); anything else keeps the pointer loads.
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
 
 
 def _store_dtype(out_dtype: torch.dtype) -> torch.dtype:
@@ -252,21 +276,27 @@ def gemm_rows(
     m, k = (qa.data.shape[0] if rows is None else rows.shape[0]), qa.data.shape[1]
     n_exp, n = qb.num_experts, qb.out_features
     out = torch.empty(m, n, dtype=_store_dtype(out_dtype), device=qa.data.device)
-    if m and n:
-        qa8, qb8 = qa.data.view(torch.uint8), qb.data.view(torch.uint8)
+    if m and n and not k:
+        out.zero_()  # an empty sum (the kernel reads one K tile's scales up front)
+    elif m and n:
         sa, sb = qa.scale_inv, qb.scale_inv
         lut_a, lut_b, native, tf32, fa, fb = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
-        bm, bn, warps, stages = _tiles(native)
-        tiles = (offsets[1:] - offsets[:-1] + (bm - 1)) // bm
-        toff = torch.cat([offsets.new_zeros(1), torch.cumsum(tiles, 0)])
-        _kernels().grouped_rows_gemm_kernel[(-(-m // bm) + n_exp, -(-n // bn))](
-            qa8, qb8, out, sa, sb, lut_a, lut_b, offsets, toff, n_exp, n, k,
-            qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1), qb8.stride(2),
-            out.stride(0), out.stride(1), sa.stride(0), sa.stride(1),
-            sb.stride(0), sb.stride(1), sb.stride(2), rows if rows is not None else offsets,
-            BM=bm, BN=bn, E_POW2=_pow2(n_exp), GATHER=rows is not None, NATIVE=native,
-            TF32=tf32, FP8_A=fa, FP8_B=fb,
-            num_warps=warps, num_stages=stages,
+        # FP8 pointers on the tensor-core path: the loads land in shared memory as the MMA's
+        # operands (a uint8 load would pass through registers to be bitcast and stored again).
+        qa8, qb8 = (qa.data, qb.data) if native else (_u8(qa.data), _u8(qb.data))
+        tile = ROWS_TILES[rows_tile(m, n_exp)]
+        grid = rows_grid(tile, m, n, n_exp, qa.data.device, interpreting())
+        tma_a = tile.tma and rows is None and _tma_ok(qa8)
+        tma_b = tile.tma and _tma_ok(qb8)
+        _kernels().grouped_rows_gemm_kernel[(grid,)](
+            _tma(qa8, [qa8.shape[0], k], tile.bm) if tma_a else qa8,
+            _tma(qb8, [n_exp * n, k], 128) if tma_b else qb8, out, sa, sb, lut_a, lut_b, offsets, rows if rows is not None else offsets,
+            n_exp, n, k, qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1),
+            qb8.stride(2), out.stride(0), out.stride(1), sa.stride(0), sa.stride(1),
+            sb.stride(0), sb.stride(1), sb.stride(2),
+            BM=tile.bm, BN=128, E_POW2=_pow2(n_exp), GATHER=rows is not None, NATIVE=native,
+            TF32=tf32, FP8_A=fa, FP8_B=fb, TMA_A=tma_a, TMA_B=tma_b,
+            num_stages=tile.stages if native else 1, **tile.options,
         )  # fmt: skip
     return out.to(out_dtype)
 
