@@ -874,6 +874,13 @@ MUTANTS += [
         (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
     ),
     Mutant(
+        "split-K weight passed as uint8 codes on the tensor-core path (A operand via registers)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "qb, sb = (b.data if native else b.data.view(torch.uint8)), b.scale_inv",
+        "qb, sb = b.data.view(torch.uint8), b.scale_inv",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
+    ),
+    Mutant(
         "FP8 GEMMs on tensor cores run one pipeline stage (no cp.async: every load waited on)",
         "nemo_jetrl/fp8/triton_gemm.py",
         "return 3 if native else 1",

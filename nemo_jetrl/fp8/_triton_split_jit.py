@@ -57,14 +57,14 @@ def _chunk_sum(
         k = t * 128 + rk
         kmask = k[None, :] < K
         w = tl.load(b_ptr + rw[:, None] * sbn + k[None, :] * sbk,
-                    mask=(rw[:, None] < N) & kmask, other=0)  # fmt: skip
+                    mask=(rw[:, None] < N) & kmask, other=0.0)  # fmt: skip
         tmask = (rt[:, None] < M) & kmask
         if FUSED:
             xv = tl.load(x_ptr + rt[:, None] * sxm + k[None, :] * sxk, mask=tmask, other=0)
             xq, sa = quantize_blocks(to_fp32(xv, IN_BF16), ROWS, FMAX, MAXV, EPS, POW2, MANT,
                                      BIAS, NATIVE_CAST, FP8_A)  # fmt: skip
         else:
-            xq = tl.load(a_ptr + rt[:, None] * sam + k[None, :] * sak, mask=tmask, other=0)
+            xq = tl.load(a_ptr + rt[:, None] * sam + k[None, :] * sak, mask=tmask, other=0.0)
             sa = tl.load(sa_ptr + rt * ssam + t * ssak, mask=rt < M, other=0.0)
         p = _tile_dot(w, xq, lut_b_ptr, lut_a_ptr, DOT, FP8_B, FP8_A)
         sb = tl.load(sb_ptr + (rw // B_ROWS) * ssbn + t * ssbk, mask=rw < N, other=0.0)

@@ -156,12 +156,14 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
     native = dot == jit.DOT_NATIVE.value
     lut_a = b.scale_inv if native else value_table(a_fmt, dev)
     lut_b = b.scale_inv if native else value_table(b.fmt, dev)
-    qb, sb = b.data.view(torch.uint8), b.scale_inv
+    # FP8-typed operands on the tensor-core path: cp.async lands them where wgmma reads them
+    # (uint8 would go shared -> registers -> bitcast); codes for the value tables elsewhere
+    qb, sb = (b.data if native else b.data.view(torch.uint8)), b.scale_inv
     if fused:
         xa, qdat, sa = _bits_if_bf16(x), sb, sb  # any pointer stands in for the unused ones
         sx, sq, ss = (xa.stride(0), xa.stride(1)), (0, 0), (0, 0)
     else:
-        xa, qdat, sa = sb, qa.data.view(torch.uint8), qa.scale_inv
+        xa, qdat, sa = sb, (qa.data if native else qa.data.view(torch.uint8)), qa.scale_inv
         sx, sq, ss = (0, 0), (qdat.stride(0), qdat.stride(1)), (sa.stride(0), sa.stride(1))
     kb, bt, s = -(-k // 128), plan.token_tile, plan.chunks
     ws = torch.empty(s if plan.split else 0, m, n, dtype=torch.float32, device=dev)

@@ -166,21 +166,24 @@ def test_serving_rows_equal_the_trainers_forward_on_triton_splitk():
 
 # Compiles, for sm_90 with this machine's Triton (no GPU needed), exactly the launches the host
 # code makes (recorded from split_linear / split_gemm on CPU tensors), specialised as Triton's JIT
-# specialises them (16-byte aligned pointers and multiples of 16, ints equal to 1), with what
-# depends on the device set as an H100 launch gets it (the FP8 tensor-core dot, the hardware
-# cast, `pipeline_stages(True)`), and prints what the GPU would run.
+# specialises them (16-byte aligned pointers and multiples of 16, ints equal to 1), the host code
+# told what an H100 is told (the FP8 tensor-core dot, the hardware cast), and prints what the
+# GPU would run.
 _SM90_COMPILE = r"""
 import json, re
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nemo_jetrl.fp8 import quantize_blockwise, triton_split
-from nemo_jetrl.fp8.triton_gemm import pipeline_stages
+from nemo_jetrl.fp8 import quantize_blockwise, triton_kernels, triton_split
 from nemo_jetrl.fp8.triton_launch import NO_FTZ
 
 calls = []
 triton_split.launch = lambda kernel, grid, args, meta: calls.append((kernel, args, dict(meta)))
-TYPES = {torch.uint8: "*u8", torch.int16: "*i16", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
+# what an H100 decides: the FP8 tensor-core dot and the hardware cast (here: the CPU's choices)
+triton_split._dot_mode = lambda fmts, device: triton_split._kernel().DOT_NATIVE.value
+triton_kernels.resolve_native_cast = lambda x, native_cast: True
+TYPES = {torch.uint8: "*u8", torch.int16: "*i16", torch.float32: "*fp32", torch.bfloat16: "*bf16",
+         torch.float8_e4m3fn: "*fp8e4nv"}
 
 def compile_sm90(kernel, args, meta):
     sig, consts, attrs = {}, {}, {}
@@ -197,9 +200,6 @@ def compile_sm90(kernel, args, meta):
     opts = {k: meta.pop(k) for k in ("num_warps", "num_stages", *NO_FTZ) if k in meta}
     for name, v in meta.items():
         sig[name], consts[name] = "constexpr", v
-    if "DOT" in consts:  # an H100's launch: FP8 tensor-core dot, hardware cast, pipelined
-        consts.update(DOT=0, NATIVE_CAST=True)
-        opts["num_stages"] = pipeline_stages(True)
     k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
@@ -208,7 +208,8 @@ def compile_sm90(kernel, args, meta):
                 shared=k.metadata.shared,
                 wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
                 mma_sync=len(re.findall(r"mma\.sync", ptx)),
-                cp_async=len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)))
+                cp_async=len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)),
+                a_from_registers=bool(re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{", ptx)))
 
 g = torch.Generator().manual_seed(0)
 w = quantize_blockwise((torch.randn(4096, 4096, generator=g) * 0.05).bfloat16(), (128, 128))
@@ -225,8 +226,9 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
     """Hopper rounds inside an FP8 MMA, and a 16-row mma.sync rounds unlike a 64-row wgmma (an
     H100 run saw it: results/README.md): every mode and token tile must compile to wgmma
     m64nXk32 e4m3 (the weight in the 64 rows), never mma.sync, within Hopper's shared memory; and
-    the operand loads must be software-pipelined (cp.async), or a decode GEMM waits on every
-    load instead of streaming the weight."""
+    the operand loads must be software-pipelined (cp.async) into the shared memory wgmma reads
+    (FP8-typed pointers: uint8 codes went shared -> registers -> bitcast), or a decode GEMM waits
+    on every load instead of streaming the weight."""
     import json
     import os
     import subprocess
@@ -251,7 +253,7 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
     for c in gemms:
         want = f"wgmma.mma_async.sync.aligned.m64n{c['bt']}k32.f32.e4m3.e4m3"
         assert c["wgmma"] == [want] and c["mma_sync"] == 0, c
-        assert c["cp_async"] > 0, c
+        assert c["cp_async"] > 0 and not c["a_from_registers"], c  # both operands from smem
         assert 0 < c["shared"] <= 232448, c  # Hopper's limit as Triton states it (H100 log)
 
 
