@@ -50,7 +50,7 @@ from types import ModuleType
 import torch
 
 from nemo_jetrl.fp8._deps import require
-from nemo_jetrl.fp8.formats import Fp8Format
+from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.grouped_tensors import (
     GroupedQuantizedWeights,
     GroupedTokenBlocks,
@@ -72,6 +72,7 @@ from nemo_jetrl.fp8.triton_kernels import (
     quantize_blockwise_triton,
     quantize_with_transpose_triton,
 )
+from nemo_jetrl.fp8.triton_launch import LaunchMeta, frozen_meta, launch
 
 # Exact IEEE arithmetic in the SiLU rule: no fma contraction (the interpreter ignores it).
 NO_FMA = {"enable_fp_fusion": False}
@@ -125,6 +126,32 @@ def quantize_input(
     return q
 
 
+# Launch settings built once per configuration (`triton_launch.launch` then calls the compiled
+# kernel's launcher directly after the first launch of each specialisation, on a GPU).
+@functools.cache
+def _silu_meta(tm: int, dtype: torch.dtype, eps: float, pow2: bool, fmt: str) -> LaunchMeta:
+    return frozen_meta(
+        TM=tm, MODEL=MODEL_DTYPES.index(dtype), EPS=_fp32(eps) if eps > 0 else 0.0, POW2=pow2,
+        num_warps=4, **NO_FTZ, **NO_FMA, **_format_constants(get_format(fmt), dtype, False),
+    )  # fmt: skip
+
+
+@functools.cache
+def _rows_meta(tile: str, native: bool, tf32: bool, fmts: tuple, gather: bool, e_pow2: int,
+               tma: tuple[bool, bool]) -> LaunchMeta:  # fmt: skip
+    t, fp8 = ROWS_TILES[tile], {"e4m3": _kernels().tl.float8e4nv, "e5m2": _kernels().tl.float8e5}
+    return frozen_meta(
+        BM=t.bm, BN=128, E_POW2=e_pow2, GATHER=gather, NATIVE=native, TF32=tf32,
+        FP8_A=fp8[fmts[0]], FP8_B=fp8[fmts[1]], TMA_A=tma[0], TMA_B=tma[1],
+        num_stages=t.stages if native else 1, **t.options,
+    )  # fmt: skip
+
+
+@functools.cache
+def _combine_meta(k: int, tt: int, bh: int, out_bf16: bool, in_bf16: bool) -> LaunchMeta:
+    return frozen_meta(K=k, TT=tt, BH=bh, OUT_BF16=out_bf16, IN_BF16=in_bf16, num_warps=4, **NO_FMA)
+
+
 def silu_mul_quantize(
     gate_up: torch.Tensor, offsets: torch.Tensor, *, fmt: Fp8Format, pow2_scales: bool,
     eps: float, name: str, what: str = "input", check_finite: bool = True,
@@ -143,13 +170,10 @@ def silu_mul_quantize(
     scale = torch.empty(m, inter // BLOCK, dtype=torch.float32, device=g.device)
     tm = 32 if interpreting() else 16
     if m:
-        _kernels().silu_mul_quantize_kernel[(-(-m // tm), inter // BLOCK)](
-            _bits_if_bf16(g), data.view(torch.uint8), scale, m, inter,
-            g.stride(0), data.stride(0), scale.stride(0),
-            TM=tm, MODEL=MODEL_DTYPES.index(g.dtype), EPS=_fp32(eps) if eps > 0 else 0.0,
-            POW2=bool(pow2_scales), num_warps=4, **NO_FTZ, **NO_FMA,
-            **_format_constants(fmt, g.dtype, False),
-        )  # fmt: skip
+        args = (_bits_if_bf16(g), data.view(torch.uint8), scale, m, inter, g.stride(0),
+                data.stride(0), scale.stride(0))  # fmt: skip
+        meta = _silu_meta(tm, g.dtype, float(eps), bool(pow2_scales), fmt.name)
+        launch(_kernels().silu_mul_quantize_kernel, (-(-m // tm), inter // BLOCK), args, meta)
         if check_finite and not bool(torch.isfinite(scale).all()):
             act = silu_mul(*gate_up.chunk(2, dim=-1))
             kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps}
@@ -280,24 +304,30 @@ def gemm_rows(
         out.zero_()  # an empty sum (the kernel reads one K tile's scales up front)
     elif m and n:
         sa, sb = qa.scale_inv, qb.scale_inv
-        lut_a, lut_b, native, tf32, fa, fb = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
+        lut_a, lut_b, native, tf32, _, _ = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
         # FP8 pointers on the tensor-core path: the loads land in shared memory as the MMA's
         # operands (a uint8 load would pass through registers to be bitcast and stored again).
         qa8, qb8 = (qa.data, qb.data) if native else (_u8(qa.data), _u8(qb.data))
-        tile = ROWS_TILES[rows_tile(m, n_exp)]
+        name = rows_tile(m, n_exp)
+        tile = ROWS_TILES[name]
         grid = rows_grid(tile, m, n, n_exp, qa.data.device, interpreting())
         tma_a = tile.tma and rows is None and _tma_ok(qa8)
         tma_b = tile.tma and _tma_ok(qb8)
-        _kernels().grouped_rows_gemm_kernel[(grid,)](
+        args = (
             _tma(qa8, [qa8.shape[0], k], tile.bm) if tma_a else qa8,
-            _tma(qb8, [n_exp * n, k], 128) if tma_b else qb8, out, sa, sb, lut_a, lut_b, offsets, rows if rows is not None else offsets,
+            _tma(qb8, [n_exp * n, k], 128) if tma_b else qb8, out,
+            sa, sb, lut_a, lut_b, offsets, rows if rows is not None else offsets,
             n_exp, n, k, qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1),
             qb8.stride(2), out.stride(0), out.stride(1), sa.stride(0), sa.stride(1),
             sb.stride(0), sb.stride(1), sb.stride(2),
-            BM=tile.bm, BN=128, E_POW2=_pow2(n_exp), GATHER=rows is not None, NATIVE=native,
-            TF32=tf32, FP8_A=fa, FP8_B=fb, TMA_A=tma_a, TMA_B=tma_b,
-            num_stages=tile.stages if native else 1, **tile.options,
         )  # fmt: skip
+        meta = _rows_meta(name, native, tf32, (qa.fmt, qb.fmt), rows is not None, _pow2(n_exp),
+                          (tma_a, tma_b))  # fmt: skip
+        kernel = _kernels().grouped_rows_gemm_kernel
+        if tma_a or tma_b:  # descriptors: through Triton's own launch path
+            kernel[(grid,)](*args, **meta)
+        else:
+            launch(kernel, (grid,), args, meta)
     return out.to(out_dtype)
 
 
@@ -343,10 +373,8 @@ def combine(
     if t and h:
         bf16 = out_dtype == torch.bfloat16
         tt, bh = (16, 128) if interpreting() else (4, 256)
-        _kernels().combine_kernel[(-(-t // tt), -(-h // bh))](
-            _bits_if_bf16(yc), weight.float().contiguous(), pos.contiguous(),
-            out.view(torch.int16) if bf16 else out, t, h, yc.stride(0), k, h,
-            K=k, TT=tt, BH=bh, OUT_BF16=bf16, IN_BF16=yc.dtype == torch.bfloat16, num_warps=4,
-            **NO_FMA,
-        )  # fmt: skip
+        args = (_bits_if_bf16(yc), weight.float().contiguous(), pos.contiguous(),
+                out.view(torch.int16) if bf16 else out, t, h, yc.stride(0), k, h)  # fmt: skip
+        meta = _combine_meta(k, tt, bh, bf16, yc.dtype == torch.bfloat16)
+        launch(_kernels().combine_kernel, (-(-t // tt), -(-h // bh)), args, meta)
     return out

@@ -263,3 +263,79 @@ def test_the_gemm_module_uses_ieee_division_only():
     for fn in kernels:
         divs = [n for n in ast.walk(fn) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)]
         assert not divs, f"{fn.name}: '/' at line {divs[0].lineno}"
+
+
+def test_launch_arguments_fit_the_direct_launcher(monkeypatch):
+    """`triton_launch.launch` calls a compiled kernel's launcher with ``args`` and then the
+    values of every later parameter taken from ``meta``: each layer launch passes exactly the
+    kernel's non-constexpr parameters positionally and names all the rest (CPU: checked here,
+    then launched through Triton as the interpreter does)."""
+    import inspect
+
+    from nemo_jetrl.fp8 import triton_launch
+
+    seen: list[str] = []
+
+    def spy(kernel, grid, args, meta):
+        params = inspect.signature(kernel.fn).parameters.values()
+        positional = [p.name for p in params if "constexpr" not in str(p.annotation)]
+        assert list(kernel.arg_names[: len(args)]) == positional, kernel.__name__
+        assert set(kernel.arg_names[len(args) :]) <= set(meta), kernel.__name__
+        assert isinstance(meta, triton_launch.LaunchMeta)  # keyed once, not hashed per call
+        seen.append(kernel.__name__)
+        kernel[grid](*args, **meta)
+
+    monkeypatch.setattr(triton_grouped, "launch", spy)
+    monkeypatch.setenv(experts.ENV_GROUPED_BACKEND, "triton")
+    g = torch.Generator().manual_seed(5)
+    cfg = Fp8LinearConfig.te_blockwise()
+    q13 = experts.quantize_expert_weights(
+        torch.randn(3, 256, 128, generator=g).to(DEVICE), cfg, "m"
+    )
+    q2 = experts.quantize_expert_weights(torch.randn(3, 128, 128, generator=g).to(DEVICE), cfg, "m")
+    x = torch.randn(40, 128, generator=g).bfloat16().to(DEVICE)
+    ids = torch.randint(0, 3, (40, 2), generator=g).to(DEVICE)
+    order, token, offsets = sort_routes(ids, 3)
+    y = routed_experts_inference(x, token, offsets, q13, q2, cfg, "m", check_finite=False)
+    combine(y, token, torch.rand(80, generator=g).to(DEVICE)[order], 40, 2, x.dtype)
+    finite_flags._FLAGS.clear()
+    assert seen == [
+        "grouped_rows_gemm_kernel",
+        "silu_mul_quantize_kernel",
+        "grouped_rows_gemm_kernel",
+        "combine_kernel",
+    ]
+
+
+@pytest.mark.gpu
+def test_direct_launches_give_the_layers_triton_launch_bits_on_a_gpu(monkeypatch):
+    """Compiled kernels: the prefill layer through direct launches (second call of each
+    specialisation) gives the bits of launches through Triton, at the default shape and at
+    a TMA shape (descriptors always go through Triton)."""
+    from nemo_jetrl.fp8 import triton_launch
+
+    g = torch.Generator().manual_seed(6)
+    cfg = Fp8LinearConfig.te_blockwise()
+    n_exp, t, k = 8, 2048, 2
+    q13 = experts.quantize_expert_weights(torch.randn(n_exp, 1536, 1024, generator=g).cuda(), cfg)
+    q2 = experts.quantize_expert_weights(torch.randn(n_exp, 1024, 768, generator=g).cuda(), cfg)
+    x = torch.randn(t, 1024, generator=g).bfloat16().cuda()
+    ids = torch.randint(0, n_exp, (t, k), generator=g).cuda()
+    w = torch.rand(t * k, generator=g).cuda()
+
+    def layer():
+        order, token, offsets = sort_routes(ids, n_exp)
+        y = routed_experts_inference(x, token, offsets, q13, q2, cfg, "m", check_finite=False)
+        return combine(y, token, w[order], t, k, x.dtype)
+
+    outs = {}
+    for tile in ("auto", "p128t"):
+        monkeypatch.setenv(grouped_tiles.ENV_ROWS_TILE, tile)
+        layer()
+        outs[tile] = layer()  # direct where the kernel allows it
+        assert triton_launch.direct_launch_status()[0] is True, triton_launch.direct_launch_status()
+    monkeypatch.setitem(triton_launch._DIRECT, "on", False)
+    for tile in ("auto", "p128t"):
+        monkeypatch.setenv(grouped_tiles.ENV_ROWS_TILE, tile)
+        assert _same(layer(), outs[tile]), tile
+    assert _same(outs["auto"], outs["p128t"])  # and the shapes agree on the GPU too
