@@ -55,12 +55,12 @@ def block_fp8_gemm_kernel(
         a = tl.load(
             a_ptr + rm[:, None] * sam + k[None, :] * sak,
             mask=(rm[:, None] < M) & (k[None, :] < K),
-            other=0,
+            other=0.0,
         )
         b = tl.load(
             b_ptr + rn[None, :] * sbn + k[:, None] * sbk,
             mask=(rn[None, :] < N) & (k[:, None] < K),
-            other=0,
+            other=0.0,
         )
         p = tile_dot(a, b, lut_a_ptr, lut_b_ptr, NATIVE, TF32, FP8_A, FP8_B)
         sa = tl.load(sa_ptr + rm * ssam + t * ssak, mask=rm < M, other=0.0)

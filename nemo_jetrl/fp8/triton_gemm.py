@@ -27,7 +27,7 @@ import torch
 from nemo_jetrl.fp8._deps import require
 from nemo_jetrl.fp8.formats import get_format
 from nemo_jetrl.fp8.quantize import BlockQuantized
-from nemo_jetrl.fp8.triton_kernels import interpreting
+from nemo_jetrl.fp8.triton_launch import frozen_meta, interpreting, launch
 
 
 @functools.cache
@@ -98,6 +98,17 @@ def _tiles(m: int, native: bool) -> tuple[int, int, int, int]:
     return bm, 128, 4, pipeline_stages(native)
 
 
+@functools.cache
+def _meta(b_rows, bm, bn, native, tf32, fmt_a, fmt_b, warps, stages):  # type: ignore[no-untyped-def]
+    """The kernel's constexprs and launch options for one configuration, built once."""
+    tl = _kernel().tl
+    fp8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+    return frozen_meta(
+        B_ROWS=b_rows, BM=bm, BN=bn, NATIVE=native, TF32=tf32, FP8_A=fp8[fmt_a],
+        FP8_B=fp8[fmt_b], num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
 def block_fp8_gemm_triton(
     a: BlockQuantized,
     b: BlockQuantized,
@@ -119,19 +130,21 @@ def block_fp8_gemm_triton(
     out = torch.empty(m, n, dtype=store_dtype, device=dev)
     if m and n:
         native = _native(a, b) if native is None else native
-        fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
         lut_a = a.scale_inv if native else value_table(a.fmt, dev)
         lut_b = b.scale_inv if native else value_table(b.fmt, dev)
-        qa, qb = a.data.view(torch.uint8), b.data.view(torch.uint8)
+        # FP8-typed operands on the tensor-core path (cp.async lands them where wgmma reads
+        # them; uint8 codes would go shared -> registers -> bitcast); codes for the tables and
+        # the interpreter (numpy has no FP8 type: the kernel bitcasts there)
+        typed = native and not interpreting()
+        qa, qb = (a.data, b.data) if typed else (a.data.view(torch.uint8), b.data.view(torch.uint8))
         sa, sb = a.scale_inv, b.scale_inv
         bm, bn, warps, stages = _tiles(m, native)
-        jit.block_fp8_gemm_kernel[(-(-m // bm), -(-n // bn))](
+        args = (
             qa, qb, out, sa, sb, lut_a, lut_b, m, n, k,
             qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1),
             out.stride(0), out.stride(1),
             sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-            B_ROWS=b.block[0], BM=bm, BN=bn, NATIVE=native, TF32=a.data.is_cuda,
-            FP8_A=fp8[a.fmt], FP8_B=fp8[b.fmt],
-            num_warps=warps, num_stages=stages,
         )  # fmt: skip
+        meta = _meta(b.block[0], bm, bn, native, a.data.is_cuda, a.fmt, b.fmt, warps, stages)
+        launch(jit.block_fp8_gemm_kernel, (-(-m // bm), -(-n // bn)), args, meta)
     return out if store_dtype == out_dtype else out.to(out_dtype)

@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from nemo_jetrl.fp8._deps import available
+from nemo_jetrl.fp8._deps import available, require
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.quantize import INPUT_DTYPES
 
@@ -108,6 +108,7 @@ def native_cast_default(device_index: int) -> bool:
 def format_constants(f: Fp8Format, input_dtype: torch.dtype, native_cast: bool) -> dict:
     """The quantizer kernels' format constexprs (``_triton_common.quantize_blocks``'s): fp8
     max, the input dtype's max, mantissa bits and bias, the cast, the FP8 type, bf16 input."""
+    require("triton", feature="Triton FP8 kernels")
     import triton.language as tl
 
     mant, bias = (3, 7) if f.name == "e4m3" else (2, 15)

@@ -174,13 +174,15 @@ import json, re
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nemo_jetrl.fp8 import quantize_blockwise, triton_kernels, triton_split
+from nemo_jetrl.fp8 import quantize_blockwise, triton_gemm, triton_kernels, triton_split
 from nemo_jetrl.fp8.triton_launch import NO_FTZ
 
 calls = []
 triton_split.launch = lambda kernel, grid, args, meta: calls.append((kernel, args, dict(meta)))
+triton_gemm.launch = triton_split.launch
 # what an H100 decides: the FP8 tensor-core dot and the hardware cast (here: the CPU's choices)
 triton_split._dot_mode = lambda fmts, device: triton_split._kernel().DOT_NATIVE.value
+triton_gemm._native = lambda a, b: True
 triton_kernels.resolve_native_cast = lambda x, native_cast: True
 TYPES = {torch.uint8: "*u8", torch.int16: "*i16", torch.float32: "*fp32", torch.bfloat16: "*bf16",
          torch.float8_e4m3fn: "*fp8e4nv"}
@@ -217,13 +219,14 @@ x = torch.randn(256, 4096, generator=g).bfloat16()
 triton_split.split_linear(x[:1], w, pow2_scales=True)               # split, fused quantization
 triton_split.split_gemm(quantize_blockwise(x[:64], (1, 128)), w)    # split
 triton_split.split_gemm(quantize_blockwise(x, (1, 128)), w)         # fold in registers
+triton_gemm.block_fp8_gemm_triton(quantize_blockwise(x[:1], (1, 128)), w)  # the triton backend
 print(json.dumps([compile_sm90(*c) for c in calls]))
 """
 
 
 @pytest.mark.slow
 def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads():
-    """Hopper rounds inside an FP8 MMA, and a 16-row mma.sync rounds unlike a 64-row wgmma (an
+    """(The ``triton`` backend's dense kernel too.) Hopper rounds inside an FP8 MMA, and a 16-row mma.sync rounds unlike a 64-row wgmma (an
     H100 run saw it: results/README.md): every mode and token tile must compile to wgmma
     m64nXk32 e4m3 (the weight in the 64 rows), never mma.sync, within Hopper's shared memory; and
     the operand loads must be software-pipelined (cp.async) into the shared memory wgmma reads
@@ -245,6 +248,9 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
     compiled = json.loads(proc.stdout.strip().splitlines()[-1])
     gemms = [c for c in compiled if c["kernel"] == "split_gemm_kernel"]
     folds = [c for c in compiled if c["kernel"] == "fold_kernel"]
+    (dense,) = [c for c in compiled if c["kernel"] == "block_fp8_gemm_kernel"]
+    want = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"  # the triton backend, M = 1
+    assert dense["wgmma"] == [want] and dense["cp_async"] > 0 and not dense["a_from_registers"]
     # decode: one warpgroup on 64 weight rows; above 64 tokens two, each on its own 64 rows
     assert [(c["bt"], c["fused"], c["bw"], c["warps"]) for c in gemms] == [
         (16, True, 64, 4), (64, False, 64, 4), (128, False, 128, 8)
