@@ -888,3 +888,14 @@ MUTANTS += [
         (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
     ),
 ]
+
+# ---- issue 48 point 3: the grouped GEMM's device-made tile schedule
+MUTANTS += [
+    Mutant(
+        "grouped rows GEMM: a tile at an expert's first tile index is given to the expert before",
+        "nemo_jetrl/fp8/_triton_grouped_gemm_jit.py",
+        "e = tl.sum((ends <= t).to(tl.int32), axis=0)",
+        "e = tl.sum((ends < t).to(tl.int32), axis=0)",
+        ("tests/fp8/test_fp8_experts_prefill.py::test_every_tile_shape_gives_the_reference_bits",),
+    ),
+]
