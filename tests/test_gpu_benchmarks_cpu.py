@@ -135,6 +135,33 @@ def test_fp8_linear_times_the_packages_own_layer(bench):
     assert lin_mod.linear_gemm is real
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+def test_fp8_linear_times_the_two_pass_rowcol_layer(bench, monkeypatch):
+    """``two_pass/fused``: a layer planned with JETRL_FP8_ROWCOL=two_pass (the variable set for
+    its first call only), 'n/a' where the layer has no Triton rowcol kernel (the CPU path)."""
+    import os
+
+    import nemo_jetrl.fp8.linear as lin_mod
+    from nemo_jetrl.fp8 import dispatch, finite_flags, triton_kernels
+
+    module = bench("bench_fp8_linear")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(128, 256, generator=g).bfloat16(), torch.randn(128, 256, generator=g)
+    dy = torch.randn(128, 128, generator=g).bfloat16()
+    assert module.two_pass_step(w.bfloat16(), x, dy, True) is None  # the CPU path
+    if not triton_kernels.interpreting():
+        return
+    monkeypatch.setattr(finite_flags, "sync_free", lambda t: True)  # the CUDA path, emulated
+    monkeypatch.setattr(lin_mod, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(dispatch, "_fast", lambda x, backend: True)
+    monkeypatch.setattr(lin_mod, "quant_backend", lambda x, backend=None: "triton")
+    monkeypatch.setenv("JETRL_FP8_GEMM_BACKEND", "reference")
+    run = module.two_pass_step(w.bfloat16(), x, dy, True)
+    assert run is not None and "JETRL_FP8_ROWCOL" not in os.environ
+    run()
+    finite_flags._FLAGS.clear()
+
+
 def test_timing_helper_flushes_l2_and_can_replay_a_graph(bench):
     common = bench("_common")
     import inspect

@@ -117,6 +117,25 @@ def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return run
 
 
+def two_pass_step(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
+    """`fwd_bwd` of a layer planned with ``JETRL_FP8_ROWCOL=two_pass`` (x and dy quantized by the
+    1x128 and the transposed 128x1 kernels in turn, not the fused one: the same bits)."""
+    import os
+
+    from nemo_jetrl.fp8.linear_plan import ENV_ROWCOL
+
+    layer = fp8_layer(w, pow2)
+    run = fwd_bwd(layer, x, dy)
+    saved = os.environ.get(ENV_ROWCOL)
+    os.environ[ENV_ROWCOL] = "two_pass"
+    try:
+        run()  # the layer plans on its first call, reading the variable
+    finally:
+        os.environ.pop(ENV_ROWCOL) if saved is None else os.environ.__setitem__(ENV_ROWCOL, saved)
+    # None where the layer does not quantize with Triton (no rowcol kernel to replace)
+    return run if layer.fp8_state.plan.two_pass_rowcol else None
+
+
 def quant_only(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
     """``fwd_bwd`` with the layer's GEMMs replaced by empty outputs of the right shape."""
     import nemo_jetrl.fp8.linear as lin_mod
@@ -219,6 +238,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             layer = fp8_layer(w, args.pow2)
             bf16 = bench(fwd_bwd(bf16_lin, x, dy))
             fp8 = bench(fwd_bwd(layer, x, dy))
+            two_pass = two_pass_step(w, x, dy, args.pow2)
             fp8_new_w = bench(new_weight_each_step(layer, fwd_bwd(layer, x, dy)))
             quant = bench(quant_only(layer, x, dy))
             host = host_enqueue_ms(fwd_bwd(layer, x, dy))
@@ -244,6 +264,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "fp8_ms": fp8,
                     "speedup": bf16 / fp8,
                     "fp8_new_w_ms": fp8_new_w,
+                    "two_pass/fused": bench(two_pass) / fp8 if two_pass else "n/a",
                     "quant_share": quant / fp8,
                     "host_ms": host,
                     "gpu_ms": gpu,
@@ -269,6 +290,7 @@ COLUMNS = (
     "fp8_ms",
     "speedup",
     "fp8_new_w_ms",
+    "two_pass/fused",
     "quant_share",
     "host_ms",
     "gpu_ms",

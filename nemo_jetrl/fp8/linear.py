@@ -53,6 +53,7 @@ from nemo_jetrl.fp8.linear_plan import LinearPlan, make_plan, plan_key
 from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.rowcol_quantize import quantize_rowcol_reference, quantize_rowcol_triton
 from nemo_jetrl.fp8.spec import linear_dims_problem
+from nemo_jetrl.fp8.triton_kernels import quantize_blockwise_triton
 from nemo_jetrl.fp8.weight_cache import WeightCache
 
 
@@ -340,7 +341,11 @@ def _quantize_rowcol(t: torch.Tensor, name: str, plan: LinearPlan, layouts, **kw
     both: MN-major if either GEMM reads it (the others read any strides)."""
     flag = finite_flags.flag(name, t.device)
     layout = "mn_major" if "mn_major" in layouts else "compact"
-    if plan.fused_rowcol:  # decided at plan time (`LayerState.plan_for`)
+    opts = {"scale_layout": layout, "nonfinite_flag": flag, "name": name, "check_finite": False}
+    if plan.two_pass_rowcol:  # decided at plan time, as the rest (`LayerState.plan_for`)
+        row = quantize_blockwise_triton(t, (1, 128), **kw, **opts)
+        return row, quantize_blockwise_triton(t, (128, 1), transpose=True, **kw, **opts)
+    if plan.fused_rowcol:
         return quantize_rowcol_triton(
             t, scale_layout=layout, nonfinite_flag=flag, name=name, check_finite=False, **kw
         )

@@ -22,6 +22,7 @@ from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.gemm_backends import plan_gemm
 
 ENV_WEIGHT_CACHE = "JETRL_FP8_WEIGHT_CACHE"
+ENV_ROWCOL = "JETRL_FP8_ROWCOL"
 # GEMM backends handed MN-major activation scales by the quantizer: cuBLASLt reads only that
 # layout (`gemm_backends._scaled_mm` copies compact scales into it per call; at M % 4 == 0 the
 # quantizer's padded layout is exactly that copy). DeepGEMM keeps the compact scales it was
@@ -55,12 +56,18 @@ class LinearPlan:
     cache_weight: bool
     """Reuse the FP8 weight while the master weight is unchanged (`weight_cache`)."""
     fused_rowcol: bool
-    """x and dy quantized 1x128 and 128x1 from one read by the fused Triton kernel (the CUDA path
-    with the Triton quantizer); False: the torch quantizer twice."""
+    """x and dy quantized 1x128 and 128x1 by the Triton quantizer (the CUDA path with it): from
+    one read by the fused kernel, or in two passes when `two_pass_rowcol`; False: the torch
+    quantizer twice."""
     fwd_kw: dict
     """Format, scale rule and eps of x and W (quantizer keywords, built once, never mutated)."""
     grad_kw: dict
     """The same for dy (the grad format: E5M2 under ``hybrid``)."""
+    two_pass_rowcol: bool = False
+    """``JETRL_FP8_ROWCOL=two_pass``: the 1x128 and the 128x1 (transposed) kernels one after the
+    other instead of the fused one (same codes and scales; on the H100 the fused kernel took
+    1/0.884 of the two passes' GPU time alone, results/h100_run6: the end-to-end choice is the
+    GPU call's to measure, `bench_fp8_linear.py`)."""
 
 
 def plan_key(
@@ -69,6 +76,14 @@ def plan_key(
     """What a plan depends on: device, dtypes and the config object (a layer whose ``config`` is
     reassigned plans again; the same object compares by identity, no field compare per call)."""
     return (x.device, x.dtype, weight.dtype, None if bias is None else bias.dtype, config)
+
+
+def rowcol_two_pass() -> bool:
+    """``$JETRL_FP8_ROWCOL``: ``fused`` (default) or ``two_pass`` (read when a layer plans)."""
+    value = os.environ.get(ENV_ROWCOL, "fused").strip().lower()
+    if value not in ("fused", "two_pass"):
+        raise ValueError(f"environment variable {ENV_ROWCOL} is {value!r}; use fused or two_pass")
+    return value == "two_pass"
 
 
 def weight_cache_enabled() -> bool:
@@ -112,4 +127,5 @@ def make_plan(
         "mn_major" if quant == "triton" and gemm in MN_MAJOR_GEMMS else "compact"
         for gemm in (fprop, dgrad, wgrad)
     ]  # the torch quantizer writes compact scales only
-    return LinearPlan(key, True, quant, fprop, dgrad, wgrad, *layouts, cache, fused, *kws)
+    two_pass = fused and rowcol_two_pass()
+    return LinearPlan(key, True, quant, fprop, dgrad, wgrad, *layouts, cache, fused, *kws, two_pass)
