@@ -75,7 +75,8 @@ def test_dry_run_lists_the_steps_in_order_within_540_s():
                   "bench_fp8_linear", "bench_quantizer"):  # fmt: skip
         assert bench in names and names.index(bench) > names.index("bench_local_grpo")
     assert names[-1] == "pack"
-    assert "--steps 3" in p.stdout and "jetrl,jetrl_kv,fp8_rollout,bf16" in p.stdout
+    # issue 47: the exact recipes first, jetrl in both scale modes, then the off-policy baseline
+    assert "--steps 3" in p.stdout and "jetrl,jetrl_kv,jetrl@fp32,fp8_rollout,bf16" in p.stdout
     # the three test steps split gpu_check.sh's list between them, each module once: the
     # invariant kernels', the split-K GEMM's (before the serving benchmarks), the rest
     counts = [int(n) for n in re.findall(r"JETRL_GPU_TESTS=\((\d+) modules", p.stdout)]

@@ -61,7 +61,7 @@ plan() {
   # Both models (the demo's, then the ~0.6B Qwen3-shaped one), the exact recipes first: the JSON
   # is rewritten after every recipe, so a timeout keeps what ran.
   step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-140}" "$py" benchmarks/gpu/bench_local_grpo.py \
-    --steps 3 --recipes jetrl,jetrl_kv,fp8_rollout,bf16,jetrl@fast,jetrl@splitk \
+    --steps 3 --recipes jetrl,jetrl_kv,jetrl@fp32,fp8_rollout,bf16,jetrl@fast,jetrl@splitk \
     --json "$work/json/bench_local_grpo.json"
   step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-25}" "$py" benchmarks/gpu/bench_invariant_ops.py \
     --iters 20 --json "$work/json/bench_invariant_ops.json"
