@@ -13,11 +13,13 @@ right. Two launch modes give the same bits for every element:
   (128 weight rows, 128 tokens; two warpgroups of 64 rows) sums every chunk and folds as it
   goes; no workspace.
 
-Every tile is computed swapped (each warpgroup's 64 weight rows are the MMA's M dimension:
-Hopper's wgmma m64nXk32 for every batch size, no 64-row token tile for one token). ``split_linear(x, b)`` also quantizes
-the activation: at M <= `FUSE_MAX_M` inside the GEMM's programs (the quantizer's own helpers,
-so the same codes and scales as `quantize_blockwise`; no separate launch), else with the 1x128
-Triton quantizer first.
+Every tile is computed swapped: each warpgroup's 64 weight rows are the MMA's M dimension
+(Hopper's wgmma m64nXk32 at every batch size; no 64-row token tile for one token), and on the
+tensor-core path both operands are FP8-typed, so cp.async lands them in the shared memory wgmma
+reads (`tests/fp8/test_split_gemm.py` compiles every mode for sm_90 and checks it).
+``split_linear(x, b)`` also quantizes the activation: at M <= `FUSE_MAX_M` inside the GEMM's
+programs (the quantizer's own helpers, so the same codes and scales as `quantize_blockwise`; no
+separate launch), else with the 1x128 Triton quantizer first.
 
 Because the order is a function of K alone, a token's row is the same at M = 1 and among 8192
 tokens, in both scale modes (no row padding as cuBLASLt's FP32-scale path needs); when the
@@ -58,6 +60,7 @@ WEIGHT_ROWS = 64
 A decode program has one warpgroup (4 warps); above `SPLIT_MAX_M` tokens a program has
 `PREFILL_WARPGROUPS` of them, each running the same wgmma on its own 64 rows."""
 PREFILL_WARPGROUPS = 2
+"""Warpgroups per program above the decode sizes (128 weight rows: 8 warps)."""
 FOLD_BLOCK = 1024
 
 
