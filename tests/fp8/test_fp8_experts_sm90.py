@@ -14,12 +14,6 @@ operands (no ``local_load`` of an operand into registers and back), by TMA (``cp
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from nemo_jetrl.fp8 import grouped_tiles
@@ -95,18 +89,9 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE],
-        env=env,
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.sm90_compile import compile_report
+
+    return compile_report(_SM90_COMPILE, timeout=600)  # type: ignore[return-value]
 
 
 def test_every_tile_shape_compiles_for_sm90_within_hoppers_shared_memory(compiled):

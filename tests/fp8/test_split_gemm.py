@@ -233,20 +233,9 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
     the operand loads must be software-pipelined (cp.async) into the shared memory wgmma reads
     (FP8-typed pointers: uint8 codes went shared -> registers -> bitcast), or a decode GEMM waits
     on every load instead of streaming the weight."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.sm90_compile import compile_report
 
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE], env=env, cwd=repo, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    compiled = compile_report(_SM90_COMPILE, timeout=600)
     gemms = [c for c in compiled if c["kernel"] == "split_gemm_kernel"]
     folds = [c for c in compiled if c["kernel"] == "fold_kernel"]
     (dense,) = [c for c in compiled if c["kernel"] == "block_fp8_gemm_kernel"]

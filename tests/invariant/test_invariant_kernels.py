@@ -14,11 +14,6 @@ whatever BK). The attention kernel's pipeline stages fit Hopper's shared memory 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -197,18 +192,9 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_the_shared_memory_triton_allocates_for_sm90_is_within_the_estimate():
     # ~1 min on 2 CPU cores (fp32 at head_dim 256 compiles for ~30 s); cached afterwards
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiler, not the interpreter
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE],
-        env=env,
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.sm90_compile import compile_report
+
+    compiled = compile_report(_SM90_COMPILE)
     assert [(d, size) for d, size, _, _ in compiled] == list(STAGES)
     for d, size, stages, shared in compiled:
         assert stages == STAGES[d, size]
