@@ -899,3 +899,14 @@ MUTANTS += [
         ("tests/fp8/test_fp8_experts_prefill.py::test_every_tile_shape_gives_the_reference_bits",),
     ),
 ]
+
+# ---- the sm_90 census (scripts/sm90_census.py): a tile chosen from the batch size on a GPU path
+MUTANTS += [
+    Mutant(
+        "invariant matmul takes 16-row tiles below 16 rows (another MMA, other bits, on a GPU)",
+        "nemo_jetrl/invariant/kernels/matmul.py",
+        "BM=block_m, BN=block_n,",
+        "BM=16 if m < 16 else block_m, BN=block_n,",
+        ("tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",),
+    ),
+]

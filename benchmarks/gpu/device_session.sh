@@ -288,6 +288,17 @@ travel_mib() {  # what a call sends: tracked and untracked-not-ignored files, pl
 }
 
 prepare() {
+  # Every kernel the steps launch, compiled for sm_90 by the GPU image's Triton (3.6.0, from
+  # scripts/setup_env.sh) before the call spends a minute on it: a refusal stops here.
+  if [[ ! -f .venv-triton-gpu/triton/__init__.py ]]; then
+    echo "device_session: no GPU image Triton in .venv-triton-gpu (run scripts/setup_env.sh)" >&2
+    return 1
+  fi
+  echo "sm_90 census with the GPU image's Triton (scripts/sm90_census.py, ~25 s)"
+  PYTHONPATH=.venv-triton-gpu .venv/bin/python scripts/sm90_census.py | tail -n 12 || {
+    echo "device_session: a kernel fails the sm_90 census (above): fix it before the call" >&2
+    return 1
+  }
   bash scripts/gpu_wheels.sh "$wheels"
   local head dirty
   head=$(git rev-parse HEAD)

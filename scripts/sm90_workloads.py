@@ -1,0 +1,182 @@
+"""The workloads of `sm90_census` and the fake H100 they run on (see its module docstring).
+
+`pretend_h100` makes the host code take its H100 paths on CPU tensors: a labelled fake, only what
+no CPU can give (the device's answers), for the census's own process. Each workload calls the
+public entry points with the GPU call's shapes; no kernel runs (the census records the launches),
+so the tensors are never read and their values do not matter.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+
+SM_COUNT = 132  # H100 SXM and H200
+
+
+def pretend_h100() -> None:
+    """Make the host code take its H100 paths on CPU tensors (see the module docstring, part 1).
+    For this process only: it is a script, not a library call."""
+    from nemo_jetrl.fp8 import (
+        gemm_backends,
+        triton_gemm,
+        triton_kernels,
+        triton_launch,
+        triton_split,
+    )
+
+    torch.Tensor.is_cuda = property(lambda self: True)  # type: ignore[assignment, method-assign]
+    props = SimpleNamespace(multi_processor_count=SM_COUNT, major=9, minor=0, name="census H100")
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.get_device_properties = lambda device=None: props
+    torch.cuda.is_current_stream_capturing = lambda: False
+    # The choices that read ``device.type`` (a CPU tensor's is "cpu" whatever is_cuda says).
+    triton_split._dot_mode = lambda fmts, device: (
+        triton_split._kernel().DOT_NATIVE.value
+        if triton_gemm.native_dot(fmts, (9, 0))
+        else triton_split._kernel().DOT_EMULATED.value
+    )
+    caps = gemm_backends.DeviceCaps(cuda=True, sm=(9, 0), scaled_mm=True, triton=True)
+    gemm_backends.device_caps = lambda device: caps  # no DeepGEMM (the GPU image has none)
+    triton_launch._native_cast_on.cache_clear()
+    triton_kernels.native_cast_default = lambda device_index: True
+    for module in (triton_launch, triton_kernels):  # "a CPU tensor needs the interpreter"
+        module._check_device = lambda x, label: None
+
+
+QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+SERVING_M = (1, 8, 32, 64, 256, 8192)
+MOE = {"qwen3_30b_a3b": (128, 2048, 768, 8), "deepseek_v3": (256, 7168, 2048, 8)}  # E, H, I, k
+MOE_TOKENS = (64, 2048)
+SMALL = {"hidden": 1024, "inter": 3072, "vocab": 151936, "heads": 16, "head_dim": 128}  # ~0.6B
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype)  # never read: no kernel runs
+
+
+def serving() -> None:
+    """Qwen3-8B's 4 linears as the vLLM layer serves them, both Triton backends, both modes."""
+    from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+    from nemo_jetrl.vllm_patch import kernel
+
+    ops = kernel.ensure_ops()
+    for backend in ("triton", "triton_splitk"):
+        for pow2 in (True, False):
+            for n, k in QWEN3_8B.values():
+                qw = quantize_blockwise(
+                    _randn(n, k), (128, 128), pow2_scales=pow2, check_finite=False
+                )
+                scale = gemm_backends.gemm_ready_weight_scales(backend, qw.scale_inv)
+                for m in SERVING_M:
+                    kernel.serving_forward(ops, _randn(m, k), qw.data, scale, backend,
+                                           torch.bfloat16, (pow2, pow2, 0.0))  # fmt: skip
+
+
+def training_quantizers() -> None:
+    """What `Fp8BlockLinear` launches besides its cuBLAS GEMMs, at 8192 tokens of Qwen3-8B."""
+    from nemo_jetrl.fp8 import rowcol_quantize, triton_kernels
+
+    for pow2 in (True, False):
+        kw = {"pow2_scales": pow2, "check_finite": False}
+        for k in (4096, 12288):
+            x = _randn(8192, k)
+            triton_kernels.quantize_blockwise_triton(x, (1, 128), **kw)
+            triton_kernels.quantize_blockwise_triton(x, (1, 128), scale_layout="mn_major", **kw)
+            triton_kernels.quantize_blockwise_triton(x, (128, 1), transpose=True, **kw)
+            rowcol_quantize.quantize_rowcol_triton(x, **kw)
+            g = _randn(8192, k)
+            triton_kernels.quantize_blockwise_triton(g, (1, 128), fmt="e5m2", **kw)
+        for n, k in QWEN3_8B.values():
+            triton_kernels.quantize_blockwise_triton(_randn(n, k), (128, 128), **kw)
+        for m in (1, 8192):
+            triton_kernels.rmsnorm_quantize_1x128(_randn(m, 4096), _randn(4096), **kw)
+
+
+def training_linear() -> None:
+    """`Fp8BlockLinear` forward and backward at 8192 tokens of Qwen3-8B on the ``triton`` GEMM
+    backend (cuBLASLt, the default, is no Triton kernel), both rowcol modes."""
+    from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8LinearConfig
+
+    os.environ["JETRL_FP8_GEMM_BACKEND"] = "triton"
+    try:
+        for rowcol in ("fused", "two_pass"):
+            os.environ["JETRL_FP8_ROWCOL"] = rowcol
+            for n, k in QWEN3_8B.values():
+                layer = Fp8BlockLinear(k, n, bias=False, dtype=torch.bfloat16,
+                                       config=Fp8LinearConfig(pow2_scales=True))  # fmt: skip
+                x = torch.zeros(8192, k, dtype=torch.bfloat16, requires_grad=True)
+                layer(x).backward(torch.zeros(8192, n, dtype=torch.bfloat16))
+    finally:
+        os.environ.pop("JETRL_FP8_GEMM_BACKEND")
+        os.environ.pop("JETRL_FP8_ROWCOL")
+
+
+def experts() -> None:
+    """The rollout's routed experts (`routed_experts_inference` + `combine`), decode and prefill."""
+    from nemo_jetrl.fp8 import Fp8LinearConfig
+    from nemo_jetrl.fp8.experts_layer import combine, routed_experts_inference, sort_routes
+    from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
+
+    def loaded(e: int, n: int, k: int) -> GroupedQuantizedWeights:  # as a refit stages them
+        data = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn)
+        return GroupedQuantizedWeights(data, torch.ones(e, n // 128, k // 128), "e4m3", True)
+
+    for e, h, i, top_k in MOE.values():
+        cfg = Fp8LinearConfig(pow2_scales=True)
+        q13, q2 = loaded(e, 2 * i, h), loaded(e, h, i)
+        for t in MOE_TOKENS:
+            ids = (torch.arange(t * top_k, dtype=torch.int32) % e).view(t, top_k)
+            order, token, offsets = sort_routes(ids, e)
+            x = _randn(t, h)
+            y = routed_experts_inference(
+                x, token, offsets, q13, q2, cfg, "census", check_finite=False
+            )
+            combine(y, token, torch.ones(t * top_k)[order], t, top_k, x.dtype)
+
+
+def experts_training() -> None:
+    """The trainer's grouped FP8 linear (`grouped_fp8_linear`), forward and backward, at 2048
+    tokens of Qwen3-30B-A3B."""
+    from nemo_jetrl.fp8 import Fp8LinearConfig
+    from nemo_jetrl.fp8.experts import grouped_fp8_linear
+
+    e, h, i, top_k = MOE["qwen3_30b_a3b"]
+    rows = 2048 * top_k
+    offsets = torch.arange(e + 1, dtype=torch.int64) * (rows // e)
+    cfg = Fp8LinearConfig(pow2_scales=True)
+    for n, k in ((2 * i, h), (h, i)):
+        w = torch.zeros(e, n, k, dtype=torch.bfloat16, requires_grad=True)
+        x = torch.zeros(rows, k, dtype=torch.bfloat16, requires_grad=True)
+        grouped_fp8_linear(x, w, offsets, cfg, "census").backward(torch.zeros(rows, n).bfloat16())
+
+
+def invariant_ops() -> None:
+    """The batch-invariant ops at the ~0.6B model's shapes: decode rows and a prefill."""
+    from nemo_jetrl.invariant.kernels import attention, matmul, rows
+
+    s = SMALL
+    for m in (1, 3, 64, 512):
+        x = _randn(m, s["hidden"])
+        rows.rms_rstd(x, 1e-6)
+        matmul.matmul(x, _randn(s["inter"], s["hidden"]))
+        matmul.matmul(x, _randn(s["vocab"], s["hidden"]))
+        matmul.matmul(x.float(), _randn(s["inter"], s["hidden"]))  # jetrl.local.dtype float32
+        rows.logsumexp_parts(_randn(m, s["vocab"], dtype=torch.float32))
+    for dtype, dims in ((torch.bfloat16, (64, 128, 256)), (torch.float32, (128,))):
+        for d in dims:
+            for tq, tk in ((1, 300), (300, 300)):  # a decode step and the prefill it continues
+                q = _randn(2, s["heads"], tq, d, dtype=dtype)
+                kv = _randn(2, s["heads"], tk, d, dtype=dtype)
+                mask = _randn(1, 1, tq, tk, dtype=torch.float32)
+                attention.attention(q, kv, kv, mask, d**-0.5)
+
+
+WORKLOADS: dict[str, Callable[[], None]] = {
+    "serving": serving, "training_quantizers": training_quantizers,
+    "training_linear": training_linear, "experts": experts, "experts_training": experts_training,
+    "invariant_ops": invariant_ops,
+}  # fmt: skip

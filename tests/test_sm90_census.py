@@ -1,0 +1,140 @@
+"""`scripts/sm90_census.py`: every Triton kernel the GPU paths launch compiles for Hopper (sm_90)
+with this machine's Triton and with the GPU image's (3.6.0, `.venv-triton-gpu`, made by
+scripts/setup_env.sh), within Hopper's shared memory, on wgmma, one instruction at every batch
+size for the batch-invariant kernels. And the census's checks can fail (planted rows)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_TRITON_DIR = Path(os.environ.get("JETRL_GPU_TRITON_DIR", REPO / ".venv-triton-gpu"))
+GPU_IMAGE_TRITON = "3.6.0"  # the lent H100/H200 image's (benchmarks/gpu/results, runs 4-6)
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on an H100/H200 (H100 log)
+FP8_WGMMA = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+BF16_WGMMA_64 = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
+HOST_MODULES = (  # the modules whose host code chooses the census's tiles and launches
+    "nemo_jetrl.fp8.triton_kernels", "nemo_jetrl.fp8.rowcol_quantize", "nemo_jetrl.fp8.triton_gemm",
+    "nemo_jetrl.fp8.triton_split", "nemo_jetrl.fp8.triton_grouped", "nemo_jetrl.fp8.grouped_tiles",
+    "nemo_jetrl.invariant.kernels.rows", "nemo_jetrl.invariant.kernels.matmul",
+    "nemo_jetrl.invariant.kernels.attention",
+)  # fmt: skip
+
+
+def _census_module():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import sm90_census
+    finally:
+        sys.path.pop(0)
+    return sm90_census
+
+
+def _package_kernels() -> set[str]:
+    """Every ``@triton.jit`` function named ``*_kernel`` in the package (its launch entry points)."""
+    names = set()
+    for path in (REPO / "nemo_jetrl").rglob("*.py"):
+        names |= set(re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", path.read_text()))
+    return names
+
+
+def _run_census(tmp_path: Path, triton_dir: Path | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env["PYTHONPATH"] = os.pathsep.join([*([str(triton_dir)] if triton_dir else []), str(REPO)])
+    out = tmp_path / "census.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "sm90_census.py"), "--json", str(out)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    report["rc"], report["stdout"] = proc.returncode, proc.stdout
+    return report
+
+
+@pytest.fixture(scope="module", params=["installed", "gpu_image"])
+def census(request, tmp_path_factory) -> dict:  # type: ignore[no-untyped-def]
+    triton_dir = None
+    if request.param == "gpu_image":
+        if not (GPU_TRITON_DIR / "triton" / "__init__.py").is_file():
+            pytest.fail(
+                f"the GPU image's Triton is not under {GPU_TRITON_DIR}: run scripts/setup_env.sh "
+                f"(`.venv/bin/pip install --no-deps --target .venv-triton-gpu "
+                f"triton=={GPU_IMAGE_TRITON}`)"
+            )
+        triton_dir = GPU_TRITON_DIR
+    here = {name: importlib.import_module(name).__file__ for name in HOST_MODULES}
+    report = _run_census(tmp_path_factory.mktemp(request.param), triton_dir)
+    report["here"] = here
+    report["which"] = request.param
+    return report
+
+
+pytestmark = [pytest.mark.triton]
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_sm90_with_no_problem(census):
+    """~25 s per Triton on 2 cores with an empty cache: ~300 launches, ~70 specializations."""
+    if census["which"] == "gpu_image":
+        assert census["triton"] == GPU_IMAGE_TRITON
+    assert census["problems"] == [] and census["rc"] == 0, census["stdout"][-3000:]
+    rows = census["rows"]
+    assert all("error" not in r for r in rows)
+    # every launch entry point of the package is in the census (a new kernel needs a workload)
+    assert {r["kernel"] for r in rows} == _package_kernels()
+    # it compiled this checkout's code: each host module it ran is the file imported here
+    assert {n: census["sources"][n] for n in HOST_MODULES} == census["here"]
+    assert census["launches"] >= 300 and len(rows) >= 60
+    assert max(r["shared"] for r in rows) <= HOPPER_SMEM
+
+
+@pytest.mark.slow
+def test_the_measured_instructions_of_the_gpu_paths(census):
+    """Facts of this census (both Tritons, 2026-11-29), stated as literals: the FP8 GEMMs of both
+    training and serving multiply on one m64n128k32 e4m3 wgmma (the weight's 64 rows in M); the
+    invariant matmul on one m64n64k16 bf16 wgmma at M = 1, 3, 64, 512; bf16 attention at
+    head_dim 256 takes 180224 B of shared memory (its 2 stages: 227 KiB is the limit)."""
+    rows = census["rows"]
+
+    def mmas(kernel: str, **consts: object) -> set[tuple]:
+        return {
+            tuple(r["mma"]) for r in rows
+            if r["kernel"] == kernel and all(r["consts"].get(k) == v for k, v in consts.items())
+        }  # fmt: skip
+
+    for kernel in ("block_fp8_gemm_kernel", "grouped_rows_gemm_kernel"):
+        assert mmas(kernel) == {(FP8_WGMMA,)}, kernel
+    assert mmas("matmul_kernel", IEEE=False) == {(BF16_WGMMA_64,)}
+    assert mmas("matmul_kernel", IEEE=True) == {()}  # IEEE fp32 products: no tensor cores
+    d256 = [r for r in rows if r["kernel"] == "attention_kernel" and r["consts"]["BD"] == 256]
+    assert {r["shared"] for r in d256} == {180224}
+    # the batch sizes the invariant matmul was launched at (M = 1 is a JIT constant)
+    ms = {m for r in rows if r["kernel"] == "matmul_kernel" for m in r["ints"]["M"]}
+    assert {1, 3, 64, 512} <= ms
+
+
+def test_the_checks_fail_on_planted_rows():
+    """Each check of `problems` on a row made to fail it, beside a row that passes."""
+    census = _census_module()
+    ok = {"kernel": "matmul_kernel", "workloads": ["w"], "consts": {"IEEE": False, "BM": 64},
+          "options": {"num_warps": 4}, "ints": {}, "shared": 32768, "mma": [BF16_WGMMA_64]}  # fmt: skip
+    assert census.problems([ok]) == []
+    big = dict(ok, shared=HOPPER_SMEM + 1)
+    sync = dict(ok, mma=["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"])
+    broken = dict(ok, error="CompilationError: at 3:4: ...")
+    other_tile = dict(ok, consts={"IEEE": False, "BM": 16})  # a tile chosen from M
+    other_dtype = dict(ok, consts={"IEEE": True, "BM": 64}, mma=[])  # a feature, not the batch
+    assert len(census.problems([ok, big])) == 1 and "shared memory" in census.problems([big])[0]
+    assert "mma.sync" in census.problems([sync])[0]
+    assert census.problems([broken])[0].startswith("does not compile: matmul_kernel")
+    assert "differ across batch sizes" in census.problems([ok, other_tile])[0]
+    assert census.problems([ok, other_dtype]) == []
