@@ -35,12 +35,12 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 
 HOPPER_SMEM = 232448  # bytes one block may use on an H100/H200, as Triton states it (H100 log)
 # The batch-invariant kernels, with the constexprs that may differ between their launches (feature
@@ -54,11 +54,6 @@ TENSOR_CORE = (
     "block_fp8_gemm_kernel", "split_gemm_kernel", "grouped_rows_gemm_kernel",
     "grouped_tokens_gemm_kernel", "matmul_kernel", "attention_kernel",
 )  # fmt: skip
-_TYPES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-    torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1",
-    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
-}  # fmt: skip
 _OPTIONS = (
     "num_warps",
     "num_stages",
@@ -73,11 +68,14 @@ _OPTIONS = (
 
 CALLS: list[dict] = []
 _WORKLOAD = ["?"]
+_JIT_RUN: list = []  # Triton's own JITFunction.run, kept by `record_launches`
 
 
 def record_launches() -> None:
     """Replace `JITFunction.run`: append the launch to `CALLS`, launch nothing."""
     from triton.runtime.jit import JITFunction
+
+    _JIT_RUN.append(JITFunction.run)
 
     def run(self, *args, grid, warmup, **kwargs):  # type: ignore[no-untyped-def]
         CALLS.append({"kernel": self, "args": args, "kwargs": kwargs, "workload": _WORKLOAD[0]})
@@ -85,95 +83,72 @@ def record_launches() -> None:
     JITFunction.run = run  # type: ignore[method-assign]
 
 
-def _spec(call: dict) -> tuple[dict, dict, dict, dict, dict]:
-    """(signature, constexprs, attrs, options, what) of one recorded launch, as the JIT makes them."""
-    kernel, kwargs = call["kernel"], dict(call["kwargs"])
-    options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
-    sig, consts, attrs, what = {}, {}, {}, {}
+class _Hopper:
+    """The driver Triton's JIT asks which device it compiles for: device 0, an sm_90 (a
+    labelled fake: the census compiles, it never loads or launches)."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):  # type: ignore[no-untyped-def]
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def _report_fields(call: dict) -> tuple[dict, dict, dict]:
+    """(constexprs by name, launch options, int arguments) of one recorded launch."""
+    kernel, kwargs = call["kernel"], call["kwargs"]
     bound = dict(zip(kernel.arg_names, call["args"], strict=False))
-    for i, p in enumerate(kernel.params):
-        name = p.name
-        if name in bound:
-            a = bound[name]
-        elif name in kwargs:
-            a = kwargs[name]
-        else:
-            a = p.default
+    consts = {}
+    for p in kernel.params:
         if p.is_constexpr:
-            sig[name], consts[name] = "constexpr", a
-            what[name] = a if isinstance(a, int | float | bool | str | type(None)) else str(a)
-            continue
-        if isinstance(a, torch.Tensor):
-            sig[name] = "*" + _TYPES[a.dtype]
-            aligned = a.data_ptr() % 16 == 0
-        elif a.__class__.__name__ == "TensorDescriptor":
-            sig[name] = f"tensordesc<{_TYPES[a.base.dtype]}{list(a.block_shape)}>"
-            aligned = False
-        elif isinstance(a, bool):
-            sig[name], aligned = "i1", False
-        elif isinstance(a, int):
-            if a == 1 and not p.do_not_specialize:
-                sig[name], consts[name] = "constexpr", 1
-                continue
-            sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
-            aligned = a % 16 == 0 and not p.do_not_specialize
-        elif isinstance(a, float):
-            sig[name], aligned = "fp32", False
-        elif a is None:
-            sig[name], consts[name] = "constexpr", None
-            continue
-        else:
-            raise TypeError(f"{kernel.__name__}: argument {name} of type {type(a)} not handled")
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, consts, attrs, options, what
+            v = kwargs.get(p.name, bound.get(p.name, p.default))
+            consts[p.name] = v if isinstance(v, int | float | bool | str | type(None)) else str(v)
+    ints = {n: a for n, a in bound.items() if type(a) is int}
+    return consts, {k: kwargs[k] for k in _OPTIONS if k in kwargs}, ints
 
 
 def compile_all(calls: list[dict]) -> list[dict]:
-    """Compile each distinct specialization of ``calls`` for sm_90; one report row each."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compile each launch of ``calls`` for sm_90 through Triton's own JIT (``warmup=True``: its
+    specialization, cache key and cache, no launch); one report row per distinct kernel."""
+    from triton.runtime.driver import driver
 
-    rows, seen = [], {}
+    driver.set_active(_Hopper())
+    rows: dict[str, dict] = {}
     for call in calls:
-        sig, consts, attrs, options, what = _spec(call)
-        key = repr((call["kernel"].__name__, sorted(sig.items()), sorted(map(repr, consts.items())),
-                    sorted(attrs), sorted(options.items())))  # fmt: skip
-        ints = {
-            n: a
-            for n, a in zip(call["kernel"].arg_names, call["args"], strict=False)
-            if type(a) is int
-        }
-        if key in seen:  # the same compiled kernel: note the workload and the int values
-            seen[key]["workloads"].add(call["workload"])
-            for n, a in ints.items():
-                seen[key]["ints"].setdefault(n, set()).add(a)
-            continue
-        row = {
-            "kernel": call["kernel"].__name__,
-            "workloads": {call["workload"]},
-            "consts": what,
-            "options": options,
-            "ints": {n: {a} for n, a in ints.items()},
-        }
-        seen[key] = row
+        consts, options, ints = _report_fields(call)
+        name = call["kernel"].__name__
         try:
-            src = ASTSource(fn=call["kernel"], signature=sig, constexprs=consts, attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+            k = _JIT_RUN[0](call["kernel"], *call["args"], grid=(1,), warmup=True, **call["kwargs"])
+            key, found = k.hash, {"shared": k.metadata.shared, "ptx": k.asm.get("ptx")}
         except Exception as exc:  # reported by name; the census goes on
-            row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
-        else:
-            ptx = k.asm["ptx"]
-            row.update(
-                shared=k.metadata.shared,
-                mma=sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\S*", ptx))),
-            )
-        rows.append(row)
-    for row in rows:
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+            key, found = repr((name, consts, options, error)), {"error": error}
+        row = rows.get(key)
+        if row is None:  # a new kernel binary
+            row = rows[key] = {"kernel": name, "workloads": set(), "consts": consts,
+                               "options": options, "ints": {}}  # fmt: skip
+            if "error" in found:
+                row["error"] = found["error"]
+            else:
+                ptx = found["ptx"]  # None: a binary-only cache entry (nothing to read)
+                row["shared"] = found["shared"]
+                row["mma"] = None if ptx is None else sorted(set(_MMA.findall(ptx)))
+        row["workloads"].add(call["workload"])
+        for n, a in ints.items():
+            row["ints"].setdefault(n, set()).add(a)
+    out = list(rows.values())
+    for row in out:
         row["workloads"] = sorted(row["workloads"])
         row["ints"] = {n: sorted(v) for n, v in row["ints"].items()}
-    return rows
+    return out
+
+
+_MMA = re.compile(r"(?:wgmma\.mma_async|mma\.sync)\S*")
 
 
 def problems(rows: list[dict]) -> list[str]:
@@ -183,6 +158,11 @@ def problems(rows: list[dict]) -> list[str]:
         where = f"{r['kernel']} {r['consts']} options {r['options']} ({', '.join(r['workloads'])})"
         if "error" in r:
             out.append(f"does not compile: {where}: {r['error']}")
+            continue
+        if r["mma"] is None:
+            out.append(
+                f"no PTX to read (a binary-only cache entry; empty TRITON_CACHE_DIR): {where}"
+            )
             continue
         if r["shared"] > HOPPER_SMEM:
             out.append(f"{r['shared']} B of shared memory > Hopper's {HOPPER_SMEM}: {where}")
@@ -201,18 +181,117 @@ def problems(rows: list[dict]) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------------------- the cache to carry
+
+# sha256 of triton/_C/libtriton.so in PyPI's triton-3.6.0 cp312 manylinux wheel (the GPU image's
+# Python; `pip download --python-version 3.12 --only-binary=:all: triton==3.6.0`, 2026-11-29).
+# Triton's cache key hashes this file: the cp311 one here gives every kernel another key.
+IMAGE_LIBTRITON_SHA256 = "28daaa70a904e4f8add754e518533e8a69b94ab8b16431ce77d45f1f25282b87"
+DEVICE_CACHE_DIR = "/tmp/jetrl-triton-cache"  # device_session.sh's fixed TRITON_CACHE_DIR
+
+
+def libtriton_sha256() -> str:
+    import hashlib
+
+    import triton
+
+    path = Path(triton.__file__).parent / "_C" / "libtriton.so"
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def key_as_on_the_image(image_sha256: str) -> str:
+    """Make Triton's cache key the one the GPU image computes: the same Triton sources, with its
+    libtriton's hash in place of ours (`IMAGE_LIBTRITON_SHA256`). Returns our hash."""
+    import triton.runtime.cache as cache
+
+    ours, key = libtriton_sha256(), cache.triton_key()
+    if ours not in key:
+        raise SystemExit(f"sm90_census: Triton {cache.__file__}: its key does not hash libtriton")
+    image_key = key.replace(ours, image_sha256)
+    cache.triton_key = lambda: image_key  # get_cache_key reads the module's name at each compile
+    return ours
+
+
+def pack_cache(cache_dir: Path, tarball: Path, root: str, meta: dict) -> int:
+    """Every kernel in ``cache_dir`` as Triton reads it back (metadata JSON and cubin: what
+    TRITON_STORE_BINARY_ONLY keeps), its group index pointing into ``root`` (where it will be
+    unpacked: Triton's index holds absolute paths), in ``tarball`` with CENSUS.json (``meta``);
+    returns the number of kernels."""
+    import io
+    import tarfile
+
+    kernels = 0
+    with tarfile.open(tarball, "w:gz") as tar:
+        for entry in sorted(p for p in cache_dir.iterdir() if p.is_dir()):
+            for f in sorted(entry.iterdir()):
+                data = f.read_bytes()
+                if f.name.startswith("__grp__"):
+                    kept = {
+                        c: f"{root}/{entry.name}/{Path(p).name}"
+                        for c, p in json.loads(data)["child_paths"].items()
+                        if Path(p).suffix in (".json", ".cubin")
+                    }
+                    data, kernels = json.dumps({"child_paths": kept}).encode(), kernels + 1
+                elif f.suffix not in (".json", ".cubin"):
+                    continue
+                info = tarfile.TarInfo(f"./{entry.name}/{f.name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        data = json.dumps({**meta, "kernels": kernels}, indent=1).encode()
+        info = tarfile.TarInfo("./CENSUS.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return kernels
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the report (rows and problems) here")
     from sm90_workloads import WORKLOADS, pretend_h100
 
     parser.add_argument("--only", nargs="*", choices=list(WORKLOADS), help="these workloads")
+    parser.add_argument(
+        "--pack-cache", type=Path, metavar="TARBALL",
+        help="compile into a fresh cache under the GPU image's cache key and pack it here for a "
+        "GPU call to carry (device_session.sh --prepare); with the GPU image's Triton only",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cache-root",
+        default=DEVICE_CACHE_DIR,
+        help=f"where the packed cache will be unpacked (default {DEVICE_CACHE_DIR})",
+    )
+    parser.add_argument(
+        "--image-key",
+        action="store_true",
+        help="compile under the GPU image's cache key (implied by --pack-cache)",
+    )
     args = parser.parse_args(argv)
     # Set before any kernel module loads (the workloads import them): the compiler's host paths.
     os.environ["TRITON_INTERPRET"] = "0"
     os.environ["JETRL_TRITON_DIRECT_LAUNCH"] = "0"  # every launch through JITFunction.run
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9's default made explicit (3.6's)
     import triton
+
+    if tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 9):
+        # 3.9 warns when it is unset; 3.6 keys its cache on it, and the device leaves it unset
+        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cache_dir, meta = None, {}
+    if args.pack_cache or args.image_key:
+        if triton.__version__ != "3.6.0":
+            parser.error(
+                f"the GPU image's cache key needs its Triton 3.6.0, not {triton.__version__}"
+            )
+        ours = key_as_on_the_image(IMAGE_LIBTRITON_SHA256)
+        meta = {"triton": triton.__version__, "libtriton_sha256": IMAGE_LIBTRITON_SHA256,
+                "compiled_with_libtriton_sha256": ours}  # fmt: skip
+    if args.pack_cache:
+        import tempfile
+
+        cache_dir = Path(tempfile.mkdtemp(prefix="jetrl-census-cache-"))
+        os.environ["TRITON_CACHE_DIR"] = str(cache_dir)  # fresh: every kernel compiled, PTX kept
 
     pretend_h100()
     record_launches()
@@ -222,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = compile_all(CALLS)
     found = problems(rows)
     for r in rows:
-        body = r.get("error") or f"smem {r['shared']:>6}  {' '.join(r['mma'])}"
+        mma = (
+            "(no PTX: read from a binary-only cache)"
+            if r.get("mma") is None
+            else " ".join(r["mma"])
+        )
+        body = r.get("error") or f"smem {r['shared']:>6}  {mma}"
         print(f"{r['kernel']:28s} {','.join(r['workloads']):30s} {body}")
     print(f"triton {triton.__version__}: {len(CALLS)} launches, {len(rows)} specializations, "
           f"{len(found)} problems")  # fmt: skip
@@ -233,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         report = {"triton": triton.__version__, "launches": len(CALLS), "rows": rows,
                   "problems": found, "sources": sources}  # fmt: skip
         args.json.write_text(json.dumps(report, default=str, indent=1))
+    if cache_dir is not None and not found:
+        meta.update(launches=len(CALLS), root=args.cache_root)
+        n = pack_cache(cache_dir, args.pack_cache, args.cache_root, meta)
+        shutil.rmtree(cache_dir)
+        size = args.pack_cache.stat().st_size / 2**20
+        print(f"packed {n} kernels for the GPU image into {args.pack_cache} ({size:.1f} MiB)")
     return 1 if found else 0
 
 

@@ -447,3 +447,56 @@ def test_direct_launch_check_compares_launch_paths_and_says_which_ran():
         "direct launch check: direct launches off (Triton's interpreter runs the kernels "
         "(TRITON_INTERPRET=1)); same bits as JITFunction.run"
     )
+
+
+@pytest.mark.slow
+def test_the_census_cache_is_unpacked_first_and_its_hits_said(tmp_path):
+    """--prepare's sm_90 census cache (scripts/sm90_census.py --pack-cache): unpacked into the
+    Triton cache before the call's start mark when it was packed for that directory (Triton's
+    index holds absolute paths), not otherwise; summary.txt says whether this image's Triton is
+    the one it was made for, and how many kernels the call compiled itself (the preloaded ones
+    are not counted)."""
+    import hashlib
+
+    import triton
+
+    so = Path(triton.__file__).parent / "_C" / "libtriton.so"
+    ours = hashlib.sha256(so.read_bytes()).hexdigest()
+    cache = tmp_path / "triton-census"
+
+    def carry_with(name: str, sha: str, root: Path) -> Path:
+        carry = tmp_path / name
+        carry.mkdir()
+        census = {"kernels": 1, "triton": triton.__version__, "libtriton_sha256": sha,
+                  "root": str(root)}  # fmt: skip
+        (tmp_path / "CENSUS.json").write_text(json.dumps(census))
+        (tmp_path / "k.json").write_text("{}")
+        with tarfile.open(carry / "sm90-census-cache.tar.gz", "w:gz") as tar:
+            tar.add(tmp_path / "CENSUS.json", arcname="./CENSUS.json")
+            tar.add(tmp_path / "k.json", arcname="./KERNELHASH/k.json")
+        return carry
+
+    env = {"JETRL_TRITON_CACHE_DIR": str(cache)}
+    p, _, summary = session(
+        tmp_path, "census", carry_with("c1", ours, cache), ("PREFLIGHT",), **env
+    )
+    assert p.returncode == 0, summary
+    assert (cache / "KERNELHASH" / "k.json").is_file()
+    assert f"libtriton sha256 {ours[:16]}; this image: Triton {triton.__version__}" in summary
+    assert "(the same: expect hits)" in summary
+    compiled = re.search(r"^triton cache: (\d+) kernels compiled during this call$", summary, re.M)
+    kernels = {p.name for p in cache.iterdir() if p.is_dir()} - {"KERNELHASH"}
+    assert compiled and int(compiled[1]) == len(kernels), summary  # the preflight's own compiles
+
+    other = tmp_path / "triton-other"
+    env = {"JETRL_TRITON_CACHE_DIR": str(other)}
+    p, _, summary = session(
+        tmp_path, "census2", carry_with("c2", "0" * 64, other), ("PREFLIGHT",), **env
+    )
+    assert "(differs: expect every kernel compiled here)" in summary, summary
+    p, _, summary = session(
+        tmp_path, "census3", carry_with("c3", ours, cache), ("PREFLIGHT",), **env
+    )
+    assert (
+        f"sm90 census cache: not used (packed for {cache}, TRITON_CACHE_DIR is {other})" in summary
+    )

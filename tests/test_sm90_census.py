@@ -46,35 +46,45 @@ def _package_kernels() -> set[str]:
     return names
 
 
-def _run_census(tmp_path: Path, triton_dir: Path | None) -> dict:
+def _gpu_triton_dir() -> Path:
+    if not (GPU_TRITON_DIR / "triton" / "__init__.py").is_file():
+        pytest.fail(
+            f"the GPU image's Triton is not under {GPU_TRITON_DIR}: run scripts/setup_env.sh "
+            f"(`.venv/bin/pip install --no-deps --target .venv-triton-gpu "
+            f"triton=={GPU_IMAGE_TRITON}`)"
+        )
+    return GPU_TRITON_DIR
+
+
+def _run_census(tmp_path: Path, triton_dir: Path | None, *extra: str, cache: Path | None = None):  # type: ignore[no-untyped-def]
+    """(report, process) of scripts/sm90_census.py in its own process, with ``triton_dir``'s
+    Triton first on the path (None: the installed one) and ``extra`` arguments."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
     env["PYTHONPATH"] = os.pathsep.join([*([str(triton_dir)] if triton_dir else []), str(REPO)])
+    if cache is not None:
+        env["TRITON_CACHE_DIR"] = str(cache)
     out = tmp_path / "census.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "sm90_census.py"), "--json", str(out)],
+        [sys.executable, str(REPO / "scripts" / "sm90_census.py"), "--json", str(out), *extra],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    report["rc"], report["stdout"] = proc.returncode, proc.stdout
-    return report
+    return json.loads(out.read_text()), proc
 
 
 @pytest.fixture(scope="module", params=["installed", "gpu_image"])
 def census(request, tmp_path_factory) -> dict:  # type: ignore[no-untyped-def]
-    triton_dir = None
-    if request.param == "gpu_image":
-        if not (GPU_TRITON_DIR / "triton" / "__init__.py").is_file():
-            pytest.fail(
-                f"the GPU image's Triton is not under {GPU_TRITON_DIR}: run scripts/setup_env.sh "
-                f"(`.venv/bin/pip install --no-deps --target .venv-triton-gpu "
-                f"triton=={GPU_IMAGE_TRITON}`)"
-            )
-        triton_dir = GPU_TRITON_DIR
+    """The census with each Triton; the GPU image's also packs the cache a GPU call carries
+    (`--pack-cache`: a fresh cache, so every kernel is compiled and checked)."""
     here = {name: importlib.import_module(name).__file__ for name in HOST_MODULES}
-    report = _run_census(tmp_path_factory.mktemp(request.param), triton_dir)
-    report["here"] = here
-    report["which"] = request.param
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "gpu_image":
+        packed = ("--pack-cache", str(tmp / "cache.tar.gz"), "--cache-root", str(tmp / "unpacked"))
+        report, proc = _run_census(tmp, _gpu_triton_dir(), *packed)
+        report["tmp"] = tmp
+    else:
+        report, proc = _run_census(tmp, None)
+    report.update(rc=proc.returncode, stdout=proc.stdout, here=here, which=request.param)
     return report
 
 
@@ -138,3 +148,33 @@ def test_the_checks_fail_on_planted_rows():
     assert census.problems([broken])[0].startswith("does not compile: matmul_kernel")
     assert "differ across batch sizes" in census.problems([ok, other_tile])[0]
     assert census.problems([ok, other_dtype]) == []
+
+
+@pytest.mark.slow
+def test_the_packed_cache_serves_every_kernel_under_the_images_key(census):
+    """What `device_session.sh --prepare` carries to a GPU call: the census compiled under the
+    GPU image's cache key (Triton 3.6.0, its cp312 libtriton's hash), packed binary-only with
+    its index pointing where it is unpacked. Unpacked and replayed in a fresh process under the
+    same key, every kernel is read from it: nothing is compiled (no new cache entry, no PTX,
+    which only a compile writes). A GPU with the image's Triton computes the same keys; its
+    call says whether its libtriton is the wheel's (summary.txt)."""
+    import tarfile
+
+    if census["which"] != "gpu_image":
+        return  # packed from the GPU image's census only (the fixture's other parameter)
+    tmp = census["tmp"]
+    root = tmp / "unpacked"
+    assert census["rc"] == 0, census["stdout"][-3000:]
+    with tarfile.open(tmp / "cache.tar.gz") as tar:
+        tar.extractall(root, filter="data")
+    packed = json.loads((root / "CENSUS.json").read_text())
+    entries = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert packed["kernels"] == len(entries) == len(census["rows"])
+    assert packed["triton"] == GPU_IMAGE_TRITON and packed["root"] == str(root)
+    assert {p.suffix for p in root.rglob("*") if p.is_file()} == {".json", ".cubin"}
+    (tmp / "replay").mkdir()
+    replay, proc = _run_census(tmp / "replay", _gpu_triton_dir(), "--image-key", cache=root)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == entries  # nothing compiled
+    assert len(replay["rows"]) == packed["kernels"]
+    assert all(r["mma"] is None for r in replay["rows"])  # every one read back, binary only
+    assert proc.returncode == 1  # the census itself needs PTX: it says so, per kernel

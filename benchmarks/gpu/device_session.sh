@@ -156,6 +156,7 @@ report() {
 
 pack_cache() {  # the Triton cache back into OUTDIR, under what one returned file may weigh
   [[ -s "$work/stamp" ]] || return 0
+  echo "triton cache: $(find "$triton_dir" -mindepth 1 -maxdepth 1 -type d -newer "$work/start" | wc -l) kernels compiled during this call" >>"$work/header.txt"
   cp "$work/stamp" "$triton_dir/STAMP"
   local tarball=$out/triton-cache.tar.gz
   tar -czf "$tarball" -C "$triton_dir" .
@@ -176,6 +177,7 @@ session() {
   [[ -z "$(ls -A "$out")" ]] || echo "device_session: $out is not empty: its files are rewritten"
   work=$(mktemp -d /tmp/jetrl-session.XXXXXX)
   mkdir -p "$work/logs" "$work/json" "$triton_dir"
+  preload_census  # before the start mark: what the call compiles itself is newer than it
   touch "$work/start"
   export work
   export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
@@ -260,6 +262,33 @@ direct_launches() {  # after the preflight: the check's verdict (inner_preflight
   echo "direct launches: $line" >>"$work/header.txt"
 }
 
+preload_census() {  # --prepare's sm_90 census cache: keyed by Triton itself, so unpacked as is
+  local tarball=$carry_cache/sm90-census-cache.tar.gz
+  [[ -f "$tarball" ]] || return 0
+  local root
+  root=$(tar -xzOf "$tarball" ./CENSUS.json | "$py" -c 'import json, sys; print(json.load(sys.stdin)["root"])') || return 0
+  if [[ "$triton_dir" != "$root" ]]; then  # Triton's index holds absolute paths
+    echo "sm90 census cache: not used (packed for $root, TRITON_CACHE_DIR is $triton_dir)" >"$work/census.txt"
+    return 0
+  fi
+  tar -xzf "$tarball" -C "$triton_dir" || return 0
+  "$py" - "$triton_dir/CENSUS.json" >"$work/census.txt" 2>&1 <<'PY' || true
+import hashlib, json, pathlib, sys
+made = json.load(open(sys.argv[1]))
+try:
+    import triton
+    so = pathlib.Path(triton.__file__).parent / "_C" / "libtriton.so"
+    h = hashlib.sha256(so.read_bytes()).hexdigest()
+    here = f"Triton {triton.__version__}, libtriton sha256 {h[:16]}"
+    same = h == made["libtriton_sha256"] and triton.__version__ == made["triton"]
+except Exception as exc:  # the preflight names a missing Triton
+    here, same = f"no Triton ({exc!r})", False
+verdict = "the same: expect hits" if same else "differs: expect every kernel compiled here"
+print(f"sm90 census cache: {made['kernels']} kernels made for Triton {made['triton']}, libtriton "
+      f"sha256 {made['libtriton_sha256'][:16]}; this image: {here} ({verdict})")
+PY
+}
+
 reuse_cache() {  # the carried Triton cache, only under the same versions
   local tarball=$carry_cache/triton-cache.tar.gz note
   if [[ ! -f "$tarball" ]]; then
@@ -275,6 +304,7 @@ reuse_cache() {  # the carried Triton cache, only under the same versions
     fi
   fi
   echo "triton cache: $note" >>"$work/header.txt"
+  [[ ! -f "$work/census.txt" ]] || cat "$work/census.txt" >>"$work/header.txt"
 }
 
 travel_mib() {  # what a call sends: tracked and untracked-not-ignored files, plus carried paths
@@ -294,8 +324,12 @@ prepare() {
     echo "device_session: no GPU image Triton in .venv-triton-gpu (run scripts/setup_env.sh)" >&2
     return 1
   fi
-  echo "sm_90 census with the GPU image's Triton (scripts/sm90_census.py, ~25 s)"
-  PYTHONPATH=.venv-triton-gpu .venv/bin/python scripts/sm90_census.py | tail -n 12 || {
+  # The kernels it compiles travel with the call (carry: $carry_cache), under the cache key the
+  # image computes: the steps read them instead of compiling (summary.txt says whether it hit).
+  echo "sm_90 census with the GPU image's Triton (scripts/sm90_census.py, ~1 min)"
+  mkdir -p "$carry_cache"
+  PYTHONPATH=.venv-triton-gpu .venv/bin/python scripts/sm90_census.py \
+    --pack-cache "$carry_cache/sm90-census-cache.tar.gz" | tail -n 4 || {
     echo "device_session: a kernel fails the sm_90 census (above): fix it before the call" >&2
     return 1
   }
