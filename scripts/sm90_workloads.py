@@ -51,7 +51,6 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "d
 SERVING_M = (1, 8, 32, 64, 256, 8192)
 MOE = {"qwen3_30b_a3b": (128, 2048, 768, 8), "deepseek_v3": (256, 7168, 2048, 8)}  # E, H, I, k
 MOE_TOKENS = (64, 2048)
-SMALL = {"hidden": 1024, "inter": 3072, "vocab": 151936, "heads": 16, "head_dim": 128}  # ~0.6B
 
 
 def _randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -155,24 +154,28 @@ def experts_training() -> None:
 
 
 def invariant_ops() -> None:
-    """The batch-invariant ops at the ~0.6B model's shapes: decode rows and a prefill."""
+    """The batch-invariant ops as the local backend runs them on a GPU (`invariant.hf`: every
+    RMSNorm, the lm_head, attention in transformers' [B, T, H, D] -> [B, H, T, D] views, the
+    log-softmax of the logits) at the ~0.6B model's and the demo model's sizes: decode rows and
+    prefills, key lengths on and off a multiple of 16 (Triton specializes ints by it)."""
     from nemo_jetrl.invariant.kernels import attention, matmul, rows
 
-    s = SMALL
-    for m in (1, 3, 64, 512):
-        x = _randn(m, s["hidden"])
-        rows.rms_rstd(x, 1e-6)
-        matmul.matmul(x, _randn(s["inter"], s["hidden"]))
-        matmul.matmul(x, _randn(s["vocab"], s["hidden"]))
-        matmul.matmul(x.float(), _randn(s["inter"], s["hidden"]))  # jetrl.local.dtype float32
-        rows.logsumexp_parts(_randn(m, s["vocab"], dtype=torch.float32))
-    for dtype, dims in ((torch.bfloat16, (64, 128, 256)), (torch.float32, (128,))):
-        for d in dims:
-            for tq, tk in ((1, 300), (300, 300)):  # a decode step and the prefill it continues
-                q = _randn(2, s["heads"], tq, d, dtype=dtype)
-                kv = _randn(2, s["heads"], tk, d, dtype=dtype)
-                mask = _randn(1, 1, tq, tk, dtype=torch.float32)
+    for hidden, vocab, heads, d in ((1024, 151936, 16, 128), (256, 32, 4, 64)):  # 0.6B, demo
+        for m in (1, 3, 64, 512):
+            x = _randn(m, hidden)
+            rows.rms_rstd(x, 1e-6)
+            matmul.matmul(x, _randn(vocab, hidden))
+            matmul.matmul(x.float(), _randn(vocab, hidden))  # jetrl.local.dtype float32
+            rows.logsumexp_parts(_randn(m, vocab, dtype=torch.float32))
+        for dtype in (torch.bfloat16, torch.float32):
+            for tq, tk in ((1, 300), (1, 320), (300, 300), (320, 320)):  # decode, prefill
+                q = _randn(2, tq, heads, d, dtype=dtype).transpose(1, 2)
+                kv = _randn(2, tk, heads, d, dtype=dtype).transpose(1, 2)
+                mask = _randn(2, 1, tq, tk, dtype=torch.float32)
                 attention.attention(q, kv, kv, mask, d**-0.5)
+    for tq in (1, 300):  # head_dim 256 (bf16): the most shared memory the stage rule allows
+        q, kv = _randn(2, 16, tq, 256), _randn(2, 16, 300, 256)
+        attention.attention(q, kv, kv, _randn(2, 1, tq, 300, dtype=torch.float32), 256**-0.5)
 
 
 WORKLOADS: dict[str, Callable[[], None]] = {
