@@ -907,6 +907,17 @@ MUTANTS += [
         "nemo_jetrl/invariant/kernels/matmul.py",
         "BM=block_m, BN=block_n,",
         "BM=16 if m < 16 else block_m, BN=block_n,",
-        ("tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",),
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
+        "invariant matmul multiplies fp32 rows on TF32 at M = 1 (the interpreter has no TF32)",
+        "nemo_jetrl/invariant/kernels/matmul.py",
+        "IEEE=a2.dtype == torch.float32, ORDERED",
+        "IEEE=a2.dtype == torch.float32 and m > 1, ORDERED",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
     ),
 ]

@@ -15,14 +15,18 @@ steps that launch it. This finds that here. Three parts:
    serving linears at M = 1..8192 on both Triton backends and scale modes, the training linear's
    quantizers at 8192 tokens, the routed experts of Qwen3-30B-A3B and DeepSeek-V3 at decode and
    prefill, the batch-invariant ops at the ~0.6B model's shapes.
-3. **Each distinct specialization is compiled** by Triton's own compiler for
-   ``GPUTarget("cuda", 90, 32)``, specialized as the JIT would (pointer dtypes, 16-byte alignment,
-   ints equal to 1 made constants, multiples of 16 marked divisible, TMA descriptors typed).
+3. **Each launch is compiled by Triton's own JIT** (``JITFunction.run(..., warmup=True)``) for
+   ``GPUTarget("cuda", 90, 32)`` (`_Hopper`, the driver it asks): its specialization (pointer
+   dtypes and 16-byte alignment, ints equal to 1 or divisible by 16, TMA descriptors), its cache
+   key and its cache entry, exactly as on a GPU. ``--pack-cache`` packs those entries under the
+   GPU image's key for a GPU call to carry (docs/gpu.md, "The census cache").
 
 Checked (exit 1, naming each failing specialization): every one compiles; its shared memory fits
 Hopper's 227 KiB; the FP8 and batch-invariant dots are ``wgmma`` and never ``mma.sync``; a
-batch-invariant kernel (`INVARIANT`) multiplies with one instruction at every batch size its
-workload launches. Not shown: time, and bits on a GPU (the GPU call's steps measure both).
+batch-invariant kernel (`INVARIANT`) launches with the same tiles, the same MMA instruction and
+the same count of every floating-point instruction (`_ARITH`) at every batch size its workload
+launches. Not shown: time, and bits on a GPU (the GPU call's steps measure both); nor the order of
+those instructions (the schedule may differ with a key length's divisibility).
 
 Usage: ``python scripts/sm90_census.py [--json OUT]`` with the installed Triton, or
 ``PYTHONPATH=.venv-triton-gpu python scripts/sm90_census.py`` with the GPU image's
@@ -37,6 +41,7 @@ import os
 import re
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,11 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HOPPER_SMEM = 232448  # bytes one block may use on an H100/H200, as Triton states it (H100 log)
 # The batch-invariant kernels, with the constexprs that may differ between their launches (feature
-# dimensions, dtypes): launches that agree on these must agree on every other constexpr, option
-# and MMA instruction, whatever the batch size (a tile chosen from M would change a row's bits).
+# dimensions): launches that agree on these and on their tensors' dtypes must agree on every other
+# constexpr (IEEE, IN_BF16: chosen from the dtype, never from the batch), option,
+# MMA instruction and floating-point instruction count, whatever the batch size (a tile chosen
+# from M, or an M == 1 path, would change a row's bits).
 # The split-K GEMM is not here: its token tile N grows with M by design, and its own test holds
 # the wgmma family (m64nXk32) that keeps a row's bits (tests/fp8/test_split_gemm.py).
-INVARIANT = {"matmul_kernel": ("IEEE",), "attention_kernel": ("BD", "IEEE")}
+INVARIANT = {"matmul_kernel": (), "attention_kernel": ("BD",), "rms_rstd_kernel": (),
+             "logsumexp_kernel": ()}  # fmt: skip
 # Kernels whose dot is an FP8 (or batch-invariant) tensor-core dot: wgmma, never mma.sync.
 TENSOR_CORE = (
     "block_fp8_gemm_kernel", "split_gemm_kernel", "grouped_rows_gemm_kernel",
@@ -99,8 +107,8 @@ class _Hopper:
         return GPUTarget("cuda", 90, 32)
 
 
-def _report_fields(call: dict) -> tuple[dict, dict, dict]:
-    """(constexprs by name, launch options, int arguments) of one recorded launch."""
+def _report_fields(call: dict) -> tuple[dict, dict, dict, list]:
+    """(constexprs by name, launch options, int arguments, tensor dtypes) of one launch."""
     kernel, kwargs = call["kernel"], call["kwargs"]
     bound = dict(zip(kernel.arg_names, call["args"], strict=False))
     consts = {}
@@ -109,7 +117,8 @@ def _report_fields(call: dict) -> tuple[dict, dict, dict]:
             v = kwargs.get(p.name, bound.get(p.name, p.default))
             consts[p.name] = v if isinstance(v, int | float | bool | str | type(None)) else str(v)
     ints = {n: a for n, a in bound.items() if type(a) is int}
-    return consts, {k: kwargs[k] for k in _OPTIONS if k in kwargs}, ints
+    dtypes = [str(a.dtype).removeprefix("torch.") for a in bound.values() if hasattr(a, "dtype")]
+    return consts, {k: kwargs[k] for k in _OPTIONS if k in kwargs}, ints, dtypes
 
 
 def compile_all(calls: list[dict]) -> list[dict]:
@@ -120,7 +129,7 @@ def compile_all(calls: list[dict]) -> list[dict]:
     driver.set_active(_Hopper())
     rows: dict[str, dict] = {}
     for call in calls:
-        consts, options, ints = _report_fields(call)
+        consts, options, ints, dtypes = _report_fields(call)
         name = call["kernel"].__name__
         try:
             k = _JIT_RUN[0](call["kernel"], *call["args"], grid=(1,), warmup=True, **call["kwargs"])
@@ -131,13 +140,14 @@ def compile_all(calls: list[dict]) -> list[dict]:
         row = rows.get(key)
         if row is None:  # a new kernel binary
             row = rows[key] = {"kernel": name, "workloads": set(), "consts": consts,
-                               "options": options, "ints": {}}  # fmt: skip
+                               "options": options, "ints": {}, "dtypes": dtypes}  # fmt: skip
             if "error" in found:
                 row["error"] = found["error"]
             else:
                 ptx = found["ptx"]  # None: a binary-only cache entry (nothing to read)
                 row["shared"] = found["shared"]
                 row["mma"] = None if ptx is None else sorted(set(_MMA.findall(ptx)))
+                row["arith"] = None if ptx is None else dict(Counter(_ARITH.findall(ptx)))
         row["workloads"].add(call["workload"])
         for n, a in ints.items():
             row["ints"].setdefault(n, set()).add(a)
@@ -149,6 +159,13 @@ def compile_all(calls: list[dict]) -> list[dict]:
 
 
 _MMA = re.compile(r"(?:wgmma\.mma_async|mma\.sync)\S*")
+# The floating-point arithmetic of a kernel's PTX, each instruction with its rounding and type
+# (what decides a value's bits; loads, stores, masks and integer index math are left out).
+_ARITH = re.compile(
+    r"^\s*(?:@%p\d+\s+)?((?:wgmma\.mma_async|mma\.sync|fma|add|sub|mul|div|rcp|sqrt|rsqrt|ex2|lg2"
+    r"|max|min|neg|abs)\.\S*f(?:16|32|64)\S*|cvt\.\S*(?:f16|bf16|f32|f64|e4m3|e5m2)\S*)",
+    re.M,
+)
 
 
 def problems(rows: list[dict]) -> list[str]:
@@ -172,9 +189,12 @@ def problems(rows: list[dict]) -> list[str]:
         groups: dict[str, set] = {}
         for r in rows:
             if r["kernel"] == name and "error" not in r:
-                fixed = {k: v for k, v in r["consts"].items() if k in free}
+                fixed = ({k: v for k, v in r["consts"].items() if k in free}, r.get("dtypes"))
                 rest = {k: v for k, v in r["consts"].items() if k not in free}
-                groups.setdefault(repr(fixed), set()).add(repr((rest, r["options"], r["mma"])))
+                arith = sorted((r["arith"] or {}).items())  # how many of each instruction
+                groups.setdefault(repr(fixed), set()).add(
+                    repr((rest, r["options"], r["mma"], arith))
+                )
         for fixed, seen in groups.items():
             if len(seen) > 1:
                 out.append(f"{name} {fixed} launches differ across batch sizes: {sorted(seen)}")

@@ -136,18 +136,24 @@ def test_the_checks_fail_on_planted_rows():
     """Each check of `problems` on a row made to fail it, beside a row that passes."""
     census = _census_module()
     ok = {"kernel": "matmul_kernel", "workloads": ["w"], "consts": {"IEEE": False, "BM": 64},
-          "options": {"num_warps": 4}, "ints": {}, "shared": 32768, "mma": [BF16_WGMMA_64]}  # fmt: skip
+          "options": {"num_warps": 4}, "ints": {}, "shared": 32768, "mma": [BF16_WGMMA_64],
+          "arith": {BF16_WGMMA_64: 4}, "dtypes": ["bfloat16", "bfloat16", "float32"]}  # fmt: skip
     assert census.problems([ok]) == []
     big = dict(ok, shared=HOPPER_SMEM + 1)
     sync = dict(ok, mma=["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"])
     broken = dict(ok, error="CompilationError: at 3:4: ...")
     other_tile = dict(ok, consts={"IEEE": False, "BM": 16})  # a tile chosen from M
-    other_dtype = dict(ok, consts={"IEEE": True, "BM": 64}, mma=[])  # a feature, not the batch
+    fp32 = ["float32"] * 3
+    other_dtype = dict(ok, consts={"IEEE": True, "BM": 64}, mma=[], dtypes=fp32)  # not the batch
+    tf32_at_m1 = dict(ok, consts={"IEEE": False, "BM": 64}, dtypes=fp32)  # fp32 on TF32 at M = 1
+    other_arith = dict(ok, arith={BF16_WGMMA_64: 4, "fma.rn.f32": 64})  # e.g. an M == 1 epilogue
     assert len(census.problems([ok, big])) == 1 and "shared memory" in census.problems([big])[0]
     assert "mma.sync" in census.problems([sync])[0]
     assert census.problems([broken])[0].startswith("does not compile: matmul_kernel")
     assert "differ across batch sizes" in census.problems([ok, other_tile])[0]
     assert census.problems([ok, other_dtype]) == []
+    assert "differ across batch sizes" in census.problems([other_dtype, tf32_at_m1])[0]
+    assert "differ across batch sizes" in census.problems([ok, other_arith])[0]
 
 
 @pytest.mark.slow
