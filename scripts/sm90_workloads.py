@@ -107,8 +107,8 @@ def training_linear() -> None:
             for n, k in QWEN3_8B.values():
                 layer = Fp8BlockLinear(k, n, bias=False, dtype=torch.bfloat16,
                                        config=Fp8LinearConfig(pow2_scales=True))  # fmt: skip
-                x = torch.zeros(8192, k, dtype=torch.bfloat16, requires_grad=True)
-                layer(x).backward(torch.zeros(8192, n, dtype=torch.bfloat16))
+                x = torch.empty(8192, k, dtype=torch.bfloat16, requires_grad=True)
+                layer(x).backward(torch.empty(8192, n, dtype=torch.bfloat16))
     finally:
         os.environ.pop("JETRL_FP8_GEMM_BACKEND")
         os.environ.pop("JETRL_FP8_ROWCOL")
@@ -121,7 +121,7 @@ def experts() -> None:
     from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
 
     def loaded(e: int, n: int, k: int) -> GroupedQuantizedWeights:  # as a refit stages them
-        data = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn)
+        data = torch.empty(e, n, k, dtype=torch.float8_e4m3fn)  # never touched: no page resident
         return GroupedQuantizedWeights(data, torch.ones(e, n // 128, k // 128), "e4m3", True)
 
     for e, h, i, top_k in MOE.values():
@@ -148,9 +148,9 @@ def experts_training() -> None:
     offsets = torch.arange(e + 1, dtype=torch.int64) * (rows // e)
     cfg = Fp8LinearConfig(pow2_scales=True)
     for n, k in ((2 * i, h), (h, i)):
-        w = torch.zeros(e, n, k, dtype=torch.bfloat16, requires_grad=True)
-        x = torch.zeros(rows, k, dtype=torch.bfloat16, requires_grad=True)
-        grouped_fp8_linear(x, w, offsets, cfg, "census").backward(torch.zeros(rows, n).bfloat16())
+        w = torch.empty(e, n, k, dtype=torch.bfloat16, requires_grad=True)
+        x = torch.empty(rows, k, dtype=torch.bfloat16, requires_grad=True)
+        grouped_fp8_linear(x, w, offsets, cfg, "census").backward(torch.empty(rows, n).bfloat16())
 
 
 def invariant_ops() -> None:
@@ -165,7 +165,7 @@ def invariant_ops() -> None:
             x = _randn(m, hidden)
             rows.rms_rstd(x, 1e-6)
             matmul.matmul(x, _randn(vocab, hidden))
-            matmul.matmul(x.float(), _randn(vocab, hidden))  # jetrl.local.dtype float32
+            matmul.matmul(x.float(), _randn(vocab, hidden, dtype=torch.float32))  # dtype float32
             rows.logsumexp_parts(_randn(m, vocab, dtype=torch.float32))
         for dtype in (torch.bfloat16, torch.float32):
             for tq, tk in ((1, 300), (1, 320), (300, 300), (320, 320)):  # decode, prefill
