@@ -912,6 +912,15 @@ MUTANTS += [
         ),
     ),
     Mutant(
+        "split-K prefill tile of 128 tokens (255 registers, spills: the census's register check)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "PREFILL_TOKEN_TILE = 64\n",
+        "PREFILL_TOKEN_TILE = 128\n",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
         "invariant matmul multiplies fp32 rows on TF32 at M = 1 (the interpreter has no TF32)",
         "nemo_jetrl/invariant/kernels/matmul.py",
         "IEEE=a2.dtype == torch.float32, ORDERED",

@@ -127,6 +127,11 @@ def test_the_measured_instructions_of_the_gpu_paths(census):
     assert mmas("matmul_kernel", IEEE=True) == {()}  # IEEE fp32 products: no tensor cores
     d256 = [r for r in rows if r["kernel"] == "attention_kernel" and r["consts"]["BD"] == 256]
     assert {r["shared"] for r in d256} == {180224}
+    # the serving GEMMs keep their accumulators in registers (ptxas for sm_90a): no spill in the
+    # split-K kernel at any token tile (128 tokens spilled 1260 bytes: PREFILL_TOKEN_TILE = 64)
+    split = [r for r in rows if r["kernel"] == "split_gemm_kernel"]
+    assert {r["consts"]["BT"] for r in split} == {16, 32, 64}
+    assert all(r["spill_bytes"] == 0 and r["registers"] <= 255 for r in split), split
     # the batch sizes the invariant matmul was launched at (M = 1 is a JIT constant)
     ms = {m for r in rows if r["kernel"] == "matmul_kernel" for m in r["ints"]["M"]}
     assert {1, 3, 64, 512} <= ms
@@ -154,6 +159,10 @@ def test_the_checks_fail_on_planted_rows():
     assert census.problems([ok, other_dtype]) == []
     assert "differ across batch sizes" in census.problems([other_dtype, tf32_at_m1])[0]
     assert "differ across batch sizes" in census.problems([ok, other_arith])[0]
+    spills = dict(ok, registers=255, spill_bytes=1260)
+    assert "1260 bytes of register spills (255 registers)" in census.problems([spills])[0]
+    fp32_attention = dict(spills, kernel="attention_kernel", consts={"IEEE": True, "BD": 64})
+    assert census.known_spill(fp32_attention) and census.problems([fp32_attention]) == []
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ right. Two launch modes give the same bits for every element:
   partials in chunk order and casts. The weight is read by ``ceil(N/64) * chunks`` programs at
   once (K = 4096, N = 4096: 256 programs), which is what a memory-bound decode GEMM needs.
 * **fold in registers** (larger M, prefill and the trainer's forward): one program per
-  (128 weight rows, 128 tokens; two warpgroups of 64 rows) sums every chunk and folds as it
-  goes; no workspace.
+  (128 weight rows, `PREFILL_TOKEN_TILE` tokens; two warpgroups of 64 rows) sums every chunk and
+  folds as it goes; no workspace.
 
 Every tile is computed swapped: each warpgroup's 64 weight rows are the MMA's M dimension
 (Hopper's wgmma m64nXk32 at every batch size; no 64-row token tile for one token), and on the
@@ -61,6 +61,11 @@ A decode program has one warpgroup (4 warps); above `SPLIT_MAX_M` tokens a progr
 `PREFILL_WARPGROUPS` of them, each running the same wgmma on its own 64 rows."""
 PREFILL_WARPGROUPS = 2
 """Warpgroups per program above the decode sizes (128 weight rows: 8 warps)."""
+PREFILL_TOKEN_TILE = 64
+"""Tokens per program above `SPLIT_MAX_M`. The order keeps three fp32 tiles live (the tile dot,
+the chunk's sum, the fold), all in registers at 128 x 64: ptxas for sm_90 gives 238 registers and
+no spill; 128 tokens took 255 registers and spilled 1260 bytes a thread (the sm_90 census's
+register check, scripts/sm90_census.py, 2026-11-29). Speed only: a row's bits do not depend on it."""
 FOLD_BLOCK = 1024
 
 
@@ -79,7 +84,7 @@ class SplitLaunch:
     split: bool
     """Split mode (a program per chunk, then the fold launch) or the fold in registers."""
     token_tile: int
-    """Tokens per program: the MMA's N dimension (16, 32, 64 or 128)."""
+    """Tokens per program: the MMA's N dimension (16, 32 or 64)."""
     chunks: int
     """`split_order.split_count(K)`."""
     warpgroups: int = 1
@@ -90,7 +95,7 @@ def launch_for(m: int, k: int) -> SplitLaunch:
     """The launch mode and tile for ``m`` tokens and reduction length ``k``."""
     chunks = split_count(k)
     split = chunks > 1 and m <= SPLIT_MAX_M
-    tile = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    tile = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else PREFILL_TOKEN_TILE
     return SplitLaunch(split, tile, chunks, 1 if m <= SPLIT_MAX_M else PREFILL_WARPGROUPS)
 
 
