@@ -42,6 +42,7 @@ import re
 import shutil
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -104,14 +105,12 @@ def record_launches() -> None:
 
 
 class _Hopper:
-    """The driver Triton's JIT asks which device it compiles for: device 0, an sm_90 (a
-    labelled fake: the census compiles, it never loads or launches)."""
+    """The driver the JIT asks for its device: 0, an sm_90 (labelled fake: nothing is launched)."""
 
     def get_current_device(self) -> int:
         return 0
 
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
+    get_current_stream = staticmethod(lambda device=None: 0)  # the JIT passes it to no launch
 
     def get_current_target(self):  # type: ignore[no-untyped-def]
         from triton.backends.compiler import GPUTarget
@@ -160,11 +159,16 @@ def compile_all(calls: list[dict]) -> list[dict]:
                 row["shared"] = found["shared"]
                 row["mma"] = None if ptx is None else sorted(set(_MMA.findall(ptx)))
                 row["arith"] = None if ptx is None else dict(Counter(_ARITH.findall(ptx)))
-                row["registers"], row["spill_bytes"] = _ptxas_usage(ptx)
+                row["ptx"] = ptx  # ptxas -v below, all kernels at once
         row["workloads"].add(call["workload"])
         for n, a in ints.items():
             row["ints"].setdefault(n, set()).add(a)
     out = list(rows.values())
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # ptxas runs outside the GIL
+        usage = list(pool.map(_ptxas_usage, [row.pop("ptx", None) for row in out]))
+    for row, (registers, spill_bytes) in zip(out, usage, strict=True):
+        if "error" not in row:
+            row["registers"], row["spill_bytes"] = registers, spill_bytes
     for row in out:
         row["workloads"] = sorted(row["workloads"])
         row["ints"] = {n: sorted(v) for n, v in row["ints"].items()}
