@@ -18,8 +18,8 @@ SM_COUNT = 132  # H100 SXM and H200
 
 
 def pretend_h100() -> None:
-    """Make the host code take its H100 paths on CPU tensors (see the module docstring, part 1).
-    For this process only: it is a script, not a library call."""
+    """Make the host code take its H100 paths on CPU tensors (`sm90_census`'s docstring, part
+    1), for this process only: a script's setup, never a library call."""
     from nemo_jetrl.fp8 import (
         gemm_backends,
         triton_gemm,
@@ -41,7 +41,6 @@ def pretend_h100() -> None:
     )
     caps = gemm_backends.DeviceCaps(cuda=True, sm=(9, 0), scaled_mm=True, triton=True)
     gemm_backends.device_caps = lambda device: caps  # no DeepGEMM (the GPU image has none)
-    triton_launch._native_cast_on.cache_clear()
     triton_kernels.native_cast_default = lambda device_index: True
     for module in (triton_launch, triton_kernels):  # "a CPU tensor needs the interpreter"
         module._check_device = lambda x, label: None
@@ -53,7 +52,7 @@ MOE = {"qwen3_30b_a3b": (128, 2048, 768, 8), "deepseek_v3": (256, 7168, 2048, 8)
 MOE_TOKENS = (64, 2048)
 
 
-def _randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _unread(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype)  # never read: no kernel runs
 
 
@@ -67,11 +66,11 @@ def serving() -> None:
         for pow2 in (True, False):
             for n, k in QWEN3_8B.values():
                 qw = quantize_blockwise(
-                    _randn(n, k), (128, 128), pow2_scales=pow2, check_finite=False
+                    _unread(n, k), (128, 128), pow2_scales=pow2, check_finite=False
                 )
                 scale = gemm_backends.gemm_ready_weight_scales(backend, qw.scale_inv)
                 for m in SERVING_M:
-                    kernel.serving_forward(ops, _randn(m, k), qw.data, scale, backend,
+                    kernel.serving_forward(ops, _unread(m, k), qw.data, scale, backend,
                                            torch.bfloat16, (pow2, pow2, 0.0))  # fmt: skip
 
 
@@ -82,17 +81,17 @@ def training_quantizers() -> None:
     for pow2 in (True, False):
         kw = {"pow2_scales": pow2, "check_finite": False}
         for k in (4096, 12288):
-            x = _randn(8192, k)
+            x = _unread(8192, k)
             triton_kernels.quantize_blockwise_triton(x, (1, 128), **kw)
             triton_kernels.quantize_blockwise_triton(x, (1, 128), scale_layout="mn_major", **kw)
             triton_kernels.quantize_blockwise_triton(x, (128, 1), transpose=True, **kw)
             rowcol_quantize.quantize_rowcol_triton(x, **kw)
-            g = _randn(8192, k)
+            g = _unread(8192, k)
             triton_kernels.quantize_blockwise_triton(g, (1, 128), fmt="e5m2", **kw)
         for n, k in QWEN3_8B.values():
-            triton_kernels.quantize_blockwise_triton(_randn(n, k), (128, 128), **kw)
+            triton_kernels.quantize_blockwise_triton(_unread(n, k), (128, 128), **kw)
         for m in (1, 8192):
-            triton_kernels.rmsnorm_quantize_1x128(_randn(m, 4096), _randn(4096), **kw)
+            triton_kernels.rmsnorm_quantize_1x128(_unread(m, 4096), _unread(4096), **kw)
 
 
 def training_linear() -> None:
@@ -130,7 +129,7 @@ def experts() -> None:
         for t in MOE_TOKENS:
             ids = (torch.arange(t * top_k, dtype=torch.int32) % e).view(t, top_k)
             order, token, offsets = sort_routes(ids, e)
-            x = _randn(t, h)
+            x = _unread(t, h)
             y = routed_experts_inference(
                 x, token, offsets, q13, q2, cfg, "census", check_finite=False
             )
@@ -162,20 +161,20 @@ def invariant_ops() -> None:
 
     for hidden, vocab, heads, d in ((1024, 151936, 16, 128), (256, 32, 4, 64)):  # 0.6B, demo
         for m in (1, 3, 64, 512):
-            x = _randn(m, hidden)
+            x = _unread(m, hidden)
             rows.rms_rstd(x, 1e-6)
-            matmul.matmul(x, _randn(vocab, hidden))
-            matmul.matmul(x.float(), _randn(vocab, hidden, dtype=torch.float32))  # dtype float32
-            rows.logsumexp_parts(_randn(m, vocab, dtype=torch.float32))
+            matmul.matmul(x, _unread(vocab, hidden))
+            matmul.matmul(x.float(), _unread(vocab, hidden, dtype=torch.float32))  # dtype float32
+            rows.logsumexp_parts(_unread(m, vocab, dtype=torch.float32))
         for dtype in (torch.bfloat16, torch.float32):
             for tq, tk in ((1, 300), (1, 320), (300, 300), (320, 320)):  # decode, prefill
-                q = _randn(2, tq, heads, d, dtype=dtype).transpose(1, 2)
-                kv = _randn(2, tk, heads, d, dtype=dtype).transpose(1, 2)
-                mask = _randn(2, 1, tq, tk, dtype=torch.float32)
+                q = _unread(2, tq, heads, d, dtype=dtype).transpose(1, 2)
+                kv = _unread(2, tk, heads, d, dtype=dtype).transpose(1, 2)
+                mask = _unread(2, 1, tq, tk, dtype=torch.float32)
                 attention.attention(q, kv, kv, mask, d**-0.5)
     for tq in (1, 300):  # head_dim 256 (bf16): the most shared memory the stage rule allows
-        q, kv = _randn(2, 16, tq, 256), _randn(2, 16, 300, 256)
-        attention.attention(q, kv, kv, _randn(2, 1, tq, 300, dtype=torch.float32), 256**-0.5)
+        q, kv = _unread(2, 16, tq, 256), _unread(2, 16, 300, 256)
+        attention.attention(q, kv, kv, _unread(2, 1, tq, 300, dtype=torch.float32), 256**-0.5)
 
 
 WORKLOADS: dict[str, Callable[[], None]] = {
