@@ -182,6 +182,23 @@ def standin_config(shape: tuple[int, int], out_dtype=torch.bfloat16) -> Any:  # 
     return types.SimpleNamespace(weight_quant_key=wkey, weight_shape=shape, out_dtype=out_dtype)
 
 
+def served_layer(w: torch.Tensor, pow2: bool) -> tuple[Any, torch.nn.Module, BlockQuantized]:
+    """(kernel, layer, quantized weight): our kernel class as vLLM builds it, holding ``w``
+    quantized 128x128 and loaded as vLLM loads it (`process_weights_after_loading`)."""
+    from nemo_jetrl.fp8 import quantize_blockwise
+    from nemo_jetrl.vllm_patch import kernel
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    settings = PatchSettings(pow2_weight_scales=pow2, pow2_activation_scales=pow2)
+    kern = kernel.make_kernel_class(settings)(standin_config(tuple(w.shape)))
+    qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(qw.data, requires_grad=False)
+    layer.weight_scale_inv = torch.nn.Parameter(qw.scale_inv.clone(), requires_grad=False)
+    kern.process_weights_after_loading(layer)
+    return kern, layer, qw
+
+
 def plan_as(monkeypatch: Any, kernel_module: Any, backend: str) -> None:
     """Plan every layer on ``backend`` (a GPU backend on this CPU: the plan is what a GPU's
     would be; the runners are real, or stand-ins where named) and let run_gemm use Triton."""

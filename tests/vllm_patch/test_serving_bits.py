@@ -26,13 +26,12 @@ from serving_inventory import (
     StandInMM,
     plan_as,
     scaled_mm_standin,
-    standin_config,
+    served_layer,
 )
 
 from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise, triton_kernels
 from nemo_jetrl.fp8.linear import fp8_linear_forward
 from nemo_jetrl.vllm_patch import compat, kernel, serving_ops
-from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 N, K = 256, 384
 CPU_M = (1, 2, 3, 4, 5, 7, 8, 37, 40)
@@ -45,20 +44,6 @@ def _operands(seed: int, m: int, n: int = N, k: int = K, device: str = "cpu"):
     x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).exp2() * 4
     x[1] *= 1e-3  # a token of tiny magnitude (its own scale)
     return w.to(device), x.bfloat16().to(device)
-
-
-def _served_layer(w: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
-    """(kernel, layer, quantized weight): our kernel class as vLLM builds it, holding ``w``
-    quantized 128x128 and loaded as vLLM loads it (`process_weights_after_loading`)."""
-    kern = kernel.make_kernel_class(
-        PatchSettings(pow2_weight_scales=pow2, pow2_activation_scales=pow2)
-    )(standin_config(tuple(w.shape)))
-    qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(qw.data, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(qw.scale_inv.clone(), requires_grad=False)
-    kern.process_weights_after_loading(layer)
-    return kern, layer, qw
 
 
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32_scales"])
@@ -77,7 +62,7 @@ def test_a_tokens_row_is_the_same_at_every_batch_size_and_equals_the_trainers(
         serving_ops, "quantize_blockwise", partial(quantize_blockwise, backend="triton")
     )
     w, x = _operands(11 + pow2, max(CPU_M))
-    kern, layer, qw = _served_layer(w, pow2)
+    kern, layer, qw = served_layer(w, pow2)
 
     # The trainer's forward over the whole batch (M = 40: a multiple of 4, so cuBLASLt's): on
     # CUDA a bias-free `fp8_linear_forward` is `run_gemm` on its planned backend, on which the
@@ -110,7 +95,7 @@ def test_on_the_split_k_backend_the_layers_rows_equal_the_trainers_and_compile_o
     plan_as(monkeypatch, kernel, "triton_splitk")
     k = 1280
     w, x = _operands(13, max(CPU_M), k=k)
-    kern, layer, qw = _served_layer(w, False)
+    kern, layer, qw = served_layer(w, False)
     qx = quantize_blockwise(x, (1, 128), pow2_scales=False)
     want = fp8_linear_forward(qx, qw, None, torch.bfloat16, backend="triton_splitk")
     for m in CPU_M:

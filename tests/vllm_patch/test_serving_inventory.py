@@ -27,12 +27,11 @@ from serving_inventory import (
     plan_as,
     recording,
     scaled_mm_standin,
-    standin_config,
+    served_layer,
 )
 
 from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise, triton_kernels
 from nemo_jetrl.vllm_patch import compat, kernel, serving_ops
-from nemo_jetrl.vllm_patch.settings import PatchSettings
 
 pytestmark = pytest.mark.skipif(
     not triton_kernels.can_run(torch.zeros(1, dtype=torch.bfloat16)),
@@ -51,16 +50,7 @@ def _loaded_layer(monkeypatch, backend: str, pow2: bool, w: torch.Tensor):
     monkeypatch.setattr(
         serving_ops, "quantize_blockwise", partial(quantize_blockwise, backend="triton")
     )
-    cls = kernel.make_kernel_class(
-        PatchSettings(pow2_weight_scales=pow2, pow2_activation_scales=pow2)
-    )
-    kern = cls(standin_config((N, K)))
-    q = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(q.data, requires_grad=False)
-    layer.weight_scale_inv = torch.nn.Parameter(q.scale_inv.clone(), requires_grad=False)
-    kern.process_weights_after_loading(layer)
-    return kern, layer, q
+    return served_layer(w, pow2)
 
 
 @pytest.mark.parametrize("m", [37, 64, 1])
