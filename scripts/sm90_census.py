@@ -256,7 +256,7 @@ def problems(rows: list[dict]) -> list[str]:
 # Python; `pip download --python-version 3.12 --only-binary=:all: triton==3.6.0`, 2026-11-29).
 # Triton's cache key hashes this file: the cp311 one here gives every kernel another key.
 IMAGE_LIBTRITON_SHA256 = "28daaa70a904e4f8add754e518533e8a69b94ab8b16431ce77d45f1f25282b87"
-DEVICE_CACHE_DIR = "/tmp/jetrl-triton-cache"  # device_session.sh's fixed TRITON_CACHE_DIR
+DEVICE_CACHE_DIR = "/tmp/jetrl-triton-cache"  # device_session.sh's default (it passes its own)
 
 
 def libtriton_sha256() -> str:

@@ -273,12 +273,13 @@ preload_census() {  # --prepare's sm_90 census cache: keyed by Triton itself, so
   fi
   tar -xzf "$tarball" -C "$triton_dir" || return 0
   "$py" - "$triton_dir/CENSUS.json" >"$work/census.txt" 2>&1 <<'PY' || true
-import hashlib, json, pathlib, sys
+import json, sys
 made = json.load(open(sys.argv[1]))
 try:
     import triton
-    so = pathlib.Path(triton.__file__).parent / "_C" / "libtriton.so"
-    h = hashlib.sha256(so.read_bytes()).hexdigest()
+    sys.path.insert(0, "scripts")
+    from sm90_census import libtriton_sha256  # the hash the census put in the image's key
+    h = libtriton_sha256()
     here = f"Triton {triton.__version__}, libtriton sha256 {h[:16]}"
     same = h == made["libtriton_sha256"] and triton.__version__ == made["triton"]
 except Exception as exc:  # the preflight names a missing Triton
@@ -329,7 +330,7 @@ prepare() {
   echo "sm_90 census with the GPU image's Triton (scripts/sm90_census.py, ~1 min)"
   mkdir -p "$carry_cache"
   PYTHONPATH=.venv-triton-gpu .venv/bin/python scripts/sm90_census.py \
-    --pack-cache "$carry_cache/sm90-census-cache.tar.gz" | tail -n 4 || {
+    --pack-cache "$carry_cache/sm90-census-cache.tar.gz" --cache-root "$triton_dir" | tail -n 4 || {
     echo "device_session: a kernel fails the sm_90 census (above): fix it before the call" >&2
     return 1
   }

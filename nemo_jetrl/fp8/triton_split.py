@@ -63,8 +63,8 @@ PREFILL_WARPGROUPS = 2
 """Warpgroups per program above the decode sizes (128 weight rows: 8 warps)."""
 PREFILL_TOKEN_TILE = 64
 """Tokens per program above `SPLIT_MAX_M`. The order keeps three fp32 tiles live (the tile dot,
-the chunk's sum, the fold), all in registers at 128 x 64: ptxas for sm_90 gives 238 registers and
-no spill; 128 tokens took 255 registers and spilled 1260 bytes a thread (the sm_90 census's
+the chunk's sum, the fold), all in registers at 128 x 64: ptxas for sm_90a gives 248 registers
+(Triton 3.6's ptxas; 238 with 3.9's) and no spill; 128 tokens took 255 registers and spilled 1260 bytes a thread (the sm_90 census's
 register check, scripts/sm90_census.py, 2026-11-29). Speed only: a row's bits do not depend on it."""
 FOLD_BLOCK = 1024
 
