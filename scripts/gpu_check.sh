@@ -13,7 +13,10 @@
 # JETRL_GPU_TESTS="a.py b.py" runs those modules instead of the list below. JETRL_TEST_TIMEOUT=N:
 # a per-test limit of N seconds (`--timeout N`) where pytest-timeout is installed; without it the
 # script says so and runs without one (pytest would exit 4 on an unknown `--timeout`, running no
-# test: a `--timeout` among the arguments is dropped the same way).
+# test: a `--timeout` among the arguments is dropped the same way). JETRL_GPU_TEST_WORKERS=N: the
+# modules run in N pytest-xdist processes sharing the GPU, each module in one of them
+# (`--dist loadfile`: its fixtures and order kept), so N compile Triton kernels at once (most of a
+# cold run's time); default half the CPU cores, at most 8; 0 or 1: one process, as without xdist.
 #
 # Runs with TRITON_INTERPRET unset, so every `triton` test runs the compiled kernels and every
 # `gpu` test runs (CUDA graphs, torch.cuda.set_sync_debug_mode("error") over the trainer's FP8
@@ -24,6 +27,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.." || exit
 py=${PYTHON:-python3}
+workers=${JETRL_GPU_TEST_WORKERS:-auto}
+case "$workers" in
+  auto) workers=$(($(nproc) / 2)); ((workers <= 8)) || workers=8 ;;
+  ''|*[!0-9]*) echo "gpu_check: JETRL_GPU_TEST_WORKERS=$workers: use a whole number of pytest workers (0: one process)" >&2; exit 2 ;;
+esac
 unset TRITON_INTERPRET
 
 tests=(tests/fp8/test_triton_kernels.py tests/fp8/test_triton_large_offsets.py
@@ -75,6 +83,15 @@ if ! "$py" -c 'import pytest_timeout' 2>/dev/null; then
     echo "gpu_check: pytest-timeout is not installed: no per-test limit (JETRL_TEST_TIMEOUT ignored)"
 elif [[ -n "${JETRL_TEST_TIMEOUT:-}" ]]; then
   args=(--timeout "$JETRL_TEST_TIMEOUT" "${args[@]}")
+fi
+if ((workers > 1 && ${#tests[@]} > 1)); then
+  if "$py" -c 'import xdist' 2>/dev/null; then
+    ((workers <= ${#tests[@]})) || workers=${#tests[@]}  # one module a worker at most
+    args=(-n "$workers" --dist loadfile "${args[@]}")
+    echo "gpu_check: ${#tests[@]} modules in $workers pytest-xdist workers (JETRL_GPU_TEST_WORKERS)"
+  else
+    echo "gpu_check: pytest-xdist is not installed: one process (JETRL_GPU_TEST_WORKERS ignored)"
+  fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -m pytest -ra -p no:cacheprovider "${tests[@]}" "${args[@]}" || exit

@@ -930,3 +930,34 @@ MUTANTS += [
         ),
     ),
 ]
+
+# ---- the census cache a GPU call carries (scripts/census_cache.py) and its test workers
+MUTANTS += [
+    Mutant(
+        "re-keying keeps the packed folder names (Triton looks under the image's key: every miss)",
+        "scripts/census_cache.py",
+        'new = dir_name(key + made["tails"][folder])',
+        "new = folder",
+        (
+            "tests/test_census_cache.py::test_another_build_of_libtriton_is_re_keyed_where_triton_looks",
+        ),
+    ),
+    Mutant(
+        "re-keying accepts a Triton whose Python sources differ (another compiler, same name)",
+        "scripts/census_cache.py",
+        'if key.replace(here_sha, made["libtriton_sha256"]) != made["triton_key"]:',
+        'if key.replace(here_sha, made["libtriton_sha256"]) == "":',
+        (
+            "tests/test_census_cache.py::test_what_differs_is_named_and_nothing_is_unpacked[python-source]",
+        ),
+    ),
+    Mutant(
+        "gpu_check starts more xdist workers than modules (idle processes each holding a CUDA context)",
+        "scripts/gpu_check.sh",
+        "((workers <= ${#tests[@]})) || workers=${#tests[@]}",
+        "true",
+        (
+            "tests/test_gpu_session.py::test_gpu_check_spreads_the_modules_over_xdist_workers[at-most-one-a-module]",
+        ),
+    ),
+]

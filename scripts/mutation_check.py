@@ -105,8 +105,9 @@ def load_mutants(path: Path = REPO / "scripts" / "mutants.py") -> list[Mutant]:
     return [*mod.CONTROLS, *mod.MUTANTS]
 
 
-def module_name(rel: str) -> str:
-    return rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+def module_name(rel: str) -> str:  # scripts/ are imported from that folder, by their own name
+    name = rel.removesuffix(".py").removesuffix("/__init__")
+    return name.removeprefix("scripts/") if name.startswith("scripts/") else name.replace("/", ".")
 
 
 def mutate_text(text: str, m: Mutant) -> str:
@@ -117,9 +118,9 @@ def mutate_text(text: str, m: Mutant) -> str:
     return text.replace(m.old, m.new)
 
 
-def is_noop(text: str, mutated: str) -> bool:
-    """True when the mutation leaves the module's AST unchanged (it cannot change behaviour)."""
-    return ast.dump(ast.parse(text)) == ast.dump(ast.parse(mutated))
+def is_noop(text: str, mutated: str, python: bool = True) -> bool:
+    """True when the mutation leaves the module's AST (a shell script: its text) unchanged."""
+    return ast.dump(ast.parse(text)) == ast.dump(ast.parse(mutated)) if python else text == mutated
 
 
 def copy_repo(root: Path, dst: Path) -> None:
@@ -224,7 +225,7 @@ def judge(root: Path, copy: Path, m: Mutant, probe: Path, servers: Servers | Non
         mutated = mutate_text(text, m)
     except (OSError, ValueError) as exc:
         return Outcome(m, "ERROR", detail=str(exc))
-    if is_noop(text, mutated):
+    if is_noop(text, mutated, m.file.endswith(".py")):
         return Outcome(m, "EQUIVALENT", detail="no AST change; tests not run")
     t0 = time.monotonic()
     try:
@@ -239,7 +240,8 @@ def judge(root: Path, copy: Path, m: Mutant, probe: Path, servers: Servers | Non
         return Outcome(m, "ERROR", time.monotonic() - t0, str(exc))
     dt = time.monotonic() - t0
     failed = [ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
-    if where is None or Path(where).resolve() != path.resolve():
+    # A shell script imports nowhere: its tests run it by their own path, inside the copy.
+    if m.file.endswith(".py") and (where is None or Path(where).resolve() != path.resolve()):
         why = f"the tests imported {module_name(m.file)} from {where}, not from the copy"
         return Outcome(m, "ERROR", dt, why + "\n" + out[-1500:], failed)
     if rc == 0:

@@ -18,11 +18,14 @@ if [ ! -d .venv-te-recipe/transformer_engine ]; then
   pip_retry .venv/bin/python install --no-deps --target .venv-te-recipe transformer-engine==2.20.2 \
     >> .venv/pip-install.log 2>&1 || { tail -n 20 .venv/pip-install.log; echo "setup_env: TE recipe install failed" >&2; exit 1; }
 fi
-# The GPU image's Triton (3.6.0: benchmarks/gpu/results, runs 4-6), in its own directory like TE's
-# recipe module: scripts/sm90_census.py compiles every kernel for sm_90 with it as well as with the
-# installed one, so a kernel the image's compiler refuses fails here, not in a 15-minute GPU call.
-if [ ! -f .venv-triton-gpu/triton/__init__.py ]; then
-  pip_retry .venv/bin/python install --no-deps --target .venv-triton-gpu triton==3.6.0 \
+# The GPU image's Triton (its version's home: scripts/census_cache.py), in its own directory like
+# TE's recipe module: scripts/sm90_census.py compiles every kernel for sm_90 with it as well as with
+# the installed one, so a kernel the image's compiler refuses fails here, not in a 15-minute GPU call.
+gpu_triton=$(sed -n 's/^GPU_IMAGE_TRITON = "\([0-9.]*\)".*/\1/p' scripts/census_cache.py)
+[ -n "$gpu_triton" ] || { echo "setup_env: no GPU_IMAGE_TRITON in scripts/census_cache.py" >&2; exit 1; }
+if [ ! -d ".venv-triton-gpu/triton-$gpu_triton.dist-info" ]; then
+  rm -rf .venv-triton-gpu
+  pip_retry .venv/bin/python install --no-deps --target .venv-triton-gpu "triton==$gpu_triton" \
     >> .venv/pip-install.log 2>&1 || { tail -n 20 .venv/pip-install.log; echo "setup_env: GPU image Triton install failed" >&2; exit 1; }
 fi
 .venv/bin/python -c "import torch, nemo_jetrl; print('env ready: torch', torch.__version__)"

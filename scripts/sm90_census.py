@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import census_cache
 
 HOPPER_SMEM = 232448  # bytes one block may use on an H100/H200, as Triton states it (H100 log)
 # The batch-invariant kernels, with the constexprs that may differ between their launches (feature
@@ -250,73 +250,6 @@ def problems(rows: list[dict]) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------------------- the cache to carry
-
-# sha256 of triton/_C/libtriton.so in PyPI's triton-3.6.0 cp312 manylinux wheel (the GPU image's
-# Python; `pip download --python-version 3.12 --only-binary=:all: triton==3.6.0`, 2026-11-29).
-# Triton's cache key hashes this file: the cp311 one here gives every kernel another key.
-IMAGE_LIBTRITON_SHA256 = "28daaa70a904e4f8add754e518533e8a69b94ab8b16431ce77d45f1f25282b87"
-DEVICE_CACHE_DIR = "/tmp/jetrl-triton-cache"  # device_session.sh's default (it passes its own)
-
-
-def libtriton_sha256() -> str:
-    import hashlib
-
-    import triton
-
-    path = Path(triton.__file__).parent / "_C" / "libtriton.so"
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def key_as_on_the_image(image_sha256: str) -> str:
-    """Make Triton's cache key the one the GPU image computes: the same Triton sources, with its
-    libtriton's hash in place of ours (`IMAGE_LIBTRITON_SHA256`). Returns our hash."""
-    import triton.runtime.cache as cache
-
-    ours, key = libtriton_sha256(), cache.triton_key()
-    if ours not in key:
-        raise SystemExit(f"sm90_census: Triton {cache.__file__}: its key does not hash libtriton")
-    image_key = key.replace(ours, image_sha256)
-    cache.triton_key = lambda: image_key  # get_cache_key reads the module's name at each compile
-    return ours
-
-
-def pack_cache(cache_dir: Path, tarball: Path, root: str, meta: dict) -> int:
-    """Every kernel in ``cache_dir`` as Triton reads it back (metadata JSON and cubin: what
-    TRITON_STORE_BINARY_ONLY keeps), its group index pointing into ``root`` (where it will be
-    unpacked: Triton's index holds absolute paths), in ``tarball`` with CENSUS.json (``meta``);
-    returns the number of kernels."""
-    import io
-    import tarfile
-
-    kernels = 0
-    with tarfile.open(tarball, "w:gz") as tar:
-        for entry in sorted(p for p in cache_dir.iterdir() if p.is_dir()):
-            for f in sorted(entry.iterdir()):
-                data = f.read_bytes()
-                if f.name.startswith("__grp__"):
-                    kept = {
-                        c: f"{root}/{entry.name}/{Path(p).name}"
-                        for c, p in json.loads(data)["child_paths"].items()
-                        if Path(p).suffix in (".json", ".cubin")
-                    }
-                    data, kernels = json.dumps({"child_paths": kept}).encode(), kernels + 1
-                elif f.suffix not in (".json", ".cubin"):
-                    continue
-                info = tarfile.TarInfo(f"./{entry.name}/{f.name}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-        data = json.dumps({**meta, "kernels": kernels}, indent=1).encode()
-        info = tarfile.TarInfo("./CENSUS.json")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return kernels
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the report (rows and problems) here")
@@ -330,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--cache-root",
-        default=DEVICE_CACHE_DIR,
-        help=f"where the packed cache will be unpacked (default {DEVICE_CACHE_DIR})",
+        default=census_cache.DEVICE_CACHE_DIR,
+        help=f"where the packed cache will be unpacked (default {census_cache.DEVICE_CACHE_DIR})",
     )
     parser.add_argument(
         "--image-key",
@@ -347,15 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     if tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 9):
         # 3.9 warns when it is unset; 3.6 keys its cache on it, and the device leaves it unset
         os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    cache_dir, meta = None, {}
+    cache_dir, image = None, None
     if args.pack_cache or args.image_key:
-        if triton.__version__ != "3.6.0":
-            parser.error(
-                f"the GPU image's cache key needs its Triton 3.6.0, not {triton.__version__}"
-            )
-        ours = key_as_on_the_image(IMAGE_LIBTRITON_SHA256)
-        meta = {"triton": triton.__version__, "libtriton_sha256": IMAGE_LIBTRITON_SHA256,
-                "compiled_with_libtriton_sha256": ours}  # fmt: skip
+        if triton.__version__ != census_cache.GPU_IMAGE_TRITON:
+            parser.error(f"the GPU image's cache key needs its Triton "
+                         f"{census_cache.GPU_IMAGE_TRITON}, not {triton.__version__}")  # fmt: skip
+        image = census_cache.ImageKey()
     if args.pack_cache:
         import tempfile
 
@@ -386,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         report = {"triton": triton.__version__, "launches": len(CALLS), "rows": rows,
                   "problems": found, "sources": sources}  # fmt: skip
         args.json.write_text(json.dumps(report, default=str, indent=1))
-    if cache_dir is not None and not found:
-        meta.update(launches=len(CALLS), root=args.cache_root)
-        n = pack_cache(cache_dir, args.pack_cache, args.cache_root, meta)
+    if cache_dir is not None and image is not None and not found:
+        meta = {**image.meta(), "launches": len(CALLS)}
+        n = census_cache.pack_cache(cache_dir, args.pack_cache, args.cache_root, meta)
         shutil.rmtree(cache_dir)
         size = args.pack_cache.stat().st_size / 2**20
         print(f"packed {n} kernels for the GPU image into {args.pack_cache} ({size:.1f} MiB)")

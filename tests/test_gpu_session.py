@@ -105,6 +105,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # Stands in for a Python with a GPU and pytest, with or without pytest-timeout.
 if [[ "$1" == - ]]; then cat >/dev/null; echo "gpu_check: FAKE GPU"; exit 0; fi
 if [[ "$1" == -c && "$2" == "import pytest_timeout" ]]; then exit "$FAKE_NO_TIMEOUT"; fi
+if [[ "$1" == -c && "$2" == "import xdist" ]]; then exit "${FAKE_NO_XDIST:-1}"; fi
 printf 'ARGS:'; printf ' %s' "$@"; echo
 """
 
@@ -127,6 +128,42 @@ def test_gpu_check_passes_timeout_only_where_pytest_timeout_is(tmp_path, plugin)
         assert not any(a.startswith("--timeout") for a in args), args
         assert "-x" in args
         assert "pytest-timeout is not installed: no per-test limit" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "workers, xdist, modules, want",
+    [("4", True, 6, ["-n", "4", "--dist", "loadfile"]), ("8", True, 3, ["-n", "3", "--dist", "loadfile"]),
+     ("4", False, 6, []), ("0", True, 6, []), ("1", True, 6, []), ("4", True, 1, [])],
+    ids=["4-workers", "at-most-one-a-module", "no-xdist", "0", "1", "one-module"],
+)  # fmt: skip
+def test_gpu_check_spreads_the_modules_over_xdist_workers(tmp_path, workers, xdist, modules, want):
+    """JETRL_GPU_TEST_WORKERS: the GPU modules in that many pytest-xdist processes, each module
+    in one (--dist loadfile), never more workers than modules; one process where xdist is
+    missing (said), for 0 and 1, and for one module."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    listed = " ".join(f"tests/m{i}.py" for i in range(modules))
+    env = {"PYTHON": str(fake), "FAKE_NO_TIMEOUT": "1", "FAKE_NO_XDIST": "0" if xdist else "1",
+           "JETRL_GPU_TEST_WORKERS": workers, "JETRL_GPU_TESTS": listed}  # fmt: skip
+    p = sh("bash", GPU_CHECK, "-x", env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    args = next(line for line in p.stdout.splitlines() if line.startswith("ARGS:")).split()[1:]
+    assert args[:2] == ["-m", "pytest"] and "-x" in args
+    got = args[args.index("-n") : args.index("-n") + 4] if "-n" in args else []
+    assert got == want, args
+    said = "pytest-xdist is not installed: one process" in p.stdout
+    assert said == (not xdist and int(workers) > 1 and modules > 1), p.stdout
+
+
+@pytest.mark.parametrize("workers", ["two", "-1", "2.5"])
+def test_gpu_check_refuses_a_worker_count_that_is_not_a_whole_number(tmp_path, workers):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    p = sh("bash", GPU_CHECK, env={"PYTHON": str(fake), "JETRL_GPU_TEST_WORKERS": workers})
+    assert p.returncode == 2 and "ARGS:" not in p.stdout, p.stdout
+    assert f"JETRL_GPU_TEST_WORKERS={workers}: use a whole number" in p.stderr
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -452,33 +489,34 @@ def test_direct_launch_check_compares_launch_paths_and_says_which_ran():
 @pytest.mark.slow
 def test_the_census_cache_is_unpacked_first_and_its_hits_said(tmp_path):
     """--prepare's sm_90 census cache (scripts/sm90_census.py --pack-cache): unpacked into the
-    Triton cache before the call's start mark when it was packed for that directory (Triton's
-    index holds absolute paths), not otherwise; summary.txt says whether this image's Triton is
-    the one it was made for, and how many kernels the call compiled itself (the preloaded ones
-    are not counted)."""
-    import hashlib
-
+    Triton cache before the call's start mark by scripts/census_cache.py when it was packed for
+    that directory (Triton's index holds absolute paths) and this Triton computes its key, not
+    otherwise (its cases: tests/test_census_cache.py); summary.txt says which, and how many
+    kernels the call compiled itself (the preloaded ones are not counted)."""
     import triton
+    import triton.runtime.cache as triton_cache
 
-    so = Path(triton.__file__).parent / "_C" / "libtriton.so"
-    ours = hashlib.sha256(so.read_bytes()).hexdigest()
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import census_cache
+    finally:
+        sys.path.pop(0)
+    ours = census_cache.libtriton_sha256()
     cache = tmp_path / "triton-census"
 
-    def carry_with(name: str, sha: str, root: Path) -> Path:
+    def carry_with(name: str, version: str, root: Path) -> Path:
         carry = tmp_path / name
         carry.mkdir()
-        census = {"kernels": 1, "triton": triton.__version__, "libtriton_sha256": sha,
-                  "root": str(root)}  # fmt: skip
-        (tmp_path / "CENSUS.json").write_text(json.dumps(census))
-        (tmp_path / "k.json").write_text("{}")
-        with tarfile.open(carry / "sm90-census-cache.tar.gz", "w:gz") as tar:
-            tar.add(tmp_path / "CENSUS.json", arcname="./CENSUS.json")
-            tar.add(tmp_path / "k.json", arcname="./KERNELHASH/k.json")
+        meta = {"triton": version, "libtriton_sha256": ours, "root": str(root),
+                "triton_key": triton_cache.triton_key(), "backend_hash": census_cache.backend_hash(),
+                "tails": {"KERNELHASH": "-tail"}}  # fmt: skip
+        files = {"KERNELHASH/k.json": b"{}", "KERNELHASH/k.cubin": b""}
+        census_cache._write(carry / "sm90-census-cache.tar.gz", files, str(root), meta)
         return carry
 
     env = {"JETRL_TRITON_CACHE_DIR": str(cache)}
     p, _, summary = session(
-        tmp_path, "census", carry_with("c1", ours, cache), ("PREFLIGHT",), **env
+        tmp_path, "census", carry_with("c1", triton.__version__, cache), ("PREFLIGHT",), **env
     )
     assert p.returncode == 0, summary
     assert (cache / "KERNELHASH" / "k.json").is_file()
@@ -491,11 +529,13 @@ def test_the_census_cache_is_unpacked_first_and_its_hits_said(tmp_path):
     other = tmp_path / "triton-other"
     env = {"JETRL_TRITON_CACHE_DIR": str(other)}
     p, _, summary = session(
-        tmp_path, "census2", carry_with("c2", "0" * 64, other), ("PREFLIGHT",), **env
+        tmp_path, "census2", carry_with("c2", "0.0.1", other), ("PREFLIGHT",), **env
     )
-    assert "(differs: expect every kernel compiled here)" in summary, summary
+    assert f"(differs: Triton {triton.__version__}, not 0.0.1; not unpacked: expect every kernel " \
+        "compiled here)" in summary, summary  # fmt: skip
+    assert not any(other.glob("KERNELHASH"))
     p, _, summary = session(
-        tmp_path, "census3", carry_with("c3", ours, cache), ("PREFLIGHT",), **env
+        tmp_path, "census3", carry_with("c3", triton.__version__, cache), ("PREFLIGHT",), **env
     )
     assert (
         f"sm90 census cache: not used (packed for {cache}, TRITON_CACHE_DIR is {other})" in summary

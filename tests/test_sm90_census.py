@@ -169,10 +169,11 @@ def test_the_checks_fail_on_planted_rows():
 def test_the_packed_cache_serves_every_kernel_under_the_images_key(census):
     """What `device_session.sh --prepare` carries to a GPU call: the census compiled under the
     GPU image's cache key (Triton 3.6.0, its cp312 libtriton's hash), packed binary-only with
-    its index pointing where it is unpacked. Unpacked and replayed in a fresh process under the
-    same key, every kernel is read from it: nothing is compiled (no new cache entry, no PTX,
-    which only a compile writes). A GPU with the image's Triton computes the same keys; its
-    call says whether its libtriton is the wheel's (summary.txt)."""
+    its index pointing where it is unpacked. Unpacked as the device unpacks it
+    (`census_cache.py unpack`, a fresh process) by this machine's 3.6.0, whose libtriton is
+    another build (cp311): re-keyed, and a census in a fresh process under this Triton's own key
+    reads every kernel from it: nothing is compiled (no new cache entry, no PTX, which only a
+    compile writes). The GPU image takes the same path when its Triton is not PyPI's build."""
     import tarfile
 
     if census["which"] != "gpu_image":
@@ -181,15 +182,25 @@ def test_the_packed_cache_serves_every_kernel_under_the_images_key(census):
     root = tmp / "unpacked"
     assert census["rc"] == 0, census["stdout"][-3000:]
     with tarfile.open(tmp / "cache.tar.gz") as tar:
-        tar.extractall(root, filter="data")
-    packed = json.loads((root / "CENSUS.json").read_text())
-    entries = sorted(p.name for p in root.iterdir() if p.is_dir())
-    assert packed["kernels"] == len(entries) == len(census["rows"])
+        names = tar.getnames()
+        packed = json.load(tar.extractfile("./CENSUS.json"))
+    assert packed["kernels"] == len(census["rows"]) == len(packed["tails"])
     assert packed["triton"] == GPU_IMAGE_TRITON and packed["root"] == str(root)
-    assert {p.suffix for p in root.rglob("*") if p.is_file()} == {".json", ".cubin"}
+    assert {Path(n).suffix for n in names if n.count("/") == 2} == {".json", ".cubin"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(_gpu_triton_dir())
+    unpack = [sys.executable, str(REPO / "scripts" / "census_cache.py"), "unpack"]
+    line = subprocess.run(
+        [*unpack, str(tmp / "cache.tar.gz"), str(root)], env=env, capture_output=True, text=True
+    ).stdout  # fmt: skip
+    n = packed["kernels"]
+    assert f"(re-keyed: another build of Triton 3.6.0, the same Python sources and ptxas; {n} " \
+        "kernels filed under this image's key: expect hits)" in line, line  # fmt: skip
+    entries = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert len(entries) == n and not set(entries) & set(packed["tails"])  # all filed anew
     (tmp / "replay").mkdir()
-    replay, proc = _run_census(tmp / "replay", _gpu_triton_dir(), "--image-key", cache=root)
+    replay, proc = _run_census(tmp / "replay", _gpu_triton_dir(), cache=root)
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == entries  # nothing compiled
-    assert len(replay["rows"]) == packed["kernels"]
+    assert len(replay["rows"]) == n
     assert all(r["mma"] is None for r in replay["rows"])  # every one read back, binary only
     assert proc.returncode == 1  # the census itself needs PTX: it says so, per kernel

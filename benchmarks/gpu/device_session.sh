@@ -26,7 +26,9 @@
 # JETRL_GPU_WHEELS_DIR (.cache/gpu-wheels; empty: install nothing, use the interpreter as it is),
 # JETRL_TRITON_CARRY (.cache/triton-gpu), JETRL_TRITON_CACHE_DIR (/tmp/jetrl-triton-cache: a fixed
 # path, since Triton's cache index stores absolute paths), JETRL_TRITON_BINARY_ONLY (1: cache
-# cubins only), JETRL_SESSION_NO_CUDA=1 (CPU test of this script), JETRL_PREFLIGHT_REQUIRE
+# cubins only), JETRL_CENSUS_REKEY (1: file the census cache under this image's key when only
+# libtriton's build differs; scripts/census_cache.py), JETRL_SESSION_NO_CUDA=1 (CPU test of this
+# script), JETRL_PREFLIGHT_REQUIRE
 # (extra modules the preflight must import), JETRL_SOURCE (the source line, else
 # $JETRL_GPU_WHEELS_DIR/SOURCE.txt written by --prepare; the device copy's git is not the tree's),
 # JETRL_RESULTS_ROOT (--collect's folder, benchmarks/gpu/results).
@@ -262,32 +264,10 @@ direct_launches() {  # after the preflight: the check's verdict (inner_preflight
   echo "direct launches: $line" >>"$work/header.txt"
 }
 
-preload_census() {  # --prepare's sm_90 census cache: keyed by Triton itself, so unpacked as is
+preload_census() {  # --prepare's sm_90 census cache, as filed, re-keyed or not (census_cache.py)
   local tarball=$carry_cache/sm90-census-cache.tar.gz
   [[ -f "$tarball" ]] || return 0
-  local root
-  root=$(tar -xzOf "$tarball" ./CENSUS.json | "$py" -c 'import json, sys; print(json.load(sys.stdin)["root"])') || return 0
-  if [[ "$triton_dir" != "$root" ]]; then  # Triton's index holds absolute paths
-    echo "sm90 census cache: not used (packed for $root, TRITON_CACHE_DIR is $triton_dir)" >"$work/census.txt"
-    return 0
-  fi
-  tar -xzf "$tarball" -C "$triton_dir" || return 0
-  "$py" - "$triton_dir/CENSUS.json" >"$work/census.txt" 2>&1 <<'PY' || true
-import json, sys
-made = json.load(open(sys.argv[1]))
-try:
-    import triton
-    sys.path.insert(0, "scripts")
-    from sm90_census import libtriton_sha256  # the hash the census put in the image's key
-    h = libtriton_sha256()
-    here = f"Triton {triton.__version__}, libtriton sha256 {h[:16]}"
-    same = h == made["libtriton_sha256"] and triton.__version__ == made["triton"]
-except Exception as exc:  # the preflight names a missing Triton
-    here, same = f"no Triton ({exc!r})", False
-verdict = "the same: expect hits" if same else "differs: expect every kernel compiled here"
-print(f"sm90 census cache: {made['kernels']} kernels made for Triton {made['triton']}, libtriton "
-      f"sha256 {made['libtriton_sha256'][:16]}; this image: {here} ({verdict})")
-PY
+  "$py" scripts/census_cache.py unpack "$tarball" "$triton_dir" >"$work/census.txt" 2>&1 || true
 }
 
 reuse_cache() {  # the carried Triton cache, only under the same versions

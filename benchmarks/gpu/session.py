@@ -46,8 +46,8 @@ REQUIRED = (
 # The distributions whose versions the summary names (where each was imported from tells whether
 # the carried wheel or the image's own copy won).
 VERSIONS = (
-    "torch", "triton", "numpy", "pytest", "pytest-timeout", "pydantic", "omegaconf",
-    "transformers", "tokenizers", "safetensors",
+    "torch", "triton", "numpy", "pytest", "pytest-timeout", "pytest-xdist", "pydantic",
+    "omegaconf", "transformers", "tokenizers", "safetensors",
 )  # fmt: skip
 VERDICT = re.compile(r"\b(NOT MET|MET|NOT MEASURED)\b")
 
