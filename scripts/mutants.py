@@ -961,3 +961,18 @@ MUTANTS += [
         ),
     ),
 ]
+
+# ---- the split-K GEMM's one-launch fold (nemo_jetrl/fp8/_triton_split_jit.py: _fold_last). Which
+# program folds is not judged here: the interpreter runs a tile's programs in chunk order, so a
+# fold by the first to arrive (then reset) still ends on all partials; the GPU tests judge it.
+MUTANTS += [
+    Mutant(
+        "split-K: the folding program leaves its counter at S (the next call never folds)",
+        "nemo_jetrl/fp8/_triton_split_jit.py",
+        'tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")',
+        'tl.atomic_xchg(cnt_ptr + tile, S, sem="relaxed", scope="gpu")',
+        (
+            "tests/fp8/test_split_gemm.py::test_split_mode_is_one_launch_whose_last_program_folds_and_rezeroes_its_counter",
+        ),
+    ),
+]

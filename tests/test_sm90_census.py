@@ -93,7 +93,7 @@ pytestmark = [pytest.mark.triton]
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm90_with_no_problem(census):
-    """~1 min per Triton on 2 cores with an empty cache: ~400 launches, ~80 specializations."""
+    """~1 min per Triton on 2 cores with an empty cache: ~370 launches, ~80 specializations."""
     if census["which"] == "gpu_image":
         assert census["triton"] == GPU_IMAGE_TRITON
     assert census["problems"] == [] and census["rc"] == 0, census["stdout"][-3000:]
@@ -103,7 +103,7 @@ def test_every_kernel_compiles_for_sm90_with_no_problem(census):
     assert {r["kernel"] for r in rows} == _package_kernels()
     # it compiled this checkout's code: each host module it ran is the file imported here
     assert {n: census["sources"][n] for n in HOST_MODULES} == census["here"]
-    assert census["launches"] >= 390 and len(rows) >= 80
+    assert census["launches"] >= 360 and len(rows) >= 79
     assert max(r["shared"] for r in rows) <= HOPPER_SMEM
 
 

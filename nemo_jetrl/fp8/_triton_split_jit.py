@@ -74,7 +74,7 @@ def _chunk_sum(
 
 @triton.jit
 def split_gemm_kernel(
-    x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, ws_ptr, c_ptr,
+    x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, ws_ptr, cnt_ptr, c_ptr,
     M, N, K, KB, S,
     sxm, sxk, sam, sak, ssam, ssak, sbn, sbk, ssbn, ssbk, sws, swm, scm, scn,
     CHUNK: tl.constexpr, B_ROWS: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr,
@@ -84,8 +84,9 @@ def split_gemm_kernel(
     FP8_B: tl.constexpr,
 ):  # fmt: skip
     # Program (w, t[, c]): weight rows [w*BW, +BW) x tokens [t*BT, +BT).
-    # SPLIT: chunk c = program_id(2) only, its partial stored to ws[c] (`fold_kernel` adds the
-    # partials in order); else every chunk here, folded left to right in registers.
+    # SPLIT: chunk c = program_id(2) only, its partial stored to ws[c]; the tile's last program
+    # to finish adds the S partials in chunk order (`_fold_last`). Else every chunk here, folded
+    # left to right in registers.
     rw = tl.program_id(0).to(tl.int64) * BW + tl.arange(0, BW)
     rt = tl.program_id(1).to(tl.int64) * BT + tl.arange(0, BT)
     if SPLIT:  # noqa: SIM108 (a statement-level constexpr branch: only the taken one compiles)
@@ -97,26 +98,35 @@ def split_gemm_kernel(
                        B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV, EPS, POW2, MANT, BIAS,
                        NATIVE_CAST, DOT, FP8_A, FP8_B)  # fmt: skip
     mask = (rt[None, :] < M) & (rw[:, None] < N)
+    dst = c_ptr + rt[None, :] * scm + rw[:, None] * scn
     if SPLIT:
-        tl.store(ws_ptr + c0.to(tl.int64) * sws + rt[None, :] * swm + rw[:, None], total, mask=mask)
+        part = ws_ptr + rt[None, :] * swm + rw[:, None]
+        tl.store(part + c0.to(tl.int64) * sws, total, mask=mask)
+        _fold_last(part, cnt_ptr, dst, mask, S, sws)
     else:
-        # the same adds, in the same order, as `fold_kernel` makes of the partials
+        # the same adds, in the same order, as `_fold_last` makes of the partials
         for c in range(1, S):
             total += _chunk_sum(x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, rw,
                                 rt, c, M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk,
                                 ssbn, ssbk, CHUNK, B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV,
                                 EPS, POW2, MANT, BIAS, NATIVE_CAST, DOT, FP8_A, FP8_B)  # fmt: skip
-        dst = c_ptr + rt[None, :] * scm + rw[:, None] * scn
         tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def fold_kernel(ws_ptr, c_ptr, MN, N, S, sws, scm, scn, BLOCK: tl.constexpr):
-    # out = ((ws[0] + ws[1]) + ws[2]) + ...: the split kernel's partials in chunk order, cast once.
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < MN
-    total = tl.load(ws_ptr + i, mask=mask, other=0.0)
-    for c in range(1, S):
-        total += tl.load(ws_ptr + c * sws + i, mask=mask, other=0.0)
-    dst = c_ptr + (i // N) * scm + (i % N) * scn
-    tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
+def _fold_last(part, cnt_ptr, dst, mask, S, sws):
+    # out = ((ws[0] + ws[1]) + ws[2]) + ...: the tile's partials in chunk order, cast once, by
+    # whichever of its S programs counts last. The barrier puts every thread's partial store
+    # before the release; the acquire (broadcast to the program's threads through a barrier)
+    # puts the other programs' stores before the loads, which read L2 (.cg: never a stale L1
+    # line). The folder zeroes the counter for the next call (a later launch on the stream).
+    tl.debug_barrier()
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        total = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        for _ in range(1, S):
+            part += sws  # one chunk on (pointer steps: no int32 product to overflow)
+            total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(dst, total.to(dst.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")

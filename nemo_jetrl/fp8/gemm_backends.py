@@ -216,22 +216,17 @@ def forced_backend(backend: str | None = None) -> str:
 @functools.cache
 def _plan_cached(device, out_dtype, pow2_scales, kind, fmts, forced, excluded) -> GemmPlan:
     caps = device_caps(device)
-    plan = decide(
-        caps,
-        out_dtype=out_dtype,
-        pow2_scales=pow2_scales,
-        kind=kind,
-        fmts=fmts,
-        forced=forced,
-        excluded=excluded,
-    )
-    # Triton's value tables must exist before any CUDA graph capture (scaled_mm / deep_gemm plans
-    # too: the shapes they refuse run on Triton, see `run_gemm`).
+    plan = decide(caps, out_dtype=out_dtype, pow2_scales=pow2_scales, kind=kind, fmts=fmts,
+                  forced=forced, excluded=excluded)  # fmt: skip
+    # Triton's value tables (and the split-K tile counters) must exist before any CUDA graph
+    # capture (scaled_mm / deep_gemm plans too: the shapes they refuse run on Triton, `run_gemm`).
     fallback = plan.backend in ("scaled_mm", "deep_gemm") and device_caps(device).triton
     if plan.backend in ("triton", "triton_splitk") or fallback:
-        from nemo_jetrl.fp8.triton_gemm import prepare
+        from nemo_jetrl.fp8 import triton_gemm, triton_split
 
-        prepare(device, fmts)
+        triton_gemm.prepare(device, fmts)
+        if plan.backend == "triton_splitk":
+            triton_split.prepare(device)
     return plan
 
 

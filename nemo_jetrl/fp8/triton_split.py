@@ -6,9 +6,10 @@ chunks of 8 scale tiles, each chunk summed in TE's per-tile order, the chunk sum
 right. Two launch modes give the same bits for every element:
 
 * **split** (M <= `SPLIT_MAX_M`, the decode sizes): one program per (64 weight rows, token
-  tile, chunk), each writing its chunk's partial; a second launch (`fold_kernel`) adds the
-  partials in chunk order and casts. The weight is read by ``ceil(N/64) * chunks`` programs at
-  once (K = 4096, N = 4096: 256 programs), which is what a memory-bound decode GEMM needs.
+  tile, chunk), each writing its chunk's partial; the tile's last program to finish (a counter
+  per tile, `prepare`) adds the partials in chunk order and casts: one launch. The weight is
+  read by ``ceil(N/64) * chunks`` programs at once (K = 4096, N = 4096: 256 programs), which is
+  what a memory-bound decode GEMM needs.
 * **fold in registers** (larger M, prefill and the trainer's forward): one program per
   (128 weight rows, `PREFILL_TOKEN_TILE` tokens; two warpgroups of 64 rows) sums every chunk and
   folds as it goes; no workspace.
@@ -66,7 +67,9 @@ PREFILL_TOKEN_TILE = 64
 the chunk's sum, the fold), all in registers at 128 x 64: ptxas for sm_90a gives 248 registers
 (Triton 3.6's ptxas; 238 with 3.9's) and no spill; 128 tokens took 255 registers and spilled 1260 bytes a thread (the sm_90 census's
 register check, scripts/sm90_census.py, 2026-11-29). Speed only: a row's bits do not depend on it."""
-FOLD_BLOCK = 1024
+COUNTERS = 1 << 16
+"""Split-mode tile counters per device (int32, `prepare`); a tile is ``ceil(N / 64)`` x token
+tiles, and split mode has one token tile (M <= 64) unless forced."""
 
 
 @functools.cache
@@ -82,7 +85,7 @@ class SplitLaunch:
     """How one call is launched (chosen from M; the bits do not depend on it)."""
 
     split: bool
-    """Split mode (a program per chunk, then the fold launch) or the fold in registers."""
+    """Split mode (a program per chunk, the last to finish folds) or the fold in registers."""
     token_tile: int
     """Tokens per program: the MMA's N dimension (16, 32 or 64)."""
     chunks: int
@@ -142,9 +145,36 @@ def _meta(b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[st
     )  # fmt: skip
 
 
-@functools.cache
-def _fold_meta():
-    return frozen_meta(BLOCK=FOLD_BLOCK, num_warps=4, **NO_FTZ)
+_COUNTER_BUFFERS: dict[torch.device, torch.Tensor] = {}
+
+
+def prepare(device: torch.device | str) -> torch.Tensor:
+    """Make ``device``'s split-mode tile counters (zeros; each folding program sets its own back
+    to zero, so they stay zero between calls). Made at the first call otherwise; a CUDA graph
+    captured before any call would record them unzeroed, so they are made when the backend is
+    planned (`gemm_backends.plan_gemm`: the vLLM layer plans at construction), as vLLM's Marlin
+    kernels make their lock workspace at weight loading. One buffer
+    per device, as Marlin's: split-mode calls on two streams at once would count each other's
+    programs (vLLM's forward is one stream)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    buf = _COUNTER_BUFFERS.get(dev)
+    if buf is None:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"split_gemm: the split-K tile counters of {dev} are made inside a CUDA graph "
+                f"capture; call nemo_jetrl.fp8.triton_split.prepare({str(dev)!r}) (or run one "
+                f"call) before capturing"
+            )
+        buf = _COUNTER_BUFFERS[dev] = torch.zeros(COUNTERS, dtype=torch.int32, device=dev)
+    return buf
+
+
+def _counters(dev: torch.device, tiles: int) -> torch.Tensor:
+    if tiles > COUNTERS:
+        raise ValueError(f"split_gemm: {tiles} tiles in split mode; at most COUNTERS = {COUNTERS}")
+    return prepare(dev)
 
 
 def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan: SplitLaunch):
@@ -176,16 +206,14 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
     kb, bt, s = -(-k // 128), plan.token_tile, plan.chunks
     ws = torch.empty(s if plan.split else 0, m, n, dtype=torch.float32, device=dev)
     grid = (-(-n // (WEIGHT_ROWS * plan.warpgroups)), -(-m // bt), s if plan.split else 1)
+    cnt = _counters(dev, grid[0] * grid[1]) if plan.split else ws
     args = (
-        xa, qdat, sa, qb, sb, lut_a, lut_b, ws, out, m, n, k, kb, s,
+        xa, qdat, sa, qb, sb, lut_a, lut_b, ws, cnt, out, m, n, k, kb, s,
         *sx, *sq, *ss, qb.stride(0), qb.stride(1), sb.stride(0), sb.stride(1),
         m * n, n, out.stride(0), out.stride(1),
     )  # fmt: skip
     meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt))
     launch(jit.split_gemm_kernel, grid, args, meta)
-    if plan.split:
-        fold = (ws, out, m * n, n, s, m * n, out.stride(0), out.stride(1))
-        launch(jit.fold_kernel, (-(-(m * n) // FOLD_BLOCK),), fold, _fold_meta())
     return out if store_dtype == out_dtype else out.to(out_dtype)
 
 

@@ -96,6 +96,53 @@ def test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant(pow
 
 
 @interpreter_bits
+def test_split_mode_is_one_launch_whose_last_program_folds_and_rezeroes_its_counter(monkeypatch):
+    """Split mode launches once: each tile's S programs count themselves on the stream's tile
+    counters and the last to arrive adds the partials in chunk order (so the bits are not the
+    arrival order's), then sets its counter back to zero for the next call. A counter left at 1
+    makes a tile fold one partial early: other bits (the counters decide the result)."""
+    _, qx, qw = _operands(5, 200, 2500, pow2=False, seed=4)
+    want = split_order_matmul(qx, qw, out_dtype=FP32)
+    launched = []
+    real = triton_split.launch
+
+    def counting(kernel, grid, args, meta):  # type: ignore[no-untyped-def]
+        launched.append((kernel.__name__, tuple(grid)))
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(triton_split, "launch", counting)
+    assert torch.equal(triton_split.split_gemm(qx, qw, out_dtype=FP32), want)
+    assert launched == [("split_gemm_kernel", (4, 1, 3))]  # 200 rows / 64, 5 tokens, 3 chunks
+    counters = triton_split._counters(qw.data.device, 4)
+    assert int(counters.count_nonzero()) == 0
+    assert torch.equal(triton_split.split_gemm(qx, qw, out_dtype=FP32), want)  # reused as is
+    counters[0] = 1  # planted: tile 0 counts one program too many
+    try:
+        got = triton_split.split_gemm(qx, qw, out_dtype=FP32)
+    finally:
+        counters.zero_()
+    assert not torch.equal(got[:, :64], want[:, :64]) and torch.equal(got[:, 64:], want[:, 64:])
+
+
+def test_the_tile_counters_are_made_when_the_backend_is_planned(monkeypatch):
+    """Planning ``triton_splitk`` makes the device's counters (zeros), so a CUDA graph captured
+    later finds them made (inside a capture they would be recorded unzeroed: refused on a GPU)."""
+    monkeypatch.setattr(triton_split, "_COUNTER_BUFFERS", {})
+    gemm_backends._plan_cached.cache_clear()
+    try:
+        gemm_backends.plan_gemm(
+            torch.device("cpu"), out_dtype=BF16, pow2_scales=False, backend="triton_splitk"
+        )
+    finally:
+        gemm_backends._plan_cached.cache_clear()
+    (made,) = triton_split._COUNTER_BUFFERS.values()
+    assert made.dtype == torch.int32 and made.numel() == triton_split.COUNTERS
+    assert int(made.count_nonzero()) == 0 and triton_split.prepare("cpu") is made
+    with pytest.raises(ValueError, match="at most COUNTERS"):
+        triton_split._counters(torch.device("cpu"), triton_split.COUNTERS + 1)
+
+
+@interpreter_bits
 def test_wgrad_and_mixed_format_pairs():
     """The WGrad pair (b 1x128: a scale per row of b) and the hybrid recipe's E5M2 x E4M3."""
     _, qx, qw = _operands(20, 72, 1300, pow2=False, seed=5, w_block=(1, 128))
@@ -185,7 +232,7 @@ triton_gemm.launch = triton_split.launch
 triton_split._dot_mode = lambda fmts, device: triton_split._kernel().DOT_NATIVE.value
 triton_gemm._native = lambda a, b: True
 triton_kernels.resolve_native_cast = lambda x, native_cast: True
-TYPES = {torch.uint8: "*u8", torch.int16: "*i16", torch.float32: "*fp32", torch.bfloat16: "*bf16",
+TYPES = {torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.float32: "*fp32", torch.bfloat16: "*bf16",
          torch.float8_e4m3fn: "*fp8e4nv"}
 
 def compile_sm90(kernel, args, meta):
@@ -212,7 +259,16 @@ def compile_sm90(kernel, args, meta):
                 wgmma=sorted(set(re.findall(r"wgmma\.mma_async\S*", ptx))),
                 mma_sync=len(re.findall(r"mma\.sync", ptx)),
                 cp_async=len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)),
-                a_from_registers=bool(re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{", ptx)))
+                a_from_registers=bool(re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{", ptx)),
+                split=consts.get("SPLIT"), **fold_protocol(ptx))
+
+def fold_protocol(ptx):
+    # split mode's handshake: partials stored, a barrier, then one acq_rel count at gpu scope;
+    # the folder reads the partials from L2 (.cg)
+    i = ptx.find("atom.global.gpu.acq_rel.add")
+    return dict(counts=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+                barrier_first=i > 0 and "bar.sync" in ptx[ptx.rfind("st.global", 0, i):i],
+                l2_loads=len(re.findall(r"ld\.global\.cg", ptx)))
 
 g = torch.Generator().manual_seed(0)
 w = quantize_blockwise((torch.randn(4096, 4096, generator=g) * 0.05).bfloat16(), (128, 128))
@@ -237,7 +293,6 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
 
     compiled = compile_report(_SM90_COMPILE, timeout=600)
     gemms = [c for c in compiled if c["kernel"] == "split_gemm_kernel"]
-    folds = [c for c in compiled if c["kernel"] == "fold_kernel"]
     (dense,) = [c for c in compiled if c["kernel"] == "block_fp8_gemm_kernel"]
     want = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"  # the triton backend, M = 1
     assert dense["wgmma"] == [want] and dense["cp_async"] > 0 and not dense["a_from_registers"]
@@ -245,7 +300,12 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
     assert [(c["bt"], c["fused"], c["bw"], c["warps"]) for c in gemms] == [
         (16, True, 64, 4), (64, False, 64, 4), (64, False, 128, 8)
     ]  # fmt: skip
-    assert len(folds) == 2  # the two split launches; the fold in registers has none
+    assert {c["kernel"] for c in compiled} == {"split_gemm_kernel", "block_fp8_gemm_kernel"}
+    # one launch in split mode: the tile's last program folds after the handshake
+    assert [(c["split"], c["counts"], c["barrier_first"]) for c in gemms] == [
+        (True, 1, True), (True, 1, True), (False, 0, False)
+    ]  # fmt: skip
+    assert all(c["l2_loads"] > 0 for c in gemms if c["split"])
     for c in gemms:
         want = f"wgmma.mma_async.sync.aligned.m64n{c['bt']}k32.f32.e4m3.e4m3"
         assert c["wgmma"] == [want] and c["mma_sync"] == 0, c
@@ -291,9 +351,11 @@ def test_gpu_split_gemm_is_graph_capturable_and_within_the_gemm_bound():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = triton_split.split_linear(x, qw, pow2_scales=False)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, out)
+    for _ in range(3):  # each replay's folding programs leave their counters at zero
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
+    assert int(triton_split.prepare(x.device).count_nonzero()) == 0
 
 
 def _to_cpu(q):
