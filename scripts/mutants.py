@@ -921,6 +921,15 @@ MUTANTS += [
         ),
     ),
     Mutant(
+        "invariant matmul specialised on M again (M == 1, M % 16: decode and prefill on two binaries)",
+        "nemo_jetrl/invariant/kernels/_jit_matmul.py",
+        "@triton.jit(do_not_specialize=BATCH_ARGS)",
+        "@triton.jit",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
         "invariant matmul multiplies fp32 rows on TF32 at M = 1 (the interpreter has no TF32)",
         "nemo_jetrl/invariant/kernels/matmul.py",
         "IEEE=a2.dtype == torch.float32, ORDERED",

@@ -22,11 +22,12 @@ steps that launch it. This finds that here. Three parts:
    GPU image's key for a GPU call to carry (docs/gpu.md, "The census cache").
 
 Checked (exit 1, naming each failing specialization): every one compiles; its shared memory fits
-Hopper's 227 KiB; it spills no register (ptxas -v for sm_90a); the FP8 and batch-invariant dots are ``wgmma`` and never ``mma.sync``; a
-batch-invariant kernel (`INVARIANT`) launches with the same tiles, the same MMA instruction and
-the same count of every floating-point instruction (`_ARITH`) at every batch size its workload
-launches. Not shown: time, and bits on a GPU (the GPU call's steps measure both); nor the order of
-those instructions (the schedule may differ with a key length's divisibility).
+Hopper's 227 KiB; it spills no register (ptxas -v for sm_90a); the FP8 and batch-invariant dots
+are ``wgmma`` and never ``mma.sync``; a batch-invariant kernel (`INVARIANT`) launches with the
+same tiles, the same MMA instruction and the same count of every floating-point instruction
+(`_ARITH`) at every batch size its workload launches, as one compiled kernel (the ints a batch
+sets are not specialised: a decode step and a prefill run the same machine code). Not shown:
+time, and bits on a GPU (the GPU call's steps measure both).
 
 Usage: ``python scripts/sm90_census.py [--json OUT]`` with the installed Triton, or
 ``PYTHONPATH=.venv-triton-gpu python scripts/sm90_census.py`` with the GPU image's
@@ -54,10 +55,13 @@ HOPPER_SMEM = 232448  # bytes one block may use on an H100/H200, as Triton state
 # constexpr (IEEE, IN_BF16: chosen from the dtype, never from the batch), option,
 # MMA instruction and floating-point instruction count, whatever the batch size (a tile chosen
 # from M, or an M == 1 path, would change a row's bits).
+# And they must be one compiled kernel: the ints a batch sets (the second tuple: row and key
+# counts, and the mask strides they make) are not specialised (their ``do_not_specialize``), so
+# launches that agree on the rest share one binary at every batch size.
 # The split-K GEMM is not here: its token tile N grows with M by design, and its own test holds
 # the wgmma family (m64nXk32) that keeps a row's bits (tests/fp8/test_split_gemm.py).
-INVARIANT = {"matmul_kernel": (), "attention_kernel": ("BD",), "rms_rstd_kernel": (),
-             "logsumexp_kernel": ()}  # fmt: skip
+INVARIANT = {"matmul_kernel": ((), ("M",)), "attention_kernel": (("BD",), ("Tq", "Tk", "smb", "smq")),
+             "rms_rstd_kernel": ((), ()), "logsumexp_kernel": ((), ())}  # fmt: skip
 # Kernels whose dot is an FP8 (or batch-invariant) tensor-core dot: wgmma, never mma.sync.
 TENSOR_CORE = (
     "block_fp8_gemm_kernel", "split_gemm_kernel", "grouped_rows_gemm_kernel",
@@ -154,7 +158,8 @@ def compile_all(calls: list[dict]) -> list[dict]:
         row = rows.get(key)
         if row is None:  # a new kernel binary
             row = rows[key] = {"kernel": name, "workloads": set(), "consts": consts,
-                               "options": options, "ints": {}, "dtypes": dtypes}  # fmt: skip
+                               "options": options, "ints": {}, "dtypes": dtypes,
+                               "batch_args": _unspecialized(call["kernel"])}  # fmt: skip
             if "error" in found:
                 row["error"] = found["error"]
             else:
@@ -237,7 +242,7 @@ def problems(rows: list[dict]) -> list[str]:
             )
         if r["kernel"] in TENSOR_CORE and any(m.startswith("mma.sync") for m in r["mma"]):
             out.append(f"mma.sync (not wgmma) in {where}: {r['mma']}")
-    for name, free in INVARIANT.items():
+    for name, (free, batch_ints) in INVARIANT.items():
         groups: dict[str, set] = {}
         for r in rows:
             if r["kernel"] == name and "error" not in r:
@@ -250,7 +255,25 @@ def problems(rows: list[dict]) -> list[str]:
         for fixed, seen in groups.items():
             if len(seen) > 1:
                 out.append(f"{name} {fixed} launches differ across batch sizes: {sorted(seen)}")
+        # one compiled kernel per feature shape (the ints no batch sets, as Triton specialises)
+        binaries: dict[str, list] = {}
+        for r in rows:
+            if r["kernel"] == name and "error" not in r:
+                shape = {n: (v[0] == 1, v[0] % 16 == 0) for n, v in r["ints"].items()
+                         if n not in batch_ints}  # fmt: skip
+                fixed = ({k: v for k, v in r["consts"].items() if k in free}, r.get("dtypes"))
+                binaries.setdefault(repr((fixed, shape)), []).append(r)
+        for key, same in binaries.items():
+            if len(same) > 1:
+                specialised = sorted(set(batch_ints) - set(same[0].get("batch_args", ())))
+                out.append(f"{name} {key}: {len(same)} compiled kernels at its batch sizes, not "
+                           f"one (specialised on {specialised}: not in its do_not_specialize)")  # fmt: skip
     return out
+
+
+def _unspecialized(kernel) -> list[str]:  # type: ignore[no-untyped-def]
+    """The kernel's parameters Triton does not specialise (``do_not_specialize``)."""
+    return sorted(p.name for p in kernel.params if getattr(p, "do_not_specialize", False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,10 @@ Imports triton at its top; only `attention._jit()` imports this module. One prog
 chunks for a query whether it is one decode step (keys ``0..t``) or a row of a prefill (keys
 ``0..T-1``, those after it masked): a chunk with no visible key leaves the running max, sum and
 output unchanged (its probabilities are exactly 0 and the rescale factor exactly 1), so the
-extra chunks a prefill row walks change no bit.
+extra chunks a prefill row walks change no bit. The query and key counts and the mask strides
+they set are not specialised (`BATCH_ARGS`): a decode step (``Tq == 1``, keys ``t + 1``) and a
+prefill run the same compiled kernel, whatever the counts' divisibility (the mask then loads
+without vectors, as it did whenever ``Tk % 16 != 0``).
 """
 
 import triton
@@ -13,8 +16,10 @@ import triton.language as tl
 
 from nemo_jetrl.invariant.kernels._jit_common import ordered_dot
 
+BATCH_ARGS = ("Tq", "Tk", "smb", "smq")  # what the batch changes: one compiled kernel for all
 
-@triton.jit
+
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def attention_kernel(
     q_ptr,
     k_ptr,

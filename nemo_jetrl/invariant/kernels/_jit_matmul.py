@@ -3,7 +3,8 @@
 Imports triton at its top; only `matmul._jit()` imports this module. One program per
 ``BM x BN`` output tile; K is walked in ``BK`` steps from 0 up, each step's ``tl.dot`` adding
 into one fp32 accumulator (no split-K, no autotune): a row's bits depend on its own values, ``W``
-and the launch constants only.
+and the launch constants only. ``M`` is not specialised (`BATCH_ARGS`): one decode token and a
+prefill of 512 run the same compiled kernel, not an ``M == 1`` or ``M % 16 == 0`` variant.
 """
 
 import triton
@@ -11,8 +12,10 @@ import triton.language as tl
 
 from nemo_jetrl.invariant.kernels._jit_common import ordered_dot
 
+BATCH_ARGS = ("M",)  # what the batch changes: one compiled kernel for every value
 
-@triton.jit
+
+@triton.jit(do_not_specialize=BATCH_ARGS)
 def matmul_kernel(
     a_ptr,
     b_ptr,
