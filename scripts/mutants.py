@@ -930,6 +930,15 @@ MUTANTS += [
         ),
     ),
     Mutant(
+        "MoE WGrad loses the 16-aligned token offsets (byte loads, 255 registers, spills)",
+        "nemo_jetrl/fp8/_triton_grouped_jit.py",
+        "t0 = tl.multiple_of(tl.load(off_ptr + e), 16)",
+        "t0 = tl.load(off_ptr + e)",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
         "invariant matmul multiplies fp32 rows on TF32 at M = 1 (the interpreter has no TF32)",
         "nemo_jetrl/invariant/kernels/matmul.py",
         "IEEE=a2.dtype == torch.float32, ORDERED",

@@ -76,11 +76,6 @@ KNOWN_SPILLS = (
     ("attention_kernel", {"IEEE": False, "BD": 256}, "head_dim 256: 0.4-1 KB at 255 registers"),
     ("attention_kernel", {"IEEE": False, "BD": 128}, "the prefill: 16-24 bytes at 255 registers"),
     ("matmul_kernel", {"IEEE": True}, "fp32 lm_head (dtype float32): 8 bytes at 128 registers"),
-    ("grouped_tokens_gemm_kernel", {}, "the MoE trainer's WGrad over tokens: ~2 KB at 255 "
-     "registers. Why: an expert's first token (offsets[e]) is not known to be 16-aligned, so "
-     "its token-contiguous tiles load a byte at a time (192 ld.global.b8 a thread a K step, "
-     "no cp.async: 192 64-bit pointers live); padding each expert's tokens to 16 in "
-     "quantize_tokens' layout would vectorize them. Not yet timed on a GPU"),
 )  # fmt: skip
 _OPTIONS = (
     "num_warps",

@@ -27,6 +27,7 @@ HOST_MODULES = (  # the modules whose host code chooses the census's tiles and l
     "nemo_jetrl.invariant.kernels.rows", "nemo_jetrl.invariant.kernels.matmul",
     "nemo_jetrl.invariant.kernels.attention", "nemo_jetrl.invariant.kernels._jit_matmul",
     "nemo_jetrl.invariant.kernels._jit_attention", "nemo_jetrl.fp8._triton_split_jit",
+    "nemo_jetrl.fp8._triton_grouped_jit", "nemo_jetrl.fp8._triton_grouped_gemm_jit",
 )  # fmt: skip
 
 

@@ -61,6 +61,7 @@ def quantize_tokens_kernel(
     s_ptr,
     off_ptr,
     boff_ptr,
+    poff_ptr,
     E,
     C,
     sxm,
@@ -81,10 +82,11 @@ def quantize_tokens_kernel(
 ):
     # Program (b, c): block column b of the grouped layout (expert e's block b - boff[e], which
     # starts at token off[e] + 128 * (b - boff[e])) for TC channels. Writes codes transposed
-    # ([C, M]) and one scale per channel in column b.
+    # ([C, token capacity], expert e's tokens from column poff[e], +0 codes up to its 16-aligned
+    # end: the masked rows quantize to +0) and one scale per channel in column b.
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
-    _e, valid, r0, r1 = _group_tile(off_ptr, boff_ptr, pid_b, E, E_POW2, 128)
+    e, valid, r0, r1 = _group_tile(off_ptr, boff_ptr, pid_b, E, E_POW2, 128)
     rows = r0 + tl.arange(0, 128)
     cols = pid_c.to(tl.int64) * TC + tl.arange(0, TC)
     cmask = cols < tl.where(valid, C, 0)
@@ -93,7 +95,11 @@ def quantize_tokens_kernel(
     x = to_fp32(x, IN_BF16)
     q, sinv = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(s_ptr + cols * ssc + pid_b, sinv, mask=cmask)
-    tl.store(q_ptr + cols[None, :] * sqc + rows[:, None], q, mask=mask)
+    first = tl.load(off_ptr + e)
+    shift = tl.load(poff_ptr + e) - first  # token -> its code column
+    end = first + (r1 - first + 15) // 16 * 16  # the expert's 16-aligned end (idle: cmask None)
+    padded = (rows < end)[:, None] & cmask[None, :]
+    tl.store(q_ptr + cols[None, :] * sqc + (rows + shift)[:, None], q, mask=padded)
 
 
 @triton.jit
@@ -129,12 +135,14 @@ def grouped_tokens_gemm_kernel(
 ):
     # Program (e, m, n): WGrad of expert e, C[e] = A_e @ B_e.T where A = dY.T [N, M] and
     # B = X.T [K, M] are blocked 1x128 along tokens per expert: token tile t of expert e is
-    # tokens off[e] + 128t ... (short at its end) and its scales sit in column boff[e] + t.
+    # code columns off[e] + 128t ... (off: the operands' 16-aligned token_offsets; +0 codes
+    # after the last token, so the 16-aligned end masks the loads in whole 16-byte vectors) and
+    # its scales sit in column boff[e] + t.
     e = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(2)
-    t0 = tl.load(off_ptr + e)
-    t1 = tl.load(off_ptr + e + 1)
+    t0 = tl.multiple_of(tl.load(off_ptr + e), 16)
+    t1 = tl.multiple_of(tl.load(off_ptr + e + 1), 16)
     b0 = tl.load(boff_ptr + e)
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)

@@ -212,7 +212,7 @@ class GroupedFp8LinearFunction(torch.autograd.Function):
         tensors = [qwt.data, qwt.scale_inv, offsets]
         if ctx.needs_input_grad[1]:  # WGrad: x blocked 128x1 per expert, from high precision
             qxc = _quantize_tokens(ops, x, offsets, fwd, config, name, "input")
-            tensors += [qxc.data, qxc.scale_inv, qxc.block_offsets]
+            tensors += [qxc.data, qxc.scale_inv, qxc.block_offsets, qxc.token_offsets]
         ctx.save_for_backward(*tensors)
         ctx.config, ctx.name, ctx.ops = config, name, ops
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -232,7 +232,7 @@ class GroupedFp8LinearFunction(torch.autograd.Function):
             qdy = _quantize_rows(ops, dy2, offsets, gfmt, config, name, "grad_output")
             dx = ops.gemm_rows(qdy, qwt, offsets, out_dtype=ctx.x_dtype, exact=exact)
         if ctx.needs_input_grad[1]:
-            qxc = GroupedTokenBlocks(saved[3], saved[4], saved[5], fwd, pow2)
+            qxc = GroupedTokenBlocks(saved[3], saved[4], saved[5], saved[6], fwd, pow2)
             qdyc = _quantize_tokens(ops, dy2, offsets, gfmt, config, name, "grad_output")
             dw = ops.gemm_tokens(qdyc, qxc, offsets, out_dtype=ctx.w_dtype, exact=exact)
         return dx, dw, None, None, None

@@ -19,6 +19,8 @@ from nemo_jetrl.fp8.grouped_tensors import (
     GroupedTokenBlocks,
     token_block_capacity,
     token_block_offsets,
+    token_capacity,
+    token_offsets,
 )
 from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
 from nemo_jetrl.fp8.silu_mul import silu_mul_quantize_reference
@@ -111,12 +113,15 @@ def quantize_tokens(
     what: str,
     check_finite: bool = True,
 ) -> GroupedTokenBlocks:
-    """``x [M, C]`` quantized 128x1 with each expert's blocks starting at its first token."""
+    """``x [M, C]`` quantized 128x1 with each expert's blocks starting at its first token, its
+    codes from column ``token_offsets[e]`` (16-aligned; +0 codes up to the next expert's)."""
     off = _host(offsets)
     m, c = x.shape
     n_exp = len(off) - 1
-    data = torch.zeros(c, m, dtype=fmt.dtype, device=x.device)
+    data = torch.zeros(c, token_capacity(m, n_exp), dtype=fmt.dtype, device=x.device)
     scale = torch.zeros(c, token_block_capacity(m, n_exp), device=x.device)
+    toff = token_offsets(offsets)
+    p0 = _host(toff)
     b0 = 0
     kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps, "check_finite": check_finite}
     for e in range(n_exp):
@@ -124,11 +129,12 @@ def quantize_tokens(
         if r1 == r0:
             continue
         q = quantize_reference(x[r0:r1], WGRAD_BLOCK, name=f"{name}.expert{e}.{what}", **kw)
-        data[:, r0:r1] = q.data.t()
+        data[:, p0[e] : p0[e] + r1 - r0] = q.data.t()
         nb = q.scale_inv.shape[0]
         scale[:, b0 : b0 + nb] = q.scale_inv.t()
         b0 += nb
-    return GroupedTokenBlocks(data, scale, token_block_offsets(offsets), fmt.name, pow2_scales)
+    boff = token_block_offsets(offsets)
+    return GroupedTokenBlocks(data, scale, boff, toff, fmt.name, pow2_scales)
 
 
 def gemm_rows(

@@ -11,11 +11,14 @@ may get no token). Two containers hold what the grouped GEMMs read:
   expert's own bits (no block straddles two experts).
 * `GroupedTokenBlocks`: a ``[M, C]`` tensor quantized 128x1 *per expert* (WGrad's operands): the
   blocks of expert e start at its first token, ``offsets[e]``, and its last block may be short.
-  Stored transposed like TE's columnwise data: ``data [C, M]``, ``scale_inv [C, capacity]`` with
-  expert e's blocks in columns ``block_offsets[e]:block_offsets[e+1]``, where
-  ``block_offsets = [0, cumsum(ceil(count_e / 128))]`` is computed on the device (no host read)
-  and ``capacity = M // 128 + E`` bounds ``sum_e ceil(count_e / 128)`` from the shapes alone.
-  Columns past ``block_offsets[E]`` hold zeros.
+  Stored transposed like TE's columnwise data: ``data [C, token_capacity]`` with expert e's
+  tokens in columns ``token_offsets[e]:`` (``[0, cumsum(ceil16(count_e))]``: every expert starts
+  16-aligned, so the WGrad GEMM loads 16 codes at a time; the up to 15 columns after its last
+  token hold +0 codes), and ``scale_inv [C, capacity]`` with expert e's blocks in columns
+  ``block_offsets[e]:block_offsets[e+1]`` (``[0, cumsum(ceil(count_e / 128))]``). Both offsets
+  are computed on the device (no host read); ``capacity = M // 128 + E`` and ``token_capacity =
+  ceil16(M + 15 E)`` bound them from the shapes alone. Scale columns past ``block_offsets[E]``
+  hold zeros; code columns past ``token_offsets[E]`` are never read.
 """
 
 from __future__ import annotations
@@ -81,23 +84,45 @@ class GroupedTokenBlocks:
     data: torch.Tensor
     scale_inv: torch.Tensor
     block_offsets: torch.Tensor
+    token_offsets: torch.Tensor
     fmt: str
     pow2_scales: bool
 
     def expert(self, e: int, offsets: list[int]) -> BlockQuantized:
         """Expert ``e``'s ``[C, count_e]`` operand, blocked 1x128 along its tokens (host
         offsets: for the reference and tests)."""
-        r0, r1 = offsets[e], offsets[e + 1]
-        b0 = sum(-(-(offsets[i + 1] - offsets[i]) // BLOCK) for i in range(e))
-        b1 = b0 + -(-(r1 - r0) // BLOCK)
+        counts = [offsets[i + 1] - offsets[i] for i in range(e + 1)]
+        p0 = sum(-(-c // TOKEN_ALIGN) * TOKEN_ALIGN for c in counts[:e])
+        b0 = sum(-(-c // BLOCK) for c in counts[:e])
         return BlockQuantized(
-            self.data[:, r0:r1], self.scale_inv[:, b0:b1], (1, BLOCK), self.fmt, self.pow2_scales
+            self.data[:, p0 : p0 + counts[e]],
+            self.scale_inv[:, b0 : b0 - (-counts[e] // BLOCK)],
+            (1, BLOCK),
+            self.fmt,
+            self.pow2_scales,
         )
 
 
 def token_block_capacity(m: int, num_experts: int) -> int:
     """Columns of a `GroupedTokenBlocks` scale: ``sum_e ceil(count_e/128) <= M//128 + E``."""
     return m // BLOCK + num_experts
+
+
+TOKEN_ALIGN = 16
+"""Where each expert's tokens start in a `GroupedTokenBlocks`' codes: a multiple of 16 columns
+(16 FP8 codes, one 16-byte load)."""
+
+
+def token_capacity(m: int, num_experts: int) -> int:
+    """Code columns of a `GroupedTokenBlocks`: ``sum_e ceil16(count_e) <= M + 15 E``, rounded up
+    to 16 (so each row of codes starts 16-byte aligned)."""
+    return -(-(m + (TOKEN_ALIGN - 1) * num_experts) // TOKEN_ALIGN) * TOKEN_ALIGN
+
+
+def token_offsets(offsets: torch.Tensor) -> torch.Tensor:
+    """``[0, cumsum(ceil16(count_e))]``: where each expert's tokens start in the codes (device)."""
+    padded = (offsets[1:] - offsets[:-1] + (TOKEN_ALIGN - 1)) // TOKEN_ALIGN * TOKEN_ALIGN
+    return torch.cat([offsets.new_zeros(1), torch.cumsum(padded, 0)])
 
 
 def token_block_offsets(offsets: torch.Tensor) -> torch.Tensor:

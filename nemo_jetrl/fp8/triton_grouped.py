@@ -57,6 +57,8 @@ from nemo_jetrl.fp8.grouped_tensors import (
     raise_non_finite_expert,
     token_block_capacity,
     token_block_offsets,
+    token_capacity,
+    token_offsets,
 )
 from nemo_jetrl.fp8.grouped_tiles import ROWS_TILES, rows_grid, rows_tile
 from nemo_jetrl.fp8.quantize import BlockQuantized, quantize_reference
@@ -226,13 +228,13 @@ def quantize_tokens(
     m, c = x.shape
     n_exp = offsets.shape[0] - 1
     cap = token_block_capacity(m, n_exp)
-    boff = token_block_offsets(offsets)
-    data = torch.empty(c, m, dtype=fmt.dtype, device=x.device)
+    boff, toff = token_block_offsets(offsets), token_offsets(offsets)
+    data = torch.empty(c, token_capacity(m, n_exp), dtype=fmt.dtype, device=x.device)
     scale = torch.zeros(c, cap, dtype=torch.float32, device=x.device)
     tc = 128 if interpreting() else 32
     if m and c:
         _kernels().quantize_tokens_kernel[(cap, -(-c // tc))](
-            _bits_if_bf16(x), data.view(torch.uint8), scale, offsets, boff,
+            _bits_if_bf16(x), data.view(torch.uint8), scale, offsets, boff, toff,
             n_exp, c, x.stride(0), x.stride(1), data.stride(0), scale.stride(0),
             TC=tc, E_POW2=_pow2(n_exp), EPS=_fp32(eps) if eps > 0 else 0.0,
             POW2=bool(pow2_scales), num_warps=4, **NO_FTZ,
@@ -241,7 +243,7 @@ def quantize_tokens(
         if check_finite and not bool(torch.isfinite(scale).all()):
             kw = {"fmt": fmt, "pow2_scales": pow2_scales, "eps": eps}
             raise_non_finite_expert(x, offsets.tolist(), WGRAD_BLOCK, _label(name, what), **kw)
-    return GroupedTokenBlocks(data, scale, boff, fmt.name, pow2_scales)
+    return GroupedTokenBlocks(data, scale, boff, toff, fmt.name, pow2_scales)
 
 
 def _dot_args(fmt_a: str, fmt_b: str, a: torch.Tensor, sa, sb) -> tuple:
@@ -340,7 +342,8 @@ def gemm_tokens(
     exact: bool,
 ) -> torch.Tensor:
     """``out[e] = a_e @ b_e.T`` over expert e's tokens for all experts in one launch:
-    ``[E, N, K]`` (WGrad: a = dY.T ``[N, M]``, b = X.T ``[K, M]``)."""
+    ``[E, N, K]`` (WGrad: a = dY.T ``[N, M]``, b = X.T ``[K, M]``). Both operands' codes are
+    read where their ``token_offsets`` put them (16-aligned: 16-byte loads)."""
     del exact
     n, k = qa.data.shape[0], qb.data.shape[0]
     n_exp = offsets.shape[0] - 1
@@ -351,7 +354,7 @@ def gemm_tokens(
         lut_a, lut_b, native, tf32, fa, fb = _dot_args(qa.fmt, qb.fmt, qa.data, sa, sb)
         bm, bn, warps, stages = _tiles(native)
         _kernels().grouped_tokens_gemm_kernel[(n_exp, -(-n // bm), -(-k // bn))](
-            qa8, qb8, out, sa, sb, lut_a, lut_b, offsets, qa.block_offsets, n, k,
+            qa8, qb8, out, sa, sb, lut_a, lut_b, qa.token_offsets, qa.block_offsets, n, k,
             qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
             sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),

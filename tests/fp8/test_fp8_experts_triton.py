@@ -76,7 +76,18 @@ def test_quantizers_give_the_reference_bits(fmt, pow2, dtype):
         triton_grouped.quantize_tokens(x, offsets, **kw),
         experts_reference.quantize_tokens(x, offsets, **kw),
     )
-    assert _same(got.data, want.data) and _same(got.scale_inv, want.scale_inv)
+    # codes from 16-aligned columns (COUNTS 129, 0, 1, 127, 128 -> 144, 0, 16, 128, 128), +0
+    # codes up to each expert's aligned end; columns past the last are never read
+    assert got.token_offsets.tolist() == want.token_offsets.tolist() == [0, 144, 144, 160, 288, 416]
+    assert got.data.shape[1] == 464  # ceil16(M + 15 E) = ceil16(385 + 75)
+    assert _same(got.data[:, :416], want.data[:, :416]) and _same(got.scale_inv, want.scale_inv)
+    pads = [c for e, n in enumerate(COUNTS) for c in range(want.token_offsets[e] + n,
+                                                           want.token_offsets[e + 1])]  # fmt: skip
+    assert len(pads) == 31 and not bool(got.data[:, pads].view(torch.uint8).any())
+    off = offsets.tolist()
+    for e in range(len(COUNTS)):  # each expert's operand: its tokens, in order
+        ge, we = got.expert(e, off), want.expert(e, off)
+        assert ge.data.shape[1] == COUNTS[e] and _same(ge.data, we.data)
     assert torch.equal(got.block_offsets, want.block_offsets)
     assert got.block_offsets.tolist() == [0, 2, 2, 3, 4, 5]
     assert bool((got.scale_inv[:, 5:] == 0).all())  # spare columns
