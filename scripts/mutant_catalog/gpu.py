@@ -1,0 +1,247 @@
+"""The GPU paths' mutants (issue 48 and after): literals of measured facts, the invariant
+kernels, the split-K GEMM, the grouped GEMM's schedule, the sm_90 census and its cache."""
+
+from __future__ import annotations
+
+from mutation_check import Mutant
+
+# ---- issue 48: measured facts stated as literals in their tests (point 7), and the invariant
+# kernels' checks keep their power to fail under the interpreter (point 6)
+T_INV = "tests/invariant/test_invariant_kernels.py::"
+T_SERVE_BITS = "tests/vllm_patch/test_serving_bits.py::"
+MUTANTS = [
+    Mutant(
+        "FP32-scale serving batches padded to 4 rows (cuBLASLt gave other bits below 32)",
+        "nemo_jetrl/fp8/gemm_backends.py",
+        "FP32_SCALE_ROW_MULTIPLE = 32\n",
+        "FP32_SCALE_ROW_MULTIPLE = 4\n",
+        (
+            T_SERVE_BITS + "test_a_tokens_row_is_the_same_at_every_batch_size_and_equals_the"
+            "_trainers[scaled_mm-fp32_scales]",
+        ),
+    ),
+    Mutant(
+        "vLLM's QuantFP8 scale floor emulated as 1 / (448 * 256)",
+        "nemo_jetrl/fp8/vllm_native.py",
+        "SCALE_FLOOR = 1.0 / (E4M3.fmax * 512.0)",
+        "SCALE_FLOOR = 1.0 / (E4M3.fmax * 256.0)",
+        ("tests/vllm_patch/test_fp8_vllm_native.py::test_group_native_floor_and_nd_input",),
+    ),
+    Mutant(
+        "refit snapshot leaves 1 GiB free on the GPU instead of 2",
+        "nemo_jetrl/vllm_patch/rollback.py",
+        "RESERVE_BYTES = 2 << 30\n",
+        "RESERVE_BYTES = 1 << 30\n",
+        (
+            "tests/vllm_patch/test_rollback_unit.py::"
+            "test_snapshot_stays_on_the_gpu_only_when_it_leaves_the_reserve_free",
+        ),
+    ),
+    Mutant(
+        "Megatron export leaves down_proj BF16",
+        "nemo_jetrl/megatron/export.py",
+        '    "mlp.up_proj.weight",\n    "mlp.down_proj.weight",\n)',
+        '    "mlp.up_proj.weight",\n)',
+        (
+            "tests/megatron/test_megatron_export.py::"
+            "test_fp8_export_matches_quantizer_on_unfused_weights",
+        ),
+    ),
+    Mutant(
+        "FP8 GEMM bound loosened to 2**-4",
+        "nemo_jetrl/fp8/dispatch.py",
+        'GEMM_TOLERANCE = {"REL": 2.0**-7, "OUT": 2.0**-8}',
+        'GEMM_TOLERANCE = {"REL": 2.0**-4, "OUT": 2.0**-8}',
+        ("tests/fp8/test_fp8_dispatch.py::test_the_gemm_bound_is_the_stated_one",),
+    ),
+    Mutant(
+        "invariant RMS rstd: fewer lanes for batches under 8 rows",
+        "nemo_jetrl/invariant/kernels/rows.py",
+        "            x2, out, h, float(h), x2.stride(0), float(eps),\n            BLOCK=block,",
+        "            x2, out, h, float(h), x2.stride(0), float(eps),\n"
+        "            BLOCK=block if x2.shape[0] >= 8 else 64,",
+        (T_INV + "test_rms_rstd_same_bits_at_every_batch_size_and_within_2ulp_of_float64",),
+    ),
+    Mutant(
+        "invariant log-sum-exp: fewer lanes for batches under 8 rows",
+        "nemo_jetrl/invariant/kernels/rows.py",
+        "            x2, mx, log_sum, x.shape[-1], x2.stride(0),\n            BLOCK=block,",
+        "            x2, mx, log_sum, x.shape[-1], x2.stride(0),\n"
+        "            BLOCK=block if n >= 8 else 128,",
+        (T_INV + "test_log_softmax_same_bits_at_every_batch_size_and_close_to_float64",),
+    ),
+    Mutant(
+        "invariant matmul: shorter K steps for batches under 8 rows",
+        "nemo_jetrl/invariant/kernels/matmul.py",
+        "BK=block_k,",
+        "BK=block_k if m >= 8 else 32,",
+        (T_INV + "test_matmul_same_bits_at_every_batch_size_and_within_gamma_k_of_float64",),
+    ),
+    Mutant(
+        "attention keeps 2 stages where they overflow Hopper's shared memory",
+        "nemo_jetrl/invariant/kernels/attention.py",
+        "    return ATTN_STAGES if fits else 1\n",
+        "    return ATTN_STAGES\n",
+        (T_INV + "test_attention_stages_fit_hoppers_shared_memory_and_change_no_bit",),
+    ),
+    Mutant(
+        "attention stages sized for bf16 whatever the operand dtype",
+        "nemo_jetrl/invariant/kernels/attention.py",
+        "attention_stages(d, q.element_size())",
+        "attention_stages(d, 2)",
+        (T_INV + "test_attention_launches_with_the_rules_stages",),
+    ),
+]
+
+# ---- issue 48 point 2: the split-K GEMM's fixed order, fused quantizer and MMA instruction
+T_SPLIT = "tests/fp8/test_split_gemm.py::"
+MUTANTS += [
+    Mutant(
+        "split-K fold in registers skips the second chunk",
+        "nemo_jetrl/fp8/_triton_split_jit.py",
+        "        for c in range(1, S):\n            total +=",
+        "        for c in range(2, S):\n            total +=",
+        (T_SPLIT + "test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant",),
+    ),
+    Mutant(
+        "split-K tile step scales once by sa * sb (not TE's p * sa, then sb)",
+        "nemo_jetrl/fp8/_triton_split_jit.py",
+        "acc = tl.fma(p * sa[None, :], sb[:, None], acc)",
+        "acc = tl.fma(p, sa[None, :] * sb[:, None], acc)",
+        (T_SPLIT + "test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant",),
+    ),
+    Mutant(
+        "split-K fused quantizer always rounds scales to powers of two",
+        "nemo_jetrl/fp8/triton_split.py",
+        '("POW2", bool(pow2))',
+        '("POW2", True)',
+        (T_SPLIT + "test_fused_quantization_gives_the_quantizers_codes",),
+    ),
+    Mutant(
+        "split-K weight tiles of 16 rows (mma.sync, which rounds unlike wgmma on Hopper)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "WEIGHT_ROWS = 64\n",
+        "WEIGHT_ROWS = 16\n",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
+    ),
+    Mutant(
+        "split-K weight passed as uint8 codes on the tensor-core path (A operand via registers)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "qb, sb = (b.data if native else b.data.view(torch.uint8)), b.scale_inv",
+        "qb, sb = b.data.view(torch.uint8), b.scale_inv",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
+    ),
+    Mutant(
+        "FP8 GEMMs on tensor cores run one pipeline stage (no cp.async: every load waited on)",
+        "nemo_jetrl/fp8/triton_gemm.py",
+        "return 3 if native else 1",
+        "return 1",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
+    ),
+]
+
+# ---- issue 48 point 3: the grouped GEMM's device-made tile schedule
+MUTANTS += [
+    Mutant(
+        "grouped rows GEMM: a tile at an expert's first tile index is given to the expert before",
+        "nemo_jetrl/fp8/_triton_grouped_gemm_jit.py",
+        "e = tl.sum((ends <= t).to(tl.int32), axis=0)",
+        "e = tl.sum((ends < t).to(tl.int32), axis=0)",
+        ("tests/fp8/test_fp8_experts_prefill.py::test_every_tile_shape_gives_the_reference_bits",),
+    ),
+]
+
+# ---- the sm_90 census (scripts/sm90_census.py): a tile chosen from the batch size on a GPU path
+MUTANTS += [
+    Mutant(
+        "invariant matmul takes 16-row tiles below 16 rows (another MMA, other bits, on a GPU)",
+        "nemo_jetrl/invariant/kernels/matmul.py",
+        "BM=block_m, BN=block_n,",
+        "BM=16 if m < 16 else block_m, BN=block_n,",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
+        "split-K prefill tile of 128 tokens (255 registers, spills: the census's register check)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "PREFILL_TOKEN_TILE = 64\n",
+        "PREFILL_TOKEN_TILE = 128\n",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
+        "invariant matmul specialised on M again (M == 1, M % 16: decode and prefill on two binaries)",
+        "nemo_jetrl/invariant/kernels/_jit_matmul.py",
+        "@triton.jit(do_not_specialize=BATCH_ARGS)",
+        "@triton.jit",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
+        "MoE WGrad loses the 16-aligned token offsets (byte loads, 255 registers, spills)",
+        "nemo_jetrl/fp8/_triton_grouped_jit.py",
+        "t0 = tl.multiple_of(tl.load(off_ptr + e), 16)",
+        "t0 = tl.load(off_ptr + e)",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+    Mutant(
+        "invariant matmul multiplies fp32 rows on TF32 at M = 1 (the interpreter has no TF32)",
+        "nemo_jetrl/invariant/kernels/matmul.py",
+        "IEEE=a2.dtype == torch.float32, ORDERED",
+        "IEEE=a2.dtype == torch.float32 and m > 1, ORDERED",
+        (
+            "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
+        ),
+    ),
+]
+
+# ---- the census cache a GPU call carries (scripts/census_cache.py) and its test workers
+MUTANTS += [
+    Mutant(
+        "re-keying keeps the packed folder names (Triton looks under the image's key: every miss)",
+        "scripts/census_cache.py",
+        'new = dir_name(key + made["tails"][folder])',
+        "new = folder",
+        (
+            "tests/test_census_cache.py::test_another_build_of_libtriton_is_re_keyed_where_triton_looks",
+        ),
+    ),
+    Mutant(
+        "re-keying accepts a Triton whose Python sources differ (another compiler, same name)",
+        "scripts/census_cache.py",
+        'if key.replace(here_sha, made["libtriton_sha256"]) != made["triton_key"]:',
+        'if key.replace(here_sha, made["libtriton_sha256"]) == "":',
+        (
+            "tests/test_census_cache.py::test_what_differs_is_named_and_nothing_is_unpacked[python-source]",
+        ),
+    ),
+    Mutant(
+        "gpu_check starts more xdist workers than modules (idle processes each holding a CUDA context)",
+        "scripts/gpu_check.sh",
+        "((workers <= ${#tests[@]})) || workers=${#tests[@]}",
+        "true",
+        (
+            "tests/test_gpu_session.py::test_gpu_check_spreads_the_modules_over_xdist_workers[at-most-one-a-module]",
+        ),
+    ),
+]
+
+# ---- the split-K GEMM's one-launch fold (nemo_jetrl/fp8/_triton_split_jit.py: _fold_last). Which
+# program folds is not judged here: the interpreter runs a tile's programs in chunk order, so a
+# fold by the first to arrive (then reset) still ends on all partials; the GPU tests judge it.
+MUTANTS += [
+    Mutant(
+        "split-K: the folding program leaves its counter at S (the next call never folds)",
+        "nemo_jetrl/fp8/_triton_split_jit.py",
+        'tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")',
+        'tl.atomic_xchg(cnt_ptr + tile, S, sem="relaxed", scope="gpu")',
+        (
+            "tests/fp8/test_split_gemm.py::test_split_mode_is_one_launch_whose_last_program_folds_and_rezeroes_its_counter",
+        ),
+    ),
+]
