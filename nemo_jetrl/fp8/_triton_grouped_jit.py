@@ -95,9 +95,9 @@ def quantize_tokens_kernel(
     x = to_fp32(x, IN_BF16)
     q, sinv = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(s_ptr + cols * ssc + pid_b, sinv, mask=cmask)
-    first = tl.load(off_ptr + e)
-    shift = tl.load(poff_ptr + e) - first  # token -> its code column
-    end = first + (r1 - first + 15) // 16 * 16  # the expert's 16-aligned end (idle: cmask None)
+    first, col = tl.load(off_ptr + e), tl.load(poff_ptr + e)
+    shift = col - first  # token -> its code column
+    end = tl.load(poff_ptr + e + 1) - shift  # the expert's aligned end, as a token (idle: cmask)
     padded = (rows < end)[:, None] & cmask[None, :]
     tl.store(q_ptr + cols[None, :] * sqc + (rows + shift)[:, None], q, mask=padded)
 
