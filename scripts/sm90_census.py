@@ -22,7 +22,8 @@ steps that launch it. This finds that here. Three parts:
    GPU image's key for a GPU call to carry (docs/gpu.md, "The census cache").
 
 Checked (exit 1, naming each failing specialization): every one compiles; its shared memory fits
-Hopper's 227 KiB; it spills no register (ptxas -v for sm_90a); the FP8 and batch-invariant dots
+Hopper's 227 KiB; it spills no register (ptxas -v for sm_90a); it moves no data one or two bytes
+at a time (``ld/st.global`` of ``b8`` or ``v2.b8``); the FP8 and batch-invariant dots
 are ``wgmma`` and never ``mma.sync``; a batch-invariant kernel (`INVARIANT`) launches with the
 same tiles, the same MMA instruction and the same count of every floating-point instruction
 (`_ARITH`) at every batch size its workload launches, as one compiled kernel (the ints a batch
@@ -162,6 +163,7 @@ def compile_all(calls: list[dict]) -> list[dict]:
                 row["shared"] = found["shared"]
                 row["mma"] = None if ptx is None else sorted(set(_MMA.findall(ptx)))
                 row["arith"] = None if ptx is None else dict(Counter(_ARITH.findall(ptx)))
+                row["byte_accesses"] = None if ptx is None else len(_BYTE_ACCESS.findall(ptx))
                 row["ptx"] = ptx  # ptxas -v below, all kernels at once
         row["workloads"].add(call["workload"])
         for n, a in ints.items():
@@ -185,6 +187,13 @@ _ARITH = re.compile(
     r"^\s*(?:@%p\d+\s+)?((?:wgmma\.mma_async|mma\.sync|fma|add|sub|mul|div|rcp|sqrt|rsqrt|ex2|lg2"
     r"|max|min|neg|abs)\.\S*f(?:16|32|64)\S*|cvt\.\S*(?:f16|bf16|f32|f64|e4m3|e5m2)\S*)",
     re.M,
+)
+
+# A global load or store of one or two bytes (FP8 codes moved a byte at a time: the compiler did
+# not know the addresses 16-aligned or contiguous, e.g. the MoE WGrad's token layout before its
+# 16-aligned offsets). A kernel moving FP8 data should move 16 bytes a lane.
+_BYTE_ACCESS = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.global(?:\.(?!v\d)[a-zA-Z][\w:]*)*(?:\.v2)?\.[bsu]8\b", re.M
 )
 
 
@@ -235,6 +244,8 @@ def problems(rows: list[dict]) -> list[str]:
             out.append(
                 f"{r['spill_bytes']} bytes of register spills ({r['registers']} registers): {where}"
             )
+        if r.get("byte_accesses"):
+            out.append(f"{r['byte_accesses']} global loads/stores of one or two bytes: {where}")
         if r["kernel"] in TENSOR_CORE and any(m.startswith("mma.sync") for m in r["mma"]):
             out.append(f"mma.sync (not wgmma) in {where}: {r['mma']}")
     for name, (free, batch_ints) in INVARIANT.items():

@@ -173,6 +173,22 @@ def test_the_checks_fail_on_planted_rows():
     assert "1260 bytes of register spills (255 registers)" in census.problems([spills])[0]
     fp32_attention = dict(spills, kernel="attention_kernel", consts={"IEEE": True, "BD": 64})
     assert census.known_spill(fp32_attention) and census.problems([fp32_attention]) == []
+    bytewise = dict(ok, kernel="quantize_tokens_kernel", byte_accesses=32)
+    assert "32 global loads/stores of one or two bytes" in census.problems([bytewise])[0]
+
+
+def test_byte_accesses_are_counted_in_ptx():
+    """The census's byte-access pattern on PTX lines as Triton 3.6 writes them: FP8 codes a byte
+    (or two) at a time count, 16-byte vectors, 4-byte vectors of codes and bf16 scalars do not."""
+    census = _census_module()
+    narrow = ("\t@%p3 st.global.b8 [ %rd5 + 0 ], { %rs1 };", "\tld.global.b8 %rs1, [%rd1];",
+              "\t@!%p2 ld.global.L1::evict_last.v2.b8 { %rs1, %rs2 }, [ %rd2 + 0 ];",
+              "\tst.global.u8 [%rd1], %rs1;")  # fmt: skip
+    wide = ("\t@%p1 st.global.v4.b32 [ %rd5 + 0 ], { %r1, %r2, %r3, %r4 };",
+            "\tld.global.v4.b8 { %rs1, %rs2, %rs3, %rs4 }, [ %rd2 + 0 ];",
+            "\tld.global.b16 %rs1, [%rd1];", "\tld.shared.b8 %rs1, [%r1];")  # fmt: skip
+    assert [bool(census._BYTE_ACCESS.search(t)) for t in narrow + wide] == [True] * 4 + [False] * 4
+    assert len(census._BYTE_ACCESS.findall("\n".join(narrow + wide))) == 4
 
 
 @pytest.mark.slow

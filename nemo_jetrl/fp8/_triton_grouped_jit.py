@@ -79,6 +79,7 @@ def quantize_tokens_kernel(
     NATIVE: tl.constexpr,
     FP8: tl.constexpr,
     IN_BF16: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     # Program (b, c): block column b of the grouped layout (expert e's block b - boff[e], which
     # starts at token off[e] + 128 * (b - boff[e])) for TC channels. Writes codes transposed
@@ -95,11 +96,15 @@ def quantize_tokens_kernel(
     x = to_fp32(x, IN_BF16)
     q, sinv = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(s_ptr + cols * ssc + pid_b, sinv, mask=cmask)
-    first, col = tl.load(off_ptr + e), tl.load(poff_ptr + e)
-    shift = col - first  # token -> its code column
-    end = tl.load(poff_ptr + e + 1) - shift  # the expert's aligned end, as a token (idle: cmask)
-    padded = (rows < end)[:, None] & cmask[None, :]
-    tl.store(q_ptr + cols[None, :] * sqc + (rows + shift)[:, None], q, mask=padded)
+    # The block's first code column: the expert's ALIGN-aligned start (poff[e], ALIGN =
+    # grouped_tensors.TOKEN_ALIGN) + 128 per block, so the compiler knows every 16 codes of a
+    # channel's row start 16-aligned. Stored as the transposed tile (tokens fastest): each lane
+    # writes 16 consecutive codes of one channel, not one byte of 16 channels.
+    t0 = tl.multiple_of(tl.load(poff_ptr + e), ALIGN) + (pid_b - tl.load(boff_ptr + e)) * 128
+    t1 = tl.multiple_of(tl.load(poff_ptr + e + 1), ALIGN)  # the aligned end (idle: cmask)
+    tok = t0 + tl.arange(0, 128)
+    tmask = cmask[:, None] & (tok < t1)[None, :]  # built directly: no transpose of an i1 tensor
+    tl.store(q_ptr + cols[:, None] * sqc + tok[None, :], tl.trans(q), mask=tmask)
 
 
 @triton.jit
@@ -132,6 +137,7 @@ def grouped_tokens_gemm_kernel(
     TF32: tl.constexpr,
     FP8_A: tl.constexpr,
     FP8_B: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     # Program (e, m, n): WGrad of expert e, C[e] = A_e @ B_e.T where A = dY.T [N, M] and
     # B = X.T [K, M] are blocked 1x128 along tokens per expert: token tile t of expert e is
@@ -141,8 +147,8 @@ def grouped_tokens_gemm_kernel(
     e = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(2)
-    t0 = tl.multiple_of(tl.load(off_ptr + e), 16)
-    t1 = tl.multiple_of(tl.load(off_ptr + e + 1), 16)
+    t0 = tl.multiple_of(tl.load(off_ptr + e), ALIGN)  # ALIGN: grouped_tensors.TOKEN_ALIGN
+    t1 = tl.multiple_of(tl.load(off_ptr + e + 1), ALIGN)
     b0 = tl.load(boff_ptr + e)
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rn = pid_n.to(tl.int64) * BN + tl.arange(0, BN)

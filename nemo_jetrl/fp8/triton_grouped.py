@@ -52,6 +52,7 @@ import torch
 from nemo_jetrl.fp8._deps import require
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.grouped_tensors import (
+    TOKEN_ALIGN,
     GroupedQuantizedWeights,
     GroupedTokenBlocks,
     raise_non_finite_expert,
@@ -237,7 +238,7 @@ def quantize_tokens(
             _bits_if_bf16(x), data.view(torch.uint8), scale, offsets, boff, toff,
             n_exp, c, x.stride(0), x.stride(1), data.stride(0), scale.stride(0),
             TC=tc, E_POW2=_pow2(n_exp), EPS=_fp32(eps) if eps > 0 else 0.0,
-            POW2=bool(pow2_scales), num_warps=4, **NO_FTZ,
+            POW2=bool(pow2_scales), ALIGN=TOKEN_ALIGN, num_warps=4, **NO_FTZ,
             **_format_constants(fmt, x.dtype, False),
         )  # fmt: skip
         if check_finite and not bool(torch.isfinite(scale).all()):
@@ -358,7 +359,7 @@ def gemm_tokens(
             qa8.stride(0), qa8.stride(1), qb8.stride(0), qb8.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
             sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-            BM=bm, BN=bn, NATIVE=native, TF32=tf32, FP8_A=fa, FP8_B=fb,
+            BM=bm, BN=bn, NATIVE=native, TF32=tf32, FP8_A=fa, FP8_B=fb, ALIGN=TOKEN_ALIGN,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.to(out_dtype)
