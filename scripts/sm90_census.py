@@ -69,7 +69,8 @@ TENSOR_CORE = (
     "grouped_tokens_gemm_kernel", "matmul_kernel", "attention_kernel",
 )  # fmt: skip
 # Register spills measured and accepted (ptxas -v for sm_90a, Triton 3.6 and 3.9, 2026-11-29), each
-# (kernel, the constexprs it applies to, why); a spill anywhere else fails the census.
+# (kernel, the constexprs or launch options it applies to, and "triton": "3.9" where only that
+# version spills, why); a spill anywhere else fails the census.
 KNOWN_SPILLS = (
     ("attention_kernel", {"IEEE": True}, "fp32 attention (jetrl.local.dtype float32) multiplies "
      "on Triton's FMA dot: 64 x 64 fp32 tiles do not fit in registers (tens of KB of local "
@@ -77,6 +78,13 @@ KNOWN_SPILLS = (
     ("attention_kernel", {"IEEE": False, "BD": 256}, "head_dim 256: 0.4-1 KB at 255 registers"),
     ("attention_kernel", {"IEEE": False, "BD": 128}, "the prefill: 16-24 bytes at 255 registers"),
     ("matmul_kernel", {"IEEE": True}, "fp32 lm_head (dtype float32): 8 bytes at 128 registers"),
+    # Two tiles the GPU call's quantizer sweep times (bench_quantizer_bandwidth.py), spilling with
+    # the installed Triton 3.9's code only; with the GPU image's 3.6 neither spills.
+    ("quantize_kernel", {"MODE": 2, "TK": 32, "triton": "3.9"}, "128x1 at 128 x 32, untransposed "
+     "output (the transposed one, the trainer's, does not): 48 bytes of local memory at 96 "
+     "registers"),
+    ("quantize_rowcol_kernel", {"num_warps": 16, "triton": "3.9"}, "16 warps cap a thread at "
+     "128 registers: 72 bytes (3.6: 118 registers, none)"),
 )  # fmt: skip
 _OPTIONS = (
     "num_warps",
@@ -219,8 +227,15 @@ def _ptxas_usage(ptx: str | None) -> tuple[int | None, int | None]:
 
 def known_spill(row: dict) -> str | None:
     """Why ``row``'s register spills are accepted (`KNOWN_SPILLS`), or None."""
-    for kernel, consts, why in KNOWN_SPILLS:
-        if row["kernel"] == kernel and all(row["consts"].get(k) == v for k, v in consts.items()):
+    import triton
+
+    facts = {
+        **row["options"],
+        **row["consts"],
+        "triton": ".".join(triton.__version__.split(".")[:2]),
+    }
+    for kernel, match, why in KNOWN_SPILLS:
+        if row["kernel"] == kernel and all(facts.get(k) == v for k, v in match.items()):
             return why
     return None
 

@@ -177,8 +177,23 @@ def invariant_ops() -> None:
         attention.attention(q, kv, kv, _unread(2, 1, tq, 300, dtype=torch.float32), 256**-0.5)
 
 
+def quantizer_tiles() -> None:
+    """Every candidate tile the GPU call's quantizer step times (`bench_quantizer_bandwidth.py
+    --sweep-tiles`), through that script's own sweep, so the packed cache holds them. Its timer
+    is replaced by a constant (labelled: no kernel runs here; each candidate's launch, made by its
+    bits check, is what the census records)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+    bench = importlib.import_module("bench_quantizer_bandwidth")
+    bench._common.cuda_time_ms = lambda fn, iters: 1.0
+    bench.sweep_tiles(SimpleNamespace(iters=1), device="cpu")
+
+
 WORKLOADS: dict[str, Callable[[], None]] = {
     "serving": serving, "training_quantizers": training_quantizers,
     "training_linear": training_linear, "experts": experts, "experts_training": experts_training,
-    "invariant_ops": invariant_ops,
+    "invariant_ops": invariant_ops, "quantizer_tiles": quantizer_tiles,
 }  # fmt: skip

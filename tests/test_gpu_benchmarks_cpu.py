@@ -328,8 +328,38 @@ def test_quantizer_tile_sweep_checks_bits(bench, monkeypatch):
     rows = module.sweep_tiles(args, shape=(130, 256), device="cpu")
     want = sum(map(len, module.TILE_CANDIDATES.values())) + len(module.ROWCOL_WARPS)
     assert len(rows) == want and all(r["bits_equal"] is True for r in rows)
+    blocks = ["1x128", "128x128", "128x1", "128x1 transposed", "rowwise+columnwise"]
+    assert list(dict.fromkeys(r["block"] for r in rows)) == blocks
+    # the interpreter's tiles (64 and 128 rows: fewer Python programs; only 128x128's is a GPU
+    # candidate) and the fused kernel's 8 warps
+    defaults = [(r["block"], r["tile"]) for r in rows if r["default"]]
+    assert defaults == [("128x128", "(128, 128, 4)"), ("rowwise+columnwise", "(128, 128, 8)")]
     assert triton_kernels._tile is default_tile
     assert default_warps == rowcol_quantize.ROWCOL_WARPS
+    assert len(module.sweep_verdicts(rows)) == 5
+
+
+def test_quantizer_sweep_verdicts(bench):
+    """The sweep's lines from synthetic rows: the best tile decides MET, the default's share is
+    named, and a tile whose bits differ fails its block whatever its speed."""
+    module = bench("bench_quantizer_bandwidth")
+    rows = [
+        {"block": "128x1", "tile": "(128, 32, 4)", "default": True, "of_copy_bw": 0.62, "bits_equal": True},
+        {"block": "128x1", "tile": "(128, 64, 8)", "default": False, "of_copy_bw": 0.84, "bits_equal": True},
+        {"block": "rowwise+columnwise", "tile": "(128, 128, 8)", "default": True, "of_copy_bw": 0.49, "bits_equal": True},
+        {"block": "rowwise+columnwise", "tile": "(128, 128, 16)", "default": False, "of_copy_bw": 0.7, "bits_equal": True},
+    ]  # fmt: skip
+    col, rowcol = module.sweep_verdicts(rows)
+    assert col == (
+        "quantizer tile sweep 8192x4096 128x1: best (128, 64, 8) 84% of a bf16 copy's bandwidth "
+        "(default (128, 32, 4): 62%; target >= 80%): MET"
+    )
+    assert "best (128, 128, 16) 70%" in rowcol and "default (128, 128, 8): 49%" in rowcol
+    assert rowcol.endswith("NOT MET")
+    rows[1]["bits_equal"] = False
+    assert module.sweep_verdicts(rows)[0].endswith(
+        "62%; bits differ under ['(128, 64, 8)']; target >= 80%): NOT MET"
+    )
 
 
 def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):

@@ -173,8 +173,22 @@ def test_the_checks_fail_on_planted_rows():
     assert "1260 bytes of register spills (255 registers)" in census.problems([spills])[0]
     fp32_attention = dict(spills, kernel="attention_kernel", consts={"IEEE": True, "BD": 64})
     assert census.known_spill(fp32_attention) and census.problems([fp32_attention]) == []
+    rowcol16 = dict(spills, kernel="quantize_rowcol_kernel", consts={"POW2": True},
+                    options={"num_warps": 16}, spill_bytes=72)  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:  # accepted where only Triton 3.9 spills
+        mp.setattr(census_triton(), "__version__", "3.9.0")
+        assert census.known_spill(rowcol16) and census.problems([rowcol16]) == []
+        mp.setattr(census_triton(), "__version__", "3.6.0")
+        assert "72 bytes of register spills" in census.problems([rowcol16])[0]
+        assert census.known_spill(dict(rowcol16, options={"num_warps": 8})) is None
     bytewise = dict(ok, kernel="quantize_tokens_kernel", byte_accesses=32)
     assert "32 global loads/stores of one or two bytes" in census.problems([bytewise])[0]
+
+
+def census_triton():
+    import triton
+
+    return triton
 
 
 def test_byte_accesses_are_counted_in_ptx():

@@ -14,9 +14,12 @@ Issue 35's quantizer targets are printed at the end as MET / NOT MET (bf16 input
   >= 80% of a bf16 copy's bandwidth (worst over the formats and scale modes measured);
 * 128x4096 (a decode batch), 1x128, in a CUDA graph: <= 1.5x a copy's time (also in a graph).
 
-``--sweep-tiles`` instead times each block shape at 8192x4096 (bf16, E4M3, pow2) under every
-candidate tile (rows, cols, warps) and the fused kernel under each warp count, checking each
-candidate's bits equal the default's: tiles never change bits, so this only picks the fastest.
+``--sweep-tiles`` then times each block shape at 8192x4096 (bf16, E4M3, pow2; 128x1 also with the
+transposed output the training linear's WGrad operand takes) under every candidate tile (rows,
+cols, warps) and the fused kernel under each warp count, checking each candidate's bits equal the
+default's: tiles never change bits, so this only picks the fastest. One line per block names the
+best tile and the default's share, MET / NOT MET against the same 80% (the GPU call runs it; the
+sm_90 census compiles every candidate, so the call's Triton cache holds them).
 
 Usage: python benchmarks/gpu/bench_quantizer_bandwidth.py [--iters 50] [--quick] [--sweep-tiles]
 """
@@ -51,21 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="E4M3 pow2 only, first 3 shapes")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--sweep-tiles", action="store_true", help="time candidate tiles, 8192x4096")
+    ap.add_argument(
+        "--sweep-tiles", action="store_true", help="then time candidate tiles at 8192x4096"
+    )
     return ap
 
 
-# (TM, TK, num_warps) candidates per quantizer mode (triton_kernels._MODE), and fused-kernel warps.
+# (TM, TK, num_warps) candidates per quantizer call ((block, transposed output); the mode is
+# triton_kernels._MODE[block]), and fused-kernel warps. None spills a register on sm_90 (the
+# census compiles them all): 1x128 at (64, 128, 4) spilled 8 bytes and the fused kernel at 4
+# warps 992 bytes at 255 registers (ptxas 3.6 for sm_90a), so those two are not candidates.
+_COLUMNWISE = ((128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8))
 TILE_CANDIDATES = {
-    (1, 128): ((16, 128, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 8)),
-    (128, 128): ((128, 128, 4), (128, 128, 8)),
-    (128, 1): ((128, 32, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)),
+    ((1, 128), False): ((16, 128, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8)),
+    ((128, 128), False): ((128, 128, 4), (128, 128, 8)),
+    ((128, 1), False): _COLUMNWISE,
+    ((128, 1), True): _COLUMNWISE,  # WGrad's operand, [K, M] (JETRL_FP8_ROWCOL=two_pass)
 }
-ROWCOL_WARPS = (4, 8, 16)
+ROWCOL_WARPS = (8, 16)
+SWEEP_SHAPE = (8192, 4096)
 
 
 def sweep_tiles(
-    args: argparse.Namespace, shape: tuple[int, int] = (8192, 4096), device: str = "cuda"
+    args: argparse.Namespace, shape: tuple[int, int] = SWEEP_SHAPE, device: str = "cuda"
 ) -> list[dict]:
     """Time every candidate tile at ``shape``; a candidate whose bits differ is reported."""
     from nemo_jetrl.fp8 import rowcol_quantize as rq
@@ -84,17 +95,21 @@ def sweep_tiles(
         )
 
     try:
-        for block, candidates in TILE_CANDIDATES.items():
+        for (block, transpose), candidates in TILE_CANDIDATES.items():
             tk._tile = default_tile
-            want = bits(tk.quantize_blockwise_triton(x, block, check_finite=False))
+            default = default_tile(tk._MODE[block])
+            run = partial(tk.quantize_blockwise_triton, x, block, transpose=transpose,
+                          check_finite=False)  # fmt: skip
+            want = bits(run())
+            label = f"{block[0]}x{block[1]}" + (" transposed" if transpose else "")
             for tile in candidates:
                 tk._tile = lambda mode, tile=tile: tile
-                fn = partial(tk.quantize_blockwise_triton, x, block, check_finite=False)
-                same = torch.equal(bits(fn()), want)
-                t_ms = _common.cuda_time_ms(fn, iters=args.iters)
+                same = torch.equal(bits(run()), want)
+                t_ms = _common.cuda_time_ms(run, iters=args.iters)
                 gbs = _bytes_moved(m, k, block, 2) / t_ms / 1e6
-                rows.append({"block": f"{block[0]}x{block[1]}", "tile": str(tile), "us": 1e3 * t_ms,
-                             "of_copy_bw": gbs / copy_gbs, "bits_equal": same})  # fmt: skip
+                rows.append({"block": label, "tile": str(tile), "us": 1e3 * t_ms,
+                             "of_copy_bw": gbs / copy_gbs, "bits_equal": same,
+                             "default": tuple(tile) == tuple(default)})  # fmt: skip
         tk._tile = default_tile
         want = [bits(q) for q in rq.quantize_rowcol_triton(x, check_finite=False)]
         for warps in ROWCOL_WARPS:
@@ -104,10 +119,35 @@ def sweep_tiles(
             t_ms = _common.cuda_time_ms(fn, iters=args.iters)
             gbs = _rowcol_bytes(m, k, 2) / t_ms / 1e6
             rows.append({"block": ROWCOL, "tile": f"(128, 128, {warps})", "us": 1e3 * t_ms,
-                         "of_copy_bw": gbs / copy_gbs, "bits_equal": same})  # fmt: skip
+                         "of_copy_bw": gbs / copy_gbs, "bits_equal": same,
+                         "default": warps == default_warps})  # fmt: skip
     finally:
         tk._tile, rq.ROWCOL_WARPS = default_tile, default_warps
     return rows
+
+
+def sweep_verdicts(rows: list[dict]) -> list[str]:
+    """One line per swept block: the fastest tile and the default's share of a copy's bandwidth,
+    MET / NOT MET for the best against `BAR_BANDWIDTH` (a tile whose bits differ: NOT MET)."""
+    out = []
+    for block in dict.fromkeys(r["block"] for r in rows):
+        mine = [r for r in rows if r["block"] == block]
+        best = max(mine, key=lambda r: r["of_copy_bw"])
+        default = next((r for r in mine if r["default"]), None)
+        differ = [r["tile"] for r in mine if not r["bits_equal"]]
+        was = (
+            f"default {default['tile']}: {100 * default['of_copy_bw']:.0f}%"
+            if default
+            else "no default"
+        )
+        verdict = "MET" if best["of_copy_bw"] >= BAR_BANDWIDTH and not differ else "NOT MET"
+        bits = f"; bits differ under {differ}" if differ else ""
+        out.append(
+            f"quantizer tile sweep {SWEEP_SHAPE[0]}x{SWEEP_SHAPE[1]} {block}: best {best['tile']} "
+            f"{100 * best['of_copy_bw']:.0f}% of a bf16 copy's bandwidth ({was}{bits}; target "
+            f">= {100 * BAR_BANDWIDTH:.0f}%): {verdict}"
+        )
+    return out
 
 
 def _bytes_moved(m: int, k: int, block: tuple[int, int], elem: int) -> int:
@@ -284,14 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _common.require_cuda("bench_quantizer_bandwidth")
     print(f"# {_common.gpu_name()}, input {args.dtype}")
-    if args.sweep_tiles:
-        _common.print_table(sweep_tiles(args), ("block", "tile", "us", "of_copy_bw", "bits_equal"))
-        return 0
     rows = run(args)
     _common.print_table(rows, COLUMNS)
     print("# issue 35 quantizer targets" + ("" if args.dtype == "bfloat16" else ": n/a, not bf16"))
     if args.dtype == "bfloat16":
         for line in targets(rows):
+            print(line)
+    if args.sweep_tiles:
+        swept = sweep_tiles(args)
+        cols = ("block", "tile", "default", "us", "of_copy_bw", "bits_equal")
+        _common.print_table(swept, cols)
+        for line in sweep_verdicts(swept):
             print(line)
     return 0
 

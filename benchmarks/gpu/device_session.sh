@@ -82,9 +82,11 @@ plan() {
   # host enqueue vs GPU time per Qwen3-8B shape (point 5), on the kernels bench_fp8_linear compiled
   step profile_host "${JETRL_PROFILE_HOST_S:-20}" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
-  step bench_quantizer "${JETRL_QUANT_S:-35}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py --iters 20
+  # then the tile sweep (point 4: the tiles to make the defaults; the census cache holds them)
+  step bench_quantizer "${JETRL_QUANT_S:-40}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
+    --iters 20 --sweep-tiles
   # ~370 s with a cold Triton cache on an H100: the rest of the budget, more with a warm cache.
-  step fp8_tests "${JETRL_FP8_TESTS_S:-15}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
+  step fp8_tests "${JETRL_FP8_TESTS_S:-10}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=60 bash scripts/gpu_check.sh -rfE --durations=10
 }
 
