@@ -8,9 +8,12 @@ so the tensors are never read and their values do not matter.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from collections.abc import Callable
-from types import SimpleNamespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -48,8 +51,15 @@ def pretend_h100() -> None:
 
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 SERVING_M = (1, 8, 32, 64, 256, 8192)
-MOE = {"qwen3_30b_a3b": (128, 2048, 768, 8), "deepseek_v3": (256, 7168, 2048, 8)}  # E, H, I, k
-MOE_TOKENS = (64, 2048)
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+def _bench(name: str) -> ModuleType:
+    """A GPU call script (benchmarks/gpu), imported as the call runs it: its model and token
+    lists are the census's, so what the call launches is what the census compiles."""
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    return importlib.import_module(name)
 
 
 def _unread(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -113,8 +123,9 @@ def training_linear() -> None:
         os.environ.pop("JETRL_FP8_ROWCOL")
 
 
-def experts() -> None:
-    """The rollout's routed experts (`routed_experts_inference` + `combine`), decode and prefill."""
+def _routed_experts(model: str, tokens: int) -> None:
+    """One routed-experts forward of ``model``'s MoE layer (the bench's shape, from the arch
+    catalog) at ``tokens`` tokens, as the rollout runs it: `routed_experts_inference`, combine."""
     from nemo_jetrl.fp8 import Fp8LinearConfig
     from nemo_jetrl.fp8.experts_layer import combine, routed_experts_inference, sort_routes
     from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
@@ -123,17 +134,40 @@ def experts() -> None:
         data = torch.empty(e, n, k, dtype=torch.float8_e4m3fn)  # never touched: no page resident
         return GroupedQuantizedWeights(data, torch.ones(e, n // 128, k // 128), "e4m3", True)
 
-    for e, h, i, top_k in MOE.values():
-        cfg = Fp8LinearConfig(pow2_scales=True)
-        q13, q2 = loaded(e, 2 * i, h), loaded(e, h, i)
-        for t in MOE_TOKENS:
-            ids = (torch.arange(t * top_k, dtype=torch.int32) % e).view(t, top_k)
-            order, token, offsets = sort_routes(ids, e)
-            x = _unread(t, h)
-            y = routed_experts_inference(
-                x, token, offsets, q13, q2, cfg, "census", check_finite=False
-            )
-            combine(y, token, torch.ones(t * top_k)[order], t, top_k, x.dtype)
+    shape = _bench("bench_moe_layer").moe_shape(model)
+    e, h, i, top_k = shape.experts, shape.hidden, shape.inter, shape.top_k
+    q13, q2 = loaded(e, 2 * i, h), loaded(e, h, i)
+    ids = (torch.arange(tokens * top_k, dtype=torch.int32) % e).view(tokens, top_k)
+    order, token, offsets = sort_routes(ids, e)
+    x = _unread(tokens, h)
+    cfg = Fp8LinearConfig(pow2_scales=True)
+    y = routed_experts_inference(x, token, offsets, q13, q2, cfg, "census", check_finite=False)
+    combine(y, token, torch.ones(tokens * top_k)[order], tokens, top_k, x.dtype)
+
+
+def experts() -> None:
+    """The rollout's routed experts, decode and prefill: every model and token count of the GPU
+    call's MoE step (`bench_moe_layer.py`: its MODELS and TOKENS)."""
+    bench = _bench("bench_moe_layer")
+    for model in bench.MODELS:
+        for tokens in bench.TOKENS:
+            _routed_experts(model, tokens)
+
+
+def experts_tiles() -> None:
+    """The MoE tile sweep (`bench_moe_layer.py --tiles sweep`): each `SWEEP_TILES` shape forced
+    (``JETRL_FP8_GROUPED_ROWS_TILE``) at the prefill models and counts."""
+    from nemo_jetrl.fp8.grouped_tiles import ENV_ROWS_TILE
+
+    bench = _bench("bench_moe_layer")
+    try:
+        for tile in bench.SWEEP_TILES:
+            os.environ[ENV_ROWS_TILE] = tile
+            for model in bench.PREFILL_MODELS:
+                for tokens in bench.PREFILL_TOKENS:
+                    _routed_experts(model, tokens)
+    finally:
+        os.environ.pop(ENV_ROWS_TILE, None)
 
 
 def experts_training() -> None:
@@ -142,7 +176,8 @@ def experts_training() -> None:
     from nemo_jetrl.fp8 import Fp8LinearConfig
     from nemo_jetrl.fp8.experts import grouped_fp8_linear
 
-    e, h, i, top_k = MOE["qwen3_30b_a3b"]
+    shape = _bench("bench_moe_layer").moe_shape("Qwen/Qwen3-30B-A3B")
+    e, h, i, top_k = shape.experts, shape.hidden, shape.inter, shape.top_k
     rows = 2048 * top_k
     offsets = torch.arange(e + 1, dtype=torch.int64) * (rows // e)
     cfg = Fp8LinearConfig(pow2_scales=True)
@@ -182,12 +217,7 @@ def quantizer_tiles() -> None:
     --sweep-tiles`), through that script's own sweep, so the packed cache holds them. Its timer
     is replaced by a constant (labelled: no kernel runs here; each candidate's launch, made by its
     bits check, is what the census records)."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
-    bench = importlib.import_module("bench_quantizer_bandwidth")
+    bench = _bench("bench_quantizer_bandwidth")
     bench._common.cuda_time_ms = lambda fn, iters: 1.0
     bench.sweep_tiles(SimpleNamespace(iters=1), device="cpu")
 
@@ -196,4 +226,5 @@ WORKLOADS: dict[str, Callable[[], None]] = {
     "serving": serving, "training_quantizers": training_quantizers,
     "training_linear": training_linear, "experts": experts, "experts_training": experts_training,
     "invariant_ops": invariant_ops, "quantizer_tiles": quantizer_tiles,
+    "experts_tiles": experts_tiles,
 }  # fmt: skip

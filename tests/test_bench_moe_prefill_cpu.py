@@ -91,3 +91,12 @@ def test_tiles_are_timed_and_bit_checked_at_the_prefill_counts(bench, monkeypatc
     assert "tile_ms" not in plain and "tile_bitwise_equal" not in plain
     finite_flags._FLAGS.clear()
     assert torch.isfinite(torch.tensor(row["speedup"]))
+
+
+def test_tiles_sweep_names_every_shape_but_the_spilling_one(bench):
+    """``--tiles sweep`` (the GPU call's bench_moe_tiles step) times every grouped GEMM shape
+    except p64t3 (120-152 bytes spilled at its 168-register cap: the sm_90 census, 2026-11-29)."""
+    args = bench.build_parser().parse_args(["--tiles", "p64", "sweep"])
+    assert bench.chosen_tiles(args.tiles) == ["p64", "d64", "p128", "g128", "p128t", "p64t"]
+    assert bench.chosen_tiles(["g128"]) == ["g128"]
+    assert set(bench.SWEEP_TILES) == set(grouped_tiles.ROWS_TILES) - {"p64t3"}

@@ -72,8 +72,12 @@ def test_dry_run_lists_the_steps_in_order_within_540_s():
     # issue 47's on-policy run first, then issue 48's benchmarks, the pack last
     assert names[:3] == ["preflight", "invariant_tests", "bench_local_grpo"], names
     for bench in ("bench_serving_fp32", "bench_serving_pow2", "bench_moe_layer",
-                  "bench_fp8_linear", "bench_quantizer"):  # fmt: skip
+                  "bench_fp8_linear", "bench_quantizer", "bench_moe_tiles"):  # fmt: skip
         assert bench in names and names.index(bench) > names.index("bench_local_grpo")
+    # the two sweeps that pick defaults (issue 48 points 3, 4), the MoE one after its figures
+    assert "bench_quantizer_bandwidth.py --iters 20 --sweep-tiles" in p.stdout
+    assert names.index("bench_moe_tiles") > names.index("bench_moe_layer")
+    assert "--tokens 2048 8192 --iters 10 --tiles sweep" in p.stdout
     assert names[-1] == "pack"
     # issue 47: the exact recipes first, jetrl in both scale modes, then the off-policy baseline
     assert "--steps 3" in p.stdout and "jetrl,jetrl_kv,jetrl@fp32,fp8_rollout,bf16" in p.stdout
@@ -402,7 +406,7 @@ def test_the_wheel_set_alone_collects_the_gpu_tests_and_runs_the_local_grpo_step
 
 STEP_LIMITS = ("PREFLIGHT", "INVARIANT_TESTS", "LOCAL_GRPO", "INVARIANT_OPS", "SPLIT_TESTS",
                "SERVING_FP32", "SERVING_POW2", "MOE", "LINEAR", "PROFILE_HOST", "QUANT",
-               "FP8_TESTS")  # fmt: skip
+               "MOE_TILES", "FP8_TESTS")  # fmt: skip
 
 
 def session(tmp_path: Path, name: str, carry: Path, run: tuple[str, ...], **env: str):

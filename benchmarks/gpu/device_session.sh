@@ -22,7 +22,7 @@
 # torch/Triton/CUDA/driver/GPU: --collect puts it in .cache/triton-gpu, which the call carries).
 #
 # Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,SPLIT_TESTS,
-# SERVING_FP32,SERVING_POW2,MOE,LINEAR,PROFILE_HOST,QUANT,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
+# SERVING_FP32,SERVING_POW2,MOE,LINEAR,PROFILE_HOST,QUANT,MOE_TILES,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
 # JETRL_GPU_WHEELS_DIR (.cache/gpu-wheels; empty: install nothing, use the interpreter as it is),
 # JETRL_TRITON_CARRY (.cache/triton-gpu), JETRL_TRITON_CACHE_DIR (/tmp/jetrl-triton-cache: a fixed
 # path, since Triton's cache index stores absolute paths), JETRL_TRITON_BINARY_ONLY (1: cache
@@ -62,10 +62,10 @@ plan() {
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=45 bash scripts/gpu_check.sh -rfE --durations=5
   # Both models (the demo's, then the ~0.6B Qwen3-shaped one), the exact recipes first: the JSON
   # is rewritten after every recipe, so a timeout keeps what ran.
-  step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-140}" "$py" benchmarks/gpu/bench_local_grpo.py \
+  step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-135}" "$py" benchmarks/gpu/bench_local_grpo.py \
     --steps 3 --recipes jetrl,jetrl_kv,jetrl@fp32,fp8_rollout,bf16,jetrl@fast,jetrl@splitk \
     --json "$work/json/bench_local_grpo.json"
-  step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-25}" "$py" benchmarks/gpu/bench_invariant_ops.py \
+  step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-20}" "$py" benchmarks/gpu/bench_invariant_ops.py \
     --iters 20 --json "$work/json/bench_invariant_ops.json"
   # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache). The split-K
   # GEMM's GPU tests first (never run on a GPU: rows = the trainer's forward at M = 1..8192), then
@@ -83,10 +83,15 @@ plan() {
   step profile_host "${JETRL_PROFILE_HOST_S:-20}" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
   # then the tile sweep (point 4: the tiles to make the defaults; the census cache holds them)
-  step bench_quantizer "${JETRL_QUANT_S:-40}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
+  step bench_quantizer "${JETRL_QUANT_S:-35}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
     --iters 20 --sweep-tiles
+  # the MoE prefill's grouped GEMM under each shape (point 3: the default to set; compiled by the
+  # census), at the prefill models and counts, each checked against the training forward's bits
+  step bench_moe_tiles "${JETRL_MOE_TILES_S:-20}" "$py" benchmarks/gpu/bench_moe_layer.py \
+    --models Qwen/Qwen3-30B-A3B deepseek-ai/DeepSeek-V3 --tokens 2048 8192 --iters 10 \
+    --tiles sweep --json "$work/json/bench_moe_tiles.json"
   # ~370 s with a cold Triton cache on an H100: the rest of the budget, more with a warm cache.
-  step fp8_tests "${JETRL_FP8_TESTS_S:-10}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
+  step fp8_tests "${JETRL_FP8_TESTS_S:-5}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=60 bash scripts/gpu_check.sh -rfE --durations=10
 }
 
