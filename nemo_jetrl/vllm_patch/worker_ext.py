@@ -140,11 +140,18 @@ def checkpoint_shape(layer: torch.nn.Module) -> tuple[int, int]:
     if rows is None:  # vocab-parallel embedding / lm_head
         rows = getattr(layer, "num_embeddings_per_partition", None)
         cols = getattr(layer, "embedding_dim", None)
-    if rows is None and getattr(layer, "tp_size", 1) == 1:  # ReplicatedLinear (an MoE router)
+    if rows is None and (_replicated(layer) or getattr(layer, "tp_size", 1) == 1):
+        # a replicated linear (an MoE router: vLLM 0.32's GateLinear) holds its whole weight on
+        # every rank, whatever the tensor-parallel size it records
         rows, cols = getattr(layer, "output_size", None), getattr(layer, "input_size", None)
     if rows is None or cols is None:
         raise KeyError(f"{type(layer).__name__}: unknown weight shape")
     return int(rows), int(cols)
+
+
+def _replicated(layer: torch.nn.Module) -> bool:
+    """A vLLM ``ReplicatedLinear`` (or subclass), named by class so no vLLM import is needed."""
+    return any(c.__name__ == "ReplicatedLinear" for c in type(layer).__mro__)
 
 
 def _weight_param_shape(layer: torch.nn.Module, p: torch.Tensor) -> tuple[int, ...]:
