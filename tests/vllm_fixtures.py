@@ -55,6 +55,7 @@ def vllm_cpu_env(compiled: bool = False) -> Iterator[None]:
     ``compiled`` engine (enforce_eager=False) torch.compile back on in its processes (the
     session turned it off: `engines_without_compile`). Variables the caller already set are
     kept; the rest are restored on exit."""
+    from nemo_jetrl.vllm_patch import cpu_fixes
     from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
 
     with pytest.MonkeyPatch.context() as mp:
@@ -63,6 +64,7 @@ def vllm_cpu_env(compiled: bool = False) -> Iterator[None]:
         for key, value in (
             ("VLLM_CPU_KVCACHE_SPACE", "1"),
             ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
+            (cpu_fixes.ENV, "1"),  # as the product's CPU engines (vllm_rollout.cpu_engine_env)
         ):
             if key not in os.environ:
                 mp.setenv(key, value)

@@ -2,7 +2,9 @@
 
 vLLM calls every general plugin in each process it starts (engine core, workers) and in the
 main process. This one does nothing unless ``apply_patches`` set ``NEMO_JETRL_VLLM_PATCH`` in the
-environment the process inherited; then it registers our kernel with those settings. It never
+environment the process inherited; then it registers our kernel with those settings. With
+``NEMO_JETRL_VLLM_CPU_FIXES=1`` (our CPU engine environments) it first fixes what vLLM's CPU
+build needs (`cpu_fixes`). It never
 fails silently: a malformed variable or an unsupported vLLM raises, which stops the engine with
 the reason.
 """
@@ -16,6 +18,10 @@ from nemo_jetrl.vllm_patch.settings import ENV_VAR, PatchSettings
 
 def load_in_worker() -> None:
     """Entry point named in pyproject.toml; safe to call many times."""
+    from nemo_jetrl.vllm_patch import cpu_fixes
+
+    if os.environ.get(cpu_fixes.ENV) == "1":  # set by our CPU engine environments
+        cpu_fixes.apply()
     text = os.environ.get(ENV_VAR)
     if not text:
         return

@@ -137,11 +137,14 @@ def cpu_engine_env() -> dict[str, str]:
 
     ``VLLM_CPU_KVCACHE_SPACE`` is the KV cache in GiB of host memory (1 is plenty for this model);
     ``VLLM_CPU_OMP_THREADS_BIND`` is set to a value that pins no cores (vLLM's default reserves
-    and pins cores, starving everything else on a small machine).
+    and pins cores, starving everything else on a small machine); ``NEMO_JETRL_VLLM_CPU_FIXES``
+    has our plugin fix what vLLM's CPU build needs in its processes (`vllm_patch.cpu_fixes`).
     """
+    from nemo_jetrl.vllm_patch import cpu_fixes
     from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
 
-    wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_omp_threads_bind()}
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu_omp_threads_bind(),
+              cpu_fixes.ENV: "1"}  # fmt: skip
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 

@@ -32,6 +32,7 @@ VLLM_WORKERS = (
 
 def rehearsal_env(vllm_cfg: Mapping[str, Any], model: str, model_parallel_size: int) -> dict:
     """The variables a rehearsal adds to ``vllm_cfg.env_vars`` (user's own values kept)."""
+    from nemo_jetrl.vllm_patch import cpu_fixes
     from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
 
     plain = {k: v for k, v in vllm_cfg.items() if k != "env_vars"}
@@ -47,6 +48,7 @@ def rehearsal_env(vllm_cfg: Mapping[str, Any], model: str, model_parallel_size: 
         ),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": cpu_omp_threads_bind(),
+        cpu_fixes.ENV: "1",  # vLLM's CPU build fixed in its processes (vllm_patch.cpu_fixes)
     }
 
 
