@@ -13,7 +13,10 @@ built.
 ``NEMO_JETRL_VLLM_CPU_FIXES=1``, which our CPU engine environments set (`ENV`). It changes only
 what vLLM's own code shows to need it (an entry that is a lambda whose source builds
 ``SiluAndMul``: vLLM 0.32 has no such table), is idempotent, checks the fixed entry computes
-``silu(x[:d]) * x[d:]`` and returns a handle that puts the entry back.
+``silu(x[:d]) * x[d:]`` and returns a handle that puts the entry back. What this process has
+replaced, and with what it was, is `replaced()`: an earlier engine in the same process (an
+in-process vLLM, a test worker) may have applied the fix already, and a second `apply` changes
+nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 ENV = "NEMO_JETRL_VLLM_CPU_FIXES"
+SILU = "cpu_fused_moe._CPU_MOE_ACT_FN[SILU]"
+_REPLACED: dict[str, object] = {}  # name -> the entry vLLM had, while our fix is in place
+
+
+def replaced() -> dict[str, object]:
+    """The entries this process's fix replaced (name -> vLLM's own entry), while in place."""
+    return dict(_REPLACED)
 
 
 @dataclass
@@ -78,4 +88,10 @@ def apply() -> CpuFixes:
     if not torch.equal(table[key](x), want):
         table[key] = old
         raise RuntimeError("cpu_fixes: the fixed CPU MoE SiLU does not compute silu(x[:d]) * x[d:]")
-    return CpuFixes(("cpu_fused_moe._CPU_MOE_ACT_FN[SILU]",), [lambda: table.__setitem__(key, old)])
+    _REPLACED[SILU] = old
+
+    def undo() -> None:
+        table[key] = old
+        _REPLACED.pop(SILU, None)
+
+    return CpuFixes((SILU,), [undo])

@@ -27,19 +27,30 @@ def test_the_fix_applies_only_where_vllm_builds_silu_in_its_cpu_moe_forward():
         handle = cpu_fixes.apply()
         assert handle.applied == ()
         return
+    from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.cpu_fused_moe import _CPU_MOE_ACT_FN as table
 
+    if table[MoEActivation.SILU] is SiluAndMul.forward_native:
+        # an in-process engine of an earlier test in this worker loaded our plugin with the fix
+        # requested: it holds vLLM's own entry, and a second apply changes nothing
+        assert cpu_fixes.builds_custom_op(cpu_fixes.replaced()[cpu_fixes.SILU])
+        assert cpu_fixes.apply().applied == ()
+        assert torch.equal(table[MoEActivation.SILU](x), want)
+        return
     original = table[MoEActivation.SILU]
+    assert cpu_fixes.replaced() == {}
     # the upstream fault: building SiluAndMul in the forward (whether it raises here depends on
     # the vLLM config this process last set; in the engine's forward none is: the MoE engines of
     # this tier fail to start without the fix)
     assert cpu_fixes.builds_custom_op(original)
     handle = cpu_fixes.apply()
     try:
-        assert handle.applied == ("cpu_fused_moe._CPU_MOE_ACT_FN[SILU]",)
+        assert handle.applied == (cpu_fixes.SILU,)
+        assert cpu_fixes.replaced() == {cpu_fixes.SILU: original}
         assert torch.equal(table[MoEActivation.SILU](x), want)  # builds nothing now
         assert cpu_fixes.apply().applied == ()  # idempotent
     finally:
         handle.revert()
     assert table[MoEActivation.SILU] is original
+    assert cpu_fixes.replaced() == {}
