@@ -20,7 +20,7 @@
 #
 # With pytest arguments (e.g. `bash scripts/test.sh -k fp8 -x`) only the default suite runs,
 # with those arguments. JETRL_SKIP_VLLM=1 skips the vLLM tier, JETRL_SKIP_NEMO_RL=1 the
-# NeMo-RL tier. Each tier runs under a wall-clock limit, JETRL_TIER_TIMEOUT_S (default 1800 s;
+# NeMo-RL tier. Each tier runs under a wall-clock limit, JETRL_TIER_TIMEOUT_S (default 2700 s;
 # scripts/tier.sh): at the limit pytest gets SIGINT and prints the test it was in, the tier's
 # processes are killed, the summary shows "<tier>: timed out after N s (exit 124)", the script
 # exits non-zero and the remaining tiers still run. A tier whose environment cannot be made (pip
@@ -144,21 +144,35 @@ nemo_rl_tier() {  # TREE: the NeMo-RL tier of one tree, once its environment is 
 jobs=()
 for version in "${vllm_versions[@]}"; do jobs+=("vllm_tier $version"); done
 for tree in "${nemo_rl_trees[@]}"; do jobs+=("nemo_rl_tier $tree"); done
-# Lanes (JETRL_TIER_LANES, default 1): with 2, the odd-numbered tiers (0.20, NeMo-RL main) run in
-# a second lane beside the default suite and the even ones; its output follows when it ends.
-# Default 1: on CI's 2 cores two vLLM tiers side by side were CPU-bound, and the 0.32 tier ran
-# past its 1800 s limit (fresh-clone run of f5f37b1, docs/ci_times.md); use 2 on 4+ cores.
-lanes=${JETRL_TIER_LANES:-1}
+# Lanes (JETRL_TIER_LANES). Default "nemo-rl": the tiers one at a time, except the NeMo-RL
+# trees, which run side by side (the first in this lane, the others in a second lane started
+# when this lane reaches the first). A NeMo-RL tier is one pytest process whose rehearsals and
+# engines wait on Ray and vLLM's processes most of the time: a rehearsal alone kept a 2-core
+# machine half idle (vmstat, 2026-11-29), and on a 2-core EPYC without AVX-512 the two trees took
+# 1,681 s and 1,196 s one after the other (docs/ci_times.md). Side by side they do not meet on a
+# port: v0.7.0's vLLM rendezvous starts at NeMo-RL's fixed VLLM_PORT (20001), main's vLLM takes
+# an ephemeral one, each tier starts its own Ray, and NeMo-RL draws master ports at random.
+# 2: the odd-numbered tiers (0.20, NeMo-RL main) in a second lane beside the default suite and
+# the even ones (on 2 cores two vLLM tiers side by side were CPU-bound and the 0.32 tier ran past
+# its limit: fresh-clone run of f5f37b1, docs/ci_times.md; for 4+ cores). 1: one at a time.
+lanes=${JETRL_TIER_LANES:-nemo-rl}
 case "$lanes" in
-  1|2) ;;
-  *) echo "test.sh: JETRL_TIER_LANES=$lanes: use 1 (one tier at a time) or 2" >&2; exit 2 ;;
+  1|2|nemo-rl) ;;
+  *) echo "test.sh: JETRL_TIER_LANES=$lanes: use nemo-rl (the NeMo-RL trees side by side), 1 (one tier at a time) or 2" >&2; exit 2 ;;
 esac
-echo "default suite, then: ${jobs[*]} (lanes: $lanes)"
+second=() first_nemo=""
 if [ "$lanes" = 2 ] && [ "${#jobs[@]}" -gt 1 ]; then
-  second=()
   for i in "${!jobs[@]}"; do [ $((i % 2)) -eq 0 ] || second+=("$i"); done
-  lane_start "${second[@]}"
+elif [ "$lanes" = nemo-rl ]; then
+  for i in "${!jobs[@]}"; do
+    case "${jobs[$i]}" in
+      nemo_rl_tier*) if [ -z "$first_nemo" ]; then first_nemo=$i; else second+=("$i"); fi ;;
+    esac
+  done
 fi
+in_second() { local j; for j in "${second[@]}"; do [ "$j" != "$1" ] || return 0; done; return 1; }
+echo "default suite, then: ${jobs[*]} (lanes: $lanes)"
+[ "$lanes" != 2 ] || [ "${#second[@]}" -eq 0 ] || lane_start "${second[@]}"
 echo "== default suite (.venv) =="
 # --durations: each tier's slowest tests in the log, what CI time is cut from (docs/ci_times.md).
 # -n 2 (pytest-xdist): the suite is one Python thread most of the time (108% CPU alone), so two
@@ -166,8 +180,9 @@ echo "== default suite (.venv) =="
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20 \
   -n "$workers" --dist loadfile
 for i in "${!jobs[@]}"; do
-  if [ "$lanes" = 2 ] && [ $((i % 2)) -eq 1 ] && [ "${#jobs[@]}" -gt 1 ]; then
-    continue  # the second lane's
+  in_second "$i" && continue  # the second lane's
+  if [ "$i" = "$first_nemo" ] && [ "${#second[@]}" -gt 0 ]; then
+    lane_start "${second[@]}"  # the other NeMo-RL trees, beside this one
   fi
   job_run "$i"
 done

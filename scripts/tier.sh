@@ -2,7 +2,8 @@
 # under a wall-clock limit, appends "NAME: <pytest summary line> (exit N)" to the array $summary
 # and sets $rc to a failing tier's exit status; the caller prints $summary and exits $rc.
 #
-#   JETRL_TIER_TIMEOUT_S     seconds each tier may run (default 1800: two lanes share 2 cores), so that one hung test (e.g. a
+#   JETRL_TIER_TIMEOUT_S     seconds each tier may run (default 2700: the NeMo-RL trees share 2 cores side by side, and
+#                            v0.7.0 alone took 1,699 s on a 2-core EPYC without AVX-512), so that one hung test (e.g. a
 #                            destructor waiting forever) costs one tier, not CI's whole budget
 #   JETRL_TIER_KILL_AFTER_S  seconds from the limit's SIGINT to SIGKILL (default 60)
 #
@@ -16,7 +17,7 @@
 
 _tier_limited() {  # CMD...: run CMD in a process group of its own under the limit
   timeout --signal=INT --kill-after="${JETRL_TIER_KILL_AFTER_S:-60}" \
-    "${JETRL_TIER_TIMEOUT_S:-1800}" "$@" &
+    "${JETRL_TIER_TIMEOUT_S:-2700}" "$@" &
   local pid=$! trc=0 stop=0
   # Ctrl-C at a terminal (or a TERM from CI) reaches only the foreground group (this subshell),
   # not the tier's group: pass it to timeout, which passes it to its group (signalling the group
@@ -37,7 +38,7 @@ _tier_limited() {  # CMD...: run CMD in a process group of its own under the lim
 
 tier() {  # NAME CMD...
   local name=$1; shift
-  local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0 s0 line limit=${JETRL_TIER_TIMEOUT_S:-1800}
+  local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0 s0 line limit=${JETRL_TIER_TIMEOUT_S:-2700}
   s0=$(date +%s)
   set +e  # a failing tier must not end the script (set -e + pipefail): the others still run
   # tee ignores SIGINT so that pytest's report of a Ctrl-C still shows.

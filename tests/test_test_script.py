@@ -396,13 +396,36 @@ def test_the_second_lane_runs_beside_the_first_and_the_summary_keeps_tier_order(
         text=True,
         timeout=60,
     )
-    assert done.returncode == 2 and "JETRL_TIER_LANES=3: use 1" in done.stderr
+    assert done.returncode == 2 and "JETRL_TIER_LANES=3: use nemo-rl" in done.stderr
     env = {**os.environ, "JOURNAL": str(tmp_path / "j2"), "JETRL_TEST_WORKERS": "two"}
     done = subprocess.run(
         ["bash", "scripts/test.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and "JETRL_TEST_WORKERS=two: use a whole number" in done.stderr
     assert not (tmp_path / "j2").exists()  # nothing started, not even the setup
+
+
+def test_by_default_the_nemo_rl_trees_run_side_by_side_and_the_rest_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    summary, journal, out = _run_test_sh(
+        tmp_path, STANDIN_SLEEP_TEST_VLLM="1", STANDIN_SLEEP_TEST_NEMO_RL="2"
+    )
+    assert summary[3:] == [
+        "NeMo-RL v0.7.0 tier: 2 passed in 1s (exit 0)",
+        "NeMo-RL main-abc tier: 2 passed in 1s (exit 0)",
+        "mutation check: 5 passed (exit 0)",
+    ], out
+    tiers = [ln.split()[:2] for ln in journal if ln.startswith(("start test_", "end test_"))]
+    # the vLLM tiers one after the other, then both trees at once, the mutation check after them
+    assert tiers == [["start", "test_vllm"], ["end", "test_vllm"]] * 2 + [
+        ["start", "test_nemo_rl"], ["start", "test_nemo_rl"],
+        ["end", "test_nemo_rl"], ["end", "test_nemo_rl"],
+    ], journal  # fmt: skip
+    assert _at(journal, "start default-python scripts/mutation_check.py") > max(
+        i for i, ln in enumerate(journal) if ln.startswith("end test_nemo_rl")
+    )
+    assert "second lane: nemo_rl_tier main-abc; " in out
 
 
 def test_an_interrupted_run_ends_the_second_lanes_tier(tmp_path: Path) -> None:
