@@ -112,6 +112,31 @@ def test_every_kernel_compiles_for_sm90_with_no_problem(census):
 
 
 @pytest.mark.slow
+def test_attention_shared_memory_is_within_the_stage_rules_estimate(census):
+    """Every attention launch of the census (bf16 at head_dim 64, 128 and 256, fp32 at 64 and
+    128) runs at the stage rule's stages, and the shared memory Triton allocates for sm_90 is
+    within the rule's estimate, itself within Hopper's: the estimate is what `attention_stages`
+    decides by, and one below the real figure would let a launch fail on the GPU. fp32 at 256,
+    which no GPU path launches and the rule gives one stage, is compiled by
+    tests/invariant/test_invariant_kernels.py."""
+    from nemo_jetrl.invariant.kernels import attention as ka
+
+    seen = set()
+    for r in census["rows"]:
+        if r["kernel"] != "attention_kernel":
+            continue
+        d, size, stages = (
+            r["consts"]["BD"],
+            4 if r["consts"]["IEEE"] else 2,
+            r["options"]["num_stages"],
+        )
+        assert stages == ka.attention_stages(d, size), (d, size, stages)
+        assert 0 < r["shared"] <= ka.attention_smem_bytes(d, size, stages) <= HOPPER_SMEM, (d, size)
+        seen.add((d, size))
+    assert seen == {(64, 2), (128, 2), (256, 2), (64, 4), (128, 4)}, seen
+
+
+@pytest.mark.slow
 def test_the_measured_instructions_of_the_gpu_paths(census):
     """Facts of this census (both Tritons, 2026-11-29), stated as literals: the FP8 GEMMs of both
     training and serving multiply on one m64n128k32 e4m3 wgmma (the weight's 64 rows in M); the

@@ -161,7 +161,9 @@ def test_attention_launches_with_the_rules_stages(monkeypatch):
 
 
 # Compiles the attention kernel for sm_90 with Triton's own compiler (no GPU needed) at the rule's
-# stages and prints the shared memory Triton allocates: the estimate must bound it.
+# stages and prints the shared memory Triton allocates: the estimate must bound it. fp32 at
+# head_dim 256 only, the rule's one-stage shape, which no GPU path launches: every other shape is
+# in the sm_90 census, which holds each to the estimate (tests/test_sm90_census.py).
 _SM90_COMPILE = """
 import inspect, json
 import triton
@@ -170,32 +172,29 @@ from triton.compiler import ASTSource
 from nemo_jetrl.fp8.triton_launch import NO_FTZ
 from nemo_jetrl.invariant.kernels import _jit_attention as ja, attention as ka
 CONST = ("HAS_MASK", "BM", "BN", "BD", "IEEE", "ORDERED")
-out = []
-for dtype, size in (("bf16", 2), ("fp32", 4)):
-    for d in (64, 128, 256):
-        sig = {p: "i32" for p in inspect.signature(ja.attention_kernel.fn).parameters}
-        sig.update({p: "constexpr" for p in CONST}, scale="fp32", mask_ptr="*fp32", o_ptr="*fp32")
-        sig.update(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype)
-        consts = dict(HAS_MASK=True, BM=ka.ATTN_BLOCK_M, BN=ka.ATTN_BLOCK_N,
-                      BD=ka._head_block(d), IEEE=size == 4, ORDERED=False)
-        stages = ka.attention_stages(d, size)
-        kernel = triton.compile(
-            ASTSource(fn=ja.attention_kernel, signature=sig, constexprs=consts),
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=ka.ATTN_WARPS, num_stages=stages, **NO_FTZ),
-        )
-        out.append([d, size, stages, kernel.metadata.shared])
-print(json.dumps(out))
+d, size = 256, 4  # fp32 operands
+sig = {p: "i32" for p in inspect.signature(ja.attention_kernel.fn).parameters}
+sig.update({p: "constexpr" for p in CONST}, scale="fp32", mask_ptr="*fp32", o_ptr="*fp32")
+sig.update(q_ptr="*fp32", k_ptr="*fp32", v_ptr="*fp32")
+consts = dict(HAS_MASK=True, BM=ka.ATTN_BLOCK_M, BN=ka.ATTN_BLOCK_N, BD=ka._head_block(d),
+              IEEE=True, ORDERED=False)
+stages = ka.attention_stages(d, size)
+kernel = triton.compile(
+    ASTSource(fn=ja.attention_kernel, signature=sig, constexprs=consts),
+    target=GPUTarget("cuda", 90, 32),
+    options=dict(num_warps=ka.ATTN_WARPS, num_stages=stages, **NO_FTZ),
+)
+print(json.dumps([[d, size, stages, kernel.metadata.shared]]))
 """
 
 
 @pytest.mark.slow
 def test_the_shared_memory_triton_allocates_for_sm90_is_within_the_estimate():
-    # ~1 min on 2 CPU cores (fp32 at head_dim 256 compiles for ~30 s); cached afterwards
+    # 78 s on a 2-core EPYC without AVX-512 (its spills keep ptxas busy); cached afterwards
     from tests.sm90_compile import compile_report
 
     compiled = compile_report(_SM90_COMPILE)
-    assert [(d, size) for d, size, _, _ in compiled] == list(STAGES)
+    assert [(d, size) for d, size, _, _ in compiled] == [(256, 4)]
     for d, size, stages, shared in compiled:
         assert stages == STAGES[d, size]
         assert 0 < shared <= ka.attention_smem_bytes(d, size, stages) <= HOPPER_SMEM, (d, size)
