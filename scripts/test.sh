@@ -149,7 +149,7 @@ for tree in "${nemo_rl_trees[@]}"; do jobs+=("nemo_rl_tier $tree"); done
 # when this lane reaches the first). A NeMo-RL tier is one pytest process whose rehearsals and
 # engines wait on Ray and vLLM's processes most of the time: a rehearsal alone kept a 2-core
 # machine half idle (vmstat, 2026-11-29), and on a 2-core EPYC without AVX-512 the two trees took
-# 1,681 s and 1,196 s one after the other (docs/ci_times.md). Side by side they do not meet on a
+# 1,699 s and 1,216 s one after the other (docs/ci_times.md). Side by side they do not meet on a
 # port: v0.7.0's vLLM rendezvous starts at NeMo-RL's fixed VLLM_PORT (20001), main's vLLM takes
 # an ephemeral one, each tier starts its own Ray, and NeMo-RL draws master ports at random.
 # 2: the odd-numbered tiers (0.20, NeMo-RL main) in a second lane beside the default suite and
