@@ -77,20 +77,48 @@ def _fmt(v: Any) -> str:
 # loading
 
 
-def _merge_with_override(base: DictConfig, child: DictConfig) -> DictConfig:
-    """Merge `child` into `base`; mappings marked `_override_: true` replace instead of merge."""
+def _merge_with_override(base: DictConfig | None, child: DictConfig) -> DictConfig:
+    """Merge `child` into `base` (None: nothing yet); mappings marked `_override_: true` replace
+    instead of merge. Both are the loader's own: `base` changes in place (OmegaConf.merge copies
+    the whole base at every level) and `child` may become the result."""
     for key in list(child.keys()):
         if OmegaConf.is_missing(child, key):
             continue
         val = child._get_node(key)
         if isinstance(val, DictConfig) and val.get("_override_", False):
             val.pop("_override_")
-            if key in base:
+            if base is not None and key in base:
                 base.pop(key)
-    return OmegaConf.merge(base, child)  # type: ignore[return-value]
+    if base is None:  # merging into an empty mapping would copy `child` as it is
+        return child
+    base.merge_with(child)
+    return base
+
+
+# A file's config with its ``defaults:`` merged in, as plain containers, by resolved path. A walk
+# over a NeMo-RL tree's examples (the NeMo-RL tier's config checks, scripts/nemo_rl_config_table.py,
+# `jetrl check` then `jetrl align` in one process) reads the same few base files hundreds of times,
+# and OmegaConf's merge copies the whole base at every level: the table's walk over v0.7.0 spent
+# 129 of its 150 s loading (docs/ci_times.md). An entry keeps the bytes of every file it read and
+# is used only while each file still holds them (read again: a few KB; a time stamp can miss an
+# edit of the same size within one clock tick).
+_INHERITED: dict[Path, tuple[dict[Path, bytes], dict]] = {}
+_INHERITED_MAX = 4096  # entries (one per file): cleared when full
+
+
+def _bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def _load_with_inheritance(path: Path, chain: tuple[Path, ...]) -> DictConfig:
+    return _inherited(path, chain)[0]
+
+
+def _inherited(path: Path, chain: tuple[Path, ...]) -> tuple[DictConfig, dict[Path, bytes]]:
+    """The file's config with its parents merged in, and the bytes of every file read for it."""
     path = path.resolve()
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
@@ -98,31 +126,42 @@ def _load_with_inheritance(path: Path, chain: tuple[Path, ...]) -> DictConfig:
     if not path.is_file():
         where = f" (named in defaults: of {chain[-1]})" if chain else ""
         raise ConfigError([ConfigIssue("defaults", f"config file not found: {path}{where}")])
-    cfg = _parse_file(path)
-    if "defaults" not in cfg:
-        return cfg
-    defaults = cfg.pop("defaults")
-    if isinstance(defaults, (str, Path)):
-        defaults = [defaults]
-    elif isinstance(defaults, ListConfig):
-        defaults = [str(d) for d in defaults]
-    else:
-        raise ConfigError(
-            [ConfigIssue("defaults", "must be a file path or a list of file paths")], str(path)
-        )
-    base: DictConfig = OmegaConf.create({})
-    for parent in defaults:
-        ppath = Path(str(parent))
-        ppath = ppath if ppath.is_absolute() else path.parent / ppath
-        base = _merge_with_override(base, _load_with_inheritance(ppath, (*chain, path)))
-    return _merge_with_override(base, cfg)
+    hit = _INHERITED.get(path)
+    # a file of the chain among the entry's is a cycle, which the uncached path below names
+    if hit is not None and all(p not in chain and _bytes(p) == b for p, b in hit[0].items()):
+        return OmegaConf.create(hit[1]), hit[0]
+    data = _bytes(path)
+    cfg = _parse_file(path, data)
+    read = {path: data}
+    if "defaults" in cfg:
+        defaults = cfg.pop("defaults")
+        if isinstance(defaults, (str, Path)):
+            defaults = [defaults]
+        elif isinstance(defaults, ListConfig):
+            defaults = [str(d) for d in defaults]
+        else:
+            raise ConfigError(
+                [ConfigIssue("defaults", "must be a file path or a list of file paths")], str(path)
+            )
+        base: DictConfig | None = None
+        for parent in defaults:
+            ppath = Path(str(parent))
+            ppath = ppath if ppath.is_absolute() else path.parent / ppath
+            parent_cfg, parent_read = _inherited(ppath, (*chain, path))
+            read.update(parent_read)
+            base = _merge_with_override(base, parent_cfg)
+        cfg = _merge_with_override(base, cfg)
+    if len(_INHERITED) >= _INHERITED_MAX:
+        _INHERITED.clear()
+    _INHERITED[path] = (read, OmegaConf.to_container(cfg, resolve=False))  # type: ignore[assignment]
+    return cfg, read
 
 
-def _parse_file(path: Path) -> DictConfig:
-    """One YAML file as a mapping: UTF-8 text, valid YAML, not empty (an empty file is a
-    mistake, never a request for every default)."""
+def _parse_file(path: Path, data: bytes | None = None) -> DictConfig:
+    """One YAML file (its bytes when already read) as a mapping: UTF-8 text, valid YAML, not
+    empty (an empty file is a mistake, never a request for every default)."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = (path.read_bytes() if data is None else data).decode("utf-8")
     except OSError as exc:
         raise ConfigError(
             [ConfigIssue("<file>", f"cannot read: {exc.strerror}")], str(path)

@@ -96,6 +96,33 @@ def test_inheritance_errors(tmp_path):
         load_config(tmp_path / "list.yaml")
 
 
+def test_a_file_read_once_is_reused_until_its_bytes_change(tmp_path, monkeypatch):
+    """The loader keeps each file's inherited config (a tree walk reads the same bases hundreds
+    of times): a second child of the same parent parses only itself, every caller gets its own
+    copy, and an edit of the same size (a time stamp may not move) or a new cycle is seen."""
+    from nemo_jetrl.config import load
+
+    parsed: list[str] = []
+    real = load._parse_file
+    monkeypatch.setattr(load, "_parse_file", lambda p, d=None: parsed.append(p.name) or real(p, d))
+    write(tmp_path / "grand.yaml", "x: 1\ns: {a: 1}\n")
+    write(tmp_path / "parent.yaml", "defaults: grand.yaml\ny: 2\n")
+    one = write(tmp_path / "one.yaml", "defaults: parent.yaml\nz: 3\n")
+    two = write(tmp_path / "two.yaml", "defaults: parent.yaml\ns: {_override_: true, b: 2}\n")
+    first = load_config(one)
+    assert parsed == ["one.yaml", "parent.yaml", "grand.yaml"]
+    first.x, first.s.a = 99, 99  # the caller's copy: the next load must not see it
+    parsed.clear()
+    assert OmegaConf.to_container(load_config(two)) == {"x": 1, "s": {"b": 2}, "y": 2}
+    assert OmegaConf.to_container(load_config(one)) == {"x": 1, "s": {"a": 1}, "y": 2, "z": 3}
+    assert parsed == ["two.yaml"]  # the parent's chain came from the first load
+    write(tmp_path / "grand.yaml", "x: 5\ns: {a: 1}\n")  # same size, maybe the same mtime
+    assert load_config(one).x == 5
+    write(tmp_path / "grand.yaml", "defaults: one.yaml\n")
+    with pytest.raises(ConfigError, match="inheritance cycle"):
+        load_config(two)
+
+
 # -------------------------------------------------------------------------------- overrides
 
 
