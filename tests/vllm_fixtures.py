@@ -48,21 +48,40 @@ def engines_without_compile() -> None:
         os.environ.update((NO_COMPILE, (NO_COMPILE_BY_TESTS, "1")))
 
 
+# The engine core in the test's process (vLLM's default: a spawned process; two fresh interpreters
+# importing torch and vLLM with the worker were ~30 of an engine's ~36 s start on the 2-core EPYC
+# without AVX-512; in-process 3-9 s; the 0.32 tier 904 -> 471 s, docs/ci_times.md). NeMo-RL's
+# VllmGenerationWorker runs it so too (VLLM_ENABLE_V1_MULTIPROCESSING=0). From vLLM 0.32 only
+# (`IN_PROCESS_FROM`): on 0.20 a test module's teardown hung in zmq's Context.term, collecting
+# what the in-process engine core left (its CPU platform spawns the worker anyway). vLLM keeps its
+# process groups in module globals that an engine's shutdown tears down: a module that starts a
+# second engine while its own lives runs its own with ``in_process=False``.
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+IN_PROCESS_FROM = (0, 32, 0)
+
+
 @contextmanager
-def vllm_cpu_env(compiled: bool = False) -> Iterator[None]:
+def vllm_cpu_env(compiled: bool = False, in_process: bool = True) -> Iterator[None]:
     """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning
     (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind); for a
     ``compiled`` engine (enforce_eager=False) torch.compile back on in its processes (the
-    session turned it off: `engines_without_compile`). Variables the caller already set are
-    kept; the rest are restored on exit."""
+    session turned it off: `engines_without_compile`); the engine core ``in_process``, as
+    NeMo-RL's generation worker runs it (`IN_PROCESS`, from vLLM 0.32). Variables the caller
+    already set are kept; the rest are restored on exit."""
+    import vllm
+
     from nemo_jetrl.vllm_patch import cpu_fixes
-    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
+    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind, release
 
     with pytest.MonkeyPatch.context() as mp:
         if compiled:  # the engine's own torch.compile must run
             mp.delenv(NO_COMPILE[0], raising=False)
         for key, value in (
             ("VLLM_CPU_KVCACHE_SPACE", "1"),
+            (
+                IN_PROCESS,
+                "0" if in_process and release(vllm.__version__) >= IN_PROCESS_FROM else "1",
+            ),
             ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
             (cpu_fixes.ENV, "1"),  # as the product's CPU engines (vllm_rollout.cpu_engine_env)
         ):

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_cpu_env():
-    with vllm_cpu_env():
+    # the module's engine in its own processes: tests below start and shut down another engine
+    # in this process while it lives (vllm_fixtures.IN_PROCESS)
+    with vllm_cpu_env(in_process=False):
         yield
 
 

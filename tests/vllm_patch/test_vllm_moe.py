@@ -44,7 +44,9 @@ ROUTERS = tuple(f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS)
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_cpu_env():
-    with vllm_cpu_env():
+    # the module's engine in its own processes: tests below start and shut down another engine
+    # in this process while it lives (vllm_fixtures.IN_PROCESS)
+    with vllm_cpu_env(in_process=False):
         yield
 
 
