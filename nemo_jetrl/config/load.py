@@ -113,10 +113,6 @@ def _bytes(path: Path) -> bytes | None:
         return None
 
 
-def _load_with_inheritance(path: Path, chain: tuple[Path, ...]) -> DictConfig:
-    return _inherited(path, chain)[0]
-
-
 def _inherited(path: Path, chain: tuple[Path, ...]) -> tuple[DictConfig, dict[Path, bytes]]:
     """The file's config with its parents merged in, and the bytes of every file read for it."""
     path = path.resolve()
@@ -317,7 +313,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     from nemo_jetrl.config.resolvers import register_resolvers
 
     register_resolvers()
-    cfg = _load_with_inheritance(Path(path), ())
+    cfg, _ = _inherited(Path(path), ())
     return apply_overrides(cfg, overrides)
 
 
