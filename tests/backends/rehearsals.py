@@ -16,6 +16,17 @@ QWEN = REPO / "examples" / "configs" / "qwen3_8b_base"
 TREE = os.environ.get("JETRL_NEMO_RL_TREE", "v0.7.0")
 
 
+def uni_executor() -> str:
+    """The substitutes line's tail where this tier's vLLM CPU platform turns NeMo-RL's one-worker
+    ``uni`` executor into ``mp`` (0.20: the rehearsal keeps ``uni``, the engine runs in the actor
+    as on a GPU); "" from 0.25, whose platform keeps it itself with multiprocessing off."""
+    import vllm
+
+    from nemo_jetrl.vllm_patch.compat import release
+
+    return ", uni_executor" if release(vllm.__version__) < (0, 25, 0) else ""
+
+
 def rehearse(config: Path, *overrides: str, workdir: Path, env: dict | None = None):
     cmd = [sys.executable, "-m", "nemo_jetrl.cli", "rehearse", str(config), *overrides,
            "--workdir", str(workdir)]  # fmt: skip
@@ -40,9 +51,11 @@ def assert_ready(
         assert re.search(r"path data\.default\.prompt_file: examples/prompts/cot\.txt -> \S+"
                          r"/nemo-rl/[^/]+/examples/prompts/cot\.txt", out), out  # fmt: skip
     assert f"kernel serves {kernel}, refit hook installed" in out
-    # fp8_patches: NeMo-RL's init_fp8 again where vLLM spawned its worker (0.20, not 0.25)
+    # every vLLM line runs the engine in NeMo-RL's actor (no spawned worker, so no second
+    # fp8_patches: NeMo-RL's init_fp8 ran in that process)
     assert re.search(r"vLLM worker 0: CPU substitutes in effect: sleep_mode, device, bind_numa, "
-                     r"report_device_id, ipc_buffer, bf16_weights(, fp8_patches)?\n", out), out  # fmt: skip
+                     r"report_device_id, ipc_buffer, bf16_weights" + uni_executor() + r"\n",
+                     out), out  # fmt: skip
     for step in (1, 2):
         assert re.search(rf"step {step}: refit parity held, \d+ tensors \({fp8} FP8\) identical",
                          out), out[-5000:]  # fmt: skip

@@ -65,3 +65,23 @@ def test_cpu_policy_implements_nemo_rls_interface():
     for key in setup_keys:
         assert key in inspect.signature(Policy.__init__).parameters, key
         assert key in inspect.signature(cls.__init__).parameters, key
+
+
+def test_the_uni_executor_substitute_wraps_the_platforms_own_check():
+    """``uni_executor`` replaces this vLLM's ``CpuPlatform.check_and_update_config`` with one
+    of the same parameters that calls it, and reverting puts the platform's own back."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    from nemo_jetrl.backends.nemo_rl.rehearsal import cpu_worker
+
+    own = CpuPlatform.__dict__["check_and_update_config"]
+    assert isinstance(own, classmethod)
+    ours = cpu_worker._keep_uni_executor(CpuPlatform, lambda: None)
+    assert (
+        _params(ours.__func__)
+        == _params(own.__func__)
+        == [
+            ("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            ("vllm_config", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ]
+    )

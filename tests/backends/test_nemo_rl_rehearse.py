@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from rehearsals import QWEN, TREE, assert_ready, rehearse
+from rehearsals import QWEN, TREE, assert_ready, rehearse, uni_executor
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.vllm]
 
@@ -106,7 +106,8 @@ def test_nemo_rls_shipped_fp8_config_rehearses_as_three_recipes_and_compare_labe
             in (out[recipe])
         )
     # the GEMM stand-in only where vLLM's own block-FP8 kernel serves, read back from the worker
-    assert re.search(r"CPU substitutes in effect: [^\n]*, vllm_block_fp8\n", out["fp8_rollout"])
+    assert re.search(r"CPU substitutes in effect: [^\n]*, vllm_block_fp8" + uni_executor() + "\n",
+                     out["fp8_rollout"])  # fmt: skip
     for recipe in ("bf16", "jetrl"):
         assert "vllm_block_fp8" not in out[recipe]
     # jetrl: our kernel and hook, parity at both steps, every readiness check

@@ -21,9 +21,17 @@ builds the model. Each substitute below names the call it replaces and why it ca
     pid (where the CPU policy binds it), so concurrent rehearsals on one host stay apart.
 ``fp8_patches``
     NeMo-RL's ``init_fp8`` patches vLLM in the actor's process; on a GPU with one worker vLLM
-    runs there. vLLM's CPU build (0.20) spawns its worker, so NeMo-RL's own ``init_fp8`` (which
-    applies its patches with one worker) runs again there, with the actor's settings (in the
-    JSON).
+    runs there (and here too, with ``uni_executor``). Where a worker runs in another process all
+    the same, NeMo-RL's own ``init_fp8`` (which applies its patches with one worker) runs again
+    there, with the actor's settings (in the JSON).
+``uni_executor``
+    NeMo-RL starts a one-worker engine with ``distributed_executor_backend=None`` and
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so on a GPU vLLM's ``uni`` executor runs the model in
+    the Ray actor's own process. vLLM 0.20's CPU platform turns ``uni`` into ``mp`` whatever that
+    setting says and spawns the worker: a second interpreter importing torch and vLLM (~10 s of
+    each engine start on a 2-core CPU) that the cluster does not have. Here ``uni`` is kept when
+    multiprocessing is off, as vLLM's CPU platform itself does from 0.25 on; only engines where
+    the platform made that change report it.
 ``device``
     NeMo-RL's extension reads ``worker.device``; vLLM's ``CPUWorker`` has none: ``cpu``.
 ``ipc_buffer``
@@ -59,8 +67,9 @@ from typing import Any
 ENV_VAR = "NEMO_JETRL_REHEARSAL"
 SUBSTITUTES = (
     "sleep_mode", "bind_numa", "report_device_id", "fp8_patches", "device", "ipc_buffer",
-    "bf16_weights", "vllm_block_fp8",
+    "bf16_weights", "vllm_block_fp8", "uni_executor",
 )  # fmt: skip
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # NeMo-RL's generation worker sets it to "0"
 
 
 class _NoStream:
@@ -90,7 +99,7 @@ class RehearsalHandle:
     as (still in place?, undo) pairs."""
 
     patches: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
-    applied: tuple[str, ...] = ()
+    applied: tuple[str, ...] = ()  # grows by "uni_executor" when an engine's config kept it
     registrations: list[tuple[Any, Any]] = field(default_factory=list)
     _reverted: bool = False
 
@@ -98,7 +107,7 @@ class RehearsalHandle:
     def active(self) -> bool:
         return (
             not self._reverted
-            and all(getattr(o, n) is new for o, n, _, new in self.patches)
+            and all(vars(o).get(n) is new for o, n, _, new in self.patches)  # a classmethod too
             and all(in_place() for in_place, _ in self.registrations)
         )
 
@@ -139,6 +148,27 @@ def _vllm_own_moe_method() -> Any:
             setattr(mod, experts.SLOT, ours)
 
 
+def _keep_uni_executor(platform: type, on_kept: Any) -> Any:
+    """The platform's ``check_and_update_config``, keeping a one-worker engine's ``uni``
+    executor when multiprocessing is off (``uni_executor``, module docstring); ``on_kept()``
+    is called each time it undoes the platform's change."""
+    check = platform.__dict__["check_and_update_config"].__func__
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        parallel = vllm_config.parallel_config
+        before = parallel.distributed_executor_backend
+        check(cls, vllm_config)
+        if (
+            before == "uni"
+            and parallel.distributed_executor_backend == "mp"
+            and os.environ.get(MULTIPROCESSING) == "0"
+        ):
+            parallel.distributed_executor_backend = "uni"
+            on_kept()
+
+    return classmethod(check_and_update_config)
+
+
 def install(settings: dict[str, Any]) -> RehearsalHandle:
     """Replace, in this process, what NeMo-RL's vLLM worker needs a GPU for (module docstring).
     ``settings``: the JSON of `ENV_VAR` (``vllm_cfg``, ``model``, ``model_parallel_size``,
@@ -165,8 +195,15 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
     import torch
     from vllm.model_executor.layers import utils as layer_utils
 
+    handle = RehearsalHandle()
+
+    def kept_uni() -> None:
+        if "uni_executor" not in handle.applied:
+            handle.applied += ("uni_executor",)
+
     ours = [
         (platform, "is_sleep_mode_available", lambda self: True),
+        (platform, "check_and_update_config", _keep_uni_executor(platform, kept_uni)),
         (vllm_backend, "rebuild_cuda_tensor_from_ipc", buffer_from_handle),
         (torch.cuda, "current_stream", lambda *a, **k: _NoStream()),
         (layer_utils, "dispatch_cpu_unquantized_gemm", _keep_bf16_weight),
@@ -198,7 +235,8 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
         _, undo = vllm_block_fp8.register()
         registrations.append((vllm_block_fp8.registered, undo))
         applied.append("vllm_block_fp8")
-    handle = RehearsalHandle(patches, tuple(applied), registrations)
+    handle.patches, handle.registrations = patches, registrations
+    handle.applied = tuple(applied) + handle.applied
     if not handle.active:  # verified in effect
         handle.revert()
         raise RuntimeError("nemo_jetrl rehearsal: the CPU substitutes did not take effect")
