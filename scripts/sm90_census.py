@@ -205,9 +205,17 @@ _BYTE_ACCESS = re.compile(
 )
 
 
+# ptxas -v's answers, one small file per (ptxas binary, PTX text): a census over a warm Triton
+# cache ran ptxas on all ~90 kernels again, ~8 of its ~21 s on 2 cores; a kernel whose PTX
+# changed (another tile, a mutant) is a new key and runs ptxas.
+PTXAS_CACHE_VAR = "JETRL_PTXAS_CACHE"  # default ~/.cache/nemo_jetrl/ptxas
+
+
 def _ptxas_usage(ptx: str | None) -> tuple[int | None, int | None]:
     """(registers a thread, spill store + load bytes) as ptxas reports them for sm_90a: Triton's
-    own ptxas, run as Triton runs it (``-v``), on the kernel's PTX (None: no PTX)."""
+    own ptxas, run as Triton runs it (``-v``), on the kernel's PTX (None: no PTX); kept under
+    `PTXAS_CACHE_VAR` by the binary's path, version and size and the PTX's hash."""
+    import hashlib
     import subprocess
     import tempfile
 
@@ -215,14 +223,26 @@ def _ptxas_usage(ptx: str | None) -> tuple[int | None, int | None]:
 
     if ptx is None:
         return None, None
+    ptxas = get_ptxas(90)
+    ident = f"{ptxas.path}\0{ptxas.version}\0{os.stat(ptxas.path).st_size}\0sm_90a\0"
+    root = os.environ.get(PTXAS_CACHE_VAR) or Path.home() / ".cache" / "nemo_jetrl" / "ptxas"
+    kept = Path(root) / f"{hashlib.sha256((ident + ptx).encode()).hexdigest()}.json"
+    if kept.is_file():
+        registers, spill_bytes = json.loads(kept.read_text())
+        return registers, spill_bytes
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        cmd = [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(d) / "k.o")]
+        cmd = [ptxas.path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(d) / "k.o")]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return (int(regs[1]) if regs else None), (int(spills[1]) + int(spills[2]) if spills else 0)
+    usage = (int(regs[1]) if regs else None), (int(spills[1]) + int(spills[2]) if spills else 0)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    tmp = kept.with_suffix(f".{os.getpid()}.tmp")  # concurrent censuses: whole files only
+    tmp.write_text(json.dumps(usage))
+    os.replace(tmp, kept)
+    return usage
 
 
 def known_spill(row: dict) -> str | None:

@@ -278,3 +278,48 @@ def test_the_packed_cache_serves_every_kernel_under_the_images_key(census):
     assert len(replay["rows"]) == n
     assert all(r["mma"] is None for r in replay["rows"])  # every one read back, binary only
     assert proc.returncode == 1  # the census itself needs PTX: it says so, per kernel
+
+
+_TINY_PTX = """.version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry tiny(.param .u64 p)
+{
+  .reg .b64 %rd<2>;
+  .reg .b32 %r<2>;
+  ld.param.u64 %rd1, [p];
+  mov.u32 %r1, VALUE;
+  st.global.u32 [%rd1], %r1;
+  ret;
+}
+"""
+
+
+def test_ptxas_usage_is_kept_per_ptx_text_and_read_back(tmp_path, monkeypatch):
+    """`_ptxas_usage` runs this Triton's ptxas once per PTX text and reads its answer back after
+    (a census over a warm Triton cache ran ptxas on every kernel again): a changed text runs it
+    again, and what it reads is the kept file."""
+    import subprocess
+
+    census = _census_module()
+    monkeypatch.setenv(census.PTXAS_CACHE_VAR, str(tmp_path / "kept"))
+    runs = []
+    real_run = subprocess.run
+
+    def counting_run(cmd, *a, **k):
+        if "-v" in cmd:  # a compile (`--version`, Triton's own query, is not one)
+            runs.append(cmd[0])
+        return real_run(cmd, *a, **k)
+
+    monkeypatch.setattr(subprocess, "run", counting_run)
+    first = census._ptxas_usage(_TINY_PTX.replace("VALUE", "7"))
+    assert first[0] is not None and first[0] > 0 and first[1] == 0 and len(runs) == 1, (first, runs)
+    assert census._ptxas_usage(_TINY_PTX.replace("VALUE", "7")) == first and len(runs) == 1
+    census._ptxas_usage(_TINY_PTX.replace("VALUE", "9"))  # another text: ptxas again
+    assert len(runs) == 2
+    kept = sorted((tmp_path / "kept").glob("*.json"))
+    assert len(kept) == 2
+    for f in kept:  # planted answers are what a warm run returns
+        f.write_text("[201, 64]")
+    assert census._ptxas_usage(_TINY_PTX.replace("VALUE", "7")) == (201, 64) and len(runs) == 2
+    assert census._ptxas_usage(None) == (None, None)

@@ -290,4 +290,19 @@ MUTANTS = [
         equivalent="calibrate() intersects the response mask with the attention mask "
         "(kvcache.calibration.token_mask: resp & real), which still excludes the padding",
     ),
+    Mutant(
+        "rehearsal keeps vLLM's uni executor with multiprocessing on (the actor runs the worker "
+        "where vLLM meant to spawn it)",
+        "nemo_jetrl/backends/nemo_rl/rehearsal/cpu_worker.py",
+        'and os.environ.get(MULTIPROCESSING) == "0"',
+        "and True",
+        ("tests/backends/test_rehearsal_uni_executor.py",),
+    ),
+    Mutant(
+        "census reads a kept ptxas answer for another PTX text",
+        "scripts/sm90_census.py",
+        "hashlib.sha256((ident + ptx).encode())",
+        "hashlib.sha256(ident.encode())",
+        ("tests/test_sm90_census.py::test_ptxas_usage_is_kept_per_ptx_text_and_read_back",),
+    ),
 ]
