@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -51,13 +52,13 @@ def engines_without_compile() -> None:
 # The engine core in the test's process (vLLM's default: a spawned process; two fresh interpreters
 # importing torch and vLLM with the worker were ~30 of an engine's ~36 s start on the 2-core EPYC
 # without AVX-512; in-process 3-9 s; the 0.32 tier 904 -> 471 s, docs/ci_times.md). NeMo-RL's
-# VllmGenerationWorker runs it so too (VLLM_ENABLE_V1_MULTIPROCESSING=0). From vLLM 0.32 only
-# (`IN_PROCESS_FROM`): on 0.20 a test module's teardown hung in zmq's Context.term, collecting
-# what the in-process engine core left (its CPU platform spawns the worker anyway). vLLM keeps its
-# process groups in module globals that an engine's shutdown tears down: a module that starts a
-# second engine while its own lives runs its own with ``in_process=False``.
+# VllmGenerationWorker runs it so too (VLLM_ENABLE_V1_MULTIPROCESSING=0). On vLLM 0.20 the CPU
+# platform still spawns the worker, through message queues whose sockets its shutdown leaves
+# open: `shutdown.shutdown_engine` closes them (a test module's teardown hung in zmq's
+# Context.term before). vLLM keeps its process groups in module globals that an engine's
+# shutdown tears down: a module that starts a second engine while its own lives runs its own
+# with ``in_process=False``.
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
-IN_PROCESS_FROM = (0, 32, 0)
 
 
 @contextmanager
@@ -66,22 +67,26 @@ def vllm_cpu_env(compiled: bool = False, in_process: bool = True) -> Iterator[No
     (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind); for a
     ``compiled`` engine (enforce_eager=False) torch.compile back on in its processes (the
     session turned it off: `engines_without_compile`); the engine core ``in_process``, as
-    NeMo-RL's generation worker runs it (`IN_PROCESS`, from vLLM 0.32). Variables the caller
-    already set are kept; the rest are restored on exit."""
-    import vllm
+    NeMo-RL's generation worker runs it (`IN_PROCESS`). Variables the caller
+    already set are kept; the rest are restored on exit, and so is vLLM's reading of them: an
+    engine core started in this process turns on vLLM's cache of its environment variables
+    (``vllm.envs.enable_envs_cache``), after which a later test's ``VLLM_*`` setting in this
+    process was not read (seen on vLLM 0.20: ``VLLM_DEEP_GEMM_WARMUP=full`` read as the default,
+    and a TP=2 engine given another module's ``VLLM_CPU_OMP_THREADS_BIND``)."""
+    from vllm import envs as vllm_envs
 
     from nemo_jetrl.vllm_patch import cpu_fixes
-    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind, release
+    from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
 
-    with pytest.MonkeyPatch.context() as mp:
+    cached = getattr(vllm_envs, "_is_envs_cache_enabled", lambda: True)()
+    with contextlib.ExitStack() as undo, pytest.MonkeyPatch.context() as mp:
+        if not cached:  # ours to turn off again, after the engines of this context
+            undo.callback(vllm_envs.disable_envs_cache)
         if compiled:  # the engine's own torch.compile must run
             mp.delenv(NO_COMPILE[0], raising=False)
         for key, value in (
             ("VLLM_CPU_KVCACHE_SPACE", "1"),
-            (
-                IN_PROCESS,
-                "0" if in_process and release(vllm.__version__) >= IN_PROCESS_FROM else "1",
-            ),
+            (IN_PROCESS, "0" if in_process else "1"),
             ("VLLM_CPU_OMP_THREADS_BIND", cpu_omp_threads_bind()),
             (cpu_fixes.ENV, "1"),  # as the product's CPU engines (vllm_rollout.cpu_engine_env)
         ):
@@ -229,7 +234,7 @@ def bf16_recipe_gap(model_dir, engine_kwargs: dict, generate, trainer) -> float:
 
     from nemo_jetrl.recipe import Recipe
     from nemo_jetrl.vllm_patch import build_engine_kwargs
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
     kwargs = build_engine_kwargs(Recipe.preset("bf16"), engine_kwargs).kwargs
     llm = LLM(model=str(model_dir), **kwargs)

@@ -274,11 +274,6 @@ def deep_gemm_warmup_m_values(weight: torch.Tensor) -> list[int]:
     return [int(m) for m in dgw._get_fp8_gemm_nt_m_values(weight, max_tokens)]
 
 
-def shutdown_engine(llm: Any) -> None:
-    """Stop a ``vllm.LLM``'s engine core and workers (the same call in every supported line)."""
-    llm.llm_engine.engine_core.shutdown()
-
-
 def engine_model_dtype(llm: Any) -> torch.dtype:
     """The dtype the engine serves the model in (after resolving ``dtype='auto'``)."""
     return llm.llm_engine.vllm_config.model_config.dtype

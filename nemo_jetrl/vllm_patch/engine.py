@@ -24,6 +24,7 @@ from nemo_jetrl.vllm_patch.moe_names import router_modules
 from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
 from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
 from nemo_jetrl.vllm_patch.settings import PatchSettings
+from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class VllmRolloutEngine:
             except KernelNotInEffect:
                 raise  # the guard shut the engine down
             except BaseException:
-                compat.shutdown_engine(self.llm)  # nobody could close a half-built engine
+                shutdown_engine(self.llm)  # nobody could close a half-built engine
                 raise
         except BaseException:
             self.patch.revert()
@@ -224,7 +225,7 @@ class VllmRolloutEngine:
         """Shut the engine down and revert the patch (idempotent)."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            compat.shutdown_engine(llm)
+            shutdown_engine(llm)
             self.llm = None
         if self.patch is not None:
             self.patch.revert()

@@ -38,6 +38,7 @@ from typing import Any
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.vllm_patch import compat
 from nemo_jetrl.vllm_patch.settings import ENV_VAR, PatchSettings
+from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
 # Our entry point, as pyproject.toml declares it ([project.entry-points."vllm.general_plugins"]).
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -273,7 +274,7 @@ def verify_engine_kernels(llm: Any, settings: PatchSettings) -> dict[str, Any]:
     reports = llm.collective_rpc("jetrl_kernel_report")
     problems = kernel_problems(reports, settings, kernel_name)
     if problems:
-        compat.shutdown_engine(llm)
+        shutdown_engine(llm)
         raise KernelNotInEffect(
             "the vLLM engine does not run our kernel on every block-FP8 linear (its rollout "
             "would be off-policy); it was shut down:\n  - " + "\n  - ".join(problems)

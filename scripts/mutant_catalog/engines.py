@@ -77,6 +77,15 @@ MUTANTS = [
         ),
         env="vllm",
     ),
+    # ---- engine shutdown: an in-process engine core's queue sockets (vLLM 0.20 hung in term)
+    Mutant(
+        "engine shutdown leaves the executor's queue sockets open (gc then waits in term)",
+        "nemo_jetrl/vllm_patch/shutdown.py",
+        "                value.close(linger=0)\n",
+        "",
+        ("tests/vllm_patch/test_vllm_shutdown_unit.py",),
+        env="vllm",
+    ),
     # ---- vLLM patch: refit parity and rollback
     Mutant(
         "parity compares values, not bytes",

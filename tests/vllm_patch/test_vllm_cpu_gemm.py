@@ -266,3 +266,29 @@ def test_without_rollback_the_same_failure_leaves_the_engine_changed(pool, engin
     assert rep.parity is not None and rep.parity.differing == ()
     assert not changed(before, _engine_state(llm, recipe))
     assert not has_snapshot(llm)
+
+
+def test_closing_the_last_engine_leaves_no_queue_socket_open(pool):
+    """Last in the module, on its last engine: this teardown hung on vLLM 0.20 with the engine
+    core in-process (its CPU platform spawns the worker through message queues whose ZMQ
+    sockets its shutdown leaves open; gc then waited in ``Context.term``). Closing through
+    `shutdown.shutdown_engine` closes every one of them; on 0.32 (the ``uni`` executor with
+    multiprocessing off) there are none in this process."""
+    import os
+
+    import vllm
+    import zmq
+
+    from nemo_jetrl.vllm_patch.compat import release
+    from nemo_jetrl.vllm_patch.shutdown import _executor_queues
+
+    if pool.engine is None:  # run alone: any of the module's engines
+        pool.get(next(iter(KEYS.values())))
+    queues = _executor_queues(pool.engine.llm.llm_engine.engine_core)
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    assert bool(queues) == (in_process and release(vllm.__version__) < (0, 25, 0)), queues
+    sockets = [s for q in queues for o in (q, q._spin_condition) if o is not None
+               for s in vars(o).values() if isinstance(s, zmq.Socket)]  # fmt: skip
+    assert all(not s.closed for s in sockets) and (sockets or not queues)
+    pool.close()
+    assert all(s.closed for s in sockets)

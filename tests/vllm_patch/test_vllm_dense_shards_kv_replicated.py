@@ -35,9 +35,9 @@ def llm(tmp_path_factory, settings):  # noqa: F811
     from vllm import LLM
 
     from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
     from nemo_jetrl.vllm_patch.engine_args import quantization_config
     from nemo_jetrl.vllm_patch.refit import quantize_state_dict
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
     d = tmp_path_factory.mktemp("mqa_tp2")
     model = tiny_qwen3_mqa(0)

@@ -198,7 +198,7 @@ def bf16_control_gap(trainer, directory, generate) -> float:
     """Control: ``trainer``'s BF16 checkpoint on vLLM unpatched vs the BF16 HF forward."""
     from vllm import LLM
 
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
     write_checkpoint(trainer, directory)
     llm = LLM(model=str(directory), **USER_KWARGS)
@@ -217,7 +217,7 @@ def served_fp8(trainer, directory, settings, **user):
     from vllm import LLM
 
     from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
     sd = write_checkpoint(trainer, directory, settings)
     patch = apply_patches(settings)

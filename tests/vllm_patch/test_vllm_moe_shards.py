@@ -128,7 +128,7 @@ def served(request, tmp_path_factory, settings):
     from vllm import LLM
 
     from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
-    from nemo_jetrl.vllm_patch.compat import shutdown_engine
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
     d = tmp_path_factory.mktemp(f"moe_{request.param}")
     sd = write_fp8_checkpoint(tiny_moe(0), d, settings)
