@@ -27,18 +27,20 @@ def _executor_queues(core: Any) -> list[Any]:
     return [q for q in queues if q is not None]
 
 
-def close_queue_sockets(queue: Any) -> int:
-    """Close, without lingering, every open ZMQ socket a vLLM message queue (and its spin
-    condition) holds; returns how many were open."""
+def queue_sockets(queue: Any) -> list[Any]:
+    """Every ZMQ socket a vLLM message queue (and its spin condition) holds, open or closed."""
     import zmq
 
-    closed = 0
-    for owner in (queue, getattr(queue, "_spin_condition", None)):
-        for value in list(vars(owner).values()) if owner is not None else []:
-            if isinstance(value, zmq.Socket) and not value.closed:
-                value.close(linger=0)
-                closed += 1
-    return closed
+    owners = [o for o in (queue, getattr(queue, "_spin_condition", None)) if o is not None]
+    return [v for o in owners for v in vars(o).values() if isinstance(v, zmq.Socket)]
+
+
+def close_queue_sockets(queue: Any) -> int:
+    """Close, without lingering, every open socket of `queue_sockets`; returns how many."""
+    open_ = [s for s in queue_sockets(queue) if not s.closed]
+    for sock in open_:
+        sock.close(linger=0)
+    return len(open_)
 
 
 def shutdown_engine(llm: Any) -> None:

@@ -81,8 +81,8 @@ MUTANTS = [
     Mutant(
         "engine shutdown leaves the executor's queue sockets open (gc then waits in term)",
         "nemo_jetrl/vllm_patch/shutdown.py",
-        "                value.close(linger=0)\n",
-        "",
+        "        sock.close(linger=0)\n",
+        "        pass\n",
         ("tests/vllm_patch/test_vllm_shutdown_unit.py",),
         env="vllm",
     ),

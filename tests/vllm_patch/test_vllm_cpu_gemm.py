@@ -277,18 +277,16 @@ def test_closing_the_last_engine_leaves_no_queue_socket_open(pool):
     import os
 
     import vllm
-    import zmq
 
     from nemo_jetrl.vllm_patch.compat import release
-    from nemo_jetrl.vllm_patch.shutdown import _executor_queues
+    from nemo_jetrl.vllm_patch.shutdown import _executor_queues, queue_sockets
 
     if pool.engine is None:  # run alone: any of the module's engines
         pool.get(next(iter(KEYS.values())))
     queues = _executor_queues(pool.engine.llm.llm_engine.engine_core)
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     assert bool(queues) == (in_process and release(vllm.__version__) < (0, 25, 0)), queues
-    sockets = [s for q in queues for o in (q, q._spin_condition) if o is not None
-               for s in vars(o).values() if isinstance(s, zmq.Socket)]  # fmt: skip
+    sockets = [s for q in queues for s in queue_sockets(q)]
     assert all(not s.closed for s in sockets) and (sockets or not queues)
     pool.close()
     assert all(s.closed for s in sockets)
