@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nemo_jetrl.vllm_patch import uni_executor
+
 # tests/vllm_patch/standins/jetrl_onednn_standin.py: a labelled stand-in for vLLM's oneDNN calls
 STANDINS = Path(__file__).resolve().parent / "vllm_patch" / "standins"
 # The decoder linears of tests/hf_models.tiny_llama_128 (2 layers) under vLLM's fused names.
@@ -51,14 +53,17 @@ def engines_without_compile() -> None:
 
 # The engine core in the test's process (vLLM's default: a spawned process; two fresh interpreters
 # importing torch and vLLM with the worker were ~30 of an engine's ~36 s start on the 2-core EPYC
-# without AVX-512; in-process 3-9 s; the 0.32 tier 904 -> 471 s, docs/ci_times.md). NeMo-RL's
-# VllmGenerationWorker runs it so too (VLLM_ENABLE_V1_MULTIPROCESSING=0). On vLLM 0.20 the CPU
-# platform still spawns the worker, through message queues whose sockets its shutdown leaves
-# open: `shutdown.shutdown_engine` closes them (a test module's teardown hung in zmq's
+# without AVX-512; in-process 3-9 s; the 0.32 tier 904 -> 471 s, docs/ci_times.md), and with one
+# worker the worker too (vLLM's ``uni`` executor): NeMo-RL's VllmGenerationWorker runs a TP=1
+# engine so on a GPU (VLLM_ENABLE_V1_MULTIPROCESSING=0). vLLM 0.20's CPU platform turns ``uni``
+# into ``mp`` and spawns the worker all the same; `vllm_cpu_env` keeps ``uni`` there with the
+# rule the rehearsal uses (nemo_jetrl.vllm_patch.uni_executor), as 0.25+ do themselves. A TP=2
+# engine's workers are spawned (``mp``), through message queues whose sockets vLLM 0.20's shutdown
+# leaves open: `shutdown.shutdown_engine` closes them (a test module's teardown hung in zmq's
 # Context.term before). vLLM keeps its process groups in module globals that an engine's
 # shutdown tears down: a module that starts a second engine while its own lives runs its own
 # with ``in_process=False``.
-IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+IN_PROCESS = uni_executor.MULTIPROCESSING
 
 
 @contextmanager
@@ -66,14 +71,17 @@ def vllm_cpu_env(compiled: bool = False, in_process: bool = True) -> Iterator[No
     """CPU build: KV cache size in GiB of host memory (small: shared machine); no core pinning
     (the value that means that differs by vLLM version, see compat.cpu_omp_threads_bind); for a
     ``compiled`` engine (enforce_eager=False) torch.compile back on in its processes (the
-    session turned it off: `engines_without_compile`); the engine core ``in_process``, as
-    NeMo-RL's generation worker runs it (`IN_PROCESS`). Variables the caller
+    session turned it off: `engines_without_compile`); the engine core ``in_process``, and a
+    one-worker engine's worker with it, as NeMo-RL's generation worker runs them (`IN_PROCESS`;
+    the platform's own check restored on exit, and vLLM's model-parallel groups that a worker
+    whose engine failed to start left in this process released). Variables the caller
     already set are kept; the rest are restored on exit, and so is vLLM's reading of them: an
     engine core started in this process turns on vLLM's cache of its environment variables
     (``vllm.envs.enable_envs_cache``), after which a later test's ``VLLM_*`` setting in this
     process was not read (seen on vLLM 0.20: ``VLLM_DEEP_GEMM_WARMUP=full`` read as the default,
     and a TP=2 engine given another module's ``VLLM_CPU_OMP_THREADS_BIND``)."""
     from vllm import envs as vllm_envs
+    from vllm.distributed import parallel_state
 
     from nemo_jetrl.vllm_patch import cpu_fixes
     from nemo_jetrl.vllm_patch.compat import cpu_omp_threads_bind
@@ -82,6 +90,11 @@ def vllm_cpu_env(compiled: bool = False, in_process: bool = True) -> Iterator[No
     with contextlib.ExitStack() as undo, pytest.MonkeyPatch.context() as mp:
         if not cached:  # ours to turn off again, after the engines of this context
             undo.callback(vllm_envs.disable_envs_cache)
+        if not parallel_state.model_parallel_is_initialized():
+            # vLLM's groups a worker built here and no shutdown tore down: an engine whose start
+            # failed in this process (on 0.20 a MoE engine after it found them and built no EP
+            # group); a closed engine's went with it (`shutdown.shutdown_engine`)
+            undo.callback(_release_groups_left, parallel_state)
         if compiled:  # the engine's own torch.compile must run
             mp.delenv(NO_COMPILE[0], raising=False)
         for key, value in (
@@ -92,7 +105,18 @@ def vllm_cpu_env(compiled: bool = False, in_process: bool = True) -> Iterator[No
         ):
             if key not in os.environ:
                 mp.setenv(key, value)
+        if in_process:  # a one-worker engine's worker in this process too (`IN_PROCESS`)
+            from vllm.platforms import current_platform
+
+            platform = type(current_platform)
+            mp.setattr(platform, "check_and_update_config",
+                       uni_executor.keep_uni_executor(platform))  # fmt: skip
         yield
+
+
+def _release_groups_left(parallel_state) -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.cleanup_dist_env_and_memory()
 
 
 @contextmanager

@@ -291,12 +291,21 @@ MUTANTS = [
         "(kvcache.calibration.token_mask: resp & real), which still excludes the padding",
     ),
     Mutant(
-        "rehearsal keeps vLLM's uni executor with multiprocessing on (the actor runs the worker "
-        "where vLLM meant to spawn it)",
-        "nemo_jetrl/backends/nemo_rl/rehearsal/cpu_worker.py",
+        "uni executor kept with multiprocessing on (the caller runs the worker where vLLM meant "
+        "to spawn it)",
+        "nemo_jetrl/vllm_patch/uni_executor.py",
         'and os.environ.get(MULTIPROCESSING) == "0"',
         "and True",
-        ("tests/backends/test_rehearsal_uni_executor.py",),
+        ("tests/vllm_patch/test_uni_executor_unit.py",),
+    ),
+    Mutant(
+        "engine shutdown replaces torch.accelerator.synchronize where an accelerator is there",
+        "nemo_jetrl/vllm_patch/shutdown.py",
+        "if acc is None or acc.is_available():",
+        "if acc is None:",
+        (
+            "tests/vllm_patch/test_vllm_patch_unit.py::test_shutdown_syncs_no_accelerator_only_while_there_is_none",
+        ),
     ),
     Mutant(
         "census reads a kept ptxas answer for another PTX text",

@@ -85,6 +85,8 @@ def nemo_rl_engine(
     patch with ``settings``, our hook armed; all undone on exit."""
     from vllm_fixtures import vllm_cpu_env
 
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
+
     vllm_backend, fp8, utils = nemo_rl_vllm_modules()
     from nemo_jetrl.backends.nemo_rl import vllm_refit
     from nemo_jetrl.vllm_patch import apply_patches
@@ -159,7 +161,7 @@ def nemo_rl_engine(
             fp8.fp8_state.vllm_patches.clear()
             fp8.fp8_patches_applied = False
             llm.collective_rpc(_close_receiver_socket)
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_engine(llm)
             del llm
             gc.collect()
             mp.undo()

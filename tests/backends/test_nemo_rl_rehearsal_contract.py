@@ -72,11 +72,11 @@ def test_the_uni_executor_substitute_wraps_the_platforms_own_check():
     of the same parameters that calls it, and reverting puts the platform's own back."""
     from vllm.platforms.cpu import CpuPlatform
 
-    from nemo_jetrl.backends.nemo_rl.rehearsal import cpu_worker
+    from nemo_jetrl.vllm_patch.uni_executor import keep_uni_executor
 
     own = CpuPlatform.__dict__["check_and_update_config"]
     assert isinstance(own, classmethod)
-    ours = cpu_worker._keep_uni_executor(CpuPlatform, lambda: None)
+    ours = keep_uni_executor(CpuPlatform, lambda: None)
     assert (
         _params(ours.__func__)
         == _params(own.__func__)

@@ -36,6 +36,7 @@ def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, mo
     from nemo_jetrl.recipe import Recipe
     from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs
     from nemo_jetrl.vllm_patch.refit import refit_from_checkpoint
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
     tiny_llama_128(0).save_pretrained(tmp_path)
     char_tokenizer().save_pretrained(tmp_path)
@@ -55,7 +56,7 @@ def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, mo
                 }
                 out = _generate(llm)
             finally:
-                llm.llm_engine.engine_core.shutdown()
+                shutdown_engine(llm)
     finally:
         vllm.envs.disable_envs_cache()
     trainer = tiny_llama_128(0)

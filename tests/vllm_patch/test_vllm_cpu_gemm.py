@@ -268,25 +268,32 @@ def test_without_rollback_the_same_failure_leaves_the_engine_changed(pool, engin
     assert not has_snapshot(llm)
 
 
-def test_closing_the_last_engine_leaves_no_queue_socket_open(pool):
-    """Last in the module, on its last engine: this teardown hung on vLLM 0.20 with the engine
-    core in-process (its CPU platform spawns the worker through message queues whose ZMQ
-    sockets its shutdown leaves open; gc then waited in ``Context.term``). Closing through
-    `shutdown.shutdown_engine` closes every one of them; on 0.32 (the ``uni`` executor with
-    multiprocessing off) there are none in this process."""
+def test_the_worker_runs_in_this_process_and_the_engine_closes_here(pool):
+    """Last in the module, on its last engine: with the engine core in this process the one
+    worker runs here too, in vLLM's ``uni`` executor, on every vLLM line (0.20's CPU platform
+    spawned it, through message queues: `vllm_cpu_env` keeps ``uni`` with the rehearsal's rule),
+    as NeMo-RL's generation worker runs a TP=1 engine. Closing it through `shutdown_engine`
+    releases the model and vLLM's model-parallel groups here: vLLM 0.20's model runner first
+    synchronizes an accelerator, which raised on this machine (torch without one) before the
+    model was dropped, and 0.20's core left the groups to the next engine."""
     import os
 
-    import vllm
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    from nemo_jetrl.vllm_patch.compat import release
-    from nemo_jetrl.vllm_patch.shutdown import _executor_queues, queue_sockets
+    from nemo_jetrl.vllm_patch.shutdown import _executor_queues
 
     if pool.engine is None:  # run alone: any of the module's engines
         pool.get(next(iter(KEYS.values())))
-    queues = _executor_queues(pool.engine.llm.llm_engine.engine_core)
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    assert bool(queues) == (in_process and release(vllm.__version__) < (0, 25, 0)), queues
-    sockets = [s for q in queues for s in queue_sockets(q)]
-    assert all(not s.closed for s in sockets) and (sockets or not queues)
+    core = pool.engine.llm.llm_engine.engine_core
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    executor = core.engine_core.model_executor
+    assert isinstance(executor, UniProcExecutor), type(executor)
+    assert _executor_queues(core) == []
+    runner = executor.driver_worker.worker.model_runner
+    assert runner.model is not None
     pool.close()
-    assert all(s.closed for s in sockets)
+    assert runner.model is None  # vLLM's shutdown ran to its end in this process
+    # and its model-parallel groups went with it: the next engine here builds its own
+    from vllm.distributed import parallel_state
+
+    assert not parallel_state.model_parallel_is_initialized()

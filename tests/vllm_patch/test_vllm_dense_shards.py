@@ -244,3 +244,19 @@ def test_hooked_transport_checks_and_rolls_back_each_rank(llm, settings):
     p0, _ = llm.collective_rpc(_refit, args=(after, settings.to_json(), False))
     _, p1 = llm.collective_rpc(_refit, args=(before, settings.to_json(), False))
     assert "error" not in p0 and "error" not in p1, (p0, p1)
+
+
+def test_closing_the_engine_leaves_no_queue_socket_open(llm):
+    """Last in the module: the TP=2 engine's core runs in this process and its two workers are
+    spawned (``mp``) behind message queues. vLLM 0.20's shutdown left their ZMQ sockets open
+    with an infinite linger (a module's teardown then hung in zmq's ``Context.term``);
+    `shutdown_engine` closes every one of them, on every vLLM line (the fixture's own close
+    after this one finds the executor shut down and does nothing more)."""
+    from nemo_jetrl.vllm_patch.shutdown import _executor_queues, queue_sockets, shutdown_engine
+
+    queues = _executor_queues(llm.llm_engine.engine_core)
+    assert len(queues) >= 2, queues  # the broadcast queue and each worker's response queue
+    sockets = [s for q in queues for s in queue_sockets(q)]
+    assert sockets and all(not s.closed for s in sockets)
+    shutdown_engine(llm)
+    assert all(s.closed for s in sockets)

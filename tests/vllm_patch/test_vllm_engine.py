@@ -326,6 +326,7 @@ def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch,
     from nemo_jetrl.vllm_patch import build_engine_kwargs
     from nemo_jetrl.vllm_patch.kernel import registered_kernel
     from nemo_jetrl.vllm_patch.settings import ENV_VAR
+    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
     handle = rollout.patch
     handle.revert()
@@ -364,7 +365,7 @@ def test_after_revert_vllm_is_unpatched(rollout, model_dir, recipe, monkeypatch,
             plain = LLM(model=str(model_dir), **kw)
             kernels = set(plain.collective_rpc("jetrl_kernels")[0].values())
             assert "JetRLFp8BlockLinearKernel" not in kernels, kernels
-            plain.llm_engine.engine_core.shutdown()
+            shutdown_engine(plain)
         else:
             with pytest.raises(Exception) as ei:
                 LLM(model=str(model_dir), **kw)

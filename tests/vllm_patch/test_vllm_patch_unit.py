@@ -444,3 +444,27 @@ def test_set_attention_kv_scales_writes_every_copy_each_vllm_line_keeps(line):
         assert [float(getattr(layer, f"_{k}_scale_cpu")) for k in "qkv"] == [0.5, 0.25, 0.125]
     else:
         assert layer.calculate_kv_scales is False
+
+
+def test_shutdown_syncs_no_accelerator_only_while_there_is_none(monkeypatch):
+    """`shutdown._no_accelerator_sync`: without an accelerator, vLLM 0.20's
+    ``torch.accelerator.synchronize()`` at an in-process worker's shutdown raised (CUDA build of
+    torch, no driver; a CPU build raises too): a no-op for the shutdown's length, then torch's
+    own again. With one, nothing is replaced (both answers set here, whatever this machine has)."""
+    from nemo_jetrl.vllm_patch.shutdown import _no_accelerator_sync
+
+    def own(device=None):  # torch's answer on a machine without one
+        raise RuntimeError("Cannot access accelerator device when none is available.")
+
+    monkeypatch.setattr(torch.accelerator, "synchronize", own)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    with _no_accelerator_sync() as replaced:
+        assert replaced and torch.accelerator.synchronize is not own
+        torch.accelerator.synchronize()  # what vLLM 0.20's model runner calls first
+    assert torch.accelerator.synchronize is own
+    with pytest.raises(KeyError), _no_accelerator_sync():
+        raise KeyError("the shutdown failed")  # still put back
+    assert torch.accelerator.synchronize is own
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    with _no_accelerator_sync() as replaced:
+        assert not replaced and torch.accelerator.synchronize is own

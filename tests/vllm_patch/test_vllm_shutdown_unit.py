@@ -1,7 +1,7 @@
 """`nemo_jetrl.vllm_patch.shutdown` on this vLLM (vLLM tier: pyzmq comes with it): the queue
 sockets of an in-process engine core are closed without lingering, so their context's ``term``
 returns; the attributes it reads are the ones this vLLM's classes set. The engine-level proof
-is tests/vllm_patch/test_vllm_cpu_gemm.py's last test (the module whose teardown hung on 0.20)."""
+is tests/vllm_patch/test_vllm_dense_shards.py's last test (a TP=2 engine's queues)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,40 @@ def test_the_attributes_read_are_the_ones_this_vllm_sets():
     assert "worker_response_mq" in inspect.getsource(multiproc_executor.WorkerProcHandle)
     queue = inspect.getsource(shm_broadcast.MessageQueue)
     assert "self.local_socket = context.socket(" in queue and "self._spin_condition" in queue
+
+
+def test_the_worker_is_in_process_only_under_the_uni_executor_of_an_in_process_core():
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from nemo_jetrl.vllm_patch.shutdown import _worker_in_process
+
+    uni = UniProcExecutor.__new__(UniProcExecutor)  # never started: only its class is read
+    assert _worker_in_process(SimpleNamespace(engine_core=SimpleNamespace(model_executor=uni)))
+    mp = SimpleNamespace(rpc_broadcast_mq=object(), response_mqs=[], workers=[])
+    assert not _worker_in_process(SimpleNamespace(engine_core=SimpleNamespace(model_executor=mp)))
+    assert not _worker_in_process(SimpleNamespace(resources=object()))  # core in its process
+
+
+@pytest.mark.parametrize(
+    ("worker_here", "groups_left", "cleaned"),
+    [(True, True, 1), (True, False, 0), (False, True, 0)],
+    ids=["uni-groups-left", "uni-groups-gone", "worker-elsewhere"],
+)
+def test_groups_a_worker_here_left_are_torn_down_after_its_shutdown(
+    monkeypatch, worker_here, groups_left, cleaned
+):
+    """vLLM 0.20's engine core leaves an in-process worker's model-parallel groups (and its env
+    cache) to the next engine; 0.25+ tear them down themselves. `shutdown_engine` calls vLLM's
+    own ``cleanup_dist_env_and_memory`` after the core's shutdown, only where they remain."""
+    from vllm.distributed import parallel_state
+
+    from nemo_jetrl.vllm_patch import shutdown
+
+    order = []
+    monkeypatch.setattr(shutdown, "_worker_in_process", lambda core: worker_here)
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: groups_left)
+    monkeypatch.setattr(parallel_state, "cleanup_dist_env_and_memory",
+                        lambda shutdown_ray=False: order.append("cleanup"))  # fmt: skip
+    core = SimpleNamespace(shutdown=lambda: order.append("shutdown"))
+    shutdown.shutdown_engine(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core)))
+    assert order == ["shutdown"] + ["cleanup"] * cleaned

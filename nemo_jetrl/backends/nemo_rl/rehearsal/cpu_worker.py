@@ -69,7 +69,6 @@ SUBSTITUTES = (
     "sleep_mode", "bind_numa", "report_device_id", "fp8_patches", "device", "ipc_buffer",
     "bf16_weights", "vllm_block_fp8", "uni_executor",
 )  # fmt: skip
-MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"  # NeMo-RL's generation worker sets it to "0"
 
 
 class _NoStream:
@@ -148,27 +147,6 @@ def _vllm_own_moe_method() -> Any:
             setattr(mod, experts.SLOT, ours)
 
 
-def _keep_uni_executor(platform: type, on_kept: Any) -> Any:
-    """The platform's ``check_and_update_config``, keeping a one-worker engine's ``uni``
-    executor when multiprocessing is off (``uni_executor``, module docstring); ``on_kept()``
-    is called each time it undoes the platform's change."""
-    check = platform.__dict__["check_and_update_config"].__func__
-
-    def check_and_update_config(cls: type, vllm_config: Any) -> None:
-        parallel = vllm_config.parallel_config
-        before = parallel.distributed_executor_backend
-        check(cls, vllm_config)
-        if (
-            before == "uni"
-            and parallel.distributed_executor_backend == "mp"
-            and os.environ.get(MULTIPROCESSING) == "0"
-        ):
-            parallel.distributed_executor_backend = "uni"
-            on_kept()
-
-    return classmethod(check_and_update_config)
-
-
 def install(settings: dict[str, Any]) -> RehearsalHandle:
     """Replace, in this process, what NeMo-RL's vLLM worker needs a GPU for (module docstring).
     ``settings``: the JSON of `ENV_VAR` (``vllm_cfg``, ``model``, ``model_parallel_size``,
@@ -177,6 +155,8 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
     from nemo_rl.models.generation.vllm import vllm_backend
     from vllm.platforms import current_platform
     from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from nemo_jetrl.vllm_patch.uni_executor import keep_uni_executor
 
     ext = vllm_backend.VllmInternalWorkerExtension
     platform = type(current_platform)
@@ -203,7 +183,7 @@ def install(settings: dict[str, Any]) -> RehearsalHandle:
 
     ours = [
         (platform, "is_sleep_mode_available", lambda self: True),
-        (platform, "check_and_update_config", _keep_uni_executor(platform, kept_uni)),
+        (platform, "check_and_update_config", keep_uni_executor(platform, kept_uni)),
         (vllm_backend, "rebuild_cuda_tensor_from_ipc", buffer_from_handle),
         (torch.cuda, "current_stream", lambda *a, **k: _NoStream()),
         (layer_utils, "dispatch_cpu_unquantized_gemm", _keep_bf16_weight),

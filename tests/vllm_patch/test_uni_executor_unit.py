@@ -1,8 +1,10 @@
-"""The rehearsal's ``uni_executor`` substitute (rehearsal/cpu_worker.py) on a labelled stand-in
-platform whose check does what vLLM 0.20's CPU platform does to a one-worker engine (``uni`` ->
-``mp``, whatever ``VLLM_ENABLE_V1_MULTIPROCESSING`` says). The real platform's parameters are
-compared in test_nemo_rl_rehearsal_contract.py, and a rehearsal on vLLM 0.20 reads the
-substitute back from the engine (tests/backends/rehearsals.assert_ready)."""
+"""`nemo_jetrl.vllm_patch.uni_executor` (the rehearsal's ``uni_executor`` substitute, and the vLLM
+tier's in-process engines: tests/vllm_fixtures.vllm_cpu_env) on a labelled stand-in platform whose
+check does what vLLM 0.20's CPU platform does to a one-worker engine (``uni`` -> ``mp``, whatever
+``VLLM_ENABLE_V1_MULTIPROCESSING`` says). The real platform's parameters are compared in
+test_nemo_rl_rehearsal_contract.py; a rehearsal on vLLM 0.20 reads the substitute back from the
+engine (tests/backends/rehearsals.assert_ready), and the vLLM tier's engines run ``uni``
+(tests/vllm_patch/test_vllm_cpu_gemm.py's last test)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nemo_jetrl.backends.nemo_rl.rehearsal import cpu_worker
+from nemo_jetrl.vllm_patch import uni_executor
 
 
 class StandInCpuPlatform:  # stand-in: vLLM 0.20's rule, nothing else
@@ -41,11 +43,11 @@ def test_uni_is_kept_only_for_a_one_worker_engine_with_multiprocessing_off(
     monkeypatch, before, multiprocessing, after, kept
 ):
     if multiprocessing is None:
-        monkeypatch.delenv(cpu_worker.MULTIPROCESSING, raising=False)
+        monkeypatch.delenv(uni_executor.MULTIPROCESSING, raising=False)
     else:
-        monkeypatch.setenv(cpu_worker.MULTIPROCESSING, multiprocessing)
+        monkeypatch.setenv(uni_executor.MULTIPROCESSING, multiprocessing)
     calls = []
-    check = cpu_worker._keep_uni_executor(StandInCpuPlatform, lambda: calls.append(1))
+    check = uni_executor.keep_uni_executor(StandInCpuPlatform, lambda: calls.append(1))
     monkeypatch.setattr(StandInCpuPlatform, "check_and_update_config", check)
     cfg = _config(before)
     checked = StandInCpuPlatform.checked
