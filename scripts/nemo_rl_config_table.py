@@ -77,10 +77,14 @@ def fp8_summary(cfg) -> str:
 def grpo_configs(tree_dir: Path) -> list[tuple[Path, object]]:
     """(path, resolved config) of every GRPO config under the tree's examples/."""
     from nemo_jetrl.config import load_config
+    from nemo_jetrl.config.load import merged_container
 
     out = []
     for p in sorted((tree_dir / "examples").rglob("*.yaml")):
         try:
+            raw = merged_container(p)  # no section: not a GRPO config, no DictConfig built
+            if raw.get("grpo") is None or raw.get("policy") is None:
+                continue
             cfg = load_config(p)
         except Exception:  # not a config (quant recipes, launcher settings) or not ours to read
             continue

@@ -15,6 +15,7 @@ Every problem becomes a `ConfigIssue`; `ConfigError` carries all of them at once
 
 from __future__ import annotations
 
+import copy
 import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -78,9 +79,10 @@ def _fmt(v: Any) -> str:
 
 
 def _merge_with_override(base: DictConfig | None, child: DictConfig) -> DictConfig:
-    """Merge `child` into `base` (None: nothing yet); mappings marked `_override_: true` replace
-    instead of merge. Both are the loader's own: `base` changes in place (OmegaConf.merge copies
-    the whole base at every level) and `child` may become the result."""
+    """Merge `child` into `base` (None: nothing yet) with OmegaConf; mappings marked
+    ``_override_: true`` replace instead of merge. Both are the loader's own: `base` changes in
+    place (OmegaConf.merge copies the whole base at every level) and `child` may become the
+    result. `_merge_plain` does the same on plain containers where it can."""
     for key in list(child.keys()):
         if OmegaConf.is_missing(child, key):
             continue
@@ -93,6 +95,64 @@ def _merge_with_override(base: DictConfig | None, child: DictConfig) -> DictConf
         return child
     base.merge_with(child)
     return base
+
+
+class _NotPlain(Exception):
+    """A merge whose result only OmegaConf's own merge gives (see `_merge_plain`)."""
+
+
+def _interpolation(v: Any) -> bool:
+    return isinstance(v, str) and "${" in v
+
+
+def _merge_into(base: dict, child: dict) -> None:
+    """OmegaConf's merge of one mapping into another, on plain containers: mappings merge key by
+    key, anything else replaces, and ``???`` (missing) never replaces a value. Where OmegaConf
+    does something else it raises `_NotPlain`: a mapping merged into an interpolation (OmegaConf
+    resolves it and merges into the result) or a list meeting a mapping (OmegaConf refuses)."""
+    for key, val in child.items():
+        old = base.get(key, _MISSING)
+        if val == "???" and old is not _MISSING:
+            continue
+        if isinstance(val, dict):
+            if isinstance(old, dict):
+                _merge_into(old, val)
+                continue
+            if isinstance(old, list) or _interpolation(old):
+                raise _NotPlain(key)
+        elif isinstance(val, list) and isinstance(old, dict):
+            raise _NotPlain(key)
+        base[key] = val
+
+
+def _merge_plain(parts: list[dict]) -> dict:
+    """`parts` (parents in order, then the file itself) merged as `_merge_with_override` merges
+    them, on plain containers that become the result; OmegaConf's merge where `_merge_into`
+    cannot follow it. Building a DictConfig per file and merging with OmegaConf was most of a
+    tree walk's time (the NeMo-RL config table: docs/ci_times.md)."""
+    try:
+        base: dict | None = None
+        for part in parts:
+            for key, val in part.items():
+                if isinstance(val, dict) and "_override_" in val:
+                    flag = val["_override_"]
+                    if _interpolation(flag):
+                        raise _NotPlain(key)
+                    if flag:
+                        del val["_override_"]
+                        if base is not None:
+                            base.pop(key, None)
+            if base is None:
+                base = part
+            else:
+                _merge_into(base, part)
+        assert base is not None
+        return base
+    except _NotPlain:
+        merged: DictConfig | None = None
+        for part in parts:
+            merged = _merge_with_override(merged, OmegaConf.create(part))
+        return OmegaConf.to_container(merged, resolve=False)  # type: ignore[return-value]
 
 
 # A file's config with its ``defaults:`` merged in, as plain containers, by resolved path. A walk
@@ -113,8 +173,9 @@ def _bytes(path: Path) -> bytes | None:
         return None
 
 
-def _inherited(path: Path, chain: tuple[Path, ...]) -> tuple[DictConfig, dict[Path, bytes]]:
-    """The file's config with its parents merged in, and the bytes of every file read for it."""
+def _inherited(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[Path, bytes]]:
+    """The file's config with its parents merged in (plain containers, the caller's own), and
+    the bytes of every file read for it."""
     path = path.resolve()
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path))
@@ -125,31 +186,32 @@ def _inherited(path: Path, chain: tuple[Path, ...]) -> tuple[DictConfig, dict[Pa
     hit = _INHERITED.get(path)
     # a file of the chain among the entry's is a cycle, which the uncached path below names
     if hit is not None and all(p not in chain and _bytes(p) == b for p, b in hit[0].items()):
-        return OmegaConf.create(hit[1]), hit[0]
+        return copy.deepcopy(hit[1]), hit[0]
     data = _bytes(path)
-    cfg = _parse_file(path, data)
+    cfg = OmegaConf.to_container(_parse_file(path, data), resolve=False)
+    assert isinstance(cfg, dict)
     read = {path: data}
     if "defaults" in cfg:
         defaults = cfg.pop("defaults")
         if isinstance(defaults, (str, Path)):
             defaults = [defaults]
-        elif isinstance(defaults, ListConfig):
+        elif isinstance(defaults, list):
             defaults = [str(d) for d in defaults]
         else:
             raise ConfigError(
                 [ConfigIssue("defaults", "must be a file path or a list of file paths")], str(path)
             )
-        base: DictConfig | None = None
+        parts = []
         for parent in defaults:
             ppath = Path(str(parent))
             ppath = ppath if ppath.is_absolute() else path.parent / ppath
             parent_cfg, parent_read = _inherited(ppath, (*chain, path))
             read.update(parent_read)
-            base = _merge_with_override(base, parent_cfg)
-        cfg = _merge_with_override(base, cfg)
+            parts.append(parent_cfg)
+        cfg = _merge_plain([*parts, cfg])
     if len(_INHERITED) >= _INHERITED_MAX:
         _INHERITED.clear()
-    _INHERITED[path] = (read, OmegaConf.to_container(cfg, resolve=False))  # type: ignore[assignment]
+    _INHERITED[path] = (read, copy.deepcopy(cfg))
     return cfg, read
 
 
@@ -303,6 +365,14 @@ def _near_keys(cfg: DictConfig, key: str) -> list[str]:
     return [prefix + k for k in difflib.get_close_matches(leaf, [str(k) for k in node], n=3)]
 
 
+def merged_container(path: str | Path) -> dict:
+    """The file's config with its ``defaults:`` merged in, as plain containers: interpolations
+    unresolved, no overrides, nothing validated. A walk that skips most files (NeMo-RL's
+    examples: a GRPO config has ``grpo`` and ``policy`` sections) reads them so, and builds the
+    DictConfig of `load_config`, most of a load's time, only for those it keeps."""
+    return _inherited(Path(path), ())[0]
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     """Load a NeMo-RL-shaped YAML with `defaults:` inheritance, then apply overrides.
 
@@ -314,7 +384,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
 
     register_resolvers()
     cfg, _ = _inherited(Path(path), ())
-    return apply_overrides(cfg, overrides)
+    return apply_overrides(OmegaConf.create(cfg), overrides)
 
 
 def config_yaml(config: Any, *, recipe: str | None = None) -> str:

@@ -308,6 +308,13 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "config merge on plain containers lets a missing value (???) replace a parent's value",
+        "nemo_jetrl/config/load.py",
+        'if val == "???" and old is not _MISSING:',
+        "if False:",
+        ("tests/config/test_config_merge.py",),
+    ),
+    Mutant(
         "census reads a kept ptxas answer for another PTX text",
         "scripts/sm90_census.py",
         "hashlib.sha256((ident + ptx).encode())",
