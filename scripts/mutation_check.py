@@ -42,6 +42,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -239,7 +240,7 @@ def judge(root: Path, copy: Path, m: Mutant, probe: Path, servers: Servers | Non
     except (RuntimeError, OSError) as exc:  # the fork server refused to serve or died (exit 2)
         return Outcome(m, "ERROR", time.monotonic() - t0, str(exc))
     dt = time.monotonic() - t0
-    failed = [ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
+    failed = failed_ids(out)
     # A shell script imports nowhere: its tests run it by their own path, inside the copy.
     if m.file.endswith(".py") and (where is None or Path(where).resolve() != path.resolve()):
         why = f"the tests imported {module_name(m.file)} from {where}, not from the copy"
@@ -250,6 +251,17 @@ def judge(root: Path, copy: Path, m: Mutant, probe: Path, servers: Servers | Non
     if rc == 124 or rc == 1 or (rc == 2 and "error" in out.lower()):
         return Outcome(m, "KILLED", dt, "timed out" if rc == 124 else "", failed)
     return Outcome(m, "ERROR", dt, f"pytest exited {rc}\n" + out[-1500:], failed)
+
+
+# pytest's short summary: "FAILED tests/x.py::test_y[p] - why", "ERROR tests/x.py - why". Not a
+# captured log record, "ERROR    pkg.module:file.py:205 message" (the tests' own processes log
+# there now that vLLM's workers run in them).
+_SUMMARY = re.compile(r"^(?:FAILED|ERROR) (\S+\.py(?:::\S+)?)(?: - .*)?$")
+
+
+def failed_ids(out: str) -> list[str]:
+    """The test ids pytest's short summary in ``out`` names as failed or in error."""
+    return [m[1] for ln in out.splitlines() if (m := _SUMMARY.match(ln))]
 
 
 def confirm_kills(root: Path, copy: Path, outcomes: list[Outcome]) -> None:
@@ -278,7 +290,7 @@ def _confirm(root: Path, copy: Path, killed: list[Outcome], kind: str) -> None:
     out = p.stdout + p.stderr
     if p.returncode == 0:
         return
-    bad = {ln.split()[1] for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))}
+    bad = set(failed_ids(out))
     for o in mine:
         own = set(o.failed or o.mutant.tests)
         if bad & own or not bad:  # not bad: the run failed as a whole (collection, usage)

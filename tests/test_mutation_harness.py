@@ -44,6 +44,25 @@ def test_every_mutant_applies_to_the_current_code_and_names_behaviour_tests() ->
             assert "mutation" not in t, f"{m.name}: judged by behaviour tests only"
 
 
+def test_failed_tests_are_read_from_pytests_summary_not_from_a_captured_log() -> None:
+    """Seen in CI (2026-11-30): a killed NeMo-RL mutant's output held a captured log record of
+    the test's own process, ``ERROR    nemo_jetrl...vllm_refit:vllm_refit.py:205 ...``, read as
+    a failed test id; rerun unmutated, pytest found no such file and 9 kills became errors."""
+    mc = _harness()
+    out = "\n".join([
+        "ERROR    nemo_jetrl.backends.nemo_rl.vllm_refit:vllm_refit.py:205 transport failed",
+        "FAILED tests/backends/test_x.py::test_y[a-b] - AssertionError: no",
+        "ERROR tests/backends/test_z.py - ImportError: gone",
+        "ERROR tests/backends/test_w.py::test_v",
+        "FAILED   not a summary line",
+    ])  # fmt: skip
+    assert mc.failed_ids(out) == [
+        "tests/backends/test_x.py::test_y[a-b]",
+        "tests/backends/test_z.py",
+        "tests/backends/test_w.py::test_v",
+    ]
+
+
 def test_the_planted_no_op_is_equivalent_not_killed() -> None:
     mc = _harness()
     noop = next(m for m in mc.load_mutants() if m.name.startswith("planted no-op"))
