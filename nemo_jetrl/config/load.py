@@ -130,6 +130,7 @@ def _merge_plain(parts: list[dict]) -> dict:
     them, on plain containers that become the result; OmegaConf's merge where `_merge_into`
     cannot follow it. Building a DictConfig per file and merging with OmegaConf was most of a
     tree walk's time (the NeMo-RL config table: docs/ci_times.md)."""
+    originals = copy.deepcopy(parts)  # the attempt below changes them before it may give up
     try:
         base: dict | None = None
         for part in parts:
@@ -150,7 +151,7 @@ def _merge_plain(parts: list[dict]) -> dict:
         return base
     except _NotPlain:
         merged: DictConfig | None = None
-        for part in parts:
+        for part in originals:
             merged = _merge_with_override(merged, OmegaConf.create(part))
         return OmegaConf.to_container(merged, resolve=False)  # type: ignore[return-value]
 

@@ -32,6 +32,11 @@ CASES = [
     ({"s": {"a": 1, "b": 2}}, {"s": {"_override_": True, "c": 3}}),  # replaces the mapping
     ({"s": {"a": 1}}, {"s": {"_override_": False, "c": 3}}),  # merges, the flag kept
     ({"s": {"a": {"k": 1}}}, {"s": {"a": {"_override_": True, "j": 2}}}),  # only at the top
+    # the fallback after the plain merge changed keys and popped a flag before giving up
+    (
+        {"p": {"x": 1}, "s": {"a": 1}, "z": "${b}", "b": {"y": 2}},
+        {"p": {"w": 2}, "s": {"_override_": True, "c": 3}, "z": {"x": 1}},
+    ),
 ]
 
 
