@@ -309,7 +309,7 @@ MUTANTS = [
     ),
     Mutant(
         "config merge on plain containers lets a missing value (???) replace a parent's value",
-        "nemo_jetrl/config/load.py",
+        "nemo_jetrl/config/merge.py",
         'if val == "???" and old is not _MISSING:',
         "if False:",
         ("tests/config/test_config_merge.py",),

@@ -1,4 +1,4 @@
-"""The loader's plain-container merge (`load._merge_plain`) against OmegaConf's own merge, which
+"""The loader's plain-container merge (`merge.merge_parts`) against OmegaConf's own merge, which
 it stands in for: every case below, including those where OmegaConf resolves, keeps or refuses
 something a key-by-key merge would not (the loader falls back to OmegaConf's merge there). Over
 every YAML of both NeMo-RL trees the loaded configs were the same as with OmegaConf's merge
@@ -11,7 +11,7 @@ import copy
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_jetrl.config import load
+from nemo_jetrl.config import merge
 
 CASES = [
     ({"a": 1}, {"a": "???"}),  # missing never replaces a value
@@ -43,14 +43,14 @@ CASES = [
 def _omegaconf(parts: list[dict]) -> dict:
     merged = None
     for part in parts:
-        merged = load._merge_with_override(merged, OmegaConf.create(part))
+        merged = merge.merge_with_override(merged, OmegaConf.create(part))
     return OmegaConf.to_container(merged, resolve=False)
 
 
 @pytest.mark.parametrize(("base", "child"), CASES)
 def test_the_plain_merge_gives_omegaconfs_result(base, child):
     parts = [base, child]
-    assert load._merge_plain(copy.deepcopy(parts)) == _omegaconf(copy.deepcopy(parts))
+    assert merge.merge_parts(copy.deepcopy(parts)) == _omegaconf(copy.deepcopy(parts))
 
 
 @pytest.mark.parametrize(("base", "child"), [({"a": [1]}, {"a": {"x": 1}}),
@@ -59,9 +59,9 @@ def test_a_list_meeting_a_mapping_is_refused_as_omegaconf_refuses_it(base, child
     from omegaconf.errors import ConfigTypeError
 
     with pytest.raises(ConfigTypeError):
-        load._merge_plain([base, child])
+        merge.merge_parts([base, child])
 
 
 def test_three_parts_merge_in_order_and_the_parts_are_the_callers():
     a, b, c = {"x": 1, "s": {"p": 1}}, {"x": 2, "s": {"q": 2}}, {"s": {"_override_": True, "r": 3}}
-    assert load._merge_plain([a, b, c]) == {"x": 2, "s": {"r": 3}}
+    assert merge.merge_parts([a, b, c]) == {"x": 2, "s": {"r": 3}}
