@@ -272,4 +272,20 @@ MUTANTS = [
         "bad_s = ~(torch.isfinite(s) & (s >= 0))",
         (T_FAULTS + "test_load_quantized_refuses_bad_scales",),
     ),
+    Mutant(
+        "local backend's BF16 CPU linear hands BF16 operands to torch's GEMM (the scalar fallback)",
+        "nemo_jetrl/backends/local/bf16_gemm.py",
+        "return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)",
+        "return nn.functional.linear(x, weight, bias)",
+        ("tests/backends/test_local_bf16_gemm.py",),
+    ),
+    Mutant(
+        "validation decodes each distinct prompt once with a BF16 CPU linear left (batch-variant)",
+        "nemo_jetrl/backends/local/step.py",
+        "and not any(is_bf16_gemm(m) for m in self.rollout_model.modules())",
+        "and not any(type(m) is torch.nn.Linear for m in self.rollout_model.modules())",
+        (
+            "tests/backends/test_local_validation.py::test_batch_variant_or_sampled_validation_decodes_every_row",
+        ),
+    ),
 ]

@@ -63,6 +63,13 @@ def test_each_distinct_prompt_is_decoded_once_with_the_same_metrics(tmp_path, mo
         ("bf16", ()),  # BF16 decoder GEMMs: rounding may depend on the row count
         ("jetrl", ("jetrl.local.batch_invariant=false",)),  # HF's ops
         ("jetrl", ("jetrl.local.val_greedy=false",)),  # sampled: repeats are separate draws
+        (  # a BF16 first layer: its GEMM (bf16_gemm.Bf16CpuLinear) is batch-variant
+            "jetrl",
+            (
+                "++jetrl.train_num_first_layers_in_bf16=1",
+                "++policy.generation.vllm_cfg.num_first_layers_in_bf16=1",
+            ),
+        ),
     ],
 )
 def test_batch_variant_or_sampled_validation_decodes_every_row(

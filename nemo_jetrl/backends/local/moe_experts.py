@@ -35,6 +35,7 @@ import re
 import torch
 from torch import nn
 
+from nemo_jetrl.backends.local import bf16_gemm
 from nemo_jetrl.fp8 import Fp8InferenceLinear, Fp8LinearConfig
 from nemo_jetrl.fp8.experts import grouped_fp8_linear, grouped_fp8_linear_inference
 from nemo_jetrl.fp8.experts_layer import routed_experts_inference
@@ -54,7 +55,7 @@ def expert_rows(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def _bf16_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    outs = [nn.functional.linear(x[s:t], weight[e].to(x.dtype)) for e, s, t in expert_rows(offsets)]
+    outs = [bf16_gemm.linear(x[s:t], weight[e].to(x.dtype)) for e, s, t in expert_rows(offsets)]
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
 
 

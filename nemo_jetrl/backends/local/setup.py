@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_jetrl.backends.local.bf16_gemm import swap_bf16_linears
 from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
 from nemo_jetrl.backends.local.device import device_issues
 from nemo_jetrl.backends.local.model import build_model, load_model_config
@@ -213,6 +214,7 @@ class LocalRun(RunStep, RunCheckpointing):
         train_model.to(self.device)  # what the swap made on the host (MoE expert stacks)
         if invariant:
             make_batch_invariant(train_model)
+        swap_bf16_linears(train_model)  # after the invariant swap: lm_head stays invariant
         reference = None
         if loss_cfg.reference_policy_kl_penalty != 0.0:
             reference = freeze(copy.deepcopy(train_model))
@@ -247,6 +249,7 @@ class LocalRun(RunStep, RunCheckpointing):
         rollout_model.to(self.device)  # Fp8InferenceLinear makes its FP8 buffers on the host
         if invariant:
             make_batch_invariant(rollout_model)
+        swap_bf16_linears(rollout_model)
         self.rollout_model = freeze(rollout_model)
         self.engine = None  # a VllmRollout with rollout_engine=vllm
         self.engine_parity_tensors = 0

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from nemo_jetrl.backends.local.bf16_gemm import is_bf16_gemm
 from nemo_jetrl.backends.local.device import to_device
 from nemo_jetrl.backends.local.guard import guarded_update
 from nemo_jetrl.backends.local.refit import (
@@ -163,7 +164,7 @@ class RunStep:
             and is_batch_invariant(self.rollout_model)
             and plan is not None
             and plan.exact_gemm
-            and not any(type(m) is torch.nn.Linear for m in self.rollout_model.modules())
+            and not any(is_bf16_gemm(m) for m in self.rollout_model.modules())
         ):
             return problems, list(range(len(problems)))
         index: dict[str, int] = {}

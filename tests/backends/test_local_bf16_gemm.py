@@ -1,0 +1,142 @@
+"""The local backend's BF16 CPU linears (`backends.local.bf16_gemm`): float32 GEMMs of the BF16
+values, one rounding, against a float64 reference; swapped in on both sides of a real run, where
+no BF16 GEMM reaches torch any more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nemo_jetrl.backends.local import bf16_gemm
+from nemo_jetrl.backends.local.bf16_gemm import Bf16CpuLinear, linear, swap_bf16_linears
+
+# the ops a linear layer reaches torch as (attention's batched products, bmm, are not linears:
+# HF's eager attention runs them in BF16 where `batch_invariant` is off)
+_GEMMS = {"mm", "addmm", "linear", "_mkldnn_linear"}
+
+
+class _Bf16Gemms(TorchDispatchMode):
+    """Records every linear-layer GEMM torch runs with a BF16 operand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _GEMMS and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args
+        ):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _operands(seed: int, k: int = 384, n: int = 200):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 7, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    return x, w, b
+
+
+def _bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, k: int) -> torch.Tensor:
+    """One BF16 rounding of the result (half an ulp: 2**-9 relative) plus float32 accumulation
+    over ``k`` terms (k * 2**-24 times the sum of |terms|), of ``ref = a @ b``'s float64 value."""
+    mags = a.abs().double() @ b.abs().double()
+    return ref.abs() * 2.0**-8 + mags * (k * 2.0**-24)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_forward_is_within_one_rounding_of_the_float64_product(seed):
+    x, w, b = _operands(seed)
+    out = linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 7, 200)
+    ref = x.double() @ w.double().t() + b.double()
+    bound = _bound(x.reshape(-1, 384), w.t(), ref.reshape(-1, 200), 384).reshape(ref.shape)
+    assert ((out.double() - ref).abs() <= bound).all()
+    # the control: torch's own BF16 GEMM meets the same bound
+    assert ((nn.functional.linear(x, w, b).double() - ref).abs() <= bound).all()
+
+
+def test_sums_are_accumulated_wider_than_bf16():
+    """1 + 255 * 2**-9 = 1.498...; summed in BF16 every 2**-9 (a quarter ulp of 1) is lost and the
+    result is 1.0; summed in float32 and rounded once it is 1.5."""
+    x = torch.full((1, 256), 2.0**-9).bfloat16()
+    x[0, 0] = 1.0
+    w = torch.ones(1, 256).bfloat16()
+    assert linear(x, w).item() == 1.5
+
+
+def test_backward_gives_each_gradient_in_its_dtype_within_the_float64_bound():
+    x, w, b = _operands(2)
+    x, w, b = (t.clone().requires_grad_(True) for t in (x, w, b))
+    g = torch.randn(2, 7, 200, generator=torch.Generator().manual_seed(3)).bfloat16()
+    linear(x, w, b).backward(g)
+    g2, x2 = g.reshape(-1, 200).double(), x.detach().reshape(-1, 384).double()
+    dx_ref = g2 @ w.detach().double()
+    dw_ref = g2.t() @ x2
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.bfloat16
+    dx_bound = _bound(g.reshape(-1, 200), w.detach(), dx_ref, 200)
+    dw_bound = _bound(g.reshape(-1, 200).t(), x.detach().reshape(-1, 384), dw_ref, 14)
+    assert ((x.grad.reshape(-1, 384).double() - dx_ref).abs() <= dx_bound).all()
+    assert ((w.grad.double() - dw_ref).abs() <= dw_bound).all()
+    db_ref = g2.sum(0)
+    assert (
+        (b.grad.double() - db_ref).abs()
+        <= _bound(torch.ones(1, 14), g.reshape(-1, 200), db_ref, 14)
+    ).all()
+
+
+def test_no_bf16_gemm_reaches_torch_and_other_dtypes_are_left_to_it():
+    x, w, b = _operands(4)
+    x.requires_grad_(True)
+    with _Bf16Gemms() as rec:
+        linear(x, w, b).sum().backward()
+    assert rec.seen == []
+    with _Bf16Gemms() as control:  # the recorder sees torch's own BF16 linear
+        nn.functional.linear(x, w, b)
+    assert control.seen
+    xf, wf = x.detach().float(), w.float()
+    assert torch.equal(linear(xf, wf), nn.functional.linear(xf, wf))
+    assert not bf16_gemm.runs_here(xf, wf)
+
+
+def test_swap_keeps_parameters_and_names_and_skips_other_linears():
+    model = nn.Sequential(nn.Linear(16, 8).bfloat16(), nn.ReLU(), nn.Linear(8, 4))  # 2nd: fp32
+    keys = list(model.state_dict())
+    w0 = model[0].weight
+    assert swap_bf16_linears(model) == ["0"]
+    assert isinstance(model[0], Bf16CpuLinear) and model[0].weight is w0
+    assert type(model[2]) is nn.Linear and list(model.state_dict()) == keys
+    assert swap_bf16_linears(model) == []  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "swapped"),
+    [
+        ("bf16", (), 14),  # 2 layers x 7 decoder linears; lm_head batch-invariant
+        ("jetrl", (), 0),  # every decoder linear FP8
+        ("bf16", ("jetrl.local.batch_invariant=false",), 15),  # lm_head too
+    ],
+)
+def test_a_run_swaps_its_bf16_linears_on_both_sides_and_runs_no_bf16_linear_gemm(
+    tmp_path, recipe, extra, swapped
+):
+    pytest.importorskip("transformers")
+    from local_configs import tiny_cfg
+
+    from nemo_jetrl.backends.local.loop import Hooks, LocalRun, resolve_run
+
+    run = LocalRun(resolve_run(tiny_cfg(recipe, tmp_path, tmp_path / "cache", *extra)))
+    try:
+        for model in (run.trainer.model, run.rollout_model):
+            names = [n for n, m in model.named_modules() if isinstance(m, Bf16CpuLinear)]
+            assert len(names) == swapped, names
+            assert not any(type(m) is nn.Linear for m in model.modules())
+        with _Bf16Gemms() as rec:
+            run.train_step(Hooks())
+        assert rec.seen == []
+    finally:
+        run.close()
