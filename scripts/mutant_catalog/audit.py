@@ -275,7 +275,7 @@ MUTANTS = [
     Mutant(
         "local backend's BF16 CPU linear hands BF16 operands to torch's GEMM (the scalar fallback)",
         "nemo_jetrl/backends/local/bf16_gemm.py",
-        "return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)",
+        "return float32_sums(x, weight, bias).to(x.dtype)",
         "return nn.functional.linear(x, weight, bias)",
         ("tests/backends/test_local_bf16_gemm.py",),
     ),
@@ -286,6 +286,16 @@ MUTANTS = [
         "and not any(type(m) is torch.nn.Linear for m in self.rollout_model.modules())",
         (
             "tests/backends/test_local_validation.py::test_batch_variant_or_sampled_validation_decodes_every_row",
+        ),
+    ),
+    Mutant(
+        "local backend's BF16 CPU linear sums in float32 (the BLAS's order follows the row count)",
+        "nemo_jetrl/backends/local/bf16_gemm.py",
+        "return nn.functional.linear(x.double(), weight.double(), b).float()",
+        "return nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())",
+        (
+            "tests/backends/test_local_bf16_gemm.py::test_the_sums_are_float64_ones_rounded_once_to_float32",
+            "tests/backends/test_local_bf16_gemm.py::test_a_rows_bits_do_not_depend_on_the_rows_computed_with_it",
         ),
     ),
 ]

@@ -1,6 +1,6 @@
-"""The local backend's BF16 CPU linears (`backends.local.bf16_gemm`): float32 GEMMs of the BF16
-values, one rounding, against a float64 reference; swapped in on both sides of a real run, where
-no BF16 GEMM reaches torch any more."""
+"""The local backend's BF16 CPU linears (`backends.local.bf16_gemm`): float64 GEMMs of the BF16
+values, rounded to float32 then BF16, against a float64 reference; a row's bits whatever the rows
+beside it; swapped in on both sides of a real run, where no BF16 GEMM reaches torch any more."""
 
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ def _operands(seed: int, k: int = 384, n: int = 200):
 
 
 def _bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, k: int) -> torch.Tensor:
-    """One BF16 rounding of the result (half an ulp: 2**-9 relative) plus float32 accumulation
-    over ``k`` terms (k * 2**-24 times the sum of |terms|), of ``ref = a @ b``'s float64 value."""
+    """One BF16 rounding of the result (half an ulp: 2**-9 relative, doubled for the float32
+    rounding before it) plus float32 accumulation over ``k`` terms (k * 2**-24 times the sum of
+    |terms|: the backward's, and a bound the forward's float64 sums meet too), of
+    ``ref = a @ b``'s float64 value."""
     mags = a.abs().double() @ b.abs().double()
     return ref.abs() * 2.0**-8 + mags * (k * 2.0**-24)
 
@@ -58,6 +60,32 @@ def test_forward_is_within_one_rounding_of_the_float64_product(seed):
     assert ((out.double() - ref).abs() <= bound).all()
     # the control: torch's own BF16 GEMM meets the same bound
     assert ((nn.functional.linear(x, w, b).double() - ref).abs() <= bound).all()
+
+
+def test_a_rows_bits_do_not_depend_on_the_rows_computed_with_it():
+    """What a decode step (few rows) and the trainer's forward (many) need from a BF16-kept
+    layer: the float64 sums round to the same float32 whatever kernel the row count picks."""
+    x, w, b = _operands(5, k=512, n=256)
+    rows = x.reshape(-1, 512).repeat(32, 1)[:448]  # 448 rows, as the demo's training forward
+    rows = rows + torch.randn(rows.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    full, sums = linear(rows, w, b), bf16_gemm.float32_sums(rows, w, b)
+    assert torch.equal(full.view(torch.int16), sums.to(torch.bfloat16).view(torch.int16))
+    for m in (*range(1, 40), 64, 100, 128, 200, 300):
+        # before the BF16 rounding, which would hide most differences
+        assert torch.equal(bf16_gemm.float32_sums(rows[:m], w, b), sums[:m]), m
+        assert torch.equal(linear(rows[:m], w, b).view(torch.int16), full[:m].view(torch.int16)), m
+
+
+def test_the_sums_are_float64_ones_rounded_once_to_float32():
+    """Each product (1 + 2**-7)**2 * 2**-140 carries a 2**-154 that float32 (subnormal step
+    2**-149 there) rounds away in any order; 32 of them in float64 keep 2**-149, one float32
+    step, which the single rounding to float32 keeps."""
+    v = (1 + 2**-7) * 2.0**-70
+    x = torch.full((1, 32), v).bfloat16()
+    assert x[0, 0].item() == v
+    sums = bf16_gemm.float32_sums(x, x, None)
+    assert sums.item() == torch.tensor(32 * v * v, dtype=torch.float64).float().item()
+    assert sums.item() != (x.float() @ x.float().t()).item()  # the float32 GEMM's
 
 
 def test_sums_are_accumulated_wider_than_bf16():

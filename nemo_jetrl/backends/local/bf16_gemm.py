@@ -1,17 +1,26 @@
-"""BF16 linears on a CPU, computed as float32 GEMMs of the BF16 values.
+"""BF16 linears on a CPU, computed as float64 GEMMs of the BF16 values.
 
 A BF16 GEMM multiplies BF16 operands, accumulates in float32 and rounds the result once to BF16
-(what GPU tensor cores and oneDNN's BF16 kernels do). Two BF16 values have 8-bit significands, so
-their product is exact in float32; a float32 GEMM of the same values, rounded once to BF16, keeps
-that contract. On a CPU without BF16 hardware (AVX2; AVX-512 without AVX512_BF16/AMX) torch has
-no fast BF16 GEMM and falls back to a scalar loop: a ``[448, 512] x [512, 256]`` product took
-91 ms there against 2.1 ms as float32 (2-core AMD EPYC), and a BF16 GRPO step of the demo spent
-most of its time in it. The sums' order is the float32 GEMM's (BLAS blocking), as torch's own
-BF16 kernels' order is theirs: like them, this GEMM is not batch-invariant (the local backend's
-batch-invariant ops cover ``lm_head`` and the FP8 GEMMs, not the BF16 decoder linears).
+(what GPU tensor cores and oneDNN's BF16 kernels do). On a CPU without BF16 hardware (AVX2;
+AVX-512 without AVX512_BF16/AMX) torch has no fast BF16 GEMM and falls back to a scalar loop: a
+``[448, 512] x [512, 256]`` product took 91 ms there against 4.4 ms as float64 (2-core AMD EPYC),
+and a BF16 GRPO step of the demo spent most of its time in it.
 
-The backward is the same contract: float32 GEMMs of the BF16 gradient and operands, each
-gradient rounded once to its tensor's dtype.
+Two BF16 values have 8-bit significands, so their product is exact in float32 and in float64.
+The forward sums the products in float64 and rounds to float32, then to BF16. Why float64 and not
+a float32 GEMM (2x faster): the BLAS picks its kernel, and so its summation order, by the number
+of rows, and a float32 sum's last bit follows the order: a ``[M, 256] x [256, 256]`` GEMM's
+first rows differed from the same rows inside ``M = 448`` in 1,019 float32 values over 44 row
+counts, where the float64 sums differed in none (MKL, AVX2). Rounded to BF16 such a difference
+survives about once in 2**16, so a decode step (few rows) and the trainer's forward (many) would
+still disagree now and then on a BF16-kept layer. A float64 sum of these products is exact
+while their exponents span less than ~28 bits, and otherwise a different order moves it by at
+most K * 2**-53 relative, which must then cross a float32 and a BF16 rounding boundary to show.
+Not batch-invariant by construction (the local backend's batch-invariant ops are ``lm_head``
+and the FP8 GEMMs, `nemo_jetrl.invariant`), but far from the float32 GEMM's odds.
+
+The backward (not part of the on-policy promise) is float32 GEMMs of the BF16 gradient and
+operands, each gradient rounded once to its tensor's dtype.
 """
 
 from __future__ import annotations
@@ -20,13 +29,18 @@ import torch
 from torch import nn
 
 
+def float32_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The forward's float32 result before its BF16 rounding: float64 sums, rounded once."""
+    b = bias.double() if bias is not None else None
+    return nn.functional.linear(x.double(), weight.double(), b).float()
+
+
 class _Bf16Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        b = bias.float() if bias is not None else None
-        return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
+        return float32_sums(x, weight, bias).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
