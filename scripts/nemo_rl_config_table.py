@@ -59,23 +59,47 @@ def _sel(cfg, key: str):
         return None
 
 
-def fp8_summary(cfg) -> str:
-    """What is FP8 in a resolved config ("" when nothing is)."""
+def fp8_summary(cfg, sel=None) -> str:
+    """What is FP8 in a resolved config ("" when nothing is); ``sel(cfg, key)`` reads a key
+    (default: OmegaConf's select on a DictConfig)."""
+    sel = sel or _sel
     parts = []
-    if _sel(cfg, "policy.generation.vllm_cfg.precision") == "fp8":
-        mx = _sel(cfg, "policy.generation.vllm_cfg.is_mx") is True
+    if sel(cfg, "policy.generation.vllm_cfg.precision") == "fp8":
+        mx = sel(cfg, "policy.generation.vllm_cfg.is_mx") is True
         parts.append("rollout MXFP8" if mx else "rollout FP8")
-    if str(_sel(cfg, "policy.generation.vllm_cfg.kv_cache_dtype")).startswith("fp8"):
+    if str(sel(cfg, "policy.generation.vllm_cfg.kv_cache_dtype")).startswith("fp8"):
         parts.append("KV FP8")
-    if _sel(cfg, "policy.megatron_cfg.fp8_cfg.enabled") is True:
-        scales = _sel(cfg, "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
-        recipe = _sel(cfg, "policy.megatron_cfg.fp8_cfg.fp8_recipe") or "blockwise"
+    if sel(cfg, "policy.megatron_cfg.fp8_cfg.enabled") is True:
+        scales = sel(cfg, "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
+        recipe = sel(cfg, "policy.megatron_cfg.fp8_cfg.fp8_recipe") or "blockwise"
         parts.append(f"train {recipe}" + (" FP32 scales" if str(scales) == "1" else ""))
     return ", ".join(parts)
 
 
-def grpo_configs(tree_dir: Path) -> list[tuple[Path, object]]:
-    """(path, resolved config) of every GRPO config under the tree's examples/."""
+class _Interpolated(Exception):
+    """A key whose value only the resolved config gives."""
+
+
+def _plain_sel(raw: dict, key: str):
+    """``key`` of a merged, unresolved container (None where absent); `_Interpolated` where an
+    interpolation on the way or in the value needs resolving."""
+    node = raw
+    for part in key.split("."):
+        if isinstance(node, str) and "${" in node:
+            raise _Interpolated(key)
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    if isinstance(node, str) and "${" in node:
+        raise _Interpolated(key)
+    return node
+
+
+def fp8_grpo_configs(tree_dir: Path) -> list[tuple[Path, object, str]]:
+    """(path, resolved config, `fp8_summary`) of every FP8 GRPO config under the tree's
+    examples/. A config whose FP8 keys are plain values in its merged YAML is classified there;
+    only an FP8 one, or one whose keys need resolving, is loaded into a DictConfig (most of a
+    tree walk's time: docs/ci_times.md)."""
     from nemo_jetrl.config import load_config
     from nemo_jetrl.config.load import merged_container
 
@@ -85,11 +109,18 @@ def grpo_configs(tree_dir: Path) -> list[tuple[Path, object]]:
             raw = merged_container(p)  # no section: not a GRPO config, no DictConfig built
             if raw.get("grpo") is None or raw.get("policy") is None:
                 continue
+            try:
+                if not fp8_summary(raw, _plain_sel):
+                    continue
+            except _Interpolated:
+                pass
             cfg = load_config(p)
         except Exception:  # not a config (quant recipes, launcher settings) or not ours to read
             continue
         if _sel(cfg, "grpo") is not None and _sel(cfg, "policy") is not None:
-            out.append((p, cfg))
+            fp8 = fp8_summary(cfg)
+            if fp8:
+                out.append((p, cfg, fp8))
     return out
 
 
@@ -121,10 +152,7 @@ def tree_rows(tree_dir: Path) -> list[Row]:
     set_env_placeholders()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for path, cfg in grpo_configs(tree_dir):
-            fp8 = fp8_summary(cfg)
-            if not fp8:
-                continue
+        for path, _cfg, fp8 in fp8_grpo_configs(tree_dir):
             check = _outcome(*_run(["check", str(path)]))
             out = Path(tmp) / f"{path.stem}.aligned.yaml"
             argv = ["align", str(path), "--recipe", "jetrl", "-o", str(out), "--force"]
