@@ -19,6 +19,10 @@ most K * 2**-53 relative, which must then cross a float32 and a BF16 rounding bo
 Not batch-invariant by construction (the local backend's batch-invariant ops are ``lm_head``
 and the FP8 GEMMs, `nemo_jetrl.invariant`), but far from the float32 GEMM's odds.
 
+One path on every CPU, BF16 hardware or not, so the bits match across CPUs on the same odds
+(torch's BF16 kernels differ by CPU), at a cost not measured yet where torch's BF16 GEMM is fast
+(AMX), on the local backend's small models.
+
 The backward (not part of the on-policy promise) is float32 GEMMs of the BF16 gradient and
 operands, each gradient rounded once to its tensor's dtype.
 """
