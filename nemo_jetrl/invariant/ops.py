@@ -21,6 +21,7 @@ Depends on torch (triton lazily, through the kernels).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -208,8 +209,23 @@ def _linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.to(x.dtype).reshape(*lead, w.shape[0])
 
 
+def linear_grads(
+    ctx: Any, g: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The backward of a linear whose ``ctx`` saved ``(x, weight)`` and ``has_bias``: float32
+    GEMMs of the gradient and operands, each gradient rounded once to its tensor's dtype, only
+    those ``ctx.needs_input_grad`` asks for. Not part of the on-policy promise (forwards only)."""
+    x, weight = ctx.saved_tensors
+    g2 = g.reshape(-1, g.shape[-1]).float()
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    dx = (g2 @ weight.float()).to(x.dtype).reshape(x.shape) if need_x else None
+    dw = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if need_w else None
+    db = g2.sum(0).to(weight.dtype) if ctx.has_bias and need_b else None
+    return dx, dw, db
+
+
 class _Linear(torch.autograd.Function):
-    """Invariant forward; the backward (not part of the on-policy promise) uses torch's GEMMs."""
+    """Invariant forward; the backward is `linear_grads`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):  # type: ignore[override]
@@ -219,12 +235,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        g2 = g.reshape(-1, g.shape[-1]).float()
-        dx = (g2 @ weight.float()).to(x.dtype).reshape(x.shape)
-        dw = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        db = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx, dw, db
+        return linear_grads(ctx, g)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,14 +23,16 @@ One path on every CPU, BF16 hardware or not, so the bits match across CPUs on th
 (torch's BF16 kernels differ by CPU), at a cost not measured yet where torch's BF16 GEMM is fast
 (AMX), on the local backend's small models.
 
-The backward (not part of the on-policy promise) is float32 GEMMs of the BF16 gradient and
-operands, each gradient rounded once to its tensor's dtype.
+The backward (not part of the on-policy promise) is `nemo_jetrl.invariant.ops.linear_grads`, as
+for the batch-invariant ``lm_head``: float32 GEMMs, each gradient rounded once to its dtype.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from nemo_jetrl.invariant import ops
 
 
 def float32_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -48,16 +50,7 @@ class _Bf16Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        g2 = g.reshape(-1, g.shape[-1]).float()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = (g2 @ weight.float()).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g2.sum(0).to(weight.dtype)
-        return dx, dw, db
+        return ops.linear_grads(ctx, g)
 
 
 def runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
