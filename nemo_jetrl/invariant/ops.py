@@ -21,10 +21,10 @@ Depends on torch (triton lazily, through the kernels).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
+from nemo_jetrl.invariant.backward import linear_grads
 from nemo_jetrl.invariant.dispatch import use_triton
 from nemo_jetrl.invariant.kernels import attention as k_attention
 from nemo_jetrl.invariant.kernels import matmul as k_matmul
@@ -207,21 +207,6 @@ def _linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*lead, w.shape[0])
-
-
-def linear_grads(
-    ctx: Any, g: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The backward of a linear whose ``ctx`` saved ``(x, weight)`` and ``has_bias``: float32
-    GEMMs of the gradient and operands, each gradient rounded once to its tensor's dtype, only
-    those ``ctx.needs_input_grad`` asks for. Not part of the on-policy promise (forwards only)."""
-    x, weight = ctx.saved_tensors
-    g2 = g.reshape(-1, g.shape[-1]).float()
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    dx = (g2 @ weight.float()).to(x.dtype).reshape(x.shape) if need_x else None
-    dw = (g2.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if need_w else None
-    db = g2.sum(0).to(weight.dtype) if ctx.has_bias and need_b else None
-    return dx, dw, db
 
 
 class _Linear(torch.autograd.Function):

@@ -23,8 +23,8 @@ One path on every CPU, BF16 hardware or not, so the bits match across CPUs on th
 (torch's BF16 kernels differ by CPU), at a cost not measured yet where torch's BF16 GEMM is fast
 (AMX), on the local backend's small models.
 
-The backward (not part of the on-policy promise) is `nemo_jetrl.invariant.ops.linear_grads`, as
-for the batch-invariant ``lm_head``: float32 GEMMs, each gradient rounded once to its dtype.
+The backward (not part of the on-policy promise) is `nemo_jetrl.invariant.backward.linear_grads`,
+as for the batch-invariant ``lm_head``: float32 GEMMs, each gradient rounded once to its dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nemo_jetrl.invariant import ops
+from nemo_jetrl.invariant.backward import linear_grads
 
 
 def float32_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -50,7 +50,7 @@ class _Bf16Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        return ops.linear_grads(ctx, g)
+        return linear_grads(ctx, g)
 
 
 def runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
