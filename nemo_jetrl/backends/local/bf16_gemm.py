@@ -98,6 +98,6 @@ def swap_bf16_linears(model: nn.Module) -> list[str]:
 
 
 def is_bf16_gemm(module: nn.Module) -> bool:
-    """True for a linear that runs a BF16 (batch-variant) GEMM: a plain ``nn.Linear`` or a
-    `Bf16CpuLinear`."""
+    """True for a linear whose GEMM is not batch-invariant by construction: a plain
+    ``nn.Linear`` (torch's GEMM, any dtype) or a `Bf16CpuLinear`."""
     return type(module) is nn.Linear or isinstance(module, Bf16CpuLinear)
