@@ -23,12 +23,13 @@ steps that launch it. This finds that here. Three parts:
 
 Checked (exit 1, naming each failing specialization): every one compiles; its shared memory fits
 Hopper's 227 KiB; it spills no register (ptxas -v for sm_90a); it moves no data one or two bytes
-at a time (``ld/st.global`` of ``b8`` or ``v2.b8``); the FP8 and batch-invariant dots
+at a time (``ld/st.global`` of ``b8`` or ``v2.b8``); a kernel whose bits follow its source op for
+op (`UNFUSED`) leaves no add/sub/mul free to fuse into an fma; the FP8 and batch-invariant dots
 are ``wgmma`` and never ``mma.sync``; a batch-invariant kernel (`INVARIANT`) launches with the
 same tiles, the same MMA instruction and the same count of every floating-point instruction
-(`_ARITH`) at every batch size its workload launches, as one compiled kernel (the ints a batch
-sets are not specialised: a decode step and a prefill run the same machine code). Not shown:
-time, and bits on a GPU (the GPU call's steps measure both).
+(`sm90_ptx.ARITH`) at every batch size its workload launches, as one compiled kernel (the ints a
+batch sets are not specialised: a decode step and a prefill run the same machine code). Not
+shown: time, and bits on a GPU (the GPU call's steps measure both).
 
 Usage: ``python scripts/sm90_census.py [--json OUT]`` with the installed Triton, or
 ``PYTHONPATH=.venv-triton-gpu python scripts/sm90_census.py`` with the GPU image's
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 from collections import Counter
@@ -49,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import census_cache
+import sm90_ptx
 
 HOPPER_SMEM = 232448  # bytes one block may use on an H100/H200, as Triton states it (H100 log)
 # The batch-invariant kernels, with the constexprs that may differ between their launches (feature
@@ -68,6 +69,11 @@ TENSOR_CORE = (
     "block_fp8_gemm_kernel", "split_gemm_kernel", "grouped_rows_gemm_kernel",
     "grouped_tokens_gemm_kernel", "matmul_kernel", "attention_kernel",
 )  # fmt: skip
+# Kernels whose bits must follow their source op for op whatever the code's layout (the invariant
+# attention at any pipeline depth; the MoE SiLU rule and combine, equal to torch's rule): launched
+# with enable_fp_fusion=False (`triton_launch.NO_FMA`), so no add/sub/mul of theirs may lack a
+# rounding mode (`sm90_ptx.unrounded`), which is what lets LLVM or ptxas fuse it into an fma.
+UNFUSED = ("attention_kernel", "silu_mul_quantize_kernel", "combine_kernel")
 # Register spills measured and accepted (ptxas -v for sm_90a, Triton 3.6 and 3.9, 2026-11-29), each
 # (kernel, the constexprs or launch options it applies to, and "triton": "3.9" where only that
 # version spills, why); a spill anywhere else fails the census.
@@ -169,16 +175,18 @@ def compile_all(calls: list[dict]) -> list[dict]:
             else:
                 ptx = found["ptx"]  # None: a binary-only cache entry (nothing to read)
                 row["shared"] = found["shared"]
-                row["mma"] = None if ptx is None else sorted(set(_MMA.findall(ptx)))
-                row["arith"] = None if ptx is None else dict(Counter(_ARITH.findall(ptx)))
-                row["byte_accesses"] = None if ptx is None else len(_BYTE_ACCESS.findall(ptx))
+                row["mma"] = None if ptx is None else sorted(set(sm90_ptx.MMA.findall(ptx)))
+                row["arith"] = None if ptx is None else dict(Counter(sm90_ptx.ARITH.findall(ptx)))
+                row["byte_accesses"] = (
+                    None if ptx is None else len(sm90_ptx.BYTE_ACCESS.findall(ptx))
+                )
                 row["ptx"] = ptx  # ptxas -v below, all kernels at once
         row["workloads"].add(call["workload"])
         for n, a in ints.items():
             row["ints"].setdefault(n, set()).add(a)
     out = list(rows.values())
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # ptxas runs outside the GIL
-        usage = list(pool.map(_ptxas_usage, [row.pop("ptx", None) for row in out]))
+        usage = list(pool.map(sm90_ptx.ptxas_usage, [row.pop("ptx", None) for row in out]))
     for row, (registers, spill_bytes) in zip(out, usage, strict=True):
         if "error" not in row:
             row["registers"], row["spill_bytes"] = registers, spill_bytes
@@ -186,63 +194,6 @@ def compile_all(calls: list[dict]) -> list[dict]:
         row["workloads"] = sorted(row["workloads"])
         row["ints"] = {n: sorted(v) for n, v in row["ints"].items()}
     return out
-
-
-_MMA = re.compile(r"(?:wgmma\.mma_async|mma\.sync)\S*")
-# The floating-point arithmetic of a kernel's PTX, each instruction with its rounding and type
-# (what decides a value's bits; loads, stores, masks and integer index math are left out).
-_ARITH = re.compile(
-    r"^\s*(?:@%p\d+\s+)?((?:wgmma\.mma_async|mma\.sync|fma|add|sub|mul|div|rcp|sqrt|rsqrt|ex2|lg2"
-    r"|max|min|neg|abs)\.\S*f(?:16|32|64)\S*|cvt\.\S*(?:f16|bf16|f32|f64|e4m3|e5m2)\S*)",
-    re.M,
-)
-
-# A global load or store of one or two bytes (FP8 codes moved a byte at a time: the compiler did
-# not know the addresses 16-aligned or contiguous, e.g. the MoE WGrad's token layout before its
-# 16-aligned offsets). A kernel moving FP8 data should move 16 bytes a lane.
-_BYTE_ACCESS = re.compile(
-    r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.global(?:\.(?!v\d)[a-zA-Z][\w:]*)*(?:\.v2)?\.[bsu]8\b", re.M
-)
-
-
-# ptxas -v's answers, one small file per (ptxas binary, PTX text): a census over a warm Triton
-# cache ran ptxas on all ~90 kernels again, ~8 of its ~21 s on 2 cores; a kernel whose PTX
-# changed (another tile, a mutant) is a new key and runs ptxas.
-PTXAS_CACHE_VAR = "JETRL_PTXAS_CACHE"  # default ~/.cache/nemo_jetrl/ptxas
-
-
-def _ptxas_usage(ptx: str | None) -> tuple[int | None, int | None]:
-    """(registers a thread, spill store + load bytes) as ptxas reports them for sm_90a: Triton's
-    own ptxas, run as Triton runs it (``-v``), on the kernel's PTX (None: no PTX); kept under
-    `PTXAS_CACHE_VAR` by the binary's path, version and size and the PTX's hash."""
-    import hashlib
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    if ptx is None:
-        return None, None
-    ptxas = get_ptxas(90)
-    ident = f"{ptxas.path}\0{ptxas.version}\0{os.stat(ptxas.path).st_size}\0sm_90a\0"
-    root = os.environ.get(PTXAS_CACHE_VAR) or Path.home() / ".cache" / "nemo_jetrl" / "ptxas"
-    kept = Path(root) / f"{hashlib.sha256((ident + ptx).encode()).hexdigest()}.json"
-    if kept.is_file():
-        registers, spill_bytes = json.loads(kept.read_text())
-        return registers, spill_bytes
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "k.ptx"
-        src.write_text(ptx)
-        cmd = [ptxas.path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(d) / "k.o")]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    usage = (int(regs[1]) if regs else None), (int(spills[1]) + int(spills[2]) if spills else 0)
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = kept.with_suffix(f".{os.getpid()}.tmp")  # concurrent censuses: whole files only
-    tmp.write_text(json.dumps(usage))
-    os.replace(tmp, kept)
-    return usage
 
 
 def known_spill(row: dict) -> str | None:
@@ -281,6 +232,10 @@ def problems(rows: list[dict]) -> list[str]:
             )
         if r.get("byte_accesses"):
             out.append(f"{r['byte_accesses']} global loads/stores of one or two bytes: {where}")
+        loose = sm90_ptx.unrounded(r["arith"])
+        if r["kernel"] in UNFUSED and (r["options"].get("enable_fp_fusion", True) or loose):
+            out.append(f"fusable arithmetic (enable_fp_fusion not False, or {loose} add/sub/mul "
+                       f"without a rounding mode): {where}")  # fmt: skip
         if r["kernel"] in TENSOR_CORE and any(m.startswith("mma.sync") for m in r["mma"]):
             out.append(f"mma.sync (not wgmma) in {where}: {r['mma']}")
     for name, (free, batch_ints) in INVARIANT.items():

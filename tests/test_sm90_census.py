@@ -141,7 +141,8 @@ def test_the_measured_instructions_of_the_gpu_paths(census):
     """Facts of this census (both Tritons, 2026-11-29), stated as literals: the FP8 GEMMs of both
     training and serving multiply on one m64n128k32 e4m3 wgmma (the weight's 64 rows in M); the
     invariant matmul on one m64n64k16 bf16 wgmma at M = 1, 3, 64, 512; bf16 attention at
-    head_dim 256 takes 180224 B of shared memory (its 2 stages: 227 KiB is the limit)."""
+    head_dim 256 takes 180224 B of shared memory (its 2 stages: 227 KiB is the limit); attention's
+    only fmas are its FMA dot's (fp32), none in bf16."""
     rows = census["rows"]
 
     def mmas(kernel: str, **consts: object) -> set[tuple]:
@@ -154,8 +155,14 @@ def test_the_measured_instructions_of_the_gpu_paths(census):
         assert mmas(kernel) == {(FP8_WGMMA,)}, kernel
     assert mmas("matmul_kernel", IEEE=False) == {(BF16_WGMMA_64,)}
     assert mmas("matmul_kernel", IEEE=True) == {()}  # IEEE fp32 products: no tensor cores
-    d256 = [r for r in rows if r["kernel"] == "attention_kernel" and r["consts"]["BD"] == 256]
+    attention = [r for r in rows if r["kernel"] == "attention_kernel"]
+    d256 = [r for r in attention if r["consts"]["BD"] == 256]
     assert {r["shared"] for r in d256} == {180224}
+    # attention without fp fusion: no fma in bf16 (both dots on wgmma) and in fp32 exactly the FMA
+    # dots' (BM x BN x BD products each, over 128 threads); with fusion, LLVM added some
+    for r in attention:
+        fmas, bd = r["arith"].get("fma.rn.f32", 0), r["consts"]["BD"]
+        assert fmas == (2 * 64 * 64 * bd // 128 if r["consts"]["IEEE"] else 0), (bd, fmas)
     # the serving GEMMs keep their accumulators in registers (ptxas for sm_90a): no spill in the
     # split-K kernel at any token tile (128 tokens spilled 1260 bytes: PREFILL_TOKEN_TILE = 64)
     split = [r for r in rows if r["kernel"] == "split_gemm_kernel"]
@@ -205,7 +212,8 @@ def test_the_checks_fail_on_planted_rows():
     assert census.problems([dict(at_m1, batch_args=["M"]), other_k]) == []
     spills = dict(ok, registers=255, spill_bytes=1260)
     assert "1260 bytes of register spills (255 registers)" in census.problems([spills])[0]
-    fp32_attention = dict(spills, kernel="attention_kernel", consts={"IEEE": True, "BD": 64})
+    fp32_attention = dict(spills, kernel="attention_kernel", consts={"IEEE": True, "BD": 64},
+                          options={"num_warps": 4, "enable_fp_fusion": False})  # fmt: skip
     assert census.known_spill(fp32_attention) and census.problems([fp32_attention]) == []
     rowcol16 = dict(spills, kernel="quantize_rowcol_kernel", consts={"POW2": True},
                     options={"num_warps": 16}, spill_bytes=72)  # fmt: skip
@@ -215,6 +223,16 @@ def test_the_checks_fail_on_planted_rows():
         mp.setattr(census_triton(), "__version__", "3.6.0")
         assert "72 bytes of register spills" in census.problems([rowcol16])[0]
         assert census.known_spill(dict(rowcol16, options={"num_warps": 8})) is None
+    # the attention kernel launched without fp fusion: every add/sub/mul has its rounding (.rn)
+    attn = dict(ok, kernel="attention_kernel", consts={"IEEE": False, "BD": 64},
+                options={"num_warps": 4, "enable_fp_fusion": False},
+                arith={BF16_WGMMA_64: 8, "mul.rn.f32": 32, "add.rn.f32": 32})  # fmt: skip
+    assert census.problems([attn]) == []
+    fused = dict(attn, options={"num_warps": 4})  # Triton's default: fusion on
+    loose = dict(attn, arith={BF16_WGMMA_64: 8, "mul.f32": 30, "add.rn.f32": 32, "fma.rn.f32": 2})
+    assert "(enable_fp_fusion not False, or 0 add/sub/mul" in census.problems([fused])[0]
+    assert "or 30 add/sub/mul without a rounding mode" in census.problems([loose])[0]
+    assert census.sm90_ptx.unrounded({"sub.f32": 3, "mul.ftz.f32": 2, "sub.rz.f32": 5}) == 5
     bytewise = dict(ok, kernel="quantize_tokens_kernel", byte_accesses=32)
     assert "32 global loads/stores of one or two bytes" in census.problems([bytewise])[0]
 
@@ -235,8 +253,9 @@ def test_byte_accesses_are_counted_in_ptx():
     wide = ("\t@%p1 st.global.v4.b32 [ %rd5 + 0 ], { %r1, %r2, %r3, %r4 };",
             "\tld.global.v4.b8 { %rs1, %rs2, %rs3, %rs4 }, [ %rd2 + 0 ];",
             "\tld.global.b16 %rs1, [%rd1];", "\tld.shared.b8 %rs1, [%r1];")  # fmt: skip
-    assert [bool(census._BYTE_ACCESS.search(t)) for t in narrow + wide] == [True] * 4 + [False] * 4
-    assert len(census._BYTE_ACCESS.findall("\n".join(narrow + wide))) == 4
+    found = census.sm90_ptx.BYTE_ACCESS
+    assert [bool(found.search(t)) for t in narrow + wide] == [True] * 4 + [False] * 4
+    assert len(found.findall("\n".join(narrow + wide))) == 4
 
 
 @pytest.mark.slow
@@ -296,13 +315,14 @@ _TINY_PTX = """.version 8.0
 
 
 def test_ptxas_usage_is_kept_per_ptx_text_and_read_back(tmp_path, monkeypatch):
-    """`_ptxas_usage` runs this Triton's ptxas once per PTX text and reads its answer back after
-    (a census over a warm Triton cache ran ptxas on every kernel again): a changed text runs it
-    again, and what it reads is the kept file."""
+    """`sm90_ptx.ptxas_usage` runs this Triton's ptxas once per PTX text and reads its answer
+    back after (a census over a warm Triton cache ran ptxas on every kernel again): a changed
+    text runs it again, and what it reads is the kept file."""
     import subprocess
 
     census = _census_module()
-    monkeypatch.setenv(census.PTXAS_CACHE_VAR, str(tmp_path / "kept"))
+    usage = census.sm90_ptx.ptxas_usage
+    monkeypatch.setenv(census.sm90_ptx.PTXAS_CACHE_VAR, str(tmp_path / "kept"))
     runs = []
     real_run = subprocess.run
 
@@ -312,14 +332,14 @@ def test_ptxas_usage_is_kept_per_ptx_text_and_read_back(tmp_path, monkeypatch):
         return real_run(cmd, *a, **k)
 
     monkeypatch.setattr(subprocess, "run", counting_run)
-    first = census._ptxas_usage(_TINY_PTX.replace("VALUE", "7"))
+    first = usage(_TINY_PTX.replace("VALUE", "7"))
     assert first[0] is not None and first[0] > 0 and first[1] == 0 and len(runs) == 1, (first, runs)
-    assert census._ptxas_usage(_TINY_PTX.replace("VALUE", "7")) == first and len(runs) == 1
-    census._ptxas_usage(_TINY_PTX.replace("VALUE", "9"))  # another text: ptxas again
+    assert usage(_TINY_PTX.replace("VALUE", "7")) == first and len(runs) == 1
+    usage(_TINY_PTX.replace("VALUE", "9"))  # another text: ptxas again
     assert len(runs) == 2
     kept = sorted((tmp_path / "kept").glob("*.json"))
     assert len(kept) == 2
     for f in kept:  # planted answers are what a warm run returns
         f.write_text("[201, 64]")
-    assert census._ptxas_usage(_TINY_PTX.replace("VALUE", "7")) == (201, 64) and len(runs) == 2
-    assert census._ptxas_usage(None) == (None, None)
+    assert usage(_TINY_PTX.replace("VALUE", "7")) == (201, 64) and len(runs) == 2
+    assert usage(None) == (None, None)

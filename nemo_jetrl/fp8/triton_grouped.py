@@ -75,10 +75,7 @@ from nemo_jetrl.fp8.triton_kernels import (
     quantize_blockwise_triton,
     quantize_with_transpose_triton,
 )
-from nemo_jetrl.fp8.triton_launch import LaunchMeta, frozen_meta, launch
-
-# Exact IEEE arithmetic in the SiLU rule: no fma contraction (the interpreter ignores it).
-NO_FMA = {"enable_fp_fusion": False}
+from nemo_jetrl.fp8.triton_launch import NO_FMA, LaunchMeta, frozen_meta, launch
 
 
 @functools.cache

@@ -24,6 +24,13 @@ from nemo_jetrl.fp8.quantize import INPUT_DTYPES
 # reference stores a subnormal scale_inv (2.9e-39). The interpreter ignores the option (it never
 # flushes), so a test checks that every launch passes it.
 NO_FTZ = {"enable_reflect_ftz": False}
+# For kernels whose bits must follow their source op for op (the SiLU rule, the combine, the
+# invariant attention): Triton's default (enable_fp_fusion=True) lets LLVM fuse a mul and an add
+# into one fma and writes the rest without a rounding mode, which lets ptxas fuse them too, so
+# where an fma lands depends on how the code was scheduled (the attention kernel gave other bits
+# at 1 and 2 pipeline stages on an H200, GPU results run 7). Off, every fp32 add/sub/mul is
+# emitted with ``.rn`` (nothing fuses them); the census checks the PTX. The interpreter ignores it.
+NO_FMA = {"enable_fp_fusion": False}
 ENV_NATIVE_CAST = "JETRL_FP8_NATIVE_CAST"
 
 

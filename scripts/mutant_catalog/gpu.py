@@ -91,6 +91,13 @@ MUTANTS = [
         "attention_stages(d, 2)",
         (T_INV + "test_attention_launches_with_the_rules_stages",),
     ),
+    Mutant(
+        "attention launches with fp fusion (an fma where the loop's layout puts it, per stage)",
+        "nemo_jetrl/invariant/kernels/attention.py",
+        "num_stages=stages, **NO_FTZ, **NO_FMA,",
+        "num_stages=stages, **NO_FTZ,",
+        (T_INV + "test_attention_launches_with_the_rules_stages",),
+    ),
 ]
 
 # ---- issue 48 point 2: the split-K GEMM's fixed order, fused quantizer and MMA instruction

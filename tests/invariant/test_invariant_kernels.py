@@ -9,7 +9,8 @@ under the interpreter: the planted checks assert that some row's bits move (whic
 the arithmetic: FMA contraction and ex2/lg2.approx on a GPU, IEEE here), and the matmul's is a
 split of K on bf16 operands (tensor cores), not a K-step width (one MMA chain per output on a GPU
 whatever BK). The attention kernel's pipeline stages fit Hopper's shared memory at head_dim
-64/128/256 and change no bit.
+64/128/256 and change no bit (it launches without fp fusion, so no fma lands where the loop's
+layout puts it).
 """
 
 from __future__ import annotations
@@ -150,26 +151,31 @@ def test_attention_launches_with_the_rules_stages(monkeypatch):
 
     class Kernel:  # records the launch instead of running it
         def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append(kw["num_stages"])
+            return lambda *args, **kw: launched.append((kw["num_stages"], kw["enable_fp_fusion"]))
 
     monkeypatch.setattr(ka, "_jit", lambda: SimpleNamespace(attention_kernel=Kernel()))
     bf16, fp32 = torch.bfloat16, torch.float32
     for q_dtype, kv_dtype, d in ((bf16, bf16, 256), (fp32, fp32, 256), (fp32, fp32, 128), (bf16, fp32, 256)):  # fmt: skip
         q, kv = torch.zeros(1, 1, 3, d, dtype=q_dtype), torch.zeros(1, 1, 3, d, dtype=kv_dtype)
         ka.attention(q, kv, kv, None, 1.0)
-    assert launched == [2, 1, 2, 1]  # mixed operands are widened to fp32 first
+    # mixed operands are widened to fp32 first; never fp fusion (where LLVM fuses a mul and an
+    # add into an fma follows the loop's layout: other bits at 1 and 2 stages on an H200, run 7)
+    assert launched == [(2, False), (1, False), (2, False), (1, False)]
 
 
 # Compiles the attention kernel for sm_90 with Triton's own compiler (no GPU needed) at the rule's
-# stages and prints the shared memory Triton allocates: the estimate must bound it. fp32 at
-# head_dim 256 only, the rule's one-stage shape, which no GPU path launches: every other shape is
+# stages and prints the shared memory Triton allocates (the estimate must bound it) and its fmas.
+# fp32 at head_dim 256 only, the rule's one-stage shape, which no GPU path launches: every other shape is
 # in the sm_90 census, which holds each to the estimate (tests/test_sm90_census.py).
 _SM90_COMPILE = """
-import inspect, json
+import inspect, json, sys
+from collections import Counter
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from nemo_jetrl.fp8.triton_launch import NO_FTZ
+from nemo_jetrl.fp8.triton_launch import NO_FMA, NO_FTZ
+sys.path.insert(0, "scripts")
+import sm90_ptx
 from nemo_jetrl.invariant.kernels import _jit_attention as ja, attention as ka
 CONST = ("HAS_MASK", "BM", "BN", "BD", "IEEE", "ORDERED")
 d, size = 256, 4  # fp32 operands
@@ -182,9 +188,11 @@ stages = ka.attention_stages(d, size)
 kernel = triton.compile(
     ASTSource(fn=ja.attention_kernel, signature=sig, constexprs=consts),
     target=GPUTarget("cuda", 90, 32),
-    options=dict(num_warps=ka.ATTN_WARPS, num_stages=stages, **NO_FTZ),
+    options=dict(num_warps=ka.ATTN_WARPS, num_stages=stages, **NO_FTZ, **NO_FMA),
 )
-print(json.dumps([[d, size, stages, kernel.metadata.shared]]))
+arith = Counter(sm90_ptx.ARITH.findall(kernel.asm["ptx"]))
+facts = [arith["fma.rn.f32"], sm90_ptx.unrounded(arith)]
+print(json.dumps([[d, size, stages, kernel.metadata.shared, *facts]]))
 """
 
 
@@ -194,10 +202,13 @@ def test_the_shared_memory_triton_allocates_for_sm90_is_within_the_estimate():
     from tests.sm90_compile import compile_report
 
     compiled = compile_report(_SM90_COMPILE)
-    assert [(d, size) for d, size, _, _ in compiled] == [(256, 4)]
-    for d, size, stages, shared in compiled:
+    assert [(d, size) for d, size, *_ in compiled] == [(256, 4)]
+    for d, size, stages, shared, fmas, unrounded in compiled:
         assert stages == STAGES[d, size]
         assert 0 < shared <= ka.attention_smem_bytes(d, size, stages) <= HOPPER_SMEM, (d, size)
+        # launched as `attention` launches it (no fp fusion): the only fmas are the FMA dots'
+        # (2 x 64 x 64 x 256 products over 128 threads), no add/sub/mul left free to fuse
+        assert (fmas, unrounded) == (16384, 0), (fmas, unrounded)
 
 
 def test_matmul_refuses_mismatched_operands_by_name():

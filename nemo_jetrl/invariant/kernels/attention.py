@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from nemo_jetrl.fp8._deps import require
-from nemo_jetrl.fp8.triton_launch import NO_FTZ, interpreting
+from nemo_jetrl.fp8.triton_launch import NO_FMA, NO_FTZ, interpreting
 
 ATTN_BLOCK_M = 64
 ATTN_BLOCK_N = 64
@@ -88,8 +88,11 @@ def attention_smem_bytes(
 def attention_stages(head_dim: int, itemsize: int) -> int:
     """The pipeline depth for ``head_dim`` and operands of ``itemsize`` bytes: `ATTN_STAGES`
     where `attention_smem_bytes` fits `SMEM_LIMIT_BYTES`, else 1 (fp32 operands at head_dim
-    256). Stages change when a tile's loads are issued, not the arithmetic: no bit moves. Tiles
-    stay fixed: ``BN`` is part of a row's order and ``BM`` picks the MMA instruction shape."""
+    256). Stages change when a tile's loads are issued and how the loop is laid out, not the
+    arithmetic, as the kernel launches without fp fusion (`NO_FMA`). With fusion, LLVM fused
+    different mul/add pairs into fmas at 1 and 2 stages (bf16, head_dim 64: 36 and 34 fma in the
+    sm_90 PTX) and an H200 gave other bits at each (GPU results run 7).
+    Tiles stay fixed: ``BN`` is part of a row's order and ``BM`` picks the MMA instruction."""
     fits = attention_smem_bytes(head_dim, itemsize, ATTN_STAGES) <= SMEM_LIMIT_BYTES
     return ATTN_STAGES if fits else 1
 
@@ -133,7 +136,7 @@ def attention(
         v.stride(0), v.stride(1), v.stride(2), *sm, out.stride(0), out.stride(1), out.stride(2),
         HAS_MASK=mask is not out, BM=block_m, BN=block_n, BD=_head_block(d),
         IEEE=q.dtype == torch.float32, ORDERED=interpreting(), num_warps=ATTN_WARPS,
-        num_stages=stages, **NO_FTZ,
+        num_stages=stages, **NO_FTZ, **NO_FMA,
     )  # fmt: skip
     return out
 
