@@ -380,11 +380,16 @@ def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
     assert rows["fp8_rollout"]["mismatch"] > 0 and rows["fp8_rollout"]["exactly_on_policy"] == "-"
     for name, row in rows.items():
         assert row["step_s"] > 0 and row["tokens_per_s"] > 0
+        # the step's phases under NeMo-RL's names, within the step's wall time, and its CPU time
+        phases = row["phases_s"]
+        assert {"generation", "policy_training", "prepare_for_generation"} <= set(phases), name
+        assert 0 < sum(phases.values()) <= row["step_s"] and row["cpu_s"] > 0, (name, phases)
         if name == "jetrl@fast":  # batch_invariant=false: none of the invariant ops ran
             assert row["invariant_ops_share"] == 0 and row["exactly_on_policy"] == "-"
         else:
             assert 0 < row["invariant_ops_share"] < 1  # every other recipe runs them
     assert text.count("exactly on-policy: MET") == 4
+    assert text.count("phases (s): ") == len(module.RECIPES) and "host CPU " in text
     assert "cost of exactness (qwen3-0.6b-shaped): jetrl step " in text
     with pytest.raises(ValueError, match="the suffixes are @fp32, @splitk, @fast"):
         module.run_recipe("jetrl@e8m0", None, module.build_parser().parse_args([]), tmp_path)
@@ -406,7 +411,8 @@ def test_local_grpo_reports_a_failed_or_off_policy_run_and_runs_the_rest(
         tmpe = 1.0 + 1e-6 if recipe == "jetrl" else 1.0
         return {"recipe": recipe, "tmpe_max": tmpe, "gen_kl_max": 0.0, "mismatch": tmpe - 1,
                 "exact_every_step": tmpe == 1.0, "step_s": 1.0, "tokens_per_s": 1.0,
-                "invariant_ops_share": 0.5, "steps": 1}  # fmt: skip
+                "invariant_ops_share": 0.5, "steps": 1, "phases_s": {"generation": 0.5},
+                "cpu_s": 0.9}  # fmt: skip
 
     monkeypatch.setattr(module, "run_recipe", fake)
     out = tmp_path / "rows.json"

@@ -79,8 +79,10 @@ def test_dry_run_lists_the_steps_in_order_within_540_s():
     assert names.index("bench_moe_tiles") > names.index("bench_moe_layer")
     assert "--tokens 2048 8192 --iters 10 --tiles sweep" in p.stdout
     assert names[-1] == "pack"
-    # issue 47: the exact recipes first, jetrl in both scale modes, then the off-policy baseline
-    assert "--steps 3" in p.stdout and "jetrl,jetrl_kv,jetrl@fp32,fp8_rollout,bf16" in p.stdout
+    # issue 47: the exact recipes first, then what the tokens/s table compares them with (the
+    # off-policy baseline, bf16, jetrl without the invariant ops), then jetrl's other modes
+    recipes = "jetrl,jetrl_kv,fp8_rollout,bf16,jetrl@fast,jetrl@fp32,jetrl@splitk"
+    assert "--steps 3" in p.stdout and f"--recipes {recipes} " in p.stdout
     # the three test steps split gpu_check.sh's list between them, each module once: the
     # invariant kernels', the split-K GEMM's (before the serving benchmarks), the rest
     counts = [int(n) for n in re.findall(r"JETRL_GPU_TESTS=\((\d+) modules", p.stdout)]
@@ -88,6 +90,36 @@ def test_dry_run_lists_the_steps_in_order_within_540_s():
     assert counts == [len(inv), 1, len(gpu_test_modules()) - len(inv) - 1] and len(inv) >= 3
     assert names.index("split_gemm_tests") < names.index("bench_serving_fp32")
     assert "jetrl@splitk" in p.stdout and p.stdout.count("--backends auto,triton_splitk") == 2
+
+
+def test_a_call_can_run_one_issues_part_within_what_the_loan_has_left():
+    """JETRL_PART=47: the on-policy steps, with the ~0.6B model's seven recipes' time (~50 s
+    each on the H200, run 7); JETRL_PART=48 the speed steps, cut to fit a second call's
+    JETRL_BUDGET_S; an explicit limit still wins; bad values exit 2 before anything runs."""
+    on_policy = sh("bash", SESSION, "--dry-run", env={"JETRL_PART": "47"})
+    steps = dry_run_steps(on_policy.stdout)
+    assert on_policy.returncode == 0 and sum(steps.values()) <= BUDGET_S, on_policy.stdout
+    assert {n for n, s in steps.items() if s} == {
+        "preflight",
+        "invariant_tests",
+        "bench_local_grpo",
+        "bench_invariant_ops",
+        "pack",
+    }
+    assert steps["bench_local_grpo"] >= 7 * 50
+    speed = sh("bash", SESSION, "--dry-run", env={"JETRL_PART": "48", "JETRL_BUDGET_S": "250"})
+    steps = dry_run_steps(speed.stdout)
+    assert speed.returncode == 0 and sum(steps.values()) <= 250, speed.stdout
+    assert "budget 250 s" in speed.stdout and "timeout_s 300" in speed.stdout
+    assert not steps["invariant_tests"] and not steps["bench_local_grpo"]
+    assert all(steps[b] for b in ("split_gemm_tests", "bench_serving_fp32", "bench_moe_layer",
+                                  "bench_fp8_linear", "bench_quantizer", "bench_moe_tiles"))  # fmt: skip
+    forced = sh("bash", SESSION, "--dry-run", env={"JETRL_PART": "48", "JETRL_LOCAL_GRPO_S": "60"})
+    assert dry_run_steps(forced.stdout)["bench_local_grpo"] == 60
+    for env, knob in (({"JETRL_PART": "47,48"}, "JETRL_PART=47,48: use all, 47"),
+                      ({"JETRL_BUDGET_S": "600"}, "JETRL_BUDGET_S=600: use whole seconds, 16-540")):  # fmt: skip
+        bad = sh("bash", SESSION, "--dry-run", env=env)
+        assert bad.returncode == 2 and knob in bad.stderr and not bad.stdout, bad.stderr
 
 
 def test_dry_run_fails_when_the_limits_exceed_the_budget():

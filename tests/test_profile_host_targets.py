@@ -32,6 +32,9 @@ def test_host_target_is_met_only_where_fwd_plus_bwd_enqueue_beats_the_gpu(profil
     assert "host 0.700 ms = fwd 0.300 + bwd 0.400 vs GPU 0.700 ms" in lines[1]
     assert lines[-1].endswith("Qwen3-8B all 4 linears: NOT MET (o_proj)")
     assert "NOT MEASURED" in profile_host.target_lines(rows[:3])[-1]
+    with_control = dict(rows[1], bf16_host_ms=0.25)  # the control, where it was measured
+    assert profile_host.target_lines([with_control])[0].endswith(
+        "vs GPU 0.700 ms; torch's BF16 linear on this host 0.250 ms)")  # fmt: skip
     other = [_row(r["layer"], 0.1, 0.1, 1.0, m=1024) for r in rows]
     assert profile_host.target_lines(other) == [
         "target: Fp8BlockLinear host enqueue (fwd + bwd) < GPU time at 8192 tokens, Qwen3-8B "

@@ -14,6 +14,9 @@ warm start off: random weights, so responses run to ``max_new_tokens``) for ``--
   step time;
 - the cost of exactness per model: jetrl's step time over ``jetrl@fast``'s (the same recipe
   without the batch-invariant ops), when both ran;
+- where a timed step's time goes: its phases (NeMo-RL's names: generation, policy_training,
+  ...) in wall seconds, and the process's CPU seconds over the step (close to the step's wall
+  time on a GPU when the host, not the device, sets the pace);
 - the share of the last step's time spent in `nemo_jetrl.invariant.ops` (outermost calls only,
   timed with a device sync around each: the last step is instrumented and left out of the step
   time when there are 3 or more steps).
@@ -52,6 +55,7 @@ import torch
 RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl@fp32", "jetrl_kv", "jetrl@splitk", "jetrl@fast")
 SUFFIXES = ("fp32", "splitk", "fast")
 EXACT = ("jetrl", "jetrl_kv")
+PHASE, CPU_KEY = "timing/train/", "jetrl/local/cpu_time/total_step_time"  # the local loop's keys
 FP32_SCALE_KEYS = (
     "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
     "policy.generation.vllm_cfg.pow2_weight_scaling_factors=false",
@@ -205,6 +209,13 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
         h[s]["jetrl/local/mean_response_tokens"] * args.prompts * args.generations
         for s in timed_steps
     )
+    # where a timed step's time goes: NeMo-RL's phase names, wall seconds, and the process's
+    # CPU seconds over the step (near the wall time on a GPU: the host is what the step waits on)
+    phases = {
+        key.removeprefix(PHASE): statistics.median(h[s][key] for s in timed_steps)
+        for key in h[timed_steps[0]] if key.startswith(PHASE) and key != PHASE + "total_step_time"
+    }  # fmt: skip
+    cpu = statistics.median(h[s][CPU_KEY] for s in timed_steps)
     last = h[profiled]["timing/train/total_step_time"]
     exact = all(
         r["train/token_mult_prob_error"] == 1.0 and r["train/gen_kl_error"] == 0.0
@@ -214,7 +225,15 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
         "recipe": recipe, "tmpe_max": tmpe, "gen_kl_max": kl, "exact_every_step": exact,
         "mismatch": tmpe - 1.0, "step_s": st, "tokens_per_s": toks / st,
         "invariant_ops_share": timer.seconds / last if last > 0 else float("nan"), "steps": n,
+        "phases_s": phases, "cpu_s": cpu,
     }  # fmt: skip
+
+
+def phase_line(row: dict) -> str:
+    """The timed step's phases (wall seconds, largest first) and the host's CPU seconds."""
+    parts = sorted(row["phases_s"].items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{name} {sec:.3f}" for name, sec in parts if sec >= 0.0005)
+    return f"phases (s): {shown}; host CPU {row['cpu_s']:.3f} s of {row['step_s']:.3f} s"
 
 
 def _verdict(row: dict) -> str:
@@ -286,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{100 * row['invariant_ops_share']:.1f}% of the instrumented step",
                     flush=True,
                 )
+                print(f"  {'':12s} {phase_line(row)}", flush=True)
     for line in exactness_cost(rows):
         print(line, flush=True)
     return 0 if ok else 1

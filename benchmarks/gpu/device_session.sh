@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check of issues 47 and 48 in ONE call of a lent bare GPU machine (docs/gpu.md):
+# Every GPU check of issues 47 and 48 in ONE call of a lent bare GPU machine, or one issue's part
+# per call with JETRL_PART (docs/gpu.md, "Two calls on one loan"):
 #
 #   bash benchmarks/gpu/device_session.sh --prepare      # here, first: wheels, source stamp, sizes,
 #                                                        # and the exact `run` call to make
@@ -22,7 +23,8 @@
 # torch/Triton/CUDA/driver/GPU: --collect puts it in .cache/triton-gpu, which the call carries).
 #
 # Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,SPLIT_TESTS,
-# SERVING_FP32,SERVING_POW2,MOE,LINEAR,PROFILE_HOST,QUANT,MOE_TILES,FP8_TESTS}_S (0 skips a step). Others: PYTHON (python3),
+# SERVING_FP32,SERVING_POW2,MOE,LINEAR,PROFILE_HOST,QUANT,MOE_TILES,FP8_TESTS}_S (0 skips a step), JETRL_PART
+# (all, 47, 48), JETRL_BUDGET_S (540 or less). Others: PYTHON (python3),
 # JETRL_GPU_WHEELS_DIR (.cache/gpu-wheels; empty: install nothing, use the interpreter as it is),
 # JETRL_TRITON_CARRY (.cache/triton-gpu), JETRL_TRITON_CACHE_DIR (/tmp/jetrl-triton-cache: a fixed
 # path, since Triton's cache index stores absolute paths), JETRL_TRITON_BINARY_ONLY (1: cache
@@ -35,7 +37,23 @@
 set -euo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$0")/../.."
-readonly BUDGET_S=540 PACK_S=15 KILL_S=3 CARRY_MIB=64 RETURN_MIB=15
+readonly MAX_BUDGET_S=540 PACK_S=15 KILL_S=3 CARRY_MIB=64 RETURN_MIB=15
+# A 15-minute loan holds two calls on a warm machine (run 7: 532 + 253 s of 900 s with the
+# start): JETRL_PART=47 runs issue 47's steps with the time the ~0.6B model's seven recipes need
+# (~50 s each on an H200, run 7), JETRL_PART=48 the speed steps with limits cut to run 7's
+# times plus a margin (~235 s), as a second call whose JETRL_BUDGET_S (at most 540) is what the
+# loan has left; all (default) runs every step.
+BUDGET_S=${JETRL_BUDGET_S:-$MAX_BUDGET_S}
+part=${JETRL_PART:-all}
+if [[ ! $BUDGET_S =~ ^[0-9]+$ ]] || ((BUDGET_S > MAX_BUDGET_S || BUDGET_S <= PACK_S)); then
+  echo "device_session.sh: JETRL_BUDGET_S=$BUDGET_S: use whole seconds, $((PACK_S + 1))-$MAX_BUDGET_S" >&2
+  exit 2
+fi
+case $part in all | 47 | 48) ;; *)
+  echo "device_session.sh: JETRL_PART=$part: use all, 47 (on-policy steps) or 48 (speed steps)" >&2
+  exit 2 ;;
+esac
+readonly BUDGET_S part
 py=${PYTHON:-python3}
 wheels=${JETRL_GPU_WHEELS_DIR-.cache/gpu-wheels}
 carry_cache=${JETRL_TRITON_CARRY:-.cache/triton-gpu}
@@ -53,45 +71,63 @@ for t in "${all_tests[@]}"; do
   esac
 done
 
+# lim NAME ISSUE DEFAULT [ALONE]: a step's limit: $JETRL_NAME_S when set; else 0 when the call
+# runs the other issue's part (JETRL_PART); else ALONE when it runs ISSUE's part alone, DEFAULT
+# otherwise. ISSUE "-": every part (the preflight).
+lim() {
+  local var="JETRL_$1_S"
+  if [[ -n ${!var:-} ]]; then
+    echo "${!var}"
+  elif [[ $part != all && $2 != - && $2 != "$part" ]]; then
+    echo 0
+  elif [[ $part != all && -n ${4:-} ]]; then
+    echo "$4"
+  else
+    echo "$3"
+  fi
+}
+
 # The steps, in order of value: `step NAME LIMIT [--elastic] CMD...`. --elastic: the step also
 # gets what the steps before it left unused of the budget.
 plan() {
-  step preflight "${JETRL_PREFLIGHT_S:-30}" bash benchmarks/gpu/device_session.sh --_preflight
+  step preflight "$(lim PREFLIGHT - 30)" bash benchmarks/gpu/device_session.sh --_preflight
   # Issue 47: exactly on-policy on a GPU.
-  step invariant_tests "${JETRL_INVARIANT_TESTS_S:-75}" env JETRL_GPU_TESTS="${inv_tests[*]}" \
+  step invariant_tests "$(lim INVARIANT_TESTS 47 75)" env JETRL_GPU_TESTS="${inv_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=45 bash scripts/gpu_check.sh -rfE --durations=5
-  # Both models (the demo's, then the ~0.6B Qwen3-shaped one), the exact recipes first: the JSON
-  # is rewritten after every recipe, so a timeout keeps what ran.
-  step bench_local_grpo "${JETRL_LOCAL_GRPO_S:-135}" "$py" benchmarks/gpu/bench_local_grpo.py \
-    --steps 3 --recipes jetrl,jetrl_kv,jetrl@fp32,fp8_rollout,bf16,jetrl@fast,jetrl@splitk \
+  # Both models (the demo's, then the ~0.6B Qwen3-shaped one), the exact recipes first, then
+  # what the tokens/s table compares them with (fp8_rollout, bf16, jetrl without the invariant
+  # ops), then jetrl's other modes: the JSON is rewritten after every recipe, so a timeout keeps
+  # what ran.
+  step bench_local_grpo "$(lim LOCAL_GRPO 47 135 405)" "$py" benchmarks/gpu/bench_local_grpo.py \
+    --steps 3 --recipes jetrl,jetrl_kv,fp8_rollout,bf16,jetrl@fast,jetrl@fp32,jetrl@splitk \
     --json "$work/json/bench_local_grpo.json"
-  step bench_invariant_ops "${JETRL_INVARIANT_OPS_S:-20}" "$py" benchmarks/gpu/bench_invariant_ops.py \
+  step bench_invariant_ops "$(lim INVARIANT_OPS 47 20 15)" "$py" benchmarks/gpu/bench_invariant_ops.py \
     --iters 20 --json "$work/json/bench_invariant_ops.json"
   # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache). The split-K
   # GEMM's GPU tests first (never run on a GPU: rows = the trainer's forward at M = 1..8192), then
   # the serving kernel on cuBLASLt (auto) and on it, against one BF16 time per M.
-  step split_gemm_tests "${JETRL_SPLIT_TESTS_S:-45}" env JETRL_GPU_TESTS="${split_tests[*]}" \
+  step split_gemm_tests "$(lim SPLIT_TESTS 48 45 35)" env JETRL_GPU_TESTS="${split_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=40 bash scripts/gpu_check.sh -rfE --durations=5 -k gpu
-  step bench_serving_fp32 "${JETRL_SERVING_FP32_S:-35}" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_fp32 "$(lim SERVING_FP32 48 35 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
-  step bench_serving_pow2 "${JETRL_SERVING_POW2_S:-35}" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_pow2 "$(lim SERVING_POW2 48 35 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
-  step bench_moe_layer "${JETRL_MOE_S:-35}" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
+  step bench_moe_layer "$(lim MOE 48 35 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
     --json "$work/json/bench_moe_layer.json"
-  step bench_fp8_linear "${JETRL_LINEAR_S:-35}" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
+  step bench_fp8_linear "$(lim LINEAR 48 35 25)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
   # host enqueue vs GPU time per Qwen3-8B shape (point 5), on the kernels bench_fp8_linear compiled
-  step profile_host "${JETRL_PROFILE_HOST_S:-20}" "$py" benchmarks/gpu/profile_host.py --iters 10 \
+  step profile_host "$(lim PROFILE_HOST 48 20)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
   # then the tile sweep (point 4: the tiles to make the defaults; the census cache holds them)
-  step bench_quantizer "${JETRL_QUANT_S:-35}" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
+  step bench_quantizer "$(lim QUANT 48 35 30)" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
     --iters 20 --sweep-tiles
   # the MoE prefill's grouped GEMM under each shape (point 3: the default to set; compiled by the
   # census), at the prefill models and counts, each checked against the training forward's bits
-  step bench_moe_tiles "${JETRL_MOE_TILES_S:-20}" "$py" benchmarks/gpu/bench_moe_layer.py \
+  step bench_moe_tiles "$(lim MOE_TILES 48 20 15)" "$py" benchmarks/gpu/bench_moe_layer.py \
     --models Qwen/Qwen3-30B-A3B deepseek-ai/DeepSeek-V3 --tokens 2048 8192 --iters 10 \
     --tiles sweep --json "$work/json/bench_moe_tiles.json"
   # ~370 s with a cold Triton cache on an H100: the rest of the budget, more with a warm cache.
-  step fp8_tests "${JETRL_FP8_TESTS_S:-5}" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
+  step fp8_tests "$(lim FP8_TESTS 48 5)" --elastic env JETRL_GPU_TESTS="${fp8_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=60 bash scripts/gpu_check.sh -rfE --durations=10
 }
 
@@ -121,10 +157,10 @@ dry_run() {
   printf '  %-20s %4d s: summary.txt, results.json, logs.tar.gz, triton-cache.tar.gz\n' pack "$PACK_S"
   total=$((total + PACK_S))
   if ((total > BUDGET_S)); then
-    echo "sum ${total} s > ${BUDGET_S} s: over the budget of one call (run's timeout_s 590)"
+    echo "sum ${total} s > ${BUDGET_S} s: over the budget of one call (JETRL_BUDGET_S, at most $MAX_BUDGET_S under run's timeout_s 590)"
     return 1
   fi
-  echo "sum ${total} s <= ${BUDGET_S} s ($n steps + pack); run it with timeout_s 590"
+  echo "sum ${total} s <= ${BUDGET_S} s ($n steps + pack, part $part); run it with timeout_s $((BUDGET_S + 50))"
 }
 
 inner_preflight() {  # the preflight step's command (its own process, under the step's timeout)
@@ -199,7 +235,7 @@ session() {
   fi
   {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "budget: ${BUDGET_S} s, run in one call"
+    echo "budget: ${BUDGET_S} s, run in one call (JETRL_PART $part)"
     if command -v nvidia-smi >/dev/null; then
       echo "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
     fi
@@ -353,6 +389,10 @@ The call (device tool 'run'):
   command:   bash benchmarks/gpu/device_session.sh "\$OUT"
   timeout_s: 590
   carry:     ["$wheels", "$carry_cache"]
+Or two calls on one warm machine (15 min of device time holds ~540 + ~240 s): the same carry,
+  1. JETRL_PART=47 bash benchmarks/gpu/device_session.sh "\$OUT"   (timeout_s 590)
+  2. JETRL_PART=48 JETRL_BUDGET_S=<s left - 60> bash benchmarks/gpu/device_session.sh "\$OUT"
+     (timeout_s = that budget + 50; --collect each into its own folder: JETRL_RESULTS_ROOT)
 EOF
 }
 

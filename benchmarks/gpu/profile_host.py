@@ -8,6 +8,8 @@ thread. For each of Qwen3-8B's four linears (qkv, o, gate_up, down) at ``--token
 * ``host_fwd_ms`` / ``host_bwd_ms``: median wall time to enqueue one forward / one backward,
   each behind ~50 ms of queued GPU sleep (the host never waits on the GPU; the forward of the
   timed backward runs before the sleep);
+* ``bf16_host_ms``: the control, torch's own BF16 ``nn.Linear`` fwd + bwd at the same shape
+  enqueued the same way (what this host's Python, torch and driver cost without FP8);
 * ``gpu_ms`` and ``launches``: summed device time and device activities of one fwd+bwd (CUDA
   profiler, as bench_fp8_linear);
 * ``frames_fwd`` / ``frames_bwd``: Python calls per forward / backward on every thread
@@ -110,6 +112,25 @@ def _cprofile(label: str, fn, iters: int, top: int = 25) -> None:  # type: ignor
     print("\n".join(body[start : start + top + 1]), flush=True)
 
 
+def bf16_control_ms(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, iters: int) -> float:
+    """The control: torch's own BF16 linear, fwd + bwd enqueued the same way on the same host
+    (what this machine's Python, torch and CUDA driver cost for one layer without FP8)."""
+    ref = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+    for _ in range(3):
+        ref(x).backward(dy)
+    torch.cuda.synchronize()
+
+    def backward():  # type: ignore[no-untyped-def]
+        ref.zero_grad(set_to_none=True)
+        x.grad = None
+        y = ref(x)
+        return lambda: y.backward(dy)
+
+    return _behind_sleep_ms(lambda: lambda: ref(x), iters) + _behind_sleep_ms(backward, iters)
+
+
 def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
     """One shape's row (see the module docstring)."""
     m = args.tokens
@@ -138,6 +159,7 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
 
     host_fwd = _behind_sleep_ms(forward, args.iters)
     host_bwd = _behind_sleep_ms(backward, args.iters)
+    bf16_host = bf16_control_ms(w, x, dy, args.iters)
     gpu, launches = device_activity(step)
     frames_fwd, every = python_calls(forward())
     frames_bwd, _ = python_calls(backward())
@@ -154,6 +176,7 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
         "host_fwd_ms": host_fwd,
         "host_bwd_ms": host_bwd,
         "host_ms": host_fwd + host_bwd,
+        "bf16_host_ms": bf16_host,
         "gpu_ms": gpu,
         "launches": launches,
         "frames_fwd": frames_fwd,
@@ -162,7 +185,8 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
     }
 
 
-COLUMNS = ("layer", "M", "N", "K", "host_fwd_ms", "host_bwd_ms", "host_ms", "gpu_ms", "launches",
+COLUMNS = ("layer", "M", "N", "K", "host_fwd_ms", "host_bwd_ms", "host_ms", "bf16_host_ms",
+           "gpu_ms", "launches",
            "frames_fwd", "frames_bwd", "all_threads")  # fmt: skip
 
 
@@ -176,9 +200,12 @@ def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for r in at:
         verdict = "MET" if r["host_ms"] < r["gpu_ms"] else "NOT MET"
+        control = r.get("bf16_host_ms")
+        ctl = "" if control is None else f"; torch's BF16 linear on this host {control:.3f} ms"
         lines.append(
             f"{lead}, Qwen3-8B {r['layer']}: {verdict} (host {r['host_ms']:.3f} ms = fwd "
-            f"{r['host_fwd_ms']:.3f} + bwd {r['host_bwd_ms']:.3f} vs GPU {r['gpu_ms']:.3f} ms)"
+            f"{r['host_fwd_ms']:.3f} + bwd {r['host_bwd_ms']:.3f} vs GPU {r['gpu_ms']:.3f} ms"
+            f"{ctl})"
         )
     if {r["layer"] for r in at} != want:
         lines.append(f"{lead}, Qwen3-8B all 4 linears: NOT MEASURED (run --tokens {TARGET_TOKENS})")
