@@ -44,9 +44,9 @@ def sort_routes(
     (stable: token order inside an expert), each sorted row's token, int64 ``offsets [E+1]``.
     Device ops only (no host read)."""
     flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
+    by_expert, order = torch.sort(flat, stable=True)  # the sorted ids come with the order
     grid = torch.arange(num_experts + 1, device=flat.device)
-    offsets = torch.searchsorted(flat[order].contiguous(), grid)
+    offsets = torch.searchsorted(by_expert, grid)
     return order, order // topk_ids.shape[1], offsets
 
 
@@ -119,6 +119,11 @@ def combine(
     fp32 adds, one rounding. Deterministic and batch-invariant; no host read. Triton (one
     launch, `triton_grouped.combine`) or the reference, as `experts.grouped_backend` says."""
     by_token = torch.argsort(token, stable=True)  # inside a token: expert order (y is sorted)
+    if token.shape[0] == num_tokens * top_k:
+        # every token has its k rows (at most k each, T*k in all): grouped by token they are
+        # the table itself, one op where the general case below takes eight (eager prefill
+        # pays each op's host dispatch)
+        return _ops(y).combine(y, weight, by_token.view(num_tokens, top_k), out_dtype)
     tok = token[by_token]
     first = torch.searchsorted(tok, torch.arange(num_tokens, device=tok.device))
     slot = torch.arange(tok.shape[0], device=tok.device) - first[tok]

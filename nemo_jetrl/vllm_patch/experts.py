@@ -104,7 +104,7 @@ def experts_forward(
 
     # expert parallel: global ids -> this rank's (expert_shards.local_routes); others dropped
     flat, token, weight = local_routes(topk_ids, topk_weights, expert_map)
-    order = torch.argsort(flat, stable=True)
+    by_expert, order = torch.sort(flat, stable=True)
     token, weight = token[order], weight[order]
     if pow2 == w_pow2:
         from nemo_jetrl.fp8.config import Fp8LinearConfig
@@ -113,7 +113,7 @@ def experts_forward(
 
         cfg = Fp8LinearConfig(pow2_scales=pow2, eps=eps)
         grid = torch.arange(e + 1, device=x.device)
-        offsets = torch.searchsorted(flat[order].contiguous(), grid)  # no host read
+        offsets = torch.searchsorted(by_expert, grid)  # no host read
         q13 = GroupedQuantizedWeights(w13, w13_s, "e4m3", pow2)
         q2 = GroupedQuantizedWeights(w2, w2_s, "e4m3", pow2)
         # Serving: no stop on non-finite input (vLLM's warm-up runs on uninitialised buffers),
