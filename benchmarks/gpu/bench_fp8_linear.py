@@ -8,6 +8,10 @@ fused as vLLM and Megatron run them, gate/up fused), at ``--tokens`` tokens per 
   ``convert_to_fp8_training`` swaps in), forward + backward: exactly the quantizations, layouts
   and GEMM backends the trainer runs, whatever they are at this commit. ``quant_share`` is the
   time of the same layer with its GEMMs replaced by no-ops (quantization and layout work only).
+* FP8 in CUDA graphs (``graphed_*``): the same layer captured by `nemo_jetrl.fp8.graph_linear`
+  for the fixed micro-batch shape (the weight quantized in every replay, gradients copied out;
+  ``graphed_host_ms`` is its host enqueue), beside torch's BF16 linear captured the same way;
+  ``graphed_speedup`` is eager BF16 over graphed FP8.
 * TE FP8 (if transformer_engine imports): ``te.Linear`` under ``fp8_autocast`` with
   ``Float8BlockScaling``, the training-side reference.
 * Serving: the vLLM kernel's forward as the patch registers it
@@ -115,6 +119,18 @@ def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
         layer(xr).backward(dy)
 
     return run
+
+
+def graphed_pair(w: torch.Tensor, x: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
+    """(`Fp8BlockLinear`, torch's BF16 ``nn.Linear``), each holding ``w`` and captured in CUDA
+    graphs for ``x``'s shape by `fp8.graph_linear` (the fixed micro-batch option)."""
+    from nemo_jetrl.fp8 import graph_linear
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    sample = x.detach().requires_grad_(True)
+    return graph_linear(fp8_layer(w, pow2), sample), graph_linear(lin, sample)
 
 
 def two_pass_step(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
@@ -243,6 +259,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             quant = bench(quant_only(layer, x, dy))
             host = host_enqueue_ms(fwd_bwd(layer, x, dy))
             gpu, launches = device_activity(fwd_bwd(layer, x, dy))
+            graphed, bf16_graphed = graphed_pair(w, x, args.pow2)
+            fp8_graphed = bench(fwd_bwd(graphed, x, dy))
             te_fn = te_fwd_bwd_fn(k, n, x, dy)
             te_ms = bench(te_fn) if te_fn else None
             qx, qw = qt(x[:128], (1, 128)), qt(w, (128, 128))
@@ -269,6 +287,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "host_ms": host,
                     "gpu_ms": gpu,
                     "launches": launches,
+                    "graphed_ms": fp8_graphed,
+                    "graphed_speedup": bf16 / fp8_graphed,
+                    "bf16_graphed_ms": bench(fwd_bwd(bf16_graphed, x, dy)),
+                    "graphed_host_ms": host_enqueue_ms(fwd_bwd(graphed, x, dy)),
                     "te_fp8_ms": te_ms if te_ms is not None else "n/a",
                     "te_speedup": bf16 / te_ms if te_ms else "n/a",
                     "gemm": f"{gemm_backend(qx, qw)}/{gemm_backend(qa, qa)}",
@@ -295,6 +317,10 @@ COLUMNS = (
     "host_ms",
     "gpu_ms",
     "launches",
+    "graphed_ms",
+    "graphed_speedup",
+    "bf16_graphed_ms",
+    "graphed_host_ms",
     "te_fp8_ms",
     "te_speedup",
     "gemm",
@@ -317,6 +343,10 @@ def target_summary(rows: list[dict]) -> list[str]:
          lambda r: f"host {r['host_ms']:.2f} ms vs GPU {r['gpu_ms']:.2f} ms"),
         (f"<= {TARGET_LAUNCHES} launches per step", lambda r: r["launches"] <= TARGET_LAUNCHES,
          lambda r: f"{r['launches']:.0f} launches"),
+        (f"in CUDA graphs (graph_linear) fwd+bwd >= {TARGET_SPEEDUP}x BF16",
+         lambda r: r["graphed_speedup"] >= TARGET_SPEEDUP,
+         lambda r: f"{r['graphed_speedup']:.2f}x ({r['bf16_ms'] / r['bf16_graphed_ms']:.2f}x "
+                   "for BF16 graphed itself)"),
     )  # fmt: skip
     for label, ok, show in checks:
         lead = f"target: Fp8BlockLinear {label} at {TARGET_TOKENS} tokens, Llama-3.1-8B + Qwen3-8B:"

@@ -12,7 +12,7 @@ Depends on torch only. Everything that is FP8 on either side of an RL step goes 
 
 Modules: ``formats`` (E4M3/E5M2), ``quantize`` (the one quantizer), ``gemm`` (blockwise-scaled
 GEMM), ``config`` (``Fp8LinearConfig``), ``linear`` (``Fp8BlockLinear``, ``Fp8InferenceLinear``),
-``convert`` (module swap), ``experts`` (grouped MoE expert linear: ``grouped_fp8_linear``,
+``convert`` (module swap), ``graphed`` (a linear's training step in CUDA graphs), ``experts`` (grouped MoE expert linear: ``grouped_fp8_linear``,
 ``quantize_expert_weights``, ``grouped_fp8_linear_inference``; reference ``experts_reference``,
 GPU path ``triton_grouped``), ``layouts`` (TE / vLLM / DeepGEMM storage), ``vllm_native``
 (emulation of an unpatched vLLM's own quantizers, for off-policy baselines).
@@ -34,6 +34,7 @@ _EXPORTS = {
     "Fp8Format": "formats",
     "Fp8InferenceLinear": "inference_linear",
     "Fp8LinearConfig": "config",
+    "GraphedLinear": "graphed",
     "GroupedQuantizedWeights": "grouped_tensors",
     "blockwise_matmul": "gemm",
     "cast_to_fp8": "quantize",
@@ -44,6 +45,7 @@ _EXPORTS = {
     "fp8_bits": "quantize",
     "get_format": "formats",
     "grad_format": "formats",
+    "graph_linear": "graphed",
     "grouped_fp8_linear": "experts",
     "grouped_fp8_linear_inference": "experts",
     "load_expert_weights": "experts",
@@ -75,6 +77,7 @@ __all__ = [
     "Fp8Format",
     "Fp8InferenceLinear",
     "Fp8LinearConfig",
+    "GraphedLinear",
     "GroupedQuantizedWeights",
     "blockwise_matmul",
     "cast_to_fp8",
@@ -85,6 +88,7 @@ __all__ = [
     "fp8_bits",
     "get_format",
     "grad_format",
+    "graph_linear",
     "grouped_fp8_linear",
     "grouped_fp8_linear_inference",
     "load_expert_weights",

@@ -14,6 +14,9 @@ already syncs (after reading the loss).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 _FLAGS: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -102,4 +105,35 @@ def check_non_finite() -> None:
         )
 
 
-__all__ = ["check_non_finite", "flag", "note", "pending", "record", "record_each", "sync_free"]
+@contextmanager
+def isolated() -> Iterator[dict[tuple[str, torch.device], torch.Tensor]]:
+    """Run the body with no pending or spare flag, so every `flag` it asks for is a new buffer
+    (made where the body first asks: before a CUDA graph capture, not inside it). Yields the
+    body's pending flags; the flags from before are back afterwards (`graphed`)."""
+    global _FLAGS, _SPARE
+    saved = _FLAGS, _SPARE
+    _FLAGS, _SPARE = {}, {}
+    try:
+        yield _FLAGS
+    finally:
+        _FLAGS, _SPARE = saved
+
+
+def rearm(flags: dict[tuple[str, torch.device], torch.Tensor]) -> None:
+    """Hand a CUDA graph's flag buffers back as pending (a replay sets them, and runs no host
+    code that would call `flag`), so `check_non_finite` reads them. A name pending with another
+    buffer (the same layer run eagerly since) keeps both: the graph's as "NAME (CUDA graph)"."""
+    for key, buf in flags.items():
+        cur = _FLAGS.get(key)
+        if cur is None:
+            if _SPARE.get(key) is buf:
+                del _SPARE[key]
+            _FLAGS[key] = buf
+        elif cur is not buf:
+            _FLAGS[(f"{key[0]} (CUDA graph)", key[1])] = buf
+
+
+__all__ = [
+    "check_non_finite", "flag", "isolated", "note", "pending", "rearm", "record", "record_each",
+    "sync_free",
+]  # fmt: skip

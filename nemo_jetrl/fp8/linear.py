@@ -363,8 +363,10 @@ def _weight(w, config, name: str, plan: LinearPlan, cache: WeightCache, *, pair:
     """``(qw, qwt)``: the cached pair while ``w`` is unchanged, else quantized now (both layouts
     from one pass when DGrad needs ``qwt``; else ``qwt`` is ``qw.t()``, never read). A cached
     copy keeps its scales in the layout its GEMM reads (`gemm_ready_weight_scales`: cuBLASLt's
-    padded ``scale_b``, made once per weight version instead of per call)."""
-    if plan.cache_weight:
+    padded ``scale_b``, made once per weight version instead of per call). Not while a CUDA
+    graph is captured: a replay runs no host code, so it must quantize the live weight."""
+    cached = plan.cache_weight and not _capturing(w)
+    if cached:
         hit = cache.lookup(w, pair)
         if hit is not None:
             return hit[0], hit[1] if hit[1] is not None else hit[0].t()
@@ -374,11 +376,15 @@ def _weight(w, config, name: str, plan: LinearPlan, cache: WeightCache, *, pair:
     else:
         qw = _quantize_forward(w, config.WEIGHT_BLOCK, config, wname, plan)
         qwt = None
-    if plan.cache_weight:
+    if cached:
         qw = _gemm_ready(qw, plan.fprop)
         qwt = None if qwt is None else _gemm_ready(qwt, plan.dgrad)
         cache.store(w, qw, qwt)
     return qw, qwt if qwt is not None else qw.t()
+
+
+def _capturing(w: torch.Tensor) -> bool:
+    return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _gemm_ready(q: BlockQuantized, backend: str | None) -> BlockQuantized:

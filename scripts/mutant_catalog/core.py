@@ -315,6 +315,22 @@ MUTANTS = [
         ("tests/config/test_config_merge.py",),
     ),
     Mutant(
+        "the FP8 weight cache is used while a CUDA graph is captured (replays keep a stale weight)",
+        "nemo_jetrl/fp8/linear.py",
+        "cached = plan.cache_weight and not _capturing(w)",
+        "cached = plan.cache_weight",
+        (
+            "tests/fp8/test_fp8_graphed.py::test_the_weight_cache_is_skipped_while_a_graph_is_captured",
+        ),
+    ),
+    Mutant(
+        "a CUDA graph's device flags are not pending again after a replay",
+        "nemo_jetrl/fp8/finite_flags.py",
+        "            _FLAGS[key] = buf\n        elif",
+        "            pass\n        elif",
+        ("tests/fp8/test_fp8_graphed.py::test_a_graphs_flags_are_pending_again_after_each_replay",),
+    ),
+    Mutant(
         "census reads a kept ptxas answer for another PTX text",
         "scripts/sm90_ptx.py",
         "hashlib.sha256((ident + ptx).encode())",

@@ -200,7 +200,8 @@ def test_one_forward_and_backward_stay_within_the_host_budget(host_path):
     # through fp8_linear_forward/linear_gemm/fp8_gemm/run_gemm/_scaled_mm and its scale helpers.
     # Launches: the rowcol quantizer and the FProp GEMM. Allocations: rowcol's 2 code arrays +
     # 2 scale arrays, the GEMM output.
-    want_fwd = {"frames": 30, "launches": 2, "allocations": 5, "views": 13}
+    # +1 frame since: `linear._capturing`, the weight cache skipped while a CUDA graph is captured
+    want_fwd = {"frames": 31, "launches": 2, "allocations": 5, "views": 13}
     # Backward: rowcol quantizer of dy, DGrad and WGrad GEMMs; allocations: 2 + 2 for dy, 2 GEMM
     # outputs (dW is taken as the weight's .grad, dx as x's: no copies).
     want_bwd = {"frames": 31, "launches": 3, "allocations": 6, "views": 16}
