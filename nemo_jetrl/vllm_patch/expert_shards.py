@@ -118,6 +118,21 @@ def local_routes(
     return flat[here], token[here], weight[here]
 
 
+def sorted_routes(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, emap: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`local_routes` sorted by local expert id (stable: token order inside an expert), as the
+    grouped kernels read them: (expert ids, token, router weight fp32). Without ``emap`` every
+    route is this rank's and a sorted row's token is its flat index // k (no token table built
+    and gathered: 50 -> 45 ops per layer call, each a host dispatch in an eager prefill)."""
+    if emap is None:
+        by_expert, order = torch.sort(topk_ids.reshape(-1).long(), stable=True)
+        return by_expert, order // topk_ids.shape[1], topk_weights.reshape(-1).float()[order]
+    flat, token, weight = local_routes(topk_ids, topk_weights, emap)
+    by_expert, order = torch.sort(flat, stable=True)
+    return by_expert, token[order], weight[order]
+
+
 def hf_slice(layer: Any, proj: str, full: tuple[int, ...]) -> tuple[int, int, int]:
     """(dim, start, length) of the HF per-expert tensor of shape ``full`` (``proj``'s
     ``weight`` [N, K] or ``weight_scale_inv`` [N/128, K/128]) that this rank holds, as vLLM's

@@ -41,7 +41,7 @@ import torch
 from nemo_jetrl.fp8.gemm_backends import plan_gemm
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
 from nemo_jetrl.vllm_patch import moe_versions
-from nemo_jetrl.vllm_patch.expert_shards import expert_map, local_routes, shard_problems
+from nemo_jetrl.vllm_patch.expert_shards import expert_map, shard_problems, sorted_routes
 from nemo_jetrl.vllm_patch.kernel import _serving_device, ensure_ops, serving_exclusions
 from nemo_jetrl.vllm_patch.moe_versions import MOE_RANGES, moe_supported  # noqa: F401 (API)
 from nemo_jetrl.vllm_patch.settings import PatchSettings
@@ -103,9 +103,7 @@ def experts_forward(
     from nemo_jetrl.fp8.experts_layer import combine
 
     # expert parallel: global ids -> this rank's (expert_shards.local_routes); others dropped
-    flat, token, weight = local_routes(topk_ids, topk_weights, expert_map)
-    by_expert, order = torch.sort(flat, stable=True)
-    token, weight = token[order], weight[order]
+    by_expert, token, weight = sorted_routes(topk_ids, topk_weights, expert_map)
     if pow2 == w_pow2:
         from nemo_jetrl.fp8.config import Fp8LinearConfig
         from nemo_jetrl.fp8.experts_layer import routed_experts_inference
@@ -125,7 +123,7 @@ def experts_forward(
     # One 1x128 quantization per token; a block's bits do not depend on its neighbours.
     qx, qx_s = ops.quantize_act_1x128(x, pow2, eps, False)
     q, q_s = qx[token], qx_s[token]
-    counts = torch.bincount(flat, minlength=e)
+    counts = torch.bincount(by_expert, minlength=e)
     start, ys = 0, []
     for ex, n in enumerate(counts.tolist()):
         if n == 0:

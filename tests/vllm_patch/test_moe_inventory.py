@@ -112,3 +112,11 @@ def test_one_moe_layer_quantizes_tokens_once_fuses_silu_and_combines_without_ato
     gathers = {k: v for k, v in rec.bf16_ops.items() if k in ("index", "index_select", "gather")}
     assert not gathers, gathers  # no BF16 gather of the routed rows
     assert rec.ops["index_add"] == 0 and rec.ops["index_add_"] == 0  # no fp32 atomics
+    # The routing around the kernels, without expert parallelism (`sorted_routes`): sort the
+    # ids, a row's token = its flat index // k, the weights gathered once, the expert offsets
+    # (arange, searchsorted), the combine's by-token argsort. Before (d615bfb) a token table
+    # was built and gathered (arange, repeat_interleave: unsqueeze, expand, clone; index): 50.
+    real = {k: v for k, v in rec.ops.items() if k not in ("view", "detach", "_to_copy")}
+    assert real == {"sort": 2, "floor_divide": 1, "index": 1, "arange": 2, "searchsorted": 1,
+                    "new_empty": 1, "empty": 7}, real  # fmt: skip
+    assert sum(rec.ops.values()) == 45, dict(rec.ops)  # with the views and the casts
