@@ -45,13 +45,13 @@ def _quantize_activation(
         return quantize_group_native(x2, ue8m0=config.pow2_scales, name=name)
     deferred = finite_flags.sync_free(x2)  # CUDA: no host sync, a device flag instead
     fmt, pow2 = config.forward_format, config.pow2_scales
-    q = quantize_blockwise(
+    # the quantizer sets the flag itself (Triton: in the same launch; the torch path: `note`),
+    # not isnan + any + or after it: three launches fewer per layer per decode step
+    flag = finite_flags.flag(name, x2.device) if deferred else None
+    return quantize_blockwise(
         x2, config.ACTIVATION_BLOCK, fmt=fmt, pow2_scales=pow2, eps=config.eps, name=name,
-        check_finite=not deferred,
+        check_finite=not deferred, nonfinite_flag=flag,
     )  # fmt: skip
-    if deferred:
-        finite_flags.record(name, q.scale_inv)
-    return q
 
 
 class Fp8InferenceLinear(nn.Module):

@@ -331,6 +331,15 @@ MUTANTS = [
         ("tests/fp8/test_fp8_graphed.py::test_a_graphs_flags_are_pending_again_after_each_replay",),
     ),
     Mutant(
+        "rollout FP8 linear's quantizer not handed its device flag (a NaN input never reported)",
+        "nemo_jetrl/fp8/inference_linear.py",
+        "check_finite=not deferred, nonfinite_flag=flag,",
+        "check_finite=not deferred, nonfinite_flag=None,",
+        (
+            "tests/fp8/test_fp8_linear_sync_free.py::test_rollout_linear_flags_non_finite_input_in_the_quantizer_launch",
+        ),
+    ),
+    Mutant(
         "census reads a kept ptxas answer for another PTX text",
         "scripts/sm90_ptx.py",
         "hashlib.sha256((ident + ptx).encode())",

@@ -111,6 +111,36 @@ def test_non_finite_input_is_deferred_then_an_error_naming_the_tensor(cuda_path,
     finite_flags.check_non_finite()  # cleared
 
 
+def test_rollout_linear_flags_non_finite_input_in_the_quantizer_launch(cuda_path, monkeypatch):
+    """The rollout-side layer on its CUDA path: the Triton quantizer sets the device flag in its
+    own launch (no isnan / any / logical_or after it: three launches per layer per decode
+    step), and `check_non_finite` names the tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nemo_jetrl.fp8 import Fp8InferenceLinear
+
+    monkeypatch.setenv(gemm_backends.ENV_GEMM_BACKEND, "reference")
+    layer = Fp8InferenceLinear(256, 384, bias=False, name="roll.q")
+    layer.load_weight(torch.randn(384, 256))
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    x[2, 7] = float("nan")
+
+    seen: set[str] = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        layer(x)
+    assert not {"isnan", "any", "logical_or", "logical_or_"} & seen, seen
+    with pytest.raises(ValueError, match=r"non-finite values in FP8 operand\(s\) \['roll.q.input'"):
+        finite_flags.check_non_finite()
+    layer(x.nan_to_num())
+    finite_flags.check_non_finite()  # a finite input flags nothing
+
+
 # --------------------------------------------------------- mixed E5M2 x E4M3 FP8 dot (hybrid)
 
 
