@@ -138,3 +138,28 @@ def test_attention_compiles_at_head_dim_64_128_256_and_its_stages_change_no_bit(
     for t in (20, 63, 64, 299):
         assert same_bits(_step(q, k, v, mask, scale, t)[:, :, 0], full[:, :, t]), (d, dtype, t)
     assert same_bits(ka.attention(q, k, v, mask, scale, num_stages=1), full)
+
+
+def test_rotary_embedding_of_a_decode_step_equals_the_prefills():
+    """RoPE as the local backend runs it on a GPU (`invariant.hf.RotaryTable`: cos/sin made once
+    by the model's own rotary, then transformers' ``apply_rotary_pos_emb``, elementwise torch
+    ops): a position's rotated q and k have the same bits alone (a decode step) and inside a
+    2048-token prefill."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    from nemo_jetrl.invariant.hf import RotaryTable
+
+    cfg = transformers.LlamaConfig(hidden_size=2048, num_attention_heads=16, head_dim=128,
+                                   max_position_embeddings=4096, rope_theta=1e6)  # fmt: skip
+    table = RotaryTable(modeling_llama.LlamaRotaryEmbedding(cfg).cuda(), 4096)
+    q, k = (_rand(1, 16, 2048, 128, dtype=torch.bfloat16, seed=s) for s in (1, 2))
+    pos = torch.arange(2048, device="cuda")[None]
+    cos, sin = table(q, pos)
+    q_all, k_all = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    for t in (0, 1, 63, 64, 2047):
+        c, s_ = table(q, pos[:, t : t + 1])
+        q_t, k_t = modeling_llama.apply_rotary_pos_emb(
+            q[:, :, t : t + 1], k[:, :, t : t + 1], c, s_
+        )
+        assert same_bits(q_t, q_all[:, :, t : t + 1]) and same_bits(k_t, k_all[:, :, t : t + 1]), t
