@@ -21,12 +21,13 @@ Order of preference for CUDA operands (``auto``):
 ``triton_splitk`` (`triton_split`; requested only, not ``auto``'s until measured on a GPU):
 split-K in an order fixed by K alone, so a token's row has the same bits at every batch size.
 
-One per-shape rule: a GEMM cuBLASLt or DeepGEMM refuses (`shape_problem`: WGrad over 300 tokens,
-an expert's 129 rows, a partial K block) runs on ``triton`` (`run_gemm`).
+Per call (`run_gemm`): cuBLASLt's activation rows are padded to its row multiple
+(`activation_layout`), and a GEMM cuBLASLt or DeepGEMM still refuses (`shape_problem`: WGrad over
+300 tokens, an expert's 129 rows on DeepGEMM, a partial K block) runs on ``triton``.
 
-None applies on a GPU: `GemmBackendError` naming what to install or change (never a per-call
-fp32 dequantization). CPU: ``reference`` (`gemm.blockwise_matmul`). ``JETRL_FP8_GEMM_BACKEND`` or
-``backend=`` forces one (``reference`` on a GPU: debugging only), refused at planning if it cannot run.
+None applies on a GPU: `GemmBackendError` naming what to install or change. CPU: ``reference``
+(`gemm.blockwise_matmul`). ``JETRL_FP8_GEMM_BACKEND`` or ``backend=`` forces one (``reference``
+on a GPU: debugging only), refused at planning if it cannot run.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 
 from nemo_jetrl.fp8._deps import available
 from nemo_jetrl.fp8.gemm import blockwise_matmul
+from nemo_jetrl.fp8.layouts import pad_rows
 from nemo_jetrl.fp8.quantize import BlockQuantized
 
 GEMM_BACKENDS = ("auto", "deep_gemm", "scaled_mm", "triton", "triton_splitk", "reference")
@@ -75,13 +77,11 @@ class GemmPlan:
 
     backend: str
     """One of `GEMM_BACKENDS` other than ``auto``."""
-    reason: str
-    """Why it was chosen (for logs)."""
+    reason: str  # why it was chosen (for logs)
 
 
 def _cuda_at_least(major: int, minor: int) -> bool:
-    version = torch.version.cuda or "0.0"
-    return tuple(int(p) for p in version.split(".")[:2]) >= (major, minor)
+    return tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2]) >= (major, minor)
 
 
 @functools.cache
@@ -382,12 +382,17 @@ RUNNERS = {
 def run_gemm(
     backend: str, a: BlockQuantized, b: BlockQuantized, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``a @ b.T`` on a backend `plan_gemm` chose (nothing imported, no host read). The one
-    per-call rule: a shape cuBLASLt or DeepGEMM refuses (`shape_problem`: 37 decode tokens, a
-    576-row weight's DGrad) runs on Triton, whose value tables the plan prepared."""
+    """``a @ b.T`` on a backend `plan_gemm` chose (nothing imported, no host read). cuBLASLt
+    gets ``a``'s rows padded to `activation_layout`'s multiple (37 tokens: 40; FP32 scales: 64):
+    a token's row has its bits at every M, on both RL sides. A shape still refused
+    (`shape_problem`) runs on Triton, whose value tables the plan prepared."""
     if backend in ("scaled_mm", "deep_gemm"):
-        m, k = a.data.shape
-        why = shape_problem(backend, m, b.data.shape[0], k)
+        (m, k), n = a.data.shape, b.data.shape[0]
+        if m % FP32_SCALE_ROW_MULTIPLE:  # (a multiple of every row multiple: nothing to pad)
+            rows = activation_layout(backend, a.pow2_scales and b.pow2_scales)[0]
+            if m % rows and shape_problem(backend, -(-m // rows) * rows, n, k) is None:
+                return RUNNERS[backend](pad_rows(a, -(-m // rows) * rows), b, out_dtype)[:m]
+        why = shape_problem(backend, m, n, k)
         if why is not None:
             if not device_caps(a.data.device).triton:
                 raise GemmBackendError(f"fp8_gemm: {why}, and triton is not installed")

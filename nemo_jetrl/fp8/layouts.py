@@ -143,6 +143,17 @@ def from_te(
 # --- vLLM ---------------------------------------------------------------------------------------
 
 
+def pad_rows(q: BlockQuantized, rows: int) -> BlockQuantized:
+    """1x128 ``q`` ``[M, K]`` with zero rows appended up to ``rows`` (scale 1 each): what a GEMM
+    that takes activations in row multiples is handed; its first M output rows are ``q``'s."""
+    m, k = q.data.shape
+    data = torch.zeros(rows, k, dtype=q.data.dtype, device=q.data.device)
+    data[:m] = q.data
+    scale = torch.ones(rows, q.scale_inv.shape[1], dtype=q.scale_inv.dtype, device=data.device)
+    scale[:m] = q.scale_inv
+    return BlockQuantized(data, scale, q.block, q.fmt, q.pow2_scales)
+
+
 def to_vllm_weight(q: BlockQuantized) -> dict[str, torch.Tensor]:
     """``{"weight": fp8 [N, K], "weight_scale_inv": fp32 [ceil(N/128), ceil(K/128)]}``."""
     _check_2d(q, "to_vllm_weight")

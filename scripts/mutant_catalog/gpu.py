@@ -21,6 +21,16 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "cuBLASLt's batches off its row multiple run on Triton again (another kernel's row bits)",
+        "nemo_jetrl/fp8/gemm_backends.py",
+        "if m % rows and shape_problem(",
+        "if False and shape_problem(",
+        (
+            "tests/fp8/test_fp8_gemm_backends.py::test_cublaslt_gets_padded_rows_and_a_shape_it_refuses"
+            "_runs_on_triton",
+        ),
+    ),
+    Mutant(
         "vLLM's QuantFP8 scale floor emulated as 1 / (448 * 256)",
         "nemo_jetrl/fp8/vllm_native.py",
         "SCALE_FLOOR = 1.0 / (E4M3.fmax * 512.0)",

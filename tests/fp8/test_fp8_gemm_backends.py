@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from nemo_jetrl.fp8 import BlockQuantized, dispatch, gemm_backends, quantize_blockwise
+from nemo_jetrl.fp8 import BlockQuantized, dispatch, fp8_bits, gemm_backends, quantize_blockwise
 from nemo_jetrl.fp8.gemm_backends import DeviceCaps, GemmBackendError, decide
 from nemo_jetrl.fp8.sync_check import no_host_reads
 
@@ -243,23 +243,41 @@ def test_scaled_mm_shape_rule_names_the_shape():
 
 
 @pytest.mark.triton
-def test_a_shape_cublaslt_refuses_runs_on_triton(monkeypatch):
-    """On a scaled_mm plan, K = 300 (WGrad over 300 tokens) and M = 37 (a decode batch) run the
-    Triton kernel; M = 72, K = 256 runs cuBLASLt. Runners stood in (no GPU here)."""
-    ran = []
+def test_cublaslt_gets_padded_rows_and_a_shape_it_refuses_runs_on_triton(monkeypatch):
+    """On a scaled_mm plan, M = 37 (a decode batch) runs cuBLASLt on 40 rows (pow2) or 64 (FP32
+    scales: `activation_layout`) and returns the first 37, so a token's row has cuBLASLt's bits
+    at every M on the rollout and the trainer alike (it ran on Triton before); K = 300 (WGrad
+    over 300 tokens) runs Triton; M = 72 runs cuBLASLt as it is. Runners stood in (no GPU)."""
+    ran, handed = [], []
+
+    def standin(name):  # type: ignore[no-untyped-def]
+        def run(a, b, out_dtype):  # type: ignore[no-untyped-def]
+            ran.append((name, a.data.shape[0]))
+            handed.append(a)
+            rows = torch.arange(a.data.shape[0], dtype=torch.float32)[:, None]
+            return rows.expand(-1, b.data.shape[0]).to(out_dtype)  # row i holds i
+
+        return run
+
     for name in ("scaled_mm", "triton"):
-        monkeypatch.setitem(gemm_backends.RUNNERS, name, lambda a, b, o, n=name: ran.append(n))
+        monkeypatch.setitem(gemm_backends.RUNNERS, name, standin(name))
     g = torch.Generator().manual_seed(5)
 
-    def q(rows, k):
-        return quantize_blockwise(torch.randn(rows, k, generator=g), (1, 128))
+    def q(rows, k, pow2=True):  # type: ignore[no-untyped-def]
+        return quantize_blockwise(torch.randn(rows, k, generator=g), (1, 128), pow2_scales=pow2)
 
     monkeypatch.setattr(
         gemm_backends, "device_caps", lambda dev: DeviceCaps(cuda=True, triton=True)
     )
-    for m, k in ((70, 300), (37, 256), (72, 256)):
-        gemm_backends.run_gemm("scaled_mm", q(m, k), q(64, k), BF16)
-    assert ran == ["triton", "triton", "scaled_mm"]
+    for m, k, pow2 in ((70, 300, True), (37, 256, True), (72, 256, True), (37, 256, False)):
+        a = q(m, k, pow2)
+        out = gemm_backends.run_gemm("scaled_mm", a, q(64, k, pow2), BF16)
+        assert out.shape == (m, 64) and torch.equal(out[:, 0], torch.arange(m).to(BF16)), m
+    assert ran == [("triton", 70), ("scaled_mm", 40), ("scaled_mm", 72), ("scaled_mm", 64)]
+    padded = handed[-1]  # the FP32-scale call: 37 rows, then zero codes with scale 1
+    assert torch.equal(fp8_bits(padded.data[:37]), fp8_bits(a.data))
+    assert torch.equal(padded.scale_inv[:37], a.scale_inv)
+    assert not fp8_bits(padded.data[37:]).any() and bool((padded.scale_inv[37:] == 1).all())
     monkeypatch.setattr(gemm_backends, "device_caps", lambda dev: DeviceCaps(cuda=True))
     with pytest.raises(GemmBackendError, match=r"K=300.*triton is not installed"):
         gemm_backends.run_gemm("scaled_mm", q(70, 300), q(64, 300), BF16)
