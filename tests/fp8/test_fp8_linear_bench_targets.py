@@ -58,3 +58,20 @@ def test_partial_runs_are_not_measured(bench):
     for r in rows:
         r["M"] = 4096
     assert all("NOT MEASURED" in line for line in bench.target_summary(rows))
+
+
+def test_a_failed_capture_is_its_rows_text_and_the_run_goes_on(bench, capsys):
+    """`graph_linear` has never run on a GPU: where it fails (here: CPU tensors, refused) the
+    ``graphed_*`` columns read "failed", the line says so, and the eager figures stand."""
+    import torch
+
+    w, x = torch.randn(128, 256).bfloat16(), torch.randn(64, 256).bfloat16()
+    got = bench.graphed_figures(w, x, torch.randn(64, 128).bfloat16(), True, 1.0, None)
+    assert set(got.values()) == {"failed"} and "graphed_speedup" in got
+    assert "# graph_linear failed for [64, 256] x [128, 256]: ValueError: graph_linear" in (
+        capsys.readouterr().out
+    )
+    rows = _rows(bench, o_proj=got)
+    line = bench.target_summary(rows)[3]
+    assert "Llama-3.1-8B o_proj graph_linear failed" in line and "NOT MET" in line
+    assert bench.target_summary(rows)[0].endswith(": MET")  # the eager targets unaffected
