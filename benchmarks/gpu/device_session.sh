@@ -108,13 +108,13 @@ plan() {
   # the serving kernel on cuBLASLt (auto) and on it, against one BF16 time per M.
   step split_gemm_tests "$(lim SPLIT_TESTS 48 45 35)" env JETRL_GPU_TESTS="${split_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=40 bash scripts/gpu_check.sh -rfE --durations=5 -k gpu
-  step bench_serving_fp32 "$(lim SERVING_FP32 48 35 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_fp32 "$(lim SERVING_FP32 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
-  step bench_serving_pow2 "$(lim SERVING_POW2 48 35 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_pow2 "$(lim SERVING_POW2 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
-  step bench_moe_layer "$(lim MOE 48 35 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
+  step bench_moe_layer "$(lim MOE 48 30 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
     --json "$work/json/bench_moe_layer.json"
-  step bench_fp8_linear "$(lim LINEAR 48 35 25)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
+  step bench_fp8_linear "$(lim LINEAR 48 45 40)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
   # host enqueue vs GPU time per Qwen3-8B shape (point 5), on the kernels bench_fp8_linear compiled
   step profile_host "$(lim PROFILE_HOST 48 20)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
