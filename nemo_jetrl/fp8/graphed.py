@@ -127,14 +127,22 @@ class GraphedLinear(nn.Module):
                 f"graph_linear: {self.name}: captured for input {_show(self._spec)}, got "
                 f"{_show(spec)}: capture one graphed module per input shape, or call the layer"
             )
-        now = tuple(p for p in (self.layer.weight, self.layer.bias) if p is not None)
-        if now != self._params or tuple(p.data_ptr() for p in now) != self._ptrs:
+        if not _same_params(self.layer, self._params, self._ptrs):
             raise ValueError(
                 f"graph_linear: {self.name}: the layer's parameters were replaced or moved "
                 "since the capture (the graph reads the old storage): capture it again"
             )
         self._generation += 1
         return _Replay.apply(self, x, *self._params)
+
+
+def _same_params(layer: nn.Module, params: tuple, ptrs: tuple) -> bool:
+    """Whether ``layer`` still holds the captured parameter objects at the captured addresses
+    (by identity: ``==`` on tensors would compare their elements)."""
+    now = tuple(p for p in (layer.weight, layer.bias) if p is not None)
+    return len(now) == len(params) and all(
+        p is q and p.data_ptr() == ptr for p, q, ptr in zip(now, params, ptrs, strict=True)
+    )
 
 
 def _check_layer(layer: nn.Module, sample: torch.Tensor, name: str, warmup: int) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8LinearConfig, finite_flags, graph_linear, linear
+from nemo_jetrl.fp8.graphed import _same_params
 
 
 def _micro_batches(copy: bool) -> torch.Tensor:
@@ -98,3 +99,19 @@ def test_a_graphs_flags_are_pending_again_after_each_replay(monkeypatch):
     finite_flags._FLAGS[("blk.input", torch.device("cpu"))] = torch.zeros(1, dtype=torch.int32)
     finite_flags.rearm(graph_flags)  # another buffer pending under the name: both kept
     assert finite_flags._FLAGS[("blk.input (CUDA graph)", torch.device("cpu"))] is buf
+
+
+def test_replaced_or_moved_parameters_are_told_apart_by_identity():
+    """The check a replay runs before reading the captured storage: the same objects at the same
+    addresses pass; a replaced parameter (equal values) or one whose ``.data`` was reassigned
+    fails, and nothing compares tensors elementwise (that raised for a tuple of tensors)."""
+    layer = torch.nn.Linear(8, 4)
+    params = (layer.weight, layer.bias)
+    ptrs = tuple(p.data_ptr() for p in params)
+    assert _same_params(layer, params, ptrs)
+    layer.bias = torch.nn.Parameter(layer.bias.detach().clone())  # equal values, new object
+    assert not _same_params(layer, params, ptrs)
+    layer.bias = params[1]
+    layer.weight.data = layer.weight.data.clone()  # same object, new storage
+    assert not _same_params(layer, params, ptrs)
+    assert not _same_params(torch.nn.Linear(8, 4, bias=False), params, ptrs)
