@@ -340,6 +340,15 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "serving MoE routes without expert parallelism: a sorted row's token is its flat index",
+        "nemo_jetrl/vllm_patch/expert_shards.py",
+        "return by_expert, order // topk_ids.shape[1], ",
+        "return by_expert, order, ",
+        (
+            "tests/vllm_patch/test_expert_shards_unit.py::test_sorted_routes_are_the_local_routes_sorted_by_expert",
+        ),
+    ),
+    Mutant(
         "census reads a kept ptxas answer for another PTX text",
         "scripts/sm90_ptx.py",
         "hashlib.sha256((ident + ptx).encode())",

@@ -19,6 +19,7 @@ from nemo_jetrl.vllm_patch.expert_shards import (
     rank_expected,
     rank_view,
     shard_problems,
+    sorted_routes,
 )
 from nemo_jetrl.vllm_patch.experts import experts_forward
 from nemo_jetrl.vllm_patch.kernel import ensure_ops
@@ -111,6 +112,22 @@ def test_local_routes_drop_experts_held_elsewhere():
     assert weight.tolist() == [0.25, 0.125, 2.0, 4.0]
     flat, token, weight = local_routes(ids, wts, None)  # no expert parallel: all of them
     assert flat.tolist() == [0, 5, 7, 3, 4, 6] and token.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_sorted_routes_are_the_local_routes_sorted_by_expert(ep):
+    """Without expert parallelism a sorted row's token is taken as its flat index // k (no token
+    table); with it, `local_routes`' table is gathered: the same (ids, token, weight) either way
+    as sorting `local_routes` stably by expert, ties in token order."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(M)]).to(torch.int32)
+    wts = torch.rand(M, TOPK, generator=g)
+    emap = _linear_map(1) if ep else None
+    flat, token, weight = local_routes(ids, wts, emap)
+    order = torch.argsort(flat, stable=True)
+    got = sorted_routes(ids, wts, emap)
+    for a, b in zip(got, (flat[order], token[order], weight[order]), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_down_input_blocks_are_trainings_iff_the_tp_shard_is_128_aligned():
