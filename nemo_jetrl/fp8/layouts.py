@@ -140,7 +140,7 @@ def from_te(
     return row, col
 
 
-# --- vLLM ---------------------------------------------------------------------------------------
+# --- GEMM operands -------------------------------------------------------------------------------
 
 
 def pad_rows(q: BlockQuantized, rows: int) -> BlockQuantized:
@@ -152,6 +152,9 @@ def pad_rows(q: BlockQuantized, rows: int) -> BlockQuantized:
     scale = torch.ones(rows, q.scale_inv.shape[1], dtype=q.scale_inv.dtype, device=data.device)
     scale[:m] = q.scale_inv
     return BlockQuantized(data, scale, q.block, q.fmt, q.pow2_scales)
+
+
+# --- vLLM ---------------------------------------------------------------------------------------
 
 
 def to_vllm_weight(q: BlockQuantized) -> dict[str, torch.Tensor]:
