@@ -84,6 +84,26 @@ def serving() -> None:
                                            torch.bfloat16, (pow2, pow2, 0.0))  # fmt: skip
 
 
+def serving_sweep() -> None:
+    """The split-K kernel's launch variants the GPU call times at the decode sizes
+    (`bench_serving_kernel.py --backends split-sweep`, FP32 scales), through that script's own
+    mode switch, so the packed cache holds them."""
+    from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+    from nemo_jetrl.vllm_patch import kernel
+
+    bench, ops = _bench("bench_serving_kernel"), kernel.ensure_ops()
+    for name in bench.SPLIT_SWEEP:
+        with bench.splitk_modes(name) as backend:
+            for n, k in QWEN3_8B.values():
+                qw = quantize_blockwise(
+                    _unread(n, k), (128, 128), pow2_scales=False, check_finite=False
+                )
+                scale = gemm_backends.gemm_ready_weight_scales(backend, qw.scale_inv)
+                for m in (1, 8, 32, 64):
+                    kernel.serving_forward(ops, _unread(m, k), qw.data, scale, backend,
+                                           torch.bfloat16, (False, False, 0.0))  # fmt: skip
+
+
 def training_quantizers() -> None:
     """What `Fp8BlockLinear` launches besides its cuBLAS GEMMs, at 8192 tokens of Qwen3-8B."""
     from nemo_jetrl.fp8 import rowcol_quantize, triton_kernels
@@ -223,7 +243,7 @@ def quantizer_tiles() -> None:
 
 
 WORKLOADS: dict[str, Callable[[], None]] = {
-    "serving": serving, "training_quantizers": training_quantizers,
+    "serving": serving, "serving_sweep": serving_sweep, "training_quantizers": training_quantizers,
     "training_linear": training_linear, "experts": experts, "experts_training": experts_training,
     "invariant_ops": invariant_ops, "quantizer_tiles": quantizer_tiles,
     "experts_tiles": experts_tiles,

@@ -262,9 +262,9 @@ def test_serving_kernel_prints_the_issue_targets(bench):
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
 def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypatch):
-    """``--backends auto,triton_splitk,triton_splitk:0:1`` on CPU (interpreter; timing stubbed):
-    one BF16 time per M, a row per backend with its ratio and the weight bytes per second
-    (TB/s); the forced split-K modes are set for their row only."""
+    """``--backends auto,triton_splitk,triton_splitk:0:1,triton_splitk:a:1:4`` on CPU
+    (interpreter; timing stubbed): one BF16 time per M, a row per backend with its ratio and the
+    weight bytes per second (TB/s); the forced split-K modes are set for their row only."""
     from nemo_jetrl.fp8 import triton_kernels, triton_split
 
     if not triton_kernels.interpreting():
@@ -277,23 +277,30 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
 
     def timed(fn, **kw):
         outs.append(fn())
-        modes.append((triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M))
+        modes.append((triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES))
         return 2.0 if fn.__name__ == "bf16" else 1.0
 
     monkeypatch.setattr(module._common, "bench_ms", timed)
-    backends = "auto,triton_splitk,triton_splitk:0:1"
+    backends = "auto,triton_splitk,triton_splitk:0:1,triton_splitk:a:1:4"
     argv = ["--device", "cpu", "--tokens", "1", "3", "--backends", backends, "--no-pow2"]
     rows = module.run(module.build_parser().parse_args(argv))
-    names = ["reference", "triton_splitk", "triton_splitk:0:1"]
+    names = ["reference", "triton_splitk", "triton_splitk:0:1", "triton_splitk:a:1:4"]
     assert [(r["M"], r["backend"]) for r in rows] == [(m, b) for m in (1, 3) for b in names]
-    assert [tuple(o[0].shape) for o in outs] == [(1, 136)] * 4 + [(3, 136)] * 4
-    default = (triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M)
-    assert modes == [default, default, default, (0, 1 << 30)] * 2 and default == (64, 16)
+    assert [tuple(o[0].shape) for o in outs] == [(1, 136)] * 5 + [(3, 136)] * 5
+    default = (triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES)
+    forced = [(0, 1 << 30, None), (64, 1 << 30, 4)]
+    assert modes == [default, default, default, *forced] * 2 and default == (64, 16, None)
     for r in rows:
         assert r["speedup"] == 2.0 and r["fp8_TBps"] == 136 * 1300 / 1.0 / 1e9
         assert r["bf16_TBps"] == 2 * 136 * 1300 / 2.0 / 1e9 and r["target"] in ("MET", "-")
-    with pytest.raises(SystemExit, match="modes are triton_splitk:SPLIT:FUSED"):
-        module.run(module.build_parser().parse_args([*argv[:5], "--backends", "scaled_mm:1:1"]))
+    for bad in ("scaled_mm:1:1", "triton_splitk:1:2", "triton_splitk:a:a:0", "triton_splitk:a:a:x"):
+        with pytest.raises(SystemExit, match="modes are triton_splitk:SPLIT:FUSED"):
+            module.run(module.build_parser().parse_args([*argv[:5], "--backends", bad]))
+    # the GPU call's sweep: every variant parses, one row each
+    outs.clear()
+    sweep = ["--device", "cpu", "--tokens", "1", "--backends", "split-sweep", "--no-pow2"]
+    rows = module.run(module.build_parser().parse_args(sweep))
+    assert [r["backend"] for r in rows] == list(module.SPLIT_SWEEP)
 
 
 def test_quantizer_targets_say_met_or_not_met(bench):
@@ -323,19 +330,20 @@ def test_quantizer_tile_sweep_checks_bits(bench, monkeypatch):
         pytest.skip("runs the sweep on CPU tensors in Triton's interpreter")
     module = bench("bench_quantizer_bandwidth")
     monkeypatch.setattr(module._common, "cuda_time_ms", lambda fn, iters: (fn(), 1.0)[1])
-    default_tile, default_warps = triton_kernels._tile, rowcol_quantize.ROWCOL_WARPS
+    default_tile, default_rowcol = triton_kernels._tile, rowcol_quantize.ROWCOL_TILE
     args = module.build_parser().parse_args(["--sweep-tiles", "--iters", "1"])
     rows = module.sweep_tiles(args, shape=(130, 256), device="cpu")
-    want = sum(map(len, module.TILE_CANDIDATES.values())) + len(module.ROWCOL_WARPS)
+    want = sum(map(len, module.TILE_CANDIDATES.values())) + len(module.ROWCOL_TILES)
     assert len(rows) == want and all(r["bits_equal"] is True for r in rows)
     blocks = ["1x128", "128x128", "128x1", "128x1 transposed", "rowwise+columnwise"]
     assert list(dict.fromkeys(r["block"] for r in rows)) == blocks
     # the interpreter's tiles (64 and 128 rows: fewer Python programs; only 128x128's is a GPU
-    # candidate) and the fused kernel's 8 warps
+    # candidate) and the fused kernel's default launch (32-row chunks, pipelined)
     defaults = [(r["block"], r["tile"]) for r in rows if r["default"]]
-    assert defaults == [("128x128", "(128, 128, 4)"), ("rowwise+columnwise", "(128, 128, 8)")]
+    fused = "(warps 8, chunk 32, programs/SM 0, stages 2)"
+    assert defaults == [("128x128", "(128, 128, 4)"), ("rowwise+columnwise", fused)]
     assert triton_kernels._tile is default_tile
-    assert default_warps == rowcol_quantize.ROWCOL_WARPS
+    assert rowcol_quantize.ROWCOL_TILE is default_rowcol
     assert len(module.sweep_verdicts(rows)) == 5
 
 

@@ -432,7 +432,7 @@ def test_the_wheel_set_alone_collects_the_gpu_tests_and_runs_the_local_grpo_step
 # -- the session script on CPU ------------------------------------------------------------------
 
 STEP_LIMITS = ("PREFLIGHT", "INVARIANT_TESTS", "LOCAL_GRPO", "INVARIANT_OPS", "SPLIT_TESTS",
-               "SERVING_FP32", "SERVING_POW2", "MOE", "LINEAR", "PROFILE_HOST", "QUANT",
+               "SERVING_FP32", "SERVING_POW2", "SERVING_SWEEP", "MOE", "LINEAR", "PROFILE_HOST", "QUANT",
                "MOE_TILES", "FP8_TESTS")  # fmt: skip
 
 

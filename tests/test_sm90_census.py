@@ -168,6 +168,24 @@ def test_the_measured_instructions_of_the_gpu_paths(census):
     split = [r for r in rows if r["kernel"] == "split_gemm_kernel"]
     assert {r["consts"]["BT"] for r in split} == {16, 32, 64}
     assert all(r["spill_bytes"] == 0 and r["registers"] <= 255 for r in split), split
+    # with the GPU call's launch variants (`bench_serving_kernel.SPLIT_SWEEP`): deeper pipelines
+    # and the quantization fused at every decode size
+    assert {r["options"]["num_stages"] for r in split} == {3, 4, 6}
+    assert {r["consts"]["BT"] for r in split if r["consts"]["FUSED"]} == {16, 32, 64}
+    # the fused rowcol quantizer (2026-11-30, both Tritons): a whole 128 x 128 tile in registers
+    # at 8 warps takes 249 (3.6) / 255 (3.9) registers a thread, one program per SM, its load not
+    # pipelined (36% of a copy's bandwidth on the H200, run 7); the default's 32-row chunks take
+    # at most 128 (two programs per SM: 2 x 256 x 128 = the SM's 65536) and load by cp.async
+    rowcol: dict[tuple, list] = {}
+    for r in rows:
+        if r["kernel"] == "quantize_rowcol_kernel":
+            key = (r["consts"]["CHUNK"], r["consts"]["STAGES"], r["options"]["num_warps"])
+            rowcol.setdefault(key, []).append(r)
+    whole, default = rowcol[(128, 1, 8)], rowcol[(32, 2, 8)]
+    assert all(r["registers"] >= 249 and r["async_copies"] == 0 for r in whole), whole
+    assert all(r["registers"] <= 128 and r["async_copies"] > 0 for r in default), default
+    # the default is what the training linear launches
+    assert any("training_quantizers" in r["workloads"] for r in default)
     # the batch sizes the invariant matmul was launched at (M = 1 is a JIT constant)
     ms = {m for r in rows if r["kernel"] == "matmul_kernel" for m in r["ints"]["M"]}
     assert {1, 3, 64, 512} <= ms

@@ -71,7 +71,11 @@ TILE_CANDIDATES = {
     ((128, 1), False): _COLUMNWISE,
     ((128, 1), True): _COLUMNWISE,  # WGrad's operand, [K, M] (JETRL_FP8_ROWCOL=two_pass)
 }
-ROWCOL_WARPS = (8, 16)
+# Fused rowcol launches, (warps, chunk, programs_per_sm, stages) (`rowcol_quantize.RowcolTile`);
+# registers a thread (ptxas 3.6 for sm_90a): (8, 128) 249 (one program per SM; 36% of a copy on
+# the H200, run 7), (16, 128) 128, (8, 32) 120-128, (8, 64) 163, (16, 64) 118, (4, 16) 120-128.
+ROWCOL_TILES = ((8, 128, 0, 1), (16, 128, 0, 1), (8, 32, 0, 1), (8, 32, 0, 2), (8, 32, 0, 3),
+                (8, 64, 0, 2), (16, 64, 0, 2), (4, 16, 0, 2), (8, 32, 2, 2))  # fmt: skip
 SWEEP_SHAPE = (8192, 4096)
 
 
@@ -87,7 +91,7 @@ def sweep_tiles(
     dst = torch.empty_like(x)
     copy_ms = _common.cuda_time_ms(partial(dst.copy_, x), iters=args.iters)
     copy_gbs = 2 * x.numel() * 2 / copy_ms / 1e6
-    rows, default_tile, default_warps = [], tk._tile, rq.ROWCOL_WARPS
+    rows, default_tile, default_rowcol = [], tk._tile, rq.ROWCOL_TILE
 
     def bits(q):
         return torch.cat(
@@ -112,18 +116,22 @@ def sweep_tiles(
                              "default": tuple(tile) == tuple(default)})  # fmt: skip
         tk._tile = default_tile
         want = [bits(q) for q in rq.quantize_rowcol_triton(x, check_finite=False)]
-        for warps in ROWCOL_WARPS:
-            rq.ROWCOL_WARPS = warps
+        for cand in ROWCOL_TILES:
+            rq.ROWCOL_TILE = tile = rq.RowcolTile(*cand)
             fn = partial(rq.quantize_rowcol_triton, x, check_finite=False)
             same = all(torch.equal(bits(q), w) for q, w in zip(fn(), want, strict=True))
             t_ms = _common.cuda_time_ms(fn, iters=args.iters)
             gbs = _rowcol_bytes(m, k, 2) / t_ms / 1e6
-            rows.append({"block": ROWCOL, "tile": f"(128, 128, {warps})", "us": 1e3 * t_ms,
+            rows.append({"block": ROWCOL, "tile": _rowcol_label(tile), "us": 1e3 * t_ms,
                          "of_copy_bw": gbs / copy_gbs, "bits_equal": same,
-                         "default": warps == default_warps})  # fmt: skip
+                         "default": tile == default_rowcol})  # fmt: skip
     finally:
-        tk._tile, rq.ROWCOL_WARPS = default_tile, default_warps
+        tk._tile, rq.ROWCOL_TILE = default_tile, default_rowcol
     return rows
+
+
+def _rowcol_label(t) -> str:  # type: ignore[no-untyped-def]
+    return f"(warps {t.warps}, chunk {t.chunk}, programs/SM {t.programs_per_sm}, stages {t.stages})"
 
 
 def sweep_verdicts(rows: list[dict]) -> list[str]:

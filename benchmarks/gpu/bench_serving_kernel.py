@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backends",
         default="auto",
-        help="comma-separated GEMM backends to time; triton_splitk:split:fused (each 0 or 1) "
-        "forces the split-K kernel's launch mode and fused quantization at every M",
+        help="comma-separated GEMM backends to time; triton_splitk:SPLIT:FUSED[:STAGES] (SPLIT "
+        "and FUSED each 0, 1 or a(uto)) forces the split-K kernel's launch mode, fused "
+        "quantization and K-loop pipeline depth at every M; 'split-sweep': the variants in "
+        "SPLIT_SWEEP",
     )
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU test
     ap.add_argument("--json", default=None, help="also write the rows to this file")
@@ -88,27 +90,40 @@ def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backen
     return bf16, fp8, plan.backend
 
 
+# The split-K kernel's launch variants the GPU call times at the decode sizes (device_session.sh
+# part 48): the default, quantization fused at every M (a launch fewer at 32 and 64 tokens), and
+# deeper K-loop pipelines. Speed only: each gives the default's bits.
+SPLIT_SWEEP = ("triton_splitk", "triton_splitk:a:1", "triton_splitk:a:a:4", "triton_splitk:a:a:6")
+
+
 @contextlib.contextmanager
 def splitk_modes(name: str):
-    """``triton_splitk:S:F``: the split-K kernel with split mode S and fused quantization F (0
-    or 1) at every M (its thresholds set for the block, restored after; the bits do not depend
-    on them). Yields the backend name without the modes."""
+    """``triton_splitk:S:F[:STAGES]``: the split-K kernel with split mode S and fused
+    quantization F (1: at every M, 0: at none, a: the default thresholds) and the K loop's
+    pipeline depth (`triton_split.SPLIT_STAGES`), set for the block and restored after (the bits
+    do not depend on them). Yields the backend name without the modes."""
     backend, *modes = name.split(":")
     if not modes:
         yield backend
         return
     from nemo_jetrl.fp8 import triton_split
 
-    if backend != "triton_splitk" or len(modes) != 2 or not set(modes) <= {"0", "1"}:
-        raise SystemExit(f"--backends: {name!r}: modes are triton_splitk:SPLIT:FUSED, each 0 or 1")
-    saved = triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M
-    big = 1 << 30
-    triton_split.SPLIT_MAX_M = big if modes[0] == "1" else 0
-    triton_split.FUSE_MAX_M = big if modes[1] == "1" else 0
+    stages = modes[2] if len(modes) == 3 else None
+    ok = backend == "triton_splitk" and len(modes) in (2, 3) and set(modes[:2]) <= {"0", "1", "a"}
+    if not ok or (stages is not None and not (stages.isdigit() and 1 <= int(stages) <= 8)):
+        raise SystemExit(
+            f"--backends: {name!r}: modes are triton_splitk:SPLIT:FUSED[:STAGES], SPLIT and "
+            f"FUSED each 0, 1 or a, STAGES 1 to 8"
+        )
+    saved = triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES
+    big = {"1": 1 << 30, "0": 0}
+    triton_split.SPLIT_MAX_M = big.get(modes[0], saved[0])
+    triton_split.FUSE_MAX_M = big.get(modes[1], saved[1])
+    triton_split.SPLIT_STAGES = int(stages) if stages else saved[2]
     try:
         yield backend
     finally:
-        triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M = saved
+        triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES = saved
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -124,7 +139,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _, _, k in shapes]
         pairs = list(zip(xs, weights, strict=True))
         bf16_ms = sum(bench(serving_fns(x, [w], args.pow2)[0]) for x, w in pairs)
-        for name in args.backends.split(","):
+        names = args.backends.replace("split-sweep", ",".join(SPLIT_SWEEP))
+        for name in names.split(","):
             fp8_ms, backend = 0.0, ""
             with splitk_modes(name) as plain:
                 for x, w in pairs:

@@ -98,7 +98,7 @@ plan() {
   # what the tokens/s table compares them with (fp8_rollout, bf16, jetrl without the invariant
   # ops), then jetrl's other modes: the JSON is rewritten after every recipe, so a timeout keeps
   # what ran.
-  step bench_local_grpo "$(lim LOCAL_GRPO 47 135 405)" "$py" benchmarks/gpu/bench_local_grpo.py \
+  step bench_local_grpo "$(lim LOCAL_GRPO 47 125 405)" "$py" benchmarks/gpu/bench_local_grpo.py \
     --steps 3 --recipes jetrl,jetrl_kv,fp8_rollout,bf16,jetrl@fast,jetrl@fp32,jetrl@splitk \
     --json "$work/json/bench_local_grpo.json"
   step bench_invariant_ops "$(lim INVARIANT_OPS 47 20 15)" "$py" benchmarks/gpu/bench_invariant_ops.py \
@@ -112,6 +112,11 @@ plan() {
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
   step bench_serving_pow2 "$(lim SERVING_POW2 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
+  # the split-K kernel's launch variants at the decode sizes (point 2: the default to set; the
+  # census compiles them): fused quantization at every M, deeper K-loop pipelines
+  step bench_serving_sweep "$(lim SERVING_SWEEP 48 15 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+    --no-pow2 --iters 20 --tokens 1 8 32 64 --backends split-sweep \
+    --json "$work/json/bench_serving_sweep.json"
   step bench_moe_layer "$(lim MOE 48 30 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
     --json "$work/json/bench_moe_layer.json"
   step bench_fp8_linear "$(lim LINEAR 48 45 40)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10

@@ -182,27 +182,75 @@ def quantize_rowcol_kernel(
     NATIVE: tl.constexpr,
     FP8: tl.constexpr,
     IN_BF16: tl.constexpr,
+    CHUNK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    # One read of a 128 x 128 tile of x, two quantizations of it (TE's cast+transpose):
+    # Each 128 x 128 tile of x quantized twice (TE's cast+transpose):
     # rowwise: 128 1x128 blocks -> qr [M, K] row-major, sr[m, k // 128];
     # columnwise: 128 128x1 blocks -> qc [K, M] (x.T, contiguous; 1x128 blocks of x.T), sc[k, m // 128].
     # Rows past M load 0, which changes no column amax: a partial tile is the partial block.
     # MP / KP: the scale arrays' padded extents (mn_major pads M and K to 4): zeros stored there.
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    # Program p takes tiles p, p + P, p + 2P, ... (P programs, row-major tile order).
+    # CHUNK == 128: the tile is read once and held in registers for both quantizations (~250
+    # registers a thread at 8 warps: one program per SM). CHUNK < 128: the rows are quantized
+    # CHUNK at a time while the column amax accumulates (a max of maxes: the same amax), then
+    # read again (from L2, just read) for the columns; few registers, so several programs share
+    # an SM, and STAGES > 1 pipelines each loop's loads. The same bits either way.
+    n_k = tl.cdiv(K, 128)
+    n_tiles = tl.cdiv(M, 128) * n_k
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        pid_m = t // n_k
+        pid_k = t - pid_m * n_k
+        cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+        cmask = cols < K
+        if CHUNK == 128:
+            rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+            x = _rowcol_rows(x_ptr, qr_ptr, sr_ptr, flag_ptr, rows, cols, pid_k, M, K, MP, sxm,
+                             sxk, ssrm, ssrk, FLAG, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE,
+                             FP8, IN_BF16)  # fmt: skip
+            qc, sc = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
+            _rowcol_store_cols(qc_ptr, qc, rows, cols, M, K)
+        else:
+            amax = tl.zeros([128], dtype=tl.int32)
+            for r in tl.range(0, 128, CHUNK, num_stages=STAGES):
+                rows = pid_m.to(tl.int64) * 128 + r + tl.arange(0, CHUNK)
+                x = _rowcol_rows(x_ptr, qr_ptr, sr_ptr, flag_ptr, rows, cols, pid_k, M, K, MP,
+                                 sxm, sxk, ssrm, ssrk, FLAG, FMAX, MAXV, EPS, POW2, MANT, BIAS,
+                                 NATIVE, FP8, IN_BF16)  # fmt: skip
+                amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+            scale = block_scale(amax, FMAX, MAXV, EPS, POW2)
+            sc = finish_scale_inv(scale, amax)
+            for r in tl.range(0, 128, CHUNK, num_stages=STAGES):
+                rows = pid_m.to(tl.int64) * 128 + r + tl.arange(0, CHUNK)
+                mask = (rows < M)[:, None] & cmask[None, :]
+                x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+                x = to_fp32(x, IN_BF16)
+                qc = quantize_values(x, scale[None, :], FMAX, MANT, BIAS, NATIVE, FP8)
+                _rowcol_store_cols(qc_ptr, qc, rows, cols, M, K)
+        tl.store(sc_ptr + cols * sscm + pid_m * ssck, tl.where(cmask, sc, 0.0), mask=cols < KP)
+
+
+@triton.jit
+def _rowcol_rows(x_ptr, qr_ptr, sr_ptr, flag_ptr, rows, cols, pid_k, M, K, MP, sxm, sxk, ssrm,
+                 ssrk, FLAG: tl.constexpr, FMAX: tl.constexpr, MAXV: tl.constexpr,
+                 EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+                 NATIVE: tl.constexpr, FP8: tl.constexpr, IN_BF16: tl.constexpr):  # fmt: skip
+    # Load rows x cols of x, store their 1x128 quantization (codes, scale_inv, flag); return
+    # the fp32 values for the columnwise one.
     rmask = rows < M
-    cmask = cols < K
-    mask = rmask[:, None] & cmask[None, :]
+    mask = rmask[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
     x = to_fp32(x, IN_BF16)
     qr, sr = quantize_blocks(x, ROWS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
     tl.store(qr_ptr + rows[:, None] * K + cols[None, :], qr, mask=mask)
     tl.store(sr_ptr + rows * ssrm + pid_k * ssrk, tl.where(rmask, sr, 0.0), mask=rows < MP)
     flag_non_finite(flag_ptr, sr, FLAG)  # every element is in one row block
-    qc, sc = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
-    # stored as the transposed tile so consecutive lanes write consecutive bytes of qc's rows
-    tmask = cmask[:, None] & rmask[None, :]  # built directly: no transpose of an i1 tensor
+    return x
+
+
+@triton.jit
+def _rowcol_store_cols(qc_ptr, qc, rows, cols, M, K):
+    # The codes of rows x cols stored into qc = [K, M] as the transposed tile, so consecutive
+    # lanes write consecutive bytes of qc's rows.
+    tmask = (cols < K)[:, None] & (rows < M)[None, :]  # built directly: no transpose of an i1
     tl.store(qc_ptr + cols[:, None] * M + rows[None, :], tl.trans(qc), mask=tmask)
-    tl.store(sc_ptr + cols * sscm + pid_m * ssck, tl.where(cmask, sc, 0.0), mask=cols < KP)

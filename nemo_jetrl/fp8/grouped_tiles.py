@@ -11,11 +11,12 @@ interpreter; the PTX of each shape is checked for the same wgmma in tests/fp8).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
+
+from nemo_jetrl.fp8.triton_launch import sm_count
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,6 @@ def rows_tile(m: int, num_experts: int) -> str:
     return "p128" if m >= 128 * num_experts else "d64"
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def rows_grid(
     tile: RowsTile, m: int, n: int, num_experts: int, device: torch.device, interpreter: bool
 ) -> int:
@@ -89,5 +85,5 @@ def rows_grid(
     bound = (m // tile.bm + num_experts) * (-(-n // 128))
     if not tile.ctas_per_sm:
         return bound
-    per_sm = INTERPRETER_PROGRAMS if interpreter else _sm_count(device) * tile.ctas_per_sm
+    per_sm = INTERPRETER_PROGRAMS if interpreter else sm_count(device) * tile.ctas_per_sm
     return min(bound, per_sm)

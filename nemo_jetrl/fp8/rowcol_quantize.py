@@ -17,6 +17,8 @@ picks the Triton kernel or `quantize_rowcol_reference` (pure torch) like `quanti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nemo_jetrl.fp8 import triton_kernels as tk
@@ -24,9 +26,46 @@ from nemo_jetrl.fp8 import triton_launch as launch
 from nemo_jetrl.fp8.formats import Fp8Format, get_format
 from nemo_jetrl.fp8.quantize import INPUT_DTYPES, BlockQuantized, quantize_reference
 
-# Warps per 128x128 tile (any value gives the same bits; a GPU picks it: bench_quantizer_bandwidth
-# --sweep-tiles).
-ROWCOL_WARPS = 8
+
+@dataclass(frozen=True)
+class RowcolTile:
+    """How the fused kernel is launched over ``x``'s 128 x 128 tiles. Speed only: every tile's
+    bits are the same whichever program runs it (`bench_quantizer_bandwidth.py --sweep-tiles`
+    times each candidate on a GPU)."""
+
+    warps: int = 8
+    """Warps per program (one 128 x 128 tile at a time)."""
+    chunk: int = 128
+    """Rows quantized at a time: 128 holds the whole tile in registers for both quantizations
+    (one read; ~250 registers a thread at 8 warps, so one program per SM); 32 or 64 quantize
+    the rows a chunk at a time while the column amax accumulates, then read the tile again
+    (from L2) for the columns: a third of the registers, several programs per SM."""
+    programs_per_sm: int = 0
+    """0: one program per tile (a 8192 x 4096 input: 2048 programs). n > 0: a persistent grid
+    of n programs per SM, each looping over tiles."""
+    stages: int = 1
+    """Software-pipeline depth of the chunk loops (``chunk`` < 128; 1: no overlap): Triton issues
+    the next ``stages - 1`` chunks' loads (cp.async into shared memory) before this chunk's math."""
+
+    def __post_init__(self) -> None:
+        if self.chunk not in (16, 32, 64, 128) or self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"RowcolTile: chunk {self.chunk} (16, 32, 64 or 128), warps "
+                             f"{self.warps} (a power of 2 up to 16)")  # fmt: skip
+        if self.programs_per_sm < 0 or self.stages < 1:
+            raise ValueError(f"RowcolTile: programs_per_sm {self.programs_per_sm} (>= 0), "
+                             f"stages {self.stages} (>= 1)")  # fmt: skip
+
+    def grid(self, tiles: int, sm_count: int) -> int:
+        """Programs launched for ``tiles`` tiles on a device of ``sm_count`` SMs."""
+        return tiles if not self.programs_per_sm else min(tiles, sm_count * self.programs_per_sm)
+
+
+ROWCOL_TILE = RowcolTile(warps=8, chunk=32, stages=2)
+"""The launch `quantize_rowcol_triton` uses. Whole tiles in registers (chunk 128) moved 36% of a
+bf16 copy's bandwidth on the H200 (run 7, 8 warps; 16 no better): 249 registers a thread at 8
+warps (ptxas 3.6, sm_90a) leave one program per SM and nothing to overlap its load with. 32-row
+chunks take 122 registers (two programs per SM) and pipeline their loads (cp.async); not yet
+timed on a GPU (the sweep's candidates, `bench_quantizer_bandwidth.py --sweep-tiles`)."""
 
 
 def quantize_rowcol_reference(
@@ -87,15 +126,19 @@ def quantize_rowcol_triton(
             native = x.is_cuda and launch.native_cast_default(x.device.index or 0)
         else:
             native = bool(native_cast)
-        meta = launch.launch_meta(
-            f.name, x.dtype, native, eps, pow2, flag is not None, ROWCOL_WARPS
-        )
+        tile = ROWCOL_TILE
+        meta = launch.launch_meta(f.name, x.dtype, native, eps, pow2, flag is not None,
+                                  tile.warps, CHUNK=tile.chunk, STAGES=tile.stages)  # fmt: skip
         xs = x.stride()
         args = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
                 row_data.view(torch.uint8), row_s, col_data.view(torch.uint8), col_s,
                 row_s if flag is None else flag, m, k, mp, kp, xs[0], xs[1],
                 *row_s.stride(), *col_s.stride())  # fmt: skip
-        launch.launch(tk._kernels().quantize_rowcol_kernel, (mb, kb), args, meta)
+        grid = (mb * kb,)  # one program per tile; persistent: a multiple of the SM count
+        if tile.programs_per_sm:
+            sms = launch.sm_count(x.device) if x.device.type == "cuda" else 1
+            grid = (tile.grid(mb * kb, sms),)
+        launch.launch(tk._kernels().quantize_rowcol_kernel, grid, args, meta)
         if check_finite and not bool(torch.isfinite(row_s).all()):
             tk._raise_like_reference(x, (1, 128), f, pow2_scales, eps, name)
     row = BlockQuantized(row_data, row_s, (1, 128), f.name, pow2)

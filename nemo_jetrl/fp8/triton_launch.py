@@ -83,6 +83,12 @@ def _flag_arg(flag: torch.Tensor | None, x: torch.Tensor, label: str) -> dict:
     return {"FLAG": True}
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (a persistent kernel's grid is a multiple)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _fp32(v: float) -> float:
     """``v`` rounded to fp32 (RNE, as torch rounds a Python scalar against an fp32 tensor).
 

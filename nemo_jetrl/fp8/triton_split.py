@@ -67,6 +67,11 @@ PREFILL_TOKEN_TILE = 64
 the chunk's sum, the fold), all in registers at 128 x 64: ptxas for sm_90a gives 248 registers
 (Triton 3.6's ptxas; 238 with 3.9's) and no spill; 128 tokens took 255 registers and spilled 1260 bytes a thread (the sm_90 census's
 register check, scripts/sm90_census.py, 2026-11-29). Speed only: a row's bits do not depend on it."""
+SPLIT_STAGES: int | None = None
+"""Software-pipeline depth of the K loop on the FP8 dot (None: `triton_gemm.pipeline_stages`,
+3; the value-table dot keeps its 1). A decode program runs 8 K tiles of 8 KB of weight (64 rows x 128) and at 3 stages holds
+35 KB of shared memory and 74 registers a thread at M <= 16 (ptxas 3.6, sm_90a): speed only,
+`bench_serving_kernel.py --backends triton_splitk:a:a:STAGES` times others on a GPU."""
 COUNTERS = 1 << 16
 """Split-mode tile counters per device (int32, `prepare`); a tile is ``ceil(N / 64)`` x token
 tiles, and split mode has one token tile (M <= 64) unless forced."""
@@ -133,7 +138,9 @@ _UNFUSED = (("IN_BF16", False), ("FMAX", 0.0), ("MAXV", 0.0), ("EPS", 0.0), ("PO
 
 
 @functools.cache
-def _meta(b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[str, str]):
+def _meta(
+    b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[str, str], stages: int
+):
     """The kernel's constexprs and launch options for one configuration, built once."""
     jit = _kernel()
     fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
@@ -141,7 +148,7 @@ def _meta(b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[st
         CHUNK=CHUNK_TILES, B_ROWS=b_rows, BW=WEIGHT_ROWS * plan.warpgroups, BT=plan.token_tile,
         SPLIT=plan.split, FUSED=quant is not _UNFUSED, DOT=dot, FP8_A=fp8[fmts[0]],
         FP8_B=fp8[fmts[1]], **dict(quant), num_warps=4 * plan.warpgroups,
-        num_stages=pipeline_stages(dot == jit.DOT_NATIVE.value), **NO_FTZ,
+        num_stages=stages, **NO_FTZ,
     )  # fmt: skip
 
 
@@ -212,7 +219,8 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
         *sx, *sq, *ss, qb.stride(0), qb.stride(1), sb.stride(0), sb.stride(1),
         m * n, n, out.stride(0), out.stride(1),
     )  # fmt: skip
-    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt))
+    stages = (SPLIT_STAGES or pipeline_stages(True)) if native else pipeline_stages(False)
+    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt), stages)
     launch(jit.split_gemm_kernel, grid, args, meta)
     return out if store_dtype == out_dtype else out.to(out_dtype)
 

@@ -271,3 +271,25 @@ MUTANTS += [
         ),
     ),
 ]
+
+# ---- the fused rowcol quantizer's launches (row chunks, persistent grids): every tile's bits
+T_ROWCOL = (
+    "tests/fp8/test_quantizer_fused.py::test_every_rowcol_launch_gives_every_tile_the_same_bits"
+)
+MUTANTS += [
+    Mutant(
+        "rowcol in row chunks: the column amax is the last chunk's, not the max over chunks",
+        "nemo_jetrl/fp8/_triton_jit.py",
+        "amax = tl.maximum(amax, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))",
+        "amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)",
+        (T_ROWCOL,),
+    ),
+    Mutant(
+        "persistent rowcol: a program steps one tile at a time (tiles past the grid are rerun, "
+        "some never reached)",
+        "nemo_jetrl/fp8/_triton_jit.py",
+        "for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):",
+        "for t in tl.range(tl.program_id(0), tl.num_programs(0)):",
+        (T_ROWCOL,),
+    ),
+]

@@ -92,6 +92,58 @@ def test_rowcol_strided_input():
     assert_same(col, quantize_blockwise(x, (128, 1)).t(), "col")
 
 
+ROWCOL_LAUNCHES = [(4, 128, 1, 1), (4, 32, 2, 2), (2, 16, 3, 3), (8, 64, 0, 2), (8, 32, 0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("warps", "chunk", "programs_per_sm", "stages"), ROWCOL_LAUNCHES,
+    ids=[f"w{w}-c{c}-p{p}-s{s}" for w, c, p, s in ROWCOL_LAUNCHES],
+)  # fmt: skip
+def test_every_rowcol_launch_gives_every_tile_the_same_bits(monkeypatch, warps, chunk,
+                                                            programs_per_sm, stages):  # fmt: skip
+    """Row chunks (the column amax a max over chunks, the tile read again for the columns) and
+    persistent grids (fewer programs than tiles, each looping) write the bits of whole tiles,
+    one program each: partial tiles, mn_major padding, a non-finite tile that a later iteration
+    of a program meets (flag set, NaN scales), strided input."""
+    from nemo_jetrl.fp8 import rowcol_quantize, triton_kernels
+
+    x = _input(300, 390, torch.bfloat16, seed=11)  # 3 x 4 tiles, the last row and column partial
+    x[260, 300] = float("inf")  # tile (2, 2): the 11th of 12
+    monkeypatch.setattr(rowcol_quantize, "ROWCOL_TILE", rowcol_quantize.RowcolTile())
+    want = quantize_rowcol_triton(x.to(DEVICE), check_finite=False, scale_layout="mn_major")
+    launched: list = []
+    real = triton_kernels._kernels
+
+    class Spy:  # records the grid, launches the real kernel
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real().quantize_rowcol_kernel[grid]
+
+    tile = rowcol_quantize.RowcolTile(warps, chunk, programs_per_sm, stages)
+    monkeypatch.setattr(rowcol_quantize, "ROWCOL_TILE", tile)
+    monkeypatch.setattr(triton_kernels, "_kernels", lambda: type("K", (), {
+        "quantize_rowcol_kernel": Spy()})())  # fmt: skip
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    xt = x.t().contiguous().t().to(DEVICE)  # strides (1, 300)
+    got = quantize_rowcol_triton(xt, check_finite=False, scale_layout="mn_major",
+                                 nonfinite_flag=flag)  # fmt: skip
+    sms = 1 if DEVICE == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
+    programs = min(12, sms * programs_per_sm) if programs_per_sm else 12
+    assert launched and all(g == (programs,) for g in launched), launched
+    assert int(flag[0]) == 1
+    for g, w, which in zip(got, want, ("row", "col"), strict=True):
+        assert_same(g, w, which)
+        gs, ws = g.scale_inv.cpu(), w.scale_inv.cpu()
+        assert torch.equal(gs.isnan(), ws.isnan()) and bool(gs.isnan().any()), which
+        assert torch.equal(mn_major_storage_bits(g), mn_major_storage_bits(w)), which
+
+
+def mn_major_storage_bits(q):
+    from nemo_jetrl.fp8.triton_kernels import mn_major_storage
+
+    return mn_major_storage(q.scale_inv).cpu().view(torch.int32)
+
+
 def test_rowcol_mn_major_scales_are_the_gemm_ready_layouts(monkeypatch):
     """Both scale arrays in TE's GEMM-ready padded layout, the padding zeros written by the
     kernel (the buffers come NaN-filled here: no fill kernel is relied on)."""
