@@ -53,11 +53,32 @@ def quantize_kernel(
     NATIVE: tl.constexpr,
     FP8: tl.constexpr,
     IN_BF16: tl.constexpr,
+    CHUNK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # One program quantizes a TM x TK tile made of whole blocks:
     # MODE 0: TM rows x 128 (one 1x128 block per row); 1: one 128x128 block;
-    # 2: 128 x TK (one 128x1 block per column). Rows M..M_OUT-1 (M_OUT >= M: a GEMM's row
-    # padding, mode 0 only) are stored as the quantized zero rows they load as: codes 0, scale 1.
+    # 2: 128 x TK (one 128x1 block per column; `_quantize_cols`, CHUNK and STAGES its own).
+    # Rows M..M_OUT-1 (M_OUT >= M: a GEMM's row padding, mode 0 only) are stored as the
+    # quantized zero rows they load as: codes 0, scale 1.
+    if MODE == 2:
+        _quantize_cols(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, sqk, ssm, ssk,
+                       WRITE_T, FLAG, TM, TK, CHUNK, STAGES, FMAX, MAXV, EPS, POW2, MANT, BIAS,
+                       NATIVE, FP8, IN_BF16)  # fmt: skip
+    else:
+        _quantize_rows(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, M_OUT, K, sxm, sxk, sqm, sqk,
+                       ssm, ssk, MODE, WRITE_T, FLAG, TM, TK, FMAX, MAXV, EPS, POW2, MANT, BIAS,
+                       NATIVE, FP8, IN_BF16)  # fmt: skip
+
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, M_OUT, K, sxm, sxk, sqm, sqk, ssm,
+                   ssk, MODE: tl.constexpr, WRITE_T: tl.constexpr, FLAG: tl.constexpr,
+                   TM: tl.constexpr, TK: tl.constexpr, FMAX: tl.constexpr, MAXV: tl.constexpr,
+                   EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr,
+                   BIAS: tl.constexpr, NATIVE: tl.constexpr, FP8: tl.constexpr,
+                   IN_BF16: tl.constexpr):  # fmt: skip
+    # MODE 0 and 1: one read of the tile, one quantization, one store (grid (M tiles, K tiles)).
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m.to(tl.int64) * TM + tl.arange(0, TM)
@@ -69,7 +90,7 @@ def quantize_kernel(
         q, sinv = quantize_blocks(x, ROWS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
         tl.store(s_ptr + rows * ssm + pid_k * ssk, sinv, mask=rows < M_OUT)
         flag_non_finite(flag_ptr, sinv, FLAG)
-    elif MODE == 1:
+    else:
         abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         amax_bits = tl.max(tl.max(abits, axis=1), axis=0)
         scale = block_scale(amax_bits, FMAX, MAXV, EPS, POW2)
@@ -79,13 +100,60 @@ def quantize_kernel(
         if FLAG:  # one scalar block: the marker is its scale_inv being NaN
             bad = (sinv != sinv).to(tl.int32)
             tl.store(flag_ptr, bad, mask=bad != 0)
-    else:
-        q, sinv = quantize_blocks(x, COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8)
-        tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cols < K)
-        flag_non_finite(flag_ptr, sinv, FLAG)
     omask = (rows[:, None] < M_OUT) & (cols[None, :] < K)
     tl.store(q_ptr + rows[:, None] * sqm + cols[None, :] * sqk, q, mask=omask)
     if WRITE_T:  # the same codes again as a contiguous [K, M] (DGrad's weight operand)
+        tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
+
+
+@triton.jit
+def _quantize_cols(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, sqk, ssm, ssk,
+                   WRITE_T: tl.constexpr, FLAG: tl.constexpr, TM: tl.constexpr,
+                   TK: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                   FMAX: tl.constexpr, MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                   MANT: tl.constexpr, BIAS: tl.constexpr, NATIVE: tl.constexpr,
+                   FP8: tl.constexpr, IN_BF16: tl.constexpr):  # fmt: skip
+    # MODE 2: TM (128) rows x TK columns, one 128x1 block per column. The grid is (K tiles,
+    # M tiles): neighbouring programs read neighbouring columns of the same rows (a 128 x TK tile
+    # alone is TM segments of 2 * TK bytes, each in another row). CHUNK == TM: one read, held in
+    # registers; CHUNK < TM: the column amax accumulates over CHUNK-row chunks (a max of maxes:
+    # the same amax), then the chunks are read again (from L2) to quantize, STAGES-deep
+    # pipelined: fewer registers and overlapped loads, the same bits.
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    cols = pid_k.to(tl.int64) * TK + tl.arange(0, TK)
+    cmask = cols < K
+    if CHUNK == TM:
+        rows = pid_m.to(tl.int64) * TM + tl.arange(0, TM)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+        q, sinv = quantize_blocks(to_fp32(x, IN_BF16), COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS,
+                                  NATIVE, FP8)  # fmt: skip
+        _store_cols(q_ptr, qt_ptr, q, rows, cols, mask, M, sqm, sqk, WRITE_T)
+    else:
+        amax = tl.zeros([TK], dtype=tl.int32)
+        for r in tl.range(0, TM, CHUNK, num_stages=STAGES):
+            rows = pid_m.to(tl.int64) * TM + r + tl.arange(0, CHUNK)
+            mask = (rows < M)[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+            abits = to_fp32(x, IN_BF16).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            amax = tl.maximum(amax, tl.max(abits, axis=0))
+        scale = block_scale(amax, FMAX, MAXV, EPS, POW2)
+        sinv = finish_scale_inv(scale, amax)
+        for r in tl.range(0, TM, CHUNK, num_stages=STAGES):
+            rows = pid_m.to(tl.int64) * TM + r + tl.arange(0, CHUNK)
+            mask = (rows < M)[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+            q = quantize_values(to_fp32(x, IN_BF16), scale[None, :], FMAX, MANT, BIAS, NATIVE, FP8)
+            _store_cols(q_ptr, qt_ptr, q, rows, cols, mask, M, sqm, sqk, WRITE_T)
+    tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cmask)
+    flag_non_finite(flag_ptr, sinv, FLAG)
+
+
+@triton.jit
+def _store_cols(q_ptr, qt_ptr, q, rows, cols, mask, M, sqm, sqk, WRITE_T: tl.constexpr):
+    tl.store(q_ptr + rows[:, None] * sqm + cols[None, :] * sqk, q, mask=mask)
+    if WRITE_T:  # the same codes again as a contiguous [K, M]
         tl.store(qt_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
 
 

@@ -131,12 +131,18 @@ def _raise_like_reference(x, block, f, pow2_scales, eps, name) -> None:
 
 
 @functools.cache
-def _tile(mode: int) -> tuple[int, int, int]:
-    """(TM, TK, num_warps) per mode; bigger tiles under the interpreter (fewer Python programs).
-    Decided once per process (Triton fixes interpreter-or-compiler when it defines a kernel)."""
+def _tile(mode: int) -> tuple[int, ...]:
+    """(TM, TK, num_warps[, CHUNK, STAGES]) per mode; bigger tiles under the interpreter (fewer
+    Python programs). CHUNK and STAGES (128x1 only; default TM and 1): the rows a program loads
+    at a time and its pipeline depth (`_triton_jit._quantize_cols`). Decided once per process
+    (Triton fixes interpreter-or-compiler when it defines a kernel). Speed only: no tile changes
+    a bit (`bench_quantizer_bandwidth.py --sweep-tiles` times the candidates on a GPU).
+    128x1: (128, 32, 4) whole took 47% of a bf16 copy's bandwidth on the H200 (run 7; best
+    (128, 64, 4), 56%), its programs then walking down M; they walk along K now, and read 32 rows
+    at a time, pipelined (not yet timed on a GPU)."""
     if interpreting():
-        return {0: (64, 128, 4), 1: (128, 128, 4), 2: (128, 128, 4)}[mode]
-    return {0: (16, 128, 4), 1: (128, 128, 8), 2: (128, 32, 4)}[mode]
+        return {0: (64, 128, 4), 1: (128, 128, 4), 2: (128, 128, 4, 32, 2)}[mode]
+    return {0: (16, 128, 4), 1: (128, 128, 8), 2: (128, 64, 4, 32, 2)}[mode]
 
 
 def _check_out(out, x2: torch.Tensor, f, label: str) -> None:
@@ -214,7 +220,8 @@ def quantize_blockwise_triton(
     bm, bk = block
     mb, kb = -(-m // bm), -(-k // bk)
     mode = _MODE[block]
-    tm, tk, warps = _tile(mode)
+    tm, tk, warps, *more = _tile(mode)
+    chunk, stages = more or (tm, 1)
     if transpose:
         data_t = torch.empty(k, m, dtype=f.dtype, device=x.device)
         q_u8 = data_t.view(torch.uint8)
@@ -231,11 +238,14 @@ def quantize_blockwise_triton(
     m_out = m if out is None else out[0].shape[0]  # rows stored (`_check_out`)
     if m_out and k:
         grid = (-(-m_out // tm), -(-k // tk))
+        if mode == 2:  # programs walk along K (`_triton_jit._quantize_cols`)
+            grid = grid[::-1]
         native = resolve_native_cast(x, native_cast)
         flag = nonfinite_flag is not None
         write_t = transposed_copy is not None
         meta = launch_meta(f.name, x.dtype, native, eps, bool(pow2_scales), flag, warps,
-                           MODE=mode, WRITE_T=write_t, TM=tm, TK=tk)  # fmt: skip
+                           MODE=mode, WRITE_T=write_t, TM=tm, TK=tk, CHUNK=chunk,
+                           STAGES=stages)  # fmt: skip
         xs = x2.stride()
         args = (_bits_if_bf16(x2), q_u8, transposed_copy.view(torch.uint8) if write_t else q_u8,
                 s_view, nonfinite_flag if flag else s_view, m, m_out, k, xs[0], xs[1],
