@@ -22,8 +22,9 @@
 # triton-cache.tar.gz (the compiled kernels, reused by the next call on the same
 # torch/Triton/CUDA/driver/GPU: --collect puts it in .cache/triton-gpu, which the call carries).
 #
-# Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,SPLIT_TESTS,
-# SERVING_FP32,SERVING_POW2,MOE,LINEAR,PROFILE_HOST,QUANT,MOE_TILES,FP8_TESTS}_S (0 skips a step), JETRL_PART
+# Limits (seconds): JETRL_{PREFLIGHT,INVARIANT_TESTS,LOCAL_GRPO,INVARIANT_OPS,KERNEL_TESTS,
+# SERVING_FP32,SERVING_POW2,SERVING_SWEEP,MOE,LINEAR,PROFILE_HOST,PROFILE_KERNELS,QUANT,MOE_TILES,
+# FP8_TESTS}_S (0 skips a step), JETRL_PART
 # (all, 47, 48), JETRL_BUDGET_S (540 or less). Others: PYTHON (python3),
 # JETRL_GPU_WHEELS_DIR (.cache/gpu-wheels; empty: install nothing, use the interpreter as it is),
 # JETRL_TRITON_CARRY (.cache/triton-gpu), JETRL_TRITON_CACHE_DIR (/tmp/jetrl-triton-cache: a fixed
@@ -60,13 +61,14 @@ carry_cache=${JETRL_TRITON_CARRY:-.cache/triton-gpu}
 triton_dir=${JETRL_TRITON_CACHE_DIR:-/tmp/jetrl-triton-cache}
 site=${JETRL_GPU_SITE:-/tmp/jetrl-gpu-site}
 benches=(bench_local_grpo bench_invariant_ops bench_serving_kernel bench_moe_layer
-  bench_fp8_linear profile_host bench_quantizer_bandwidth)
+  bench_fp8_linear profile_host profile_kernels bench_quantizer_bandwidth)
 mapfile -t all_tests < <(bash scripts/gpu_check.sh --list)
-inv_tests=() split_tests=() fp8_tests=()
+inv_tests=() kernel_tests=() fp8_tests=()
 for t in "${all_tests[@]}"; do
   case $t in
     tests/invariant/*) inv_tests+=("$t") ;;
-    tests/fp8/test_split_gemm.py) split_tests+=("$t") ;;
+    # the kernels changed since the last GPU run first: the split-K GEMM, the quantizers
+    tests/fp8/test_split_gemm.py | tests/fp8/test_quantizer_fused.py) kernel_tests+=("$t") ;;
     *) fp8_tests+=("$t") ;;
   esac
 done
@@ -103,14 +105,16 @@ plan() {
     --json "$work/json/bench_local_grpo.json"
   step bench_invariant_ops "$(lim INVARIANT_OPS 47 20 15)" "$py" benchmarks/gpu/bench_invariant_ops.py \
     --iters 20 --json "$work/json/bench_invariant_ops.json"
-  # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache). The split-K
-  # GEMM's GPU tests first (never run on a GPU: rows = the trainer's forward at M = 1..8192), then
-  # the serving kernel on cuBLASLt (auto) and on it, against one BF16 time per M.
-  step split_gemm_tests "$(lim SPLIT_TESTS 48 45 35)" env JETRL_GPU_TESTS="${split_tests[*]}" \
+  # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache). The GPU tests
+  # of the kernels changed since the last run first (the split-K GEMM: rows = the trainer's
+  # forward at M = 1..8192; the quantizers' row-chunked launches: every finite bf16), then the
+  # serving kernel on cuBLASLt (auto) and on split-K, against one BF16 time per M.
+  step kernel_tests "$(lim KERNEL_TESTS 48 45)" env JETRL_GPU_TESTS="${kernel_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=40 bash scripts/gpu_check.sh -rfE --durations=5 -k gpu
   step bench_serving_fp32 "$(lim SERVING_FP32 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
-  step bench_serving_pow2 "$(lim SERVING_POW2 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  # (pow2: not in JETRL_PART=48's 250 s: run 7 measured it, no pow2-only code changed since)
+  step bench_serving_pow2 "$(lim SERVING_POW2 48 30 0)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
   # the split-K kernel's launch variants at the decode sizes (point 2: the default to set; the
   # census compiles them): fused quantization at every M, deeper K-loop pipelines
@@ -121,14 +125,18 @@ plan() {
     --json "$work/json/bench_moe_layer.json"
   step bench_fp8_linear "$(lim LINEAR 48 45 40)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
   # host enqueue vs GPU time per Qwen3-8B shape (point 5), on the kernels bench_fp8_linear compiled
-  step profile_host "$(lim PROFILE_HOST 48 20)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
+  step profile_host "$(lim PROFILE_HOST 48 20 15)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
+  # which kernel takes the time where a target is missed (MoE prefill, decode, the linear)
+  step profile_kernels "$(lim PROFILE_KERNELS 48 0 10)" "$py" benchmarks/gpu/profile_kernels.py \
+    --steps 5 --top 10
   # then the tile sweep (point 4: the tiles to make the defaults; the census cache holds them)
   step bench_quantizer "$(lim QUANT 48 35 30)" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
     --iters 20 --sweep-tiles
   # the MoE prefill's grouped GEMM under each shape (point 3: the default to set; compiled by the
   # census), at the prefill models and counts, each checked against the training forward's bits
-  step bench_moe_tiles "$(lim MOE_TILES 48 20 15)" "$py" benchmarks/gpu/bench_moe_layer.py \
+  # (not in JETRL_PART=48's 250 s: run 7 swept the tiles, the grouped GEMM is unchanged since)
+  step bench_moe_tiles "$(lim MOE_TILES 48 20 0)" "$py" benchmarks/gpu/bench_moe_layer.py \
     --models Qwen/Qwen3-30B-A3B deepseek-ai/DeepSeek-V3 --tokens 2048 8192 --iters 10 \
     --tiles sweep --json "$work/json/bench_moe_tiles.json"
   # ~370 s with a cold Triton cache on an H100: the rest of the budget, more with a warm cache.
