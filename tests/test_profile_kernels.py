@@ -35,7 +35,7 @@ def test_activities_group_per_kernel_per_call_largest_first(profile_kernels):
 def test_report_names_the_ratio_and_the_largest_kernel(profile_kernels, monkeypatch, capsys):
     fake = {"ours": [("split_gemm_kernel", 80.0), ("quantize_kernel", 20.0)],
             "bf16": [("nvjet_gemv", 150.0)]}  # fmt: skip
-    monkeypatch.setattr(profile_kernels, "device_activities", lambda fn, steps: fn())
+    monkeypatch.setattr(profile_kernels._common, "device_events", lambda fn, steps: fn())
     line = profile_kernels.report(
         "decode x", {k: (lambda v=v: v) for k, v in fake.items()}, steps=1, top=5
     )

@@ -88,6 +88,25 @@ def bench_ms(
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def device_events(fn: Callable[[], object], steps: int) -> list[tuple[str, float]]:
+    """``fn`` run ``steps`` times under the CUDA profiler after one unprofiled call: each device
+    activity (kernel, memcpy, memset) as its name and duration in microseconds."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+
+
 def cuda_time_ms(fn: Callable[[], object], *, iters: int = 50, warmup: int = 10) -> float:
     """`bench_ms` with its defaults (L2 flushed, eager): kept for the scripts' call sites."""
     return bench_ms(fn, iters=iters, warmup=warmup)

@@ -238,18 +238,8 @@ def host_enqueue_ms(fn, *, iters: int = 10) -> float:
 def device_activity(fn, *, steps: int = 3) -> tuple[float, float]:
     """(summed device time in ms, device activities) per ``fn()`` from the CUDA profiler: every
     kernel, memcpy and memset counts as one launch."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    acts = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_us = sum(e.time_range.elapsed_us() for e in acts)
-    return busy_us / steps / 1e3, len(acts) / steps
+    acts = _common.device_events(fn, steps)
+    return sum(us for _, us in acts) / steps / 1e3, len(acts) / steps
 
 
 def te_fwd_bwd_fn(k: int, n: int, x: torch.Tensor, dy: torch.Tensor):

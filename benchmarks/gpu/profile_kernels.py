@@ -59,30 +59,11 @@ def kernel_rows(activities: Iterable[tuple[str, float]], steps: int) -> list[dic
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def device_activities(fn: Callable[[], object], steps: int) -> list[tuple[str, float]]:
-    """``fn`` run ``steps`` times under the CUDA profiler (after one unprofiled call): each
-    device activity's name and duration in microseconds."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return [
-        (e.name, e.time_range.elapsed_us())
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA
-    ]
-
-
 def report(label: str, pairs: dict[str, Callable[[], object]], steps: int, top: int) -> str:
     """Print each of ``pairs`` (``ours`` first, ``bf16`` last) profiled; return the summary."""
     sums = {}
     for which, fn in pairs.items():
-        rows = kernel_rows(device_activities(fn, steps), steps)
+        rows = kernel_rows(_common.device_events(fn, steps), steps)
         sums[which] = (sum(r["us"] for r in rows), rows[0]["kernel"] if rows else "-")
         print(f"## {label}: {which}, {sums[which][0]:.1f} us of device time per call")
         _common.print_table(rows[:top], ("us", "launches", "share", "kernel"))

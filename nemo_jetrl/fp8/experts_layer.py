@@ -37,17 +37,22 @@ from nemo_jetrl.fp8.grouped_tensors import GroupedQuantizedWeights
 from nemo_jetrl.fp8.linear import check_expert_dims
 
 
+def sort_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(by_expert, order, token)`` for ``topk_ids [T, k]``: the flattened expert ids sorted
+    (stable: token order inside an expert), the sort's permutation, and each sorted row's token
+    (its flat index // k: no token table built and gathered). Device ops only."""
+    by_expert, order = torch.sort(topk_ids.reshape(-1).long(), stable=True)
+    return by_expert, order, order // topk_ids.shape[1]
+
+
 def sort_routes(
     topk_ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order, token, offsets)`` for ``topk_ids [T, k]``: the flattened routes sorted by expert
-    (stable: token order inside an expert), each sorted row's token, int64 ``offsets [E+1]``.
-    Device ops only (no host read)."""
-    flat = topk_ids.reshape(-1).long()
-    by_expert, order = torch.sort(flat, stable=True)  # the sorted ids come with the order
-    grid = torch.arange(num_experts + 1, device=flat.device)
-    offsets = torch.searchsorted(by_expert, grid)
-    return order, order // topk_ids.shape[1], offsets
+    """``(order, token, offsets)`` for ``topk_ids [T, k]`` (`sort_by_expert`), with int64
+    ``offsets [E+1]`` of each expert's rows. Device ops only (no host read)."""
+    by_expert, order, token = sort_by_expert(topk_ids)
+    grid = torch.arange(num_experts + 1, device=by_expert.device)
+    return order, token, torch.searchsorted(by_expert, grid)
 
 
 def _check_weights(q: GroupedQuantizedWeights, config: Fp8LinearConfig, name: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from nemo_jetrl.fp8.experts_layer import sort_by_expert
 from nemo_jetrl.fp8.spec import BLOCK, WEIGHT_BLOCK, linear_dims_problem
 from nemo_jetrl.vllm_patch import dense_shards
 
@@ -126,8 +127,8 @@ def sorted_routes(
     route is this rank's and a sorted row's token is its flat index // k (no token table built
     and gathered: 45 -> 40 ops per layer call, each a host dispatch in an eager prefill)."""
     if emap is None:
-        by_expert, order = torch.sort(topk_ids.reshape(-1).long(), stable=True)
-        return by_expert, order // topk_ids.shape[1], topk_weights.reshape(-1).float()[order]
+        by_expert, order, token = sort_by_expert(topk_ids)
+        return by_expert, token, topk_weights.reshape(-1).float()[order]
     flat, token, weight = local_routes(topk_ids, topk_weights, emap)
     by_expert, order = torch.sort(flat, stable=True)
     return by_expert, token[order], weight[order]

@@ -340,10 +340,10 @@ MUTANTS = [
         ),
     ),
     Mutant(
-        "serving MoE routes without expert parallelism: a sorted row's token is its flat index",
-        "nemo_jetrl/vllm_patch/expert_shards.py",
-        "return by_expert, order // topk_ids.shape[1], ",
-        "return by_expert, order, ",
+        "MoE routes sorted by expert: a sorted row's token is its flat index (not index // k)",
+        "nemo_jetrl/fp8/experts_layer.py",
+        "return by_expert, order, order // topk_ids.shape[1]",
+        "return by_expert, order, order",
         (
             "tests/vllm_patch/test_expert_shards_unit.py::test_sorted_routes_are_the_local_routes_sorted_by_expert",
         ),
