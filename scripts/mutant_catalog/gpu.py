@@ -67,24 +67,23 @@ MUTANTS = [
     Mutant(
         "invariant RMS rstd: fewer lanes for batches under 8 rows",
         "nemo_jetrl/invariant/kernels/rows.py",
-        "            x2, out, h, float(h), x2.stride(0), float(eps),\n            BLOCK=block,",
-        "            x2, out, h, float(h), x2.stride(0), float(eps),\n"
-        "            BLOCK=block if x2.shape[0] >= 8 else 64,",
+        "launch(_jit().rms_rstd_kernel, (x2.shape[0],), args, _meta(block, x.dtype))",
+        "launch(_jit().rms_rstd_kernel, (x2.shape[0],), args,\n"
+        "               _meta(block if x2.shape[0] >= 8 else 64, x.dtype))",
         (T_INV + "test_rms_rstd_same_bits_at_every_batch_size_and_within_2ulp_of_float64",),
     ),
     Mutant(
         "invariant log-sum-exp: fewer lanes for batches under 8 rows",
         "nemo_jetrl/invariant/kernels/rows.py",
-        "            x2, mx, log_sum, x.shape[-1], x2.stride(0),\n            BLOCK=block,",
-        "            x2, mx, log_sum, x.shape[-1], x2.stride(0),\n"
-        "            BLOCK=block if n >= 8 else 128,",
+        "launch(_jit().logsumexp_kernel, (n,), args, _meta(block, x.dtype))",
+        "launch(_jit().logsumexp_kernel, (n,), args, _meta(block if n >= 8 else 128, x.dtype))",
         (T_INV + "test_log_softmax_same_bits_at_every_batch_size_and_close_to_float64",),
     ),
     Mutant(
         "invariant matmul: shorter K steps for batches under 8 rows",
         "nemo_jetrl/invariant/kernels/matmul.py",
-        "BK=block_k,",
-        "BK=block_k if m >= 8 else 32,",
+        "meta = _meta(block_m, block_n, block_k, ",
+        "meta = _meta(block_m, block_n, block_k if m >= 8 else 32, ",
         (T_INV + "test_matmul_same_bits_at_every_batch_size_and_within_gamma_k_of_float64",),
     ),
     Mutant(
@@ -104,8 +103,8 @@ MUTANTS = [
     Mutant(
         "attention launches with fp fusion (an fma where the loop's layout puts it, per stage)",
         "nemo_jetrl/invariant/kernels/attention.py",
-        "num_stages=stages, **NO_FTZ, **NO_FMA,",
-        "num_stages=stages, **NO_FTZ,",
+        "num_warps=ATTN_WARPS, num_stages=stages, **NO_FTZ, **NO_FMA)",
+        "num_warps=ATTN_WARPS, num_stages=stages, **NO_FTZ)",
         (T_INV + "test_attention_launches_with_the_rules_stages",),
     ),
 ]
@@ -173,8 +172,8 @@ MUTANTS += [
     Mutant(
         "invariant matmul takes 16-row tiles below 16 rows (another MMA, other bits, on a GPU)",
         "nemo_jetrl/invariant/kernels/matmul.py",
-        "BM=block_m, BN=block_n,",
-        "BM=16 if m < 16 else block_m, BN=block_n,",
+        "meta = _meta(block_m, block_n, block_k, ",
+        "meta = _meta(16 if m < 16 else block_m, block_n, block_k, ",
         (
             "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
         ),
@@ -218,8 +217,8 @@ MUTANTS += [
     Mutant(
         "invariant matmul multiplies fp32 rows on TF32 at M = 1 (the interpreter has no TF32)",
         "nemo_jetrl/invariant/kernels/matmul.py",
-        "IEEE=a2.dtype == torch.float32, ORDERED",
-        "IEEE=a2.dtype == torch.float32 and m > 1, ORDERED",
+        "block_k, a2.dtype == torch.float32, interpreting()",
+        "block_k, a2.dtype == torch.float32 and m > 1, interpreting()",
         (
             "tests/test_sm90_census.py::test_every_kernel_compiles_for_sm90_with_no_problem[installed]",
         ),

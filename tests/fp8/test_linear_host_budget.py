@@ -14,7 +14,7 @@ MN-major scales, the FP8 weight cached, non-finite input flagged on the device):
 * allocations: aten ops returning a new tensor; and the other (view/metadata) aten ops, each a
   host dispatch.
 
-The Triton kernels and ``F.scaled_mm`` are stand-ins here (`_FakeJit`, `_fake_scaled_mm`): they
+The Triton kernels and ``F.scaled_mm`` are stand-ins here (`triton_fakes.FakeJit`, `_fake_scaled_mm`): they
 record the launch and write nothing, so only the host path is counted (the kernels' bits are
 the other tests' business). The Triton launches take `triton_launch.launch`'s direct path (the
 compiled kernel's launcher, as on a GPU); the first launch of each specialisation goes through
@@ -39,6 +39,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton_fakes import FakeJit, direct_launches_on
 from triton_setup import TRITON_MARKS
 
 import nemo_jetrl
@@ -74,32 +75,6 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-class _FakeCompiled:
-    """What Triton's JITFunction.run returns: launcher (``run``), function handle, metadata."""
-
-    def __init__(self, launches: list) -> None:
-        self.launches, self.function, self.packed_metadata = launches, object(), (4, 1, 0)
-
-    def run(self, *args) -> None:  # type: ignore[no-untyped-def]
-        self.launches.append(("direct", args[:3], args[6:9]))
-
-
-class _FakeJit:
-    """A compiled ``@triton.jit`` kernel's stand-in: ``[grid](...)`` records a JIT launch."""
-
-    def __init__(self, real, launches: list) -> None:  # type: ignore[no-untyped-def]
-        self.arg_names, self.__name__ = real.arg_names, real.__name__
-        self.launches, self.compiled = launches, _FakeCompiled(launches)
-        self.pre_run_hooks: list = []
-
-    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-            self.launches.append(("jit", grid, kwargs.get("enable_reflect_ftz")))
-            return self.compiled
-
-        return run
-
-
 def _fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, *, output_dtype):  # type: ignore[no-untyped-def]
     _fake_scaled_mm.calls += 1  # type: ignore[attr-defined]
     return torch.empty(a.shape[0], b.shape[1], dtype=output_dtype)
@@ -120,12 +95,8 @@ def host_path(monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(linear_plan, "plan_gemm", lambda *a, **k: GemmPlan("scaled_mm", "test"))
     monkeypatch.setattr(F, "scaled_mm", _fake_scaled_mm)
     for name in ("quantize_rowcol_kernel", "quantize_kernel"):
-        monkeypatch.setattr(_triton_jit, name, _FakeJit(getattr(_triton_jit, name), launches))
-    hooks = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=None)
-    for key, value in dict(on=True, why="test", types=(_FakeJit,), runtime=hooks,
-                           device=lambda: 0, stream=lambda device: 0).items():  # fmt: skip
-        monkeypatch.setitem(triton_launch._DIRECT, key, value)
-    monkeypatch.setattr(triton_launch, "_COMPILED", {})
+        monkeypatch.setattr(_triton_jit, name, FakeJit(getattr(_triton_jit, name), launches))
+    direct_launches_on(monkeypatch)
     finite_flags._FLAGS.clear()
     yield launches
     finite_flags._FLAGS.clear()

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from nemo_jetrl.fp8._deps import require
-from nemo_jetrl.fp8.triton_launch import NO_FMA, NO_FTZ, interpreting
+from nemo_jetrl.fp8.triton_launch import NO_FMA, NO_FTZ, frozen_meta, interpreting, launch
 
 ATTN_BLOCK_M = 64
 ATTN_BLOCK_N = 64
@@ -130,15 +130,24 @@ def attention(
         mask, sm = out, (0, 0, 0, 0)  # never read (HAS_MASK=False)
     grid = (-(-tq // block_m), bsz * heads)
     stages = attention_stages(d, q.element_size()) if num_stages is None else num_stages
-    _jit().attention_kernel[grid](
+    args = (
         q, k, v, mask, out, heads, tq, tk, d, float(scaling),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *sm, out.stride(0), out.stride(1), out.stride(2),
-        HAS_MASK=mask is not out, BM=block_m, BN=block_n, BD=_head_block(d),
-        IEEE=q.dtype == torch.float32, ORDERED=interpreting(), num_warps=ATTN_WARPS,
-        num_stages=stages, **NO_FTZ, **NO_FMA,
     )  # fmt: skip
+    meta = _meta(mask is not out, block_m, block_n, _head_block(d), q.dtype == torch.float32,
+                 interpreting(), stages)  # fmt: skip
+    launch(_jit().attention_kernel, grid, args, meta)
     return out
+
+
+@functools.cache
+def _meta(has_mask: bool, bm: int, bn: int, bd: int, ieee: bool, ordered: bool, stages: int):  # type: ignore[no-untyped-def]
+    """The kernel's constexprs and options, built once per setting (`triton_launch.launch`
+    calls the compiled launcher directly after the first launch). Fusion off (`NO_FMA`): the
+    bits follow the source at every pipeline depth (read `attention_stages`)."""
+    return frozen_meta(HAS_MASK=has_mask, BM=bm, BN=bn, BD=bd, IEEE=ieee, ORDERED=ordered,
+                       num_warps=ATTN_WARPS, num_stages=stages, **NO_FTZ, **NO_FMA)  # fmt: skip
 
 
 class Attention(torch.autograd.Function):

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 from nemo_jetrl.fp8._deps import require
-from nemo_jetrl.fp8.triton_launch import interpreting
+from nemo_jetrl.fp8.triton_launch import frozen_meta, interpreting, launch
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -68,12 +68,19 @@ def matmul(
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m and n:
         grid = (_cdiv(m, block_m), _cdiv(n, block_n))
-        _jit().matmul_kernel[grid](
-            a2, b, out, m, n, k, a2.stride(0), a2.stride(1), b.stride(0), b.stride(1),
-            out.stride(0), out.stride(1), BM=block_m, BN=block_n, BK=block_k,
-            IEEE=a2.dtype == torch.float32, ORDERED=interpreting(), num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES,
-        )  # fmt: skip
+        args = (a2, b, out, m, n, k, a2.stride(0), a2.stride(1), b.stride(0), b.stride(1),
+                out.stride(0), out.stride(1))  # fmt: skip
+        meta = _meta(block_m, block_n, block_k, a2.dtype == torch.float32, interpreting(),
+                     MATMUL_WARPS, MATMUL_STAGES)  # fmt: skip
+        launch(_jit().matmul_kernel, grid, args, meta)
     return out.reshape(*x.shape[:-1], n)
+
+
+@functools.cache
+def _meta(bm: int, bn: int, bk: int, ieee: bool, ordered: bool, warps: int, stages: int) -> dict:
+    """The kernel's constexprs and options, built once per setting (`triton_launch.launch`)."""
+    return frozen_meta(BM=bm, BN=bn, BK=bk, IEEE=ieee, ORDERED=ordered, num_warps=warps,
+                       num_stages=stages)  # fmt: skip
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 
 from nemo_jetrl.fp8._deps import require
-from nemo_jetrl.fp8.triton_launch import NO_FTZ
+from nemo_jetrl.fp8.triton_launch import NO_FTZ, frozen_meta, launch
 
 ROW_BLOCK = 1024
 """Lanes per row (each keeps its own fp32 partial); fixed, so the order depends on the row length."""
@@ -35,6 +35,13 @@ def _jit() -> ModuleType:
     from nemo_jetrl.invariant.kernels import _jit_rows
 
     return _jit_rows
+
+
+@functools.cache
+def _meta(block: int, dtype: torch.dtype) -> dict:
+    """A row kernel's constexprs and options, built once per setting (`triton_launch.launch`
+    calls the compiled launcher directly after the first launch)."""
+    return frozen_meta(BLOCK=block, IN_BF16=dtype == torch.bfloat16, num_warps=ROW_WARPS, **NO_FTZ)
 
 
 def _rows(x: torch.Tensor, label: str) -> torch.Tensor:
@@ -53,10 +60,8 @@ def rms_rstd(x: torch.Tensor, eps: float, *, block: int = ROW_BLOCK) -> torch.Te
     out = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         h = x.shape[-1]
-        _jit().rms_rstd_kernel[(x2.shape[0],)](
-            x2, out, h, float(h), x2.stride(0), float(eps),
-            BLOCK=block, IN_BF16=x.dtype == torch.bfloat16, num_warps=ROW_WARPS, **NO_FTZ,
-        )  # fmt: skip
+        args = (x2, out, h, float(h), x2.stride(0), float(eps))
+        launch(_jit().rms_rstd_kernel, (x2.shape[0],), args, _meta(block, x.dtype))
     return out.reshape(*x.shape[:-1], 1)
 
 
@@ -69,10 +74,8 @@ def logsumexp_parts(
     mx = torch.empty(n, dtype=torch.float32, device=x.device)
     log_sum = torch.empty(n, dtype=torch.float32, device=x.device)
     if n:
-        _jit().logsumexp_kernel[(n,)](
-            x2, mx, log_sum, x.shape[-1], x2.stride(0),
-            BLOCK=block, IN_BF16=x.dtype == torch.bfloat16, num_warps=ROW_WARPS, **NO_FTZ,
-        )  # fmt: skip
+        args = (x2, mx, log_sum, x.shape[-1], x2.stride(0))
+        launch(_jit().logsumexp_kernel, (n,), args, _meta(block, x.dtype))
     lead = x.shape[:-1]
     return mx.reshape(*lead, 1), log_sum.reshape(*lead, 1)
 
