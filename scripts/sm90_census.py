@@ -181,6 +181,7 @@ def compile_all(calls: list[dict]) -> list[dict]:
                     None if ptx is None else len(sm90_ptx.BYTE_ACCESS.findall(ptx))
                 )
                 row["async_copies"] = None if ptx is None else len(sm90_ptx.ASYNC_COPY.findall(ptx))
+                row["tma_copies"] = None if ptx is None else len(sm90_ptx.TMA_COPY.findall(ptx))
                 row["ptx"] = ptx  # ptxas -v below, all kernels at once
         row["workloads"].add(call["workload"])
         for n, a in ints.items():

@@ -1,6 +1,6 @@
 """What `sm90_census` reads in a kernel's PTX: its MMA instructions, its floating-point
 arithmetic (`ARITH`: what decides a value's bits), its global accesses of one or two bytes, its
-asynchronous global-to-shared copies (`ASYNC_COPY`: a software-pipelined load), the
+asynchronous global-to-shared copies (`ASYNC_COPY`: a software-pipelined load; `TMA_COPY`), the
 add/sub/mul that carry no rounding mode (`unrounded`: ptxas may fuse those into an fma), and
 ptxas's register and spill report for sm_90a (`ptxas_usage`, kept per PTX text).
 """
@@ -31,6 +31,9 @@ BYTE_ACCESS = re.compile(
 # cp.async: a load Triton's pipeliner issues ahead of its use into shared memory (num_stages > 1);
 # a loop's loads without it wait for memory in every iteration.
 ASYNC_COPY = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.c[ag]\.shared", re.M)
+# cp.async.bulk.tensor: a TMA copy (a tensor descriptor's block into shared memory, one thread
+# issuing it for the whole block).
+TMA_COPY = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.bulk\.tensor", re.M)
 
 
 # ptxas -v's answers, one small file per (ptxas binary, PTX text): a census over a warm Triton

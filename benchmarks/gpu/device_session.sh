@@ -119,7 +119,7 @@ plan() {
   # the split-K kernel's launch variants at the decode sizes (point 2: the default to set; the
   # census compiles them): fused quantization at every M, deeper K-loop pipelines
   step bench_serving_sweep "$(lim SERVING_SWEEP 48 15 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
-    --no-pow2 --iters 20 --tokens 1 8 32 64 --backends split-sweep \
+    --no-pow2 --iters 10 --tokens 1 8 32 64 --backends split-sweep \
     --json "$work/json/bench_serving_sweep.json"
   step bench_moe_layer "$(lim MOE 48 30 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
     --json "$work/json/bench_moe_layer.json"

@@ -45,6 +45,7 @@ def _chunk_sum(
     FUSED: tl.constexpr, IN_BF16: tl.constexpr, FMAX: tl.constexpr, MAXV: tl.constexpr,
     EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     NATIVE_CAST: tl.constexpr, DOT: tl.constexpr, FP8_A: tl.constexpr, FP8_B: tl.constexpr,
+    TMA_W: tl.constexpr,
 ):  # fmt: skip
     # Chunk c's sum for weight rows rw and tokens rt, from zero, in TE's per-tile order:
     #   acc = fma(p_t * sa[token, t], sb[row, t], acc)   (`split_order` module docstring).
@@ -56,8 +57,11 @@ def _chunk_sum(
     for t in range(c * CHUNK, t_end):
         k = t * 128 + rk
         kmask = k[None, :] < K
-        w = tl.load(b_ptr + rw[:, None] * sbn + k[None, :] * sbk,
-                    mask=(rw[:, None] < N) & kmask, other=0.0)  # fmt: skip
+        if TMA_W:  # a descriptor over [N, K] in [BW, 128] blocks (out of bounds read as 0)
+            w = b_ptr.load([tl.program_id(0) * BW, t * 128])
+        else:
+            w = tl.load(b_ptr + rw[:, None] * sbn + k[None, :] * sbk,
+                        mask=(rw[:, None] < N) & kmask, other=0.0)  # fmt: skip
         tmask = (rt[:, None] < M) & kmask
         if FUSED:
             xv = tl.load(x_ptr + rt[:, None] * sxm + k[None, :] * sxk, mask=tmask, other=0)
@@ -81,9 +85,10 @@ def split_gemm_kernel(
     SPLIT: tl.constexpr, FUSED: tl.constexpr, IN_BF16: tl.constexpr, FMAX: tl.constexpr,
     MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr,
     BIAS: tl.constexpr, NATIVE_CAST: tl.constexpr, DOT: tl.constexpr, FP8_A: tl.constexpr,
-    FP8_B: tl.constexpr,
+    FP8_B: tl.constexpr, TMA_W: tl.constexpr,
 ):  # fmt: skip
     # Program (w, t[, c]): weight rows [w*BW, +BW) x tokens [t*BT, +BT).
+    # TMA_W: b_ptr is a TMA descriptor over the weight (the same codes, loaded by the TMA unit).
     # SPLIT: chunk c = program_id(2) only, its partial stored to ws[c]; the tile's last program
     # to finish adds the S partials in chunk order (`_fold_last`). Else every chunk here, folded
     # left to right in registers.
@@ -96,7 +101,7 @@ def split_gemm_kernel(
     total = _chunk_sum(x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, rw, rt, c0,
                        M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk, ssbn, ssbk, CHUNK,
                        B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV, EPS, POW2, MANT, BIAS,
-                       NATIVE_CAST, DOT, FP8_A, FP8_B)  # fmt: skip
+                       NATIVE_CAST, DOT, FP8_A, FP8_B, TMA_W)  # fmt: skip
     mask = (rt[None, :] < M) & (rw[:, None] < N)
     dst = c_ptr + rt[None, :] * scm + rw[:, None] * scn
     if SPLIT:
@@ -109,7 +114,7 @@ def split_gemm_kernel(
             total += _chunk_sum(x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, rw,
                                 rt, c, M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk,
                                 ssbn, ssbk, CHUNK, B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV,
-                                EPS, POW2, MANT, BIAS, NATIVE_CAST, DOT, FP8_A, FP8_B)  # fmt: skip
+                                EPS, POW2, MANT, BIAS, NATIVE_CAST, DOT, FP8_A, FP8_B, TMA_W)  # fmt: skip
         tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 

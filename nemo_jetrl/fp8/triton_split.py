@@ -72,6 +72,11 @@ SPLIT_STAGES: int | None = None
 3; the value-table dot keeps its 1). A decode program runs 8 K tiles of 8 KB of weight (64 rows x 128) and at 3 stages holds
 35 KB of shared memory and 74 registers a thread at M <= 16 (ptxas 3.6, sm_90a): speed only,
 `bench_serving_kernel.py --backends triton_splitk:a:a:STAGES` times others on a GPU."""
+SPLIT_TMA = False
+"""Load the weight through a TMA descriptor (the TMA unit copies each [64 or 128, 128] block into
+shared memory; fewer load instructions than cp.async's 16 bytes a lane) instead of pointer loads.
+The same codes either way: speed only, `bench_serving_kernel.py --backends
+triton_splitk:a:a:3:tma` times it on a GPU. A descriptor launches through Triton's own path."""
 COUNTERS = 1 << 16
 """Split-mode tile counters per device (int32, `prepare`); a tile is ``ceil(N / 64)`` x token
 tiles, and split mode has one token tile (M <= 64) unless forced."""
@@ -139,8 +144,9 @@ _UNFUSED = (("IN_BF16", False), ("FMAX", 0.0), ("MAXV", 0.0), ("EPS", 0.0), ("PO
 
 @functools.cache
 def _meta(
-    b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[str, str], stages: int
-):
+    b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[str, str], stages: int,
+    tma: bool,
+):  # fmt: skip
     """The kernel's constexprs and launch options for one configuration, built once."""
     jit = _kernel()
     fp8 = {"e4m3": jit.tl.float8e4nv, "e5m2": jit.tl.float8e5}
@@ -148,7 +154,7 @@ def _meta(
         CHUNK=CHUNK_TILES, B_ROWS=b_rows, BW=WEIGHT_ROWS * plan.warpgroups, BT=plan.token_tile,
         SPLIT=plan.split, FUSED=quant is not _UNFUSED, DOT=dot, FP8_A=fp8[fmts[0]],
         FP8_B=fp8[fmts[1]], **dict(quant), num_warps=4 * plan.warpgroups,
-        num_stages=stages, **NO_FTZ,
+        num_stages=stages, TMA_W=tma, **NO_FTZ,
     )  # fmt: skip
 
 
@@ -214,15 +220,28 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
     ws = torch.empty(s if plan.split else 0, m, n, dtype=torch.float32, device=dev)
     grid = (-(-n // (WEIGHT_ROWS * plan.warpgroups)), -(-m // bt), s if plan.split else 1)
     cnt = _counters(dev, grid[0] * grid[1]) if plan.split else ws
+    tma = SPLIT_TMA and qb.is_contiguous() and qb.data_ptr() % 16 == 0 and k % 16 == 0
+    wb = _weight_descriptor(qb, WEIGHT_ROWS * plan.warpgroups) if tma else qb
     args = (
-        xa, qdat, sa, qb, sb, lut_a, lut_b, ws, cnt, out, m, n, k, kb, s,
+        xa, qdat, sa, wb, sb, lut_a, lut_b, ws, cnt, out, m, n, k, kb, s,
         *sx, *sq, *ss, qb.stride(0), qb.stride(1), sb.stride(0), sb.stride(1),
         m * n, n, out.stride(0), out.stride(1),
     )  # fmt: skip
     stages = (SPLIT_STAGES or pipeline_stages(True)) if native else pipeline_stages(False)
-    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt), stages)
-    launch(jit.split_gemm_kernel, grid, args, meta)
+    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt), stages, tma)
+    if tma:  # descriptors: through Triton's own launch path
+        jit.split_gemm_kernel[grid](*args, **meta)
+    else:
+        launch(jit.split_gemm_kernel, grid, args, meta)
     return out if store_dtype == out_dtype else out.to(out_dtype)
+
+
+def _weight_descriptor(qb: torch.Tensor, rows: int):  # type: ignore[no-untyped-def]
+    """A TMA descriptor over the contiguous ``[N, K]`` weight codes in ``[rows, 128]`` blocks
+    (host metadata, no torch op; rows and columns past the end read as zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(qb, list(qb.shape), [qb.shape[1], 1], [rows, 128])
 
 
 @functools.cache

@@ -306,3 +306,14 @@ MUTANTS += [
         ),
     ),
 ]
+
+# ---- the split-K kernel's TMA weight loads (`triton_split.SPLIT_TMA`)
+MUTANTS += [
+    Mutant(
+        "split-K TMA weight block read at 64-row steps whatever the program's rows (prefill: 128)",
+        "nemo_jetrl/fp8/_triton_split_jit.py",
+        "w = b_ptr.load([tl.program_id(0) * BW, t * 128])",
+        "w = b_ptr.load([tl.program_id(0) * 64, t * 128])",
+        ("tests/fp8/test_split_gemm.py::test_weight_through_a_tma_descriptor_gives_the_same_bits",),
+    ),
+]

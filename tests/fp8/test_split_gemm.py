@@ -96,6 +96,36 @@ def test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant(pow
 
 
 @interpreter_bits
+def test_weight_through_a_tma_descriptor_gives_the_same_bits(monkeypatch):
+    """`SPLIT_TMA`: the weight's codes loaded by a TMA descriptor give the pointer loads' bits in
+    both modes and at every token tile: a partial 64-row tile (N = 200: rows past N read as
+    zeros) and a partial last K tile (K = 2432 = 19 x 128: whole; 2368: a 64-wide last tile),
+    the fused quantization included."""
+    real, launched = triton_split._weight_descriptor, []
+
+    def descriptor(qb, rows):  # type: ignore[no-untyped-def]
+        launched.append(rows)
+        return real(qb, rows)
+
+    for k in (2432, 2368):
+        x, qx, qw = _operands(70, 200, k, pow2=False, seed=k)
+        want = {split: triton_split.split_gemm(qx, qw, out_dtype=FP32, split=split)
+                for split in (True, False)}  # fmt: skip
+        fused = triton_split.split_linear(x[:5], qw, pow2_scales=False, out_dtype=FP32)
+        launched.clear()
+        monkeypatch.setattr(triton_split, "_weight_descriptor", descriptor)
+        monkeypatch.setattr(triton_split, "SPLIT_TMA", True)
+        for split in (True, False):
+            got = triton_split.split_gemm(qx, qw, out_dtype=FP32, split=split)
+            assert torch.equal(got, want[split]), (k, split)
+        got = triton_split.split_linear(x[:5], qw, pow2_scales=False, out_dtype=FP32)
+        assert torch.equal(got, fused), k
+        assert launched == [128, 128, 64]  # a descriptor a call: 70 tokens take 128-row blocks
+        monkeypatch.setattr(triton_split, "SPLIT_TMA", False)
+        monkeypatch.setattr(triton_split, "_weight_descriptor", real)
+
+
+@interpreter_bits
 def test_split_mode_is_one_launch_whose_last_program_folds_and_rezeroes_its_counter(monkeypatch):
     """Split mode launches once: each tile's S programs count themselves on the stream's tile
     counters and the last to arrive adds the partials in chunk order (so the bits are not the
