@@ -300,11 +300,14 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
     for bad in bad_modes:
         with pytest.raises(SystemExit, match="modes are triton_splitk:SPLIT:FUSED"):
             module.run(module.build_parser().parse_args([*argv[:5], "--backends", bad]))
-    # the GPU call's sweep: every variant parses, one row each
-    outs.clear()
-    sweep = ["--device", "cpu", "--tokens", "1", "--backends", "split-sweep", "--no-pow2"]
-    rows = module.run(module.build_parser().parse_args(sweep))
-    assert [r["backend"] for r in rows] == list(module.SPLIT_SWEEP)
+    # the GPU call's sweep: every variant parses and sets its knobs for its block only
+    for name in module.SPLIT_SWEEP:
+        with module.splitk_modes(name) as plain:
+            assert plain == "triton_splitk"
+        after = (triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES,
+                 triton_split.SPLIT_TMA)  # fmt: skip
+        assert after == default, name
+    assert module.backend_names("auto,split-sweep") == ["auto", *module.SPLIT_SWEEP]
 
 
 def test_quantizer_targets_say_met_or_not_met(bench):

@@ -94,8 +94,17 @@ def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backen
 # part 48): the default, quantization fused at every M (a launch fewer at 32 and 64 tokens), a
 # deeper K-loop pipeline, and the weight through TMA descriptors. Speed only: each gives the
 # default's bits.
-SPLIT_SWEEP = ("triton_splitk", "triton_splitk:a:1", "triton_splitk:a:a:4",
-               "triton_splitk:a:a:3:tma", "triton_splitk:a:a:4:tma")  # fmt: skip
+SPLIT_SWEEP = (
+    "triton_splitk",
+    "triton_splitk:a:1",
+    "triton_splitk:a:a:4",
+    "triton_splitk:a:a:3:tma",
+)
+
+
+def backend_names(backends: str) -> list[str]:
+    """``--backends``'s comma-separated names, ``split-sweep`` expanded to `SPLIT_SWEEP`."""
+    return backends.replace("split-sweep", ",".join(SPLIT_SWEEP)).split(",")
 
 
 @contextlib.contextmanager
@@ -148,8 +157,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _, _, k in shapes]
         pairs = list(zip(xs, weights, strict=True))
         bf16_ms = sum(bench(serving_fns(x, [w], args.pow2)[0]) for x, w in pairs)
-        names = args.backends.replace("split-sweep", ",".join(SPLIT_SWEEP))
-        for name in names.split(","):
+        for name in backend_names(args.backends):
             fp8_ms, backend = 0.0, ""
             with splitk_modes(name) as plain:
                 for x, w in pairs:

@@ -98,16 +98,16 @@ def test_both_modes_give_the_references_bits_and_each_row_is_batch_invariant(pow
 @interpreter_bits
 def test_weight_through_a_tma_descriptor_gives_the_same_bits(monkeypatch):
     """`SPLIT_TMA`: the weight's codes loaded by a TMA descriptor give the pointer loads' bits in
-    both modes and at every token tile: a partial 64-row tile (N = 200: rows past N read as
-    zeros) and a partial last K tile (K = 2432 = 19 x 128: whole; 2368: a 64-wide last tile),
-    the fused quantization included."""
+    both modes: a partial 64-row tile (N = 200: rows past N read as zeros) and a partial last K
+    tile (K = 1152 = 9 x 128 in 2 chunks: whole; 1088: a 64-wide last tile), the fused
+    quantization included."""
     real, launched = triton_split._weight_descriptor, []
 
     def descriptor(qb, rows):  # type: ignore[no-untyped-def]
         launched.append(rows)
         return real(qb, rows)
 
-    for k in (2432, 2368):
+    for k in (1152, 1088):
         x, qx, qw = _operands(70, 200, k, pow2=False, seed=k)
         want = {split: triton_split.split_gemm(qx, qw, out_dtype=FP32, split=split)
                 for split in (True, False)}  # fmt: skip
