@@ -449,3 +449,14 @@ def test_gpu_flagged_quantization_in_a_cuda_graph():
     x[100, 1000] = float("nan")
     graph.replay()
     assert int(flag) == 1
+
+
+def test_a_rowcol_launch_shape_it_cannot_run_is_refused_by_name():
+    from nemo_jetrl.fp8.rowcol_quantize import RowcolTile
+
+    for bad, knob in (({"chunk": 48}, "chunk 48"), ({"warps": 3}, "warps 3"),
+                      ({"programs_per_sm": -1}, "programs_per_sm -1"), ({"stages": 0}, "stages 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"RowcolTile: .*{knob}"):
+            RowcolTile(**bad)
+    assert RowcolTile(programs_per_sm=2).grid(2048, 132) == 264
+    assert RowcolTile().grid(2048, 132) == 2048
