@@ -80,19 +80,36 @@ class _Interpolated(Exception):
     """A key whose value only the resolved config gives."""
 
 
-def _plain_sel(raw: dict, key: str):
+# A value that is one absolute reference to another key and nothing else, "${policy.precision}"
+# (220 of main's 339 GRPO configs set vllm_cfg.precision so): followed in the container. Any
+# other interpolation (a resolver, a relative key, text around it) needs OmegaConf.
+_REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\}")
+
+
+def _plain_sel(raw: dict, key: str, depth: int = 0):
     """``key`` of a merged, unresolved container (None where absent); `_Interpolated` where an
-    interpolation on the way or in the value needs resolving."""
+    interpolation on the way or in the value needs OmegaConf to resolve it."""
     node = raw
     for part in key.split("."):
-        if isinstance(node, str) and "${" in node:
-            raise _Interpolated(key)
+        node = _followed(raw, node, key, depth)
         if not isinstance(node, dict):
             return None
         node = node.get(part)
-    if isinstance(node, str) and "${" in node:
+    return _followed(raw, node, key, depth)
+
+
+def _followed(raw: dict, node, key: str, depth: int):
+    """``node``, or the value it names when it is a plain reference to a key that is set."""
+    if not (isinstance(node, str) and "${" in node):
+        return node
+    ref = _REFERENCE.fullmatch(node)
+    if ref is None or depth >= 8:  # a resolver, relative or embedded; or a long chain
         raise _Interpolated(key)
-    return node
+    parent, _, leaf = ref[1].rpartition(".")
+    holder = _plain_sel(raw, parent, depth + 1) if parent else raw
+    if not isinstance(holder, dict) or leaf not in holder:
+        raise _Interpolated(key)  # OmegaConf says what a dangling reference is
+    return _followed(raw, holder[leaf], key, depth + 1)
 
 
 def fp8_grpo_configs(tree_dir: Path) -> list[tuple[Path, object, str]]:
