@@ -286,8 +286,12 @@ def _confirm(root: Path, copy: Path, killed: list[Outcome], kind: str) -> None:
     tests = list(dict.fromkeys(t for o in mine for t in (o.failed or o.mutant.tests)))
     cmd, env = command(root, copy, kind, tests)
     cmd.remove("-x")
+    t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
     out = p.stdout + p.stderr
+    # what the phase after the mutants costs, per environment (docs/ci_times.md)
+    print(f"confirmed on unmutated code: {kind}, {len(tests)} killing tests, "
+          f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
     if p.returncode == 0:
         return
     bad = set(failed_ids(out))
