@@ -4,22 +4,13 @@ to OmegaConf (the NeMo-RL tier checks the whole table against NeMo-RL's own load
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "nemo_rl_config_table.py"
+from test_nemo_rl_config_table import _script  # the script as that tier's test loads it
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("nemo_rl_config_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return _script()
 
 
 RAW = {
