@@ -68,7 +68,7 @@ def _unread(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 def serving() -> None:
     """Qwen3-8B's 4 linears as the vLLM layer serves them, both Triton backends, both modes."""
-    from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+    from nemo_jetrl.fp8 import gemm_layouts, quantize_blockwise
     from nemo_jetrl.vllm_patch import kernel
 
     ops = kernel.ensure_ops()
@@ -78,7 +78,7 @@ def serving() -> None:
                 qw = quantize_blockwise(
                     _unread(n, k), (128, 128), pow2_scales=pow2, check_finite=False
                 )
-                scale = gemm_backends.gemm_ready_weight_scales(backend, qw.scale_inv)
+                scale = gemm_layouts.gemm_ready_weight_scales(backend, qw.scale_inv)
                 for m in SERVING_M:
                     kernel.serving_forward(ops, _unread(m, k), qw.data, scale, backend,
                                            torch.bfloat16, (pow2, pow2, 0.0))  # fmt: skip
@@ -88,7 +88,7 @@ def serving_sweep() -> None:
     """The split-K kernel's launch variants the GPU call times at the decode sizes
     (`bench_serving_kernel.py --backends split-sweep`, FP32 scales), through that script's own
     mode switch, so the packed cache holds them."""
-    from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+    from nemo_jetrl.fp8 import gemm_layouts, quantize_blockwise
     from nemo_jetrl.vllm_patch import kernel
 
     bench, ops = _bench("bench_serving_kernel"), kernel.ensure_ops()
@@ -98,7 +98,7 @@ def serving_sweep() -> None:
                 qw = quantize_blockwise(
                     _unread(n, k), (128, 128), pow2_scales=False, check_finite=False
                 )
-                scale = gemm_backends.gemm_ready_weight_scales(backend, qw.scale_inv)
+                scale = gemm_layouts.gemm_ready_weight_scales(backend, qw.scale_inv)
                 for m in (1, 8, 32, 64):
                     kernel.serving_forward(ops, _unread(m, k), qw.data, scale, backend,
                                            torch.bfloat16, (False, False, 0.0))  # fmt: skip

@@ -87,7 +87,7 @@ def serve_fn(x, w, pow2: bool, backend: str):
     """The vLLM kernel's forward: its activation quantizer + ``run_gemm(backend)`` on the layer's
     FP8 weight, as `nemo_jetrl.vllm_patch.kernel` runs them (no vLLM needed)."""
     from nemo_jetrl.fp8 import quantize_blockwise
-    from nemo_jetrl.fp8.gemm_backends import gemm_ready_weight_scales
+    from nemo_jetrl.fp8.gemm_layouts import gemm_ready_weight_scales
     from nemo_jetrl.vllm_patch.kernel import ensure_ops, serving_forward
 
     qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)

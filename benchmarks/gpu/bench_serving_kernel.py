@@ -7,7 +7,7 @@ gate_up, down; `bench_fp8_linear.layer_shapes`) of:
 * FP8 (ours): `nemo_jetrl.vllm_patch.kernel.serving_forward`, exactly what the patched vLLM
   layer runs per call (the 1x128 activation quantizer writing the GEMM's layout, M padded as the
   GEMM needs, the GEMM backend planned for the layer), against weight scales stored at load as
-  the kernel stores them (`gemm_backends.gemm_ready_weight_scales`), captured in a CUDA graph.
+  the kernel stores them (`gemm_layouts.gemm_ready_weight_scales`), captured in a CUDA graph.
 
 Each row prints the ratio BF16 / FP8, the weight bytes each read per second (TB/s: the
 decode sizes are bound by them) and the target with MET / NOT MET: >= 1.5x at M = 1, 8, 32, 64
@@ -65,7 +65,7 @@ def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backen
     """(BF16 fn, FP8 fn, backend): each fn runs the linears on ``x`` as served on ``backend``."""
     import torch.nn.functional as F
 
-    from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+    from nemo_jetrl.fp8 import gemm_backends, gemm_layouts, quantize_blockwise
     from nemo_jetrl.vllm_patch import kernel
 
     ops = kernel.ensure_ops()
@@ -75,7 +75,7 @@ def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backen
     layers = []
     for w in weights:
         qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
-        scale = gemm_backends.gemm_ready_weight_scales(plan.backend, qw.scale_inv)
+        scale = gemm_layouts.gemm_ready_weight_scales(plan.backend, qw.scale_inv)
         layers.append((qw.data, scale))
 
     def bf16():

@@ -4,7 +4,7 @@ The first H100 run (benchmarks/gpu/results/README.md) saw ``CUBLAS_STATUS_NOT_SU
 per-expert GEMMs of 1, 127 and 129 rows and torch's "divisible by 16" error for K = 300. This
 probe runs `gemm_backends._scaled_mm` over a grid of M, N, K and both weight blockings, prints what ran and what was refused, and compares each
 result with the float64 product of the dequantized operands. It also records where
-`gemm_backends.shape_problem` would have sent the GEMM to Triton, so a wrong rule shows as a
+`gemm_layouts.shape_problem` would have sent the GEMM to Triton, so a wrong rule shows as a
 refused shape it let through (or a shape it diverted that ran).
 
     python benchmarks/gpu/probe_scaled_mm.py [--json PATH]
@@ -26,13 +26,13 @@ KS = (128, 256, 300, 304, 384)
 
 
 def probe(m: int, n: int, k: int, wblock: tuple[int, int]) -> dict:
-    from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise
+    from nemo_jetrl.fp8 import gemm_backends, gemm_layouts, quantize_blockwise
 
     g = torch.Generator().manual_seed(m * 7 + n * 3 + k)
     a = quantize_blockwise(torch.randn(m, k, generator=g).cuda(), (1, 128))
     b = quantize_blockwise(torch.randn(n, k, generator=g).cuda(), wblock)
     row = {"M": m, "N": n, "K": k, "b_block": f"{wblock[0]}x{wblock[1]}"}
-    row["rule"] = gemm_backends.shape_problem("scaled_mm", m, n, k) or "ok"
+    row["rule"] = gemm_layouts.shape_problem("scaled_mm", m, n, k) or "ok"
     try:
         out = gemm_backends._scaled_mm(a, b, torch.bfloat16)
         torch.cuda.synchronize()

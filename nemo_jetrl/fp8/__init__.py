@@ -4,7 +4,7 @@ Start here (reading order): ``spec`` (block shapes), ``formats`` (E4M3/E5M2), ``
 pure reference quantizer and its math), ``dispatch`` (``quantize_blockwise``: Triton or the
 reference, chosen explicitly; the FP8 GEMM backends), ``gemm``, ``config``, ``linear``,
 ``convert``; then ``layouts``, ``vllm_native``, ``triton_kernels``, ``gemm_backends`` (which
-GEMM runs, decided once) and ``triton_gemm``, ``sync_check`` (host-read detector for tests). Outside ``fp8/``:
+GEMM runs, decided once), ``gemm_layouts`` (the rows and scale layouts each reads) and ``triton_gemm``, ``sync_check`` (host-read detector for tests). Outside ``fp8/``:
 ``recipe.py``, then ``flow/pipeline.py``.
 
 Depends on torch only. Everything that is FP8 on either side of an RL step goes through

@@ -48,7 +48,7 @@ from nemo_jetrl.fp8.dispatch import (
     quantize_with_transpose,
 )
 from nemo_jetrl.fp8.gemm import blockwise_matmul
-from nemo_jetrl.fp8.gemm_backends import gemm_ready_weight_scales
+from nemo_jetrl.fp8.gemm_layouts import gemm_ready_weight_scales
 from nemo_jetrl.fp8.linear_plan import LinearPlan, make_plan, plan_key
 from nemo_jetrl.fp8.quantize import BlockQuantized
 from nemo_jetrl.fp8.rowcol_quantize import quantize_rowcol_reference, quantize_rowcol_triton

@@ -17,10 +17,10 @@ first in that registry by ``apply_patches``; it
   blockwise ``scaled_mm`` or our Triton block GEMM on CUDA, the reference on CPU; an output dtype
   no GPU backend writes is refused there, with the reason) against the layer's FP8 ``weight``
   and ``weight_scale_inv`` as loaded (no repacking, no requantization). The scales are stored
-  at load in the layout the planned GEMM reads (``gemm_backends.gemm_ready_weight_scales``:
+  at load in the layout the planned GEMM reads (``gemm_layouts.gemm_ready_weight_scales``:
   cuBLASLt's K-padded array), the parameter a view of that storage, so refits still overwrite
   it in place and the parity read-back still reads it. The quantizer writes the activations
-  in the GEMM's layout too (``gemm_backends.activation_layout``: MN-major scales, M padded to
+  in the GEMM's layout too (``gemm_layouts.activation_layout``: MN-major scales, M padded to
   cuBLASLt's multiple of 4 inside its output buffers; the padded rows are never returned), so
   a serving call is the quantizer's launch, the GEMM and their output allocations, nothing
   else, and no batch size moves a layer to another GEMM kernel. The choice is readable as
@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.fp8.gemm_backends import GemmBackendError, gemm_ready_weight_scales, plan_gemm
+from nemo_jetrl.fp8.gemm_backends import GemmBackendError, plan_gemm
+from nemo_jetrl.fp8.gemm_layouts import gemm_ready_weight_scales
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK as ACT_BLOCK
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
 from nemo_jetrl.vllm_patch import compat

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from nemo_jetrl.fp8 import BlockQuantized, quantize_blockwise
-from nemo_jetrl.fp8.gemm_backends import activation_layout, run_gemm
+from nemo_jetrl.fp8.gemm_backends import run_gemm
+from nemo_jetrl.fp8.gemm_layouts import activation_layout
 from nemo_jetrl.fp8.spec import ACTIVATION_BLOCK as ACT_BLOCK
 from nemo_jetrl.fp8.spec import WEIGHT_BLOCK
 
@@ -33,7 +34,7 @@ def _quantize_act_impl(
     NaN ``scale_inv``, so its token's output row is NaN, as in vLLM's own kernels; the refit
     guard is what keeps non-finite *weights* out.
 
-    ``mn_major`` and ``rows`` (`gemm_backends.activation_layout` of the layer's GEMM): the Triton
+    ``mn_major`` and ``rows`` (`gemm_layouts.activation_layout` of the layer's GEMM): the Triton
     kernel writes into buffers of ``pad(M, rows)`` rows, ``scale_inv`` as the MN-major view
     (strides ``(1, pad(M, rows))``) DeepGEMM and cuBLASLt read, so the GEMM copies, pads and
     transposes nothing. Rows past M are zero (codes 0, ``scale_inv`` 1, written by the same

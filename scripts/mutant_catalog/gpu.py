@@ -12,7 +12,7 @@ T_SERVE_BITS = "tests/vllm_patch/test_serving_bits.py::"
 MUTANTS = [
     Mutant(
         "FP32-scale serving batches padded to 4 rows (cuBLASLt gave other bits below 32)",
-        "nemo_jetrl/fp8/gemm_backends.py",
+        "nemo_jetrl/fp8/gemm_layouts.py",
         "FP32_SCALE_ROW_MULTIPLE = 32\n",
         "FP32_SCALE_ROW_MULTIPLE = 4\n",
         (

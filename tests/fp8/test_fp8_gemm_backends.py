@@ -12,7 +12,14 @@ import types
 import pytest
 import torch
 
-from nemo_jetrl.fp8 import BlockQuantized, dispatch, fp8_bits, gemm_backends, quantize_blockwise
+from nemo_jetrl.fp8 import (
+    BlockQuantized,
+    dispatch,
+    fp8_bits,
+    gemm_backends,
+    gemm_layouts,
+    quantize_blockwise,
+)
 from nemo_jetrl.fp8.gemm_backends import DeviceCaps, GemmBackendError, decide
 from nemo_jetrl.fp8.sync_check import no_host_reads
 
@@ -233,13 +240,13 @@ def test_gpu_triton_gemm_compiled_matches_float64_and_is_graph_capturable(pow2):
 
 
 def test_scaled_mm_shape_rule_names_the_shape():
-    assert gemm_backends.shape_problem("scaled_mm", 300, 768, 1024) is None
-    why = gemm_backends.shape_problem("scaled_mm", 768, 1024, 300)  # WGrad over 300 tokens
+    assert gemm_layouts.shape_problem("scaled_mm", 300, 768, 1024) is None
+    why = gemm_layouts.shape_problem("scaled_mm", 768, 1024, 300)  # WGrad over 300 tokens
     assert why is not None and "K=300" in why
-    assert gemm_backends.shape_problem("scaled_mm", 64, 264, 128) is not None  # N % 16
-    assert gemm_backends.shape_problem("scaled_mm", 129, 256, 128) is not None  # an expert's M
-    assert gemm_backends.shape_problem("scaled_mm", 4, 256, 128) is None
-    assert gemm_backends.shape_problem("triton", 768, 1024, 300) is None
+    assert gemm_layouts.shape_problem("scaled_mm", 64, 264, 128) is not None  # N % 16
+    assert gemm_layouts.shape_problem("scaled_mm", 129, 256, 128) is not None  # an expert's M
+    assert gemm_layouts.shape_problem("scaled_mm", 4, 256, 128) is None
+    assert gemm_layouts.shape_problem("triton", 768, 1024, 300) is None
 
 
 @pytest.mark.triton

@@ -20,6 +20,7 @@ from nemo_jetrl.fp8 import (
     finite_flags,
     fp8_bits,
     gemm_backends,
+    gemm_layouts,
     quantize_blockwise,
 )
 from nemo_jetrl.fp8.config import Fp8LinearConfig
@@ -133,7 +134,7 @@ def test_convert_takes_partial_blocks_and_keeps_what_te_refuses():
 
 
 def test_shape_problem_rules():
-    sp = gemm_backends.shape_problem
+    sp = gemm_layouts.shape_problem
     assert sp("deep_gemm", 77, 576, 2048) is None  # FProp 2048 -> 576 (576 % 64 == 0)
     assert "K % 128" in sp("deep_gemm", 77, 2048, 576)  # its DGrad: K = 576
     assert sp("deep_gemm", 77, 32, 4096) is not None  # N = 32

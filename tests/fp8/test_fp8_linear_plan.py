@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from nemo_jetrl.fp8 import dispatch, gemm_backends, linear
+from nemo_jetrl.fp8 import dispatch, gemm_backends, gemm_layouts, linear
 from nemo_jetrl.fp8.config import Fp8LinearConfig
 from nemo_jetrl.fp8.linear import Fp8BlockLinear
 
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
 ]
 # The modules of the training linear's per-call path this test holds to "no environment read".
-OWN = ("linear", "linear_plan", "weight_cache", "dispatch", "gemm_backends")
+OWN = ("linear", "linear_plan", "weight_cache", "dispatch", "gemm_backends", "gemm_layouts")
 
 cuda_path = linear_steps.cuda_path  # the shared fixture (tests/fp8/linear_steps.py)
 
@@ -176,10 +176,10 @@ def test_a_scaled_mm_plan_hands_cublaslt_its_layouts_without_per_call_copies(
 
     def fake_scaled_mm(a, b, out_dtype):  # labelled fake: cuBLASLt cannot run here
         if b.block == (128, 128):
-            seen.append(("scale_b stored", gemm_backends._padded_storage(b.scale_inv) is not None))
+            seen.append(("scale_b stored", gemm_layouts.padded_storage(b.scale_inv) is not None))
         else:
-            seen.append(("b mn_major", gemm_backends._mn_major(b.scale_inv) is b.scale_inv))
-        seen.append(("a mn_major", gemm_backends._mn_major(a.scale_inv) is a.scale_inv))
+            seen.append(("b mn_major", gemm_layouts.mn_major(b.scale_inv) is b.scale_inv))
+        seen.append(("a mn_major", gemm_layouts.mn_major(a.scale_inv) is a.scale_inv))
         return blockwise_matmul(a, b, out_dtype=out_dtype)
 
     def fake_plan(device, *, out_dtype, pow2_scales, kind, fmts):

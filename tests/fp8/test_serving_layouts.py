@@ -1,4 +1,4 @@
-"""The layouts the vLLM serving kernel hands its GEMMs (`gemm_backends.activation_layout`,
+"""The layouts the vLLM serving kernel hands its GEMMs (`gemm_layouts.activation_layout`,
 `gemm_ready_weight_scales`) and the Triton quantizer writing into caller-given, row-padded
 buffers (``quantize_blockwise_triton(out=...)``). Triton under the CPU interpreter."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_jetrl.fp8 import fp8_bits, gemm_backends, quantize_blockwise, triton_kernels
+from nemo_jetrl.fp8 import fp8_bits, gemm_layouts, quantize_blockwise, triton_kernels
 
 TRITON = triton_kernels.can_run(torch.zeros(1, dtype=torch.bfloat16))
 
@@ -53,25 +53,25 @@ def test_quantizer_refuses_out_buffers_that_do_not_fit_naming_the_tensor():
 @pytest.mark.parametrize("backend", ["scaled_mm", "deep_gemm", "triton", "reference"])
 def test_activation_layout_rows_are_ones_the_backend_takes_at_every_m(backend):
     """The serving kernel pads M to `row_multiple`, so `shape_problem` never moves its GEMM."""
-    rows, layout = gemm_backends.activation_layout(backend)
+    rows, layout = gemm_layouts.activation_layout(backend)
     assert layout == ("compact" if backend == "reference" else "mn_major")
     for m in range(1, 70):
         padded = -(-m // rows) * rows
-        assert gemm_backends.shape_problem(backend, padded, 4096, 4096) is None, (backend, m)
+        assert gemm_layouts.shape_problem(backend, padded, 4096, 4096) is None, (backend, m)
     if backend == "scaled_mm":
-        assert gemm_backends.shape_problem(backend, 37, 4096, 4096) is not None
+        assert gemm_layouts.shape_problem(backend, 37, 4096, 4096) is not None
 
 
 @pytest.mark.parametrize("kb", [1, 3, 4, 5, 32])
 def test_stored_weight_scales_are_cublaslt_scale_b_as_a_view(kb):
     """`gemm_ready_weight_scales("scaled_mm")` holds the values in a [N/128, pad4(kb)] array
     whose transpose view is cuBLASLt's ``scale_b`` ([pad4(kb), N/128], strides (1, pad4(kb)));
-    `_padded_storage` finds it again with no copy; compact scales with kb % 4 != 0 are not it."""
+    `padded_storage` finds it again with no copy; compact scales with kb % 4 != 0 are not it."""
     s = torch.rand(6, kb) + 0.5
-    ready = gemm_backends.gemm_ready_weight_scales("scaled_mm", s)
+    ready = gemm_layouts.gemm_ready_weight_scales("scaled_mm", s)
     kb4 = -(-kb // 4) * 4
-    scale_b = gemm_backends._padded_storage(ready)
+    scale_b = gemm_layouts.padded_storage(ready)
     assert scale_b is not None and tuple(scale_b.shape) == (kb4, 6)
     assert scale_b.stride() == (1, kb4) and scale_b.data_ptr() == ready.data_ptr()
     assert torch.equal(scale_b[:kb].t(), s) and not scale_b[kb:].any()
-    assert (gemm_backends._padded_storage(s) is None) == (kb % 4 != 0)
+    assert (gemm_layouts.padded_storage(s) is None) == (kb % 4 != 0)

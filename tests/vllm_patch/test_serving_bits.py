@@ -29,7 +29,7 @@ from serving_inventory import (
     served_layer,
 )
 
-from nemo_jetrl.fp8 import gemm_backends, quantize_blockwise, triton_kernels
+from nemo_jetrl.fp8 import gemm_backends, gemm_layouts, quantize_blockwise, triton_kernels
 from nemo_jetrl.fp8.linear import fp8_linear_forward
 from nemo_jetrl.vllm_patch import compat, kernel, serving_ops
 
@@ -131,9 +131,9 @@ def test_stored_weight_scales_are_a_view_that_in_place_writes_reach(monkeypatch)
     (vLLM runs process_weights_after_loading again on every reload)."""
     g = torch.Generator().manual_seed(2)
     s = torch.rand(2, 3, generator=g) + 0.5  # K = 384: 3 scale columns, cuBLASLt wants 4
-    ready = gemm_backends.gemm_ready_weight_scales("scaled_mm", s)
+    ready = gemm_layouts.gemm_ready_weight_scales("scaled_mm", s)
     assert torch.equal(ready, s) and ready.stride() == (4, 1)
-    assert gemm_backends.gemm_ready_weight_scales("scaled_mm", ready) is ready
+    assert gemm_layouts.gemm_ready_weight_scales("scaled_mm", ready) is ready
     p = torch.nn.Parameter(s.clone(), requires_grad=False)
     p.data = ready
     new = torch.rand(2, 3, generator=g)
@@ -141,7 +141,7 @@ def test_stored_weight_scales_are_a_view_that_in_place_writes_reach(monkeypatch)
     storage = ready.as_strided((2, 4), (4, 1))
     assert torch.equal(storage[:, :3], new) and torch.equal(storage[:, 3], torch.zeros(2))
     assert torch.equal(p.detach().contiguous(), new)  # the read-back's bytes
-    assert gemm_backends.gemm_ready_weight_scales("deep_gemm", s).is_contiguous()
+    assert gemm_layouts.gemm_ready_weight_scales("deep_gemm", s).is_contiguous()
 
 
 @pytest.mark.gpu
@@ -156,7 +156,7 @@ def test_gpu_a_tokens_row_is_the_same_at_every_batch_size_and_equals_the_trainer
     backend = gemm_backends.plan_gemm(dev, out_dtype=torch.bfloat16, pow2_scales=pow2).backend
     w, x = _operands(5 + pow2, 8192, n, k, "cuda")
     qw = quantize_blockwise(w, (128, 128), pow2_scales=pow2)
-    scale = gemm_backends.gemm_ready_weight_scales(backend, qw.scale_inv.clone())
+    scale = gemm_layouts.gemm_ready_weight_scales(backend, qw.scale_inv.clone())
     qx = quantize_blockwise(x, (1, 128), pow2_scales=pow2)
     want = fp8_linear_forward(qx, qw, None, torch.bfloat16)  # the trainer's own plan
     ops = kernel.ensure_ops()
@@ -183,7 +183,7 @@ def test_padded_ops_compile_once_for_every_batch_size(monkeypatch):
     ops = kernel.ensure_ops()
     w, x = _operands(3, 64)
     qw = quantize_blockwise(w, (128, 128), pow2_scales=False)
-    scale = gemm_backends.gemm_ready_weight_scales("scaled_mm", qw.scale_inv.clone())
+    scale = gemm_layouts.gemm_ready_weight_scales("scaled_mm", qw.scale_inv.clone())
     x37 = x[:37].clone()
     torch.library.opcheck(ops.quantize_act_1x128.default, (x37, False, 0.0, True, 4))
     q, s = ops.quantize_act_1x128(x37, False, 0.0, True, 4)
