@@ -176,10 +176,9 @@ echo "default suite, then: ${jobs[*]} (lanes: $lanes)"
 echo "== default suite (.venv) =="
 # --durations: each tier's slowest tests in the log, what CI time is cut from (docs/ci_times.md).
 # -n 2 (pytest-xdist): the suite is one Python thread most of the time (108% CPU alone), so two
-# workers use both cores; --dist loadfile keeps each file (and its module fixtures) in one worker;
-# --no-loadscope-reorder: the files in tests/conftest.py's order, the costliest first.
+# workers use both cores; --dist loadfile keeps each file (and its module fixtures) in one worker.
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20 \
-  -n "$workers" --dist loadfile --no-loadscope-reorder
+  -n "$workers" --dist loadfile
 for i in "${!jobs[@]}"; do
   in_second "$i" && continue  # the second lane's
   if [ "$i" = "$first_nemo" ] && [ "${#second[@]}" -gt 0 ]; then

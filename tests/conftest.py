@@ -133,28 +133,8 @@ def _deselect_other_vllm_lines(config: pytest.Config, items: list[pytest.Item]) 
         _VLLM_DESELECTED.update(line=line, count=len(gone), on=", ".join(sorted(on)))
 
 
-def costliest_files_first(items: list[pytest.Item]) -> None:
-    """Order ``items`` file by file: files marked ``file_cost(seconds)`` first, costliest first,
-    then the rest by test count, most first (pytest-xdist's own order for ``--dist loadfile``);
-    a file's tests keep their order. The test scripts pass ``--no-loadscope-reorder`` so that
-    xdist hands its workers the files in this order: by count alone the demo's claims (one test,
-    ~7 min on 2 cores) went to a worker near the end, which ran alone for its last 3 min while
-    the other sat idle (timeline of the default suite, docs/ci_times.md)."""
-    files: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::")[0], []).append(item)
-
-    def key(group: list[pytest.Item]) -> tuple[float, int]:
-        costs = [m.args[0] for i in group for m in i.iter_markers("file_cost")]
-        return (-max(costs, default=0.0), -len(group))
-
-    items[:] = [i for group in sorted(files.values(), key=key) for i in group]
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _deselect_other_vllm_lines(config, items)
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker (one process: files as found)
-        costliest_files_first(items)
     run_slow = config.getoption("--runslow") or os.environ.get("JETRL_RUN_SLOW") == "1"
     cache: dict[str, bool] = {}
     for item in items:

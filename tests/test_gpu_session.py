@@ -24,8 +24,6 @@ from pathlib import Path
 
 import pytest
 
-# 109 s in the default suite on a 2-core EPYC (2026-12-01): its xdist worker starts early
-pytestmark = pytest.mark.file_cost(109)
 REPO = Path(__file__).resolve().parents[1]
 SESSION = REPO / "benchmarks" / "gpu" / "device_session.sh"
 GPU_CHECK = REPO / "scripts" / "gpu_check.sh"

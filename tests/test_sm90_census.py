@@ -92,8 +92,7 @@ def census(request, tmp_path_factory) -> dict:  # type: ignore[no-untyped-def]
     return report
 
 
-# 147 s in the default suite on a 2-core EPYC (2026-12-01): its xdist worker starts early
-pytestmark = [pytest.mark.triton, pytest.mark.file_cost(147)]
+pytestmark = [pytest.mark.triton]
 
 
 @pytest.mark.slow

@@ -10,8 +10,6 @@ import pytest
 from nemo_jetrl.cli import main
 
 pytest.importorskip("transformers")
-# 416 s in the default suite on a 2-core EPYC (2026-12-01): its xdist worker starts here
-pytestmark = pytest.mark.file_cost(416)
 
 
 def _run(capsys, *argv: str) -> tuple[int, str]:
