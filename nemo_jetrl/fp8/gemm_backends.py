@@ -21,9 +21,10 @@ Order of preference for CUDA operands (``auto``):
 ``triton_splitk`` (`triton_split`; requested only, not ``auto``'s until measured on a GPU):
 split-K in an order fixed by K alone, so a token's row has the same bits at every batch size.
 
-Per call (`run_gemm`): cuBLASLt's activation rows are padded to its row multiple
-(`gemm_layouts.activation_layout`), and a GEMM cuBLASLt or DeepGEMM still refuses (`shape_problem`: WGrad over
-300 tokens, an expert's 129 rows on DeepGEMM, a partial K block) runs on ``triton``.
+Per call (`run_gemm`): cuBLASLt's activation rows are padded to its row multiple, and a GEMM
+cuBLASLt or DeepGEMM still refuses (WGrad over 300 tokens, an expert's 129 rows on DeepGEMM, a
+partial K block) runs on ``triton``; both rules live in `gemm_layouts` (`activation_layout`,
+`shape_problem`).
 
 None applies on a GPU: `GemmBackendError` naming what to install or change. CPU: ``reference``
 (`gemm.blockwise_matmul`). ``JETRL_FP8_GEMM_BACKEND`` or ``backend=`` forces one (``reference``

@@ -4,6 +4,7 @@ reads with no copy, and the GEMM shapes it refuses (cuBLASLt, DeepGEMM; Triton t
 One home for these rules: the trainer's linear (`linear.py`) and the vLLM serving kernel
 (`nemo_jetrl.vllm_patch`) store their operands in these layouts, and `gemm_backends.run_gemm`
 pads rows or moves a GEMM to Triton by them, so a token's row gets the same bits on both RL sides.
+Converting our compact layout to TE's, vLLM's or DeepGEMM's storage is `layouts`' job.
 """
 
 from __future__ import annotations
