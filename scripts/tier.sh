@@ -36,10 +36,18 @@ _tier_limited() {  # CMD...: run CMD in a process group of its own under the lim
   return "$trc"
 }
 
+_cpu_jiffies() {  # busy and total jiffies of the whole machine since boot, and its core count
+  # (/proc/stat: not nproc, which answers OMP_NUM_THREADS, set to 1 for every tier)
+  awk '/^cpu /{b=$2+$3+$4+$7+$8+$9; t=b+$5+$6} /^cpu[0-9]/{n++} END{print b+0, t+0, n+0}' \
+    /proc/stat 2>/dev/null || echo "0 0 0"
+}
+
 tier() {  # NAME CMD...
   local name=$1; shift
   local out="${TMPDIR:-/tmp}/jetrl-tier-$$.log" trc=0 s0 line limit=${JETRL_TIER_TIMEOUT_S:-2700}
+  local busy0 total0 busy1 total1 cores
   s0=$(date +%s)
+  read -r busy0 total0 cores < <(_cpu_jiffies)
   set +e  # a failing tier must not end the script (set -e + pipefail): the others still run
   # tee ignores SIGINT so that pytest's report of a Ctrl-C still shows.
   _tier_limited "$@" 2>&1 | (trap '' INT; exec tee "$out")
@@ -59,6 +67,12 @@ tier() {  # NAME CMD...
     summary+=("$name: ${line:-no pytest summary} (exit $trc)")  # (or mutation_check's last line)
   fi
   rm -f "$out"
+  # How busy the whole machine was while this tier ran (every lane and background build counts):
+  # a tier under ~100% has idle cores a second lane could use; CI time is cut from these lines.
+  read -r busy1 total1 cores < <(_cpu_jiffies)
+  if [ "$total1" -gt "$total0" ]; then
+    echo "[tier] $name: $(( $(date +%s) - s0 )) s wall, machine CPU busy $(( 100 * (busy1 - busy0) / (total1 - total0) ))% of $cores cores"
+  fi
   [ "$trc" -eq 0 ] || rc=$trc
 }
 
@@ -160,7 +174,7 @@ lane_start() {  # I...: run these jobs in order in the second lane
   [ -n "$LANE_STATE" ] || LANE_STATE=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-lanes.XXXXXX")
   for i in "$@"; do args+=("$i" "${jobs[$i]}"); done
   export LANE_STATE ENV_STATE ENV_PID upstream
-  export -f tier _tier_limited not_run env_wait vllm_venv vllm_tier nemo_rl_tier job_run
+  export -f tier _tier_limited _cpu_jiffies not_run env_wait vllm_venv vllm_tier nemo_rl_tier job_run
   echo "second lane: $(for i in "$@"; do printf '%s; ' "${jobs[$i]}"; done)its output follows when it ends"
   setsid bash -c 'set -euo pipefail; jobs=(); while [ "$#" -ge 2 ]; do
       jobs[$1]=$2; job_run "$1"; shift 2; done' lane "${args[@]}" \

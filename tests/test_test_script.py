@@ -4,6 +4,7 @@ and the setup scripts' pip retry (scripts/pip_retry.sh)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -283,6 +284,12 @@ def test_environments_build_while_the_default_suite_runs_and_each_tier_waits_for
         "NeMo-RL main-abc tier: 2 passed in 1s (exit 0)",
         "mutation check: 5 passed (exit 0)",
     ], out
+    # each tier says how busy the whole machine was while it ran, on every core (not nproc's
+    # answer, which follows the OMP_NUM_THREADS=1 every tier runs under)
+    for name in ("default suite \\(\\.venv\\)", "NeMo-RL v0.7.0 tier", "NeMo-RL main-abc tier"):
+        busy = re.search(rf"^\[tier\] {name}: \d+ s wall, machine CPU busy (\d+)% of (\d+) cores$",
+                         out, re.M)  # fmt: skip
+        assert busy and 0 <= int(busy[1]) <= 100 and int(busy[2]) == os.cpu_count(), (name, out)
     builds = [ln.split()[1] for ln in journal if ln.startswith("start ") and "setup" in ln]
     builds = [b for b in builds if b != "setup_env"]  # .venv: made first, in the foreground
     # each environment once, in the order of the tiers (0.32 and its source, 0.20, the trees)
