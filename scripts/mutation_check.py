@@ -264,34 +264,52 @@ def failed_ids(out: str) -> list[str]:
     return [m[1] for ln in out.splitlines() if (m := _SUMMARY.match(ln))]
 
 
-def confirm_kills(root: Path, copy: Path, outcomes: list[Outcome]) -> None:
+def confirm_kills(root: Path, copy: Path, outcomes: list[Outcome], workers: int = 1) -> None:
     """A kill counts only where the test that failed on the mutant passes on the unmutated code:
     per environment, the tests that killed a mutant (all its listed tests where none was named:
     a hang or a collection error) run once, unmutated; a mutant whose killing test fails there
     too becomes ERROR. (Cheaper than running every listed test unmutated first: a mutant's run
-    stops at its first failure, -x, so most listed tests never run at all.)"""
+    stops at its first failure, -x, so most listed tests never run at all.) The default
+    environment's run, most of this phase, uses ``workers`` pytest-xdist workers (one file per
+    worker at a time) where its tests span files and its venv has xdist."""
     killed = [o for o in outcomes if o.verdict == "KILLED"]
     kinds = dict.fromkeys(o.mutant.env for o in killed)
     # one environment's run per thread: they are separate processes on their own tests
-    threads = [threading.Thread(target=_confirm, args=(root, copy, killed, k)) for k in kinds]
+    threads = [
+        threading.Thread(target=_confirm, args=(root, copy, killed, k, workers)) for k in kinds
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
 
 
-def _confirm(root: Path, copy: Path, killed: list[Outcome], kind: str) -> None:
+def _xdist_workers(root: Path, kind: str, tests: list[str], workers: int) -> int:
+    """Workers for ``kind``'s confirm run: 1 (one process) unless it is the default environment
+    (the NeMo-RL and vLLM ones start engines and Ray, which two workers would contend for),
+    its tests span two or more files and its venv has pytest-xdist."""
+    files = {t.split("::")[0] for t in tests}
+    if kind != "default" or workers < 2 or len(files) < 2:
+        return 1
+    has_xdist = any((root / ".venv").glob("lib/python*/site-packages/xdist/__init__.py"))
+    return min(workers, len(files)) if has_xdist else 1
+
+
+def _confirm(root: Path, copy: Path, killed: list[Outcome], kind: str, workers: int) -> None:
     """`confirm_kills` for the mutants of one environment kind."""
     mine = [o for o in killed if o.mutant.env == kind]
     tests = list(dict.fromkeys(t for o in mine for t in (o.failed or o.mutant.tests)))
     cmd, env = command(root, copy, kind, tests)
     cmd.remove("-x")
+    n = _xdist_workers(root, kind, tests, workers)
+    if n > 1:
+        cmd[cmd.index("-q") + 1 : cmd.index("-q") + 1] = ["-n", str(n), "--dist", "loadfile"]
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
     out = p.stdout + p.stderr
     # what the phase after the mutants costs, per environment (docs/ci_times.md)
     print(f"confirmed on unmutated code: {kind}, {len(tests)} killing tests, "
-          f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
+          f"{n} worker{'s' if n > 1 else ''}, {time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
     if p.returncode == 0:
         return
     bad = set(failed_ids(out))
@@ -398,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         outcomes = judge_all(args.root, copies, mutants, fork)
         if not args.no_baseline:
-            confirm_kills(args.root, copies[0], outcomes)
+            confirm_kills(args.root, copies[0], outcomes, workers=args.jobs)
     finally:
         if args.keep:
             print(f"kept the copies in {', '.join(map(str, copies))}")

@@ -177,6 +177,39 @@ def test_a_kill_by_a_test_that_fails_unmutated_is_an_error(tmp_path: Path) -> No
     assert p.stdout.splitlines()[-1].startswith("0 killed, 0 equivalent, 0 survived, 1 errors")
 
 
+@pytest.mark.parametrize("jobs", ["2", "1"])
+def test_kills_by_tests_failing_unmutated_in_two_files_are_errors_with_xdist_too(
+    tmp_path: Path, jobs: str
+) -> None:
+    # The default environment's confirm run uses one xdist worker per lane (loadfile): tests of
+    # two files that fail unmutated, on two workers, each turn their mutant into ERROR, and a
+    # real kill in a third file stays KILLED.
+    root = tmp_path / "repo"
+    for name, body in (("a", "assert clip(5, 0, 3) == 5"), ("b", "assert pad(1) == 5")):
+        (root / "tests").mkdir(parents=True, exist_ok=True)
+        (root / f"tests/test_{name}.py").write_text(
+            f"from pkg.mod import clip, pad\n\n\ndef test_broken_{name}():\n    {body}\n"
+        )
+    mutants = """from mutation_check import Mutant
+CONTROLS = []
+MUTANTS = [
+    Mutant("clip, broken a", "pkg/mod.py", "min(max(x, lo), hi)", "max(min(x, lo), hi)",
+           ("tests/test_a.py::test_broken_a",)),
+    Mutant("pad, broken b", "pkg/mod.py", "return n + 1", "return n + 3",
+           ("tests/test_b.py::test_broken_b",)),
+    Mutant("clip, real", "pkg/mod.py", "min(max(x, lo), hi)", "max(min(x, lo), hi)",
+           ("tests/test_mod.py::test_clip",)),
+]
+"""
+    p = _run_harness(root, TEST, mutants, JETRL_MUTANT_JOBS=jobs)
+    out = p.stdout
+    assert p.returncode == 2, out + p.stderr
+    workers = "2 workers" if jobs == "2" else "1 worker"
+    assert f"confirmed on unmutated code: default, 3 killing tests, {workers}, " in out, out
+    assert "ERROR      clip, broken a" in out and "ERROR      pad, broken b" in out, out
+    assert out.splitlines()[-1].startswith("1 killed, 0 equivalent, 0 survived, 2 errors"), out
+
+
 def test_a_module_the_fork_server_imported_from_the_copy_refuses_every_run(tmp_path: Path) -> None:
     # Were pkg.mod imported by the server before the mutant is written, every child would run the
     # unmutated module from the copy's path (the probe cannot tell): "clip max->min" would be
