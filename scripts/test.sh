@@ -17,6 +17,9 @@
 # in the background, one after another, while the default suite runs (scripts/tier.sh env_queue:
 # only those this run's tiers need; one already importing vllm is not rebuilt); each tier waits
 # for its own, and a failed build is that tier's "not run, environment setup failed (log: ...)".
+# While a tier runs, the next one's libraries and sources are read into the page cache
+# (scripts/tier.sh warm_start; JETRL_WARM=0: off), and each tier ends with a "[tier] NAME: N s
+# wall, machine CPU busy X%" line.
 #
 # With pytest arguments (e.g. `bash scripts/test.sh -k fp8 -x`) only the default suite runs,
 # with those arguments. JETRL_SKIP_VLLM=1 skips the vLLM tier, JETRL_SKIP_NEMO_RL=1 the
@@ -69,9 +72,10 @@ rc=0
 summary=()
 # tier NAME CMD...: one tier under JETRL_TIER_TIMEOUT_S, its line in $summary; not_run NAME WHY;
 # skipped_tiers (the JETRL_SKIP_* flags: a failure under CI=true); env_queue/env_start/env_wait:
-# the environments below, built in the background while the default suite runs
+# the environments below, built in the background while the default suite runs; warm_start /
+# warm_stop: the next tier's files read while the tier before it computes
 source scripts/tier.sh
-trap 'lane_stop; env_stop' EXIT
+trap 'lane_stop; env_stop; warm_stop' EXIT
 vllm_versions=() nemo_rl_trees=()
 [ "${JETRL_SKIP_VLLM:-0}" = "1" ] || read -r -a vllm_versions <<< "${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}"
 [ "${JETRL_SKIP_NEMO_RL:-0}" = "1" ] || read -r -a nemo_rl_trees <<< "${JETRL_NEMO_RL_TREES:-v0.7.0 main-7ea279a}"
@@ -171,22 +175,50 @@ elif [ "$lanes" = nemo-rl ]; then
   done
 fi
 in_second() { local j; for j in "${second[@]}"; do [ "$j" != "$1" ] || return 0; done; return 1; }
+# What a job's processes read (its venv, the NeMo-RL overlay and tree, their bytecode under
+# $PYTHONPYCACHEPREFIX), for warm_start: the next tier's files are read while this one computes.
+with_pyc() { local d; for d in "$@"; do [ ! -d "$d" ] || printf '%s\n' "$d" "$PYTHONPYCACHEPREFIX$(cd "$d" && pwd)"; done; }
+job_dirs() {  # I...
+  local i kind arg
+  for i in "$@"; do
+    read -r kind arg <<< "${jobs[$i]}"
+    case "$kind" in
+      vllm_tier) with_pyc "$(vllm_venv "$arg")" ;;
+      nemo_rl_tier) (source scripts/nemo_rl_env.sh && nemo_rl_env "$arg" > /dev/null 2>&1 &&
+        with_pyc "$NEMO_RL_VENV" "$(dirname "$NEMO_RL_OVERLAY")" "$NEMO_RL_TREE_DIR") || true ;;
+    esac
+  done
+}
+ahead=()  # the lane-1 jobs in order; before each, the files of the one after it are warmed
+for i in "${!jobs[@]}"; do in_second "$i" || ahead+=("$i"); done
+warm_for() {  # K: warm what the K-th lane-1 job reads (and the second lane's, if it starts there)
+  local dirs=()
+  if [ "$1" -lt "${#ahead[@]}" ]; then
+    mapfile -t dirs < <(job_dirs "${ahead[$1]}"; [ "${ahead[$1]}" != "$first_nemo" ] || job_dirs "${second[@]}")
+  elif [ "${JETRL_SKIP_MUTANTS:-0}" != "1" ]; then  # the mutation check: the environments the
+    mapfile -t dirs < <(with_pyc .venv .venv-vllm)  # NeMo-RL tiers it follows did not just read
+  fi
+  warm_start "${dirs[@]}"
+}
 echo "default suite, then: ${jobs[*]} (lanes: $lanes)"
 [ "$lanes" != 2 ] || [ "${#second[@]}" -eq 0 ] || lane_start "${second[@]}"
+warm_for 0
 echo "== default suite (.venv) =="
 # --durations: each tier's slowest tests in the log, what CI time is cut from (docs/ci_times.md).
 # -n 2 (pytest-xdist): the suite is one Python thread most of the time (108% CPU alone), so two
 # workers use both cores; --dist loadfile keeps each file (and its module fixtures) in one worker.
 tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20 \
   -n "$workers" --dist loadfile
-for i in "${!jobs[@]}"; do
-  in_second "$i" && continue  # the second lane's
+for k in "${!ahead[@]}"; do
+  i=${ahead[$k]}
   if [ "$i" = "$first_nemo" ] && [ "${#second[@]}" -gt 0 ]; then
     lane_start "${second[@]}"  # the other NeMo-RL trees, beside this one
   fi
+  warm_for $((k + 1))
   job_run "$i"
 done
 lane_finish  # waits for the second lane, shows its output; every job's summary lines in order
+warm_stop
 if [ "${JETRL_SKIP_MUTANTS:-0}" != "1" ]; then
   # Last: its NeMo-RL mutants run in the env the NeMo-RL tier set up (scripts/mutants.py).
   echo "== mutation check (scripts/mutation_check.py: each mutant on a temporary copy) =="

@@ -217,7 +217,7 @@ echo "end {name} ${{VLLM_VENV:-}}" >> "$JOURNAL"
 def _standin_repo(tmp_path: Path, fail: str = "") -> Path:
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
-    for name in ("test.sh", "tier.sh"):
+    for name in ("test.sh", "tier.sh", "nemo_rl_env.sh"):
         (root / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
     tails = {
         "setup_env": "",
@@ -468,3 +468,52 @@ def test_an_environment_that_imports_vllm_is_not_rebuilt(tmp_path: Path) -> None
     builds = [ln for ln in journal if ln.startswith("start setup_vllm_env")]
     assert builds == ["start setup_vllm_env  .venv-vllm020"], journal  # 0.20 only
     assert summary[1] == "vLLM 0.32.0 tier (.venv-vllm): 3 passed in 1s (exit 0)", out
+
+
+def test_the_next_tiers_libraries_are_read_while_the_tier_before_it_runs(tmp_path: Path) -> None:
+    # warm_start (scripts/tier.sh): each lane-1 tier's files are read while the one before it
+    # runs: the libraries, Python sources and bytecode of its venv (CUDA's included; data files
+    # not), the NeMo-RL trees' with the tier they start beside; the loop ends with the run.
+    root = _standin_repo(tmp_path)
+    files = {
+        venv: [root / venv / "lib" / f for f in ("a.so", "b.so.1", "nvidia/c.so", "d.txt")]
+        for venv in (".venv-vllm", ".venv-vllm020", ".venv-vllm025")
+    }
+    pyc = (
+        root / ".cache/pycache" / str(root / ".venv-vllm020").lstrip("/") / "lib/d.cpython-311.pyc"
+    )
+    tree = tmp_path / "upstream/main-abc/nemo_rl/x.so"
+    for f in [*(f for fs in files.values() for f in fs), pyc, tree]:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("")
+    bin_dir = tmp_path / "bin"  # a stand-in `cat` that journals what it was asked to read
+    bin_dir.mkdir()
+    (bin_dir / "cat").write_text(
+        '#!/usr/bin/env bash\nfor f; do echo "read $f" >> "$JOURNAL"; done\n'
+    )
+    (bin_dir / "cat").chmod(0o755)
+    summary, journal, out = _run_test_sh(
+        tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}", JETRL_WARM_PERIOD_S="1",
+        STANDIN_SLEEP_PY="2", STANDIN_SLEEP_TEST_VLLM="2", STANDIN_SLEEP_TEST_NEMO_RL="2",
+        PYTHONPYCACHEPREFIX=str(root / ".cache/pycache"),
+    )  # fmt: skip
+    assert summary[-1] == "mutation check: 5 passed (exit 0)", out
+    # each file's first read (the venvs' paths are relative to the repository)
+    read = {
+        str(root / ln.split(" ", 1)[1]): i
+        for i, ln in reversed(list(enumerate(journal)))
+        if ln.startswith("read ")
+    }
+    for venv, (so, so1, nv, data) in files.items():
+        assert str(so) in read and str(so1) in read and str(nv) in read, (venv, journal)
+        assert str(data) not in read, (venv, journal)
+    assert str(pyc) in read and str(tree) in read, journal
+    # 0.32's before the default suite ends; 0.20's once the default suite is over, while the
+    # 0.32 tier runs; main's (the second lane's) before both trees start
+    assert read[str(files[".venv-vllm"][0])] < _at(journal, "end default-python")
+    at_020 = read[str(files[".venv-vllm020"][0])]
+    assert _at(journal, "end default-python") < at_020 < _at(journal, "end test_vllm")
+    assert read[str(tree)] < _at(journal, "start test_nemo_rl")
+    time.sleep(2)  # a loop left running would read again within JETRL_WARM_PERIOD_S
+    after = (tmp_path / "journal").read_text().splitlines()
+    assert after == journal, "warm_start's loop outlived the run"
