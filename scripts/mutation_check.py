@@ -13,7 +13,7 @@ its tests failed *and* ran the mutated code from the copy. Verdicts:
     EQUIVALENT  the mutant leaves the module's AST unchanged (a no-op; tests are not run), or it
                 survived and the list documents why it is equivalent
     ERROR       it cannot be applied, its tests did not reach the copy's module, or the test
-                that killed it fails on the unmutated code too (exit 2; `confirm_kills`)
+                that killed it fails on the unmutated code too (exit 2; scripts/mutation_confirm.py)
     NOT RUN     its environment (.venv-vllm, .venv-vllm020 + NeMo-RL source) is missing: a
                 warning, an error when CI=true
 
@@ -42,7 +42,6 @@ import ast
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutation_confirm import confirm_kills, failed_ids
 from mutation_fork import ForkServer  # the standard library only
 from mutation_report import report
 
@@ -253,77 +253,6 @@ def judge(root: Path, copy: Path, m: Mutant, probe: Path, servers: Servers | Non
     return Outcome(m, "ERROR", dt, f"pytest exited {rc}\n" + out[-1500:], failed)
 
 
-# pytest's short summary: "FAILED tests/x.py::test_y[p] - why", "ERROR tests/x.py - why". Not a
-# captured log record, "ERROR    pkg.module:file.py:205 message" (the tests' own processes log
-# there now that vLLM's workers run in them).
-_SUMMARY = re.compile(r"^(?:FAILED|ERROR) (\S+\.py(?:::\S+)?)(?: - .*)?$")
-
-
-def failed_ids(out: str) -> list[str]:
-    """The test ids pytest's short summary in ``out`` names as failed or in error."""
-    return [m[1] for ln in out.splitlines() if (m := _SUMMARY.match(ln))]
-
-
-def confirm_kills(root: Path, copy: Path, outcomes: list[Outcome], workers: int = 1) -> None:
-    """A kill counts only where the test that failed on the mutant passes on the unmutated code:
-    per environment, the tests that killed a mutant (all its listed tests where none was named:
-    a hang or a collection error) run once, unmutated; a mutant whose killing test fails there
-    too becomes ERROR. (Cheaper than running every listed test unmutated first: a mutant's run
-    stops at its first failure, -x, so most listed tests never run at all.) The default
-    environment's run, most of this phase, uses ``workers`` pytest-xdist workers (one file per
-    worker at a time) where its tests span files and its venv has xdist."""
-    killed = [o for o in outcomes if o.verdict == "KILLED"]
-    kinds = dict.fromkeys(o.mutant.env for o in killed)
-    # one environment's run per thread: they are separate processes on their own tests
-    threads = [
-        threading.Thread(target=_confirm, args=(root, copy, killed, k, workers)) for k in kinds
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
-def _xdist_workers(root: Path, kind: str, tests: list[str], workers: int) -> int:
-    """Workers for ``kind``'s confirm run: 1 (one process) unless it is the default environment
-    (the NeMo-RL and vLLM ones start engines and Ray, which two workers would contend for),
-    its tests span two or more files and its venv has pytest-xdist."""
-    files = {t.split("::")[0] for t in tests}
-    if kind != "default" or workers < 2 or len(files) < 2:
-        return 1
-    has_xdist = any((root / ".venv").glob("lib/python*/site-packages/xdist/__init__.py"))
-    return min(workers, len(files)) if has_xdist else 1
-
-
-def _confirm(root: Path, copy: Path, killed: list[Outcome], kind: str, workers: int) -> None:
-    """`confirm_kills` for the mutants of one environment kind."""
-    mine = [o for o in killed if o.mutant.env == kind]
-    tests = list(dict.fromkeys(t for o in mine for t in (o.failed or o.mutant.tests)))
-    cmd, env = command(root, copy, kind, tests)
-    cmd.remove("-x")
-    n = _xdist_workers(root, kind, tests, workers)
-    if n > 1:
-        cmd[cmd.index("-q") + 1 : cmd.index("-q") + 1] = ["-n", str(n), "--dist", "loadfile"]
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True)
-    out = p.stdout + p.stderr
-    # what the phase after the mutants costs, per environment (docs/ci_times.md)
-    print(f"confirmed on unmutated code: {kind}, {len(tests)} killing tests, "
-          f"{n} worker{'s' if n > 1 else ''}, {time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
-    if p.returncode == 0:
-        return
-    bad = set(failed_ids(out))
-    for o in mine:
-        own = set(o.failed or o.mutant.tests)
-        if bad & own or not bad:  # not bad: the run failed as a whole (collection, usage)
-            o.verdict = "ERROR"
-            o.detail = (
-                f"its killing test fails unmutated too (exit {p.returncode}):\n" + (out[-1500:])
-            )
-            print(f"ERROR      {o.mutant.name}  [{o.mutant.file}]", flush=True)
-            print("    " + o.detail.replace("\n", "\n    "), flush=True)
-
-
 def judge_all(root: Path, copies: list[Path], mutants: list[Mutant], fork: bool) -> list[Outcome]:
     """Every mutant's outcome, in list order: one lane (thread) per copy, each taking the next
     mutant and mutating only its own copy, through its own fork servers; lines print as each
@@ -416,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         outcomes = judge_all(args.root, copies, mutants, fork)
         if not args.no_baseline:
-            confirm_kills(args.root, copies[0], outcomes, workers=args.jobs)
+            confirm_kills(args.root, copies[0], outcomes, command, workers=args.jobs)
     finally:
         if args.keep:
             print(f"kept the copies in {', '.join(map(str, copies))}")

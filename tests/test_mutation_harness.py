@@ -111,7 +111,12 @@ def _run_harness(
     }.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    for script in ("mutation_check.py", "mutation_fork.py", "mutation_report.py"):
+    for script in (
+        "mutation_check.py",
+        "mutation_confirm.py",
+        "mutation_fork.py",
+        "mutation_report.py",
+    ):
         shutil.copy(REPO / "scripts" / script, root / "scripts")
     (root / ".venv").symlink_to(Path(sys.executable).parents[1])
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
