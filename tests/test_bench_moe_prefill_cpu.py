@@ -71,7 +71,7 @@ def test_tiles_are_timed_and_bit_checked_at_the_prefill_counts(bench, monkeypatc
 
     monkeypatch.setattr(bench._common, "bench_ms", stub)
     monkeypatch.setattr(bench, "vllm_fn", lambda *a: (None, "no vLLM in this test"))
-    monkeypatch.setattr(bench, "PREFILL_TOKENS", (8,))
+    monkeypatch.setattr(bench._moe_report, "PREFILL_TOKENS", (8,))  # the sweep and the record
     shape = bench.MoeShape("Qwen/Qwen3-30B-A3B", **TINY)
     layer = bench.make_layer(shape, "cpu", 0, True)
     args = bench.build_parser().parse_args(["--tokens", "8", "--tiles", "p128", "p64"])

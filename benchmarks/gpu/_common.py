@@ -1,5 +1,5 @@
 """Shared helpers of the GPU benchmarks: CUDA check, CUDA-event timing (L2 flushed, optional CUDA
-graph), table printing.
+graph), host enqueue time and device activity per call, table printing.
 
 The benchmark scripts import this as ``_common`` (their own directory is on ``sys.path`` when run
 as ``python benchmarks/gpu/<script>.py``).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -130,3 +131,25 @@ def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
 def gpu_name() -> str:
     props = torch.cuda.get_device_properties(0)
     return f"{props.name} (sm_{props.major}{props.minor}), torch {torch.__version__}, CUDA {torch.version.cuda}"
+
+
+def host_enqueue_ms(fn: Callable[[], object], *, iters: int = 10) -> float:
+    """Median host time (ms) to enqueue one ``fn()`` while the GPU is busy with a sleep kernel
+    (enqueueing never waits on the GPU; a host sync inside ``fn`` would show as GPU time)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU work queued ahead of fn
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def device_activity(fn: Callable[[], object], *, steps: int = 3) -> tuple[float, float]:
+    """(summed device time in ms, device activities) per ``fn()`` from the CUDA profiler: every
+    kernel, memcpy and memset counts as one launch."""
+    acts = device_events(fn, steps)
+    return sum(us for _, us in acts) / steps / 1e3, len(acts) / steps

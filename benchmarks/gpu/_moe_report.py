@@ -4,14 +4,16 @@ A row is one (model, token count): the times of ours, vLLM's FP8 and BF16 ``fuse
 the torch BF16 reference, the speedups, the grouped GEMM shape ours ran (``tile``) and, with
 ``--tiles``, ours under each forced shape. `bar_summary` is the FP8-RL report's bar on
 Qwen3-30B-A3B, `target_summary` issue 35's decode + prefill target, `prefill_summary` issue 48's
-prefill target on Qwen3-30B-A3B and DeepSeek-V3.
+prefill target on Qwen3-30B-A3B and DeepSeek-V3, `record` the JSON the benchmark writes.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,7 @@ BAR_SPEEDUP = 1.30  # FP8-RL report: W8A8 rollout 30-50% faster than BF16 on Qwe
 TARGET_TOKENS = (64, 256, 2048, 8192)  # issue 35: >= BAR_SPEEDUP x BF16 grouped at each
 PREFILL_MODELS = ("Qwen/Qwen3-30B-A3B", "deepseek-ai/DeepSeek-V3")  # issue 48, point 3
 PREFILL_TOKENS = (2048, 8192)
+RECORD_VERSION = 2  # 2: tile, tile_ms, tile_bitwise_equal; the prefill target
 
 
 @dataclass(frozen=True)
@@ -162,3 +165,17 @@ def forced_tile(fn: Callable[[], torch.Tensor], name: str) -> Callable[[], torch
                 os.environ[ENV_ROWS_TILE] = saved
 
     return run
+
+
+def record(rows: list[dict], device: str, args: argparse.Namespace, skipped: list[str]) -> dict:
+    return {
+        "benchmark": "bench_moe_layer", "version": RECORD_VERSION, "device": device,
+        "bar": {"model": BAR_MODEL, "min_speedup": BAR_SPEEDUP, "summary": bar_summary(rows)},
+        "target": {"tokens": list(TARGET_TOKENS), "summary": target_summary(rows)},
+        "prefill_target": {
+            "models": list(PREFILL_MODELS), "tokens": list(PREFILL_TOKENS),
+            "summary": prefill_summary(rows),
+        },
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "skipped": skipped, "rows": rows,
+    }  # fmt: skip

@@ -41,9 +41,7 @@ Usage: python benchmarks/gpu/bench_fp8_linear.py [--tokens 8192] [--iters 20]
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from functools import partial
 
 import _common
@@ -156,7 +154,7 @@ def graphed_figures(w, x, dy, pow2: bool, bf16_ms: float, bench) -> dict:  # typ
         return {
             "graphed_ms": ms, "graphed_speedup": bf16_ms / ms,
             "bf16_graphed_ms": bench(fwd_bwd(bf16_graphed, x, dy)),
-            "graphed_host_ms": host_enqueue_ms(fwd_bwd(fused, x, dy)),
+            "graphed_host_ms": _common.host_enqueue_ms(fwd_bwd(fused, x, dy)),
             "graphed_two_pass/fused": bench(fwd_bwd(two_pass, x, dy)) / ms,
         }  # fmt: skip
     except Exception as exc:  # the eager figures are the run's first business
@@ -220,28 +218,6 @@ def new_weight_each_step(layer: torch.nn.Module, inner):
     return run
 
 
-def host_enqueue_ms(fn, *, iters: int = 10) -> float:
-    """Median host time (ms) to enqueue one ``fn()`` while the GPU is busy with a sleep kernel
-    (enqueueing never waits on the GPU; a host sync inside ``fn`` would show as GPU time)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU work queued ahead of fn
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def device_activity(fn, *, steps: int = 3) -> tuple[float, float]:
-    """(summed device time in ms, device activities) per ``fn()`` from the CUDA profiler: every
-    kernel, memcpy and memset counts as one launch."""
-    acts = _common.device_events(fn, steps)
-    return sum(us for _, us in acts) / steps / 1e3, len(acts) / steps
-
-
 def te_fwd_bwd_fn(k: int, n: int, x: torch.Tensor, dy: torch.Tensor):
     """A closure running TE's blockwise-FP8 Linear fwd+bwd, or None without TE."""
     try:
@@ -281,8 +257,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             two_pass = two_pass_step(w, x, dy, args.pow2)
             fp8_new_w = bench(new_weight_each_step(layer, fwd_bwd(layer, x, dy)))
             quant = bench(quant_only(layer, x, dy))
-            host = host_enqueue_ms(fwd_bwd(layer, x, dy))
-            gpu, launches = device_activity(fwd_bwd(layer, x, dy))
+            host = _common.host_enqueue_ms(fwd_bwd(layer, x, dy))
+            gpu, launches = _common.device_activity(fwd_bwd(layer, x, dy))
             graphs = graphed_figures(w, x, dy, args.pow2, bf16, bench)
             te_fn = te_fwd_bwd_fn(k, n, x, dy)
             te_ms = bench(te_fn) if te_fn else None

@@ -50,19 +50,22 @@ from functools import partial
 from pathlib import Path
 
 import _common
+import _moe_report
 import torch
-from _moe_report import (  # re-exported: the tests use them here
+from _moe_report import (  # noqa: F401 (the targets and record version: the tests read them here)
     BAR_MODEL,
     BAR_SPEEDUP,
     COLUMNS,
     PREFILL_MODELS,
     PREFILL_TOKENS,
+    RECORD_VERSION,
     TARGET_TOKENS,
     MoeShape,
     bar_summary,
     forced_tile,
     make_row,
     prefill_summary,
+    record,
     target_summary,
     tile_choice,
 )
@@ -76,7 +79,6 @@ SWEEP_TILES = ("d64", "p64", "p128", "g128", "p128t", "p64t")
 """The grouped GEMM shapes ``--tiles sweep`` times at the prefill counts (the GPU call's
 ``bench_moe_tiles`` step; the sm_90 census compiles them, so they come from the carried cache):
 every `ROWS_TILES` shape but p64t3, whose 168-register cap spills 120-152 bytes on sm_90."""
-RECORD_VERSION = 2  # 2: tile, tile_ms, tile_bitwise_equal; the prefill target
 ERR_SUSPECT = 0.25  # relative error vs BF16 above which an FP8 output means a wrong layout
 
 
@@ -297,20 +299,6 @@ def bitwise_check(
     return out
 
 
-def record(rows: list[dict], device: str, args: argparse.Namespace, skipped: list[str]) -> dict:
-    return {
-        "benchmark": "bench_moe_layer", "version": RECORD_VERSION, "device": device,
-        "bar": {"model": BAR_MODEL, "min_speedup": BAR_SPEEDUP, "summary": bar_summary(rows)},
-        "target": {"tokens": list(TARGET_TOKENS), "summary": target_summary(rows)},
-        "prefill_target": {
-            "models": list(PREFILL_MODELS), "tokens": list(PREFILL_TOKENS),
-            "summary": prefill_summary(rows),
-        },
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "skipped": skipped, "rows": rows,
-    }  # fmt: skip
-
-
 def run_row(
     shape: MoeShape, layer: dict, tokens: int, args: argparse.Namespace, skipped: list[str]
 ) -> dict:
@@ -318,7 +306,7 @@ def run_row(
     g = torch.Generator(device=dev).manual_seed(args.seed + tokens)
     x = torch.randn(tokens, shape.hidden, generator=g, device=dev, dtype=torch.bfloat16)
     weights, ids = route(x, layer["router"], shape.top_k)
-    tiles = tuple(args.tiles) if tokens in PREFILL_TOKENS else ()
+    tiles = tuple(args.tiles) if tokens in _moe_report.PREFILL_TOKENS else ()  # its one home
     bitwise = bitwise_check(x, layer, weights, ids, tiles)
     graph = tokens <= args.graph_max_tokens
     fns: dict[str, Callable | None] = {"ours_ms": ours_fn(x, layer, weights, ids)}

@@ -38,7 +38,7 @@ from collections import Counter
 
 import _common
 import torch
-from bench_fp8_linear import device_activity, fp8_layer, layer_shapes
+from bench_fp8_linear import fp8_layer, layer_shapes
 
 MODEL = "Qwen/Qwen3-8B-Base"  # Qwen3-8B's linear shapes (the base and the chat model share them)
 TARGET_TOKENS = 8192
@@ -160,7 +160,7 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
     host_fwd = _behind_sleep_ms(forward, args.iters)
     host_bwd = _behind_sleep_ms(backward, args.iters)
     bf16_host = bf16_control_ms(w, x, dy, args.iters)
-    gpu, launches = device_activity(step)
+    gpu, launches = _common.device_activity(step)
     frames_fwd, every = python_calls(forward())
     frames_bwd, _ = python_calls(backward())
     if args.ops:
