@@ -1,6 +1,6 @@
-# Sourced by scripts/test.sh (and tests/test_test_script.py): `tier NAME CMD...` runs one test tier
-# under a wall-clock limit, appends "NAME: <pytest summary line> (exit N)" to the array $summary
-# and sets $rc to a failing tier's exit status; the caller prints $summary and exits $rc.
+# Sourced by scripts/test.sh (and tests/test_tier_and_pip_retry.py): `tier NAME CMD...` runs one
+# test tier under a wall-clock limit, appends "NAME: <pytest summary line> (exit N)" to the array
+# $summary and sets $rc to a failing tier's exit status; the caller prints $summary and exits $rc.
 #
 #   JETRL_TIER_TIMEOUT_S     seconds each tier may run (default 2700: the NeMo-RL trees share 2 cores side by side, and
 #                            v0.7.0 alone took 1,699 s on a 2-core EPYC without AVX-512), so that one hung test (e.g. a

@@ -129,7 +129,8 @@ def _after_earlier_event_files(tb_dir: Path) -> None:
     """Wait (under ~1 s, only when needed) until the clock's second is past every events file's
     in ``tb_dir``. Readers take a directory's files in name order, and a name starts with its
     creation second (then host, pid): a run resumed within the second its killed run started
-    could sort first, and its restart marker would purge nothing (tests/runs/test_faults.py)."""
+    could sort first, and its restart marker would purge nothing
+    (tests/runs/test_faults_run_dirs.py)."""
     newest = -1
     for f in tb_dir.glob("events.out.tfevents.*"):
         stamp = f.name.split(".")[3]

@@ -261,8 +261,8 @@ def test_restart_marker_drops_later_steps_of_earlier_file(tmp_path):
 def test_a_run_resumed_within_its_killed_runs_second_still_sorts_after_it(tmp_path):
     """Events file names start with the creation second, then host and pid: a killed child
     (larger pid) and a run resumed in the same second would sort resumed-first, and the restart
-    marker would purge nothing (seen in test_faults on a fast machine). The writer waits for the
-    next second instead."""
+    marker would purge nothing (seen in test_faults_run_dirs on a fast machine). The writer waits
+    for the next second instead."""
     import time
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
