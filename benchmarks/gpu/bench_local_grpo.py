@@ -24,7 +24,7 @@ warm start off: random weights, so responses run to ``max_new_tokens``) for ``--
 The Qwen3-shaped model is a Llama config with Qwen3-0.6B's sizes (the local backend has no dense
 Qwen3 class; Qwen3's q/k RMSNorm is the one difference). ``--tiny``: the Qwen3-shaped model at
 2 layers, hidden 128, and 2x2 samples per step, for a CPU smoke test
-(`tests/test_gpu_benchmarks_cpu.py`). Exit 1 when jetrl/jetrl_kv is not exactly on-policy or a
+(`tests/test_bench_scripts_cpu.py`). Exit 1 when jetrl/jetrl_kv is not exactly on-policy or a
 run failed (a failed run is printed and the others still run; ``--json`` is rewritten after every
 run, so a lease that times out keeps what finished).
 """

@@ -35,7 +35,7 @@ against the training forward (the bits must not depend on the shape), and names 
 
 First GPU figures (the unfused layer): results/h100_run2; the fused layer: results/README.md
 runs 4-6. The device-scheduled persistent grouped GEMM (issue 48) has not run on a GPU;
-tests/test_gpu_benchmarks_cpu.py runs its CPU parts. Usage:
+tests/test_bench_moe_layer_cpu.py runs its CPU parts. Usage:
 python benchmarks/gpu/bench_moe_layer.py [--models ...] [--tokens 64 256 2048 8192]
     [--tiles p64 g128 d64 | --tiles sweep] [--json F]
 """

@@ -251,7 +251,7 @@ MUTANTS += [
         "((workers <= ${#tests[@]})) || workers=${#tests[@]}",
         "true",
         (
-            "tests/test_gpu_session.py::test_gpu_check_spreads_the_modules_over_xdist_workers[at-most-one-a-module]",
+            "tests/test_gpu_session_dry_run.py::test_gpu_check_spreads_the_modules_over_xdist_workers[at-most-one-a-module]",
         ),
     ),
 ]
