@@ -39,7 +39,8 @@ tests=(tests/fp8/test_triton_kernels.py tests/fp8/test_triton_large_offsets.py
   tests/fp8/test_fp8_serving_path.py tests/fp8/test_fp8_linear.py
   tests/fp8/test_fp8_linear_sync_free.py tests/fp8/test_sync_check.py
   tests/fp8/test_fp8_experts.py tests/fp8/test_fp8_experts_triton.py
-  tests/fp8/test_quantizer_fused.py tests/fp8/test_fp8_experts_layer.py
+  tests/fp8/test_quantizer_rowcol.py tests/fp8/test_quantizer_flag_and_cast.py
+  tests/fp8/test_fp8_experts_layer.py
   tests/fp8/test_fp8_weight_cache.py tests/fp8/test_fp8_linear_plan.py
   tests/fp8/test_fp8_linear_inventory.py tests/vllm_patch/test_moe_inventory.py
   tests/vllm_patch/test_serving_bits.py tests/vllm_patch/test_serving_inventory.py

@@ -68,7 +68,8 @@ for t in "${all_tests[@]}"; do
   case $t in
     tests/invariant/*) inv_tests+=("$t") ;;
     # the kernels changed since the last GPU run first: the split-K GEMM, the quantizers
-    tests/fp8/test_split_gemm.py | tests/fp8/test_quantizer_fused.py) kernel_tests+=("$t") ;;
+    tests/fp8/test_split_gemm.py | tests/fp8/test_quantizer_rowcol.py | \
+      tests/fp8/test_quantizer_flag_and_cast.py) kernel_tests+=("$t") ;;
     *) fp8_tests+=("$t") ;;
   esac
 done

@@ -273,7 +273,7 @@ MUTANTS += [
 
 # ---- the fused rowcol quantizer's launches (row chunks, persistent grids): every tile's bits
 T_ROWCOL = (
-    "tests/fp8/test_quantizer_fused.py::test_every_rowcol_launch_gives_every_tile_the_same_bits"
+    "tests/fp8/test_quantizer_rowcol.py::test_every_rowcol_launch_gives_every_tile_the_same_bits"
 )
 MUTANTS += [
     Mutant(

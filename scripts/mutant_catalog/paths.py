@@ -5,7 +5,7 @@ from __future__ import annotations
 RL = "nemo_jetrl/rl/"
 T_RL = "tests/rl/"
 T_METRICS = (T_RL + "test_metrics.py", T_RL + "test_reference.py")
-T_LOSS = (T_RL + "test_loss.py", T_RL + "test_reference.py")
+T_LOSS = (T_RL + "test_loss.py", T_RL + "test_loss_vs_nemo_rl.py", T_RL + "test_reference.py")
 T_WEIGHTS = (
     T_RL + "test_correction.py",
     T_RL + "test_icepop_bounds.py",
