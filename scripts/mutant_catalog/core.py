@@ -304,7 +304,7 @@ MUTANTS = [
         "if acc is None or acc.is_available():",
         "if acc is None:",
         (
-            "tests/vllm_patch/test_vllm_patch_unit.py::test_shutdown_syncs_no_accelerator_only_while_there_is_none",
+            "tests/vllm_patch/test_vllm_patch_engine_setup.py::test_shutdown_syncs_no_accelerator_only_while_there_is_none",
         ),
     ),
     Mutant(

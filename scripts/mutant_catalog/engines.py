@@ -71,7 +71,7 @@ MUTANTS = [
         'setattr(module, f"_{k}_scale_float", val)',
         "pass",
         (  # the unit test first (fast on any CPU); T_VLLM_KV alone kills it too (158 s)
-            "tests/vllm_patch/test_vllm_patch_unit.py"
+            "tests/vllm_patch/test_vllm_patch_engine_setup.py"
             "::test_set_attention_kv_scales_writes_every_copy_each_vllm_line_keeps",
             *T_VLLM_KV,
         ),

@@ -2,7 +2,7 @@
 tier (v0.7.0 on vLLM 0.20, main on vLLM 0.25.1, both served by our experts kernel): the
 tree's sender (``stream_weights_via_ipc_zmq_impl``) over a real ZMQ socket into its real receiver
 (``update_weights_via_ipc_zmq`` -> ``fp8.load_weights``, hooked) of a ``vllm.LLM`` started as
-NeMo-RL starts it (`test_nemo_rl_refit_vllm.nemo_rl_engine`: the same GPU stand-ins), serving a
+NeMo-RL starts it (`nemo_rl_vllm_engine.nemo_rl_engine`: the same GPU stand-ins), serving a
 tiny Qwen3-MoE (2 layers of 4 experts of width 128, top-2) whose experts run our experts kernel
 (``vllm_patch.experts``). The experts are streamed per expert, as NeMo-RL's Megatron export
 streams Qwen3-MoE. FP32 scales, where NeMo-RL's own quantizer differs from ours.
@@ -24,7 +24,7 @@ import dataclasses
 import pytest
 import torch
 from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
-from test_nemo_rl_refit_vllm import _last_parity, _read_fp8, _refit_via_nemo_rl, nemo_rl_engine
+from nemo_rl_vllm_engine import _last_parity, _read_fp8, _refit_via_nemo_rl, nemo_rl_engine
 
 from nemo_jetrl.vllm_patch.worker_ext import unpack
 

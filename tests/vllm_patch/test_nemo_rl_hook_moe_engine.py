@@ -14,28 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_vllm_moe import (  # noqa: F401  (module fixtures: one engine for this module)
-    _vllm_cpu_env,
+from moe_engine_setup import (  # noqa: F401  (module fixtures: one engine for this module)
     per_expert_state_dict,
-    served,
-    settings,
+    served_fixture,
+    settings_fixture,
     tiny_qwen3_moe,
-    trainer,
+    trainer_fixture,
+    vllm_cpu_env_fixture,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_in_nemo_rl]
-
-
-def _experts_kernel_here() -> bool:
-    """Our experts kernel serves the installed vLLM (0.20.0, 0.25.1, 0.32.x); True without vLLM
-    (the marker skips then). Not a skip here: every vLLM with a CPU build is covered."""
-    try:
-        import vllm
-    except ImportError:
-        return True
-    from nemo_jetrl.vllm_patch.moe_versions import moe_supported
-
-    return moe_supported(vllm.__version__)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,7 +66,7 @@ def _flip_expert_byte(self):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["per_expert", "grouped"])
-def test_hook_batches_land_every_expert_with_parity_on_a_real_engine(served, settings, grouped):  # noqa: F811
+def test_hook_batches_land_every_expert_with_parity_on_a_real_engine(served, settings, grouped):
     from nemo_jetrl.vllm_patch.refit import ParityError, check_parity, quantize_state_dict
     from nemo_jetrl.vllm_patch.worker_ext import pack
 

@@ -13,20 +13,33 @@ tier: the ``vllm_in_nemo_rl`` tests) and 0.20.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-import json
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
+from moe_engine_setup import (  # noqa: F401  (module fixtures: this module's FP8 engine)
+    INTER,
+    LAYERS,
+    MOE_LAYERS,
+    ROUTERS,
+    USER_KWARGS,
+    E,
+    bf16_control_gap,
+    fp8_reference,
+    per_expert_state_dict,
+    routed_experts_supported,
+    served_fixture,
+    settings_fixture,
+    tiny_qwen3_moe,
+    trainer_fixture,
+    vllm_cpu_env_fixture,
+    write_checkpoint,
+)
 from vllm_fixtures import (
     fp8_rounding_gap,
     generate_each,
     logprob_gap,
     moe_fp8_gap_bound,
-    vllm_cpu_env,
 )
 
 pytestmark = pytest.mark.vllm
@@ -35,19 +48,8 @@ pytestmark = pytest.mark.vllm
 # engine's tests run in the vLLM tiers only.
 ONE_ENGINE = pytest.mark.vllm_in_nemo_rl
 
-E, INTER, LAYERS, MOE_LAYERS = 8, 128, 3, (1, 2)
 MAX_TOKENS = 8
 PROMPTS = ["Hello wor", "The cat s", "0123456"]
-USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
-ROUTERS = tuple(f"model.layers.{i}.mlp.gate" for i in MOE_LAYERS)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _vllm_cpu_env():
-    # the module's engine in its own processes: tests below start and shut down another engine
-    # in this process while it lives (vllm_fixtures.IN_PROCESS)
-    with vllm_cpu_env(in_process=False):
-        yield
 
 
 def experts_layer(i: int) -> str:
@@ -61,121 +63,6 @@ def experts_layer(i: int) -> str:
     return f"model.layers.{i}.mlp.experts" + (".routed_experts" if nested else "")
 
 
-def routed_experts_supported() -> bool:
-    """vLLM 0.20's and 0.25.1's CPU builds return routed experts (their V1 model runner records
-    them); 0.32's needs Model Runner V2, which needs Triton (none on CPU builds)."""
-    import vllm
-
-    from nemo_jetrl.vllm_patch.compat import release
-
-    return release(vllm.__version__) < (0, 32, 0)
-
-
-def tiny_qwen3_moe(seed: int) -> torch.nn.Module:
-    cfg = tiny_hf_config(
-        "qwen3_moe",
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=256,
-        moe_intermediate_size=INTER,
-        num_experts=E,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],
-        decoder_sparse_step=1,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        initializer_range=0.08,
-    )
-    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
-
-
-def per_expert_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF checkpoint names (``mlp.experts.{e}.{gate,up,down}_proj.weight``) from transformers
-    5's fused 3-D expert parameters."""
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :INTER].clone()
-                out[f"{base}{e}.up_proj.weight"] = t[e, INTER:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
-        else:
-            out[name] = t.clone()
-    return out
-
-
-def write_checkpoint(model, directory, settings=None) -> dict[str, torch.Tensor]:
-    """A HF checkpoint of ``model``: block FP8 by our quantizer under ``settings``, else BF16."""
-    from safetensors.torch import save_file
-
-    from nemo_jetrl.vllm_patch.engine_args import quantization_config
-    from nemo_jetrl.vllm_patch.refit import quantize_state_dict
-
-    sd = per_expert_state_dict(model)
-    if settings is not None:
-        sd = quantize_state_dict(sd, settings, dtype=torch.bfloat16).tensors
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(directory / "model.safetensors"))
-    cfg = model.config.to_dict()
-    cfg["architectures"] = [type(model).__name__]
-    if settings is not None:
-        cfg["quantization_config"] = quantization_config(settings)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    char_tokenizer().save_pretrained(directory)
-    return sd
-
-
-def fp8_reference(model: torch.nn.Module) -> torch.nn.Module:
-    """The trainer's FP8 forward of ``model`` in torch with nemo_jetrl.fp8: attention and dense
-    MLP linears as Fp8BlockLinear, each expert's projections 128x128 / 1x128 block FP8 (the
-    same quantizer and scale mode), routers and lm_head BF16."""
-    import copy
-
-    from nemo_jetrl.fp8 import quantize_blockwise
-    from nemo_jetrl.fp8.config import Fp8LinearConfig
-    from nemo_jetrl.fp8.convert import convert_to_fp8_training
-    from nemo_jetrl.fp8.linear import fp8_linear_forward
-
-    ref = copy.deepcopy(model)
-    convert_to_fp8_training(
-        ref, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
-    )
-
-    def linear(x, w):
-        qx = quantize_blockwise(x, (1, 128), pow2_scales=True)
-        qw = quantize_blockwise(w, (128, 128), pow2_scales=True)
-        return fp8_linear_forward(qx, qw, None, x.dtype)
-
-    def make_forward(ex):
-        def forward(hidden, top_k_index, top_k_weights):
-            out = torch.zeros_like(hidden)
-            for e in range(ex.num_experts):
-                pos, tok = torch.where(top_k_index.t() == e)
-                if tok.numel() == 0:
-                    continue
-                gate, up = linear(hidden[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)
-                y = linear(ex.act_fn(gate) * up, ex.down_proj[e])
-                out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
-            return out
-
-        return forward
-
-    for i in MOE_LAYERS:
-        ex = ref.model.layers[i].mlp.experts
-        ex.forward = make_forward(ex)
-    return ref
-
-
 def _generate(llm):
     from vllm import SamplingParams
 
@@ -183,79 +70,11 @@ def _generate(llm):
     return generate_each(llm, PROMPTS, sp)  # same batches every call
 
 
-def moe_settings(routers):
-    """The jetrl recipe's patch settings with the MoE ``routers`` kept BF16."""
-    from nemo_jetrl.recipe import Recipe
-    from nemo_jetrl.vllm_patch import settings_from_recipe
-
-    base = settings_from_recipe(Recipe.preset("jetrl"))
-    return dataclasses.replace(
-        base, modules_to_not_convert=(*base.modules_to_not_convert, *routers)
-    )
-
-
-def bf16_control_gap(trainer, directory, generate) -> float:
-    """Control: ``trainer``'s BF16 checkpoint on vLLM unpatched vs the BF16 HF forward."""
-    from vllm import LLM
-
-    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
-
-    write_checkpoint(trainer, directory)
-    llm = LLM(model=str(directory), **USER_KWARGS)
-    try:
-        outs = generate(llm)
-    finally:
-        shutdown_engine(llm)
-        gc.collect()
-    return logprob_gap(outs, trainer)
-
-
-@contextlib.contextmanager
-def served_fp8(trainer, directory, settings, **user):
-    """(llm, patch, checkpoint tensors): ``trainer``'s FP8 checkpoint through vLLM's loader under
-    the patch, every block-FP8 linear checked to run our kernel."""
-    from vllm import LLM
-
-    from nemo_jetrl.vllm_patch import apply_patches, build_engine_kwargs, verify_engine_kernels
-    from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
-
-    sd = write_checkpoint(trainer, directory, settings)
-    patch = apply_patches(settings)
-    kwargs = build_engine_kwargs(settings, dict(USER_KWARGS, load_format="auto", **user)).kwargs
-    llm = LLM(model=str(directory), **kwargs)
-    try:
-        verify_engine_kernels(llm, settings)
-        yield llm, patch, sd
-    finally:
-        shutdown_engine(llm)
-        patch.revert()
-        gc.collect()
-
-
-@pytest.fixture(scope="module")
-def settings():
-    return moe_settings(ROUTERS)
-
-
-@pytest.fixture(scope="module")
-def trainer():
-    return tiny_qwen3_moe(0)
-
-
 # Its own engine (issue 40): vLLM unpatched, BF16 experts (the control).
 @pytest.fixture(scope="module")
 def bf16_control(tmp_path_factory, trainer):
     """Control: the BF16 checkpoint on vLLM (BF16 experts) vs the BF16 HF forward."""
     return bf16_control_gap(trainer, tmp_path_factory.mktemp("moe_bf16"), _generate)
-
-
-# Its own engine: the FP8 checkpoint through vLLM's loader, shared by every test below.
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, trainer, settings):
-    """(llm, patch, checkpoint tensors) of the FP8 checkpoint under the patch."""
-    user = {"enable_return_routed_experts": True} if routed_experts_supported() else {}
-    with served_fp8(trainer, tmp_path_factory.mktemp("moe_fp8"), settings, **user) as served:
-        yield served
 
 
 @ONE_ENGINE

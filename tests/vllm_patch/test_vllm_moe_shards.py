@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
-from test_nemo_rl_hook_moe_engine import _experts_kernel_here
+from moe_engine_setup import _experts_kernel_here
 from vllm_fixtures import (
     EP_FP8_GAP_PER_FP8_ROUNDING_GAP,
     FP8_GAP_PER_FP8_ROUNDING_GAP,
@@ -268,7 +268,7 @@ def test_each_rank_computes_its_part_with_trainings_bits(served, settings, train
 
 @pytest.fixture(scope="module")
 def trainer_ref():
-    from test_vllm_moe import fp8_reference  # the trainer's FP8 MoE forward in torch
+    from moe_engine_setup import fp8_reference  # the trainer's FP8 MoE forward in torch
 
     trainer = tiny_moe(0)
     return fp8_reference(trainer), trainer

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 from hf_models import tiny_hf_config, tiny_hf_model
-from test_vllm_moe import (  # the MoE engine set-up of the Qwen3-MoE module
+from moe_engine_setup import (  # the MoE engine set-up of the Qwen3-MoE module
     bf16_control_gap,
     moe_settings,
     per_expert_state_dict,  # fused 3-D experts -> experts.{e}.*_proj
