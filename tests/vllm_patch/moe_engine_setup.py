@@ -120,10 +120,15 @@ def write_checkpoint(model, directory, settings=None) -> dict[str, torch.Tensor]
     return sd
 
 
-def fp8_reference(model: torch.nn.Module) -> torch.nn.Module:
+def fp8_reference(
+    model: torch.nn.Module,
+    keep: tuple[str, ...] = ("lm_head",),
+    moe_layers: tuple[int, ...] = MOE_LAYERS,
+) -> torch.nn.Module:
     """The trainer's FP8 forward of ``model`` in torch with nemo_jetrl.fp8: attention and dense
     MLP linears as Fp8BlockLinear, each expert's projections 128x128 / 1x128 block FP8 (the
-    same quantizer and scale mode), routers and lm_head BF16."""
+    same quantizer and scale mode), routers and the linears whose names end with ``keep``
+    (lm_head) BF16; ``moe_layers``: the layers whose experts are replaced."""
     import copy
 
     from nemo_jetrl.fp8 import quantize_blockwise
@@ -133,7 +138,7 @@ def fp8_reference(model: torch.nn.Module) -> torch.nn.Module:
 
     ref = copy.deepcopy(model)
     convert_to_fp8_training(
-        ref, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: n != "lm_head"
+        ref, Fp8LinearConfig(pow2_scales=True), module_filter_fn=lambda m, n: not n.endswith(keep)
     )
 
     def linear(x, w):
@@ -155,7 +160,7 @@ def fp8_reference(model: torch.nn.Module) -> torch.nn.Module:
 
         return forward
 
-    for i in MOE_LAYERS:
+    for i in moe_layers:
         ex = ref.model.layers[i].mlp.experts
         ex.forward = make_forward(ex)
     return ref

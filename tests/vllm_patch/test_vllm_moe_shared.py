@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+import moe_engine_setup
 import pytest
 import torch
 from hf_models import tiny_hf_config, tiny_hf_model
@@ -89,45 +90,12 @@ def fp8_reference(model: torch.nn.Module) -> torch.nn.Module:
     linears as Fp8BlockLinear (the dense training path), each routed expert's projections
     128x128 / 1x128 block FP8; routers, shared_expert_gate and lm_head BF16. HF's block then
     adds routed + sigmoid(gate(x)) * shared in BF16."""
-    from nemo_jetrl.fp8 import quantize_blockwise
-    from nemo_jetrl.fp8.config import Fp8LinearConfig
-    from nemo_jetrl.fp8.convert import convert_to_fp8_training
-    from nemo_jetrl.fp8.linear import fp8_linear_forward
-
-    ref = copy.deepcopy(model)
     keep = ("lm_head", "shared_expert_gate")
-    convert_to_fp8_training(
-        ref,
-        Fp8LinearConfig(pow2_scales=True),
-        module_filter_fn=lambda m, n: not n.endswith(keep),
-    )
+    ref = moe_engine_setup.fp8_reference(model, keep, moe_layers=MOE_LAYERS)
     for i in MOE_LAYERS:
         mlp = ref.model.layers[i].mlp
         assert type(mlp.shared_expert_gate) is torch.nn.Linear  # BF16, not converted
         assert type(mlp.shared_expert.gate_proj) is not torch.nn.Linear  # FP8
-
-    def linear(x, w):
-        qx = quantize_blockwise(x, (1, 128), pow2_scales=True)
-        qw = quantize_blockwise(w, (128, 128), pow2_scales=True)
-        return fp8_linear_forward(qx, qw, None, x.dtype)
-
-    def make_forward(ex):
-        def forward(hidden, top_k_index, top_k_weights):
-            out = torch.zeros_like(hidden)
-            for e in range(ex.num_experts):
-                pos, tok = torch.where(top_k_index.t() == e)
-                if tok.numel() == 0:
-                    continue
-                gate, up = linear(hidden[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)
-                y = linear(ex.act_fn(gate) * up, ex.down_proj[e])
-                out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
-            return out
-
-        return forward
-
-    for i in MOE_LAYERS:
-        ex = ref.model.layers[i].mlp.experts
-        ex.forward = make_forward(ex)
     return ref
 
 
