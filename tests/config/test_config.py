@@ -6,7 +6,13 @@ from __future__ import annotations
 import sys
 
 import pytest
-from config_files import EXAMPLES, cfg_with, issue_paths, write
+from config_files import (
+    EXAMPLES,
+    cfg_with,
+    clean_te_scale_env,  # noqa: F401 (autouse, for this module)
+    issue_paths,
+    write,
+)
 
 from nemo_jetrl.config import (
     ConfigError,

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import pytest
-from config_files import EXAMPLES, write
+from config_files import (
+    EXAMPLES,
+    write,
+)
 from omegaconf import OmegaConf
 
 from nemo_jetrl.config import (

@@ -4,7 +4,12 @@ example YAML: it loads, validates and gets its verdict."""
 from __future__ import annotations
 
 import pytest
-from config_files import EXAMPLES, cfg_with, issue_paths
+from config_files import (
+    EXAMPLES,
+    cfg_with,
+    clean_te_scale_env,  # noqa: F401 (autouse, for this module)
+    issue_paths,
+)
 from omegaconf import OmegaConf
 
 from nemo_jetrl.config import (
