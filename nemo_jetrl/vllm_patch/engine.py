@@ -24,7 +24,7 @@ from nemo_jetrl.vllm_patch.moe_names import router_modules
 from nemo_jetrl.vllm_patch.patch import PatchHandle, apply_patches
 from nemo_jetrl.vllm_patch.refit import RefitReport, refit, refit_from_checkpoint
 from nemo_jetrl.vllm_patch.settings import PatchSettings
-from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
+from nemo_jetrl.vllm_patch.shutdown import shutdown_engine, undo_failed_start
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ class VllmRolloutEngine:
         self.settings = self.engine_kwargs.settings
         self.patch: PatchHandle | None = apply_patches(self.settings)
         try:
-            self.llm = vllm.LLM(model=self.model_dir, **self.engine_kwargs.kwargs)
+            with undo_failed_start():  # a retry in this process starts from where this did
+                self.llm = vllm.LLM(model=self.model_dir, **self.engine_kwargs.kwargs)
             try:
                 self.kernel_report = verify_engine_kernels(self.llm, self.settings)
                 check_engine_kv_cache_dtype(self.llm, self.settings)

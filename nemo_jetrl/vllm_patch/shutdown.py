@@ -26,6 +26,13 @@ the process found them initialised and skipped building its own (a MoE engine af
 "expert parallel group is not initialized"; a ``VLLM_*`` variable set in between not read).
 `shutdown_engine` makes the same call when the worker ran here and the groups outlived the
 shutdown, and only then.
+
+A start that fails leaves state behind too (`undo_failed_start`). vLLM 0.20's loader builds the
+model under ``set_default_torch_dtype(model dtype)``, which restores the old default only when
+construction returns: when it raises (a kernel refused, a checkpoint tensor of the wrong shape),
+the process's default dtype stays BF16, and every float tensor made after it without a dtype is
+BF16 (seen: a test's float32 model built after a refused engine got other weights, and a MoE
+logprob control moved from 0.040 to 0.606 nats). 0.25+ restores it in a ``finally``.
 """
 
 from __future__ import annotations
@@ -106,3 +113,29 @@ def shutdown_engine(llm: Any) -> None:
             parallel_state.cleanup_dist_env_and_memory()
     for queue in queues:
         close_queue_sockets(queue)
+
+
+@contextlib.contextmanager
+def undo_failed_start() -> Iterator[None]:
+    """Around an in-process engine start: if it raises, torch's default dtype is set back to what
+    it was (module docstring) and vLLM's model-parallel groups that the failed start built in
+    this process are released, so that a retry here starts clean; then the error propagates."""
+    import torch
+
+    dtype = torch.get_default_dtype()
+    groups_before = _groups_initialised()
+    try:
+        yield
+    except BaseException:
+        torch.set_default_dtype(dtype)
+        if not groups_before and _groups_initialised():
+            from vllm.distributed import parallel_state
+
+            parallel_state.cleanup_dist_env_and_memory()
+        raise
+
+
+def _groups_initialised() -> bool:
+    from vllm.distributed import parallel_state
+
+    return parallel_state.model_parallel_is_initialized()
