@@ -7,6 +7,7 @@ given seed without disturbing the global RNG.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,3 +82,10 @@ def char_tokenizer() -> Any:
         pad_token="<pad>",
         unk_token="<unk>",
     )
+
+
+def save_tiny_llama(directory: Path) -> Path:
+    """`tiny_llama_128` (seed 0) and `char_tokenizer` saved as a checkpoint in ``directory``."""
+    tiny_llama_128(0).save_pretrained(directory)
+    char_tokenizer().save_pretrained(directory)
+    return directory

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_llama_128
+from hf_models import save_tiny_llama
 from nemo_rl_upstream import nemo_rl_vllm_modules
 from worker_group_shape import CallShapeWorkerGroup, get_raising
 
@@ -63,8 +63,7 @@ def run_vllm_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nrl_llama")
-    tiny_llama_128(0).save_pretrained(d)
-    char_tokenizer().save_pretrained(d)
+    save_tiny_llama(d)
     return d
 
 

@@ -30,7 +30,7 @@ import re
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_llama_128
+from hf_models import save_tiny_llama, tiny_llama_128
 from nemo_rl_upstream import expected_refit_layout
 from nemo_rl_vllm_engine import (
     _close_receiver_socket,
@@ -51,8 +51,7 @@ def nrl_engine(tmp_path_factory):
     from nemo_jetrl.vllm_patch import settings_from_recipe
 
     d = tmp_path_factory.mktemp("nrl_llama")
-    tiny_llama_128(0).save_pretrained(d)
-    char_tokenizer().save_pretrained(d)
+    save_tiny_llama(d)
     # FP32 weight and activation scales: where NeMo-RL's own quantizer differs from ours.
     settings = dataclasses.replace(
         settings_from_recipe(Recipe.preset("jetrl"), num_layers=2),

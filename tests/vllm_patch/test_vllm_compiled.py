@@ -27,7 +27,7 @@ def _vllm_cpu_env():
 
 def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, monkeypatch):
     import vllm.envs
-    from hf_models import char_tokenizer, tiny_llama_128
+    from hf_models import save_tiny_llama, tiny_llama_128
     from test_vllm_engine import USER_KWARGS, _generate
     from vllm import LLM
 
@@ -38,8 +38,7 @@ def test_compiled_engine_runs_our_kernel_and_tracks_the_fp8_trainer(tmp_path, mo
     from nemo_jetrl.vllm_patch.refit import refit_from_checkpoint
     from nemo_jetrl.vllm_patch.shutdown import shutdown_engine
 
-    tiny_llama_128(0).save_pretrained(tmp_path)
-    char_tokenizer().save_pretrained(tmp_path)
+    save_tiny_llama(tmp_path)
     recipe = Recipe.preset("jetrl")
     ek = build_engine_kwargs(recipe, {**USER_KWARGS, "enforce_eager": False})
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: faster start

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_llama_128
+from hf_models import char_tokenizer, save_tiny_llama, tiny_llama_128
 from vllm_fixtures import (
     FP8_GAP_FLOOR,
     FP8_GAP_PER_BF16_GAP,
@@ -46,8 +46,7 @@ USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama")
-    tiny_llama_128(0).save_pretrained(d)
-    char_tokenizer().save_pretrained(d)
+    save_tiny_llama(d)
     return d
 
 

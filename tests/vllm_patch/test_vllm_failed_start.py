@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_vllm_engine import USER_KWARGS  # the dense engine tests' settings
 from vllm_fixtures import vllm_cpu_env
 
 pytestmark = pytest.mark.vllm
 
 BROKEN = "model.layers.0.mlp.down_proj.weight"  # [256, 512] in the checkpoint: written [256, 256]
-USER_KWARGS = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,12 +32,11 @@ def _vllm_cpu_env():
 def checkpoints(tmp_path_factory):
     """(good, broken): the tiny Llama as saved, and the same with ``BROKEN`` cut to half its
     columns."""
-    from hf_models import char_tokenizer, tiny_llama_128
+    from hf_models import save_tiny_llama
     from safetensors.torch import load_file, save_file
 
     good = tmp_path_factory.mktemp("good")
-    tiny_llama_128(0).save_pretrained(good)
-    char_tokenizer().save_pretrained(good)
+    save_tiny_llama(good)
     broken = tmp_path_factory.mktemp("broken")
     for f in good.iterdir():
         if f.suffix != ".safetensors":

@@ -30,11 +30,10 @@ def _vllm_cpu_env():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from hf_models import char_tokenizer, tiny_llama_128
+    from hf_models import save_tiny_llama
 
     d = tmp_path_factory.mktemp("tiny_llama_guard")
-    tiny_llama_128(0).save_pretrained(d)
-    char_tokenizer().save_pretrained(d)
+    save_tiny_llama(d)
     return d
 
 

@@ -64,7 +64,7 @@ def test_our_fp8_kv_answer_is_vllms():
 
 def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd, monkeypatch):
     import vllm
-    from hf_models import char_tokenizer, tiny_llama_128
+    from hf_models import save_tiny_llama, tiny_llama_128
     from test_vllm_engine import USER_KWARGS
     from vllm.platforms import current_platform
 
@@ -77,8 +77,7 @@ def test_jetrl_kv_engine_on_this_cpu(tmp_path, capfd, monkeypatch):
 
     assert current_platform.is_cpu()
     ok, _ = cpu_fp8_kv_cache(head_size=128)
-    tiny_llama_128(0).save_pretrained(tmp_path)
-    char_tokenizer().save_pretrained(tmp_path)
+    save_tiny_llama(tmp_path)
     # Chunked prefill and prefix caching off: the configuration in which vLLM 0.20 would run
     # the engine with a BF16 KV cache instead of refusing.
     kw = {**USER_KWARGS, "enable_chunked_prefill": False, "enable_prefix_caching": False}

@@ -16,7 +16,7 @@ import gc
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_llama_128
+from hf_models import save_tiny_llama, tiny_llama_128
 from test_vllm_engine import USER_KWARGS, _engine_state
 from vllm_fixtures import vllm_cpu_env
 
@@ -29,8 +29,7 @@ def rollout(tmp_path_factory):
     from nemo_jetrl.vllm_patch.engine import VllmRolloutEngine
 
     d = tmp_path_factory.mktemp("tiny_llama")
-    tiny_llama_128(0).save_pretrained(d)
-    char_tokenizer().save_pretrained(d)
+    save_tiny_llama(d)
     with vllm_cpu_env(), pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the test's worker closures
         eng = VllmRolloutEngine(d, Recipe.preset("jetrl"), engine_kwargs=USER_KWARGS)
