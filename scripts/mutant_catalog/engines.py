@@ -86,6 +86,23 @@ MUTANTS = [
         ("tests/vllm_patch/test_vllm_shutdown_unit.py",),
         env="vllm",
     ),
+    # ---- a failed engine start (vLLM 0.20's loader leaves its dtype and groups behind)
+    Mutant(
+        "a failed engine start leaves BF16 as the process's default dtype",
+        "nemo_jetrl/vllm_patch/shutdown.py",
+        "        torch.set_default_dtype(dtype)\n",
+        "        pass\n",
+        ("tests/vllm_patch/test_vllm_failed_start.py",),
+        env="nemo_rl",  # vLLM 0.20 (0.25+ restores the dtype itself)
+    ),
+    Mutant(
+        "a failed engine start leaves vLLM's model-parallel groups built",
+        "nemo_jetrl/vllm_patch/shutdown.py",
+        "if not groups_before and _groups_initialised():",
+        "if False:",
+        ("tests/vllm_patch/test_vllm_failed_start.py",),
+        env="nemo_rl",
+    ),
     # ---- vLLM patch: refit parity and rollback
     Mutant(
         "parity compares values, not bytes",
