@@ -217,18 +217,19 @@ def gpt():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _default_dtype_kept(request):
-    """A test module that leaves torch's default dtype changed errors here, by name, and the dtype
-    is set back. Otherwise a float tensor made without a dtype in whichever module came next in
-    the same worker has another dtype: vLLM 0.20's loader left BF16 after a failed engine start,
-    and a MoE test's float32 model then got other weights now and then, as xdist's order
-    changed (vllm_patch/shutdown.py: `undo_failed_start`)."""
+def _torch_globals_kept(request):
+    """A test module that leaves torch's default dtype or grad mode changed errors here, by name,
+    and both are set back. Otherwise whichever module came next in the same worker runs under
+    them: vLLM 0.20's loader left BF16 as the default dtype after a failed engine start, and a MoE
+    test's float32 model then got other weights now and then, as xdist's order changed
+    (vllm_patch/shutdown.py: `undo_failed_start`)."""
     import torch
 
-    before = torch.get_default_dtype()
+    before = torch.get_default_dtype(), torch.is_grad_enabled()
     yield
-    after = torch.get_default_dtype()
-    if after != before:
-        torch.set_default_dtype(before)
-        pytest.fail(f"{request.module.__name__} left torch's default dtype at {after} (was "
-                    f"{before}): restore it where it is changed")  # fmt: skip
+    after = torch.get_default_dtype(), torch.is_grad_enabled()
+    if after != before:  # grad mode too: a module leaving it off would fail training tests later
+        torch.set_default_dtype(before[0])
+        torch.set_grad_enabled(before[1])
+        pytest.fail(f"{request.module.__name__} left torch's (default dtype, grad mode) at "
+                    f"{after} (was {before}): restore them where they are changed")  # fmt: skip
