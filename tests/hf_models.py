@@ -89,3 +89,54 @@ def save_tiny_llama(directory: Path) -> Path:
     tiny_llama_128(0).save_pretrained(directory)
     char_tokenizer().save_pretrained(directory)
     return directory
+
+
+def qwen3_moe_128(
+    seed: int, *, experts: int, inter: int, layers: int, mlp_only_layers: list[int], **fields: Any
+) -> torch.nn.Module:
+    """The MoE tests' model: a BF16 Qwen3-MoE with hidden 256, top-2 routing over ``experts`` of
+    width ``inter`` and head_dim 128 (every linear in whole 128-blocks); ``fields`` set the rest
+    of the config (``num_key_value_heads`` 1 unless given, ``initializer_range``)."""
+    cfg = tiny_hf_config(
+        "qwen3_moe",
+        **{
+            "vocab_size": 128,
+            "hidden_size": 256,
+            "intermediate_size": 256,
+            "moe_intermediate_size": inter,
+            "num_experts": experts,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "mlp_only_layers": mlp_only_layers,
+            "decoder_sparse_step": 1,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 128,
+            "max_position_embeddings": 256,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "tie_word_embeddings": False,
+            **fields,
+        },
+    )
+    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
+
+
+def per_expert_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict under HF checkpoint names (``mlp.experts.{e}.{gate,up,down}_proj.
+    weight``) from transformers 5's fused 3-D expert parameters (``experts.gate_up_proj``:
+    gate rows first, then up)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, half = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half].clone()
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:].clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            out.update({f"{base}{e}.down_proj.weight": t[e].clone() for e in range(t.shape[0])})
+        else:
+            out[name] = t.detach().clone()
+    return out

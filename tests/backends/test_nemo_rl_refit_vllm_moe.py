@@ -23,7 +23,7 @@ import dataclasses
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
+from hf_models import char_tokenizer, per_expert_state_dict, qwen3_moe_128
 from nemo_rl_vllm_engine import _last_parity, _read_fp8, _refit_via_nemo_rl, nemo_rl_engine
 
 from nemo_jetrl.vllm_patch.worker_ext import unpack
@@ -34,45 +34,7 @@ ROUTERS = ["mlp.gate"]
 
 
 def tiny_moe(seed: int) -> torch.nn.Module:
-    cfg = tiny_hf_config(
-        "qwen3_moe",
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=256,
-        moe_intermediate_size=INTER,
-        num_experts=E,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
-
-
-def per_expert(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint names, ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (transformers 5 keeps
-    the experts fused as ``experts.gate_up_proj`` / ``experts.down_proj``)."""
-    out = {}
-    for name, t in model.state_dict().items():
-        base = name.rpartition(".")[0]
-        if name.endswith("mlp.experts.gate_up_proj"):
-            for e in range(E):
-                out[f"{base}.{e}.gate_proj.weight"] = t[e, :INTER].clone()
-                out[f"{base}.{e}.up_proj.weight"] = t[e, INTER:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            for e in range(E):
-                out[f"{base}.{e}.down_proj.weight"] = t[e].clone()
-        else:
-            out[name] = t.detach().clone()
-    return out
+    return qwen3_moe_128(seed, experts=E, inter=INTER, layers=2, mlp_only_layers=[])
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +59,7 @@ def test_nemo_rls_refit_lands_our_expert_bits_with_parity(moe_engine):
     from nemo_jetrl.vllm_patch.refit import quantize_state_dict
 
     llm, settings, device_id = moe_engine
-    weights = per_expert(tiny_moe(1))
+    weights = per_expert_state_dict(tiny_moe(1))
     assert _refit_via_nemo_rl(llm, device_id, weights)
     rep = llm.collective_rpc(_last_parity)[0]
     qsd = quantize_state_dict(weights, settings)
@@ -109,7 +71,7 @@ def test_nemo_rls_refit_lands_our_expert_bits_with_parity(moe_engine):
     print(f"\nNeMo-RL refit of a block-FP8 MoE: parity over {rep.compared} tensors "
           f"({rep.fp8} FP8, {len(experts)} of them experts)")  # fmt: skip
     # A second refit to other weights lands them too (the hook stays armed across refits).
-    weights2 = per_expert(tiny_moe(2))
+    weights2 = per_expert_state_dict(tiny_moe(2))
     assert _refit_via_nemo_rl(llm, device_id, weights2)
     assert llm.collective_rpc(_last_parity)[0].differing == ()
     qsd2 = quantize_state_dict(weights2, settings)

@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
+from hf_models import char_tokenizer, per_expert_state_dict, qwen3_moe_128
 from vllm_fixtures import logprob_gap, vllm_cpu_env
 
 E, INTER, LAYERS, MOE_LAYERS = 8, 128, 3, (1, 2)
@@ -57,47 +57,9 @@ def routed_experts_supported() -> bool:
 
 
 def tiny_qwen3_moe(seed: int) -> torch.nn.Module:
-    cfg = tiny_hf_config(
-        "qwen3_moe",
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=256,
-        moe_intermediate_size=INTER,
-        num_experts=E,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],
-        decoder_sparse_step=1,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        initializer_range=0.08,
+    return qwen3_moe_128(
+        seed, experts=E, inter=INTER, layers=LAYERS, mlp_only_layers=[0], initializer_range=0.08
     )
-    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
-
-
-def per_expert_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF checkpoint names (``mlp.experts.{e}.{gate,up,down}_proj.weight``) from transformers
-    5's fused 3-D expert parameters."""
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :INTER].clone()
-                out[f"{base}{e}.up_proj.weight"] = t[e, INTER:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = t[e].clone()
-        else:
-            out[name] = t.clone()
-    return out
 
 
 def write_checkpoint(model, directory, settings=None) -> dict[str, torch.Tensor]:

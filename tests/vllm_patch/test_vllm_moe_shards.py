@@ -19,7 +19,7 @@ import json
 
 import pytest
 import torch
-from hf_models import char_tokenizer, tiny_hf_config, tiny_hf_model
+from hf_models import char_tokenizer, per_expert_state_dict, qwen3_moe_128
 from moe_engine_setup import _experts_kernel_here
 from vllm_fixtures import (
     EP_FP8_GAP_PER_FP8_ROUNDING_GAP,
@@ -48,30 +48,10 @@ USER = dict(
 
 
 def tiny_moe(seed: int, inter: int = INTER) -> torch.nn.Module:
-    cfg = tiny_hf_config(
-        "qwen3_moe", vocab_size=128, hidden_size=256, intermediate_size=256,
-        moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=2, norm_topk_prob=True,
-        mlp_only_layers=[0], decoder_sparse_step=1, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=128, max_position_embeddings=256, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False, initializer_range=0.08,
+    return qwen3_moe_128(
+        seed, experts=E, inter=inter, layers=3, mlp_only_layers=[0], num_key_value_heads=2,
+        initializer_range=0.08,
     )  # fmt: skip
-    return tiny_hf_model(cfg, seed=seed, dtype=torch.bfloat16)
-
-
-def per_expert(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in model.state_dict().items():
-        base = name.rpartition(".")[0]
-        if name.endswith("mlp.experts.gate_up_proj"):
-            half = t.shape[1] // 2
-            for e in range(E):
-                out[f"{base}.{e}.gate_proj.weight"] = t[e, :half].clone()
-                out[f"{base}.{e}.up_proj.weight"] = t[e, half:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            out.update({f"{base}.{e}.down_proj.weight": t[e].clone() for e in range(E)})
-        else:
-            out[name] = t.clone()
-    return out
 
 
 def write_fp8_checkpoint(model, d, settings) -> dict[str, torch.Tensor]:
@@ -81,7 +61,7 @@ def write_fp8_checkpoint(model, d, settings) -> dict[str, torch.Tensor]:
     from nemo_jetrl.vllm_patch.engine_args import quantization_config
     from nemo_jetrl.vllm_patch.refit import quantize_state_dict
 
-    sd = quantize_state_dict(per_expert(model), settings, dtype=torch.bfloat16).tensors
+    sd = quantize_state_dict(per_expert_state_dict(model), settings, dtype=torch.bfloat16).tensors
     save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
     cfg = dict(model.config.to_dict(), architectures=["Qwen3MoeForCausalLM"])
     cfg["quantization_config"] = quantization_config(settings)
@@ -316,7 +296,7 @@ def test_refit_lands_every_expert_with_parity_on_each_rank(served, settings):
     from nemo_jetrl.vllm_patch.worker_ext import pack
 
     mode, llm, _ = served
-    new = per_expert(tiny_moe(1))
+    new = per_expert_state_dict(tiny_moe(1))
     res = llm.collective_rpc(_nrl_refit_experts, args=(pack(new), settings.to_json()))
     all_experts = len(MOE_LAYERS) * E * 3 * 2  # layers x experts x (gate, up, down) x (w, scale)
     dense_fp8 = (3 * 4 + 3) * 2  # q k v o in 3 layers, gate up down of layer 0; w + scale
@@ -331,6 +311,6 @@ def test_refit_lands_every_expert_with_parity_on_each_rank(served, settings):
     assert "model.layers.2.mlp.experts.5.down_proj.weight (1 of " in r1["error"], r1
     assert r1["error"].count(".mlp.experts.") == 1 and r1["error"].count("\n  - ") == 1, r1
     # a refit rewrites the byte; back to the served weights, clean on both ranks
-    back = pack(per_expert(tiny_moe(0)))
+    back = pack(per_expert_state_dict(tiny_moe(0)))
     res = llm.collective_rpc(_nrl_refit_experts, args=(back, settings.to_json()))
     assert all("error" not in r for r in res), res
