@@ -32,7 +32,8 @@ model under ``set_default_torch_dtype(model dtype)``, which restores the old def
 construction returns: when it raises (a kernel refused, a checkpoint tensor of the wrong shape),
 the process's default dtype stays BF16, and every float tensor made after it without a dtype is
 BF16 (seen: a test's float32 model built after a refused engine got other weights, and a MoE
-logprob control moved from 0.040 to 0.606 nats). 0.25+ restores it in a ``finally``.
+logprob control moved from 0.040 to 0.606 nats). 0.25.1 does the same; 0.32 restores it in a
+``finally``.
 """
 
 from __future__ import annotations

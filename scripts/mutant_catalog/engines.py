@@ -93,7 +93,7 @@ MUTANTS = [
         "        torch.set_default_dtype(dtype)\n",
         "        pass\n",
         ("tests/vllm_patch/test_vllm_failed_start.py",),
-        env="nemo_rl",  # vLLM 0.20 (0.25+ restores the dtype itself)
+        env="nemo_rl",  # vLLM 0.20 (0.32 restores the dtype itself)
     ),
     Mutant(
         "a failed engine start leaves vLLM's model-parallel groups built",
