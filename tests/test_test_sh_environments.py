@@ -1,7 +1,8 @@
 """scripts/test.sh's environments, on a stand-in repository (tests/script_standin.py): each
 built once while the default suite runs, each tier waiting for its own; a failed build is its
-tier not run; skipped tiers build nothing; a working one is not rebuilt; the next tier's
-libraries are read while the tier before it runs. Lanes and interrupts:
+tier not run (a full disk named as such); skipped tiers build nothing; a working one is not
+rebuilt; the next tier's libraries are read while the tier before it runs; a disk too small for
+the run is warned of up front. Lanes and interrupts:
 tests/test_test_sh_lanes.py."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from script_standin import _at, _run_test_sh, _standin_repo
 
 
@@ -60,6 +62,42 @@ def test_a_failed_environment_is_its_tier_not_run_and_the_others_still_run(
     ], out
     assert "setup 0.20.0 failed" in out  # the setup log's tail is shown above the summary
     assert sum(ln.startswith("start test_vllm") for ln in journal) == 1
+
+
+def test_a_full_disk_is_named_in_the_summary_and_free_space_follows_each_tier(
+    tmp_path: Path,
+) -> None:
+    full = "OSError: [Errno 28] No space left on device: '/x/site-packages/torch/lib/a.so'"
+    summary, _, out = _run_test_sh(tmp_path, fail="0.20.0", STANDIN_FAIL_MESSAGE=full)
+    log = tmp_path / "jetrl-vllm-setup-0.20.0.log"
+    line = summary[2]
+    why = re.fullmatch(
+        r"vLLM 0\.20\.0 tier \(\.venv-vllm020\): not run, environment setup failed: no space left "
+        rf"on device \((\d+\.\d) GiB free now; log: {re.escape(str(log))}\) \(exit 1\)",
+        line,
+    )
+    assert why, (line, out)
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize / 2**30
+    assert abs(float(why[1]) - free) < 1.0, (why[1], free)  # this disk's free space, not a constant
+    assert full in out  # and the log's tail above the summary, as for any failed build
+    # every tier that ran is followed by the free space it left
+    for name in ("default suite (.venv)", "vLLM 0.32.0 tier (.venv-vllm)", "mutation check"):
+        assert re.search(rf"^\[disk\] after {re.escape(name)}: \d+\.\d GiB free$", out, re.M), out
+
+
+@pytest.mark.parametrize("need", [0, 10**6])
+def test_the_run_warns_up_front_when_the_disk_cannot_hold_it(tmp_path: Path, need: int) -> None:
+    root = _standin_repo(tmp_path)
+    tier_sh = root / "scripts" / "tier.sh"
+    text, n = re.subn(r"^FULL_RUN_DISK_GIB=\d+$", f"FULL_RUN_DISK_GIB={need}", tier_sh.read_text(),
+                      flags=re.M)  # fmt: skip
+    assert n == 1  # one home for the figure
+    tier_sh.write_text(text)
+    summary, _, out = _run_test_sh(tmp_path)
+    assert re.search(rf"^disk: \d+\.\d GiB free here; .* up to ~{need} GiB$", out, re.M), out
+    warned = "test.sh: warning: only" in out and "No space left on device" in out
+    assert warned == (need > 0), out  # a warning, not a stop: every tier still runs
+    assert summary[-1] == "mutation check: 5 passed (exit 0)", out
 
 
 def test_skipped_tiers_build_no_environment_and_still_fail_ci(tmp_path: Path) -> None:
