@@ -24,6 +24,7 @@ Usage: python scripts/link_packages.py SRC_VENV DST_VENV NAME==VERSION
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -146,7 +147,8 @@ def link(src_venv: Path, dst_venv: Path, spec: str) -> tuple[int, int, int]:
                     made.append(script)
     except BaseException:
         for path in reversed(made):  # nothing half-linked stays behind
-            path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a directory written into meanwhile stays
+                path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
         raise
     return len(linked), files, size
 

@@ -10,11 +10,13 @@ import sys
 import venv
 from importlib.metadata import distributions
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "link_packages.py"
+sys.path.insert(0, str(REPO / "scripts"))
+import link_packages  # noqa: E402
 
 
 def _site(root: Path) -> Path:
@@ -59,19 +61,22 @@ def venvs(tmp_path: Path) -> tuple[Path, Path]:
     return src, dst
 
 
-def _link(src: Path, dst: Path, spec: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(src), str(dst), spec], capture_output=True, text=True
-    )
+def _link(capsys, *args: object) -> SimpleNamespace:
+    """The script's command line, run in this process: exit status, stdout, stderr."""
+    rc = link_packages.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
 
 
 def _names(site: Path) -> dict[str, str]:
     return {d.metadata["Name"]: d.version for d in distributions(path=[str(site)])}
 
 
-def test_the_closure_is_linked_file_by_file_and_the_scripts_are_the_targets_own(venvs) -> None:
+def test_the_closure_is_linked_file_by_file_and_the_scripts_are_the_targets_own(
+    venvs, capsys
+) -> None:
     src, dst = venvs
-    done = _link(src, dst, "alpha==1.0")
+    done = _link(capsys, src, dst, "alpha==1.0")
     assert done.returncode == 0, done.stderr
     assert "3 distributions, 12 files" in done.stdout, done.stdout  # ns/__init__.py once
     site_s, site_d = _site(src), _site(dst)
@@ -88,14 +93,14 @@ def test_the_closure_is_linked_file_by_file_and_the_scripts_are_the_targets_own(
     assert cli.read_text().startswith(f"#!{dst}/bin/python\n")
     ran = subprocess.run([str(cli)], capture_output=True, text=True)
     assert (ran.returncode, ran.stdout) == (0, "alpha says hi\n"), ran.stderr
-    again = _link(src, dst, "alpha==1.0")  # idempotent
+    again = _link(capsys, src, dst, "alpha==1.0")  # idempotent
     assert again.returncode == 0 and "already has alpha==1.0" in again.stdout
 
 
-def test_a_distribution_the_target_has_in_a_fitting_version_is_kept(venvs) -> None:
+def test_a_distribution_the_target_has_in_a_fitting_version_is_kept(venvs, capsys) -> None:
     src, dst = venvs
     _dist(_site(dst), "beta", "2.5", {"beta.py": "B = 25\n"}, requires=["eps==0.1; extra == 'x'"])
-    assert _link(src, dst, "alpha==1.0").returncode == 0
+    assert _link(capsys, src, dst, "alpha==1.0").returncode == 0
     assert _names(_site(dst)) == {"alpha": "1.0", "beta": "2.5", "eps": "0.1"}
     assert (_site(dst) / "beta.py").read_text() == "B = 25\n"
 
@@ -112,7 +117,7 @@ def test_a_distribution_the_target_has_in_a_fitting_version_is_kept(venvs) -> No
     ],
 )  # fmt: skip
 def test_a_source_that_cannot_serve_is_refused_and_nothing_stays_linked(
-    venvs, case: str, spec: str, message: str
+    venvs, capsys, case: str, spec: str, message: str
 ) -> None:
     src, dst = venvs
     site_s, site_d = _site(src), _site(dst)
@@ -126,14 +131,12 @@ def test_a_source_that_cannot_serve_is_refused_and_nothing_stays_linked(
     elif case == "source damaged":
         (site_s / "eps" / "lib.so").unlink()
     before = sorted(p.relative_to(dst) for p in dst.rglob("*"))
-    done = _link(src, dst, spec)
+    done = _link(capsys, src, dst, spec)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert message in done.stderr, done.stderr
     assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before, case  # nothing left
 
 
-def test_bad_arguments_exit_2() -> None:
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "a", "b", "torch"], capture_output=True, text=True
-    )
+def test_bad_arguments_exit_2(capsys) -> None:
+    done = _link(capsys, "a", "b", "torch")
     assert done.returncode == 2 and "NAME==VERSION" in done.stderr
