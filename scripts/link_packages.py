@@ -6,14 +6,19 @@ plus the wheelhouse it came from, a CI run needed ~22 GB of disk, and one run on
 less free died of "No space left on device" in every tier after the first (docs/ci_times.md).
 Linked, the second environment's copy costs directory entries only.
 
-What it does: in SRC's site-packages, the distribution named by SPEC (``torch==2.11.0``, exact
-version required) and every installed distribution it requires, following extras and this
-machine's markers, are linked file by file into DST's site-packages, exactly the files each
+What it does: in SRC's site-packages, the distribution named by SPEC (``torch==2.11.0``; matched
+as PEP 440 says, so ``torch==2.13.0`` takes 2.13.0+cpu) and every installed distribution it
+requires, following extras and this machine's markers, are linked file by file into DST's
+site-packages, exactly the files each
 distribution's RECORD lists (its .dist-info included, so pip and importlib.metadata see it as
 installed). RECORD entries outside site-packages (console scripts in bin/) are not linked: their
 first line names SRC's interpreter; DST gets its own, written for DST's Python. A file is the same
 inode in both venvs, which is safe because pip and Python never write an installed file in place
 (an upgrade or uninstall in one venv unlinks that venv's name only).
+
+A distribution of that closure DST already has stays DST's; where its version does not fit
+(Python 3.11's venv seeds setuptools 65.5, torch 2.13 asks for >= 77.0.3) it is named on stdout,
+and the caller's `pip install SPEC` afterwards settles it (torch is then already there).
 
 Exit 0: linked (or DST already had that version). Exit 1: SRC cannot serve (not that version, a
 required distribution missing, another filesystem); anything linked is removed again, so the
@@ -50,15 +55,20 @@ def installed(site: Path) -> dict[str, Distribution]:
     return {canonicalize_name(d.metadata["Name"]): d for d in distributions(path=[str(site)])}
 
 
+def fits(req: Requirement, version: str) -> bool:
+    """PEP 440: ``torch==2.13.0`` fits 2.13.0+cpu (a local label is ignored unless named)."""
+    return req.specifier.contains(version, prereleases=True)
+
+
 def closure(
-    have: dict[str, Distribution], name: str, version: str
+    have: dict[str, Distribution], want: Requirement
 ) -> tuple[list[Distribution], dict[str, list[Requirement]]]:
-    """NAME at VERSION and what it requires for this machine (extras followed), all in HAVE,
-    with the requirements naming each of them."""
-    root = have.get(canonicalize_name(name))
-    if root is None or root.version != version:
+    """WANT's distribution and what it requires for this machine (extras followed), all in
+    HAVE, with the requirements naming each of them."""
+    root = have.get(canonicalize_name(want.name))
+    if root is None or not fits(want, root.version):
         got = "absent" if root is None else root.version
-        raise CannotLink(f"{name}=={version} wanted, the source has {got}")
+        raise CannotLink(f"{want} wanted, the source has {got}")
     todo: list[tuple[Distribution, frozenset[str]]] = [(root, frozenset())]
     seen: dict[str, set[str]] = {}
     asked: dict[str, list[Requirement]] = {}
@@ -74,7 +84,7 @@ def closure(
             if req.marker is not None and not any(req.marker.evaluate(m) for m in wanted):
                 continue
             dep = have.get(canonicalize_name(req.name))
-            if dep is None or not req.specifier.contains(dep.version, prereleases=True):
+            if dep is None or not fits(req, dep.version):
                 got = "absent" if dep is None else dep.version
                 raise CannotLink(f"{dist.metadata['Name']} requires {req}, the source has {got}")
             asked.setdefault(canonicalize_name(req.name), []).append(req)
@@ -94,24 +104,24 @@ def console_script(python: Path, target: str) -> str:
 
 def link(src_venv: Path, dst_venv: Path, spec: str) -> tuple[int, int, int]:
     """Link SPEC's closure from SRC_VENV into DST_VENV: (distributions, files, bytes)."""
-    name, _, version = spec.partition("==")
+    want = Requirement(spec)
     src, dst = site_packages(src_venv), site_packages(dst_venv)
     present = installed(dst)
-    already = present.get(canonicalize_name(name))
-    if already is not None and already.version == version:
+    already = present.get(canonicalize_name(want.name))
+    if already is not None and fits(want, already.version):
         return 0, 0, 0
     if already is not None:
-        raise CannotLink(f"{dst_venv} has {name} {already.version}: uninstall it first")
-    dists, asked = closure(installed(src), name, version)
+        raise CannotLink(f"{dst_venv} has {want.name} {already.version}: uninstall it first")
+    dists, asked = closure(installed(src), want)
     linked = []
-    for dist in dists:  # one DST already has (venv's own setuptools) stays, if it fits
+    for dist in dists:  # one DST already has (the venv's own setuptools) stays: pip settles it
         key = canonicalize_name(dist.metadata["Name"])
         own = present.get(key)
         if own is None:
             linked.append(dist)
-        elif not all(r.specifier.contains(own.version, prereleases=True) for r in asked[key]):
+        elif not all(fits(r, own.version) for r in asked[key]):
             wants = ", ".join(str(r) for r in asked[key])
-            raise CannotLink(f"{dst_venv} has {key} {own.version}, {spec} needs {wants}")
+            print(f"[link_packages] left for pip: {dst_venv} has {key} {own.version}, {wants}")
     made: list[Path] = []
     files = size = 0
     try:

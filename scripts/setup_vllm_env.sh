@@ -60,22 +60,32 @@ fi
 PIP=(pip_retry "$VENV/bin/python" install --no-compile -c "$CONSTRAINTS")
 
 pip_retry "$VENV/bin/python" install -q --upgrade pip packaging
+link_from() {  # SPEC SIBLING...: hard-link SPEC (and what it needs) from the first sibling env
+  # that has it (scripts/link_packages.py: no new disk); 1 when none can serve
+  local spec=$1 sibling
+  shift
+  for sibling in "$@"; do
+    [ -d "$sibling" ] && [ "$(cd "$sibling" && pwd)" != "$(cd "$VENV" && pwd)" ] || continue
+    "$VENV/bin/python" "$REPO/scripts/link_packages.py" "$sibling" "$VENV" "$spec" && return 0
+  done
+  return 1
+}
 # 1. torch first (0.32: constraints-cpu.txt pins the version and the +cpu wheel comes from the
 #    configured find-links / index; 0.20.0/0.25.1: PyPI's torch 2.11.0, linked from a sibling env
 #    that has it, else through the wheel cache).
 case "$VLLM_VERSION" in
     0.32.*)
+        # .venv (scripts/setup_env.sh) has this torch from the same pin, and Triton, which
+        # xgrammar asks for without a version: both linked (1.7 GiB), else pip installs them;
+        # pip then settles what link_packages left to it (setuptools >= 77.0.3 for torch 2.13)
+        link_from "$TORCH_SPEC" "$REPO/.venv" || true
+        triton=$("$REPO/.venv/bin/python" -c "from importlib.metadata import version
+print(version('triton'))" 2>/dev/null) && link_from "triton==$triton" "$REPO/.venv" || true
         "${PIP[@]}" "$TORCH_SPEC" ;;
     *)
-        linked=0
-        for sibling in "$REPO"/.venv-vllm*; do  # an env that has this torch already: link it
-            [ -d "$sibling" ] && [ "$(cd "$sibling" && pwd)" != "$(cd "$VENV" && pwd)" ] || continue
-            if "$VENV/bin/python" "$REPO/scripts/link_packages.py" "$sibling" "$VENV" "$TORCH_SPEC"; then
-                linked=1
-                break
-            fi
-        done
-        if [ "$linked" = 0 ]; then
+        if link_from "$TORCH_SPEC" "$REPO"/.venv-vllm*; then  # the other torch-2.11 env has it
+            "${PIP[@]}" "$TORCH_SPEC"  # settles what link_packages left for pip (nothing, so far)
+        else
             WHEELHOUSE="${JETRL_WHEEL_CACHE:-$REPO/.cache/wheels}/${TORCH_SPEC/==/-}"
             mkdir -p "$WHEELHOUSE"
             pip_retry "$VENV/bin/python" download -q --no-cache-dir -c "$CONSTRAINTS" -d "$WHEELHOUSE" "$TORCH_SPEC"

@@ -14,10 +14,11 @@
 #      pinned dependency overlay, .venv-nemo-rl).
 # gpu tests skip with a reason here; they run in the Docker image (scripts/run_gpu_tests.sh).
 # The environments of tiers 2-4 (download- and disk-bound: ~6 GB for 0.20; 0.25 links its torch
-# from it, scripts/link_packages.py; test.sh warns up front when the disk is too small) are built
-# in the background, one after another, while the default suite runs (scripts/tier.sh env_queue:
-# only those this run's tiers need; one already importing vllm is not rebuilt); each tier waits
-# for its own, and a failed build is that tier's "not run, environment setup failed (log: ...)".
+# from it and 0.32 .venv's, scripts/link_packages.py; test.sh warns up front when the disk is too
+# small) are built in the background, one after another, while the default suite runs
+# (scripts/tier.sh env_queue: only those this run's tiers need; one already importing vllm is not
+# rebuilt); each tier waits for its own, and a failed build is that tier's "not run, environment
+# setup failed (log: ...)".
 # While a tier runs, the next one's libraries and sources are read into the page cache
 # (scripts/tier.sh warm_start; JETRL_WARM=0: off), and each tier ends with a "[tier] NAME: N s
 # wall, machine CPU busy X%" line.
