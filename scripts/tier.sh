@@ -82,10 +82,11 @@ disk_free_gib() {  # free space where the environments and caches go (the reposi
 }
 
 # What a full run on a fresh clone writes at its peak, in GiB: the environments, the bytecode,
-# vLLM 0.33's source, pytest's and Inductor's temporary files. Measured: 16.7 GiB of df's free
-# space (the clone itself 15 GiB by du) on the fresh-clone run of 707ce02; the clone alone was
-# 22 GiB before the second torch-2.11 env linked its torch (docs/ci_times.md).
-FULL_RUN_DISK_GIB=17
+# vLLM 0.33's source, pytest's and Inductor's temporary files. Measured from df's free space on
+# fresh-clone runs: 14.6 GiB at 312e819 (the clone 14 GiB by du), 16.7 at 707ce02 (before the
+# 0.32 env linked .venv's torch and Triton); the clone alone was 22 GiB before the envs linked
+# torch at all (docs/ci_times.md).
+FULL_RUN_DISK_GIB=15
 
 disk_check() {  # a warning up front when the disk cannot hold what the run will write
   local free

@@ -132,6 +132,9 @@ def nemo_rl_engine(
             del llm
             gc.collect()
             mp.undo()
+            # NeMo-RL's sender binds ipc:///tmp/<device id>.sock and leaves the file (on a
+            # cluster the id is the GPU's, one name per GPU; here a new one per engine)
+            Path(f"/tmp/{device_id}.sock").unlink(missing_ok=True)
 
 
 def _close_receiver_socket(self):
