@@ -66,7 +66,8 @@ mapfile -t all_tests < <(bash scripts/gpu_check.sh --list)
 inv_tests=() kernel_tests=() fp8_tests=()
 for t in "${all_tests[@]}"; do
   case $t in
-    tests/invariant/*) inv_tests+=("$t") ;;
+    # issue 47's: the invariant kernels, and the local rollout's sampling on the device
+    tests/invariant/* | tests/backends/test_local_sampling.py) inv_tests+=("$t") ;;
     # the kernels changed since the last GPU run first: the split-K GEMM, the quantizers
     tests/fp8/test_split_gemm.py | tests/fp8/test_quantizer_rowcol.py | \
       tests/fp8/test_quantizer_flag_and_cast.py) kernel_tests+=("$t") ;;

@@ -16,6 +16,7 @@ from mutant_catalog.paths import (
     T_KVQ,
     T_LOSS,
     T_METRICS,
+    T_SAMPLE,
     T_STEP,
     T_WEIGHTS,
 )
@@ -263,6 +264,20 @@ MUTANTS = [
         "for _step, d in reversed(list_checkpoints(ckpt_dir)):",
         "for _step, d in list_checkpoints(ckpt_dir):",
         T_CKPT,
+    ),
+    Mutant(  # the device generator's last state, not the host's draw: a resume draws otherwise
+        "device sampling not seeded from the host generator",
+        "nemo_jetrl/backends/local/rollout.py",
+        "    device_generator.manual_seed(seed)\n",
+        "",
+        T_SAMPLE,
+    ),
+    Mutant(  # a seed per run, not per step: every decode step draws with the same noise
+        "device sampling seeded once (the same seed every step)",
+        "nemo_jetrl/backends/local/rollout.py",
+        "seed = int(torch.randint(SEED_HIGH, (1,), generator=host))",
+        "seed = int(torch.randint(SEED_HIGH, (1,), generator=torch.Generator().manual_seed(0)))",
+        T_SAMPLE,
     ),
     Mutant(
         "local KV recalibration counts padding after <eos>",

@@ -40,6 +40,7 @@ _FACTORIES = {"zeros", "ones", "full", "empty", "arange", "eye", "linspace", "te
 # Tensors the local backend makes on the host on purpose, by (module, function): why.
 HOST_SIDE = {
     ("backends/local/task.py", "sample_problems"): "problems are drawn on the CPU generator",
+    ("backends/local/rollout.py", "device_draw"): "the device generator's seed: a host draw",
     ("backends/local/task.py", "encode_prompts"): "token ids; LocalRun moves prompts to the device",
     ("backends/local/task.py", "encode_targets"): "warm-start targets (the warm start is CPU)",
     ("backends/local/warmstart.py", "warmstart_targets"): "the warm start runs on the CPU",

@@ -12,6 +12,7 @@ reproducible and resumable.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,17 +51,39 @@ def token_logprobs(
     return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
+SEED_HIGH = 2**63 - 1
+"""Exclusive bound of the per-call seed `device_draw` takes from the host generator."""
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One id per row drawn from ``probs`` [B, V] on the generator's device (the CPU for a
-    local run: the same draws and checkpointed generator state on every device), returned on
-    ``probs``' device."""
+    """One id per row drawn from ``probs`` [B, V], returned on ``probs``' device.
+
+    A CPU run draws with the run's sampling generator itself. On an accelerator the draw runs
+    there (`device_draw`), from a generator seeded per call with one draw of the host
+    generator: the host's work does not grow with the vocabulary (``torch.multinomial`` with a
+    CPU generator draws one exponential per entry: 131 ms for 32 rows of Qwen3's 151,936 on a
+    2-core EPYC, every decode step), and a run is still reproducible and resumable from the
+    checkpointed host state; its draws are the device's own, not the CPU run's."""
     if generator is not None and generator.device != probs.device:
-        return (
-            torch.multinomial(probs.to(generator.device), 1, generator=generator)
-            .to(probs.device)
-            .squeeze(-1)
-        )
+        return device_draw(probs, generator, _device_generator(probs.device))
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def device_draw(
+    probs: torch.Tensor, host: torch.Generator, device_generator: torch.Generator
+) -> torch.Tensor:
+    """``torch.multinomial(probs, 1)`` with ``device_generator`` (on ``probs``' device) seeded
+    by one draw of ``host``: the host generator advances by that one draw whatever ``probs``'
+    shape."""
+    seed = int(torch.randint(SEED_HIGH, (1,), generator=host))
+    device_generator.manual_seed(seed)
+    return torch.multinomial(probs, 1, generator=device_generator).squeeze(-1)
+
+
+@functools.cache
+def _device_generator(device: torch.device) -> torch.Generator:
+    # re-seeded at every draw, so one per device carries nothing from call to call
+    return torch.Generator(device=device)
 
 
 @torch.no_grad()
