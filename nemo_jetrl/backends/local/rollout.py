@@ -12,7 +12,6 @@ reproducible and resumable.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +64,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     2-core EPYC, every decode step), and a run is still reproducible and resumable from the
     checkpointed host state; its draws are the device's own, not the CPU run's."""
     if generator is not None and generator.device != probs.device:
-        return device_draw(probs, generator, _device_generator(probs.device))
+        # a fresh device generator each call: no state shared between runs or threads
+        return device_draw(probs, generator, torch.Generator(device=probs.device))
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -78,12 +78,6 @@ def device_draw(
     seed = int(torch.randint(SEED_HIGH, (1,), generator=host))
     device_generator.manual_seed(seed)
     return torch.multinomial(probs, 1, generator=device_generator).squeeze(-1)
-
-
-@functools.cache
-def _device_generator(device: torch.device) -> torch.Generator:
-    # re-seeded at every draw, so one per device carries nothing from call to call
-    return torch.Generator(device=device)
 
 
 @torch.no_grad()
