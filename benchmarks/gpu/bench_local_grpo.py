@@ -21,8 +21,9 @@ warm start off: random weights, so responses run to ``max_new_tokens``) for ``--
   timed with a device sync around each: the last step is instrumented and left out of the step
   time when there are 3 or more steps).
 
-The Qwen3-shaped model is a Llama config with Qwen3-0.6B's sizes (the local backend has no dense
-Qwen3 class; Qwen3's q/k RMSNorm is the one difference). ``--tiny``: the Qwen3-shaped model at
+The Qwen3-shaped model is Qwen3-0.6B's architecture and sizes (``model_type`` qwen3: q/k RMSNorm
+in every attention) with random weights; run 7 (2026-11-30) ran a Llama config of the same sizes,
+before the local backend had dense Qwen3. ``--tiny``: the Qwen3-shaped model at
 2 layers, hidden 128, and 2x2 samples per step, for a CPU smoke test
 (`tests/test_bench_scripts_cpu.py`). Exit 1 when jetrl/jetrl_kv is not exactly on-policy or a
 run failed (a failed run is printed and the others still run; ``--json`` is rewritten after every
@@ -60,14 +61,16 @@ FP32_SCALE_KEYS = (
     "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
     "policy.generation.vllm_cfg.pow2_weight_scaling_factors=false",
 )
-# Qwen3-0.6B's sizes (hidden 1024, 28 layers, 16 q / 8 kv heads of 128, MLP 3072, vocab 151936,
-# tied embeddings, rope theta 1e6): ~0.6B parameters.
+# Qwen3-0.6B's architecture and sizes (hidden 1024, 28 layers, 16 q / 8 kv heads of 128, MLP 3072,
+# vocab 151936, tied embeddings, rope theta 1e6): ~0.6B parameters.
 QWEN3_SHAPED = dict(
+    model_type="qwen3", architectures=["Qwen3ForCausalLM"],
     hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
     rope_theta=1_000_000.0, max_position_embeddings=4096,
 )  # fmt: skip
 TINY = dict(
+    model_type="qwen3", architectures=["Qwen3ForCausalLM"],
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=1, head_dim=64, vocab_size=256, tie_word_embeddings=True,
 )  # fmt: skip

@@ -1,9 +1,9 @@
-"""Make a HuggingFace Llama/Qwen2-style causal LM (dense or MoE) batch-invariant, reversibly.
+"""Make a HuggingFace Llama/Qwen2/Qwen3-style causal LM (dense or MoE) batch-invariant, reversibly.
 
 `make_batch_invariant(model)` swaps, in place and sharing every parameter (state-dict keys and
 optimizer state are untouched):
 
-- each ``*RMSNorm`` for `InvariantRMSNorm` (`ops.rms_norm`);
+- each ``*RMSNorm`` (Qwen3's per-head q/k norms too) for `InvariantRMSNorm` (`ops.rms_norm`);
 - the rotary embedding for `RotaryTable`: cos/sin computed once, by the model's own rotary
   module, for every position, then gathered (torch's ``cos``/``sin`` kernels round a tensor's
   SIMD body and its tail differently, so per-call values depend on how many positions a call has);

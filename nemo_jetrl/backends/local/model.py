@@ -3,8 +3,9 @@
 ``assets/model_config.json`` describes a 2-layer Llama (hidden 256, MLP 512, 4 query heads and 2
 KV heads of 64) whose every decoder linear has both dimensions a multiple of 128, so every one of
 them can run as a 128x128-block FP8 linear; embeddings, norms, attention math and ``lm_head`` stay
-in BF16 as in the recipe. Any Llama, Qwen2, Qwen3-MoE or Mixtral ``config.json`` can be used
-instead (``jetrl.local.model_config``; MoE blocks: `nemo_jetrl.backends.local.moe`); weights are
+in BF16 as in the recipe. Any Llama, Qwen2, Qwen3 (its per-head q/k RMSNorms made batch-invariant
+like every norm), Qwen3-MoE or Mixtral ``config.json`` can be used instead
+(``jetrl.local.model_config``; MoE blocks: `nemo_jetrl.backends.local.moe`); weights are
 initialised from a seed, never downloaded.
 """
 
@@ -20,7 +21,7 @@ from nemo_jetrl._optional import require
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 MODEL_CONFIG_JSON = ASSETS / "model_config.json"
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3_moe", "mixtral")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 def load_model_config(path: str | Path | None = None) -> Any:
