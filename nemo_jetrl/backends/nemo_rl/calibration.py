@@ -16,11 +16,15 @@
   uses the calibrated ones. Our worker overrides the iterator (one home for every refit path in
   both trees: IPC, collective, main's reshard and sparse paths) and fills in its last
   calibration whenever the caller passed none.
+- `merge_rank_amax`: the per-rank amax of a calibration merged across ranks (data and pipeline
+  parallel) by elementwise max, NaN kept: a NaN on any rank must reach the refusal
+  (`kvcache.calibration`), where Python's ``max`` would drop it (``max(5.0, nan)`` is 5.0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -83,3 +87,19 @@ def refit_kv_scales(
                 "trainer's on-policy KV uses its own):\n  - " + "\n  - ".join(wrong)
             )
     return dict(given)
+
+
+def merge_rank_amax(
+    parts: Iterable[Mapping[int, Mapping[str, float]] | None],
+) -> dict[int, dict[str, float]]:
+    """Elementwise max of every rank's ``{layer: {tensor: amax}}`` (layers a rank lacks, as
+    under pipeline parallelism, come from the ranks that have them); NaN wins over any number."""
+    out: dict[int, dict[str, float]] = {}
+    for part in parts:
+        for layer, per in (part or {}).items():
+            dst = out.setdefault(int(layer), {})
+            for t, v in per.items():
+                v, old = float(v), dst.get(t)
+                if old is None or math.isnan(v) or (not math.isnan(old) and v > old):
+                    dst[t] = v
+    return out

@@ -48,20 +48,17 @@ def _layer_offset(model: Any) -> int:
 
 
 def _merge_max(amax: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
-    """Elementwise max of per-rank amax over every rank (NeMo-RL's conservative merge)."""
+    """Elementwise max of per-rank amax over every rank (NeMo-RL's conservative merge; a NaN on
+    any rank stays NaN, `calibration.merge_rank_amax`)."""
     import torch.distributed as dist
+
+    from nemo_jetrl.backends.nemo_rl.calibration import merge_rank_amax
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return amax
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, amax)
-    out: dict[int, dict[str, float]] = {}
-    for part in gathered:
-        for layer, per in (part or {}).items():
-            dst = out.setdefault(int(layer), {})
-            for t, v in per.items():
-                dst[t] = max(dst.get(t, float("-inf")), float(v))
-    return out
+    return merge_rank_amax(gathered)
 
 
 @functools.lru_cache(maxsize=1)
