@@ -265,6 +265,13 @@ MUTANTS = [
         "for _step, d in list_checkpoints(ckpt_dir):",
         T_CKPT,
     ),
+    Mutant(  # v0.7.0's worker initializer actor then cannot import our worker class
+        "overlay put on the workers' env_vars but not on the driver's PYTHONPATH",
+        "nemo_jetrl/backends/nemo_rl/driver.py",
+        'environ["PYTHONPATH"] = venvs.with_pythonpath(here, overlay)["PYTHONPATH"]',
+        "pass",
+        ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
     Mutant(  # Python's max semantics: a rank's NaN amax replaced by the other ranks' value
         "KV calibration merge across ranks drops a NaN",
         "nemo_jetrl/backends/nemo_rl/calibration.py",

@@ -158,7 +158,8 @@ def test_bare_metal_venvs_are_nemo_rl_git_root_venvs(tmp_path):
     assert venvs.venv_dir({"NEMO_RL_VENV_DIR": "/opt/ray_venvs/"}) == Path("/opt/ray_venvs")
     # Not built yet (bare metal before NeMo-RL made them): the vLLM check waits for engine start.
     merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
-    kind, entry, lines, calls = _prep(merged, tmp_path)
+    environ = {"PYTHONPATH": "/site/a"}
+    kind, entry, lines, calls = _prep(merged, tmp_path, environ)
     assert kind == driver.SYNC and entry == MCORE_UV and calls == []
     assert any("vLLM version check deferred" in line for line in lines)
     assert merged["logger"]["log_dir"].endswith("logs/x/exp_001")
@@ -167,6 +168,10 @@ def test_bare_metal_venvs_are_nemo_rl_git_root_venvs(tmp_path):
     vllm_env = merged["policy"]["generation"]["vllm_cfg"]["env_vars"]
     assert vllm_env["PYTHONPATH"].split(os.pathsep)[0] == overlay
     assert any("during this run without nemo_jetrl" in line for line in lines)
+    # and the driver's own, which init_ray copies into every actor's environment: v0.7.0's
+    # IsolatedWorkerInitializer imports our worker class with no megatron_cfg.env_vars
+    assert environ["PYTHONPATH"] == os.pathsep.join([overlay, "/site/a"])
+    assert any("and on this driver's" in line for line in lines)
 
 
 def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
@@ -175,7 +180,9 @@ def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
         (base / fqn / "bin").mkdir(parents=True)
         (base / fqn / "bin" / "python").write_text("")
     merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
-    _, entry, _, calls = _prep(merged, tmp_path)
+    environ = {"PYTHONPATH": "/site/a"}
+    _, entry, _, calls = _prep(merged, tmp_path, environ)
+    assert environ == {"PYTHONPATH": "/site/a"}  # built venvs have nemo_jetrl: left alone
     assert entry == str(base / STOCK_POLICY_WORKER / "bin" / "python")
     assert calls == [str(base / VLLM_FQN / "bin" / "python")]  # the vLLM preflight ran
     assert not (base / POLICY_WORKER_FQN).exists()  # no venv named after our class

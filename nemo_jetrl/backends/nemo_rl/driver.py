@@ -100,7 +100,7 @@ def prepare_master(
     stock_entry: str,
     vllm_entry: str,
     vllm_patch: bool,
-    environ: Mapping[str, str],
+    environ: MutableMapping[str, str],
     next_log_dir: Any,
     preflight: Any,
     cwd: Path | None = None,
@@ -168,6 +168,12 @@ def prepare_master(
             for p in path:
                 node = node.setdefault(p, {})
             node["env_vars"] = venvs.with_pythonpath(node.get("env_vars") or {}, overlay)
+        # and on this driver's own PYTHONPATH, which init_ray hands every Ray actor of the job:
+        # NeMo-RL v0.7.0 starts the actor that imports our worker class
+        # (RayWorkerBuilder.IsolatedWorkerInitializer, worker_groups.py :493) with its
+        # py_executable alone, so it never sees megatron_cfg.env_vars (main passes PYTHONPATH)
+        here = {"PYTHONPATH": environ.get("PYTHONPATH", "")}
+        environ["PYTHONPATH"] = venvs.with_pythonpath(here, overlay)["PYTHONPATH"]
         why = (
             f"{venvs.FORCE_REBUILD_ENV}=true: NeMo-RL rebuilds its worker venvs"
             if rebuild
@@ -175,7 +181,8 @@ def prepare_master(
         )
         lines.append(
             f"{why} without nemo_jetrl; put {overlay} (nemo_jetrl + its vLLM plugin entry "
-            "point) first on the Megatron and vLLM workers' PYTHONPATH"
+            "point) first on the Megatron and vLLM workers' PYTHONPATH and on this driver's "
+            "(every Ray actor of the run inherits it)"
         )
     return kind, entry, lines
 
