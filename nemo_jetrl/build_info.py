@@ -4,13 +4,17 @@ The image is built from a copy without ``.git`` (docker/Dockerfile.dockerignore)
 comes in as the ``JETRL_COMMIT`` build argument and is written to ``COMMIT`` next to the package
 (``$JETRL_DIR/COMMIT``) and kept in the environment. Order: ``$JETRL_COMMIT``, the ``COMMIT`` file
 beside the package's source tree, ``git rev-parse`` in a source checkout, else ``unknown``.
+
+`driver_code_problem`: a Ray worker of a NeMo-RL launch checks that it imports the same nemo_jetrl
+sources as the driver (`mark_driver_code`), by digest, not by commit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from nemo_jetrl import __version__
@@ -46,3 +50,71 @@ def commit(environ: Mapping[str, str] | None = None, source: Path | None = None)
 def version_line(environ: Mapping[str, str] | None = None) -> str:
     """``nemo_jetrl 0.1.0 (commit 696f711...)``: in ``jetrl --version`` and the launch log."""
     return f"nemo_jetrl {__version__} (commit {commit(environ)})"
+
+
+# -- the same code in the driver and in every Ray worker -----------------------------------------
+
+DRIVER_CODE_ENV = "NEMO_JETRL_DRIVER_CODE"
+"""``<source digest> <package dir>`` of the driver's nemo_jetrl, set by the NeMo-RL launch before
+Ray starts (NeMo-RL's ``init_ray`` hands the driver's environment to every actor)."""
+
+
+def source_digest(package: Path | None = None) -> str:
+    """sha256 (12 hex digits) of the package's Python sources: their paths and bytes. The same for
+    a checkout and a wheel install of it (``JETRL_COMMIT`` is not: the image sets it for every
+    process, whatever code a process imports)."""
+    root = package or Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def mark_driver_code(environ: MutableMapping[str, str]) -> str:
+    """Record this process's nemo_jetrl in ``environ`` (the driver's, before ``init_ray``)."""
+    value = f"{source_digest()} {Path(__file__).resolve().parent}"
+    environ[DRIVER_CODE_ENV] = value
+    return value
+
+
+def driver_code_problem(where: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why ``where`` (a Ray worker) must not run: it imports other nemo_jetrl sources than the
+    driver that launched it; None when they are the same or no launch recorded the driver's."""
+    value = (os.environ if environ is None else environ).get(DRIVER_CODE_ENV, "").strip()
+    if not value:
+        return None
+    digest, _, driver_dir = value.partition(" ")
+    here = Path(__file__).resolve().parent
+    mine = source_digest(here)
+    if mine == digest:
+        return None
+    return (
+        f"{where} imports nemo_jetrl from {here} (sources {mine}) but the driver that launched "
+        f"it runs {driver_dir} (sources {digest}): the run would mix two versions of our recipe, "
+        "patch and checks. Ray puts the driver's working directory on every worker's sys.path "
+        "(NeMo-RL starts Ray without a working_dir), so a nemo_jetrl checkout there shadows the "
+        "installed one in the workers only. Start the driver from a directory without a "
+        "nemo_jetrl/ package, or install that checkout where the driver and the workers import "
+        "it (rebuild the image from it: docs/cluster.md 1a)"
+    )
+
+
+def shadowing_checkout(cwd: Path) -> str | None:
+    """Why a NeMo-RL launch from ``cwd`` must not start Ray: ``cwd`` holds a nemo_jetrl package
+    whose sources differ from the one this driver imports; Ray would put ``cwd`` on every
+    worker's sys.path, so the workers would run it and the driver would not."""
+    here = Path(__file__).resolve().parent
+    other = (cwd / "nemo_jetrl").resolve()
+    if other == here or not (other / "__init__.py").is_file():
+        return None
+    theirs, mine = source_digest(other), source_digest(here)
+    if theirs == mine:
+        return None
+    return (
+        f"the working directory {cwd} holds nemo_jetrl sources {theirs} ({other}), this driver "
+        f"runs {mine} ({here}). Ray puts the driver's working directory on every worker's "
+        "sys.path (NeMo-RL starts Ray without a working_dir), so the workers would import the "
+        "first and the driver the second; nothing started. Install that checkout where the "
+        "driver runs (rebuild the image from it: docs/cluster.md 1a), or check out the "
+        "installed commit, or launch from another directory"
+    )

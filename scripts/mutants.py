@@ -13,7 +13,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mutant_catalog import audit, ci, core, engines, gpu
+from mutant_catalog import audit, ci, cluster, core, engines, gpu
 
 CONTROLS = core.CONTROLS
-MUTANTS = [*core.MUTANTS, *engines.MUTANTS, *audit.MUTANTS, *gpu.MUTANTS, *ci.MUTANTS]
+MUTANTS = [
+    *core.MUTANTS,
+    *cluster.MUTANTS,
+    *engines.MUTANTS,
+    *audit.MUTANTS,
+    *gpu.MUTANTS,
+    *ci.MUTANTS,
+]

@@ -265,20 +265,6 @@ MUTANTS = [
         "for _step, d in list_checkpoints(ckpt_dir):",
         T_CKPT,
     ),
-    Mutant(  # v0.7.0's worker initializer actor then cannot import our worker class
-        "overlay put on the workers' env_vars but not on the driver's PYTHONPATH",
-        "nemo_jetrl/backends/nemo_rl/driver.py",
-        'environ["PYTHONPATH"] = venvs.with_pythonpath(here, overlay)["PYTHONPATH"]',
-        "pass",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
-    ),
-    Mutant(  # Python's max semantics: a rank's NaN amax replaced by the other ranks' value
-        "KV calibration merge across ranks drops a NaN",
-        "nemo_jetrl/backends/nemo_rl/calibration.py",
-        "if old is None or math.isnan(v) or (not math.isnan(old) and v > old):",
-        "if old is None or v > old:",
-        ("tests/backends/test_nemo_rl_calibration_merge.py",),
-    ),
     Mutant(  # the device generator's last state, not the host's draw: a resume draws otherwise
         "device sampling not seeded from the host generator",
         "nemo_jetrl/backends/local/rollout.py",

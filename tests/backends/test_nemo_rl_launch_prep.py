@@ -182,7 +182,7 @@ def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
     merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
     environ = {"PYTHONPATH": "/site/a"}
     _, entry, _, calls = _prep(merged, tmp_path, environ)
-    assert environ == {"PYTHONPATH": "/site/a"}  # built venvs have nemo_jetrl: left alone
+    assert environ["PYTHONPATH"] == "/site/a"  # built venvs have nemo_jetrl: left alone
     assert entry == str(base / STOCK_POLICY_WORKER / "bin" / "python")
     assert calls == [str(base / VLLM_FQN / "bin" / "python")]  # the vLLM preflight ran
     assert not (base / POLICY_WORKER_FQN).exists()  # no venv named after our class

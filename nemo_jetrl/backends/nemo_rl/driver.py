@@ -113,8 +113,14 @@ def prepare_master(
     from nemo_jetrl.backends.nemo_rl import venvs
     from nemo_jetrl.backends.nemo_rl.paths import PathProblem, resolve_config_paths
     from nemo_jetrl.backends.nemo_rl.translate import POLICY_WORKER_FQN, STOCK_POLICY_WORKER
+    from nemo_jetrl.build_info import mark_driver_code, shadowing_checkout
 
     kind = trainer_kind(merged)
+    shadow = shadowing_checkout(Path.cwd())  # Ray's, not ``cwd`` (where config paths resolve)
+    if shadow:
+        raise _user_error(shadow)
+    # every Ray actor inherits the driver's environment (init_ray): the workers check it
+    mark_driver_code(environ)
     try:
         lines = [f"path {c}" for c in resolve_config_paths(merged, ours, nemo_rl_dir, cwd)]
     except PathProblem as exc:

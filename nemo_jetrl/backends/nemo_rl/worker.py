@@ -74,6 +74,7 @@ def make_worker_class() -> type:
         refit_kv_scales,
     )
     from nemo_jetrl.backends.nemo_rl.translate import check_policy_env
+    from nemo_jetrl.build_info import driver_code_problem
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
     from nemo_jetrl.megatron.bf16_names import keep_bf16_by_name
@@ -81,6 +82,9 @@ def make_worker_class() -> type:
 
     class _Impl(mpw.MegatronPolicyWorkerImpl):  # type: ignore[name-defined,misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            problem = driver_code_problem("NeMo-RL's Megatron policy worker")
+            if problem:
+                raise RuntimeError(problem)
             recipe = check_policy_env(os.environ)
             if recipe.train.fp8_linears and recipe.train.scaling == "blockwise":
                 ensure_te_scale_env(recipe.train.pow2_weight_scales)

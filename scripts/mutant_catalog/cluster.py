@@ -1,0 +1,47 @@
+"""The mutants of the NeMo-RL launch's own rules, judged in the default environment: what the
+driver sets before Ray starts, what every worker checks, the KV calibration's merge across ranks
+(each found by reading NeMo-RL's and Ray's sources, 2026-12-01)."""
+
+from __future__ import annotations
+
+from mutation_check import Mutant
+
+T_DRIVER_CODE = ("tests/backends/test_nemo_rl_driver_code.py",)
+
+MUTANTS = [
+    Mutant(  # v0.7.0's worker initializer actor then cannot import our worker class
+        "overlay put on the workers' env_vars but not on the driver's PYTHONPATH",
+        "nemo_jetrl/backends/nemo_rl/driver.py",
+        'environ["PYTHONPATH"] = venvs.with_pythonpath(here, overlay)["PYTHONPATH"]',
+        "pass",
+        ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
+    Mutant(  # Python's max semantics: a rank's NaN amax replaced by the other ranks' value
+        "KV calibration merge across ranks drops a NaN",
+        "nemo_jetrl/backends/nemo_rl/calibration.py",
+        "if old is None or math.isnan(v) or (not math.isnan(old) and v > old):",
+        "if old is None or v > old:",
+        ("tests/backends/test_nemo_rl_calibration_merge.py",),
+    ),
+    Mutant(  # Ray would hand the workers the checkout, the driver runs the install
+        "a launch from a checkout with other nemo_jetrl sources is not refused",
+        "nemo_jetrl/backends/nemo_rl/driver.py",
+        "    if shadow:\n        raise _user_error(shadow)\n",
+        "",
+        T_DRIVER_CODE,
+    ),
+    Mutant(
+        "our vLLM plugin starts in a process whose nemo_jetrl is not the driver's",
+        "nemo_jetrl/vllm_patch/plugin.py",
+        "    if problem:\n        raise RuntimeError(problem)\n",
+        "",
+        T_DRIVER_CODE,
+    ),
+    Mutant(
+        "the digest of the sources leaves out their paths (a renamed module reads the same)",
+        "nemo_jetrl/build_info.py",
+        'h.update(p.relative_to(root).as_posix().encode() + b"\\0" + p.read_bytes() + b"\\0")',
+        'h.update(p.read_bytes() + b"\\0")',
+        T_DRIVER_CODE,
+    ),
+]
