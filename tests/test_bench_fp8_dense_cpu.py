@@ -7,6 +7,8 @@ stubbed or absent: no speed is claimed on CPU.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from gpu_bench_fixtures import bench_fixture  # noqa: F401  (the `bench` fixture)
@@ -133,6 +135,39 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
                  triton_split.SPLIT_TMA)  # fmt: skip
         assert after == default, name
     assert module.backend_names("auto,split-sweep") == ["auto", *module.SPLIT_SWEEP]
+
+
+def test_serving_kernel_keeps_the_other_rows_when_one_variant_fails(bench, monkeypatch, capsys):
+    """A variant that fails on the GPU (say a TMA descriptor the driver refuses) is a FAILED row
+    naming the error; the BF16 time and every other variant are still measured and printed as
+    each finishes (timing stubbed; no kernel runs)."""
+    from nemo_jetrl.fp8 import triton_split
+
+    module = bench("bench_serving_kernel")
+    import bench_fp8_linear
+
+    monkeypatch.setattr(bench_fp8_linear, "layer_shapes", lambda model: [("o", 128, 256)])
+    monkeypatch.setattr(module, "serving_fns", lambda x, ws, pow2, plain=None: (
+        lambda: None, lambda: None, "reference" if plain in (None, "auto") else plain))  # fmt: skip
+
+    def timed(fn, **kw):
+        if triton_split.SPLIT_TMA:
+            raise RuntimeError("cuTensorMapEncodeTiled failed\nmore detail")
+        return 1.0
+
+    monkeypatch.setattr(module._common, "bench_ms", timed)
+    argv = ["--device", "cpu", "--tokens", "1", "--backends", "auto,triton_splitk:a:a:3:tma,"
+            "triton_splitk", "--no-pow2"]  # fmt: skip
+    rows = module.run(module.build_parser().parse_args(argv))
+    assert [r["backend"] for r in rows] == ["reference", "triton_splitk:a:a:3:tma", "triton_splitk"]
+    assert rows[1]["target"] == "FAILED (RuntimeError: cuTensorMapEncodeTiled failed)"
+    assert math.isnan(rows[1]["speedup"]) and rows[1]["bf16_ms"] == 1.0
+    assert rows[0]["speedup"] == rows[2]["speedup"] == 1.0
+    out = capsys.readouterr().out
+    assert "# M=1 triton_splitk:a:a:3:tma: nanx BF16, FAILED (RuntimeError" in out
+    assert out.count("# M=1 ") == 3
+    with pytest.raises(SystemExit, match="modes are"):  # a bad argument still stops the run
+        module.run(module.build_parser().parse_args([*argv[:4], "--backends", "triton_splitk:9"]))
 
 
 def test_quantizer_targets_say_met_or_not_met(bench):

@@ -295,6 +295,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "serve_triton_ms": serve["triton"],
                 }
             )
+            # each shape as it is measured: a step that runs out of time keeps what it timed
+            print(f"# {model} {name}: {bf16 / fp8:.3f}x BF16; host {host:.3f} ms, GPU {gpu:.3f} ms",
+                  flush=True)  # fmt: skip
     return rows
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from functools import partial
 
@@ -159,24 +160,26 @@ def run(args: argparse.Namespace) -> list[dict]:
         bf16_ms = sum(bench(serving_fns(x, [w], args.pow2)[0]) for x, w in pairs)
         for name in backend_names(args.backends):
             fp8_ms, backend = 0.0, ""
-            with splitk_modes(name) as plain:
-                for x, w in pairs:
-                    _, fp8, backend = serving_fns(x, [w], args.pow2, plain)
-                    fp8_ms += bench(fp8)
-            backend += name[len(plain) :]
-            speedup = bf16_ms / fp8_ms
-            rows.append(
-                {
-                    "M": m,
-                    "backend": backend,
-                    "bf16_ms": bf16_ms,
-                    "fp8_ms": fp8_ms,
-                    "speedup": speedup,
-                    "bf16_TBps": 2 * weight_bytes / bf16_ms / 1e9,
-                    "fp8_TBps": weight_bytes / fp8_ms / 1e9,
-                    "target": verdict(m, speedup),
-                }
-            )
+            row = {"M": m, "backend": name, "bf16_ms": bf16_ms,
+                   "bf16_TBps": 2 * weight_bytes / bf16_ms / 1e9}  # fmt: skip
+            try:
+                with splitk_modes(name) as plain:
+                    for x, w in pairs:
+                        _, fp8, backend = serving_fns(x, [w], args.pow2, plain)
+                        fp8_ms += bench(fp8)
+            except Exception as exc:  # a variant that fails costs its own row, not the sweep's
+                why = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+                row |= {"fp8_ms": math.nan, "speedup": math.nan, "fp8_TBps": math.nan,
+                        "target": f"FAILED ({why})"}  # fmt: skip
+            else:
+                row["backend"] = backend + name[len(plain) :]
+                speedup = bf16_ms / fp8_ms
+                row |= {"fp8_ms": fp8_ms, "speedup": speedup,
+                        "fp8_TBps": weight_bytes / fp8_ms / 1e9, "target": verdict(m, speedup)}  # fmt: skip
+            rows.append(row)
+            # each row as it is measured: a step that runs out of time keeps what it timed
+            print(f"# M={m} {row['backend']}: {row['speedup']:.3f}x BF16, {row['target']}",
+                  flush=True)  # fmt: skip
     return rows
 
 
