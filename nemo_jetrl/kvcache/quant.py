@@ -61,20 +61,37 @@ def _check_kernel(kernel: str) -> None:
 def scale_tensor(
     scale: float | torch.Tensor, device: torch.device | str = "cpu", name: str = "scale"
 ) -> torch.Tensor:
-    """A KV scale as a 0-d fp32 tensor on ``device``; refuses non-finite or non-positive ones."""
-    s = torch.as_tensor(scale, dtype=torch.float32, device=device)
-    if s.numel() != 1:
+    """A KV scale as a 0-d fp32 tensor on ``device``; refuses non-finite or non-positive ones.
+
+    Never waits for a GPU: a Python number is checked on the host and written by a fill kernel
+    (no host-to-device copy); a tensor on a GPU is checked there (``torch._assert_async``), so
+    the trainer's on-policy KV costs no sync per attention call. The scale stays a tensor on
+    ``x``'s device: CUDA divides by a CPU scalar as a multiply by its reciprocal, which is not
+    vLLM's ``x / s``."""
+    if not isinstance(scale, torch.Tensor):
+        value = float(scale)
+        _check_value(value, name)
+        return torch.full((), value, dtype=torch.float32, device=device)
+    if scale.numel() != 1:
         raise ValueError(
-            f"{name}: a per-tensor KV scale must be one number, got shape {tuple(s.shape)}"
+            f"{name}: a per-tensor KV scale must be one number, got shape {tuple(scale.shape)}"
         )
-    s = s.reshape(())
-    value = float(s)
+    s = scale.to(device=device, dtype=torch.float32).reshape(())
+    if s.device.type == "cpu":
+        _check_value(float(s), name)
+    else:
+        torch._assert_async(
+            (s > 0.0) & torch.isfinite(s), f"{name}: a KV scale must be a finite positive number"
+        )
+    return s
+
+
+def _check_value(value: float, name: str) -> None:
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(
             f"{name}={value!r}: a KV scale must be a finite positive number "
             "(recalibrate, or keep the previous scale)"
         )
-    return s
 
 
 def quantize_kv(

@@ -59,17 +59,35 @@ class MegatronKVState(KVQuantState):
     """Calls seen per layer (diagnostics and tests)."""
 
 
+AUXILIARY_TOWERS = ("mtp", "vision_model")
+"""Submodules whose attention is not the language decoder's KV cache, so never hooked: the
+multi-token-prediction layers (``mtp.layers.N.transformer_layer...`` in Megatron-Core 0.16,
+``mtp.layers.N.mtp_model_layer...`` later; a draft head, not the policy's logprobs) and a vision
+tower (Megatron-Bridge's Qwen3-VL/Qwen3.5 ``vision_model.decoder.layers.N``, whose indices would
+collide with the language model's ``language_model.decoder.layers.N``)."""
+
+
 def core_attention_modules(
     model: torch.nn.Module, *, layer_offset: int = 0
 ) -> list[tuple[int, str, torch.nn.Module]]:
-    """``(global layer index, module name, module)`` of every core attention in ``model``."""
-    out = []
+    """``(global layer index, module name, module)`` of every core attention of the language
+    decoder in ``model`` (`AUXILIARY_TOWERS` left out); one module per layer index."""
+    out: list[tuple[int, str, torch.nn.Module]] = []
+    seen: dict[int, str] = {}
     for name, mod in model.named_modules():
         if not name.endswith(CORE_ATTENTION_SUFFIX):
+            continue
+        if any(part in AUXILIARY_TOWERS for part in name.split(".")):
             continue
         layer = names.layer_index_from_megatron(name, layer_offset=layer_offset)
         if layer is None:
             raise ValueError(f"cannot read the decoder layer index from module name {name!r}")
+        if layer in seen:
+            raise ValueError(
+                f"decoder layer {layer} has two core attentions, {seen[layer]!r} and {name!r}: "
+                "one KV scale per layer cannot serve both"
+            )
+        seen[layer] = name
         out.append((layer, name, mod))
     return out
 

@@ -203,3 +203,32 @@ def test_cuda_write_divides_once_like_vllms_cache_kernel():
         recip = (x * torch.reciprocal(torch.tensor(s))).clamp(-448, 448).to(torch.float8_e4m3fn)
         differ += int((recip.view(torch.uint8) != ref).sum())
     assert differ > 0  # the inputs tell the two rules apart
+
+
+def test_scales_never_read_a_tensor_back_to_the_host() -> None:
+    """The trainer's on-policy KV calls this for K and V of every layer in every micro-batch: a
+    read of a GPU tensor (``float(s)``, found by reading, 2026-12-01: 2-3 syncs a call) stalls
+    the host each time. A Python scale is checked on the host and filled on the device; a
+    tensor scale off the CPU is checked there (on ``meta`` here, as a GPU's would be)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:  # no autograd (scoring, calibration): a Python scale end to end
+        fake_quantize_kv(torch.randn(4, 8), 0.03125)
+    assert "_local_scalar_dense" not in ops.names and "full" in ops.names, ops.names
+    xm = torch.empty(4, 8, device="meta").requires_grad_(True)
+    with Ops() as ops:  # the trainer's straight-through path, its scale made on x's device
+        out = fake_quantize_kv_ste(xm, 0.5)
+        out.sum().backward()
+    assert out.device.type == "meta" and xm.grad is not None
+    assert "_local_scalar_dense" not in ops.names and "_assert_async" in ops.names, ops.names
+    with pytest.raises(ValueError, match="finite positive"):  # a CPU tensor: checked at once
+        scale_tensor(torch.tensor(float("nan")))
