@@ -177,3 +177,23 @@ def test_the_check_passes_keywords_only_as_nemo_rls_worker_group_requires():
     }
     with pytest.raises(AssertionError, match=POSITIONAL_REFUSED):
         group.run_all_workers_single_data("__ray_call__", ec.check_in_generation_worker)
+
+
+def test_deepgemm_ue8m0_requantization_is_off_for_our_rollouts():
+    """NeMo-RL's FP8 weight loading (``precision: fp8``, both trees) ends in DeepGEMM's
+    post-processing on Hopper and Blackwell, which with vLLM's default
+    ``VLLM_USE_DEEP_GEMM_E8M0=1`` re-quantizes every FP8 weight in place to UE8M0 scales (found
+    by reading NeMo-RL's ``fp8.py`` and vLLM's ``fp8_utils``, 2026-12-01; the CPU builds have no
+    DeepGEMM, so no CPU run could show it). The launch turns it off with our patch; a config that
+    turns it on is refused before Ray, naming the key; without our patch nothing is set."""
+    assert ENV["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    assert "VLLM_USE_DEEP_GEMM_E8M0" not in _vllm_env({}, None)  # no patch: NeMo-RL's as it is
+    assert ec.worker_env_problems({"VLLM_USE_DEEP_GEMM_E8M0": "1"}, ENV, True) == []  # ours win
+    user = {"policy": {"generation": {"vllm_cfg": {"env_vars": {"VLLM_USE_DEEP_GEMM_E8M0": "1"}}}}}
+    env = {**_vllm_env(user, PATCH), "VLLM_USE_DEEP_GEMM_E8M0": "1"}  # the config's, merged
+    assert "VLLM_USE_DEEP_GEMM_E8M0" not in _vllm_env(user, PATCH)  # the config's value is kept
+    (problem,) = ec.worker_env_problems({}, env, True)
+    assert problem.startswith("VLLM_USE_DEEP_GEMM_E8M0=1 (set by policy.generation.vllm_cfg")
+    assert "re-quantizes every FP8 weight" in problem
+    ok = {**env, "VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    assert ec.worker_env_problems({}, ok, True) == []

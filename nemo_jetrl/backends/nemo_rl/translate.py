@@ -68,6 +68,8 @@ STOCK_POLICY_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.Mega
 POLICY_WORKER_FQN = "nemo_jetrl.backends.nemo_rl.worker.JetrlMegatronPolicyWorker"
 RECIPE_ENV = "NEMO_JETRL_RECIPE"
 VLLM_PATCH_ENV = "NEMO_JETRL_VLLM_PATCH"
+DEEP_GEMM_E8M0_ENV = "VLLM_USE_DEEP_GEMM_E8M0"
+"""vLLM's switch for re-quantizing block-FP8 weights to UE8M0 scales at load (default on)."""
 # The master config's key for the run's identity (logged by NeMo-RL as hparams ``jetrl.*``).
 IDENTITY_KEY = "jetrl"
 
@@ -326,6 +328,13 @@ def _vllm_env(config: Mapping[str, Any], patch_json: str | None) -> dict[str, st
         from nemo_jetrl.backends.nemo_rl.vllm_refit import refit_hook_env
 
         vllm_env[VLLM_PATCH_ENV] = patch_json
+        # NeMo-RL's FP8 weight loading (precision: fp8) ends in DeepGEMM's post-processing on
+        # Hopper/Blackwell, which with vLLM's default E8M0=1 re-quantizes every FP8 weight in
+        # place to power-of-two UE8M0 scales: the engine would not hold the trainer's weights.
+        # A value the config sets is left for `engine_check.worker_env_problems` to judge.
+        user = _get(config, "policy.generation.vllm_cfg.env_vars", None) or {}
+        if DEEP_GEMM_E8M0_ENV not in user:
+            vllm_env[DEEP_GEMM_E8M0_ENV] = "0"
         # NeMo-RL's vLLM refit then quantizes with ours and checks parity (vllm_refit.py).
         if _get(config, "jetrl.refit_hook", True) is not False:
             parity = _get(config, "jetrl.refit_parity_check", True)
