@@ -9,6 +9,7 @@ from worker_group_shape import POSITIONAL_REFUSED, CallShapeWorkerGroup, get_rai
 
 from nemo_jetrl.backends.nemo_rl import engine_check as ec
 from nemo_jetrl.backends.nemo_rl.translate import _vllm_env, _vllm_patch_json
+from nemo_jetrl.backends.nemo_rl.worker_env import worker_env_problems
 from nemo_jetrl.recipe import Recipe
 from nemo_jetrl.vllm_patch.settings import PatchSettings
 
@@ -188,12 +189,49 @@ def test_deepgemm_ue8m0_requantization_is_off_for_our_rollouts():
     turns it on is refused before Ray, naming the key; without our patch nothing is set."""
     assert ENV["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
     assert "VLLM_USE_DEEP_GEMM_E8M0" not in _vllm_env({}, None)  # no patch: NeMo-RL's as it is
-    assert ec.worker_env_problems({"VLLM_USE_DEEP_GEMM_E8M0": "1"}, ENV, True) == []  # ours win
+    assert worker_env_problems({"VLLM_USE_DEEP_GEMM_E8M0": "1"}, ENV, True) == []  # ours win
     user = {"policy": {"generation": {"vllm_cfg": {"env_vars": {"VLLM_USE_DEEP_GEMM_E8M0": "1"}}}}}
     env = {**_vllm_env(user, PATCH), "VLLM_USE_DEEP_GEMM_E8M0": "1"}  # the config's, merged
     assert "VLLM_USE_DEEP_GEMM_E8M0" not in _vllm_env(user, PATCH)  # the config's value is kept
-    (problem,) = ec.worker_env_problems({}, env, True)
+    (problem,) = worker_env_problems({}, env, True)
     assert problem.startswith("VLLM_USE_DEEP_GEMM_E8M0=1 (set by policy.generation.vllm_cfg")
     assert "re-quantizes every FP8 weight" in problem
     ok = {**env, "VLLM_USE_DEEP_GEMM_E8M0": "0"}
-    assert ec.worker_env_problems({}, ok, True) == []
+    assert worker_env_problems({}, ok, True) == []
+
+
+def test_an_fp8_kv_cache_on_flashinfer_is_refused_naming_the_backend_knob():
+    """FlashInfer folds the K/V scales it first sees into its own bmm1/bmm2 scales (and its CUDA
+    graphs hold them), so the scales a refit sends are never used (found by reading vLLM
+    0.20/0.25/0.32's FlashInfer backend, 2026-12-01). The worker reports the attention
+    implementation of every layer with an FP8 KV cache; FlashAttention reads the scale tensors
+    at every call."""
+    flash = {**report(), "fp8_kv_attention": ["FlashInferImpl"]}
+    with pytest.raises(ec.EngineNotProven) as ei:
+        ec.judge([report(), flash], PATCH, True)
+    msg = str(ei.value)
+    assert "worker 1: FP8 KV cache on FlashInfer attention (FlashInferImpl)" in msg
+    assert "VLLM_ATTENTION_BACKEND" in msg and "worker 0" not in msg
+    ok = {**report(), "fp8_kv_attention": ["FlashAttentionImpl"]}
+    assert ec.judge([ok], PATCH, True)["workers"] == 1
+
+
+def test_the_fp8_kv_attention_report_reads_each_layers_cache_dtype():
+    from torch import nn
+
+    class FlashInferImpl:
+        pass
+
+    class FlashAttentionImpl:
+        pass
+
+    def attn(dtype: str, impl: type) -> nn.Module:
+        m = nn.Module()
+        m.kv_cache_dtype, m.impl = dtype, impl()
+        return m
+
+    model = nn.ModuleList([attn("fp8_e4m3", FlashAttentionImpl), attn("auto", FlashInferImpl),
+                           attn("fp8", FlashAttentionImpl), nn.Linear(2, 2)])  # fmt: skip
+    assert ec.fp8_kv_attention_impls(model) == ["FlashAttentionImpl"]
+    model.append(attn("fp8", FlashInferImpl))
+    assert ec.fp8_kv_attention_impls(model) == ["FlashAttentionImpl", "FlashInferImpl"]

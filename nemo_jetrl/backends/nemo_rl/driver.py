@@ -130,8 +130,8 @@ def prepare_master(
     lines.append(line)
     vllm_py = venvs.venv_python(venv_base, venvs.VLLM_WORKER)
     if vllm_patch:
-        from nemo_jetrl.backends.nemo_rl.engine_check import worker_env_problems
         from nemo_jetrl.backends.nemo_rl.vllm_refit import ENV_VAR as HOOK_ENV
+        from nemo_jetrl.backends.nemo_rl.worker_env import worker_env_problems
 
         vllm_cfg = ((merged.get("policy") or {}).get("generation") or {}).get("vllm_cfg") or {}
         env_vars = vllm_cfg.get("env_vars") or {}

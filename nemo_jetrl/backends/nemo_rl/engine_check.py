@@ -16,7 +16,11 @@ every vLLM worker of its engine (``collective_rpc`` with `worker_status`, a plai
 * the kernel of each block-FP8 linear (``guard.layer_kernel_report``), judged by the guard's
   own rule (``guard.kernel_problems``, as ``verify_engine_kernels`` does for the local engine);
 * whether our refit hook is installed and in effect (``vllm_refit._PLUGIN_HANDLE``);
-* which of our entry points this worker's Python has, and the variables that decide them.
+* which of our entry points this worker's Python has, and the variables that decide them;
+* the attention implementation of each layer with an FP8 KV cache: FlashInfer folds the K/V
+  scales it first sees into its own and never reads a refit's (`_kv_backend_problem`).
+
+The same variables are judged before Ray starts, from the config (`worker_env`).
 
 Each vLLM worker prints ``nemo_jetrl: plugin loaded in vLLM worker ...`` in its own log; the
 actor prints ``nemo_jetrl: plugin loaded ... kernel serves N/N FP8 linears, refit hook
@@ -87,6 +91,7 @@ def worker_status(worker: Any) -> dict[str, Any]:
         ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP) if ep.name in ENTRY_POINTS
     }
     report["python"] = sys.executable
+    report["fp8_kv_attention"] = fp8_kv_attention_impls(model)
     for name, info in report["layers"].items():  # experts this engine holds, for the line
         if info.get("moe"):
             info["experts"] = int(model.get_submodule(name).w13_weight.shape[0])
@@ -97,6 +102,27 @@ def worker_status(worker: Any) -> dict[str, Any]:
         flush=True,
     )
     return report
+
+
+def fp8_kv_attention_impls(model: Any) -> list[str]:
+    """The attention implementations (class names) of the layers whose KV cache is FP8."""
+    return sorted({
+        type(m.impl).__name__ for m in model.modules()
+        if hasattr(m, "impl") and str(getattr(m, "kv_cache_dtype", "")).startswith("fp8")
+    })  # fmt: skip
+
+
+def _kv_backend_problem(report: Mapping[str, Any], rank: int) -> str | None:
+    flash = [n for n in report.get("fp8_kv_attention", []) if n.startswith("FlashInfer")]
+    if not flash:
+        return None
+    return (
+        f"worker {rank}: FP8 KV cache on FlashInfer attention ({', '.join(flash)}): FlashInfer "
+        "folds the K/V scales it first sees into its own (bmm1/bmm2 scales, held by the CUDA "
+        "graphs too), so the scales each refit sends would not be used: set "
+        "policy.generation.vllm_cfg.env_vars.VLLM_ATTENTION_BACKEND to a backend that reads "
+        "them at every call (FLASH_ATTN on Hopper), or keep the KV cache BF16 (recipe jetrl)"
+    )
 
 
 SERVED_KEYS = ("linears", "linears_ours", "expert_layers", "expert_layers_ours", "experts")
@@ -125,54 +151,6 @@ def serves_text(counts: Mapping[str, int]) -> str:
             f"({counts['experts']} experts)"
         )
     return text
-
-
-def _listed(value: str | None) -> list[str] | None:
-    """A comma-separated vLLM variable as vLLM parses it (None: unset)."""
-    return None if value is None else [p.strip() for p in value.split(",") if p.strip()]
-
-
-def _truthy(value: str | None) -> bool:
-    """A vLLM boolean variable as vLLM reads it (unset: False here; "0"/"false": False)."""
-    return value is not None and value.strip().lower() not in ("", "0", "false")
-
-
-def worker_env_problems(
-    environ: Mapping[str, str], env_vars: Mapping[str, Any], hook_expected: bool
-) -> list[str]:
-    """Before Ray: what the vLLM workers' environment (this process's, which NeMo-RL's worker
-    groups copy, under ``policy.generation.vllm_cfg.env_vars``) would do to our plugins and
-    kernel. Each problem names the variable and where it was set."""
-    from nemo_jetrl.backends.nemo_rl.translate import DEEP_GEMM_E8M0_ENV, VLLM_PATCH_ENV
-    from nemo_jetrl.vllm_patch.guard import env_problems
-    from nemo_jetrl.vllm_patch.settings import KERNEL_NAME
-
-    def where(key: str) -> tuple[str | None, str]:
-        if key in env_vars:
-            return str(env_vars[key]), f"policy.generation.vllm_cfg.env_vars.{key}"
-        return environ.get(key), f"{key} in the launch environment"
-
-    plugins, p_src = where("VLLM_PLUGINS")
-    disabled, d_src = where("VLLM_DISABLED_KERNELS")
-    out = [
-        f"{msg} (set by {p_src if msg.startswith('VLLM_PLUGINS') else d_src})"
-        for msg in env_problems(KERNEL_NAME, _listed(plugins), _listed(disabled) or [])
-    ]
-    e8m0, e_src = where(DEEP_GEMM_E8M0_ENV)
-    if VLLM_PATCH_ENV in env_vars and _truthy(e8m0):
-        out.append(
-            f"{DEEP_GEMM_E8M0_ENV}={e8m0} (set by {e_src}): on Hopper and Blackwell NeMo-RL's FP8 "
-            "weight loading (precision: fp8) then re-quantizes every FP8 weight in the engine "
-            "to DeepGEMM's UE8M0 scales, so the rollout would not run the trainer's weights "
-            "(the refit parity check fails at the first refit): remove it (the launch sets 0)"
-        )
-    listed = _listed(plugins)
-    if hook_expected and listed is not None and REFIT_PLUGIN not in listed:
-        out.append(
-            f"VLLM_PLUGINS={plugins!r} does not list {REFIT_PLUGIN!r} (set by {p_src}), so "
-            "NeMo-RL's refit would quantize with its own code: add it or unset VLLM_PLUGINS"
-        )
-    return out
 
 
 def entry_point_problems(have: Mapping[str, str], python: str) -> list[str]:
@@ -238,6 +216,8 @@ def judge(
     for rank, rep in enumerate(reports):
         problems += _entry_point_problems(rep, rank)
         if hook_expected and (p := _hook_problem(rep, rank)):
+            problems.append(p)
+        if p := _kv_backend_problem(rep, rank):
             problems.append(p)
     problems += kernel_problems(list(reports), settings, kernel_name)
     total = sum(len(r.get("layers", {})) for r in reports)

@@ -331,7 +331,7 @@ def _vllm_env(config: Mapping[str, Any], patch_json: str | None) -> dict[str, st
         # NeMo-RL's FP8 weight loading (precision: fp8) ends in DeepGEMM's post-processing on
         # Hopper/Blackwell, which with vLLM's default E8M0=1 re-quantizes every FP8 weight in
         # place to power-of-two UE8M0 scales: the engine would not hold the trainer's weights.
-        # A value the config sets is left for `engine_check.worker_env_problems` to judge.
+        # A value the config sets is left for `worker_env.worker_env_problems` to judge.
         user = _get(config, "policy.generation.vllm_cfg.env_vars", None) or {}
         if DEEP_GEMM_E8M0_ENV not in user:
             vllm_env[DEEP_GEMM_E8M0_ENV] = "0"
