@@ -193,9 +193,29 @@ def build_engine_kwargs(
         notes.append(
             "hf_overrides: your callable runs first, then the recipe's quantization_config"
         )
+    extra = merged.get("additional_config") or {}
+    if not isinstance(extra, Mapping):
+        conflicts.append(
+            f"additional_config: expected a dict, got {type(extra).__name__} (nemo_jetrl adds "
+            "its kernel settings to it: vLLM hashes it into its compile-cache key)"
+        )
+    elif settings.fp8_weights or settings.fp8_kv_cache:
+        merged["additional_config"] = {**extra, **settings_cache_key(settings.to_json())}
     if conflicts:
         raise EngineArgsConflict(
             "vLLM engine kwargs conflict with the recipe (change or remove these keys, or change "
             "the recipe):\n  - " + "\n  - ".join(conflicts)
         )
     return EngineKwargs(kwargs=merged, notes=tuple(notes), settings=settings)
+
+
+CACHE_KEY = "nemo_jetrl_kernel_settings"
+
+
+def settings_cache_key(settings_json: str) -> dict[str, str]:
+    """Our entry of vLLM's ``additional_config``: the patch settings, which vLLM hashes into the
+    key of its torch.compile cache. Our ops take the scale mode and eps as constants of the traced
+    graph, so without them a compiled graph of another recipe (pow2 vs FP32 scales) on the same
+    model would be loaded from the cache and run its quantizer mode (found by reading vLLM's
+    ``VllmConfig.compute_hash`` and compile cache, 2026-12-01)."""
+    return {CACHE_KEY: settings_json}

@@ -53,6 +53,9 @@ def test_translate_jetrl_kv_config():
     assert ps.kv_cache_dtype == "fp8"
     assert plan.workers.policy_worker_fqn == nt.POLICY_WORKER_FQN
     assert dict(plan.workers.policy_env) == {k: env[k] for k in plan.workers.policy_env}
+    # the settings reach vLLM's compile-cache key (vllm_patch.engine_args.settings_cache_key)
+    extra = mc["policy"]["generation"]["vllm_kwargs"]["additional_config"]
+    assert extra == {"nemo_jetrl_kernel_settings": vc["env_vars"][nt.VLLM_PATCH_ENV]}
 
 
 def test_translate_bf16_config_turns_fp8_off_and_sets_no_patch():
@@ -69,7 +72,8 @@ def test_translation_problems_are_collected_with_keys():
         train=recipe.train.with_(bf16_first_layers=1),
         kv_calibration=dataclass_replace(recipe.kv_calibration, mask="response"),
     )
-    cfg = {"policy": {"megatron_cfg": {"enabled": False}, "generation": {"backend": "sglang"}}}
+    gen = {"backend": "sglang", "vllm_kwargs": {"additional_config": "x"}}
+    cfg = {"policy": {"megatron_cfg": {"enabled": False}, "generation": gen}}
     with pytest.raises(nt.TranslationError) as ei:
         nt.translate(cfg, recipe, num_layers=36)
     keys = [k for k, _ in ei.value.problems]
@@ -78,10 +82,9 @@ def test_translation_problems_are_collected_with_keys():
         "policy.generation.backend",
         "jetrl.train_num_first_layers_in_bf16",
         "jetrl.kv_calibration.mask",
+        "policy.generation.vllm_kwargs.additional_config",  # must be a dict: ours is added
     ]
-    assert cfg == {
-        "policy": {"megatron_cfg": {"enabled": False}, "generation": {"backend": "sglang"}}
-    }
+    assert cfg == {"policy": {"megatron_cfg": {"enabled": False}, "generation": gen}}
 
 
 def dataclass_replace(obj, **kw):

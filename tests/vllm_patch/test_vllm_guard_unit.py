@@ -92,6 +92,28 @@ def _ep(value: str, name: str = PLUGIN_NAME) -> EntryPoint:
     return EntryPoint(name=name, value=value, group=PLUGIN_GROUP)
 
 
+def test_the_kernel_settings_reach_vllms_compile_cache_key():
+    """vLLM keys its torch.compile cache on ``VllmConfig.compute_hash``, which hashes
+    ``additional_config`` but neither ``hf_overrides`` nor our settings variable; our ops take the
+    scale mode and eps as constants of the traced graph. So the settings go into
+    ``additional_config`` (a user's own entries kept): a pow2 and an FP32-scale engine of one
+    model get two cache entries (found by reading vLLM's compile cache, 2026-12-01)."""
+    from nemo_jetrl.vllm_patch.engine_args import CACHE_KEY
+
+    pow2 = build_engine_kwargs(JETRL, {"additional_config": {"mine": 1}}).kwargs
+    fp32_recipe = Recipe.preset("jetrl").with_(
+        train=JETRL.train.with_(pow2_weight_scales=False),
+        rollout=JETRL.rollout.with_(pow2_weight_scales=False, pow2_activation_scales=False),
+    )
+    fp32 = build_engine_kwargs(fp32_recipe).kwargs
+    assert pow2["additional_config"]["mine"] == 1
+    assert pow2["additional_config"][CACHE_KEY] == settings_from_recipe(JETRL).to_json()
+    assert fp32["additional_config"][CACHE_KEY] != pow2["additional_config"][CACHE_KEY]
+    assert "additional_config" not in build_engine_kwargs(Recipe.preset("bf16")).kwargs
+    with pytest.raises(EngineArgsConflict, match="additional_config: expected a dict, got str"):
+        build_engine_kwargs(JETRL, {"additional_config": "x"})
+
+
 def test_plugin_entry_point_present_and_loadable():
     assert plugin_problems([_ep(PLUGIN_TARGET), _ep("other.mod:f", name="other")]) == []
 

@@ -181,6 +181,12 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
         _set(cfg, f"policy.generation.vllm_cfg.{k}", v)
     vllm_env = _vllm_env(config, patch_json)
     _merge_env(cfg, "policy.generation.vllm_cfg.env_vars", vllm_env)
+    if patch_json is not None:
+        from nemo_jetrl.vllm_patch.engine_args import settings_cache_key
+
+        extra = _get(cfg, "policy.generation.vllm_kwargs.additional_config", None) or {}
+        _set(cfg, "policy.generation.vllm_kwargs.additional_config",
+             {**extra, **settings_cache_key(patch_json)})  # fmt: skip
 
     workers = WorkerSetup(
         policy_env=policy_env,
@@ -293,6 +299,13 @@ def _patch_json_or_problem(
     for msg in engine_arg_problems(vllm_kwargs if isinstance(vllm_kwargs, Mapping) else {}):
         key, _, why = msg.partition(": ")  # "<key>: you set ..."
         problems.append((f"policy.generation.vllm_kwargs.{key}", why))
+    extra = vllm_kwargs.get("additional_config") if isinstance(vllm_kwargs, Mapping) else None
+    if extra is not None and not isinstance(extra, Mapping):
+        problems.append((
+            "policy.generation.vllm_kwargs.additional_config",
+            "must be a dict: nemo_jetrl adds its kernel settings to it (vLLM hashes it into "
+            "its compile-cache key)",
+        ))  # fmt: skip
     try:
         return _vllm_patch_json(recipe, num_layers)
     except ValueError as exc:
