@@ -23,10 +23,9 @@ vLLM's own kernels ``q = x / RN(amax/448)``. With power-of-two scales both are e
 differently (measured: 28% of dequantized activations, 23% of weights differ). So FP32 scales
 are on-policy only when our vLLM patch supplies TE's formula to vLLM.
 
-Edges are produced by *builders* (functions ``(arch, recipe, phase) -> list[Edge]``); the KV
-cache edges are one builder, so other parts can pass extra builders (e.g. a Q edge for FP8
-attention) without editing this module. The graph types and builders live in
-`nemo_jetrl.flow.graph` and are re-exported here.
+Edges come from *builders* (``(arch, recipe, phase) -> list[Edge]``; the KV cache edges are
+one), so other parts can pass extra ones (a Q edge for FP8 attention) without editing this
+module. The graph types and builders live in `nemo_jetrl.flow.graph`, re-exported here.
 """
 
 from __future__ import annotations
@@ -273,6 +272,9 @@ def _compare_formulas(train: Precision, roll: Precision, is_weight: bool) -> tup
 
 
 def _compare_kv(train: Precision, roll: Precision, recipe: Recipe) -> tuple | None:
+    if roll.is_fp8 and not train.is_fp8 and train.why:  # on-policy KV cannot apply (MLA)
+        return (f"the rollout's KV cache is FP8 but {train.why}", (S.VLLM_KV_DTYPE,),
+                (f"{S.VLLM_KV_DTYPE}=auto",), "always")  # fmt: skip
     if roll.is_fp8 and not train.is_fp8:
         return (
             "the rollout's KV cache is FP8 but the trainer's attention uses BF16 K/V: attention "

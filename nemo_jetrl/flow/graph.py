@@ -23,6 +23,7 @@ whose FP8 linears run every product as the recipe says.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -335,7 +336,22 @@ def hf_linear_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
     return linear_edges(arch, recipe, phase, rollout_engine="hf")
 
 
-DEFAULT_BUILDERS: tuple[EdgeBuilder, ...] = (bf16_edges, linear_edges, kv_edges)
+MLA_KV_WHY = (
+    "vLLM's MLA cache holds the compressed latent and the rotary key (one k_scale), while the "
+    "trainer's attention sees per-head K/V after kv_b_proj: no trainer-side quantization can "
+    "match it, and scales calibrated on per-head K/V would be other numbers"
+)
+
+
+def vllm_kv_edges(arch: ModelArch, recipe: Recipe, phase: str) -> list[Edge]:
+    """`kv_edges` for a vLLM rollout: an FP8 cache of latent attention (MLA) has no trainer side."""
+    out = kv_edges(arch, recipe, phase)
+    if arch.mla is None or phase != "train_fwd" or not recipe.kv_fp8:
+        return out
+    return [dataclasses.replace(e, precision=Precision("bf16", why=MLA_KV_WHY)) for e in out]
+
+
+DEFAULT_BUILDERS: tuple[EdgeBuilder, ...] = (bf16_edges, linear_edges, vllm_kv_edges)
 HF_ROLLOUT_BUILDERS: tuple[EdgeBuilder, ...] = (bf16_edges, hf_linear_edges, kv_edges)
 
 

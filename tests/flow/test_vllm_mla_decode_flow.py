@@ -116,3 +116,28 @@ def test_jetrl_train_on_the_local_hf_rollout_is_not_refused_for_vllms_mla_decode
         assert (why is not None) is refused, why
         if refused:
             assert "kv_b_proj" in why
+
+
+def test_an_fp8_kv_cache_of_latent_attention_has_no_trainer_side_on_vllm():
+    """vLLM's MLA cache holds the compressed latent and the rotary key with one k_scale; the
+    trainer's attention (Megatron's core_attention, HF's) sees per-head K/V after kv_b_proj, so
+    on-policy KV and its calibration would describe other tensors (found by reading Megatron-Core
+    0.16's MLA and vLLM's MLA cache, 2026-12-01). On a vLLM rollout an FP8 KV cache of an MLA
+    model is off-policy whatever the trainer does, and the fix named is the cache's dtype alone;
+    the local HF rollout caches per-head K/V itself, so on-policy KV holds there."""
+    from nemo_jetrl.config.schema import VLLM_KV_DTYPE
+
+    both_bf16 = {TRAIN_KEY: ("kv_b_proj",), ROLLOUT_KEY: ("kv_b_proj",)}
+    kv = Recipe.preset("jetrl_kv")
+    kv = kv.with_(train=kv.train.with_(bf16_layer_kws=both_bf16[TRAIN_KEY]),
+                  rollout=kv.rollout.with_(bf16_layer_kws=both_bf16[ROLLOUT_KEY]))  # fmt: skip
+    c = check_on_policy(TINY_MLA, kv)
+    assert not c.on_policy
+    (m,) = c.mismatches
+    assert "vLLM's MLA cache holds the compressed latent" in m.reason
+    assert m.keys == (VLLM_KV_DTYPE,) and m.fixes == (f"{VLLM_KV_DTYPE}=auto",)
+    assert check_on_policy(TINY_MLA, kv, HF_ROLLOUT_BUILDERS).on_policy
+    bf16_kv = Recipe.preset("jetrl")  # the same linears, the KV cache BF16: on-policy
+    bf16_kv = bf16_kv.with_(train=bf16_kv.train.with_(bf16_layer_kws=both_bf16[TRAIN_KEY]),
+                            rollout=bf16_kv.rollout.with_(bf16_layer_kws=both_bf16[ROLLOUT_KEY]))  # fmt: skip
+    assert check_on_policy(TINY_MLA, bf16_kv).on_policy
