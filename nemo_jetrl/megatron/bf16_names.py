@@ -79,10 +79,11 @@ def hf_linear_names(megatron_name: str, layer_offset: int = 0) -> list[str]:
 
 
 def te_fp8_disabled() -> AbstractContextManager[Any]:
-    """Transformer Engine's autocast with FP8 off (TE 2.x ``fp8_autocast``, newer ``autocast``)."""
+    """Transformer Engine's autocast with FP8 off: ``autocast`` where TE has it (2.15, which
+    NeMo-RL pins, warns on every call of the older ``fp8_autocast``), else ``fp8_autocast``."""
     import transformer_engine.pytorch as te
 
-    ctx = getattr(te, "fp8_autocast", None) or te.autocast
+    ctx = getattr(te, "autocast", None) or te.fp8_autocast
     return ctx(enabled=False)
 
 

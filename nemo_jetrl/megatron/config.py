@@ -328,6 +328,13 @@ def check_te_recipe(obj: Any, want: TeBlockScaling) -> None:
     for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
         if getattr(obj, name) != getattr(want, name):
             diffs.append(f"{name}={getattr(obj, name)} (want {getattr(want, name)})")
+    # TE >= 2.15 reads NVTE_BACKWARD_OVERRIDE at import: another backward than the recipe's
+    override = getattr(obj, "backward_override", None)
+    if override is not None:
+        diffs.append(
+            f"backward_override={override!r} (want None: unset NVTE_BACKWARD_OVERRIDE, which "
+            "switches TE's backward GEMMs to other precisions than the recipe's 1x128/128x1)"
+        )
     if diffs:
         raise MegatronRecipeError(
             "TE Float8BlockScaling differs from the recipe: " + "; ".join(diffs)

@@ -169,3 +169,35 @@ def test_latent_attention_projections_run_inside_the_fp8_off_context(gpt, q_lora
         "model.layers.5.self_attn.kv_a_proj_with_mqa"
     ]
     assert hf_linear_names("decoder.layers.0.mlp.experts.linear_fc1") == []
+
+
+def test_fp8_is_turned_off_with_tes_current_autocast_where_it_has_one(monkeypatch):
+    """TE 2.15 (NeMo-RL's pin) has ``autocast`` and warns on every ``fp8_autocast`` call (read in
+    its quantization.py, 2026-12-01); older 2.x has only ``fp8_autocast``. TE's CUDA modules
+    cannot import here: stand-in modules carry the two names (labelled fakes)."""
+    import sys
+    import types
+
+    from nemo_jetrl.megatron.bf16_names import te_fp8_disabled
+
+    calls = []
+
+    def fake(name):  # type: ignore[no-untyped-def]
+        @contextmanager
+        def ctx(enabled=True):  # type: ignore[no-untyped-def]
+            calls.append((name, enabled))
+            yield
+
+        return ctx
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.autocast, te.pytorch.fp8_autocast = fake("autocast"), fake("fp8_autocast")
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    with te_fp8_disabled():
+        pass
+    del te.pytorch.autocast  # an older TE 2.x
+    with te_fp8_disabled():
+        pass
+    assert calls == [("autocast", False), ("fp8_autocast", False)]

@@ -229,3 +229,21 @@ def test_real_te_recipe_class_follows_env_guard(mode, tmp_path):
     assert out["env"] == ("0" if mode == "pow2" else "1")
     assert out["dims"] == [1, 2, 1] and out["fmt"] == "E4M3"
     assert out["conflict"] is not None and "already imported" in out["conflict"]
+
+
+def test_a_te_backward_override_is_named_as_a_recipe_difference():
+    """TE >= 2.15 reads ``NVTE_BACKWARD_OVERRIDE`` into ``Float8BlockScaling.backward_override``
+    at import (2.20.2's recipe module here: ``os.getenv("NVTE_BACKWARD_OVERRIDE", None)``); a stray
+    value switches the backward's precision silently. A stand-in shaped like TE's object."""
+    want = mc.te_block_scaling(JETRL)
+    q = types.SimpleNamespace(power_2_scale=want.power_2_scale, amax_epsilon=want.amax_epsilon)
+    obj = types.SimpleNamespace(
+        fp8_format=types.SimpleNamespace(name=want.fp8_format), fp8_quant_fwd_inp=q,
+        fp8_quant_fwd_weight=q, fp8_quant_bwd_grad=q, x_block_scaling_dim=want.x_block_scaling_dim,
+        w_block_scaling_dim=want.w_block_scaling_dim,
+        grad_block_scaling_dim=want.grad_block_scaling_dim, backward_override=None,
+    )  # fmt: skip
+    mc.check_te_recipe(obj, want)  # as the recipe says: fine
+    obj.backward_override = "dequantized"
+    with pytest.raises(mc.MegatronRecipeError, match=r"backward_override='dequantized'.*NVTE_BACK"):
+        mc.check_te_recipe(obj, want)
