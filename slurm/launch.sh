@@ -25,14 +25,18 @@
 # It prints the job id on stdout (sbatch --parsable), so a second job can wait for it:
 #   first=$(bash slurm/launch.sh A.yaml) && DEPENDENCY=afterany:$first bash slurm/launch.sh B.yaml
 #
-# Get ray.sub from the image once (it is NeMo-RL's file, we do not ship a copy):
-#   docker run --rm nemo-jetrl:latest cat /opt/nemo-rl/ray.sub > ray.sub        (Docker)
-#   srun -N1 --container-image=$PWD/nemo-jetrl.sqsh cat /opt/nemo-rl/ray.sub > ray.sub  (pyxis)
+# Get ray.sub from the image once (it is NeMo-RL's file, we do not ship a copy; the image's
+# entrypoint must not run, or its banner lands in the file):
+#   docker run --rm --entrypoint cat nemo-jetrl:latest /opt/nemo-rl/ray.sub > ray.sub   (Docker)
+#   srun -N1 --no-container-entrypoint --container-image=$PWD/nemo-jetrl.sqsh \
+#     cat /opt/nemo-rl/ray.sub > ray.sub                                                 (pyxis)
 #
 # Environment:
 #   RAY_SUB     path to NeMo-RL's ray.sub                      (default: ./ray.sub)
 #   CONTAINER   image for srun --container-image (enroot .sqsh or registry name; required)
-#   MOUNTS      extra container mounts, comma-separated        (default: "$PWD:$PWD")
+#   MOUNTS      extra container mounts, comma-separated, added to "$PWD:$PWD" (the clone) and
+#               to $BASE_LOG_DIR and $HF_HOME when set; no spaces or commas inside a path
+#   BASE_LOG_DIR  where ray.sub writes <jobid>-logs (default: the submission directory)
 #   ACCOUNT, PARTITION, TIME (default 4:00:00),
 #   NODES       default: the config's cluster.num_nodes; required when it cannot be read
 #   GPUS_PER_NODE  default: the config's cluster.gpus_per_node; required when it cannot be read
@@ -42,7 +46,9 @@
 #   DEPENDENCY  sbatch --dependency, e.g. afterany:<jobid> (docs/cluster.md section 6: the first
 #               recipe converts the HF model into $HF_HOME/nemo_rl, the others wait for it)
 #   PYTHON      a Python that imports nemo_jetrl, to read the config (default: python3)
-#   JOB_NAME (default: jetrl-<config stem>), HF_HOME (mounted and exported when set),
+#   JOB_NAME (default: jetrl-<config stem>), HF_HOME (created, mounted and exported when set;
+#               required for more than one node: the HF cache and NeMo-RL's converted checkpoints
+#               must be on storage every node sees, and ray.sub does not mount $HOME),
 #   HF_TOKEN    for gated models (Llama): exported in your shell, sbatch/srun pass it on; it is
 #               never written into the command line
 #   DRY_RUN=1   print the sbatch command instead of running it.
@@ -53,7 +59,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,52p' "$0" >&2
+  sed -n '2,58p' "$0" >&2
   exit 2
 fi
 config=$1
@@ -66,6 +72,12 @@ if [[ -z "${DRY_RUN:-}" ]]; then
     echo "launch.sh: $RAY_SUB not found; extract it from the image (see the top of this file)" >&2
     exit 2
   }
+  # an entrypoint's banner in front of it: sbatch would refuse the file at submission
+  if [[ "$(head -c 2 "$RAY_SUB")" != "#!" ]] || ! grep -q DRIVER_COMMAND_FILE "$RAY_SUB"; then
+    echo "launch.sh: $RAY_SUB is not NeMo-RL's ray.sub (no #! first line, or no DRIVER_COMMAND_FILE);" \
+      "extract it again without the image's entrypoint (see the top of this file)" >&2
+    exit 2
+  fi
 fi
 : "${CONTAINER:?set CONTAINER to the nemo-jetrl image (see docs/cluster.md)}"
 : "${ACCOUNT:?set ACCOUNT (sbatch --account)}"
@@ -88,14 +100,16 @@ from omegaconf import OmegaConf
 from nemo_jetrl.config import load_config
 cfg = load_config(sys.argv[1], [o for o in sys.argv[2:] if "=" in o])
 sel = lambda k: OmegaConf.select(cfg, k, default=None)
-print(sel("cluster.num_nodes") or "-", sel("cluster.gpus_per_node") or "-", sel("policy.model_name") or "-")
+keys = ("cluster.num_nodes", "cluster.gpus_per_node", "policy.model_name",
+        "checkpointing.checkpoint_dir", "logger.log_dir")
+print(*(str(sel(k) or "-").replace(" ", "\\040") for k in keys))
 PY
 ); then
-  read -r cfg_nodes cfg_gpus cfg_model <<<"$cfg_line"
+  read -r cfg_nodes cfg_gpus cfg_model cfg_ckpt cfg_logs <<<"$cfg_line"
   source_of="the config"
 else
   read_error=$(grep -v '^\s*$' "$py_err" | tail -n 1 || true)
-  cfg_nodes=- cfg_gpus=- cfg_model=-
+  cfg_nodes=- cfg_gpus=- cfg_model=- cfg_ckpt=- cfg_logs=-
   # A cluster.* override on the command line is what the run will use (last one wins).
   for o in "$@"; do
     case "$o" in
@@ -146,12 +160,47 @@ fi
 stem=$(basename "$(dirname "$config")")-$(basename "$config" .yaml)
 JOB_NAME=${JOB_NAME:-jetrl-$stem}
 
-MOUNTS=${MOUNTS:-"$PWD:$PWD"}
+# ray.sub passes MOUNTS to srun unquoted and comma-separated: a path with either breaks it
+for v in PWD HF_HOME BASE_LOG_DIR MOUNTS; do
+  if [[ "${!v:-}" =~ [[:space:]] ]] || [[ $v != MOUNTS && "${!v:-}" == *,* ]]; then
+    echo "launch.sh: $v=${!v} has a space or a comma, which ray.sub's srun mounts cannot carry;" \
+      "use a path without them" >&2
+    exit 2
+  fi
+done
+MOUNTS="$PWD:$PWD${MOUNTS:+,$MOUNTS}"  # the clone always: the driver runs there
 env_prefix="PYTHONUNBUFFERED=1 "   # ray.sub sends the driver's stdout to a file
+if [[ -n "${BASE_LOG_DIR:-}" ]]; then
+  MOUNTS+=",$BASE_LOG_DIR:$BASE_LOG_DIR"  # ray.sub's head container checks a file there
+fi
 if [[ -n "${HF_HOME:-}" ]]; then
+  [[ -n "${DRY_RUN:-}" ]] || mkdir -p "$HF_HOME"  # a bind mount of a missing path fails
   MOUNTS+=",$HF_HOME:$HF_HOME"
   env_prefix+="HF_HOME=$(printf '%q' "$HF_HOME") "
+elif ((NODES > 1)); then
+  echo "launch.sh: set HF_HOME to a directory every node mounts: with $NODES nodes the HF cache and" \
+    "NeMo-RL's converted checkpoints must be shared (ray.sub does not mount \$HOME)" >&2
+  exit 2
 fi
+# Where the run writes outside the clone must be mounted too, or it stays in one container.
+mounted() {
+  local p=$1 m
+  IFS=, read -r -a ms <<<"$MOUNTS"
+  for m in "${ms[@]}"; do
+    [[ "$p" == "${m%%:*}" || "$p" == "${m%%:*}"/* ]] && return 0
+  done
+  return 1
+}
+for pair in "checkpointing.checkpoint_dir=${cfg_ckpt:--}" "logger.log_dir=${cfg_logs:--}"; do
+  key=${pair%%=*} path=${pair#*=}
+  path=${path//\\040/ }
+  [[ "$path" == /* ]] || continue  # relative: under the clone, which is mounted
+  if ! mounted "$path"; then
+    echo "launch.sh: $key=$path is outside every container mount ($MOUNTS): the run would write" \
+      "it inside one node's container and lose it; add its directory to MOUNTS" >&2
+    exit 2
+  fi
+done
 
 # The image's nemo_jetrl against this clone's commit (the configs were written for the clone's
 # HEAD), run in the container before the driver: a warning in the driver log, never a failure.

@@ -50,6 +50,8 @@ def _launch(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedPro
         # A Python that imports nemo_jetrl (the login node's venv) reads the config.
         "PYTHON": sys.executable,
         "HOME": os.environ.get("HOME", "/tmp"),
+        # more than one node needs a shared HF_HOME (a real submission creates it)
+        "HF_HOME": "/tmp/jetrl-test-hf-home",
     }
     return subprocess.run(
         ["bash", str(REPO / "slurm/launch.sh"), *args],
@@ -74,7 +76,8 @@ def fakes(tmp_path: Path) -> dict[str, str]:
     bin_dir.mkdir()
     _script(bin_dir / "sbatch", FAKE_SBATCH)
     _script(bin_dir / "jetrl", FAKE_JETRL)
-    (tmp_path / "ray.sub").write_text("# NeMo-RL's ray.sub\n")
+    # what launch.sh checks NeMo-RL's ray.sub by: a #! first line and its driver command file
+    (tmp_path / "ray.sub").write_text("#!/bin/bash\n# NeMo-RL's ray.sub\nDRIVER_COMMAND_FILE=\n")
     return {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "FAKE_DIR": str(tmp_path),
@@ -195,7 +198,7 @@ def test_gres_default_and_opt_out(gres, expected):
 def test_driver_runs_unbuffered(fakes):
     proc = _launch(TWO_NODES, "grpo.max_num_steps=3")
     assert proc.returncode == 0, proc.stderr
-    assert "PYTHONUNBUFFERED=1\\ jetrl\\ train" in proc.stdout
+    assert "PYTHONUNBUFFERED=1\\ HF_HOME=/tmp/jetrl-test-hf-home\\ jetrl\\ train" in proc.stdout
     proc = _launch(TWO_NODES, **fakes)
     assert proc.returncode == 0, proc.stderr
     [(_, command)] = _sbatch_calls(fakes["FAKE_DIR"])
@@ -306,3 +309,61 @@ def test_docs_section_6_converts_once_then_chains_the_other_recipes(tmp_path, fa
     assert "qwen3_8b_base/fp8_rollout.yaml" in calls[1][1]
     assert "jetrl.allow_off_policy=true" in calls[1][1]
     assert "qwen3_8b_base/jetrl.yaml" in calls[2][1]
+
+
+# -- mounts and paths as NeMo-RL's ray.sub runs them (found by reading its v0.7.0 ray.sub and
+# running launch.sh against it with stand-in srun/sbatch, 2026-12-01) ------------------------
+
+
+def _mounts(stdout: str) -> list[str]:
+    """The MOUNTS a DRY_RUN prints (``%q``-quoted: escaped commas)."""
+    value = re.search(r"MOUNTS=(\S+)", stdout).group(1)  # type: ignore[union-attr]
+    return value.replace("\\,", ",").split(",")
+
+
+def test_mounts_add_to_the_clone_the_log_dir_and_the_hf_cache():
+    """ray.sub's head container looks for a file in <BASE_LOG_DIR>/<jobid>-logs and the driver
+    runs in the clone: both must be mounted, whatever MOUNTS adds."""
+    proc = _launch(TWO_NODES, MOUNTS="/data:/data", BASE_LOG_DIR="/scratch/logs")
+    assert proc.returncode == 0, proc.stderr
+    assert _mounts(proc.stdout) == [
+        f"{REPO}:{REPO}", "/data:/data", "/scratch/logs:/scratch/logs",
+        "/tmp/jetrl-test-hf-home:/tmp/jetrl-test-hf-home",
+    ]  # fmt: skip
+
+
+def test_more_than_one_node_needs_a_shared_hf_home():
+    proc = _launch(TWO_NODES, HF_HOME=None)
+    assert proc.returncode == 2 and "--nodes" not in proc.stdout
+    assert "set HF_HOME to a directory every node mounts: with 2 nodes" in proc.stderr
+    proc = _launch(TWO_NODES, "cluster.num_nodes=1", NODES="1", HF_HOME=None)
+    assert proc.returncode == 0, proc.stderr  # one node: its own cache is enough
+
+
+@pytest.mark.parametrize("var", ["HF_HOME", "BASE_LOG_DIR", "MOUNTS"])
+def test_a_path_that_srun_mounts_cannot_carry_is_refused(var):
+    proc = _launch(TWO_NODES, **{var: "/lustre/my runs"})
+    assert proc.returncode == 2
+    assert f"launch.sh: {var}=/lustre/my runs has a space or a comma" in proc.stderr
+
+
+def test_a_checkpoint_dir_outside_every_mount_is_refused_naming_the_key():
+    proc = _launch(TWO_NODES, "checkpointing.checkpoint_dir=/lustre/ckpt")
+    assert proc.returncode == 2 and "--nodes" not in proc.stdout
+    assert "checkpointing.checkpoint_dir=/lustre/ckpt is outside every container mount" in (
+        proc.stderr
+    )
+    proc = _launch(TWO_NODES, "checkpointing.checkpoint_dir=/lustre/ckpt", MOUNTS="/lustre:/lustre")
+    assert proc.returncode == 0, proc.stderr
+    proc = _launch(TWO_NODES, "logger.log_dir=/tmp/jetrl-test-hf-home/logs")  # under HF_HOME
+    assert proc.returncode == 0, proc.stderr
+    proc = _launch(TWO_NODES, "logger.log_dir=runs/x")  # relative: in the clone
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_ray_sub_with_a_banner_in_front_is_refused(fakes):
+    Path(fakes["RAY_SUB"]).write_text("== CUDA ==\n#!/bin/bash\nDRIVER_COMMAND_FILE=\n")
+    proc = _launch(TWO_NODES, **fakes)
+    assert proc.returncode == 2 and _sbatch_calls(fakes["FAKE_DIR"]) == []
+    assert "is not NeMo-RL's ray.sub (no #! first line" in proc.stderr
+    assert "without the image's entrypoint" in proc.stderr
