@@ -23,6 +23,13 @@ MUTANTS = [
         "if old is None or v > old:",
         ("tests/backends/test_nemo_rl_calibration_merge.py",),
     ),
+    Mutant(  # vLLM's KV-cache wake-up leaves every FP8 KV scale at 1.0 for the rollout
+        "the refit's KV scales are not put back after vLLM's wake-up reset",
+        "nemo_jetrl/backends/nemo_rl/kv_wake.py",
+        "        out = original(self, *args, **kwargs)\n        restore_kv_scales(self)\n",
+        "        out = original(self, *args, **kwargs)\n",
+        ("tests/backends/test_nemo_rl_kv_wake.py",),
+    ),
     Mutant(  # Ray would hand the workers the checkout, the driver runs the install
         "a launch from a checkout with other nemo_jetrl sources is not refused",
         "nemo_jetrl/backends/nemo_rl/driver.py",

@@ -55,8 +55,14 @@ def test_install_is_explicit_verified_idempotent_and_reverts():
     originals = {n: ext.__dict__[n] for n in vr.TRANSPORTS}
     loader = fp8.load_weights
     assert getattr(loader, vr.MARK, None) is None  # importing our module patched nothing
+    # vLLM's model runner resets FP8 KV scales on the KV cache's wake-up (kv_wake.py): 0.20,
+    # 0.25 and 0.32 all have the method (the CPU runner inherits it)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    wake = GPUModelRunner.__dict__["init_fp8_kv_scales"]
     h = vr.install_refit_hook(FP32, parity=True)
     try:
+        assert GPUModelRunner.__dict__["init_fp8_kv_scales"].__wrapped__ is wake
         assert h.active and h.layout in expected_refit_layout()
         assert fp8.load_weights is not loader
         assert all(ext.__dict__[n] is not originals[n] for n in vr.TRANSPORTS)
@@ -71,6 +77,7 @@ def test_install_is_explicit_verified_idempotent_and_reverts():
         h.revert()
     assert not h.active and fp8.load_weights is loader
     assert all(ext.__dict__[n] is originals[n] for n in vr.TRANSPORTS)
+    assert GPUModelRunner.__dict__["init_fp8_kv_scales"] is wake
 
 
 def test_an_unknown_nemo_rl_layout_is_refused():

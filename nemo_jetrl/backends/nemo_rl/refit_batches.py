@@ -44,7 +44,8 @@ KV_NAME = re.compile(r"^(?P<layer>.+\.self_attn)\.(?:attn\.)?(?P<t>[qkv])_scale$
 
 @dataclass
 class SentTensors:
-    """What one refit sent through the hook (kept only while parity is on)."""
+    """What one refit sent through the hook (tensors kept only while parity is on; the KV
+    scales always)."""
 
     fp8: dict[str, torch.Tensor] = field(default_factory=dict)
     fp8_layers: list[str] = field(default_factory=list)
@@ -124,17 +125,18 @@ def quantize_batch(
             out.append((f"{m['layer']}.{m['t']}_scale", v))
         else:
             out.append((k, v))
+    if sent is not None:  # KV scales always (vLLM's wake-up resets them: kv_wake.py)
+        for k, v in weights:
+            if k not in fp8_names and (m := KV_NAME.match(k)) is not None:
+                sent.kv.setdefault(f"{m['layer']}.attn", {})[m["t"]] = float(v.reshape(-1)[0])
     if sent is not None and sent.keep:
         # one host copy each (``.cpu().clone()`` made two of a GPU tensor)
         sent.fp8.update({k: t.detach().to("cpu", copy=True) for k, t in qsd.tensors.items()})
         sent.fp8_layers += qsd.fp8_layers
         for k, v in weights:
-            if k in fp8_names:
+            if k in fp8_names or KV_NAME.match(k) is not None:
                 continue
-            m = KV_NAME.match(k)
-            if m is not None:
-                sent.kv.setdefault(f"{m['layer']}.attn", {})[m["t"]] = float(v.reshape(-1)[0])
-            elif _engine_dtype(model, k) is not None:
+            if _engine_dtype(model, k) is not None:
                 sent.other[k] = v.detach().to("cpu", copy=True)
     return out
 

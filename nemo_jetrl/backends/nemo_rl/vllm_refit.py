@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_jetrl._optional import require
+from nemo_jetrl.backends.nemo_rl import kv_wake
 from nemo_jetrl.backends.nemo_rl.refit_batches import (
     SentTensors,
     check_refit_parity,
@@ -158,9 +159,14 @@ def _make_load_weights(state: HookState) -> Any:
                 list(weights), model_runner.model, state.settings, sent, refused=state.refused
             )
         except RefitError as exc:
-            if sent is not None:
-                sent.error = exc  # NeMo-RL's transport swallows it; the wrapper re-raises
-            raise
+            if sent is None:
+                raise
+            # Recorded, not raised: on a raise NeMo-RL's transport stops receiving (v0.7.0's
+            # IPC loop leaves without its ACK, so the trainer times out 120 s later; the
+            # collective consumer leaves a broadcast the trainer ranks then wait on for ever).
+            # The stream goes on, nothing more is loaded, and the wrapper raises it after.
+            sent.error = exc
+            return
         model_runner.model.load_weights(batch)
 
     setattr(load_weights, MARK, state)
@@ -185,6 +191,9 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
         try:
             ok = original(self, *args, **kwargs)
+            # NeMo-RL's collective consumer copies on a side stream it never joins: let every
+            # copy land before the parity read or a restore reads or writes the weights
+            _sync_device(runner.model)
             if sent.error is not None:
                 raise sent.error
             if ok and state.parity:
@@ -194,19 +203,40 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                     f"trainer's ({rep.fp8} FP8 weights and scales byte for byte)",
                     flush=True,
                 )
+            if ok:  # put back after vLLM's KV-cache wake-up resets them (kv_wake.py)
+                kv_wake.keep_kv_scales(runner, sent.kv)
         except Exception as exc:
             if snap is None:
                 raise
+            _sync_device(runner.model)
             raise rolled_back(exc, restore_snapshot(runner.model, snap).tensors) from exc
         finally:
             runner._jetrl_sent = None
-        if not ok and snap is not None:  # NeMo-RL's transport caught (and logged) its error
-            rep = restore_snapshot(runner.model, snap)
-            log.error("%s failed; rolled the engine back (%d tensors)", name, rep.tensors)
-        return ok
+        try:
+            if not ok and snap is not None:  # NeMo-RL's transport caught (and logged) its error
+                rep = restore_snapshot(runner.model, snap)
+                log.error("%s failed; rolled the engine back (%d tensors)", name, rep.tensors)
+            return ok
+        finally:
+            # A GPU snapshot's blocks would stay in torch's cache through the KV cache's
+            # wake_up (vLLM's CuMemAllocator maps its own memory) and the whole rollout.
+            if snap is not None and snap.device.type == "cuda":
+                del snap
+                import torch
+
+                torch.cuda.empty_cache()
 
     setattr(transport, MARK, state)
     return transport
+
+
+def _sync_device(model: Any) -> None:
+    """Wait for every stream of ``model``'s CUDA device (nothing on a CPU engine)."""
+    p = next(iter(model.parameters()), None)
+    if p is not None and p.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(p.device)
 
 
 def _make_refusal(name: str) -> Any:
@@ -274,6 +304,10 @@ def install_refit_hook(
         for name in BYPASSING:
             if name in owner.__dict__:
                 patches.append((owner, name, owner.__dict__[name], _make_refusal(name)))
+    runner_cls = kv_wake.gpu_model_runner_class()  # vLLM resets FP8 KV scales on wake-up
+    if runner_cls is not None:
+        wake = runner_cls.__dict__["init_fp8_kv_scales"]
+        patches.append((runner_cls, "init_fp8_kv_scales", wake, kv_wake.wake_wrapper(wake)))
     for owner, name, _, new in patches:
         setattr(owner, name, new)
     handle = NrlRefitHandle(state.layout, patches)
