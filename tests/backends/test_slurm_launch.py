@@ -50,7 +50,7 @@ def _launch(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedPro
         # A Python that imports nemo_jetrl (the login node's venv) reads the config.
         "PYTHON": sys.executable,
         "HOME": os.environ.get("HOME", "/tmp"),
-        # more than one node needs a shared HF_HOME (a real submission creates it)
+        # more than one node needs a shared HF_HOME (DRY_RUN creates nothing)
         "HF_HOME": "/tmp/jetrl-test-hf-home",
     }
     return subprocess.run(
@@ -83,6 +83,7 @@ def fakes(tmp_path: Path) -> dict[str, str]:
         "FAKE_DIR": str(tmp_path),
         "RAY_SUB": str(tmp_path / "ray.sub"),
         "DRY_RUN": None,
+        "HF_HOME": str(tmp_path / "hf"),  # a real submission creates it
     }
 
 
