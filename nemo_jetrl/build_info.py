@@ -57,13 +57,18 @@ def version_line(environ: Mapping[str, str] | None = None) -> str:
 DRIVER_CODE_ENV = "NEMO_JETRL_DRIVER_CODE"
 """``<source digest> <package dir>`` of the driver's nemo_jetrl, set by the NeMo-RL launch before
 Ray starts (NeMo-RL's ``init_ray`` hands the driver's environment to every actor)."""
+_PACKAGE = Path(__file__).resolve().parent
+_RAY_CWD = (
+    "Ray puts the driver's working directory on every worker's sys.path (NeMo-RL starts Ray "
+    "without a working_dir)"
+)
 
 
 def source_digest(package: Path | None = None) -> str:
     """sha256 (12 hex digits) of the package's Python sources: their paths and bytes. The same for
     a checkout and a wheel install of it (``JETRL_COMMIT`` is not: the image sets it for every
     process, whatever code a process imports)."""
-    root = package or Path(__file__).resolve().parent
+    root = package or _PACKAGE
     h = hashlib.sha256()
     for p in sorted(root.rglob("*.py")):
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
@@ -72,7 +77,7 @@ def source_digest(package: Path | None = None) -> str:
 
 def mark_driver_code(environ: MutableMapping[str, str]) -> str:
     """Record this process's nemo_jetrl in ``environ`` (the driver's, before ``init_ray``)."""
-    value = f"{source_digest()} {Path(__file__).resolve().parent}"
+    value = f"{source_digest()} {_PACKAGE}"
     environ[DRIVER_CODE_ENV] = value
     return value
 
@@ -84,15 +89,13 @@ def driver_code_problem(where: str, environ: Mapping[str, str] | None = None) ->
     if not value:
         return None
     digest, _, driver_dir = value.partition(" ")
-    here = Path(__file__).resolve().parent
-    mine = source_digest(here)
+    mine = source_digest()
     if mine == digest:
         return None
     return (
-        f"{where} imports nemo_jetrl from {here} (sources {mine}) but the driver that launched "
-        f"it runs {driver_dir} (sources {digest}): the run would mix two versions of our recipe, "
-        "patch and checks. Ray puts the driver's working directory on every worker's sys.path "
-        "(NeMo-RL starts Ray without a working_dir), so a nemo_jetrl checkout there shadows the "
+        f"{where} imports nemo_jetrl from {_PACKAGE} (sources {mine}) but the driver that "
+        f"launched it runs {driver_dir} (sources {digest}): the run would mix two versions of "
+        f"our recipe, patch and checks. {_RAY_CWD}, so a nemo_jetrl checkout there shadows the "
         "installed one in the workers only. Start the driver from a directory without a "
         "nemo_jetrl/ package, or install that checkout where the driver and the workers import "
         "it (rebuild the image from it: docs/cluster.md 1a)"
@@ -103,18 +106,15 @@ def shadowing_checkout(cwd: Path) -> str | None:
     """Why a NeMo-RL launch from ``cwd`` must not start Ray: ``cwd`` holds a nemo_jetrl package
     whose sources differ from the one this driver imports; Ray would put ``cwd`` on every
     worker's sys.path, so the workers would run it and the driver would not."""
-    here = Path(__file__).resolve().parent
     other = (cwd / "nemo_jetrl").resolve()
-    if other == here or not (other / "__init__.py").is_file():
+    if other == _PACKAGE or not (other / "__init__.py").is_file():
         return None
-    theirs, mine = source_digest(other), source_digest(here)
+    theirs, mine = source_digest(other), source_digest()
     if theirs == mine:
         return None
     return (
         f"the working directory {cwd} holds nemo_jetrl sources {theirs} ({other}), this driver "
-        f"runs {mine} ({here}). Ray puts the driver's working directory on every worker's "
-        "sys.path (NeMo-RL starts Ray without a working_dir), so the workers would import the "
-        "first and the driver the second; nothing started. Install that checkout where the "
+        f"runs {mine} ({_PACKAGE}). {_RAY_CWD}, so the workers would import the first and the driver the second; nothing started. Install that checkout where the "
         "driver runs (rebuild the image from it: docs/cluster.md 1a), or check out the "
         "installed commit, or launch from another directory"
     )

@@ -89,3 +89,17 @@ def test_a_worker_with_other_sources_than_the_driver_refuses_to_start(monkeypatc
         plugin.load_in_worker()
     monkeypatch.setenv(build_info.DRIVER_CODE_ENV, value)
     plugin.load_in_worker()  # the same sources: on to the patch (none asked for here)
+
+
+def test_every_python_source_is_in_a_package_so_a_wheel_carries_it():
+    """The image installs nemo_jetrl as a wheel (docker/Dockerfile), the clone holds the sources;
+    their digests agree only if the wheel carries every ``.py``. pyproject's
+    ``packages.find`` takes regular packages only, so a folder of modules without
+    ``__init__.py`` would be left out of the wheel and every launch from a clone refused
+    (checked 2026-12-01: a wheel built from this tree had the source digest)."""
+    loose = sorted(
+        p.parent.relative_to(PACKAGE.parent).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if "__pycache__" not in p.parts and not (p.parent / "__init__.py").is_file()
+    )
+    assert loose == [], f"add __init__.py to {sorted(set(loose))}"
