@@ -197,20 +197,6 @@ def fused_dtype(model: Any, hf_name: str) -> torch.dtype | None:
     return param.dtype if isinstance(param, torch.Tensor) else None
 
 
-def rank_view(model: Any, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-    """What this rank should hold of ``tensors`` (full HF tensors, as sent): routed-expert
-    tensors narrowed to its shard (`rank_expected`), those of experts held by other ranks left
-    out (and counted), dense tensors narrowed to this tensor-parallel rank's part."""
-    out, elsewhere = {}, 0
-    for name, t in tensors.items():
-        mine = rank_expected(model, name, t)
-        if mine is None:
-            elsewhere += 1
-        else:
-            out[name] = mine
-    return out, elsewhere
-
-
 def fp8_dims_problem(name: str, shape: torch.Size) -> str | None:
     """Why an FP8 weight sent as ``name`` cannot be refit (None: it can): TE's linear rule
     (partial 128-blocks run), but a routed expert needs whole blocks (vLLM stacks the experts,

@@ -282,11 +282,12 @@ def restore_snapshot(model: torch.nn.Module, snap: Snapshot) -> RestoreReport:
     )
 
 
-def rolled_back(exc: BaseException, tensors: int) -> Exception:
-    """The error to raise for ``exc`` once the engine was restored: the same refusal, saying so."""
+def rolled_back(exc: BaseException, tensors: int, where: str = "") -> Exception:
+    """The error to raise for ``exc`` once the engine was restored: the same refusal, saying so
+    (``where``: which ranks, for a rank of a tensor-parallel engine)."""
     note = (
         f"The engine was rolled back to its state before this refit ({tensors} tensors "
-        "restored and checked bit for bit): it still holds the previous weights."
+        f"restored and checked bit for bit{where}): it still holds the previous weights."
     )
     if isinstance(exc, (RefitError, ParityError)):
         return type(exc)(f"{exc}\n{note}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 from mutation_check import Mutant
 
 T_DRIVER_CODE = ("tests/backends/test_nemo_rl_driver_code.py",)
+# A real vLLM CPU engine at tensor_parallel_size=2 (two worker processes, one gloo TP group).
+T_TP2 = ("tests/vllm_patch/test_vllm_dense_shards.py",)
 
 MUTANTS = [
     Mutant(  # v0.7.0's worker initializer actor then cannot import our worker class
@@ -50,5 +52,28 @@ MUTANTS = [
         'h.update(p.relative_to(root).as_posix().encode() + b"\\0" + p.read_bytes() + b"\\0")',
         'h.update(p.read_bytes() + b"\\0")',
         T_DRIVER_CODE,
+    ),
+    Mutant(  # rank 0 keeps the new weights, rank 1 the old: a half-refit engine
+        "each tensor-parallel rank rolls back alone (no vote across the engine's ranks)",
+        "nemo_jetrl/vllm_patch/rank_vote.py",
+        "    tp = tensor_parallel_size(worker)\n",
+        "    tp = 1\n",
+        T_TP2,
+        env="vllm",
+    ),
+    Mutant(
+        "a rank that loaded returns True though another rank's transport returned False",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "ok = _roll_back_unless_all_loaded(",
+        "_roll_back_unless_all_loaded(",
+        T_TP2,
+        env="vllm",
+    ),
+    Mutant(  # NeMo-RL streams every full tensor to every rank: TP x the model in host memory
+        "the parity check's host copy is of the whole sent tensor on every rank",
+        "nemo_jetrl/backends/nemo_rl/refit_batches.py",
+        "mine = expert_shards.rank_expected(model, name, t)",
+        "mine = t",
+        ("tests/vllm_patch/test_expert_shards_unit.py",),
     ),
 ]

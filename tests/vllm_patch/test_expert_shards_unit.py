@@ -17,7 +17,6 @@ from nemo_jetrl.vllm_patch.expert_shards import (
     hf_slice,
     local_routes,
     rank_expected,
-    rank_view,
     shard_problems,
     sorted_routes,
 )
@@ -66,6 +65,17 @@ def _model(layer: torch.nn.Module) -> torch.nn.Module:
     root.model.layers[1].mlp = torch.nn.Module()
     root.model.layers[1].mlp.experts = layer
     return root
+
+
+def kept(model: torch.nn.Module, full: dict) -> tuple[dict, int]:
+    """What the refit hook keeps of ``full`` for the parity check on this rank (its part of
+    each tensor, host copies) and how many tensors it left to other ranks."""
+    from nemo_jetrl.backends.nemo_rl.refit_batches import SentTensors
+
+    sent = SentTensors()
+    for name, t in full.items():
+        sent.keep_part(model, sent.fp8, name, t)
+    return sent.fp8, sent.elsewhere
 
 
 def _weights(seed: int, pow2: bool = True):
@@ -172,13 +182,16 @@ def test_tp_rank_resolves_and_expects_its_shard_of_each_expert_tensor():
         f"{base}.down_proj.weight_scale_inv": torch.arange(4.0).reshape(2, 2),
         "model.norm.weight": torch.ones(H),
     }
-    mine, elsewhere = rank_view(model, full)
+    mine, elsewhere = kept(model, full)
     assert elsewhere == 0
     assert torch.equal(mine[f"{base}.up_proj.weight"], full[f"{base}.up_proj.weight"][128:])
     assert mine[f"{base}.up_proj.weight_scale_inv"].tolist() == [[2.0, 3.0]]
     assert torch.equal(mine[f"{base}.down_proj.weight"], full[f"{base}.down_proj.weight"][:, 128:])
     assert mine[f"{base}.down_proj.weight_scale_inv"].tolist() == [[1.0], [3.0]]
-    assert mine["model.norm.weight"] is full["model.norm.weight"]
+    assert torch.equal(mine["model.norm.weight"], full["model.norm.weight"])
+    for name in (f"{base}.up_proj.weight", f"{base}.down_proj.weight"):
+        # the host copy holds the shard's bytes only (not a view into a copy of the whole)
+        assert mine[name].untyped_storage().nbytes() == full[name].nbytes // 2, name
     for name in (n for n in full if ".experts." in n):
         _, p, start, rows = resolve_expert_tensor(model, name)
         assert tuple(p[start : start + rows].shape) == tuple(mine[name].shape), name
@@ -196,14 +209,14 @@ def test_ep_rank_maps_global_ids_and_leaves_out_experts_held_elsewhere():
     assert rank_expected(model, "model.layers.1.mlp.experts.2.down_proj.weight", t) is None
     assert rank_expected(model, "model.layers.1.mlp.experts.4.down_proj.weight", t) is t
     names = [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(E)]
-    mine, elsewhere = rank_view(model, dict.fromkeys(names, t))
+    mine, elsewhere = kept(model, dict.fromkeys(names, t))
     assert elsewhere == 4 and sorted(mine) == names[4:]
 
 
 def test_refit_batch_of_an_ep_rank_takes_every_expert_and_sends_them_on():
     """NeMo-RL streams all 8 experts to each rank; an expert-parallel rank (4 held) refuses
-    none of them (vLLM's loader skips the other rank's) and keeps all for the parity check,
-    which then compares this rank's 4 (`rank_view`)."""
+    none of them (vLLM's loader skips the other rank's) and keeps a host copy of its own 4 for
+    the parity check, counting the rest (host memory: its share, not the whole layer)."""
     from nemo_jetrl.backends.nemo_rl.refit_batches import SentTensors, quantize_batch
     from nemo_jetrl.recipe import Recipe
     from nemo_jetrl.vllm_patch import settings_from_recipe
@@ -215,6 +228,5 @@ def test_refit_batch_of_an_ep_rank_takes_every_expert_and_sends_them_on():
     batch = [(n, torch.randn(H, INTER, generator=g).to(torch.bfloat16)) for n in names]
     sent = SentTensors()
     out = quantize_batch(batch, model, settings_from_recipe(Recipe.preset("jetrl")), sent)
-    assert len(out) == 2 * len(names) and len(sent.fp8) == 2 * len(names)
-    mine, elsewhere = rank_view(model, sent.fp8)
-    assert elsewhere == 4 * 3 * 2 and {n.split(".")[5] for n in mine} == {"0", "1", "2", "3"}
+    assert len(out) == 2 * len(names) and len(sent.fp8) == len(names)
+    assert sent.elsewhere == 4 * 3 * 2 and {n.split(".")[5] for n in sent.fp8} == {"0", "1", "2", "3"}

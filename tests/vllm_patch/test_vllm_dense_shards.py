@@ -7,7 +7,8 @@ vLLM's own loaders write each rank's shards (q/k/v and gate/up into fused column
 parameters, o/down row-parallel, embedding/lm_head vocab-parallel); each rank then compares its
 parameters with its part of what was sent, cut by ``dense_shards``: parity over every tensor on
 each rank passes, a flipped byte in one rank's shard is named there only, and NeMo-RL's hooked
-transport (``vllm_refit``) rolls a rank whose parity fails back to the previous weights.
+transport (``vllm_refit``) rolls every rank back to the previous weights when one rank's parity
+fails or its transport returns False (``rank_vote``: all-or-nothing over the engine).
 One engine start for the module.
 """
 
@@ -120,6 +121,13 @@ def _refit(self, blob: bytes, settings_json: str, load: bool = True) -> dict:
     if load:
         compat.reload_weights(model, self.vllm_config.model_config, iter(batch))
     out = {"rank": get_tensor_model_parallel_rank(), "sent": len(sent.fp8) + len(sent.other)}
+    kept = {**sent.fp8, **sent.other}
+    out["kept"] = {  # host copies of this rank's part only
+        k: tuple(kept[k].shape)
+        for k in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                  "model.embed_tokens.weight")
+        if k in kept
+    }  # fmt: skip
     try:
         r = check_refit_parity(self, sent)
     except ParityError as exc:
@@ -172,6 +180,11 @@ def test_refit_parity_over_every_tensor_on_each_rank(llm, settings):
         assert "error" not in r, r
         assert r["compared"] == r["sent"] == len(new) + FP8_TENSORS // 2, r  # + one scale each
         assert r["fp8"] == FP8_TENSORS and r["kernel"] >= 1, r  # lm_head through its GEMM
+        assert r["kept"] == {
+            "model.layers.0.self_attn.k_proj.weight": (128, 256),  # 1 of 2 KV heads
+            "model.layers.0.self_attn.o_proj.weight": (256, 256),  # half of 512 input columns
+            "model.embed_tokens.weight": (96 if r["rank"] == 0 else 64, 256),  # of vocab 160
+        }, r
     # the served (seed 0) weights are not what either rank holds now: parity can fail
     old = llm.collective_rpc(_refit, args=(pack(weights(0)), settings.to_json(), False))
     assert all("error" in r for r in old), old
@@ -194,16 +207,17 @@ def test_flipped_byte_named_on_its_rank_only(llm, settings):
     assert all("error" not in r for r in res), res
 
 
-def _transport(self, blob: bytes, settings_json: str) -> dict:
+def _transport(self, blob: bytes, settings_json: str, fail: str) -> dict:
     """NeMo-RL's hooked transport (parity and rollback on) around a stand-in for NeMo-RL's own
-    transport that loads ``blob`` through the hooked batch path and, on rank 1, corrupts one
-    byte of layer 0's down_proj after loading (what the parity check must catch)."""
+    transport that loads ``blob`` through the hooked batch path; on rank 1 it then either
+    corrupts one byte of layer 0's down_proj (``fail="byte"``: the parity check must catch it)
+    or returns False (``fail="false"``: NeMo-RL's transport caught an error of its own)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     from nemo_jetrl.backends.nemo_rl.refit_batches import quantize_batch
     from nemo_jetrl.backends.nemo_rl.vllm_refit import HookState, _make_transport
     from nemo_jetrl.vllm_patch import compat
-    from nemo_jetrl.vllm_patch.refit import ParityError
+    from nemo_jetrl.vllm_patch.refit import ParityError, RefitError
     from nemo_jetrl.vllm_patch.settings import PatchSettings
     from nemo_jetrl.vllm_patch.worker_ext import unpack
 
@@ -216,34 +230,59 @@ def _transport(self, blob: bytes, settings_json: str) -> dict:
             list(unpack(blob).items()), model, s, worker.model_runner._jetrl_sent
         )
         compat.reload_weights(model, worker.vllm_config.model_config, iter(batch))
-        if rank == 1:
+        if rank == 1 and fail == "byte":
             model.model.layers[0].mlp.down_proj.weight.data.view(torch.uint8)[9, 17] ^= 4
-        return True
+        return not (rank == 1 and fail == "false")
 
     hooked = _make_transport(
         "update_weights_via_ipc_zmq", nemo_rl_transport, HookState(s, True, True, "test")
     )
     try:
         return {"rank": rank, "ok": hooked(self)}
-    except ParityError as exc:
-        return {"rank": rank, "error": str(exc)}
+    except (ParityError, RefitError) as exc:
+        return {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def test_hooked_transport_checks_and_rolls_back_each_rank(llm, settings):
+def test_hooked_transport_rolls_every_rank_back_when_one_ranks_parity_fails(llm, settings):
+    """All-or-nothing over the engine (``vllm_patch.rank_vote``): rank 1's parity check fails,
+    rank 0's passes, and both ranks are restored, so the engine is never half refit."""
     from nemo_jetrl.vllm_patch.worker_ext import pack
 
     before, after = pack(weights(1)), pack(weights(2))
     assert all(
         "error" not in r for r in llm.collective_rpc(_refit, args=(before, settings.to_json()))
     )
-    r0, r1 = llm.collective_rpc(_transport, args=(after, settings.to_json()))
-    assert r0 == {"rank": 0, "ok": True}, r0
+    r0, r1 = llm.collective_rpc(_transport, args=(after, settings.to_json(), "byte"))
+    assert r1["error"].startswith("ParityError:"), r1
     assert "model.layers.0.mlp.down_proj.weight (1 of " in r1["error"], r1
-    assert "rolled back" in r1["error"] and r1["error"].count("\n  - ") == 1, r1
-    # rank 0 holds the new weights; rank 1 was rolled back to the previous ones, bit for bit
-    p0, _ = llm.collective_rpc(_refit, args=(after, settings.to_json(), False))
-    _, p1 = llm.collective_rpc(_refit, args=(before, settings.to_json(), False))
-    assert "error" not in p0 and "error" not in p1, (p0, p1)
+    assert r1["error"].count("\n  - ") == 1, r1
+    assert r0["error"].startswith("RefitError: refit refused on tensor-parallel rank(s) [1] "), r0
+    for r in (r0, r1):
+        assert "rolled back" in r["error"], r
+        assert "the refit failed on tensor-parallel rank(s) [1] of 2" in r["error"], r
+    # both ranks hold the previous weights, bit for bit
+    res = llm.collective_rpc(_refit, args=(before, settings.to_json(), False))
+    assert all("error" not in r for r in res), res
+
+
+def test_a_rank_whose_transport_returns_false_rolls_the_engine_back(llm, settings):
+    """NeMo-RL's transport catches its own errors and returns False: every rank returns False
+    and holds the previous weights."""
+    from nemo_jetrl.vllm_patch.worker_ext import pack
+
+    before, after = pack(weights(1)), pack(weights(3))
+    assert all(
+        "error" not in r for r in llm.collective_rpc(_refit, args=(before, settings.to_json()))
+    )
+    res = llm.collective_rpc(_transport, args=(after, settings.to_json(), "false"))
+    assert res == [{"rank": 0, "ok": False}, {"rank": 1, "ok": False}], res
+    res = llm.collective_rpc(_refit, args=(before, settings.to_json(), False))
+    assert all("error" not in r for r in res), res
+    # and a refit that loads on every rank is kept on every rank
+    res = llm.collective_rpc(_transport, args=(after, settings.to_json(), "none"))
+    assert res == [{"rank": 0, "ok": True}, {"rank": 1, "ok": True}], res
+    res = llm.collective_rpc(_refit, args=(after, settings.to_json(), False))
+    assert all("error" not in r for r in res), res
 
 
 def test_closing_the_engine_leaves_no_queue_socket_open(llm):

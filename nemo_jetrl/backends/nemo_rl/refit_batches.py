@@ -9,9 +9,12 @@ done (FP8 bytes and scales bit for bit, other tensors byte for byte, KV scales b
 MoE expert weights (per expert or main's grouped slabs) go the same way, one expert at a time,
 and are read back from vLLM's fused expert parameters (`refit_experts`).
 
-Host memory (parity on): one host copy of what was sent (the reference), plus one engine tensor
-at a time while comparing (``worker_ext.read_back``; no read-back clones of everything, no
-safetensors round trip in the worker). Measured: benchmarks/bench_refit_host_memory.py.
+Host memory (parity on): one host copy of this rank's part of what was sent (the reference: NeMo-RL
+streams every full tensor to every vLLM rank, so each rank narrows to its tensor-parallel shard
+and its experts before copying, and keeps host memory at its share of the model, not TP times
+it), plus one engine tensor at a time while comparing (``worker_ext.read_back``; no read-back
+clones of everything, no safetensors round trip in the worker). Measured:
+benchmarks/bench_refit_host_memory.py.
 """
 
 from __future__ import annotations
@@ -48,12 +51,28 @@ class SentTensors:
     scales always)."""
 
     fp8: dict[str, torch.Tensor] = field(default_factory=dict)
+    """This rank's part of each FP8 weight and scale sent (``expert_shards.rank_expected``)."""
     fp8_layers: list[str] = field(default_factory=list)
     other: dict[str, torch.Tensor] = field(default_factory=dict)
+    """This rank's part of each other tensor sent that the engine holds."""
     kv: dict[str, dict[str, float]] = field(default_factory=dict)
+    elsewhere: int = 0
+    """Tensors sent of routed experts another expert-parallel rank holds (not kept)."""
     error: Exception | None = None
     keep: bool = True
     """False when parity is off: nothing is kept, errors are still recorded."""
+
+    def keep_part(self, model: torch.nn.Module, into: dict, name: str, t: torch.Tensor) -> None:
+        """One host copy of this rank's part of ``t``, sent as ``name`` (narrowed first: a
+        copy of the full tensor on every tensor-parallel rank costs TP times the model)."""
+        try:
+            mine = expert_shards.rank_expected(model, name, t)
+        except ValueError as exc:  # a shard off 128-block edges
+            raise RefitError(f"refit refused: {exc}") from exc
+        if mine is None:
+            self.elsewhere += 1
+        else:
+            into[name] = mine.detach().to("cpu", copy=True)
 
 
 def _engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
@@ -130,14 +149,14 @@ def quantize_batch(
             if k not in fp8_names and (m := KV_NAME.match(k)) is not None:
                 sent.kv.setdefault(f"{m['layer']}.attn", {})[m["t"]] = float(v.reshape(-1)[0])
     if sent is not None and sent.keep:
-        # one host copy each (``.cpu().clone()`` made two of a GPU tensor)
-        sent.fp8.update({k: t.detach().to("cpu", copy=True) for k, t in qsd.tensors.items()})
+        for k, t in qsd.tensors.items():
+            sent.keep_part(model, sent.fp8, k, t)
         sent.fp8_layers += qsd.fp8_layers
         for k, v in weights:
             if k in fp8_names or KV_NAME.match(k) is not None:
                 continue
             if _engine_dtype(model, k) is not None:
-                sent.other[k] = v.detach().to("cpu", copy=True)
+                sent.keep_part(model, sent.other, k, v)
     return out
 
 
@@ -163,9 +182,9 @@ def _kv_differences(model: torch.nn.Module, kv: dict[str, dict[str, float]], fp8
 
 def check_refit_parity(worker: Any, sent: SentTensors) -> ParityReport:
     """Everything one refit sent vs what the engine now holds; ParityError names differences.
-    Routed experts on a TP/EP rank: its shard of each sent tensor, for the experts it holds."""
+    ``sent`` holds this rank's part of each tensor (`SentTensors.keep_part`)."""
     model = worker.model_runner.model
-    mine, elsewhere = expert_shards.rank_view(model, {**sent.fp8, **sent.other})
+    mine, elsewhere = {**sent.fp8, **sent.other}, sent.elsewhere
     layers = tuple(m for m in sent.fp8_layers if f"{m}.weight" in mine)
     qsd = QuantizedStateDict(mine, layers, tuple(n for n in sent.other if n in mine))
     report = check_parity(

@@ -26,7 +26,8 @@ the training forward. `install_refit_hook(settings)` replaces, inside the vLLM w
    first (``vllm_patch.rollback``: one copy of its tensors, on the GPU if it fits, else in host
    memory) and, on any failure (our refusal, NeMo-RL's transport returning False, the parity
    check), restores it and verifies it bit for bit before raising: a refused refit leaves the
-   engine exactly as it was.
+   engine exactly as it was. At tensor_parallel_size > 1 the ranks agree first
+   (``vllm_patch.rank_vote``): every rank restores when any rank failed.
 3. main's transports that do not go through ``fp8.load_weights`` (NCCL reshard, sparse delta,
    checkpoint engine) are refused with a message naming the supported ones.
 
@@ -54,6 +55,7 @@ from nemo_jetrl.backends.nemo_rl.refit_batches import (
     check_refit_parity,
     quantize_batch,
 )
+from nemo_jetrl.vllm_patch import rank_vote
 from nemo_jetrl.vllm_patch.refit import REFUSED, RefitError
 from nemo_jetrl.vllm_patch.rollback import restore_snapshot, rolled_back, take_snapshot
 from nemo_jetrl.vllm_patch.settings import ENV_VAR as PATCH_ENV
@@ -189,6 +191,7 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
         if snap is not None:
             log.info("%s: rollback snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
+        ok, failure = False, None
         try:
             ok = original(self, *args, **kwargs)
             # NeMo-RL's collective consumer copies on a side stream it never joins: let every
@@ -203,19 +206,18 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                     f"trainer's ({rep.fp8} FP8 weights and scales byte for byte)",
                     flush=True,
                 )
-            if ok:  # put back after vLLM's KV-cache wake-up resets them (kv_wake.py)
-                kv_wake.keep_kv_scales(runner, sent.kv)
         except Exception as exc:
             if snap is None:
                 raise
-            _sync_device(runner.model)
-            raise rolled_back(exc, restore_snapshot(runner.model, snap).tensors) from exc
+            failure = exc
         finally:
             runner._jetrl_sent = None
         try:
-            if not ok and snap is not None:  # NeMo-RL's transport caught (and logged) its error
-                rep = restore_snapshot(runner.model, snap)
-                log.error("%s failed; rolled the engine back (%d tensors)", name, rep.tensors)
+            if snap is not None:  # all-or-nothing over the engine's ranks (rank_vote.py)
+                mine = rank_vote.RAISED if failure else rank_vote.outcome(ok)
+                ok = _roll_back_unless_all_loaded(name, self, snap, failure, mine)
+            if ok:  # put back after vLLM's KV-cache wake-up resets them (kv_wake.py)
+                kv_wake.keep_kv_scales(runner, sent.kv)
             return ok
         finally:
             # A GPU snapshot's blocks would stay in torch's cache through the KV cache's
@@ -228,6 +230,41 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
 
     setattr(transport, MARK, state)
     return transport
+
+
+def _roll_back_unless_all_loaded(
+    name: str, worker: Any, snap: Any, failure: Exception | None, mine: int
+) -> bool:
+    """True when every rank of the engine loaded the refit; else this rank is restored and
+    the refusal raised (this rank's, or one naming the ranks that raised), or False returned
+    (a transport returned False, as NeMo-RL's does on its own errors)."""
+    outcomes = rank_vote.engine_outcomes(worker, mine)
+    bad = rank_vote.failed_ranks(outcomes)
+    if not bad:
+        return True
+    model = worker.model_runner.model
+    _sync_device(model)
+    restored = restore_snapshot(model, snap).tensors
+    where = (
+        f" on this rank; every rank of the engine restored its own: the refit failed on "
+        f"tensor-parallel rank(s) {bad} of {len(outcomes)}"
+        if len(outcomes) > 1
+        else ""
+    )
+    if failure is not None:
+        raise rolled_back(failure, restored, where) from failure
+    raised = [r for r, o in enumerate(outcomes) if o == rank_vote.RAISED]
+    if raised:
+        raise rolled_back(
+            RefitError(
+                f"refit refused on tensor-parallel rank(s) {raised} of this engine (their "
+                "error says why); this rank had loaded its part"
+            ),
+            restored,
+            where,
+        )
+    log.error("%s failed; rolled the engine back (%d tensors%s)", name, restored, where)
+    return False
 
 
 def _sync_device(model: Any) -> None:
