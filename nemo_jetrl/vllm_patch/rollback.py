@@ -122,7 +122,7 @@ class RestoreReport:
     """Attributes the failed refit had added (deleted)."""
 
 
-def _tensor_items(
+def tensor_items(
     module: torch.nn.Module, kv: KvCache = NO_KV_CACHE
 ) -> dict[str, tuple[str, torch.Tensor]]:
     out = {n: ("param", p) for n, p in module._parameters.items() if p is not None}
@@ -152,7 +152,7 @@ def snapshot_device(nbytes: int, device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         if not p.is_meta:
             return p.device
@@ -163,7 +163,7 @@ def take_snapshot(model: torch.nn.Module, runner: Any = None) -> Snapshot:
     """Save ``model``'s state (module docstring): one copy of its tensors, the KV cache left
     alone (``runner``: the vLLM model runner, whose ``kv_caches`` are recognised too)."""
     kv = KvCache.of(model, runner)
-    items = {name: _tensor_items(m, kv) for name, m in model.named_modules()}
+    items = {name: tensor_items(m, kv) for name, m in model.named_modules()}
     seen: set[int] = set()
     nbytes = 0
     for per in items.values():
@@ -171,7 +171,7 @@ def take_snapshot(model: torch.nn.Module, runner: Any = None) -> Snapshot:
             if id(t) not in seen and not t.is_meta:
                 seen.add(id(t))
                 nbytes += t.numel() * t.element_size()
-    device = snapshot_device(nbytes, _model_device(model))
+    device = snapshot_device(nbytes, model_device(model))
     copies: dict[int, torch.Tensor] = {}  # a tied tensor is saved once
     modules: dict[str, _ModuleState] = {}
     with torch.no_grad():
@@ -186,7 +186,7 @@ def take_snapshot(model: torch.nn.Module, runner: Any = None) -> Snapshot:
     return Snapshot(modules, device, nbytes, kv)
 
 
-def _rebind(module: torch.nn.Module, n: str, kind: str, obj: torch.Tensor) -> None:
+def rebind(module: torch.nn.Module, n: str, kind: str, obj: torch.Tensor) -> None:
     """Bind name ``n`` to ``obj`` where it was (parameter, buffer or plain attribute) and
     nowhere else."""
     homes = {"param": module._parameters, "buffer": module._buffers, "attr": module.__dict__}
@@ -207,7 +207,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _restore_module(module: torch.nn.Module, state: _ModuleState, kv: KvCache) -> list[str]:
     removed = []
-    now = _tensor_items(module, kv)
+    now = tensor_items(module, kv)
     for n in set(now) - set(state.tensors):
         kind = now[n][0]
         registry = {"param": module._parameters, "buffer": module._buffers}.get(kind)
@@ -218,7 +218,7 @@ def _restore_module(module: torch.nn.Module, state: _ModuleState, kv: KvCache) -
         removed.append(n)
     with torch.no_grad():
         for n, saved in state.tensors.items():
-            _rebind(module, n, state.kinds[n], saved.obj)
+            rebind(module, n, state.kinds[n], saved.obj)
             cur = saved.obj.data
             if (cur.data_ptr(), cur.shape, cur.dtype) != (
                 saved.data.data_ptr(),
@@ -241,7 +241,7 @@ def _differences(model: torch.nn.Module, snap: Snapshot) -> list[str]:
         if m is None:
             out.append(f"{name or '<model>'}: module gone")
             continue
-        now = _tensor_items(m, snap.kv)
+        now = tensor_items(m, snap.kv)
         for n, saved in state.tensors.items():
             label = f"{name}.{n}" if name else n
             cur = now.get(n, (None, None))[1]

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.vllm_patch import compat, parity_views, rollback
+from nemo_jetrl.vllm_patch import compat, graph_bindings, parity_views, rollback
 from nemo_jetrl.vllm_patch.cpu_moe_repack import plain_rows, repack_reloaded_experts
 from nemo_jetrl.vllm_patch.dense_shards import engine_rows
 from nemo_jetrl.vllm_patch.engine_names import engine_path, stacked_outputs
@@ -253,13 +253,14 @@ class JetRLWorkerExtension:
         """Load a ``pack``ed {HF name: tensor} blob in place; report names and identity."""
         model = _model(self)
         before = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
+        cfg = self.vllm_config  # type: ignore[attr-defined]
+        graphs = graph_bindings.captures_cuda_graphs(cfg, rollback.model_device(model))
+        bound = graph_bindings.record(model, self.model_runner) if graphs else None  # type: ignore[attr-defined]
         tensors = unpack(blob)
-        loaded = compat.reload_weights(
-            model,
-            self.vllm_config.model_config,  # type: ignore[attr-defined]
-            iter(tensors.items()),
-        )
+        loaded = compat.reload_weights(model, cfg.model_config, iter(tensors.items()))
         repacked = repack_reloaded_experts(model, tensors)  # the reload leaves them unpacked
+        if bound is not None:  # attributes the reload rebinds (0.25's MLA W_UK_T / W_UV)
+            graph_bindings.keep_in_place(model, bound)
         after = {n: (id(p), p.data_ptr()) for n, p in model.named_parameters()}
         moved = sorted(n for n in before if after.get(n) != before[n])
         return {"loaded": sorted(loaded or []), "moved": moved, "repacked": repacked}

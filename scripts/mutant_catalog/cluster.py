@@ -76,4 +76,25 @@ MUTANTS = [
         "mine = t",
         ("tests/vllm_patch/test_expert_shards_unit.py",),
     ),
+    Mutant(  # vLLM 0.20/0.25's MLA rebinds W_UK_T/W_UV: captured decode graphs read the old
+        "NeMo-RL's refit leaves rebound tensors where the captured CUDA graphs do not read",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "                graph_bindings.keep_in_place(runner.model, bound)\n",
+        "                pass\n",
+        ("tests/vllm_patch/test_graph_bindings.py",),
+    ),
+    Mutant(
+        "a moved tensor is bound back to its old storage without the new values",
+        "nemo_jetrl/vllm_patch/graph_bindings.py",
+        "            old.copy_(cur)\n",
+        "",
+        ("tests/vllm_patch/test_graph_bindings.py",),
+    ),
+    Mutant(
+        "an engine in piecewise CUDA-graph mode is taken for one that replays no graphs",
+        "nemo_jetrl/vllm_patch/graph_bindings.py",
+        'return mode is not None and getattr(mode, "name", str(mode)) != "NONE"',
+        'return mode is not None and "FULL" in getattr(mode, "name", str(mode))',
+        ("tests/vllm_patch/test_graph_bindings.py",),
+    ),
 ]

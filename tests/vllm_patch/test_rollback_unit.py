@@ -84,7 +84,7 @@ def test_everything_a_failed_refit_did_is_undone_bit_for_bit():
     closure = model.a.cpu_linear
     snap = take_snapshot(model)
     assert snap.device == torch.device("cpu")
-    unique = {id(t): t for m in model.modules() for _, t in rollback._tensor_items(m).values()}
+    unique = {id(t): t for m in model.modules() for _, t in rollback.tensor_items(m).values()}
     assert snap.nbytes == sum(t.numel() * t.element_size() for t in unique.values())
     _failed_refit(model)
     assert not torch.equal(model(x), out_before)  # not vacuous: the refit changed the output

@@ -272,7 +272,7 @@ def _nrl_refit_experts(self, blob: bytes, settings_json: str, load: bool = True)
     batch = quantize_batch(list(unpack(blob).items()), model, s, sent)
     if load:  # else: parity only, against what the engine holds
         compat.reload_weights(model, self.vllm_config.model_config, iter(batch))
-    n = len(sent.fp8) + len(sent.other)
+    n = len(sent.fp8) + len(sent.other) + sent.elsewhere  # kept here + other ranks'
     try:
         r = check_refit_parity(self, sent)
     except ParityError as exc:

@@ -28,6 +28,8 @@ the training forward. `install_refit_hook(settings)` replaces, inside the vLLM w
    check), restores it and verifies it bit for bit before raising: a refused refit leaves the
    engine exactly as it was. At tensor_parallel_size > 1 the ranks agree first
    (``vllm_patch.rank_vote``): every rank restores when any rank failed.
+   On an engine replaying CUDA graphs, tensors the refit rebinds (vLLM 0.20/0.25's MLA
+   ``W_UK_T``/``W_UV``) go back into the storage the graphs read (``graph_bindings``).
 3. main's transports that do not go through ``fp8.load_weights`` (NCCL reshard, sparse delta,
    checkpoint engine) are refused with a message naming the supported ones.
 
@@ -55,9 +57,14 @@ from nemo_jetrl.backends.nemo_rl.refit_batches import (
     check_refit_parity,
     quantize_batch,
 )
-from nemo_jetrl.vllm_patch import rank_vote
+from nemo_jetrl.vllm_patch import graph_bindings, rank_vote
 from nemo_jetrl.vllm_patch.refit import REFUSED, RefitError
-from nemo_jetrl.vllm_patch.rollback import restore_snapshot, rolled_back, take_snapshot
+from nemo_jetrl.vllm_patch.rollback import (
+    model_device,
+    restore_snapshot,
+    rolled_back,
+    take_snapshot,
+)
 from nemo_jetrl.vllm_patch.settings import ENV_VAR as PATCH_ENV
 from nemo_jetrl.vllm_patch.settings import PatchSettings
 
@@ -191,6 +198,9 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
         if snap is not None:
             log.info("%s: rollback snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
+        device = model_device(runner.model)
+        graphs = graph_bindings.captures_cuda_graphs(self.vllm_config, device)
+        bound = graph_bindings.record(runner.model, runner) if graphs else None
         ok, failure = False, None
         try:
             ok = original(self, *args, **kwargs)
@@ -199,6 +209,8 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
             _sync_device(runner.model)
             if sent.error is not None:
                 raise sent.error
+            if ok and bound is not None:  # where the captured CUDA graphs read (MLA's W_UK_T)
+                graph_bindings.keep_in_place(runner.model, bound)
             if ok and state.parity:
                 rep = runner._jetrl_last_parity = check_refit_parity(self, sent)
                 print(
