@@ -229,4 +229,5 @@ def test_refit_batch_of_an_ep_rank_takes_every_expert_and_sends_them_on():
     sent = SentTensors()
     out = quantize_batch(batch, model, settings_from_recipe(Recipe.preset("jetrl")), sent)
     assert len(out) == 2 * len(names) and len(sent.fp8) == len(names)
-    assert sent.elsewhere == 4 * 3 * 2 and {n.split(".")[5] for n in sent.fp8} == {"0", "1", "2", "3"}
+    assert sent.elsewhere == 4 * 3 * 2
+    assert {n.split(".")[5] for n in sent.fp8} == {"0", "1", "2", "3"}
