@@ -8,19 +8,43 @@ roll out with. So after its own outcome is known each rank shares it over the en
 tensor-parallel CPU group (one gloo all-reduce of ``tp`` integers, no GPU work) and every rank
 then rolls back if any failed: all-or-nothing for the engine, not per rank.
 
-Every rank reaches the vote, whatever happened to it (the hook catches its errors first), so
-the collective cannot be left waiting by a rank that raised.
+Every rank reaches the vote, whatever happened to it, so the collective cannot be left waiting
+by a rank that raised: the hook catches its errors first, and a rank that could not take its
+rollback snapshot (out of memory there alone) drains its stream loading nothing and votes
+RAISED. The ranks are those of one pipeline stage: with the parity check or rollback on, vLLM
+``pipeline_parallel_size`` > 1 is refused before launch (``translate``) and in the hook.
+(NeMo-RL runs each transport on every worker of an engine at once: its driver calls the
+engine's ``collective_rpc``, which vLLM's Ray and mp executors send to all workers together.)
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from nemo_jetrl.vllm_patch.refit_kv import RefitError
+from nemo_jetrl.vllm_patch.rollback import restore_snapshot, rolled_back
+
+log = logging.getLogger(__name__)
+
 LOADED, RETURNED_FALSE, RAISED = 0, 1, 2
 """A rank's outcome: kept the refit; the transport returned False (NeMo-RL caught its error);
 our hook or the transport raised (refusal, parity failure)."""
+
+
+def stage_problem(pp: object, checked: list[str]) -> str | None:
+    """Why vLLM ``pipeline_parallel_size`` ``pp`` cannot run with the refit checks ``checked``
+    (the ``jetrl.refit_*`` keys that are on): the vote covers one stage's tensor-parallel
+    group, and each rank's parity reads its own stage's layers only. None: it can."""
+    if not checked or not isinstance(pp, int) or pp <= 1:
+        return None
+    return (
+        f"{pp}: the refit's parity check and all-or-nothing rollback ({', '.join(checked)}) "
+        "work within one pipeline stage: set it to 1 (use tensor_parallel_size), or set "
+        f"{' and '.join(checked)} to false"
+    )
 
 
 def outcome(ok: bool) -> int:
@@ -58,3 +82,39 @@ def engine_outcomes(worker: Any, outcome: int) -> list[int]:
 def failed_ranks(outcomes: list[int]) -> list[int]:
     """The ranks whose refit did not load."""
     return [r for r, o in enumerate(outcomes) if o != LOADED]
+
+
+def settle(name: str, worker: Any, snap: Any, failure: Exception | None, ok: bool) -> bool:
+    """After ``name`` ran on this rank (``failure`` raised, else returned ``ok``): True when
+    every rank of the engine loaded the refit; else this rank is restored from ``snap`` and the
+    refusal raised (this rank's, or one naming the ranks that raised), or False returned (a
+    transport returned False, as NeMo-RL's does on its own errors). ``snap`` None: this rank
+    could not take one and loaded nothing (its ``failure`` says so)."""
+    outcomes = engine_outcomes(worker, RAISED if failure is not None else outcome(ok))
+    bad = failed_ranks(outcomes)
+    if not bad:
+        return True
+    where = (
+        f" on this rank; every rank of the engine restored its own: the refit failed on "
+        f"tensor-parallel rank(s) {bad} of {len(outcomes)}"
+        if len(outcomes) > 1
+        else ""
+    )
+    if snap is None:  # nothing was loaded here (the snapshot's own failure)
+        assert failure is not None
+        raise RefitError(f"{failure}{where}") from failure
+    restored = restore_snapshot(worker.model_runner.model, snap).tensors
+    if failure is not None:
+        raise rolled_back(failure, restored, where) from failure
+    raised = [r for r, o in enumerate(outcomes) if o == RAISED]
+    if raised:
+        raise rolled_back(
+            RefitError(
+                f"refit refused on tensor-parallel rank(s) {raised} of this engine (their "
+                "error says why); this rank had loaded its part"
+            ),
+            restored,
+            where,
+        )
+    log.error("%s failed; rolled the engine back (%d tensors%s)", name, restored, where)
+    return False

@@ -64,8 +64,8 @@ MUTANTS = [
     Mutant(
         "a rank that loaded returns True though another rank's transport returned False",
         "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
-        "ok = _roll_back_unless_all_loaded(",
-        "_roll_back_unless_all_loaded(",
+        "ok = rank_vote.settle(name, self, snap, failure, ok)",
+        "rank_vote.settle(name, self, snap, failure, ok)",
         T_TP2,
         env="vllm",
     ),
@@ -96,5 +96,12 @@ MUTANTS = [
         'return mode is not None and getattr(mode, "name", str(mode)) != "NONE"',
         'return mode is not None and "FULL" in getattr(mode, "name", str(mode))',
         ("tests/vllm_patch/test_graph_bindings.py",),
+    ),
+    Mutant(  # the rollback vote covers one stage's TP group: stage 0 back, stage 1 new
+        "vLLM pipeline stages pass the launch with the refit's parity and rollback on",
+        "nemo_jetrl/vllm_patch/rank_vote.py",
+        "if not checked or not isinstance(pp, int) or pp <= 1:",
+        "if not checked or not isinstance(pp, int) or pp <= 2:",
+        ("tests/backends/test_nemo_rl_backend.py",),
     ),
 ]

@@ -191,9 +191,9 @@ MUTANTS = [
     ),
     Mutant(
         "refit hook: a failed NeMo-RL transport is not rolled back",
-        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
-        "if not ok and snap is not None:",
-        "if False:",
+        "nemo_jetrl/vllm_patch/rank_vote.py",
+        "    if not bad:\n        return True\n",
+        "    if not bad or failure is None:\n        return ok\n",
         (T_NRL_REFIT + "test_a_failure_inside_nemo_rls_own_transport_is_rolled_back_too",),
         env="nemo_rl",
     ),

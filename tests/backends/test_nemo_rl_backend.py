@@ -396,3 +396,30 @@ def test_a_non_auto_linear_backend_is_refused_before_start(key):
         nr.prepare(str(QWEN / "jetrl.yaml"), [f"+policy.generation.vllm_kwargs.{key}=cutlass"])
     nr.prepare(str(QWEN / "jetrl.yaml"), [f"+policy.generation.vllm_kwargs.{key}=auto"])
     nr.prepare(str(QWEN / "bf16.yaml"), [f"+policy.generation.vllm_kwargs.{key}=cutlass"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({}, "jetrl.refit_parity_check and jetrl.refit_rollback"),
+        ({"refit_parity_check": False}, "set jetrl.refit_rollback to false"),
+        ({"refit_parity_check": False, "refit_rollback": False}, None),
+        ({"refit_hook": False}, None),
+    ],
+)
+def test_vllm_pipeline_stages_are_refused_while_the_refit_is_checked(flags, named):
+    """The refit's parity check and its rollback vote cover one pipeline stage
+    (``vllm_patch.rank_vote``): vLLM pipeline_parallel_size > 1 is refused before launch,
+    naming the key and the jetrl flags that would allow it."""
+    key = "policy.generation.vllm_cfg.pipeline_parallel_size"
+    for pp, refused in ((2, named is not None), (1, False)):
+        gen = {"backend": "vllm", "vllm_cfg": {"pipeline_parallel_size": pp}}
+        cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}, "jetrl": flags}
+        try:
+            nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)
+            problems = {}
+        except nt.TranslationError as exc:
+            problems = dict(exc.problems)
+        assert (key in problems) is refused, (pp, problems)
+        if refused:
+            assert problems[key].startswith(f"{pp}: ") and named in problems[key], problems

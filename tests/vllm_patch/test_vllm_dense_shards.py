@@ -211,7 +211,8 @@ def _transport(self, blob: bytes, settings_json: str, fail: str) -> dict:
     """NeMo-RL's hooked transport (parity and rollback on) around a stand-in for NeMo-RL's own
     transport that loads ``blob`` through the hooked batch path; on rank 1 it then either
     corrupts one byte of layer 0's down_proj (``fail="byte"``: the parity check must catch it)
-    or returns False (``fail="false"``: NeMo-RL's transport caught an error of its own)."""
+    or returns False (``fail="false"``: NeMo-RL's transport caught an error of its own); or
+    rank 1 cannot take its rollback snapshot (``fail="snapshot"``)."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     from nemo_jetrl.backends.nemo_rl.refit_batches import quantize_batch
@@ -226,6 +227,8 @@ def _transport(self, blob: bytes, settings_json: str, fail: str) -> dict:
 
     def nemo_rl_transport(worker) -> bool:
         model = worker.model_runner.model
+        if worker.model_runner._jetrl_sent.error is not None:
+            return True  # the hooked fp8.load_weights loads nothing once the refit is refused
         batch = quantize_batch(
             list(unpack(blob).items()), model, s, worker.model_runner._jetrl_sent
         )
@@ -234,13 +237,24 @@ def _transport(self, blob: bytes, settings_json: str, fail: str) -> dict:
             model.model.layers[0].mlp.down_proj.weight.data.view(torch.uint8)[9, 17] ^= 4
         return not (rank == 1 and fail == "false")
 
+    from nemo_jetrl.backends.nemo_rl import vllm_refit
+
     hooked = _make_transport(
         "update_weights_via_ipc_zmq", nemo_rl_transport, HookState(s, True, True, "test")
     )
+    take = vllm_refit.take_snapshot
+    if rank == 1 and fail == "snapshot":  # out of memory on this rank alone
+
+        def no_room(*args, **kwargs):
+            raise torch.OutOfMemoryError("stand-in: no room for the snapshot on rank 1")
+
+        vllm_refit.take_snapshot = no_room
     try:
         return {"rank": rank, "ok": hooked(self)}
     except (ParityError, RefitError) as exc:
         return {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        vllm_refit.take_snapshot = take
 
 
 def test_hooked_transport_rolls_every_rank_back_when_one_ranks_parity_fails(llm, settings):
@@ -283,6 +297,24 @@ def test_a_rank_whose_transport_returns_false_rolls_the_engine_back(llm, setting
     assert res == [{"rank": 0, "ok": True}, {"rank": 1, "ok": True}], res
     res = llm.collective_rpc(_refit, args=(after, settings.to_json(), False))
     assert all("error" not in r for r in res), res
+
+
+def test_a_rank_without_room_for_its_snapshot_still_votes_and_the_engine_rolls_back(llm, settings):
+    """Rank 1 cannot take its rollback snapshot: it drains its stream loading nothing and votes
+    (a rank that raised before the vote would leave rank 0 waiting in it), rank 0 rolls back."""
+    from nemo_jetrl.vllm_patch.worker_ext import pack
+
+    before, after = pack(weights(1)), pack(weights(4))
+    assert all(
+        "error" not in r for r in llm.collective_rpc(_refit, args=(before, settings.to_json()))
+    )
+    r0, r1 = llm.collective_rpc(_transport, args=(after, settings.to_json(), "snapshot"))
+    assert "rollback snapshot could not be taken on this rank (OutOfMemoryError" in r1["error"], r1
+    assert "nothing was loaded into it" in r1["error"], r1
+    assert "refit refused on tensor-parallel rank(s) [1]" in r0["error"], r0
+    assert "rolled back" in r0["error"], r0
+    res = llm.collective_rpc(_refit, args=(before, settings.to_json(), False))
+    assert all("error" not in r for r in res), [(r["rank"], r.get("error", "")[:400]) for r in res]
 
 
 def test_closing_the_engine_leaves_no_queue_socket_open(llm):

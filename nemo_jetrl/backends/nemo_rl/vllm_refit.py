@@ -59,12 +59,7 @@ from nemo_jetrl.backends.nemo_rl.refit_batches import (
 )
 from nemo_jetrl.vllm_patch import graph_bindings, rank_vote
 from nemo_jetrl.vllm_patch.refit import REFUSED, RefitError
-from nemo_jetrl.vllm_patch.rollback import (
-    model_device,
-    restore_snapshot,
-    rolled_back,
-    take_snapshot,
-)
+from nemo_jetrl.vllm_patch.rollback import model_device, take_snapshot
 from nemo_jetrl.vllm_patch.settings import ENV_VAR as PATCH_ENV
 from nemo_jetrl.vllm_patch.settings import PatchSettings
 
@@ -186,18 +181,26 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
     @functools.wraps(original)
     def transport(self: Any, *args: Any, **kwargs: Any) -> Any:
         runner = self.model_runner
-        # Each TP rank checks its own shards (dense_shards / expert_shards); pipeline stages
-        # hold other layers than the refit sends to them: not covered.
+        # Each TP rank checks its own shards (dense_shards / expert_shards) and the ranks vote
+        # over the TP group (rank_vote); pipeline stages are neither (translate refuses them).
         pp = int(getattr(self.vllm_config.parallel_config, "pipeline_parallel_size", 1))
-        if state.parity and pp != 1:
+        if (state.parity or state.rollback) and pp != 1:
             raise RefitError(
-                f"jetrl.refit_parity_check supports vLLM pipeline_parallel_size=1, this engine "
-                f"has {pp}: set it to false (weights are still quantized by nemo_jetrl.fp8)"
+                f"jetrl.refit_parity_check and jetrl.refit_rollback support vLLM "
+                f"pipeline_parallel_size=1, this engine has {pp}: set both to false (weights "
+                "are still quantized by nemo_jetrl.fp8)"
             )
-        snap = take_snapshot(runner.model, runner) if state.rollback else None
+        sent = runner._jetrl_sent = SentTensors(keep=state.parity)
+        snap = None
+        try:  # one rank out of memory must still drain its stream and vote (rank_vote.py)
+            snap = take_snapshot(runner.model, runner) if state.rollback else None
+        except Exception as exc:
+            sent.error = RefitError(
+                f"refit refused: the rollback snapshot could not be taken on this rank "
+                f"({type(exc).__name__}: {exc}); nothing was loaded into it"
+            )
         if snap is not None:
             log.info("%s: rollback snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
-        sent = runner._jetrl_sent = SentTensors(keep=state.parity)
         device = model_device(runner.model)
         graphs = graph_bindings.captures_cuda_graphs(self.vllm_config, device)
         bound = graph_bindings.record(runner.model, runner) if graphs else None
@@ -219,15 +222,15 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                     flush=True,
                 )
         except Exception as exc:
-            if snap is None:
+            if not state.rollback:
                 raise
             failure = exc
         finally:
             runner._jetrl_sent = None
         try:
-            if snap is not None:  # all-or-nothing over the engine's ranks (rank_vote.py)
-                mine = rank_vote.RAISED if failure else rank_vote.outcome(ok)
-                ok = _roll_back_unless_all_loaded(name, self, snap, failure, mine)
+            if state.rollback:  # all-or-nothing over the engine's ranks
+                _sync_device(runner.model)
+                ok = rank_vote.settle(name, self, snap, failure, ok)
             if ok:  # put back after vLLM's KV-cache wake-up resets them (kv_wake.py)
                 kv_wake.keep_kv_scales(runner, sent.kv)
             return ok
@@ -242,41 +245,6 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
 
     setattr(transport, MARK, state)
     return transport
-
-
-def _roll_back_unless_all_loaded(
-    name: str, worker: Any, snap: Any, failure: Exception | None, mine: int
-) -> bool:
-    """True when every rank of the engine loaded the refit; else this rank is restored and
-    the refusal raised (this rank's, or one naming the ranks that raised), or False returned
-    (a transport returned False, as NeMo-RL's does on its own errors)."""
-    outcomes = rank_vote.engine_outcomes(worker, mine)
-    bad = rank_vote.failed_ranks(outcomes)
-    if not bad:
-        return True
-    model = worker.model_runner.model
-    _sync_device(model)
-    restored = restore_snapshot(model, snap).tensors
-    where = (
-        f" on this rank; every rank of the engine restored its own: the refit failed on "
-        f"tensor-parallel rank(s) {bad} of {len(outcomes)}"
-        if len(outcomes) > 1
-        else ""
-    )
-    if failure is not None:
-        raise rolled_back(failure, restored, where) from failure
-    raised = [r for r, o in enumerate(outcomes) if o == rank_vote.RAISED]
-    if raised:
-        raise rolled_back(
-            RefitError(
-                f"refit refused on tensor-parallel rank(s) {raised} of this engine (their "
-                "error says why); this rank had loaded its part"
-            ),
-            restored,
-            where,
-        )
-    log.error("%s failed; rolled the engine back (%d tensors%s)", name, restored, where)
-    return False
 
 
 def _sync_device(model: Any) -> None:
