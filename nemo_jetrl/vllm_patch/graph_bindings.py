@@ -69,7 +69,12 @@ def _moved(b: Binding, now: torch.Tensor) -> bool:
     """Whether a graph would read other memory than ``now`` (a new object around the same
     storage and layout, as vLLM's linear methods re-make parameters, reads the same)."""
     old = b.data
-    return (now.data_ptr(), now.shape, now.stride()) != (old.data_ptr(), old.shape, old.stride())
+    return (now.data_ptr(), now.shape, now.stride(), now.dtype) != (
+        old.data_ptr(),
+        old.shape,
+        old.stride(),
+        old.dtype,
+    )
 
 
 @torch.no_grad()

@@ -104,4 +104,11 @@ MUTANTS = [
         "if not checked or not isinstance(pp, int) or pp <= 2:",
         ("tests/backends/test_nemo_rl_backend.py",),
     ),
+    Mutant(  # found by review: every refit with an FP8 KV cache refused on a graphed engine
+        "the KV scale parameters are widened to float32 inside the refit, after the graph record",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "        float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them\n",
+        "",
+        ("tests/vllm_patch/test_graph_bindings.py",),
+    ),
 ]

@@ -223,3 +223,51 @@ def test_a_real_cuda_graph_replays_the_refit_weights():
         torch.cuda.synchronize()
         results[keep] = torch.equal(out, torch.bmm(q, m[0].W_UK_T))
     assert results == {False: False, True: True}, results
+
+
+class AttnStandin(torch.nn.Module):
+    """A vLLM attention layer's scales as it holds them: q/k/v_scale parameters made under the
+    model's default dtype (bf16), the float32 ``_k_scale`` its kernels read, the host float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for t in "qkv":
+            setattr(
+                self,
+                f"{t}_scale",
+                torch.nn.Parameter(torch.tensor(1.0, dtype=torch.bfloat16), requires_grad=False),
+            )
+            setattr(self, f"_{t}_scale", torch.tensor(1.0))
+            setattr(self, f"_{t}_scale_float", 1.0)
+
+
+def test_the_refit_of_bf16_kv_scale_parameters_is_not_taken_for_a_graph_rebinding(monkeypatch):
+    """NeMo-RL sends calibrated KV scales; our batch path widens the bf16 ``k_scale``
+    parameter to float32 (a new storage). The hook widens them before recording, so on an
+    engine replaying graphs the refit passes (found by review: it was refused at every refit
+    with an FP8 KV cache)."""
+    from nemo_jetrl.backends.nemo_rl.refit_batches import quantize_batch
+    from nemo_jetrl.backends.nemo_rl.vllm_refit import HookState, _make_transport
+    from nemo_jetrl.recipe import Recipe
+    from nemo_jetrl.vllm_patch import settings_from_recipe
+
+    monkeypatch.setattr(graph_bindings, "captures_cuda_graphs", lambda cfg, device: True)
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([torch.nn.Module()])
+    m.layers[0].self_attn = torch.nn.Module()
+    m.layers[0].self_attn.attn = AttnStandin()
+    m.layers[0].self_attn.o_proj = torch.nn.Linear(4, 4)
+    settings = settings_from_recipe(Recipe.preset("jetrl_kv"))
+
+    def nemo_rl_transport(worker) -> bool:
+        batch = [("layers.0.self_attn.k_scale", torch.tensor([0.25]))]
+        for name, t in quantize_batch(batch, m, settings, worker.model_runner._jetrl_sent):
+            # vLLM's loader: "<layer>.self_attn.k_scale" -> the attention's parameter, in place
+            m.layers[0].self_attn.attn.get_parameter(name.rpartition(".")[2]).data.copy_(t[0])
+        return True
+
+    state = HookState(settings, False, True, "test")
+    hooked = _make_transport("update_weights_via_ipc_zmq", nemo_rl_transport, state)
+    assert hooked(_worker(m)) is True
+    k = m.layers[0].self_attn.attn.k_scale
+    assert k.dtype == torch.float32 and float(k) == 0.25

@@ -100,6 +100,23 @@ def _float32_kv_scale(model: torch.nn.Module, layer: str, t: str) -> None:
         param.data = param.data.to(torch.float32)
 
 
+def float32_kv_scales(model: torch.nn.Module) -> int:
+    """Make every attention layer's q/k/v scale parameters float32 (`_float32_kv_scale`), before
+    the refit's rollback snapshot and graph bindings are recorded: widening them inside the
+    transport would look like a rebinding to another dtype (`graph_bindings`; the graphs read
+    ``_k_scale``, never these). Returns how many were widened."""
+    n = 0
+    for m in model.modules():
+        if not compat.is_attention_layer(m):
+            continue
+        for t in "qkv":
+            param = getattr(m, f"{t}_scale", None)
+            if isinstance(param, torch.Tensor) and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
+                n += 1
+    return n
+
+
 def quantize_batch(
     weights: list[tuple[str, torch.Tensor]],
     model: torch.nn.Module,

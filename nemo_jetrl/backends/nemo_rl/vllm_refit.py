@@ -55,6 +55,7 @@ from nemo_jetrl.backends.nemo_rl import kv_wake
 from nemo_jetrl.backends.nemo_rl.refit_batches import (
     SentTensors,
     check_refit_parity,
+    float32_kv_scales,
     quantize_batch,
 )
 from nemo_jetrl.vllm_patch import graph_bindings, rank_vote
@@ -191,6 +192,7 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                 "are still quantized by nemo_jetrl.fp8)"
             )
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
+        float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them
         snap = None
         try:  # one rank out of memory must still drain its stream and vote (rank_vote.py)
             snap = take_snapshot(runner.model, runner) if state.rollback else None
