@@ -68,9 +68,11 @@ for t in "${all_tests[@]}"; do
   case $t in
     # issue 47's: the invariant kernels, and the local rollout's sampling on the device
     tests/invariant/* | tests/backends/test_local_sampling.py) inv_tests+=("$t") ;;
-    # the kernels changed since the last GPU run first: the split-K GEMM, the quantizers
+    # what changed since the last GPU run first: the split-K GEMM, the quantizers, a refit
+    # under a captured CUDA graph (graph_bindings)
     tests/fp8/test_split_gemm.py | tests/fp8/test_quantizer_rowcol.py | \
-      tests/fp8/test_quantizer_flag_and_cast.py) kernel_tests+=("$t") ;;
+      tests/fp8/test_quantizer_flag_and_cast.py | tests/vllm_patch/test_graph_bindings.py)
+      kernel_tests+=("$t") ;;
     *) fp8_tests+=("$t") ;;
   esac
 done
