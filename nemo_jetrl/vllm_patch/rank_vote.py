@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.vllm_patch.refit_kv import RefitError
-from nemo_jetrl.vllm_patch.rollback import restore_snapshot, rolled_back
+from nemo_jetrl.vllm_patch.rollback import RollbackError, restore_snapshot, rolled_back
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +90,23 @@ def settle(name: str, worker: Any, snap: Any, failure: Exception | None, ok: boo
     refusal raised (this rank's, or one naming the ranks that raised), or False returned (a
     transport returned False, as NeMo-RL's does on its own errors). ``snap`` None: this rank
     could not take one and loaded nothing (its ``failure`` says so)."""
-    outcomes = engine_outcomes(worker, RAISED if failure is not None else outcome(ok))
+    mine = RAISED if failure is not None else outcome(ok)
+    try:
+        outcomes = engine_outcomes(worker, mine)
+    except Exception as exc:
+        state = "restored to before this refit" if snap is not None else "without a snapshot"
+        if snap is not None:
+            restore_snapshot(worker.model_runner.model, snap)
+        raise RollbackError(
+            f"the ranks of this engine could not agree on the refit ({type(exc).__name__}: "
+            f"{exc}); this rank is {state}, the others' state is unknown: restart the engine"
+            + (f" (this rank's refit had failed: {failure})" if failure is not None else "")
+        ) from exc
     bad = failed_ranks(outcomes)
     if not bad:
         return True
     where = (
-        f" on this rank; every rank of the engine restored its own: the refit failed on "
+        f" on this rank; every rank that loaded restored its own: the refit failed on "
         f"tensor-parallel rank(s) {bad} of {len(outcomes)}"
         if len(outcomes) > 1
         else ""
@@ -111,7 +122,12 @@ def settle(name: str, worker: Any, snap: Any, failure: Exception | None, ok: boo
         raise rolled_back(
             RefitError(
                 f"refit refused on tensor-parallel rank(s) {raised} of this engine (their "
-                "error says why); this rank had loaded its part"
+                "error says why); "
+                + (
+                    "this rank had loaded its part"
+                    if mine == LOADED
+                    else "this rank's transport had returned False"
+                )
             ),
             restored,
             where,

@@ -79,8 +79,8 @@ MUTANTS = [
     Mutant(  # vLLM 0.20/0.25's MLA rebinds W_UK_T/W_UV: captured decode graphs read the old
         "NeMo-RL's refit leaves rebound tensors where the captured CUDA graphs do not read",
         "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
-        "                graph_bindings.keep_in_place(runner.model, bound)\n",
-        "                pass\n",
+        "        graph_bindings.keep_in_place(model, bound)\n",
+        "        pass\n",
         ("tests/vllm_patch/test_graph_bindings.py",),
     ),
     Mutant(
@@ -107,8 +107,29 @@ MUTANTS = [
     Mutant(  # found by review: every refit with an FP8 KV cache refused on a graphed engine
         "the KV scale parameters are widened to float32 inside the refit, after the graph record",
         "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
-        "        float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them\n",
+        "                float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them\n",
         "",
         ("tests/vllm_patch/test_graph_bindings.py",),
+    ),
+    Mutant(  # a raised error's traceback keeps settle's frame: a model copy through the rollout
+        "the rollback snapshot's copies stay alive while the refit's error lives",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "                snap.modules.clear()\n",
+        "                pass\n",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
+    ),
+    Mutant(
+        "a vote that cannot be held leaves this rank half refit",
+        "nemo_jetrl/vllm_patch/rank_vote.py",
+        "        if snap is not None:\n            restore_snapshot(worker.model_runner.model, snap)\n",
+        "",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
+    ),
+    Mutant(  # the wake-up would write a refused refit's KV scales into the engine
+        "a rolled-back refit's KV scales are kept for the KV-cache wake-up",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "            if ok:  # put back after vLLM's KV-cache wake-up resets them (kv_wake.py)\n",
+        "            if True:\n",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
     ),
 ]

@@ -65,10 +65,10 @@ class SentTensors:
     def keep_part(self, model: torch.nn.Module, into: dict, name: str, t: torch.Tensor) -> None:
         """One host copy of this rank's part of ``t``, sent as ``name`` (narrowed first: a
         copy of the full tensor on every tensor-parallel rank costs TP times the model)."""
-        try:
+        try:  # a shard off 128-block edges, or anything else: refused, the stream goes on
             mine = expert_shards.rank_expected(model, name, t)
-        except ValueError as exc:  # a shard off 128-block edges
-            raise RefitError(f"refit refused: {exc}") from exc
+        except Exception as exc:
+            raise RefitError(f"refit refused: {name}: {type(exc).__name__}: {exc}") from exc
         if mine is None:
             self.elsewhere += 1
         else:
@@ -91,12 +91,15 @@ def _float32_kv_scale(model: torch.nn.Module, layer: str, t: str) -> None:
     it: vLLM creates it under the model's default dtype (``torch.tensor(-1.0)`` inside
     ``set_default_torch_dtype(bf16)``), so a calibrated fp32 scale would land rounded to BF16
     and attention (whose ``_k_scale`` is float32) would use another scale than the trainer's
-    on-policy KV. A rollback rebinds the old storage (`vllm_patch.rollback`)."""
+    on-policy KV. The hooked transport widens every layer's first (`float32_kv_scales`), so
+    this finds them float32 there; a rollback leaves them float32, with the same values."""
     try:
-        param = getattr(model.get_submodule(f"{layer}.attn"), f"{t}_scale", None)
+        module = model.get_submodule(f"{layer}.attn")
     except AttributeError:
         return  # not an attention layer here: the loader and the parity check name it
-    if isinstance(param, torch.Tensor) and param.dtype != torch.float32:
+    param = getattr(module, f"{t}_scale", None)
+    widen = isinstance(param, torch.Tensor) and param.dtype != torch.float32
+    if widen and compat.is_attention_layer(module):
         param.data = param.data.to(torch.float32)
 
 

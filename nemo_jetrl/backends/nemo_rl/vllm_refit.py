@@ -192,30 +192,31 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                 "are still quantized by nemo_jetrl.fp8)"
             )
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
-        float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them
-        snap = None
-        try:  # one rank out of memory must still drain its stream and vote (rank_vote.py)
-            snap = take_snapshot(runner.model, runner) if state.rollback else None
-        except Exception as exc:
-            sent.error = RefitError(
-                f"refit refused: the rollback snapshot could not be taken on this rank "
-                f"({type(exc).__name__}: {exc}); nothing was loaded into it"
-            )
-        if snap is not None:
-            log.info("%s: rollback snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
-        device = model_device(runner.model)
-        graphs = graph_bindings.captures_cuda_graphs(self.vllm_config, device)
-        bound = graph_bindings.record(runner.model, runner) if graphs else None
+        snap = bound = None
         ok, failure = False, None
         try:
+            try:  # whatever fails here, every rank drains its stream and votes (rank_vote.py)
+                float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them
+                snap = take_snapshot(runner.model, runner) if state.rollback else None
+                if graph_bindings.captures_cuda_graphs(
+                    self.vllm_config, model_device(runner.model)
+                ):
+                    bound = graph_bindings.record(runner.model, runner)
+            except Exception as exc:  # out of memory on this rank alone, say
+                sent.error = RefitError(
+                    f"refit refused on this rank before loading: its rollback snapshot could "
+                    f"not be taken ({type(exc).__name__}: {exc}); NeMo-RL's stream was "
+                    "received and none of its weights loaded"
+                )
+            if snap is not None:
+                log.info("%s: snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
             ok = original(self, *args, **kwargs)
             # NeMo-RL's collective consumer copies on a side stream it never joins: let every
             # copy land before the parity read or a restore reads or writes the weights
             _sync_device(runner.model)
+            _keep_graph_storage(runner.model, bound, sent, ok)
             if sent.error is not None:
                 raise sent.error
-            if ok and bound is not None:  # where the captured CUDA graphs read (MLA's W_UK_T)
-                graph_bindings.keep_in_place(runner.model, bound)
             if ok and state.parity:
                 rep = runner._jetrl_last_parity = check_refit_parity(self, sent)
                 print(
@@ -237,16 +238,32 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                 kv_wake.keep_kv_scales(runner, sent.kv)
             return ok
         finally:
-            # A GPU snapshot's blocks would stay in torch's cache through the KV cache's
-            # wake_up (vLLM's CuMemAllocator maps its own memory) and the whole rollout.
-            if snap is not None and snap.device.type == "cuda":
-                del snap
-                import torch
+            if snap is not None:
+                # A raised error's traceback keeps settle's frame, and the snapshot with it: its
+                # copies go now, and a GPU one's blocks leave torch's cache before the KV
+                # cache's wake_up (vLLM's CuMemAllocator maps its own memory) and the rollout.
+                snap.modules.clear()
+                if snap.device.type == "cuda":
+                    import torch
 
-                torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()
 
     setattr(transport, MARK, state)
     return transport
+
+
+def _keep_graph_storage(model: Any, bound: Any, sent: SentTensors, ok: bool) -> None:
+    """Rebound tensors back where the captured CUDA graphs read them (`graph_bindings`), also
+    after a refusal (NeMo-RL's stream end still runs vLLM's post-processing); a refusal's own
+    error outranks a failure here (the rollback restores the bindings too)."""
+    if bound is None or not (ok or sent.error is not None):
+        return
+    try:
+        graph_bindings.keep_in_place(model, bound)
+    except RefitError:
+        if sent.error is None:
+            raise
+        log.exception("after the refused refit, graph storage could not be kept")
 
 
 def _sync_device(model: Any) -> None:

@@ -1,0 +1,118 @@
+"""The hooked NeMo-RL refit transport's bookkeeping on a single-rank stand-in engine (no vLLM):
+a rolled-back refit keeps no KV scales for the wake-up, the rollback snapshot's copies are
+released even while a raised error's traceback lives, and a vote that cannot be held restores
+this rank and says the engine must restart. The multi-rank vote runs on a real TP=2 vLLM CPU
+engine (tests/vllm_patch/test_vllm_dense_shards.py)."""
+
+from __future__ import annotations
+
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nemo_jetrl.backends.nemo_rl import vllm_refit
+from nemo_jetrl.backends.nemo_rl.refit_batches import quantize_batch
+from nemo_jetrl.backends.nemo_rl.vllm_refit import HookState, _make_transport
+from nemo_jetrl.recipe import Recipe
+from nemo_jetrl.vllm_patch import rank_vote, settings_from_recipe
+from nemo_jetrl.vllm_patch.refit import RefitError
+from nemo_jetrl.vllm_patch.rollback import RollbackError
+
+
+class Attn(torch.nn.Module):
+    """A vLLM attention layer's scales: bf16 parameters, the float32 tensors, host floats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for t in "qkv":
+            p = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.bfloat16), requires_grad=False)
+            setattr(self, f"{t}_scale", p)
+            setattr(self, f"_{t}_scale", torch.tensor(1.0))
+            setattr(self, f"_{t}_scale_float", 1.0)
+
+
+def engine() -> SimpleNamespace:
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([torch.nn.Module()])
+    m.layers[0].self_attn = torch.nn.Module()
+    m.layers[0].self_attn.attn = Attn()
+    m.layers[0].self_attn.o_proj = torch.nn.Linear(4, 4)
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=True),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+    return SimpleNamespace(model_runner=SimpleNamespace(model=m), vllm_config=cfg)
+
+
+SETTINGS = settings_from_recipe(Recipe.preset("jetrl_kv"))
+
+
+def transport(k_scale: float, fail: bool):
+    """NeMo-RL's transport stand-in: loads a k scale and o_proj's weight, then (``fail``)
+    returns False as NeMo-RL's does when its receive loop caught an error."""
+
+    def nemo_rl_transport(worker) -> bool:
+        m = worker.model_runner.model
+        batch = [("layers.0.self_attn.k_scale", torch.tensor([k_scale]))]
+        for name, t in quantize_batch(batch, m, SETTINGS, worker.model_runner._jetrl_sent):
+            m.layers[0].self_attn.attn.get_parameter(name.rpartition(".")[2]).data.copy_(t[0])
+        with torch.no_grad():
+            m.layers[0].self_attn.o_proj.weight.add_(1.0)
+        return not fail
+
+    state = HookState(SETTINGS, False, True, "test")
+    return _make_transport("update_weights_via_ipc_zmq", nemo_rl_transport, state)
+
+
+def test_a_rolled_back_refit_keeps_no_kv_scales_for_the_wake_up():
+    w = engine()
+    assert transport(0.25, fail=False)(w) is True
+    assert w.model_runner._jetrl_kv_scales == {"layers.0.self_attn.attn": {"k": 0.25}}
+    weight = w.model_runner.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    assert transport(0.5, fail=True)(w) is False
+    # the engine holds the first refit, and the wake-up would write back its scale, not 0.5
+    assert w.model_runner._jetrl_kv_scales == {"layers.0.self_attn.attn": {"k": 0.25}}
+    assert float(w.model_runner.model.layers[0].self_attn.attn.k_scale) == 0.25
+    assert torch.equal(w.model_runner.model.layers[0].self_attn.o_proj.weight, weight)
+
+
+def test_the_snapshots_copies_are_released_while_the_error_lives(monkeypatch):
+    copies = []
+    take = vllm_refit.take_snapshot
+
+    def spy(model, runner=None):
+        snap = take(model, runner)
+        copies.extend(
+            weakref.ref(s.copy) for st in snap.modules.values() for s in st.tensors.values()
+        )
+        return snap
+
+    monkeypatch.setattr(vllm_refit, "take_snapshot", spy)
+    w = engine()
+
+    def refused(worker) -> bool:
+        raise RefitError("stand-in refusal")
+
+    hooked = _make_transport(
+        "update_weights_via_ipc_zmq", refused, HookState(SETTINGS, False, True, "t")
+    )
+    with pytest.raises(RefitError, match=r"(?s)stand-in refusal.*rolled back") as info:
+        hooked(w)
+    assert copies and info.value.__traceback__ is not None  # the error (and its frames) live
+    assert all(ref() is None for ref in copies), "the snapshot's copies outlive the refit"
+
+
+def test_a_vote_that_cannot_be_held_restores_this_rank_and_asks_for_a_restart(monkeypatch):
+    def broken(worker, outcome):
+        raise RuntimeError("stand-in: gloo timed out")
+
+    monkeypatch.setattr(rank_vote, "engine_outcomes", broken)
+    w = engine()
+    weight = w.model_runner.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    with pytest.raises(RollbackError, match=r"could not agree.*gloo timed out.*restored.*restart"):
+        transport(0.25, fail=False)(w)
+    assert torch.equal(w.model_runner.model.layers[0].self_attn.o_proj.weight, weight)
+    assert not hasattr(w.model_runner, "_jetrl_kv_scales")
