@@ -98,8 +98,7 @@ def _float32_kv_scale(model: torch.nn.Module, layer: str, t: str) -> None:
     except AttributeError:
         return  # not an attention layer here: the loader and the parity check name it
     param = getattr(module, f"{t}_scale", None)
-    widen = isinstance(param, torch.Tensor) and param.dtype != torch.float32
-    if widen and compat.is_attention_layer(module):
+    if isinstance(param, torch.Tensor) and param.dtype != torch.float32:
         param.data = param.data.to(torch.float32)
 
 
