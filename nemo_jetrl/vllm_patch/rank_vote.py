@@ -34,6 +34,15 @@ LOADED, RETURNED_FALSE, RAISED = 0, 1, 2
 our hook or the transport raised (refusal, parity failure)."""
 
 
+CHECK_KEYS = ("jetrl.refit_parity_check", "jetrl.refit_rollback")
+"""The refit checks whose ranks must agree, by their YAML keys (both default to on)."""
+
+
+def checks_on(*, parity: bool, rollback: bool) -> list[str]:
+    """The ``CHECK_KEYS`` that are on, for `stage_problem`."""
+    return [k for k, on in zip(CHECK_KEYS, (parity, rollback), strict=True) if on]
+
+
 def stage_problem(pp: object, checked: list[str]) -> str | None:
     """Why vLLM ``pipeline_parallel_size`` ``pp`` cannot run with the refit checks ``checked``
     (the ``jetrl.refit_*`` keys that are on): the vote covers one stage's tensor-parallel

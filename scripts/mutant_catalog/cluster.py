@@ -132,4 +132,25 @@ MUTANTS = [
         "            if True:\n",
         ("tests/backends/test_nemo_rl_refit_transport.py",),
     ),
+    Mutant(  # a PP engine would refit stage by stage, each rolled back alone
+        "the refit hook lets vLLM pipeline stages through with its checks on",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "if why := rank_vote.stage_problem(pp, checked):",
+        "if why := rank_vote.stage_problem(1, checked):",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
+    ),
+    Mutant(  # the refusal would ask to turn off a check the user already turned off
+        "the pipeline-stage refusal names every refit check, on or off",
+        "nemo_jetrl/vllm_patch/rank_vote.py",
+        "(parity, rollback), strict=True) if on]",
+        "(parity, rollback), strict=True)]",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
+    ),
+    Mutant(  # an operator chasing a snapshot OOM when the graph record failed
+        "a failed CUDA-graph record is reported as a failed snapshot",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        '                    step = "the storage its CUDA graphs read could not be recorded"\n',
+        "",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
+    ),
 ]

@@ -116,3 +116,53 @@ def test_a_vote_that_cannot_be_held_restores_this_rank_and_asks_for_a_restart(mo
         transport(0.25, fail=False)(w)
     assert torch.equal(w.model_runner.model.layers[0].self_attn.o_proj.weight, weight)
     assert not hasattr(w.model_runner, "_jetrl_kv_scales")
+
+
+@pytest.mark.parametrize(
+    ("fails", "step"),
+    [
+        ("float32_kv_scales", "its attention KV scales could not be widened to float32"),
+        ("take_snapshot", "its rollback snapshot could not be taken"),
+        ("record", "the storage its CUDA graphs read could not be recorded"),
+    ],
+)
+def test_a_failure_before_loading_names_the_step_that_failed(monkeypatch, fails, step):
+    from nemo_jetrl.vllm_patch import graph_bindings
+
+    def boom(*args, **kwargs):
+        raise MemoryError("stand-in: out of memory on this rank")
+
+    monkeypatch.setattr(graph_bindings, "captures_cuda_graphs", lambda cfg, device: True)
+    monkeypatch.setattr(graph_bindings if fails == "record" else vllm_refit, fails, boom)
+    w = engine()
+    weight = w.model_runner.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    with pytest.raises(RefitError, match="before loading: " + step + r".*MemoryError") as info:
+        transport(0.25, fail=False)(w)
+    named = [w for w in ("widened", "snapshot", "CUDA graphs") if w in str(info.value)]
+    assert len(named) == 1 and named[0] in step, f"the message names another step: {named}"
+    # the stand-in transport loads regardless; the snapshot (where one was taken) restores it
+    if fails == "record":
+        assert torch.equal(w.model_runner.model.layers[0].self_attn.o_proj.weight, weight)
+    assert not hasattr(w.model_runner, "_jetrl_kv_scales")
+
+
+@pytest.mark.parametrize(("parity", "rollback"), [(True, True), (False, True), (True, False)])
+def test_a_pipeline_parallel_engine_is_refused_by_the_check_that_is_on(parity, rollback):
+    w = engine()
+    w.vllm_config.parallel_config.pipeline_parallel_size = 2
+    called = []
+    state = HookState(SETTINGS, parity, rollback, "t")
+    hooked = _make_transport("update_weights_via_ipc_zmq", lambda wk: called.append(1), state)
+    with pytest.raises(RefitError, match=r"pipeline_parallel_size=2: .*set it to 1") as info:
+        hooked(w)
+    assert called == []  # refused before NeMo-RL's stream: every rank raises the same
+    named = {k for k in rank_vote.CHECK_KEYS if k in str(info.value)}
+    assert named == set(rank_vote.checks_on(parity=parity, rollback=rollback))
+    assert ("jetrl.refit_parity_check" in named) is parity  # literal: the key a user sets
+
+
+def test_a_pipeline_parallel_engine_runs_with_both_checks_off():
+    w = engine()
+    w.vllm_config.parallel_config.pipeline_parallel_size = 2
+    state = HookState(SETTINGS, False, False, "t")
+    assert _make_transport("update_weights_via_ipc_zmq", lambda wk: True, state)(w) is True

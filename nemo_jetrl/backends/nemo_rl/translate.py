@@ -162,17 +162,16 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
     cfg.pop("jetrl", None)  # ours; NeMo-RL gets only the run's identity (below)
     cfg[IDENTITY_KEY] = run_identity(config, recipe)
 
-    from nemo_jetrl.vllm_patch.rank_vote import stage_problem
+    from nemo_jetrl.vllm_patch.rank_vote import checks_on, stage_problem
 
     problems = _backend_problems(cfg) + _bf16_layer_problems(recipe)
     settings = _megatron_settings(cfg, recipe, num_layers, problems)
     problems += _kv_problems(recipe)
     patch_json = _patch_json_or_problem(cfg, recipe, num_layers, problems)
-    checks = [
-        k
-        for k in ("jetrl.refit_parity_check", "jetrl.refit_rollback")
-        if _get(config, k, True) is not False
-    ]
+    checks = checks_on(
+        parity=_get(config, "jetrl.refit_parity_check", True) is not False,
+        rollback=_get(config, "jetrl.refit_rollback", True) is not False,
+    )
     key = "policy.generation.vllm_cfg.pipeline_parallel_size"
     if (
         patch_json is not None

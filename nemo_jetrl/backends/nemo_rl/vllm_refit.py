@@ -184,29 +184,29 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
         runner = self.model_runner
         # Each TP rank checks its own shards (dense_shards / expert_shards) and the ranks vote
         # over the TP group (rank_vote); pipeline stages are neither (translate refuses them).
-        pp = int(getattr(self.vllm_config.parallel_config, "pipeline_parallel_size", 1))
-        if (state.parity or state.rollback) and pp != 1:
-            raise RefitError(
-                f"jetrl.refit_parity_check and jetrl.refit_rollback support vLLM "
-                f"pipeline_parallel_size=1, this engine has {pp}: set both to false (weights "
-                "are still quantized by nemo_jetrl.fp8)"
-            )
+        pp = getattr(self.vllm_config.parallel_config, "pipeline_parallel_size", 1)
+        checked = rank_vote.checks_on(parity=state.parity, rollback=state.rollback)
+        if why := rank_vote.stage_problem(pp, checked):  # every rank raises it: none votes
+            raise RefitError(f"vLLM pipeline_parallel_size={why}")
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
         snap = bound = None
         ok, failure = False, None
         try:
+            step = "its attention KV scales could not be widened to float32"
             try:  # whatever fails here, every rank drains its stream and votes (rank_vote.py)
                 float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them
+                step = "its rollback snapshot could not be taken"
                 snap = take_snapshot(runner.model, runner) if state.rollback else None
                 if graph_bindings.captures_cuda_graphs(
                     self.vllm_config, model_device(runner.model)
                 ):
+                    step = "the storage its CUDA graphs read could not be recorded"
                     bound = graph_bindings.record(runner.model, runner)
             except Exception as exc:  # out of memory on this rank alone, say
                 sent.error = RefitError(
-                    f"refit refused on this rank before loading: its rollback snapshot could "
-                    f"not be taken ({type(exc).__name__}: {exc}); NeMo-RL's stream was "
-                    "received and none of its weights loaded"
+                    f"refit refused on this rank before loading: {step} "
+                    f"({type(exc).__name__}: {exc}); NeMo-RL's stream was received and none "
+                    "of its weights loaded"
                 )
             if snap is not None:
                 log.info("%s: snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
