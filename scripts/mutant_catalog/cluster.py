@@ -153,4 +153,25 @@ MUTANTS = [
         "",
         ("tests/backends/test_nemo_rl_refit_transport.py",),
     ),
+    Mutant(  # found by review (async): the snapshot copied weights NeMo-RL's streams had loaded
+        "NeMo-RL's side-stream loads may overtake the GPU snapshot's copies",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "            _sync_device(runner.model)\n            ok = original(self, *args, **kwargs)",
+        "            ok = original(self, *args, **kwargs)",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
+    ),
+    Mutant(  # found by review: async_grpo_train asserted it minutes into the job
+        "async GRPO with colocated vLLM passes the driver's checks",
+        "nemo_jetrl/backends/nemo_rl/driver.py",
+        'if on_vllm and (generation.get("colocated") or {}).get("enabled", True) is not False:',
+        'if on_vllm and (generation.get("colocated") or {}).get("enabled", True) is None:',
+        ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
+    Mutant(  # found by review: NCCL reshard's trainer waits for ever on the refused worker
+        "a refit transport that bypasses fp8.load_weights passes the launch",
+        "nemo_jetrl/backends/nemo_rl/refit_rules.py",
+        "    if transport is not None:",
+        "    if transport is None:",
+        ("tests/backends/test_nemo_rl_backend.py",),
+    ),
 ]

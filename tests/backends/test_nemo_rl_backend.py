@@ -423,3 +423,28 @@ def test_vllm_pipeline_stages_are_refused_while_the_refit_is_checked(flags, name
         assert (key in problems) is refused, (pp, problems)
         if refused:
             assert problems[key].startswith(f"{pp}: ") and named in problems[key], problems
+
+
+@pytest.mark.parametrize("transport", ["nccl_reshard", "nixl", "vllm_zmq_sparse", "vllm_s3_sparse"])
+def test_a_refit_transport_that_bypasses_the_hook_is_refused_before_launch(transport):
+    """NeMo-RL main's other transports (``policy.generation.refit_transport``, its
+    ``VllmRefitSelector``) load without fp8.load_weights; the hook refuses them in the vLLM
+    worker, where NCCL reshard's trainer is already sending and would wait for ever
+    (megatron_policy_worker.py synchronises after the sends). So: before launch, by key."""
+    key = "policy.generation.refit_transport"
+    for flags, refused in (({}, True), ({"refit_hook": False}, False)):
+        gen = {"backend": "vllm", "refit_transport": transport}
+        cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}, "jetrl": flags}
+        try:
+            nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)
+            problems = {}
+        except nt.TranslationError as exc:
+            problems = dict(exc.problems)
+        assert (key in problems) is refused, (flags, problems)
+        if refused:
+            assert (
+                problems[key].startswith(f"{transport!r}: ") and "set it to null" in problems[key]
+            )
+    gen = {"backend": "vllm", "refit_transport": None}
+    cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}}
+    nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)  # NeMo-RL's default: null

@@ -235,3 +235,22 @@ def test_the_fp8_kv_attention_report_reads_each_layers_cache_dtype():
     assert ec.fp8_kv_attention_impls(model) == ["FlashAttentionImpl"]
     model.append(attn("fp8", FlashInferImpl))
     assert ec.fp8_kv_attention_impls(model) == ["FlashAttentionImpl", "FlashInferImpl"]
+
+
+def test_the_engine_loop_is_found_where_vllm_keeps_its_output_task():
+    """Without an ``output_handler``, AsyncLLM's loop is its client's output task's, which
+    vLLM 0.20-0.32 keep in ``engine_core.resources`` (0.32 ``v1/engine/core_client.py``:
+    ``BackgroundResources.output_queue_task``), not on the client itself."""
+    import asyncio
+    import types
+
+    loop = asyncio.new_event_loop()
+    try:
+        task = types.SimpleNamespace(get_loop=lambda: loop)
+        core = types.SimpleNamespace(resources=types.SimpleNamespace(output_queue_task=task))
+        assert ec._engine_loop(types.SimpleNamespace(engine_core=core)) is loop
+        flat = types.SimpleNamespace(engine_core=types.SimpleNamespace(output_queue_task=task))
+        assert ec._engine_loop(flat) is None  # no vLLM keeps it there
+    finally:
+        loop.close()
+    assert ec._engine_loop(types.SimpleNamespace(engine_core=core)) is None  # closed loop

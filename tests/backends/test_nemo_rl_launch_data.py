@@ -192,10 +192,12 @@ def test_missing_path_exits_2_naming_the_key_before_ray(tmp_path, monkeypatch, c
     assert seen["order"] == []  # no Ray, no environment, no setup
 
 
-# docs/cluster.md's async keys: NeMo-RL's async_grpo_train asserts the last two at its start.
+# docs/cluster.md's async keys: NeMo-RL's async_grpo_train asserts the next four at its start.
 ASYNC_KEYS = (
     "+grpo.async_grpo.enabled=true",
     "policy.generation.vllm_cfg.async_engine=true",
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.resources.gpus_per_node=4",
     "loss_fn.use_importance_sampling_correction=true",
     "jetrl.allow_off_policy=true",  # off-policy by policy lag, whatever the precision
 )

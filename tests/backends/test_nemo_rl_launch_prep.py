@@ -96,11 +96,32 @@ def _prep(merged, tmp_path, environ=None, **kw):
     return (*driver.prepare_master(merged, {}, **args), calls)
 
 
-# What NeMo-RL's async_grpo_train asserts at its start (grpo.py v0.7.0 :3364, :3371).
+# What NeMo-RL's async_grpo_train asserts at its start (grpo.py v0.7.0 :3364, :3371, :3421).
 ASYNC_OK = {
-    "policy": {"generation": {"backend": "vllm", "vllm_cfg": {"async_engine": True}}},
+    "policy": {
+        "generation": {
+            "backend": "vllm",
+            "vllm_cfg": {"async_engine": True},
+            "colocated": {"enabled": False},
+        }
+    },
     "loss_fn": {"use_importance_sampling_correction": True},
 }
+
+
+@pytest.mark.parametrize("colocated", [{"enabled": True}, {}], ids=["true", "unset"])
+def test_async_grpo_with_colocated_vllm_is_refused_by_key(colocated):
+    """v0.7.0's async_grpo_train asserts non-colocated inference (grpo.py :3421; main :4177
+    allows colocation for Megatron generation only), after Ray, model load and vLLM start; our
+    example configs inherit colocated.enabled=true from NeMo-RL's base config."""
+    gen = {**ASYNC_OK["policy"]["generation"], "colocated": colocated}
+    cfg = {"grpo": {"async_grpo": {"enabled": True}}, **ASYNC_OK, "policy": {"generation": gen}}
+    with pytest.raises(UserError, match=r"policy\.generation\.colocated\.enabled=false") as ei:
+        driver.trainer_kind(cfg)
+    assert "colocated.resources.gpus_per_node" in str(ei.value)
+    assert "async_engine" not in str(ei.value)  # only what is wrong
+    megatron = {**cfg, "policy": {"generation": {"backend": "megatron", "colocated": colocated}}}
+    assert driver.trainer_kind(megatron) == driver.ASYNC
 
 
 def test_async_grpo_without_what_nemo_rl_asserts_is_refused_by_key_together():
@@ -122,6 +143,17 @@ def test_async_grpo_without_what_nemo_rl_asserts_is_refused_by_key_together():
         "policy": {"generation": {"backend": "megatron"}},
     }
     assert driver.trainer_kind(megatron) == driver.ASYNC  # vLLM's key is not Megatron's
+
+
+def test_async_grpo_with_a_trajectory_age_of_0_is_refused_by_key():
+    """NeMo-RL's ReplayBuffer(max_size=num_prompts_per_step * age * 2) raises on 0 (v0.7.0
+    grpo.py :3469, async_utils/replay_buffer.py :33), after Ray and model load; the launch had
+    passed 1 instead while the verdict printed 0."""
+    cfg = {"grpo": {"async_grpo": {"enabled": True, "max_trajectory_age_steps": 0}}, **ASYNC_OK}
+    with pytest.raises(UserError, match=r"max_trajectory_age_steps=0: .*set it to 1 or more"):
+        driver.trainer_kind(cfg)
+    cfg["grpo"]["async_grpo"]["max_trajectory_age_steps"] = 1
+    assert driver.trainer_kind(cfg) == driver.ASYNC
 
 
 def test_trainer_kind_follows_run_grpo_and_refuses_by_key():

@@ -166,3 +166,28 @@ def test_a_pipeline_parallel_engine_runs_with_both_checks_off():
     w.vllm_config.parallel_config.pipeline_parallel_size = 2
     state = HookState(SETTINGS, False, False, "t")
     assert _make_transport("update_weights_via_ipc_zmq", lambda wk: True, state)(w) is True
+
+
+def test_the_snapshot_lands_before_nemo_rls_side_streams_load(monkeypatch):
+    """NeMo-RL's packed-tensor loads run on fresh CUDA side streams that never wait for the
+    default stream, where a GPU snapshot's copies queue behind an in-flight forward (vLLM's
+    async scheduling): the device is synchronised between the two (a CUDA stand-in: the
+    order of calls)."""
+    calls = []
+    take = vllm_refit.take_snapshot
+
+    def snapshot(model, runner=None):
+        calls.append("snapshot")
+        return take(model, runner)
+
+    monkeypatch.setattr(vllm_refit, "take_snapshot", snapshot)
+    monkeypatch.setattr(vllm_refit, "_sync_device", lambda model: calls.append("sync"))
+
+    def nemo_rl_transport(worker) -> bool:
+        calls.append("transport")
+        return True
+
+    state = HookState(SETTINGS, False, True, "t")
+    assert _make_transport("update_weights_from_collective", nemo_rl_transport, state)(engine())
+    i, j = calls.index("snapshot"), calls.index("transport")
+    assert "sync" in calls[i:j], calls

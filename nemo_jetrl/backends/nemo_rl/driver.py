@@ -61,15 +61,28 @@ def trainer_kind(cfg: Mapping[str, Any]) -> str:
             + ", ".join(bad)
             + " (examples/run_grpo.py refuses them); turn those off or async_grpo off"
         )
+    if (grpo.get("async_grpo") or {}).get("max_trajectory_age_steps") == 0:
+        problems.append(
+            "grpo.async_grpo.max_trajectory_age_steps=0: NeMo-RL sizes its replay buffer "
+            "num_prompts_per_step x age x 2, and a buffer of 0 raises after Ray and model load; "
+            "set it to 1 or more (or grpo.async_grpo.enabled=false for a synchronous run)"
+        )
     # async_grpo_train asserts these at its start, after Ray, model load and vLLM start
-    # (nemo_rl/algorithms/grpo.py, v0.7.0 :3364 and :3371): refused here, minutes earlier.
+    # (nemo_rl/algorithms/grpo.py, v0.7.0 :3364, :3371, :3421): refused here, minutes earlier.
     generation = (cfg.get("policy") or {}).get("generation") or {}
-    if generation.get("backend", "vllm") == "vllm" and not (generation.get("vllm_cfg") or {}).get(
-        "async_engine", False
-    ):
+    on_vllm = generation.get("backend", "vllm") == "vllm"
+    if on_vllm and not (generation.get("vllm_cfg") or {}).get("async_engine", False):
         problems.append(
             "NeMo-RL's async GRPO needs vLLM's async engine: set "
             "policy.generation.vllm_cfg.async_engine=true"
+        )
+    # v0.7.0 :3421 asserts it; main :4177 allows it for Megatron generation only
+    if on_vllm and (generation.get("colocated") or {}).get("enabled", True) is not False:
+        problems.append(
+            "NeMo-RL's async GRPO runs vLLM on its own GPUs: set "
+            "policy.generation.colocated.enabled=false and give generation its GPUs "
+            "(policy.generation.colocated.resources.gpus_per_node on one node, .num_nodes on "
+            "several; training keeps the rest of the cluster)"
         )
     if not (cfg.get("loss_fn") or {}).get("use_importance_sampling_correction", False):
         problems.append(

@@ -255,10 +255,12 @@ def check_in_generation_worker(actor: Any, patch_json: str, hook_expected: bool)
 
 def _engine_loop(llm: Any) -> Any:
     """The event loop vLLM's AsyncLLM runs on (its output handler's, or its engine client's
-    output task's); None when neither has started."""
+    output task's, which vLLM 0.20-0.32 keep in its ``resources``); None when neither has
+    started."""
+    core = getattr(llm, "engine_core", None)
     for task in (
         getattr(llm, "output_handler", None),
-        getattr(getattr(llm, "engine_core", None), "output_queue_task", None),
+        getattr(getattr(core, "resources", None), "output_queue_task", None),
     ):
         get_loop = getattr(task, "get_loop", None)
         if get_loop is not None and not get_loop().is_closed():

@@ -326,7 +326,7 @@ def _master_config(prepared: Prepared, registry: Mapping[str, str]) -> Any:  # p
     max_age = ((merged.get("grpo") or {}).get("async_grpo") or {}).get(
         "max_trajectory_age_steps", 1
     )
-    return config, kind, entry, int(max_age or 1)
+    return config, kind, entry, int(1 if max_age is None else max_age)  # 0: trainer_kind refused
 
 
 def run_nemo_rl(cfg: Any, overrides: Sequence[str] = ()) -> int:

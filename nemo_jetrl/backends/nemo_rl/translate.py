@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_jetrl.backends.nemo_rl.refit_rules import PP_KEY, TRANSPORT_KEY, refit_problems
 from nemo_jetrl.megatron.config import (
     FP32_SCALES_ENV,
     MegatronFp8Settings,
@@ -162,23 +163,17 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
     cfg.pop("jetrl", None)  # ours; NeMo-RL gets only the run's identity (below)
     cfg[IDENTITY_KEY] = run_identity(config, recipe)
 
-    from nemo_jetrl.vllm_patch.rank_vote import checks_on, stage_problem
-
     problems = _backend_problems(cfg) + _bf16_layer_problems(recipe)
     settings = _megatron_settings(cfg, recipe, num_layers, problems)
     problems += _kv_problems(recipe)
     patch_json = _patch_json_or_problem(cfg, recipe, num_layers, problems)
-    checks = checks_on(
-        parity=_get(config, "jetrl.refit_parity_check", True) is not False,
-        rollback=_get(config, "jetrl.refit_rollback", True) is not False,
-    )
-    key = "policy.generation.vllm_cfg.pipeline_parallel_size"
-    if (
-        patch_json is not None
-        and _get(config, "jetrl.refit_hook", True) is not False
-        and (why := stage_problem(_get(config, key, 1), checks))
-    ):
-        problems.append((key, why))
+    if patch_json is not None and _get(config, "jetrl.refit_hook", True) is not False:
+        problems += refit_problems(
+            transport=_get(config, TRANSPORT_KEY),
+            pp=_get(config, PP_KEY, 1),
+            parity=_get(config, "jetrl.refit_parity_check", True) is not False,
+            rollback=_get(config, "jetrl.refit_rollback", True) is not False,
+        )
     if problems:
         raise TranslationError(problems)
     assert settings is not None

@@ -210,6 +210,10 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
                 )
             if snap is not None:
                 log.info("%s: snapshot %.0f MiB on %s", name, snap.nbytes / 2**20, snap.device)
+            # the snapshot's copies are queued on the default stream, behind any in-flight
+            # forward (async scheduling); NeMo-RL's loads land on side streams that do not
+            # wait for it: the copies finish first or the snapshot holds new weights
+            _sync_device(runner.model)
             ok = original(self, *args, **kwargs)
             # NeMo-RL's collective consumer copies on a side stream it never joins: let every
             # copy land before the parity read or a restore reads or writes the weights
