@@ -174,4 +174,25 @@ MUTANTS = [
         "    if transport is None:",
         ("tests/backends/test_nemo_rl_backend.py",),
     ),
+    Mutant(  # found by review: is_ratio_mean 5.27 where 1.02 was right
+        "under force_on_policy_ratio the metrics compare the rollout with NeMo-RL's zeros",
+        "nemo_jetrl/backends/nemo_rl/metrics.py",
+        'if getattr(self.inner, "force_on_policy_ratio", False):',
+        "if False:",
+        ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
+    ),
+    Mutant(  # found by review: means divided by tokens they left out
+        "the logged token means count unusable tokens in their denominator",
+        "nemo_jetrl/backends/nemo_rl/metrics.py",
+        "            out[k] = float(out[k]) * scale\n",
+        "            out[k] = float(out[k])\n",
+        ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
+    ),
+    Mutant(  # found by review: a bad bound crashed every worker's first loss call
+        "the wrapper's ratio bounds are not checked on the driver",
+        "nemo_jetrl/backends/nemo_rl/metrics.py",
+        "        if not 0.0 <= lo <= hi:  # here on the driver",
+        "        if False:  # here on the driver",
+        ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
+    ),
 ]

@@ -261,7 +261,7 @@ def train(
         teachers,
         aliases,
     ) = grpo.setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory)
-    loss_fn = MismatchMetricsLoss(loss_fn, plan.workers.ratio_bounds)
+    loss_fn = MismatchMetricsLoss(loss_fn)  # DEFAULT_RATIO_BOUNDS: the tags' one definition
     logger = JetrlLoggerProxy(logger)
     try:
         # every vLLM engine runs our kernel and refit hook, or the run stops here (engine_check)

@@ -6,9 +6,23 @@ ranks (a few named ones are min/max/mean-reduced). NeMo-RL's own token means sur
 each micro-batch returns ``sum over its valid tokens / global_valid_toks`` (its ``masked_mean``
 with a global normalization factor). We do the same: a micro-batch contributes
 ``mean_mb(x) * n_mb / global_valid_toks`` for each token-mean statistic, so the logged sum is the
-token mean over the whole step. Only additive statistics can be carried that way; the full set
-(per-sequence, min/max, ESS) comes from ``nemo_jetrl.rl.metrics.mismatch_metrics`` when the logs are
-analysed offline. Counts are summed as they are.
+token mean over the whole step. A token whose log-ratio is non-finite or beyond
+``LOG_RATIO_LIMIT`` is left out of the means but counted in ``global_valid_toks``, so the logger
+proxy rescales each mean by (usable + non-finite) / usable from the two counts. Only additive
+statistics can be carried that way; the full set (per-sequence, min/max, ESS) comes from
+``nemo_jetrl.rl.metrics.mismatch_metrics`` when the logs are analysed offline. NeMo-RL's Megatron
+worker then divides every summed metric without ``_min``/``_max`` in its name by the step's
+number of global batches (v0.7.0 ``megatron_policy_worker.py``), ours as its own: with one global
+batch a step (NeMo-RL's GRPO default) counts are the step's totals and means its token means;
+with several, counts are per global batch and means the mean of the global batches' means.
+
+The ratio bounds of ``is_ratio_frac_*`` and ``is_ratio_trunc_mean`` are
+``DEFAULT_RATIO_BOUNDS`` here as on the local backend and offline, so a tag means the same in
+every run ``jetrl compare`` reads; what the loss's own truncation (``loss_fn``'s TIS keys) did
+is NeMo-RL's ``train/is_oob_ratio`` and ``train/sampling_importance_ratio``.
+
+With ``loss_fn.force_on_policy_ratio`` NeMo-RL does not compute the trainer's logprobs before the
+update (its ``prev_logprobs`` are zeros) and its loss uses the current ones: so do we.
 
 Names: ``nemo_jetrl.rl.metrics`` tags (``jetrl/mismatch/<name>``). grpo.py logs loss metrics with the
 ``train/`` prefix; `JetrlLoggerProxy` moves our tags out from under it, so NeMo-RL runs and local
@@ -22,7 +36,7 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.rl.metrics import mismatch_metrics
+from nemo_jetrl.rl.metrics import DEFAULT_RATIO_BOUNDS, mismatch_metrics
 
 PREFIX = "jetrl/"
 # Token-mean statistics of nemo_jetrl.rl.metrics that are carried as additive contributions.
@@ -44,7 +58,7 @@ def additive_mismatch_metrics(
     sample_mask: torch.Tensor | None,
     global_valid_toks: float | torch.Tensor,
     *,
-    ratio_bounds: tuple[float, float] = (0.0, 2.0),
+    ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS,
 ) -> dict[str, float]:
     """One micro-batch's contributions; summing them over the step gives step-level token means."""
     m = mismatch_metrics(
@@ -65,9 +79,14 @@ class MismatchMetricsLoss:
     them is unchanged. Picklable (it is shipped to the Megatron workers).
     """
 
-    def __init__(self, inner: Any, ratio_bounds: tuple[float, float] = (0.0, 2.0)) -> None:
+    def __init__(
+        self, inner: Any, ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS
+    ) -> None:
+        lo, hi = float(ratio_bounds[0]), float(ratio_bounds[1])
+        if not 0.0 <= lo <= hi:  # here on the driver, not in every worker's first loss call
+            raise ValueError(f"ratio_bounds must satisfy 0 <= min <= max, got {ratio_bounds}")
         self.inner = inner
-        self.ratio_bounds = (float(ratio_bounds[0]), float(ratio_bounds[1]))
+        self.ratio_bounds = (lo, hi)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":  # not yet set (unpickling): no recursion
@@ -83,9 +102,16 @@ class MismatchMetricsLoss:
                 "MismatchMetricsLoss: call with (logprobs, data, global_valid_seqs, "
                 "global_valid_toks) as NeMo-RL does"
             )
+        if getattr(self.inner, "force_on_policy_ratio", False):  # prev_logprobs are zeros
+            curr = kwargs.get("next_token_logprobs", args[0] if args else None)
+            if curr is None:
+                raise TypeError("MismatchMetricsLoss: next_token_logprobs missing")
+            prev = curr.detach()  # the loss's own choice (loss_functions.py, both trees)
+        else:
+            prev = data["prev_logprobs"][:, 1:]
         extra = additive_mismatch_metrics(
             data["generation_logprobs"][:, 1:],
-            data["prev_logprobs"][:, 1:],
+            prev,
             data["token_mask"][:, 1:],
             data["sample_mask"],
             gvt,
@@ -117,8 +143,23 @@ class JetrlLoggerProxy:
         **kwargs: Any,
     ) -> None:
         ours = {k: v for k, v in metrics.items() if isinstance(k, str) and k.startswith(PREFIX)}
+        ours = usable_token_means(ours)
         rest = {k: v for k, v in metrics.items() if k not in ours}
         if rest:
             self.inner.log_metrics(rest, step, prefix, *args, **kwargs)
         if ours:
             self.inner.log_metrics(ours, step, "", *args, **kwargs)
+
+
+def usable_token_means(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` with each `TOKEN_MEANS` entry over the usable tokens: the loss normalised
+    by ``global_valid_toks``, which also counts the non-finite ones (`COUNTS`)."""
+    out = dict(metrics)
+    usable, nonfinite = (metrics.get(k) for k in COUNTS)
+    if usable is None or nonfinite is None or not float(nonfinite) or not float(usable) > 0:
+        return out
+    scale = (float(usable) + float(nonfinite)) / float(usable)
+    for k in TOKEN_MEANS:
+        if k in out:
+            out[k] = float(out[k]) * scale
+    return out

@@ -96,8 +96,6 @@ class WorkerSetup:
     policy_env: Mapping[str, str] = field(default_factory=dict)
     # Env vars of the vLLM workers (already merged into the config).
     vllm_env: Mapping[str, str] = field(default_factory=dict)
-    # Importance-ratio bounds for the additive mismatch metrics (from loss_fn's TIS keys).
-    ratio_bounds: tuple[float, float] = (0.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -196,11 +194,7 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
         _set(cfg, "policy.generation.vllm_kwargs.additional_config",
              {**extra, **settings_cache_key(patch_json)})  # fmt: skip
 
-    workers = WorkerSetup(
-        policy_env=policy_env,
-        vllm_env=vllm_env,
-        ratio_bounds=_ratio_bounds(cfg),
-    )
+    workers = WorkerSetup(policy_env=policy_env, vllm_env=vllm_env)
     return NemoRlPlan(master_config=cfg, workers=workers, recipe=recipe)
 
 
@@ -362,13 +356,6 @@ def _vllm_env(config: Mapping[str, Any], patch_json: str | None) -> dict[str, st
             rollback = _get(config, "jetrl.refit_rollback", True)
             vllm_env.update(refit_hook_env(parity is not False, rollback is not False))
     return vllm_env
-
-
-def _ratio_bounds(cfg: Mapping[str, Any]) -> tuple[float, float]:
-    """Importance-ratio bounds for the mismatch metrics, from loss_fn's TIS keys."""
-    lo = _get(cfg, "loss_fn.truncated_importance_sampling_ratio_min", None)
-    hi = _get(cfg, "loss_fn.truncated_importance_sampling_ratio", None)
-    return (float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 2.0)
 
 
 def check_policy_env(env: Mapping[str, str]) -> Recipe:

@@ -1,0 +1,126 @@
+"""The mismatch metrics our loss wrapper adds inside NeMo-RL's GRPO step, against the offline
+reference (`nemo_jetrl.rl.metrics.mismatch_metrics`, float64) on the same tokens: with
+``loss_fn.force_on_policy_ratio`` (NeMo-RL zeroes ``prev_logprobs``), with a token whose
+log-ratio is unusable, and with the ratio bounds every backend shares. The last test runs
+NeMo-RL's real ClippedPGLossFn inside the wrapper (marker ``nemo_rl``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_jetrl.backends.nemo_rl import metrics as nm
+from nemo_jetrl.rl.metrics import DEFAULT_RATIO_BOUNDS, mismatch_metrics
+
+
+class PgStandin:
+    """NeMo-RL's ClippedPGLossFn as the wrapper sees it: its call and the one flag read."""
+
+    def __init__(self, force_on_policy_ratio: bool = False) -> None:
+        self.force_on_policy_ratio = force_on_policy_ratio
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
+        return next_token_logprobs.sum() * 0, {"loss": 0.0}
+
+
+def batch(seed: int, b: int = 4, t: int = 10) -> tuple[dict, torch.Tensor]:
+    """A micro-batch as grpo_train hands it over, and the trainer's current logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    gen = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    curr = gen + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
+    mask = (torch.rand(b, t, generator=g) > 0.2).double()
+    mask[:, 0] = 0
+    data = {
+        "generation_logprobs": gen,
+        "prev_logprobs": curr.clone(),
+        "token_mask": mask,
+        "sample_mask": torch.ones(b, dtype=torch.float64),
+    }
+    return data, curr
+
+
+def step(loss, parts: list[tuple[dict, torch.Tensor]], proxy: bool = True) -> dict[str, float]:
+    """Every micro-batch through ``loss``, summed as NeMo-RL sums a step's loss metrics (one
+    global batch), then what our logger proxy hands NeMo-RL's logger."""
+    gvt = sum((d["token_mask"][:, 1:] * d["sample_mask"][:, None]).sum() for d, _ in parts)
+    summed: dict[str, float] = {}
+    for data, curr in parts:
+        _, m = loss(
+            next_token_logprobs=curr[:, 1:],
+            data=data,
+            global_valid_seqs=torch.tensor(8.0),
+            global_valid_toks=gvt,
+        )
+        for k in nm.TOKEN_MEANS + nm.COUNTS:
+            summed[k] = summed.get(k, 0.0) + float(m[k])
+    return nm.usable_token_means(summed) if proxy else summed
+
+
+def offline(parts: list[tuple[dict, torch.Tensor]], prev_key: str | None) -> dict[str, float]:
+    whole = {k: torch.cat([d[k] for d, _ in parts]) for k in parts[0][0]}
+    prev = whole[prev_key] if prev_key else torch.cat([c for _, c in parts])
+    return mismatch_metrics(
+        whole["generation_logprobs"][:, 1:],
+        prev[:, 1:],
+        whole["token_mask"][:, 1:],
+        whole["sample_mask"],
+        ratio_bounds=DEFAULT_RATIO_BOUNDS,
+    )
+
+
+def close(got: dict[str, float], ref: dict[str, float]) -> None:
+    for k in nm.TOKEN_MEANS + nm.COUNTS:
+        assert got[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
+
+
+def test_force_on_policy_ratio_compares_the_rollout_with_the_current_logprobs():
+    """grpo_train zeroes ``prev_logprobs`` under ``force_on_policy_ratio`` (v0.7.0 grpo.py
+    :2636) and the loss uses its current logprobs (loss_functions.py :337): before, our
+    metrics compared the rollout's with zeros (is_ratio_mean 5.27 where 1.02 was right)."""
+    parts = [batch(1), batch(2)]
+    for data, _ in parts:
+        data["prev_logprobs"] = torch.zeros_like(data["prev_logprobs"])
+    got = step(nm.MismatchMetricsLoss(PgStandin(force_on_policy_ratio=True)), parts)
+    close(got, offline(parts, None))
+    zeros = step(nm.MismatchMetricsLoss(PgStandin()), parts)  # the control: what it read before
+    assert abs(zeros["jetrl/mismatch/is_ratio_mean"] - got["jetrl/mismatch/is_ratio_mean"]) > 1
+
+
+def test_token_means_leave_unusable_tokens_out_as_the_offline_reference_does():
+    parts = [batch(3), batch(4)]
+    parts[1][0]["prev_logprobs"][0, 3] = parts[1][0]["generation_logprobs"][0, 3] - 400.0
+    parts[1][0]["token_mask"][0, 3] = 1
+    got = step(nm.MismatchMetricsLoss(PgStandin()), parts)
+    ref = offline(parts, "prev_logprobs")
+    assert ref["jetrl/mismatch/nonfinite_tokens"] == 1
+    close(got, ref)
+    raw = step(nm.MismatchMetricsLoss(PgStandin()), parts, proxy=False)  # the control
+    assert abs(raw["jetrl/mismatch/is_ratio_mean"] - ref["jetrl/mismatch/is_ratio_mean"]) > 1e-3
+
+
+def test_the_ratio_bounds_are_every_backends_and_checked_on_the_driver():
+    """The local backend and the offline recompute use DEFAULT_RATIO_BOUNDS; the NeMo-RL
+    wrapper had (0, 2) or loss_fn's TIS keys, so is_ratio_frac_below was always 0 there and a
+    ratio_min above the ratio (ignored by NeMo-RL without a TIS type) crashed every worker's
+    first loss call."""
+    assert nm.MismatchMetricsLoss(PgStandin()).ratio_bounds == (0.5, 2.0)  # literal: the docs'
+    with pytest.raises(ValueError, match=r"0 <= min <= max"):
+        nm.MismatchMetricsLoss(PgStandin(), (2.5, 2.0))
+    with pytest.raises(ValueError, match=r"0 <= min <= max"):
+        nm.MismatchMetricsLoss(PgStandin(), (-0.5, 2.0))
+
+
+@pytest.mark.nemo_rl
+def test_nemo_rls_own_loss_with_force_on_policy_ratio():
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, force_on_policy_ratio=True)
+    parts = []
+    for seed in (5, 6):
+        data, curr = batch(seed)
+        data["prev_logprobs"] = torch.zeros_like(curr)  # grpo_train's, under the flag
+        data["advantages"] = torch.ones_like(curr)
+        parts.append((BatchedDataDict(data), curr))
+    got = step(nm.MismatchMetricsLoss(ClippedPGLossFn(cfg)), parts)
+    close(got, offline(parts, None))
