@@ -195,4 +195,18 @@ MUTANTS = [
         "        if False:  # here on the driver",
         ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
     ),
+    Mutant(  # found by review: a fraction silently ignored, scales unlike the local backend's
+        "a KV calibration data_fraction below 1 passes the NeMo-RL launch",
+        "nemo_jetrl/backends/nemo_rl/translate.py",
+        "    if recipe.kv_calibration.data_fraction != 1.0:",
+        "    if recipe.kv_calibration.data_fraction > 1.0:",
+        ("tests/backends/test_nemo_rl_backend.py",),
+    ),
+    Mutant(  # found by review: graph replays keep the capture's on-policy KV scales
+        "training CUDA graphs pass the launch with on-policy KV",
+        "nemo_jetrl/backends/nemo_rl/translate.py",
+        '    if recipe.onpolicy_kv and graphs not in (None, "none"):',
+        "    if recipe.onpolicy_kv and graphs is None:",
+        ("tests/backends/test_nemo_rl_backend.py",),
+    ),
 ]

@@ -3,6 +3,7 @@ metrics wrapper. The end-to-end run is the `nemo_rl` + `gpu` test at the bottom 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -448,3 +449,28 @@ def test_a_refit_transport_that_bypasses_the_hook_is_refused_before_launch(trans
     gen = {"backend": "vllm", "refit_transport": None}
     cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}}
     nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)  # NeMo-RL's default: null
+
+
+def test_kv_settings_nemo_rls_step_cannot_honour_are_refused_by_key():
+    """Helper review (2026-12-01): NeMo-RL hands the calibration every sequence, so a
+    data_fraction below 1 was silently ignored; training CUDA graphs replay the on-policy KV
+    hook's scales of their capture."""
+    base = {"policy": {"megatron_cfg": {"enabled": True}, "generation": {"backend": "vllm"}}}
+    kv = Recipe.preset("jetrl_kv")
+    assert kv.onpolicy_kv
+    half = dataclasses.replace(
+        kv, kv_calibration=dataclasses.replace(kv.kv_calibration, data_fraction=0.5)
+    )
+    graphed = {**base, "policy": {**base["policy"], "megatron_cfg": {"enabled": True}}}
+    graphed["policy"]["megatron_cfg"]["cuda_graph_impl"] = "local"
+    cases = [
+        (half, base, "jetrl.kv_calibration.data_fraction"),
+        (kv, graphed, "policy.megatron_cfg.cuda_graph_impl"),
+    ]
+    for recipe, cfg, key in cases:
+        with pytest.raises(nt.TranslationError) as info:
+            nt.translate(cfg, recipe, num_layers=36)
+        assert list(dict(info.value.problems)) == [key]
+    nt.translate(base, kv, num_layers=36)  # the control: the defaults pass
+    no_kv = dataclasses.replace(kv, onpolicy_kv=False)
+    nt.translate(graphed, no_kv, num_layers=36)  # graphs without on-policy KV: nothing frozen

@@ -24,10 +24,10 @@ Ray workers (all read from that source, file paths relative to its repository):
   ``worker_extension_cls`` to ``vllm.LLM`` next to ``**vllm_kwargs``.)
 - The Megatron policy worker class: ``grpo.setup(..., policy_factory=...)`` builds the policy with
   our factory, which passes ``worker_extension_cls_fqn`` to ``Policy`` (a subclass of
-  ``MegatronPolicyWorkerImpl``, see ``nemo_rl_worker.py``). Ray actors need a Python environment
-  registered in ``ACTOR_ENVIRONMENT_REGISTRY``; we register ours with the same executable as the
-  stock ``MegatronPolicyWorker`` (an explicit, revertible call), and the Docker image links
-  ``$NEMO_RL_VENV_DIR/<our class FQN>`` to the stock worker's prebuilt venv.
+  ``MegatronPolicyWorkerImpl``, see ``worker.py``). Ray actors need a Python environment
+  registered in ``ACTOR_ENVIRONMENT_REGISTRY``; we register ours, by its Python path, with the
+  same executable as the stock ``MegatronPolicyWorker`` (an explicit, revertible call; no venv
+  link: ``venvs.py``).
 - KV scales: grpo.py calls ``policy.calibrate_qkv_fp8_scales(data, include_q=True)`` when
   ``kv_cache_dtype`` is fp8 and ships ``result["layers"]`` with the refit; our worker overrides
   that method (masking, refusal of invalid scales, our settings).
@@ -39,7 +39,7 @@ Ray workers (all read from that source, file paths relative to its repository):
   ``jetrl.recipe`` to label the run (``runs/logs.py``).
 - Metrics: grpo.py sums every loss-function metric over micro-batches; our loss wrapper adds
   additive ``jetrl/mismatch/*`` contributions, and a logger proxy writes them without the
-  ``train/`` prefix, as the local backend does (``nemo_rl_metrics.py``).
+  ``train/`` prefix, as the local backend does (``metrics.py``).
 
 Everything here is plain Python (no NeMo-RL import), so it is unit-tested on CPU.
 """
@@ -163,7 +163,7 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
 
     problems = _backend_problems(cfg) + _bf16_layer_problems(recipe)
     settings = _megatron_settings(cfg, recipe, num_layers, problems)
-    problems += _kv_problems(recipe)
+    problems += _kv_problems(cfg, recipe)
     patch_json = _patch_json_or_problem(cfg, recipe, num_layers, problems)
     if patch_json is not None and _get(config, "jetrl.refit_hook", True) is not False:
         problems += refit_problems(
@@ -261,11 +261,31 @@ def _megatron_settings(
         return None
 
 
-def _kv_problems(recipe: Recipe) -> list[tuple[str, str]]:
-    """FP8 KV-cache settings NeMo-RL's calibration and refit cannot honour."""
+def _kv_problems(cfg: Mapping[str, Any], recipe: Recipe) -> list[tuple[str, str]]:
+    """FP8 KV-cache settings NeMo-RL's calibration, refit and training step cannot honour."""
     problems: list[tuple[str, str]] = []
     if not recipe.kv_fp8:
         return problems
+    if recipe.kv_calibration.data_fraction != 1.0:
+        problems.append(
+            (
+                "jetrl.kv_calibration.data_fraction",
+                f"{recipe.kv_calibration.data_fraction}: NeMo-RL hands its calibration every "
+                "sequence of the step (each data-parallel rank its shard), and our worker keeps "
+                "its micro-batch plan; set 1.0 (the local backend samples a fraction)",
+            )
+        )
+    graphs = _get(cfg, "policy.megatron_cfg.cuda_graph_impl", "none")
+    if recipe.onpolicy_kv and graphs not in (None, "none"):
+        # Megatron replays a captured layer without running Python: our attention pre-hook
+        # would keep the KV scales of the capture while recalibration moves the rollout's
+        problems.append(
+            (
+                "policy.megatron_cfg.cuda_graph_impl",
+                f"{graphs!r}: training CUDA graphs freeze the on-policy KV scales at capture; "
+                "set it to 'none' (or use a recipe without on-policy KV)",
+            )
+        )
     if recipe.kv_scale_source != "trainer_calibrated":
         problems.append(
             (

@@ -5,10 +5,11 @@ NeMo-RL (v0.7.0) builds its Megatron policy workers from a class name it gives R
 stock worker splits its implementation into ``MegatronPolicyWorkerImpl`` and we subclass that and
 decorate it the same way (same runtime_env helper). What the subclass adds:
 
-1. before anything imports Transformer Engine: reads the recipe from ``NEMO_JETRL_RECIPE`` and
-   checks ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` against it (both put into the worker's
-   ``runtime_env`` by ``policy.megatron_cfg.env_vars``), then `ensure_te_scale_env`, which fails
-   if TE was somehow imported with the other scale rule;
+1. at construction: reads the recipe from ``NEMO_JETRL_RECIPE`` and checks
+   ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` against it (both put into the worker's ``runtime_env``
+   by ``policy.megatron_cfg.env_vars``, so set before the process started), then
+   `ensure_te_scale_env`, which fails if TE's recipe module, already loaded by then (NeMo-RL's
+   worker module imports megatron-core, which imports TE), read the other scale rule;
 2. after the model is built: our hooks on every ``core_attention`` (on-policy KV when the recipe
    asks for it, with the scales of the last calibration), and the per-name BF16 linears
    (``jetrl.train_bf16_layer_kws``) wrapped to run outside TE's FP8 (`megatron.bf16_names`);
