@@ -28,7 +28,10 @@ EXP_DIR = re.compile(r"exp_(\d+)")
 
 
 def first_step(run: RunData) -> int | None:
-    steps = [s.steps[0] for s in run.scalars.values() if s.steps]
+    """The first step ``run`` logged past step 0 (None: none). Step 0 is what every launch logs
+    as it starts, resumed or not (NeMo-RL's ``timing/setup/*``, our engine check's
+    ``jetrl/kernel/*``): counted, every directory would start at 0 and none would continue."""
+    steps = [min(pos) for s in run.scalars.values() if (pos := [st for st in s.steps if st > 0])]
     return min(steps) if steps else None
 
 
@@ -71,7 +74,7 @@ def join_chain(chain: Sequence[RunData]) -> RunData:
     notes = []
     for i, part in enumerate(chain):
         cut = first_step(part) if i else None  # this part redid every step from here on
-        own = sorted({st for s in part.scalars.values() for st in s.steps})
+        own = sorted({st for s in part.scalars.values() for st in s.steps if st > 0})
         if cut is not None:
             for pts in points.values():
                 for st in [st for st in pts if st >= cut]:

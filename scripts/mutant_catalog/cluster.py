@@ -209,4 +209,11 @@ MUTANTS = [
         "    if recipe.onpolicy_kv and graphs is None:",
         ("tests/backends/test_nemo_rl_backend.py",),
     ),
+    Mutant(  # found by review: every launch logs at step 0, so no resumed run was joined
+        "a resumed run's first step counts the setup metrics of step 0",
+        "nemo_jetrl/runs/resume.py",
+        "(pos := [st for st in s.steps if st > 0])",
+        "(pos := [st for st in s.steps if st >= 0])",
+        ("tests/commands/test_compare_recipes.py",),
+    ),
 ]

@@ -53,6 +53,11 @@ def launch_logged(runs: Path, recipe: str, steps: range, tmpe: dict[int, float],
     logger = Logger(master.logger)  # grpo.setup
     logger.log_hyperparams(master.model_dump())  # grpo.setup
     proxy = JetrlLoggerProxy(logger)  # launch._train
+    # every launch, resumed or not, logs at step 0: grpo.setup its setup timings (v0.7.0
+    # grpo.py :1228), the engine check its kernel metrics (engine_check.py)
+    logger.log_metrics({"total_setup_time_s": 60.0}, step=0, prefix="timing/setup")
+    if recipe != "bf16":
+        proxy.log_metrics({"jetrl/kernel/refit_hook_installed": 1.0}, 0, prefix="")
     for s in steps:
         metrics = {"token_mult_prob_error": tmpe[s], "jetrl/mismatch/k1_kl": tmpe[s] - 1}
         proxy.log_metrics({**metrics, "reward": s / 8}, s, prefix="train")  # grpo_train

@@ -81,6 +81,8 @@ def launch_run(runs: Path, recipe: str, steps: range, tmpe: dict[int, float], ov
     log_dir = next_experiment_dir(runs / recipe)
     w = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
     w.add_hparams(nemo_rl_flatten(plan.master_config), {})
+    # every launch, resumed or not, logs at step 0 (NeMo-RL's grpo.setup timings)
+    w.add_scalar("timing/setup/total_setup_time_s", 60.0, 0)
     for s in steps:
         train = {"token_mult_prob_error": tmpe[s], "reward": s / 8}
         for name, v in train.items():
