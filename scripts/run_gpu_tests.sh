@@ -9,11 +9,11 @@
 # SLURM with pyxis/enroot (the image imported as a .sqsh, docs/cluster.md):
 #
 #   srun -N1 --gpus-per-node=1 --container-image=$PWD/nemo-jetrl.sqsh \
-#     --container-mounts=$HF_HOME:/root/.cache/huggingface --container-workdir=/opt/nemo-jetrl \
+#     --container-mounts=$HF_HOME:$HF_HOME --container-workdir=/opt/nemo-jetrl \
 #     bash scripts/run_gpu_tests.sh [extra pytest args]
 #
 # Each tier runs with the Python environment that has its dependencies:
-#   1. megatron + gpu  -> the Megatron policy worker venv (megatron-core, Transformer Engine):
+#   1. megatron + gpu  -> (not the nemo_rl ones: tier 4) the Megatron policy worker venv (megatron-core, Transformer Engine):
 #      real TE recipe, TE FP8 weights (fp8_param) re-laid out for refit with the parity check,
 #      the CPU megatron tests again on this megatron-core, and every other `gpu` test;
 #   2. fp8 kernels     -> the same venv (CUDA torch + triton): tests/fp8/test_fp8_dispatch.py,
@@ -54,7 +54,8 @@ run_tier() {
 
 fp8_kernel_tests=(tests/fp8/test_fp8_dispatch.py tests/fp8/test_triton_kernels.py
   tests/fp8/test_fp8_gemm_backends.py tests/fp8/test_fp8_serving_path.py)
-run_tier "megatron+gpu" "$mcore_py" -m "gpu or megatron" tests \
+# the nemo_rl tests (the end-to-end GRPO run among them) are tier 4's, with NeMo-RL's driver env
+run_tier "megatron+gpu" "$mcore_py" -m "(gpu or megatron) and not nemo_rl" tests \
   "${fp8_kernel_tests[@]/#/--ignore=}" "$@"
 run_tier "fp8 kernels" "$mcore_py" "${fp8_kernel_tests[@]}" "$@"
 run_tier "vllm" "$vllm_py" -m vllm tests --ignore=tests/vllm_patch/test_vllm_kv_cpu.py "$@"

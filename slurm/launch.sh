@@ -181,13 +181,18 @@ elif ((NODES > 1)); then
   echo "launch.sh: set HF_HOME to a directory every node mounts: with $NODES nodes the HF cache and" \
     "NeMo-RL's converted checkpoints must be shared (ray.sub does not mount \$HOME)" >&2
   exit 2
+else
+  echo "launch.sh: note: HF_HOME is not set: the model download and NeMo-RL's converted checkpoint" \
+    "stay inside this job's container (ray.sub does not mount \$HOME) and are redone by every job" >&2
 fi
 # Where the run writes outside the clone must be mounted too, or it stays in one container.
+# The run sees a mount's container side: SRC:DST[:FLAGS] (pyxis), DST is what it writes to.
 mounted() {
-  local p=$1 m
+  local p=$1 m dst
   IFS=, read -r -a ms <<<"$MOUNTS"
   for m in "${ms[@]}"; do
-    [[ "$p" == "${m%%:*}" || "$p" == "${m%%:*}"/* ]] && return 0
+    dst=${m#*:} && dst=${dst%%:*}
+    [[ "$p" == "$dst" || "$p" == "$dst"/* ]] && return 0
   done
   return 1
 }

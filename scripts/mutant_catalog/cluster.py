@@ -216,4 +216,11 @@ MUTANTS = [
         "(pos := [st for st in s.steps if st >= 0])",
         ("tests/commands/test_compare_recipes.py",),
     ),
+    Mutant(  # found by review: a checkpoint dir on a mount's host side passed and was lost
+        "launch.sh checks a path against the host side of each mount",
+        "slurm/launch.sh",
+        "    dst=${m#*:} && dst=${dst%%:*}\n",
+        "    dst=${m%%:*}\n",
+        ("tests/backends/test_slurm_launch.py",),
+    ),
 ]

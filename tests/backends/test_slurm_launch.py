@@ -338,7 +338,10 @@ def test_more_than_one_node_needs_a_shared_hf_home():
     assert proc.returncode == 2 and "--nodes" not in proc.stdout
     assert "set HF_HOME to a directory every node mounts: with 2 nodes" in proc.stderr
     proc = _launch(TWO_NODES, "cluster.num_nodes=1", NODES="1", HF_HOME=None)
-    assert proc.returncode == 0, proc.stderr  # one node: its own cache is enough
+    assert proc.returncode == 0, proc.stderr  # one node: it runs, and says what is lost
+    assert "note: HF_HOME is not set: the model download and NeMo-RL's converted" in proc.stderr
+    proc = _launch(TWO_NODES, "cluster.num_nodes=1", NODES="1")
+    assert proc.returncode == 0 and "HF_HOME is not set" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("var", ["HF_HOME", "BASE_LOG_DIR", "MOUNTS"])
@@ -356,6 +359,13 @@ def test_a_checkpoint_dir_outside_every_mount_is_refused_naming_the_key():
     )
     proc = _launch(TWO_NODES, "checkpointing.checkpoint_dir=/lustre/ckpt", MOUNTS="/lustre:/lustre")
     assert proc.returncode == 0, proc.stderr
+    # the run writes to a mount's container side (pyxis SRC:DST[:FLAGS]), not its host side
+    proc = _launch(TWO_NODES, "checkpointing.checkpoint_dir=/ckpt/run", MOUNTS="/lustre/c:/ckpt:rw")
+    assert proc.returncode == 0, proc.stderr
+    proc = _launch(
+        TWO_NODES, "checkpointing.checkpoint_dir=/lustre/c/run", MOUNTS="/lustre/c:/ckpt"
+    )
+    assert proc.returncode == 2 and "outside every container mount" in proc.stderr
     proc = _launch(TWO_NODES, "logger.log_dir=/tmp/jetrl-test-hf-home/logs")  # under HF_HOME
     assert proc.returncode == 0, proc.stderr
     proc = _launch(TWO_NODES, "logger.log_dir=runs/x")  # relative: in the clone

@@ -66,3 +66,27 @@ def test_gpu_test_script_docker_line_has_nemo_rl_flags():
     for flag in ("--ipc=host", "--shm-size=", "--ulimit memlock=-1"):
         assert flag in docker, flag
     assert "--container-image=" in text  # the pyxis way
+
+
+def test_gpu_test_script_runs_the_end_to_end_grpo_test_once():
+    """Tier 1's marker (the Megatron venv, which can import NeMo-RL) had also selected the
+    `nemo_rl` + `gpu` end-to-end GRPO run that tier 4 runs: GPU minutes spent twice."""
+    import subprocess
+    import sys
+
+    text = (REPO / "scripts" / "run_gpu_tests.sh").read_text()
+    found = re.findall(r'^run_tier "([^"]+)" "\$\w+" -m (?:"([^"]+)"|(\S+))', text, re.M)
+    tiers = {name: quoted or bare for name, quoted, bare in found}
+    assert set(tiers) == {"megatron+gpu", "vllm", "nemo_rl"}, tiers
+    e2e = "test_end_to_end_two_grpo_steps_in_docker"
+    target = "tests/backends/test_nemo_rl_backend.py"
+    picked = {}
+    for name, marks in tiers.items():
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marks, target],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        ).stdout
+        picked[name] = e2e in out
+    assert picked == {"megatron+gpu": False, "vllm": False, "nemo_rl": True}
