@@ -80,6 +80,14 @@ def make_kernel_class(settings: PatchSettings) -> type:
             self.weight_group_shape = config.weight_quant_key.scale.group_shape
             # The GEMM backend, decided here once for this layer (see kernel.py's docstring).
             self._plan_gemm(_serving_device())
+            # and the fp32-output one a biased layer needs, planned here too: NeMo-RL's own
+            # Fp8LinearMethod.process_weights_after_loading never calls ours, and planning in
+            # the first forward breaks vLLM's torch.compile (fullgraph) on Qwen2's q/k/v.
+            try:
+                self._jetrl_bias_backend = self._plan_gemm(_serving_device(), None, torch.float32)
+                self._jetrl_bias_error: Exception | None = None
+            except ValueError as exc:  # raised by a biased layer's forward, if one comes
+                self._jetrl_bias_backend, self._jetrl_bias_error = None, exc
 
         def _plan_gemm(
             self,
@@ -184,11 +192,12 @@ def make_kernel_class(settings: PatchSettings) -> type:
             if bias is None:
                 backend, gemm_dtype = self.jetrl_gemm_backend, self.config.out_dtype
             else:
-                backend = getattr(layer, "jetrl_bias_gemm_backend", None)
-                if backend is None:  # bias handed in by the caller, not the layer's own
-                    backend = layer.jetrl_bias_gemm_backend = self._plan_gemm(
-                        layer.weight.device, tuple(layer.weight.shape), torch.float32
-                    )
+                # the layer's, planned at its load; else (no load step of ours ran) the init's
+                backend = (
+                    getattr(layer, "jetrl_bias_gemm_backend", None) or self._jetrl_bias_backend
+                )
+                if backend is None:
+                    raise self._jetrl_bias_error or ValueError("no fp32-output GEMM backend")
                 gemm_dtype = torch.float32
             out = serving_forward(
                 ops, x2, layer.weight, layer.weight_scale_inv, backend, gemm_dtype,

@@ -223,4 +223,13 @@ MUTANTS = [
         "    dst=${m%%:*}\n",
         ("tests/backends/test_slurm_launch.py",),
     ),
+    Mutant(  # found by review: Qwen2.5's q/k/v crashed vLLM's compiled profile run
+        "a biased layer plans its fp32 GEMM in the forward when our load step did not run",
+        "nemo_jetrl/vllm_patch/kernel.py",
+        'getattr(layer, "jetrl_bias_gemm_backend", None) or self._jetrl_bias_backend\n',
+        'getattr(layer, "jetrl_bias_gemm_backend", None) or self._plan_gemm(\n'
+        "                        layer.weight.device, tuple(layer.weight.shape), torch.float32)\n",
+        ("tests/vllm_patch/test_vllm_kernel.py",),
+        env="vllm",
+    ),
 ]

@@ -121,6 +121,31 @@ def test_biased_layer_adds_its_bias_in_fp32_and_rounds_once_as_the_trainer():
     )
 
 
+def test_a_biased_layer_compiles_whole_without_our_load_step():
+    """NeMo-RL replaces vLLM's Fp8LinearMethod.process_weights_after_loading with its own, which
+    never calls the kernel's (v0.7.0 quantization/fp8.py): the fp32-output GEMM of a biased layer
+    (Qwen2/2.5 q/k/v) was then planned in the first forward, which vLLM runs under torch.compile
+    with fullgraph=True, where planning raised ``torch._dynamo.exc.Unsupported`` (helper review,
+    2026-12-01; NeMo-RL's enforce_eager default is false). Now it is planned at the kernel's
+    construction, and the compiled forward gives the eager one's bits."""
+    from nemo_jetrl.vllm_patch.kernel import make_kernel_class
+    from nemo_jetrl.vllm_patch.settings import PatchSettings
+
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16)
+    kernel = make_kernel_class(PatchSettings())(_config())
+    layer, _ = _layer(w, True)
+    layer.bias = torch.nn.Parameter(torch.randn(256, generator=g).to(torch.bfloat16), False)
+    x = torch.randn(4, 384, generator=g).to(torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda t: kernel.apply_weights(layer, t, layer.bias), fullgraph=True, backend="eager"
+    )
+    y = compiled(x)
+    assert not hasattr(layer, "jetrl_bias_gemm_backend")  # no load step of ours ran
+    assert torch.equal(y, kernel.apply_weights(layer, x, layer.bias))
+
+
 def test_kernel_propagates_nan_like_vllm_without_stopping_the_engine():
     """A NaN token (vLLM's warm-up feeds placeholders) gives NaN in its row only."""
     from nemo_jetrl.fp8 import fp8_bits, quantize_blockwise
@@ -256,11 +281,13 @@ def test_gemm_backend_is_chosen_once_per_layer_and_readable(monkeypatch):
         layer, _ = _layer((torch.randn(256, 384) * 0.05).to(torch.bfloat16).to(device), True)
         kern.process_weights_after_loading(layer)
         layers.append((kern, layer))
-    assert len(plans) == 2 and plans[0]["out_dtype"] == torch.bfloat16
+    # per layer, at construction: its GEMM (bf16 out) and a biased forward's (fp32 out)
+    outs = [torch.bfloat16, torch.float32] * 2
+    assert [p["out_dtype"] for p in plans] == outs
     for _ in range(3):
         for kern, layer in layers:
             kern.apply_weights(layer, torch.randn(2, 384).to(torch.bfloat16).to(device))
-    assert len(plans) == 2  # nothing re-decided per call
+    assert len(plans) == 4  # nothing re-decided per call
     planned = layers[0][0].jetrl_gemm_backend
     assert runs == [planned] * 6
     assert all(layer.jetrl_gemm_backend == planned for _, layer in layers)
@@ -272,7 +299,7 @@ def test_gemm_backend_is_chosen_once_per_layer_and_readable(monkeypatch):
     layer, _ = _layer((torch.randn(256, 384) * 0.05).to(torch.bfloat16), True)
     kern.process_weights_after_loading(layer)
     assert layer.jetrl_gemm_backend == "reference"
-    assert len(plans) == 3 + (device.type == "cuda")
+    assert len(plans) == 6 + (device.type == "cuda")
 
 
 def test_output_dtype_no_gpu_backend_writes_is_refused_at_kernel_init(monkeypatch):
