@@ -173,6 +173,16 @@ class ModelArch:
         if text.get("intermediate_size") is None and (dense_layers or not moe):
             keys.problem("lacks intermediate_size (the dense MLP width)")
         inter = keys.int("intermediate_size", moe.expert_size if moe else 1)
+        if mt not in _MLA and text.get("kv_lora_rank") is not None:
+            # vLLM serves any model with these keys through its MLA attention, whose decode
+            # absorbs kv_b_proj into BF16 W_UK_T/W_UV (arch.mla.KV_B_ABSORBED): read as plain
+            # q/k/v, the verdict and the engine check would both call a BF16 product FP8
+            raise ArchError(
+                f"config of {label!r}: model_type {mt!r} has kv_lora_rank (multi-head latent "
+                f"attention), which nemo_jetrl models for {', '.join(_MLA)} only; its verdict "
+                "cannot be proven (use one of those model types' configs, or the local backend "
+                "with a supported model)"
+            )
         mla = read_mla(keys) if mt in _MLA else None
         hybrid = read_hybrid(keys, layers, split_proj=mt.startswith("qwen3_5"))
         keys.raise_if_any()

@@ -232,4 +232,11 @@ MUTANTS = [
         ("tests/vllm_patch/test_vllm_kernel.py",),
         env="vllm",
     ),
+    Mutant(  # found by review: GLM-4.7-Flash-like MLA read as q/k/v, proven on-policy
+        "latent attention of a model type not modelled is read as plain q/k/v",
+        "nemo_jetrl/arch/model.py",
+        '        if mt not in _MLA and text.get("kv_lora_rank") is not None:',
+        "        if False:",
+        ("tests/arch/test_arch_hf.py",),
+    ),
 ]

@@ -220,6 +220,19 @@ def test_deepseek_v3_mla_and_dense_first_layers(q_lora_rank):
     assert shared.out_features == 2 * 128  # n_shared_experts * moe_intermediate_size
 
 
+@pytest.mark.parametrize("model_type", ["glm4_moe_lite", "longcat_flash"])
+def test_latent_attention_of_a_model_type_not_modelled_is_refused_by_name(model_type):
+    """vLLM 0.20 serves these through its MLA attention too (decode on BF16 W_UK_T/W_UV); read
+    as plain q/k/v they got an on-policy verdict and a clean engine check while decode ran
+    kv_b_proj's product in BF16 (helper review, 2026-12-01)."""
+    from nemo_jetrl.arch.linear import ArchError
+
+    with pytest.raises(ArchError, match=rf"model_type '{model_type}' has kv_lora_rank"):
+        ModelArch.from_hf_config(_tiny_deepseek(model_type=model_type))
+    plain = {k: v for k, v in _tiny_deepseek(model_type=model_type).items() if "lora" not in k}
+    assert ModelArch.from_hf_config(plain).mla is None  # the control: no latent keys, read
+
+
 def _tiny_linear_attn(**kw) -> dict:
     return {
         "hidden_size": 128,
