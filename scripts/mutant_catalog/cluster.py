@@ -239,4 +239,11 @@ MUTANTS = [
         "        if False:",
         ("tests/arch/test_arch_hf.py",),
     ),
+    Mutant(  # found by review: a changed recipe went on from another recipe's checkpoint
+        "a resubmitted job resumes a checkpoint another recipe wrote",
+        "nemo_jetrl/backends/nemo_rl/driver.py",
+        "    if why := resume_problem(merged):",
+        "    if why := None:",
+        ("tests/backends/test_nemo_rl_resume_guard.py",),
+    ),
 ]

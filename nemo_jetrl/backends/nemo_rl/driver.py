@@ -125,6 +125,7 @@ def prepare_master(
     """
     from nemo_jetrl.backends.nemo_rl import venvs
     from nemo_jetrl.backends.nemo_rl.paths import PathProblem, resolve_config_paths
+    from nemo_jetrl.backends.nemo_rl.resume_guard import resume_problem
     from nemo_jetrl.backends.nemo_rl.translate import POLICY_WORKER_FQN, STOCK_POLICY_WORKER
     from nemo_jetrl.build_info import mark_driver_code, shadowing_checkout
 
@@ -138,6 +139,8 @@ def prepare_master(
         lines = [f"path {c}" for c in resolve_config_paths(merged, ours, nemo_rl_dir, cwd)]
     except PathProblem as exc:
         raise _user_error(str(exc)) from None
+    if why := resume_problem(merged):  # paths are absolute now, as NeMo-RL will read them
+        raise _user_error(why)
     rebuild = venvs.force_rebuild(environ)
     entry, line = venvs.policy_worker_entry(stock_entry, STOCK_POLICY_WORKER, venv_base, rebuild)
     lines.append(line)

@@ -1,0 +1,73 @@
+"""A resubmitted job continues its own recipe, or does not start.
+
+NeMo-RL resumes from the newest ``step_N`` under ``checkpointing.checkpoint_dir`` whenever one is
+there (``CheckpointManager.get_latest_checkpoint_path``) and reads only its
+``training_info.json``. A resubmission whose YAML or overrides changed the recipe (BF16 to FP8,
+power-of-two to FP32 scales, on-policy KV on or off) would continue another recipe's weights and
+optimizer state, and its logs would join the old run's in ``jetrl compare``, without a word.
+Each checkpoint also holds the run's master config (``config.yaml``), our recipe among the
+policy workers' env vars: compared here, before Ray starts, as the local backend does with its
+own checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+STEP_DIR = re.compile(r"step_(\d+)")
+"""NeMo-RL's finished checkpoint directories (``tmp_step_N`` is one being written)."""
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    """The ``step_N`` NeMo-RL would resume from (the highest N), or None."""
+    if not checkpoint_dir.is_dir():
+        return None
+    steps = [
+        (int(m.group(1)), p) for p in checkpoint_dir.iterdir() if (m := STEP_DIR.fullmatch(p.name))
+    ]
+    return max(steps)[1] if steps else None
+
+
+def resume_problem(merged: Mapping[str, Any]) -> str | None:
+    """Why this launch must not resume the checkpoint NeMo-RL would pick (None: it may, or
+    there is none). ``merged``: the translated master config, paths already absolute."""
+    import yaml
+
+    from nemo_jetrl.backends.nemo_rl.translate import RECIPE_ENV, recipe_from_json
+
+    ckpt = merged.get("checkpointing") or {}
+    if not ckpt.get("enabled") or not ckpt.get("checkpoint_dir"):
+        return None
+    latest = latest_checkpoint(Path(str(ckpt["checkpoint_dir"])))
+    if latest is None or not (latest / "config.yaml").is_file():
+        return None
+    fix = (
+        "resubmit with the config that run used, or point checkpointing.checkpoint_dir at a new "
+        "directory to start this one from its step 0"
+    )
+    try:
+        saved = yaml.safe_load((latest / "config.yaml").read_text()) or {}
+        saved_env = ((saved.get("policy") or {}).get("megatron_cfg") or {}).get("env_vars") or {}
+        text = saved_env.get(RECIPE_ENV)
+        theirs = recipe_from_json(text) if text else None
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        return f"checkpointing.checkpoint_dir: {latest}/config.yaml cannot be read ({exc}); {fix}"
+    env = ((merged.get("policy") or {}).get("megatron_cfg") or {}).get("env_vars") or {}
+    ours = recipe_from_json(env[RECIPE_ENV])
+    if theirs is None:
+        return (
+            f"checkpointing.checkpoint_dir: NeMo-RL would resume {latest}, written without "
+            f"nemo_jetrl (its config.yaml has no {RECIPE_ENV}), as recipe {ours.name!r}: {fix}"
+        )
+    a, b = theirs.to_dict(), ours.to_dict()
+    changed = sorted(k for k in a.keys() | b.keys() if k != "name" and a.get(k) != b.get(k))
+    if not changed:  # the same numerics under another name
+        return None
+    return (
+        f"checkpointing.checkpoint_dir: NeMo-RL would resume {latest}, written by recipe "
+        f"{theirs.name!r}, under this config's {ours.name!r} (differs in {', '.join(changed)}): "
+        f"the run would go on from another recipe's weights and optimizer state; {fix}"
+    )
