@@ -198,15 +198,15 @@ MUTANTS = [
     Mutant(  # found by review: a fraction silently ignored, scales unlike the local backend's
         "a KV calibration data_fraction below 1 passes the NeMo-RL launch",
         "nemo_jetrl/backends/nemo_rl/translate.py",
-        "    if recipe.kv_calibration.data_fraction != 1.0:",
-        "    if recipe.kv_calibration.data_fraction > 1.0:",
+        "(calib.data_fraction != 1.0,",
+        "(calib.data_fraction > 1.0,",
         ("tests/backends/test_nemo_rl_backend.py",),
     ),
     Mutant(  # found by review: graph replays keep the capture's on-policy KV scales
         "training CUDA graphs pass the launch with on-policy KV",
         "nemo_jetrl/backends/nemo_rl/translate.py",
-        '    if recipe.onpolicy_kv and graphs not in (None, "none"):',
-        "    if recipe.onpolicy_kv and graphs is None:",
+        "(recipe.onpolicy_kv and frozen,",
+        "(recipe.onpolicy_kv and False,",
         ("tests/backends/test_nemo_rl_backend.py",),
     ),
     Mutant(  # found by review: every launch logs at step 0, so no resumed run was joined
@@ -245,5 +245,33 @@ MUTANTS = [
         "    if why := resume_problem(merged):",
         "    if why := None:",
         ("tests/backends/test_nemo_rl_resume_guard.py",),
+    ),
+    Mutant(  # found by review: main's scoped capture leaves attention eager
+        "training CUDA graphs that leave attention eager are refused with on-policy KV",
+        "nemo_jetrl/backends/nemo_rl/translate.py",
+        '        graphs == "full_iteration" or "attn" in scope or not scope\n',
+        "        True\n",
+        ("tests/backends/test_nemo_rl_backend.py",),
+    ),
+    Mutant(  # found by review: NeMo-RL resumes with checkpointing.enabled false too
+        "the resume guard trusts checkpointing.enabled",
+        "nemo_jetrl/backends/nemo_rl/resume_guard.py",
+        '    if not ckpt.get("checkpoint_dir"):',
+        '    if not ckpt.get("enabled") or not ckpt.get("checkpoint_dir"):',
+        ("tests/backends/test_nemo_rl_resume_guard.py",),
+    ),
+    Mutant(  # found by review: an OOM fix to the calibration refused the resubmission
+        "the resume guard compares every recipe field, numerics or not",
+        "nemo_jetrl/backends/nemo_rl/resume_guard.py",
+        '    changed = [d.split(":")[0] for d in preset_differences(ours, theirs)]',
+        '    changed = [k for k, v in ours.to_dict().items() if k != "name" and v != theirs.to_dict()[k]]',
+        ("tests/backends/test_nemo_rl_resume_guard.py",),
+    ),
+    Mutant(
+        "a step without a usable token logs its token means as 0",
+        "nemo_jetrl/backends/nemo_rl/metrics.py",
+        "    if not float(usable) > 0:  # no usable token",
+        "    if False:  # no usable token",
+        ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
     ),
 ]

@@ -472,5 +472,12 @@ def test_kv_settings_nemo_rls_step_cannot_honour_are_refused_by_key():
             nt.translate(cfg, recipe, num_layers=36)
         assert list(dict(info.value.problems)) == [key]
     nt.translate(base, kv, num_layers=36)  # the control: the defaults pass
+    # NeMo-RL main's scoped capture: attention left eager keeps the hook running
+    graphed["policy"]["megatron_cfg"]["cuda_graph_modules"] = ["mlp", "moe_router"]
+    nt.translate(graphed, kv, num_layers=36)
+    graphed["policy"]["megatron_cfg"]["cuda_graph_modules"] = ["attn"]
+    with pytest.raises(nt.TranslationError):
+        nt.translate(graphed, kv, num_layers=36)
+    graphed["policy"]["megatron_cfg"]["cuda_graph_modules"] = []
     no_kv = dataclasses.replace(kv, onpolicy_kv=False)
     nt.translate(graphed, no_kv, num_layers=36)  # graphs without on-policy KV: nothing frozen

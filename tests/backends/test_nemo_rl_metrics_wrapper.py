@@ -6,6 +6,8 @@ NeMo-RL's real ClippedPGLossFn inside the wrapper (marker ``nemo_rl``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -96,6 +98,15 @@ def test_token_means_leave_unusable_tokens_out_as_the_offline_reference_does():
     close(got, ref)
     raw = step(nm.MismatchMetricsLoss(PgStandin()), parts, proxy=False)  # the control
     assert abs(raw["jetrl/mismatch/is_ratio_mean"] - ref["jetrl/mismatch/is_ratio_mean"]) > 1e-3
+
+
+def test_a_step_without_a_usable_token_logs_nan_not_zero():
+    parts = [batch(7)]
+    data = parts[0][0]
+    data["prev_logprobs"] = data["generation_logprobs"] - 400.0  # every token unusable
+    got = step(nm.MismatchMetricsLoss(PgStandin()), parts)
+    assert got["jetrl/mismatch/num_valid_tokens"] == 0 < got["jetrl/mismatch/nonfinite_tokens"]
+    assert all(math.isnan(got[k]) for k in nm.TOKEN_MEANS)
 
 
 def test_the_ratio_bounds_are_every_backends_and_checked_on_the_driver():

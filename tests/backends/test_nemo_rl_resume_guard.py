@@ -66,7 +66,15 @@ def test_a_scale_mode_change_alone_is_refused(tmp_path):
         for k in [k for k in recipe[side] if k.startswith("pow2")]:
             recipe[side][k] = False
     env["NEMO_JETRL_RECIPE"] = json.dumps(recipe, sort_keys=True)  # as `jetrl_fp32` would send
-    assert "differs in rollout, train" in (resume_problem(flip) or "")
+    why = resume_problem(flip) or ""
+    assert "train.pow2_weight_scales" in why and "rollout.pow2_weight_scales" in why, why
+    # what does not change the checkpoint's numbers resumes: an OOM fix to the calibration
+    calib = master("jetrl", ckpt)
+    env = calib["policy"]["megatron_cfg"]["env_vars"]
+    recipe = json.loads(env["NEMO_JETRL_RECIPE"])
+    recipe["kv_calibration"]["micro_batch_size"] = 1
+    env["NEMO_JETRL_RECIPE"] = json.dumps(recipe, sort_keys=True)
+    assert resume_problem(calib) is None
 
 
 def test_a_checkpoint_without_our_recipe_and_no_checkpoint_at_all(tmp_path):
@@ -76,9 +84,9 @@ def test_a_checkpoint_without_our_recipe_and_no_checkpoint_at_all(tmp_path):
     del plain["policy"]["megatron_cfg"]["env_vars"]["NEMO_JETRL_RECIPE"]
     checkpoint(ckpt, 1, plain)
     assert "written without nemo_jetrl" in (resume_problem(master("jetrl", ckpt)) or "")
-    off = master("bf16", ckpt)
-    off["checkpointing"]["enabled"] = False
-    assert resume_problem(off) is None  # NeMo-RL resumes nothing then
+    off = master("jetrl", ckpt)
+    off["checkpointing"]["enabled"] = False  # saving off: NeMo-RL still resumes what is there
+    assert "written without nemo_jetrl" in (resume_problem(off) or "")
 
 
 def test_the_launch_refuses_it_before_ray(tmp_path, monkeypatch):

@@ -156,8 +156,10 @@ def usable_token_means(metrics: Mapping[str, Any]) -> dict[str, Any]:
     by ``global_valid_toks``, which also counts the non-finite ones (`COUNTS`)."""
     out = dict(metrics)
     usable, nonfinite = (metrics.get(k) for k in COUNTS)
-    if usable is None or nonfinite is None or not float(nonfinite) or not float(usable) > 0:
+    if usable is None or nonfinite is None or not float(nonfinite):
         return out
+    if not float(usable) > 0:  # no usable token: NaN, never a silent 0 (docs/metrics.md)
+        return {**out, **{k: float("nan") for k in TOKEN_MEANS if k in out}}
     scale = (float(usable) + float(nonfinite)) / float(usable)
     for k in TOKEN_MEANS:
         if k in out:

@@ -37,9 +37,12 @@ def resume_problem(merged: Mapping[str, Any]) -> str | None:
     import yaml
 
     from nemo_jetrl.backends.nemo_rl.translate import RECIPE_ENV, recipe_from_json
+    from nemo_jetrl.recipe import preset_differences
 
+    # NeMo-RL resumes whatever checkpointing.enabled says (grpo.setup asks its CheckpointManager
+    # for the latest step either way, v0.7.0 grpo.py :319); enabled only decides saving
     ckpt = merged.get("checkpointing") or {}
-    if not ckpt.get("enabled") or not ckpt.get("checkpoint_dir"):
+    if not ckpt.get("checkpoint_dir"):
         return None
     latest = latest_checkpoint(Path(str(ckpt["checkpoint_dir"])))
     if latest is None or not (latest / "config.yaml").is_file():
@@ -62,9 +65,10 @@ def resume_problem(merged: Mapping[str, Any]) -> str | None:
             f"checkpointing.checkpoint_dir: NeMo-RL would resume {latest}, written without "
             f"nemo_jetrl (its config.yaml has no {RECIPE_ENV}), as recipe {ours.name!r}: {fix}"
         )
-    a, b = theirs.to_dict(), ours.to_dict()
-    changed = sorted(k for k in a.keys() | b.keys() if k != "name" and a.get(k) != b.get(k))
-    if not changed:  # the same numerics under another name
+    # what changes the numbers (name, KV calibration settings, the training quantizer's
+    # implementation and DeepGEMM do not: an OOM fix to kv_calibration.micro_batch_size resumes)
+    changed = [d.split(":")[0] for d in preset_differences(ours, theirs)]
+    if not changed:
         return None
     return (
         f"checkpointing.checkpoint_dir: NeMo-RL would resume {latest}, written by recipe "

@@ -263,46 +263,33 @@ def _megatron_settings(
 
 def _kv_problems(cfg: Mapping[str, Any], recipe: Recipe) -> list[tuple[str, str]]:
     """FP8 KV-cache settings NeMo-RL's calibration, refit and training step cannot honour."""
-    problems: list[tuple[str, str]] = []
     if not recipe.kv_fp8:
-        return problems
-    if recipe.kv_calibration.data_fraction != 1.0:
-        problems.append(
-            (
-                "jetrl.kv_calibration.data_fraction",
-                f"{recipe.kv_calibration.data_fraction}: NeMo-RL hands its calibration every "
-                "sequence of the step (each data-parallel rank its shard), and our worker keeps "
-                "its micro-batch plan; set 1.0 (the local backend samples a fraction)",
-            )
-        )
+        return []
+    calib = recipe.kv_calibration
     graphs = _get(cfg, "policy.megatron_cfg.cuda_graph_impl", "none")
-    if recipe.onpolicy_kv and graphs not in (None, "none"):
-        # Megatron replays a captured layer without running Python: our attention pre-hook
-        # would keep the KV scales of the capture while recalibration moves the rollout's
-        problems.append(
-            (
-                "policy.megatron_cfg.cuda_graph_impl",
-                f"{graphs!r}: training CUDA graphs freeze the on-policy KV scales at capture; "
-                "set it to 'none' (or use a recipe without on-policy KV)",
-            )
-        )
-    if recipe.kv_scale_source != "trainer_calibrated":
-        problems.append(
-            (
-                "jetrl.kv_scale_source",
-                f"{recipe.kv_scale_source!r}: with an FP8 KV cache NeMo-RL always recalibrates "
-                "Q/K/V scales on the trainer and sends them at refit; use trainer_calibrated",
-            )
-        )
-    if recipe.kv_calibration.mask == "response":
-        problems.append(
-            (
-                "jetrl.kv_calibration.mask",
-                "'response': NeMo-RL's calibration batch carries input_ids and input_lengths only "
-                "(no response mask); use prompt_and_response (padding excluded) or none",
-            )
-        )
-    return problems
+    scope = _get(cfg, "policy.megatron_cfg.cuda_graph_modules") or []  # main: [] = whole layers
+    scope = [scope] if isinstance(scope, str) else list(scope)
+    # Megatron replays a captured attention without running Python: our pre-hook would keep
+    # the KV scales of the capture while recalibration moves the rollout's
+    frozen = graphs not in (None, "none") and (
+        graphs == "full_iteration" or "attn" in scope or not scope
+    )
+    rules = [
+        (calib.data_fraction != 1.0, "jetrl.kv_calibration.data_fraction",
+         f"{calib.data_fraction}: NeMo-RL hands its calibration every sequence of the step (each "
+         "data-parallel rank its shard), and our worker keeps its micro-batch plan; set 1.0 (the "
+         "local backend samples a fraction)"),
+        (recipe.onpolicy_kv and frozen, "policy.megatron_cfg.cuda_graph_impl",
+         f"{graphs!r}: training CUDA graphs that capture attention freeze the on-policy KV scales "
+         "at capture; set it to 'none', or keep attn out of policy.megatron_cfg.cuda_graph_modules"),
+        (recipe.kv_scale_source != "trainer_calibrated", "jetrl.kv_scale_source",
+         f"{recipe.kv_scale_source!r}: with an FP8 KV cache NeMo-RL always recalibrates Q/K/V "
+         "scales on the trainer and sends them at refit; use trainer_calibrated"),
+        (calib.mask == "response", "jetrl.kv_calibration.mask",
+         "'response': NeMo-RL's calibration batch carries input_ids and input_lengths only (no "
+         "response mask); use prompt_and_response (padding excluded) or none"),
+    ]  # fmt: skip
+    return [(key, why) for bad, key, why in rules if bad]
 
 
 def _patch_json_or_problem(
