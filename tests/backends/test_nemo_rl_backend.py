@@ -399,6 +399,18 @@ def test_a_non_auto_linear_backend_is_refused_before_start(key):
     nr.prepare(str(QWEN / "bf16.yaml"), [f"+policy.generation.vllm_kwargs.{key}=cutlass"])
 
 
+def _translation_problems(generation: dict, flags: dict) -> dict[str, str]:
+    """translate's problems, by key, for the jetrl preset with these generation keys and
+    ``jetrl:`` flags (empty: it translates)."""
+    gen = {"backend": "vllm", **generation}
+    cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}, "jetrl": flags}
+    try:
+        nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)
+    except nt.TranslationError as exc:
+        return dict(exc.problems)
+    return {}
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
@@ -414,13 +426,7 @@ def test_vllm_pipeline_stages_are_refused_while_the_refit_is_checked(flags, name
     naming the key and the jetrl flags that would allow it."""
     key = "policy.generation.vllm_cfg.pipeline_parallel_size"
     for pp, refused in ((2, named is not None), (1, False)):
-        gen = {"backend": "vllm", "vllm_cfg": {"pipeline_parallel_size": pp}}
-        cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}, "jetrl": flags}
-        try:
-            nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)
-            problems = {}
-        except nt.TranslationError as exc:
-            problems = dict(exc.problems)
+        problems = _translation_problems({"vllm_cfg": {"pipeline_parallel_size": pp}}, flags)
         assert (key in problems) is refused, (pp, problems)
         if refused:
             assert problems[key].startswith(f"{pp}: ") and named in problems[key], problems
@@ -434,21 +440,13 @@ def test_a_refit_transport_that_bypasses_the_hook_is_refused_before_launch(trans
     (megatron_policy_worker.py synchronises after the sends). So: before launch, by key."""
     key = "policy.generation.refit_transport"
     for flags, refused in (({}, True), ({"refit_hook": False}, False)):
-        gen = {"backend": "vllm", "refit_transport": transport}
-        cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}, "jetrl": flags}
-        try:
-            nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)
-            problems = {}
-        except nt.TranslationError as exc:
-            problems = dict(exc.problems)
+        problems = _translation_problems({"refit_transport": transport}, flags)
         assert (key in problems) is refused, (flags, problems)
         if refused:
             assert (
                 problems[key].startswith(f"{transport!r}: ") and "set it to null" in problems[key]
             )
-    gen = {"backend": "vllm", "refit_transport": None}
-    cfg = {"policy": {"megatron_cfg": {"enabled": True}, "generation": gen}}
-    nt.translate(cfg, Recipe.preset("jetrl"), num_layers=36)  # NeMo-RL's default: null
+    assert _translation_problems({"refit_transport": None}, {}) == {}  # NeMo-RL's default
 
 
 def test_kv_settings_nemo_rls_step_cannot_honour_are_refused_by_key():
