@@ -149,10 +149,12 @@ def command(root: Path, copy: Path, env_kind: str, tests: list[str]) -> tuple[li
     venv = {"default": ".venv", "vllm": ".venv-vllm", "nemo_rl": ".venv-vllm020"}[env_kind]
     if env_kind == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = env.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    # NeMo-RL's source beside the real checkout, not the copy (the default suite reads it too)
+    upstream = Path(
+        os.environ.get("JETRL_NEMO_RL_UPSTREAM", root.parent / "shared/upstream/nemo-rl")
+    ).resolve()
+    env["JETRL_NEMO_RL_UPSTREAM"] = str(upstream)
     if env_kind == "nemo_rl":  # as scripts/nemo_rl_env.sh builds it, from the real checkout
-        upstream = Path(
-            os.environ.get("JETRL_NEMO_RL_UPSTREAM", root.parent / "shared/upstream/nemo-rl")
-        ).resolve()
         tree = upstream / "v0.7.0"
         overlay = root / ".venv-nemo-rl" / "site"
         env["PYTHONPATH"] = f"{copy}:{overlay}:{tree}"

@@ -191,3 +191,19 @@ def test_the_snapshot_lands_before_nemo_rls_side_streams_load(monkeypatch):
     assert _make_transport("update_weights_from_collective", nemo_rl_transport, state)(engine())
     i, j = calls.index("snapshot"), calls.index("transport")
     assert "sync" in calls[i:j], calls
+
+
+def test_te_fp8_weights_sent_at_refit_are_refused_naming_fp8_param():
+    """The last guard (before launch `tree_rules` refuses the config): TE's FP8 codes and
+    their scales, as NeMo-RL main's worker sends them with fp8_param, are not quantized again."""
+    name = "model.layers.0.self_attn.o_proj.weight"
+    codes = torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
+    batch = [(name, codes), (f"{name}_scale_inv", torch.ones(1, 1))]
+    with pytest.raises(RefitError, match=rf"FP8 tensors \({name}\).*fp8_param=true.*set it"):
+        quantize_batch(batch, engine().model_runner.model, SETTINGS, None)
+    # the same weight in BF16 goes through (the control), into an engine holding it in FP8
+    held = torch.nn.Module()
+    held.model = engine().model_runner.model
+    held.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(codes, requires_grad=False)
+    out = dict(quantize_batch([(name, codes.bfloat16())], held, SETTINGS, None))
+    assert out[name].dtype == torch.float8_e4m3fn

@@ -41,6 +41,7 @@ from nemo_jetrl.backends.nemo_rl.translate import (
     TranslationError,
     translate,
 )
+from nemo_jetrl.backends.nemo_rl.tree_rules import nemo_rl_package, read_tree
 from nemo_jetrl.backends.nemo_rl.venvs import VLLM_WORKER
 from nemo_jetrl.megatron.config import FP32_SCALES_ENV
 
@@ -128,8 +129,10 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
         )
     container = OmegaConf.to_container(conf, resolve=True)
     assert isinstance(container, dict)
+    package = nemo_rl_package()  # the tree the run imports: its FP8 rules (tree_rules)
+    tree = read_tree(package) if package is not None else None
     try:
-        plan = translate(container, recipe, num_layers=arch.num_layers)
+        plan = translate(container, recipe, num_layers=arch.num_layers, tree=tree)
     except TranslationError as exc:
         raise _user_error(str(exc)) from None
     described = None if checked.arch_note else arch  # a note: generic layers stood in

@@ -129,6 +129,14 @@ def quantize_batch(
 ) -> list[tuple[str, torch.Tensor]]:
     """One streamed batch -> what the model's ``load_weights`` gets (our FP8 + scales);
     ``refused`` opens a refusal's message. MoE experts: per expert (`refit_experts`)."""
+    codes = [k for k, v in weights if v.dtype.itemsize == 1 and v.dtype.is_floating_point]
+    if codes:  # before launch, `tree_rules` refuses the config that sends them
+        raise RefitError(
+            f"refit refused: the trainer sent FP8 tensors ({', '.join(codes[:3])}"
+            f"{', ...' if len(codes) > 3 else ''}): NeMo-RL refits TE's own FP8 weights with "
+            "policy.megatron_cfg.fp8_cfg.fp8_param=true, which this hook does not load; set it "
+            "to false (training stays FP8)"
+        )
     weights = refit_experts.expand_grouped(weights, model, settings)
     fp8_names = {k for k, _ in weights if is_fp8_weight(k, settings)}
     wrong = []

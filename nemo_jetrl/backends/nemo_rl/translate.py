@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_jetrl.backends.nemo_rl.refit_rules import PP_KEY, TRANSPORT_KEY, refit_problems
+from nemo_jetrl.backends.nemo_rl.tree_rules import TreeFacts, tree_problems
 from nemo_jetrl.megatron.config import (
     FP32_SCALES_ENV,
     MegatronFp8Settings,
@@ -151,11 +152,19 @@ def _vllm_patch_json(recipe: Recipe, num_layers: int) -> str:
     return s.to_json()
 
 
-def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> NemoRlPlan:
+def translate(
+    config: Mapping[str, Any],
+    recipe: Recipe,
+    *,
+    num_layers: int,
+    tree: TreeFacts | None = None,
+) -> NemoRlPlan:
     """NeMo-RL master config and worker setup for ``recipe``; TranslationError lists all problems.
 
     ``config`` is the resolved config as plain containers (``OmegaConf.to_container``);
-    ``num_layers`` the model's decoder layer count. The input is not modified.
+    ``num_layers`` the model's decoder layer count; ``tree`` what the NeMo-RL tree the run
+    imports does (`tree_rules.read_tree`; None: unknown, its rules are skipped). The input is
+    not modified.
     """
     cfg = copy.deepcopy(dict(config))
     cfg.pop("jetrl", None)  # ours; NeMo-RL gets only the run's identity (below)
@@ -165,7 +174,9 @@ def translate(config: Mapping[str, Any], recipe: Recipe, *, num_layers: int) -> 
     settings = _megatron_settings(cfg, recipe, num_layers, problems)
     problems += _kv_problems(cfg, recipe)
     patch_json = _patch_json_or_problem(cfg, recipe, num_layers, problems)
-    if patch_json is not None and _get(config, "jetrl.refit_hook", True) is not False:
+    hooked = patch_json is not None and _get(config, "jetrl.refit_hook", True) is not False
+    problems += tree_problems(tree, recipe, num_layers=num_layers, hooked=hooked)
+    if hooked:
         problems += refit_problems(
             transport=_get(config, TRANSPORT_KEY),
             pp=_get(config, PP_KEY, 1),
