@@ -1,8 +1,10 @@
 """`jetrl check CONFIG [overrides...]`: is this config's rollout on-policy?
 
 Prints the recipe of each side, the precision flow per layer group (training forward vs rollout),
-the verdict and every mismatch with the YAML keys that fix it. Exit code 0: on-policy; 1:
-off-policy; 2: the config is invalid (every problem listed, no traceback).
+the verdict and every mismatch with the YAML keys that fix it; for an on-policy recipe, what
+``jetrl train --backend nemo-rl`` would still refuse on each NeMo-RL tree before Ray starts
+(`launch_refusals`: the exit code stays the verdict's). Exit code 0: on-policy; 1: off-policy; 2:
+the config is invalid (every problem listed, no traceback).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def report(
         for b in c.backends:
             state = "not run" if not b.runs else f"{'on' if b.on_policy else 'OFF'}-policy"
             print(f"  {b.backend}: {state}: {b.reason}", file=out)
+        _print_launch(launch_refusals(c), out)
     if c.limits:
         return _print_limits(c, out)
     if c.on_policy:
@@ -100,6 +103,29 @@ def report(
         file=out,
     )
     return EXIT_OFF_POLICY
+
+
+def launch_refusals(c: Checked) -> dict[str, list[tuple[str, str]]]:
+    """Per NeMo-RL tree (``v0.7.0``, ``main``): (key, why) for each reason ``jetrl train
+    --backend nemo-rl`` would refuse this config before Ray starts (empty: it would launch)."""
+    from nemo_jetrl.backends.nemo_rl.launch import launch_problems
+    from nemo_jetrl.backends.nemo_rl.tree_rules import KNOWN_TREES
+
+    return {tree: launch_problems(c, facts) for tree, facts in KNOWN_TREES.items()}
+
+
+def _print_launch(refusals: dict[str, list[tuple[str, str]]], out: TextIO) -> None:
+    refused = {t: p for t, p in refusals.items() if p}
+    if not refused:
+        return
+    print("jetrl train --backend nemo-rl would refuse it (exit 2, before Ray starts):", file=out)
+    trees = list(refused)
+    if len(trees) == len(refusals) and all(p == refused[trees[0]] for p in refused.values()):
+        refused = {" and ".join(trees): refused[trees[0]]}  # the same on every tree
+    for tree, problems in refused.items():
+        print(f"  on NeMo-RL {tree}:", file=out)
+        for key, why in problems:
+            print(f"    - {key}: " + why.replace("\n", "\n      "), file=out)
 
 
 def _print_limits(c: Checked, out: TextIO) -> int:
@@ -229,6 +255,10 @@ def summary(c: Checked) -> dict[str, Any]:
             {"backend": b.backend, "on_policy": b.on_policy, "runs": b.runs, "reason": b.reason}
             for b in c.backends
         ],
+        "nemo_rl_launch_refusals": {
+            tree: [{"key": k, "why": why} for k, why in problems]
+            for tree, problems in (launch_refusals(c) if check.on_policy else {}).items()
+        },
         "issues": [
             {"level": i.level, "path": i.path, "message": i.message, "allowed": list(i.allowed)}
             for i in c.issues

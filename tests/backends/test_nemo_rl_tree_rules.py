@@ -19,22 +19,27 @@ from nemo_jetrl.errors import UserError
 from nemo_jetrl.recipe import Recipe
 
 QWEN = Path(__file__).resolve().parents[2] / "examples" / "configs" / "qwen3_8b_base"
-TREES = {"v0.7.0": (True, False), "main-7ea279a": (False, True)}
+TREES = {"v0.7.0": "v0.7.0", "main-7ea279a": "main"}  # upstream folder -> jetrl check's name
 needs_trees = pytest.mark.skipif(
     not NEMO_RL_UPSTREAM.is_dir(), reason=f"NeMo-RL's source ({NEMO_RL_UPSTREAM}) absent"
 )
 
 
 def _facts(nested: bool, exports: bool) -> tr.TreeFacts:
-    return tr.TreeFacts(Path("/opt/nemo-rl/nemo_rl"), nested, exports)
+    return tr.TreeFacts("NeMo-RL at /opt/nemo-rl/nemo_rl", nested, exports)
 
 
 @needs_trees
 @pytest.mark.parametrize("tree", sorted(TREES))
 def test_each_trees_source_gives_its_facts(tree):
     facts = tr.read_tree(NEMO_RL_UPSTREAM / tree / "nemo_rl")
-    assert facts is not None
-    assert (facts.nested_bf16_edges, facts.exports_te_fp8) == TREES[tree]
+    assert facts is not None and facts.source == f"NeMo-RL at {NEMO_RL_UPSTREAM / tree / 'nemo_rl'}"
+    known = tr.KNOWN_TREES[TREES[tree]]  # what `jetrl check` answers for that tree
+    assert (facts.nested_bf16_edges, facts.exports_te_fp8) == (
+        known.nested_bf16_edges,
+        known.exports_te_fp8,
+    )
+    assert (known.nested_bf16_edges, known.exports_te_fp8) == (tree == "v0.7.0", tree != "v0.7.0")
 
 
 def test_a_tree_without_the_files_gives_no_facts_and_no_problems(tmp_path):
@@ -172,3 +177,32 @@ def test_fp8_param_weights_refit_in_bf16_keep_their_values_only_with_pow2_scales
     te, rollout = _round_trip(pow2=False)
     assert (te.scale_inv != rollout.scale_inv).sum().item() >= 3
     assert (te.dequantize() != rollout.dequantize()).sum().item() > 1000
+
+
+def test_jetrl_check_lists_what_the_launch_would_refuse_per_tree(capsys):
+    """`jetrl check` answers for both trees (`KNOWN_TREES`) what `jetrl train` refuses."""
+    import json
+
+    from nemo_jetrl.cli import main as jetrl
+
+    cfg, fp8_param = str(QWEN / "jetrl.yaml"), "policy.megatron_cfg.fp8_cfg.fp8_param=true"
+    assert jetrl(["check", cfg, fp8_param]) == 0  # the verdict's exit code: on-policy recipe
+    out = capsys.readouterr().out
+    refusal = out[
+        out.index("jetrl train --backend nemo-rl would refuse it") : out.index("verdict:")
+    ]
+    assert (
+        "on NeMo-RL main:\n    - policy.megatron_cfg.fp8_cfg.fp8_param: true: NeMo-RL main"
+        in refusal
+    )
+    assert "v0.7.0" not in refusal
+    assert jetrl(["check", cfg, fp8_param, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["nemo_rl_launch_refusals"]
+    assert got["v0.7.0"] == [] and [p["key"] for p in got["main"]] == [fp8_param.split("=")[0]]
+    # the same refusal on both trees is printed once; the trainer's keys are named
+    assert jetrl(["check", cfg, "+grpo.async_grpo.enabled=true"]) == 1  # policy lag
+    out = capsys.readouterr().out
+    assert "  on NeMo-RL v0.7.0 and main:\n    - grpo.async_grpo.enabled: true:\n        - " in out
+    # nothing to refuse: no section
+    assert jetrl(["check", cfg]) == 0
+    assert "would refuse" not in capsys.readouterr().out

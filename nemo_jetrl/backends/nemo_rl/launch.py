@@ -41,7 +41,7 @@ from nemo_jetrl.backends.nemo_rl.translate import (
     TranslationError,
     translate,
 )
-from nemo_jetrl.backends.nemo_rl.tree_rules import nemo_rl_package, read_tree
+from nemo_jetrl.backends.nemo_rl.tree_rules import TreeFacts, nemo_rl_package, read_tree
 from nemo_jetrl.backends.nemo_rl.venvs import VLLM_WORKER
 from nemo_jetrl.megatron.config import FP32_SCALES_ENV
 
@@ -127,16 +127,41 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
             "weights use policy.generation.vllm_cfg.pow2_weight_scaling_factors=true with "
             f"policy.megatron_cfg.env_vars.{FP32_SCALES_ENV}='0'."
         )
-    container = OmegaConf.to_container(conf, resolve=True)
-    assert isinstance(container, dict)
     package = nemo_rl_package()  # the tree the run imports: its FP8 rules (tree_rules)
-    tree = read_tree(package) if package is not None else None
     try:
-        plan = translate(container, recipe, num_layers=arch.num_layers, tree=tree)
+        plan = _translate(checked, read_tree(package) if package is not None else None)
     except TranslationError as exc:
         raise _user_error(str(exc)) from None
     described = None if checked.arch_note else arch  # a note: generic layers stood in
     return Prepared(plan=plan, source=source, warnings=tuple(notes), arch=described)
+
+
+def _translate(checked: Any, tree: TreeFacts | None) -> NemoRlPlan:
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(checked.cfg, resolve=True)
+    assert isinstance(container, dict)
+    return translate(container, checked.recipe, num_layers=checked.arch.num_layers, tree=tree)
+
+
+def launch_problems(checked: Any, tree: TreeFacts) -> list[tuple[str, str]]:
+    """(key, why) for each reason ``jetrl train --backend nemo-rl`` would refuse the checked
+    config on ``tree`` before Ray starts (`translate`'s, the trainer kind's); `jetrl check`
+    lists them. The paths, venvs and vLLM version are the launch machine's: not asked here."""
+    from nemo_jetrl.backends.nemo_rl.driver import trainer_kind
+    from nemo_jetrl.errors import UserError
+
+    try:
+        plan = _translate(checked, tree)
+    except TranslationError as exc:
+        return list(exc.problems)
+    try:
+        trainer_kind(plan.master_config)
+    except UserError as exc:  # its message opens with the key: "grpo.async_grpo.enabled=true: ..."
+        msg = str(exc)
+        key = msg.split("=", 1)[0]
+        return [(key, msg[len(key) :].lstrip("="))]
+    return []
 
 
 # -- worker registration (driver process) ---------------------------------------------------------

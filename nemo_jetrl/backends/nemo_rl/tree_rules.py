@@ -43,13 +43,22 @@ MCORE_WORKER_PY = "models/policy/workers/megatron_policy_worker.py"
 
 @dataclass(frozen=True)
 class TreeFacts:
-    """What one NeMo-RL tree's source says (``package``: its ``nemo_rl`` directory)."""
+    """What one NeMo-RL tree's source says."""
 
-    package: Path
+    source: str
+    """Which tree, as messages name it (``NeMo-RL at /opt/nemo-rl/nemo_rl``, ``NeMo-RL v0.7.0``)."""
     nested_bf16_edges: bool
     """``init_fp8`` appends each BF16 edge's module list to ``ignored_layers`` (v0.7.0)."""
     exports_te_fp8: bool
     """The Megatron worker's refit sends TE's FP8 weights when ``fp8_param`` is on (main)."""
+
+
+KNOWN_TREES = {
+    "v0.7.0": TreeFacts("NeMo-RL v0.7.0", nested_bf16_edges=True, exports_te_fp8=False),
+    "main": TreeFacts("NeMo-RL main", nested_bf16_edges=False, exports_te_fp8=True),
+}
+"""The trees `jetrl check` answers for (``flow.backend.NEMO_RL_TREES``), as `read_tree` reads
+their source (tests/backends/test_nemo_rl_tree_rules.py compares the two)."""
 
 
 def nemo_rl_package(environ: Any = None) -> Path | None:
@@ -101,7 +110,7 @@ def read_tree(package: Path) -> TreeFacts | None:
     if fp8 is None or worker is None:
         return None
     return TreeFacts(
-        package=package,
+        source=f"NeMo-RL at {package}",
         nested_bf16_edges=_appends_edge_lists(fp8),
         exports_te_fp8=_uses_attribute(worker, "build_export_fp8_tasks"),
     )
@@ -129,7 +138,7 @@ def tree_problems(
                 problems.append(
                     (
                         key,
-                        f"{n}: NeMo-RL at {facts.package} ({FP8_PY}, init_fp8) passes these "
+                        f"{n}: {facts.source} ({FP8_PY}, init_fp8) passes these "
                         "layers to vLLM as a nested list that vLLM's ignored_layers never "
                         "matches, so they would run FP8. Set it to 0 and name the layers instead: "
                         f"{S.VLLM_IGNORED_KWS}={words} (and jetrl.train_bf16_layer_kws the same "
@@ -157,7 +166,7 @@ def _fp8_param_problems(facts: TreeFacts, train: Any, hooked: bool) -> list[tupl
         return [
             (
                 S.FP8_PARAM,
-                f"true: NeMo-RL at {facts.package} ({MCORE_WORKER_PY}) refits TE's own FP8 codes "
+                f"true: {facts.source} ({MCORE_WORKER_PY}) refits TE's own FP8 codes "
                 f"and *_scale_inv tensors, and {loader}: {fix}",
             )
         ]
@@ -167,7 +176,7 @@ def _fp8_param_problems(facts: TreeFacts, train: Any, hooked: bool) -> list[tupl
         return [
             (
                 S.FP8_PARAM,
-                f"true with FP32 weight scales: NeMo-RL at {facts.package} refits TE's FP8 "
+                f"true with FP32 weight scales: {facts.source} refits TE's FP8 "
                 "weights dequantized to BF16 (code x FP32 scale, rounded), and quantizing those "
                 f"again gives other scales than training computes with: {fix}, or use "
                 "power-of-two scales",
