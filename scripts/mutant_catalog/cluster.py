@@ -323,4 +323,18 @@ MUTANTS = [
         "    if False:",
         ("tests/backends/test_nemo_rl_refit_transport.py",),
     ),
+    Mutant(  # found by review: jetrl check said exit 0 where jetrl train refused (exit 2)
+        "jetrl check does not list what the NeMo-RL launch would refuse",
+        "nemo_jetrl/commands/check.py",
+        "        _print_launch(launch_refusals(c), out)\n",
+        "",
+        ("tests/backends/test_nemo_rl_tree_rules.py",),
+    ),
+    Mutant(
+        "jetrl check answers for main with v0.7.0's refit",
+        "nemo_jetrl/backends/nemo_rl/tree_rules.py",
+        '    "main": TreeFacts("NeMo-RL main", nested_bf16_edges=False, exports_te_fp8=True),',
+        '    "main": TreeFacts("NeMo-RL main", nested_bf16_edges=False, exports_te_fp8=False),',
+        ("tests/backends/test_nemo_rl_tree_rules.py",),
+    ),
 ]
