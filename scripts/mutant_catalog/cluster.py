@@ -337,4 +337,18 @@ MUTANTS = [
         '    "main": TreeFacts("NeMo-RL main", nested_bf16_edges=False, exports_te_fp8=False),',
         ("tests/backends/test_nemo_rl_tree_rules.py",),
     ),
+    Mutant(  # found by review: bare metal's second launch found venvs without nemo_jetrl
+        "venvs an earlier launch built without nemo_jetrl get no overlay",
+        "nemo_jetrl/backends/nemo_rl/driver.py",
+        "    if rebuild or unbuilt or lacking:",
+        "    if rebuild or unbuilt:",
+        ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
+    Mutant(
+        "the vLLM preflight of a venv without nemo_jetrl runs without the overlay",
+        "nemo_jetrl/backends/nemo_rl/launch.py",
+        "    env = None if overlay is None else {**os.environ, **with_pythonpath({}, overlay)}",
+        "    env = None",
+        ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
 ]

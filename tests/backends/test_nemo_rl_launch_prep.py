@@ -89,7 +89,10 @@ def _prep(merged, tmp_path, environ=None, **kw):
         vllm_patch=True,
         environ=environ or {},
         next_log_dir=lambda d: os.path.join(d, "exp_001"),
-        preflight=calls.append,
+        # the overlay a preflight gets is a temporary one: recorded as "it holds nemo_jetrl"
+        preflight=lambda py, overlay=None: calls.append(
+            py if overlay is None else (py, (overlay / "nemo_jetrl" / "__init__.py").is_file())
+        ),
         cwd=tmp_path,
     )
     args.update(kw)
@@ -206,11 +209,19 @@ def test_bare_metal_venvs_are_nemo_rl_git_root_venvs(tmp_path):
     assert any("and on this driver's" in line for line in lines)
 
 
-def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
-    base = tmp_path / "venvs"
+def _built_venvs(base: Path, with_nemo_jetrl: bool) -> None:
     for fqn in (STOCK_POLICY_WORKER, VLLM_FQN):
         (base / fqn / "bin").mkdir(parents=True)
         (base / fqn / "bin" / "python").write_text("")
+        site = base / fqn / "lib" / "python3.12" / "site-packages"
+        site.mkdir(parents=True)
+        if with_nemo_jetrl:  # what pip install (plain or -e) leaves
+            (site / "nemo_jetrl-0.1.0.dist-info").mkdir()
+
+
+def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
+    base = tmp_path / "venvs"
+    _built_venvs(base, with_nemo_jetrl=True)
     merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
     environ = {"PYTHONPATH": "/site/a"}
     _, entry, _, calls = _prep(merged, tmp_path, environ)
@@ -219,6 +230,45 @@ def test_policy_worker_runs_on_the_built_stock_venv_by_path(tmp_path):
     assert calls == [str(base / VLLM_FQN / "bin" / "python")]  # the vLLM preflight ran
     assert not (base / POLICY_WORKER_FQN).exists()  # no venv named after our class
     assert "generation" not in merged.get("policy", {})  # built venvs have nemo_jetrl: no overlay
+
+
+def test_venvs_an_earlier_launch_built_without_nemo_jetrl_get_the_overlay(tmp_path):
+    """Bare metal, second launch: NeMo-RL built its venvs during the first (nemo_jetrl came
+    only on PYTHONPATH); this one carries the overlay again and asks vLLM's Python with it."""
+    base = tmp_path / "venvs"
+    _built_venvs(base, with_nemo_jetrl=False)
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    environ = {"PYTHONPATH": "/site/a"}
+    _, entry, lines, calls = _prep(merged, tmp_path, environ)
+    vllm_py = base / VLLM_FQN / "bin" / "python"
+    assert calls == [(str(vllm_py), True)]  # the preflight saw nemo_jetrl on its path
+    assert entry == str(base / STOCK_POLICY_WORKER / "bin" / "python")
+    overlay = str(Path(merged["logger"]["log_dir"]) / venvs.OVERLAY_NAME)
+    for env in (
+        merged["policy"]["megatron_cfg"]["env_vars"],
+        merged["policy"]["generation"]["vllm_cfg"]["env_vars"],
+    ):
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == overlay
+    assert environ["PYTHONPATH"] == os.pathsep.join([overlay, "/site/a"])
+    assert any(f"{vllm_py}" in line and "were built without nemo_jetrl" in line for line in lines)
+
+
+def test_the_preflight_runs_vllms_python_with_the_overlay_first(tmp_path):
+    import types
+
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+
+    seen = {}
+
+    def run(cmd, **kw):
+        seen.update(kw)
+        out = json.dumps({"vllm": "0.20.0", "plugins": dict(ENTRY_POINTS)})
+        return types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    nr.preflight_vllm_patch("/v/bin/python", tmp_path / "ov", run=run, pinned="0.20.0")
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "ov")
+    nr.preflight_vllm_patch("/v/bin/python", run=run, pinned="0.20.0")
+    assert seen["env"] is None  # its own environment
 
 
 def test_force_rebuild_keeps_nemo_jetrl_in_rebuilt_venvs(tmp_path):

@@ -10,6 +10,7 @@ in the vLLM workers' venv.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,14 @@ def prepare_master(
     entry, line = venvs.policy_worker_entry(stock_entry, STOCK_POLICY_WORKER, venv_base, rebuild)
     lines.append(line)
     vllm_py = venvs.venv_python(venv_base, venvs.VLLM_WORKER)
+    mcore_py = venvs.venv_python(venv_base, STOCK_POLICY_WORKER)
+    uv_venvs = [
+        py for ent, py in ((stock_entry, mcore_py), (vllm_entry, vllm_py)) if ent.startswith("uv")
+    ]
+    # built by an earlier launch that carried nemo_jetrl on PYTHONPATH only (bare metal)
+    lacking = [
+        py for py in uv_venvs if py.is_file() and not rebuild and not venvs.has_nemo_jetrl(py)
+    ]
     if vllm_patch:
         from nemo_jetrl.backends.nemo_rl.vllm_refit import ENV_VAR as HOOK_ENV
         from nemo_jetrl.backends.nemo_rl.worker_env import worker_env_problems
@@ -159,6 +168,9 @@ def prepare_master(
             )
         if not vllm_entry.startswith("uv"):
             preflight(vllm_entry)
+        elif vllm_py in lacking:  # asked with the overlay this launch will give it
+            with tempfile.TemporaryDirectory() as tmp:
+                preflight(str(vllm_py), venvs.write_overlay(Path(tmp) / venvs.OVERLAY_NAME))
         elif vllm_py.is_file() and not rebuild:
             preflight(str(vllm_py))
         else:
@@ -173,13 +185,8 @@ def prepare_master(
     )
     # NeMo-RL builds (first run, bare metal) or rebuilds (the flag) uv-managed venvs from its
     # own project during this run: those venvs lack nemo_jetrl unless the overlay is on the path.
-    mcore_py = venvs.venv_python(venv_base, STOCK_POLICY_WORKER)
-    unbuilt = [
-        str(py)
-        for ent, py in ((stock_entry, mcore_py), (vllm_entry, vllm_py))
-        if ent.startswith("uv") and not py.is_file()
-    ]
-    if rebuild or unbuilt:
+    unbuilt = [str(py) for py in uv_venvs if not py.is_file()]
+    if rebuild or unbuilt or lacking:
         stale = venvs.remove_stale_link(venv_base, POLICY_WORKER_FQN) if rebuild else None
         if stale:
             lines.append(stale)
@@ -196,11 +203,12 @@ def prepare_master(
         # py_executable alone, so it never sees megatron_cfg.env_vars (main passes PYTHONPATH)
         here = {"PYTHONPATH": environ.get("PYTHONPATH", "")}
         environ["PYTHONPATH"] = venvs.with_pythonpath(here, overlay)["PYTHONPATH"]
-        why = (
-            f"{venvs.FORCE_REBUILD_ENV}=true: NeMo-RL rebuilds its worker venvs"
-            if rebuild
-            else "NeMo-RL builds " + ", ".join(unbuilt) + " during this run"
-        )
+        if rebuild:
+            why = f"{venvs.FORCE_REBUILD_ENV}=true: NeMo-RL rebuilds its worker venvs"
+        elif unbuilt:
+            why = "NeMo-RL builds " + ", ".join(unbuilt) + " during this run"
+        else:
+            why = "NeMo-RL's worker venvs " + ", ".join(map(str, lacking)) + " were built"
         lines.append(
             f"{why} without nemo_jetrl; put {overlay} (nemo_jetrl + its vLLM plugin entry "
             "point) first on the Megatron and vLLM workers' PYTHONPATH and on this driver's "

@@ -227,12 +227,22 @@ _PREFLIGHT = (
 )
 
 
-def preflight_vllm_patch(python: str, run: Any = subprocess.run, pinned: str | None = None) -> None:
+def preflight_vllm_patch(
+    python: str,
+    overlay: Path | None = None,
+    *,
+    run: Any = subprocess.run,
+    pinned: str | None = None,
+) -> None:
     """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range, or is
-    not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``)."""
+    not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``).
+    ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it there."""
+    from nemo_jetrl.backends.nemo_rl.venvs import with_pythonpath
     from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
 
-    proc = run([python, "-c", _PREFLIGHT], capture_output=True, text=True, timeout=300)
+    env = None if overlay is None else {**os.environ, **with_pythonpath({}, overlay)}
+    cmd = [python, "-c", _PREFLIGHT]
+    proc = run(cmd, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0:
         raise _user_error(
             f"cannot import vLLM with NeMo-RL's vLLM worker Python {python}: "

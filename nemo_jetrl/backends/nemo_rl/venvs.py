@@ -134,6 +134,12 @@ def write_overlay(target: Path, dist_name: str = "nemo_jetrl", package: str = "n
     return target
 
 
+def has_nemo_jetrl(python: Path) -> bool:
+    """Whether the venv whose interpreter is ``python`` has nemo_jetrl installed (its
+    ``dist-info`` in site-packages, as pip writes for a plain or an editable install)."""
+    return any(python.parent.parent.glob("lib/python*/site-packages/nemo_jetrl-*.dist-info"))
+
+
 def with_pythonpath(env_vars: Mapping[str, str], entry: Path) -> dict[str, str]:
     """``env_vars`` with ``entry`` first on ``PYTHONPATH`` (the config's value, else the driver's)."""
     out = dict(env_vars)
