@@ -31,6 +31,11 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def _policy_env(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A master config's ``policy.megatron_cfg.env_vars``, where the translation puts the recipe."""
+    return ((cfg.get("policy") or {}).get("megatron_cfg") or {}).get("env_vars") or {}
+
+
 def resume_problem(merged: Mapping[str, Any]) -> str | None:
     """Why this launch must not resume the checkpoint NeMo-RL would pick (None: it may, or
     there is none). ``merged``: the translated master config, paths already absolute."""
@@ -53,13 +58,11 @@ def resume_problem(merged: Mapping[str, Any]) -> str | None:
     )
     try:
         saved = yaml.safe_load((latest / "config.yaml").read_text()) or {}
-        saved_env = ((saved.get("policy") or {}).get("megatron_cfg") or {}).get("env_vars") or {}
-        text = saved_env.get(RECIPE_ENV)
+        text = _policy_env(saved).get(RECIPE_ENV)
         theirs = recipe_from_json(text) if text else None
     except (OSError, ValueError, yaml.YAMLError) as exc:
         return f"checkpointing.checkpoint_dir: {latest}/config.yaml cannot be read ({exc}); {fix}"
-    env = ((merged.get("policy") or {}).get("megatron_cfg") or {}).get("env_vars") or {}
-    ours = recipe_from_json(env[RECIPE_ENV])
+    ours = recipe_from_json(_policy_env(merged)[RECIPE_ENV])
     if theirs is None:
         return (
             f"checkpointing.checkpoint_dir: NeMo-RL would resume {latest}, written without "
