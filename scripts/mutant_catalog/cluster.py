@@ -312,8 +312,8 @@ MUTANTS = [
     Mutant(
         "jetrl train never reads the tree it imports",
         "nemo_jetrl/backends/nemo_rl/launch.py",
-        "    tree = read_tree(package) if package is not None else None",
-        "    tree = None",
+        "        plan = _translate(checked, read_tree(package) if package is not None else None)",
+        "        plan = _translate(checked, None)",
         ("tests/backends/test_nemo_rl_tree_rules.py",),
     ),
     Mutant(
