@@ -69,6 +69,11 @@ class MoeSpec:
     shared_module: str = "shared_expert"
     """"shared_expert" (Qwen, with `shared_expert_gate`) or "shared_experts" (DeepSeek)."""
 
+    routing: str = ""
+    """What vLLM's router does for this family beyond softmax top-k (empty: just that):
+    DeepSeek's grouped top-k with a scaling factor (V3: sigmoid scores and a correction bias),
+    MiniMax-M2's sigmoid scores with a bias."""
+
     def block_linears(self, module: str, layer: int, hidden: int) -> list[Linear]:
         """The MoE block at ``module`` (e.g. "model.layers.3.mlp"), in execution order."""
         e, i = self.num_experts, self.expert_size
@@ -159,6 +164,7 @@ def read_moe(keys: Keys, model_type: str, num_layers: int) -> MoeSpec | None:
     size_key = "intermediate_size" if model_type in _NO_DENSE_MLP else "moe_intermediate_size"
     size = keys.int(size_key)
     shared, shared_module = 0, "shared_expert"
+    routing = "sigmoid scores with a bias (MiniMax-M2)" if model_type == "minimax_m2" else ""
     if model_type.startswith("deepseek"):
         first = keys.int("first_k_dense_replace", 0, minimum=0)
         freq = keys.int("moe_layer_freq", 1)
@@ -166,7 +172,7 @@ def read_moe(keys: Keys, model_type: str, num_layers: int) -> MoeSpec | None:
             keys.problem(f"first_k_dense_replace={first} exceeds num_hidden_layers={num_layers}")
         layers = frozenset(i for i in range(num_layers) if i >= first and i % freq == 0)
         shared = keys.int("n_shared_experts", 0, minimum=0) * size
-        shared_module = "shared_experts"
+        shared_module, routing = "shared_experts", "grouped top-k (DeepSeek)"
         n_group, topk_group = keys.int("n_group", 1), keys.int("topk_group", 1)
         if num % n_group:
             keys.problem(f"n_routed_experts={num} is not a multiple of n_group={n_group}")
@@ -181,4 +187,4 @@ def read_moe(keys: Keys, model_type: str, num_layers: int) -> MoeSpec | None:
         step = keys.int("decoder_sparse_step", 1)
         layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
         shared = keys.int("shared_expert_intermediate_size", 0, minimum=0)
-    return MoeSpec(num, top_k, size, layers, shared, shared_module)
+    return MoeSpec(num, top_k, size, layers, shared, shared_module, routing)

@@ -53,8 +53,11 @@ class BackendVerdict:
     """False when this backend does not run the model at all (no verdict claimed there)."""
 
 
-def nemo_rl_refit(settings: Settings, check: FlowCheck, tree: str) -> BackendVerdict:
-    """The verdict on NeMo-RL ``tree`` given how its refit quantizes weights and KV scales."""
+def nemo_rl_refit(
+    settings: Settings, check: FlowCheck, tree: str, routing: str = ""
+) -> BackendVerdict:
+    """The verdict on NeMo-RL ``tree`` given how its refit quantizes weights and KV scales
+    (``routing``: the model's `MoeSpec.routing`)."""
     name = f"nemo-rl {tree}"
     recipe = check.recipe
     if not check.on_policy:
@@ -73,7 +76,7 @@ def nemo_rl_refit(settings: Settings, check: FlowCheck, tree: str) -> BackendVer
         return BackendVerdict(name, True, "BF16 rollout: refit copies the weights unchanged")
     fp8_experts = any(e.group == "experts" and e.precision.is_fp8 for e in check.rollout.edges)
     if fp8_experts:
-        from nemo_jetrl.vllm_patch.moe_versions import COVERED, moe_supported
+        from nemo_jetrl.vllm_patch.moe_versions import COVERED, moe_supported, own_routing
 
         vllm = NEMO_RL_VLLM[tree]
         if not moe_supported(vllm):
@@ -84,6 +87,15 @@ def nemo_rl_refit(settings: Settings, check: FlowCheck, tree: str) -> BackendVer
                 f"kernel covers vLLM {COVERED} only, so on this release the patch's guard "
                 "refuses vLLM's own FP8 expert kernels at engine start: not runnable on-policy "
                 "here yet",
+            )
+        if routing and own_routing(vllm):
+            return BackendVerdict(
+                name,
+                False,
+                f"FP8 routed experts with {routing} routing on NeMo-RL {tree}'s vLLM {vllm}: "
+                "before vLLM 0.32 nemo_jetrl's experts kernel routes the tokens itself, softmax "
+                "top-k only, and refuses these layers when vLLM builds them: not runnable "
+                "on-policy here yet",
             )
     refit = settings.refit
     if refit.ours:
@@ -134,7 +146,8 @@ def backend_verdicts(
         )
         if not check.on_policy and arch is not None and settings.local.rollout_engine == "hf":
             local = _local_hf_rollout(check, arch) or local
-    return (local, *(nemo_rl_refit(settings, check, t) for t in NEMO_RL_TREES))
+    routing = arch.moe.routing if arch is not None and arch.moe is not None else ""
+    return (local, *(nemo_rl_refit(settings, check, t, routing) for t in NEMO_RL_TREES))
 
 
 def _local_hf_rollout(check: FlowCheck, arch: Any) -> BackendVerdict | None:

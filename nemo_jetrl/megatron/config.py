@@ -142,6 +142,31 @@ def _layer_problems(train: SideRecipe, num_layers: int, pipeline_parallel_size: 
     return problems
 
 
+def built_bf16_edges_problem(config: Any, train: SideRecipe) -> str | None:
+    """Why a built model's ``TransformerConfig`` trains other BF16 first/last layers than the
+    recipe (None: the same). A model provider may set them itself: Megatron-Bridge's Nemotron-H
+    sets ``first_last_layers_bf16`` (one layer at each end), which NeMo-RL's ``fp8_cfg`` never
+    resets, where the recipe trains and the rollout quantizes those layers in FP8."""
+    if not train.fp8_linears or not getattr(config, "fp8", None):
+        return None
+    on = bool(getattr(config, "first_last_layers_bf16", False))
+    built = (
+        int(getattr(config, "num_layers_at_start_in_bf16", 0)) if on else 0,
+        int(getattr(config, "num_layers_at_end_in_bf16", 0)) if on else 0,
+    )
+    if built == (train.bf16_first_layers, train.bf16_last_layers):
+        return None
+    return (
+        f"the model was built with {built[0]} first and {built[1]} last decoder layers in BF16 "
+        f"(TransformerConfig.first_last_layers_bf16={on}, set by its Megatron-Bridge provider, "
+        "e.g. Nemotron-H's), where the recipe trains "
+        f"{train.bf16_first_layers} and {train.bf16_last_layers}: those layers' training forward "
+        "would not be the rollout's. NeMo-RL's fp8_cfg has no key to change it: train this "
+        "model in BF16 (policy.megatron_cfg.fp8_cfg.enabled=false, with a BF16 rollout) or use "
+        "the local backend"
+    )
+
+
 def megatron_fp8_settings(
     recipe: Recipe, *, num_layers: int, pipeline_parallel_size: int = 1
 ) -> MegatronFp8Settings:

@@ -145,7 +145,20 @@ def route_softmax_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32, expert ids int32) ``[M, top_k]``: softmax in fp32, top-k, renormalized
     if the layer says so; what vLLM's default router computes. Other routings are refused."""
-    odd = [
+    odd = routing_problems(layer)
+    if odd:
+        raise NotImplementedError(f"nemo_jetrl experts kernel: routing with {', '.join(odd)}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = probs.topk(layer.top_k, dim=-1)
+    if layer.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def routing_problems(layer: Any) -> list[str]:
+    """What ``layer``'s routing has beyond `route_softmax_topk`'s (DeepSeek's grouped top-k and
+    sigmoid scores with a bias, MiniMax-M2's sigmoid...); empty: softmax top-k."""
+    return [
         f"{k}={getattr(layer, k, None)!r}"
         for k, ok in (
             ("use_grouped_topk", lambda v: not v),
@@ -156,13 +169,6 @@ def route_softmax_topk(
         )
         if not ok(getattr(layer, k, None))
     ]
-    if odd:
-        raise NotImplementedError(f"nemo_jetrl experts kernel: routing with {', '.join(odd)}")
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = probs.topk(layer.top_k, dim=-1)
-    if layer.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
 
 
 def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: bool) -> type:
@@ -191,7 +197,7 @@ def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: b
             self.moe_block_shape = self.weight_block_size
             self.fp8_backend, self.experts_cls = None, None
             name = getattr(layer, "layer_name", type(layer).__name__)
-            problems = _unsupported(quant_config, layer)
+            problems = _unsupported(quant_config, layer, own_routing)
             if problems:
                 raise ValueError(
                     f"nemo_jetrl experts kernel cannot serve {name}: " + "; ".join(problems)
@@ -274,10 +280,13 @@ def make_moe_method_class(settings: PatchSettings, base: type, *, own_routing: b
     return JetRLFp8MoEMethod
 
 
-def _unsupported(quant_config: Any, layer: Any) -> list[str]:
-    """Why our experts kernel cannot serve ``layer`` (empty: it can)."""
+def _unsupported(quant_config: Any, layer: Any, own_routing: bool) -> list[str]:
+    """Why our experts kernel cannot serve ``layer`` (empty: it can); ``own_routing``: it routes
+    the tokens itself (asked when vLLM builds the layer, not at its first forward)."""
     moe = layer.moe_config
     problems = []
+    if own_routing and (odd := routing_problems(layer)):  # vLLM < 0.32: see moe_versions
+        problems.append(f"routing with {', '.join(odd)} (this kernel routes: softmax top-k only)")
     if list(quant_config.weight_block_size or []) != list(WEIGHT_BLOCK):
         problems.append(
             f"weight_block_size {quant_config.weight_block_size} (needs {list(WEIGHT_BLOCK)})"

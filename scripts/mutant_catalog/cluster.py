@@ -351,4 +351,33 @@ MUTANTS = [
         "    env = None",
         ("tests/backends/test_nemo_rl_launch_prep.py",),
     ),
+    Mutant(  # found by review: Nemotron-H's provider keeps the edge layers BF16 in training
+        "the worker lets a model built with other BF16 edge layers train",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        "            if why:\n                raise RuntimeError(f\"nemo_jetrl: {why}\")",
+        "            if False:\n                raise RuntimeError(f\"nemo_jetrl: {why}\")",
+        ("tests/backends/test_nemo_rl_worker_glue.py",),
+        env="nemo_rl",
+    ),
+    Mutant(
+        "a built model's BF16 edge flag is read without its counts",
+        "nemo_jetrl/megatron/config.py",
+        "    if built == (train.bf16_first_layers, train.bf16_last_layers):",
+        "    if not on:",
+        ("tests/megatron/test_megatron_config.py",),
+    ),
+    Mutant(  # found by review: DeepSeek/Moonlight FP8 experts failed at vLLM's profile run
+        "our experts kernel accepts a routing it cannot compute when the layer is built",
+        "nemo_jetrl/vllm_patch/experts.py",
+        "    if own_routing and (odd := routing_problems(layer)):",
+        "    if False and (odd := routing_problems(layer)):",
+        ("tests/vllm_patch/test_moe_unit.py",),
+    ),
+    Mutant(  # found by review: jetrl check called Moonlight's FP8 experts on-policy on NeMo-RL
+        "the verdict ignores a routing our experts kernel cannot compute",
+        "nemo_jetrl/flow/backend.py",
+        "        if routing and own_routing(vllm):",
+        "        if False:",
+        ("tests/flow/test_partial_block_rule.py",),
+    ),
 ]

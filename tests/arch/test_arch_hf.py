@@ -95,6 +95,7 @@ def test_qwen3_moe_dense_first_layer_and_sparse_step():
     assert [arch.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     arch = assert_matches_real(_tiny_qwen3_moe(decoder_sparse_step=2))
     assert sorted(arch.moe.moe_layers) == [1, 3]
+    assert arch.moe.routing == ""  # softmax top-k: what our experts kernel computes itself
     groups = {lin.group for lin in arch.layer_linears(1)}
     assert groups == {"attn", "router", "experts"}
     gate = next(x for x in arch.layer_linears(1) if x.group == "router")
@@ -161,6 +162,7 @@ def test_minimax_m2_mixtral_block_with_sigmoid_router():
     BF16; its q/k norms span all heads and e_score_correction_bias is a buffer (no linear)."""
     arch = assert_matches_real(_tiny_minimax_m2())
     assert arch.family == "moe" and sorted(arch.moe.moe_layers) == [0, 1]
+    assert arch.moe.routing == "sigmoid scores with a bias (MiniMax-M2)"  # vLLM's router's
     assert arch.moe.expert_size == 256 and arch.moe.num_experts == 4
     kinds = [(x.group, x.kind) for x in arch.layer_linears(1)]
     assert kinds == [

@@ -207,3 +207,24 @@ def test_calibration_masks_padding_by_lengths_and_refit_ships_it(worker_cls, mod
         caller = {k: 2 * v for k, v in got.items()}
         with pytest.raises(ValueError, match="differ from the trainer's calibration"):
             list(w._iter_params_with_optional_kv_scales(kv_scales=caller))
+
+
+def test_a_model_built_with_other_bf16_edge_layers_is_refused_by_the_worker(
+    worker_cls, model, tmp_path
+):
+    """Megatron-Bridge's Nemotron-H provider sets first_last_layers_bf16 itself (NeMo-RL's
+    fp8_cfg never resets it): the worker refuses the model NeMo-RL built, before any step."""
+    cls, _ = worker_cls
+    bridge = _bridge(tmp_path)
+    cfg = model.config
+    saved = {k: getattr(cfg, k) for k in ("fp8", "first_last_layers_bf16")}
+    try:
+        cfg.fp8, cfg.first_last_layers_bf16 = "e4m3", True  # as the provider leaves them
+        with _CudaOnCpu(), pytest.raises(RuntimeError, match=r"built with 1 first and 1 last"):
+            cls(_cfg(), model=model, bridge=bridge)
+        cfg.first_last_layers_bf16 = False  # the control: what the recipe trains
+        with _CudaOnCpu():
+            cls(_cfg(), model=model, bridge=bridge)
+    finally:
+        for k, v in saved.items():
+            setattr(cfg, k, v)

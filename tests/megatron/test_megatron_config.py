@@ -247,3 +247,29 @@ def test_a_te_backward_override_is_named_as_a_recipe_difference():
     obj.backward_override = "dequantized"
     with pytest.raises(mc.MegatronRecipeError, match=r"backward_override='dequantized'.*NVTE_BACK"):
         mc.check_te_recipe(obj, want)
+
+
+def test_a_built_model_with_other_bf16_edge_layers_is_named():
+    from types import SimpleNamespace
+
+    from nemo_jetrl.megatron.config import built_bf16_edges_problem
+
+    train = Recipe.preset("jetrl").train
+    nemotron_h = SimpleNamespace(
+        fp8="e4m3",
+        first_last_layers_bf16=True,
+        num_layers_at_start_in_bf16=1,
+        num_layers_at_end_in_bf16=1,
+    )
+    why = built_bf16_edges_problem(nemotron_h, train)
+    assert why is not None and why.startswith("the model was built with 1 first and 1 last")
+    assert "fp8_cfg.enabled=false" in why
+    # the recipe's own edges, a BF16 build, a BF16 recipe: nothing to say
+    same = train.with_(bf16_first_layers=1, bf16_last_layers=1)
+    assert built_bf16_edges_problem(nemotron_h, same) is None
+    assert built_bf16_edges_problem(SimpleNamespace(fp8=None), train) is None
+    bf16 = Recipe.preset("bf16").train
+    assert built_bf16_edges_problem(nemotron_h, bf16) is None
+    # the flag off: its counts (Megatron's defaults of 1) do not apply
+    off = SimpleNamespace(**{**vars(nemotron_h), "first_last_layers_bf16": False})
+    assert built_bf16_edges_problem(off, train) is None

@@ -178,3 +178,24 @@ def test_experts_match_the_grouped_expert_linear_bit_for_bit():
     want = torch.zeros(M, H, dtype=torch.float32)
     want.index_add_(0, token, y.float() * wts.reshape(-1)[order, None])
     assert torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_a_routing_our_kernel_cannot_compute_is_refused_when_vllm_builds_the_layer():
+    """vLLM < 0.32 (NeMo-RL's 0.20 / 0.25): our method routes tokens itself; DeepSeek's
+    routing (grouped top-k, sigmoid scores, bias, scaling) is refused when the layer is built,
+    naming it, not at the engine's first forward. vLLM's own router (0.32) takes any."""
+    from types import SimpleNamespace
+
+    from nemo_jetrl.vllm_patch.experts import _unsupported
+
+    moe = SimpleNamespace(intermediate_size_per_partition=128, has_bias=False, activation="silu")
+    qc = SimpleNamespace(weight_block_size=[128, 128], activation_scheme="dynamic")
+    deepseek = SimpleNamespace(
+        moe_config=moe, use_grouped_topk=True, scoring_func="sigmoid", routed_scaling_factor=2.5
+    )
+    (why,) = _unsupported(qc, deepseek, own_routing=True)
+    assert why.startswith("routing with use_grouped_topk=True, scoring_func='sigmoid', ")
+    assert "routed_scaling_factor=2.5" in why
+    assert _unsupported(qc, deepseek, own_routing=False) == []
+    qwen = SimpleNamespace(moe_config=moe, scoring_func="softmax")  # the control
+    assert _unsupported(qc, qwen, own_routing=True) == []

@@ -79,7 +79,9 @@ def make_worker_class() -> type:
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
     from nemo_jetrl.megatron.bf16_names import keep_bf16_by_name
-    from nemo_jetrl.megatron.config import ensure_te_scale_env
+    from nemo_jetrl.megatron.config import built_bf16_edges_problem, ensure_te_scale_env
+
+    get_model_config = require("megatron.core.utils", feature="the policy worker").get_model_config
 
     class _Impl(mpw.MegatronPolicyWorkerImpl):  # type: ignore[name-defined,misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -93,6 +95,9 @@ def make_worker_class() -> type:
             self._jetrl_scales: KVScales | None = None
             self._jetrl_vllm_scales: dict[str, float] | None = None
             super().__init__(*args, **kwargs)
+            why = built_bf16_edges_problem(get_model_config(self.model), recipe.train)
+            if why:
+                raise RuntimeError(f"nemo_jetrl: {why}")
             self._jetrl_kv = attach_megatron_kv(
                 self.model,
                 onpolicy=recipe.onpolicy_kv,
