@@ -354,8 +354,8 @@ MUTANTS = [
     Mutant(  # found by review: Nemotron-H's provider keeps the edge layers BF16 in training
         "the worker lets a model built with other BF16 edge layers train",
         "nemo_jetrl/backends/nemo_rl/worker.py",
-        "            if why:\n                raise RuntimeError(f\"nemo_jetrl: {why}\")",
-        "            if False:\n                raise RuntimeError(f\"nemo_jetrl: {why}\")",
+        '            if why:\n                raise RuntimeError(f"nemo_jetrl: {why}")',
+        '            if False:\n                raise RuntimeError(f"nemo_jetrl: {why}")',
         ("tests/backends/test_nemo_rl_worker_glue.py",),
         env="nemo_rl",
     ),
