@@ -207,3 +207,38 @@ def test_te_fp8_weights_sent_at_refit_are_refused_naming_fp8_param():
     held.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(codes, requires_grad=False)
     out = dict(quantize_batch([(name, codes.bfloat16())], held, SETTINGS, None))
     assert out[name].dtype == torch.float8_e4m3fn
+
+
+def test_kv_scales_of_linear_attention_layers_are_not_loaded_or_kept():
+    """A hybrid model (Qwen3-Next, Qwen3.5): NeMo-RL names q/k/v scales for every decoder layer,
+    1.0 for its linear-attention ones, which have no ``self_attn`` in vLLM (0.20's loader drops
+    them, 0.25's raises). They are not loaded, checked or restored at the KV wake-up; the
+    attention layer's are."""
+    from nemo_jetrl.backends.nemo_rl import kv_wake
+    from nemo_jetrl.backends.nemo_rl.refit_batches import SentTensors, check_refit_parity
+
+    worker = engine()
+    m = worker.model_runner.model
+    linear = torch.nn.Module()
+    linear.linear_attn = torch.nn.Linear(4, 4)
+    m.layers.insert(0, linear)  # layer 0 linear attention, layer 1 softmax attention
+    batch = [
+        (f"model.layers.{i}.self_attn.{t}_scale", torch.tensor([s]))
+        for i, s in ((0, 1.0), (1, 0.5))
+        for t in "kv"
+    ]
+    held = torch.nn.Module()
+    held.model = m
+    worker.model_runner.model = held
+    sent = SentTensors()
+    out = dict(quantize_batch(batch, held, SETTINGS, sent))
+    assert sorted(out) == ["model.layers.1.self_attn.k_scale", "model.layers.1.self_attn.v_scale"]
+    assert sent.kv == {"model.layers.1.self_attn.attn": {"k": 0.5, "v": 0.5}}
+    for name, t in out.items():  # what vLLM's loader would do
+        getattr(m.layers[1].self_attn.attn, name.rsplit(".", 1)[1]).data.copy_(t.reshape(()))
+    check_refit_parity(worker, sent)  # no AttributeError: only the attention layer is read
+    kv_wake.keep_kv_scales(worker.model_runner, sent.kv)
+    assert kv_wake.restore_kv_scales(worker.model_runner) >= 1
+    # a name whose decoder layer does not exist is still sent: the loader names it (control)
+    stray = [("model.layers.7.self_attn.k_scale", torch.tensor([0.5]))]
+    assert [k for k, _ in quantize_batch(stray, held, SETTINGS, None)] == [stray[0][0]]

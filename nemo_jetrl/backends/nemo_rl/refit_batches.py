@@ -86,6 +86,19 @@ def _engine_dtype(model: torch.nn.Module, name: str) -> torch.dtype | None:
         return None
 
 
+def _scale_of_no_attention(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is a KV scale of a decoder layer the engine built without softmax
+    attention (no ``self_attn``: a hybrid model's linear-attention layer)."""
+    m = KV_NAME.match(name)
+    if m is None:
+        return False
+    decoder_layer, _, attn = m["layer"].rpartition(".")
+    try:
+        return not hasattr(model.get_submodule(decoder_layer), attn)
+    except AttributeError:
+        return False  # no such decoder layer: the loader and the parity check name it
+
+
 def _float32_kv_scale(model: torch.nn.Module, layer: str, t: str) -> None:
     """Make the attention layer's ``{t}_scale`` parameter float32 before the loader copies into
     it: vLLM creates it under the model's default dtype (``torch.tensor(-1.0)`` inside
@@ -138,6 +151,9 @@ def quantize_batch(
             "to false (training stays FP8)"
         )
     weights = refit_experts.expand_grouped(weights, model, settings)
+    # NeMo-RL names q/k/v scales for every decoder layer, the linear-attention layers of a
+    # hybrid model too (1.0): vLLM 0.20's loader drops those, 0.25's raises. Not loaded here.
+    weights = [(k, v) for k, v in weights if not _scale_of_no_attention(model, k)]
     fp8_names = {k for k, _ in weights if is_fp8_weight(k, settings)}
     wrong = []
     for k, _ in weights:
