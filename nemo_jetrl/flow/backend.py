@@ -36,6 +36,13 @@ NEMO_RL_TREES = ("v0.7.0", "main")
 NEMO_RL_VLLM = {"v0.7.0": "0.20.0", "main": "0.25.1"}
 
 
+KV_ATTENTION_CAVEAT = (
+    "; the FP8 KV cache needs a vLLM attention backend that reads each refit's K/V scales and "
+    "takes BF16 queries: FlashInfer and, on CUDA, FlashAttention 3 and Triton attention (FP8 "
+    "queries and probabilities) are refused at engine start (docs/kvcache.md)"
+)
+
+
 @dataclass(frozen=True)
 class BackendVerdict:
     """The verdict on one backend."""
@@ -105,7 +112,8 @@ def nemo_rl_refit(
             True,
             "refit weights quantized by nemo_jetrl.fp8 (our refit hook)"
             + (", parity checked at each refit" if parity else "")
-            + (", a failed refit rolled back" if rollback else ""),
+            + (", a failed refit rolled back" if rollback else "")
+            + (KV_ATTENTION_CAVEAT if recipe.kv_fp8 else ""),
         )
     if not recipe.rollout.pow2_weight_scales:
         return BackendVerdict(

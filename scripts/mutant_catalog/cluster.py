@@ -387,4 +387,11 @@ MUTANTS = [
         "    weights = list(weights)",
         ("tests/backends/test_nemo_rl_refit_transport.py",),
     ),
+    Mutant(  # found by review: vLLM's CUDA attention quantizes queries with an FP8 KV cache
+        "the engine check lets an FP8 KV cache with FP8 queries run",
+        "nemo_jetrl/backends/nemo_rl/kv_backends.py",
+        '    if queries := report.get("fp8_kv_query_quant", []):',
+        "    if queries := []:",
+        ("tests/backends/test_nemo_rl_engine_check_unit.py",),
+    ),
 ]

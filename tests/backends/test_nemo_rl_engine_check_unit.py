@@ -8,6 +8,7 @@ import pytest
 from worker_group_shape import POSITIONAL_REFUSED, CallShapeWorkerGroup, get_raising, ray_call
 
 from nemo_jetrl.backends.nemo_rl import engine_check as ec
+from nemo_jetrl.backends.nemo_rl import kv_backends as kvb
 from nemo_jetrl.backends.nemo_rl.translate import _vllm_env, _vllm_patch_json
 from nemo_jetrl.backends.nemo_rl.worker_env import worker_env_problems
 from nemo_jetrl.recipe import Recipe
@@ -211,9 +212,23 @@ def test_an_fp8_kv_cache_on_flashinfer_is_refused_naming_the_backend_knob():
         ec.judge([report(), flash], PATCH, True)
     msg = str(ei.value)
     assert "worker 1: FP8 KV cache on FlashInfer attention (FlashInferImpl)" in msg
-    assert "VLLM_ATTENTION_BACKEND" in msg and "worker 0" not in msg
+    assert "keep the KV cache BF16 (recipe jetrl)" in msg and "worker 0" not in msg
     ok = {**report(), "fp8_kv_attention": ["FlashAttentionImpl"]}
     assert ec.judge([ok], PATCH, True)["workers"] == 1
+
+
+def test_an_fp8_kv_cache_with_fp8_queries_is_refused():
+    """vLLM 0.20-0.32 build ``query_quant`` on an FP8-KV layer whose backend takes FP8 queries
+    (FlashAttention 3, Triton attention on CUDA): every query is quantized with q_scale and the
+    probabilities multiply V in FP8, which the trainer's on-policy KV does not model (found by
+    reading vLLM's attention layer and backends, 2026-12-01)."""
+    q8 = {**report(), "fp8_kv_attention": ["FlashAttentionImpl"],
+          "fp8_kv_query_quant": ["FlashAttentionImpl"]}  # fmt: skip
+    with pytest.raises(ec.EngineNotProven) as ei:
+        ec.judge([q8], PATCH, True)
+    msg = str(ei.value)
+    assert "worker 0: FP8 KV cache on FlashAttentionImpl with FP8 queries" in msg
+    assert "Keep the KV cache BF16 (recipe jetrl)" in msg
 
 
 def test_the_fp8_kv_attention_report_reads_each_layers_cache_dtype():
@@ -232,9 +247,14 @@ def test_the_fp8_kv_attention_report_reads_each_layers_cache_dtype():
 
     model = nn.ModuleList([attn("fp8_e4m3", FlashAttentionImpl), attn("auto", FlashInferImpl),
                            attn("fp8", FlashAttentionImpl), nn.Linear(2, 2)])  # fmt: skip
-    assert ec.fp8_kv_attention_impls(model) == ["FlashAttentionImpl"]
+    assert kvb.fp8_kv_attention_impls(model) == ["FlashAttentionImpl"]
     model.append(attn("fp8", FlashInferImpl))
-    assert ec.fp8_kv_attention_impls(model) == ["FlashAttentionImpl", "FlashInferImpl"]
+    assert kvb.fp8_kv_attention_impls(model) == ["FlashAttentionImpl", "FlashInferImpl"]
+    # the layers that quantize queries too (vLLM's query_quant), FP8 KV ones only
+    assert kvb.fp8_kv_attention_impls(model, fp8_queries=True) == []
+    model[2].query_quant = object()
+    model[1].query_quant = object()  # a BF16 cache: not asked
+    assert kvb.fp8_kv_attention_impls(model, fp8_queries=True) == ["FlashAttentionImpl"]
 
 
 def test_the_engine_loop_is_found_where_vllm_keeps_its_output_task():

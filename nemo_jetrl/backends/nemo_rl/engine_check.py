@@ -18,7 +18,9 @@ every vLLM worker of its engine (``collective_rpc`` with `worker_status`, a plai
 * whether our refit hook is installed and in effect (``vllm_refit._PLUGIN_HANDLE``);
 * which of our entry points this worker's Python has, and the variables that decide them;
 * the attention implementation of each layer with an FP8 KV cache: FlashInfer folds the K/V
-  scales it first sees into its own and never reads a refit's (`_kv_backend_problem`).
+  scales it first sees into its own and never reads a refit's, and a backend taking FP8 queries
+  (vLLM's ``query_quant``) quantizes the queries and the softmax probabilities, which the
+  trainer's on-policy KV does not (`kv_backends`).
 
 The same variables are judged before Ray starts, from the config (`worker_env`).
 
@@ -45,6 +47,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nemo_jetrl.backends.nemo_rl.kv_backends import kv_backend_problems
 from nemo_jetrl.vllm_patch.guard import KernelNotInEffect
 
 FRACTION_METRIC = "jetrl/kernel/fp8_linears_on_our_kernel"
@@ -77,6 +80,7 @@ def worker_status(worker: Any) -> dict[str, Any]:
     from importlib.metadata import entry_points
 
     from nemo_jetrl.backends.nemo_rl import vllm_refit
+    from nemo_jetrl.backends.nemo_rl.kv_backends import fp8_kv_attention_impls
     from nemo_jetrl.vllm_patch.guard import PLUGIN_GROUP, layer_kernel_report
     from nemo_jetrl.vllm_patch.worker_ext import model_of
 
@@ -92,6 +96,7 @@ def worker_status(worker: Any) -> dict[str, Any]:
     }
     report["python"] = sys.executable
     report["fp8_kv_attention"] = fp8_kv_attention_impls(model)
+    report["fp8_kv_query_quant"] = fp8_kv_attention_impls(model, fp8_queries=True)
     for name, info in report["layers"].items():  # experts this engine holds, for the line
         if info.get("moe"):
             info["experts"] = int(model.get_submodule(name).w13_weight.shape[0])
@@ -102,27 +107,6 @@ def worker_status(worker: Any) -> dict[str, Any]:
         flush=True,
     )
     return report
-
-
-def fp8_kv_attention_impls(model: Any) -> list[str]:
-    """The attention implementations (class names) of the layers whose KV cache is FP8."""
-    return sorted({
-        type(m.impl).__name__ for m in model.modules()
-        if hasattr(m, "impl") and str(getattr(m, "kv_cache_dtype", "")).startswith("fp8")
-    })  # fmt: skip
-
-
-def _kv_backend_problem(report: Mapping[str, Any], rank: int) -> str | None:
-    flash = [n for n in report.get("fp8_kv_attention", []) if n.startswith("FlashInfer")]
-    if not flash:
-        return None
-    return (
-        f"worker {rank}: FP8 KV cache on FlashInfer attention ({', '.join(flash)}): FlashInfer "
-        "folds the K/V scales it first sees into its own (bmm1/bmm2 scales, held by the CUDA "
-        "graphs too), so the scales each refit sends would not be used: set "
-        "policy.generation.vllm_cfg.env_vars.VLLM_ATTENTION_BACKEND to a backend that reads "
-        "them at every call (FLASH_ATTN on Hopper), or keep the KV cache BF16 (recipe jetrl)"
-    )
 
 
 SERVED_KEYS = ("linears", "linears_ours", "expert_layers", "expert_layers_ours", "experts")
@@ -217,8 +201,7 @@ def judge(
         problems += _entry_point_problems(rep, rank)
         if hook_expected and (p := _hook_problem(rep, rank)):
             problems.append(p)
-        if p := _kv_backend_problem(rep, rank):
-            problems.append(p)
+        problems += kv_backend_problems(rep, rank)
     problems += kernel_problems(list(reports), settings, kernel_name)
     total = sum(len(r.get("layers", {})) for r in reports)
     good = sum(1 for r in reports for i in r.get("layers", {}).values() if i.get("ours"))
