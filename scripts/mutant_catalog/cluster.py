@@ -394,4 +394,11 @@ MUTANTS = [
         "    if queries := []:",
         ("tests/backends/test_nemo_rl_engine_check_unit.py",),
     ),
+    Mutant(  # found by review: BF16 slabs on a TP/EP engine failed parity at every refit
+        "a BF16 expert slab is kept whole on an engine whose experts are split",
+        "nemo_jetrl/backends/nemo_rl/refit_batches.py",
+        "            slab = refit_experts.grouped_param(model, name) is not None  # a BF16 slab, whole",
+        "            slab = False",
+        ("tests/backends/test_nemo_rl_refit_experts.py",),
+    ),
 ]

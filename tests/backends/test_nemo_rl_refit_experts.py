@@ -275,3 +275,46 @@ def test_installed_hook_refits_experts_and_rolls_a_refused_stream_back(grouped):
         assert changed == []
     finally:
         h.revert()
+
+
+@pytest.mark.parametrize("split", ["tp2_rank1", "ep2_rank1"])
+def test_bf16_slabs_on_an_engine_whose_experts_are_split_compare_this_ranks_part(split):
+    """vLLM's fused loader writes a rank's part of a grouped BF16 slab into its ``w13_weight``
+    / ``w2_weight``: the local experts (expert parallel), this rank's slice of I, gate rows then
+    up rows (tensor parallel). The parity check keeps exactly that part: before, it kept the
+    whole slab and every refit of such an engine failed parity (4 x 256 rows against 4 x 128)."""
+    from types import SimpleNamespace
+
+    model = MoeModel(fp8=False, inter=256)
+    settings = dataclasses.replace(FP32, bf16_layer_kws=("mlp.experts",))
+    w = trainer_weights(model, 3, grouped=True)
+    tp, ep = (2, 1) if split == "tp2_rank1" else (1, 2)
+    par = SimpleNamespace(tp_size=tp, tp_rank=tp - 1, ep_size=ep, ep_rank=ep - 1, dp_size=1)
+    emap = torch.tensor([-1, 0, -1, 1]) if ep > 1 else None  # rank 1 holds experts 1 and 3
+    sent = SentTensors()
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        ex.moe_config = SimpleNamespace(moe_parallel_config=par)
+        ex._expert_map = emap
+    batch = quantize_batch(list(w.items()), model, settings, sent)
+    model.load_weights([(k, v) for k, v in batch if not k.endswith("_proj")])  # the dense rest
+    for i, layer in enumerate(model.model.layers):  # what vLLM's loader leaves on this rank
+        gu, down = (
+            w[f"model.layers.{i}.mlp.experts.gate_up_proj"],
+            w[f"model.layers.{i}.mlp.experts.down_proj"],
+        )
+        if ep > 1:
+            gu, down = gu[[1, 3]], down[[1, 3]]
+        if tp > 1:
+            gu = torch.cat([gu[:, 128:256], gu[:, 384:512]], dim=1)
+            down = down[:, :, 128:256]
+        ex = layer.mlp.experts
+        ex.w13_weight = torch.nn.Parameter(gu.clone(), requires_grad=False)
+        ex.w2_weight = torch.nn.Parameter(down.clone(), requires_grad=False)
+    assert {k for k, _ in batch} >= {"model.layers.0.mlp.experts.gate_up_proj"}
+    report = check_refit_parity(worker(model), sent)
+    assert report.compared == len(w)
+    with torch.no_grad():  # the control: one element of this rank's part moved is named
+        model.model.layers[0].mlp.experts.w13_weight[1, 5, 7] += 1
+    with pytest.raises(ParityError, match=r"layers\.0\.mlp\.experts\.gate_up_proj \("):
+        check_refit_parity(worker(model), sent)

@@ -66,7 +66,10 @@ class SentTensors:
         """One host copy of this rank's part of ``t``, sent as ``name`` (narrowed first: a
         copy of the full tensor on every tensor-parallel rank costs TP times the model)."""
         try:  # a shard off 128-block edges, or anything else: refused, the stream goes on
-            mine = expert_shards.rank_expected(model, name, t)
+            slab = refit_experts.grouped_param(model, name) is not None  # a BF16 slab, whole
+            mine = (refit_experts.slab_rank_expected if slab else expert_shards.rank_expected)(
+                model, name, t
+            )
         except Exception as exc:
             raise RefitError(f"refit refused: {name}: {type(exc).__name__}: {exc}") from exc
         if mine is None:

@@ -20,8 +20,9 @@ a ``MoERunner`` owns (0.25+): a per-expert name resolves to its slice through
 ``worker_ext.resolve_hf_name`` (``vllm_patch.moe_names.resolve_expert_tensor``: this rank's
 shard under tensor parallel, global ids mapped to local ones under expert parallel, where the
 experts other ranks hold are left to vLLM's loader and out of this rank's parity check:
-``vllm_patch.expert_shards``); a BF16 grouped slab to its whole parameter (`grouped_param`;
-whole, so its parity check assumes unsplit experts).
+``vllm_patch.expert_shards``); a BF16 grouped slab to its rank's whole parameter
+(`grouped_param`), compared with the part of the slab vLLM's loader writes there
+(`slab_rank_expected`: local experts, this rank's slice of I).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from nemo_jetrl.vllm_patch import expert_shards
 from nemo_jetrl.vllm_patch.refit import RefitError, is_fp8_weight
 from nemo_jetrl.vllm_patch.settings import WEIGHT_BLOCK, PatchSettings
 from nemo_jetrl.vllm_patch.worker_ext import read_back
@@ -57,13 +59,37 @@ def _fp8(module: torch.nn.Module) -> bool:
 
 
 def grouped_param(model: torch.nn.Module, name: str) -> torch.Tensor | None:
-    """The fused parameter a grouped BF16 slab loads into whole (None: not a slab name, or no
+    """The fused parameter a grouped BF16 slab loads into (None: not a slab name, or no
     such experts in the engine)."""
     g = GROUPED.match(name)
     module = experts_module(model, g["base"]) if g is not None else None
     if module is None:
         return None
     return getattr(module, "w13_weight" if g["proj"] == "gate_up_proj" else "w2_weight")
+
+
+def slab_rank_expected(model: torch.nn.Module, name: str, slab: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a grouped BF16 slab (``[E, 2I, H]`` gate_up / ``[E, H, I]`` down),
+    as vLLM's fused loader writes it into the rank's ``w13_weight`` / ``w2_weight``: the local
+    experts in local order (expert parallel), then gate rows and up rows of this rank's slice of
+    ``I``, or its columns of ``I`` for down (tensor parallel; `expert_shards` for the layout)."""
+    g = GROUPED.match(name)
+    assert g is not None, name
+    layer = experts_module(model, g["base"])
+    par, emap = expert_shards.parallel(layer), expert_shards.expert_map(layer)
+    if emap is not None:  # global -> local id, -1 elsewhere
+        here = sorted((int(local), e) for e, local in enumerate(emap.tolist()) if local >= 0)
+        slab = slab[[e for _, e in here]]
+    tp, r = par.tp_size, par.tp_rank
+    if tp == 1:
+        return slab
+    if g["proj"] == "down_proj":
+        per = slab.shape[2] // tp
+        return slab[:, :, r * per : (r + 1) * per]
+    inter = slab.shape[1] // 2
+    per = inter // tp
+    gate, up = slab[:, r * per : (r + 1) * per], slab[:, inter + r * per : inter + (r + 1) * per]
+    return torch.cat([gate, up], dim=1)
 
 
 def expand_grouped(
