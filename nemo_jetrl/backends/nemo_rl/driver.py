@@ -10,6 +10,7 @@ in the vLLM workers' venv.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -217,6 +218,13 @@ def prepare_master(
     return kind, entry, lines
 
 
+def flushed(checkpointer: Any) -> contextlib.AbstractContextManager:
+    """NeMo-RL main's ``CheckpointManager`` as the context its ``run_grpo.py`` enters: on any
+    exit it finishes the background rename of the last ``tmp_step_N`` (a crash would otherwise
+    leave it for resume to skip); v0.7.0's saves in the foreground and is no context manager."""
+    return checkpointer if hasattr(type(checkpointer), "__exit__") else contextlib.nullcontext()
+
+
 def train(
     config: Any,
     plan: Any,
@@ -300,19 +308,23 @@ def train(
             )
         else:
             print("jetrl: running NeMo-RL's synchronous GRPO (grpo_train)", flush=True)
-            grpo.grpo_train(
-                policy,
-                policy_generation,
-                dataloader,
-                val_dataloader,
-                tokenizer,
-                loss_fn,
-                task_to_env,
-                val_task_to_env,
-                logger,
-                checkpointer,
-                grpo_state,
-                master_config,
-            )
+            with flushed(checkpointer):
+                grpo.grpo_train(
+                    policy,
+                    policy_generation,
+                    dataloader,
+                    val_dataloader,
+                    tokenizer,
+                    loss_fn,
+                    task_to_env,
+                    val_task_to_env,
+                    logger,
+                    checkpointer,
+                    grpo_state,
+                    master_config,
+                )
     finally:
         policy_generation.shutdown()
+        stop_envs = getattr(grpo, "shutdown_environments", None)  # main's run_grpo.py does
+        if stop_envs is not None:
+            stop_envs(task_to_env, val_task_to_env)
