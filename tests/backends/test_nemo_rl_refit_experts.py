@@ -318,3 +318,20 @@ def test_bf16_slabs_on_an_engine_whose_experts_are_split_compare_this_ranks_part
         model.model.layers[0].mlp.experts.w13_weight[1, 5, 7] += 1
     with pytest.raises(ParityError, match=r"layers\.0\.mlp\.experts\.gate_up_proj \("):
         check_refit_parity(worker(model), sent)
+
+
+def test_a_transposed_grouped_slab_is_refused_by_name():
+    """A slab laid out [E, H, 2I] (Llama 4's) would be split along the wrong dim into wrongly
+    shaped per-expert views; refused naming it (the [E, 2I, H] control goes through)."""
+    model = MoeModel(inter=128)
+    w = trainer_weights(model, 4, grouped=True)
+    good = w["model.layers.0.mlp.experts.gate_up_proj"]  # [4, 256, 256]: 2I == H here
+    wide = MoeModel(inter=256)
+    slab = torch.zeros(4, 256, 512, dtype=torch.bfloat16)  # [E, H, 2I] for H=256, I=256
+    with pytest.raises(
+        RefitError,
+        match=r"gate_up_proj: \(4, 256, 512\) does not have the engine's hidden size 256",
+    ):
+        quantize_batch([("model.layers.0.mlp.experts.gate_up_proj", slab)], wide, FP32, None)
+    out = quantize_batch([("model.layers.0.mlp.experts.gate_up_proj", good)], model, FP32, None)
+    assert len(out) == 2 * 2 * 4  # per expert: gate and up, each weight + scale

@@ -120,6 +120,17 @@ def expand_grouped(
         if v.dim() != 3 or v.shape[1] % halves:
             wrong.append(f"{k}: expected [experts, rows, cols], got {tuple(v.shape)}")
             continue
+        # the hidden size sits where the engine's fused parameter has it ([E, 2I, H] / [E, H, I]);
+        # a transposed slab (Llama 4's [E, H, 2I]) would be split along the wrong dim
+        hidden_dim = 2 if halves == 2 else 1
+        engine = getattr(module, "w13_weight" if halves == 2 else "w2_weight")
+        if v.shape[hidden_dim] != engine.shape[hidden_dim]:
+            wrong.append(
+                f"{k}: {tuple(v.shape)} does not have the engine's hidden size "
+                f"{engine.shape[hidden_dim]} in dim {hidden_dim} (its experts are "
+                f"{tuple(engine.shape)}): a transposed slab layout"
+            )
+            continue
         rows = v.shape[1] // halves
         if rows % WEIGHT_BLOCK[0] or v.shape[2] % WEIGHT_BLOCK[1]:
             what = "expert or gate/up" if halves == 2 else "expert"
