@@ -31,6 +31,8 @@ def fp8_kv_attention_impls(model: Any, *, fp8_queries: bool = False) -> list[str
 
 
 def kv_backend_problems(report: Mapping[str, Any], rank: int) -> list[str]:
+    """Why worker ``rank``'s FP8-KV attention (its `engine_check.worker_status` report) cannot
+    serve an on-policy FP8 KV cache (empty: it can)."""
     out = []
     flash = [n for n in report.get("fp8_kv_attention", []) if n.startswith("FlashInfer")]
     if flash:

@@ -15,12 +15,13 @@ Two behaviours differ between the NeMo-RL trees we run on and show nowhere in th
   Megatron worker exports the codes plus ``*_scale_inv`` (Megatron-Bridge's
   ``build_export_fp8_tasks``): the refit hook quantizes BF16 weights, so the first refit fails,
   and NeMo-RL's own loader quantizes the codes again as values, which with power-of-two scales
-  doubles every block whose largest code is 224 (with FP32 scales that code is always 448, kept). v0.7.0's worker exports
-  them dequantized to BF16 (``code x scale_inv``, Megatron-Bridge's mappings): with power-of-two
-  scales that is exact and quantizing it again gives the same values (a block whose largest code is
-  224 comes back as codes x 2 with the scale / 2: the same products); with FP32 scales the BF16
-  rounding moves each block's amax, so the rollout's scales, and with them its weights, differ
-  from training's (tests/backends/test_nemo_rl_tree_rules.py).
+  doubles every block whose largest code is 224 (with FP32 scales that code is always 448,
+  kept). v0.7.0's worker exports them dequantized to BF16 (``code x scale_inv``,
+  Megatron-Bridge's mappings): with power-of-two scales that is exact and quantizing it again
+  gives the same values (a block whose largest code is 224 comes back as codes x 2 with the
+  scale / 2: the same products); with FP32 scales the BF16 rounding moves each block's amax, so
+  the rollout's scales, and with them its weights, differ from training's
+  (tests/backends/test_nemo_rl_tree_rules.py).
 
 A tree whose files are absent or unreadable gives no facts and no problems here: the refit hook's
 own layout check (`vllm_refit.detect_layout`) refuses an unknown tree inside the vLLM worker.
