@@ -72,8 +72,8 @@ MUTANTS = [
     Mutant(  # NeMo-RL streams every full tensor to every rank: TP x the model in host memory
         "the parity check's host copy is of the whole sent tensor on every rank",
         "nemo_jetrl/backends/nemo_rl/refit_batches.py",
-        "mine = expert_shards.rank_expected(model, name, t)",
-        "mine = t",
+        "slab_rank_expected if slab else expert_shards.rank_expected)(",
+        "slab_rank_expected if slab else (lambda model, name, t: t))(",
         ("tests/vllm_patch/test_expert_shards_unit.py",),
     ),
     Mutant(  # vLLM 0.20/0.25's MLA rebinds W_UK_T/W_UV: captured decode graphs read the old

@@ -107,9 +107,10 @@ def test_a_model_or_family_without_a_stand_in_is_named_before_any_work(tmp_path,
     assert "set jetrl.model_config=PATH to the model's HF config.json" in err, err
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**resolve_arch("MiniMaxAI/MiniMax-M2").hf_config}))
-    moe = main(
-        ["rehearse", str(smoke), f"+jetrl.model_config={cfg}", "--workdir", str(tmp_path / "w")]
-    )
-    assert moe == 2
+    moe = [str(smoke), f"+jetrl.model_config={cfg}", "--workdir", str(tmp_path / "w")]
+    assert main(["rehearse", *moe]) == 2
+    # MiniMax-M2's sigmoid routing is named first: no NeMo-RL vLLM serves its FP8 experts
+    assert "FP8 routed experts with sigmoid scores" in capsys.readouterr().err
+    assert main(["rehearse", *moe, "jetrl.allow_off_policy=true"]) == 2
     assert "mixture of experts" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
