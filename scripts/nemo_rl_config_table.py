@@ -212,9 +212,11 @@ file it writes. Every config aligned with exit 0 or 1 also passes NeMo-RL's own 
 refusal from `align`). A `check` refusal (exit 2) names the key and its first problem. An exit 1
 after `align` is a run that is on-policy in precision but lags by `grpo.async_grpo` (named), or
 one whose verdict names what align must not change (a DTensor policy, which never trains FP8:
-plain `jetrl align`, a BF16 rollout, is on-policy for it). MXFP8 rows: see "`jetrl align`"
-in docs/configs.md for what changes. Every GRPO config, FP8 or not, gets a verdict checked
-against an independent classification in `tests/backends/test_nemo_rl_every_grpo_config.py`.
+plain `jetrl align`, a BF16 rollout, is on-policy for it; FP8 experts whose routing NeMo-RL's
+vLLM cannot give our experts kernel, DeepSeek's and Moonlight's: docs/moe_cluster.md). MXFP8
+rows: see "`jetrl align`" in docs/configs.md for what changes. Every GRPO config, FP8 or not,
+gets a verdict checked against an independent classification in
+`tests/backends/test_nemo_rl_every_grpo_config.py`.
 """
 
 
