@@ -79,11 +79,15 @@ def report(
         _print_backward(c, out)
     print(file=out)
     if check.on_policy:
+        refusals = launch_refusals(c)
         print("per backend (precision):", file=out)
         for b in c.backends:
             state = "not run" if not b.runs else f"{'on' if b.on_policy else 'OFF'}-policy"
-            print(f"  {b.backend}: {state}: {b.reason}", file=out)
-        _print_launch(launch_refusals(c), out)
+            tree = b.backend.removeprefix("nemo-rl ")
+            refused = b.runs and b.on_policy and bool(refusals.get(tree))
+            but = " (but jetrl train refuses this config there: see below)" if refused else ""
+            print(f"  {b.backend}: {state}{but}: {b.reason}", file=out)
+        _print_launch(refusals, out)
     if c.limits:
         return _print_limits(c, out)
     if c.on_policy:

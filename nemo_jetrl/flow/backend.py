@@ -37,9 +37,9 @@ NEMO_RL_VLLM = {"v0.7.0": "0.20.0", "main": "0.25.1"}
 
 
 KV_ATTENTION_CAVEAT = (
-    "; the FP8 KV cache needs a vLLM attention backend that reads each refit's K/V scales and "
-    "takes BF16 queries: FlashInfer and, on CUDA, FlashAttention 3 and Triton attention (FP8 "
-    "queries and probabilities) are refused at engine start (docs/kvcache.md)"
+    "; the FP8 KV cache is on-policy on vLLM's CPU attention only (jetrl rehearse): on CUDA no "
+    "vLLM attention serves it and the launch is refused before Ray starts, so on a GPU cluster "
+    "use recipe jetrl (BF16 KV cache; docs/kvcache.md)"
 )
 
 

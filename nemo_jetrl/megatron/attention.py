@@ -131,14 +131,20 @@ class MegatronKVHandle:
     """Hooks on every core attention of one Megatron model; `restore` removes them."""
 
     def __init__(
-        self, model: torch.nn.Module, state: MegatronKVState, *, layer_offset: int = 0
+        self,
+        model: torch.nn.Module,
+        state: MegatronKVState,
+        *,
+        layer_offset: int = 0,
+        allow_empty: bool = False,
     ) -> None:
         mods = core_attention_modules(model, layer_offset=layer_offset)
-        if not mods:
+        if not mods and not allow_empty:
             raise ValueError(
                 f"no '*.{CORE_ATTENTION_SUFFIX}' module in {type(model).__name__}: is this a "
                 "Megatron-Core GPTModel (or a wrapper of one)?"
             )
+        self._live = True  # a pipeline stage may hold no full attention (hybrid models)
         self.model = model
         self.state = state
         self.layer_offset = layer_offset
@@ -152,7 +158,7 @@ class MegatronKVHandle:
 
     @property
     def active(self) -> bool:
-        return bool(self._handles)
+        return self._live
 
     def set_scales(self, scales: KVScales | None) -> None:
         """Scales used by on-policy KV from the next forward on."""
@@ -180,6 +186,7 @@ class MegatronKVHandle:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._live = False
         if getattr(self.model, _HANDLE_ATTR, None) is self:
             delattr(self.model, _HANDLE_ATTR)
 
@@ -198,11 +205,14 @@ def attach_megatron_kv(
     quantize_q: bool = False,
     kernel: Kernel = "cuda",
     layer_offset: int = 0,
+    allow_empty: bool = False,
 ) -> MegatronKVHandle:
     """Hook every Megatron core attention of ``model`` (idempotent: a live handle is reused).
 
     ``onpolicy=True`` applies the rollout's FP8 KV quantization with ``scales`` (straight-through
-    gradient). ``layer_offset`` is the pipeline stage's first global layer.
+    gradient). ``layer_offset`` is the pipeline stage's first global layer. ``allow_empty``: a
+    pipeline stage without full attention (a hybrid model's linear-attention layers only) gets a
+    live handle with no hooks, which calibration runs through (its amax comes from other stages).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}")
@@ -217,7 +227,7 @@ def attach_megatron_kv(
         existing.set_mode(quantize=onpolicy, quantize_q=quantize_q)
         return existing
     state = MegatronKVState(scales=scales, quantize=onpolicy, quantize_q=quantize_q, kernel=kernel)
-    return MegatronKVHandle(model, state, layer_offset=layer_offset)
+    return MegatronKVHandle(model, state, layer_offset=layer_offset, allow_empty=allow_empty)
 
 
 class LengthsObserver(AmaxObserver):

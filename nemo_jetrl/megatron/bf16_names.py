@@ -25,9 +25,10 @@ linear attention, in the ``self_attention`` slot) computes q, k, v, z, b and a i
 ``out_proj`` is HF's ``linear_attn.out_proj``. A word keeps ``in_proj`` BF16 only when it names
 the stem ``linear_attn.in_proj`` every part shares; a word naming some parts only is refused.
 
-A word that names no module of this stage is refused too (it would silently do nothing),
-except words for what training keeps BF16 anyway (vision tower, conv1d, lm_head, embeddings)
-and words naming a layer another pipeline stage holds.
+A word that names no module is refused too (it would silently do nothing), except words for
+what training keeps BF16 anyway (vision tower, conv1d, lm_head, embeddings); under pipeline
+parallelism "no module" means on no stage (``gather``), and without ``gather`` a word naming a
+layer another stage holds is let pass.
 """
 
 from __future__ import annotations
@@ -112,43 +113,57 @@ def keep_bf16_by_name(
     *,
     layer_offset: int = 0,
     fp8_disabled: Callable[[], AbstractContextManager[Any]] = te_fp8_disabled,
+    gather: Callable[[Any], list[Any]] | None = None,
 ) -> Bf16NameHandle:
     """Run every Megatron decoder linear whose HF linears all match ``kws`` with FP8 off
     (``fp8_disabled()`` around its forward). ``model``: a module or NeMo-RL's list of model
     chunks; ``layer_offset``: the pipeline stage's first global layer. ValueError when a word
-    matches a fused group only in part (the list cannot be applied to fused GEMMs)."""
+    matches a fused group only in part (the list cannot be applied to fused GEMMs), or matches no
+    linear. ``gather``: every rank's value of an object (all-gather; called once, on every rank,
+    whatever this rank found): a word is then judged over all pipeline stages, not this one (a
+    stage of MoE layers has no dense ``mlp.down_proj``), and every rank raises together."""
     chunks = list(model) if isinstance(model, Sequence) else [model]
     wrapped: list[tuple[str, nn.Module]] = []
     used: set[str] = set()
     layers: set[int] = set()
-    for chunk in chunks:
-        for name, mod in chunk.named_modules():
-            hf = hf_linear_names(name, layer_offset)
-            if hf:
-                layers.add(int(_LAYER_WORD.search(hf[0]).group(1)))  # type: ignore[union-attr]
-            if hf and hf[0].endswith(".linear_attn.in_proj"):
-                _refuse_part_of_in_proj(name, hf[0], kws)
-            hits = [h for h in hf if any(kw in h for kw in kws)]
-            used.update(kw for kw in kws if any(kw in h for h in hf))
-            if not hits:
-                continue
-            if len(hits) < len(hf):
-                raise ValueError(
-                    f"{name} computes {hf} as one GEMM but the BF16 list {list(kws)} names only "
-                    f"{hits}: list all of them or none (jetrl.train_bf16_layer_kws)"
-                )
-            _wrap(mod, fp8_disabled)
-            wrapped.append((name, mod))
+    problem = None
+    try:
+        for chunk in chunks:
+            for name, mod in chunk.named_modules():
+                hf = hf_linear_names(name, layer_offset)
+                if hf:
+                    layers.add(int(_LAYER_WORD.search(hf[0]).group(1)))  # type: ignore[union-attr]
+                if hf and hf[0].endswith(".linear_attn.in_proj"):
+                    _refuse_part_of_in_proj(name, hf[0], kws)
+                hits = [h for h in hf if any(kw in h for kw in kws)]
+                used.update(kw for kw in kws if any(kw in h for h in hf))
+                if not hits:
+                    continue
+                if len(hits) < len(hf):
+                    raise ValueError(
+                        f"{name} computes {hf} as one GEMM but the BF16 list {list(kws)} names "
+                        f"only {hits}: list all of them or none (jetrl.train_bf16_layer_kws)"
+                    )
+                _wrap(mod, fp8_disabled)
+                wrapped.append((name, mod))
+    except ValueError as exc:  # raised after the gather: no rank is left waiting in it
+        problem = str(exc)
+    parts = gather((sorted(used), sorted(layers), problem)) if gather else [(used, layers, problem)]
+    used = {kw for u, _, _ in parts for kw in u}
+    layers = {i for _, ls, _ in parts for i in ls}
     unused = [kw for kw in kws if kw not in used and _should_match(kw, layers)]
+    problems = [p for _, _, p in parts if p]
     if unused:
-        for _, mod in wrapped:
-            mod.__dict__.pop("forward", None)
-        raise ValueError(
+        problems.append(
             f"jetrl.train_bf16_layer_kws: {unused} match no Megatron linear of this model "
             "(decoder linears: linear_qkv/linear_proj/linear_fc1/linear_fc2, MLA projections, "
             "gated delta net in_proj/out_proj): training would run them in FP8 unnoticed; "
             "remove them or name a linear the model has"
         )
+    if problems:
+        for _, mod in wrapped:
+            mod.__dict__.pop("forward", None)
+        raise ValueError(problems[0])
     return Bf16NameHandle(wrapped)
 
 

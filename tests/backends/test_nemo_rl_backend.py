@@ -359,17 +359,21 @@ E2E_OVERRIDES = (
 @pytest.mark.nemo_rl
 @pytest.mark.gpu
 def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
-    """Two GRPO steps of Qwen3-0.6B with the jetrl_kv recipe on one GPU through NeMo-RL.
+    """Two GRPO steps of Qwen3-0.6B with the jetrl recipe on one GPU through NeMo-RL.
 
     Runs in the Docker image (scripts/run_gpu_tests.sh). Asserts the run finished, our mismatch
     tags reached NeMo-RL's TensorBoard logs, and the on-policy recipe keeps the train/rollout
-    logprob error small.
+    logprob error small. jetrl_kv first: its FP8 KV cache is refused on CUDA vLLM before Ray
+    starts (`kv_backends.CUDA_FP8_KV`; the image's venvs are built, so the preflight runs).
     """
     from nemo_jetrl.runs.logs import read_scalars
 
     log_dir = tmp_path / "logs"
+    with pytest.raises(UserError, match=r"kv_cache_dtype=fp8 .* on NeMo-RL's CUDA vLLM"):
+        nr.run_nemo_rl(str(QWEN / "jetrl_kv.yaml"), [*E2E_OVERRIDES, f"logger.log_dir={log_dir}"])
+    assert not log_dir.exists()
     rc = nr.run_nemo_rl(
-        str(QWEN / "jetrl_kv.yaml"),
+        str(QWEN / "jetrl.yaml"),
         [
             *E2E_OVERRIDES,
             f"logger.log_dir={log_dir}",

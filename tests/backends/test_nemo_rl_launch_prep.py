@@ -19,6 +19,7 @@ from nemo_jetrl.backends.nemo_rl.paths import PathProblem, resolve_config_paths
 from nemo_jetrl.backends.nemo_rl.translate import POLICY_WORKER_FQN, STOCK_POLICY_WORKER
 from nemo_jetrl.errors import UserError
 
+REPO = Path(__file__).resolve().parents[2]
 VLLM_FQN = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
 MCORE_UV = "uv run --locked --extra mcore"
 
@@ -163,14 +164,17 @@ def test_trainer_kind_follows_run_grpo_and_refuses_by_key():
     assert driver.trainer_kind({"grpo": {"async_grpo": {"enabled": False}}}) == driver.SYNC
     cfg = {"grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": False}, **ASYNC_OK}
     assert driver.trainer_kind(cfg) == driver.ASYNC
-    with pytest.raises(UserError, match=r"grpo\.use_dynamic_sampling.*data\.use_multiple"):
-        driver.trainer_kind(
-            {
-                "grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": True},
-                "data": {"use_multiple_dataloader": True},
-                **ASYNC_OK,
-            }
-        )
+    both = {
+        "grpo": {"async_grpo": {"enabled": True}, "use_dynamic_sampling": True},
+        "data": {"use_multiple_dataloader": True},
+        **ASYNC_OK,
+    }
+    with pytest.raises(UserError, match=r"(?s)grpo\.use_dynamic_sampling=true.*data\.use_multi"):
+        driver.trainer_kind(both)
+    # one (key, why) per key, each opening with the key's value (`jetrl check` lists them)
+    got = driver.trainer_problems(both)
+    assert [k for k, _ in got] == ["grpo.use_dynamic_sampling", "data.use_multiple_dataloader"]
+    assert all(why.startswith("true: NeMo-RL's async GRPO") for _, why in got)
     with pytest.raises(UserError, match=r"grpo\.reward_shaping\.enabled"):
         driver.trainer_kind(
             {
@@ -180,6 +184,13 @@ def test_trainer_kind_follows_run_grpo_and_refuses_by_key():
         )
     with pytest.raises(UserError, match=r"data_plane\.enabled=true"):
         driver.trainer_kind({"data_plane": {"enabled": True}})
+    # reported together with the async trainer's keys (was: the data plane's alone)
+    keys = [k for k, _ in driver.trainer_problems({**both, "data_plane": {"enabled": True}})]
+    assert keys == [
+        "data_plane.enabled",
+        "grpo.use_dynamic_sampling",
+        "data.use_multiple_dataloader",
+    ]
 
 
 def test_prepare_master_checks_paths_before_anything_else(tmp_path):
@@ -378,3 +389,65 @@ def test_worker_environment_that_keeps_our_kernel_or_hook_out_is_refused_by_name
     assert "(set by policy.generation.vllm_cfg.env_vars.VLLM_PLUGINS)" in msg
     merged["policy"]["generation"]["vllm_cfg"]["env_vars"] = {"NEMO_JETRL_NRL_REFIT": "{}"}
     _prep(merged, tmp_path)  # the same worker env without them: no refusal
+
+
+def test_an_fp8_kv_recipe_on_a_cuda_build_of_vllm_is_refused_before_ray(tmp_path):
+    """vLLM's CUDA attention cannot serve an on-policy FP8 KV cache (`kv_backends`): the engine
+    check refused it only at engine start, after Ray and the model load. The preflight runs the
+    vLLM workers' Python before Ray and reads its torch build: a CUDA build is refused, naming
+    the key and the recipe to use; a CPU build (the rehearsal) and a BF16 cache pass."""
+    import types
+
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+
+    def run(cuda):
+        out = json.dumps({"vllm": "0.20.0", "plugins": dict(ENTRY_POINTS), "cuda": cuda})
+        return lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+    with pytest.raises(UserError) as ei:
+        nr.preflight_vllm_patch("/v/bin/python", run=run("13.0"), pinned="0.20.0", fp8_kv=True)
+    msg = str(ei.value)
+    assert msg.startswith("policy.generation.vllm_cfg.kv_cache_dtype=fp8 ") and "CUDA 13.0" in msg
+    assert "FlexAttention has no FP8 cache" in msg and "Use recipe jetrl (BF16 KV cache" in msg
+    nr.preflight_vllm_patch("/v/bin/python", run=run("13.0"), pinned="0.20.0")  # BF16 cache
+    nr.preflight_vllm_patch("/v/bin/python", run=run(None), pinned="0.20.0", fp8_kv=True)  # CPU
+
+
+@pytest.mark.parametrize(("recipe", "refused"), [("jetrl_kv", True), ("jetrl", False)])
+def test_the_launch_preflight_knows_the_recipes_kv_cache(tmp_path, recipe, refused):
+    """`vllm_preflight` (the launch's and the rehearsal's) is built from the plan: jetrl_kv's FP8
+    cache on a CUDA vLLM is refused, jetrl's BF16 cache is not."""
+    import types
+
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+
+    (tmp_path / "pyproject.toml").write_text('dependencies = ["vllm==0.25.1"]\n')
+    plan = nr.prepare(str(REPO / "examples/configs/qwen3_8b_base" / f"{recipe}.yaml")).plan
+    preflight = nr.vllm_preflight(plan, tmp_path)
+    out = json.dumps({"vllm": "0.25.1", "plugins": dict(ENTRY_POINTS), "cuda": "13.0"})
+    run = lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr="")  # noqa: E731
+    if refused:
+        with pytest.raises(UserError, match=r"kv_cache_dtype=fp8 .* CUDA vLLM 0\.25\.1"):
+            preflight("/v/bin/python", run=run)
+    else:
+        preflight("/v/bin/python", run=run)
+    with pytest.raises(UserError, match=r"has vLLM 0\.20\.0, but this NeMo-RL pins vLLM 0\.25\.1"):
+        preflight("/v/bin/python", run=lambda *a, **k: types.SimpleNamespace(
+            returncode=0, stdout=out.replace("0.25.1", "0.20.0"), stderr=""))  # fmt: skip
+
+
+def test_the_preflight_script_reads_the_torch_build(tmp_path):
+    """The script the preflight runs in the vLLM workers' Python, run here (a stand-in ``vllm``
+    module, this env's real CPU torch): ``cuda`` is torch.version.cuda, None on a CPU build."""
+    from nemo_jetrl.backends.nemo_rl import launch as nr
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("__version__ = '0.20.0'\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", nr._PREFLIGHT], capture_output=True, text=True,
+                          env=env, check=True)  # fmt: skip
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["vllm"] == "0.20.0" and "cuda" in found
+    import torch
+
+    assert found["cuda"] == torch.version.cuda

@@ -202,7 +202,24 @@ def test_jetrl_check_lists_what_the_launch_would_refuse_per_tree(capsys):
     # the same refusal on both trees is printed once; the trainer's keys are named
     assert jetrl(["check", cfg, "+grpo.async_grpo.enabled=true"]) == 1  # policy lag
     out = capsys.readouterr().out
-    assert "  on NeMo-RL v0.7.0 and main:\n    - grpo.async_grpo.enabled: true:\n        - " in out
+    assert (
+        "  on NeMo-RL v0.7.0 and main:\n    - policy.generation.vllm_cfg.async_engine: false: "
+        "NeMo-RL's async GRPO needs vLLM's async engine" in out
+    )
+    assert "    - policy.generation.colocated.enabled: true: " in out
+    # the nemo-rl lines above it say so (the precision verdict alone read as "it runs")
+    assert "nemo-rl main: on-policy (but jetrl train refuses this config there: see below):" in out
+    # translate's refusal and the trainer's are listed together (main refuses fp8_param too)
+    assert jetrl(["check", cfg, fp8_param, "+grpo.async_grpo.enabled=true", "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)["nemo_rl_launch_refusals"]
+    assert [p["key"] for p in got["main"]] == [
+        "policy.megatron_cfg.fp8_cfg.fp8_param",
+        "policy.generation.vllm_cfg.async_engine",
+        "policy.generation.colocated.enabled",
+    ]
+    fp8_param_out = jetrl(["check", cfg, fp8_param]) == 0 and capsys.readouterr().out
+    assert "nemo-rl v0.7.0: on-policy: refit" in fp8_param_out
+    assert "nemo-rl main: on-policy (but jetrl train refuses" in fp8_param_out
     # nothing to refuse: no section
     assert jetrl(["check", cfg]) == 0
     assert "would refuse" not in capsys.readouterr().out

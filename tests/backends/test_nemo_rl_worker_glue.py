@@ -228,3 +228,29 @@ def test_a_model_built_with_other_bf16_edge_layers_is_refused_by_the_worker(
     finally:
         for k, v in saved.items():
             setattr(cfg, k, v)
+
+
+def test_the_worker_judges_bf16_words_over_every_rank(worker_cls, model, tmp_path, monkeypatch):
+    """Under pipeline parallelism a stage may lack what a BF16 word names (Moonlight's dense
+    layer 0 lives on stage 0 only): every other stage refused it at init. The worker hands
+    `keep_bf16_by_name` its all-gather over every rank (`_all_ranks`; stood in here by another
+    stage's findings, as no process group runs on CPU): the word passes when a stage matched it,
+    and is refused on every rank when none did."""
+    import dataclasses
+
+    from nemo_jetrl.backends.nemo_rl import worker
+
+    cls, recipe = worker_cls
+    kws = ("self_attn.kv_b_proj",)  # no such linear in this stage's model (no latent attention)
+    train = dataclasses.replace(recipe.train, bf16_layer_kws=kws)
+    monkeypatch.setenv(nt.RECIPE_ENV, nt.recipe_to_json(dataclasses.replace(recipe, train=train)))
+    bridge = _bridge(tmp_path)
+    other = {"stage": (list(kws), [7], None)}
+    monkeypatch.setattr(worker, "_all_ranks", lambda mine: [mine, other["stage"]])
+    with _CudaOnCpu():
+        w = cls(_cfg(), model=model, bridge=bridge)
+    w._jetrl_bf16.restore()
+    w._jetrl_kv.restore()
+    other["stage"] = ([], [7], None)  # no stage has it
+    with _CudaOnCpu(), pytest.raises(ValueError, match=r"kv_b_proj'\] match no Megatron linear"):
+        cls(_cfg(), model=model, bridge=bridge)

@@ -122,3 +122,72 @@ def test_a_word_matching_no_module_is_refused(gdn_model, word):
     # words for what training keeps BF16 anyway (align writes the MoE router's mlp.gate)
     anyway = ["visual", "linear_attn.conv1d", "lm_head", "mlp.gate", "mlp.shared_expert_gate"]
     assert keep_bf16_by_name(gdn_model, anyway, fp8_disabled=_off_recorder()[1]).names == []
+
+
+def test_a_pipeline_stage_of_linear_attention_only_gets_an_empty_kv_handle(gdn_model):
+    """A hybrid model's pipeline stage may hold no full attention (Qwen3.5 / Qwen3-Next: every
+    4th layer; NeMo-RL's DeepSeek-style first stage of 3 layers). The policy worker's KV hooks
+    raised there at init, on every rank of the stage; now the stage gets a live handle with no
+    hooks, and calibration takes its layers' amax from the stages that have them."""
+    from nemo_jetrl.kvcache import CalibrationSettings
+    from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
+
+    with pytest.raises(ValueError, match=r"no '.*core_attention' module"):
+        attach_megatron_kv(gdn_model)  # outside a pipeline: the model is not what we think
+    handle = attach_megatron_kv(gdn_model, onpolicy=True, allow_empty=True)
+    try:
+        assert handle.active and handle.layers == []
+        assert attach_megatron_kv(gdn_model, onpolicy=True) is handle  # idempotent
+        other_stage = {3: {"k": 7.0, "v": 2.5}}
+        calls = []
+        res = calibrate_megatron(
+            gdn_model,
+            [(lambda: calls.append(1), None)],
+            settings=CalibrationSettings(include_q=False),
+            reduce_amax=lambda amax: {**amax, **other_stage},  # the merge over every rank
+        )
+        assert calls == [1] and handle.active  # the stage ran its forward; the handle stays
+        assert res.amax == other_stage and set(res.scales.layers) == {3}
+    finally:
+        handle.restore()
+    assert not handle.active
+
+
+def test_a_bf16_word_is_judged_over_every_pipeline_stage(gdn_model):
+    """A word naming what only another stage holds (Moonlight's dense layer 0 under PP=4: its
+    `mlp.down_proj` is on stage 0 only) was refused by every other stage at worker init. With
+    ``gather`` (the worker's all-gather over every rank) a word is refused only when no stage
+    matched it, and a problem found on one rank raises on every rank (none waits in the gather)."""
+    kws = ["linear_attn.out_proj", "mlp.down_proj"]
+    with pytest.raises(ValueError, match=r"\['mlp.down_proj'\] match no Megatron linear"):
+        keep_bf16_by_name(gdn_model, kws, fp8_disabled=_off_recorder()[1])  # this stage alone
+    stage0 = (["mlp.down_proj"], [0], None)  # what the stage holding layer 0 found
+    seen = []
+
+    def gather(mine):
+        seen.append(mine)
+        return [stage0, mine]
+
+    entered, fp8_off = _off_recorder()
+    handle = keep_bf16_by_name(gdn_model, kws, fp8_disabled=fp8_off, gather=gather)
+    assert entered["n"] == 0  # wrapped, not yet called
+    try:
+        assert handle.names == ["decoder.layers.0.self_attention.out_proj"]
+        assert seen == [(["linear_attn.out_proj"], [0], None)]  # called once with its findings
+    finally:
+        handle.restore()
+    nobody = (["linear_attn.out_proj"], [1], None)
+    with pytest.raises(ValueError, match=r"\['mlp.down_proj'\] match no Megatron linear"):
+        keep_bf16_by_name(gdn_model, kws, fp8_disabled=fp8_off, gather=lambda m: [nobody, m])
+    other = ([], [1], "layers.1 computes ... as one GEMM")  # another rank's refusal
+    with pytest.raises(ValueError, match=r"layers\.1 computes"):
+        keep_bf16_by_name(gdn_model, ["linear_attn.out_proj"], fp8_disabled=fp8_off,
+                          gather=lambda m: [m, other])  # fmt: skip
+    attn = gdn_model.decoder.layers[0].self_attention
+    assert "forward" not in attn.out_proj.__dict__  # unwrapped when refused
+    # a refusal on this rank still reaches the gather (the others would wait there otherwise)
+    seen.clear()
+    with pytest.raises(ValueError, match="one GEMM"):
+        keep_bf16_by_name(gdn_model, ["linear_attn.in_proj_a"], fp8_disabled=fp8_off,
+                          gather=gather)  # fmt: skip
+    assert len(seen) == 1 and "one GEMM" in seen[0][2]

@@ -34,66 +34,87 @@ def _enabled(node: Any) -> bool:
 
 
 def trainer_kind(cfg: Mapping[str, Any]) -> str:
-    """``async`` when ``grpo.async_grpo.enabled`` (NeMo-RL's ``async_grpo_train``), else ``sync``.
-
-    Refused by key: ``data_plane.enabled`` (NeMo-RL's TransferQueue trainer ``grpo_train_sync``
-    with its ``TQPolicy``: our policy worker and loss wrapper are not wired into it), and the
-    features run_grpo.py refuses with async GRPO.
-    """
-    if _enabled((cfg.get("data_plane") or {}).get("enabled", False)):
+    """``async`` when ``grpo.async_grpo.enabled`` (NeMo-RL's ``async_grpo_train``), else ``sync``;
+    a UserError listing every `trainer_problems` entry together."""
+    problems = trainer_problems(cfg)
+    if problems:
         raise _user_error(
-            "data_plane.enabled=true (NeMo-RL's TransferQueue trainer grpo_train_sync with "
-            "TQPolicy) is not supported by the nemo-rl backend: our policy worker, loss wrapper "
-            "and mismatch metrics run with the legacy trainer only. Set data_plane.enabled=false."
+            "the nemo-rl backend cannot run this trainer:\n  - "
+            + "\n  - ".join(f"{key}={why}" for key, why in problems)
         )
+    return ASYNC if _async(cfg) else SYNC
+
+
+def _async(cfg: Mapping[str, Any]) -> bool:
+    return _enabled(((cfg.get("grpo") or {}).get("async_grpo") or {}).get("enabled", False))
+
+
+def trainer_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, why) for each reason the trainer ``run_grpo.py`` would pick cannot run: ``why``
+    opens with the key's value and ends with what to set (``key=why`` reads as one sentence).
+
+    ``data_plane.enabled`` (NeMo-RL's TransferQueue trainer ``grpo_train_sync`` with its
+    ``TQPolicy``: our policy worker and loss wrapper are not wired into it); with async GRPO, the
+    features run_grpo.py refuses and what ``async_grpo_train`` asserts after Ray starts.
+    """
+    problems = []
+    if _enabled((cfg.get("data_plane") or {}).get("enabled", False)):
+        problems.append((
+            "data_plane.enabled",
+            "true: NeMo-RL's TransferQueue trainer grpo_train_sync with TQPolicy is not "
+            "supported by the nemo-rl backend: our policy worker, loss wrapper and mismatch "
+            "metrics run with the legacy trainer only. Set data_plane.enabled=false.",
+        ))  # fmt: skip
+    if not _async(cfg):
+        return problems
     grpo = cfg.get("grpo") or {}
-    if not _enabled((grpo.get("async_grpo") or {}).get("enabled", False)):
-        return SYNC
-    bad = [
+    unsupported = [
         f"grpo.{k}" + ("" if k == "use_dynamic_sampling" else ".enabled")
         for k in ASYNC_UNSUPPORTED
         if k in grpo and _enabled(grpo[k])
     ]
     if (cfg.get("data") or {}).get("use_multiple_dataloader"):
-        bad.append("data.use_multiple_dataloader")
-    problems = []
-    if bad:
-        problems.append(
-            "NeMo-RL's async GRPO does not support "
-            + ", ".join(bad)
-            + " (examples/run_grpo.py refuses them); turn those off or async_grpo off"
-        )
+        unsupported.append("data.use_multiple_dataloader")
+    for key in unsupported:
+        problems.append((
+            key,
+            "true: NeMo-RL's async GRPO (grpo.async_grpo.enabled=true) does not support it "
+            "(examples/run_grpo.py refuses it); turn it off or async GRPO off",
+        ))  # fmt: skip
     if (grpo.get("async_grpo") or {}).get("max_trajectory_age_steps") == 0:
-        problems.append(
-            "grpo.async_grpo.max_trajectory_age_steps=0: NeMo-RL sizes its replay buffer "
-            "num_prompts_per_step x age x 2, and a buffer of 0 raises after Ray and model load; "
-            "set it to 1 or more (or grpo.async_grpo.enabled=false for a synchronous run)"
-        )
+        problems.append((
+            "grpo.async_grpo.max_trajectory_age_steps",
+            "0: NeMo-RL sizes its replay buffer num_prompts_per_step x age x 2, and a buffer of "
+            "0 raises after Ray and model load; set it to 1 or more (or "
+            "grpo.async_grpo.enabled=false for a synchronous run)",
+        ))  # fmt: skip
     # async_grpo_train asserts these at its start, after Ray, model load and vLLM start
     # (nemo_rl/algorithms/grpo.py, v0.7.0 :3364, :3371, :3421): refused here, minutes earlier.
     generation = (cfg.get("policy") or {}).get("generation") or {}
     on_vllm = generation.get("backend", "vllm") == "vllm"
     if on_vllm and not (generation.get("vllm_cfg") or {}).get("async_engine", False):
-        problems.append(
-            "NeMo-RL's async GRPO needs vLLM's async engine: set "
-            "policy.generation.vllm_cfg.async_engine=true"
-        )
+        problems.append((
+            "policy.generation.vllm_cfg.async_engine",
+            "false: NeMo-RL's async GRPO needs vLLM's async engine: set "
+            "policy.generation.vllm_cfg.async_engine=true",
+        ))  # fmt: skip
     # v0.7.0 :3421 asserts it; main :4177 allows it for Megatron generation only
-    if on_vllm and (generation.get("colocated") or {}).get("enabled", True) is not False:
-        problems.append(
-            "NeMo-RL's async GRPO runs vLLM on its own GPUs: set "
-            "policy.generation.colocated.enabled=false and give generation its GPUs "
-            "(policy.generation.colocated.resources.gpus_per_node on one node, .num_nodes on "
-            "several; training keeps the rest of the cluster)"
-        )
+    colocated = (generation.get("colocated") or {}).get("enabled", True)
+    if on_vllm and colocated is not False:
+        problems.append((
+            "policy.generation.colocated.enabled",
+            f"{'true' if colocated is True else colocated}: NeMo-RL's async GRPO runs vLLM on "
+            "its own GPUs: set policy.generation.colocated.enabled=false and give generation "
+            "its GPUs (policy.generation.colocated.resources.gpus_per_node on one node, "
+            ".num_nodes on several; training keeps the rest of the cluster)",
+        ))  # fmt: skip
     if not (cfg.get("loss_fn") or {}).get("use_importance_sampling_correction", False):
-        problems.append(
-            "NeMo-RL's async GRPO needs importance-sampling correction for its stale "
-            "trajectories: set loss_fn.use_importance_sampling_correction=true"
-        )
-    if problems:
-        raise _user_error("grpo.async_grpo.enabled=true:\n  - " + "\n  - ".join(problems))
-    return ASYNC
+        problems.append((
+            "loss_fn.use_importance_sampling_correction",
+            "false: NeMo-RL's async GRPO needs importance-sampling correction for its stale "
+            "trajectories: set loss_fn.use_importance_sampling_correction=true",
+        ))  # fmt: skip
+    return problems
 
 
 @dataclass

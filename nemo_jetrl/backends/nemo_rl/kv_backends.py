@@ -10,13 +10,22 @@ as training does. Two kinds of vLLM attention break that on CUDA (read in vLLM 0
   layer's ``query_quant`` for it) quantizes every query with ``q_scale`` and multiplies FP8
   softmax probabilities with V, which no trainer hook models.
 
-The engine check (`engine_check.judge`) refuses both before the first step.
+FlexAttention has no FP8 cache at all, so no vLLM attention on CUDA qualifies (`CUDA_FP8_KV`).
+The engine check (`engine_check.judge`) refuses both before the first step; the launch refuses an
+FP8 KV recipe on a CUDA build of vLLM before Ray starts (`launch.preflight_vllm_patch`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+CUDA_FP8_KV = (
+    "no vLLM attention on CUDA serves an on-policy FP8 KV cache (read in vLLM 0.20-0.32): "
+    "FlashInfer never uses the K/V scales a refit sends, FlashAttention 3 and Triton attention "
+    "quantize the queries and the softmax probabilities to FP8, FlexAttention has no FP8 cache"
+)
+"""Why an FP8 KV cache on a CUDA build of vLLM is refused (the one home of this fact)."""
 
 
 def fp8_kv_attention_impls(model: Any, *, fp8_queries: bool = False) -> list[str]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_jetrl.backends.nemo_rl.kv_backends import CUDA_FP8_KV
 from nemo_jetrl.backends.nemo_rl.translate import (
     NEMO_RL_IMAGE,
     NEMO_RL_VERSION,
@@ -43,6 +44,7 @@ from nemo_jetrl.backends.nemo_rl.translate import (
 )
 from nemo_jetrl.backends.nemo_rl.tree_rules import TreeFacts, nemo_rl_package, read_tree
 from nemo_jetrl.backends.nemo_rl.venvs import VLLM_WORKER
+from nemo_jetrl.config.schema import VLLM_KV_DTYPE
 from nemo_jetrl.megatron.config import FP32_SCALES_ENV
 
 # Modules the backend needs in the driver process, with what each is for.
@@ -148,20 +150,15 @@ def launch_problems(checked: Any, tree: TreeFacts) -> list[tuple[str, str]]:
     """(key, why) for each reason ``jetrl train --backend nemo-rl`` would refuse the checked
     config on ``tree`` before Ray starts (`translate`'s, the trainer kind's); `jetrl check`
     lists them. The paths, venvs and vLLM version are the launch machine's: not asked here."""
-    from nemo_jetrl.backends.nemo_rl.driver import trainer_kind
-    from nemo_jetrl.errors import UserError
+    from omegaconf import OmegaConf
+
+    from nemo_jetrl.backends.nemo_rl.driver import trainer_problems
 
     try:
         plan = _translate(checked, tree)
-    except TranslationError as exc:
-        return list(exc.problems)
-    try:
-        trainer_kind(plan.master_config)
-    except UserError as exc:  # its message opens with the key: "grpo.async_grpo.enabled=true: ..."
-        msg = str(exc)
-        key = msg.split("=", 1)[0]
-        return [(key, msg[len(key) :].lstrip("="))]
-    return []
+    except TranslationError as exc:  # the trainer's keys are the user's: reported together
+        return [*exc.problems, *trainer_problems(OmegaConf.to_container(checked.cfg))]
+    return trainer_problems(plan.master_config)
 
 
 # -- worker registration (driver process) ---------------------------------------------------------
@@ -220,10 +217,10 @@ def nemo_rl_pinned_vllm(nemo_rl_dir: Path) -> str | None:
 
 # Run by the vLLM workers' Python: its vLLM version and its vllm.general_plugins entry points.
 _PREFLIGHT = (
-    "import json, vllm\n"
+    "import json, torch, vllm\n"
     "from importlib.metadata import entry_points\n"
     "eps = {e.name: e.value for e in entry_points(group='vllm.general_plugins')}\n"
-    "print(json.dumps({'vllm': vllm.__version__, 'plugins': eps}))"
+    "print(json.dumps({'vllm': vllm.__version__, 'plugins': eps, 'cuda': torch.version.cuda}))"
 )
 
 
@@ -233,10 +230,13 @@ def preflight_vllm_patch(
     *,
     run: Any = subprocess.run,
     pinned: str | None = None,
+    fp8_kv: bool = False,
 ) -> None:
     """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range, or is
-    not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``).
-    ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it there."""
+    not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``),
+    or (``fp8_kv``: the recipe's on-policy FP8 KV cache) is a CUDA build: there every vLLM
+    attention with an FP8 cache is refused at engine start (`kv_backends`), after Ray and the
+    model load. ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it."""
     from nemo_jetrl.backends.nemo_rl.venvs import with_pythonpath
     from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
 
@@ -272,6 +272,21 @@ def preflight_vllm_patch(
             "nemo-jetrl[vllm]` replaces NeMo-RL's vLLM; install nemo_jetrl with --no-deps). "
             "Rebuild the image, or launch once with NRL_FORCE_REBUILD_VENVS=true"
         )
+    if fp8_kv and found.get("cuda"):
+        raise _user_error(
+            f"{VLLM_KV_DTYPE}=fp8 (recipe jetrl_kv's FP8 KV cache) on NeMo-RL's CUDA "
+            f"vLLM {version} ({python}, CUDA {found['cuda']}): {CUDA_FP8_KV}. Nothing started. "
+            f"Use recipe jetrl (BF16 KV cache, {VLLM_KV_DTYPE}=auto: exactly the trainer's FP8 "
+            "linears)"
+        )
+
+
+def vllm_preflight(plan: NemoRlPlan, nemo_rl_dir: Path) -> Any:
+    """`preflight_vllm_patch` for this plan and NeMo-RL checkout (the driver calls it with the
+    vLLM workers' Python): the launch's and the rehearsal's."""
+    return functools.partial(
+        preflight_vllm_patch, pinned=nemo_rl_pinned_vllm(nemo_rl_dir), fp8_kv=plan.recipe.kv_fp8
+    )
 
 
 def nemo_rl_defaults_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -346,9 +361,7 @@ def _master_config(prepared: Prepared, registry: Mapping[str, str]) -> Any:  # p
         vllm_patch=VLLM_PATCH_ENV in plan.workers.vllm_env,
         environ=os.environ,
         next_log_dir=get_next_experiment_dir,
-        preflight=functools.partial(
-            preflight_vllm_patch, pinned=nemo_rl_pinned_vllm(defaults.parents[2])
-        ),
+        preflight=vllm_preflight(plan, defaults.parents[2]),
     )
     register_omegaconf_resolvers()
     config = MasterConfig(**merged)

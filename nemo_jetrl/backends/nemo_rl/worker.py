@@ -39,6 +39,11 @@ from nemo_jetrl.recipe_parts import KV_MARGIN, KV_PERCENTILE
 CLASS_NAME = "JetrlMegatronPolicyWorker"
 
 
+def _pipeline_stages(cfg: Any) -> int:
+    """NeMo-RL's ``policy.megatron_cfg.pipeline_model_parallel_size`` (1 when unset)."""
+    return int((cfg.get("megatron_cfg") or {}).get("pipeline_model_parallel_size") or 1)
+
+
 def _layer_offset(model: Any) -> int:
     """First global decoder layer of this pipeline stage (Megatron's layer_number is 1-based)."""
     for _, mod in model.named_modules():
@@ -48,18 +53,23 @@ def _layer_offset(model: Any) -> int:
     return 0
 
 
+def _all_ranks(obj: Any) -> list[Any]:
+    """Every policy rank's ``obj`` (all-gather over the world; ``[obj]`` outside one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def _merge_max(amax: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
     """Elementwise max of per-rank amax over every rank (NeMo-RL's conservative merge; a NaN on
     any rank stays NaN, `calibration.merge_rank_amax`)."""
-    import torch.distributed as dist
-
     from nemo_jetrl.backends.nemo_rl.calibration import merge_rank_amax
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return amax
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, amax)
-    return merge_rank_amax(gathered)
+    return merge_rank_amax(_all_ranks(amax))
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,10 +112,15 @@ def make_worker_class() -> type:
                 self.model,
                 onpolicy=recipe.onpolicy_kv,
                 layer_offset=_layer_offset(self.model),
+                allow_empty=_pipeline_stages(self.cfg) > 1,  # a stage of linear attention only
             )
             # Per-name BF16 linears (jetrl.train_bf16_layer_kws) run outside TE's FP8.
+            # judged over every pipeline stage: a stage may lack what a word names
             self._jetrl_bf16 = keep_bf16_by_name(
-                self.model, recipe.train.bf16_layer_kws, layer_offset=_layer_offset(self.model)
+                self.model,
+                recipe.train.bf16_layer_kws,
+                layer_offset=_layer_offset(self.model),
+                gather=_all_ranks,
             )
 
         def calibrate_qkv_fp8_scales(

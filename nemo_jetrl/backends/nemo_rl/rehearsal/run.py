@@ -17,7 +17,6 @@ worker needs a GPU for (`cpu_worker.py`). docs/rehearsal.md lists each with the 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import sys
@@ -310,9 +309,7 @@ def _run(prepared: Any, work: Path, model_dir: Path, prompts: Path, start: float
         stock_entry=sys.executable, vllm_entry=sys.executable,
         vllm_patch=VLLM_PATCH_ENV in plan.workers.vllm_env, environ=os.environ,
         next_log_dir=get_next_experiment_dir,
-        preflight=functools.partial(
-            launch.preflight_vllm_patch, pinned=launch.nemo_rl_pinned_vllm(tree)
-        ),
+        preflight=launch.vllm_preflight(plan, tree),
         cwd=work,
     )  # fmt: skip
     if kind != driver.SYNC:
