@@ -404,7 +404,7 @@ MUTANTS = [
     Mutant(  # found by review: jetrl_kv passed the launch on a CUDA vLLM, refused at engine start
         "the launch lets an FP8 KV recipe start on a CUDA build of vLLM",
         "nemo_jetrl/backends/nemo_rl/launch.py",
-        '    if fp8_kv and found.get("cuda"):',
+        '    if fp8_kv and found.get("device") == "cuda":',
         "    if False:",
         ("tests/backends/test_nemo_rl_launch_prep.py",),
     ),

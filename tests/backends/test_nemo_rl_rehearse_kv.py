@@ -62,6 +62,8 @@ def test_nemo_rls_fp8_kv_config_aligned_to_jetrl_kv_rehearses_where_vllm_runs_fp
         kv_line = (f"step {step}: KV scales: {tiny.LAYERS} layers calibrated (q,k,v), "
                    "identical in the engine")  # fmt: skip
         assert kv_line in out, out[-5000:]
+    # ready for the CPU path, and it says a GPU launch refuses the FP8 KV cache (jetrl there)
+    assert "a GPU launch refuses it before Ray (docs/kvcache.md): submit recipe jetrl" in out
     # token_mult_prob_error close to 1 (assert_ready): the CPU policy is float32 with
     # fake-quantized KV, vLLM's engine block-FP8 with its CPU cache writer (truncating,
     # kvcache/quant.py)

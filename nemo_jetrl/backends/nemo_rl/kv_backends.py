@@ -12,7 +12,7 @@ as training does. Two kinds of vLLM attention break that on CUDA (read in vLLM 0
 
 FlexAttention has no FP8 cache at all, so no vLLM attention on CUDA qualifies (`CUDA_FP8_KV`).
 The engine check (`engine_check.judge`) refuses both before the first step; the launch refuses an
-FP8 KV recipe on a CUDA build of vLLM before Ray starts (`launch.preflight_vllm_patch`).
+FP8 KV recipe where vLLM's platform is CUDA, before Ray starts (`launch.preflight_vllm_patch`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ CUDA_FP8_KV = (
     "FlashInfer never uses the K/V scales a refit sends, FlashAttention 3 and Triton attention "
     "quantize the queries and the softmax probabilities to FP8, FlexAttention has no FP8 cache"
 )
-"""Why an FP8 KV cache on a CUDA build of vLLM is refused (the one home of this fact)."""
+"""Why an FP8 KV cache on vLLM's CUDA platform is refused (the one home of this fact)."""
 
 
 def fp8_kv_attention_impls(model: Any, *, fp8_queries: bool = False) -> list[str]:

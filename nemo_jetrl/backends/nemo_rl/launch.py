@@ -217,10 +217,12 @@ def nemo_rl_pinned_vllm(nemo_rl_dir: Path) -> str | None:
 
 # Run by the vLLM workers' Python: its vLLM version and its vllm.general_plugins entry points.
 _PREFLIGHT = (
-    "import json, torch, vllm\n"
+    "import json, vllm\n"
     "from importlib.metadata import entry_points\n"
+    "from vllm.platforms import current_platform\n"
     "eps = {e.name: e.value for e in entry_points(group='vllm.general_plugins')}\n"
-    "print(json.dumps({'vllm': vllm.__version__, 'plugins': eps, 'cuda': torch.version.cuda}))"
+    "print(json.dumps({'vllm': vllm.__version__, 'plugins': eps,\n"
+    "                  'device': current_platform.device_type}))"
 )
 
 
@@ -234,9 +236,10 @@ def preflight_vllm_patch(
 ) -> None:
     """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range, or is
     not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``),
-    or (``fp8_kv``: the recipe's on-policy FP8 KV cache) is a CUDA build: there every vLLM
-    attention with an FP8 cache is refused at engine start (`kv_backends`), after Ray and the
-    model load. ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it."""
+    or (``fp8_kv``: the recipe's FP8 KV cache) runs on CUDA (vLLM's platform on this node, the
+    head node: its torch build says nothing, vLLM's CPU wheels 0.20/0.25 ship CUDA torch): there
+    every vLLM attention with an FP8 cache is refused at engine start (`kv_backends`), after
+    Ray and the model load. ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it."""
     from nemo_jetrl.backends.nemo_rl.venvs import with_pythonpath
     from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
 
@@ -272,10 +275,10 @@ def preflight_vllm_patch(
             "nemo-jetrl[vllm]` replaces NeMo-RL's vLLM; install nemo_jetrl with --no-deps). "
             "Rebuild the image, or launch once with NRL_FORCE_REBUILD_VENVS=true"
         )
-    if fp8_kv and found.get("cuda"):
+    if fp8_kv and found.get("device") == "cuda":
         raise _user_error(
-            f"{VLLM_KV_DTYPE}=fp8 (recipe jetrl_kv's FP8 KV cache) on NeMo-RL's CUDA "
-            f"vLLM {version} ({python}, CUDA {found['cuda']}): {CUDA_FP8_KV}. Nothing started. "
+            f"{VLLM_KV_DTYPE}=fp8 (recipe jetrl_kv's FP8 KV cache) on NeMo-RL's vLLM {version} "
+            f"on CUDA ({python}): {CUDA_FP8_KV}. Nothing started. "
             f"Use recipe jetrl (BF16 KV cache, {VLLM_KV_DTYPE}=auto: exactly the trainer's FP8 "
             "linears)"
         )
