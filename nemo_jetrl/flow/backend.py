@@ -38,7 +38,8 @@ NEMO_RL_VLLM = {"v0.7.0": "0.20.0", "main": "0.25.1"}
 
 KV_ATTENTION_CAVEAT = (
     "; the FP8 KV cache is on-policy on vLLM's CPU attention only (jetrl rehearse): on CUDA no "
-    "vLLM attention serves it and the launch is refused before Ray starts, so on a GPU cluster "
+    "vLLM attention serves it and the launch refuses it (before Ray, or at engine start when "
+    "the launch builds vLLM's venv), so on a GPU cluster "
     "use recipe jetrl (BF16 KV cache; docs/kvcache.md)"
 )
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NoReturn
 
 from torch import nn
 
@@ -146,12 +146,12 @@ def keep_bf16_by_name(
                     )
                 _wrap(mod, fp8_disabled)
                 wrapped.append((name, mod))
-    except ValueError as exc:  # raised after the gather: no rank is left waiting in it
-        problem = str(exc)
+    except Exception as exc:  # raised after the gather: no rank is left waiting in it
+        problem = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     parts = gather((sorted(used), sorted(layers), problem)) if gather else [(used, layers, problem)]
     used = {kw for u, _, _ in parts for kw in u}
-    layers = {i for _, ls, _ in parts for i in ls}
-    unused = [kw for kw in kws if kw not in used and _should_match(kw, layers)]
+    # every stage answered: a word naming any layer must have matched (a typo'd index too)
+    unused = [kw for kw in kws if kw not in used and _should_match(kw, None if gather else layers)]
     problems = [p for _, _, p in parts if p]
     if unused:
         problems.append(
@@ -165,6 +165,13 @@ def keep_bf16_by_name(
             mod.__dict__.pop("forward", None)
         raise ValueError(problems[0])
     return Bf16NameHandle(wrapped)
+
+
+def refuse_with_ranks(problem: str, gather: Callable[[Any], list[Any]]) -> NoReturn:
+    """Raise ``problem`` found on this rank before `keep_bf16_by_name` (its KV hooks, say),
+    after entering the gather the other ranks' `keep_bf16_by_name` waits in: they raise it too."""
+    gather(([], [], problem))
+    raise ValueError(problem)
 
 
 def _refuse_part_of_in_proj(name: str, stem: str, kws: Sequence[str]) -> None:
@@ -183,8 +190,9 @@ def _refuse_part_of_in_proj(name: str, stem: str, kws: Sequence[str]) -> None:
         )
 
 
-def _should_match(kw: str, layers: set[int]) -> bool:
-    """False for words training keeps BF16 anyway and words naming another stage's layer."""
+def _should_match(kw: str, layers: set[int] | None) -> bool:
+    """False for words training keeps BF16 anyway and words naming a layer outside ``layers``
+    (this stage's; None: every stage was asked)."""
     if any(a in kw for a in TRAIN_BF16_ANYWAY) or kw.endswith(ROUTER_WORD_END):
         return False
     m = _LAYER_WORD.search(kw)

@@ -369,7 +369,7 @@ def test_end_to_end_two_grpo_steps_in_docker(tmp_path):
     from nemo_jetrl.runs.logs import read_scalars
 
     log_dir = tmp_path / "logs"
-    with pytest.raises(UserError, match=r"kv_cache_dtype=fp8 .* on CUDA"):
+    with pytest.raises(UserError, match=r"kv_cache_dtype=fp8 .* on cuda "):
         nr.run_nemo_rl(str(QWEN / "jetrl_kv.yaml"), [*E2E_OVERRIDES, f"logger.log_dir={log_dir}"])
     assert not log_dir.exists()
     rc = nr.run_nemo_rl(

@@ -207,7 +207,9 @@ def test_bare_metal_venvs_are_nemo_rl_git_root_venvs(tmp_path):
     environ = {"PYTHONPATH": "/site/a"}
     kind, entry, lines, calls = _prep(merged, tmp_path, environ)
     assert kind == driver.SYNC and entry == MCORE_UV and calls == []
-    assert any("vLLM version check deferred" in line for line in lines)
+    assert any(
+        "vLLM version check (and the FP8 KV cache's platform) deferred" in line for line in lines
+    )
     assert merged["logger"]["log_dir"].endswith("logs/x/exp_001")
     # NeMo-RL builds both venvs during this run, without nemo_jetrl: the overlay goes on the path.
     overlay = str(Path(merged["logger"]["log_dir"]) / venvs.OVERLAY_NAME)
@@ -408,11 +410,14 @@ def test_an_fp8_kv_recipe_on_a_cuda_build_of_vllm_is_refused_before_ray(tmp_path
     with pytest.raises(UserError) as ei:
         nr.preflight_vllm_patch("/v/bin/python", run=run("cuda"), pinned="0.20.0", fp8_kv=True)
     msg = str(ei.value)
-    assert msg.startswith("policy.generation.vllm_cfg.kv_cache_dtype=fp8 ") and "on CUDA" in msg
+    assert msg.startswith("policy.generation.vllm_cfg.kv_cache_dtype=fp8 ") and " on cuda " in msg
     assert "FlexAttention has no FP8 cache" in msg and "Use recipe jetrl (BF16 KV cache" in msg
     nr.preflight_vllm_patch("/v/bin/python", run=run("cuda"), pinned="0.20.0")  # BF16 cache
     # vLLM's CPU platform (the rehearsal; its 0.20/0.25 wheels bring a CUDA torch build)
     nr.preflight_vllm_patch("/v/bin/python", run=run("cpu"), pinned="0.20.0", fp8_kv=True)
+    # a GPU build on a head node without GPUs: vLLM finds no platform (UnspecifiedPlatform, "")
+    with pytest.raises(UserError, match=r"on a GPU build \(no GPU on this node\)"):
+        nr.preflight_vllm_patch("/v/bin/python", run=run(""), pinned="0.20.0", fp8_kv=True)
 
 
 @pytest.mark.parametrize(("recipe", "refused"), [("jetrl_kv", True), ("jetrl", False)])
@@ -429,7 +434,7 @@ def test_the_launch_preflight_knows_the_recipes_kv_cache(tmp_path, recipe, refus
     out = json.dumps({"vllm": "0.25.1", "plugins": dict(ENTRY_POINTS), "device": "cuda"})
     run = lambda *a, **k: types.SimpleNamespace(returncode=0, stdout=out, stderr="")  # noqa: E731
     if refused:
-        with pytest.raises(UserError, match=r"kv_cache_dtype=fp8 .* vLLM 0\.25\.1 on CUDA"):
+        with pytest.raises(UserError, match=r"kv_cache_dtype=fp8 .* vLLM 0\.25\.1 on cuda"):
             preflight("/v/bin/python", run=run)
     else:
         preflight("/v/bin/python", run=run)

@@ -14,7 +14,7 @@ import torch
 
 from nemo_jetrl.backends.nemo_rl import vllm_refit
 from nemo_jetrl.backends.nemo_rl.refit_batches import quantize_batch
-from nemo_jetrl.backends.nemo_rl.vllm_refit import HookState, _make_transport
+from nemo_jetrl.backends.nemo_rl.vllm_refit import HookState, _make_load_weights, _make_transport
 from nemo_jetrl.recipe import Recipe
 from nemo_jetrl.vllm_patch import rank_vote, settings_from_recipe
 from nemo_jetrl.vllm_patch.refit import RefitError
@@ -148,14 +148,26 @@ def test_a_failure_before_loading_names_the_step_that_failed(monkeypatch, fails,
 
 @pytest.mark.parametrize(("parity", "rollback"), [(True, True), (False, True), (True, False)])
 def test_a_pipeline_parallel_engine_is_refused_by_the_check_that_is_on(parity, rollback):
+    """Refused after NeMo-RL's stream is received (raised before it, the trainer waited: v0.7.0's
+    IPC send for its ACK, 120 s, the collective broadcast for ever), with nothing loaded."""
     w = engine()
     w.vllm_config.parallel_config.pipeline_parallel_size = 2
-    called = []
+    weight = w.model_runner.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    received = []
+
+    def nemo_rl_transport(worker):  # receives every batch; loads through our load_weights
+        batch = [("layers.0.self_attn.o_proj.weight", torch.ones(4, 4))]
+        received.append(len(batch))
+        _make_load_weights(state)(batch, worker.model_runner)
+        return True
+
     state = HookState(SETTINGS, parity, rollback, "t")
-    hooked = _make_transport("update_weights_via_ipc_zmq", lambda wk: called.append(1), state)
+    hooked = _make_transport("update_weights_via_ipc_zmq", nemo_rl_transport, state)
     with pytest.raises(RefitError, match=r"pipeline_parallel_size=2: .*set it to 1") as info:
         hooked(w)
-    assert called == []  # refused before NeMo-RL's stream: every rank raises the same
+    assert received == [1]  # the stream was drained; every rank raises the same after it
+    assert torch.equal(w.model_runner.model.layers[0].self_attn.o_proj.weight, weight)
+    assert w.model_runner._jetrl_sent is None
     named = {k for k in rank_vote.CHECK_KEYS if k in str(info.value)}
     assert named == set(rank_vote.checks_on(parity=parity, rollback=rollback))
     assert ("jetrl.refit_parity_check" in named) is parity  # literal: the key a user sets

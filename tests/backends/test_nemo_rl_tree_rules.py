@@ -217,6 +217,11 @@ def test_jetrl_check_lists_what_the_launch_would_refuse_per_tree(capsys):
         "policy.generation.vllm_cfg.async_engine",
         "policy.generation.colocated.enabled",
     ]
+    # the trainer's keys are read resolved, as translate reads them (an interpolation is text)
+    off = "grpo.async_grpo.enabled=${oc.decode:'false'}"
+    assert jetrl(["check", cfg, fp8_param, "+" + off, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["nemo_rl_launch_refusals"]
+    assert [p["key"] for p in got["main"]] == ["policy.megatron_cfg.fp8_cfg.fp8_param"]
     fp8_param_out = jetrl(["check", cfg, fp8_param]) == 0 and capsys.readouterr().out
     assert "nemo-rl v0.7.0: on-policy: refit" in fp8_param_out
     assert "nemo-rl main: on-policy (but jetrl train refuses" in fp8_param_out

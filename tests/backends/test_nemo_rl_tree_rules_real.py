@@ -20,13 +20,15 @@ from nemo_jetrl.backends.nemo_rl.tree_rules import read_tree
 pytestmark = pytest.mark.nemo_rl
 
 EDGE_LAYERS = r"""
-import json, sys
+import inspect, json, sys
 from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import fp8 as vllm_fp8
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
-class Fp8Method:  # STAND-IN: the real one needs a running engine's config; vLLM's own
-    def __init__(self, config):  # get_quant_method decides whether it is built
-        pass
+Real = vllm_fp8.Fp8LinearMethod
+class Fp8Method(Real):  # STAND-IN for __init__ only: the real one reads a running engine's
+    def __init__(self, quant_config: Fp8Config):  # config; get_quant_method decides whether
+        self.quant_config = quant_config           # it is built, as it would build the real one
+same_init = inspect.signature(Fp8Method.__init__) == inspect.signature(Real.__init__)
 from nemo_rl.models.generation.vllm.quantization import fp8
 cfg = {"precision": "fp8", "kv_cache_dtype": "auto", "async_engine": False,
        "num_first_layers_in_bf16": 1}
@@ -38,7 +40,7 @@ out = {}
 for prefix in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
                "model.layers.1.self_attn.o_proj"):
     out[prefix] = isinstance(config.get_quant_method(layer, prefix), UnquantizedLinearMethod)
-print(json.dumps({"bf16": out, "ignored": qc.get("ignored_layers")}))
+print(json.dumps({"bf16": out, "ignored": qc.get("ignored_layers"), "same_init": same_init}))
 """
 
 
@@ -61,6 +63,7 @@ def test_bf16_edge_layers_reach_vllm_exactly_where_the_facts_say(tmp_path):
         got["bf16"]["model.layers.0.self_attn.o_proj"],
         got["bf16"]["model.layers.0.mlp.down_proj"],
     ]
+    assert got["same_init"]  # the stand-in's __init__ has the real class's signature
     assert not got["bf16"]["model.layers.1.self_attn.o_proj"]  # never asked for
     # v0.7.0: a nested list, layer 0 runs FP8 (the rule refuses); main: it runs BF16
     assert layer0 == [not facts.nested_bf16_edges] * 2, got

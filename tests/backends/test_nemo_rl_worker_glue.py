@@ -254,3 +254,45 @@ def test_the_worker_judges_bf16_words_over_every_rank(worker_cls, model, tmp_pat
     other["stage"] = ([], [7], None)  # no stage has it
     with _CudaOnCpu(), pytest.raises(ValueError, match=r"kv_b_proj'\] match no Megatron linear"):
         cls(_cfg(), model=model, bridge=bridge)
+
+
+def test_the_worker_lets_a_pipeline_stage_hold_no_attention_and_refuses_together(
+    worker_cls, model, tmp_path, monkeypatch
+):
+    """The KV hooks accept a stage without full attention only under pipeline parallelism
+    (`allow_empty`: a hybrid model's stage of linear-attention layers); a rank whose hooks fail
+    enters the gather the other ranks' BF16-word check waits in, then raises."""
+    from nemo_jetrl.backends.nemo_rl import worker
+    from nemo_jetrl.megatron import attention
+
+    real = attention.attach_megatron_kv
+    seen, gathered = [], []
+
+    def attach(*args, **kwargs):
+        seen.append(kwargs["allow_empty"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "attach_megatron_kv", attach)
+    monkeypatch.setattr(worker, "_all_ranks", lambda mine: gathered.append(mine) or [mine])
+    worker.make_worker_class.cache_clear()
+    cls = worker.make_worker_class().__ray_actor_class__  # imports the stand-in above
+    bridge = _bridge(tmp_path)
+    for pp in (1, 2):
+        cfg = _cfg()
+        cfg["megatron_cfg"]["pipeline_model_parallel_size"] = pp
+        with _CudaOnCpu():
+            w = cls(cfg, model=model, bridge=bridge)
+        w._jetrl_bf16.restore()
+        w._jetrl_kv.restore()
+    assert seen == [False, True] and len(gathered) == 2
+
+    def broken(*args, **kwargs):
+        raise ValueError("decoder layer 3 has two core attentions")
+
+    monkeypatch.setattr(attention, "attach_megatron_kv", broken)
+    worker.make_worker_class.cache_clear()
+    cls = worker.make_worker_class().__ray_actor_class__
+    gathered.clear()
+    with _CudaOnCpu(), pytest.raises(ValueError, match="two core attentions"):
+        cls(_cfg(), model=model, bridge=bridge)
+    assert gathered == [([], [], "ValueError: decoder layer 3 has two core attentions")]

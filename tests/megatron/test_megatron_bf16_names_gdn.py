@@ -191,3 +191,30 @@ def test_a_bf16_word_is_judged_over_every_pipeline_stage(gdn_model):
         keep_bf16_by_name(gdn_model, ["linear_attn.in_proj_a"], fp8_disabled=fp8_off,
                           gather=gather)  # fmt: skip
     assert len(seen) == 1 and "one GEMM" in seen[0][2]
+
+
+def test_with_every_stage_asked_a_word_naming_a_missing_layer_is_refused(gdn_model):
+    """Without ``gather`` a word naming a layer this stage lacks is let pass (another stage may
+    hold it); with every stage's answer (the worker's gather, PP=1 included) a layer no stage
+    holds is a typo, refused instead of silently running that layer in FP8."""
+    _, fp8_off = _off_recorder()
+    word = ["layers.99.mlp.down_proj"]
+    keep_bf16_by_name(gdn_model, word, fp8_disabled=fp8_off).restore()  # this stage alone
+    with pytest.raises(ValueError, match=r"\['layers.99.mlp.down_proj'\] match no Megatron"):
+        keep_bf16_by_name(gdn_model, word, fp8_disabled=fp8_off, gather=lambda m: [m])
+    # what training keeps BF16 anyway is never asked of a stage
+    keep_bf16_by_name(gdn_model, ["lm_head"], fp8_disabled=fp8_off, gather=lambda m: [m]).restore()
+
+
+def test_a_problem_found_before_the_bf16_words_reaches_every_rank(gdn_model):
+    """A rank whose KV hooks failed enters the same gather the other ranks' keep_bf16_by_name
+    waits in (`refuse_with_ranks`), so every rank raises it instead of waiting for it."""
+    from nemo_jetrl.megatron.bf16_names import refuse_with_ranks
+
+    sent = []
+    with pytest.raises(ValueError, match=r"^ValueError: two core attentions$"):
+        refuse_with_ranks("ValueError: two core attentions", lambda m: sent.append(m) or [m])
+    (mine,) = sent
+    _, fp8_off = _off_recorder()
+    with pytest.raises(ValueError, match="two core attentions"):  # the other rank
+        keep_bf16_by_name(gdn_model, [], fp8_disabled=fp8_off, gather=lambda m: [mine, m])

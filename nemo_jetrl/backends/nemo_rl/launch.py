@@ -157,7 +157,8 @@ def launch_problems(checked: Any, tree: TreeFacts) -> list[tuple[str, str]]:
     try:
         plan = _translate(checked, tree)
     except TranslationError as exc:  # the trainer's keys are the user's: reported together
-        return [*exc.problems, *trainer_problems(OmegaConf.to_container(checked.cfg))]
+        cfg = OmegaConf.to_container(checked.cfg, resolve=True)
+        return [*exc.problems, *trainer_problems(cfg)]
     return trainer_problems(plan.master_config)
 
 
@@ -236,10 +237,10 @@ def preflight_vllm_patch(
 ) -> None:
     """Refuse early when the vLLM in NeMo-RL's vLLM workers is outside the patch's range, or is
     not the one NeMo-RL pins (``pinned``: replaced, e.g. by ``pip install nemo-jetrl[vllm]``),
-    or (``fp8_kv``: the recipe's FP8 KV cache) runs on CUDA (vLLM's platform on this node, the
-    head node: its torch build says nothing, vLLM's CPU wheels 0.20/0.25 ship CUDA torch): there
-    every vLLM attention with an FP8 cache is refused at engine start (`kv_backends`), after
-    Ray and the model load. ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it."""
+    or (``fp8_kv``: the recipe's FP8 KV cache) is not vLLM's CPU build: on CUDA every vLLM
+    attention with an FP8 cache is refused at engine start (`kv_backends`), after Ray and the
+    model load. Asked of vLLM's platform (its torch says nothing: vLLM's 0.20/0.25 CPU wheels
+    ship CUDA torch); a GPU build on a head node without GPUs reports none (""), refused too. ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it."""
     from nemo_jetrl.backends.nemo_rl.venvs import with_pythonpath
     from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
 
@@ -275,10 +276,11 @@ def preflight_vllm_patch(
             "nemo-jetrl[vllm]` replaces NeMo-RL's vLLM; install nemo_jetrl with --no-deps). "
             "Rebuild the image, or launch once with NRL_FORCE_REBUILD_VENVS=true"
         )
-    if fp8_kv and found.get("device") == "cuda":
+    if fp8_kv and found.get("device") != "cpu":
+        on = found.get("device") or "a GPU build (no GPU on this node)"
         raise _user_error(
-            f"{VLLM_KV_DTYPE}=fp8 (recipe jetrl_kv's FP8 KV cache) on NeMo-RL's vLLM {version} "
-            f"on CUDA ({python}): {CUDA_FP8_KV}. Nothing started. "
+            f"{VLLM_KV_DTYPE}=fp8 (the recipe's FP8 KV cache) on NeMo-RL's vLLM {version} "
+            f"on {on} ({python}): {CUDA_FP8_KV}. Nothing started. "
             f"Use recipe jetrl (BF16 KV cache, {VLLM_KV_DTYPE}=auto: exactly the trainer's FP8 "
             "linears)"
         )

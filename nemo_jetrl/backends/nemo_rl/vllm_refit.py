@@ -18,9 +18,9 @@ the training forward. `install_refit_hook(settings)` replaces, inside the vLLM w
    with our worker extension's ``jetrl_read_back`` and compared by ``refit.check_parity``
    (FP8 bytes and scales bit for bit; at vLLM tensor_parallel_size > 1 each rank compares its
    own shard of every tensor, ``dense_shards`` / ``expert_shards``; pipeline parallel is
-   refused); the KV scales sent are compared with what the attention
-   layers hold. A difference raises ``ParityError`` naming the tensors, out of the transport, so
-   NeMo-RL's driver stops the run instead of rolling out with other weights.
+   refused, after receiving the stream); the KV scales sent are compared with what the attention
+   layers hold. A difference raises ``ParityError`` naming the tensors, out of the transport,
+   so NeMo-RL's driver stops the run instead of rolling out with other weights.
    All-or-nothing (``jetrl.refit_rollback``): the batches stream in one by one, so a refusal in
    batch k comes after batches 1..k-1 were loaded. The transport therefore snapshots the model
    first (``vllm_patch.rollback``: one copy of its tensors, on the GPU if it fits, else in host
@@ -48,7 +48,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.backends.nemo_rl import kv_wake
@@ -182,12 +182,11 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
     @functools.wraps(original)
     def transport(self: Any, *args: Any, **kwargs: Any) -> Any:
         runner = self.model_runner
-        # Each TP rank checks its own shards (dense_shards / expert_shards) and the ranks vote
-        # over the TP group (rank_vote); pipeline stages are neither (translate refuses them).
+        # TP ranks check their own shards and vote (rank_vote); pipeline stages cannot
         pp = getattr(self.vllm_config.parallel_config, "pipeline_parallel_size", 1)
         checked = rank_vote.checks_on(parity=state.parity, rollback=state.rollback)
-        if why := rank_vote.stage_problem(pp, checked):  # every rank raises it: none votes
-            raise RefitError(f"vLLM pipeline_parallel_size={why}")
+        if why := rank_vote.stage_problem(pp, checked):  # every rank refuses: none votes
+            _drain_refused(self, original, (args, kwargs), f"vLLM pipeline_parallel_size={why}")
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
         snap = bound = None
         ok, failure = False, None
@@ -254,6 +253,19 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
 
     setattr(transport, MARK, state)
     return transport
+
+
+def _drain_refused(worker: Any, original: Any, call: tuple[Any, Any], why: str) -> NoReturn:
+    """Receive NeMo-RL's stream, load none of its weights (our ``load_weights`` skips a refused
+    refit; its post-load steps still run), raise ``why``: raised before, the trainer waited."""
+    runner = worker.model_runner
+    sent = runner._jetrl_sent = SentTensors(keep=False)
+    sent.error = RefitError(why)
+    try:
+        original(worker, *call[0], **call[1])
+    finally:
+        runner._jetrl_sent = None
+    raise sent.error
 
 
 def _keep_graph_storage(model: Any, bound: Any, sent: SentTensors, ok: bool) -> None:

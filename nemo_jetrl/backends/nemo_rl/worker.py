@@ -88,7 +88,7 @@ def make_worker_class() -> type:
     from nemo_jetrl.build_info import driver_code_problem
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
-    from nemo_jetrl.megatron.bf16_names import keep_bf16_by_name
+    from nemo_jetrl.megatron.bf16_names import keep_bf16_by_name, refuse_with_ranks
     from nemo_jetrl.megatron.config import built_bf16_edges_problem, ensure_te_scale_env
 
     get_model_config = require("megatron.core.utils", feature="the policy worker").get_model_config
@@ -108,12 +108,15 @@ def make_worker_class() -> type:
             why = built_bf16_edges_problem(get_model_config(self.model), recipe.train)
             if why:
                 raise RuntimeError(f"nemo_jetrl: {why}")
-            self._jetrl_kv = attach_megatron_kv(
-                self.model,
-                onpolicy=recipe.onpolicy_kv,
-                layer_offset=_layer_offset(self.model),
-                allow_empty=_pipeline_stages(self.cfg) > 1,  # a stage of linear attention only
-            )
+            try:
+                self._jetrl_kv = attach_megatron_kv(
+                    self.model,
+                    onpolicy=recipe.onpolicy_kv,
+                    layer_offset=_layer_offset(self.model),
+                    allow_empty=_pipeline_stages(self.cfg) > 1,  # a stage of linear attention
+                )
+            except Exception as exc:  # the other ranks wait in keep_bf16_by_name's gather
+                refuse_with_ranks(f"{type(exc).__name__}: {exc}", _all_ranks)
             # Per-name BF16 linears (jetrl.train_bf16_layer_kws) run outside TE's FP8.
             # judged over every pipeline stage: a stage may lack what a word names
             self._jetrl_bf16 = keep_bf16_by_name(
