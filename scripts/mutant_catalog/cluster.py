@@ -184,8 +184,8 @@ MUTANTS = [
     Mutant(  # found by review: means divided by tokens they left out
         "the logged token means count unusable tokens in their denominator",
         "nemo_jetrl/backends/nemo_rl/metrics.py",
-        "            out[k] = float(out[k]) * scale\n",
-        "            out[k] = float(out[k])\n",
+        "    n = float(usable)\n",
+        "    n = float(usable) + float(metrics.get(COUNTS[1]) or 0)\n",
         ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
     ),
     Mutant(  # found by review: a bad bound crashed every worker's first loss call
@@ -270,8 +270,8 @@ MUTANTS = [
     Mutant(
         "a step without a usable token logs its token means as 0",
         "nemo_jetrl/backends/nemo_rl/metrics.py",
-        "    if not float(usable) > 0:  # no usable token",
-        "    if False:  # no usable token",
+        '            out[k] = float(out[k]) / n if n > 0 else float("nan")',
+        "            out[k] = float(out[k]) / n if n > 0 else 0.0",
         ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
     ),
     Mutant(  # found by review: v0.7.0 hands vLLM a nested list of BF16 edge layers
@@ -487,5 +487,12 @@ MUTANTS = [
         "_should_match(kw, None if gather else layers)",
         "_should_match(kw, layers)",
         ("tests/megatron/test_megatron_bf16_names_gdn.py",),
+    ),
+    Mutant(  # review: several global batches a step logged neither mean
+        "a micro-batch returns its token means, not its sums",
+        "nemo_jetrl/backends/nemo_rl/metrics.py",
+        "    out = {k: (m[k] * n if n > 0 else 0.0) for k in TOKEN_MEANS}",
+        "    out = {k: (m[k] if n > 0 else 0.0) for k in TOKEN_MEANS}",
+        ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
     ),
 ]

@@ -109,6 +109,36 @@ def test_a_step_without_a_usable_token_logs_nan_not_zero():
     assert all(math.isnan(got[k]) for k in nm.TOKEN_MEANS)
 
 
+def test_a_step_of_several_global_batches_logs_the_token_mean_of_all_of_them():
+    """NeMo-RL sums the loss metrics over each global batch's micro-batches and the global
+    batches, then divides by their number (megatron_policy_worker.py, both trees). Normalised by
+    each global batch's ``global_valid_toks`` (as before), a step of a 40-token and a 4-token
+    global batch (2 unusable) logged neither the token mean nor the mean of the two means."""
+    big, small = [batch(11, b=4, t=11)], [batch(12, b=1, t=11)]
+    small[0][0]["token_mask"][:] = 0
+    small[0][0]["token_mask"][0, 1:5] = 1  # 4 tokens, 2 of them unusable
+    small[0][0]["prev_logprobs"][0, 1:3] = small[0][0]["generation_logprobs"][0, 1:3] - 400.0
+    loss = nm.MismatchMetricsLoss(PgStandin())
+    per_batch = [step(loss, parts, proxy=False) for parts in (big, small)]
+    summed = {k: (per_batch[0][k] + per_batch[1][k]) / 2 for k in per_batch[0]}  # / G
+    got = nm.usable_token_means(summed)
+    ref = offline(big + small, "prev_logprobs")
+    assert ref["jetrl/mismatch/nonfinite_tokens"] == 2
+    for k in nm.TOKEN_MEANS:
+        assert got[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
+    assert got["jetrl/mismatch/num_valid_tokens"] == ref["jetrl/mismatch/num_valid_tokens"] / 2
+
+
+def test_a_step_whose_samples_are_all_masked_logs_nan_not_zero():
+    """NeMo-RL zeroes ``sample_mask`` for truncated responses (overlong filtering): a step with
+    no valid token logged 0.0 for every token mean (its non-finite count was 0 too)."""
+    parts = [batch(13)]
+    parts[0][0]["sample_mask"] = torch.zeros(4, dtype=torch.float64)
+    got = step(nm.MismatchMetricsLoss(PgStandin()), parts)
+    assert got["jetrl/mismatch/num_valid_tokens"] == 0 == got["jetrl/mismatch/nonfinite_tokens"]
+    assert all(math.isnan(got[k]) for k in nm.TOKEN_MEANS)
+
+
 def test_the_ratio_bounds_are_every_backends_and_checked_on_the_driver():
     """The local backend and the offline recompute use DEFAULT_RATIO_BOUNDS; the NeMo-RL
     wrapper had (0, 2) or loss_fn's TIS keys, so is_ratio_frac_below was always 0 there and a

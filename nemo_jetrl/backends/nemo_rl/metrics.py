@@ -1,20 +1,19 @@
 """Our mismatch metrics inside NeMo-RL's GRPO loop: a loss-function wrapper and a logger proxy.
 
-How NeMo-RL aggregates (v0.7.0, ``nemo_rl/algorithms/grpo.py``): every metric a loss function
-returns per micro-batch is collected into a list and *summed* over micro-batches and data-parallel
-ranks (a few named ones are min/max/mean-reduced). NeMo-RL's own token means survive that because
-each micro-batch returns ``sum over its valid tokens / global_valid_toks`` (its ``masked_mean``
-with a global normalization factor). We do the same: a micro-batch contributes
-``mean_mb(x) * n_mb / global_valid_toks`` for each token-mean statistic, so the logged sum is the
-token mean over the whole step. A token whose log-ratio is non-finite or beyond
-``LOG_RATIO_LIMIT`` is left out of the means but counted in ``global_valid_toks``, so the logger
-proxy rescales each mean by (usable + non-finite) / usable from the two counts. Only additive
-statistics can be carried that way; the full set (per-sequence, min/max, ESS) comes from
-``nemo_jetrl.rl.metrics.mismatch_metrics`` when the logs are analysed offline. NeMo-RL's Megatron
-worker then divides every summed metric without ``_min``/``_max`` in its name by the step's
-number of global batches (v0.7.0 ``megatron_policy_worker.py``), ours as its own: with one global
-batch a step (NeMo-RL's GRPO default) counts are the step's totals and means its token means;
-with several, counts are per global batch and means the mean of the global batches' means.
+How NeMo-RL aggregates (both trees, ``nemo_rl/algorithms/grpo.py``): every metric a loss
+function returns per micro-batch is *summed* over micro-batches and data-parallel ranks, and its
+Megatron worker divides every sum without ``_min``/``_max`` in its name by the step's number of
+global batches (``megatron_policy_worker.py``). So a micro-batch returns *sums*: for each
+token-mean statistic ``mean_mb(x) * n_mb`` over its usable tokens, and the usable and non-finite
+token counts; the logger proxy divides each sum by the usable count. The division by the number
+of global batches cancels, so the logged value is the token mean over every usable token of the
+step, whatever the number of global batches and however many tokens each holds, and NaN when
+no token was usable (all sample_mask 0, or every log-ratio non-finite): never a silent 0. A
+token whose log-ratio is non-finite or beyond ``LOG_RATIO_LIMIT`` is left out of the means and
+counted in ``nonfinite_tokens``. Counts are logged per global batch (the step's totals with one,
+NeMo-RL's GRPO default). Only additive statistics can be carried this way; the full set
+(per-sequence, min/max, ESS) comes from ``nemo_jetrl.rl.metrics.mismatch_metrics`` when the
+logs are analysed offline.
 
 The ratio bounds of ``is_ratio_frac_*`` and ``is_ratio_trunc_mean`` are
 ``DEFAULT_RATIO_BOUNDS`` here as on the local backend and offline, so a tag means the same in
@@ -56,17 +55,16 @@ def additive_mismatch_metrics(
     prev_logprobs: torch.Tensor,
     token_mask: torch.Tensor,
     sample_mask: torch.Tensor | None,
-    global_valid_toks: float | torch.Tensor,
     *,
     ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS,
 ) -> dict[str, float]:
-    """One micro-batch's contributions; summing them over the step gives step-level token means."""
+    """One micro-batch's sums over its usable tokens and its counts (`usable_token_means` turns
+    the step's totals into token means)."""
     m = mismatch_metrics(
         generation_logprobs, prev_logprobs, token_mask, sample_mask, ratio_bounds=ratio_bounds
     )
     n = m["jetrl/mismatch/num_valid_tokens"]
-    total = float(global_valid_toks)
-    out = {k: (m[k] * n / total if n > 0 and total > 0 else 0.0) for k in TOKEN_MEANS}
+    out = {k: (m[k] * n if n > 0 else 0.0) for k in TOKEN_MEANS}
     out.update({k: m[k] for k in COUNTS})
     return out
 
@@ -96,8 +94,7 @@ class MismatchMetricsLoss:
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         loss, metrics = self.inner(*args, **kwargs)
         data = kwargs.get("data", args[1] if len(args) > 1 else None)
-        gvt = kwargs.get("global_valid_toks", args[3] if len(args) > 3 else None)
-        if data is None or gvt is None:
+        if data is None:
             raise TypeError(
                 "MismatchMetricsLoss: call with (logprobs, data, global_valid_seqs, "
                 "global_valid_toks) as NeMo-RL does"
@@ -114,7 +111,6 @@ class MismatchMetricsLoss:
             prev,
             data["token_mask"][:, 1:],
             data["sample_mask"],
-            gvt,
             ratio_bounds=self.ratio_bounds,
         )
         clash = set(extra) & set(metrics)
@@ -152,16 +148,14 @@ class JetrlLoggerProxy:
 
 
 def usable_token_means(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``metrics`` with each `TOKEN_MEANS` entry over the usable tokens: the loss normalised
-    by ``global_valid_toks``, which also counts the non-finite ones (`COUNTS`)."""
+    """``metrics`` with each `TOKEN_MEANS` sum divided by the usable-token count (`COUNTS`):
+    the step's token means; NaN without a usable token, never a silent 0 (docs/metrics.md)."""
     out = dict(metrics)
-    usable, nonfinite = (metrics.get(k) for k in COUNTS)
-    if usable is None or nonfinite is None or not float(nonfinite):
+    usable = metrics.get(COUNTS[0])
+    if usable is None:
         return out
-    if not float(usable) > 0:  # no usable token: NaN, never a silent 0 (docs/metrics.md)
-        return {**out, **{k: float("nan") for k in TOKEN_MEANS if k in out}}
-    scale = (float(usable) + float(nonfinite)) / float(usable)
+    n = float(usable)
     for k in TOKEN_MEANS:
         if k in out:
-            out[k] = float(out[k]) * scale
+            out[k] = float(out[k]) / n if n > 0 else float("nan")
     return out
