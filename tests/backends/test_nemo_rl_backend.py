@@ -324,9 +324,10 @@ def test_loss_wrapper_sums_to_step_token_means():
         whole["sample_mask"],
         ratio_bounds=ratio_bounds,
     )
+    logged = nm.usable_token_means(summed)  # what the logger proxy hands NeMo-RL's logger
     for k in nm.TOKEN_MEANS + nm.COUNTS:
-        assert summed[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
-    assert summed["jetrl/mismatch/num_valid_tokens"] == float(vm)
+        assert logged[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
+    assert logged["jetrl/mismatch/num_valid_tokens"] == float(vm)
 
 
 def test_logger_proxy_moves_our_tags_out_of_train_prefix():

@@ -197,7 +197,8 @@ def prepare_master(
             preflight(str(vllm_py))
         else:
             lines.append(
-                f"vLLM version check (and the FP8 KV cache's platform) deferred to engine start ({vllm_py} is "
+                "vLLM version check (and the FP8 KV cache's platform) deferred to engine start "
+                f"({vllm_py} is "
                 + ("rebuilt by NeMo-RL" if rebuild else "not built yet")
                 + "; the plugin refuses an unsupported vLLM there)"
             )

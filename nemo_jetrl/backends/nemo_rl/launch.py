@@ -240,7 +240,8 @@ def preflight_vllm_patch(
     or (``fp8_kv``: the recipe's FP8 KV cache) is not vLLM's CPU build: on CUDA every vLLM
     attention with an FP8 cache is refused at engine start (`kv_backends`), after Ray and the
     model load. Asked of vLLM's platform (its torch says nothing: vLLM's 0.20/0.25 CPU wheels
-    ship CUDA torch); a GPU build on a head node without GPUs reports none (""), refused too. ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it."""
+    ship CUDA torch); a GPU build on a head node without GPUs reports none (""), refused too.
+    ``overlay``: first on that Python's ``PYTHONPATH``, as the launch will put it."""
     from nemo_jetrl.backends.nemo_rl.venvs import with_pythonpath
     from nemo_jetrl.vllm_patch.patch import UnsupportedVllmVersion, check_vllm_version
 

@@ -386,6 +386,9 @@ def _report(watch: _Watch, log_dir: Path, config: Any, failure: Any, start: floa
     print(f"jetrl rehearse: ready for the cluster ({STEPS} GRPO steps in {took:.0f} s)",
           flush=True)  # fmt: skip
     if watch.recipe.kv_fp8:  # vLLM's CPU attention served it; no CUDA attention does
-        print("jetrl rehearse: note: the FP8 KV cache ran on vLLM's CPU attention; a GPU launch "
-              "refuses it before Ray (docs/kvcache.md): submit recipe jetrl there", flush=True)  # fmt: skip
+        print(
+            "jetrl rehearse: note: the FP8 KV cache ran on vLLM's CPU attention; a GPU launch "
+            "refuses it before Ray (docs/kvcache.md): submit recipe jetrl there",
+            flush=True,
+        )
     return 0
