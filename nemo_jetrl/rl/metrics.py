@@ -212,9 +212,7 @@ def mismatch_metrics(
         ``jetrl/mismatch/``. Tags are complete: log them with an empty prefix.
     """
     shape = check_logprobs(generation_logprobs=generation_logprobs, prev_logprobs=prev_logprobs)
-    lo, hi = (float(b) for b in ratio_bounds)
-    if not (0.0 <= lo <= hi) or math.isnan(hi):
-        raise ValueError(f"ratio_bounds must satisfy 0 <= min <= max, got {ratio_bounds}")
+    lo, hi = _bounds(ratio_bounds)
     mask = valid_mask(token_mask, sample_mask, shape)
     g = generation_logprobs.detach().to(torch.float64)
     p = prev_logprobs.detach().to(torch.float64)
@@ -226,10 +224,69 @@ def mismatch_metrics(
     out.update(_sequence_errors(d, p, g, ok))
     rho = torch.exp(d[ok])
     out.update(_is_ratio_metrics(rho, lo, hi))
+    out.update({k: _mean(t) for k, t in _token_terms(d[ok], lo, hi).items()})
     out[_ours("num_valid_tokens")] = float(rho.numel())
     out[_ours("num_valid_seqs")] = float(ok.any(dim=-1).sum())
     out[_ours("nonfinite_tokens")] = float(nonfinite)
     return out
+
+
+def _bounds(ratio_bounds: tuple[float, float]) -> tuple[float, float]:
+    lo, hi = (float(b) for b in ratio_bounds)
+    if not (0.0 <= lo <= hi) or math.isnan(hi):
+        raise ValueError(f"ratio_bounds must satisfy 0 <= min <= max, got {ratio_bounds}")
+    return lo, hi
+
+
+def _token_terms(d: torch.Tensor, lo: float, hi: float) -> dict[str, torch.Tensor]:
+    """Per-token terms of the log-ratios ``d`` whose mean over the usable tokens is each
+    `ADDITIVE_MEANS` statistic: the one home of their definitions (`mismatch_metrics` takes the
+    means, `mismatch_token_sums` the sums)."""
+    rho = torch.exp(d)
+    return {
+        _ours("k1_kl"): -d,
+        _ours("chi2_token"): rho * rho - 1.0,
+        _ours("is_ratio_mean"): rho,
+        _ours("is_ratio_frac_above"): (rho > hi).to(d.dtype),
+        _ours("is_ratio_frac_below"): (rho < lo).to(d.dtype),
+        _ours("is_ratio_trunc_mean"): rho.clamp(lo, hi),
+    }
+
+
+#: the token-mean statistics that are a sum over usable tokens divided by their count, so sums
+#: from any split of a batch add up to the batch's (NeMo-RL sums loss metrics over micro-batches).
+ADDITIVE_MEANS = tuple(_token_terms(torch.zeros(0, dtype=torch.float64), 0.0, 0.0))
+#: the counts that come with them: usable tokens (the divisor) and valid but unusable tokens.
+TOKEN_COUNTS = (_ours("num_valid_tokens"), _ours("nonfinite_tokens"))
+
+
+def mismatch_token_sums(
+    generation_logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    token_mask: torch.Tensor,
+    sample_mask: torch.Tensor | None = None,
+    *,
+    ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS,
+) -> dict[str, float]:
+    """Sums over the usable tokens of each `ADDITIVE_MEANS` statistic, and `TOKEN_COUNTS`.
+
+    Same arguments, masks and usable-token rule as `mismatch_metrics`; a sum divided by
+    ``num_valid_tokens`` is its token mean. Built for a loss called per micro-batch (or per
+    packed sequence) on a GPU: no boolean indexing and one device-to-host copy in all, where
+    `mismatch_metrics` reads ~30 scalars back one by one.
+    """
+    shape = check_logprobs(generation_logprobs=generation_logprobs, prev_logprobs=prev_logprobs)
+    lo, hi = _bounds(ratio_bounds)
+    mask = valid_mask(token_mask, sample_mask, shape)
+    g = generation_logprobs.detach().to(torch.float64)
+    p = prev_logprobs.detach().to(torch.float64)
+    ok = usable_tokens(g, p, mask)
+    d = p - g
+    # selected, not multiplied by the mask: an unusable token's NaN / inf never reaches a sum
+    sums = [torch.where(ok, t, 0.0).sum() for t in _token_terms(d, lo, hi).values()]
+    counts = [ok.sum(), (mask & ~ok).sum()]
+    values = torch.stack([*sums, *(c.to(torch.float64) for c in counts)]).tolist()
+    return dict(zip(ADDITIVE_MEANS + TOKEN_COUNTS, values, strict=True))
 
 
 def _token_errors(
@@ -251,9 +308,8 @@ def _sequence_errors(
 ) -> dict[str, float]:
     """Per-sequence statistics (per-row sums over the ``ok`` tokens of [B, T] log-ratios ``d``
     and logprobs ``p``, ``g``; rows without one are left out): NeMo-RL's min / mean / max
-    sequence multiplicative prob error, then our k1 KL, log-perplexities and chi-square
-    divergences (token and sequence level)."""
-    dv = d[ok]
+    sequence multiplicative prob error, then our log-perplexities and sequence chi-square
+    divergence."""
     okf = ok.to(torch.float64)
     n_tok = okf.sum(dim=-1)
     has = n_tok > 0
@@ -264,7 +320,6 @@ def _sequence_errors(
     out[_name("mean_seq_mult_prob_error")] = _mean(seq_mpe)
     out[_name("max_seq_mult_prob_error")] = float(seq_mpe.max()) if seq_mpe.numel() else math.nan
 
-    out[_ours("k1_kl")] = _mean(-dv)
     train_lppl = -torch.where(ok, p, zero).sum(-1)[has] / n_tok[has]
     roll_lppl = -torch.where(ok, g, zero).sum(-1)[has] / n_tok[has]
     diff = train_lppl - roll_lppl
@@ -274,19 +329,14 @@ def _sequence_errors(
     out[_ours("log_ppl_abs_diff")] = _mean(diff.abs())
     out[_ours("ppl_ratio")] = _mean(torch.exp(diff))
 
-    rho = torch.exp(dv)
-    out[_ours("chi2_token")] = _mean(rho * rho) - 1.0
     seq_log = torch.where(ok, d, zero).sum(-1)[has].clamp(-SEQ_LOG_RATIO_CLAMP, SEQ_LOG_RATIO_CLAMP)
     out[_ours("chi2_seq")] = _mean(torch.exp(2.0 * seq_log)) - 1.0
     return out
 
 
 def _is_ratio_metrics(rho: torch.Tensor, lo: float, hi: float) -> dict[str, float]:
-    """Statistics of the valid tokens' importance ratios ``rho`` (1-D): as they are, the
-    fractions above ``hi`` / below ``lo``, and after truncation to [lo, hi]."""
+    """Statistics of the valid tokens' importance ratios ``rho`` (1-D): as they are and after
+    truncation to [lo, hi] (the fractions outside are `_token_terms`')."""
     out = _ratio_stats(rho, "is_ratio")
-    n = rho.numel()
-    out[_ours("is_ratio_frac_above")] = float((rho > hi).sum()) / n if n else math.nan
-    out[_ours("is_ratio_frac_below")] = float((rho < lo).sum()) / n if n else math.nan
     out.update(_ratio_stats(rho.clamp(lo, hi), "is_ratio_trunc"))
     return out

@@ -490,9 +490,16 @@ MUTANTS = [
     ),
     Mutant(  # review: several global batches a step logged neither mean
         "a micro-batch returns its token means, not its sums",
-        "nemo_jetrl/backends/nemo_rl/metrics.py",
-        "    out = {k: (m[k] * n if n > 0 else 0.0) for k in TOKEN_MEANS}",
-        "    out = {k: (m[k] if n > 0 else 0.0) for k in TOKEN_MEANS}",
+        "nemo_jetrl/rl/metrics.py",
+        "    sums = [torch.where(ok, t, 0.0).sum() for t in _token_terms(d, lo, hi).values()]",
+        "    sums = [torch.where(ok, t, 0.0).mean() for t in _token_terms(d, lo, hi).values()]",
         ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
+    ),
+    Mutant(  # the micro-batch sums count every masked-out position as non-finite
+        "non-finite count over all positions, not the valid ones",
+        "nemo_jetrl/rl/metrics.py",
+        "    counts = [ok.sum(), (mask & ~ok).sum()]",
+        "    counts = [ok.sum(), (~ok).sum()]",
+        ("tests/rl/test_metric_sums.py",),
     ),
 ]

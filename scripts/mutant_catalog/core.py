@@ -25,16 +25,16 @@ CONTROLS = [
     Mutant(
         "planted no-op: k1_kl parenthesised",
         RL + "metrics.py",
-        'out[_ours("k1_kl")] = _mean(-dv)',
-        'out[_ours("k1_kl")] = _mean(-(dv))',
+        '_ours("k1_kl"): -d,',
+        '_ours("k1_kl"): -(d),',
         T_METRICS,
         planted=True,
     ),
     Mutant(  # changes the AST, not the numbers: the harness must report it SURVIVED
         "planted behaviour no-op: k1_kl times 1",
         RL + "metrics.py",
-        'out[_ours("k1_kl")] = _mean(-dv)',
-        'out[_ours("k1_kl")] = _mean(-dv * 1)',
+        '_ours("k1_kl"): -d,',
+        '_ours("k1_kl"): -d * 1,',
         T_METRICS,
         planted=True,
     ),
@@ -45,8 +45,8 @@ MUTANTS = [
     Mutant(
         "k1_kl sign flipped",
         RL + "metrics.py",
-        'out[_ours("k1_kl")] = _mean(-dv)',
-        'out[_ours("k1_kl")] = _mean(dv)',
+        '_ours("k1_kl"): -d,',
+        '_ours("k1_kl"): d,',
         T_METRICS,
     ),
     Mutant(

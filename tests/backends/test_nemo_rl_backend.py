@@ -315,7 +315,7 @@ def test_loss_wrapper_sums_to_step_token_means():
             global_valid_toks=vm,
         )
         assert loss.item() == 1.5 and m["loss"] == 1.5
-        for k in nm.TOKEN_MEANS + nm.COUNTS:
+        for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
             summed[k] = summed.get(k, 0.0) + m[k]
     ref = mismatch_metrics(
         whole["generation_logprobs"][:, 1:],
@@ -325,7 +325,7 @@ def test_loss_wrapper_sums_to_step_token_means():
         ratio_bounds=ratio_bounds,
     )
     logged = nm.usable_token_means(summed)  # what the logger proxy hands NeMo-RL's logger
-    for k in nm.TOKEN_MEANS + nm.COUNTS:
+    for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
         assert logged[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
     assert logged["jetrl/mismatch/num_valid_tokens"] == float(vm)
 

@@ -53,7 +53,7 @@ def step(loss, parts: list[tuple[dict, torch.Tensor]], proxy: bool = True) -> di
             global_valid_seqs=torch.tensor(8.0),
             global_valid_toks=gvt,
         )
-        for k in nm.TOKEN_MEANS + nm.COUNTS:
+        for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
             summed[k] = summed.get(k, 0.0) + float(m[k])
     return nm.usable_token_means(summed) if proxy else summed
 
@@ -71,7 +71,7 @@ def offline(parts: list[tuple[dict, torch.Tensor]], prev_key: str | None) -> dic
 
 
 def close(got: dict[str, float], ref: dict[str, float]) -> None:
-    for k in nm.TOKEN_MEANS + nm.COUNTS:
+    for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
         assert got[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
 
 
@@ -106,7 +106,7 @@ def test_a_step_without_a_usable_token_logs_nan_not_zero():
     data["prev_logprobs"] = data["generation_logprobs"] - 400.0  # every token unusable
     got = step(nm.MismatchMetricsLoss(PgStandin()), parts)
     assert got["jetrl/mismatch/num_valid_tokens"] == 0 < got["jetrl/mismatch/nonfinite_tokens"]
-    assert all(math.isnan(got[k]) for k in nm.TOKEN_MEANS)
+    assert all(math.isnan(got[k]) for k in nm.ADDITIVE_MEANS)
 
 
 def test_a_step_of_several_global_batches_logs_the_token_mean_of_all_of_them():
@@ -124,7 +124,7 @@ def test_a_step_of_several_global_batches_logs_the_token_mean_of_all_of_them():
     got = nm.usable_token_means(summed)
     ref = offline(big + small, "prev_logprobs")
     assert ref["jetrl/mismatch/nonfinite_tokens"] == 2
-    for k in nm.TOKEN_MEANS:
+    for k in nm.ADDITIVE_MEANS:
         assert got[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
     assert got["jetrl/mismatch/num_valid_tokens"] == ref["jetrl/mismatch/num_valid_tokens"] / 2
 
@@ -136,7 +136,7 @@ def test_a_step_whose_samples_are_all_masked_logs_nan_not_zero():
     parts[0][0]["sample_mask"] = torch.zeros(4, dtype=torch.float64)
     got = step(nm.MismatchMetricsLoss(PgStandin()), parts)
     assert got["jetrl/mismatch/num_valid_tokens"] == 0 == got["jetrl/mismatch/nonfinite_tokens"]
-    assert all(math.isnan(got[k]) for k in nm.TOKEN_MEANS)
+    assert all(math.isnan(got[k]) for k in nm.ADDITIVE_MEANS)
 
 
 def test_the_ratio_bounds_are_every_backends_and_checked_on_the_driver():

@@ -4,8 +4,10 @@ How NeMo-RL aggregates (both trees, ``nemo_rl/algorithms/grpo.py``): every metri
 function returns per micro-batch is *summed* over micro-batches and data-parallel ranks, and its
 Megatron worker divides every sum without ``_min``/``_max`` in its name by the step's number of
 global batches (``megatron_policy_worker.py``). So a micro-batch returns *sums*: for each
-token-mean statistic ``mean_mb(x) * n_mb`` over its usable tokens, and the usable and non-finite
-token counts; the logger proxy divides each sum by the usable count. The division by the number
+token-mean statistic its sum over the usable tokens, and the usable and non-finite token counts
+(`mismatch_token_sums`: one device-to-host copy per call, which matters with sequence packing,
+where the loss is called once per packed sequence); the logger proxy divides each sum by the
+usable count. The division by the number
 of global batches cancels, so the logged value is the token mean over every usable token of the
 step, whatever the number of global batches and however many tokens each holds, and NaN when
 no token was usable (all sample_mask 0, or every log-ratio non-finite): never a silent 0. A
@@ -35,38 +37,14 @@ from typing import Any
 
 import torch
 
-from nemo_jetrl.rl.metrics import DEFAULT_RATIO_BOUNDS, mismatch_metrics
+from nemo_jetrl.rl.metrics import (
+    ADDITIVE_MEANS,
+    DEFAULT_RATIO_BOUNDS,
+    TOKEN_COUNTS,
+    mismatch_token_sums,
+)
 
 PREFIX = "jetrl/"
-# Token-mean statistics of nemo_jetrl.rl.metrics that are carried as additive contributions.
-TOKEN_MEANS = (
-    "jetrl/mismatch/k1_kl",
-    "jetrl/mismatch/chi2_token",
-    "jetrl/mismatch/is_ratio_mean",
-    "jetrl/mismatch/is_ratio_frac_above",
-    "jetrl/mismatch/is_ratio_frac_below",
-    "jetrl/mismatch/is_ratio_trunc_mean",
-)
-COUNTS = ("jetrl/mismatch/num_valid_tokens", "jetrl/mismatch/nonfinite_tokens")
-
-
-def additive_mismatch_metrics(
-    generation_logprobs: torch.Tensor,
-    prev_logprobs: torch.Tensor,
-    token_mask: torch.Tensor,
-    sample_mask: torch.Tensor | None,
-    *,
-    ratio_bounds: tuple[float, float] = DEFAULT_RATIO_BOUNDS,
-) -> dict[str, float]:
-    """One micro-batch's sums over its usable tokens and its counts (`usable_token_means` turns
-    the step's totals into token means)."""
-    m = mismatch_metrics(
-        generation_logprobs, prev_logprobs, token_mask, sample_mask, ratio_bounds=ratio_bounds
-    )
-    n = m["jetrl/mismatch/num_valid_tokens"]
-    out = {k: (m[k] * n if n > 0 else 0.0) for k in TOKEN_MEANS}
-    out.update({k: m[k] for k in COUNTS})
-    return out
 
 
 class MismatchMetricsLoss:
@@ -106,7 +84,7 @@ class MismatchMetricsLoss:
             prev = curr.detach()  # the loss's own choice (loss_functions.py, both trees)
         else:
             prev = data["prev_logprobs"][:, 1:]
-        extra = additive_mismatch_metrics(
+        extra = mismatch_token_sums(
             data["generation_logprobs"][:, 1:],
             prev,
             data["token_mask"][:, 1:],
@@ -148,14 +126,14 @@ class JetrlLoggerProxy:
 
 
 def usable_token_means(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``metrics`` with each `TOKEN_MEANS` sum divided by the usable-token count (`COUNTS`):
+    """``metrics`` with each `ADDITIVE_MEANS` sum divided by the usable-token count:
     the step's token means; NaN without a usable token, never a silent 0 (docs/metrics.md)."""
     out = dict(metrics)
-    usable = metrics.get(COUNTS[0])
+    usable = metrics.get(TOKEN_COUNTS[0])
     if usable is None:
         return out
     n = float(usable)
-    for k in TOKEN_MEANS:
+    for k in ADDITIVE_MEANS:
         if k in out:
             out[k] = float(out[k]) / n if n > 0 else float("nan")
     return out
