@@ -83,8 +83,7 @@ def report(
         print("per backend (precision):", file=out)
         for b in c.backends:
             state = "not run" if not b.runs else f"{'on' if b.on_policy else 'OFF'}-policy"
-            tree = b.backend.removeprefix("nemo-rl ")
-            refused = b.runs and b.on_policy and bool(refusals.get(tree))
+            refused = _launch_refused(b, refusals)
             but = " (but jetrl train refuses this config there: see below)" if refused else ""
             print(f"  {b.backend}: {state}{but}: {b.reason}", file=out)
         _print_launch(refusals, out)
@@ -116,6 +115,12 @@ def launch_refusals(c: Checked) -> dict[str, list[tuple[str, str]]]:
     from nemo_jetrl.backends.nemo_rl.tree_rules import KNOWN_TREES
 
     return {tree: launch_problems(c, facts) for tree, facts in KNOWN_TREES.items()}
+
+
+def _launch_refused(b: Any, refusals: dict[str, list[tuple[str, str]]]) -> bool:
+    """Whether ``b`` (a backend verdict) is on-policy but its launch would be refused."""
+    tree = b.backend.removeprefix("nemo-rl ")
+    return b.runs and b.on_policy and bool(refusals.get(tree))
 
 
 def _print_launch(refusals: dict[str, list[tuple[str, str]]], out: TextIO) -> None:
@@ -236,6 +241,7 @@ def summary(c: Checked) -> dict[str, Any]:
     from nemo_jetrl.flow.groups import group_verdicts, routing_note
 
     check = c.check
+    refusals = launch_refusals(c) if check.on_policy else {}
     return {
         "model": c.arch.name,
         "family": c.arch.family,
@@ -256,12 +262,18 @@ def summary(c: Checked) -> dict[str, Any]:
         "precision_on_policy": c.precision_on_policy,
         "limits": [{"kind": x.kind, "keys": list(x.keys), "message": x.message} for x in c.limits],
         "backends": [
-            {"backend": b.backend, "on_policy": b.on_policy, "runs": b.runs, "reason": b.reason}
+            {
+                "backend": b.backend,
+                "on_policy": b.on_policy,
+                "runs": b.runs,
+                "reason": b.reason,
+                "launch_refused": _launch_refused(b, refusals),  # see nemo_rl_launch_refusals
+            }
             for b in c.backends
         ],
         "nemo_rl_launch_refusals": {
             tree: [{"key": k, "why": why} for k, why in problems]
-            for tree, problems in (launch_refusals(c) if check.on_policy else {}).items()
+            for tree, problems in refusals.items()
         },
         "issues": [
             {"level": i.level, "path": i.path, "message": i.message, "allowed": list(i.allowed)}

@@ -62,7 +62,7 @@ import torch
 
 # The prefixes and `metric_names()` (the tags `mismatch_metrics` returns) live, torch-free, in
 # `nemo_jetrl.rl.metric_names`: `jetrl compare` needs them where torch is not installed.
-from nemo_jetrl.rl.metric_names import JETRL_PREFIX, NEMO_RL_PREFIX
+from nemo_jetrl.rl.metric_names import JETRL_PREFIX, METRIC_NAMES, NEMO_RL_PREFIX
 from nemo_jetrl.rl.metric_names import metric_names as metric_names
 
 #: default importance-ratio bounds for the "fraction outside" and "after truncation" statistics.
@@ -228,7 +228,8 @@ def mismatch_metrics(
     out[_ours("num_valid_tokens")] = float(rho.numel())
     out[_ours("num_valid_seqs")] = float(ok.any(dim=-1).sum())
     out[_ours("nonfinite_tokens")] = float(nonfinite)
-    return out
+    # in `metric_names()`' order (docs, `jetrl compare`); a tag missing there would come last
+    return {k: out.pop(k) for k in METRIC_NAMES} | out
 
 
 def _bounds(ratio_bounds: tuple[float, float]) -> tuple[float, float]:

@@ -197,8 +197,13 @@ def test_jetrl_check_lists_what_the_launch_would_refuse_per_tree(capsys):
     )
     assert "v0.7.0" not in refusal
     assert jetrl(["check", cfg, fp8_param, "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)["nemo_rl_launch_refusals"]
+    summary = json.loads(capsys.readouterr().out)
+    got = summary["nemo_rl_launch_refusals"]
     assert got["v0.7.0"] == [] and [p["key"] for p in got["main"]] == [fp8_param.split("=")[0]]
+    # each backend entry carries the text report's "(but jetrl train refuses ...)" marker
+    marked = {b["backend"]: b["launch_refused"] for b in summary["backends"]}
+    assert marked["nemo-rl main"] is True and marked["nemo-rl v0.7.0"] is False
+    assert not any(v for k, v in marked.items() if not k.startswith("nemo-rl"))
     # the same refusal on both trees is printed once; the trainer's keys are named
     assert jetrl(["check", cfg, "+grpo.async_grpo.enabled=true"]) == 1  # policy lag
     out = capsys.readouterr().out
