@@ -171,6 +171,17 @@ class MegatronKVHandle:
         self.state.quantize_q = quantize_q
 
     @contextmanager
+    def bf16(self) -> Iterator[None]:
+        """KV in BF16 during the block, whatever the mode: for a forward no rollout samples from
+        (NeMo-RL's reference policy, a KL anchor), as the local backend's reference runs."""
+        saved = self.state.quantize
+        self.state.quantize = False
+        try:
+            yield
+        finally:
+            self.state.quantize = saved
+
+    @contextmanager
     def observing(self, observer: AmaxObserver) -> Iterator[AmaxObserver]:
         """Feed ``observer`` during the block."""
         if self.state.observer is not None:

@@ -418,8 +418,8 @@ MUTANTS = [
     Mutant(  # the nemo-rl line said on-policy above a launch refusal
         "jetrl check's nemo-rl line hides that the launch refuses the config",
         "nemo_jetrl/commands/check.py",
-        "            refused = b.runs and b.on_policy and bool(refusals.get(tree))",
-        "            refused = False",
+        "    return b.runs and b.on_policy and bool(refusals.get(tree))",
+        "    return False",
         ("tests/backends/test_nemo_rl_tree_rules.py",),
     ),
     Mutant(
@@ -501,5 +501,21 @@ MUTANTS = [
         "    counts = [ok.sum(), (mask & ~ok).sum()]",
         "    counts = [ok.sum(), (~ok).sum()]",
         ("tests/rl/test_metric_sums.py",),
+    ),
+    Mutant(  # review: NeMo-RL swaps the reference's weights into the hooked model
+        "the reference policy's logprobs get the policy's on-policy KV",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        "            with self._jetrl_kv.bf16(), super().use_reference_model():",
+        "            with super().use_reference_model():",
+        ("tests/backends/test_nemo_rl_worker_glue.py",),
+        env="nemo_rl",
+    ),
+    Mutant(
+        "the KV stays BF16 after the reference block when it raised",
+        "nemo_jetrl/megatron/attention.py",
+        "        try:\n            yield\n        finally:\n            self.state.quantize = saved",
+        "        yield\n        self.state.quantize = saved",
+        ("tests/backends/test_nemo_rl_worker_glue.py",),
+        env="nemo_rl",
     ),
 ]

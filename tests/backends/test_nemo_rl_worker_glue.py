@@ -296,3 +296,44 @@ def test_the_worker_lets_a_pipeline_stage_hold_no_attention_and_refuses_together
     with _CudaOnCpu(), pytest.raises(ValueError, match="two core attentions"):
         cls(_cfg(), model=model, bridge=bridge)
     assert gathered == [([], [], "ValueError: decoder layer 3 has two core attentions")]
+
+
+def test_the_reference_policy_logprobs_keep_the_kv_bf16(worker_cls, model, tmp_path):
+    """NeMo-RL's real ``get_reference_policy_logprobs`` swaps the reference's weights into the
+    policy's model (its real ``use_reference_model``): our KV hooks stay on that model, so without
+    the worker's override the reference logprobs were fake-quantized with the policy's KV scales.
+    With it they are the BF16-KV forward's, bit for bit (the local backend's reference), and
+    on-policy KV is back on after the block, also after an error inside it."""
+    cls, _ = worker_cls
+    data, _, _ = _data()
+    cfg = _cfg()
+    cfg["megatron_cfg"]["empty_unused_memory_level"] = 0
+    with _CudaOnCpu():
+        w = cls(cfg, model=model, bridge=_bridge(tmp_path))  # jetrl_kv: on-policy KV at 1.0
+        w.should_disable_forward_pre_hook = False
+        # the reference: the policy's weights with layer 1's QKV moved (what swapping shows)
+        w.reference_state_dict = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in model.state_dict().items()
+        }
+        qkv = "decoder.layers.1.self_attention.linear_qkv.weight"
+        w.reference_state_dict[qkv] = w.reference_state_dict[qkv] * 1.5
+        policy_qkv = model.state_dict()[qkv].clone()
+        kv = w._jetrl_kv
+        assert kv.state.quantize
+        ref = w.get_reference_policy_logprobs(data=data)["reference_logprobs"]
+        assert kv.state.quantize  # back on for the policy's own forwards
+        assert torch.equal(model.state_dict()[qkv], policy_qkv)  # NeMo-RL swapped them back
+        w._apply_state_dict_to_model(w.reference_state_dict)
+        fp8_kv = w.get_logprobs(data=data)["logprobs"]
+        kv.set_mode(quantize=False)
+        bf16_kv = w.get_logprobs(data=data)["logprobs"]
+        kv.set_mode(quantize=True)
+        assert torch.equal(ref, bf16_kv)
+        assert not torch.equal(ref, fp8_kv)  # FP8 KV moves them: the check above can fail
+        with pytest.raises(RuntimeError, match="inside"), w.use_reference_model():
+            assert not kv.state.quantize
+            raise RuntimeError("inside")
+        assert kv.state.quantize
+    kv.restore()
+    w._jetrl_bf16.restore()

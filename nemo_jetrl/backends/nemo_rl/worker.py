@@ -20,7 +20,10 @@ decorate it the same way (same runtime_env helper). What the subclass adds:
    dynamic batching each micro-batch keeps the driver's plan (`calibration.py`);
 4. ``_iter_params_with_optional_kv_scales`` (the iterator every refit path streams): our last
    calibrated KV scales whenever the caller passed none (v0.7.0's colocated refit does), so
-   vLLM never runs with 1.0 while the trainer uses calibrated scales.
+   vLLM never runs with 1.0 while the trainer uses calibrated scales;
+5. ``use_reference_model`` (NeMo-RL swaps the reference policy's weights into this model for
+   the KL term's logprobs): the KV stays BF16 meanwhile, as the local backend's reference runs
+   (on-policy KV serves the rollout's policy, which never samples from the reference).
 
 The class is created on first access (module ``__getattr__``), so importing this module without
 NeMo-RL is harmless; Ray resolves ``nemo_jetrl.backends.nemo_rl.worker.JetrlMegatronPolicyWorker``
@@ -29,8 +32,10 @@ through that.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from nemo_jetrl._optional import require
@@ -179,6 +184,13 @@ def make_worker_class() -> type:
             self._jetrl_vllm_scales = dict(out["layers"])
             out["jetrl"] = res.report()
             return out
+
+        @contextlib.contextmanager
+        def use_reference_model(self) -> Iterator[None]:
+            # NeMo-RL swaps the reference's weights into this same model: without this its
+            # logprobs would get on-policy KV with the policy's scales
+            with self._jetrl_kv.bf16(), super().use_reference_model():
+                yield
 
         def _iter_params_with_optional_kv_scales(
             self, kv_scales: dict[str, float] | None = None, **kwargs: Any
