@@ -441,3 +441,45 @@ def test_the_launch_preflight_knows_the_recipes_kv_cache(tmp_path, recipe, refus
     with pytest.raises(UserError, match=r"has vLLM 0\.20\.0, but this NeMo-RL pins vLLM 0\.25\.1"):
         preflight("/v/bin/python", run=lambda *a, **k: types.SimpleNamespace(
             returncode=0, stdout=out.replace("0.25.1", "0.20.0"), stderr=""))  # fmt: skip
+
+
+def test_after_the_run_environments_stop_before_vllm_and_each_stops_whatever_the_other_raised(
+    capsys,
+):
+    """NeMo-RL main stops the environment actors "before generation stops" and a failure to stop
+    vLLM does not mask the run's error; v0.7.0's grpo has no shutdown_environments."""
+    import types
+
+    calls = []
+
+    class Generation:
+        def __init__(self, fails: bool = False) -> None:
+            self.fails = fails
+
+        def shutdown(self) -> None:
+            calls.append("generation")
+            if self.fails:
+                raise RuntimeError("vLLM engine is dead")
+
+    def stop_envs(train, val, fails=False):
+        calls.append(("environments", train, val))
+        if fails:
+            raise RuntimeError("environment actor died")
+
+    main = types.SimpleNamespace(shutdown_environments=stop_envs)
+    driver.shut_down(main, Generation(), {"math": 1}, {"math": 1})
+    assert calls == [("environments", {"math": 1}, {"math": 1}), "generation"]
+    calls.clear()
+    driver.shut_down(main, Generation(fails=True), {}, None)  # printed, not raised
+    assert calls == [("environments", {}, None), "generation"]
+    assert "vLLM generation did not shut down cleanly (RuntimeError: vLLM engine is dead)" in (
+        capsys.readouterr().err
+    )
+    calls.clear()
+    broken = types.SimpleNamespace(shutdown_environments=lambda t, v: stop_envs(t, v, True))
+    with pytest.raises(RuntimeError, match="environment actor died"):
+        driver.shut_down(broken, Generation(), {}, None)
+    assert calls[-1] == "generation"  # vLLM stopped all the same
+    calls.clear()
+    driver.shut_down(types.SimpleNamespace(), Generation(), {}, None)  # v0.7.0
+    assert calls == ["generation"]

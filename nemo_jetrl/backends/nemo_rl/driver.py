@@ -11,6 +11,7 @@ in the vLLM workers' venv.
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -346,7 +347,24 @@ def train(
                     master_config,
                 )
     finally:
-        policy_generation.shutdown()
-        stop_envs = getattr(grpo, "shutdown_environments", None)  # main's run_grpo.py does
+        shut_down(grpo, policy_generation, task_to_env, val_task_to_env)
+
+
+def shut_down(grpo: Any, generation: Any, task_to_env: Any, val_task_to_env: Any) -> None:
+    """After the run, as NeMo-RL main's ``run_grpo.py``: the environments first (main's
+    ``grpo.shutdown_environments``, "before generation stops"; v0.7.0 has none), then vLLM, each
+    whatever the other raised; vLLM failing to stop is printed, never raised over the run's
+    own error."""
+    try:
+        stop_envs = getattr(grpo, "shutdown_environments", None)
         if stop_envs is not None:
             stop_envs(task_to_env, val_task_to_env)
+    finally:
+        try:
+            generation.shutdown()
+        except Exception as exc:
+            print(
+                f"jetrl: vLLM generation did not shut down cleanly ({type(exc).__name__}: {exc})",
+                file=sys.stderr,
+                flush=True,
+            )
