@@ -78,7 +78,7 @@ MUTANTS = [
     ),
     Mutant(  # vLLM 0.20/0.25's MLA rebinds W_UK_T/W_UV: captured decode graphs read the old
         "NeMo-RL's refit leaves rebound tensors where the captured CUDA graphs do not read",
-        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "nemo_jetrl/backends/nemo_rl/refit_steps.py",
         "        graph_bindings.keep_in_place(model, bound)\n",
         "        pass\n",
         ("tests/vllm_patch/test_graph_bindings.py",),
@@ -156,7 +156,7 @@ MUTANTS = [
     Mutant(  # found by review (async): the snapshot copied weights NeMo-RL's streams had loaded
         "NeMo-RL's side-stream loads may overtake the GPU snapshot's copies",
         "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
-        "            _sync_device(runner.model)\n            ok = original(self, *args, **kwargs)",
+        "            sync_device(runner.model)\n            ok = original(self, *args, **kwargs)",
         "            ok = original(self, *args, **kwargs)",
         ("tests/backends/test_nemo_rl_refit_transport.py",),
     ),
@@ -454,7 +454,7 @@ MUTANTS = [
     Mutant(  # session 33's reread: the trainer waited on a refusal raised before its stream
         "the pipeline-parallel refusal raises before NeMo-RL's stream is received",
         "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
-        '            _drain_refused(self, original, (args, kwargs), f"vLLM pipeline_parallel_size={why}")',
+        '            drain_refused(self, original, (args, kwargs), f"vLLM pipeline_parallel_size={why}")',
         '            raise RefitError(f"vLLM pipeline_parallel_size={why}")',
         ("tests/backends/test_nemo_rl_refit_transport.py",),
     ),

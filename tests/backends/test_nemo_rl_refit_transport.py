@@ -193,7 +193,7 @@ def test_the_snapshot_lands_before_nemo_rls_side_streams_load(monkeypatch):
         return take(model, runner)
 
     monkeypatch.setattr(vllm_refit, "take_snapshot", snapshot)
-    monkeypatch.setattr(vllm_refit, "_sync_device", lambda model: calls.append("sync"))
+    monkeypatch.setattr(vllm_refit, "sync_device", lambda model: calls.append("sync"))
 
     def nemo_rl_transport(worker) -> bool:
         calls.append("transport")

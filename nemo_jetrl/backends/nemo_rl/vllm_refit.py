@@ -48,7 +48,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.backends.nemo_rl import kv_wake
@@ -58,6 +58,7 @@ from nemo_jetrl.backends.nemo_rl.refit_batches import (
     float32_kv_scales,
     quantize_batch,
 )
+from nemo_jetrl.backends.nemo_rl.refit_steps import drain_refused, keep_graph_storage, sync_device
 from nemo_jetrl.vllm_patch import graph_bindings, rank_vote
 from nemo_jetrl.vllm_patch.refit import REFUSED, RefitError
 from nemo_jetrl.vllm_patch.rollback import model_device, take_snapshot
@@ -186,7 +187,7 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
         pp = getattr(self.vllm_config.parallel_config, "pipeline_parallel_size", 1)
         checked = rank_vote.checks_on(parity=state.parity, rollback=state.rollback)
         if why := rank_vote.stage_problem(pp, checked):  # every rank refuses: none votes
-            _drain_refused(self, original, (args, kwargs), f"vLLM pipeline_parallel_size={why}")
+            drain_refused(self, original, (args, kwargs), f"vLLM pipeline_parallel_size={why}")
         sent = runner._jetrl_sent = SentTensors(keep=state.parity)
         snap = bound = None
         ok, failure = False, None
@@ -212,12 +213,12 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
             # the snapshot's copies are queued on the default stream, behind any in-flight
             # forward (async scheduling); NeMo-RL's loads land on side streams that do not
             # wait for it: the copies finish first or the snapshot holds new weights
-            _sync_device(runner.model)
+            sync_device(runner.model)
             ok = original(self, *args, **kwargs)
             # NeMo-RL's collective consumer copies on a side stream it never joins: let every
             # copy land before the parity read or a restore reads or writes the weights
-            _sync_device(runner.model)
-            _keep_graph_storage(runner.model, bound, sent, ok)
+            sync_device(runner.model)
+            keep_graph_storage(runner.model, bound, sent, ok)
             if sent.error is not None:
                 raise sent.error
             if ok and state.parity:
@@ -235,7 +236,7 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
             runner._jetrl_sent = None
         try:
             if state.rollback:  # all-or-nothing over the engine's ranks
-                _sync_device(runner.model)
+                sync_device(runner.model)
                 ok = rank_vote.settle(name, self, snap, failure, ok)
             if ok:  # put back after vLLM's KV-cache wake-up resets them (kv_wake.py)
                 kv_wake.keep_kv_scales(runner, sent.kv)
@@ -253,42 +254,6 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
 
     setattr(transport, MARK, state)
     return transport
-
-
-def _drain_refused(worker: Any, original: Any, call: tuple[Any, Any], why: str) -> NoReturn:
-    """Receive NeMo-RL's stream, load none of its weights (our ``load_weights`` skips a refused
-    refit; its post-load steps still run), raise ``why``: raised before, the trainer waited."""
-    runner = worker.model_runner
-    sent = runner._jetrl_sent = SentTensors(keep=False)
-    sent.error = RefitError(why)
-    try:
-        original(worker, *call[0], **call[1])
-    finally:
-        runner._jetrl_sent = None
-    raise sent.error
-
-
-def _keep_graph_storage(model: Any, bound: Any, sent: SentTensors, ok: bool) -> None:
-    """Rebound tensors back where the captured CUDA graphs read them (`graph_bindings`), also
-    after a refusal (NeMo-RL's stream end still runs vLLM's post-processing); a refusal's own
-    error outranks a failure here (the rollback restores the bindings too)."""
-    if bound is None or not (ok or sent.error is not None):
-        return
-    try:
-        graph_bindings.keep_in_place(model, bound)
-    except RefitError:
-        if sent.error is None:
-            raise
-        log.exception("after the refused refit, graph storage could not be kept")
-
-
-def _sync_device(model: Any) -> None:
-    """Wait for every stream of ``model``'s CUDA device (nothing on a CPU engine)."""
-    p = next(iter(model.parameters()), None)
-    if p is not None and p.is_cuda:
-        import torch
-
-        torch.cuda.synchronize(p.device)
 
 
 def _make_refusal(name: str) -> Any:
