@@ -26,8 +26,10 @@ recomputed, so it works alike for any tensor-parallel rank and any vLLM version.
 Memory: one copy of the model's weights and the tensors derived from them (FP8 linears as FP8
 bytes; measured on vLLM's CPU engine: 0.5x the BF16 checkpoint, docs/vllm_patch.md), on the
 tensors' GPU when
-that leaves `RESERVE_BYTES` free (colocated refits run while vLLM's KV cache is asleep), else in
-host memory. The copy lives only for the refit.
+that leaves `RESERVE_BYTES` free, else in host memory; in host memory always when the caller says
+so (NeMo-RL with vLLM colocated: its trainer sizes its refit buffers from the free memory it read
+before our copy, so a copy on the GPU could leave it too little). The copy lives only for the
+refit.
 """
 
 from __future__ import annotations
@@ -143,9 +145,10 @@ def _plain_items(module: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def snapshot_device(nbytes: int, device: torch.device) -> torch.device:
-    """Where a snapshot of ``nbytes`` of tensors living on ``device`` is kept."""
-    if device.type == "cuda":
+def snapshot_device(nbytes: int, device: torch.device, *, host: bool = False) -> torch.device:
+    """Where a snapshot of ``nbytes`` of tensors living on ``device`` is kept (``host``: in host
+    memory whatever is free)."""
+    if device.type == "cuda" and not host:
         free, _ = torch.cuda.mem_get_info(device)
         if free >= nbytes + RESERVE_BYTES:
             return device
@@ -159,9 +162,10 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def take_snapshot(model: torch.nn.Module, runner: Any = None) -> Snapshot:
+def take_snapshot(model: torch.nn.Module, runner: Any = None, *, host: bool = False) -> Snapshot:
     """Save ``model``'s state (module docstring): one copy of its tensors, the KV cache left
-    alone (``runner``: the vLLM model runner, whose ``kv_caches`` are recognised too)."""
+    alone (``runner``: the vLLM model runner, whose ``kv_caches`` are recognised too; ``host``:
+    the copy in host memory even where the GPU has room, `snapshot_device`)."""
     kv = KvCache.of(model, runner)
     items = {name: tensor_items(m, kv) for name, m in model.named_modules()}
     seen: set[int] = set()
@@ -171,7 +175,7 @@ def take_snapshot(model: torch.nn.Module, runner: Any = None) -> Snapshot:
             if id(t) not in seen and not t.is_meta:
                 seen.add(id(t))
                 nbytes += t.numel() * t.element_size()
-    device = snapshot_device(nbytes, model_device(model))
+    device = snapshot_device(nbytes, model_device(model), host=host)
     copies: dict[int, torch.Tensor] = {}  # a tied tensor is saved once
     modules: dict[str, _ModuleState] = {}
     with torch.no_grad():

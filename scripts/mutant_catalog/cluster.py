@@ -525,4 +525,18 @@ MUTANTS = [
         "        except ZeroDivisionError as exc:\n            print(\n                f\"jetrl: vLLM generation",
         ("tests/backends/test_nemo_rl_launch_prep.py",),
     ),
+    Mutant(  # review: NeMo-RL's colocated trainer sizes its refit buffers from free GPU memory
+        "the refit's rollback copy ignores where the launch asked for it",
+        "nemo_jetrl/backends/nemo_rl/vllm_refit.py",
+        "                host = state.host_snapshot\n",
+        "                host = False\n",
+        ("tests/backends/test_nemo_rl_refit_transport.py",),
+    ),
+    Mutant(
+        "the launch asks for a host rollback copy whether or not vLLM is colocated",
+        "nemo_jetrl/backends/nemo_rl/translate.py",
+        '            host = _get(config, "policy.generation.colocated.enabled", True) is not False',
+        "            host = True",
+        ("tests/backends/test_nemo_rl_backend.py",),
+    ),
 ]

@@ -110,13 +110,21 @@ def test_fp32_weight_scales_warn_about_nemo_rl_refit_quantizer():
     p = nr.prepare(str(CONFIGS / "nemo_rl_fp8_e2e.yaml"), ["jetrl.vllm_patch=true"])
     assert not any("pow2_weight_scaling_factors" in w for w in p.warnings)
     env = p.plan.master_config["policy"]["generation"]["vllm_cfg"]["env_vars"]
-    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": True, "rollback": True}
+    on = {"parity": True, "rollback": True, "host_snapshot": True}  # colocated: copy on the host
+    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == on
     off = nr.prepare(
         str(CONFIGS / "nemo_rl_fp8_e2e.yaml"),
         ["jetrl.vllm_patch=true", "jetrl.refit_parity_check=false", "jetrl.refit_rollback=false"],
     )
     env = off.plan.master_config["policy"]["generation"]["vllm_cfg"]["env_vars"]
-    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {"parity": False, "rollback": False}
+    flags = json.loads(env["NEMO_JETRL_NRL_REFIT"])
+    assert flags == {"parity": False, "rollback": False, "host_snapshot": True}
+    apart = nr.prepare(
+        str(CONFIGS / "nemo_rl_fp8_e2e.yaml"),
+        ["jetrl.vllm_patch=true", "policy.generation.colocated.enabled=false"],
+    )
+    env = apart.plan.master_config["policy"]["generation"]["vllm_cfg"]["env_vars"]
+    assert json.loads(env["NEMO_JETRL_NRL_REFIT"]) == {**on, "host_snapshot": False}
     # Without it NeMo-RL's own quantizer runs: FP32 scales differ from TE's.
     p = nr.prepare(
         str(CONFIGS / "nemo_rl_fp8_e2e.yaml"),

@@ -67,7 +67,8 @@ def test_install_is_explicit_verified_idempotent_and_reverts():
         assert fp8.load_weights is not loader
         assert all(ext.__dict__[n] is not originals[n] for n in vr.TRANSPORTS)
         assert vr.install_refit_hook(FP32, parity=True) is h  # idempotent
-        for other in ({"parity": True, "rollback": False}, {"parity": False}):
+        others = ({"parity": True, "rollback": False}, {"parity": False})
+        for other in (*others, {"parity": True, "host_snapshot": True}):
             with pytest.raises(RuntimeError, match="already installed with other settings"):
                 vr.install_refit_hook(FP32, **other)
         with pytest.raises(RuntimeError, match="already installed with other settings"):
@@ -106,9 +107,9 @@ def test_plugin_needs_the_patch_settings(monkeypatch):
     monkeypatch.setenv(vr.ENV_VAR, vr.refit_hook_env(True)[vr.ENV_VAR])
     with pytest.raises(RuntimeError, match=f"{ENV_VAR} is not"):
         vr.load_in_worker()
-    for bad in ("yes", '{"parity": true}'):  # both flags are required
+    for bad in ("yes", '{"parity": true}', '{"parity": true, "rollback": true}'):  # all three
         monkeypatch.setenv(vr.ENV_VAR, bad)
-        with pytest.raises(ValueError, match=re.escape('{"parity": true|false, "rollback"')):
+        with pytest.raises(ValueError, match=re.escape('"rollback": true|false, "host_snapshot"')):
             vr.load_in_worker()
 
 

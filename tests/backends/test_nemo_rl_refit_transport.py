@@ -83,8 +83,8 @@ def test_the_snapshots_copies_are_released_while_the_error_lives(monkeypatch):
     copies = []
     take = vllm_refit.take_snapshot
 
-    def spy(model, runner=None):
-        snap = take(model, runner)
+    def spy(model, runner=None, **kw):
+        snap = take(model, runner, **kw)
         copies.extend(
             weakref.ref(s.copy) for st in snap.modules.values() for s in st.tensors.values()
         )
@@ -188,9 +188,9 @@ def test_the_snapshot_lands_before_nemo_rls_side_streams_load(monkeypatch):
     calls = []
     take = vllm_refit.take_snapshot
 
-    def snapshot(model, runner=None):
+    def snapshot(model, runner=None, **kw):
         calls.append("snapshot")
-        return take(model, runner)
+        return take(model, runner, **kw)
 
     monkeypatch.setattr(vllm_refit, "take_snapshot", snapshot)
     monkeypatch.setattr(vllm_refit, "sync_device", lambda model: calls.append("sync"))
@@ -254,3 +254,20 @@ def test_kv_scales_of_linear_attention_layers_are_not_loaded_or_kept():
     # a name whose decoder layer does not exist is still sent: the loader names it (control)
     stray = [("model.layers.7.self_attn.k_scale", torch.tensor([0.5]))]
     assert [k for k, _ in quantize_batch(stray, held, SETTINGS, None)] == [stray[0][0]]
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_the_rollback_copy_goes_where_the_launch_says(monkeypatch, host):
+    """With vLLM colocated the launch asks for the rollback copy in host memory (NeMo-RL's
+    trainer sizes its refit buffers from the GPU memory it saw free before our copy)."""
+    asked = []
+    take = vllm_refit.take_snapshot
+
+    def snapshot(model, runner=None, **kw):
+        asked.append(kw)
+        return take(model, runner, **kw)
+
+    monkeypatch.setattr(vllm_refit, "take_snapshot", snapshot)
+    state = HookState(SETTINGS, False, True, "t", host_snapshot=host)
+    assert _make_transport("update_weights_via_ipc_zmq", lambda w: True, state)(engine())
+    assert asked == [{"host": host}]

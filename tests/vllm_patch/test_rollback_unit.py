@@ -150,6 +150,9 @@ def test_snapshot_stays_on_the_gpu_only_when_it_leaves_the_reserve_free(monkeypa
     free["bytes"] -= 1
     assert rollback.snapshot_device(need, gpu) == torch.device("cpu")
     assert rollback.snapshot_device(need, torch.device("cpu")) == torch.device("cpu")
+    free["bytes"] = 80 << 30  # room to spare, but the caller wants host memory (colocated vLLM)
+    assert rollback.snapshot_device(need, gpu) == gpu
+    assert rollback.snapshot_device(need, gpu, host=True) == torch.device("cpu")
 
 
 def test_a_real_hf_model_half_loaded_with_other_weights_is_restored():

@@ -372,7 +372,8 @@ def _vllm_env(config: Mapping[str, Any], patch_json: str | None) -> dict[str, st
         if _get(config, "jetrl.refit_hook", True) is not False:
             parity = _get(config, "jetrl.refit_parity_check", True)
             rollback = _get(config, "jetrl.refit_rollback", True)
-            vllm_env.update(refit_hook_env(parity is not False, rollback is not False))
+            host = _get(config, "policy.generation.colocated.enabled", True) is not False
+            vllm_env.update(refit_hook_env(parity is not False, rollback is not False, host))
     return vllm_env
 
 

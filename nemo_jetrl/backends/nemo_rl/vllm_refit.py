@@ -24,7 +24,7 @@ the training forward. `install_refit_hook(settings)` replaces, inside the vLLM w
    All-or-nothing (``jetrl.refit_rollback``): the batches stream in one by one, so a refusal in
    batch k comes after batches 1..k-1 were loaded. The transport therefore snapshots the model
    first (``vllm_patch.rollback``: one copy of its tensors, on the GPU if it fits, else in host
-   memory) and, on any failure (our refusal, NeMo-RL's transport returning False, the parity
+   memory; always in host memory when vLLM is colocated with the trainer) and, on any failure (our refusal, NeMo-RL's transport returning False, the parity
    check), restores it and verifies it bit for bit before raising: a refused refit leaves the
    engine exactly as it was. At tensor_parallel_size > 1 the ranks agree first
    (``vllm_patch.rank_vote``): every rank restores when any rank failed.
@@ -86,10 +86,15 @@ class UnsupportedNemoRl(RuntimeError):
     """The installed NeMo-RL's vLLM refit is not the code this hook was written against."""
 
 
-def refit_hook_env(parity: bool, rollback: bool = True) -> dict[str, str]:
+def refit_hook_env(
+    parity: bool, rollback: bool = True, host_snapshot: bool = False
+) -> dict[str, str]:
     """vLLM worker env that makes `load_in_worker` install the hook (``jetrl.refit_parity_check``
-    decides ``parity``, ``jetrl.refit_rollback`` ``rollback``)."""
-    return {ENV_VAR: json.dumps({"parity": bool(parity), "rollback": bool(rollback)})}
+    decides ``parity``, ``jetrl.refit_rollback`` ``rollback``; ``host_snapshot``: the rollback
+    copy in host memory, for vLLM colocated with the trainer, whose refit buffers take GPU
+    memory at the same moment)."""
+    flags = {"parity": bool(parity), "rollback": bool(rollback), "host_snapshot": host_snapshot}
+    return {ENV_VAR: json.dumps(flags)}
 
 
 def detect_layout(ext: type, fp8_mod: Any) -> str:
@@ -131,6 +136,7 @@ class HookState:
     parity: bool
     rollback: bool
     layout: str
+    host_snapshot: bool = False
     handle: NrlRefitHandle | None = None
 
     @property
@@ -196,7 +202,8 @@ def _make_transport(name: str, original: Any, state: HookState) -> Any:
             try:  # whatever fails here, every rank drains its stream and votes (rank_vote.py)
                 float32_kv_scales(runner.model)  # before the snapshot and graph bindings see them
                 step = "its rollback snapshot could not be taken"
-                snap = take_snapshot(runner.model, runner) if state.rollback else None
+                host = state.host_snapshot
+                snap = take_snapshot(runner.model, runner, host=host) if state.rollback else None
                 if graph_bindings.captures_cuda_graphs(
                     self.vllm_config, model_device(runner.model)
                 ):
@@ -295,7 +302,11 @@ class NrlRefitHandle:
 
 
 def install_refit_hook(
-    settings: PatchSettings, *, parity: bool = True, rollback: bool = True
+    settings: PatchSettings,
+    *,
+    parity: bool = True,
+    rollback: bool = True,
+    host_snapshot: bool = False,
 ) -> NrlRefitHandle:
     """Hook NeMo-RL's vLLM refit in this process (see the module docstring); idempotent."""
     fp8_mod = require(FP8_MODULE, feature="the NeMo-RL refit hook")
@@ -303,14 +314,15 @@ def install_refit_hook(
     ext = backend.VllmInternalWorkerExtension
     current = getattr(fp8_mod.load_weights, MARK, None)
     if current is not None:
-        same = (current.settings, current.parity, current.rollback) == (settings, parity, rollback)
+        flags = (current.settings, current.parity, current.rollback, current.host_snapshot)
+        same = flags == (settings, parity, rollback, host_snapshot)
         if same and current.handle:
             return current.handle
         raise RuntimeError(
             "the nemo_jetrl NeMo-RL refit hook is already installed with other settings; "
             "revert that handle first"
         )
-    state = HookState(settings, parity, rollback, detect_layout(ext, fp8_mod))
+    state = HookState(settings, parity, rollback, detect_layout(ext, fp8_mod), host_snapshot)
     patches = [(fp8_mod, "load_weights", fp8_mod.load_weights, _make_load_weights(state))]
     for name in TRANSPORTS:
         patches.append(
@@ -347,10 +359,11 @@ def load_in_worker() -> None:
         return
     try:
         flags = json.loads(text)
-        parity, rollback = flags["parity"], flags["rollback"]
+        parity, rollback, host = flags["parity"], flags["rollback"], flags["host_snapshot"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(
-            f'{ENV_VAR}={text!r}: expected {{"parity": true|false, "rollback": true|false}} ({exc})'
+            f'{ENV_VAR}={text!r}: expected {{"parity": true|false, "rollback": true|false, '
+            f'"host_snapshot": true|false}} ({exc})'
         ) from None
     patch = os.environ.get(PATCH_ENV)
     if not patch:
@@ -359,5 +372,8 @@ def load_in_worker() -> None:
             "patch's settings; start vLLM through nemo_jetrl's NeMo-RL launcher"
         )
     _PLUGIN_HANDLE = install_refit_hook(
-        PatchSettings.from_json(patch), parity=bool(parity), rollback=bool(rollback)
+        PatchSettings.from_json(patch),
+        parity=bool(parity),
+        rollback=bool(rollback),
+        host_snapshot=bool(host),
     )
