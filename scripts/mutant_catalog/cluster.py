@@ -521,8 +521,8 @@ MUTANTS = [
     Mutant(  # review: main's run_grpo.py prints it; raised, it masked the run's own error
         "vLLM failing to shut down is raised over the run's error",
         "nemo_jetrl/backends/nemo_rl/driver.py",
-        "        except Exception as exc:\n            print(\n                f\"jetrl: vLLM generation",
-        "        except ZeroDivisionError as exc:\n            print(\n                f\"jetrl: vLLM generation",
+        '        except Exception as exc:\n            print(\n                f"jetrl: vLLM generation',
+        '        except ZeroDivisionError as exc:\n            print(\n                f"jetrl: vLLM generation',
         ("tests/backends/test_nemo_rl_launch_prep.py",),
     ),
     Mutant(  # review: NeMo-RL's colocated trainer sizes its refit buffers from free GPU memory
