@@ -16,6 +16,8 @@
 # naming them). Either way the values SLURM is asked for reach the run as cluster.num_nodes=... /
 # cluster.gpus_per_node=... overrides (last override wins): read from the config, they change
 # nothing; set by you when the config could not be read, they replace the config's values.
+# A $PYTHON that imports nemo_jetrl also refuses (exit 2, nothing submitted) what `jetrl train`
+# would refuse when the job starts (nemo_jetrl/backends/nemo_rl/submission.py).
 #
 # Usage (on the login node, from the repository root):
 #   RAY_SUB=./ray.sub CONTAINER=/path/nemo-jetrl.sqsh ACCOUNT=myacct PARTITION=batch \
@@ -59,7 +61,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,58p' "$0" >&2
+  sed -n '2,60p' "$0" >&2
   exit 2
 fi
 config=$1
@@ -94,17 +96,28 @@ PYTHON=${PYTHON:-python3}
 py_err=$(mktemp)
 trap 'rm -f "$py_err"' EXIT
 read_error=""
-if cfg_line=$("$PYTHON" - "$config" "$@" 2>"$py_err" <<'PY'
+# With nemo_jetrl importable this also refuses (exit 2, nothing submitted) what `jetrl train`
+# would refuse at the job's start: nemo_jetrl/backends/nemo_rl/submission.py.
+py_rc=0
+cfg_line=$("$PYTHON" - "$config" "$@" 2>"$py_err" <<'PY'
 import sys
-from omegaconf import OmegaConf
-from nemo_jetrl.config import load_config
-cfg = load_config(sys.argv[1], [o for o in sys.argv[2:] if "=" in o])
-sel = lambda k: OmegaConf.select(cfg, k, default=None)
-keys = ("cluster.num_nodes", "cluster.gpus_per_node", "policy.model_name",
-        "checkpointing.checkpoint_dir", "logger.log_dir")
-print(*(str(sel(k) or "-").replace(" ", "\\040") for k in keys))
+try:
+    from nemo_jetrl.backends.nemo_rl.submission import main
+except ImportError as exc:  # a login-node Python without nemo_jetrl: say so, exit 3
+    print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    sys.exit(3)
+sys.exit(main(sys.argv[1:]))
 PY
-); then
+) || py_rc=$?
+if ((py_rc == 2)); then
+  {
+    echo "launch.sh: jetrl train would refuse $config when the job starts; nothing submitted:"
+    sed 's/^/  /' "$py_err"
+  } >&2
+  exit 2
+fi
+grep '^launch.sh: note: ' "$py_err" >&2 || true
+if ((py_rc == 0)); then
   read -r cfg_nodes cfg_gpus cfg_model cfg_ckpt cfg_logs <<<"$cfg_line"
   source_of="the config"
 else

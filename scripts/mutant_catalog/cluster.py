@@ -539,4 +539,35 @@ MUTANTS = [
         "            host = True",
         ("tests/backends/test_nemo_rl_backend.py",),
     ),
+    Mutant(  # review: docs' async example gave training 4 GPUs for TP x PP x CP = 8
+        "training's GPUs are not checked against Megatron's model-parallel size",
+        "nemo_jetrl/backends/nemo_rl/resources.py",
+        "        if split.train % need:",
+        "        if False:",
+        ("tests/backends/test_nemo_rl_resources.py",),
+    ),
+    Mutant(
+        "a rehearsal's rewritten cluster is judged instead of the user's",
+        "nemo_jetrl/backends/nemo_rl/driver.py",
+        "    problems = resource_problems(cfg if gpus_of is None else gpus_of)",
+        "    problems = resource_problems(cfg)",
+        ("tests/backends/test_nemo_rl_resources.py",),
+    ),
+    Mutant(  # review: a typo'd override was submitted, then refused at the job's start
+        "launch.sh submits a config jetrl train refuses",
+        "slurm/launch.sh",
+        "if ((py_rc == 2)); then",
+        "if ((py_rc == 99)); then",
+        ("tests/backends/test_slurm_launch.py",),
+    ),
+    Mutant(
+        "a launch rule both NeMo-RL trees refuse is only a note at submission",
+        "nemo_jetrl/backends/nemo_rl/submission.py",
+        "    common = [p for p in first if all(p in o for o in others)]",
+        "    common = []",
+        (
+            "tests/backends/test_slurm_launch.py::"
+            "test_submission_refuses_what_both_trees_refuse_and_notes_the_rest",
+        ),
+    ),
 ]

@@ -194,10 +194,12 @@ def test_missing_path_exits_2_naming_the_key_before_ray(tmp_path, monkeypatch, c
 
 # docs/cluster.md's async keys: NeMo-RL's async_grpo_train asserts the next four at its start.
 ASYNC_KEYS = (
+    "cluster.num_nodes=2",  # the recipe's TP x PP x CP = 8 on one node, vLLM on the other
     "+grpo.async_grpo.enabled=true",
     "policy.generation.vllm_cfg.async_engine=true",
     "policy.generation.colocated.enabled=false",
-    "policy.generation.colocated.resources.gpus_per_node=4",
+    "policy.generation.colocated.resources.num_nodes=1",
+    "policy.generation.colocated.resources.gpus_per_node=8",
     "loss_fn.use_importance_sampling_correction=true",
     "jetrl.allow_off_policy=true",  # off-policy by policy lag, whatever the precision
 )
@@ -250,7 +252,7 @@ def test_async_without_the_async_engine_is_refused_before_ray(tmp_path, monkeypa
     seen = _stand_ins(monkeypatch, tmp_path, trainer=True)
     bf16 = CONFIGS[0].with_name("bf16.yaml")
     with pytest.raises(UserError, match=r"policy\.generation\.vllm_cfg\.async_engine=true"):
-        nr.run_nemo_rl(str(bf16), _overrides(ASYNC_KEYS[:1] + ASYNC_KEYS[-1:]))
+        nr.run_nemo_rl(str(bf16), _overrides(("+grpo.async_grpo.enabled=true", ASYNC_KEYS[-1])))
     assert seen["order"] == []  # no Ray, no environment, no setup
     with pytest.raises(UserError, match=r"off-policy by policy lag.*jetrl\.allow_off_policy=true"):
         nr.run_nemo_rl(str(bf16), _overrides(ASYNC_KEYS[:-1]))  # refused as jetrl check says

@@ -95,7 +95,9 @@ def test_the_launch_refuses_it_before_ray(tmp_path, monkeypatch):
     merged = master("jetrl", ckpt)
     merged["data"] = {}
     called = []
-    monkeypatch.setattr(driver, "trainer_kind", lambda cfg: called.append("kind") or driver.SYNC)
+    monkeypatch.setattr(
+        driver, "trainer_kind", lambda cfg, **_: called.append("kind") or driver.SYNC
+    )
     with pytest.raises(UserError, match=r"written by recipe 'bf16', under this config's 'jetrl'"):
         driver.prepare_master(
             merged, {}, nemo_rl_dir=tmp_path, venv_base=tmp_path / "venvs",

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TWO_NODES = "examples/configs/nemo_rl_fp8_e2e.yaml"  # cluster.num_nodes: 2, gpus_per_node: 8
+# NeMo-RL's 2-node FP8 settings made on-policy (cluster.num_nodes: 2, gpus_per_node: 8)
+TWO_NODES = "tests/data/slurm/two_nodes.yaml"
 
 # A login-node python3 without nemo_jetrl (the usual case): fails the way a real one does.
 NO_JETRL_PYTHON = """#!/bin/sh
@@ -38,6 +39,9 @@ if [ "$1" = --version ]; then echo "nemo_jetrl 0.1.0 (commit $FAKE_IMAGE_COMMIT)
 echo "jetrl-args: $*"
 echo "PYTHONUNBUFFERED=${PYTHONUNBUFFERED:-unset}"
 """
+
+# A config of one's own outside the clone: a shipped 1-node recipe as its defaults.
+ONE_NODE_CONFIG = f"defaults: {REPO}/examples/configs/qwen3_8b_base/jetrl.yaml\n"
 
 
 def _launch(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedProcess:
@@ -108,7 +112,7 @@ def _git_clone_with_config(root: Path) -> tuple[Path, str]:
     """A git checkout holding one config; returns the config and the checkout's HEAD."""
     root.mkdir()
     cfg = root / "run.yaml"
-    cfg.write_text("cluster:\n  num_nodes: 1\n  gpus_per_node: 8\n")
+    cfg.write_text(ONE_NODE_CONFIG)
     git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "run.yaml"], check=True)
@@ -243,7 +247,7 @@ def test_image_commit_is_compared_with_the_clone(tmp_path, fakes):
 def test_no_git_checkout_skips_the_commit_check_with_a_note(tmp_path, fakes):
     cfg = tmp_path / "loose" / "run.yaml"
     cfg.parent.mkdir()
-    cfg.write_text("cluster:\n  num_nodes: 1\n  gpus_per_node: 8\n")
+    cfg.write_text(ONE_NODE_CONFIG)
     proc = _launch(str(cfg), GIT_CEILING_DIRECTORIES=str(tmp_path), **fakes)
     assert proc.returncode == 0, proc.stderr
     assert "not in a git checkout" in proc.stderr
@@ -288,9 +292,12 @@ def test_docs_section_6_converts_once_then_chains_the_other_recipes(tmp_path, fa
         "PARTITION": "batch",
         "HF_HOME": str(tmp_path / "hf"),
         "PYTHON": sys.executable,
-        "HOME": os.environ.get("HOME", "/tmp"),
+        "HOME": str(tmp_path / "home"),  # its ~/jetrl-venv/bin/jetrl (compare): the fake
         "FAKE_IMAGE_COMMIT": "unknown",
     }
+    venv_bin = tmp_path / "home" / "jetrl-venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    _script(venv_bin / "jetrl", FAKE_JETRL)
     proc = subprocess.run(
         ["bash", "-c", snippet],
         cwd=REPO,
@@ -310,6 +317,10 @@ def test_docs_section_6_converts_once_then_chains_the_other_recipes(tmp_path, fa
     assert "qwen3_8b_base/fp8_rollout.yaml" in calls[1][1]
     assert "jetrl.allow_off_policy=true" in calls[1][1]
     assert "qwen3_8b_base/jetrl.yaml" in calls[2][1]
+    # then the comparison, from the login node's venv (section 1b)
+    assert "jetrl-args: compare runs/bf16/exp_* runs/fp8_rollout/exp_* runs/jetrl/exp_*" in (
+        proc.stdout
+    )
 
 
 # -- mounts and paths as NeMo-RL's ray.sub runs them (found by reading its v0.7.0 ray.sub and
@@ -378,3 +389,73 @@ def test_a_ray_sub_with_a_banner_in_front_is_refused(fakes):
     assert proc.returncode == 2 and _sbatch_calls(fakes["FAKE_DIR"]) == []
     assert "is not NeMo-RL's ray.sub (no #! first line" in proc.stderr
     assert "without the image's entrypoint" in proc.stderr
+
+
+def test_what_jetrl_train_would_refuse_at_the_jobs_start_is_never_submitted(fakes):
+    """A job jetrl train refuses has waited in the queue and started Ray first: with a PYTHON
+    that imports nemo_jetrl the same refusals come before sbatch (exit 2, nothing submitted),
+    also where NODES / GPUS_PER_NODE are set as the docs say."""
+    qwen = "examples/configs/qwen3_8b_base/jetrl.yaml"
+    cases = [  # (config, override, what the refusal names)
+        (qwen, "grpo.max_num_stepz=3", "did you mean grpo.max_num_steps"),  # a typo'd key
+        ("examples/configs/nemo_rl_fp8_e2e.yaml", None, "jetrl.allow_off_policy"),  # off-policy
+        # a NeMo-RL backend rule both trees share (the refit checks run within one stage)
+        (qwen, "policy.generation.vllm_cfg.pipeline_parallel_size=2", "set it to 1"),
+    ]
+    for config, override, named in cases:
+        args = [config] + ([override] if override else [])
+        proc = _launch(*args, NODES="1" if "qwen" in config else "2", GPUS_PER_NODE="8", **fakes)
+        assert proc.returncode == 2, proc.stderr
+        assert "would refuse" in proc.stderr and "nothing submitted" in proc.stderr
+        assert named in proc.stderr, proc.stderr
+        assert _sbatch_calls(fakes["FAKE_DIR"]) == []
+    # what one tree refuses is a note naming it (the image's tree is not known here)
+    proc = _launch(qwen, "policy.megatron_cfg.fp8_cfg.fp8_param=true", **fakes)
+    assert proc.returncode == 0, proc.stderr
+    assert "launch.sh: note: on NeMo-RL main jetrl train would refuse it: " in proc.stderr
+    assert "v0.7.0 jetrl train would refuse" not in proc.stderr
+    assert len(_sbatch_calls(fakes["FAKE_DIR"])) == 1
+
+
+def test_a_python_without_torch_checks_the_config_and_says_what_it_left(tmp_path):
+    """The docs' light login-node venv has no torch: the config is still validated, and a note
+    says the NeMo-RL launch rules are left to the job."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    env = {"PYTHONPATH": str(site)}
+    proc = _launch("examples/configs/qwen3_8b_base/jetrl.yaml", **env)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "this Python has no torch: the NeMo-RL backend's launch rules other than the GPU split"
+        in (proc.stderr)
+    )
+    proc = _launch("examples/configs/qwen3_8b_base/jetrl.yaml", "grpo.max_num_stepz=3", **env)
+    assert proc.returncode == 2 and "did you mean grpo.max_num_steps" in proc.stderr
+    apart = [
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=4",  # 4 left for TP x PP x CP = 8
+    ]
+    proc = _launch("examples/configs/qwen3_8b_base/jetrl.yaml", *apart, **env)
+    assert proc.returncode == 2, proc.stderr
+    assert "policy.megatron_cfg.tensor_model_parallel_size=2: NeMo-RL gives training 4" in (
+        proc.stderr
+    )
+
+
+def test_submission_refuses_what_both_trees_refuse_and_notes_the_rest():
+    """`submission_problems` in process (launch.sh runs it in $PYTHON): a rule of both NeMo-RL
+    trees is a refusal, a rule of one tree a note naming it."""
+    from nemo_jetrl.backends.nemo_rl.submission import submission_problems
+
+    qwen = "examples/configs/qwen3_8b_base/jetrl.yaml"
+    refusals, notes, _ = submission_problems(
+        qwen, ["policy.generation.vllm_cfg.pipeline_parallel_size=2"]
+    )
+    assert [r.split("=")[0] for r in refusals] == [
+        "policy.generation.vllm_cfg.pipeline_parallel_size"
+    ]
+    assert notes == []
+    refusals, notes, cfg = submission_problems(qwen, ["policy.megatron_cfg.fp8_cfg.fp8_param=true"])
+    assert refusals == [] and len(notes) == 1 and notes[0].startswith("on NeMo-RL main jetrl ")
+    assert cfg.cluster.num_nodes == 1

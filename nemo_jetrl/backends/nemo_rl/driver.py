@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_jetrl.backends.nemo_rl.resources import resource_problems
+
 SYNC = "sync"
 ASYNC = "async"
 # run_grpo.py refuses these with async GRPO (NotImplementedError there; a UserError here).
@@ -34,10 +36,10 @@ def _enabled(node: Any) -> bool:
     return bool(node.get("enabled")) if isinstance(node, Mapping) else bool(node)
 
 
-def trainer_kind(cfg: Mapping[str, Any]) -> str:
+def trainer_kind(cfg: Mapping[str, Any], gpus_of: Mapping[str, Any] | None = None) -> str:
     """``async`` when ``grpo.async_grpo.enabled`` (NeMo-RL's ``async_grpo_train``), else ``sync``;
     a UserError listing every `trainer_problems` entry together."""
-    problems = trainer_problems(cfg)
+    problems = trainer_problems(cfg, gpus_of)
     if problems:
         raise _user_error(
             "the nemo-rl backend cannot run this trainer:\n  - "
@@ -50,15 +52,21 @@ def _async(cfg: Mapping[str, Any]) -> bool:
     return _enabled(((cfg.get("grpo") or {}).get("async_grpo") or {}).get("enabled", False))
 
 
-def trainer_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+def trainer_problems(
+    cfg: Mapping[str, Any], gpus_of: Mapping[str, Any] | None = None
+) -> list[tuple[str, str]]:
     """(key, why) for each reason the trainer ``run_grpo.py`` would pick cannot run: ``why``
     opens with the key's value and ends with what to set (``key=why`` reads as one sentence).
+
+    NeMo-RL's split of the GPUs between training and vLLM (`resources.resource_problems`), of
+    ``gpus_of`` when given (the user's config, where a rehearsal rewrote the cluster), else of
+    ``cfg``.
 
     ``data_plane.enabled`` (NeMo-RL's TransferQueue trainer ``grpo_train_sync`` with its
     ``TQPolicy``: our policy worker and loss wrapper are not wired into it); with async GRPO, the
     features run_grpo.py refuses and what ``async_grpo_train`` asserts after Ray starts.
     """
-    problems = []
+    problems = resource_problems(cfg if gpus_of is None else gpus_of)
     if _enabled((cfg.get("data_plane") or {}).get("enabled", False)):
         problems.append((
             "data_plane.enabled",
@@ -153,7 +161,7 @@ def prepare_master(
     from nemo_jetrl.backends.nemo_rl.translate import POLICY_WORKER_FQN, STOCK_POLICY_WORKER
     from nemo_jetrl.build_info import mark_driver_code, shadowing_checkout
 
-    kind = trainer_kind(merged)
+    kind = trainer_kind(merged, gpus_of=ours)  # a rehearsal rewrote merged's cluster
     shadow = shadowing_checkout(Path.cwd())  # Ray's, not ``cwd`` (where config paths resolve)
     if shadow:
         raise _user_error(shadow)
