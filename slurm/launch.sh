@@ -53,6 +53,8 @@
 #               must be on storage every node sees, and ray.sub does not mount $HOME),
 #   HF_TOKEN    for gated models (Llama): exported in your shell, sbatch/srun pass it on; it is
 #               never written into the command line
+#   DEDICATED_RAY_HEAD=1  NeMo-RL main's ray.sub: the first node runs only the Ray head, so
+#               sbatch asks for NODES + 1 nodes (the run keeps cluster.num_nodes=$NODES)
 #   DRY_RUN=1   print the sbatch command instead of running it.
 # The driver command (COMMAND) runs `jetrl train` with PYTHONUNBUFFERED=1 (ray.sub sends its
 # output to <jobid>-logs/ray-driver.log) and first compares the image's nemo_jetrl commit
@@ -61,7 +63,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,60p' "$0" >&2
+  sed -n '2,62p' "$0" >&2
   exit 2
 fi
 config=$1
@@ -209,13 +211,20 @@ mounted() {
   done
   return 1
 }
-for pair in "checkpointing.checkpoint_dir=${cfg_ckpt:--}" "logger.log_dir=${cfg_logs:--}"; do
+# And what it reads: the config itself (the driver runs in the clone) and a local model path.
+config_abs=$(cd "$(dirname "$config")" && pwd)/$(basename "$config")
+for pair in "checkpointing.checkpoint_dir=${cfg_ckpt:--}" "logger.log_dir=${cfg_logs:--}" \
+  "the config=$config_abs" "policy.model_name=${cfg_model:--}"; do
   key=${pair%%=*} path=${pair#*=}
   path=${path//\\040/ }
-  [[ "$path" == /* ]] || continue  # relative: under the clone, which is mounted
-  if ! mounted "$path"; then
-    echo "launch.sh: $key=$path is outside every container mount ($MOUNTS): the run would write" \
-      "it inside one node's container and lose it; add its directory to MOUNTS" >&2
+  [[ "$path" == /* ]] || continue  # relative: under the clone, which is mounted (or a hub id)
+  if ! mounted "$path" && ! mounted "$(realpath -m "$path")"; then
+    case $key in
+      checkpointing.* | logger.*) what="the run would write it inside one node's container and lose it" ;;
+      *) what="the job could not read it" ;;
+    esac
+    echo "launch.sh: $key=$path is outside every container mount ($MOUNTS): $what;" \
+      "add its directory to MOUNTS" >&2
     exit 2
   fi
 done
@@ -252,15 +261,30 @@ overrides+=" cluster.num_nodes=$NODES cluster.gpus_per_node=$GPUS_PER_NODE"
 COMMAND="cd $(printf '%q' "$PWD") || exit 2; ${commit_check}${env_prefix}jetrl train $(printf '%q' "$config") --backend nemo-rl${overrides}"
 export CONTAINER MOUNTS COMMAND
 
-cmd=(sbatch --parsable --nodes="$NODES" --account="$ACCOUNT" --partition="$PARTITION"
+# NeMo-RL main's ray.sub can keep the first node for the Ray head alone (DEDICATED_RAY_HEAD=1):
+# SLURM is then asked for one node more than the run's cluster.num_nodes GPU nodes.
+DEDICATED_RAY_HEAD=${DEDICATED_RAY_HEAD:-0}
+if [[ "$DEDICATED_RAY_HEAD" != 0 && "$DEDICATED_RAY_HEAD" != 1 ]]; then
+  echo "launch.sh: DEDICATED_RAY_HEAD=$DEDICATED_RAY_HEAD: use 0 or 1" >&2
+  exit 2
+fi
+if ((DEDICATED_RAY_HEAD)) && [[ -f "$RAY_SUB" ]] && ! grep -q DEDICATED_RAY_HEAD "$RAY_SUB"; then
+  echo "launch.sh: DEDICATED_RAY_HEAD=1 but $RAY_SUB has no dedicated-head mode (NeMo-RL v0.7.0's" \
+    "has none; main's has): unset it" >&2
+  exit 2
+fi
+export DEDICATED_RAY_HEAD
+cmd=(sbatch --parsable --nodes="$((NODES + DEDICATED_RAY_HEAD))" --account="$ACCOUNT" --partition="$PARTITION"
      --time="$TIME" --job-name="$JOB_NAME")
 GRES=${GRES-gpu:$GPUS_PER_NODE}
 [[ -n "$GRES" && "$GRES" != none ]] && cmd+=(--gres="$GRES")
 [[ -n "$DEPENDENCY" ]] && cmd+=(--dependency="$DEPENDENCY")
 cmd+=("$RAY_SUB")
 if [[ -n "${DRY_RUN:-}" ]]; then
-  printf 'CONTAINER=%q MOUNTS=%q COMMAND=%q GPUS_PER_NODE=%q \\\n  ' \
+  printf 'CONTAINER=%q MOUNTS=%q COMMAND=%q GPUS_PER_NODE=%q ' \
     "$CONTAINER" "$MOUNTS" "$COMMAND" "$GPUS_PER_NODE"
+  ((DEDICATED_RAY_HEAD)) && printf 'DEDICATED_RAY_HEAD=1 '
+  printf '\\\n  '
   printf '%q ' "${cmd[@]}"
   echo
   exit 0

@@ -459,3 +459,42 @@ def test_submission_refuses_what_both_trees_refuse_and_notes_the_rest():
     refusals, notes, cfg = submission_problems(qwen, ["policy.megatron_cfg.fp8_cfg.fp8_param=true"])
     assert refusals == [] and len(notes) == 1 and notes[0].startswith("on NeMo-RL main jetrl ")
     assert cfg.cluster.num_nodes == 1
+
+
+def test_a_config_or_local_model_outside_every_mount_is_refused(tmp_path):
+    """The job reads the config and a local model path inside the container: outside every
+    mount it could not (found by review: only the written paths were checked)."""
+    outside = tmp_path / "mine" / "run.yaml"
+    outside.parent.mkdir()
+    outside.write_text(ONE_NODE_CONFIG)
+    proc = _launch(str(outside))
+    assert proc.returncode == 2, proc.stderr
+    assert f"the config={outside} is outside every container mount" in proc.stderr
+    assert "the job could not read it" in proc.stderr
+    proc = _launch(str(outside), MOUNTS=f"{tmp_path}:{tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    model = "policy.model_name=/models/qwen3-8b"
+    proc = _launch("examples/configs/qwen3_8b_base/jetrl.yaml", model)
+    assert proc.returncode == 2 and "policy.model_name=/models/qwen3-8b is outside" in proc.stderr
+    proc = _launch("examples/configs/qwen3_8b_base/jetrl.yaml", model, MOUNTS="/models:/models")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_dedicated_ray_head_asks_slurm_for_one_node_more(tmp_path, fakes):
+    """NeMo-RL main's ray.sub keeps the first node for the Ray head under DEDICATED_RAY_HEAD=1:
+    the run's cluster.num_nodes GPU nodes plus that one (v0.7.0's ray.sub has no such mode)."""
+    proc = _launch(TWO_NODES, DEDICATED_RAY_HEAD="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "--nodes=3" in proc.stdout and "DEDICATED_RAY_HEAD=1" in proc.stdout
+    assert "cluster.num_nodes=2" in proc.stdout
+    assert "--nodes=2" in _launch(TWO_NODES).stdout
+    proc = _launch(TWO_NODES, DEDICATED_RAY_HEAD="1", **fakes)  # the fake ray.sub: no such mode
+    assert proc.returncode == 2 and "has no dedicated-head mode" in proc.stderr
+    assert _sbatch_calls(fakes["FAKE_DIR"]) == []
+    main_sub = Path(fakes["RAY_SUB"])
+    main_sub.write_text(main_sub.read_text() + "DEDICATED_RAY_HEAD=${DEDICATED_RAY_HEAD:-0}\n")
+    proc = _launch(TWO_NODES, DEDICATED_RAY_HEAD="1", **fakes)
+    assert proc.returncode == 0, proc.stderr
+    [(args, _)] = _sbatch_calls(fakes["FAKE_DIR"])
+    assert "--nodes=3" in args
+    assert _launch(TWO_NODES, DEDICATED_RAY_HEAD="yes").returncode == 2
