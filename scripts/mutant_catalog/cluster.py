@@ -570,4 +570,18 @@ MUTANTS = [
             "test_submission_refuses_what_both_trees_refuse_and_notes_the_rest",
         ),
     ),
+    Mutant(  # review: async_engine starts VllmAsyncGenerationWorker, in a venv of its own
+        "the sync vLLM worker's venv is checked whatever the engine",
+        "nemo_jetrl/backends/nemo_rl/venvs.py",
+        '    return VLLM_ASYNC_WORKER if vllm_cfg.get("async_engine") else VLLM_WORKER',
+        "    return VLLM_WORKER",
+        ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
+    Mutant(  # review: bare metal builds the venv under our class's name, never the stock one
+        "the venv NeMo-RL built for our worker class is not reused",
+        "nemo_jetrl/backends/nemo_rl/venvs.py",
+        "    if ours.is_file() and not (base / our_fqn).is_symlink() and not rebuild:",
+        "    if False:",
+        ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
 ]

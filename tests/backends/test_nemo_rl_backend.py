@@ -204,11 +204,6 @@ def test_vllm_preflight_refuses_unsupported_version():
     nr.preflight_vllm_patch("/x/python", run=fake_run("0.32.1"))
     nr.preflight_vllm_patch("/x/python", run=fake_run("0.20.0"))  # NeMo-RL v0.7.0's vLLM
     nr.preflight_vllm_patch("/x/python", run=fake_run("0.25.1"))  # NeMo-RL main's vLLM
-    reg = {nr.VLLM_WORKER: "uv run --locked --extra vllm --directory /opt/nemo-rl"}
-    assert (
-        nr.vllm_worker_python(reg, "/opt/ray_venvs")
-        == f"/opt/ray_venvs/{nr.VLLM_WORKER}/bin/python"
-    )
 
 
 def test_merge_onto_nemo_rl_defaults(tmp_path):

@@ -483,3 +483,61 @@ def test_after_the_run_environments_stop_before_vllm_and_each_stops_whatever_the
     calls.clear()
     driver.shut_down(types.SimpleNamespace(), Generation(), {}, None)  # v0.7.0
     assert calls == ["generation"]
+
+
+def _venv(base: Path, fqn: str, with_nemo_jetrl: bool) -> Path:
+    py = base / fqn / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("")
+    site = base / fqn / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    if with_nemo_jetrl:
+        (site / "nemo_jetrl-0.1.0.dist-info").mkdir()
+    return py
+
+
+def test_bare_metal_runs_on_the_venv_nemo_rl_built_for_our_worker_class(tmp_path):
+    """NeMo-RL names a venv after the class it starts: on bare metal our first launch has it
+    build one for our worker class, never the stock one (found by review: every later launch
+    then said "NeMo-RL builds <the stock venv> during this run"). Later launches run on it by
+    path, and carry the overlay while it lacks nemo_jetrl."""
+    base = tmp_path / "venvs"
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    _, entry, lines, _ = _prep(merged, tmp_path, {})
+    ours = base / POLICY_WORKER_FQN / "bin" / "python"
+    assert entry == MCORE_UV  # first launch: NeMo-RL builds it
+    assert any(f"as {base / POLICY_WORKER_FQN}" in line for line in lines), lines
+    assert any(str(ours) in line and "during this run" in line for line in lines), lines
+    _venv(base, POLICY_WORKER_FQN, with_nemo_jetrl=False)  # what that launch left
+    _venv(base, VLLM_FQN, with_nemo_jetrl=True)
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    _, entry, lines, _ = _prep(merged, tmp_path, {})
+    assert entry == str(ours)
+    assert any("built by NeMo-RL for our worker class earlier" in line for line in lines)
+    assert any(str(ours) in line and "were built without nemo_jetrl" in line for line in lines)
+    assert merged["policy"]["megatron_cfg"]["env_vars"]["PYTHONPATH"]  # the overlay
+    # installed into it (docs/cluster.md 1c): nothing to carry
+    (ours.parent.parent / "lib/python3.12/site-packages/nemo_jetrl-0.1.0.dist-info").mkdir()
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    _, entry, lines, _ = _prep(merged, tmp_path, {})
+    assert entry == str(ours) and "policy" not in merged
+
+
+def test_the_async_engine_s_vllm_venv_is_the_one_checked(tmp_path):
+    """vllm_cfg.async_engine=true starts NeMo-RL's VllmAsyncGenerationWorker, in a venv of its
+    own: nemo_jetrl in the sync worker's venv does not reach it (found by review)."""
+    base = tmp_path / "venvs"
+    _venv(base, STOCK_POLICY_WORKER, with_nemo_jetrl=True)
+    _venv(base, VLLM_FQN, with_nemo_jetrl=True)
+    async_py = _venv(base, venvs.VLLM_ASYNC_WORKER, with_nemo_jetrl=False)
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})
+    merged["policy"] = {"generation": {"vllm_cfg": {"async_engine": True}}}
+    assert venvs.vllm_worker_fqn(merged) == venvs.VLLM_ASYNC_WORKER
+    _, _, lines, calls = _prep(merged, tmp_path, {})
+    assert calls == [(str(async_py), True)]  # asked with the overlay this launch gives it
+    assert any(str(async_py) in line and "were built without nemo_jetrl" in line for line in lines)
+    env = merged["policy"]["generation"]["vllm_cfg"]["env_vars"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith(venvs.OVERLAY_NAME)
+    merged = _merged(train={"dataset_name": "OpenMathInstruct-2"})  # sync: its venv has it
+    _, _, _, calls = _prep(merged, tmp_path, {})
+    assert calls == [str(base / VLLM_FQN / "bin" / "python")] and "policy" not in merged

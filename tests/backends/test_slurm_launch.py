@@ -216,13 +216,14 @@ def test_driver_runs_unbuffered(fakes):
 def test_image_commit_is_compared_with_the_clone(tmp_path, fakes):
     cfg, head = _git_clone_with_config(tmp_path / "clone")
     other = "0123456789ab"
-    proc = _launch(str(cfg), **fakes)
+    mounts = f"{tmp_path}:{tmp_path}"  # the clone of the config, which the job reads
+    proc = _launch(str(cfg), MOUNTS=mounts, **fakes)
     assert proc.returncode == 0, proc.stderr
     [(_, command)] = _sbatch_calls(fakes["FAKE_DIR"])
     assert f"export JETRL_CLONE_COMMIT={head};" in command
     assert command.index("JETRL_CLONE_COMMIT") < command.index("jetrl train")
     # DRY_RUN shows the same check.
-    dry = _launch(str(cfg))
+    dry = _launch(str(cfg), MOUNTS=mounts)
     assert f"JETRL_CLONE_COMMIT={head}" in dry.stdout and "launch:\\ warning:" in dry.stdout
 
     differs = _run_command(command, fakes, image_commit=other)
@@ -248,7 +249,8 @@ def test_no_git_checkout_skips_the_commit_check_with_a_note(tmp_path, fakes):
     cfg = tmp_path / "loose" / "run.yaml"
     cfg.parent.mkdir()
     cfg.write_text(ONE_NODE_CONFIG)
-    proc = _launch(str(cfg), GIT_CEILING_DIRECTORIES=str(tmp_path), **fakes)
+    mounts = f"{tmp_path}:{tmp_path}"
+    proc = _launch(str(cfg), GIT_CEILING_DIRECTORIES=str(tmp_path), MOUNTS=mounts, **fakes)
     assert proc.returncode == 0, proc.stderr
     assert "not in a git checkout" in proc.stderr
     [(_, command)] = _sbatch_calls(fakes["FAKE_DIR"])

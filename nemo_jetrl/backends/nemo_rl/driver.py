@@ -174,10 +174,11 @@ def prepare_master(
     if why := resume_problem(merged):  # paths are absolute now, as NeMo-RL will read them
         raise _user_error(why)
     rebuild = venvs.force_rebuild(environ)
-    entry, line = venvs.policy_worker_entry(stock_entry, STOCK_POLICY_WORKER, venv_base, rebuild)
+    entry, line, mcore_py = venvs.policy_worker_entry(
+        stock_entry, STOCK_POLICY_WORKER, venv_base, rebuild, POLICY_WORKER_FQN
+    )
     lines.append(line)
-    vllm_py = venvs.venv_python(venv_base, venvs.VLLM_WORKER)
-    mcore_py = venvs.venv_python(venv_base, STOCK_POLICY_WORKER)
+    vllm_py = venvs.venv_python(venv_base, venvs.vllm_worker_fqn(merged))  # sync or async
     uv_venvs = [
         py for ent, py in ((stock_entry, mcore_py), (vllm_entry, vllm_py)) if ent.startswith("uv")
     ]

@@ -43,7 +43,6 @@ from nemo_jetrl.backends.nemo_rl.translate import (
     translate,
 )
 from nemo_jetrl.backends.nemo_rl.tree_rules import TreeFacts, nemo_rl_package, read_tree
-from nemo_jetrl.backends.nemo_rl.venvs import VLLM_WORKER
 from nemo_jetrl.config.schema import VLLM_KV_DTYPE
 from nemo_jetrl.megatron.config import FP32_SCALES_ENV
 
@@ -192,18 +191,6 @@ def registered_policy_worker(
             registry.pop(fqn, None)
 
 
-def vllm_worker_python(registry: Mapping[str, str], venv_dir: str | None = None) -> str:
-    """The Python that NeMo-RL's vLLM workers run (prebuilt venv in the image, else the entry)."""
-    from nemo_jetrl.backends.nemo_rl.venvs import venv_dir as nemo_rl_venv_dir
-
-    entry = registry.get(VLLM_WORKER, "python")
-    if entry.startswith("uv"):
-        # NeMo-RL's own default: <its git root>/venvs, never the working directory.
-        base = Path(venv_dir) if venv_dir else nemo_rl_venv_dir()
-        return str(base / VLLM_WORKER / "bin" / "python")
-    return entry
-
-
 def nemo_rl_pinned_vllm(nemo_rl_dir: Path) -> str | None:
     """The vLLM version NeMo-RL's ``pyproject.toml`` pins (``vllm==X`` / ``.../vllm-X-...whl``)."""
     import re
@@ -275,7 +262,8 @@ def preflight_vllm_patch(
             f"NeMo-RL's vLLM worker environment {python} has vLLM {version}, but this NeMo-RL "
             f"pins vLLM {pinned}: the environment was changed (e.g. `pip install "
             "nemo-jetrl[vllm]` replaces NeMo-RL's vLLM; install nemo_jetrl with --no-deps). "
-            "Rebuild the image, or launch once with NRL_FORCE_REBUILD_VENVS=true"
+            "Rebuild the image (a container starts from it every job), or on bare metal launch "
+            "once with NRL_FORCE_REBUILD_VENVS=true"
         )
     if fp8_kv and found.get("device") != "cpu":
         on = found.get("device") or "a GPU build (no GPU on this node)"
@@ -363,7 +351,7 @@ def _master_config(prepared: Prepared, registry: Mapping[str, str]) -> Any:  # p
         nemo_rl_dir=defaults.parents[2],
         venv_base=base,
         stock_entry=registry[STOCK_POLICY_WORKER],
-        vllm_entry=registry.get(VLLM_WORKER, "python"),
+        vllm_entry=registry.get(venvs.vllm_worker_fqn(merged), "python"),
         vllm_patch=VLLM_PATCH_ENV in plan.workers.vllm_env,
         environ=os.environ,
         next_log_dir=get_next_experiment_dir,

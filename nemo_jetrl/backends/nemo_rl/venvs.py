@@ -8,7 +8,9 @@ from NeMo-RL's own project, which drops nemo_jetrl (our worker class, our vLLM p
 What the launch does about it (driver process, before Ray starts):
 
 - our policy worker runs on the stock Megatron worker's venv *by its python path* when that venv
-  is built (no venv named after our class, no symlink for NeMo-RL to trip over);
+  is built (no symlink for NeMo-RL to trip over), else on the venv NeMo-RL built for our class
+  name in an earlier launch (bare metal), by path; the vLLM workers' venv is the sync or the
+  async worker's, as ``vllm_cfg.async_engine`` picks;
 - with the rebuild flag on, or when NeMo-RL will build a venv during the run (bare metal, first
   run), that venv has no nemo_jetrl, so the launch writes
   an overlay (a directory with a link to this nemo_jetrl and its entry-point metadata) next to
@@ -25,10 +27,13 @@ import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 FORCE_REBUILD_ENV = "NRL_FORCE_REBUILD_VENVS"
-# NeMo-RL's vLLM worker class: its venv is named after it.
+# NeMo-RL's vLLM worker classes (vllm_generation.py picks by vllm_cfg.async_engine): each venv
+# is named after its class.
 VLLM_WORKER = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
+VLLM_ASYNC_WORKER = "nemo_rl.models.generation.vllm.vllm_worker_async.VllmAsyncGenerationWorker"
 OVERLAY_NAME = "nemo_jetrl_overlay"
 
 
@@ -64,21 +69,34 @@ def venv_python(base: Path, actor_fqn: str) -> Path:
     return base / actor_fqn / "bin" / "python"
 
 
-def policy_worker_entry(
-    stock_entry: str, stock_fqn: str, base: Path, rebuild: bool
-) -> tuple[str, str]:
-    """(registry entry for our worker class, log line).
+def vllm_worker_fqn(cfg: Mapping[str, Any]) -> str:
+    """The vLLM worker class NeMo-RL starts for ``cfg`` (whose venv the workers run in)."""
+    vllm_cfg = ((cfg.get("policy") or {}).get("generation") or {}).get("vllm_cfg") or {}
+    return VLLM_ASYNC_WORKER if vllm_cfg.get("async_engine") else VLLM_WORKER
 
-    The stock worker's built venv by path when there is one and no rebuild is asked for; else
-    the stock entry itself (a ``uv run ...`` line: NeMo-RL builds a venv for our class name).
+
+def policy_worker_entry(
+    stock_entry: str, stock_fqn: str, base: Path, rebuild: bool, our_fqn: str
+) -> tuple[str, str, Path]:
+    """(registry entry for our worker class, log line, the Python the workers will run).
+
+    Without a rebuild: the stock worker's built venv by path, else the venv NeMo-RL built for
+    our class name in an earlier launch (bare metal: NeMo-RL names a venv after the class it
+    starts), by path. Else the stock entry itself (a ``uv run ...`` line): NeMo-RL builds the
+    venv for our class name during this run.
     """
-    py = venv_python(base, stock_fqn)
+    ours = venv_python(base, our_fqn)
     if not stock_entry.startswith("uv"):
-        return stock_entry, f"policy worker python: {stock_entry}"
+        return stock_entry, f"policy worker python: {stock_entry}", Path(stock_entry)
+    py = venv_python(base, stock_fqn)
     if py.is_file() and not rebuild:
-        return str(py), f"policy worker python: {py} (NeMo-RL's Megatron worker venv)"
+        return str(py), f"policy worker python: {py} (NeMo-RL's Megatron worker venv)", py
+    if ours.is_file() and not (base / our_fqn).is_symlink() and not rebuild:
+        line = f"policy worker python: {ours} (built by NeMo-RL for our worker class earlier)"
+        return str(ours), line, ours
     why = f"{FORCE_REBUILD_ENV}=true" if rebuild else f"{py} not built yet"
-    return stock_entry, f"policy worker venv built by NeMo-RL ({why}): {stock_entry}"
+    line = f"policy worker venv built by NeMo-RL ({why}) as {ours.parent.parent}: {stock_entry}"
+    return stock_entry, line, ours
 
 
 def remove_stale_link(base: Path, our_fqn: str) -> str | None:
