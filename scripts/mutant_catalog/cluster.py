@@ -185,7 +185,7 @@ MUTANTS = [
         "the logged token means count unusable tokens in their denominator",
         "nemo_jetrl/backends/nemo_rl/metrics.py",
         "    n = float(usable)\n",
-        "    n = float(usable) + float(metrics.get(COUNTS[1]) or 0)\n",
+        "    n = float(usable) + float(metrics.get(TOKEN_COUNTS[1]) or 0)\n",
         ("tests/backends/test_nemo_rl_metrics_wrapper.py",),
     ),
     Mutant(  # found by review: a bad bound crashed every worker's first loss call
@@ -583,5 +583,22 @@ MUTANTS = [
         "    if ours.is_file() and not (base / our_fqn).is_symlink() and not rebuild:",
         "    if False:",
         ("tests/backends/test_nemo_rl_launch_prep.py",),
+    ),
+    Mutant(  # review: a defaults file inside the image was refused on the login node
+        "a config only the job's machine can read is refused at submission",
+        "nemo_jetrl/backends/nemo_rl/submission.py",
+        "        if _job_machine_only(exc):\n            raise",
+        "        if False:\n            raise",
+        (
+            "tests/backends/test_slurm_launch.py::"
+            "test_submission_refuses_what_both_trees_refuse_and_notes_the_rest",
+        ),
+    ),
+    Mutant(  # review: NeMo-RL's own mopd-* recipes were refused
+        "teachers on their own nodes are counted as training's",
+        "nemo_jetrl/backends/nemo_rl/resources.py",
+        "    if opd.get(\"enabled\"):",
+        "    if False:",
+        ("tests/backends/test_nemo_rl_resources.py",),
     ),
 ]

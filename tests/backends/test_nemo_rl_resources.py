@@ -83,15 +83,24 @@ def test_a_reward_model_environment_is_left_to_nemo_rl():
 
 
 @pytest.mark.parametrize("tree", ["v0.7.0", "main-7ea279a"])
-def test_no_grpo_config_nemo_rl_ships_is_refused(tree):
+def test_no_config_nemo_rl_ships_is_refused(tree, monkeypatch):
+    """Every YAML under NeMo-RL's examples/configs (GRPO, on-policy distillation with teachers
+    on their own nodes, DTensor policies, SFT/DPO: review found the mopd-* recipes refused)."""
+    monkeypatch.setenv("HF_HOME", "/hf")  # configs that read it (${oc.env:HF_HOME})
     root = NEMO_RL_UPSTREAM / tree / "examples/configs"
     kinds: Counter = Counter()
-    for path in sorted(root.rglob("*grpo*.yaml")):
-        try:
-            cfg = _cfg(str(path))
-        except Exception:  # a config our loader cannot read is jetrl check's business
-            continue
+    for path in sorted(root.rglob("*.yaml")):
+        cfg = _cfg(str(path))
         assert resource_problems(cfg) == [], path
-        colocated = cfg["policy"]["generation"]["colocated"]["enabled"]
+        generation = (cfg.get("policy") or {}).get("generation") or {}
+        colocated = (generation.get("colocated") or {}).get("enabled", True)
         kinds["colocated" if colocated else "apart"] += gpu_split(cfg, []) is not None
     assert kinds["colocated"] > 100 and kinds["apart"] > 20, kinds  # both splits were judged
+
+
+def test_teachers_on_their_own_nodes_are_left_to_nemo_rl():
+    """grpo.setup takes non-colocated OPD teachers' nodes off training's first (v0.7.0 :541,
+    main :784): the split is not judged then, as with a reward model."""
+    cfg = _cfg(QWEN8, *APART, f"{RES}.gpus_per_node=4")
+    cfg["on_policy_distillation"] = {"non_colocated_teachers": {"enabled": True}}
+    assert gpu_split(cfg, []) is None and resource_problems(cfg) == []

@@ -445,10 +445,11 @@ def test_a_python_without_torch_checks_the_config_and_says_what_it_left(tmp_path
     )
 
 
-def test_submission_refuses_what_both_trees_refuse_and_notes_the_rest():
+def test_submission_refuses_what_both_trees_refuse_and_notes_the_rest(tmp_path):
     """`submission_problems` in process (launch.sh runs it in $PYTHON): a rule of both NeMo-RL
     trees is a refusal, a rule of one tree a note naming it."""
     from nemo_jetrl.backends.nemo_rl.submission import submission_problems
+    from nemo_jetrl.config import ConfigError
 
     qwen = "examples/configs/qwen3_8b_base/jetrl.yaml"
     refusals, notes, _ = submission_problems(
@@ -461,6 +462,11 @@ def test_submission_refuses_what_both_trees_refuse_and_notes_the_rest():
     refusals, notes, cfg = submission_problems(qwen, ["policy.megatron_cfg.fp8_cfg.fp8_param=true"])
     assert refusals == [] and len(notes) == 1 and notes[0].startswith("on NeMo-RL main jetrl ")
     assert cfg.cluster.num_nodes == 1
+    # a defaults file only the image holds: not judged here (launch.sh takes NODES as set)
+    image_only = "defaults: /opt/nemo-rl/examples/configs/grpo_math_1B_megatron.yaml\n"
+    (tmp_path / "image.yaml").write_text(image_only)
+    with pytest.raises(ConfigError, match="config file not found"):
+        submission_problems(str(tmp_path / "image.yaml"), [])
 
 
 def test_a_config_or_local_model_outside_every_mount_is_refused(tmp_path):
@@ -500,3 +506,22 @@ def test_a_dedicated_ray_head_asks_slurm_for_one_node_more(tmp_path, fakes):
     [(args, _)] = _sbatch_calls(fakes["FAKE_DIR"])
     assert "--nodes=3" in args
     assert _launch(TWO_NODES, DEDICATED_RAY_HEAD="yes").returncode == 2
+
+
+def test_a_config_only_the_jobs_machine_can_read_falls_back_to_nodes_as_set(tmp_path):
+    """A defaults file in the image (/opt/nemo-rl/...) or an environment variable set only in
+    the job: not an invalid config (review: it was refused); NODES / GPUS_PER_NODE are then
+    needed, as for a Python that cannot read it at all."""
+    image_only = tmp_path / "image.yaml"
+    image_only.write_text("defaults: /opt/nemo-rl/examples/configs/grpo_math_1B_megatron.yaml\n")
+    job_env = tmp_path / "env.yaml"
+    job_env.write_text(ONE_NODE_CONFIG + "logger:\n  log_dir: ${oc.env:JOB_ONLY_DIR}/logs\n")
+    mounts = f"{tmp_path}:{tmp_path}"
+    for cfg in (image_only, job_env):
+        proc = _launch(str(cfg), MOUNTS=mounts)
+        assert proc.returncode == 2 and "NODES" in proc.stderr, proc.stderr
+        assert "only the job's machine can read it" in proc.stderr
+        assert "would refuse" not in proc.stderr
+        proc = _launch(str(cfg), MOUNTS=mounts, NODES="1", GPUS_PER_NODE="8")
+        assert proc.returncode == 0, proc.stderr
+        assert "cluster.num_nodes=1" in proc.stdout

@@ -7,8 +7,8 @@ generation does not take (``...resources.num_nodes``, whose GPUs per node must e
 cluster's). Training's world size must then be a multiple of Megatron's TP x PP x CP
 (``lm_policy.py``) and generation's of vLLM's TP x PP (``vllm_generation.py``). NeMo-RL asserts
 all this after the job has allocated its nodes and started Ray; `resource_problems` says it
-from the config, naming the keys. A reward-model environment takes GPUs of its own: its
-configs are left to NeMo-RL.
+from the config, naming the keys. A reward-model environment and on-policy-distillation
+teachers on their own nodes take GPUs of their own: those configs are left to NeMo-RL.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ def gpu_split(cfg: Mapping[str, Any], problems: list[tuple[str, str]]) -> GpuSpl
     interpolated values, a reward model) or when it cannot be split (appended to ``problems``)."""
     cluster = cfg.get("cluster") or {}
     nodes, per_node = _int(cluster, "num_nodes"), _int(cluster, "gpus_per_node")
+    opd = (cfg.get("on_policy_distillation") or {}).get("non_colocated_teachers") or {}
     if nodes is None or per_node is None or "reward_model" in (cfg.get("env") or {}):
+        return None
+    if opd.get("enabled"):  # teachers' nodes come off training's first (grpo.setup)
         return None
     generation = (cfg.get("policy") or {}).get("generation") or {}
     colocated = generation.get("colocated") or {}
@@ -91,6 +94,8 @@ def resource_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
         return problems
     policy = cfg.get("policy") or {}
     megatron = policy.get("megatron_cfg") or {}
+    if megatron.get("enabled") is not True:  # a DTensor policy: translate refuses it
+        megatron = {}
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
     sizes = {k: _int(megatron, k, 1) for k in keys}
     if None not in sizes.values():
@@ -105,9 +110,11 @@ def resource_problems(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
                 f"GPUs, not a multiple of Megatron's {shape} = {need}: change the parallel sizes "
                 "(tensor/pipeline/context) or the GPUs",
             ))  # fmt: skip
-    vllm = (policy.get("generation") or {}).get("vllm_cfg") or {}
+    generation = policy.get("generation") or {}
+    vllm = generation.get("vllm_cfg") or {}
     tp, pp = _int(vllm, "tensor_parallel_size", 1), _int(vllm, "pipeline_parallel_size", 1)
-    if tp is not None and pp is not None and split.generation % (tp * pp):
+    on_vllm = generation.get("backend", "vllm") == "vllm"
+    if on_vllm and tp is not None and pp is not None and split.generation % (tp * pp):
         problems.append((
             "policy.generation.vllm_cfg.tensor_parallel_size",
             f"{tp}: vLLM gets {split.generation} GPUs, not a multiple of its tensor x pipeline "

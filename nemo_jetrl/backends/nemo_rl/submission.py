@@ -40,6 +40,8 @@ def submission_problems(path: str, overrides: Sequence[str]) -> tuple[list[str],
     try:
         checked = check_config(path, list(overrides))
     except ConfigError as exc:
+        if _job_machine_only(exc):
+            raise  # not judged here: launch.sh falls back to NODES / GPUS_PER_NODE
         return [f"invalid config\n{exc}"], [], None
     refusal = off_policy_refusal(checked, backend="nemo-rl")
     if refusal:
@@ -71,10 +73,26 @@ def submission_problems(path: str, overrides: Sequence[str]) -> tuple[list[str],
     return refusals, notes, checked.cfg
 
 
+def _job_machine_only(exc: ConfigError) -> bool:
+    """Whether every error is one the job's machine may not have: a ``defaults:`` file that
+    exists only in the image (``/opt/nemo-rl/...``), an environment variable set only there."""
+    errors = [i for i in exc.issues if i.level == "error"]
+    return bool(errors) and all(
+        (i.path == "defaults" and i.message.startswith("config file not found"))
+        or "Environment variable" in i.message
+        for i in errors
+    )
+
+
 def main(argv: Sequence[str]) -> int:
-    """Exit 0 printing the `KEYS` line, or 2 with every refusal on stderr."""
+    """Exit 0 printing the `KEYS` line, 2 with every refusal on stderr, or 3 when the config
+    can only be read on the job's machine (launch.sh then takes NODES / GPUS_PER_NODE)."""
     path, overrides = argv[0], [o for o in argv[1:] if "=" in o]
-    refusals, notes, cfg = submission_problems(path, overrides)
+    try:
+        refusals, notes, cfg = submission_problems(path, overrides)
+    except ConfigError as exc:
+        print(f"only the job's machine can read it: {exc}".replace("\n", " "), file=sys.stderr)
+        return 3
     for note in notes:
         print(f"launch.sh: note: {note}", file=sys.stderr)
     if refusals:
