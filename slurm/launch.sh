@@ -54,7 +54,8 @@
 #   HF_TOKEN    for gated models (Llama): exported in your shell, sbatch/srun pass it on; it is
 #               never written into the command line
 #   DEDICATED_RAY_HEAD=1  NeMo-RL main's ray.sub: the first node runs only the Ray head, so
-#               sbatch asks for NODES + 1 nodes (the run keeps cluster.num_nodes=$NODES)
+#               sbatch asks for NODES + 1 nodes (the run keeps cluster.num_nodes=$NODES); the
+#               config's env.nemo_gym.num_gpu_nodes are asked for on top as well
 #   DRY_RUN=1   print the sbatch command instead of running it.
 # The driver command (COMMAND) runs `jetrl train` with PYTHONUNBUFFERED=1 (ray.sub sends its
 # output to <jobid>-logs/ray-driver.log) and first compares the image's nemo_jetrl commit
@@ -63,7 +64,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,62p' "$0" >&2
+  sed -n '2,63p' "$0" >&2
   exit 2
 fi
 config=$1
@@ -120,11 +121,11 @@ if ((py_rc == 2)); then
 fi
 grep '^launch.sh: note: ' "$py_err" >&2 || true
 if ((py_rc == 0)); then
-  read -r cfg_nodes cfg_gpus cfg_model cfg_ckpt cfg_logs <<<"$cfg_line"
+  read -r cfg_nodes cfg_gpus cfg_model cfg_ckpt cfg_logs cfg_gym <<<"$cfg_line"
   source_of="the config"
 else
   read_error=$(grep -v '^\s*$' "$py_err" | tail -n 1 || true)
-  cfg_nodes=- cfg_gpus=- cfg_model=- cfg_ckpt=- cfg_logs=-
+  cfg_nodes=- cfg_gpus=- cfg_model=- cfg_ckpt=- cfg_logs=- cfg_gym=-
   # A cluster.* override on the command line is what the run will use (last one wins).
   for o in "$@"; do
     case "$o" in
@@ -274,7 +275,15 @@ if ((DEDICATED_RAY_HEAD)) && [[ -f "$RAY_SUB" ]] && ! grep -q DEDICATED_RAY_HEAD
   exit 2
 fi
 export DEDICATED_RAY_HEAD
-cmd=(sbatch --parsable --nodes="$((NODES + DEDICATED_RAY_HEAD))" --account="$ACCOUNT" --partition="$PARTITION"
+# NeMo-Gym's GPU nodes (env.nemo_gym.num_gpu_nodes) come on top of cluster.num_nodes (NeMo-RL
+# main's ray.sub says so): SLURM is asked for them too.
+gym_nodes=0
+if [[ "${cfg_gym:--}" =~ ^[0-9]+$ ]] && ((cfg_gym > 0)); then
+  gym_nodes=$cfg_gym
+  echo "launch.sh: note: env.nemo_gym.num_gpu_nodes=$gym_nodes: asking SLURM for" \
+    "$((NODES + gym_nodes + DEDICATED_RAY_HEAD)) nodes (cluster.num_nodes=$NODES stays the run's)" >&2
+fi
+cmd=(sbatch --parsable --nodes="$((NODES + gym_nodes + DEDICATED_RAY_HEAD))" --account="$ACCOUNT" --partition="$PARTITION"
      --time="$TIME" --job-name="$JOB_NAME")
 GRES=${GRES-gpu:$GPUS_PER_NODE}
 [[ -n "$GRES" && "$GRES" != none ]] && cmd+=(--gres="$GRES")

@@ -597,8 +597,15 @@ MUTANTS = [
     Mutant(  # review: NeMo-RL's own mopd-* recipes were refused
         "teachers on their own nodes are counted as training's",
         "nemo_jetrl/backends/nemo_rl/resources.py",
-        "    if opd.get(\"enabled\"):",
+        '    if opd.get("enabled"):',
         "    if False:",
         ("tests/backends/test_nemo_rl_resources.py",),
+    ),
+    Mutant(  # review: NeMo-Gym's GPU nodes come on top of cluster.num_nodes
+        "NeMo-Gym's GPU nodes are not asked of SLURM",
+        "slurm/launch.sh",
+        "  gym_nodes=$cfg_gym\n",
+        "  gym_nodes=0\n",
+        ("tests/backends/test_slurm_launch.py",),
     ),
 ]

@@ -525,3 +525,16 @@ def test_a_config_only_the_jobs_machine_can_read_falls_back_to_nodes_as_set(tmp_
         proc = _launch(str(cfg), MOUNTS=mounts, NODES="1", GPUS_PER_NODE="8")
         assert proc.returncode == 0, proc.stderr
         assert "cluster.num_nodes=1" in proc.stdout
+
+
+def test_nemo_gym_gpu_nodes_are_asked_of_slurm_on_top_of_the_runs():
+    """NeMo-RL main's ray.sub: the job's nodes are cluster.num_nodes plus
+    env.nemo_gym.num_gpu_nodes (found by review: the gym's nodes were not asked for)."""
+    qwen = "examples/configs/qwen3_8b_base/jetrl.yaml"
+    proc = _launch(qwen, "+env.nemo_gym.num_gpu_nodes=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "--nodes=3" in proc.stdout and "cluster.num_nodes=1" in proc.stdout
+    assert "env.nemo_gym.num_gpu_nodes=2: asking SLURM for 3 nodes" in proc.stderr
+    proc = _launch(qwen, "+env.nemo_gym.num_gpu_nodes=2", DEDICATED_RAY_HEAD="1")
+    assert "--nodes=4" in proc.stdout
+    assert "--nodes=1" in _launch(qwen).stdout

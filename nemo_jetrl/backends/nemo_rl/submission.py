@@ -31,6 +31,7 @@ KEYS = (
     "policy.model_name",
     "checkpointing.checkpoint_dir",
     "logger.log_dir",
+    "env.nemo_gym.num_gpu_nodes",
 )
 
 
