@@ -37,7 +37,8 @@ class GpuSplit:
 
 def gpu_split(cfg: Mapping[str, Any], problems: list[tuple[str, str]]) -> GpuSplit | None:
     """NeMo-RL's split of this config's GPUs; None when the config does not say (missing or
-    interpolated values, a reward model) or when it cannot be split (appended to ``problems``)."""
+    interpolated values, a reward model, OPD teachers on their own nodes) or when it cannot be
+    split (appended to ``problems``)."""
     cluster = cfg.get("cluster") or {}
     nodes, per_node = _int(cluster, "num_nodes"), _int(cluster, "gpus_per_node")
     opd = (cfg.get("on_policy_distillation") or {}).get("non_colocated_teachers") or {}

@@ -6,7 +6,9 @@ made here instead, with the same code (exit 2, every problem listed): the config
 and on-policy verdict (`flow.pipeline`), NeMo-RL's split of the GPUs (`resources`), then, where
 this Python has torch (our translation to NeMo-RL's keys imports it), the NeMo-RL backend's
 other rules (`launch.launch_problems`) on both NeMo-RL trees we know: what both refuse is
-refused, what one refuses is a note naming it (the image's tree is not known here). Paths, venvs and the installed vLLM are the job's to check.
+refused, what one refuses is a note naming it (the image's tree is not known here). Paths,
+venvs and the installed vLLM are the job's to check, and so is a config only the job's machine
+can read (a ``defaults:`` file in the image, a variable set in the job: exit 3).
 
 On success stdout is one line, the values launch.sh reads (`KEYS`, spaces as ``\\040``, ``-``
 when unset). Run as ``python -m nemo_jetrl.backends.nemo_rl.submission CONFIG [key=value ...]``.

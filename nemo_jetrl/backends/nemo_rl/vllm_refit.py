@@ -24,9 +24,9 @@ the training forward. `install_refit_hook(settings)` replaces, inside the vLLM w
    All-or-nothing (``jetrl.refit_rollback``): the batches stream in one by one, so a refusal in
    batch k comes after batches 1..k-1 were loaded. The transport therefore snapshots the model
    first (``vllm_patch.rollback``: one copy of its tensors, on the GPU if it fits, else in host
-   memory; always in host memory when vLLM is colocated with the trainer) and, on any failure (our refusal, NeMo-RL's transport returning False, the parity
-   check), restores it and verifies it bit for bit before raising: a refused refit leaves the
-   engine exactly as it was. At tensor_parallel_size > 1 the ranks agree first
+   memory; always in host memory when vLLM is colocated with the trainer) and, on any failure
+   (our refusal, NeMo-RL's transport returning False, the parity check), restores it and
+   verifies it bit for bit before raising: a refused refit leaves the engine exactly as it was. At tensor_parallel_size > 1 the ranks agree first
    (``vllm_patch.rank_vote``): every rank restores when any rank failed.
    On an engine replaying CUDA graphs, tensors the refit rebinds (vLLM 0.20/0.25's MLA
    ``W_UK_T``/``W_UV``) go back into the storage the graphs read (``graph_bindings``).
