@@ -159,6 +159,12 @@ fi
 [[ "$cfg_gpus" == "-" ]] && cfg_gpus=$GPUS_PER_NODE
 NODES=${NODES:-$cfg_nodes}
 GPUS_PER_NODE=${GPUS_PER_NODE:-$cfg_gpus}
+for v in NODES GPUS_PER_NODE; do
+  if ! [[ "${!v}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "launch.sh: $v=${!v} (from $source_of if not set): a whole number of at least 1 is needed" >&2
+    exit 2
+  fi
+done
 if [[ "$NODES" != "$cfg_nodes" ]]; then
   echo "launch.sh: NODES=$NODES but $source_of has cluster.num_nodes=$cfg_nodes ($config):" \
     "unset NODES, or pass cluster.num_nodes=$NODES" >&2

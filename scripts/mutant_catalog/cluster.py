@@ -608,4 +608,11 @@ MUTANTS = [
         "  gym_nodes=0\n",
         ("tests/backends/test_slurm_launch.py",),
     ),
+    Mutant(  # review: a non-numeric NODES died in bash arithmetic
+        "launch.sh lets a node count that is not a whole number through",
+        "slurm/launch.sh",
+        '  if ! [[ "${!v}" =~ ^[1-9][0-9]*$ ]]; then',
+        "  if false; then",
+        ("tests/backends/test_slurm_launch.py",),
+    ),
 ]

@@ -538,3 +538,15 @@ def test_nemo_gym_gpu_nodes_are_asked_of_slurm_on_top_of_the_runs():
     proc = _launch(qwen, "+env.nemo_gym.num_gpu_nodes=2", DEDICATED_RAY_HEAD="1")
     assert "--nodes=4" in proc.stdout
     assert "--nodes=1" in _launch(qwen).stdout
+
+
+def test_a_node_or_gpu_count_that_is_not_a_whole_number_is_refused_naming_it(tmp_path):
+    """Review: a non-numeric NODES died in bash arithmetic ("unbound variable")."""
+    py = _script(tmp_path / "python3", NO_JETRL_PYTHON)
+    proc = _launch(TWO_NODES, PYTHON=py, NODES="two", GPUS_PER_NODE="8")
+    assert proc.returncode == 2 and "NODES=two" in proc.stderr
+    assert "a whole number of at least 1 is needed" in proc.stderr
+    proc = _launch(TWO_NODES, PYTHON=py, NODES="2", GPUS_PER_NODE="0")
+    assert proc.returncode == 2 and "GPUS_PER_NODE=0" in proc.stderr
+    proc = _launch(TWO_NODES, PYTHON=py, NODES="2", GPUS_PER_NODE="8")
+    assert proc.returncode == 0, proc.stderr
