@@ -142,9 +142,14 @@ class RunData:
     def tags(self) -> list[str]:
         return sorted(self.scalars)
 
+    def step_series(self) -> list[Series]:
+        """The series whose steps are training steps (not NeMo-RL's ``ray/*`` GPU monitor,
+        `Series.on_step_axis`)."""
+        return [s for s in self.scalars.values() if s.on_step_axis]
+
     @property
     def last_step(self) -> int | None:
-        steps = [s.steps[-1] for s in self.scalars.values() if s.steps]
+        steps = [s.steps[-1] for s in self.step_series() if s.steps]
         return max(steps) if steps else None
 
 

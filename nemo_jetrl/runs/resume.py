@@ -10,7 +10,10 @@ or ``jetrl.recipe`` from the logged hyperparameters; a directory labelled only b
 never joined) as one run when the later one starts past the earlier one's first step (it
 continued; one that starts over is another run). Steps concatenate; where they overlap, the later
 directory wins (the earlier one's steps from the resume point on were redone), as TensorBoard's
-own ``purge_step`` does within one directory. ``RunData.joined`` says what was joined and which
+own ``purge_step`` does within one directory. Steps are training steps only: NeMo-RL's GPU
+monitor logs ``ray/*`` against seconds since each launch (`runs.tensorboard.OFF_STEP_AXIS`), so
+those tags never say where a directory starts, and a joined run keeps the last launch's
+series of each. ``RunData.joined`` says what was joined and which
 steps were replaced; ``jetrl compare`` prints it under the table.
 """
 
@@ -22,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from nemo_jetrl.runs.logs import RunData, Series
+from nemo_jetrl.runs.tensorboard import on_step_axis
 
 #: NeMo-RL's experiment directory names (``nemo_rl.utils.logger.get_next_experiment_dir``).
 EXP_DIR = re.compile(r"exp_(\d+)")
@@ -31,7 +35,7 @@ def first_step(run: RunData) -> int | None:
     """The first step ``run`` logged past step 0 (None: none). Step 0 is what every launch logs
     as it starts, resumed or not (NeMo-RL's ``timing/setup/*``, our engine check's
     ``jetrl/kernel/*``): counted, every directory would start at 0 and none would continue."""
-    steps = [min(pos) for s in run.scalars.values() if (pos := [st for st in s.steps if st > 0])]
+    steps = [min(pos) for s in run.step_series() if (pos := [st for st in s.steps if st > 0])]
     return min(steps) if steps else None
 
 
@@ -74,9 +78,13 @@ def join_chain(chain: Sequence[RunData]) -> RunData:
     notes = []
     for i, part in enumerate(chain):
         cut = first_step(part) if i else None  # this part redid every step from here on
-        own = sorted({st for s in part.scalars.values() for st in s.steps if st > 0})
+        own = sorted({st for s in part.step_series() for st in s.steps if st > 0})
         if cut is not None:
-            for pts in points.values():
+            for tag, pts in points.items():
+                if not on_step_axis(tag):  # seconds since each launch: the last part's series
+                    if tag in part.scalars:
+                        pts.clear()
+                    continue
                 for st in [st for st in pts if st >= cut]:
                     del pts[st]
             data_steps = {st for st in data_steps if st < cut}
@@ -110,7 +118,7 @@ def join_chain(chain: Sequence[RunData]) -> RunData:
 
 
 def _all_steps(parts: Sequence[RunData]) -> list[int]:
-    return sorted({st for part in parts for s in part.scalars.values() for st in s.steps})
+    return sorted({st for part in parts for s in part.step_series() for st in s.steps})
 
 
 def join_resumed(runs: Sequence[RunData]) -> list[RunData]:

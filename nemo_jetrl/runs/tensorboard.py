@@ -47,6 +47,21 @@ class Series:
     def __len__(self) -> int:
         return len(self.steps)
 
+    @property
+    def on_step_axis(self) -> bool:
+        return on_step_axis(self.tag)
+
+
+#: Tag prefixes whose TensorBoard "step" is not the training step: NeMo-RL's GPU monitor
+#: (``logger.monitor_gpus``, on in our base configs) logs ``ray/*`` at step = whole seconds
+#: since the launch (``RayGpuMonitorLogger``, metric_prefix "ray"). Never read as a run's steps.
+OFF_STEP_AXIS = ("ray/",)
+
+
+def on_step_axis(tag: str) -> bool:
+    """Whether ``tag``'s steps are training steps (`OFF_STEP_AXIS`: they are not)."""
+    return not tag.startswith(OFF_STEP_AXIS)
+
 
 def find_event_files(run_dir: str | Path) -> list[Path]:
     """Every TensorBoard events file under ``run_dir`` (any depth), sorted by path."""

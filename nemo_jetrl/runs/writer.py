@@ -12,6 +12,10 @@ from typing import Any
 from nemo_jetrl._optional import require
 from nemo_jetrl.runs.logs import CONFIG_FILE
 from nemo_jetrl.runs.tensorboard import RUN_ID_TAG, TB_SUBDIR
+from nemo_jetrl.runs.train_data import train_data_files
+
+#: where a resumed run puts the killed run's train data of the steps it redoes.
+SUPERSEDED_DIR = "superseded"
 
 #: config.yaml may hold a secret given as a literal override: owner read/write only.
 CONFIG_MODE = 0o600
@@ -43,12 +47,17 @@ class RunWriter:
         the runs in one directory apart (`nemo_jetrl.runs.tensorboard.event_file_run_id`).
         ``purge_step`` (a resumed run: its first step) starts the events file with TensorBoard's
         restart marker, so readers drop what an earlier file logged at that step or later (the
-        steps a killed run logged after its last checkpoint, which the resumed run redoes).
+        steps a killed run logged after its last checkpoint, which the resumed run redoes); the
+        killed run's ``train_data_step{N}.jsonl`` of those steps move to ``superseded/`` (a
+        reader would otherwise recompute the purged steps from them until the resumed run
+        rewrites each).
         """
         tb = require("torch.utils.tensorboard", feature="writing TensorBoard logs")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _after_earlier_event_files(self.run_dir / TB_SUBDIR)
+        self.superseded = [] if purge_step is None else _supersede(self.run_dir, purge_step)
+        """The train data files moved aside for ``purge_step`` (their new paths)."""
         self._tb = tb.SummaryWriter(
             log_dir=str(self.run_dir / TB_SUBDIR),
             purge_step=purge_step,
@@ -138,6 +147,21 @@ def _after_earlier_event_files(tb_dir: Path) -> None:
             newest = max(newest, int(stamp))
     while int(time.time()) <= newest:
         time.sleep(0.02)
+
+
+def _supersede(run_dir: Path, first: int) -> list[Path]:
+    """Move ``train_data_step{N}.jsonl`` with N >= ``first`` to ``superseded/from_step{first}_
+    <time>/`` (kept, out of the readers' way); returns the moved files' new paths."""
+    stale = [p for step, p in train_data_files(run_dir).items() if step >= first]
+    if not stale:
+        return []
+    dst = run_dir / SUPERSEDED_DIR / f"from_step{first}_{time.strftime('%Y%m%d-%H%M%S')}"
+    dst.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for p in stale:
+        os.replace(p, dst / p.name)
+        moved.append(dst / p.name)
+    return moved
 
 
 def _scalar(value: Any) -> float | None:

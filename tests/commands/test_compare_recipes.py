@@ -83,6 +83,11 @@ def launch_run(runs: Path, recipe: str, steps: range, tmpe: dict[int, float], ov
     w.add_hparams(nemo_rl_flatten(plan.master_config), {})
     # every launch, resumed or not, logs at step 0 (NeMo-RL's grpo.setup timings)
     w.add_scalar("timing/setup/total_setup_time_s", 60.0, 0)
+    if plan.master_config["logger"]["monitor_gpus"]:  # on in our base configs
+        # NeMo-RL's RayGpuMonitorLogger: ray/* at step = seconds since the launch (every 10 s)
+        for t in range(0, 300, 10):
+            w.add_scalar("ray/node.0.gpu.0.utilization", 0.9, t)
+            w.add_scalar("ray/ray_step", t, t)
     for s in steps:
         train = {"token_mult_prob_error": tmpe[s], "reward": s / 8}
         for name, v in train.items():

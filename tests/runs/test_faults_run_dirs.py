@@ -28,6 +28,7 @@ from local_configs import EXAMPLES, REPO, TINY_OVERRIDES, tiny_cfg
 from nemo_jetrl.backends.local import checkpoint as ckpt
 from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
 from nemo_jetrl.cli import main
+from nemo_jetrl.config import ConfigError
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.runs.lock import LOCK_FILE, RunDirBusy, RunDirLock
 
@@ -224,6 +225,10 @@ def test_kill_during_save_then_resume_matches_uninterrupted_run(tmp_path, cache_
     assert _no_timing(full.history[2]) == _no_timing(res.history[0])
     name = "train_data_step3.jsonl"
     assert (tmp_path / "full" / name).read_text() == (part / name).read_text()
+    # the killed run's step 3, purged from the logs, kept aside (no reader recomputes it)
+    [aside] = (part / "superseded").glob(f"from_step3_*/{name}")
+    assert aside.read_text() == (part / name).read_text()  # and redone to the same bytes
+    assert "moved the replaced steps' train data" in text
     (_, fa), (_, pa) = (ckpt.list_checkpoints(tmp_path / d / "checkpoints")[-1] for d in ("full", "part"))  # fmt: skip
     (ma, sa), (mb, sb) = ckpt.load_checkpoint(fa), ckpt.load_checkpoint(pa)
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
@@ -309,3 +314,79 @@ def test_no_usable_checkpoint_is_exit_2_not_a_fresh_start(tmp_path, two_step_run
     assert "step_2: state.pt is 4 bytes" in err and "step_1: state.pt is 4 bytes" in err, err
     assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [1, 2]  # untouched
     assert not (tmp_path / "cache").exists()  # refused before any work (no warm start)
+
+
+# ------------------------------------------------- --resume where no checkpoint was ever written
+
+
+def test_resume_without_a_checkpoint_restarts_the_run_it_finds(tmp_path, cache_dir):
+    """A job script that always passes --resume, its first job killed before any save: the
+    next job restarts that run in place (one run id, the old steps purged, their train data
+    aside), not a second run mixed into the same directory."""
+    from nemo_jetrl.runs.logs import read_run, run_ids
+
+    run = tmp_path / "run"
+    extra = ("checkpointing.enabled=false", "grpo.val_period=0")
+    run_local(resolve_run(tiny_cfg(RECIPE, run, cache_dir, *extra)), progress=False)
+    (first_id,) = run_ids(run)
+    msgs: list[str] = []
+    res = run_local(
+        resolve_run(tiny_cfg(RECIPE, run, cache_dir, *extra, "grpo.max_num_steps=1")),
+        resume=True,
+        progress=False,
+        log=msgs.append,
+    )
+    assert f"restarting run {first_id} from step 0" in "\n".join(msgs)
+    assert res.first_step == 0 and res.last_step == 1
+    assert run_ids(run) == (first_id,)
+    data = read_run(run)
+    assert data.scalars["train/reward"].steps == (1,)  # step 2 of the first job is gone
+    assert data.train_data_steps == (1,)
+    assert sorted(p.name for p in (run / "superseded").glob("from_step0_*/*")) == [
+        "train_data_step1.jsonl",
+        "train_data_step2.jsonl",
+    ]
+    # over the logs of two runs it cannot restart one: refused, nothing written
+    other = tmp_path / "other" / "tensorboard"
+    other.mkdir(parents=True)
+    for f in (run / "tensorboard").glob("events.out.tfevents.*"):  # this run's id and another
+        (other / f.name).write_bytes(f.read_bytes())
+        (other / f"{f.name[: -len(first_id)]}0123456789ab").write_bytes(f.read_bytes())
+    with pytest.raises(UserError, match=r"holds the logs of 2 runs"):
+        run_local(
+            resolve_run(tiny_cfg(RECIPE, other.parent, cache_dir, *extra)),
+            resume=True,
+            progress=False,
+        )
+
+
+def test_resume_takes_the_configs_learning_rate_and_refuses_another_recipe(
+    tmp_path, cache_dir, two_step_run
+):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    msgs: list[str] = []
+    res = run_local(
+        resolve_run(
+            tiny_cfg(
+                RECIPE, run, cache_dir, "grpo.max_num_steps=3", "policy.optimizer.kwargs.lr=1e-7"
+            )
+        ),
+        resume=True,
+        progress=False,
+        log=msgs.append,
+    )
+    assert res.first_step == 2 and res.history[0]["train/lr"] == 1e-7
+    assert "policy.optimizer.kwargs.lr" in "\n".join(msgs)
+    # FP32 scales on a pow2 run's checkpoint: refused before any work (no warm start)
+    fp32 = "policy.megatron_cfg.env_vars.NVTE_FP8_BLOCK_SCALING_FP32_SCALES='1'"
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError, match=r"differs in .*pow2"):
+        run_local(
+            resolve_run(tiny_cfg(RECIPE, run, cache, "grpo.max_num_steps=4", fp32)),
+            resume=True,
+            progress=False,
+        )
+    assert not cache.exists()

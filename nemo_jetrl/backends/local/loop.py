@@ -25,11 +25,12 @@ from pathlib import Path
 from nemo_jetrl._optional import require
 from nemo_jetrl.backends.local import checkpoint as ckpt
 from nemo_jetrl.backends.local.config import RunSettings
+from nemo_jetrl.backends.local.resume import recipe_refusal
 from nemo_jetrl.backends.local.setup import LocalRun, ResolvedRun, resolve_run
 from nemo_jetrl.backends.local.step import Hooks
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.runs.lock import RunDirLock
-from nemo_jetrl.runs.logs import CONFIG_FILE
+from nemo_jetrl.runs.logs import CONFIG_FILE, run_ids
 from nemo_jetrl.runs.tensorboard import find_event_files
 
 __all__ = ["Hooks", "LocalRun", "ResolvedRun", "RunResult", "resolve_run", "run_local"]
@@ -75,16 +76,45 @@ def run_local(
     rs = resolved.run
     lock = _own_run_dirs(rs, resume=resume, log=write)
     try:
-        found = None
+        found, run_id, purge = None, lock.run_id, None
         if resume:  # before any work: a damaged checkpoint dir fails here, not after setup
             found = ckpt.find_resumable(rs.resolved_checkpoint_dir(), log=write)
-            if found is None:
-                write(f"--resume: no checkpoint in {rs.resolved_checkpoint_dir()}; starting fresh")
-        return _run_owned(resolved, lock.run_id, found, hooks, tqdm_mod, write, t_begin)
+            if found is not None:
+                recipe_refusal(found[2], resolved.recipe, found[0])
+                purge = int(found[2]["step"]) + 1
+            else:
+                run_id, purge = _restart_of(rs, lock.run_id, write)
+        return _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin)
     except ckpt.CheckpointError as exc:
         raise UserError(str(exc)) from None
     finally:
         lock.release()
+
+
+def _restart_of(rs: RunSettings, run_id: str, write) -> tuple[str, int | None]:
+    """``--resume`` with no checkpoint: (run id, purge step) of a fresh start. Over the logs of
+    a run killed before its first save (a job script that always passes --resume), the same
+    run restarts from step 0: its id kept, every logged step purged (`RunWriter`), so the
+    directory holds one run; over logs of several runs, or of one that did not name itself,
+    `UserError` as for a fresh start without --resume."""
+    ckpt_dir = rs.resolved_checkpoint_dir()
+    earlier = _earlier_run_files(Path(rs.log_dir))
+    if not earlier:
+        write(f"--resume: no checkpoint in {ckpt_dir}; starting fresh")
+        return run_id, None
+    ids = run_ids(rs.log_dir)
+    if len(ids) != 1:
+        whose = f"{len(ids)} runs" if ids else "a writer that did not name its run"
+        raise UserError(
+            f"--resume: no checkpoint in {ckpt_dir}, and logger.log_dir {rs.log_dir} holds "
+            f"the logs of {whose} ({', '.join(earlier)}): starting over there would mix them. "
+            "Choose another logger.log_dir or remove those files"
+        )
+    write(
+        f"--resume: no checkpoint in {ckpt_dir}; restarting run {ids[0]} from step 0 in "
+        f"{rs.log_dir} (what it logged is replaced)"
+    )
+    return ids[0], 0
 
 
 def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
@@ -131,13 +161,16 @@ def _earlier_run_files(log_dir: Path) -> list[str]:
     return found
 
 
-def _run_owned(resolved, run_id, found, hooks, tqdm_mod, write, t_begin) -> RunResult:
+def _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin) -> RunResult:
     """The run itself, in directories this process owns; ``found``: the verified checkpoint
-    to continue from (`checkpoint.find_resumable`), or None."""
+    to continue from (`checkpoint.find_resumable`), or None; ``purge``: the first step whose
+    earlier logs this run replaces (`RunWriter`'s ``purge_step``), or None."""
     run = _start_run(resolved, run_id, found, hooks, write)
     rs = run.run
     first = run.step
-    writer = _open_writer(run, resumed=found is not None)
+    writer = _open_writer(run, purge_step=purge)
+    if writer.superseded:
+        write(f"moved the replaced steps' train data to {writer.superseded[0].parent}")
     history: list[dict[str, float]] = []
     bar = _progress_bar(tqdm_mod, run)
     try:
@@ -181,9 +214,9 @@ def _start_run(resolved, run_id, found, hooks, write) -> LocalRun:
     return run
 
 
-def _open_writer(run: LocalRun, *, resumed: bool):
+def _open_writer(run: LocalRun, *, purge_step: int | None):
     """The run's `RunWriter` on ``logger.log_dir``; a resumed run purges the TensorBoard
-    events after its restored step."""
+    events after its restored step (a restart over a run without checkpoint: all of them)."""
     from nemo_jetrl.runs.writer import RunWriter
 
     return RunWriter(
@@ -191,7 +224,7 @@ def _open_writer(run: LocalRun, *, resumed: bool):
         config=run.resolved.config_yaml,  # unresolved: secrets stay ${oc.env:...}
         recipe=run.recipe.name,
         run_id=run.run_id,
-        purge_step=run.step + 1 if resumed else None,
+        purge_step=purge_step,
     )
 
 

@@ -12,6 +12,55 @@ from typing import Any
 
 from nemo_jetrl.backends.local import checkpoint as ckpt
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
+from nemo_jetrl.recipe import Recipe, preset_differences
+
+#: ``policy.optimizer.kwargs`` keys a resumed run takes from its config, not the checkpoint
+#: (torch's ``load_state_dict`` restores the saved param groups' values).
+OPTIMIZER_KWARGS = ("lr", "betas", "eps", "weight_decay")
+
+
+def recipe_refusal(state: dict[str, Any], recipe: Recipe, path: Path) -> None:
+    """`ConfigError` when checkpoint ``path`` (its ``state``) was written under a recipe whose
+    numerics differ from ``recipe``'s (`recipe.preset_differences`: scale mode, FP8 KV, on-policy
+    KV...; the name alone for checkpoints written before the whole recipe was saved)."""
+    spec = state.get("recipe_spec")
+    if spec is not None:
+        theirs = Recipe.from_dict(spec)
+        changed = [d.split(":")[0] for d in preset_differences(recipe, theirs)]
+    else:
+        theirs = None
+        changed = [] if state.get("recipe") in (None, recipe.name) else ["name"]
+    if not changed:
+        return
+    name = theirs.name if theirs is not None else state.get("recipe")
+    raise ConfigError(
+        [
+            ConfigIssue(
+                "checkpointing.checkpoint_dir",
+                f"checkpoint {path} was written by recipe {name!r}, this run is "
+                f"{recipe.name!r} (differs in {', '.join(changed)}): resuming would go on from "
+                "another recipe's weights; resume with the config that wrote it, or point "
+                "checkpointing.checkpoint_dir / logger.log_dir at a new run",
+            )
+        ]
+    )
+
+
+def apply_optimizer_settings(optimizer: Any, cfg: Any) -> list[str]:
+    """Put ``cfg``'s `OPTIMIZER_KWARGS` into every param group of a just-loaded ``optimizer``
+    (a resubmission that lowers ``lr`` gets it); one message per value that changed."""
+    msgs = []
+    for key in OPTIMIZER_KWARGS:
+        want = tuple(cfg.betas) if key == "betas" else getattr(cfg, key)
+        had = optimizer.param_groups[0][key]
+        if (tuple(had) if key == "betas" else had) != want:
+            msgs.append(
+                f"policy.optimizer.kwargs.{key} {had!r} in the checkpoint, {want!r} in this "
+                "config: the config's applies from here on"
+            )
+        for group in optimizer.param_groups:
+            group[key] = want
+    return msgs
 
 
 class RunCheckpointing:
@@ -28,6 +77,7 @@ class RunCheckpointing:
             "kv_scales": kv,
             "refit_refused_total": self.refit_refused_total,
             "recipe": self.recipe.name,
+            "recipe_spec": self.recipe.to_dict(),
             "run_id": getattr(self, "run_id", None),
         }
 
@@ -35,18 +85,11 @@ class RunCheckpointing:
         """Continue from checkpoint ``path`` (``loaded``: its (master, state), already read
         and verified by `checkpoint.find_resumable`)."""
         master, state = loaded if loaded is not None else ckpt.load_checkpoint(path)
-        if state.get("recipe") not in (None, self.recipe.name):
-            raise ConfigError(
-                [
-                    ConfigIssue(
-                        "checkpointing.checkpoint_dir",
-                        f"checkpoint {path} was written by recipe {state['recipe']!r}, this run "
-                        f"is {self.recipe.name!r}: point --resume at the matching run",
-                    )
-                ]
-            )
+        recipe_refusal(state, self.recipe, path)
         self.trainer.load_master(master)
         self.trainer.optimizer.load_state_dict(state["optimizer"])
+        for msg in apply_optimizer_settings(self.trainer.optimizer, self.trainer.optim_cfg):
+            self.log(f"resume: {msg}")
         self.data_gen.set_state(state["data_gen"])
         self.sample_gen.set_state(state["sample_gen"])
         self.refit_refused_total = int(state.get("refit_refused_total", 0))
