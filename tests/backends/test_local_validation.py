@@ -81,3 +81,32 @@ def test_batch_variant_or_sampled_validation_decodes_every_row(
         assert rows == [96]
     finally:
         run.close()
+
+
+def test_validation_after_a_step_measures_the_updated_policy_with_one_refit(tmp_path, monkeypatch):
+    """The rollout is refit at the start of each step; validation comes after the step's update,
+    so it refits first (as NeMo-RL does with a stale generation), and the next step uses that
+    refit. Before: validation measured the policy of one update earlier (step 1's accuracy was
+    step 0's)."""
+    from nemo_jetrl.backends.local.step import Hooks
+
+    lr = "policy.optimizer.kwargs.lr=0.01"  # large: one update changes the greedy answers
+    run = LocalRun(resolve_run(tiny_cfg("jetrl", tmp_path, tmp_path / "cache", *SETTINGS, lr)))
+    try:
+        refits: list[int] = []
+        real = run.do_refit
+        monkeypatch.setattr(run, "do_refit", lambda h: refits.append(run.step) or real(h))
+        _, _, at_start = _validate(run, monkeypatch)
+        assert refits == []  # nothing updated yet: the rollout is the trainer's policy
+        s1, _ = run.train_step(Hooks())
+        assert refits == [0] and s1["jetrl/local/refit_refused"] == 0.0
+        _, _, after_one = _validate(run, monkeypatch)
+        assert refits == [0, 1]
+        assert after_one != at_start  # the updated policy answers otherwise
+        assert _validate(run, monkeypatch)[2] == after_one and refits == [0, 1]  # no update
+        s2, _ = run.train_step(Hooks())
+        assert refits == [0, 1] and s2["jetrl/local/refit_refused"] == 0.0  # validation's refit
+        s3, _ = run.train_step(Hooks())
+        assert refits == [0, 1, 2] and run.step == 3
+    finally:
+        run.close()

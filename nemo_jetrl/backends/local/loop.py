@@ -175,7 +175,7 @@ def _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin) 
     bar = _progress_bar(tqdm_mod, run)
     try:
         if run.step == 0 and rs.val_at_start and rs.val_period:
-            writer.log_scalars(0, run.validate())
+            writer.log_scalars(0, run.validate(hooks))
         while run.step < rs.max_num_steps:
             step, scalars = _logged_step(run, writer, hooks)
             history.append({"step": step, **scalars})
@@ -246,7 +246,7 @@ def _logged_step(run: LocalRun, writer, hooks: Hooks) -> tuple[int, dict[str, fl
     scalars, records = run.train_step(hooks)
     step = run.step
     if rs.val_period and step % rs.val_period == 0:
-        scalars.update(run.validate())
+        scalars.update(run.validate(hooks))
     writer.log_scalars(step, scalars)
     writer.log_train_data(step, records)
     writer.flush()

@@ -75,6 +75,11 @@ class RunStep:
     """The phases of one step; mixed into `nemo_jetrl.backends.local.setup.LocalRun`, whose
     state (trainer, rollout model or engine, KV controller, generators) they use."""
 
+    _updated_since_refit = False
+    """An update came after the rollout's last refit (NeMo-RL's ``POLICY_GENERATION_STALE``)."""
+    _validation_refit: tuple[bool, str | None] | None = None
+    """The outcome of the refit `validate` made, for the next step to report as its own."""
+
     def engine_kv_scales(self) -> dict[int, dict[str, float]] | None:
         """The trainer's calibrated KV scales for the vLLM engine (None: no FP8 KV / not yet).
 
@@ -129,8 +134,14 @@ class RunStep:
     def _cache_factory(self):
         return self.kv.rollout_cache if self.kv is not None else None
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, hooks: Hooks | None = None) -> dict[str, float]:
+        """Validation accuracy of the current policy: the rollout is refit first when an update
+        came after its last refit (NeMo-RL refits a stale generation before validating); the
+        next step then uses that refit instead of making its own."""
         t0 = time.perf_counter()
+        if self._updated_since_refit:
+            self._validation_refit = self.do_refit(hooks or Hooks())
+            self._updated_since_refit = False
         rows, where = self._validation_rows()
         prompts = encode_prompts(rows, self.tokenizer)
         g = torch.Generator().manual_seed(self.run.seed + 1000 + self.step)
@@ -179,8 +190,9 @@ class RunStep:
         """One GRPO step (see the module docstring); returns (scalars, train-data records)."""
         clock = _PhaseClock()
         s: dict[str, float] = {}
-        with clock.phase("prepare_for_generation"):  # 1. refit
-            ok, why = self.do_refit(hooks)
+        with clock.phase("prepare_for_generation"):  # 1. refit (done by validation, if it ran)
+            done, self._validation_refit = self._validation_refit, None
+            ok, why = done if done is not None else self.do_refit(hooks)
         self._note_refit(s, ok, why)
         with clock.phase("generation"), self.routing.rollout():  # 2. rollout + rewards
             problems, prompt_ids, rb = self._rollout(s)
@@ -207,6 +219,7 @@ class RunStep:
                 token_mask=b.mask,
                 reference_logprobs=ref,
             )
+        self._updated_since_refit = True
         if refused:
             self.log(f"step {self.step + 1}: {refused}")
         s.update(lm)
