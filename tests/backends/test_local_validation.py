@@ -106,7 +106,7 @@ def test_validation_after_a_step_measures_the_updated_policy_with_one_refit(tmp_
         assert _validate(run, monkeypatch)[2] == after_one and refits == [0, 1]  # no update
         s2, _ = run.train_step(Hooks())
         assert refits == [0, 1] and s2["jetrl/local/refit_refused"] == 0.0  # validation's refit
-        s3, _ = run.train_step(Hooks())
+        run.train_step(Hooks())
         assert refits == [0, 1, 2] and run.step == 3
     finally:
         run.close()
