@@ -48,7 +48,7 @@ tests=(tests/fp8/test_triton_kernels.py tests/fp8/test_triton_large_offsets.py
   tests/invariant/test_invariant_kernels_gpu.py tests/fp8/test_split_gemm.py
   tests/fp8/test_fp8_experts_prefill.py tests/fp8/test_linear_host_budget.py
   tests/fp8/test_fp8_graphed_gpu.py tests/backends/test_local_sampling.py
-  tests/vllm_patch/test_graph_bindings.py)
+  tests/vllm_patch/test_graph_bindings.py tests/backends/test_local_device.py)
 if [[ "${1:-}" == --list ]]; then
   printf '%s\n' "${tests[@]}"
   exit 0

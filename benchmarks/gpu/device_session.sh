@@ -69,9 +69,11 @@ for t in "${all_tests[@]}"; do
     # issue 47's: the invariant kernels, and the local rollout's sampling on the device
     tests/invariant/* | tests/backends/test_local_sampling.py) inv_tests+=("$t") ;;
     # what changed since the last GPU run first: the split-K GEMM, the quantizers, a refit
-    # under a captured CUDA graph (graph_bindings)
+    # under a captured CUDA graph (graph_bindings), the rows padded for cuBLASLt (fp8_linear:
+    # a row's bits at M = 1, 3, 64, 2048), the graphed training linear
     tests/fp8/test_split_gemm.py | tests/fp8/test_quantizer_rowcol.py | \
-      tests/fp8/test_quantizer_flag_and_cast.py | tests/vllm_patch/test_graph_bindings.py)
+      tests/fp8/test_quantizer_flag_and_cast.py | tests/vllm_patch/test_graph_bindings.py | \
+      tests/fp8/test_fp8_linear.py | tests/fp8/test_fp8_graphed_gpu.py)
       kernel_tests+=("$t") ;;
     *) fp8_tests+=("$t") ;;
   esac
@@ -113,7 +115,7 @@ plan() {
   # of the kernels changed since the last run first (the split-K GEMM: rows = the trainer's
   # forward at M = 1..8192; the quantizers' row-chunked launches: every finite bf16), then the
   # serving kernel on cuBLASLt (auto) and on split-K, against one BF16 time per M.
-  step kernel_tests "$(lim KERNEL_TESTS 48 45)" env JETRL_GPU_TESTS="${kernel_tests[*]}" \
+  step kernel_tests "$(lim KERNEL_TESTS 48 45 60)" env JETRL_GPU_TESTS="${kernel_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=40 bash scripts/gpu_check.sh -rfE --durations=5 -k gpu
   step bench_serving_fp32 "$(lim SERVING_FP32 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
@@ -122,12 +124,12 @@ plan() {
     --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
   # the split-K kernel's launch variants at the decode sizes (point 2: the default to set; the
   # census compiles them): fused quantization at every M, deeper K-loop pipelines
-  step bench_serving_sweep "$(lim SERVING_SWEEP 48 15 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_sweep "$(lim SERVING_SWEEP 48 15 15)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 10 --tokens 1 8 32 64 --backends split-sweep \
     --json "$work/json/bench_serving_sweep.json"
   step bench_moe_layer "$(lim MOE 48 30 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
     --json "$work/json/bench_moe_layer.json"
-  step bench_fp8_linear "$(lim LINEAR 48 45 40)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
+  step bench_fp8_linear "$(lim LINEAR 48 45 35)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
   # host enqueue vs GPU time per Qwen3-8B shape (point 5), on the kernels bench_fp8_linear compiled
   step profile_host "$(lim PROFILE_HOST 48 20 10)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
@@ -135,7 +137,7 @@ plan() {
   step profile_kernels "$(lim PROFILE_KERNELS 48 0 10)" "$py" benchmarks/gpu/profile_kernels.py \
     --steps 5 --top 10
   # then the tile sweep (point 4: the tiles to make the defaults; the census cache holds them)
-  step bench_quantizer "$(lim QUANT 48 35 30)" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
+  step bench_quantizer "$(lim QUANT 48 35 25)" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \
     --iters 20 --sweep-tiles
   # the MoE prefill's grouped GEMM under each shape (point 3: the default to set; compiled by the
   # census), at the prefill models and counts, each checked against the training forward's bits

@@ -168,3 +168,59 @@ def test_a_run_swaps_its_bf16_linears_on_both_sides_and_runs_no_bf16_linear_gemm
         assert rec.seen == []
     finally:
         run.close()
+
+
+def test_on_cuda_a_batch_invariant_run_multiplies_its_bf16_linears_invariantly(
+    tmp_path, monkeypatch
+):
+    """On CUDA torch's BF16 GEMM (cuBLAS) picks its kernel, split-K included, by the row count:
+    a BF16-kept decoder linear and a BF16 expert would sum a decode step's rows in another order
+    than the trainer's forward. There a batch-invariant run puts them on the invariant matmul,
+    both sides. FAKE of the device (no CUDA here): `needs_invariant_gemm` answers as on CUDA, so
+    the CPU run takes the CUDA wiring (the invariant linear's torch form, exact on CPU too)."""
+    pytest.importorskip("transformers")
+    from local_configs import tiny_cfg
+
+    from nemo_jetrl.backends.local.loop import Hooks, LocalRun, resolve_run
+    from nemo_jetrl.invariant.hf import InvariantLinear
+
+    assert bf16_gemm.needs_invariant_gemm(torch.device("cuda:1"))
+    assert not bf16_gemm.needs_invariant_gemm(torch.device("cpu"))
+    layer0 = ("+jetrl.train_bf16_layer_kws=[layers.0.]",
+              "+policy.generation.vllm_cfg.quantization_ignored_layer_kws=[layers.0.]")  # fmt: skip
+    monkeypatch.setattr(bf16_gemm, "needs_invariant_gemm", lambda device: True)
+    run = LocalRun(resolve_run(tiny_cfg("jetrl", tmp_path, tmp_path / "cache", *layer0)))
+    try:
+        for model in (run.trainer.model, run.rollout_model):
+            inv = [n for n, m in model.named_modules() if isinstance(m, InvariantLinear)]
+            assert len(inv) == 8 and "model.layers.0.mlp.down_proj" in inv, inv  # 7 + lm_head
+            assert not any(isinstance(m, Bf16CpuLinear) for m in model.modules())
+        s, _ = run.train_step(Hooks())
+        assert s["train/token_mult_prob_error"] == 1.0 and s["train/gen_kl_error"] == 0.0
+    finally:
+        run.close()
+
+
+def test_on_cuda_invariant_bf16_experts_take_the_invariant_matmul(monkeypatch):
+    """The BF16 experts of a batch-invariant MoE block: one GEMM per expert, on as many rows as
+    the batch routes to it, so on CUDA each goes through the invariant matmul (FAKE device as
+    above; the invariant linear's rows equal the rows computed alone)."""
+    from nemo_jetrl.backends.local import moe_experts
+    from nemo_jetrl.invariant import ops
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 128, generator=g).bfloat16()
+    w = (torch.randn(2, 64, 128, generator=g) / 12).bfloat16()
+    offsets = torch.tensor([0, 4, 9])
+    calls: list[int] = []
+    real = ops.linear
+    monkeypatch.setattr(
+        ops, "linear", lambda a, b, c=None: calls.append(a.shape[0]) or real(a, b, c)
+    )
+    plain = moe_experts._bf16_grouped(x, w, offsets, invariant=True)  # CPU: the float64 path
+    assert calls == []
+    monkeypatch.setattr(bf16_gemm, "needs_invariant_gemm", lambda device: True)
+    out = moe_experts._bf16_grouped(x, w, offsets, invariant=True)
+    assert calls == [4, 5]
+    assert torch.equal(out[4:5], real(x[4:5], w[1]))  # a row alone: the same bits
+    assert moe_experts._bf16_grouped(x, w, offsets, invariant=False).equal(plain)

@@ -66,3 +66,20 @@ def test_no_good_checkpoint_is_an_error_not_a_fresh_start(tmp_path) -> None:
         _flip_one_weight_bit(tmp_path / f"step_{step}" / ckpt.MODEL_FILE)
     with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint"):
         ckpt.find_resumable(tmp_path, log=lambda _m: None)
+
+
+def test_a_checkpoint_a_gpu_run_wrote_resumes_on_a_cpu(tmp_path, monkeypatch) -> None:
+    """A CUDA run's optimizer state is saved with CUDA locations; without a map_location every
+    such checkpoint "does not load" on a machine without CUDA, and --resume asked to remove
+    good checkpoints. FAKE of the device: torch.save records "cuda:0" as a GPU run's would."""
+    import torch.serialization as ser
+
+    opt = {"state": {0: {"exp_avg": torch.full((3,), 0.5)}}, "param_groups": []}
+    with monkeypatch.context() as m:
+        m.setattr(ser, "location_tag", lambda storage: "cuda:0")
+        ckpt.save_checkpoint(tmp_path, 1, {"w": torch.ones(3)}, {"optimizer": opt, "run_id": "r"})
+    raw = (tmp_path / "step_1" / ckpt.STATE_FILE).read_bytes()
+    assert b"cuda:0" in raw  # the fake took: a GPU-located state
+    d, master, state = ckpt.find_resumable(tmp_path, log=lambda _m: None)
+    assert d.name == "step_1" and torch.equal(master["w"], torch.ones(3))
+    assert state["optimizer"]["state"][0]["exp_avg"].device.type == "cpu"

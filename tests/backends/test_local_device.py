@@ -158,7 +158,7 @@ def test_demo_refuses_absent_gpu_before_any_run(tmp_path, capsys):
     assert "cuda:N" in capsys.readouterr().err
 
 
-def _run_on(device: str, recipe: str, tmp_path: Path, cache_dir: Path) -> list[dict]:
+def _run_on(device: str, recipe: str, tmp_path: Path, cache_dir: Path, *extra: str) -> list[dict]:
     """A 2-step run with ``jetrl.local.device`` set; asserts where its tensors live."""
     seen: dict = {}
     want = torch.device(device)
@@ -175,7 +175,7 @@ def _run_on(device: str, recipe: str, tmp_path: Path, cache_dir: Path) -> list[d
 
         run.trainer.score = spy
 
-    cfg = tiny_cfg(recipe, tmp_path / recipe, cache_dir, f"jetrl.local.device={device}")
+    cfg = tiny_cfg(recipe, tmp_path / recipe, cache_dir, f"jetrl.local.device={device}", *extra)
     res = run_local(resolve_run(cfg), progress=False, log=print, hooks=Hooks(on_run=on_run))
     run = seen["run"]
     assert run.device.type == want.type
@@ -198,7 +198,34 @@ def test_explicit_cpu_device_runs_the_same_path_exactly_on_policy(tmp_path, cach
     _assert_on_policy(_run_on("cpu", "jetrl", tmp_path, cache_dir))
 
 
+# layer 0 kept BF16 on both sides: on CUDA its linears take the invariant matmul, not cuBLAS
+BF16_LAYER0 = ("+jetrl.train_bf16_layer_kws=[layers.0.]",
+               "+policy.generation.vllm_cfg.quantization_ignored_layer_kws=[layers.0.]")  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["jetrl", "jetrl_kv"])
-def test_cuda_run_exactly_on_policy(recipe, tmp_path, cache_dir):
-    _assert_on_policy(_run_on("cuda", recipe, tmp_path, cache_dir))
+@pytest.mark.parametrize(
+    ("recipe", "extra"), [("jetrl", ()), ("jetrl_kv", ()), ("jetrl", BF16_LAYER0), ("bf16", ())]
+)
+def test_cuda_run_exactly_on_policy(recipe, extra, tmp_path, cache_dir):
+    _assert_on_policy(_run_on("cuda", recipe, tmp_path, cache_dir, *extra))
+
+
+def test_a_run_makes_its_gpu_the_current_device(tmp_path, cache_dir, monkeypatch):
+    """Our Triton kernels (and Triton's own launcher) launch on the *current* CUDA device and
+    its stream: a run on ``cuda:1`` must make GPU 1 current, or every kernel launches on GPU 0
+    with pointers into GPU 1's memory. FAKE of the CUDA runtime (no GPU here): set_device
+    recorded, not called."""
+    import nemo_jetrl.backends.local.setup as setup_mod
+    from nemo_jetrl.backends.local.device import make_current
+
+    made: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    make_current(torch.device("cuda:1"))
+    make_current(torch.device("cpu"))
+    assert made == [torch.device("cuda:1")]
+    asked: list[torch.device] = []
+    monkeypatch.setattr(setup_mod, "make_current", asked.append)
+    run = setup_mod.LocalRun(resolve_run(tiny_cfg("jetrl", tmp_path, cache_dir)))
+    run.close()
+    assert asked == [torch.device("cpu")]  # LocalRun passes its device, whatever it is

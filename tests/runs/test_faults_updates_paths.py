@@ -105,6 +105,34 @@ def test_an_update_to_finite_but_huge_weights_is_refused(tmp_path, cache_dir):
     assert _probe_problem(trainer, ids, 4) == ""  # and the policy it keeps runs
 
 
+def test_the_probe_reads_the_flags_a_cuda_forward_leaves(tmp_path, cache_dir):
+    """On CUDA the FP8 quantizers flag a non-finite operand (`fp8.finite_flags`) instead of
+    raising as on CPU. The probe must read those flags: left pending, the next step's update
+    raised on the good weights the guard had just restored. FAKE of the device's answer (no
+    CUDA here): the probe's forward records the flag by hand, as the GPU quantizer's kernel
+    would, and returns NaN log-probs."""
+    from nemo_jetrl.backends.local.guard import _probe_problem
+    from nemo_jetrl.backends.local.setup import LocalRun
+    from nemo_jetrl.fp8 import check_non_finite, finite_flags
+
+    run = LocalRun(resolve_run(tiny_cfg(RECIPE, tmp_path / "run", cache_dir)))
+    try:
+        trainer = run.trainer
+
+        def cuda_like_score(ids, prompt_len):
+            finite_flags.record("model.layers.0.mlp.down_proj.input", torch.tensor([float("nan")]))
+            return torch.full((1, ids.shape[1] - prompt_len), float("nan"))
+
+        trainer.score = cuda_like_score
+        why = _probe_problem(trainer, torch.ones(1, 8, dtype=torch.long), 4)
+        assert "model.layers.0.mlp.down_proj.input" in why, why
+        assert finite_flags.pending() == 0
+        check_non_finite()  # what the next step's update calls: nothing left to raise
+    finally:
+        finite_flags._FLAGS.clear()
+        run.close()
+
+
 def test_save_refuses_non_finite_tensors_and_writes_nothing(tmp_path):
     master = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")])}
     with pytest.raises(ckpt.CheckpointError, match=r"1 non-finite tensor\(s\) \(b\)"):

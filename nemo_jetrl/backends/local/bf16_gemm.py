@@ -1,4 +1,5 @@
-"""BF16 linears on a CPU, computed as float64 GEMMs of the BF16 values.
+"""BF16 linears on a CPU, computed as float64 GEMMs of the BF16 values (on CUDA a
+batch-invariant run puts them on the invariant matmul instead: `needs_invariant_gemm`).
 
 A BF16 GEMM multiplies BF16 operands, accumulates in float32 and rounds the result once to BF16
 (what GPU tensor cores and oneDNN's BF16 kernels do). On a CPU without BF16 hardware (AVX2;
@@ -29,10 +30,13 @@ as for the batch-invariant ``lm_head``: float32 GEMMs, each gradient rounded onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from nemo_jetrl.invariant.backward import linear_grads
+from nemo_jetrl.invariant.hf import lm_head_only
 
 
 def float32_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -56,6 +60,24 @@ class _Bf16Linear(torch.autograd.Function):
 def runs_here(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True where this GEMM replaces torch's: BF16 operands on a CPU."""
     return x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16
+
+
+def needs_invariant_gemm(device: torch.device) -> bool:
+    """Whether a batch-invariant model's BF16 linears on ``device`` must run the invariant
+    matmul (`nemo_jetrl.invariant.ops.linear`): on CUDA, where torch's GEMM (cuBLAS) picks its
+    kernel, split-K included, by the row count, so a decode step's rows and the trainer's
+    forward would sum in other orders. On a CPU the float64 path here is used instead (the
+    invariant linear's torch form holds rows x N x K products: for ``lm_head`` only)."""
+    return device.type == "cuda"
+
+
+def invariant_linears(device: torch.device) -> Callable[[str, nn.Linear], bool]:
+    """The ``linear_filter`` of `make_batch_invariant` for a model on ``device``: on CUDA every
+    linear the FP8 conversion left (BF16-kept decoder linears too, `needs_invariant_gemm`), on a
+    CPU ``lm_head`` only (the rest then go to `swap_bf16_linears`)."""
+    if needs_invariant_gemm(device):
+        return lambda _name, _module: True
+    return lm_head_only
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

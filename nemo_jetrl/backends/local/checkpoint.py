@@ -224,7 +224,10 @@ def _verify(d: Path, *, load: bool) -> tuple[list[str], Any]:
 def _load(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors.torch import load_file
 
-    return load_file(str(d / MODEL_FILE)), torch.load(d / STATE_FILE, weights_only=True)
+    # map_location: a CUDA run saves its optimizer state on the GPU; any machine resumes it
+    # (the optimizer moves the state to its parameters' device when loading)
+    state = torch.load(d / STATE_FILE, weights_only=True, map_location="cpu")
+    return load_file(str(d / MODEL_FILE)), state
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -49,6 +49,14 @@ def device_issues(name: str) -> list[ConfigIssue]:
     ]
 
 
+def make_current(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device (nothing on CPU). Our Triton kernels launch on the
+    current device and its stream (as Triton's own launcher does), not on their tensors': a run
+    on ``cuda:1`` would launch them on GPU 0 with pointers into GPU 1's memory."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` (the same tensor when it is already there)."""
     return t if t.device == device else t.to(device)

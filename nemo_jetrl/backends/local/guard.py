@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from nemo_jetrl.backends.local.trainer import Trainer
+from nemo_jetrl.fp8 import check_non_finite
 
 
 def _nonfinite_weights(trainer: Trainer) -> list[str]:
@@ -36,6 +37,9 @@ def _probe_problem(trainer: Trainer, input_ids: torch.Tensor, prompt_len: int) -
     finite weights can still be huge enough (lr 1e10) that activations overflow."""
     try:
         lp = trainer.score(input_ids[:1], prompt_len)
+        # On CUDA the quantizers flag non-finite operands instead of raising: read (and clear)
+        # the flags here, or the next step's update would raise on good weights.
+        check_non_finite()
     except ValueError as exc:  # our quantizer refuses non-finite activations by name
         return str(exc).splitlines()[0]
     return "" if bool(torch.isfinite(lp).all()) else "its token logprobs are non-finite"

@@ -54,8 +54,13 @@ def expert_rows(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(e, s, t) for e, (s, t) in enumerate(itertools.pairwise(bounds)) if t > s]
 
 
-def _bf16_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    outs = [bf16_gemm.linear(x[s:t], weight[e].to(x.dtype)) for e, s, t in expert_rows(offsets)]
+def _bf16_grouped(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, invariant: bool
+) -> torch.Tensor:
+    # each expert's row count changes with the batch: on CUDA torch's GEMM picks its kernel by
+    # it, so a batch-invariant block multiplies with the invariant matmul there
+    lin = ops.linear if invariant and bf16_gemm.needs_invariant_gemm(x.device) else bf16_gemm.linear
+    outs = [lin(x[s:t], weight[e].to(x.dtype)) for e, s, t in expert_rows(offsets)]
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
 
 
@@ -144,7 +149,7 @@ class Experts(nn.Module):
         cfg = self.fp8.get(which)
         if cfg is not None:
             return grouped_fp8_linear(x, w, offsets, cfg, f"{self.name}.{which}")
-        return _bf16_grouped(x, w, offsets)
+        return _bf16_grouped(x, w, offsets, self.invariant)
 
     def _down_fp8(self) -> bool:
         return isinstance(self.down_proj, nn.ModuleList) or "down_proj" in self.fp8

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_jetrl.backends.local.bf16_gemm import swap_bf16_linears
+from nemo_jetrl.backends.local.bf16_gemm import invariant_linears, swap_bf16_linears
 from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
-from nemo_jetrl.backends.local.device import device_issues
+from nemo_jetrl.backends.local.device import device_issues, make_current
 from nemo_jetrl.backends.local.model import build_model, load_model_config
 from nemo_jetrl.backends.local.moe_config import (
     moe_run_issues,
@@ -140,6 +140,7 @@ class LocalRun(RunStep, RunCheckpointing):
         self.run_id: str | None = None  # set by run_local; kept across --resume
         self._set_num_threads()
         self.device = torch.device(self.local.device)
+        make_current(self.device)
         self.tokenizer = load_tokenizer(self.local.tokenizer)
         self.model_config = load_model_config(self.local.model_config)
         self.task = self.local.task
@@ -213,7 +214,7 @@ class LocalRun(RunStep, RunCheckpointing):
         self.train_plan = make_trainer_model(train_model, self.recipe, exact_gemm=invariant)
         train_model.to(self.device)  # what the swap made on the host (MoE expert stacks)
         if invariant:
-            make_batch_invariant(train_model)
+            make_batch_invariant(train_model, linear_filter=invariant_linears(self.device))
         swap_bf16_linears(train_model)  # after the invariant swap: lm_head stays invariant
         reference = None
         if loss_cfg.reference_policy_kl_penalty != 0.0:
@@ -248,7 +249,7 @@ class LocalRun(RunStep, RunCheckpointing):
         self.rollout_plan = make_rollout_model(rollout_model, self.recipe, exact_gemm=invariant)
         rollout_model.to(self.device)  # Fp8InferenceLinear makes its FP8 buffers on the host
         if invariant:
-            make_batch_invariant(rollout_model)
+            make_batch_invariant(rollout_model, linear_filter=invariant_linears(self.device))
         swap_bf16_linears(rollout_model)
         self.rollout_model = freeze(rollout_model)
         self.engine = None  # a VllmRollout with rollout_engine=vllm
