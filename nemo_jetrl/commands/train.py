@@ -64,6 +64,18 @@ def requested_device_issues(args: argparse.Namespace) -> list:
     return device_issues(device) if ok else []
 
 
+def _not_a_local_config(checked) -> str:
+    """Why ``checked`` is not a local-backend config ("" when it is): its ``policy.model_name``
+    is not the local configs' and no ``jetrl.local.model_config`` says what to build (the local
+    backend trains that model, by default its 2-layer Llama, whatever the name says)."""
+    from nemo_jetrl.backends.local.config import LOCAL_MODEL_NAME
+
+    model = checked.settings.model
+    if model.local_config or model.name in (None, LOCAL_MODEL_NAME):
+        return ""
+    return f"the config names policy.model_name={model.name} and no jetrl.local.model_config"
+
+
 def pick_backend(requested: str) -> str:
     """``auto`` -> ``nemo-rl`` when NeMo-RL's GRPO entry point imports, else ``local``."""
     if requested != "auto":
@@ -106,6 +118,16 @@ def _run_local(args: argparse.Namespace) -> int:
             checked = check_config(args.config, device_overrides(args), run=True)
         except ConfigError as exc:  # a missing --device GPU is named with the other errors
             raise ConfigError([*exc.issues, *requested_device_issues(args)], exc.source) from None
+        not_local = _not_a_local_config(checked)
+        if not_local and args.backend == "auto":  # a cluster config on a machine without NeMo-RL
+            raise UserError(
+                f"--backend auto picked the local backend (NeMo-RL's GRPO does not import "
+                f"here), but {not_local}: it would train its own small model on this machine. "
+                "Install NeMo-RL for --backend nemo-rl (docs/cluster.md), or pass --backend "
+                "local to run the local backend anyway"
+            )
+        if not_local:
+            print(f"note: {not_local}: the local backend trains its own small model")
         local = next(b for b in checked.backends if b.backend == "local")
         if not local.runs:  # an MoE family it does not run: refused before any work
             raise UserError(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_jetrl.backends.local import checkpoint as ckpt
+from nemo_jetrl.backends.local.trainer import OptimConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.recipe import Recipe, preset_differences
 
@@ -46,12 +47,12 @@ def recipe_refusal(state: dict[str, Any], recipe: Recipe, path: Path) -> None:
     )
 
 
-def apply_optimizer_settings(optimizer: Any, cfg: Any) -> list[str]:
-    """Put ``cfg``'s `OPTIMIZER_KWARGS` into every param group of a just-loaded ``optimizer``
+def apply_optimizer_settings(optimizer: Any, optim: OptimConfig) -> list[str]:
+    """Put ``optim``'s `OPTIMIZER_KWARGS` into every param group of a just-loaded ``optimizer``
     (a resubmission that lowers ``lr`` gets it); one message per value that changed."""
     msgs = []
     for key in OPTIMIZER_KWARGS:
-        want = tuple(cfg.betas) if key == "betas" else getattr(cfg, key)
+        want = tuple(optim.betas) if key == "betas" else getattr(optim, key)
         had = optimizer.param_groups[0][key]
         if (tuple(had) if key == "betas" else had) != want:
             msgs.append(
