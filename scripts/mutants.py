@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mutant_catalog import audit, ci, cluster, core, engines, gpu
+from mutant_catalog import audit, ci, cluster, core, engines, gpu, local_runs
 
 CONTROLS = core.CONTROLS
 MUTANTS = [
@@ -23,4 +23,5 @@ MUTANTS = [
     *audit.MUTANTS,
     *gpu.MUTANTS,
     *ci.MUTANTS,
+    *local_runs.MUTANTS,
 ]

@@ -1,0 +1,97 @@
+"""The mutants of the local backend's run lifecycle and device path mended in session 37 (helper
+reviews of resume and of `--device cuda`; docs/ci_times.md): resume, validation, the guard's
+device flags, checkpoints written on a GPU, BF16 linears on CUDA, `jetrl train`'s backend."""
+
+from __future__ import annotations
+
+from mutation_check import Mutant
+
+LOCAL = "nemo_jetrl/backends/local/"
+T_RUN_DIRS = "tests/runs/test_faults_run_dirs.py::"
+MUTANTS = [
+    Mutant(  # review: NeMo-RL's GPU monitor logs ray/* against seconds since the launch
+        "compare reads ray/* GPU-monitor seconds as a resumed directory's first step",
+        "nemo_jetrl/runs/tensorboard.py",
+        "    return not tag.startswith(OFF_STEP_AXIS)",
+        "    return True",
+        ("tests/commands/test_compare_recipes.py",),
+    ),
+    Mutant(  # review: a --resume that found no checkpoint mixed a second run into the log dir
+        "--resume without a checkpoint starts a second run beside the first one's logs",
+        LOCAL + "loop.py",
+        "                run_id, purge = _restart_of(rs, lock.run_id, write)",
+        "                pass",
+        (T_RUN_DIRS + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",),
+    ),
+    Mutant(  # the killed run's train data of purged steps were recomputed by readers
+        "a resumed run leaves the killed run's train data of the purged steps in place",
+        "nemo_jetrl/runs/writer.py",
+        "    stale = [p for step, p in train_data_files(run_dir).items() if step >= first]",
+        "    stale = []",
+        (
+            T_RUN_DIRS + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",
+            T_RUN_DIRS + "test_kill_during_save_then_resume_matches_uninterrupted_run",
+        ),
+    ),
+    Mutant(  # review: two recipes named "custom" resumed each other's checkpoints
+        "a local resume compares the recipe's name only",
+        LOCAL + "resume.py",
+        '    spec = state.get("recipe_spec")\n',
+        "    spec = None\n",
+        ("tests/backends/test_local_resume_rules.py",),
+    ),
+    Mutant(  # review: torch restores the checkpoint's lr over the resubmitted config's
+        "a resumed run trains at the checkpoint's learning rate",
+        LOCAL + "resume.py",
+        "            group[key] = want",
+        "            pass",
+        (
+            "tests/backends/test_local_resume_rules.py",
+            T_RUN_DIRS + "test_resume_takes_the_configs_learning_rate_and_refuses_another_recipe",
+        ),
+    ),
+    Mutant(  # review: validation measured the policy of one update earlier
+        "validation runs on the rollout of the step's start",
+        LOCAL + "step.py",
+        "        if self._updated_since_refit:\n",
+        "        if False:\n",
+        ("tests/backends/test_local_validation.py",),
+    ),
+    Mutant(  # review: on CUDA a refused update left device flags that killed the next step
+        "the guard's probe leaves the quantizers' device flags pending",
+        LOCAL + "guard.py",
+        "        check_non_finite()\n",
+        "        pass\n",
+        (
+            "tests/runs/test_faults_updates_paths.py::test_the_probe_reads_the_flags_a_cuda_forward_leaves",
+        ),
+    ),
+    Mutant(  # review: a GPU run's checkpoint "did not load" on a CPU machine
+        "checkpoints load with their saved device locations",
+        LOCAL + "checkpoint.py",
+        ', weights_only=True, map_location="cpu")',
+        ", weights_only=True)",
+        ("tests/backends/test_local_checkpoint_integrity.py",),
+    ),
+    Mutant(  # review: cuBLAS picks its kernel by the row count on CUDA
+        "a batch-invariant CUDA run leaves its BF16 decoder linears on torch's GEMM",
+        LOCAL + "bf16_gemm.py",
+        "        return lambda _name, _module: True",
+        "        return lm_head_only",
+        ("tests/backends/test_local_bf16_gemm.py",),
+    ),
+    Mutant(  # review: Triton launches on the current device, not the tensors'
+        "a run on cuda:N leaves GPU 0 current",
+        LOCAL + "setup.py",
+        "        make_current(self.device)\n",
+        "",
+        ("tests/backends/test_local_device.py::test_a_run_makes_its_gpu_the_current_device",),
+    ),
+    Mutant(  # user walk: a cluster config trained the local toy model for hours
+        "jetrl train --backend auto runs a cluster config on the local backend",
+        "nemo_jetrl/commands/train.py",
+        '        if not_local and args.backend == "auto":',
+        "        if False:",
+        ("tests/commands/test_train_backend_choice.py",),
+    ),
+]
