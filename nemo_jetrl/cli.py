@@ -1,10 +1,22 @@
-"""The `jetrl` console script: discovers subcommands in `nemo_jetrl.commands`."""
+"""The `jetrl` console script: discovers subcommands in `nemo_jetrl.commands`.
+
+Exit codes common to every command: 2 a `UserError` (bad input, printed without a traceback),
+130 interrupted (Ctrl-C), 141 stdout's reader went away before the output was all written
+(`jetrl check CONFIG | head -1`: ``EXIT_BROKEN_PIPE``, 128 + SIGPIPE, what a shell reports for
+a tool that SIGPIPE ended, `yes | head -1` under ``set -o pipefail``). That one is silent and
+never the command's own code: a cut-short ``check`` is neither 0 (on-policy) nor 1
+(off-policy), as its verdict was not delivered, even when the command itself had finished and
+only the last flush failed. The commands' own codes are in each command's help and the README.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import select
+import stat
 import sys
 from collections.abc import Sequence
 
@@ -56,7 +68,63 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     return args
 
 
+#: exit code when stdout's reader closed the pipe early (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``jetrl ARGV`` and return its exit code (the console script exits with it).
+
+    Output into a pipe whose reader has gone (``| head -1``) ends the command quietly with
+    ``EXIT_BROKEN_PIPE``, whether the write failed in the command's body or in the flush of
+    what is still buffered when it returns. The standard recipe: stdout then points at
+    devnull, so the interpreter's own flush at exit finds nothing to write and prints no
+    "Exception ignored". (argparse's ``--help`` ignores a failed write itself and exits 0.)
+    A BrokenPipeError while stdout's reader is still there (a worker's pipe, a socket) is the
+    command's own failure and propagates."""
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit:  # argparse: --help, usage errors; their text may still be buffered
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end is closed (poll: POLLERR/POLLHUP)."""
+    try:
+        fd = sys.stdout.fileno()
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no descriptor (replaced stdout), no poll
+        return False
+
+
+def _stdout_to_devnull() -> None:
+    """Point file descriptor 1 at devnull (stdout's buffer is then written there, at exit)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parse(parser, argv)
     if args.version:

@@ -5,15 +5,25 @@ recompute missing mismatch metrics), labels each by the recipe / ``jetrl.run_nam
 hyperparameters name, joins a job resumed across ``exp_NNN`` directories into one run
 (``runs/resume.py``), prints a table per run and metric (last, mean, median, max, steps
 covered), and writes summary.json / summary.csv and one PNG per metric into OUT.
-Refused (exit 2) before anything is read: an OUT that is a file or cannot be created, and a
-run directory holding the events of several runs (``--allow-mixed`` compares it, labelled).
+Refused (exit 2) before anything is read: a RUN_DIR that is missing or is not a run directory
+(no TensorBoard events or train_data_step*.jsonl under it), an OUT that is a file or cannot be
+created, and a run directory holding the events of several runs (``--allow-mixed`` compares it,
+labelled). Refused (exit 2) after reading and before anything is written: a ``--metric`` that no
+run has (named, with the tags close to it; one that only some runs lack is a row), and runs that
+have none of the default metrics.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nemo_jetrl.runs.logs import RunData
+    from nemo_jetrl.runs.report import MetricSummary
 
 NAME = "compare"
 HELP = "Compare runs: table of mismatch metrics/reward/accuracy, JSON/CSV summary, PNG plots."
@@ -31,9 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME",
-        help="metric tag or short name, repeatable or comma-separated (default: "
-        "token_mult_prob_error, gen_kl_error, jetrl/mismatch/{k1_kl,chi2_token,is_ratio_mean}, "
-        "reward, validation accuracy)",
+        help="metric tag, short name or alias (tmpe, gen_kl, reward, accuracy), repeatable or "
+        "comma-separated; one no run has is refused, exit 2 (default: token_mult_prob_error, "
+        "gen_kl_error, jetrl/mismatch/{k1_kl,chi2_token,is_ratio_mean}, reward, validation "
+        "accuracy)",
     )
     parser.add_argument(
         "--format",
@@ -62,41 +73,54 @@ def run(args: argparse.Namespace) -> int:
 
     from nemo_jetrl.errors import MissingDependencyError, UserError
     from nemo_jetrl.runs.logs import RunDataWarning
-    from nemo_jetrl.runs.report import DEFAULT_METRICS, compare_runs
+    from nemo_jetrl.runs.report import DEFAULT_METRICS, compare_runs, write_outputs
 
-    missing = [d for d in args.run_dirs if not Path(d).is_dir()]
-    if missing:
-        raise UserError("run directory not found: " + ", ".join(missing))
+    check_run_dirs(args.run_dirs)
     check_out_dir(Path(args.out))
     if not args.allow_mixed:
         check_single_runs(args.run_dirs)
-    metrics = [m.strip() for arg in (args.metric or []) for m in arg.split(",") if m.strip()]
+    named = [m.strip() for arg in (args.metric or []) for m in arg.split(",") if m.strip()]
+    metrics = named or list(DEFAULT_METRICS)
     formats = ("json", "csv") if args.format == "both" else (args.format,)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RunDataWarning)  # printed below, once
-            res = compare_runs(
-                args.run_dirs,
-                args.out,
-                metrics=metrics or list(DEFAULT_METRICS),
-                formats=formats,
-                plots=not args.no_plots,
-                recompute=args.recompute,
+            res = compare_runs(args.run_dirs, None, metrics=metrics, recompute=args.recompute)
+        # checked before anything is written: a metric asked for by name that no run has is
+        # almost surely a typo (one some runs lack is a row); the defaults only all together
+        absent = metrics_no_run_has(res.summaries)
+        if named and absent:
+            raise UserError(unknown_metrics_message(absent, res.runs))
+        if len(absent) == len(metrics):
+            for r in res.runs:  # what could not be read; not one "no metric" per metric
+                for m in r.warnings:
+                    print(f"warning: {r.label}: {m}", file=sys.stderr)
+            raise UserError(
+                f"none of the default metrics ({', '.join(metrics)}) was found in any run "
+                f"(tags found: {tags_hint(res.runs)}); name the ones to compare with --metric"
             )
+        write_outputs(res, args.out, formats=formats, plots=not args.no_plots)
     except MissingDependencyError as exc:
         raise UserError(str(exc)) from None
-    if all(s.tag is None for s in res.summaries):
-        tags = sorted({t for r in res.runs for t in r.scalars})
-        hint = ", ".join(tags[:20]) + (" ..." if len(tags) > 20 else "") if tags else "none"
-        for m in res.warnings:
-            print(f"warning: {m}", file=sys.stderr)
-        raise UserError(f"none of the requested metrics was found in any run (tags found: {hint})")
     print(res.table)
     for m in res.warnings:
         print(f"warning: {m}", file=sys.stderr)
     for p in [*res.files, *res.plots]:
         print(f"wrote {p}")
     return 0
+
+
+def check_run_dirs(run_dirs: list[str]) -> None:
+    """Each RUN_DIR must exist and be a run directory (TensorBoard events anywhere under it or
+    ``train_data_step*.jsonl`` in it), said first, before ``-o`` is created or a run read."""
+    from nemo_jetrl.errors import UserError
+
+    missing = [d for d in run_dirs if not Path(d).is_dir()]
+    if missing:
+        raise UserError("run directory not found: " + ", ".join(missing))
+    not_runs = [why for d in run_dirs if (why := not_a_run_dir(d))]
+    if not_runs:
+        raise UserError("; ".join(not_runs))
 
 
 def check_out_dir(out: Path) -> None:
@@ -121,3 +145,77 @@ def check_single_runs(run_dirs: list[str]) -> None:
             "; ".join(f"{d}: {mixed_runs_message(ids)}" for d, ids in mixed)
             + ". Pass --allow-mixed to compare them anyway (labelled '[mixed: N runs]')"
         )
+
+
+def not_a_run_dir(run_dir: str | Path) -> str | None:
+    """Why ``run_dir`` (an existing directory) is not a run directory, or None when it is one:
+    `read_run` reads TensorBoard events anywhere under it and ``train_data_step*.jsonl`` in it,
+    and it has neither. jsonl files deeper down are named (that directory is the run)."""
+    from nemo_jetrl.runs.logs import EVENTS_GLOB, TRAIN_DATA_RE, train_data_files
+
+    run_dir = Path(run_dir)
+    if any(p.is_file() for p in run_dir.rglob(EVENTS_GLOB)) or train_data_files(run_dir):
+        return None
+    head = f"not a run directory: {run_dir}"
+    deeper = sorted(
+        {p.parent for p in run_dir.rglob("train_data_step*.jsonl") if TRAIN_DATA_RE.match(p.name)}
+    )
+    if not deeper:
+        return f"{head} (no TensorBoard events or train_data_step*.jsonl under it)"
+    more = f" and {len(deeper) - 3} more" if len(deeper) > 3 else ""
+    return (
+        f"{head} (no TensorBoard events under it; train_data_step*.jsonl only in "
+        f"{', '.join(map(str, deeper[:3]))}{more}: pass that directory)"
+    )
+
+
+def metrics_no_run_has(summaries: Sequence[MetricSummary]) -> list[str]:
+    """The requested metrics (in order) that resolved to a tag in none of the runs."""
+    found: dict[str, bool] = {}
+    for s in summaries:
+        found[s.metric] = found.get(s.metric, False) or s.tag is not None
+    return [m for m, f in found.items() if not f]
+
+
+def close_tags(name: str, available: Iterable[str], n: int = 5) -> list[str]:
+    """The tags among ``available`` whose full tag, last component or alias (`ALIASES`) reads
+    like ``name`` (difflib ratio >= 0.6), closest first: what ``name`` was probably meant to be."""
+    import difflib
+
+    from nemo_jetrl.runs.report import ALIASES
+
+    forms = {tag: {tag.lower(), tag.rsplit("/", 1)[-1].lower()} for tag in set(available)}
+    for alias, tag in ALIASES.items():
+        if tag in forms:
+            forms[tag].add(alias)
+    key = name.lower()
+    score = {
+        tag: max(difflib.SequenceMatcher(None, key, f).ratio() for f in fs)
+        for tag, fs in forms.items()
+    }
+    return sorted((t for t, r in score.items() if r >= 0.6), key=lambda t: (-score[t], t))[:n]
+
+
+def tags_hint(runs: Sequence[RunData], limit: int = 20) -> str:
+    """The tags the runs have, sorted, at most ``limit`` of them ("none" when there are none)."""
+    tags = sorted({t for r in runs for t in r.scalars})
+    more = f" and {len(tags) - limit} more" if len(tags) > limit else ""
+    return ", ".join(tags[:limit]) + more if tags else "none"
+
+
+def unknown_metrics_message(metrics: Sequence[str], runs: Sequence[RunData]) -> str:
+    """Why ``metrics`` (asked for by name, found in no run) are refused: each with its close
+    tags, and the tags the runs have when nothing is close to one of them."""
+    from nemo_jetrl.runs.report import ALIASES
+
+    available = {t for r in runs for t in r.scalars}
+    close = {m: close_tags(m, available) for m in metrics}
+    msg = "; ".join(
+        f"no run has metric {m!r} ({'close: ' + ', '.join(c) if c else 'nothing close'})"
+        for m, c in close.items()
+    )
+    if not all(close.values()):
+        msg += f"; tags found: {tags_hint(runs)}"
+    return msg + (
+        f". A metric is a full tag, a short name (chi2_token) or an alias ({', '.join(ALIASES)})"
+    )

@@ -8,8 +8,9 @@ point in training.
 
 Metric names: a full tag (``train/token_mult_prob_error``), a NeMo-RL short name
 (``token_mult_prob_error``, looked up under ``train/`` then ``validation/`` then
-``jetrl/mismatch/``), or an alias (``reward`` -> ``train/reward``, ``accuracy`` /
-``validation_accuracy`` -> ``validation/accuracy``). Defaults: `DEFAULT_METRICS`.
+``jetrl/mismatch/``), or an alias (`ALIASES`, their one home: ``tmpe`` and ``gen_kl``, the
+README's names (``tmpe`` also the progress bar's), ``reward`` -> ``train/reward``,
+``accuracy`` -> ``validation/accuracy``). Defaults: `DEFAULT_METRICS`.
 
 Plots use matplotlib's object API with the Agg canvas (no pyplot, no global backend switch):
 one PNG per metric, one labelled line per run, step on the x axis.
@@ -45,7 +46,11 @@ DEFAULT_METRICS = (
     "train/reward",
     "validation/accuracy",
 )
+#: the one home of metric aliases (short names the README uses; ``tmpe`` is also the local
+#: backend's progress bar's); `resolve_tag` and `canonical_metric` read them.
 ALIASES = {
+    "tmpe": "train/token_mult_prob_error",
+    "gen_kl": "train/gen_kl_error",
     "reward": "train/reward",
     "accuracy": "validation/accuracy",
     "validation_accuracy": "validation/accuracy",
@@ -108,6 +113,8 @@ class CompareResult:
     plots: list[Path] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    metrics: list[str] = field(default_factory=list)
+    """The metrics as requested (summaries hold them per run, in this order)."""
 
 
 def resolve_tag(name: str, available: Iterable[str]) -> str | None:
@@ -336,7 +343,8 @@ def compare_runs(
     plots: bool = True,
     recompute: str = "missing",
 ) -> CompareResult:
-    """Read the runs, summarise ``metrics``, and (with ``out_dir``) write summary files and plots.
+    """Read the runs, summarise ``metrics``, and (with ``out_dir``) write summary files and plots
+    (`write_outputs`; ``out_dir=None`` writes nothing, for a caller that checks first).
 
     Raises FileNotFoundError when a run directory does not exist; bad content only warns.
     """
@@ -348,18 +356,33 @@ def compare_runs(
     summaries, w = summarize(runs, metrics)
     msgs.extend(w)
     table = format_table(summaries, notes=[r.joined for r in runs if r.joined])
-    result = CompareResult(runs=runs, summaries=summaries, table=table, warnings=msgs)
+    result = CompareResult(
+        runs=runs, summaries=summaries, table=table, warnings=msgs, metrics=metrics
+    )
     if out_dir is None:
         return result
+    return write_outputs(result, out_dir, formats=formats, plots=plots)
+
+
+def write_outputs(
+    result: CompareResult,
+    out_dir: str | Path,
+    *,
+    formats: Sequence[str] = ("json", "csv"),
+    plots: bool = True,
+) -> CompareResult:
+    """Write ``result``'s summary files (``formats``) and, with ``plots``, one PNG per metric
+    some run has into ``out_dir`` (created); the paths are added to ``result``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    msgs = result.warnings
     if "json" in formats:
-        result.files.append(write_json(out / "summary.json", summaries, warnings=msgs))
+        result.files.append(write_json(out / "summary.json", result.summaries, warnings=msgs))
     if "csv" in formats:
-        result.files.append(write_csv(out / "summary.csv", summaries))
+        result.files.append(write_csv(out / "summary.csv", result.summaries))
     if plots:
-        for metric in metrics:
-            p = plot_metric(runs, metric, out / f"{_slug(canonical_metric(metric))}.png")
+        for metric in result.metrics:
+            p = plot_metric(result.runs, metric, out / f"{_slug(canonical_metric(metric))}.png")
             if p is None:
                 msgs.append(f"no run has {metric!r}: no plot")
             else:

@@ -168,7 +168,95 @@ def test_user_errors_exit_2_without_traceback(tmp_path, capsys):
     assert "run directory not found" in err and "missing_run" in err and "Traceback" not in err
     assert main(["compare", str(a), "-o", str(tmp_path / "o"), "--metric", "no_such_metric"]) == 2
     err = capsys.readouterr().err
-    assert "none of the requested metrics" in err and "train/reward" in err
+    # nothing close to it: the tags the runs do have are listed
+    assert "no run has metric 'no_such_metric'" in err and "train/reward" in err
+    assert not (tmp_path / "o" / "summary.json").exists()
+
+
+def test_short_aliases_of_the_readme_and_progress_bar(tmp_path, capsys):
+    a, _ = make_runs(tmp_path)
+    assert resolve_tag("tmpe", ["train/token_mult_prob_error"]) == "train/token_mult_prob_error"
+    assert resolve_tag("gen_kl", ["train/gen_kl_error"]) == "train/gen_kl_error"
+    out = tmp_path / "o"
+    rc = main(["compare", str(a), "-o", str(out), "--metric", "tmpe,gen_kl,accuracy",
+               "--no-plots"])  # fmt: skip
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    summ = json.loads((out / "summary.json").read_text())["summaries"]
+    assert [(s["metric"], s["tag"], s["last"]) for s in summ] == [
+        ("tmpe", "train/token_mult_prob_error", 2.0),
+        ("gen_kl", "train/gen_kl_error", pytest.approx(0.1)),  # (2 - 1) / 10 as float32
+        ("accuracy", "validation/accuracy", 0.75),
+    ]
+    assert "missing" not in cap.out and "no metric" not in cap.err
+
+
+def test_a_metric_no_run_has_is_exit_2_naming_it_and_close_tags(tmp_path, capsys):
+    """`--metric tmep,accuracy`: a typo, not a row of dashes and exit 0; nothing is written."""
+    a, b = make_runs(tmp_path)
+    out = tmp_path / "o"
+    rc = main(["compare", str(a), str(b), "-o", str(out), "--metric", "tmep,accuracy,gen_kl_eror"])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == "" and "Traceback" not in cap.err
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jetrl compare: error: "), cap.err
+    assert "no run has metric 'tmep' (close: train/token_mult_prob_error)" in err[0]
+    assert "'gen_kl_eror' (close: train/gen_kl_error)" in err[0]
+    assert "accuracy" not in err[0].split("(close")[0]  # found: not named
+    assert not list(out.glob("*"))  # checked before any summary or plot is written
+
+
+def test_a_metric_missing_in_some_runs_only_is_a_row(tmp_path, capsys):
+    a, b = make_runs(tmp_path)  # only run_a logs gen_kl_error
+    out = tmp_path / "o"
+    rc = main(["compare", str(a), str(b), "-o", str(out), "--metric", "gen_kl", "--no-plots"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    summ = json.loads((out / "summary.json").read_text())["summaries"]
+    assert [(s["label"], s["tag"]) for s in summ] == [
+        ("fp8_rollout", "train/gen_kl_error"),
+        ("run_b", None),
+    ]
+    assert "missing" in cap.out and "run_b: no metric 'gen_kl'" in cap.err
+
+
+def test_not_a_run_directory_is_said_first_without_a_flood(tmp_path, capsys):
+    a, _ = make_runs(tmp_path)
+    notrun = tmp_path / "notrun"
+    (notrun / "sub" / "deeper").mkdir(parents=True)
+    (notrun / "sub" / "notes.txt").write_text("not a run\n")
+    (notrun / "events.txt").write_text("not an events file either\n")
+    out = tmp_path / "o"
+    for dirs in ([notrun], [a, notrun]):
+        rc = main(["compare", *map(str, dirs), "-o", str(out)])
+        cap = capsys.readouterr()
+        assert rc == 2 and cap.out == ""
+        assert cap.err.splitlines() == [
+            f"jetrl compare: error: not a run directory: {notrun} (no TensorBoard events or "
+            "train_data_step*.jsonl under it)"
+        ]
+        assert not out.exists()  # refused before -o is created
+
+
+def test_jsonl_only_in_a_subdirectory_points_at_it(tmp_path, capsys):
+    with RunWriter(tmp_path / "parent" / "run") as w:  # TensorBoard off: train data only
+        w.log_train_data(1, [{"rewards": 1.0}])
+    for ev in find_event_files(tmp_path / "parent"):
+        ev.unlink()
+    assert main(["compare", str(tmp_path / "parent"), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"not a run directory: {tmp_path / 'parent'} (no TensorBoard events under it" in err
+    assert f"train_data_step*.jsonl only in {tmp_path / 'parent' / 'run'}" in err
+
+
+def test_runs_without_any_default_metric_exit_2_with_read_warnings_only(tmp_path, capsys):
+    with RunWriter(tmp_path / "r") as w:
+        w.log_scalars(1, {"total_step_time": 3.0}, prefix="timing/train")
+    assert main(["compare", str(tmp_path / "r"), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "none of the default metrics" in err and "timing/train/total_step_time" in err
+    assert "no metric" not in err and "no plot" not in err  # not one warning per metric
+    assert not (tmp_path / "o" / "summary.json").exists()
 
 
 def test_duplicate_labels_are_disambiguated(tmp_path):
