@@ -38,6 +38,7 @@ DEFAULT_RECIPES = ("bf16", "fp8_rollout", "jetrl", "jetrl_kv")
 RECIPE_EXTRAS = {"fp8_rollout": {"loss_fn.use_importance_sampling_correction": True}}
 DEFAULT_SEED = 42
 DEFAULT_N_SEEDS = 8
+MIN_SEEDS = 3  # the fewest seeds a learning claim's interval is computed over
 # fp8_rollout's and jetrl_kv's claims are about every step (mismatch), not about learning, so
 # they run on the first MISMATCH_SEEDS GRPO seeds only; bf16 and jetrl, whose learning the demo
 # judges over seeds, run on all --n-seeds (time: docs/local_backend.md).
@@ -89,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_N_SEEDS,
         help="GRPO seeds for bf16 and jetrl, whose learning is judged over them; fp8_rollout "
-        f"and jetrl_kv run on the first {MISMATCH_SEEDS} (default: %(default)s)",
+        f"and jetrl_kv run on the first {MISMATCH_SEEDS}; at least {MIN_SEEDS} (default: "
+        "%(default)s)",
     )
     parser.add_argument(
         "--jobs",
@@ -158,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--seed must be an integer in [0, 2**63)")
     if args.jobs < 1:
         raise UserError("--jobs must be >= 1")
-    if args.n_seeds < 3:
-        raise UserError("--n-seeds must be >= 3 (a claim over seeds needs an interval)")
+    if args.n_seeds < MIN_SEEDS:
+        raise UserError(
+            f"--n-seeds must be >= {MIN_SEEDS} (a claim over seeds needs an interval), got "
+            f"{args.n_seeds}"
+        )
     fixed = [kv for kv in args.set if kv.split("=", 1)[0].lstrip("+") in SEED_KEYS]
     if fixed and args.study is None:
         raise UserError(
