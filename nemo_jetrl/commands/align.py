@@ -26,8 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv",
         choices=("onpolicy", "bf16"),
-        default="onpolicy",
-        help="keep an FP8 KV cache with on-policy KV (default) or drop it to BF16",
+        default=None,
+        help="keep an FP8 KV cache with on-policy KV (default; where training runs FP8 linears) "
+        "or drop it to BF16; not with --recipe, whose preset says",
     )
     parser.add_argument(
         "--recipe", choices=PRESET_NAMES, default=None, help="write this preset's keys instead"
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         nemo_rl_setup_updates,
         recipe_to_config_updates,
     )
-    from nemo_jetrl.config.layer_lists import whole_in_proj_words
+    from nemo_jetrl.config.layer_lists import shared_bf16_words
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.mxfp8 import align_notes
     from nemo_jetrl.flow.vllm_bf16 import vllm_bf16_words
@@ -89,17 +90,22 @@ def run(args: argparse.Namespace) -> int:
             raise exc from None
         mirrored = None if untiled else mirrored
         overrides += retry
+    if args.recipe and args.kv:
+        raise UserError(
+            f"--kv {args.kv} with --recipe {args.recipe}: the preset says what the KV cache is "
+            "(jetrl_kv: FP8 with on-policy KV; the others BF16); drop one of them"
+        )
     if args.recipe:
         target = Recipe.preset(args.recipe)
     else:
         try:
-            target = before.recipe.aligned_to_training(kv=args.kv)
+            target = before.recipe.aligned_to_training(kv=args.kv or "onpolicy")
         except ValueError as exc:
             raise UserError(f"cannot align {args.config}: {exc}") from None
     # The user's per-name BF16 linears stay BF16, now on both sides; a word keeping part of
     # Megatron's fused in_proj becomes the whole in_proj (the only list training can honour).
     kws = before.recipe.bf16_layer_kws()
-    whole = whole_in_proj_words(before.arch, kws)
+    whole = shared_bf16_words(before.arch, before.recipe)  # what the check's list fixes name
     if whole != kws:
         untiled_notes = [*untiled_notes, in_proj_note(kws, whole)]
         kws = whole
@@ -117,6 +123,12 @@ def run(args: argparse.Namespace) -> int:
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
     moe_updates, moe_notes = moe_align_updates(before.settings)  # MoE: routing replay, dropless
     moe_notes += router_notes + tile_notes + vllm_notes
+    if before.recipe.kv_fp8 and not target.kv_fp8 and args.kv != "bf16" and not args.recipe:
+        moe_notes.append(  # on-policy KV fake-quantizes in the trainer's FP8 forward only
+            "the input's FP8 KV cache goes BF16: this config trains in BF16, and an FP8 KV cache "
+            "is kept on-policy only beside FP8 training linears; --recipe jetrl_kv writes FP8 "
+            "training with on-policy KV instead"
+        )
     if target.train.fp8_linears and before.settings.megatron_off:
         moe_notes.append(
             "align writes the recipe's training FP8 keys but cannot change the training policy: "

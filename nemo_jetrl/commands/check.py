@@ -209,7 +209,12 @@ def _print_backward(c: Checked, out: TextIO) -> None:
 
 
 def _print_mismatches(c: Checked, out: TextIO, *, edges: bool) -> None:
-    """Each mismatch: where, the precision pairs, why, keys and fix (and its edges with ``--edges``)."""
+    """Each mismatch: where, the precision pairs, why, keys and fix (and its edges with
+    ``--edges``). A fix line holds overrides to paste after ``jetrl check CONFIG`` as they are
+    (`flow.fixes`: ``+key=`` where the config lacks the key); ``or:`` the alternative."""
+    from nemo_jetrl.config.load import key_presence
+    from nemo_jetrl.flow.fixes import fix_options, shell_line
+
     for k, m in enumerate(c.check.mismatches, 1):
         sev = " [differs only on blocks with tiny amax]" if m.severity == "rare" else ""
         print(f"\n{k}. {m.summary()}{sev}", file=out)
@@ -218,8 +223,8 @@ def _print_mismatches(c: Checked, out: TextIO, *, edges: bool) -> None:
         print(f"   why:  {m.reason}", file=out)
         if m.keys:
             print(f"   keys: {', '.join(m.keys)}", file=out)
-        if m.fixes:
-            print(f"   fix:  {' '.join(m.fixes)}", file=out)
+        for j, option in enumerate(fix_options(key_presence(c.cfg), m.fixes)):
+            print(f"   {'or: ' if j else 'fix:'}  {shell_line(option)}", file=out)
         if edges:
             for e in m.edges:
                 print(f"     {e}", file=out)
@@ -237,7 +242,11 @@ def _is_correction(keys: CorrectionKeys) -> str:
 
 
 def summary(c: Checked) -> dict[str, Any]:
-    """The check as plain data (what --json prints)."""
+    """The check as plain data (what --json prints). A mismatch's ``fixes`` are the report's
+    (connectors ``or ``/``and `` kept), each setting as the config's override (`flow.fixes`);
+    ``fix_options``: the alternatives, each a list of override arguments to pass together."""
+    from nemo_jetrl.config.load import key_presence
+    from nemo_jetrl.flow.fixes import fix_options, pasteable_fixes
     from nemo_jetrl.flow.groups import group_verdicts, routing_note
 
     check = c.check
@@ -283,7 +292,8 @@ def summary(c: Checked) -> dict[str, Any]:
             {
                 "reason": m.reason,
                 "keys": list(m.keys),
-                "fixes": list(m.fixes),
+                "fixes": pasteable_fixes(key_presence(c.cfg), m.fixes),
+                "fix_options": fix_options(key_presence(c.cfg), m.fixes),
                 "severity": m.severity,
                 "layers": list(m.layers),
                 "operands": list(m.operands),

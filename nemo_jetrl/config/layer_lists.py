@@ -150,27 +150,48 @@ def whole_in_proj_words(arch: Any, kws: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(IN_PROJ_WORD if k in partial else k for k in kws))
 
 
-def per_name_mismatch(linear_name: str, train: Any, rollout: Any) -> tuple | None:
+def shared_bf16_words(arch: Any, recipe: Any) -> tuple[str, ...]:
+    """The per-name BF16 list both sides can share: either side's words (first seen first), a
+    word keeping part of Megatron's fused in_proj made ``linear_attn.in_proj``
+    (`whole_in_proj_words`). What `jetrl align` starts both lists from, and what the check's
+    list fixes name (`flow.fixes.list_fix_words`)."""
+    return whole_in_proj_words(arch, recipe.bf16_layer_kws())
+
+
+def list_fix(train: Any, words: tuple[str, ...], *, rollout_only: bool = False) -> tuple:
+    """The fix setting both lists (or the rollout's) to ``words``; with FP8 primary weights,
+    which `check_layer_lists` refuses beside a training list, also ``fp8_param=false``."""
+    if rollout_only:
+        return (f"{ROLLOUT_KEY}={list(words)}",)
+    fp8_param = (f"{S.FP8_PARAM}=false",) if train.fp8_param and words else ()
+    return (f"{TRAIN_KEY}={list(words)}", f"and {ROLLOUT_KEY}={list(words)}", *fp8_param)
+
+
+def per_name_mismatch(
+    linear_name: str, train: Any, rollout: Any, words: tuple[str, ...] | None = None
+) -> tuple | None:
     """(why, keys, fixes, severity) when only one side's per-name list keeps this linear BF16
-    (the flow's mismatch shape), else None. The fix copies the other side's list: Jet-RL keeps
-    the user's BF16 choice and makes training match it."""
+    (the flow's mismatch shape), else None. The fix sets the lists to ``words`` (the flow's
+    `flow.fixes.list_fix_words`; default: both sides' words): Jet-RL keeps the user's BF16
+    choice and makes training match it."""
     in_train, in_roll = train.keeps_bf16(linear_name), rollout.keeps_bf16(linear_name)
+    if words is None:
+        words = tuple(dict.fromkeys((*train.bf16_layer_kws, *rollout.bf16_layer_kws)))
     if f".{VISION_WORD}." in linear_name and not in_roll:  # training: BF16 without a list
         return (
             f"vLLM quantizes the vision tower in an FP8 rollout unless {ROLLOUT_KEY} names "
             f"{VISION_WORD!r}; training keeps it BF16",
             (ROLLOUT_KEY,),
-            (f"add {VISION_WORD!r} to {ROLLOUT_KEY}",),
+            list_fix(train, tuple(dict.fromkeys((*words, VISION_WORD))), rollout_only=True),
             "always",
         )
     if in_train == in_roll:
         return None
     side, other = ("rollout", "training") if in_roll else ("training", "rollout")
-    words = sorted(set(train.bf16_layer_kws) | set(rollout.bf16_layer_kws))
     return (
         f"the {side}'s per-name BF16 list keeps these linears BF16 while {other} runs them in "
         "FP8; both sides must keep the same linears BF16",
         (TRAIN_KEY, ROLLOUT_KEY),
-        (f"{TRAIN_KEY}={words}", f"and {ROLLOUT_KEY}={words}"),
+        list_fix(train, words),
         "always",
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import difflib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -270,6 +270,19 @@ def apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
     if issues:
         raise ConfigError(issues, "overrides")
     return cfg
+
+
+def key_presence(cfg: DictConfig) -> Callable[[str], bool]:
+    """Whether ``cfg`` has a dotted key: what `setting_override` asks (the flow's fixes take
+    this, not the tree)."""
+    return lambda key: _exists(cfg, key)
+
+
+def setting_override(has_key: Callable[[str], bool], key: str, value: str) -> str:
+    """The override `apply_overrides` accepts for setting ``key`` to ``value`` (its text) in a
+    config whose `key_presence` is ``has_key``: ``key=value`` when it has the key,
+    ``+key=value`` when it does not."""
+    return f"{'' if has_key(key) else '+'}{key}={value}"
 
 
 def _exists(cfg: DictConfig, key: str) -> bool:

@@ -180,6 +180,22 @@ class Grpo(NemoSection):
     async_grpo: section(AsyncGrpo) = None  # type: ignore[valid-type]
 
 
+class Sampler(NemoSection):
+    """``async_rl.sampler``: NeMo-RL main's staleness policy (its discriminated union on
+    ``name``); the window keys are its NonNegativeInt fields."""
+
+    name: choice(*S.SAMPLERS) = None  # type: ignore[valid-type]
+    max_staleness_versions: count(0, MAX_COUNT) = None  # type: ignore[valid-type]
+    max_lookahead_versions: count(0, MAX_COUNT) = None  # type: ignore[valid-type]
+
+
+class AsyncRl(NemoSection):
+    """``async_rl``: the single-controller path's knobs (main); the policy lag a verdict names
+    (`nemo_jetrl.flow.limits`) is its sampler's. The legacy trainers never read it."""
+
+    sampler: section(Sampler) = None  # type: ignore[valid-type]
+
+
 class LossFn(NemoSection):
     """``loss_fn``: NeMo-RL's ClippedPGLossConfig keys, one rule each (defaults as NeMo-RL's).
     The importance-sampling rules across keys are `nemo_jetrl.rl.correction`'s."""
@@ -233,6 +249,7 @@ class RunConfig(NemoSection):
     data: any_section(null=False) = None  # type: ignore[valid-type]
     env: any_section(null=False) = None  # type: ignore[valid-type]
     cluster: any_section(null=False) = None  # type: ignore[valid-type]
+    async_rl: section(AsyncRl) = None  # type: ignore[valid-type]
     jetrl: section(JetrlSection) = None  # type: ignore[valid-type]
 
 

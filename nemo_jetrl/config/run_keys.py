@@ -1,5 +1,6 @@
 """The NeMo-RL run keys a backend reads (``grpo.*``, ``policy.optimizer.kwargs.*``, sampling,
-checkpointing, the log directory) and the rules for the directories a run writes into.
+checkpointing, the log directory), the rules for the directories a run writes into, and what
+kind of config it is: a GRPO run, not another NeMo-RL program's config (`program_issues`).
 
 Their rules live once, typed, in `nemo_jetrl.config.nemo_rl_model`: the config validator
 (`jetrl check`, `align`, `train` on every backend) parses the whole config through it in
@@ -134,6 +135,70 @@ def check_run_paths(cfg: DictConfig, issues: list[ConfigIssue], *, run: bool) ->
         issues.append(ConfigIssue(key, f"{msg}; choose a writable directory", (), level))  # type: ignore[arg-type]
 
 
+# NeMo-RL's other programs, by the top-level section that names each (its MasterConfig's key):
+# (what it is and its launcher, why there is no GRPO rollout to judge).
+_GRPO_ONLY = (
+    "jetrl check, align and train take GRPO configs only (a `grpo:` section: the rollouts "
+    "policy.generation samples are what the trainer learns from)"
+)
+OTHER_PROGRAMS: dict[str, tuple[str, str, str]] = {
+    "sft": ("SFT", "run_sft.py", "it trains on a fixed dataset and samples no rollout"),
+    "dpo": ("DPO", "run_dpo.py", "it trains on fixed preference pairs and samples no rollout"),
+    "rm": ("reward-model", "run_rm.py", "it trains on fixed preference pairs, no rollout"),
+    "eval": ("evaluation", "run_eval.py", "it samples with `generation:` but trains nothing"),
+    "distillation": (
+        "distillation",
+        "run_distillation.py",
+        "its on-policy form samples the student with policy.generation (refit each step, as "
+        "GRPO's), but its loss, teacher and launcher are not GRPO's, which this verdict, its "
+        "backends and `jetrl train` assume (the cross-tokenizer off-policy form, "
+        "run_xtoken_off_policy_distillation.py, samples no rollout at all)",
+    ),
+    "ppo": (
+        "PPO",
+        "run_ppo.py",
+        "it samples rollouts with policy.generation, but its lag keys (ppo.async_ppo) and its "
+        "value model are not GRPO's, which this verdict, its backends and `jetrl train` assume",
+    ),
+}
+
+
+def program_issues(cfg: DictConfig) -> list[ConfigIssue]:
+    """A config of another NeMo-RL program (SFT, DPO, RM, eval, distillation, PPO: its section
+    and no ``grpo:``), or a GRPO config whose ``policy.generation`` is null (NeMo-RL's
+    run_grpo.py asserts it is set): no GRPO rollout to judge, an error naming why."""
+    if "grpo" in cfg:
+        gen = _select_given(cfg, "policy.generation")
+        if gen is not None:
+            return []
+        return [
+            ConfigIssue(
+                "policy.generation",
+                "null: a GRPO run samples its rollouts with policy.generation (NeMo-RL's "
+                "run_grpo.py asserts it is set), so there is no rollout to judge; give it "
+                "(e.g. backend: vllm)",
+            )
+        ]
+    for key, (program, script, why) in OTHER_PROGRAMS.items():
+        if key in cfg:
+            return [
+                ConfigIssue(
+                    key,
+                    f"not a GRPO config: a NeMo-RL {program} config (examples/{script}; "
+                    f"top-level `{key}:`, no `grpo:`): {why}. {_GRPO_ONLY}",
+                )
+            ]
+    return []
+
+
+def _select_given(cfg: DictConfig, key: str) -> Any:
+    """The value at ``key``; `ABSENT` when the key is not given (or cannot be read)."""
+    try:
+        return OmegaConf.select(cfg, key, default=ABSENT)
+    except OmegaConfBaseException:
+        return ABSENT
+
+
 def check_run_keys(cfg: DictConfig, *, run: bool = False) -> list[ConfigIssue]:
     """Every problem of the run keys (types, ranges, bounds) and of the run's directories."""
     issues: list[ConfigIssue] = []
@@ -145,6 +210,7 @@ def check_run_keys(cfg: DictConfig, *, run: bool = False) -> list[ConfigIssue]:
                 f"GRPO run ({', '.join(RUN_SECTIONS)}): it does not describe a run",
             )
         )
+    issues.extend(program_issues(cfg))
     name = _select(cfg, "policy.model_name")
     if run and (not isinstance(name, str) or not name.strip()):  # `check` may ask "what if"
         got = "missing" if name is None else f"got {name!r}"

@@ -15,6 +15,9 @@ NeMo-RL users already describe precision with these keys (meanings as in NeMo-RL
   truncated_importance_sampling_ratio, truncated_importance_sampling_ratio_min,
   sequence_level_importance_ratios}``: importance-sampling correction (NeMo-RL's
   ClippedPGLossConfig rules apply).
+- ``grpo.async_grpo.{enabled, max_trajectory_age_steps, in_flight_weight_updates}`` (the legacy
+  async trainer) and, with ``grpo.async_grpo: null``, ``async_rl.sampler.{name,
+  max_staleness_versions, max_lookahead_versions}`` (main's single-controller path): policy lag.
 
 What NeMo-RL has no key for lives under ``jetrl:``; `nemo_jetrl.config.jetrl_model.JetrlSection`
 documents every key there. Each key's type and values are checked by the typed schema
@@ -68,10 +71,28 @@ ROUTER_DTYPE = "policy.megatron_cfg.moe_router_dtype"
 VPP_SIZE = "policy.megatron_cfg.virtual_pipeline_model_parallel_size"
 MOE_CAPACITY = "policy.megatron_cfg.moe_expert_capacity_factor"
 MOE_PAD_TO_CAPACITY = "policy.megatron_cfg.moe_pad_expert_input_to_capacity"
-# Policy lag (async GRPO) and ModelOpt quantization: what a precision verdict cannot model.
+# Policy lag (async GRPO: legacy and single-controller) and ModelOpt quantization: what a
+# precision verdict cannot model.
 ASYNC_ENABLED = "grpo.async_grpo.enabled"
 ASYNC_AGE = "grpo.async_grpo.max_trajectory_age_steps"
 ASYNC_IN_FLIGHT = "grpo.async_grpo.in_flight_weight_updates"
+# NeMo-RL main's single-controller async GRPO (examples/run_grpo_single_controller.py): it runs a
+# config only with grpo.async_grpo null (run_grpo.py cannot run that one) and bounds how stale a
+# trajectory may be by async_rl.sampler (nemo_rl/algorithms/async_utils/staleness_sampler.py).
+ASYNC_GRPO = "grpo.async_grpo"
+SAMPLER = "async_rl.sampler"
+SAMPLER_NAME = f"{SAMPLER}.name"
+SAMPLER_TARGET = f"{SAMPLER}.target"
+SAMPLER_STALENESS = f"{SAMPLER}.max_staleness_versions"
+SAMPLER_LOOKAHEAD = f"{SAMPLER}.max_lookahead_versions"
+# The key that bounds each built-in sampler's staleness (a "custom" sampler's is its own).
+SAMPLER_WINDOW_KEYS = {
+    "windowed": SAMPLER_STALENESS,
+    "ready_first": SAMPLER_STALENESS,
+    "weight_fifo": SAMPLER_STALENESS,
+    "in_order": SAMPLER_LOOKAHEAD,
+}
+SAMPLERS = (*SAMPLER_WINDOW_KEYS, "custom")
 DATA_PLANE = "data_plane.enabled"
 QUANT_CFG_KEYS = ("policy.quant_cfg", "policy.generation.quant_cfg")
 

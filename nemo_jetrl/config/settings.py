@@ -22,6 +22,11 @@ from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY
 
 DEFAULT_MAX_AGE = 1  # NeMo-RL's default grpo.async_grpo.max_trajectory_age_steps
+# NeMo-RL main's AsyncRLConfig: the sampler when async_rl.sampler is absent, and every built-in
+# sampler's default window (max_staleness_versions / max_lookahead_versions).
+DEFAULT_SAMPLER = "in_order"
+DEFAULT_SAMPLER_WINDOW = 1
+_ABSENT = object()
 
 
 def _value(cfg: Any, key: str, *, resolve: bool = True) -> Any:
@@ -110,8 +115,25 @@ class RefitKeys:
 
 
 @dataclass(frozen=True)
+class SamplerKeys:
+    """``async_rl.sampler``: the staleness policy of NeMo-RL main's single-controller path."""
+
+    name: Any
+    """``async_rl.sampler.name`` (`DEFAULT_SAMPLER` when absent)."""
+    window_key: str | None
+    """The key that bounds its staleness (`S.SAMPLER_WINDOW_KEYS`; None: a custom sampler)."""
+    window: Any
+    """That key's value (`DEFAULT_SAMPLER_WINDOW` when absent; None: a custom sampler)."""
+    window_given: bool
+    """The config gives the window (else NeMo-RL's default applies)."""
+    target: Any
+    """``async_rl.sampler.target`` (a custom sampler's ``module:ClassName``), or None."""
+
+
+@dataclass(frozen=True)
 class PolicyLag:
-    """``grpo.async_grpo``: weights a trajectory may lag behind."""
+    """Weights a trajectory may lag behind: ``grpo.async_grpo`` (the legacy async trainer) or,
+    when ``grpo.async_grpo`` is null, ``async_rl.sampler`` (the single-controller path)."""
 
     async_enabled: bool
     max_age: Any
@@ -119,6 +141,10 @@ class PolicyLag:
     in_flight: bool
     data_plane: bool
     """``data_plane.enabled`` is true (async GRPO with replay needs it off)."""
+    sampler: SamplerKeys | None = None
+    """The single-controller sampler when ``grpo.async_grpo`` is given as null (NeMo-RL's
+    ``run_grpo_single_controller.py`` requires that, and ``run_grpo.py`` cannot run it); None
+    otherwise (the legacy trainer never reads ``async_rl``)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +202,21 @@ def _words(v: Any) -> tuple[str, ...] | None:
     return tuple(v) if isinstance(v, (list, tuple)) else None
 
 
+def _sampler_of(cfg: Any) -> SamplerKeys | None:
+    """`SamplerKeys` when ``grpo.async_grpo`` is given as null (absent: NeMo-RL's default
+    block, which the single-controller path refuses), else None."""
+    try:
+        if OmegaConf.select(cfg, S.ASYNC_GRPO, default=_ABSENT) is not None:
+            return None
+    except Exception:  # a non-mapping on the way: validation's to report
+        return None
+    name = _or(_value(cfg, S.SAMPLER_NAME), DEFAULT_SAMPLER)
+    key = S.SAMPLER_WINDOW_KEYS.get(name) if isinstance(name, str) else None
+    given = _value(cfg, key) if key else None
+    window = None if key is None else _or(given, DEFAULT_SAMPLER_WINDOW)
+    return SamplerKeys(name, key, window, given is not None, _value(cfg, S.SAMPLER_TARGET))
+
+
 def settings_of(cfg: Any) -> Settings:
     """The `Settings` of a loaded config (``cfg``: an OmegaConf config or a plain mapping);
     never raises, so the validator's hooks can read them before every key is known good."""
@@ -209,6 +250,7 @@ def settings_of(cfg: Any) -> Settings:
             max_age=DEFAULT_MAX_AGE if age is None else age,
             in_flight=get(S.ASYNC_IN_FLIGHT) is True,
             data_plane=get(S.DATA_PLANE) is True,
+            sampler=_sampler_of(cfg),
         ),
         correction=CorrectionKeys(
             get(S.IS_CORRECTION), get(S.TIS_TYPE), get(S.TIS_RATIO_MIN), get(S.TIS_RATIO)

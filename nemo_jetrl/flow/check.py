@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from nemo_jetrl.arch import ModelArch
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.layer_lists import per_name_mismatch
+from nemo_jetrl.flow.fixes import list_fix_words, patch_fix, scale_fix
 from nemo_jetrl.flow.graph import (
     BF16,
     DEFAULT_BUILDERS,
@@ -162,14 +163,16 @@ class FlowCheck:
         return list(dict.fromkeys(k for m in self.mismatches for k in m.keys))
 
 
-def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> tuple | None:
+def _compare(
+    edge: Edge, train: Precision, roll: Precision, recipe: Recipe, words=()
+) -> tuple | None:
     """(reason, keys, fixes, severity) when rollout `roll` differs from training `train`."""
     if edge.group == "kv":
         return _compare_kv(train, roll, recipe)
     if roll.why is not None:
-        return vllm_bf16_mismatch(edge.kind, roll, recipe)
+        return vllm_bf16_mismatch(edge.kind, roll, recipe, words)
     if train.is_fp8 != roll.is_fp8:
-        return _compare_fp8_vs_bf16(edge, roll, recipe)
+        return _compare_fp8_vs_bf16(edge, roll, recipe, words)
     if not roll.is_fp8:
         return None
     if is_mx(train) or is_mx(roll):
@@ -190,25 +193,26 @@ def _compare(edge: Edge, train: Precision, roll: Precision, recipe: Recipe) -> t
             f"{what} scales differ: training rounds them to {train.scale}, rollout uses "
             f"{roll.scale}; the same block gets a different scale, hence different FP8 values",
             (vkey, S.FP32_SCALES_KEY),
-            (f"{vkey}={'true' if train.scale == 'pow2' else 'false'}",),
+            scale_fix(is_weight, recipe, train.scale == "pow2"),
             "always",
         )
     if formula(train) == formula(roll):
         return None
-    return _compare_formulas(train, roll, is_weight)
+    return _compare_formulas(train, roll, is_weight, recipe)
 
 
-def _compare_fp8_vs_bf16(edge: Edge, roll: Precision, recipe: Recipe) -> tuple:
+def _compare_fp8_vs_bf16(edge: Edge, roll: Precision, recipe: Recipe, words=()) -> tuple:
     """One side FP8, the other BF16: FP8 switched on for one side only, or BF16 edge layers."""
     t, r = recipe.train, recipe.rollout
     if r.fp8_linears and not t.fp8_linears:
+        kv = (f"and {S.VLLM_KV_DTYPE}=auto",) if recipe.kv_fp8 else ()  # FP8 KV needs FP8 weights
         if r.scaling == "mxfp8":
-            return mx_rollout_vs_bf16()
+            return mx_rollout_vs_bf16(kv)
         return (
             "rollout runs these linears in FP8 but training keeps them in BF16: the sampler "
             "is a different (quantized) policy than the one being optimised",
             (S.FP8_ENABLED, S.VLLM_PRECISION),
-            (f"{S.FP8_ENABLED}=true", f"or {S.VLLM_PRECISION}=bfloat16"),
+            (f"{S.FP8_ENABLED}=true", f"or {S.VLLM_PRECISION}=bfloat16", *kv),
             "always",
         )
     if t.fp8_linears and not r.fp8_linears:
@@ -219,7 +223,7 @@ def _compare_fp8_vs_bf16(edge: Edge, roll: Precision, recipe: Recipe) -> tuple:
             (f"{S.VLLM_PRECISION}=fp8", f"or {S.FP8_ENABLED}=false"),
             "always",
         )
-    named = per_name_mismatch(edge.op, t, r)
+    named = per_name_mismatch(edge.op, t, r, words or None)
     if named is not None:
         return named
     n_first = (S.VLLM_FIRST_BF16, "jetrl.train_num_first_layers_in_bf16")
@@ -237,7 +241,7 @@ def _compare_fp8_vs_bf16(edge: Edge, roll: Precision, recipe: Recipe) -> tuple:
     )
 
 
-def _compare_formulas(train: Precision, roll: Precision, is_weight: bool) -> tuple:
+def _compare_formulas(train: Precision, roll: Precision, is_weight: bool, recipe: Recipe) -> tuple:
     """Same FP8 format, block and scale rule but different quantizer formulas."""
     if train.scale == "fp32":
         share = "23% of weight values" if is_weight else "28% of activation values"
@@ -246,7 +250,7 @@ def _compare_formulas(train: Precision, roll: Precision, is_weight: bool) -> tup
             "x * RN(448/amax), vLLM x / RN(amax/448), which round differently (measured: "
             f"{share} dequantize differently). Our vLLM patch makes vLLM use TE's formula",
             ("jetrl.vllm_patch",),
-            ("jetrl.vllm_patch=true",),
+            patch_fix(recipe),
             "always",
         )
     if train.scale == "pow2":
@@ -259,14 +263,14 @@ def _compare_formulas(train: Precision, roll: Precision, is_weight: bool) -> tup
             "power-of-two scales make TE's and vLLM's own formulas agree except on "
             f"{tiny}; there vLLM's numbers differ. Our vLLM patch removes the difference",
             ("jetrl.vllm_patch",),
-            ("jetrl.vllm_patch=true",),
+            patch_fix(recipe),
             "rare",
         )
     return (
         f"different quantizer implementations ({train.impl} vs {roll.impl}) for "
         f"{train.scale} scales are not known to produce the same bits",
         ("jetrl.vllm_patch",),
-        ("jetrl.vllm_patch=true",),
+        patch_fix(recipe),
         "always",
     )
 
@@ -303,9 +307,7 @@ def _compare_kv(train: Precision, roll: Precision, recipe: Recipe) -> tuple | No
 
 
 def check_on_policy(
-    arch: ModelArch,
-    recipe: Recipe,
-    builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS,
+    arch: ModelArch, recipe: Recipe, builders: Sequence[EdgeBuilder] = DEFAULT_BUILDERS
 ) -> FlowCheck:
     """Compare every rollout edge with its training-forward edge; group the differences."""
     roll = build_flow(arch, recipe, "rollout", builders)
@@ -313,29 +315,27 @@ def check_on_policy(
     bwd = build_flow(arch, recipe, "train_bwd", builders)
     train_by_key = fwd.by_key()
     groups: dict[tuple, dict] = {}
+    words = list_fix_words(arch, recipe, roll.edges)
     for e in roll.edges:
         t = train_by_key.get(e.key)
-        res = _edge_difference(e, t, recipe)
+        res = _edge_difference(e, t, recipe, words)
         if res is not None:
             _add_to_group(groups, res, e, BF16 if t is None else t.precision)
     mismatches = tuple(_group_mismatch(g) for g in groups.values())
     return FlowCheck(arch.name, recipe, roll, fwd, bwd, mismatches)
 
 
-def _edge_difference(e: Edge, t: Edge | None, recipe: Recipe) -> tuple | None:
+def _edge_difference(e: Edge, t: Edge | None, recipe: Recipe, words=()) -> tuple | None:
     """(reason, keys, fixes, severity) for rollout edge `e` against training edge `t` (None:
-    the training forward lacks it); None when both carry the same numbers."""
+    the training forward lacks it); None when both carry the same numbers. List fixes name
+    ``words`` (`flow.fixes.list_fix_words`)."""
     if t is None:
-        return (
-            f"the rollout has {e.op}:{e.role} but the training forward has no such edge",
-            (),
-            (),
-            "always",
-        )
+        why = f"the rollout has {e.op}:{e.role} but the training forward has no such edge"
+        return (why, (), (), "always")
     tp = t.precision
     if same_numbers(tp, e.precision):
         return None
-    res = _compare(e, tp, e.precision, recipe)
+    res = _compare(e, tp, e.precision, recipe, words)
     if res is None:
         res = (
             f"precision differs (training {tp.short()}, rollout {e.precision.short()})",

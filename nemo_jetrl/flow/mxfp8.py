@@ -42,8 +42,12 @@ def is_mx(p: Precision) -> bool:
     return p.is_fp8 and p.block == BLOCK_MX
 
 
-def mx_rollout_vs_bf16() -> tuple[str, tuple[str, ...], tuple[str, ...], str]:
-    """(reason, keys, fixes, severity): an MXFP8 rollout against BF16 training."""
+def mx_rollout_vs_bf16(
+    bf16_too: tuple[str, ...] = (),
+) -> tuple[str, tuple[str, ...], tuple[str, ...], str]:
+    """(reason, keys, fixes, severity): an MXFP8 rollout against BF16 training. The BF16
+    rollout alternative turns is_mx off (validation refuses it without FP8), with
+    ``bf16_too`` (``"and key=value"``: an FP8 KV cache's dtype)."""
     return (
         f"the rollout runs these linears in {MX_FORMAT} ({S.VLLM_IS_MX}=true, vLLM's MXFP8 "
         "kernel) but training keeps them in BF16: the sampler is a quantized policy the "
@@ -52,7 +56,12 @@ def mx_rollout_vs_bf16() -> tuple[str, tuple[str, ...], tuple[str, ...], str]:
         f"{BLOCKWISE_FORMAT} on both sides with our vLLM patch; {TE_BLOCKWISE_RULE}. "
         f"{_ALIGN_HINT}",
         (S.VLLM_IS_MX, S.FP8_ENABLED, S.VLLM_PRECISION),
-        (*_BLOCKWISE_FIX, f"or {S.VLLM_PRECISION}=bfloat16"),
+        (
+            *_BLOCKWISE_FIX,
+            f"or {S.VLLM_PRECISION}=bfloat16",
+            f"and {S.VLLM_IS_MX}=false",
+            *bf16_too,
+        ),
         "always",
     )
 

@@ -23,8 +23,10 @@ from nemo_jetrl.config import (
     Settings,
     load_valid_config,
 )
+from nemo_jetrl.config.load import key_presence, setting_override
 from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
+from nemo_jetrl.flow.fixes import fix_text
 from nemo_jetrl.flow.limits import VerdictLimit, verdict_limits
 from nemo_jetrl.flow.support import unsupported_issues
 from nemo_jetrl.recipe import Recipe
@@ -119,9 +121,10 @@ def check_config(
     if arch is None:
         n = generic_layers_for(recipe)
         arch = generic_arch(n)
+        given = setting_override(key_presence(valid.cfg), "jetrl.model_config", "PATH/config.json")
         note = (
             f"model {settings.model.name!r} has no built-in description: checked with {n} generic aligned "
-            "layers (set jetrl.model_config to its config.json for exact layers and shapes)"
+            f"layers (for exact layers and shapes pass its config.json: {given})"
         )
     check = check_on_policy(arch, recipe)
     backends = backend_verdicts(settings, check, arch)
@@ -171,7 +174,7 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
         )
     lines = [
         f"  - {m.reason} ({m.summary()}); keys: {', '.join(m.keys) or '-'}"
-        + (f"; fix: {' '.join(m.fixes)}" if m.fixes else "")
+        + (f"; fix: {fix_text(key_presence(checked.cfg), m.fixes)}" if m.fixes else "")
         for m in check.mismatches
     ]
     return (

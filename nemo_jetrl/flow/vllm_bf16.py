@@ -11,21 +11,24 @@ NeMo-RL honour; Megatron's ``linear_kv_up_proj`` through `megatron.bf16_names`).
 from __future__ import annotations
 
 from nemo_jetrl.arch import ModelArch
-from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY
+from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY, list_fix
 from nemo_jetrl.flow.graph import Precision, linear_edges
 from nemo_jetrl.recipe import Recipe
 
 
-def vllm_bf16_mismatch(kind: str, roll: Precision, recipe: Recipe) -> tuple:
+def vllm_bf16_mismatch(
+    kind: str, roll: Precision, recipe: Recipe, words: tuple[str, ...] = ()
+) -> tuple:
     """(reason, keys, fixes, severity) of a rollout edge of linear ``kind`` that vLLM runs BF16
-    (``roll.why`` says why): only keeping that linear BF16 on both sides matches."""
-    words = sorted({*recipe.train.bf16_layer_kws, *recipe.rollout.bf16_layer_kws, kind})
+    (``roll.why`` says why): only keeping that linear BF16 on both sides matches. The fix sets
+    both lists to ``words`` (the flow's `flow.fixes.list_fix_words`) with ``kind``."""
+    words = tuple(dict.fromkeys((*(words or recipe.bf16_layer_kws()), kind)))
     return (
         f"{roll.why}. Keep {kind} BF16 on both sides: add {kind!r} to {ROLLOUT_KEY} (vLLM then "
         f"serves it unquantized) and {TRAIN_KEY} (Megatron runs it outside FP8); `jetrl align` "
         "writes both",
         (ROLLOUT_KEY, TRAIN_KEY),
-        (f"{TRAIN_KEY}={words}", f"and {ROLLOUT_KEY}={words}"),
+        list_fix(recipe.train, words),
         "always",
     )
 

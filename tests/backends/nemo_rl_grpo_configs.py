@@ -4,8 +4,9 @@
 those whose config, as NeMo-RL's loader resolves it (``defaults:`` inheritance, its resolvers),
 has a ``grpo`` and a ``policy`` section. `classify` decides from that resolved dict alone, with
 none of nemo_jetrl's code, what a true verdict is: the precision class of each side, whether
-weights lag (async GRPO), and whether the model is mixture-of-experts or hybrid (refused by name
-today when FP8). ``${oc.env:...}`` data/venv paths get placeholders when unset.
+weights lag (async GRPO: legacy, or main's single controller by its sampler), and whether the
+model is mixture-of-experts or hybrid (refused by name today when FP8). ``${oc.env:...}``
+data/venv paths get placeholders when unset.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class Expected:
     or "modelopt" (NVFP4 quantization-aware RL keys set)."""
 
     lag: int | None
-    """max_trajectory_age_steps when async GRPO is on, else None."""
+    """max_trajectory_age_steps when async GRPO is on; on main's single-controller path
+    (``grpo.async_grpo: null``) the sampler's window when > 0; else None."""
 
     moe: bool
     """Mixture-of-experts model with FP8 on some side (refused by name today)."""
@@ -88,6 +90,10 @@ class Expected:
     """Hybrid (Qwen3.5) model with FP8 on some side."""
 
     quant_keys: tuple[str, ...] = ()
+
+    lag_key: str | None = None
+    """The single-controller sampler's window key (``async_rl.sampler.*``), None for the legacy
+    ``grpo.async_grpo`` lag."""
 
     @property
     def fp8(self) -> bool:
@@ -130,9 +136,20 @@ def classify(cfg: dict) -> Expected:
         precision = "fp8_train_bf16_rollout"
     else:
         precision = "bf16"
-    async_cfg = (cfg.get("grpo") or {}).get("async_grpo") or {}
-    lag = None
-    if async_cfg.get("enabled") is True:
+    grpo = cfg.get("grpo") or {}
+    async_cfg = grpo.get("async_grpo") or {}
+    lag, lag_key = None, None
+    if "async_grpo" in grpo and grpo["async_grpo"] is None:
+        # main's single controller (run_grpo_single_controller.py): the lag is the sampler's
+        # window (staleness_sampler.py; AsyncRLConfig's default sampler is in_order, every
+        # window defaults to 1, and 0 is its is_on_policy case)
+        sampler = (cfg.get("async_rl") or {}).get("sampler") or {}
+        name = sampler.get("name", "in_order")
+        assert name != "custom", "a custom sampler's lag is its own code's: classify it by hand"
+        window = "max_lookahead_versions" if name == "in_order" else "max_staleness_versions"
+        if sampler.get(window, 1):
+            lag, lag_key = int(sampler.get(window, 1)), f"async_rl.sampler.{window}"
+    elif async_cfg.get("enabled") is True:
         age = async_cfg.get("max_trajectory_age_steps")
         lag = 1 if age is None else int(age)
     name = str(pol.get("model_name") or "")
@@ -147,4 +164,5 @@ def classify(cfg: dict) -> Expected:
         fp8 and bool(MOE_NAME.search(name) or experts) and not HYBRID_NAME.search(name),
         fp8 and bool(HYBRID_NAME.search(name)),
         quant,
+        lag_key,
     )

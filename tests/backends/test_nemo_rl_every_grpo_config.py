@@ -4,7 +4,8 @@ Walks every GRPO config under the tree's ``examples/`` (recipes, ModelOpt, nemo_
 them: not only FP8 ones), runs `jetrl check` on each and compares its verdict with a
 classification computed independently from NeMo-RL's own resolved config
 (tests/backends/nemo_rl_grpo_configs.py). No config gets ON-POLICY unless it is BF16 on both
-sides with no policy lag; FP8, MXFP8 and ModelOpt configs never do; async GRPO has its lag named.
+sides with no policy lag; FP8, MXFP8 and ModelOpt configs never do; async GRPO has its lag named
+(main's single-controller configs by their ``async_rl.sampler`` window).
 FP8 mixture-of-experts and hybrid (Qwen3.5) configs are refused by name today: asserted, counted.
 """
 
@@ -53,7 +54,9 @@ def _expect(exp, code: int, out: str, err: str) -> str:
         assert code == 0 and verdict == ON, verdict
     else:
         assert code == 1 and verdict.startswith("verdict: OFF-POLICY ("), verdict
-    if exp.lag is not None:  # named with its age, whatever the precision
+    if exp.lag is not None and exp.lag_key:  # the single controller's sampler window, named
+        assert f"{exp.lag_key}={exp.lag}, " in out and "single-controller" in out, out
+    elif exp.lag is not None:  # named with its age, whatever the precision
         assert "grpo.async_grpo.enabled=true" in out, out
         assert f"max_trajectory_age_steps={exp.lag}:" in out, out
     if exp.precision == "mxfp8_rollout" and exp.lag is None:

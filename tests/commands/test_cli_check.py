@@ -151,6 +151,25 @@ def test_align_kv_options_and_presets(capsys, tmp_path):
         capsys, "align", EX / "llama3.1_8b_instruct" / "bf16.yaml", "--recipe", "jetrl_kv", "-o", c
     )
     assert code == 0 and "recipe: jetrl_kv" in out
+    # --kv beside --recipe: the preset says what the KV cache is; was silently ignored
+    d = tmp_path / "both.yaml"
+    code, _, err = run(capsys, "align", src, "--recipe", "jetrl", "--kv", "onpolicy", "-o", d)
+    assert code == 2 and "--kv onpolicy with --recipe jetrl" in err and not d.exists()
+
+
+def test_align_says_when_a_bf16_training_drops_the_fp8_kv_cache(capsys, tmp_path):
+    """BF16 training with an FP8 KV cache (NeMo-RL's fp8-kvcache recipe): on-policy KV needs the
+    trainer's FP8 forward, so the aligned recipe is bf16 and the KV cache goes BF16: said, with
+    the preset that keeps it; with --kv bf16 (asked for) nothing to say."""
+    src = EX / "qwen3_8b_base" / "jetrl_kv.yaml"
+    bf16_train = ("policy.megatron_cfg.fp8_cfg.enabled=false",)
+    a = tmp_path / "a.yaml"
+    code, out, _ = run(capsys, "align", src, *bf16_train, "-o", a)
+    assert code == 0 and recipe_from_config(load_config(a)).name == "bf16"
+    assert "note: the input's FP8 KV cache goes BF16" in out and "--recipe jetrl_kv" in out
+    b = tmp_path / "b.yaml"
+    code, out, _ = run(capsys, "align", src, *bf16_train, "--kv", "bf16", "-o", b)
+    assert code == 0 and "FP8 KV cache goes BF16" not in out
 
 
 def test_align_refuses_to_overwrite(capsys, tmp_path):

@@ -59,9 +59,8 @@ def test_hybrid_groups_kv_only_on_full_attention_and_vision_bf16():
     assert {"router", "experts", "shared_experts", "attn"} <= set(g)
     why = [m for m in check.mismatches if any(op.startswith("vision") for op in m.operands)]
     assert why and "names 'visual'" in why[0].reason
-    assert why[0].fixes == (
-        "add 'visual' to policy.generation.vllm_cfg.quantization_ignored_layer_kws",
-    )
+    # a setting to paste (`flow.fixes`), not an instruction to edit the list by hand
+    assert why[0].fixes == ("policy.generation.vllm_cfg.quantization_ignored_layer_kws=['visual']",)
     kept = Recipe.preset("jetrl")
     kept = kept.with_(rollout=kept.rollout.with_(bf16_layer_kws=("visual",)))
     g = {v.group: v for v in group_verdicts(check_on_policy(QWEN35, kept))}

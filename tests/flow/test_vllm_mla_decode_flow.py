@@ -104,8 +104,10 @@ def test_jetrl_train_on_the_local_hf_rollout_is_not_refused_for_vllms_mla_decode
     check = check_on_policy(TINY_MLA, jetrl)
     local = "examples/configs/local/jetrl.yaml"
     for engine, refused in (("hf", False), ("vllm", True)):
-        settings = settings_of(load_config(local, [f"++jetrl.local.rollout_engine={engine}"]))
+        cfg = load_config(local, [f"++jetrl.local.rollout_engine={engine}"])
+        settings = settings_of(cfg)
         checked = SimpleNamespace(
+            cfg=cfg,  # the refusal's fix names overrides for it (`flow.fixes`)
             check=check,
             allow_off_policy=False,
             limits_of=lambda kind: [],
