@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mutant_catalog import audit, ci, cluster, core, engines, gpu, local_runs
+from mutant_catalog import audit, check_cli, ci, cluster, core, engines, gpu, local_runs
 
 CONTROLS = core.CONTROLS
 MUTANTS = [
@@ -24,4 +24,5 @@ MUTANTS = [
     *gpu.MUTANTS,
     *ci.MUTANTS,
     *local_runs.MUTANTS,
+    *check_cli.MUTANTS,
 ]

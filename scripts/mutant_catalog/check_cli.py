@@ -1,0 +1,75 @@
+"""The mutants of `jetrl check` / `align` / `compare` and the CLI mended in session 37 (a helper
+walking the README as a new user; docs/ci_times.md): verdicts of NeMo-RL main's single-controller
+lag and of other programs' configs, pasteable fixes, compare's metrics and run dirs, a closed
+stdout pipe."""
+
+from __future__ import annotations
+
+from mutation_check import Mutant
+
+T_COMPARE = ("tests/commands/test_compare.py",)
+MUTANTS = [
+    Mutant(  # user walk: main's single-controller async configs were called ON-POLICY
+        "the single-controller path's sampler window is not read",
+        "nemo_jetrl/flow/limits.py",
+        "    if lag.sampler is not None:\n        return _sampler_limits(lag.sampler)",
+        "    if False:\n        return _sampler_limits(lag.sampler)",
+        ("tests/flow/test_single_controller_lag.py",),
+    ),
+    Mutant(  # user walk: SFT/DPO/RM configs got ON-POLICY
+        "another NeMo-RL program's config gets a GRPO verdict",
+        "nemo_jetrl/config/run_keys.py",
+        "    issues.extend(program_issues(cfg))",
+        "    pass",
+        ("tests/commands/test_check_not_grpo.py",),
+    ),
+    Mutant(  # user walk: `fix: jetrl.vllm_patch=true` exits 2 where the config has no jetrl:
+        "a fix adding a key the config lacks is printed without '+'",
+        "nemo_jetrl/config/load.py",
+        "    return f\"{'' if has_key(key) else '+'}{key}={value}\"",
+        '    return f"{key}={value}"',
+        ("tests/commands/test_check_fix_overrides.py",),
+    ),
+    Mutant(  # user walk: check's Qwen3.5 list fix was refused by check itself
+        "the list fix keeps part of Megatron's fused in_proj",
+        "nemo_jetrl/config/layer_lists.py",
+        "    return whole_in_proj_words(arch, recipe.bf16_layer_kws())",
+        "    return recipe.bf16_layer_kws()",
+        ("tests/commands/test_check_fix_overrides.py",),
+    ),
+    Mutant(  # user walk: --kv was silently ignored beside --recipe
+        "align takes --kv and --recipe together",
+        "nemo_jetrl/commands/align.py",
+        "    if args.recipe and args.kv:",
+        "    if False:",
+        ("tests/commands/test_cli_check.py",),
+    ),
+    Mutant(  # user walk: a --metric no run has was a 'missing' row, exit 0
+        "compare accepts a named metric no run has",
+        "nemo_jetrl/commands/compare.py",
+        "        if named and absent:",
+        "        if False:",
+        T_COMPARE,
+    ),
+    Mutant(  # user walk: the README's tmpe was no metric name
+        "compare does not know tmpe",
+        "nemo_jetrl/runs/report.py",
+        '    "tmpe": "train/token_mult_prob_error",\n',
+        "",
+        T_COMPARE,
+    ),
+    Mutant(  # user walk: 15 warnings before the error for a directory that is no run
+        "compare reads a directory that is no run",
+        "nemo_jetrl/commands/compare.py",
+        "    if any(p.is_file() for p in run_dir.rglob(EVENTS_GLOB)) or train_data_files(run_dir):",
+        "    if True:",
+        T_COMPARE,
+    ),
+    Mutant(  # user walk: `jetrl check ... | head -1`: a traceback and exit 1 (off-policy's code)
+        "a closed stdout pipe raises out of the CLI",
+        "nemo_jetrl/cli.py",
+        "        return EXIT_BROKEN_PIPE",
+        "        raise",
+        ("tests/commands/test_cli_broken_pipe.py",),
+    ),
+]
