@@ -106,8 +106,12 @@ def _inherited(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[Path, by
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError([ConfigIssue("defaults", f"inheritance cycle: {cycle}")], str(path))
     if not path.is_file():
-        where = f" (named in defaults: of {chain[-1]})" if chain else ""
-        raise ConfigError([ConfigIssue("defaults", f"config file not found: {path}{where}")])
+        what = "a directory, not a config file" if path.is_dir() else "config file not found"
+        if chain:  # a parent named in defaults:
+            issue = ConfigIssue("defaults", f"{what}: {path} (named in defaults: of {chain[-1]})")
+        else:  # the file given itself
+            issue = ConfigIssue("<file>", f"{what}: {path}")
+        raise ConfigError([issue], str(path) if not chain else None)
     hit = _INHERITED.get(path)
     # a file of the chain among the entry's is a cycle, which the uncached path below names
     if hit is not None and all(p not in chain and _bytes(p) == b for p, b in hit[0].items()):
@@ -156,7 +160,10 @@ def _parse_file(path: Path, data: bytes | None = None) -> DictConfig:
     try:
         cfg = OmegaConf.create(text) if text.strip() else None
     except (yaml.YAMLError, OmegaConfBaseException) as exc:
-        raise ConfigError([ConfigIssue("<file>", f"cannot parse YAML: {exc}")], str(path)) from None
+        where = str(exc).replace('in "<unicode string>"', f"in {path.name}")  # the file's name
+        raise ConfigError(
+            [ConfigIssue("<file>", f"cannot parse YAML: {where}")], str(path)
+        ) from None
     if cfg is None or (isinstance(cfg, DictConfig) and len(cfg) == 0):
         msg = "the file is empty (no keys); a config must describe a run"
         raise ConfigError([ConfigIssue("<file>", msg)], str(path))

@@ -103,7 +103,8 @@ def test_check_invalid_config_lists_every_problem(capsys):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["check", "/nonexistent.yaml"], "config file not found"),
+        (["check", "/nonexistent.yaml"], "- <file>: config file not found: /nonexistent.yaml"),
+        (["check", "/"], "- <file>: a directory, not a config file: /"),  # was "defaults:"
         (["check", EX / "qwen3_8b_base" / "jetrl.yaml", "jetrl.nope=1"], "key not in config"),
         (
             ["check", EX / "qwen3_8b_base" / "jetrl.yaml", "+jetrl.model_config=/x/config.json"],
@@ -295,3 +296,10 @@ def test_structurally_wrong_sections_exit_2_naming_the_key(capsys, override, fra
     assert out == "" and "verdict" not in err
     assert fragment in err, err
     assert "Traceback" not in err
+
+
+def test_a_yaml_syntax_error_names_the_file(capsys, tmp_path):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("grpo:\n  a: [1\n")
+    code, _, err = run(capsys, "check", bad)
+    assert code == 2 and "in run.yaml, line 2" in err and "<unicode string>" not in err, err
