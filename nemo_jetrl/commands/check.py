@@ -305,11 +305,38 @@ def summary(c: Checked) -> dict[str, Any]:
     }
 
 
+def _json_invalid(source: str, issues: Any) -> None:
+    """With ``--json``, an invalid config is JSON on stdout too (exit 2 as without it): the
+    problems a script would otherwise parse out of stderr's text."""
+    import json
+
+    problems = [{"key": i.path, "message": i.message, "level": i.level} for i in issues]
+    print(json.dumps({"config": source, "valid": False, "problems": problems}, indent=2))
+
+
 def run(args: argparse.Namespace) -> int:
-    checked = load_and_check(args.config, list(args.overrides), keep_refused=True)
+    from nemo_jetrl.config import ConfigError
+    from nemo_jetrl.errors import UserError
+
+    if args.json and (args.edges or args.backward):
+        flags = " and ".join(
+            f for f, on in (("--edges", args.edges), ("--backward", args.backward)) if on
+        )
+        raise UserError(
+            f"{flags} with --json: {flags} shape the text report (--json lists every mismatch "
+            "with its edges, not the backward precisions); drop one of them"
+        )
+    if args.json:
+        from nemo_jetrl.flow.pipeline import check_config
+
+        try:
+            checked = check_config(args.config, list(args.overrides), keep_refused=True)
+        except ConfigError as exc:
+            _json_invalid(args.config, exc.issues)
+            raise UserError(f"invalid config\n{exc}") from None
+    else:
+        checked = load_and_check(args.config, list(args.overrides), keep_refused=True)
     if checked.refused:
-        from nemo_jetrl.config import ConfigError
-        from nemo_jetrl.errors import UserError
         from nemo_jetrl.flow.table import flow_table
 
         if not args.json:  # the reading first, then the refusal (exit 2)
@@ -321,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
             )
             _print_groups(checked, sys.stdout)
             sys.stdout.flush()
+        if args.json:
+            _json_invalid(args.config, checked.refused)
         raise UserError(f"invalid config\n{ConfigError(checked.refused, args.config)}")
     if args.json:
         import json

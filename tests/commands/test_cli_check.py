@@ -303,3 +303,19 @@ def test_a_yaml_syntax_error_names_the_file(capsys, tmp_path):
     bad.write_text("grpo:\n  a: [1\n")
     code, _, err = run(capsys, "check", bad)
     assert code == 2 and "in run.yaml, line 2" in err and "<unicode string>" not in err, err
+
+
+def test_json_reports_an_invalid_config_on_stdout_and_refuses_text_options(capsys):
+    """Scripts read --json's stdout: an invalid config is JSON there too (exit 2 as without
+    --json; it printed nothing); --edges / --backward, options of the text report, were silently
+    ignored beside --json."""
+    import json
+
+    code, out, err = run(
+        capsys, "check", "--json", EX / "qwen3_8b_base" / "jetrl.yaml", "jetrl.nope=1"
+    )
+    data = json.loads(out)
+    assert code == 2 and data["valid"] is False and "key not in config" in err
+    assert [p["key"] for p in data["problems"]] == ["jetrl.nope"]
+    code, out, err = run(capsys, "check", "--json", "--edges", EX / "qwen3_8b_base" / "jetrl.yaml")
+    assert code == 2 and out == "" and "--edges with --json" in err
