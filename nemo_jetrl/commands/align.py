@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    from nemo_jetrl.arch.linear import VISION_WORD
     from nemo_jetrl.commands._align_moe import load_source, moe_align_updates, router_bf16_words
     from nemo_jetrl.commands._align_unaligned import in_proj_note, unaligned_target_words
     from nemo_jetrl.commands._output import make_output_dir
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if whole != kws:
         untiled_notes = [*untiled_notes, in_proj_note(kws, whole)]
         kws = whole
+    if before.arch.vision is not None and target.rollout.fp8_linears and VISION_WORD not in kws:
+        kws = (*kws, VISION_WORD)  # vLLM quantizes the tower unless named; training keeps it BF16
     router_words, router_notes = router_bf16_words(before.arch, target, kws)  # vLLM FP8 router
     tile_words, tile_notes = unaligned_target_words(before.arch, target, kws + router_words)
     tile_notes = untiled_notes or tile_notes  # the words added to the input, said once

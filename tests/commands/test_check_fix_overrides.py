@@ -198,3 +198,20 @@ def test_fix_options_follow_the_loaded_config():
         == "or +policy.generation.vllm_cfg.kv_cache_dtype=auto"
     )
     assert shell_line(["+a.b=[x,y]", "c=1"]) == "'+a.b=[x,y]' c=1"
+
+
+def test_align_keeps_the_vision_tower_bf16_in_an_fp8_rollout(capsys, tmp_path):
+    """Qwen3.5 with a rollout list that does not name 'visual': vLLM would quantize the tower
+    (training keeps it BF16). Align's output was off-policy on it (found by the check-fix
+    review); it now names the tower on both lists and checks ON-POLICY."""
+    path = _upstream("main-7ea279a", f"{LLM}/grpo-qwen3.5-9b-1n8g-megatron-fp8.yaml")
+    ours = "policy.generation.vllm_cfg.quantization_ignored_layer_kws=[linear_attn.conv1d,linear_attn.in_proj]"
+    code, out = _check(capsys, path, ours)
+    assert code == 1 and "vision tower" in out
+    out_yaml = tmp_path / "a.yaml"
+    assert main(["align", str(path), ours, "-o", str(out_yaml)]) == 0
+    capsys.readouterr()
+    aligned = load_config(out_yaml)
+    want = ["linear_attn.conv1d", "linear_attn.in_proj", "visual"]
+    assert list(aligned.policy.generation.vllm_cfg.quantization_ignored_layer_kws) == want
+    assert list(aligned.jetrl.train_bf16_layer_kws) == want
