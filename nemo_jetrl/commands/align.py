@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if whole != kws:
         untiled_notes = [*untiled_notes, in_proj_note(kws, whole)]
         kws = whole
-    if before.arch.vision is not None and target.rollout.fp8_linears and VISION_WORD not in kws:
+    vision = before.arch is not None and before.arch.vision is not None
+    if vision and target.rollout.fp8_linears and VISION_WORD not in kws:
         kws = (*kws, VISION_WORD)  # vLLM quantizes the tower unless named; training keeps it BF16
     router_words, router_notes = router_bf16_words(before.arch, target, kws)  # vLLM FP8 router
     tile_words, tile_notes = unaligned_target_words(before.arch, target, kws + router_words)

@@ -215,3 +215,14 @@ def test_align_keeps_the_vision_tower_bf16_in_an_fp8_rollout(capsys, tmp_path):
     want = ["linear_attn.conv1d", "linear_attn.in_proj", "visual"]
     assert list(aligned.policy.generation.vllm_cfg.quantization_ignored_layer_kws) == want
     assert list(aligned.jetrl.train_bf16_layer_kws) == want
+
+
+def test_align_of_a_model_without_a_description_still_aligns(capsys, tmp_path):
+    """A model nemo_jetrl has no description of (main's 70B FP8 recipe: no built-in arch, no
+    config.json): align has no arch to ask about a vision tower (the first version of that rule
+    raised AttributeError there, found by the NeMo-RL tier's sweep)."""
+    path = _upstream("main-7ea279a", "examples/configs/grpo_math_70B_megatron_fp8.yaml")
+    out_yaml = tmp_path / "a.yaml"
+    code = main(["align", str(path), "-o", str(out_yaml)])
+    err = capsys.readouterr().err
+    assert code in (0, 1) and "Traceback" not in err and out_yaml.is_file(), err
