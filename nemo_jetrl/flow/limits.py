@@ -32,6 +32,7 @@ from typing import Any
 
 from nemo_jetrl.config import Settings
 from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.load import setting_override
 from nemo_jetrl.config.settings import SamplerKeys
 
 ASYNC_KEY, AGE_KEY, IN_FLIGHT_KEY = S.ASYNC_ENABLED, S.ASYNC_AGE, S.ASYNC_IN_FLIGHT
@@ -114,13 +115,15 @@ def _sampler_limits(sampler: SamplerKeys) -> list[VerdictLimit]:
         return []
     default = "" if sampler.window_given else " (NeMo-RL's default)"
     what = _SAMPLER_LAG[sampler.name].format(n=_versions(n))
+    given = sampler.window_given  # the override to paste: +key where the config lacks it
+    zero = setting_override(lambda _key: given, sampler.window_key, "0")
     return [
         VerdictLimit(
             "policy_lag",
             (S.SAMPLER_NAME, sampler.window_key),
             f"{S.SAMPLER_NAME}={sampler.name!r}, {sampler.window_key}={n}{default}, {where}: "
-            f"{what}; off-policy by policy lag whatever the precision (set "
-            f"{sampler.window_key}=0 for an on-policy run: NeMo-RL's sampler is then on-policy)",
+            f"{what}; off-policy by policy lag whatever the precision (set {zero} for an "
+            "on-policy run: NeMo-RL's sampler is then on-policy)",
         )
     ]
 

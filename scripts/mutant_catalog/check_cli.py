@@ -16,6 +16,13 @@ MUTANTS = [
         "    if False:\n        return _sampler_limits(lag.sampler)",
         ("tests/flow/test_single_controller_lag.py",),
     ),
+    Mutant(  # diff review: the lag advice did not paste where the window is NeMo-RL's default
+        "the lag advice prints the window key without '+' where the config lacks it",
+        "nemo_jetrl/flow/limits.py",
+        "    given = sampler.window_given  # the override to paste: +key where the config lacks it",
+        "    given = True",
+        ("tests/flow/test_single_controller_lag.py",),
+    ),
     Mutant(  # user walk: SFT/DPO/RM configs got ON-POLICY
         "another NeMo-RL program's config gets a GRPO verdict",
         "nemo_jetrl/config/run_keys.py",

@@ -87,6 +87,27 @@ MUTANTS = [
         "",
         ("tests/backends/test_local_device.py::test_a_run_makes_its_gpu_the_current_device",),
     ),
+    Mutant(  # diff review: a finished run, or one whose checkpoints moved, was wiped
+        "--resume without a checkpoint restarts a run that finished or saved elsewhere",
+        LOCAL + "loop.py",
+        "    if len(ids) == 1 and (why := _not_restartable(rs)):",
+        "    if False and (why := _not_restartable(rs)):",
+        (T_RUN_DIRS + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",),
+    ),
+    Mutant(  # diff review: a refused validation refit was counted twice across a resume
+        "validation's refused refit is counted when it is made",
+        LOCAL + "step.py",
+        "self.do_refit(hooks or Hooks(), count=False)",
+        "self.do_refit(hooks or Hooks(), count=True)",
+        (T_RUN_DIRS + "test_a_refused_validation_refit_counts_once_across_a_resume",),
+    ),
+    Mutant(  # diff review: torch.cuda.set_device refuses a device without an index
+        "plain 'cuda' is handed to set_device",
+        LOCAL + "device.py",
+        '    if device.type == "cuda" and device.index is not None:',
+        '    if device.type == "cuda":',
+        ("tests/backends/test_local_device.py::test_a_run_makes_its_gpu_the_current_device",),
+    ),
     Mutant(  # user walk: a cluster config trained the local toy model for hours
         "jetrl train --backend auto runs a cluster config on the local backend",
         "nemo_jetrl/commands/train.py",

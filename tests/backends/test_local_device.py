@@ -219,9 +219,11 @@ def test_a_run_makes_its_gpu_the_current_device(tmp_path, cache_dir, monkeypatch
     import nemo_jetrl.backends.local.setup as setup_mod
     from nemo_jetrl.backends.local.device import make_current
 
+    make_current(torch.device("cuda"))  # the real set_device: "cuda" has no index to set
     made: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "set_device", made.append)
     make_current(torch.device("cuda:1"))
+    make_current(torch.device("cuda"))
     make_current(torch.device("cpu"))
     assert made == [torch.device("cuda:1")]
     asked: list[torch.device] = []

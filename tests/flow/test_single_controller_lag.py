@@ -76,6 +76,10 @@ def test_the_window_key_is_the_named_samplers_and_defaults_are_nemo_rls(cli):
     assert code == 1 and f"{LOOKAHEAD}=1 (NeMo-RL's default), " in out, out[-800:]
     code, out = cli("check", path, "~async_rl.sampler")  # AsyncRLConfig's default sampler
     assert code == 1 and "async_rl.sampler.name='in_order', " in out, out[-800:]
+    # the advice pastes as printed: the default window's key is absent, so "+" (review)
+    assert f"set +{LOOKAHEAD}=0 for an on-policy run" in out
+    code, out = cli("check", path, "~async_rl.sampler", f"+{LOOKAHEAD}=0")
+    assert code == 0 and ON in out, out[-800:]
     code, out = cli("check", path, "async_rl.sampler.name=weight_fifo")
     assert code == 1 and f"name='weight_fifo', {STALENESS}=1, " in out
     code, out = cli("check", path, "async_rl.sampler.name=custom", "+async_rl.sampler.target=m:S")

@@ -322,30 +322,40 @@ def test_no_usable_checkpoint_is_exit_2_not_a_fresh_start(tmp_path, two_step_run
 def test_resume_without_a_checkpoint_restarts_the_run_it_finds(tmp_path, cache_dir):
     """A job script that always passes --resume, its first job killed before any save: the
     next job restarts that run in place (one run id, the old steps purged, their train data
-    aside), not a second run mixed into the same directory."""
+    aside), not a second run mixed into the same directory. A run that finished, or that
+    logged a step it checkpointed (its checkpoints are elsewhere), is not restarted: exit 2."""
     from nemo_jetrl.runs.logs import read_run, run_ids
 
     run = tmp_path / "run"
-    extra = ("checkpointing.enabled=false", "grpo.val_period=0")
-    run_local(resolve_run(tiny_cfg(RECIPE, run, cache_dir, *extra)), progress=False)
+    off = ("checkpointing.enabled=false", "grpo.val_period=0")
+    # the first job: step 1 logged, then "killed" (it never saved: checkpointing off)
+    run_local(resolve_run(tiny_cfg(RECIPE, run, cache_dir, *off, "grpo.max_num_steps=1")),
+              progress=False)  # fmt: skip
     (first_id,) = run_ids(run)
     msgs: list[str] = []
     res = run_local(
-        resolve_run(tiny_cfg(RECIPE, run, cache_dir, *extra, "grpo.max_num_steps=1")),
+        resolve_run(tiny_cfg(RECIPE, run, cache_dir, *off)),
         resume=True,
         progress=False,
         log=msgs.append,
     )
     assert f"restarting run {first_id} from step 0" in "\n".join(msgs)
-    assert res.first_step == 0 and res.last_step == 1
+    assert res.first_step == 0 and res.last_step == 2
     assert run_ids(run) == (first_id,)
     data = read_run(run)
-    assert data.scalars["train/reward"].steps == (1,)  # step 2 of the first job is gone
-    assert data.train_data_steps == (1,)
-    assert sorted(p.name for p in (run / "superseded").glob("from_step0_*/*")) == [
-        "train_data_step1.jsonl",
-        "train_data_step2.jsonl",
-    ]
+    assert data.scalars["train/reward"].steps == (1, 2) and data.train_data_steps == (1, 2)
+    assert len(list((run / "superseded").glob("from_step0_*/train_data_step1.jsonl"))) == 1
+    # it finished (2 of 2 steps): another --resume does not wipe it
+    with pytest.raises(UserError, match=r"logged 2 steps \(grpo.max_num_steps=2: it finished\)"):
+        run_local(resolve_run(tiny_cfg(RECIPE, run, cache_dir, *off)), resume=True, progress=False)
+    # it saved every step, but checkpointing.checkpoint_dir now points elsewhere: refused
+    saved = tmp_path / "saved"
+    run_local(resolve_run(tiny_cfg(RECIPE, saved, cache_dir, "grpo.max_num_steps=1")),
+              progress=False)  # fmt: skip
+    elsewhere = f"checkpointing.checkpoint_dir={tmp_path / 'elsewhere'}"
+    with pytest.raises(UserError, match=r"logged 1 steps saving every 1 \(its checkpointing"):
+        run_local(resolve_run(tiny_cfg(RECIPE, saved, cache_dir, elsewhere)), resume=True,
+                  progress=False)  # fmt: skip
     # over the logs of two runs it cannot restart one: refused, nothing written
     other = tmp_path / "other" / "tensorboard"
     other.mkdir(parents=True)
@@ -354,7 +364,7 @@ def test_resume_without_a_checkpoint_restarts_the_run_it_finds(tmp_path, cache_d
         (other / f"{f.name[: -len(first_id)]}0123456789ab").write_bytes(f.read_bytes())
     with pytest.raises(UserError, match=r"holds the logs of 2 runs"):
         run_local(
-            resolve_run(tiny_cfg(RECIPE, other.parent, cache_dir, *extra)),
+            resolve_run(tiny_cfg(RECIPE, other.parent, cache_dir, *off)),
             resume=True,
             progress=False,
         )
@@ -390,3 +400,30 @@ def test_resume_takes_the_configs_learning_rate_and_refuses_another_recipe(
             progress=False,
         )
     assert not cache.exists()
+
+
+def test_a_refused_validation_refit_counts_once_across_a_resume(tmp_path, cache_dir):
+    """The refit a validation makes (after step 1, for step 2) is refused: the step that uses
+    it counts the refusal, so a checkpoint taken between them holds the total a resumed run
+    reaches (found by the diff review: the resumed run counted it twice)."""
+
+    def bad(step, weights):  # the refit for step 2 carries a NaN
+        if step == 2:
+            weights = dict(weights)
+            k = next(iter(weights))
+            weights[k] = torch.full_like(weights[k], float("nan"))
+        return weights
+
+    every = ("grpo.val_period=1", "checkpointing.save_period=1")
+    hooks = Hooks(before_refit=bad)
+    full = run_local(resolve_run(tiny_cfg(RECIPE, tmp_path / "full", cache_dir, *every)),
+                     progress=False, log=lambda _m: None, hooks=hooks)  # fmt: skip
+    part = tmp_path / "part"
+    run_local(resolve_run(tiny_cfg(RECIPE, part, cache_dir, *every, "grpo.max_num_steps=1")),
+              progress=False, log=lambda _m: None, hooks=hooks)  # fmt: skip
+    res = run_local(resolve_run(tiny_cfg(RECIPE, part, cache_dir, *every)), resume=True,
+                    progress=False, log=lambda _m: None, hooks=hooks)  # fmt: skip
+    key = "jetrl/local/refit_refused_total"
+    assert full.history[1]["jetrl/local/refit_refused"] == 1.0
+    assert [h[key] for h in full.history] == [0.0, 1.0]
+    assert res.history[0][key] == full.history[1][key]

@@ -53,7 +53,7 @@ def make_current(device: torch.device) -> None:
     """Make ``device`` the current CUDA device (nothing on CPU). Our Triton kernels launch on the
     current device and its stream (as Triton's own launcher does), not on their tensors': a run
     on ``cuda:1`` would launch them on GPU 0 with pointers into GPU 1's memory."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # plain "cuda": the current one
         torch.cuda.set_device(device)
 
 

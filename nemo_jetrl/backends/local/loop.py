@@ -30,7 +30,7 @@ from nemo_jetrl.backends.local.setup import LocalRun, ResolvedRun, resolve_run
 from nemo_jetrl.backends.local.step import Hooks
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.runs.lock import RunDirLock
-from nemo_jetrl.runs.logs import CONFIG_FILE, run_ids
+from nemo_jetrl.runs.logs import CONFIG_FILE, read_config, run_ids, train_data_files
 from nemo_jetrl.runs.tensorboard import find_event_files
 
 __all__ = ["Hooks", "LocalRun", "ResolvedRun", "RunResult", "resolve_run", "run_local"]
@@ -103,6 +103,13 @@ def _restart_of(rs: RunSettings, run_id: str, write) -> tuple[str, int | None]:
         write(f"--resume: no checkpoint in {ckpt_dir}; starting fresh")
         return run_id, None
     ids = run_ids(rs.log_dir)
+    if len(ids) == 1 and (why := _not_restartable(rs)):
+        raise UserError(
+            f"--resume: no checkpoint in {ckpt_dir}, but logger.log_dir {rs.log_dir} holds run "
+            f"{ids[0]}, which {why}: restarting it would hide all it logged. Point "
+            "checkpointing.checkpoint_dir at its checkpoints, or choose another logger.log_dir "
+            "(or remove those logs) to start over"
+        )
     if len(ids) != 1:
         whose = f"{len(ids)} runs" if ids else "a writer that did not name its run"
         raise UserError(
@@ -159,6 +166,24 @@ def _earlier_run_files(log_dir: Path) -> list[str]:
     if n := len(list(log_dir.glob("train_data_step*.jsonl"))):
         found.append(f"{n} train_data_step*.jsonl")
     return found
+
+
+def _not_restartable(rs: RunSettings) -> str:
+    """Why the run logged in ``rs.log_dir`` is no run killed before its first save ("" when it
+    may be): it finished (``grpo.max_num_steps`` logged), or logged a step its config.yaml
+    checkpointed, so its checkpoints exist elsewhere (a changed checkpointing.checkpoint_dir)."""
+    cfg, _ = read_config(rs.log_dir)
+    last = max(train_data_files(rs.log_dir), default=0)
+    if last >= rs.max_num_steps:
+        return f"logged {last} steps (grpo.max_num_steps={rs.max_num_steps}: it finished)"
+    ck = (cfg or {}).get("checkpointing") or {}
+    period = ck.get("save_period")
+    if ck.get("enabled") and isinstance(period, int) and 1 <= period <= last:
+        where = ck.get("checkpoint_dir") or "<logger.log_dir>/checkpoints"
+        return (
+            f"logged {last} steps saving every {period} (its checkpointing.checkpoint_dir: {where})"
+        )
+    return ""
 
 
 def _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin) -> RunResult:

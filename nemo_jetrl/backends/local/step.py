@@ -91,14 +91,18 @@ class RunStep:
             for i, per in self.kv.scales.layers.items()
         }
 
-    def do_refit(self, hooks: Hooks) -> tuple[bool, str | None]:
+    def do_refit(self, hooks: Hooks, *, count: bool = True) -> tuple[bool, str | None]:
+        """Refit the rollout with the trainer's weights: (accepted, why refused). A refusal
+        adds to ``refit_refused_total`` unless ``count`` is False (validation's refit: the step
+        that uses it counts it, so a checkpoint between them holds the same total as a run
+        resumed from it reaches)."""
         weights = export_weights(self.trainer.model)
         if hooks.before_refit is not None:
             weights = hooks.before_refit(self.step + 1, dict(weights))
         try:  # checked first, stored only once the engine (if any) accepted its refit too
             staged = stage_refit(self.rollout_model, weights)
         except RefitRefused as exc:
-            self.refit_refused_total += 1
+            self.refit_refused_total += int(count)
             return False, str(exc)
         if self.engine is not None:
             from nemo_jetrl.vllm_patch.refit import RefitError
@@ -108,7 +112,7 @@ class RunStep:
                 self.engine_parity_tensors = rep.parity_compared
                 self.engine_kv_layers = rep.kv_layers
             except RefitError as exc:
-                self.refit_refused_total += 1
+                self.refit_refused_total += int(count)
                 return False, f"vLLM engine: {exc}"
         commit_refit(staged)
         return True, None
@@ -140,7 +144,7 @@ class RunStep:
         next step then uses that refit instead of making its own."""
         t0 = time.perf_counter()
         if self._updated_since_refit:
-            self._validation_refit = self.do_refit(hooks or Hooks())
+            self._validation_refit = self.do_refit(hooks or Hooks(), count=False)
             self._updated_since_refit = False
         rows, where = self._validation_rows()
         prompts = encode_prompts(rows, self.tokenizer)
@@ -193,6 +197,8 @@ class RunStep:
         with clock.phase("prepare_for_generation"):  # 1. refit (done by validation, if it ran)
             done, self._validation_refit = self._validation_refit, None
             ok, why = done if done is not None else self.do_refit(hooks)
+            if done is not None and not ok:
+                self.refit_refused_total += 1  # validation's refusal, counted by its step
         self._note_refit(s, ok, why)
         with clock.phase("generation"), self.routing.rollout():  # 2. rollout + rewards
             problems, prompt_ids, rb = self._rollout(s)
