@@ -95,7 +95,9 @@ def test_validation_after_a_step_measures_the_updated_policy_with_one_refit(tmp_
     try:
         refits: list[int] = []
         real = run.do_refit
-        monkeypatch.setattr(run, "do_refit", lambda h: refits.append(run.step) or real(h))
+        monkeypatch.setattr(
+            run, "do_refit", lambda h, **kw: refits.append(run.step) or real(h, **kw)
+        )
         _, _, at_start = _validate(run, monkeypatch)
         assert refits == []  # nothing updated yet: the rollout is the trainer's policy
         s1, _ = run.train_step(Hooks())
