@@ -133,7 +133,9 @@ def _run_on_vllm_engine(tmp_path, recipe) -> list[tuple[float, float]]:
     ]
     assert (model_dir / "tokenizer.json").is_file()
     assert not list(model_dir.glob("*.safetensors"))
-    assert run.engine.refits == 3  # the first load + one per step
+    # the first load, step 1's, the validation after step 1 (an update came: step 2 uses that
+    # refit) and the validation after step 2 (val_period 1: the final policy is measured)
+    assert run.engine.refits == 4
     result = []
     for step, s in steps:
         bad = {k: v for k, v in s.items() if not math.isfinite(v)}
