@@ -95,8 +95,9 @@ def _restart_of(rs: RunSettings, run_id: str, write) -> tuple[str, int | None]:
     """``--resume`` with no checkpoint: (run id, purge step) of a fresh start. Over the logs of
     a run killed before its first save (a job script that always passes --resume), the same
     run restarts from step 0: its id kept, every logged step purged (`RunWriter`), so the
-    directory holds one run; over logs of several runs, or of one that did not name itself,
-    `UserError` as for a fresh start without --resume."""
+    directory holds one run. `UserError` instead over a run that finished or saved its
+    checkpoints elsewhere (`_not_restartable`), and over logs of several runs or of one that
+    did not name itself."""
     ckpt_dir = rs.resolved_checkpoint_dir()
     earlier = _earlier_run_files(Path(rs.log_dir))
     if not earlier:
