@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         recipe_to_config_updates,
     )
     from nemo_jetrl.config.layer_lists import shared_bf16_words
+    from nemo_jetrl.config.schema import FP8_PARAM
     from nemo_jetrl.errors import UserError
     from nemo_jetrl.flow.mxfp8 import align_notes
     from nemo_jetrl.flow.vllm_bf16 import vllm_bf16_words
@@ -120,13 +121,22 @@ def run(args: argparse.Namespace) -> int:
     vllm_words, vllm_notes = vllm_bf16_words(before.arch, target)  # MLA decode's kv_b_proj
     if vllm_words:
         target = target.with_bf16_layer_kws(kws + router_words + tile_words + vllm_words)
+    fp8_param_note = []
+    if target.train.fp8_param and target.train.bf16_layer_kws:  # check_layer_lists' rule
+        target = target.with_(train=target.train.with_(fp8_param=False))
+        target = target.with_(name=matching_preset(target) or "custom")
+        fp8_param_note = [
+            f"{FP8_PARAM} goes false: training keeps {list(target.train.bf16_layer_kws)} BF16, "
+            "which TE cannot do with FP8 primary weights (training stays FP8: TE quantizes the "
+            "BF16 weights in every forward, as the rollout does)"
+        ]
     if before.recipe.unaligned_layers_bf16 and not target.unaligned_layers_bf16:  # so do these
         target = target.with_(unaligned_layers_bf16=True)
         target = target.with_(name=matching_preset(target) or "custom")
     updates = minimal_updates(before.cfg, recipe_to_config_updates(target))
     updates.update(nemo_rl_setup_updates(before.cfg, target))  # so NeMo-RL's setup accepts it
     moe_updates, moe_notes = moe_align_updates(before.settings)  # MoE: routing replay, dropless
-    moe_notes += router_notes + tile_notes + vllm_notes
+    moe_notes += router_notes + tile_notes + vllm_notes + fp8_param_note
     if before.recipe.kv_fp8 and not target.kv_fp8 and args.kv != "bf16" and not args.recipe:
         moe_notes.append(  # on-policy KV fake-quantizes in the trainer's FP8 forward only
             "the input's FP8 KV cache goes BF16: this config trains in BF16, and an FP8 KV cache "

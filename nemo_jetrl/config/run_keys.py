@@ -165,7 +165,7 @@ OTHER_PROGRAMS: dict[str, tuple[str, str, str]] = {
 
 def program_issues(cfg: DictConfig) -> list[ConfigIssue]:
     """A config of another NeMo-RL program (SFT, DPO, RM, eval, distillation, PPO: its section
-    and no ``grpo:``), or a GRPO config whose ``policy.generation`` is null (NeMo-RL's
+    and no ``grpo:``), a file with neither ``grpo:``, ``policy:`` nor ``jetrl:``, or a GRPO config whose ``policy.generation`` is null (NeMo-RL's
     run_grpo.py asserts it is set): no GRPO rollout to judge, an error naming why."""
     if "grpo" in cfg:
         gen = _select_given(cfg, "policy.generation")
@@ -188,6 +188,18 @@ def program_issues(cfg: DictConfig) -> list[ConfigIssue]:
                     f"top-level `{key}:`, no `grpo:`): {why}. {_GRPO_ONLY}",
                 )
             ]
+    if "policy" not in cfg and "jetrl" not in cfg and any(k in RUN_SECTIONS for k in cfg):
+        # e.g. NeMo-Gym's prefetch_*_envs.yaml: only `env:`, read by a Docker build (a file with
+        # only `jetrl:` is one of our recipe overlays, examples/configs/recipes/)
+        given = ", ".join(f"{k}:" for k in list(cfg)[:5])
+        return [
+            ConfigIssue(
+                "policy",
+                f"missing, and no `grpo:` either: this file ({given}) describes no GRPO run "
+                "(NeMo-Gym's prefetch_*_envs.yaml, with only env:, configure a Docker build); "
+                f"a GRPO run names its model and rollout under policy:. {_GRPO_ONLY}",
+            )
+        ]
     return []
 
 

@@ -195,10 +195,12 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         from nemo_jetrl.arch import generic_arch
 
         check_layer_lists(r, recipe, generic_arch(256))  # Llama-shaped names, up to 256 layers
+        name = r.get(S.MODEL_NAME, None)
         r.note(
             S.MODEL_NAME,
-            f"no built-in description of {r.get(S.MODEL_NAME, None)!r}; set jetrl.model_config "
-            "to its config.json to check layer counts and 128-alignment",
+            ("not given" if name is None else f"no built-in description of {name!r}")
+            + "; set jetrl.model_config to its config.json to check layer counts and "
+            "128-alignment",
         )
         return
     from nemo_jetrl.arch.builtins import placeholder_note

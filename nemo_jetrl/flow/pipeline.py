@@ -150,15 +150,17 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
     check = checked.check
     if checked.allow_off_policy:
         return None
+    # the override pastes as printed: `+key` where the config has no such key (no `jetrl:`)
+    allow = setting_override(key_presence(checked.cfg), "jetrl.allow_off_policy", "true")
     unmodelled = checked.limits_of("unmodelled")
     if unmodelled:
         return (
-            f"{unmodelled[0].message}. Remove {', '.join(unmodelled[0].keys)} or set "
-            "jetrl.allow_off_policy=true to run it anyway."
+            f"{unmodelled[0].message}. Remove {', '.join(unmodelled[0].keys)} or pass "
+            f"{allow} to run it anyway."
         )
     lag = checked.limits_of("policy_lag")
     if lag:  # jetrl check says OFF-POLICY (exit 1) for it: the gate follows that verdict
-        return f"{lag[0].message}. Or set jetrl.allow_off_policy=true to run it anyway."
+        return f"{lag[0].message}. Or pass {allow} to run it anyway."
     if backend == "local" and not check.on_policy:
         local = next((b for b in checked.backends if b.backend == "local"), None)
         if local is not None and local.on_policy:
@@ -170,7 +172,7 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
             return None
         return (
             f"recipe {checked.recipe.name!r} is OFF-POLICY on {off[0].backend}: {off[0].reason}"
-            "; or set jetrl.allow_off_policy=true to run it anyway."
+            f"; or pass {allow} to run it anyway."
         )
     lines = [
         f"  - {m.reason} ({m.summary()}); keys: {', '.join(m.keys) or '-'}"
@@ -182,7 +184,7 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
         "training forward's):\n"
         + "\n".join(lines)
         + "\nChange those keys (`jetrl align CONFIG -o OUT.yaml` writes a config that fixes "
-        "them), or set jetrl.allow_off_policy=true to run it anyway."
+        f"them), or pass {allow} to run it anyway."
     )
 
 

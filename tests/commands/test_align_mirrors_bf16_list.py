@@ -88,3 +88,25 @@ def test_other_refusals_are_not_retried(cli, tmp_path):
         "align", EX / "nemo_rl_fp8_e2e.yaml", "+jetrl.nope=1", "-o", tmp_path / "c.yaml"
     )
     assert code == 2 and "jetrl.nope" in out and "the input keeps these linears" not in out
+
+
+def test_align_with_fp8_primary_weights_writes_a_list_training_honours(cli, tmp_path):
+    """A rollout BF16 list beside ``fp8_param: true``: align copied the list to training and kept
+    FP8 primary weights, a pair its own check refuses (it wrote the file, then exited 2). It sets
+    fp8_param false, says so, and the file it writes is on-policy."""
+    out_yaml = tmp_path / "a.yaml"
+    code, out = cli(
+        "align",
+        EX / "qwen3_8b_base" / "jetrl.yaml",
+        "policy.megatron_cfg.fp8_cfg.fp8_param=true",
+        f"+{ROLLOUT}=[down_proj]",
+        "-o",
+        out_yaml,
+    )
+    assert code == 0, out
+    assert "  policy.megatron_cfg.fp8_cfg.fp8_param: True -> False" in out
+    assert "note: policy.megatron_cfg.fp8_cfg.fp8_param goes false: training keeps" in out
+    assert "verdict: ON-POLICY" in out and "invalid config" not in out
+    cfg = load_config(out_yaml)
+    assert OmegaConf.select(cfg, "policy.megatron_cfg.fp8_cfg.fp8_param") is False
+    assert list(OmegaConf.select(cfg, "jetrl.train_bf16_layer_kws")) == ["down_proj"]

@@ -57,3 +57,20 @@ def test_a_grpo_config_without_generation_is_refused(cli):
     path = UPSTREAM / "main-7ea279a" / "examples" / "configs" / "grpo_math_1B.yaml"
     code, out = cli("check", path, "policy.generation=null")
     assert code == 2 and "policy.generation: null: a GRPO run samples its rollouts" in out, out
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "v0.7.0/examples/nemo_gym/prefetch_super_all_envs.yaml",
+        "main-7ea279a/examples/nemo_gym/prefetch_omni_envs.yaml",
+        "main-7ea279a/examples/nemo_gym/prefetch_ultra_all_envs.yaml",
+    ],
+)
+def test_a_file_without_policy_or_grpo_is_refused(cli, path):
+    """NeMo-Gym's prefetch configs (only ``env:``, read by a Docker build) were called ON-POLICY:
+    the checker judged its generic model's defaults. No ``policy:`` and no ``grpo:``: exit 2."""
+    code, out = cli("check", UPSTREAM / path)
+    assert code == 2 and "  - policy: missing, and no `grpo:` either" in out, out
+    assert "(env:)" in out and "verdict:" not in out
+    assert "of None" not in out  # the model-name note says "not given"

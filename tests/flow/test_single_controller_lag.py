@@ -115,4 +115,17 @@ def test_train_refuses_single_controller_lag_as_check_calls_it(cli):
     jetrl = REPO / "examples" / "configs" / "qwen3_8b_base" / "jetrl.yaml"
     code, out = cli("train", jetrl, "--backend", "nemo-rl", "++grpo.async_grpo=null")
     assert code == 2 and "off-policy by policy lag" in out and LOOKAHEAD in out, out
-    assert "set jetrl.allow_off_policy=true to run it anyway" in out
+    assert "pass jetrl.allow_off_policy=true to run it anyway" in out
+
+
+def test_the_allow_override_pastes_into_a_config_without_jetrl_section(cli):
+    """NeMo-RL's own config has no ``jetrl:``: the refusal said ``set jetrl.allow_off_policy=true``,
+    which exits 2 there (an unknown key needs ``+``); it prints the override that pastes."""
+    grpo = MAIN / "grpo_math_1B.yaml"
+    code, out = cli("train", grpo, "--backend", "nemo-rl", "++grpo.async_grpo=null")
+    assert code == 2 and "Or pass +jetrl.allow_off_policy=true to run it anyway" in out, out
+    code, out = cli("train", grpo, "--backend", "nemo-rl", "++grpo.async_grpo=null",
+                    "+jetrl.allow_off_policy=true")  # fmt: skip
+    # past the gate: the next refusal is the DTensor policy's (grpo_math_1B trains without Megatron)
+    assert "off-policy by policy lag" not in out and "unknown key" not in out, out
+    assert "policy.megatron_cfg.enabled: the nemo-rl backend trains with Megatron-Core" in out

@@ -71,7 +71,7 @@ def test_train_refuses_policy_lag_as_check_calls_it_unless_allowed(cli):
     jetrl = REPO / "examples" / "configs" / "qwen3_8b_base" / "jetrl.yaml"
     code, out = cli("train", jetrl, "--backend", "nemo-rl", "+grpo.async_grpo.enabled=true")
     assert code == 2 and "off-policy by policy lag" in out, out
-    assert "set jetrl.allow_off_policy=true to run it anyway" in out
+    assert "pass jetrl.allow_off_policy=true to run it anyway" in out
     code, out = cli("train", jetrl, "--backend", "nemo-rl", "+grpo.async_grpo.enabled=true",
                     "jetrl.allow_off_policy=true")  # fmt: skip
     assert "error: grpo.async_grpo.enabled=true, max_trajectory_age_steps" not in out, out
