@@ -1,7 +1,8 @@
 """The mutants of `jetrl check` / `align` / `compare` and the CLI mended in session 37 (a helper
 walking the README as a new user; docs/ci_times.md): verdicts of NeMo-RL main's single-controller
 lag and of other programs' configs, pasteable fixes, compare's metrics and run dirs, a closed
-stdout pipe."""
+stdout pipe; and session 38's: a file describing no GRPO run, align beside FP8 primary
+weights, the allow-off-policy override that pastes."""
 
 from __future__ import annotations
 
@@ -78,5 +79,26 @@ MUTANTS = [
         "        return EXIT_BROKEN_PIPE",
         "        raise",
         ("tests/commands/test_cli_broken_pipe.py",),
+    ),
+    Mutant(  # session 38: NeMo-Gym's prefetch configs (only env:) were called ON-POLICY
+        "a file with no grpo:, policy: or jetrl: gets a verdict",
+        "nemo_jetrl/config/run_keys.py",
+        '    if "policy" not in cfg and "jetrl" not in cfg and any(k in RUN_SECTIONS for k in cfg):',
+        "    if False:",
+        ("tests/commands/test_check_not_grpo.py",),
+    ),
+    Mutant(  # session 38: align wrote a training BF16 list beside fp8_param=true (refused)
+        "align keeps FP8 primary weights beside the training BF16 list it writes",
+        "nemo_jetrl/commands/align.py",
+        "    if target.train.fp8_param and target.train.bf16_layer_kws:  # check_layer_lists' rule",
+        "    if False:",
+        ("tests/commands/test_align_mirrors_bf16_list.py",),
+    ),
+    Mutant(  # session 38: `set jetrl.allow_off_policy=true` exits 2 on a config without jetrl:
+        "the allow-off-policy override is printed without '+' where the config lacks it",
+        "nemo_jetrl/flow/pipeline.py",
+        '    allow = setting_override(key_presence(checked.cfg), "jetrl.allow_off_policy", "true")',
+        '    allow = "jetrl.allow_off_policy=true"',
+        ("tests/flow/test_single_controller_lag.py",),
     ),
 ]
