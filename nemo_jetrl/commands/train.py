@@ -68,7 +68,7 @@ def _not_a_local_config(checked) -> str:
     """Why ``checked`` is not a local-backend config ("" when it is): its ``policy.model_name``
     is not the local configs' and no ``jetrl.local.model_config`` says what to build (the local
     backend trains that model, by default its 2-layer Llama, whatever the name says)."""
-    from nemo_jetrl.backends.local.config import LOCAL_MODEL_NAME
+    from nemo_jetrl.config.jetrl_model import LOCAL_MODEL_NAME
 
     model = checked.settings.model
     if model.local_config or model.name in (None, LOCAL_MODEL_NAME):

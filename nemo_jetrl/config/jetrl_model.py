@@ -35,6 +35,10 @@ from nemo_jetrl.recipe_parts import (
 
 _DOCS = ConfigDict(use_attribute_docstrings=True)
 
+#: ``policy.model_name`` of the local backend's configs (examples/configs/local/base.yaml): the
+#: model is built from ``jetrl.local.model_config``, never downloaded.
+LOCAL_MODEL_NAME = "nemo-jetrl/local-tiny-llama"
+
 
 def _kv(tp: Any, name: str) -> Any:
     """A KV-calibration key: its type here, its range from `KV_CALIBRATION_RULES` (shared with

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_jetrl.config.jetrl_model import LOCAL_MODEL_NAME
 from nemo_jetrl.config.load import ConfigIssue
 from nemo_jetrl.config.nemo_rl_model import (
     ABSENT,
@@ -230,7 +231,7 @@ def check_run_keys(cfg: DictConfig, *, run: bool = False) -> list[ConfigIssue]:
             ConfigIssue(
                 "policy.model_name",
                 f"{got}; a run names its model here (NeMo-RL's key: a HF name or directory; the "
-                "local backend's configs use nemo-jetrl/local-tiny-llama, "
+                f"local backend's configs use {LOCAL_MODEL_NAME}, "
                 "examples/configs/local/base.yaml)",
             )
         )

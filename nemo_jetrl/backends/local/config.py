@@ -46,9 +46,6 @@ from nemo_jetrl.config.typed import (
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")
 DEVICE_FORM = "cpu, cuda or cuda:N (N a GPU index)"
-#: ``policy.model_name`` of the local configs (examples/configs/local/base.yaml): the model is
-#: built from ``jetrl.local.model_config``, never downloaded.
-LOCAL_MODEL_NAME = "nemo-jetrl/local-tiny-llama"
 
 
 def is_device_name(v: str) -> bool:
