@@ -201,6 +201,19 @@ def test_deepgemm_ue8m0_requantization_is_off_for_our_rollouts():
     assert worker_env_problems({}, ok, True) == []
 
 
+@pytest.mark.parametrize("value", ["false", "", "true", "off"])
+def test_a_deepgemm_ue8m0_value_vllm_cannot_read_is_refused_before_ray(value):
+    """vLLM reads ``VLLM_USE_DEEP_GEMM_E8M0`` as ``bool(int(value))`` (``envs.py``, 0.20 and
+    0.25): "false" or "" raise inside the engine at its first read, after Ray, the model load
+    and the engine start. The check before Ray read them as off (found by reading, session 38);
+    it names the variable and what to write."""
+    env = {**ENV, "VLLM_USE_DEEP_GEMM_E8M0": value}
+    (problem,) = worker_env_problems({}, env, True)
+    assert problem.startswith(f"VLLM_USE_DEEP_GEMM_E8M0={value!r} (set by policy.generation")
+    assert "reads it as an integer" in problem and "write 0 or remove it" in problem
+    assert worker_env_problems({}, {**ENV, "VLLM_USE_DEEP_GEMM_E8M0": " 0"}, True) == []
+
+
 def test_an_fp8_kv_cache_on_flashinfer_is_refused_naming_the_backend_knob():
     """FlashInfer folds the K/V scales it first sees into its own bmm1/bmm2 scales (and its CUDA
     graphs hold them), so the scales a refit sends are never used (found by reading vLLM
