@@ -1,6 +1,7 @@
 """The mutants of the NeMo-RL launch's own rules, judged in the default environment: what the
 driver sets before Ray starts, what every worker checks, the KV calibration's merge across ranks
-(each found by reading NeMo-RL's and Ray's sources, 2026-12-01)."""
+(each found by reading NeMo-RL's and Ray's sources, 2026-12-01), and how vLLM reads its variables
+(session 38)."""
 
 from __future__ import annotations
 
@@ -614,5 +615,19 @@ MUTANTS = [
         '  if ! [[ "${!v}" =~ ^[1-9][0-9]*$ ]]; then',
         "  if false; then",
         ("tests/backends/test_slurm_launch.py",),
+    ),
+    Mutant(  # session 38: a spaced plugin name passed the check, then vLLM skipped the plugin
+        "the check before Ray strips spaces vLLM keeps in VLLM_PLUGINS",
+        "nemo_jetrl/backends/nemo_rl/worker_env.py",
+        '    return None if value is None else value.split(",")',
+        '    return None if value is None else [p.strip() for p in value.split(",")]',
+        ("tests/backends/test_nemo_rl_worker_env.py",),
+    ),
+    Mutant(  # session 38: VLLM_USE_DEEP_GEMM_E8M0=false raised inside the engine
+        "a DeepGEMM E8M0 value vLLM cannot read passes the check before Ray",
+        "nemo_jetrl/backends/nemo_rl/worker_env.py",
+        "    except ValueError:\n        return None",
+        "    except ValueError:\n        return False",
+        ("tests/backends/test_nemo_rl_engine_check_unit.py",),
     ),
 ]
