@@ -63,7 +63,9 @@ def rule(
 
 
 def _nullable(what: str, null: bool) -> str:
-    return f"{what}, or null" if null else what
+    """``what`` for a key that may be null: ", or null" added unless ``what`` already says
+    what null means there ("..., or null to disable dual clipping")."""
+    return f"{what}, or null" if null and "null" not in what else what
 
 
 def flag(null: bool = False) -> Any:

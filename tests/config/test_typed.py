@@ -79,3 +79,22 @@ def test_parse_rest_keeps_the_well_typed_keys():
         and model.onpolicy_kv is True
         and "vllm_patch" not in model.model_fields_set
     )
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "expected"),
+    [
+        (
+            {"loss_fn": {"ratio_clip_c": 1}},
+            "loss_fn.ratio_clip_c",
+            "a finite number > 1 (usually 3), or null to disable dual clipping",
+        ),
+        ({"policy": {"max_grad_norm": -1}}, "policy.max_grad_norm", "a finite number > 0, or null"),
+        ({"loss_fn": {"kl_input_clamp_value": 0}}, "loss_fn.kl_input_clamp_value", "> 0, or null"),
+    ],
+)
+def test_a_nullable_key_says_or_null_once(data, path, expected):
+    """A rule whose words already say what null means got ", or null" appended again
+    ("..., or null to disable dual clipping, or null"; docs audit, session 38)."""
+    message = _issues(data)[path]
+    assert message.endswith(expected) and message.count("null") == 1, message
