@@ -57,6 +57,7 @@ from nemo_jetrl.rl.metrics import (
     JETRL_PREFIX,
     NEMO_RL_PREFIX,
     check_logprobs,
+    kept_samples,
     kl_estimator,
     mismatch_metrics,
     usable_tokens,
@@ -150,7 +151,8 @@ def grpo_loss(
             config.reference_policy_kl_penalty != 0.
         config: loss settings (defaults: NeMo-RL's).
         global_valid_tokens / global_valid_seqs: denominators of the token / sequence mean over
-            the whole batch when this call sees one micro-batch; default: this call's counts.
+            the whole batch when this call sees one micro-batch (at least this call's counts,
+            ValueError otherwise; 0 gives a zero loss); default: this call's counts.
 
     Returns:
         (loss, metrics): scalar loss tensor in curr_logprobs' dtype, and {tag: float} with
@@ -264,19 +266,16 @@ def _aggregator(
     """(aggregate, valid tokens, valid sequences): ``aggregate`` turns a per-token loss into the
     global token mean, or the mean over sequences of token means (``token_level_loss: false``).
     Only ``use`` tokens add to the sums; every valid (``mask``) token counts in the means."""
-    shape = mask.shape
     maskf, usef = mask.to(dt), use.to(dt)
     n_tok = float(mask.sum())
     seq_ok = (
-        mask.any(-1)
-        if sample_mask is None
-        else valid_mask(
-            torch.ones(shape, dtype=torch.bool, device=mask.device), sample_mask, shape
-        )[:, 0]
+        mask.any(-1) if sample_mask is None else kept_samples(sample_mask, len(mask), mask.device)
     )
     n_seq = float(seq_ok.sum())
     tok_den = float(global_valid_tokens) if global_valid_tokens is not None else max(n_tok, 1.0)
     seq_den = float(global_valid_seqs) if global_valid_seqs is not None else max(n_seq, 1.0)
+    tok_den = _divisor(tok_den, n_tok, "global_valid_tokens")
+    seq_den = _divisor(seq_den, n_seq, "global_valid_seqs")
 
     def aggregate(per_token: torch.Tensor) -> torch.Tensor:
         if token_level_loss:
@@ -286,6 +285,14 @@ def _aggregator(
         return (per_seq * seq_ok.to(dt)).sum() / seq_den
 
     return aggregate, n_tok, n_seq
+
+
+def _divisor(den: float, local: float, name: str) -> float:
+    """A mean's divisor: a global count must cover this call's ``local`` one (ValueError
+    otherwise); 0 (nothing valid anywhere, so every summed term is 0) divides by 1, not 0."""
+    if not local <= den < math.inf:
+        raise ValueError(f"{name}={den} must be finite and >= this call's own count {local:g}")
+    return den if den > 0 else 1.0
 
 
 def _clipped_loss(

@@ -112,6 +112,15 @@ def valid_mask(
     return mask
 
 
+def kept_samples(
+    sample_mask: torch.Tensor | None, batch: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool [batch]: the sequences ``sample_mask`` keeps (all when None), checked as in
+    `valid_mask`; defined for responses padded to zero tokens too."""
+    ones = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    return valid_mask(ones, sample_mask, (batch, 1))[:, 0]
+
+
 def check_logprobs(**tensors: torch.Tensor) -> torch.Size:
     """Check that the named logprob tensors are 2-D and share one shape; return it."""
     shape = None

@@ -33,6 +33,7 @@ from nemo_jetrl.rl.metrics import (
     JETRL_PREFIX,
     NEMO_RL_PREFIX,
     check_logprobs,
+    kept_samples,
     usable_tokens,
     valid_mask,
 )
@@ -73,11 +74,7 @@ def importance_weights(
     d64 = prev_logprobs.detach().to(torch.float64) - generation_logprobs.detach().to(torch.float64)
     d = torch.where(usable, d64, torch.zeros_like(d64))  # unusable tokens: log-ratio 0
     c = config
-    seq_ok = (
-        torch.ones(shape[0], dtype=torch.bool)
-        if sample_mask is None
-        else valid_mask(torch.ones(shape, dtype=torch.bool), sample_mask, shape)[:, 0]
-    ).to(d.device)
+    seq_ok = kept_samples(sample_mask, shape[0], d.device)
 
     big = torch.finfo(out_dtype).max
     if c.sequence_level_importance_ratios:
