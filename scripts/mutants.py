@@ -13,7 +13,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mutant_catalog import audit, check_cli, ci, cluster, core, engines, gpu, local_runs
+from mutant_catalog import (
+    audit,
+    check_cli,
+    ci,
+    cluster,
+    core,
+    engines,
+    gpu,
+    local_runs,
+    rl_loss,
+)
 
 CONTROLS = core.CONTROLS
 MUTANTS = [
@@ -25,4 +35,5 @@ MUTANTS = [
     *ci.MUTANTS,
     *local_runs.MUTANTS,
     *check_cli.MUTANTS,
+    *rl_loss.MUTANTS,
 ]
