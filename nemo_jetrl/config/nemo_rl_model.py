@@ -151,6 +151,8 @@ class Policy(NemoSection):
 
     model_name: text("a HF model name or directory", null=True) = None  # type: ignore[valid-type]
     max_grad_norm: number("a finite number > 0, or null", Field(gt=0), null=True) = None  # type: ignore[valid-type]
+    train_global_batch_size: RESPONSES = None  # type: ignore[valid-type]
+    """Responses per optimizer step (NeMo-RL: a GRPO step of N responses takes N / this)."""
     optimizer: section(Optimizer) = None  # type: ignore[valid-type]
     generation: section(Generation) = None  # type: ignore[valid-type]
     megatron_cfg: section(MegatronCfg) = None  # type: ignore[valid-type]

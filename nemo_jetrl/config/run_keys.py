@@ -45,6 +45,7 @@ RUN_FIELDS: dict[str, str] = {
     "betas": "policy.optimizer.kwargs.betas",
     "eps": "policy.optimizer.kwargs.eps",
     "max_grad_norm": "policy.max_grad_norm",
+    "train_global_batch_size": "policy.train_global_batch_size",
     "checkpoint_enabled": "checkpointing.enabled",
     "checkpoint_dir": "checkpointing.checkpoint_dir",
     "save_period": "checkpointing.save_period",

@@ -315,6 +315,9 @@ class RunSettings:
     """``policy.optimizer.kwargs.eps``."""
     max_grad_norm: float | None = 1.0
     """``policy.max_grad_norm``: gradient clipping (None: off)."""
+    train_global_batch_size: int | None = None
+    """``policy.train_global_batch_size``: read to say it is not honoured (`global_batch_note`):
+    this backend takes one optimizer step per GRPO step, over all its responses."""
     checkpoint_enabled: bool = True
     """``checkpointing.enabled``."""
     checkpoint_dir: str | None = None
@@ -342,6 +345,18 @@ class RunSettings:
     def batch_size(self) -> int:
         """Responses per step (prompts x generations)."""
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    def global_batch_note(self) -> str | None:
+        """What a config's ``policy.train_global_batch_size`` below the step's responses would
+        do on NeMo-RL and does not do here (None when it says one optimizer step too)."""
+        gbs, n = self.train_global_batch_size, self.batch_size
+        if gbs is None or gbs >= n:
+            return None
+        return (
+            f"policy.train_global_batch_size={gbs} is not honoured: the local backend takes one "
+            f"optimizer step per GRPO step over all {n} responses (NeMo-RL takes {n // gbs} of "
+            f"{gbs} responses each, the later ones a step behind the sampling policy)"
+        )
 
     def resolved_checkpoint_dir(self) -> Path:
         return (

@@ -194,6 +194,8 @@ def _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin) 
     run = _start_run(resolved, run_id, found, hooks, write)
     rs = run.run
     first = run.step
+    if rs.global_batch_note():
+        write(f"note: {rs.global_batch_note()}")
     writer = _open_writer(run, purge_step=purge)
     if writer.superseded:
         write(f"moved the replaced steps' train data to {writer.superseded[0].parent}")
