@@ -26,7 +26,8 @@ Nothing happens at import; transformers is imported lazily.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -87,14 +88,46 @@ class RotaryTable(nn.Module):
             cos, sin = rotary(torch.zeros(1, dtype=torch.float32, device=dev), pos)
         self.register_buffer("cos", cos[0].float(), persistent=False)
         self.register_buffer("sin", sin[0].float(), persistent=False)
+        self.bound: int | None = None
+        """Set by `positions_bounded`: the caller checked its positions on the host."""
+
+    @property
+    def size(self) -> int:
+        """Positions the table holds (``config.max_position_embeddings``)."""
+        return int(self.cos.shape[0])
+
+    def check(self, n_positions: int) -> None:
+        """Refuse positions ``0 .. n_positions-1`` when the table does not hold them all."""
+        if n_positions > self.size:
+            raise ValueError(
+                f"position {n_positions - 1} is past the rotary table "
+                f"({self.size} positions = config.max_position_embeddings)"
+            )
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if int(position_ids.max()) >= self.cos.shape[0]:
-            raise ValueError(
-                f"position {int(position_ids.max())} is past the rotary table "
-                f"({self.cos.shape[0]} positions = config.max_position_embeddings)"
-            )
+        if self.bound is None:
+            # reading the largest position is a device sync: callers that know their positions
+            # (a rollout's decode steps) check once on the host instead (`positions_bounded`)
+            self.check(int(position_ids.max()) + 1)
         return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
+
+
+@contextmanager
+def positions_bounded(model: nn.Module, n_positions: int) -> Iterator[None]:
+    """Inside the block ``model``'s forwards use positions below ``n_positions`` only, as the
+    caller promises: each `RotaryTable` is checked against it once, here (ValueError naming the
+    first position past the table), and skips its per-forward read of the largest position."""
+    tables = [m for m in model.modules() if isinstance(m, RotaryTable)]
+    for t in tables:
+        t.check(n_positions)
+    saved = [t.bound for t in tables]
+    for t in tables:
+        t.bound = n_positions
+    try:
+        yield
+    finally:
+        for t, b in zip(tables, saved, strict=True):
+            t.bound = b
 
 
 def _attention_fn(
