@@ -222,7 +222,10 @@ def te_block_scaling(recipe: Recipe) -> TeBlockScaling:
 def build_transformer_config(recipe: Recipe, **model_fields: Any) -> Any:
     """A real ``megatron.core`` ``TransformerConfig`` of ``model_fields`` plus the recipe's FP8 fields.
 
-    Fields given in ``model_fields`` that the recipe also sets must agree with it.
+    Fields given in ``model_fields`` that the recipe also sets must agree with it; a model whose
+    TE training blocks would not be the rollout's (`blocks.block_layout_problems`: fused
+    ``linear_qkv`` with a head dim that is not a multiple of 128, tensor-parallel shards that
+    cut 128-blocks) is refused when both sides run FP8 linears.
     """
     tc_mod = require(
         "megatron.core.transformer.transformer_config",
@@ -242,7 +245,14 @@ def build_transformer_config(recipe: Recipe, **model_fields: Any) -> Any:
             + "; ".join(clashes)
             + ": drop them from the model config and let the recipe set them"
         )
-    return tc_mod.TransformerConfig(**{**model_fields, **settings.transformer_config})
+    config = tc_mod.TransformerConfig(**{**model_fields, **settings.transformer_config})
+    if recipe.rollout.fp8_linears:  # the rollout's FP8 blocks must be training's
+        from nemo_jetrl.megatron.blocks import block_layout_problem
+
+        why = block_layout_problem(config, recipe.train)
+        if why:
+            raise MegatronRecipeError(f"recipe {recipe.name!r}: {why}")
+    return config
 
 
 # -- the TE import-time environment variable ------------------------------------------------------

@@ -34,8 +34,8 @@ FFN size multiples of 128, true for Llama/Qwen at 8B), each HF weight's blocks a
 blocks with identical contents, so re-laying out TE's rowwise data and scales (padding dropped,
 rows regrouped) gives bit for bit the same (data, scale_inv) as quantizing the unfused master
 weight. `te_fp8_to_hf` does that re-layout; `parity_check` compares the two paths and names every
-tensor that differs. Where a boundary is not aligned, TE's blocks straddle two HF weights and
-cannot be re-used: `te_fp8_to_hf` refuses and the master-weight path must be used.
+tensor that differs. Where a boundary (or a tensor-parallel shard edge) is not aligned, TE's
+training blocks are not the rollout's on either path: `blocks.block_layout_problems` refuses it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import torch
 from nemo_jetrl.fp8 import BlockQuantized, quantize_blockwise
 from nemo_jetrl.fp8.layouts import TeBlockwiseTensor, from_te
 from nemo_jetrl.fp8.spec import BLOCK
+from nemo_jetrl.megatron.parity import parity_check as parity_check
 from nemo_jetrl.recipe import Recipe
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -104,6 +105,10 @@ class GptShape:
     gated_linear_unit: bool = True
 
     @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
@@ -138,9 +143,7 @@ class GptShape:
 
 
 def _strip(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name
+    return re.sub(r"^(?:module\.)+", "", name)
 
 
 def _take_rows(t: torch.Tensor, ranges: Iterable[tuple[int, int]]) -> torch.Tensor:
@@ -152,7 +155,7 @@ def split_fused(name: str, t: torch.Tensor, shape: GptShape) -> dict[str, torch.
     kind = "weight" if name.endswith(".weight") else "bias"
     if ".linear_qkv." in name:
         ranges = shape.qkv_row_ranges()
-        rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim
+        rows = shape.qkv_rows
         if t.shape[0] != rows:
             raise ExportError(
                 f"{name}: {t.shape[0]} rows, expected (heads + 2*groups) * head_dim = {rows}; "
@@ -170,6 +173,28 @@ def split_fused(name: str, t: torch.Tensor, shape: GptShape) -> dict[str, torch.
         ranges = shape.fc1_row_ranges()
         return {f"mlp.{p}_proj.{kind}": _take_rows(t, ranges[p]) for p in ("gate", "up")}
     raise ExportError(f"{name} is not a fused linear_qkv / linear_fc1 tensor")
+
+
+def full_shape_problem(name: str, dims: tuple[int, ...], shape: GptShape) -> str | None:
+    """Why a decoder linear weight of ``dims`` is not the full model's (a tensor-parallel shard:
+    rows of ``linear_qkv``/``linear_fc1``, input columns of ``linear_proj``/``linear_fc2``)."""
+    fc1 = shape.ffn_hidden_size * (2 if shape.gated_linear_unit else 1)
+    want = {
+        "linear_qkv": (0, shape.qkv_rows, "rows"),
+        "linear_fc1": (0, fc1, "rows"),
+        "linear_proj": (1, shape.num_attention_heads * shape.head_dim, "input columns"),
+        "linear_fc2": (1, shape.ffn_hidden_size, "input columns"),
+    }
+    m = re.search(r"(?:self_attention|mlp)\.(linear_\w+)\.weight$", name)
+    if m is None or m.group(1) not in want or len(dims) != 2:
+        return None
+    axis, need, what = want[m.group(1)]
+    if dims[axis] == need:
+        return None
+    return (
+        f"{name}: {dims[axis]} {what}, the full model has {need}: a tensor-parallel shard (TE "
+        "quantized it in its own blocks); export the full (tensor-parallel gathered) weight"
+    )
 
 
 def megatron_to_hf(
@@ -196,6 +221,8 @@ def megatron_to_hf(
         layer, suffix = int(m.group(1)) + layer_offset, m.group(2)
         prefix = f"model.layers.{layer}."
         if suffix in _LAYER_MAP:
+            if why := full_shape_problem(name, tuple(t.shape), shape):
+                raise ExportError(why)
             out[prefix + _LAYER_MAP[suffix]] = t
         elif suffix.startswith(
             ("self_attention.linear_qkv.", "mlp.linear_fc1.")
@@ -215,8 +242,7 @@ def megatron_to_hf(
 
 
 def _layer_of(hf_name: str) -> int | None:
-    m = re.match(r"^model\.layers\.(\d+)\.", hf_name)
-    return None if m is None else int(m.group(1))
+    return int(m.group(1)) if (m := re.match(r"^model\.layers\.(\d+)\.", hf_name)) else None
 
 
 def fp8_weight_names(hf_names: Iterable[str], recipe: Recipe, num_layers: int) -> list[str]:
@@ -278,8 +304,8 @@ def _rows_of_blocks(q: BlockQuantized, ranges: list[tuple[int, int]], what: str)
         if a % BLOCK or (b % BLOCK and b != q.data.shape[0]):
             raise ExportError(
                 f"{what}: rows [{a}, {b}) of TE's fused FP8 weight do not start and end on "
-                f"{BLOCK}-row block boundaries, so TE's 128x128 blocks straddle two HF weights; "
-                "export from the master weights instead (export_hf)"
+                f"{BLOCK}-row block boundaries, so TE's 128x128 blocks straddle two HF weights "
+                "(training's blocks are not the rollout's: blocks.block_layout_problems)"
             )
     data = torch.cat([q.data[a:b] for a, b in ranges], dim=0)
     scale = torch.cat([q.scale_inv[a // BLOCK : -(-b // BLOCK)] for a, b in ranges], dim=0)
@@ -311,6 +337,8 @@ def te_fp8_to_hf(
     m = _LAYER.match(name)
     if m is None:
         raise ExportError(f"{megatron_name}: not a decoder-layer weight")
+    if why := full_shape_problem(name, tuple(te.shape), shape):
+        raise ExportError(why)
     prefix = f"model.layers.{int(m.group(1)) + layer_offset}."
     suffix = m.group(2)
     if suffix == "self_attention.linear_qkv.weight":
@@ -368,33 +396,3 @@ def export_te_fp8_params(
             )
     wanted = set(fp8_weight_names(out, recipe, shape.num_layers))
     return {k: v for k, v in out.items() if k in wanted}
-
-
-def parity_check(
-    reference: Mapping[str, BlockQuantized], other: Mapping[str, BlockQuantized]
-) -> list[str]:
-    """Every difference between two FP8 exports, one line per tensor (empty list: bit-identical)."""
-    problems = []
-    for name in sorted(set(reference) | set(other)):
-        a, b = reference.get(name), other.get(name)
-        if a is None or b is None:
-            problems.append(f"{name}: only in {'reference' if b is None else 'other'} export")
-            continue
-        if a.data.shape != b.data.shape or a.scale_inv.shape != b.scale_inv.shape:
-            problems.append(
-                f"{name}: shapes differ (data {tuple(a.data.shape)} vs {tuple(b.data.shape)}, "
-                f"scale_inv {tuple(a.scale_inv.shape)} vs {tuple(b.scale_inv.shape)})"
-            )
-            continue
-        da = a.data.view(torch.uint8).cpu()
-        db = b.data.view(torch.uint8).cpu()
-        nd = int((da != db).sum())
-        ns = int(
-            (
-                a.scale_inv.float().cpu().view(torch.int32)
-                != b.scale_inv.float().cpu().view(torch.int32)
-            ).sum()
-        )
-        if nd or ns:
-            problems.append(f"{name}: {nd} FP8 bytes and {ns} block scales differ")
-    return problems

@@ -115,7 +115,7 @@ def test_real_transformer_config_accepts_fields():
     tc = mc.build_transformer_config(
         JETRL.with_(train=JETRL.train.with_(bf16_first_layers=1, bf16_last_layers=1)),
         num_layers=4,
-        hidden_size=256,
+        hidden_size=512,  # head dim 128: TE's fused-QKV blocks are the rollout's (blocks.py)
         num_attention_heads=4,
         bf16=True,
     )

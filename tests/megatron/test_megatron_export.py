@@ -190,7 +190,7 @@ def test_unknown_and_misshaped_parameters_are_named():
             shape,
         )
     sd = {
-        "decoder.layers.0.mlp.linear_fc2.weight": torch.ones(4, 4),
+        "decoder.layers.0.mlp.linear_fc2.weight": torch.ones(4, 384),
         "decoder.layers.0.mlp.linear_fc2._extra_state": torch.zeros(1),
     }
     out = ex.megatron_to_hf(sd, shape, layer_offset=5)

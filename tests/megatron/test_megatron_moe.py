@@ -56,7 +56,7 @@ def test_a_real_transformer_config_carries_the_recipe_and_the_moe_fields(monkeyp
     from megatron.core.transformer import transformer_config as tc
     from megatron_shims import TinyGpt, gpt_config_fields
 
-    fields = gpt_config_fields(TinyGpt())
+    fields = gpt_config_fields(TinyGpt(kv_channels=128))  # head dim 128: see test_megatron_blocks
     moe_fields = {**MOE, "expert_model_parallel_size": 2}
     with pytest.raises(TypeError, match="'>=' not supported between instances of 'NoneType'"):
         moe.build_moe_transformer_config(JETRL, moe_fields, **fields)

@@ -1,0 +1,174 @@
+"""Where TE's 128x128 weight blocks in Megatron's training forward are not the rollout's blocks.
+
+The rollout quantizes each HuggingFace weight on its own (``q_proj``, ``k_proj``, ``gate_proj``
+... in 128x128 blocks from row 0; `export.export_hf`), and vLLM slices those blocks over its
+tensor-parallel ranks. Megatron-Core's TE linears quantize *their own* weight tensor, which is
+neither: each tensor-parallel rank holds a local shard (``TEColumnParallelLinear``: rows split;
+``TERowParallelLinear``: columns split), and fused linears interleave several HF weights:
+
+- ``self_attention.linear_qkv``: per KV group ``[q heads | k | v]``, ``head_dim`` rows per head;
+  a rank holds ``num_query_groups / TP`` whole groups;
+- ``mlp.linear_fc1`` (SwiGLU), shared experts and every grouped-GEMM expert: a rank holds
+  ``[gate rows of the rank; up rows of the rank]``, ``ffn / TP`` rows each;
+- row-parallel ``linear_proj`` / ``linear_fc2``: a rank holds ``K / TP`` input columns, and its
+  activations are quantized 1x128 along those columns only.
+
+TE (``Float8BlockQuantizer``, ``w_block_scaling_dim=2``) starts its 128-row blocks at row 0 of
+the local tensor. Unless every HF-weight boundary and every shard edge is a multiple of 128, a
+training block holds rows of two HF weights (K and V of a group when ``head_dim`` is 64), or
+rows another block holds in the rollout: its amax, so its scale and FP8 codes, differ, and the
+trained weights are not the sampled ones (FP32 scales: almost always; power-of-two scales:
+whenever the two amaxes fall in different binades). The same holds for the 1x128 activation
+blocks along a row-parallel shard that is not a multiple of 128 wide.
+
+`block_layout_problems` lists those linears from a Megatron ``TransformerConfig`` (full model
+dims and ``tensor_model_parallel_size``), leaving out linears the training side keeps BF16 by
+name in every FP8 layer (``jetrl.train_bf16_layer_kws``; routed and shared experts cannot be).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nemo_jetrl.fp8.spec import BLOCK
+from nemo_jetrl.recipe_parts import SideRecipe
+
+FIX = (
+    "keep them BF16 on both sides by name (jetrl.train_bf16_layer_kws and "
+    "policy.generation.vllm_cfg.quantization_ignored_layer_kws), choose a tensor-parallel size "
+    "that keeps each rank's rows and columns a multiple of 128, or train this model in BF16"
+)
+
+
+def _int(config: Any, name: str, default: int = 0) -> int:
+    value = getattr(config, name, None)
+    return default if value is None else int(value)
+
+
+def _has_dense_mlp(config: Any) -> bool:
+    if not getattr(config, "num_moe_experts", None):
+        return True
+    freq = getattr(config, "moe_layer_freq", 1)
+    return 0 in freq if isinstance(freq, (list, tuple)) else int(freq) > 1
+
+
+def _mlp_problems(
+    what: str, hf: str, ffn: int, tp: int, gated: bool, tp_key: str
+) -> list[tuple[str, str]]:
+    """fc1 ([gate; up] per rank) and fc2 (ffn / TP input columns) of one MLP kind."""
+    if ffn <= 0 or ffn % tp:
+        return []
+    local = ffn // tp
+    out = []
+    if local % BLOCK and (gated or tp > 1):
+        edge = "the gate/up boundary" if gated else "the shard edges"
+        out.append(
+            (
+                f"{what}.linear_fc1 ({hf}.gate_proj/up_proj)",
+                f"{ffn} rows per projection / {tp_key}={tp} = {local} rows per rank: "
+                f"{edge} of each rank's [gate; up] weight fall inside TE's 128-row blocks",
+            )
+        )
+    if local % BLOCK and tp > 1:
+        out.append(
+            (
+                f"{what}.linear_fc2 ({hf}.down_proj)",
+                f"{ffn} input columns / {tp_key}={tp} = {local} per rank: TE's 1x128 "
+                "activation blocks and 128x128 weight blocks stop at each rank's edge",
+            )
+        )
+    return out
+
+
+def _attention_problems(config: Any, tp: int) -> list[tuple[str, str, tuple[str, ...]]]:
+    heads = _int(config, "num_attention_heads")
+    if heads <= 0 or heads % tp:
+        return []
+    out: list[tuple[str, str, tuple[str, ...]]] = []
+    if getattr(config, "multi_latent_attention", False):
+        q_head = _int(config, "qk_head_dim") + _int(config, "qk_pos_emb_head_dim")
+        v_head = _int(config, "v_head_dim")
+        q_name = "linear_q_up_proj" if getattr(config, "q_lora_rank", None) else "linear_q_proj"
+        q_hf = "q_b_proj" if q_name == "linear_q_up_proj" else "q_proj"
+        sharded = (
+            (q_name, q_hf, "rows", heads * q_head),
+            (
+                "linear_kv_up_proj",
+                "kv_b_proj",
+                "rows",
+                heads * (_int(config, "qk_head_dim") + v_head),
+            ),
+            ("linear_proj", "o_proj", "input columns", heads * v_head),
+        )
+    else:
+        hidden = _int(config, "hidden_size")
+        hd = _int(config, "kv_channels") or hidden // heads
+        if hd % BLOCK:
+            out.append(
+                (
+                    "self_attention.linear_qkv (self_attn.q_proj/k_proj/v_proj)",
+                    f"head_dim={hd}: the fused weight interleaves [q heads | k | v] per KV group, "
+                    "so TE's 128-row blocks mix K and V (and Q) rows, where the rollout "
+                    "quantizes q_proj, k_proj and v_proj each on its own",
+                    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                )
+            )
+        sharded = (("linear_proj", "o_proj", "input columns", heads * hd),)
+    for name, hf, dim, size in sharded:
+        local = size // tp
+        if tp > 1 and local % BLOCK:
+            out.append(
+                (
+                    f"self_attention.{name} (self_attn.{hf})",
+                    f"{size} {dim} / tensor_model_parallel_size={tp} = {local} per rank: TE's "
+                    "blocks stop at each rank's edge, inside the rollout's 128-blocks",
+                    (f"self_attn.{hf}",),
+                )
+            )
+    return out
+
+
+def block_layout_problems(config: Any, train: SideRecipe) -> list[str]:
+    """Megatron linears whose TE blockwise FP8 blocks in training are not the HF weights'
+    128x128 blocks the rollout uses (module docstring); [] when training is not blockwise FP8.
+    ``config``: a Megatron ``TransformerConfig`` (or anything with its fields)."""
+    if not train.fp8_linears or train.scaling != "blockwise":
+        return []
+    layers = train.fp8_layers(_int(config, "num_layers"))
+    if not layers:
+        return []
+    tp = max(_int(config, "tensor_model_parallel_size", 1), 1)
+
+    def fp8_somewhere(hf: Sequence[str]) -> bool:
+        return any(not train.keeps_bf16(f"model.layers.{i}.{h}") for i in layers for h in hf)
+
+    found = [(w, why) for w, why, hf in _attention_problems(config, tp) if fp8_somewhere(hf)]
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    if _has_dense_mlp(config):
+        dense = [f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        ffn = _int(config, "ffn_hidden_size")
+        mlp = _mlp_problems("mlp", "mlp", ffn, tp, gated, "tensor_model_parallel_size")
+        found += [(w, why) for w, why in mlp if fp8_somewhere(dense)]
+    if getattr(config, "num_moe_experts", None):
+        etp = max(_int(config, "expert_tensor_parallel_size", tp), 1)
+        moe_ffn = _int(config, "moe_ffn_hidden_size")
+        etp_key = "expert_tensor_parallel_size"
+        found += _mlp_problems("mlp.experts", "mlp.experts.<e>", moe_ffn, etp, gated, etp_key)
+        shared = _int(config, "moe_shared_expert_intermediate_size")
+        key = "tensor_model_parallel_size"
+        found += _mlp_problems("mlp.shared_experts", "mlp.shared_expert(s)", shared, tp, gated, key)
+    return [f"{where}: {why}" for where, why in found]
+
+
+def block_layout_problem(config: Any, train: SideRecipe) -> str | None:
+    """`block_layout_problems` as one message naming the fix (None: training's blocks are the
+    rollout's)."""
+    found = block_layout_problems(config, train)
+    if not found:
+        return None
+    return (
+        "TE's blockwise FP8 training blocks are not the rollout's for "
+        + "; ".join(found)
+        + f": the trained weights would not be the sampled ones; {FIX}"
+    )
