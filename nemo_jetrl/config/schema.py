@@ -61,9 +61,11 @@ VLLM_EP = f"{VLLM_CFG}.expert_parallel_size"
 LOCAL_MODEL_CONFIG = "jetrl.local.model_config"
 # Mixture of experts: Megatron's expert keys (a value > 1 means experts), routing replay (R3)
 # and Megatron's routing knobs `jetrl align` sets.
+MEGATRON_TP = "policy.megatron_cfg.tensor_model_parallel_size"
+MEGATRON_ETP = "policy.megatron_cfg.expert_tensor_parallel_size"
 MEGATRON_MOE_KEYS = (
     "policy.megatron_cfg.expert_model_parallel_size",
-    "policy.megatron_cfg.expert_tensor_parallel_size",
+    MEGATRON_ETP,
     "policy.megatron_cfg.num_moe_experts",
 )
 ROUTER_REPLAY = "policy.router_replay.enabled"

@@ -190,6 +190,11 @@ class Settings:
     local: LocalKeys
     optimizer_name: Any
     """``policy.optimizer.name`` as given (None: absent)."""
+    megatron_tp: int = 1
+    """``policy.megatron_cfg.tensor_model_parallel_size`` (1 unless an int > 1)."""
+    megatron_etp: int | None = None
+    """``policy.megatron_cfg.expert_tensor_parallel_size`` (None: absent, Megatron then uses
+    the tensor-parallel size; 1 unless an int > 1)."""
 
     @property
     def megatron_off(self) -> bool:
@@ -263,4 +268,6 @@ def settings_of(cfg: Any) -> Settings:
         allow_off_policy=bool(get("jetrl.allow_off_policy")),
         optimizer_name=get("policy.optimizer.name"),
         local=LocalKeys(get("jetrl.local.device"), _or(get("jetrl.local.rollout_engine"), "hf")),
+        megatron_tp=_int_over_one(get(S.MEGATRON_TP)),
+        megatron_etp=None if get(S.MEGATRON_ETP) is None else _int_over_one(get(S.MEGATRON_ETP)),
     )

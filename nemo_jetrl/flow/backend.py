@@ -20,6 +20,9 @@ rollout actually runs can add a difference the recipe does not show:
   0.32.x). Both trees' releases are covered (v0.7.0 ships vLLM 0.20.0, main 0.25.1); on another
   release the patch's guard refuses vLLM's own FP8 expert kernels at engine start, so such a run
   stops instead of rolling out off-policy, and the verdict names it off.
+- NeMo-RL's Megatron training where TE's blocks are not the rollout's (`flow.megatron_layout`:
+  a fused ``linear_qkv`` with a head dim off 128, a tensor-parallel shard cutting 128-blocks):
+  the weights trained are not the weights sampled, whatever the refit does.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 from nemo_jetrl.config import Settings
 from nemo_jetrl.config.schema import FP8_ENABLED, MEGATRON_ENABLED
 from nemo_jetrl.flow.check import FlowCheck
+from nemo_jetrl.flow.megatron_layout import megatron_block_problem
 
 NEMO_RL_TREES = ("v0.7.0", "main")
 # The vLLM release each NeMo-RL tree pins (its pyproject.toml).
@@ -62,10 +66,11 @@ class BackendVerdict:
 
 
 def nemo_rl_refit(
-    settings: Settings, check: FlowCheck, tree: str, routing: str = ""
+    settings: Settings, check: FlowCheck, tree: str, routing: str = "", arch: Any = None
 ) -> BackendVerdict:
     """The verdict on NeMo-RL ``tree`` given how its refit quantizes weights and KV scales
-    (``routing``: the model's `MoeSpec.routing`)."""
+    (``routing``: the model's `MoeSpec.routing`) and how Megatron lays out the weights TE
+    quantizes (``arch``: the model checked; `flow.megatron_layout`)."""
     name = f"nemo-rl {tree}"
     recipe = check.recipe
     if not check.on_policy:
@@ -82,6 +87,9 @@ def nemo_rl_refit(
         )
     if not recipe.rollout.fp8_linears:
         return BackendVerdict(name, True, "BF16 rollout: refit copies the weights unchanged")
+    blocks = megatron_block_problem(arch, settings, recipe)
+    if blocks is not None:
+        return BackendVerdict(name, False, blocks)
     fp8_experts = any(e.group == "experts" and e.precision.is_fp8 for e in check.rollout.edges)
     if fp8_experts:
         from nemo_jetrl.vllm_patch.moe_versions import COVERED, moe_supported, own_routing
@@ -156,7 +164,7 @@ def backend_verdicts(
         if not check.on_policy and arch is not None and settings.local.rollout_engine == "hf":
             local = _local_hf_rollout(check, arch) or local
     routing = arch.moe.routing if arch is not None and arch.moe is not None else ""
-    return (local, *(nemo_rl_refit(settings, check, t, routing) for t in NEMO_RL_TREES))
+    return (local, *(nemo_rl_refit(settings, check, t, routing, arch) for t in NEMO_RL_TREES))
 
 
 def _local_hf_rollout(check: FlowCheck, arch: Any) -> BackendVerdict | None:

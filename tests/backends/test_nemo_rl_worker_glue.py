@@ -65,6 +65,9 @@ pytestmark = pytest.mark.nemo_rl
 LENGTHS = [5, 12, 3, 9]
 WIDTH = 16
 PAD = 7  # the padding token (its V in layer 0 made an outlier, see model())
+# head_dim 128: Megatron's fused linear_qkv then has the rollout's FP8 blocks (with the shims'
+# default 64 the worker refuses the model: megatron/blocks.py)
+DIMS_FIELDS = {"kv_channels": 128}
 
 
 def _cfg() -> dict[str, Any]:
@@ -110,10 +113,10 @@ def worker_cls(monkeypatch, real_mpw):
 
 @pytest.fixture
 def model():
-    from megatron_shims import build_gpt, megatron_cpu
+    from megatron_shims import TinyGpt, build_gpt, megatron_cpu
 
     with megatron_cpu():
-        m = build_gpt()
+        m = build_gpt(TinyGpt(**DIMS_FIELDS))
         with torch.no_grad():
             # Channel 3 carries only the padding token, and layer 0's QKV weights amplify it:
             # padded V are outliers, real tokens' are unchanged.
@@ -132,7 +135,7 @@ def _bridge(tmp: Path) -> Any:
     from megatron_shims import TinyGpt
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    d = TinyGpt()
+    d = TinyGpt(**DIMS_FIELDS)
     hf = Qwen3Config(
         vocab_size=d.vocab_size,
         hidden_size=d.hidden_size,
@@ -337,3 +340,18 @@ def test_the_reference_policy_logprobs_keep_the_kv_bf16(worker_cls, model, tmp_p
         assert kv.state.quantize
     kv.restore()
     w._jetrl_bf16.restore()
+
+
+def test_the_worker_refuses_a_model_whose_training_blocks_are_not_the_rollouts(worker_cls):
+    """Megatron's fused linear_qkv at head_dim 64 (the shims' default): TE's 128-row blocks hold
+    a group's K and V rows, the rollout quantizes k_proj and v_proj apart. NeMo-RL's real worker
+    class, built with our subclass, stops before any step, naming the linear and the fix
+    (megatron/blocks.py; `jetrl check` says it before launch: tests/flow/test_megatron_layout.py)."""
+    from megatron_shims import build_gpt, megatron_cpu
+
+    cls, _ = worker_cls
+    with megatron_cpu(), _CudaOnCpu():
+        model = build_gpt().eval()
+        with pytest.raises(RuntimeError, match="training blocks are not the rollout's") as ei:
+            cls(_cfg(), model=model, bridge=None)
+    assert "self_attention.linear_qkv" in str(ei.value) and "head_dim=64" in str(ei.value)

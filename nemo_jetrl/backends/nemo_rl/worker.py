@@ -94,6 +94,7 @@ def make_worker_class() -> type:
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
     from nemo_jetrl.megatron.bf16_names import keep_bf16_by_name, refuse_with_ranks
+    from nemo_jetrl.megatron.blocks import block_layout_problem
     from nemo_jetrl.megatron.config import built_bf16_edges_problem, ensure_te_scale_env
 
     get_model_config = require("megatron.core.utils", feature="the policy worker").get_model_config
@@ -110,7 +111,10 @@ def make_worker_class() -> type:
             self._jetrl_scales: KVScales | None = None
             self._jetrl_vllm_scales: dict[str, float] | None = None
             super().__init__(*args, **kwargs)
-            why = built_bf16_edges_problem(get_model_config(self.model), recipe.train)
+            config = get_model_config(self.model)
+            why = built_bf16_edges_problem(config, recipe.train)
+            if not why and recipe.rollout.fp8_linears:  # the real config, TP sizes included
+                why = block_layout_problem(config, recipe.train)
             if why:
                 raise RuntimeError(f"nemo_jetrl: {why}")
             try:

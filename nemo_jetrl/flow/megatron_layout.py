@@ -1,0 +1,66 @@
+"""Whether NeMo-RL's Megatron training quantizes the rollout's 128x128 blocks, from the model's
+shape and the config's tensor-parallel sizes, before anything runs.
+
+The rule itself is `nemo_jetrl.megatron.blocks` (TE quantizes each rank's local tensor of a
+fused ``linear_qkv`` / ``linear_fc1``, so a head dim off 128 or a shard edge inside a block
+gives training blocks the rollout never has); it reads Megatron ``TransformerConfig`` fields.
+This module hands it those fields from a `ModelArch` and the config's
+``policy.megatron_cfg.tensor_model_parallel_size`` / ``expert_tensor_parallel_size``, so
+`jetrl check` names the problem where NeMo-RL's worker would otherwise build the model first.
+The local backend trains the HF layout (one weight per projection, no tensor parallelism) and
+is not affected.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from nemo_jetrl.arch import ModelArch
+from nemo_jetrl.config import Settings
+from nemo_jetrl.megatron.blocks import block_layout_problem
+from nemo_jetrl.recipe import Recipe
+
+
+def transformer_fields(arch: ModelArch, tp: int = 1, etp: int | None = None) -> SimpleNamespace:
+    """The ``TransformerConfig`` fields `block_layout_problems` reads, from ``arch`` (every
+    family we describe is SwiGLU-gated)."""
+    f: dict[str, Any] = {
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_heads,
+        "kv_channels": arch.head_dim,
+        "ffn_hidden_size": arch.intermediate_size,
+        "gated_linear_unit": True,
+        "tensor_model_parallel_size": tp,
+        "expert_tensor_parallel_size": tp if etp is None else etp,
+        "multi_latent_attention": arch.mla is not None,
+    }
+    if arch.mla is not None:
+        f.update(
+            qk_head_dim=arch.mla.qk_nope_head_dim,
+            qk_pos_emb_head_dim=arch.mla.qk_rope_head_dim,
+            v_head_dim=arch.mla.v_head_dim,
+            q_lora_rank=arch.mla.q_lora_rank,
+        )
+    if arch.moe is not None:
+        f.update(
+            num_moe_experts=arch.moe.num_experts,
+            moe_ffn_hidden_size=arch.moe.expert_size,
+            moe_shared_expert_intermediate_size=arch.moe.shared_size,
+            moe_layer_freq=[int(i in arch.moe.moe_layers) for i in range(arch.num_layers)],
+        )
+    return SimpleNamespace(**f)
+
+
+def megatron_block_problem(
+    arch: ModelArch | None, settings: Settings, recipe: Recipe
+) -> str | None:
+    """Why Megatron's FP8 training blocks are not this recipe's FP8 rollout blocks (None: they
+    are, or a side is BF16, or no model shape is known)."""
+    if arch is None or not recipe.rollout.fp8_linears:
+        return None
+    if arch.hybrid is not None or arch.output_gate:
+        return None  # Megatron's gated-delta-net and gated-q layouts: not modelled here
+    fields = transformer_fields(arch, settings.megatron_tp, settings.megatron_etp)
+    return block_layout_problem(fields, recipe.train)
