@@ -36,8 +36,9 @@
 # Environment:
 #   RAY_SUB     path to NeMo-RL's ray.sub                      (default: ./ray.sub)
 #   CONTAINER   image for srun --container-image (enroot .sqsh or registry name; required)
-#   MOUNTS      extra container mounts, comma-separated, added to "$PWD:$PWD" (the clone) and
-#               to $BASE_LOG_DIR and $HF_HOME when set; no spaces or commas inside a path
+#   MOUNTS      extra container mounts, comma-separated, added to "$PWD:$PWD" (the clone; its
+#               physical path too when it differs: SLURM_SUBMIT_DIR) and to $BASE_LOG_DIR and
+#               $HF_HOME when set; no spaces or commas inside a path
 #   BASE_LOG_DIR  where ray.sub writes <jobid>-logs (default: the submission directory)
 #   ACCOUNT, PARTITION, TIME (default 4:00:00),
 #   NODES       default: the config's cluster.num_nodes; required when it cannot be read
@@ -64,7 +65,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-  sed -n '2,63p' "$0" >&2
+  sed -n '2,64p' "$0" >&2
   exit 2
 fi
 config=$1
@@ -176,21 +177,42 @@ if [[ "$GPUS_PER_NODE" != "$cfg_gpus" ]]; then
   exit 2
 fi
 export GPUS_PER_NODE
+# ray.sub (v0.7.0 and main) exits 1 at the job's start, after the queue, when the partition's
+# GRES (sinfo %G) names a GPU count other than GPUS_PER_NODE: it claims whole nodes. Where sinfo
+# answers with one count, a different one is refused here instead.
+if command -v sinfo >/dev/null 2>&1; then
+  part_gres=$(sinfo -p "$PARTITION" -h -o %G 2>/dev/null || true)
+  part_gpus=$(awk '/gpu:/ { sub(/\(.*/, ""); n = split($0, f, ":"); print f[n] }' <<<"$part_gres" | sort -u)
+  if [[ "$part_gpus" =~ ^[0-9]+$ ]] && ((part_gpus != GPUS_PER_NODE)); then
+    echo "launch.sh: GPUS_PER_NODE=$GPUS_PER_NODE but partition $PARTITION's nodes have $part_gpus GPUs" \
+      "(sinfo: $(tr '\n' ' ' <<<"$part_gres")): NeMo-RL's ray.sub refuses that at the job's start (it" \
+      "claims every GPU of a node); use cluster.gpus_per_node=$part_gpus or a partition of" \
+      "$GPUS_PER_NODE-GPU nodes" >&2
+    exit 2
+  fi
+fi
 if [[ "$cfg_model" == meta-llama/* && -z "${HF_TOKEN:-}" ]]; then
   echo "launch.sh: note: $cfg_model is gated on the HuggingFace hub: export HF_TOKEN (or have it in \$HF_HOME) before submitting" >&2
 fi
 stem=$(basename "$(dirname "$config")")-$(basename "$config" .yaml)
 JOB_NAME=${JOB_NAME:-jetrl-$stem}
 
+# The submission directory as SLURM records it: sbatch sets SLURM_SUBMIT_DIR with getcwd(), the
+# path with its symlinks resolved ($HOME -> /lustre/...), and ray.sub makes <jobid>-logs there
+# and starts every container in it (--container-workdir): it must be mounted as well as $PWD.
+submit_dir=$(pwd -P)
 # ray.sub passes MOUNTS to srun unquoted and comma-separated: a path with either breaks it
-for v in PWD HF_HOME BASE_LOG_DIR MOUNTS; do
+for v in PWD submit_dir HF_HOME BASE_LOG_DIR MOUNTS; do
   if [[ "${!v:-}" =~ [[:space:]] ]] || [[ $v != MOUNTS && "${!v:-}" == *,* ]]; then
     echo "launch.sh: $v=${!v} has a space or a comma, which ray.sub's srun mounts cannot carry;" \
       "use a path without them" >&2
     exit 2
   fi
 done
-MOUNTS="$PWD:$PWD${MOUNTS:+,$MOUNTS}"  # the clone always: the driver runs there
+extra_mounts=${MOUNTS:-}
+MOUNTS="$PWD:$PWD"  # the clone always: the driver runs there
+[[ "$submit_dir" == "$PWD" ]] || MOUNTS+=",$submit_dir:$submit_dir"
+MOUNTS+="${extra_mounts:+,$extra_mounts}"
 env_prefix="PYTHONUNBUFFERED=1 "   # ray.sub sends the driver's stdout to a file
 if [[ -n "${BASE_LOG_DIR:-}" ]]; then
   MOUNTS+=",$BASE_LOG_DIR:$BASE_LOG_DIR"  # ray.sub's head container checks a file there

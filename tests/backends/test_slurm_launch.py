@@ -550,3 +550,32 @@ def test_a_node_or_gpu_count_that_is_not_a_whole_number_is_refused_naming_it(tmp
     assert proc.returncode == 2 and "GPUS_PER_NODE=0" in proc.stderr
     proc = _launch(TWO_NODES, PYTHON=py, NODES="2", GPUS_PER_NODE="8")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("gres", "refused"),
+    [
+        ("gpu:h100:8(S:0-1)", True),  # 8-GPU nodes, the run asks 4 a node: ray.sub exits 1
+        ("gpu:4", False),
+        ("gpu:h100:8\ngpu:h100:4", False),  # mixed partition: left to ray.sub
+        ("(null)", False),  # no GRES: ray.sub runs without --gres
+    ],
+)
+def test_gpus_per_node_other_than_the_partitions_is_refused_before_the_queue(
+    tmp_path, gres, refused
+):
+    """NeMo-RL's ray.sub (both trees, maybe_gres_arg) exits 1 at the job's start when the
+    partition's GRES names another GPU count than GPUS_PER_NODE (found by review: the job
+    waited in the queue to die there). With sinfo on PATH, launch.sh refuses it first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _script(bin_dir / "sinfo", f"#!/bin/sh\nprintf '%s\\n' '{gres}'\n")
+    args = (TWO_NODES, "cluster.num_nodes=4", "cluster.gpus_per_node=4")
+    proc = _launch(*args, PATH=f"{bin_dir}:/usr/bin:/bin")
+    if refused:
+        assert proc.returncode == 2 and "--nodes" not in proc.stdout
+        assert "GPUS_PER_NODE=4 but partition batch's nodes have 8 GPUs" in proc.stderr
+        assert "use cluster.gpus_per_node=8" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "--nodes=4" in proc.stdout
