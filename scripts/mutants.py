@@ -22,6 +22,7 @@ from mutant_catalog import (
     engines,
     gpu,
     local_runs,
+    model_layouts,
     rl_loss,
 )
 
@@ -36,4 +37,5 @@ MUTANTS = [
     *local_runs.MUTANTS,
     *check_cli.MUTANTS,
     *rl_loss.MUTANTS,
+    *model_layouts.MUTANTS,
 ]

@@ -630,4 +630,14 @@ MUTANTS = [
         "    except ValueError:\n        return False",
         ("tests/backends/test_nemo_rl_engine_check_unit.py",),
     ),
+    Mutant(  # session 38: ray.sub exits 1 at the job's start on another GRES count
+        "launch.sh submits a GPUS_PER_NODE the partition's nodes do not have",
+        "slurm/launch.sh",
+        '  if [[ "$part_gpus" =~ ^[0-9]+$ ]] && ((part_gpus != GPUS_PER_NODE)); then',
+        "  if false; then",
+        (
+            "tests/backends/test_slurm_launch.py::"
+            "test_gpus_per_node_other_than_the_partitions_is_refused_before_the_queue",
+        ),
+    ),
 ]

@@ -115,4 +115,25 @@ MUTANTS = [
         "        if False:",
         ("tests/commands/test_train_backend_choice.py",),
     ),
+    Mutant(  # session 38: a host read of "every row finished" after every decode step
+        "the rollout reads the device's done flags at every decode step",
+        "nemo_jetrl/backends/local/rollout.py",
+        "            if used % every == 0 or used == max_new_tokens:",
+        "            if True:",
+        ("tests/backends/test_local_host_syncs.py",),
+    ),
+    Mutant(  # session 38: steps run past the stop must leave the generator as the stop did
+        "draws of decode steps past the stop are kept",
+        "nemo_jetrl/backends/local/rollout.py",
+        "                        marks.undo_after(steps - 1)",
+        "                        pass",
+        ("tests/backends/test_local_host_syncs.py",),
+    ),
+    Mutant(  # session 38: a smaller train_global_batch_size trained differently without a word
+        "a global batch the local backend does not honour goes unsaid",
+        "nemo_jetrl/backends/local/config.py",
+        "        if gbs is None or gbs >= n:",
+        "        if True:",
+        ("tests/backends/test_local_global_batch.py",),
+    ),
 ]
