@@ -42,6 +42,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
 
+LAYOUT_NOTE = (
+    "go BF16 on both sides: in NeMo-RL's Megatron training, TE's 128x128 FP8 blocks of these "
+    "linears are not the rollout's (a fused linear_qkv with a head dim off 128, or "
+    "tensor-parallel shards cutting blocks; docs/megatron.md)"
+)
+LAYOUT_UNSETTLED = (
+    "routed or shared experts' Megatron training blocks are not the rollout's and cannot be kept "
+    "BF16 by name: choose policy.megatron_cfg.expert_tensor_parallel_size (or "
+    "tensor_model_parallel_size) so each rank's rows are a multiple of 128 (the verdict below "
+    "names them)"
+)
+
+
 def run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
@@ -59,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jetrl.config.layer_lists import shared_bf16_words
     from nemo_jetrl.config.schema import FP8_PARAM
     from nemo_jetrl.errors import UserError
+    from nemo_jetrl.flow.megatron_layout import megatron_block_words
     from nemo_jetrl.flow.mxfp8 import align_notes
     from nemo_jetrl.flow.vllm_bf16 import vllm_bf16_words
     from nemo_jetrl.recipe import Recipe, matching_preset
@@ -121,6 +135,13 @@ def run(args: argparse.Namespace) -> int:
     vllm_words, vllm_notes = vllm_bf16_words(before.arch, target)  # MLA decode's kv_b_proj
     if vllm_words:
         target = target.with_bf16_layer_kws(kws + router_words + tile_words + vllm_words)
+    layout_words, settled = megatron_block_words(before.arch, before.settings, target)
+    layout_words = tuple(w for w in layout_words if w not in target.train.bf16_layer_kws)
+    if layout_words:  # Megatron's training blocks of these are not the rollout's
+        target = target.with_bf16_layer_kws((*target.train.bf16_layer_kws, *layout_words))
+        vllm_notes = [*vllm_notes, f"{list(layout_words)} {LAYOUT_NOTE}"]
+    if not settled:
+        vllm_notes = [*vllm_notes, LAYOUT_UNSETTLED]
     fp8_param_note = []
     if target.train.fp8_param and target.train.bf16_layer_kws:  # check_layer_lists' rule
         target = target.with_(train=target.train.with_(fp8_param=False))

@@ -18,7 +18,7 @@ from typing import Any
 
 from nemo_jetrl.arch import ModelArch
 from nemo_jetrl.config import Settings
-from nemo_jetrl.megatron.blocks import block_layout_problem
+from nemo_jetrl.megatron.blocks import block_layout_problem, block_layout_words
 from nemo_jetrl.recipe import Recipe
 
 
@@ -53,14 +53,29 @@ def transformer_fields(arch: ModelArch, tp: int = 1, etp: int | None = None) -> 
     return SimpleNamespace(**f)
 
 
+def _fields(arch: ModelArch | None, settings: Settings, recipe: Recipe) -> SimpleNamespace | None:
+    """The fields to judge, or None where there is nothing to judge."""
+    if arch is None or not recipe.rollout.fp8_linears:
+        return None
+    if arch.hybrid is not None or arch.output_gate:
+        return None  # Megatron's gated-delta-net and gated-q layouts: not modelled here
+    return transformer_fields(arch, settings.megatron_tp, settings.megatron_etp)
+
+
 def megatron_block_problem(
     arch: ModelArch | None, settings: Settings, recipe: Recipe
 ) -> str | None:
     """Why Megatron's FP8 training blocks are not this recipe's FP8 rollout blocks (None: they
     are, or a side is BF16, or no model shape is known)."""
-    if arch is None or not recipe.rollout.fp8_linears:
-        return None
-    if arch.hybrid is not None or arch.output_gate:
-        return None  # Megatron's gated-delta-net and gated-q layouts: not modelled here
-    fields = transformer_fields(arch, settings.megatron_tp, settings.megatron_etp)
-    return block_layout_problem(fields, recipe.train)
+    fields = _fields(arch, settings, recipe)
+    return None if fields is None else block_layout_problem(fields, recipe.train)
+
+
+def megatron_block_words(
+    arch: ModelArch | None, settings: Settings, recipe: Recipe
+) -> tuple[tuple[str, ...], bool]:
+    """(per-name words keeping BF16 on both sides the dense linears `megatron_block_problem`
+    names, whether they settle every one: experts cannot be kept BF16 by name); what
+    `jetrl align` adds."""
+    fields = _fields(arch, settings, recipe)
+    return ((), True) if fields is None else block_layout_words(fields, recipe.train)

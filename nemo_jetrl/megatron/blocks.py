@@ -129,10 +129,9 @@ def _attention_problems(config: Any, tp: int) -> list[tuple[str, str, tuple[str,
     return out
 
 
-def block_layout_problems(config: Any, train: SideRecipe) -> list[str]:
-    """Megatron linears whose TE blockwise FP8 blocks in training are not the HF weights'
-    128x128 blocks the rollout uses (module docstring); [] when training is not blockwise FP8.
-    ``config``: a Megatron ``TransformerConfig`` (or anything with its fields)."""
+def _found(config: Any, train: SideRecipe) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(where, why, HF words keeping it BF16 by name; () for experts, which cannot be) of every
+    linear `block_layout_problems` names."""
     if not train.fp8_linears or train.scaling != "blockwise":
         return []
     layers = train.fp8_layers(_int(config, "num_layers"))
@@ -143,22 +142,40 @@ def block_layout_problems(config: Any, train: SideRecipe) -> list[str]:
     def fp8_somewhere(hf: Sequence[str]) -> bool:
         return any(not train.keeps_bf16(f"model.layers.{i}.{h}") for i in layers for h in hf)
 
-    found = [(w, why) for w, why, hf in _attention_problems(config, tp) if fp8_somewhere(hf)]
+    found = [(w, why, hf) for w, why, hf in _attention_problems(config, tp) if fp8_somewhere(hf)]
     gated = bool(getattr(config, "gated_linear_unit", False))
     if _has_dense_mlp(config):
-        dense = [f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        dense = tuple(f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
         ffn = _int(config, "ffn_hidden_size")
         mlp = _mlp_problems("mlp", "mlp", ffn, tp, gated, "tensor_model_parallel_size")
-        found += [(w, why) for w, why in mlp if fp8_somewhere(dense)]
+        found += [(w, why, dense) for w, why in mlp if fp8_somewhere(dense)]
     if getattr(config, "num_moe_experts", None):
         etp = max(_int(config, "expert_tensor_parallel_size", tp), 1)
         moe_ffn = _int(config, "moe_ffn_hidden_size")
         etp_key = "expert_tensor_parallel_size"
-        found += _mlp_problems("mlp.experts", "mlp.experts.<e>", moe_ffn, etp, gated, etp_key)
+        experts = _mlp_problems("mlp.experts", "mlp.experts.<e>", moe_ffn, etp, gated, etp_key)
         shared = _int(config, "moe_shared_expert_intermediate_size")
         key = "tensor_model_parallel_size"
-        found += _mlp_problems("mlp.shared_experts", "mlp.shared_expert(s)", shared, tp, gated, key)
-    return [f"{where}: {why}" for where, why in found]
+        experts += _mlp_problems(
+            "mlp.shared_experts", "mlp.shared_expert(s)", shared, tp, gated, key
+        )
+        found += [(w, why, ()) for w, why in experts]
+    return found
+
+
+def block_layout_problems(config: Any, train: SideRecipe) -> list[str]:
+    """Megatron linears whose TE blockwise FP8 blocks in training are not the HF weights'
+    128x128 blocks the rollout uses (module docstring); [] when training is not blockwise FP8.
+    ``config``: a Megatron ``TransformerConfig`` (or anything with its fields)."""
+    return [f"{where}: {why}" for where, why, _ in _found(config, train)]
+
+
+def block_layout_words(config: Any, train: SideRecipe) -> tuple[tuple[str, ...], bool]:
+    """(the per-name BF16 words that keep every named dense linear BF16 on both sides, whether
+    they settle all: routed and shared experts cannot be kept BF16 by name)."""
+    found = _found(config, train)
+    words = tuple(dict.fromkeys(w for _, _, hf in found for w in hf))
+    return words, all(hf for _, _, hf in found)
 
 
 def block_layout_problem(config: Any, train: SideRecipe) -> str | None:

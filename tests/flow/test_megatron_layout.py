@@ -90,3 +90,31 @@ def test_a_bf16_rollout_is_not_judged_by_training_blocks(cli, tmp_path):
     bf16 = REPO / "examples" / "configs" / "qwen3_8b_base" / "bf16.yaml"
     code, out = cli("check", bf16, _model(tmp_path, LLAMA_1B))
     assert code == 0 and NOT_ROLLOUTS not in out, out
+
+
+def test_align_keeps_those_linears_bf16_and_is_on_policy(cli, tmp_path):
+    out_yaml = tmp_path / "aligned.yaml"
+    code, out = cli("align", JETRL, _model(tmp_path, LLAMA_1B), "-o", out_yaml)
+    qkv = "['self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj']"
+    assert code == 0 and f"  jetrl.train_bf16_layer_kws: '<unset>' -> {qkv}" in out, out
+    assert f"note: {qkv} go BF16 on both sides" in out and "verdict: ON-POLICY" in out
+    code, out = cli(
+        "align", JETRL, _model(tmp_path, QWEN3_4B), f"{TP}=8", "-o", out_yaml, "--force"
+    )
+    mlp = "['mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj']"
+    assert f"  jetrl.train_bf16_layer_kws: '<unset>' -> {mlp}" in out, out
+    assert NOT_ROLLOUTS not in out.split("per backend (precision):")[1]
+
+
+def test_align_names_experts_it_cannot_keep_bf16_by_name(cli, tmp_path):
+    # Qwen3-30B-A3B's 768-row experts over expert_tensor_parallel_size=4: 192 rows a rank
+    code, out = cli(
+        "align",
+        JETRL,
+        "policy.model_name=Qwen/Qwen3-30B-A3B",
+        "+policy.megatron_cfg.expert_tensor_parallel_size=4",
+        "-o",
+        tmp_path / "aligned.yaml",
+    )
+    assert "note: routed or shared experts' Megatron training blocks are not the rollout's" in out
+    assert "768 rows per projection / expert_tensor_parallel_size=4 = 192" in out, out
