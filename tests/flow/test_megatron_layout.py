@@ -116,5 +116,6 @@ def test_align_names_experts_it_cannot_keep_bf16_by_name(cli, tmp_path):
         "-o",
         tmp_path / "aligned.yaml",
     )
+    assert code == 1 and "verdict: OFF-POLICY on nemo-rl v0.7.0, nemo-rl main" in out, out
     assert "note: routed or shared experts' Megatron training blocks are not the rollout's" in out
     assert "768 rows per projection / expert_tensor_parallel_size=4 = 192" in out, out
