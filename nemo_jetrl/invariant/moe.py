@@ -58,7 +58,10 @@ def group_by_expert(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     expert) and ``offsets [E+1]`` int64: expert ``e`` owns sorted rows ``offsets[e]:offsets[e+1]``."""
     flat = idx.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter-add, not bincount: bincount sizes its output by the largest id, a read of the
+    # device's data on the host at every MoE layer of every decode step
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return order, offsets
