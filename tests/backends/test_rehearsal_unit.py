@@ -104,7 +104,7 @@ def test_a_model_or_family_without_a_stand_in_is_named_before_any_work(tmp_path,
     unknown = "policy.model_name=example-org/Unknown-7B"
     assert main(["rehearse", str(smoke), unknown, "--workdir", str(tmp_path / "w")]) == 2
     err = capsys.readouterr().err
-    assert "set jetrl.model_config=PATH to the model's HF config.json" in err, err
+    assert "pass ++jetrl.model_config=PATH to the model's HF config.json" in err, err
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**resolve_arch("MiniMaxAI/MiniMax-M2").hf_config}))
     moe = [str(smoke), f"+jetrl.model_config={cfg}", "--workdir", str(tmp_path / "w")]

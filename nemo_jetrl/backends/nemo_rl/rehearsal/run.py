@@ -242,7 +242,7 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
     if arch is None:
         raise _user_error(
             f"policy.model_name={name!r} is not a model nemo_jetrl knows, so the rehearsal "
-            "cannot build a stand-in of its family: set jetrl.model_config=PATH to the model's "
+            "cannot build a stand-in of its family: pass ++jetrl.model_config=PATH to the model's "
             "HF config.json"
         )
     from nemo_jetrl.backends.nemo_rl.rehearsal.families import family_refusal
