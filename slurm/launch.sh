@@ -182,12 +182,22 @@ export GPUS_PER_NODE
 # answers with one count, a different one is refused here instead.
 if command -v sinfo >/dev/null 2>&1; then
   part_gres=$(sinfo -p "$PARTITION" -h -o %G 2>/dev/null || true)
-  part_gpus=$(awk '/gpu:/ { sub(/\(.*/, ""); n = split($0, f, ":"); print f[n] }' <<<"$part_gres" | sort -u)
-  if [[ "$part_gpus" =~ ^[0-9]+$ ]] && ((part_gpus != GPUS_PER_NODE)); then
-    echo "launch.sh: GPUS_PER_NODE=$GPUS_PER_NODE but partition $PARTITION's nodes have $part_gpus GPUs" \
-      "(sinfo: $(tr '\n' ' ' <<<"$part_gres")): NeMo-RL's ray.sub refuses that at the job's start (it" \
-      "claims every GPU of a node); use cluster.gpus_per_node=$part_gpus or a partition of" \
-      "$GPUS_PER_NODE-GPU nodes" >&2
+  # ray.sub's own reading: the last ':' field of the line (of "gpu:8,nvme:1" that is 1)
+  raysub_gpus=$(awk '/gpu:/ { sub(/\(.*/, ""); n = split($0, f, ":"); print f[n] }' <<<"$part_gres" | sort -u)
+  # the GPU count itself: the gpu: entry of the comma-separated list
+  part_gpus=$(tr ',' '\n' <<<"$part_gres" | awk '/^gpu:/ { sub(/\(.*/, ""); n = split($0, f, ":"); print f[n] }' | sort -u)
+  if [[ "$raysub_gpus" =~ ^[0-9]+$ ]] && ((raysub_gpus != GPUS_PER_NODE)); then
+    if [[ "$part_gpus" =~ ^[0-9]+$ ]] && ((part_gpus == GPUS_PER_NODE)); then
+      echo "launch.sh: partition $PARTITION's GRES ($(tr '\n' ' ' <<<"$part_gres")) has" \
+        "$part_gpus GPUs a node, but NeMo-RL's ray.sub reads it as $raysub_gpus (the last ':'" \
+        "field) and exits 1 at the job's start: use a partition whose GRES lists gpu last, or" \
+        "fix ray.sub's maybe_gres_arg" >&2
+    else
+      echo "launch.sh: GPUS_PER_NODE=$GPUS_PER_NODE but partition $PARTITION's nodes have" \
+        "${part_gpus:-$raysub_gpus} GPUs (sinfo: $(tr '\n' ' ' <<<"$part_gres")): NeMo-RL's ray.sub" \
+        "refuses that at the job's start (it claims every GPU of a node); use" \
+        "cluster.gpus_per_node=${part_gpus:-$raysub_gpus} or a partition of $GPUS_PER_NODE-GPU nodes" >&2
+    fi
     exit 2
   fi
 fi

@@ -72,6 +72,7 @@ class VllmCfg(NemoSection):
     async_engine: flag(null=True) = None  # type: ignore[valid-type]
     num_first_layers_in_bf16: count(0, null=True) = None  # type: ignore[valid-type]
     num_last_layers_in_bf16: count(0, null=True) = None  # type: ignore[valid-type]
+    tensor_parallel_size: count(1, null=True) = None  # type: ignore[valid-type]
     quantization_ignored_layer_kws: words(  # type: ignore[valid-type]
         "a list of non-empty strings (words of linear names)"
     ) = None
@@ -135,6 +136,9 @@ class MegatronCfg(NemoSection):
 
     enabled: flag(null=True) = None  # type: ignore[valid-type]
     pipeline_model_parallel_size: count(1, null=True) = None  # type: ignore[valid-type]
+    # read by the block-grid rule (`flow.megatron_layout`): "8" as a string was judged as 1
+    tensor_model_parallel_size: count(1, null=True) = None  # type: ignore[valid-type]
+    expert_tensor_parallel_size: count(1, null=True) = None  # type: ignore[valid-type]
     fp8_cfg: section(Fp8Cfg) = None  # type: ignore[valid-type]
     env_vars: section(EnvVars) = None  # type: ignore[valid-type]
     optimizer: section(MegatronOptimizer) = None  # type: ignore[valid-type]

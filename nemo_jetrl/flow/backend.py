@@ -21,8 +21,10 @@ rollout actually runs can add a difference the recipe does not show:
   release the patch's guard refuses vLLM's own FP8 expert kernels at engine start, so such a run
   stops instead of rolling out off-policy, and the verdict names it off.
 - NeMo-RL's Megatron training where TE's blocks are not the rollout's (`flow.megatron_layout`:
-  a fused ``linear_qkv`` with a head dim off 128, a tensor-parallel shard cutting 128-blocks):
-  the weights trained are not the weights sampled, whatever the refit does.
+  a fused ``linear_qkv`` with a head dim off 128, a tensor-parallel shard cutting 128-blocks),
+  or vLLM's tensor parallelism cutting the rollout's blocks (`flow.vllm_layout`): the weights
+  trained are not the weights sampled, whatever the refit does. Not judged for the local
+  backend's own model, which NeMo-RL cannot load.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from nemo_jetrl.config import Settings
 from nemo_jetrl.config.schema import FP8_ENABLED, MEGATRON_ENABLED
 from nemo_jetrl.flow.check import FlowCheck
 from nemo_jetrl.flow.megatron_layout import megatron_block_problem
+from nemo_jetrl.flow.vllm_layout import vllm_block_problem
 
 NEMO_RL_TREES = ("v0.7.0", "main")
 # The vLLM release each NeMo-RL tree pins (its pyproject.toml).
@@ -87,7 +90,12 @@ def nemo_rl_refit(
         )
     if not recipe.rollout.fp8_linears:
         return BackendVerdict(name, True, "BF16 rollout: refit copies the weights unchanged")
-    blocks = megatron_block_problem(arch, settings, recipe)
+    # the model's FP8 blocks on each side, as Megatron and vLLM lay the weights out; not for the
+    # local backend's own model, which NeMo-RL cannot load (a verdict on the recipe there)
+    shape = None if _local_model(settings) else arch
+    blocks = megatron_block_problem(shape, settings, recipe) or vllm_block_problem(
+        shape, settings, recipe
+    )
     if blocks is not None:
         return BackendVerdict(name, False, blocks)
     fp8_experts = any(e.group == "experts" and e.precision.is_fp8 for e in check.rollout.edges)
@@ -144,6 +152,14 @@ def nemo_rl_refit(
         True,
         "power-of-two weight scales: NeMo-RL's own refit cast gives TE's bytes (measured: 0 differ)",
     )
+
+
+def _local_model(settings: Settings) -> bool:
+    """The config's model is the local backend's own (built from ``jetrl.local.model_config``,
+    never on the hub)."""
+    from nemo_jetrl.config.jetrl_model import LOCAL_MODEL_NAME
+
+    return bool(settings.model.local_config) or settings.model.name == LOCAL_MODEL_NAME
 
 
 def backend_verdicts(

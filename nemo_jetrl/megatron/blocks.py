@@ -34,11 +34,7 @@ from typing import Any
 from nemo_jetrl.fp8.spec import BLOCK
 from nemo_jetrl.recipe_parts import SideRecipe
 
-FIX = (
-    "keep them BF16 on both sides by name (jetrl.train_bf16_layer_kws and "
-    "policy.generation.vllm_cfg.quantization_ignored_layer_kws), choose a tensor-parallel size "
-    "that keeps each rank's rows and columns a multiple of 128, or train this model in BF16"
-)
+FP8_PARAM_KEY = "policy.megatron_cfg.fp8_cfg.fp8_param"
 
 
 def _int(config: Any, name: str, default: int = 0) -> int:
@@ -129,63 +125,105 @@ def _attention_problems(config: Any, tp: int) -> list[tuple[str, str, tuple[str,
     return out
 
 
-def _found(config: Any, train: SideRecipe) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(where, why, HF words keeping it BF16 by name; () for experts, which cannot be) of every
-    linear `block_layout_problems` names."""
+def _moe_layers(config: Any, num_layers: int) -> set[int]:
+    """The layers Megatron builds with routed experts (``moe_layer_freq``: a 0/1 list per layer,
+    or an int: every ``freq``-th layer from 0); none without ``num_moe_experts``."""
+    if not getattr(config, "num_moe_experts", None):
+        return set()
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)):
+        return {i for i, f in enumerate(freq) if f}
+    return {i for i in range(num_layers) if i % max(int(freq), 1) == 0}
+
+
+Found = tuple[str, str, tuple[str, ...], str | None]
+"""(where, why, HF words keeping it BF16 by name (): experts, which cannot be), the parallel
+size whose shards cut blocks (None: a fused boundary, whatever the parallel size))."""
+
+
+def _found(config: Any, train: SideRecipe) -> list[Found]:
+    """Every linear `block_layout_problems` names, judged over the layers where it runs FP8."""
     if not train.fp8_linears or train.scaling != "blockwise":
         return []
-    layers = train.fp8_layers(_int(config, "num_layers"))
-    if not layers:
-        return []
+    n = _int(config, "num_layers")
+    layers = train.fp8_layers(n)
+    moe = _moe_layers(config, n)
+    dense_layers = [i for i in layers if i not in moe]
     tp = max(_int(config, "tensor_model_parallel_size", 1), 1)
+    tp_key = "tensor_model_parallel_size"
 
-    def fp8_somewhere(hf: Sequence[str]) -> bool:
-        return any(not train.keeps_bf16(f"model.layers.{i}.{h}") for i in layers for h in hf)
+    def fp8_somewhere(hf: Sequence[str], among: Sequence[int]) -> bool:
+        return any(not train.keeps_bf16(f"model.layers.{i}.{h}") for i in among for h in hf)
 
-    found = [(w, why, hf) for w, why, hf in _attention_problems(config, tp) if fp8_somewhere(hf)]
+    def knob(why: str, key: str) -> str | None:
+        return key if f"{key}=" in why else None
+
+    found: list[Found] = [
+        (w, why, hf, knob(why, tp_key))
+        for w, why, hf in _attention_problems(config, tp)
+        if fp8_somewhere(hf, layers)
+    ]
     gated = bool(getattr(config, "gated_linear_unit", False))
-    if _has_dense_mlp(config):
-        dense = tuple(f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
-        ffn = _int(config, "ffn_hidden_size")
-        mlp = _mlp_problems("mlp", "mlp", ffn, tp, gated, "tensor_model_parallel_size")
-        found += [(w, why, dense) for w, why in mlp if fp8_somewhere(dense)]
-    if getattr(config, "num_moe_experts", None):
+    dense = tuple(f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+    if fp8_somewhere(dense, dense_layers):  # a dense MLP in some FP8 layer
+        mlp = _mlp_problems("mlp", "mlp", _int(config, "ffn_hidden_size"), tp, gated, tp_key)
+        found += [(w, why, dense, knob(why, tp_key)) for w, why in mlp]
+    if moe and any(i in moe for i in layers):
         etp = max(_int(config, "expert_tensor_parallel_size", tp), 1)
-        moe_ffn = _int(config, "moe_ffn_hidden_size")
         etp_key = "expert_tensor_parallel_size"
+        moe_ffn = _int(config, "moe_ffn_hidden_size")
         experts = _mlp_problems("mlp.experts", "mlp.experts.<e>", moe_ffn, etp, gated, etp_key)
+        found += [(w, why, (), knob(why, etp_key)) for w, why in experts]
         shared = _int(config, "moe_shared_expert_intermediate_size")
-        key = "tensor_model_parallel_size"
-        experts += _mlp_problems(
-            "mlp.shared_experts", "mlp.shared_expert(s)", shared, tp, gated, key
+        shared_p = _mlp_problems(
+            "mlp.shared_experts", "mlp.shared_expert(s)", shared, tp, gated, tp_key
         )
-        found += [(w, why, ()) for w, why in experts]
+        found += [(w, why, (), knob(why, tp_key)) for w, why in shared_p]
     return found
+
+
+def _fix(found: list[Found], train: SideRecipe) -> str:
+    """The ways out of ``found``, each naming what to set."""
+    words = tuple(dict.fromkeys(w for _, _, hf, _ in found for w in hf))
+    knobs = tuple(dict.fromkeys(k for *_, k in found if k))
+    ways = []
+    if words:
+        also = f" with {FP8_PARAM_KEY}=false" if train.fp8_param else ""
+        ways.append(
+            f"keep {list(words)} BF16 on both sides by name (jetrl.train_bf16_layer_kws and "
+            f"policy.generation.vllm_cfg.quantization_ignored_layer_kws{also}; `jetrl align` "
+            "writes them)"
+        )
+    if knobs:
+        keys = " / ".join(f"policy.megatron_cfg.{k}" for k in knobs)
+        ways.append(f"set {keys} so each rank's rows and columns are multiples of 128")
+    ways.append("train this model in BF16")
+    return ", or ".join(ways)
 
 
 def block_layout_problems(config: Any, train: SideRecipe) -> list[str]:
     """Megatron linears whose TE blockwise FP8 blocks in training are not the HF weights'
     128x128 blocks the rollout uses (module docstring); [] when training is not blockwise FP8.
     ``config``: a Megatron ``TransformerConfig`` (or anything with its fields)."""
-    return [f"{where}: {why}" for where, why, _ in _found(config, train)]
+    return [f"{where}: {why}" for where, why, _, _ in _found(config, train)]
 
 
 def block_layout_words(config: Any, train: SideRecipe) -> tuple[tuple[str, ...], bool]:
     """(the per-name BF16 words that keep every named dense linear BF16 on both sides, whether
     they settle all: routed and shared experts cannot be kept BF16 by name)."""
     found = _found(config, train)
-    words = tuple(dict.fromkeys(w for _, _, hf in found for w in hf))
-    return words, all(hf for _, _, hf in found)
+    words = tuple(dict.fromkeys(w for _, _, hf, _ in found for w in hf))
+    return words, all(hf for _, _, hf, _ in found)
 
 
 def block_layout_problem(config: Any, train: SideRecipe) -> str | None:
     """`block_layout_problems` as one message naming the fix (None: training's blocks are the
     rollout's)."""
-    found = block_layout_problems(config, train)
+    found = _found(config, train)
     if not found:
         return None
     return (
         "TE's blockwise FP8 training blocks are not the rollout's for "
-        + "; ".join(found)
-        + f": the trained weights would not be the sampled ones; {FIX}"
+        + "; ".join(f"{where}: {why}" for where, why, _, _ in found)
+        + f": the trained weights would not be the sampled ones; {_fix(found, train)}"
     )

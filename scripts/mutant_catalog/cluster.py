@@ -633,7 +633,7 @@ MUTANTS = [
     Mutant(  # session 38: ray.sub exits 1 at the job's start on another GRES count
         "launch.sh submits a GPUS_PER_NODE the partition's nodes do not have",
         "slurm/launch.sh",
-        '  if [[ "$part_gpus" =~ ^[0-9]+$ ]] && ((part_gpus != GPUS_PER_NODE)); then',
+        '  if [[ "$raysub_gpus" =~ ^[0-9]+$ ]] && ((raysub_gpus != GPUS_PER_NODE)); then',
         "  if false; then",
         (
             "tests/backends/test_slurm_launch.py::"

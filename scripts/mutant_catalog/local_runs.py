@@ -132,7 +132,7 @@ MUTANTS = [
     Mutant(  # session 38: a smaller train_global_batch_size trained differently without a word
         "a global batch the local backend does not honour goes unsaid",
         "nemo_jetrl/backends/local/config.py",
-        "        if gbs is None or gbs >= n:",
+        "        if gbs is None or gbs == n:",
         "        if True:",
         ("tests/backends/test_local_global_batch.py",),
     ),

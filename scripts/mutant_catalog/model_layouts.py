@@ -17,15 +17,15 @@ MUTANTS = [
     Mutant(  # Llama-3.2-1B and Qwen3-4B at TP 8 were ON-POLICY on NeMo-RL
         "the NeMo-RL verdict ignores Megatron's block grid",
         "nemo_jetrl/flow/backend.py",
-        "    blocks = megatron_block_problem(arch, settings, recipe)",
-        "    blocks = None",
+        "    blocks = megatron_block_problem(shape, settings, recipe) or vllm_block_problem(",
+        "    blocks = vllm_block_problem(",
         ("tests/flow/test_megatron_layout.py",),
     ),
     Mutant(  # the verdict read TP 1 whatever the config said
         "the NeMo-RL verdict reads no tensor-parallel size",
         "nemo_jetrl/flow/megatron_layout.py",
-        "    fields = transformer_fields(arch, settings.megatron_tp, settings.megatron_etp)",
-        "    fields = transformer_fields(arch)",
+        "    return transformer_fields(arch, settings.megatron_tp, settings.megatron_etp)",
+        "    return transformer_fields(arch)",
         ("tests/flow/test_megatron_layout.py",),
     ),
     Mutant(  # align wrote an FP8 qkv for a head_dim 64 model: off-policy on NeMo-RL
@@ -34,5 +34,26 @@ MUTANTS = [
         "    if layout_words:  # Megatron's training blocks of these are not the rollout's",
         "    if False:",
         ("tests/flow/test_megatron_layout.py",),
+    ),
+    Mutant(  # diff review: a dense MLP kept BF16 in its only (dense) layers was still called off
+        "the dense MLP is judged over MoE layers too",
+        "nemo_jetrl/megatron/blocks.py",
+        "    dense_layers = [i for i in layers if i not in moe]",
+        "    dense_layers = layers",
+        ("tests/megatron/test_megatron_blocks.py",),
+    ),
+    Mutant(  # the README's local config was called OFF-POLICY by the cluster layout rules
+        "the local backend's own model is judged by the cluster layouts",
+        "nemo_jetrl/flow/backend.py",
+        "    shape = None if _local_model(settings) else arch",
+        "    shape = arch",
+        ("tests/flow/test_megatron_layout.py",),
+    ),
+    Mutant(  # vLLM TP 8 on Qwen3-4B was ON-POLICY (vLLM refuses the engine)
+        "the NeMo-RL verdict ignores vLLM's tensor-parallel split",
+        "nemo_jetrl/flow/vllm_layout.py",
+        "    if all(p % BLOCK == 0 for p in parts):",
+        "    if True:",
+        ("tests/flow/test_vllm_layout.py", "tests/flow/test_megatron_layout.py"),
     ),
 ]

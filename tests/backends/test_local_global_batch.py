@@ -26,6 +26,15 @@ def test_a_smaller_global_batch_is_named_as_not_honoured():
     assert "NeMo-RL takes 4 of 8 responses each" in note
 
 
+def test_a_global_batch_nemo_rl_would_not_train_on_is_said():
+    """NeMo-RL's Megatron worker takes ``responses // gbs`` optimizer steps (diff review):
+    a larger global batch trains nothing there, a non-dividing one leaves responses out."""
+    big = _run("+policy.train_global_batch_size=64").global_batch_note()
+    assert big is not None and "exceeds the 32 responses" in big and "no optimizer step" in big
+    odd = _run("+policy.train_global_batch_size=12").global_batch_note()
+    assert odd is not None and "takes 2 of 12 responses each, leaving 8 responses out" in odd
+
+
 @pytest.mark.parametrize("extra", [(), ("+policy.train_global_batch_size=32",)])
 def test_one_step_per_grpo_step_says_nothing(extra):
     assert _run(*extra).global_batch_note() is None

@@ -559,6 +559,7 @@ def test_a_node_or_gpu_count_that_is_not_a_whole_number_is_refused_naming_it(tmp
         ("gpu:4", False),
         ("gpu:h100:8\ngpu:h100:4", False),  # mixed partition: left to ray.sub
         ("(null)", False),  # no GRES: ray.sub runs without --gres
+        ("gpu:8,nvme:1", True),  # 8 GPUs; ray.sub reads the last ':' field, 1 (diff review)
     ],
 )
 def test_gpus_per_node_other_than_the_partitions_is_refused_before_the_queue(
@@ -575,7 +576,18 @@ def test_gpus_per_node_other_than_the_partitions_is_refused_before_the_queue(
     if refused:
         assert proc.returncode == 2 and "--nodes" not in proc.stdout
         assert "GPUS_PER_NODE=4 but partition batch's nodes have 8 GPUs" in proc.stderr
-        assert "use cluster.gpus_per_node=8" in proc.stderr
+        assert "use cluster.gpus_per_node=8" in proc.stderr  # the gpu: entry's count, not 1
     else:
         assert proc.returncode == 0, proc.stderr
         assert "--nodes=4" in proc.stdout
+
+
+def test_a_gres_ray_sub_misreads_is_refused_naming_ray_subs_reading(tmp_path):
+    """8 GPUs a node listed before another resource: ray.sub reads 1 and exits at the job's
+    start even when GPUS_PER_NODE is 8; launch.sh says so instead of advising 1 GPU a node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _script(bin_dir / "sinfo", "#!/bin/sh\nprintf '%s\\n' 'gpu:8,nvme:1'\n")
+    proc = _launch(TWO_NODES, PATH=f"{bin_dir}:/usr/bin:/bin")
+    assert proc.returncode == 2 and "--nodes" not in proc.stdout
+    assert "has 8 GPUs a node, but NeMo-RL's ray.sub reads it as 1" in proc.stderr, proc.stderr

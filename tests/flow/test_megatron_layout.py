@@ -119,3 +119,33 @@ def test_align_names_experts_it_cannot_keep_bf16_by_name(cli, tmp_path):
     assert code == 1 and "verdict: OFF-POLICY on nemo-rl v0.7.0, nemo-rl main" in out, out
     assert "note: routed or shared experts' Megatron training blocks are not the rollout's" in out
     assert "768 rows per projection / expert_tensor_parallel_size=4 = 192" in out, out
+
+
+def test_the_local_backends_own_model_is_not_judged_by_cluster_layouts(cli):
+    """The local configs' model (head_dim 64, built from jetrl.local.model_config, never on the
+    hub) stays ON-POLICY everywhere: NeMo-RL cannot load it (a first version of the rule called
+    `jetrl check examples/configs/local/jetrl.yaml` OFF-POLICY, the README's own config)."""
+    local = REPO / "examples" / "configs" / "local" / "jetrl.yaml"
+    code, out = cli("check", local)
+    assert code == 0 and NOT_ROLLOUTS not in out and "verdict: ON-POLICY" in out, out
+
+
+def test_vllms_tensor_parallel_split_off_blocks_is_off_policy_on_nemo_rl(cli, tmp_path):
+    # Qwen3-4B at vLLM TP 8: down_proj's 9728 input columns give 1216 a rank (vLLM refuses the
+    # engine), gate/up 1216 rows a rank; at TP 4 every part is 19 x 128
+    model = _model(tmp_path, QWEN3_4B)
+    vtp = "policy.generation.vllm_cfg.tensor_parallel_size"
+    code, out = cli("check", JETRL, model, f"{vtp}=8")
+    b = _backends(out)
+    assert code == 1 and f"{vtp}=8 splits FP8 linears" in b["nemo-rl main"], out
+    assert b["local"].startswith("on-policy")
+    code, out = cli("check", JETRL, model, f"{vtp}=4")
+    assert code == 0 and "splits FP8 linears" not in out, out
+
+
+def test_a_parallel_size_that_is_no_integer_is_refused_naming_it(cli):
+    """A string "8" (an unresolved env default) was read as tensor-parallel 1 by the block-grid
+    rule and judged ON-POLICY (diff review, session 38): the keys are typed counts now."""
+    for key in (TP, "policy.generation.vllm_cfg.tensor_parallel_size"):
+        code, out = cli("check", JETRL, f"++{key}='8'")
+        assert code == 2 and f"  - {key}: got '8'; expected an integer" in out, out

@@ -127,7 +127,10 @@ def test_real_transformer_config_with_tensor_parallelism():
     assert "1216 rows per rank" in found[0] and "1216 per rank" in found[1]
     from nemo_jetrl.megatron.config import MegatronRecipeError, build_transformer_config
 
-    with pytest.raises(MegatronRecipeError, match="tensor-parallel size"):
+    with pytest.raises(
+        MegatronRecipeError,
+        match=r"set policy\.megatron_cfg\.tensor_model_parallel_size so each rank",
+    ):
         build_transformer_config(JETRL, **QWEN3_4B, tensor_model_parallel_size=8)
     assert block_layout_problems(bad, Recipe.preset("bf16").train) == []  # BF16 training
 
@@ -203,3 +206,45 @@ def test_tensor_parallel_shards_are_not_exported_as_full_weights(megatron_env):
                 ex.megatron_to_hf({name: t}, shape)
     full = {n: sd[n] for n in shards}
     assert len(ex.megatron_to_hf(full, shape)) == 5  # q, k, v, o_proj, down_proj
+
+
+def test_only_the_layers_that_run_fp8_are_judged_dense_and_moe_apart():
+    """A dense MLP exists only in the dense layers (``moe_layer_freq``) and is judged there only:
+    DeepSeek-V2-Lite's shape (dense layer 0 of 10944 rows, MoE after) at tensor-parallel 2 kept
+    its dense layer BF16 (first layer BF16) and was still called off (diff review, session 38);
+    routed experts are judged only where an MoE layer runs FP8."""
+    from types import SimpleNamespace
+
+    from nemo_jetrl.megatron.blocks import block_layout_problem, block_layout_problems
+
+    v2lite = SimpleNamespace(
+        num_layers=4,
+        hidden_size=2048,
+        num_attention_heads=16,
+        kv_channels=128,
+        ffn_hidden_size=10944,  # 5472 rows a rank at TP 2: off 128
+        gated_linear_unit=True,
+        tensor_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        num_moe_experts=64,
+        moe_ffn_hidden_size=1408,
+        moe_shared_expert_intermediate_size=2816,
+        moe_layer_freq=[0, 1, 1, 1],
+    )
+    train = JETRL_FP32.train
+    found = block_layout_problems(v2lite, train)  # layer 0's dense MLP: fc1 and fc2
+    assert [p.split(" ")[0] for p in found] == ["mlp.linear_fc1", "mlp.linear_fc2"], found
+    first_bf16 = train.with_(bf16_first_layers=1)
+    assert block_layout_problems(v2lite, first_bf16) == []
+    by_name = train.with_(bf16_layer_kws=("model.layers.0.mlp",))
+    assert block_layout_problems(v2lite, by_name) == []
+    # experts whose rows a rank cuts, only in MoE layers that run FP8
+    # 11008 / 2 = 5504 = 43 x 128 dense rows a rank; 1408 / 4 = 352 expert rows a rank
+    moe_cut = SimpleNamespace(**{**vars(v2lite), "ffn_hidden_size": 11008,
+                                 "expert_tensor_parallel_size": 4})  # fmt: skip
+    found = block_layout_problems(moe_cut, train)
+    assert found and all(p.startswith("mlp.experts") for p in found), found
+    msg = block_layout_problem(moe_cut, train)
+    assert "set policy.megatron_cfg.expert_tensor_parallel_size so each rank" in msg
+    assert "BF16 on both sides by name" not in msg  # experts cannot be
+    assert block_layout_problems(moe_cut, train.with_(bf16_last_layers=3)) == []

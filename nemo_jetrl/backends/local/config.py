@@ -350,12 +350,19 @@ class RunSettings:
         """What a config's ``policy.train_global_batch_size`` below the step's responses would
         do on NeMo-RL and does not do here (None when it says one optimizer step too)."""
         gbs, n = self.train_global_batch_size, self.batch_size
-        if gbs is None or gbs >= n:
+        if gbs is None or gbs == n:
             return None
+        here = f"the local backend takes one optimizer step per GRPO step over all {n} responses"
+        if gbs > n:  # NeMo-RL's Megatron worker takes n // gbs = 0 optimizer steps
+            return (
+                f"policy.train_global_batch_size={gbs} exceeds the {n} responses a step makes: "
+                f"NeMo-RL would take no optimizer step (it trains on whole global batches); {here}"
+            )
+        left = f", leaving {n % gbs} responses out" if n % gbs else ""
         return (
-            f"policy.train_global_batch_size={gbs} is not honoured: the local backend takes one "
-            f"optimizer step per GRPO step over all {n} responses (NeMo-RL takes {n // gbs} of "
-            f"{gbs} responses each, the later ones a step behind the sampling policy)"
+            f"policy.train_global_batch_size={gbs} is not honoured: {here} (NeMo-RL takes "
+            f"{n // gbs} of {gbs} responses each{left}, the later ones a step behind the "
+            "sampling policy)"
         )
 
     def resolved_checkpoint_dir(self) -> Path:
