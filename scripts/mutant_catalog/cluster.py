@@ -222,7 +222,10 @@ MUTANTS = [
         "slurm/launch.sh",
         "    dst=${m#*:} && dst=${dst%%:*}\n",
         "    dst=${m%%:*}\n",
-        ("tests/backends/test_slurm_launch.py",),
+        (
+            "tests/backends/test_slurm_launch.py::"
+            "test_a_checkpoint_dir_outside_every_mount_is_refused_naming_the_key",
+        ),
     ),
     Mutant(  # found by review: Qwen2.5's q/k/v crashed vLLM's compiled profile run
         "a biased layer plans its fp32 GEMM in the forward when our load step did not run",
@@ -559,7 +562,10 @@ MUTANTS = [
         "slurm/launch.sh",
         "if ((py_rc == 2)); then",
         "if ((py_rc == 99)); then",
-        ("tests/backends/test_slurm_launch.py",),
+        (
+            "tests/backends/test_slurm_launch.py::"
+            "test_what_jetrl_train_would_refuse_at_the_jobs_start_is_never_submitted",
+        ),
     ),
     Mutant(
         "a launch rule both NeMo-RL trees refuse is only a note at submission",
@@ -607,14 +613,20 @@ MUTANTS = [
         "slurm/launch.sh",
         "  gym_nodes=$cfg_gym\n",
         "  gym_nodes=0\n",
-        ("tests/backends/test_slurm_launch.py",),
+        (
+            "tests/backends/test_slurm_launch.py::"
+            "test_nemo_gym_gpu_nodes_are_asked_of_slurm_on_top_of_the_runs",
+        ),
     ),
     Mutant(  # review: a non-numeric NODES died in bash arithmetic
         "launch.sh lets a node count that is not a whole number through",
         "slurm/launch.sh",
         '  if ! [[ "${!v}" =~ ^[1-9][0-9]*$ ]]; then',
         "  if false; then",
-        ("tests/backends/test_slurm_launch.py",),
+        (
+            "tests/backends/test_slurm_launch.py::"
+            "test_a_node_or_gpu_count_that_is_not_a_whole_number_is_refused_naming_it",
+        ),
     ),
     Mutant(  # session 38: a spaced plugin name passed the check, then vLLM skipped the plugin
         "the check before Ray strips spaces vLLM keeps in VLLM_PLUGINS",
