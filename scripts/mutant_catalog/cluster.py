@@ -358,8 +358,8 @@ MUTANTS = [
     Mutant(  # found by review: Nemotron-H's provider keeps the edge layers BF16 in training
         "the worker lets a model built with other BF16 edge layers train",
         "nemo_jetrl/backends/nemo_rl/worker.py",
-        '            if why:\n                raise RuntimeError(f"nemo_jetrl: {why}")',
-        '            if False:\n                raise RuntimeError(f"nemo_jetrl: {why}")',
+        "            elif why:\n                raise RuntimeError(",
+        "            elif False:\n                raise RuntimeError(",
         ("tests/backends/test_nemo_rl_worker_glue.py",),
         env="nemo_rl",
     ),
@@ -650,6 +650,27 @@ MUTANTS = [
         (
             "tests/backends/test_slurm_launch.py::"
             "test_gpus_per_node_other_than_the_partitions_is_refused_before_the_queue",
+        ),
+    ),
+    Mutant(  # session 39: the check's gate let the run start, the worker then stopped it
+        "the policy worker stops a run launched with jetrl.allow_off_policy",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        "            if why and off_policy_allowed(os.environ):",
+        "            if why and False:",
+        (
+            "tests/backends/test_nemo_rl_worker_glue.py::"
+            "test_a_run_that_allows_off_policy_builds_the_model_with_a_warning",
+        ),
+        env="nemo_rl",
+    ),
+    Mutant(
+        "jetrl.allow_off_policy never reaches the policy workers",
+        "nemo_jetrl/backends/nemo_rl/translate.py",
+        '    if _get(config, "jetrl.allow_off_policy", False) is True:',
+        "    if False:",
+        (
+            "tests/backends/test_nemo_rl_backend.py::"
+            "test_allow_off_policy_reaches_the_policy_workers_env",
         ),
     ),
 ]

@@ -16,6 +16,7 @@ import torch
 
 from nemo_jetrl.backends.nemo_rl import launch as nr
 from nemo_jetrl.backends.nemo_rl import metrics as nm
+from nemo_jetrl.backends.nemo_rl import policy_env as pe
 from nemo_jetrl.backends.nemo_rl import translate as nt
 from nemo_jetrl.backends.nemo_rl.engine_check import ENTRY_POINTS
 from nemo_jetrl.errors import UserError
@@ -40,7 +41,7 @@ def test_translate_jetrl_kv_config():
     }
     env = mc["policy"]["megatron_cfg"]["env_vars"]
     assert env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "0"
-    assert nt.recipe_from_json(env[nt.RECIPE_ENV]) == plan.recipe
+    assert pe.recipe_from_json(env[nt.RECIPE_ENV]) == plan.recipe
     assert plan.recipe.onpolicy_kv and plan.recipe.kv_fp8
     vc = mc["policy"]["generation"]["vllm_cfg"]
     assert (vc["precision"], vc["kv_cache_dtype"]) == ("fp8", "fp8")
@@ -171,14 +172,28 @@ def test_policy_worker_registration_is_reverted():
         pass
 
 
+def test_allow_off_policy_reaches_the_policy_workers_env():
+    """The policy worker stops a built model whose training forward is not the rollout's unless
+    the run was launched with jetrl.allow_off_policy, which only the translation can tell it
+    (`jetrl check`'s gate lets such a run start; the worker then warns:
+    test_nemo_rl_worker_glue.py)."""
+    env = nr.prepare(str(QWEN / "jetrl.yaml")).plan.master_config["policy"]["megatron_cfg"]
+    assert pe.ALLOW_OFF_POLICY_ENV not in env["env_vars"]
+    assert not pe.off_policy_allowed(env["env_vars"])
+    p = nr.prepare(str(QWEN / "jetrl.yaml"), ["jetrl.allow_off_policy=true"])
+    env = p.plan.master_config["policy"]["megatron_cfg"]["env_vars"]
+    assert env[pe.ALLOW_OFF_POLICY_ENV] == "1" and pe.off_policy_allowed(env)
+    assert dict(p.plan.workers.policy_env)[pe.ALLOW_OFF_POLICY_ENV] == "1"
+
+
 def test_worker_env_check():
     recipe = Recipe.preset("jetrl")
     env = {nt.RECIPE_ENV: nt.recipe_to_json(recipe), "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
-    assert nt.check_policy_env(env) == recipe
+    assert pe.check_policy_env(env) == recipe
     with pytest.raises(RuntimeError, match="needs '0'"):
-        nt.check_policy_env({**env, "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"})
+        pe.check_policy_env({**env, "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"})
     with pytest.raises(RuntimeError, match="NEMO_JETRL_RECIPE is not set"):
-        nt.check_policy_env({})
+        pe.check_policy_env({})
 
 
 def test_worker_class_needs_nemo_rl(monkeypatch):

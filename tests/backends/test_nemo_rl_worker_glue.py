@@ -355,3 +355,26 @@ def test_the_worker_refuses_a_model_whose_training_blocks_are_not_the_rollouts(w
         with pytest.raises(RuntimeError, match="training blocks are not the rollout's") as ei:
             cls(_cfg(), model=model, bridge=None)
     assert "self_attention.linear_qkv" in str(ei.value) and "head_dim=64" in str(ei.value)
+    assert "jetrl.allow_off_policy=true" in str(ei.value)  # how to run it knowingly
+
+
+def test_a_run_that_allows_off_policy_builds_the_model_with_a_warning(
+    worker_cls, monkeypatch, capfd
+):
+    """The same model, launched with jetrl.allow_off_policy (the translation sets the worker's
+    env: test_nemo_rl_backend.py): `jetrl check`'s gate let the run start, so the worker does
+    not stop it; it says why the run is off-policy, and its KV hooks are attached."""
+    from megatron_shims import build_gpt, megatron_cpu
+
+    from nemo_jetrl.backends.nemo_rl.policy_env import ALLOW_OFF_POLICY_ENV
+
+    cls, _ = worker_cls
+    monkeypatch.setenv(ALLOW_OFF_POLICY_ENV, "1")
+    with megatron_cpu(), _CudaOnCpu():
+        w = cls(_cfg(), model=build_gpt().eval(), bridge=None)
+    err = capfd.readouterr().err
+    assert "warning: running OFF-POLICY (jetrl.allow_off_policy)" in err
+    assert "self_attention.linear_qkv" in err
+    assert w._jetrl_kv.layers  # the build went on past the check
+    w._jetrl_kv.restore()
+    w._jetrl_bf16.restore()

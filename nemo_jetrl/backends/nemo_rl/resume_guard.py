@@ -41,7 +41,7 @@ def resume_problem(merged: Mapping[str, Any]) -> str | None:
     there is none). ``merged``: the translated master config, paths already absolute."""
     import yaml
 
-    from nemo_jetrl.backends.nemo_rl.translate import RECIPE_ENV, recipe_from_json
+    from nemo_jetrl.backends.nemo_rl.policy_env import RECIPE_ENV, recipe_from_json
     from nemo_jetrl.recipe import preset_differences
 
     # NeMo-RL resumes whatever checkpointing.enabled says (grpo.setup asks its CheckpointManager

@@ -48,15 +48,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_jetrl.backends.nemo_rl.policy_env import ALLOW_OFF_POLICY_ENV, RECIPE_ENV, recipe_to_json
 from nemo_jetrl.backends.nemo_rl.refit_rules import PP_KEY, TRANSPORT_KEY, refit_problems
 from nemo_jetrl.backends.nemo_rl.tree_rules import TreeFacts, tree_problems
 from nemo_jetrl.megatron.config import (
-    FP32_SCALES_ENV,
     MegatronFp8Settings,
     MegatronRecipeError,
     megatron_fp8_settings,
@@ -68,7 +67,6 @@ NEMO_RL_COMMIT = "81aa43dda4765b0429cf31dab44441e4e4383911"
 NEMO_RL_IMAGE = "nvcr.io/nvidia/nemo-rl:v0.7.0"
 STOCK_POLICY_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
 POLICY_WORKER_FQN = "nemo_jetrl.backends.nemo_rl.worker.JetrlMegatronPolicyWorker"
-RECIPE_ENV = "NEMO_JETRL_RECIPE"
 VLLM_PATCH_ENV = "NEMO_JETRL_VLLM_PATCH"
 DEEP_GEMM_E8M0_ENV = "VLLM_USE_DEEP_GEMM_E8M0"
 """vLLM's switch for re-quantizing block-FP8 weights to UE8M0 scales at load (default on)."""
@@ -106,19 +104,6 @@ class NemoRlPlan:
     master_config: dict[str, Any]
     workers: WorkerSetup
     recipe: Recipe
-
-
-def recipe_to_json(recipe: Recipe) -> str:
-    return json.dumps(recipe.to_dict(), sort_keys=True)
-
-
-def recipe_from_json(text: str) -> Recipe:
-    try:
-        return Recipe.from_dict(json.loads(text))
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
-        raise ValueError(
-            f"{RECIPE_ENV} does not hold a valid recipe ({exc}): {text[:200]!r}"
-        ) from exc
 
 
 def _get(d: Mapping[str, Any], path: str, default: Any = None) -> Any:
@@ -189,6 +174,8 @@ def translate(
 
     _set_fp8_cfg(cfg, recipe.train.fp8_linears, settings)
     policy_env = {RECIPE_ENV: recipe_to_json(recipe), **settings.env_vars}
+    if _get(config, "jetrl.allow_off_policy", False) is True:
+        policy_env[ALLOW_OFF_POLICY_ENV] = "1"
     _merge_env(cfg, "policy.megatron_cfg.env_vars", policy_env)
 
     from nemo_jetrl.config import vllm_cfg_for
@@ -375,23 +362,3 @@ def _vllm_env(config: Mapping[str, Any], patch_json: str | None) -> dict[str, st
             host = _get(config, "policy.generation.colocated.enabled", True) is not False
             vllm_env.update(refit_hook_env(parity is not False, rollback is not False, host))
     return vllm_env
-
-
-def check_policy_env(env: Mapping[str, str]) -> Recipe:
-    """Inside a policy worker: the recipe from the env, with the TE variable consistent with it."""
-    text = env.get(RECIPE_ENV)
-    if not text:
-        raise RuntimeError(
-            f"{RECIPE_ENV} is not set in this worker: it must be started through "
-            "nemo_jetrl.backends.nemo_rl.launch (policy.megatron_cfg.env_vars carries it)"
-        )
-    recipe = recipe_from_json(text)
-    if recipe.train.fp8_linears and recipe.train.scaling == "blockwise":
-        want = "0" if recipe.train.pow2_weight_scales else "1"
-        have = env.get(FP32_SCALES_ENV, "0")
-        if have != want:
-            raise RuntimeError(
-                f"{FP32_SCALES_ENV}={have!r} in this worker but the recipe needs {want!r}: set "
-                f"policy.megatron_cfg.env_vars.{FP32_SCALES_ENV}={want!r}"
-            )
-    return recipe

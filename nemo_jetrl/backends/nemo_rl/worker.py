@@ -10,7 +10,10 @@ decorate it the same way (same runtime_env helper). What the subclass adds:
    by ``policy.megatron_cfg.env_vars``, so set before the process started), then
    `ensure_te_scale_env`, which fails if TE's recipe module, already loaded by then (NeMo-RL's
    worker module imports megatron-core, which imports TE), read the other scale rule;
-2. after the model is built: our hooks on every ``core_attention`` (on-policy KV when the recipe
+2. after the model is built: stops one whose training forward is not the rollout's (other BF16
+   first/last layers, `megatron.config.built_bf16_edges_problem`; TE blocks off the rollout's,
+   `megatron.blocks`), or only warns where the run was launched with ``jetrl.allow_off_policy``
+   (``NEMO_JETRL_ALLOW_OFF_POLICY``, as `jetrl check`'s gate lets such a run start); our hooks on every ``core_attention`` (on-policy KV when the recipe
    asks for it, with the scales of the last calibration), and the per-name BF16 linears
    (``jetrl.train_bf16_layer_kws``) wrapped to run outside TE's FP8 (`megatron.bf16_names`);
 3. ``calibrate_qkv_fp8_scales`` (what grpo.py calls before each refit when the KV cache is FP8):
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,7 +93,7 @@ def make_worker_class() -> type:
         calibration_micro_batches,
         refit_kv_scales,
     )
-    from nemo_jetrl.backends.nemo_rl.translate import check_policy_env
+    from nemo_jetrl.backends.nemo_rl.policy_env import check_policy_env, off_policy_allowed
     from nemo_jetrl.build_info import driver_code_problem
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
@@ -115,8 +119,14 @@ def make_worker_class() -> type:
             why = built_bf16_edges_problem(config, recipe.train)
             if not why and recipe.rollout.fp8_linears:  # the real config, TP sizes included
                 why = block_layout_problem(config, recipe.train)
-            if why:
-                raise RuntimeError(f"nemo_jetrl: {why}")
+            if why and off_policy_allowed(os.environ):  # the user accepted an off-policy run
+                print(f"nemo_jetrl: warning: running OFF-POLICY (jetrl.allow_off_policy): {why}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            elif why:
+                raise RuntimeError(
+                    f"nemo_jetrl: {why}. To run it off-policy anyway: jetrl.allow_off_policy=true "
+                    "(+jetrl.allow_off_policy=true on the command line of a config with no jetrl:)"
+                )
             try:
                 self._jetrl_kv = attach_megatron_kv(
                     self.model,
