@@ -52,13 +52,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mutation_confirm import confirm_kills, failed_ids
+from mutation_confirm import confirm_kills, failed_ids, passed_in_tiers
 from mutation_fork import ForkServer  # the standard library only
 from mutation_report import report
 
 REPO = Path(__file__).resolve().parents[1]
 FORK_VAR = "JETRL_MUTANTS_FORK"  # 0: a fresh interpreter per mutant run (the old path)
 JOBS_VAR = "JETRL_MUTANT_JOBS"  # mutants judged at a time (lanes), default 2
+# test.sh's tiers write <kind>.txt here (the tests that passed, tests/conftest.py), for the
+# environment kinds of `command`: default (.venv), vllm (.venv-vllm), nemo_rl (v0.7.0's)
+PASSED_DIR_VAR = "JETRL_PASSED_DIR"
+PASSED_LOG_VAR = "JETRL_PASSED_LOG"
 TEST_TIMEOUT_S = 120  # per test (pytest-timeout): a hung test fails with its stack
 RUN_TIMEOUT_S = 300  # per mutant run: past it the mutant counts as killed (it hangs)
 PROBE = "_jetrl_mutation_probe"
@@ -144,6 +148,7 @@ def command(root: Path, copy: Path, env_kind: str, tests: list[str]) -> tuple[li
     """The pytest command and environment of one run in ``copy``."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(copy)}
     env.pop("JETRL_GOLDEN_DIR", None)
+    env.pop(PASSED_LOG_VAR, None)  # a run on a mutant never lists its tests as passed unmutated
     # TE's pure-Python files (tests/megatron/test_te_layout_from_te.py) are not in the copy.
     env.setdefault("JETRL_TE_RECIPE_DIR", str(root / ".venv-te-recipe"))
     venv = {"default": ".venv", "vllm": ".venv-vllm", "nemo_rl": ".venv-vllm020"}[env_kind]
@@ -320,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-baseline", action="store_true", help="skip the unmutated run of the killing tests"
     )
+    ap.add_argument(
+        "--passed",
+        type=Path,
+        default=os.environ.get(PASSED_DIR_VAR) or None,
+        help="a folder of <kind>.txt, the tests this run's tiers saw pass unmutated: those are "
+        f"not run again to confirm a kill (default ${PASSED_DIR_VAR}; test.sh sets it)",
+    )
     args = ap.parse_args(argv)
     raw = str(args.jobs) if args.jobs is not None else os.environ.get(JOBS_VAR, "2")
     if not raw.isdigit() or int(raw) < 1:  # exit 2 before any copy is made
@@ -347,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         outcomes = judge_all(args.root, copies, mutants, fork)
         if not args.no_baseline:
-            confirm_kills(args.root, copies[0], outcomes, command, workers=args.jobs)
+            passed = passed_in_tiers(args.passed) if args.passed else {}
+            confirm_kills(args.root, copies[0], outcomes, command, args.jobs, passed)
     finally:
         if args.keep:
             print(f"kept the copies in {', '.join(map(str, copies))}")

@@ -34,7 +34,8 @@
 # With CI=true (.ci/run sets it) a tier that cannot run (e.g. no NeMo-RL source) fails the run,
 # and so does a tier skipped with a JETRL_SKIP_* flag.
 #   4. the mutation check (scripts/mutation_check.py, mutants in scripts/mutants.py): each mutant
-#      on a temporary copy, judged by the tests listed for it; a survivor fails the run.
+#      on a temporary copy, judged by the tests listed for it; a survivor fails the run. A kill
+#      counts where its test passes unmutated: the tests the tiers above saw pass are not rerun.
 #      JETRL_SKIP_MUTANTS=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,7 +78,11 @@ summary=()
 # the environments below, built in the background while the default suite runs; warm_start /
 # warm_stop: the next tier's files read while the tier before it computes
 source scripts/tier.sh
-trap 'lane_stop; env_stop; warm_stop' EXIT
+# The tests each tier saw pass (tests/conftest.py writes $JETRL_PASSED_LOG), one file per
+# environment kind of the mutation check: its last phase does not rerun, unmutated, a killing
+# test this run already saw pass there (scripts/mutation_confirm.py; 243 s of CI's 693 s).
+passed_dir=$(mktemp -d "${TMPDIR:-/tmp}/jetrl-passed-XXXXXX")
+trap 'lane_stop; env_stop; warm_stop; rm -rf "$passed_dir"' EXIT
 disk_check  # what is free against what a fresh clone's full run writes (a warning, not a stop)
 vllm_versions=() nemo_rl_trees=()
 [ "${JETRL_SKIP_VLLM:-0}" = "1" ] || read -r -a vllm_versions <<< "${JETRL_VLLM_VERSIONS:-0.32.0 0.20.0}"
@@ -124,7 +129,10 @@ vllm_tier() {  # VERSION: the vLLM tier of one version, once its environment is 
     not_run "vLLM $version tier ($venv)" "$(setup_failed "$log")"
     return 0
   fi
-  tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" bash scripts/test_vllm.sh --runslow
+  local passed=()  # the mutation check's vllm kind is .venv-vllm
+  [ "$venv" != .venv-vllm ] || passed=(JETRL_PASSED_LOG="$passed_dir/vllm.txt")
+  tier "vLLM $version tier ($venv)" env VLLM_VENV="$venv" "${passed[@]}" \
+    bash scripts/test_vllm.sh --runslow
 }
 nemo_rl_tier() {  # TREE: the NeMo-RL tier of one tree, once its environment is built
   local tree=$1 log
@@ -144,7 +152,9 @@ nemo_rl_tier() {  # TREE: the NeMo-RL tier of one tree, once its environment is 
     not_run "NeMo-RL $tree tier" "$(setup_failed "$log")"
     return 0
   fi
-  tier "NeMo-RL $tree tier" bash scripts/test_nemo_rl.sh "$tree" --runslow
+  local passed=()  # the mutation check's nemo_rl kind is v0.7.0's environment
+  [ "$tree" != v0.7.0 ] || passed=(JETRL_PASSED_LOG="$passed_dir/nemo_rl.txt")
+  tier "NeMo-RL $tree tier" env "${passed[@]}" bash scripts/test_nemo_rl.sh "$tree" --runslow
 }
 # The tiers after the default suite, in summary order. 0.32: the current vLLM CPU build; 0.20:
 # the vLLM NeMo-RL v0.7.0 ships (the cluster target); then each NeMo-RL tree.
@@ -210,8 +220,8 @@ echo "== default suite (.venv) =="
 # --durations: each tier's slowest tests in the log, what CI time is cut from (docs/ci_times.md).
 # -n 2 (pytest-xdist): the suite is one Python thread most of the time (108% CPU alone), so two
 # workers use both cores; --dist loadfile keeps each file (and its module fixtures) in one worker.
-tier "default suite (.venv)" .venv/bin/python -m pytest -q --runslow --durations=20 \
-  -n "$workers" --dist loadfile
+tier "default suite (.venv)" env JETRL_PASSED_LOG="$passed_dir/default.txt" \
+  .venv/bin/python -m pytest -q --runslow --durations=20 -n "$workers" --dist loadfile
 for k in "${!ahead[@]}"; do
   i=${ahead[$k]}
   if [ "$i" = "$first_nemo" ] && [ "${#second[@]}" -gt 0 ]; then
@@ -225,7 +235,7 @@ warm_stop
 if [ "${JETRL_SKIP_MUTANTS:-0}" != "1" ]; then
   # Last: its NeMo-RL mutants run in the env the NeMo-RL tier set up (scripts/mutants.py).
   echo "== mutation check (scripts/mutation_check.py: each mutant on a temporary copy) =="
-  tier "mutation check" .venv/bin/python scripts/mutation_check.py
+  tier "mutation check" env JETRL_PASSED_DIR="$passed_dir" .venv/bin/python scripts/mutation_check.py
 fi
 skipped_tiers
 echo "== summary =="

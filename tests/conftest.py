@@ -67,6 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "differ there: `why` says so). Unmarked `vllm` tests run on every line. "
         f"{VLLM_ALL_VERSIONS_VAR}=1 runs every test on every line.",
     )
+    register_passed_log(config)
     # Triton reads TRITON_INTERPRET when a kernel is first defined, which may happen in any test
     # module that touches the dispatch; set it once for the session on CPU-only machines.
     if not _cuda():
@@ -179,6 +180,34 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             f"vLLM {d['line']}: {d['count']} tests deselected as covered on vLLM {d['on']} "
             f"(tests/vllm_coverage.py; {VLLM_ALL_VERSIONS_VAR}=1 runs them here too)"
         )
+
+
+# test.sh's tiers list the tests that passed (one node id a line), so that the mutation check's
+# last phase does not run again, unmutated, a killing test this same run saw pass in the same
+# environment (scripts/mutation_confirm.py). Under xdist the controller gets every report.
+PASSED_LOG_VAR = "JETRL_PASSED_LOG"
+
+
+class _PassedLog:
+    """Appends the node id of each test whose call and teardown passed to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.called = path, set()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and report.passed:
+            self.called.add(report.nodeid)
+        elif report.when == "teardown" and report.nodeid in self.called:
+            self.called.discard(report.nodeid)
+            if report.passed:  # a teardown error fails the test
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(report.nodeid + "\n")
+
+
+def register_passed_log(config: pytest.Config) -> None:
+    path = os.environ.get(PASSED_LOG_VAR)
+    if path and not hasattr(config, "workerinput"):  # not in an xdist worker: its controller
+        config.pluginmanager.register(_PassedLog(path), "jetrl-passed-log")
 
 
 # -- fixtures shared across test folders (one conftest: sub-folder conftest.py files would

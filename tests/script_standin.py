@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 _STANDIN = """#!/usr/bin/env bash
 # stand-in for {name} (tests/script_standin.py)
 echo "start {name} $* ${{VLLM_VENV:-}}" >> "$JOURNAL"
+# the lists of passed tests test.sh hands to each tier and to the mutation check
+[ -z "${{JETRL_PASSED_LOG:-}}" ] || echo "{name} ${{VLLM_VENV:-}}${{1:-}} ${{JETRL_PASSED_LOG##*/}}" >> "$JOURNAL.passed"
+[ -z "${{JETRL_PASSED_DIR:-}}" ] || echo "{name} $* reads $(basename "$JETRL_PASSED_DIR")" >> "$JOURNAL.passed"
 echo "$$" >> "$JOURNAL.pids"
 sleep "${{STANDIN_SLEEP_{key}:-0}}"
 echo "end {name} ${{VLLM_VENV:-}}" >> "$JOURNAL"

@@ -3,6 +3,7 @@ from EQUIVALENT (end to end on a throwaway repository, the working tree left unt
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import shutil
@@ -97,7 +98,7 @@ CONFTEST = "def pytest_addoption(parser):\n    parser.addoption('--runslow', act
 
 
 def _run_harness(
-    root: Path, test: str, mutants: str, **env_vars: str
+    root: Path, test: str, mutants: str, conftest: str = CONFTEST, **env_vars: str
 ) -> subprocess.CompletedProcess[str]:
     """A git repo at ``root`` holding pkg/mod.py (MOD), ``test`` as its tests and ``mutants`` as
     its scripts/mutants.py, with this repo's mutation_check.py run on it (no PYTHONPATH)."""
@@ -105,7 +106,7 @@ def _run_harness(
         "pkg/__init__.py": "",
         "pkg/mod.py": MOD,
         "tests/test_mod.py": test,
-        "tests/conftest.py": CONFTEST,
+        "tests/conftest.py": conftest,
         "scripts/mutants.py": mutants,
         ".gitignore": ".venv\n",
     }.items():
@@ -213,6 +214,66 @@ MUTANTS = [
     assert f"confirmed on unmutated code: default, 3 killing tests, {workers}, " in out, out
     assert "ERROR      clip, broken a" in out and "ERROR      pad, broken b" in out, out
     assert out.splitlines()[-1].startswith("1 killed, 0 equivalent, 0 survived, 2 errors"), out
+
+
+def _passed_log_hook() -> str:
+    """tests/conftest.py's plugin that lists the tests a tier saw pass ($JETRL_PASSED_LOG)."""
+    src = (REPO / "tests/conftest.py").read_text()
+    parts = [
+        ast.get_source_segment(src, n) or ""
+        for n in ast.parse(src).body
+        if (isinstance(n, (ast.FunctionDef, ast.ClassDef)) and "assed" in n.name)
+        or (isinstance(n, ast.Assign) and ast.unparse(n).startswith("PASSED_LOG_VAR"))
+    ]
+    assert len(parts) == 3, parts
+    register = "def pytest_configure(config):\n    register_passed_log(config)\n"
+    return "import os\nimport pytest\n" + CONFTEST + "\n\n".join([*parts, register])
+
+
+def test_killing_tests_a_tier_saw_pass_are_not_rerun_and_mutant_runs_list_nothing(
+    tmp_path: Path,
+) -> None:
+    """test.sh's tiers list what passed (tests/conftest.py, $JETRL_PASSED_LOG); the check's last
+    phase does not rerun those (it took 243 s of CI's 693 s mutation tier, every killing test
+    already run by a tier). A run on a mutant never writes the list, though the variable is set
+    (were it written, a test that passed on mutated code would count as passing unmutated)."""
+    root = tmp_path / "repo"
+    passed, leak = tmp_path / "passed", tmp_path / "listed.txt"
+    passed.mkdir()
+    (passed / "default.txt").write_text("tests/test_mod.py::test_pad\n")
+    # killed by test_pad, after test_clip passed on the mutated code
+    mutants = MUTANTS.split("MUTANTS = [")[0] + (
+        'MUTANTS = [Mutant("pad +1 -> -1", "pkg/mod.py", "return n + 1", "return n - 1", T)]\n'
+    )
+    conftest = _passed_log_hook()
+    p = _run_harness(
+        root, TEST, mutants, conftest, JETRL_PASSED_DIR=str(passed), JETRL_PASSED_LOG=str(leak)
+    )
+    out = p.stdout
+    assert p.returncode == 0, out + p.stderr
+    assert "KILLED     pad +1 -> -1" in out, out
+    assert "default, 1 killing tests, every one passed in this run's tier" in out, out
+    assert not leak.exists(), leak.read_text()
+    # control: the same hook in a tier's run (no mutant) lists the tests that passed
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_mod.py"],
+        cwd=root,
+        env={**os.environ, "JETRL_PASSED_LOG": str(leak), "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert leak.read_text().split() == [
+        "tests/test_mod.py::test_clip",
+        "tests/test_mod.py::test_pad",
+    ]
+    # a killing test the tier did not see pass runs unmutated, as before
+    (passed / "default.txt").write_text("tests/test_mod.py::test_clip\n")
+    p = _run_harness(tmp_path / "repo2", TEST, mutants, conftest, JETRL_PASSED_DIR=str(passed))
+    assert (
+        "confirmed on unmutated code: default, 1 killing tests (0 more passed in this run's tier)"
+        in p.stdout
+    ), p.stdout
 
 
 def test_a_module_the_fork_server_imported_from_the_copy_refuses_every_run(tmp_path: Path) -> None:

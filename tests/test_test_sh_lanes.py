@@ -138,3 +138,21 @@ def test_an_interrupted_run_ends_the_second_lanes_tier(tmp_path: Path) -> None:
             continue
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         assert stat == "Z", f"stand-in {pid} still running after the interrupt"
+
+
+def test_each_tier_lists_what_passed_where_the_mutation_check_reads_it(tmp_path: Path) -> None:
+    """The default suite, the vLLM 0.32 tier (.venv-vllm) and NeMo-RL v0.7.0's tier write the
+    tests they saw pass under the mutation check's environment kinds (default, vllm, nemo_rl:
+    scripts/mutation_check.py's `command`); the other tiers, whose environments no mutant runs
+    in, write none; the mutation check reads that folder (its last phase then skips those)."""
+    _, _, out = _run_test_sh(tmp_path, JETRL_VLLM_VERSIONS="0.32.0 0.20.0")
+    lines = (tmp_path / "journal.passed").read_text().splitlines()
+    folder = lines[-1].rsplit(" ", 1)[1]
+    assert folder.startswith("jetrl-passed-"), lines
+    assert lines == [
+        "default-python -m default.txt",
+        "test_vllm .venv-vllm--runslow vllm.txt",
+        "test_nemo_rl v0.7.0 nemo_rl.txt",
+        f"default-python scripts/mutation_check.py reads {folder}",
+    ], (lines, out)
+    assert not (tmp_path / folder).exists()  # removed at the end
