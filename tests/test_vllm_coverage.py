@@ -42,8 +42,8 @@ def ci_lines() -> tuple[str, ...]:
 
 def tier_paths() -> tuple[str, ...]:
     text = (REPO / "scripts" / "test_vllm.sh").read_text()
-    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("tests/")]
-    return tuple(p for p in line.split() if p.startswith("tests/"))
+    lines = [ln for ln in text.splitlines() if ln.strip().startswith("tests/")]
+    return tuple(p for ln in lines for p in ln.split() if p.startswith("tests/"))
 
 
 @pytest.fixture(scope="module")

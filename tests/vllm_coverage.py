@@ -33,6 +33,7 @@ TIER_PATHS = (
     "tests/vllm_patch",
     "tests/backends/test_local_vllm.py",
     "tests/backends/test_local_vllm_moe.py",
+    "tests/backends/test_local_vllm_seq_len.py",
 )
 
 
@@ -112,6 +113,13 @@ COVERAGE: tuple[Coverage, ...] = (
         ("0.32",),
         "grouped slabs are NeMo-RL main's layout (vLLM 0.25.1: the NeMo-RL main tier runs this "
         "module); [per_expert], NeMo-RL v0.7.0's layout, runs on 0.20",
+    ),
+    Coverage(
+        "tests/backends/test_local_vllm_seq_len.py",
+        None,
+        ("0.32",),
+        "the engine's max_model_len is our own sizing (backends/local/seq_len.py), passed to "
+        "LLM() alike on every line; no version branch on this path",
     ),
     Coverage(
         "tests/backends/test_local_vllm_moe.py",

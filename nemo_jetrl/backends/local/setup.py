@@ -35,8 +35,9 @@ from nemo_jetrl.backends.local.precision import (
 from nemo_jetrl.backends.local.refit import export_weights
 from nemo_jetrl.backends.local.resume import RunCheckpointing
 from nemo_jetrl.backends.local.routing import RoutingController
+from nemo_jetrl.backends.local.seq_len import SequenceLengths, data_generator, measure
 from nemo_jetrl.backends.local.step import RunStep
-from nemo_jetrl.backends.local.task import encode_prompts, validation_problems
+from nemo_jetrl.backends.local.task import validation_problems
 from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
 from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
@@ -75,6 +76,7 @@ class ResolvedRun:
     loss: GRPOLossConfig  # loss_fn
     settings: Settings  # the config's typed settings (MoE routing replay, ...)
     config_yaml: str  # config.yaml as written: interpolations unresolved, jetrl.recipe set
+    lengths: SequenceLengths  # longest prompt, max_new_tokens, the model's positions (seq_len)
 
 
 def resolve_run(cfg: DictConfig, *, recipe: Recipe | None = None) -> ResolvedRun:
@@ -101,8 +103,12 @@ def resolve_run(cfg: DictConfig, *, recipe: Recipe | None = None) -> ResolvedRun
                 new = []  # the config validator already named these loss_fn problems
             issues.extend(new)
             out.append(None)
-    recipe, local = out[0], out[2]
+    recipe, run, local = out[0], out[1], out[2]
     issues.extend(moe_run_issues(settings))
+    lengths = None
+    if run is not None and local is not None:  # prompt + max_new_tokens past the model's positions
+        lengths, found = measure(run, local)
+        issues.extend(found)
     if local is not None:  # before any work: a CUDA device this machine lacks (exit 2)
         issues.extend(device_issues(local.device))
     if local is not None and local.rollout_engine == "vllm":
@@ -119,7 +125,7 @@ def resolve_run(cfg: DictConfig, *, recipe: Recipe | None = None) -> ResolvedRun
                 unique.append(i)
         raise ConfigError(unique)
     text = config_yaml(cfg, recipe=recipe.name)
-    return ResolvedRun(*out, settings=settings, config_yaml=text)
+    return ResolvedRun(*out, settings=settings, config_yaml=text, lengths=lengths)
 
 
 class LocalRun(RunStep, RunCheckpointing):
@@ -155,10 +161,10 @@ class LocalRun(RunStep, RunCheckpointing):
         seed = self.run.seed
         # CPU generators on every device: rollout.sample draws on the CPU, so the checkpointed
         # generator states and the draws given the same probabilities do not depend on the device
-        self.data_gen = torch.Generator().manual_seed(seed + 2)
+        self.data_gen = data_generator(seed)
         self.sample_gen = torch.Generator().manual_seed(seed + 3)
         self.val_problems = validation_problems(self.task, seed)
-        self.max_new_tokens = self.run.max_new_tokens or self.task.response_len() + 4
+        self.max_new_tokens = resolved.lengths.max_new_tokens
         self.step = 0
         self.refit_refused_total = 0
         self.kv_calibrated = False
@@ -273,16 +279,15 @@ class LocalRun(RunStep, RunCheckpointing):
         """Start the vLLM engine on a run-local model dir and load the trainer's weights."""
         from nemo_jetrl.backends.local.vllm_rollout import VllmRollout
 
-        prompt_len = encode_prompts(self.val_problems[:1], self.tokenizer).shape[1]
         batch = max(self.run.batch_size, len(self.val_problems))
         self.engine = VllmRollout(
             self.rollout_model,
             self.tokenizer,
             self.recipe,
             Path(self.run.log_dir) / "vllm_model",
-            max_model_len=min(
-                self.model_config.max_position_embeddings, prompt_len + self.max_new_tokens + 16
-            ),
+            # every prompt of both datasets + max_new_tokens (<= max_position_embeddings: the
+            # config was refused otherwise), so vLLM never refuses a prompt nor cuts a response
+            max_model_len=self.resolved.lengths.longest_sequence,
             max_num_seqs=min(batch, 256),
             seed=self.run.seed,
             moe_layers=[b.layer for b in self.routing.train_blocks],

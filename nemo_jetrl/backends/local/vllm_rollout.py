@@ -190,6 +190,7 @@ class VllmRollout:
         self._env_set = cpu_engine_env()
         os.environ.update(self._env_set)  # read by vLLM's engine processes; removed on close
         self.model_dir = write_model_dir(model, tokenizer, model_dir)
+        self.max_model_len = max_model_len
         kwargs = dict(
             dtype="bfloat16",
             load_format="dummy",  # weights come by refit only
@@ -285,7 +286,14 @@ class VllmRollout:
         greedy: bool = False,
     ) -> RolloutBatch:
         """Sample (or decode greedily) up to ``max_new_tokens`` per row; same batch as HF rollout."""
-        bsz = prompt_ids.shape[0]
+        bsz, prompt_len = prompt_ids.shape
+        if prompt_len + max_new_tokens > self.max_model_len:  # vLLM would cut it short, silently
+            raise ValueError(
+                f"a prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} is past the "
+                f"engine's max_model_len {self.max_model_len} (sized from the run's longest "
+                "prompt, `seq_len.SequenceLengths`): vLLM would refuse the prompt or cut its "
+                "responses short"
+            )
         seeds = torch.randint(0, 2**31 - 1, (bsz,), generator=generator).tolist()
         gens = self._live().generate(
             prompt_ids.tolist(),
