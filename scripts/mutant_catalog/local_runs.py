@@ -136,4 +136,25 @@ MUTANTS = [
         "        if True:",
         ("tests/backends/test_local_global_batch.py",),
     ),
+    Mutant(  # session 39: the HF rollout failed mid-run, the vLLM engine cut responses short
+        "a local run past the model's positions is not refused before any work",
+        "nemo_jetrl/backends/local/seq_len.py",
+        "    if need <= lengths.max_positions:\n        return []",
+        "    if True:\n        return []",
+        ("tests/backends/test_local_seq_len.py",),
+    ),
+    Mutant(  # the rollout never feeds its last token; the trainer scores every position
+        "the sequence bound lets one position past the model's table through",
+        "nemo_jetrl/backends/local/seq_len.py",
+        "    if need <= lengths.max_positions:",
+        "    if need <= lengths.max_positions + 1:",
+        ("tests/backends/test_local_seq_len.py::test_the_bound_is_the_trainers_whole_sequence",),
+    ),
+    Mutant(
+        "the training prompts are not measured (the first validation prompt sizes the run)",
+        "nemo_jetrl/backends/local/seq_len.py",
+        "        train_prompt=longest_prompt(train, tok),",
+        "        train_prompt=0,",
+        ("tests/backends/test_local_seq_len.py",),
+    ),
 ]
