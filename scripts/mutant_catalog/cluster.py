@@ -673,4 +673,14 @@ MUTANTS = [
             "test_allow_off_policy_reaches_the_policy_workers_env",
         ),
     ),
+    Mutant(  # session 39 review: Qwen3-8B's checkpoint resumed under Qwen3-4B's config
+        "NeMo-RL's resume guard compares the recipe only, not the model",
+        "nemo_jetrl/backends/nemo_rl/resume_guard.py",
+        "    other = _other_model(saved, merged)\n",
+        "    other = None\n",
+        (
+            "tests/backends/test_nemo_rl_resume_guard.py::"
+            "test_a_checkpoint_of_another_model_is_refused_naming_both",
+        ),
+    ),
 ]

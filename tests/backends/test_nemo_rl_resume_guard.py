@@ -77,6 +77,23 @@ def test_a_scale_mode_change_alone_is_refused(tmp_path):
     assert resume_problem(calib) is None
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_both(tmp_path):
+    """Review (session 39): Qwen3-8B's checkpoint resumed under Qwen3-4B's config passed the
+    guard (same recipe); NeMo-RL then fails after Ray and model load, or, with the same shapes,
+    trains on the other model's weights without a word."""
+    ckpt = tmp_path / "ckpt"
+    checkpoint(ckpt, 3, master("jetrl", ckpt))
+    assert resume_problem(master("jetrl", ckpt)) is None
+    other = master("jetrl", ckpt, "policy.model_name=Qwen/Qwen3-4B-Base")
+    why = resume_problem(other) or ""
+    assert why.startswith("checkpointing.checkpoint_dir: NeMo-RL would resume "), why
+    assert "policy.model_name 'Qwen/Qwen3-8B-Base' (this config: 'Qwen/Qwen3-4B-Base')" in why
+    assert "point checkpointing.checkpoint_dir at a new directory" in why
+    # the tokenizer alone counts too (it defaults to the model)
+    tok = master("jetrl", ckpt, "policy.tokenizer.name=Qwen/Qwen3-4B-Base")
+    assert "policy.tokenizer.name 'Qwen/Qwen3-8B-Base'" in (resume_problem(tok) or "")
+
+
 def test_a_checkpoint_without_our_recipe_and_no_checkpoint_at_all(tmp_path):
     ckpt = tmp_path / "ckpt"
     assert resume_problem(master("jetrl", ckpt)) is None  # nothing to resume: a fresh start

@@ -6,8 +6,9 @@ there (``CheckpointManager.get_latest_checkpoint_path``) and reads only its
 power-of-two to FP32 scales, on-policy KV on or off) would continue another recipe's weights and
 optimizer state, and its logs would join the old run's in ``jetrl compare``, without a word.
 Each checkpoint also holds the run's master config (``config.yaml``), our recipe among the
-policy workers' env vars: compared here, before Ray starts, as the local backend does with its
-own checkpoints.
+policy workers' env vars, and ``policy.model_name`` / ``policy.tokenizer.name``: compared here,
+before Ray starts, as the local backend does with its own checkpoints (another model's
+checkpoint failed after Ray and model load, or trained on silently where the shapes match).
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
 def _policy_env(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """A master config's ``policy.megatron_cfg.env_vars``, where the translation puts the recipe."""
     return ((cfg.get("policy") or {}).get("megatron_cfg") or {}).get("env_vars") or {}
+
+
+def _other_model(saved: Mapping[str, Any], merged: Mapping[str, Any]) -> str | None:
+    """What of ``policy.model_name`` / ``policy.tokenizer.name`` differs between a checkpoint's
+    master config and this launch's (None: neither). Names compare as written, trailing "/" aside:
+    a model moved to another path reads as another model."""
+
+    def names(cfg: Mapping[str, Any]) -> tuple[str, str]:
+        policy = cfg.get("policy") or {}
+        model = str(policy.get("model_name") or "").rstrip("/")
+        tok = str((policy.get("tokenizer") or {}).get("name") or model).rstrip("/")
+        return model, tok
+
+    (m0, t0), (m1, t1) = names(saved), names(merged)
+    diffs = [
+        f"{key} {a!r} (this config: {b!r})"
+        for key, a, b in (("policy.model_name", m0, m1), ("policy.tokenizer.name", t0, t1))
+        if a and a != b
+    ]
+    return ", ".join(diffs) or None
 
 
 def resume_problem(merged: Mapping[str, Any]) -> str | None:
@@ -63,6 +84,13 @@ def resume_problem(merged: Mapping[str, Any]) -> str | None:
     except (OSError, ValueError, yaml.YAMLError) as exc:
         return f"checkpointing.checkpoint_dir: {latest}/config.yaml cannot be read ({exc}); {fix}"
     ours = recipe_from_json(_policy_env(merged)[RECIPE_ENV])
+    other = _other_model(saved, merged)
+    if other:  # the weights themselves: refused first, whatever the recipes say
+        return (
+            f"checkpointing.checkpoint_dir: NeMo-RL would resume {latest}, written for {other}: "
+            f"it would load that model's weights (another shape fails after Ray and model "
+            f"load; the same shapes train on silently); {fix}"
+        )
     if theirs is None:
         return (
             f"checkpointing.checkpoint_dir: NeMo-RL would resume {latest}, written without "
