@@ -140,3 +140,37 @@ def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     b, s = ids.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     return model(ids, pos, attention_mask=causal_mask(s))
+
+
+def te_block_dequant(t: torch.Tensor) -> torch.Tensor:
+    """What TE's blockwise FP8 weight (128x128 blocks from row 0 of the tensor it holds, FP32
+    scales) multiplies with, dequantized: the training side of the block-grid tests."""
+    from nemo_jetrl.fp8 import quantize_blockwise
+
+    return quantize_blockwise(t, (128, 128), fmt="e4m3", pow2_scales=False).dequantize(
+        torch.float32
+    )
+
+
+def build_gated_delta_net(cfg: Any) -> torch.nn.Module:
+    """Megatron-Core's real ``GatedDeltaNet`` (Qwen3.5 / Qwen3-Next linear attention) with plain
+    column/row-parallel linears, inside `megatron_cpu`. Only its forward needs the FLA kernels,
+    so ``HAVE_FLA`` is set for the constructor alone."""
+    import megatron.core.ssm.gated_delta_net as gdn
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    saved, gdn.HAVE_FLA = gdn.HAVE_FLA, True
+    try:
+        return gdn.GatedDeltaNet(
+            cfg,
+            gdn.GatedDeltaNetSubmodules(
+                in_proj=ModuleSpec(module=ColumnParallelLinear),
+                out_proj=ModuleSpec(module=RowParallelLinear),
+            ),
+            layer_number=1,
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        )
+    finally:
+        gdn.HAVE_FLA = saved

@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 LAYOUT_NOTE = (
     "go BF16 on both sides: in NeMo-RL's Megatron training, TE's 128x128 FP8 blocks of these "
-    "linears are not the rollout's (a fused linear_qkv with a head dim off 128, or "
-    "tensor-parallel shards cutting blocks; docs/megatron.md)"
+    "linears are not the rollout's (a fused linear_qkv with a head dim off 128, the gated "
+    "delta net's one in_proj GEMM of several HF weights, or tensor-parallel shards cutting "
+    "blocks; docs/megatron.md)"
 )
 LAYOUT_UNSETTLED = (
     "routed or shared experts' Megatron training blocks are not the rollout's and cannot be kept "

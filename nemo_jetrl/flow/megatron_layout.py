@@ -7,6 +7,10 @@ gives training blocks the rollout never has); it reads Megatron ``TransformerCon
 This module hands it those fields from a `ModelArch` and the config's
 ``policy.megatron_cfg.tensor_model_parallel_size`` / ``expert_tensor_parallel_size``, so
 `jetrl check` names the problem where NeMo-RL's worker would otherwise build the model first.
+Hybrid models (Qwen3.5, Qwen3-Next) get the fields Megatron-Bridge sets for them: the attention
+output gate, the gated delta net's sizes and layers (``linear_attention_freq``, 1 = linear
+attention), and which HF weights its in_proj is (``hf_in_proj_split``, no TransformerConfig
+field: `blocks.HF_SPLIT_FIELD`).
 The local backend trains the HF layout (one weight per projection, no tensor parallelism) and
 is not affected.
 """
@@ -18,7 +22,12 @@ from typing import Any
 
 from nemo_jetrl.arch import ModelArch
 from nemo_jetrl.config import Settings
-from nemo_jetrl.megatron.blocks import block_layout_problem, block_layout_words
+from nemo_jetrl.megatron.blocks import (
+    GDN_VARIANT,
+    HF_SPLIT_FIELD,
+    block_layout_problem,
+    block_layout_words,
+)
 from nemo_jetrl.recipe import Recipe
 
 
@@ -29,7 +38,9 @@ def transformer_fields(arch: ModelArch, tp: int = 1, etp: int | None = None) -> 
         "num_layers": arch.num_layers,
         "hidden_size": arch.hidden_size,
         "num_attention_heads": arch.num_heads,
+        "num_query_groups": arch.num_kv_heads,
         "kv_channels": arch.head_dim,
+        "attention_output_gate": arch.output_gate,
         "ffn_hidden_size": arch.intermediate_size,
         "gated_linear_unit": True,
         "tensor_model_parallel_size": tp,
@@ -50,6 +61,18 @@ def transformer_fields(arch: ModelArch, tp: int = 1, etp: int | None = None) -> 
             moe_shared_expert_intermediate_size=arch.moe.shared_size,
             moe_layer_freq=[int(i in arch.moe.moe_layers) for i in range(arch.num_layers)],
         )
+    hybrid = arch.hybrid
+    if hybrid is not None:
+        f.update(
+            experimental_attention_variant=GDN_VARIANT,
+            linear_attention_freq=[int(hybrid.is_linear(i)) for i in range(arch.num_layers)],
+            linear_num_key_heads=hybrid.num_k_heads,
+            linear_key_head_dim=hybrid.k_head_dim,
+            linear_num_value_heads=hybrid.num_v_heads,
+            linear_value_head_dim=hybrid.v_head_dim,
+            linear_conv_kernel_dim=hybrid.conv_kernel,
+        )
+        f[HF_SPLIT_FIELD] = hybrid.split_proj
     return SimpleNamespace(**f)
 
 
@@ -57,8 +80,6 @@ def _fields(arch: ModelArch | None, settings: Settings, recipe: Recipe) -> Simpl
     """The fields to judge, or None where there is nothing to judge."""
     if arch is None or not recipe.rollout.fp8_linears:
         return None
-    if arch.hybrid is not None or arch.output_gate:
-        return None  # Megatron's gated-delta-net and gated-q layouts: not modelled here
     return transformer_fields(arch, settings.megatron_tp, settings.megatron_etp)
 
 

@@ -10,8 +10,8 @@ MUTANTS = [
     Mutant(  # head_dim 64: a 128-row block of the fused linear_qkv holds a group's K and V
         "the fused linear_qkv's head dim is not checked against the block size",
         "nemo_jetrl/megatron/blocks.py",
-        "        if hd % BLOCK:",
-        "        if False:",
+        "    if hd % BLOCK:\n        layout",
+        "    if False:\n        layout",
         ("tests/megatron/test_megatron_blocks.py", "tests/flow/test_megatron_layout.py"),
     ),
     Mutant(  # Llama-3.2-1B and Qwen3-4B at TP 8 were ON-POLICY on NeMo-RL
@@ -55,5 +55,26 @@ MUTANTS = [
         "    if all(p % BLOCK == 0 for p in parts):",
         "    if True:",
         ("tests/flow/test_vllm_layout.py", "tests/flow/test_megatron_layout.py"),
+    ),
+    Mutant(  # session 39: Qwen3.5's FP8 in_proj was ON-POLICY on NeMo-RL (b and a share a block)
+        "jetrl check does not say which HF split a hybrid model's in_proj is",
+        "nemo_jetrl/flow/megatron_layout.py",
+        "        f[HF_SPLIT_FIELD] = hybrid.split_proj",
+        "        f[HF_SPLIT_FIELD] = None",
+        ("tests/flow/test_megatron_layout_hybrid.py",),
+    ),
+    Mutant(
+        "an in_proj judged under a split the config does not name",
+        "nemo_jetrl/megatron/blocks_hybrid.py",
+        "    if any(c is None for c in cuts.values()):",
+        "    if all(c is None for c in cuts.values()):",
+        ("tests/megatron/test_megatron_blocks_hybrid.py",),
+    ),
+    Mutant(
+        "a training block of one HF weight's rows counts as the rollout's wherever it starts",
+        "nemo_jetrl/megatron/blocks_hybrid.py",
+        "            if idx == block:",
+        "            if set(idx) <= set(range(lo, lo + BLOCK)):",
+        ("tests/megatron/test_megatron_blocks_hybrid.py",),
     ),
 ]

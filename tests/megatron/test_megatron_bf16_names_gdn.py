@@ -21,12 +21,8 @@ def gdn_model():
     """decoder.layers.0.self_attention = a real GatedDeltaNet (local-spec linears). Its forward
     needs the FLA kernels (not installed on CPU); the module is built with HAVE_FLA forced, and
     the tests call its in_proj/out_proj, which are plain megatron linears."""
-    import megatron.core.ssm.gated_delta_net as gdn
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron_shims import megatron_cpu
+    from megatron_shims import build_gated_delta_net, megatron_cpu
 
     with megatron_cpu():
         cfg = TransformerConfig(
@@ -41,20 +37,7 @@ def gdn_model():
             linear_num_key_heads=2,
             linear_num_value_heads=4,
         )
-        saved = gdn.HAVE_FLA
-        gdn.HAVE_FLA = True
-        try:
-            attn = gdn.GatedDeltaNet(
-                cfg,
-                gdn.GatedDeltaNetSubmodules(
-                    in_proj=ModuleSpec(module=ColumnParallelLinear),
-                    out_proj=ModuleSpec(module=RowParallelLinear),
-                ),
-                layer_number=1,
-                pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-            )
-        finally:
-            gdn.HAVE_FLA = saved
+        attn = build_gated_delta_net(cfg)
         layer = torch.nn.Module()
         layer.self_attention = attn
         model = torch.nn.Module()

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron_shims import te_block_dequant as _deq
 
 from nemo_jetrl.fp8 import quantize_blockwise
 from nemo_jetrl.fp8.layouts import to_te
@@ -32,13 +33,6 @@ def megatron_env():
 
     with megatron_cpu():
         yield
-
-
-def _deq(t: torch.Tensor) -> torch.Tensor:
-    """What TE's blockwise FP8 weight (128x128, FP32 scales) multiplies with, dequantized."""
-    return quantize_blockwise(t, (128, 128), fmt="e4m3", pow2_scales=False).dequantize(
-        torch.float32
-    )
 
 
 @pytest.mark.megatron
