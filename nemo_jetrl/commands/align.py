@@ -10,6 +10,7 @@ The output is the full merged config (``${...}`` interpolations kept); it is che
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -62,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jetrl.arch.linear import VISION_WORD
     from nemo_jetrl.commands._align_moe import load_source, moe_align_updates, router_bf16_words
     from nemo_jetrl.commands._align_unaligned import in_proj_note, unaligned_target_words
-    from nemo_jetrl.commands._output import make_output_dir
-    from nemo_jetrl.commands.check import load_and_check, report
+    from nemo_jetrl.commands._output import check_output_dir
+    from nemo_jetrl.commands.check import report
     from nemo_jetrl.config import (
         merge_updates,
         minimal_updates,
@@ -79,15 +80,12 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jetrl.recipe import Recipe, matching_preset
 
     out = Path(args.output)
-    if out.exists() and not args.force:
-        raise UserError(f"{out} exists; pass --force to overwrite it")
     if out.is_dir():
         raise UserError(f"-o {out} is a directory; give the file to write")
-    make_output_dir(
-        out.parent, "-o", for_file=out
-    )  # before any work: where the file goes must be writable
-    if out.resolve() == Path(args.config).resolve():
-        raise UserError("the output must not be the input file")
+    _refuse_input_file(out, args.config)  # before --force: it would overwrite what it reads
+    if out.exists() and not args.force:
+        raise UserError(f"{out} exists; pass --force to overwrite it")
+    check_output_dir(out.parent, "-o", for_file=out)  # before any work; created when written
     overrides, mirrored, untiled, untiled_notes = list(args.overrides), None, [], []
     try:
         before = load_source(args.config, overrides)  # cfg + recipe; checked below
@@ -184,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         text = OmegaConf.to_yaml(_child(Path(args.config), out, overrides, updates))
     else:
         text = OmegaConf.to_yaml(cfg)
-    out.write_text(header + text)
+    after = _write_checked(out, header + text)
     changed = _changed_keys(before.cfg, cfg)
     print(f"wrote {out} (recipe {target.name})", file=sys.stdout)
     if mirrored:
@@ -213,8 +211,66 @@ def run(args: argparse.Namespace) -> int:
     for line in moe_notes:
         print(f"note: {line}", file=sys.stdout)
     print(file=sys.stdout)
-    after = load_and_check(str(out), [])
     return report(after, str(out), sys.stdout)
+
+
+def _refuse_input_file(out: Path, config: str) -> None:
+    """``-o`` must not name CONFIG or a file of its ``defaults:`` chain (paths resolved,
+    symlinks followed): overwriting a parent breaks every config inheriting it."""
+    from nemo_jetrl.config import ConfigError
+    from nemo_jetrl.config.load import _inherited  # the loader's own walk of defaults:
+    from nemo_jetrl.errors import UserError
+
+    try:
+        chain = list(_inherited(Path(config), ())[1])
+    except ConfigError:  # the config's own errors are what the user sees (nothing is written)
+        chain = [Path(config).resolve()]
+    target = out.resolve()
+    if target == Path(config).resolve():
+        raise UserError(f"-o {out} is the input file; write the aligned config elsewhere")
+    if target in chain:
+        raise UserError(
+            f"-o {out} is {target}, a file of {config}'s defaults: chain; writing it would change "
+            "every config inheriting it: write the aligned config elsewhere"
+        )
+
+
+def _write_checked(out: Path, text: str):
+    """Write ``text`` to a temporary file beside ``out`` (its ``defaults:`` resolve the same),
+    check it as `jetrl check`, then rename it to ``out``: an invalid result (exit 2) replaces
+    nothing and leaves nothing, not even the directories made for it. Returns the check."""
+    import os
+    import tempfile
+
+    from nemo_jetrl.commands._output import make_output_dir
+    from nemo_jetrl.commands.check import load_and_check
+    from nemo_jetrl.errors import UserError
+
+    made = out.parent
+    while not made.parent.exists():
+        made = made.parent  # the top directory this call creates (when one is missing)
+    made = None if made.exists() else made
+    make_output_dir(out.parent, "-o", for_file=out)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".yaml", dir=out.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        try:
+            after = load_and_check(str(tmp), [])
+        except UserError as exc:  # said of OUT, which is what the user named
+            msg = str(exc).replace(str(tmp.resolve()), str(out)).replace(str(tmp), str(out))
+            raise UserError(f"{msg}\n(nothing written to {out})") from None
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        if made is not None and not out.exists():
+            for d in [out.parent, *out.parent.parents]:
+                if d == made.parent:
+                    break
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only empty ones: what this call made
+    return after
 
 
 def _mirrored_bf16_list(config: str, overrides: list[str]) -> str | None:

@@ -71,12 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import warnings
 
+    from nemo_jetrl.commands._output import make_output_dir
     from nemo_jetrl.errors import MissingDependencyError, UserError
     from nemo_jetrl.runs.logs import RunDataWarning
     from nemo_jetrl.runs.report import DEFAULT_METRICS, compare_runs, write_outputs
 
     check_run_dirs(args.run_dirs)
-    check_out_dir(Path(args.out))
+    check_out_dir(Path(args.out))  # probed, created only once the runs and metrics are checked
     if not args.allow_mixed:
         check_single_runs(args.run_dirs)
     named = [m.strip() for arg in (args.metric or []) for m in arg.split(",") if m.strip()]
@@ -86,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RunDataWarning)  # printed below, once
             res = compare_runs(args.run_dirs, None, metrics=metrics, recompute=args.recompute)
+        unreadable = [why for r in res.runs if (why := unreadable_run(r))]
+        if unreadable:  # nothing read from its events: its files are damaged, not metric-less
+            raise UserError("; ".join(unreadable))
         # checked before anything is written: a metric asked for by name that no run has is
         # almost surely a typo (one some runs lack is a row); the defaults only all together
         absent = metrics_no_run_has(res.summaries)
@@ -99,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 f"none of the default metrics ({', '.join(metrics)}) was found in any run "
                 f"(tags found: {tags_hint(res.runs)}); name the ones to compare with --metric"
             )
+        make_output_dir(Path(args.out), "-o")
         write_outputs(res, args.out, formats=formats, plots=not args.no_plots)
     except MissingDependencyError as exc:
         raise UserError(str(exc)) from None
@@ -124,14 +129,15 @@ def check_run_dirs(run_dirs: list[str]) -> None:
 
 
 def check_out_dir(out: Path) -> None:
-    """``-o`` must be a directory this process can create and write into; it is created before
-    any run is read. An existing directory is reused: its summary files and plots are replaced."""
-    from nemo_jetrl.commands._output import make_output_dir
+    """``-o`` must be a directory this process can create and write into: probed before any run
+    is read, created (`make_output_dir`) only once nothing is refused. An existing directory is
+    reused: its summary files and plots are replaced."""
+    from nemo_jetrl.commands._output import check_output_dir
     from nemo_jetrl.errors import UserError
 
     if out.exists() and not out.is_dir():
         raise UserError(f"-o {out}: is an existing file, not a directory; choose another -o")
-    make_output_dir(out, "-o")
+    check_output_dir(out, "-o")
 
 
 def check_single_runs(run_dirs: list[str]) -> None:
@@ -167,6 +173,20 @@ def not_a_run_dir(run_dir: str | Path) -> str | None:
         f"{head} (no TensorBoard events under it; train_data_step*.jsonl only in "
         f"{', '.join(map(str, deeper[:3]))}{more}: pass that directory)"
     )
+
+
+def unreadable_run(run: RunData) -> str | None:
+    """Why nothing was read from ``run`` (its read warnings naming its events files) when not
+    one scalar came from them and it has no train data to fall back on, else None."""
+    from nemo_jetrl.runs.logs import find_event_files
+
+    if run.scalars or run.train_data_steps:
+        return None
+    files = [str(f) for f in find_event_files(run.path)]
+    said = [w for w in run.warnings if any(f in w for f in files)]
+    if not said:  # events without scalars (hparams only): the metric checks below say it
+        return None
+    return f"{run.path}: its TensorBoard events could not be read: " + "; ".join(said)
 
 
 def metrics_no_run_has(summaries: Sequence[MetricSummary]) -> list[str]:

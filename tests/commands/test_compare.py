@@ -293,3 +293,25 @@ def test_compare_recomputes_from_jsonl_when_scalar_missing(tmp_path):
     assert r.last == 1.0
     # a jetrl-only metric by its short name: rho = 2 and 1 -> (4 + 1) / 2 - 1 = 1.5
     assert c.tag == "jetrl/mismatch/chi2_token" and c.last == pytest.approx(1.5, rel=1e-14)
+
+
+def test_a_refused_metric_creates_no_output_dir(tmp_path, capsys):
+    """`--metric nope -o new/x`: refused (exit 2) before `new/x` or any parent of it is made."""
+    a, _ = make_runs(tmp_path)
+    out = tmp_path / "new" / "x"
+    assert main(["compare", str(a), "-o", str(out), "--metric", "nope"]) == 2
+    assert "no run has metric 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_corrupt_events_file_is_said_unreadable(tmp_path, capsys):
+    """An events file of garbage: exit 2 saying it could not be read, not "no events found"."""
+    run = tmp_path / "garbage"
+    run.mkdir()
+    (run / "events.out.tfevents.123").write_bytes(b"not events")
+    assert main(["compare", str(run), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{run}: its TensorBoard events could not be read" in err
+    assert f"{run / 'events.out.tfevents.123'}: truncated or corrupt events file" in err
+    assert "no TensorBoard events" not in err and "none of the default metrics" not in err
+    assert not (tmp_path / "o").exists()

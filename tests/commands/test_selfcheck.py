@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from safetensors.torch import load_file, save_file
 
 from nemo_jetrl.cli import main
@@ -59,3 +60,43 @@ def test_selfcheck_fails_on_a_flipped_bit(golden_dir, tmp_path, capsys):
 def test_selfcheck_missing_dir_is_a_user_error(tmp_path, capsys):
     assert main(["selfcheck", "--golden", str(tmp_path / "nope")]) == 2
     assert "--golden DIR" in capsys.readouterr().err
+
+
+def _damage(golden_dir, tmp_path, name: str, data: bytes | None):
+    """The mini golden set with file ``name`` truncated to half (``data`` None) or replaced."""
+    d = _mini_golden(golden_dir, tmp_path, flip=False)
+    f = d / name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2] if data is None else data)
+    return f
+
+
+@pytest.mark.parametrize(
+    "name, data, said",
+    [
+        ("te_golden_seed0.safetensors", None, "cannot be read as safetensors"),
+        ("vllm_golden_seed0.safetensors", b"", "cannot be read as safetensors"),
+        ("te_golden_seed0.json", b"{}", "holds no cases (expected a non-empty 'cases' mapping"),
+        ("te_golden_seed0.json", None, "cannot be read as JSON"),
+        ("vllm_golden_seed0.json", b"[]", "holds no cases (expected a non-empty mapping"),
+        ("vllm_golden_seed0.json", b'{"vllm.x": {"input": "weight_ragged"}}',
+         "case 'vllm.x' lacks ue8m0, source"),
+    ],
+)  # fmt: skip
+def test_a_damaged_golden_file_is_a_user_error_naming_it(golden_dir, tmp_path, capsys, name,
+                                                         data, said):  # fmt: skip
+    """Exit 2 (not 1, which says "not bit-exact") naming the file and what is wrong with it."""
+    f = _damage(golden_dir, tmp_path, name, data)
+    assert main(["selfcheck", "--golden", str(tmp_path)]) == 2
+    cap = capsys.readouterr()
+    assert f"golden file {f}: {said}" in cap.err and "Traceback" not in cap.err, cap.err
+    assert "bit-exact" not in cap.out
+
+
+def test_a_tensor_the_cases_name_but_the_file_lacks_is_named(golden_dir, tmp_path, capsys):
+    d = _mini_golden(golden_dir, tmp_path, flip=False)
+    te = load_file(str(d / "te_golden_seed0.safetensors"))
+    del te["te.weight_ragged.fp32.scale_inv"]
+    save_file(te, str(d / "te_golden_seed0.safetensors"))
+    assert main(["selfcheck", "--golden", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "has no tensor 'te.weight_ragged.fp32.scale_inv', which its JSON's cases name" in err
