@@ -218,11 +218,11 @@ def _refuse_input_file(out: Path, config: str) -> None:
     """``-o`` must not name CONFIG or a file of its ``defaults:`` chain (paths resolved,
     symlinks followed): overwriting a parent breaks every config inheriting it."""
     from nemo_jetrl.config import ConfigError
-    from nemo_jetrl.config.load import _inherited  # the loader's own walk of defaults:
+    from nemo_jetrl.config.load import config_files  # the loader's own walk of defaults:
     from nemo_jetrl.errors import UserError
 
     try:
-        chain = list(_inherited(Path(config), ())[1])
+        chain = config_files(config)
     except ConfigError:  # the config's own errors are what the user sees (nothing is written)
         chain = [Path(config).resolve()]
     target = out.resolve()

@@ -318,6 +318,12 @@ def merged_container(path: str | Path) -> dict:
     return _inherited(Path(path), ())[0]
 
 
+def config_files(path: str | Path) -> list[Path]:
+    """Every file a load of ``path`` reads: the file and its ``defaults:`` chain, resolved
+    (symlinks followed). ConfigError as `load_config` raises it."""
+    return list(_inherited(Path(path), ())[1])
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     """Load a NeMo-RL-shaped YAML with `defaults:` inheritance, then apply overrides.
 

@@ -101,4 +101,18 @@ MUTANTS = [
         '    allow = "jetrl.allow_off_policy=true"',
         ("tests/flow/test_single_controller_lag.py",),
     ),
+    Mutant(  # session 39 review: -o a shared parent overwrote it (with --as-child: a cycle)
+        "align writes over a file of the input's defaults: chain",
+        "nemo_jetrl/commands/align.py",
+        "    if target in chain:",
+        "    if False:",
+        ("tests/commands/test_align_output.py",),
+    ),
+    Mutant(  # NeMo-RL resumed the earlier rehearsal's checkpoint and ran no step: "NOT ready"
+        "rehearse runs in a workdir holding an earlier rehearsal's checkpoints",
+        "nemo_jetrl/backends/nemo_rl/rehearsal/workdir.py",
+        "    if steps:",
+        "    if False:",
+        ("tests/commands/test_rehearse_workdir.py",),
+    ),
 ]
