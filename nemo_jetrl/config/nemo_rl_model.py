@@ -157,6 +157,8 @@ class Policy(NemoSection):
     max_grad_norm: number("a finite number > 0, or null", Field(gt=0), null=True) = None  # type: ignore[valid-type]
     train_global_batch_size: RESPONSES = None  # type: ignore[valid-type]
     """Responses per optimizer step (NeMo-RL: a GRPO step of N responses takes N / this)."""
+    max_total_sequence_length: count(1, MAX_COUNT, null=True) = None  # type: ignore[valid-type]
+    """Prompt + response tokens a sequence may hold (NeMo-RL cuts responses there)."""
     optimizer: section(Optimizer) = None  # type: ignore[valid-type]
     generation: section(Generation) = None  # type: ignore[valid-type]
     megatron_cfg: section(MegatronCfg) = None  # type: ignore[valid-type]

@@ -40,6 +40,7 @@ RUN_FIELDS: dict[str, str] = {
     "use_leave_one_out_baseline": "grpo.use_leave_one_out_baseline",
     "temperature": "policy.generation.temperature",
     "max_new_tokens": "policy.generation.max_new_tokens",
+    "max_total_sequence_length": "policy.max_total_sequence_length",
     "lr": "policy.optimizer.kwargs.lr",
     "weight_decay": "policy.optimizer.kwargs.weight_decay",
     "betas": "policy.optimizer.kwargs.betas",
@@ -53,7 +54,13 @@ RUN_FIELDS: dict[str, str] = {
     "log_dir": "logger.log_dir",
 }
 # Keys read as given even when null (null means "off" / "the default" to their readers).
-_NULL_MEANS_OFF = ("max_new_tokens", "max_grad_norm", "checkpoint_dir", "keep_top_k")
+_NULL_MEANS_OFF = (
+    "max_new_tokens",
+    "max_total_sequence_length",
+    "max_grad_norm",
+    "checkpoint_dir",
+    "keep_top_k",
+)
 
 
 def _select(cfg: DictConfig, key: str) -> Any:

@@ -32,6 +32,12 @@ class BackendSection:
     """The config.json the backend builds its model from, given the section: what `jetrl check`
     checks the recipe against."""
 
+    validate_with_run: Callable[[Any, Mapping[str, Any], Settings], list[ConfigIssue]] | None = None
+    """Problems of the section and the NeMo-RL run keys together, which the backend's own door
+    refuses too (the local backend's sequence lengths), given the section, the run keys as
+    `nemo_jetrl.config.run_keys.read_run_keys` types them (``{field: value}``; called only when
+    they parse without a problem) and the `Settings`; None: there are none."""
+
 
 SectionProviders = Mapping[str, Callable[[], BackendSection]]
 """Section name (``"local"`` for ``jetrl.local``) -> a function returning its `BackendSection`."""

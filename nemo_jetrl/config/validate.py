@@ -20,7 +20,7 @@ from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY, bf16_words_for, check_layer_lists
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
-from nemo_jetrl.config.run_keys import check_run_keys
+from nemo_jetrl.config.run_keys import check_run_keys, read_run_keys
 from nemo_jetrl.config.sections import NO_SECTIONS, SectionProviders
 from nemo_jetrl.config.settings import settings_of
 from nemo_jetrl.fp8.spec import BLOCK, linear_dims_problem
@@ -60,7 +60,13 @@ def _check_local(r: _Reader) -> None:
         return
     r.issues.extend(section.validate(r.cfg.jetrl.local, "jetrl.local"))
     # NeMo-RL keys only that backend restricts, read through the typed settings
-    r.issues.extend(section.validate_run(settings_of(r.cfg)))
+    settings = settings_of(r.cfg)
+    r.issues.extend(section.validate_run(settings))
+    if section.validate_with_run is not None:  # the section with the typed run keys
+        found: list[ConfigIssue] = []
+        keys = read_run_keys(r.cfg, found)
+        if not found:  # a run key's own problem is `check_run_keys`' to name
+            r.issues.extend(section.validate_with_run(r.cfg.jetrl.local, keys, settings))
 
 
 def _check_nemo_rl_keys(r: _Reader) -> None:

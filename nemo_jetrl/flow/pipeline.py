@@ -90,7 +90,7 @@ class Checked:
 
 
 def _local_section() -> BackendSection:
-    from nemo_jetrl.backends.local.config import SECTION
+    from nemo_jetrl.backends.local.setup import SECTION
 
     return SECTION
 

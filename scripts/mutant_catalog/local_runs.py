@@ -139,15 +139,15 @@ MUTANTS = [
     Mutant(  # session 39: the HF rollout failed mid-run, the vLLM engine cut responses short
         "a local run past the model's positions is not refused before any work",
         "nemo_jetrl/backends/local/seq_len.py",
-        "    if need <= lengths.max_positions:\n        return []",
-        "    if True:\n        return []",
+        "    elif need > top:",
+        "    elif False:",
         ("tests/backends/test_local_seq_len.py",),
     ),
     Mutant(  # the rollout never feeds its last token; the trainer scores every position
         "the sequence bound lets one position past the model's table through",
         "nemo_jetrl/backends/local/seq_len.py",
-        "    if need <= lengths.max_positions:",
-        "    if need <= lengths.max_positions + 1:",
+        "    elif need > top:",
+        "    elif need > top + 1:",
         ("tests/backends/test_local_seq_len.py::test_the_bound_is_the_trainers_whole_sequence",),
     ),
     Mutant(

@@ -38,8 +38,13 @@ def test_explicit_local_runs_it_and_says_what_it_trains(tmp_path, capsys, no_nem
 
     ran = []
     monkeypatch.setattr(loop, "run_local", lambda resolved, **kw: ran.append(resolved) or 1 / 0)
+    # the cluster config's max_new_tokens (16384) does not fit the local model's 256 positions:
+    # refused before any work, naming the key (backends/local/seq_len.py)
+    argv = ["train", str(CLUSTER), f"logger.log_dir={tmp_path}", "--backend", "local"]
+    assert main(argv) == 2 and not ran
+    assert "policy.generation.max_new_tokens" in capsys.readouterr().err
     with pytest.raises(ZeroDivisionError):  # stopped where the run would start
-        main(["train", str(CLUSTER), f"logger.log_dir={tmp_path}", "--backend", "local"])
+        main([*argv, "policy.generation.max_new_tokens=32"])
     out = capsys.readouterr().out
     assert "note: the config names policy.model_name=Qwen/Qwen3-8B-Base" in out, out
     assert len(ran) == 1

@@ -13,8 +13,8 @@ one ``os.replace``. A run killed mid-save leaves only that hidden directory, whi
 `clean_orphans` removes on the next start. ``keep_top_k`` most recent checkpoints are kept.
 
 `find_resumable` (``--resume``) walks the checkpoints newest first and takes the first whose
-files match the manifest, load, and hold finite tensors; each skipped one is reported with the
-reason.
+files match the manifest, load, and hold finite tensors; each skipped one, an incomplete
+``step_N`` (a file removed) included, is reported with the reason.
 """
 
 from __future__ import annotations
@@ -48,14 +48,16 @@ def _complete(d: Path) -> bool:
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
-    """Checkpoint directories with both files present as (step, dir), oldest first."""
+    """Every ``step_N`` directory as (step, dir), oldest first, complete or not: a save only
+    renames a verified directory into place, so one missing a file was damaged afterwards and
+    is named when `find_resumable` skips it (and pruned like any other by ``keep_top_k``)."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
     out = []
     for d in root.iterdir():
         m = _STEP_RE.match(d.name)
-        if m and d.is_dir() and _complete(d):
+        if m and d.is_dir():
             out.append((int(m.group(1)), d))
     return sorted(out)
 
@@ -244,10 +246,11 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 def find_resumable(
     ckpt_dir: str | Path, *, log: Callable[[str], None] = print
 ) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None:
-    """The newest checkpoint that verifies, loaded; None when there is none at all.
+    """The newest checkpoint that verifies, loaded; None when there is no ``step_N`` directory.
 
-    Raises `CheckpointError` when checkpoints exist but none verifies (never a silent fresh
-    start over a damaged run)."""
+    Every ``step_N`` directory counts, an incomplete one (a file removed) too: each skipped one
+    is named with its problems (``state.pt missing``). Raises `CheckpointError` when checkpoints
+    exist but none verifies (never a silent fresh start over a damaged run)."""
     skipped = []
     for _step, d in reversed(list_checkpoints(ckpt_dir)):
         problems, loaded = _verify(d, load=True)
@@ -257,9 +260,11 @@ def find_resumable(
             continue
         return d, loaded[0], loaded[1]
     if skipped:
+        n = len(skipped)
         raise CheckpointError(
-            f"no usable checkpoint in {ckpt_dir} ({' | '.join(skipped)}); remove the damaged "
-            "ones to start fresh, or point checkpointing.checkpoint_dir elsewhere"
+            f"no usable checkpoint in {ckpt_dir}: {'its' if n == 1 else 'all'} {n} "
+            f"checkpoint{'s are' if n > 1 else ' is'} damaged ({' | '.join(skipped)}); remove "
+            "the damaged ones to start fresh, or point checkpointing.checkpoint_dir elsewhere"
         )
     return None
 

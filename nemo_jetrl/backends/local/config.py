@@ -7,8 +7,9 @@ the warm start, the compute dtype) lives under ``jetrl.local:`` (`LocalSettings`
 the config tree: `LocalSettings.from_cfg` takes the ``jetrl.local`` mapping, `RunSettings.from_keys`
 the NeMo-RL keys `setup.resolve_run` (this backend's door) read, and the rules on other keys take
 the typed `nemo_jetrl.config.Settings`; each collects *every* problem with its full key path
-and raises one `ConfigError`. `validate_local_config` / `validate_local_run` are the hooks
-`jetrl check` calls (`SECTION`).
+and raises one `ConfigError`. `validate_local_config` / `validate_local_run` are hooks
+`jetrl check` calls (`setup.SECTION`, which adds the rules on this section and the run keys
+together: `seq_len`).
 Every key is documented in docs/local_backend.md.
 """
 
@@ -28,7 +29,6 @@ from nemo_jetrl.backends.local.moe_config import moe_run_issues
 from nemo_jetrl.backends.local.task import TaskConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.config.run_keys import path_problem
-from nemo_jetrl.config.sections import BackendSection
 from nemo_jetrl.config.settings import Settings
 from nemo_jetrl.config.typed import (
     OurSection,
@@ -305,6 +305,10 @@ class RunSettings:
     """``policy.generation.temperature``: sampling temperature (logprobs use logits / T)."""
     max_new_tokens: int | None = None
     """``policy.generation.max_new_tokens``; None: the task's answer length + 4."""
+    max_total_sequence_length: int | None = None
+    """``policy.max_total_sequence_length``: prompt + response tokens a sequence may hold; the
+    local backend refuses a config that would need a cut there (`seq_len`); None: no bound but
+    the model's ``max_position_embeddings``."""
     lr: float = 1.0e-4
     """``policy.optimizer.kwargs.lr`` (AdamW on the fp32 master weights)."""
     weight_decay: float = 0.0
@@ -383,9 +387,3 @@ def optimizer_issues(settings: Settings) -> list[ConfigIssue]:
             ("torch.optim.AdamW",),
         )
     ]
-
-
-SECTION = BackendSection(
-    validate=validate_local_config, validate_run=validate_local_run, model_config=local_model_config
-)
-"""This backend's hooks for ``jetrl.local`` (`nemo_jetrl.config.sections`)."""

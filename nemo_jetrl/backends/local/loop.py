@@ -10,7 +10,9 @@ Logs go to ``logger.log_dir`` in NeMo-RL's layout through `nemo_jetrl.runs.write
 validation accuracy every ``grpo.val_period`` steps; a checkpoint every
 ``checkpointing.save_period`` steps; ``resume=True`` continues from the latest checkpoint with
 the same weights, optimizer state, RNG states and KV scales, so the resumed steps reproduce an
-uninterrupted run exactly.
+uninterrupted run exactly; a config whose recipe or run identity (model config, tokenizer, seed,
+dtype, task, warm start: `nemo_jetrl.backends.local.run_identity`) differs from the
+checkpoint's is refused before any work.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 from nemo_jetrl._optional import require
 from nemo_jetrl.backends.local import checkpoint as ckpt
 from nemo_jetrl.backends.local.config import RunSettings
-from nemo_jetrl.backends.local.resume import recipe_refusal
+from nemo_jetrl.backends.local.resume import resume_refusal
+from nemo_jetrl.backends.local.run_identity import run_identity
 from nemo_jetrl.backends.local.setup import LocalRun, ResolvedRun, resolve_run
 from nemo_jetrl.backends.local.step import Hooks
 from nemo_jetrl.errors import UserError
@@ -77,14 +80,16 @@ def run_local(
     lock = _own_run_dirs(rs, resume=resume, log=write)
     try:
         found, run_id, purge = None, lock.run_id, None
+        identity = run_identity(rs, resolved.local)  # the files the run is about to load
         if resume:  # before any work: a damaged checkpoint dir fails here, not after setup
             found = ckpt.find_resumable(rs.resolved_checkpoint_dir(), log=write)
-            if found is not None:
-                recipe_refusal(found[2], resolved.recipe, found[0])
+            if found is not None:  # another recipe, model, seed, task...: exit 2 here
+                resume_refusal(found[2], resolved.recipe, identity, found[0], log=write)
                 purge = int(found[2]["step"]) + 1
             else:
                 run_id, purge = _restart_of(rs, lock.run_id, write)
-        return _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin)
+        started = (run_id, identity, found)
+        return _run_owned(resolved, started, purge, hooks, tqdm_mod, write, t_begin)
     except ckpt.CheckpointError as exc:
         raise UserError(str(exc)) from None
     finally:
@@ -146,7 +151,7 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
         return lock
     for msg in ckpt.clean_orphans(ckpt_dir):
         log(msg)
-    old = ckpt.list_checkpoints(ckpt_dir)
+    old = ckpt.list_checkpoints(ckpt_dir)  # a damaged one is an earlier run's too
     if old and not resume:
         lock.release()
         raise UserError(
@@ -187,11 +192,12 @@ def _not_restartable(rs: RunSettings) -> str:
     return ""
 
 
-def _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin) -> RunResult:
-    """The run itself, in directories this process owns; ``found``: the verified checkpoint
-    to continue from (`checkpoint.find_resumable`), or None; ``purge``: the first step whose
-    earlier logs this run replaces (`RunWriter`'s ``purge_step``), or None."""
-    run = _start_run(resolved, run_id, found, hooks, write)
+def _run_owned(resolved, started, purge, hooks, tqdm_mod, write, t_begin) -> RunResult:
+    """The run itself, in directories this process owns; ``started``: (run id, its
+    `run_identity`, the verified checkpoint to continue from (`checkpoint.find_resumable`) or
+    None); ``purge``: the first step whose earlier logs this run replaces (`RunWriter`'s
+    ``purge_step``), or None."""
+    run = _start_run(resolved, started, hooks, write)
     rs = run.run
     first = run.step
     if rs.global_batch_note():
@@ -225,11 +231,12 @@ def _run_owned(resolved, run_id, found, purge, hooks, tqdm_mod, write, t_begin) 
     )
 
 
-def _start_run(resolved, run_id, found, hooks, write) -> LocalRun:
+def _start_run(resolved, started, hooks, write) -> LocalRun:
     """Build the `LocalRun`, call ``hooks.on_run`` and restore ``found`` (if any), closing the
     run (its vLLM engine) when the restore fails."""
+    run_id, identity, found = started
     run = LocalRun(resolved, log=write)
-    run.run_id = run_id
+    run.run_id, run.identity = run_id, identity
     if hooks.on_run is not None:
         hooks.on_run(run)
     if found is not None:

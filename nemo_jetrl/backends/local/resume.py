@@ -2,15 +2,19 @@
 state beyond the weights (optimizer, RNG states, KV scales, refused refits) for
 `nemo_jetrl.backends.local.checkpoint`, saves it every ``checkpointing.save_period`` steps and
 restores it on ``--resume`` so the resumed steps reproduce an uninterrupted run exactly. The
-run id travels in the state so a resumed run's logs carry the id of the run it continues.
+run id travels in the state so a resumed run's logs carry the id of the run it continues; the
+recipe and the run's identity (`nemo_jetrl.backends.local.run_identity`: model config, tokenizer,
+seed, dtype, task, warm start...) travel too, and `resume_refusal` refuses a config that differs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nemo_jetrl.backends.local import checkpoint as ckpt
+from nemo_jetrl.backends.local.run_identity import IDENTITY_KEY, identity_issues, run_identity
 from nemo_jetrl.backends.local.trainer import OptimConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.recipe import Recipe, preset_differences
@@ -20,8 +24,8 @@ from nemo_jetrl.recipe import Recipe, preset_differences
 OPTIMIZER_KWARGS = ("lr", "betas", "eps", "weight_decay")
 
 
-def recipe_refusal(state: dict[str, Any], recipe: Recipe, path: Path) -> None:
-    """`ConfigError` when checkpoint ``path`` (its ``state``) was written under a recipe whose
+def recipe_issue(state: dict[str, Any], recipe: Recipe, path: Path) -> ConfigIssue | None:
+    """The issue when checkpoint ``path`` (its ``state``) was written under a recipe whose
     numerics differ from ``recipe``'s (`recipe.preset_differences`: scale mode, FP8 KV, on-policy
     KV...; the name alone for checkpoints written before the whole recipe was saved)."""
     spec = state.get("recipe_spec")
@@ -32,19 +36,45 @@ def recipe_refusal(state: dict[str, Any], recipe: Recipe, path: Path) -> None:
         theirs = None
         changed = [] if state.get("recipe") in (None, recipe.name) else ["name"]
     if not changed:
-        return
+        return None
     name = theirs.name if theirs is not None else state.get("recipe")
-    raise ConfigError(
-        [
-            ConfigIssue(
-                "checkpointing.checkpoint_dir",
-                f"checkpoint {path} was written by recipe {name!r}, this run is "
-                f"{recipe.name!r} (differs in {', '.join(changed)}): resuming would go on from "
-                "another recipe's weights; resume with the config that wrote it, or point "
-                "checkpointing.checkpoint_dir / logger.log_dir at a new run",
-            )
-        ]
+    return ConfigIssue(
+        "checkpointing.checkpoint_dir",
+        f"checkpoint {path} was written by recipe {name!r}, this run is "
+        f"{recipe.name!r} (differs in {', '.join(changed)}): resuming would go on from "
+        "another recipe's weights; resume with the config that wrote it, or point "
+        "checkpointing.checkpoint_dir / logger.log_dir at a new run",
     )
+
+
+def recipe_refusal(state: dict[str, Any], recipe: Recipe, path: Path) -> None:
+    """`ConfigError` with `recipe_issue`, if any."""
+    issue = recipe_issue(state, recipe, path)
+    if issue is not None:
+        raise ConfigError([issue])
+
+
+def resume_refusal(
+    state: dict[str, Any],
+    recipe: Recipe,
+    identity: dict[str, Any],
+    path: Path,
+    *,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Whether this config may continue checkpoint ``path`` (its ``state``), before any work:
+    `ConfigError` listing the recipe's difference (`recipe_issue`) and each changed key of the
+    run's identity (`run_identity.identity_issues`; ``identity``: this config's
+    `run_identity.run_identity`); else ``log`` gets the notes (a changed `run_identity.NOTED`
+    key, keys the checkpoint predates)."""
+    issues, notes = identity_issues(state, identity, path)
+    recipe_problem = recipe_issue(state, recipe, path)
+    if recipe_problem is not None:
+        issues.insert(0, recipe_problem)
+    if issues:
+        raise ConfigError(issues)
+    for note in notes if log is not None else ():
+        log(f"--resume: {note}")
 
 
 def apply_optimizer_settings(optimizer: Any, optim: OptimConfig) -> list[str]:
@@ -67,6 +97,16 @@ def apply_optimizer_settings(optimizer: Any, optim: OptimConfig) -> list[str]:
 class RunCheckpointing:
     """Checkpoint state of a run; mixed into `nemo_jetrl.backends.local.setup.LocalRun`."""
 
+    #: `run_identity.run_identity` of this run: `loop.run_local` sets what it read before any
+    #: work (the files the run then loaded); else read from the config at the first save.
+    identity: dict[str, Any] | None = None
+
+    def identity_record(self) -> dict[str, Any]:
+        """What this run's checkpoints record of its identity (`run_identity.IDENTITY_KEY`)."""
+        if self.identity is None:
+            self.identity = run_identity(self.run, self.local)
+        return self.identity
+
     def state(self) -> dict[str, Any]:
         kv = None
         if self.kv is not None and self.kv.scales is not None:
@@ -80,13 +120,15 @@ class RunCheckpointing:
             "recipe": self.recipe.name,
             "recipe_spec": self.recipe.to_dict(),
             "run_id": getattr(self, "run_id", None),
+            IDENTITY_KEY: self.identity_record(),
         }
 
     def restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]] | None = None):
         """Continue from checkpoint ``path`` (``loaded``: its (master, state), already read
         and verified by `checkpoint.find_resumable`)."""
         master, state = loaded if loaded is not None else ckpt.load_checkpoint(path)
-        recipe_refusal(state, self.recipe, path)
+        # run_local refused (or noted) this before any work; here for a direct caller
+        resume_refusal(state, self.recipe, self.identity_record(), path)
         self.trainer.load_master(master)
         self.trainer.optimizer.load_state_dict(state["optimizer"])
         for msg in apply_optimizer_settings(self.trainer.optimizer, self.trainer.optim_cfg):

@@ -1,8 +1,9 @@
 """Setting up a local GRPO run: `resolve_run` reads and checks the config once (every problem at
-once; this backend's door) into a typed `ResolvedRun`, and `LocalRun` builds the run's state from
-that (tokenizer, warm-started weights, the trainer with its fp32 masters and optional frozen
-reference, the rollout model under the recipe's FP8 layers, the FP8 KV controller, the MoE routing
-controller, generators) and starts or closes the vLLM rollout engine. Its step phases come from
+once; this backend's door; `SECTION` gives `jetrl check` the same rules) into a typed
+`ResolvedRun`, and `LocalRun` builds the run's state from that (tokenizer, warm-started weights,
+the trainer with its fp32 masters and optional frozen reference, the rollout model under the
+recipe's FP8 layers, the FP8 KV controller, the MoE routing controller, generators) and starts or
+closes the vLLM rollout engine. Its step phases come from
 `nemo_jetrl.backends.local.step`, its checkpointing from `nemo_jetrl.backends.local.resume`.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl.backends.local.bf16_gemm import invariant_linears, swap_bf16_linears
-from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
+from nemo_jetrl.backends.local.config import (
+    LocalSettings,
+    RunSettings,
+    local_model_config,
+    validate_local_config,
+    validate_local_run,
+)
 from nemo_jetrl.backends.local.device import device_issues, make_current
 from nemo_jetrl.backends.local.model import build_model, load_model_config
 from nemo_jetrl.backends.local.moe_config import (
@@ -43,6 +51,7 @@ from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, config_yaml
 from nemo_jetrl.config.run_keys import read_run_keys
+from nemo_jetrl.config.sections import BackendSection
 from nemo_jetrl.config.settings import Settings, settings_of
 from nemo_jetrl.invariant import make_batch_invariant
 from nemo_jetrl.recipe import Recipe
@@ -59,6 +68,30 @@ def _loss_config(cfg: DictConfig) -> GRPOLossConfig:
         return GRPOLossConfig.from_loss_fn_cfg(OmegaConf.to_container(section, resolve=True))
     except CorrectionConfigError as exc:
         raise ConfigError([ConfigIssue("loss_fn", e) for e in exc.errors]) from None
+
+
+def check_issues(section: Any, keys: Mapping[str, Any], settings: Settings) -> list[ConfigIssue]:
+    """What `resolve_run` refuses on ``jetrl.local`` and the run keys together, for `jetrl check`
+    (`SECTION.validate_with_run`): the sequence lengths (`seq_len.measure`), same keys and text.
+    ``keys``: the run keys as `read_run_keys` typed them; nothing when either side does not
+    parse (the validator names why, and the door stops there too)."""
+    try:
+        run = RunSettings.from_keys(keys, [], settings)
+        local = LocalSettings.from_cfg(section)
+    except ConfigError:
+        return []
+    # a model config that does not load: the validator's architecture check reads that file
+    # (`local_model_config`) and names why; the tokenizer only this rule loads
+    return [i for i in measure(run, local)[1] if i.path != "jetrl.local.model_config"]
+
+
+SECTION = BackendSection(
+    validate=validate_local_config,
+    validate_run=validate_local_run,
+    model_config=local_model_config,
+    validate_with_run=check_issues,
+)
+"""This backend's hooks for ``jetrl.local`` (`nemo_jetrl.config.sections`)."""
 
 
 def _run_settings(cfg: DictConfig, settings: Settings) -> RunSettings:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from nemo_jetrl.backends.local.config import WarmStartSettings
 from nemo_jetrl.backends.local.model import build_model
+from nemo_jetrl.backends.local.run_identity import model_config_content, tokenizer_digest
 from nemo_jetrl.backends.local.task import (
     Problem,
     TaskConfig,
@@ -46,8 +47,8 @@ def cache_key(
     blob = json.dumps(
         {
             "v": CACHE_VERSION,
-            "model": model_config.to_dict(),
-            "tokenizer": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+            "model": model_config_content(model_config),  # one home for "the same model"
+            "tokenizer": tokenizer_digest(tokenizer_json),
             "task": asdict(task),
             "warmstart": ws_fields,
             "seed": seed,
@@ -71,6 +72,16 @@ def warmstart_targets(
     ]
 
 
+def warmstart_batches(
+    task: TaskConfig, ws: WarmStartSettings, seed: int
+) -> Iterator[list[Problem]]:
+    """The supervised problems of each warm-start step, in order (``seed``: ``grpo.seed``, used
+    when ``ws.seed`` is None): the stream `train_warmstart` trains on and `seq_len` measures."""
+    g = torch.Generator().manual_seed((ws.seed if ws.seed is not None else seed) + 1)
+    for _ in range(ws.steps):
+        yield warmstart_targets(sample_problems(ws.batch_size, task, g), ws, g)
+
+
 def train_warmstart(
     model_config: Any,
     tokenizer: Any,
@@ -86,13 +97,18 @@ def train_warmstart(
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, betas=(0.9, 0.98), weight_decay=0.0)
     warm = 20
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    g = torch.Generator().manual_seed(seed + 1)
     t0, every = time.perf_counter(), max(1, ws.steps // 10)
-    for step in range(ws.steps):
-        problems = warmstart_targets(sample_problems(ws.batch_size, task, g), ws, g)
+    # prompt + the full answer: `seq_len` refused a config whose longest passes the model's
+    # positions (HF's rotary would extend past the table without a word)
+    for step, problems in enumerate(warmstart_batches(task, ws, seed)):
         prompts = encode_prompts(problems, tokenizer)
         targets = encode_targets(problems, tokenizer)
         ids = torch.cat([prompts, targets], dim=1)
+        if ids.shape[1] > model_config.max_position_embeddings:  # a backstop: seq_len refuses it
+            raise ValueError(
+                f"warm start: a prompt + answer of {ids.shape[1]} tokens is past the model's "
+                f"max_position_embeddings {model_config.max_position_embeddings}"
+            )
         logits = model(input_ids=ids, use_cache=False).logits[:, prompts.shape[1] - 1 : -1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
