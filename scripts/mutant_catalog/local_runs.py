@@ -157,4 +157,25 @@ MUTANTS = [
         "        train_prompt=0,",
         ("tests/backends/test_local_seq_len.py",),
     ),
+    Mutant(  # session 39 review: a same-shape model resumed silently, another crashed later
+        "a local resume under another model, seed or numerics is not compared",
+        "nemo_jetrl/backends/local/run_identity.py",
+        "        elif key in REFUSED:",
+        "        elif False:",
+        ("tests/backends/test_local_resume_identity.py",),
+    ),
+    Mutant(  # base.yaml's 64 did nothing: NeMo-RL's length limit silently ignored
+        "the local backend ignores policy.max_total_sequence_length",
+        "nemo_jetrl/backends/local/seq_len.py",
+        "        max_total=run.max_total_sequence_length,",
+        "        max_total=None,",
+        ("tests/backends/test_local_max_total.py",),
+    ),
+    Mutant(  # jetrl check said ON-POLICY (exit 0) where jetrl train exits 2
+        "jetrl check skips the local backend's checks of the section with the run keys",
+        "nemo_jetrl/config/validate.py",
+        "    if section.validate_with_run is not None:",
+        "    if False:",
+        ("tests/backends/test_local_seq_len_check.py",),
+    ),
 ]
