@@ -11,6 +11,8 @@ same parse, plus the rules across keys below). `path_problem` is the rule for di
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from nemo_jetrl.config.nemo_rl_model import (
     RunConfig,
     value_at,
 )
-from nemo_jetrl.config.typed import parse, plain
+from nemo_jetrl.config.typed import near_misses, parse, plain
 
 # `RunSettings` field -> the NeMo-RL key it reads.
 RUN_FIELDS: dict[str, str] = {
@@ -244,5 +246,10 @@ def check_run_keys(cfg: DictConfig, *, run: bool = False) -> list[ConfigIssue]:
             )
         )
     read_run_keys(cfg, issues)
+    # a typo of a key we read: its value would silently not be read; where the local backend
+    # reads these keys itself (no NeMo-RL behind it), an error
+    local = isinstance(_select(cfg, "jetrl.local"), Mapping)
+    typos = near_misses(RunConfig, OmegaConf.to_container(cfg, resolve=False))
+    issues.extend(replace(i, level="error") if local else i for i in typos)
     check_run_paths(cfg, issues, run=run)
     return issues

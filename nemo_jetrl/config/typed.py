@@ -177,6 +177,54 @@ def _issue(model: type[BaseModel], err: Mapping[str, Any], prefix: str) -> Confi
     return ConfigIssue(path, f"got {err.get('input')!r}; {err['msg']}")
 
 
+def _typos(a: str, b: str) -> int:
+    """Edits from ``a`` to ``b`` (a letter added, dropped, changed, or two swapped), up to 3."""
+    if abs(len(a) - len(b)) > 2:
+        return 3
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            d = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                d = min(d, prev2[j - 2] + 1)
+            row.append(d)
+        prev2, prev = prev, row
+    return min(prev[-1], 3)
+
+
+def near_misses(model: type[BaseModel], data: Any, prefix: str = "") -> list[ConfigIssue]:
+    """Keys of ``data`` (a config's mapping, read by ``model``) that no section of ours knows
+    (NeMo-RL's other keys pass) but are a typo away from a key we read (one edit for a name of 5
+    letters or fewer, else two): the value is then silently not the one read
+    (``grpo.max_num_step=2`` ran 16 steps). Warnings; values are not looked at. No such key is in
+    any GRPO config of ours or of NeMo-RL v0.7.0 or main (tests/config/test_key_typos.py)."""
+    if not isinstance(data, Mapping):
+        return []
+    out: list[ConfigIssue] = []
+    keys = _keys(model)
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if str(key) in keys:
+            child = _model_of(model.model_fields[keys[str(key)]].annotation)
+            if child is not None:
+                out += near_misses(child, value, path)
+            continue
+        near = [k for k in keys if _typos(str(key), k) <= (1 if len(k) <= 5 else 2)]
+        if near and model.model_config.get("extra") == "allow":  # ours: "unknown key" already
+            where = f"{prefix}.{near[0]}" if prefix else near[0]
+            out.append(
+                ConfigIssue(
+                    path,
+                    f"unknown key, one typo from {where}, which is read (this value is not): "
+                    f"did you mean {where}?",
+                    level="warning",
+                )
+            )
+    return out
+
+
 def parse(model: type[M], data: Any, prefix: str = "") -> tuple[M | None, list[ConfigIssue]]:
     """``data`` read by ``model``: (the model, []) or (None, every issue with its key path)."""
     try:

@@ -191,6 +191,7 @@ def off_policy_refusal(checked: Checked, backend: str | None = None) -> str | No
 def run_notes(checked: Checked) -> list[str]:
     """What ``jetrl train`` says before running a config that passed the gate."""
     notes = [checked.arch_note] if checked.arch_note else []
+    notes += [f"warning: {i}" for i in checked.issues if i.level == "warning"]
     notes += [f"off-policy by policy lag: {x.message}" for x in checked.limits_of("policy_lag")]
     if not checked.check.on_policy:
         notes.append(

@@ -115,4 +115,11 @@ MUTANTS = [
         "    if False:",
         ("tests/commands/test_rehearse_workdir.py",),
     ),
+    Mutant(  # session 39 review: grpo.max_num_step=2 passed and the run took 16 steps
+        "a typo of a NeMo-RL key we read passes without a word",
+        "nemo_jetrl/config/typed.py",
+        '        if near and model.model_config.get("extra") == "allow":',
+        "        if False:",
+        ("tests/config/test_key_typos.py",),
+    ),
 ]
