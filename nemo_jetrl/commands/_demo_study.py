@@ -10,7 +10,8 @@ the recipes differ only in precision flow and the seeds only in the GRPO data an
 Per run it records the mean ``token_mult_prob_error`` and ``gen_kl_error`` over the steps and the
 validation accuracy of the first and last evaluation; it prints one row per (length, recipe)
 with the mean and range over seeds and draws the three quantities against the answer length on
-one page (``OUT/study_length.png``, numbers in ``OUT/study_length.json``).
+one page (``OUT/study_length.png``, numbers in ``OUT/study_length.json``). Every run's config
+is checked before the first one starts; each run logs to ``OUT/runs/<recipe>/ops<N>_seed<S>``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nemo_jetrl.commands._demo_report import ACC, GEN_KL, TMPE
 
@@ -32,19 +35,48 @@ QUANTITIES = (
 )
 
 
-def _run_one(recipe: str, num_ops: int, seed: int, out: Path, overrides: list[str], progress,
-             recipe_config: Callable):  # fmt: skip
+@dataclass(frozen=True)
+class StudyRun:
+    """One run of the study: recipe, answer length, GRPO seed, log dir and checked config."""
+
+    recipe: str
+    num_ops: int
+    seed: int
+    run_dir: Path
+    cfg: Any
+
+
+def study_runs(
+    out: Path, lengths: list[int], seeds: list[int], overrides: list[str], recipe_config: Callable
+) -> tuple[list[StudyRun], list[str]]:
+    """Every run of the grid (log dir ``OUT/runs/<recipe>/ops<N>_seed<S>``) with its config
+    built by ``recipe_config(recipe, out, overrides)`` (the demo's) and checked, and every
+    problem found in them (`_demo_runs.checked_config`), before any of them runs."""
+    from nemo_jetrl.commands._demo_runs import checked_config
+
+    runs, problems = [], []
+    for n in lengths:
+        for seed in seeds:
+            for recipe in STUDY_RECIPES:
+                run_dir = out / "runs" / recipe / f"ops{n}_seed{seed}"
+                ov = [
+                    f"logger.log_dir={run_dir}",
+                    f"jetrl.local.task.num_ops={n}",
+                    f"grpo.seed={seed}",
+                    "jetrl.local.warmstart.seed=42",
+                    "checkpointing.enabled=false",
+                    *overrides,
+                ]
+                cfg, found = checked_config(recipe_config, recipe, out, ov)
+                runs.append(StudyRun(recipe, n, seed, run_dir, cfg))
+                problems += found
+    return runs, problems
+
+
+def _run_one(run: StudyRun, progress: bool) -> dict:
     from nemo_jetrl.backends.local.loop import resolve_run, run_local
 
-    ov = [
-        f"jetrl.local.task.num_ops={num_ops}",
-        f"grpo.seed={seed}",
-        "jetrl.local.warmstart.seed=42",
-        "checkpointing.enabled=false",
-        *overrides,
-    ]
-    cfg = recipe_config(recipe, out / f"ops{num_ops}_seed{seed}", ov)
-    res = run_local(resolve_run(cfg), progress=progress)
+    res = run_local(resolve_run(run.cfg), progress=progress)
     hist = res.history
     accs = [h[ACC] for h in hist if ACC in h]
     return {
@@ -55,33 +87,20 @@ def _run_one(recipe: str, num_ops: int, seed: int, out: Path, overrides: list[st
     }
 
 
-def run_length_study(
-    out: Path,
-    lengths: list[int],
-    seeds: list[int],
-    overrides: list[str],
-    progress: bool,
-    recipe_config: Callable,
-) -> dict:
-    """Run the grid, print the table, write the JSON and the plot; returns the results.
-
-    ``recipe_config(recipe, out, overrides)`` builds one run's config (the demo's)."""
+def run_length_study(out: Path, runs: list[StudyRun], progress: bool) -> dict:
+    """Run the grid (`study_runs`), print the table, write the JSON and the plot; returns the
+    results."""
     results: dict[str, dict[int, list[dict]]] = {r: {} for r in STUDY_RECIPES}
     t0 = time.perf_counter()
-    total, done = len(lengths) * len(seeds) * len(STUDY_RECIPES), 0
-    for n in lengths:
-        for seed in seeds:
-            for recipe in STUDY_RECIPES:
-                print(f"== length study: num_ops={n} ({6 * n + 3} answer tokens), "
-                      f"seed {seed}, {recipe} [{done + 1}/{total}]", flush=True)  # fmt: skip
-                r = _run_one(
-                    recipe, n, seed, out / "runs" / recipe, overrides, progress, recipe_config
-                )
-                results[recipe].setdefault(n, []).append(r)
-                done += 1
-                el = time.perf_counter() - t0
-                print(f"   {r['seconds']:.0f}s; {el:.0f}s elapsed, ~{el / done * (total - done):.0f}s left",
-                      flush=True)  # fmt: skip
+    total = len(runs)
+    for done, run in enumerate(runs, 1):
+        print(f"== length study: num_ops={run.num_ops} ({6 * run.num_ops + 3} answer tokens), "
+              f"seed {run.seed}, {run.recipe} [{done}/{total}]", flush=True)  # fmt: skip
+        r = _run_one(run, progress)
+        results[run.recipe].setdefault(run.num_ops, []).append(r)
+        el = time.perf_counter() - t0
+        print(f"   {r['seconds']:.0f}s; {el:.0f}s elapsed, ~{el / done * (total - done):.0f}s left",
+              flush=True)  # fmt: skip
     print()
     print(study_table(results))
     (out / "study_length.json").write_text(json.dumps(results, indent=1))

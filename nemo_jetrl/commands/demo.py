@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +54,8 @@ SEED_KEYS = ("grpo.seed", "jetrl.local.warmstart.seed")  # derived from --seed, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Mode-specific options default to None, so `_option_problems` can refuse one given to the
+    # other mode (`MODE_OPTIONS`); their defaults are filled in there.
     parser.add_argument(
         "--out", default="jetrl_demo", help="output directory (default: %(default)s)"
     )
@@ -62,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--recipes",
-        default=",".join(DEFAULT_RECIPES),
-        help="comma-separated presets to run (default: %(default)s)",
+        default=None,
+        help=f"comma-separated presets to run (default: {','.join(DEFAULT_RECIPES)})",
     )
     parser.add_argument(
         "--num-ops",
@@ -81,23 +83,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed",
         type=int,
-        default=DEFAULT_SEED,
+        default=None,
         help="base seed: the warm-start seed and the GRPO seeds are derived from it "
-        "(default: %(default)s)",
+        f"(default: {DEFAULT_SEED})",
     )
     parser.add_argument(
         "--n-seeds",
         type=int,
-        default=DEFAULT_N_SEEDS,
+        default=None,
         help="GRPO seeds for bf16 and jetrl, whose learning is judged over them; fp8_rollout "
         f"and jetrl_kv run on the first {MISMATCH_SEEDS}; at least {MIN_SEEDS} (default: "
-        "%(default)s)",
+        f"{DEFAULT_N_SEEDS})",
     )
     parser.add_argument(
         "--jobs",
         type=int,
-        default=min(2, os.cpu_count() or 1),
-        help="runs at once, one process each (default: %(default)s, at most 2 of this "
+        default=None,
+        help=f"runs at once, one process each (default: {_default_jobs()}, at most 2 of this "
         "machine's CPUs)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -115,11 +117,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "lengths (see --lengths, --seeds) and plots mismatch and accuracy against length",
     )
     parser.add_argument(
-        "--lengths", default="2,4,6,8", help="--study length: num_ops values (default: %(default)s)"
+        "--lengths", default=None, help="--study length: num_ops values (default: 2,4,6,8)"
     )
     parser.add_argument(
-        "--seeds", default="42,43,44", help="--study length: GRPO seeds (default: %(default)s)"
+        "--seeds", default=None, help="--study length: GRPO seeds (default: 42,43,44)"
     )
+
+
+def _default_jobs() -> int:
+    return min(2, os.cpu_count() or 1)
 
 
 def base_config_path() -> Path:
@@ -146,83 +152,180 @@ def recipe_config(recipe: str, out: Path, overrides: list[str]):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Every option and every run's config checked first (all problems in one exit 2), then the
+    runs; Ctrl-C stops them all (exit 130, one line: what finished, what was cut)."""
+    from nemo_jetrl.commands._demo_runs import Interrupted, claim_run_dirs
     from nemo_jetrl.errors import UserError
-    from nemo_jetrl.recipe import PRESET_NAMES
     from nemo_jetrl.runs.lock import RunDirLock
 
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    bad = [r for r in recipes if r not in PRESET_NAMES]
-    if bad or not recipes:
-        raise UserError(f"--recipes: unknown {bad or 'empty list'}; use {', '.join(PRESET_NAMES)}")
-    if args.steps is not None and args.steps < 1:
-        raise UserError("--steps must be >= 1")
-    if not 0 <= args.seed < 2**63:
-        raise UserError("--seed must be an integer in [0, 2**63)")
-    if args.jobs < 1:
-        raise UserError("--jobs must be >= 1")
-    if args.n_seeds < MIN_SEEDS:
-        raise UserError(
-            f"--n-seeds must be >= {MIN_SEEDS} (a claim over seeds needs an interval), got "
-            f"{args.n_seeds}"
-        )
-    fixed = [kv for kv in args.set if kv.split("=", 1)[0].lstrip("+") in SEED_KEYS]
-    if fixed and args.study is None:
-        raise UserError(
-            f"--set {fixed[0]}: the demo derives {' and '.join(SEED_KEYS)} from --seed; "
-            "pass --seed N instead"
-        )
+    problems = _option_problems(args)
     out = Path(args.out)
     overrides = list(args.set)
-    overrides.insert(0, f"grpo.val_period={_val_period(args.steps)}")
-    if args.steps is not None:
+    overrides.insert(0, f"grpo.val_period={_val_period(_valid(args.steps))}")
+    if _valid(args.steps) is not None:
         overrides.append(f"grpo.max_num_steps={args.steps}")
-    if args.num_ops is not None:
+    if _valid(args.num_ops) is not None and args.study is None:
         overrides.append(f"jetrl.local.task.num_ops={args.num_ops}")
-    if args.device is not None:  # refused here (exit 2) before any run starts
+    if args.device is not None:
         from nemo_jetrl.backends.local.device import check_device_flag
 
-        check_device_flag(args.device)
-        overrides.append(f"++jetrl.local.device={args.device}")
-    # One demo per --out: it deletes its old runs there, so a second demo must not run beside it.
+        try:
+            check_device_flag(args.device)
+            overrides.append(f"++jetrl.local.device={args.device}")
+        except UserError as exc:
+            problems.append(str(exc))
+    plan = _study_plan if args.study == "length" else _demo_plan
+    runs, config_problems = plan(args, out, overrides, problems)
+    problems += [p for p in dict.fromkeys(config_problems) if p not in problems]
+    if problems:
+        raise UserError(
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems, nothing run:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+    # One demo per --out: it replaces its old runs there, so a second demo must not run beside it.
     lock = RunDirLock(f"demo-{os.getpid()}").acquire([("--out", out)])
     try:
+        claim_run_dirs(out, [r.run_dir for r in runs])
         if args.study == "length":
-            return _length_study(args, out, overrides)
-        return _demo(args, out, overrides, recipes)
+            from nemo_jetrl.commands._demo_study import run_length_study
+
+            run_length_study(out, runs, progress=not args.no_progress)
+            return 0
+        return _demo(args, out, overrides, runs)
+    except Interrupted as exc:
+        print(f"jetrl demo: interrupted: {exc}", file=sys.stderr, flush=True)
+        return 130
     finally:
         lock.release()
 
 
-def _demo(args: argparse.Namespace, out: Path, overrides: list[str], recipes: list[str]) -> int:
+# Options that apply to one mode only (None: the comparison, "length": the study).
+MODE_OPTIONS = {
+    None: (("--recipes", "recipes"), ("--seed", "seed"), ("--n-seeds", "n_seeds"),
+           ("--jobs", "jobs")),
+    "length": (("--lengths", "lengths"), ("--seeds", "seeds")),
+}  # fmt: skip
+# Keys the demo sets per run, never --set: each run's own directory under --out, and the seeds
+# (the comparison derives both from --seed; the study takes the GRPO seeds from --seeds).
+RUN_DIR_KEYS = ("logger.log_dir", "checkpointing.checkpoint_dir")
+
+
+def _option_problems(args: argparse.Namespace) -> list[str]:
+    """Every problem with the options (each naming its option), defaults filled into ``args``."""
+    from nemo_jetrl.config import parse_override
+    from nemo_jetrl.recipe import PRESET_NAMES
+
+    problems = []
+    for mode, options in MODE_OPTIONS.items():
+        for flag, attr in options:
+            if args.study != mode and getattr(args, attr) is not None:
+                need = "--study length" if mode else "the comparison (no --study)"
+                problems.append(f"{flag} applies only to {need}; drop it")
+    if args.study is not None and args.num_ops is not None:
+        problems.append("--num-ops does not apply to --study length (use --lengths)")
+    args.recipes = args.recipes if args.recipes is not None else ",".join(DEFAULT_RECIPES)
+    args.seed = DEFAULT_SEED if args.seed is None else args.seed
+    args.n_seeds = DEFAULT_N_SEEDS if args.n_seeds is None else args.n_seeds
+    args.jobs = _default_jobs() if args.jobs is None else args.jobs
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    bad = [r for r in recipes if r not in PRESET_NAMES]
+    if bad or not recipes:
+        problems.append(f"--recipes: unknown {bad or 'empty list'}; use {', '.join(PRESET_NAMES)}")
+    twice = sorted({r for r in recipes if recipes.count(r) > 1})
+    if twice:
+        problems.append(f"--recipes: {', '.join(twice)} given twice; name each recipe once")
+    args.recipe_list = list(dict.fromkeys(r for r in recipes if r in PRESET_NAMES))
+    for flag, value in (("--steps", args.steps), ("--num-ops", args.num_ops)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.seed < 2**63:
+        problems.append("--seed must be an integer in [0, 2**63)")
+    if args.jobs < 1:
+        problems.append("--jobs must be >= 1")
+    if args.n_seeds < MIN_SEEDS:
+        problems.append(
+            f"--n-seeds must be >= {MIN_SEEDS} (a claim over seeds needs an interval), got "
+            f"{args.n_seeds}"
+        )
+    for kv in args.set:
+        try:
+            key = parse_override(kv)[1]
+        except ValueError:
+            continue  # the config check names it
+        owns = [k for k in (*RUN_DIR_KEYS, *SEED_KEYS) if k == key or k.startswith(key + ".")]
+        if args.study is not None:
+            owns = [k for k in owns if k != "jetrl.local.warmstart.seed"]  # study: 42 unless --set
+        if not owns:
+            continue
+        if owns[0] in RUN_DIR_KEYS:
+            problems.append(
+                f"--set {kv}: the demo gives every run its own directory under --out "
+                f"(OUT/runs/<recipe>/...); choose --out instead"
+            )
+        elif args.study is not None:
+            problems.append(f"--set {kv}: the study takes its GRPO seeds from --seeds")
+        else:
+            problems.append(
+                f"--set {kv}: the demo derives {' and '.join(SEED_KEYS)} from --seed; "
+                "pass --seed N instead"
+            )
+    return problems
+
+
+def _valid(n: int | None) -> int | None:
+    """A --steps / --num-ops value the configs can be built with (a bad one is reported)."""
+    return n if n is not None and n >= 1 else None
+
+
+def _demo_plan(args, out: Path, overrides: list[str], problems: list[str]):
+    """Every run of the comparison as a `Job`, and every problem of their configs."""
+    from nemo_jetrl.commands._demo_runs import Job, checked_config
+    from nemo_jetrl.commands._demo_stats import derive_seeds
+
+    ok = 0 <= args.seed < 2**63 and args.n_seeds >= 1  # else reported, no seeds to check
+    seeds = derive_seeds(args.seed, args.n_seeds) if ok else None
+    args.derived_seeds = seeds
+    jobs, found = [], []
+    for k, seed in enumerate(seeds.grpo if seeds else ()):
+        for recipe in [r for r in args.recipe_list if k < MISMATCH_SEEDS or r not in MISMATCH_ONLY]:
+            run_dir = out / "runs" / recipe / f"seed-{seed}"
+            keys = [f"grpo.seed={seed}", f"jetrl.local.warmstart.seed={seeds.warmstart}"]
+            ov = [f"logger.log_dir={run_dir}", *DEMO_SETTINGS, *keys, *overrides]
+            cfg, issues = checked_config(recipe_config, recipe, out, ov)
+            found += issues
+            jobs.append(Job(recipe, seed, run_dir, cfg))
+    return jobs, found
+
+
+def _study_plan(args, out: Path, overrides: list[str], problems: list[str]):
+    from nemo_jetrl.commands._demo_study import study_runs
+
+    try:
+        lengths = [int(x) for x in (args.lengths or "2,4,6,8").split(",") if x.strip()]
+        seeds = [int(x) for x in (args.seeds or "42,43,44").split(",") if x.strip()]
+    except ValueError:
+        problems.append("--lengths and --seeds take comma-separated integers")
+        return [], []
+    if not lengths or not seeds or min(lengths) < 1 or min(seeds) < 0:
+        problems.append("--lengths needs integers >= 1 and --seeds integers >= 0")
+        return [], []
+    return study_runs(out, lengths, seeds, overrides, recipe_config)
+
+
+def _demo(args: argparse.Namespace, out: Path, overrides: list[str], jobs: list) -> int:
     import warnings
 
     from nemo_jetrl.commands._demo_plot import summary_page
     from nemo_jetrl.commands._demo_report import curve_lines, demo_checks, lead_table
-    from nemo_jetrl.commands._demo_runs import Job, run_jobs
-    from nemo_jetrl.commands._demo_stats import derive_seeds
-    from nemo_jetrl.config import ConfigError
-    from nemo_jetrl.errors import UserError
+    from nemo_jetrl.commands._demo_runs import cpu_seconds, curves_of, run_jobs
     from nemo_jetrl.runs.logs import RunDataWarning
     from nemo_jetrl.runs.report import compare_runs
 
-    t0, c0, load0 = time.perf_counter(), _cpu_seconds(), os.getloadavg()[0]
-    seeds = derive_seeds(args.seed, args.n_seeds)
-    for recipe in recipes:
-        if (out / "runs" / recipe).exists():
-            shutil.rmtree(out / "runs" / recipe)  # a demo run always starts fresh
-    jobs = []
-    for k, seed in enumerate(seeds.grpo):
-        for recipe in [r for r in recipes if k < MISMATCH_SEEDS or r not in MISMATCH_ONLY]:
-            run_dir = out / "runs" / recipe / f"seed-{seed}"
-            keys = [f"grpo.seed={seed}", f"jetrl.local.warmstart.seed={seeds.warmstart}"]
-            try:
-                cfg = recipe_config(
-                    recipe, out, [f"logger.log_dir={run_dir}", *DEMO_SETTINGS, *keys, *overrides]
-                )
-            except ConfigError as exc:
-                raise UserError(str(exc)) from None
-            jobs.append(Job(recipe, seed, run_dir, cfg))
-    per = {r: sum(j.recipe == r for j in jobs) for r in recipes}
+    t0, c0, load0 = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
+    seeds = args.derived_seeds
+    per = {r: sum(j.recipe == r for j in jobs) for r in args.recipe_list}
     print(
         f"demo: base seed {seeds.base} -> warm start seed {seeds.warmstart} (shared by every "
         f"run), GRPO seeds {', '.join(map(str, seeds.grpo))}; {len(jobs)} runs: "
@@ -233,7 +336,7 @@ def _demo(args: argparse.Namespace, out: Path, overrides: list[str], recipes: li
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RunDataWarning)
         cmp = compare_runs([d.job.run_dir for d in runs], out / "compare")
-    curves = _curves(runs, cmp.runs)
+    curves = curves_of(runs, cmp.runs)
     page = summary_page(curves, out / "compare" / "summary.png", title=_title(seeds))
     (out / "compare" / "table.txt").write_text(cmp.table + "\n")
     print("\n" + lead_table(curves) + "\n")
@@ -247,37 +350,10 @@ def _demo(args: argparse.Namespace, out: Path, overrides: list[str], recipes: li
           f"summary.json/csv in {out / 'compare'}")  # fmt: skip
     print(
         f"demo finished in {time.perf_counter() - t0:.1f}s wall, "
-        f"{_cpu_seconds() - c0:.1f}s CPU (this process and its runs); "
+        f"{cpu_seconds() - c0:.1f}s CPU (this process and its runs); "
         f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f} (other processes slow it down)"
     )
     return 0
-
-
-def _curves(runs: list, logged: list) -> list:
-    """`RecipeCurves` per finished run (`_demo_runs.Done`): accuracy and reward as logged,
-    mismatch in float64."""
-    from nemo_jetrl.commands._demo_report import ACC, REWARD, RecipeCurves
-
-    by_path = {Path(r.path).resolve(): r for r in logged}
-    out = []
-    for d in runs:
-        data = by_path[d.job.run_dir.resolve()]
-        curves = {
-            tag: (tuple(int(x) for x in s.steps), tuple(s.values))
-            for tag, s in data.scalars.items()
-            if tag in (ACC, REWARD)
-        }
-        curves.update(d.mismatch)
-        out.append(RecipeCurves(d.job.recipe, curves, seed=d.job.seed))
-    return out
-
-
-def _cpu_seconds() -> float:
-    """CPU time of this process and its finished child processes (the pool's runs)."""
-    import resource
-
-    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + ch.ru_utime + ch.ru_stime
 
 
 def _val_period(steps: int | None) -> int:
@@ -306,29 +382,3 @@ def _title(seeds) -> str:
         f"jetrl demo: learning and mismatch over {len(seeds.grpo)} GRPO seeds "
         f"(base seed {seeds.base}, warm start seed {seeds.warmstart})"
     )
-
-
-def _length_study(args: argparse.Namespace, out: Path, overrides: list[str]) -> int:
-    from nemo_jetrl.commands._demo_study import run_length_study
-    from nemo_jetrl.config import ConfigError
-    from nemo_jetrl.errors import UserError
-
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    except ValueError:
-        raise UserError("--lengths and --seeds take comma-separated integers") from None
-    if not lengths or not seeds or min(lengths) < 1 or min(seeds) < 0:
-        raise UserError("--lengths needs integers >= 1 and --seeds integers >= 0")
-    if args.num_ops is not None:
-        raise UserError("--num-ops does not apply to --study length (use --lengths)")
-    if (out / "runs").exists():
-        shutil.rmtree(out / "runs")  # a study always starts fresh
-    try:
-        run_length_study(
-            out, lengths, seeds, overrides, progress=not args.no_progress,
-            recipe_config=recipe_config,
-        )  # fmt: skip
-    except ConfigError as exc:
-        raise UserError(str(exc)) from None
-    return 0
