@@ -122,4 +122,11 @@ MUTANTS = [
         "        if False:",
         ("tests/config/test_key_typos.py",),
     ),
+    Mutant(  # session 39 review: --study length deleted a user's checkpoints under OUT/runs
+        "the demo replaces a run directory no demo made",
+        "nemo_jetrl/commands/_demo_runs.py",
+        "            if d.is_dir() and not (d / DEMO_MARK).exists() and any(d.iterdir()):",
+        "            if False:",
+        ("tests/commands/test_demo_guard.py::test_refuses_what_no_demo_made_where_a_run_goes",),
+    ),
 ]
