@@ -2,10 +2,12 @@
 
 `UserError` is printed by the ``jetrl`` console script without a traceback (exit code 2);
 `MissingDependencyError` names the optional dependency and how to install it
-(`nemo_jetrl._optional.require` raises it).
+(`nemo_jetrl._optional.require` raises it). `cwd_hint`: where a relative path was looked for.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -14,3 +16,10 @@ class UserError(Exception):
 
 class MissingDependencyError(ImportError):
     """An optional dependency is not installed; the message says how to get it."""
+
+
+def cwd_hint(path: str | Path) -> str:
+    """For a relative ``path`` not found: where it was looked for (a config's paths, like
+    NeMo-RL's, are read from the working directory, not from the YAML file's); else ""."""
+    p = Path(path).expanduser()
+    return "" if p.is_absolute() else f" (relative to the working directory {Path.cwd()})"

@@ -30,6 +30,7 @@ from nemo_jetrl.arch.keys import Keys
 from nemo_jetrl.arch.linear import VISION_WORD, ArchError, Linear
 from nemo_jetrl.arch.mla import MlaSpec, read_mla
 from nemo_jetrl.arch.moe import MoeSpec, read_moe
+from nemo_jetrl.errors import cwd_hint
 
 # model_type families (transformers' names; "_text" variants are Qwen3.5's decoder configs).
 _QK_NORM = (
@@ -233,7 +234,7 @@ class ModelArch:
         try:
             data = json.loads(p.read_bytes().decode("utf-8"))
         except FileNotFoundError:
-            raise ArchError(f"model config not found: {p}", key) from None
+            raise ArchError(f"model config not found: {p}{cwd_hint(p)}", key) from None
         except OSError as exc:
             raise ArchError(f"cannot read model config {p}: {exc.strerror}", key) from None
         except UnicodeDecodeError as exc:

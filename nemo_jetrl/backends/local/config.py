@@ -42,6 +42,7 @@ from nemo_jetrl.config.typed import (
     section,
     text,
 )
+from nemo_jetrl.errors import cwd_hint
 
 DTYPES = ("bfloat16", "float32")
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -230,8 +231,10 @@ def _json_file_problem(p: str | None, model_config: bool) -> str | None:
     if not p:
         return None
     f = Path(p).expanduser()
+    if not f.is_file() and model_config:  # the architecture check names it (once)
+        return None
     if not f.is_file():
-        return f"file {p!r} not found"
+        return f"file {p!r} not found{cwd_hint(f)}"
     if model_config:  # read by the model's architecture check, which reports what is unreadable
         try:
             data = json.loads(f.read_bytes().decode("utf-8"))
