@@ -33,3 +33,24 @@ def tiny_cfg(recipe: str, log_dir: Path, cache_dir: Path, *extra: str):
             *extra,
         ],
     )
+
+
+def refused_issues(tmp_path: Path, *extra: str) -> dict[str, str]:
+    """``{key: message}`` of the `ConfigError` the local backend's door raises for a tiny jetrl
+    run with ``extra`` overrides (it must raise), which made no run directory."""
+    import pytest
+
+    from nemo_jetrl.backends.local.loop import resolve_run
+    from nemo_jetrl.config import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        resolve_run(tiny_cfg("jetrl", tmp_path / "run", tmp_path / "cache", *extra))
+    assert not (tmp_path / "run").exists()
+    return {i.path: i.message for i in exc.value.issues}
+
+
+def resolve_tiny(tmp_path: Path, *extra: str):
+    """The local backend's door on a tiny jetrl run with ``extra`` overrides (`ResolvedRun`)."""
+    from nemo_jetrl.backends.local.loop import resolve_run
+
+    return resolve_run(tiny_cfg("jetrl", tmp_path / "run", tmp_path / "cache", *extra))

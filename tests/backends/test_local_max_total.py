@@ -16,24 +16,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from local_configs import tiny_cfg
+from local_configs import refused_issues, resolve_tiny, tiny_cfg
 
 from nemo_jetrl.backends.local.loop import resolve_run
-from nemo_jetrl.config import ConfigError
 
 KEY = "policy.max_total_sequence_length"
 EIGHT_OPS = ("jetrl.local.task.num_ops=8", "jetrl.local.warmstart.enabled=false")
 
 
-def _resolve(tmp_path, *extra: str):
-    return resolve_run(tiny_cfg("jetrl", tmp_path / "run", tmp_path / "cache", *extra))
-
-
-def _issues(tmp_path, *extra: str) -> dict[str, str]:
-    with pytest.raises(ConfigError) as exc:
-        _resolve(tmp_path, *extra)
-    assert not (tmp_path / "run").exists()
-    return {i.path: i.message for i in exc.value.issues}
+_resolve, _issues = resolve_tiny, refused_issues
 
 
 def test_a_sequence_past_it_is_refused_naming_it(tmp_path):

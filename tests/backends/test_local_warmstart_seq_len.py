@@ -17,24 +17,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from local_configs import REPO, tiny_cfg
+from local_configs import REPO, refused_issues, resolve_tiny, tiny_cfg
 
 from nemo_jetrl.backends.local.loop import resolve_run
-from nemo_jetrl.config import ConfigError
 
 KEY = "jetrl.local.task.num_ops"
 SHORT_ROLLOUTS = ("jetrl.local.task.num_ops=32", "policy.generation.max_new_tokens=10")
 
 
-def _resolve(tmp_path, *extra: str):
-    return resolve_run(tiny_cfg("jetrl", tmp_path / "run", tmp_path / "cache", *extra))
-
-
-def _issues(tmp_path, *extra: str) -> dict[str, str]:
-    with pytest.raises(ConfigError) as exc:
-        _resolve(tmp_path, *extra)
-    assert not (tmp_path / "run").exists()
-    return {i.path: i.message for i in exc.value.issues}
+_resolve, _issues = resolve_tiny, refused_issues
 
 
 def test_a_warm_start_past_the_table_is_refused_when_the_rollouts_fit(tmp_path):
