@@ -144,17 +144,20 @@ def test_no_module_over_400_lines():
 
 def test_arch_is_a_leaf_beside_fp8():
     """Model descriptions (`nemo_jetrl.arch`) are read by config, flow and the backends; they
-    import only `nemo_jetrl.fp8.spec` (the block size), so no family can pull config or flow
-    logic in (or a cycle through them)."""
+    import only `nemo_jetrl.fp8.spec` (the block size) and `nemo_jetrl.errors` (which imports
+    nothing of the package: a leaf too), so no family can pull config or flow logic in (or a
+    cycle through them)."""
     outside = {
         (m, t)
         for m, targets in _graph().items()
         if m.startswith("nemo_jetrl.arch")
         for t in targets
-        if t not in ("nemo_jetrl", "nemo_jetrl.fp8", "nemo_jetrl.fp8.spec")
+        if t not in ("nemo_jetrl", "nemo_jetrl.fp8", "nemo_jetrl.fp8.spec", "nemo_jetrl.errors")
         and not t.startswith("nemo_jetrl.arch")
     }
     assert not outside, sorted(outside)
+    errors = {t for t in _graph().get("nemo_jetrl.errors", ()) if t.startswith("nemo_jetrl.")}
+    assert not errors, sorted(errors)  # the leaf arch may import
 
 
 # ------------------------------------------------------------------ `jetrl compare` without torch
