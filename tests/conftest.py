@@ -205,7 +205,9 @@ class _PassedLog:
 
 
 def register_passed_log(config: pytest.Config) -> None:
-    path = os.environ.get(PASSED_LOG_VAR)
+    # taken out of the environment: a pytest this session starts (test.sh's own tests run it on
+    # stand-ins, the mutation harness on copies) lists nothing in this tier's file
+    path = os.environ.pop(PASSED_LOG_VAR, None)
     if path and not hasattr(config, "workerinput"):  # not in an xdist worker: its controller
         config.pluginmanager.register(_PassedLog(path), "jetrl-passed-log")
 

@@ -56,7 +56,13 @@ def _test_sh_env(tmp_path: Path, **env: str) -> dict[str, str]:
     """test.sh's environment in a stand-in run: temp files, journal (``tmp_path / "journal"``)
     and the stand-in upstream trees under ``tmp_path``, then ``env``."""
     # the caller's own tier knobs (e.g. `JETRL_SKIP_VLLM=1 bash scripts/test.sh`) stay out
-    mine = ("JETRL_SKIP_", "JETRL_TIER_", "JETRL_TEST_WORKERS", "JETRL_VLLM_VERSIONS")
+    mine = (
+        "JETRL_SKIP_",
+        "JETRL_TIER_",
+        "JETRL_TEST_WORKERS",
+        "JETRL_VLLM_VERSIONS",
+        "JETRL_PASSED_",
+    )
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith(mine)},
         "TMPDIR": str(tmp_path),
