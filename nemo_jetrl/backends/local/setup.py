@@ -43,10 +43,11 @@ from nemo_jetrl.backends.local.precision import (
 from nemo_jetrl.backends.local.refit import export_weights
 from nemo_jetrl.backends.local.resume import RunCheckpointing
 from nemo_jetrl.backends.local.routing import RoutingController
+from nemo_jetrl.backends.local.run_identity import tokenizer_path
 from nemo_jetrl.backends.local.seq_len import SequenceLengths, data_generator, measure
 from nemo_jetrl.backends.local.step import RunStep
 from nemo_jetrl.backends.local.task import validation_problems
-from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON, load_tokenizer
+from nemo_jetrl.backends.local.tokenizer import load_tokenizer
 from nemo_jetrl.backends.local.trainer import OptimConfig, Trainer
 from nemo_jetrl.backends.local.warmstart import load_or_train
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, config_yaml
@@ -224,7 +225,7 @@ class LocalRun(RunStep, RunCheckpointing):
         ``warmstart_path`` / ``warmstart_cached``."""
         seed = self.run.seed
         if self.local.warmstart.enabled and self.local.warmstart.steps > 0:
-            tok_path = Path(self.local.tokenizer) if self.local.tokenizer else TOKENIZER_JSON
+            tok_path = tokenizer_path(self.local)  # run_identity: one home for the rule
             weights, path, cached = load_or_train(
                 self.model_config,
                 self.tokenizer,
