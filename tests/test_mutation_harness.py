@@ -336,3 +336,21 @@ def test_the_fork_server_returns_pytests_status_and_kills_a_run_past_its_limit(
         assert "differs in ['OTHER']" in out.read_text()
     finally:
         fork.close()
+
+
+def test_tests_find_the_shared_checkout_through_conftest_only() -> None:
+    """The mutation check runs tests from a copy in a temporary directory, where ../shared is not
+    beside them: a test building that path itself skipped there (two ERROR mutants in CI, while a
+    stray /tmp/shared here hid it). conftest's paths honour the variables the check sets."""
+    import re
+
+    beside = re.compile(r"""parents?\b[^\n]*/\s*["']shared["']""")
+    found = [
+        f"{p.relative_to(REPO)}:{n}"
+        for p in sorted((REPO / "tests").rglob("*.py"))
+        if p.name != "conftest.py" or p.parent != REPO / "tests"
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if beside.search(line)
+    ]
+    assert not found, f"use conftest's NEMO_RL_UPSTREAM / GOLDEN_DIR instead: {found}"
+    assert beside.search((REPO / "tests" / "conftest.py").read_text())  # control: the rule sees it

@@ -5,12 +5,10 @@ configs of both trees."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import NEMO_RL_UPSTREAM
 
-REPO = Path(__file__).resolve().parents[2]
-UPSTREAM = REPO.parent / "shared" / "upstream" / "nemo-rl"
+UPSTREAM = NEMO_RL_UPSTREAM  # honours $JETRL_NEMO_RL_UPSTREAM (the mutation check's copies)
 TREES = ("v0.7.0", "main-7ea279a")
 NOT_GRPO = "not a GRPO config"
 

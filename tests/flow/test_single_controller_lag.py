@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import NEMO_RL_UPSTREAM
 
 REPO = Path(__file__).resolve().parents[2]
-MAIN = REPO.parent / "shared" / "upstream" / "nemo-rl" / "main-7ea279a" / "examples" / "configs"
+MAIN = NEMO_RL_UPSTREAM / "main-7ea279a" / "examples" / "configs"  # $JETRL_NEMO_RL_UPSTREAM
 LLM = MAIN / "recipes" / "llm"
 JETRL_KV = REPO / "examples" / "configs" / "qwen3_8b_base" / "jetrl_kv.yaml"
 LAG = "verdict: OFF-POLICY by policy lag (precision flow: on-policy)"

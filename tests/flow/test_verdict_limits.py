@@ -9,10 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import NEMO_RL_UPSTREAM
 
 REPO = Path(__file__).resolve().parents[2]
 JETRL_KV = REPO / "examples" / "configs" / "qwen3_8b_base" / "jetrl_kv.yaml"
-UPSTREAM = REPO.parent / "shared" / "upstream" / "nemo-rl"
+UPSTREAM = NEMO_RL_UPSTREAM  # honours $JETRL_NEMO_RL_UPSTREAM (the mutation check's copies)
 
 
 @pytest.mark.parametrize(
