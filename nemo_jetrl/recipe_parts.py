@@ -28,6 +28,10 @@ QUANTIZERS: tuple[str, ...] = ("te", "jetrl", "vllm")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8")
 KV_SCALE_SOURCES: tuple[str, ...] = ("none", "trainer_calibrated", "checkpoint", "dynamic", "unit")
 KV_MASKS: tuple[str, ...] = ("response", "prompt_and_response", "none")
+# TE's one switch of Float8BlockScaling's scale rule ("1": exact FP32 quotients; unset or "0":
+# power-of-two scales), read once when TE is imported. Its home: the config keys and the
+# Megatron mapping both name it from here.
+FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 KV_REDUCTIONS: tuple[str, ...] = ("max", "percentile")
 
 # Which quantization *formula* each implementation computes. TE and this package compute the

@@ -26,6 +26,8 @@ documents every key there. Each key's type and values are checked by the typed s
 
 from __future__ import annotations
 
+from nemo_jetrl.recipe_parts import FP32_SCALES_ENV
+
 # NeMo-RL key paths (dotted), one constant each so messages and align use the same spelling.
 FP8_CFG = "policy.megatron_cfg.fp8_cfg"
 FP8_ENABLED = f"{FP8_CFG}.enabled"
@@ -34,7 +36,6 @@ FP8_RECIPE = f"{FP8_CFG}.fp8_recipe"
 FP8_PARAM = f"{FP8_CFG}.fp8_param"
 MEGATRON_ENABLED = "policy.megatron_cfg.enabled"
 ENV_VARS = "policy.megatron_cfg.env_vars"
-FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 FP32_SCALES_KEY = f"{ENV_VARS}.{FP32_SCALES_ENV}"
 GEN_BACKEND = "policy.generation.backend"
 VLLM_CFG = "policy.generation.vllm_cfg"

@@ -42,9 +42,8 @@ from typing import Any
 
 from nemo_jetrl._optional import require
 from nemo_jetrl.recipe import Recipe
-from nemo_jetrl.recipe_parts import SideRecipe
+from nemo_jetrl.recipe_parts import FP32_SCALES_ENV, SideRecipe
 
-FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 # TE's Format enum member for each Megatron/recipe format string.
 TE_FORMATS: Mapping[str, str] = MappingProxyType({"e4m3": "E4M3", "hybrid": "HYBRID"})

@@ -22,7 +22,7 @@ from typing import Any
 
 from nemo_jetrl.backends.local.config import LocalSettings, RunSettings
 from nemo_jetrl.backends.local.model import load_model_config
-from nemo_jetrl.backends.local.tokenizer import TOKENIZER_JSON
+from nemo_jetrl.backends.local.tokenizer import tokenizer_file
 from nemo_jetrl.config.load import ConfigIssue
 
 IDENTITY_KEY = "run_identity"  # the entry of a checkpoint's state.pt
@@ -73,7 +73,7 @@ def tokenizer_digest(tokenizer_json: str) -> str:
 
 def tokenizer_path(local: LocalSettings) -> Path:
     """The tokenizers JSON file a run loads (``jetrl.local.tokenizer``, else the repo's)."""
-    return Path(local.tokenizer) if local.tokenizer else TOKENIZER_JSON
+    return tokenizer_file(local.tokenizer)
 
 
 def run_identity(run: RunSettings, local: LocalSettings) -> dict[str, Any]:

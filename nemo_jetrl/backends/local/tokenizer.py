@@ -39,10 +39,15 @@ def build_tokenizer_json(path: Path = TOKENIZER_JSON) -> Path:
     return path
 
 
-def load_tokenizer(path: Path | None = None) -> Any:
-    """``PreTrainedTokenizerFast`` over the repo's ``tokenizer.json`` with pad/bos/eos set."""
+def tokenizer_file(path: str | Path | None) -> Path:
+    """The tokenizers JSON file of ``jetrl.local.tokenizer`` (``path``; unset: the repo's)."""
+    return Path(path) if path else TOKENIZER_JSON
+
+
+def load_tokenizer(path: str | Path | None = None) -> Any:
+    """``PreTrainedTokenizerFast`` over `tokenizer_file` (``path``) with pad/bos/eos set."""
     transformers = require("transformers", feature="the local backend's tokenizer")
-    path = Path(path) if path else TOKENIZER_JSON
+    path = tokenizer_file(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"tokenizer file {path} not found; set jetrl.local.tokenizer to a tokenizers JSON file"
