@@ -178,4 +178,18 @@ MUTANTS = [
         "    if False:",
         ("tests/backends/test_local_seq_len_check.py",),
     ),
+    Mutant(  # session 39 found: resumed on the warm start's weights (tmpe 1.33 -> 1.92)
+        "a resume while refits are refused rolls out from the warm start's weights",
+        "nemo_jetrl/backends/local/resume.py",
+        "        self._restore_rollout(state.get(ROLLOUT_KEY), path)\n",
+        "",
+        ("tests/runs/test_faults_stale_rollout.py",),
+    ),
+    Mutant(  # the copy is what keeps them: the trainer's update overwrites its weights in place
+        "the rollout's last good weights alias the trainer's",
+        "nemo_jetrl/backends/local/step.py",
+        "            self.rollout_source = {k: v.detach().clone() for k, v in weights.items()}",
+        "            self.rollout_source = dict(weights)",
+        ("tests/runs/test_faults_stale_rollout.py",),
+    ),
 ]

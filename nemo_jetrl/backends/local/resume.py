@@ -19,6 +19,8 @@ from nemo_jetrl.backends.local.trainer import OptimConfig
 from nemo_jetrl.config.load import ConfigError, ConfigIssue
 from nemo_jetrl.recipe import Recipe, preset_differences
 
+#: The state key of the rollout's last good weights, written while refits are refused.
+ROLLOUT_KEY = "rollout_weights"
 #: ``policy.optimizer.kwargs`` keys a resumed run takes from its config, not the checkpoint
 #: (torch's ``load_state_dict`` restores the saved param groups' values).
 OPTIMIZER_KWARGS = ("lr", "betas", "eps", "weight_decay")
@@ -121,6 +123,9 @@ class RunCheckpointing:
             "recipe_spec": self.recipe.to_dict(),
             "run_id": getattr(self, "run_id", None),
             IDENTITY_KEY: self.identity_record(),
+            # refits refused since the rollout's last good weights: they travel (a resumed run
+            # rolls out from them, as this one does, until a refit is accepted)
+            ROLLOUT_KEY: self.rollout_source if self.rollout_stale else None,
         }
 
     def restore(self, path: Path, loaded: tuple[dict[str, Any], dict[str, Any]] | None = None):
@@ -143,8 +148,24 @@ class RunCheckpointing:
             self.kv.set_scales(KVScales(layers=layers))
             self.kv_calibrated = True
         self.step = int(state["step"])
+        self._restore_rollout(state.get(ROLLOUT_KEY), path)
         if state.get("run_id"):  # a resumed run keeps its id: its logs are one run
             self.run_id = str(state["run_id"])
+
+    def _restore_rollout(self, weights: dict[str, Any] | None, path: Path) -> None:
+        """Put the rollout back on the last good weights a checkpoint holds (``weights``; None:
+        its rollout held the trainer's or the start weights, as a resumed run's does)."""
+        if weights is None:
+            return
+        weights = {k: v.to(self.device) for k, v in weights.items()}  # saved, read on the host
+        ok, why = self.load_rollout(weights)
+        if not ok:  # they were accepted when this checkpoint was written
+            raise RuntimeError(f"--resume: {path}'s rollout weights were refused: {why}")
+        self.rollout_source, self.rollout_stale = weights, True
+        self.log(
+            f"--resume: refits were refused when {path.name} was written; the rollout continues "
+            "from the weights of its last accepted refit until one is accepted"
+        )
 
     def save(self) -> Path | None:
         if not self.run.checkpoint_enabled:

@@ -79,6 +79,12 @@ class RunStep:
     """An update came after the rollout's last refit (NeMo-RL's ``POLICY_GENERATION_STALE``)."""
     _validation_refit: tuple[bool, str | None] | None = None
     """The outcome of the refit `validate` made, for the next step to report as its own."""
+    rollout_source: dict[str, torch.Tensor] | None = None
+    """What the rollout's last accepted refit loaded (a copy, kept only when the run saves
+    checkpoints; None: the weights the run started with): a checkpoint taken while refits are
+    refused holds it, so a resumed run rolls out from the same last good weights."""
+    rollout_stale = False
+    """The last refit was refused: the rollout holds `rollout_source`, not the trainer's."""
 
     def engine_kv_scales(self) -> dict[int, dict[str, float]] | None:
         """The trainer's calibrated KV scales for the vLLM engine (None: no FP8 KV / not yet).
@@ -99,10 +105,19 @@ class RunStep:
         weights = export_weights(self.trainer.model)
         if hooks.before_refit is not None:
             weights = hooks.before_refit(self.step + 1, dict(weights))
+        ok, why = self.load_rollout(weights)
+        self.refit_refused_total += int(count and not ok)
+        self.rollout_stale = not ok
+        if ok and self.run.checkpoint_enabled:  # the trainer's update overwrites them in place
+            self.rollout_source = {k: v.detach().clone() for k, v in weights.items()}
+        return ok, why
+
+    def load_rollout(self, weights: dict[str, torch.Tensor]) -> tuple[bool, str | None]:
+        """Load ``weights`` (trainer names) into the rollout through the guarded refit and the
+        vLLM engine's (if any): (accepted, why refused); refused, nothing changed."""
         try:  # checked first, stored only once the engine (if any) accepted its refit too
             staged = stage_refit(self.rollout_model, weights)
         except RefitRefused as exc:
-            self.refit_refused_total += int(count)
             return False, str(exc)
         if self.engine is not None:
             from nemo_jetrl.vllm_patch.refit import RefitError
@@ -112,7 +127,6 @@ class RunStep:
                 self.engine_parity_tensors = rep.parity_compared
                 self.engine_kv_layers = rep.kv_layers
             except RefitError as exc:
-                self.refit_refused_total += int(count)
                 return False, f"vLLM engine: {exc}"
         commit_refit(staged)
         return True, None
