@@ -290,8 +290,13 @@ def _read_logged(run_dir: Path) -> tuple[RunData, dict[int, Path]]:
         warnings=msgs,
     )
     if not series and not files:
-        msg = f"{run_dir}: no TensorBoard events and no train_data_step*.jsonl found"
-        _warn(msgs, msg, stacklevel=4)
+        n = sum(p.is_file() for p in run_dir.rglob(EVENTS_GLOB))
+        what = (
+            f"no scalars read from its {n} TensorBoard events file(s)"
+            if n
+            else ("no TensorBoard events")
+        )  # the warnings above say why a file could not be read
+        _warn(msgs, f"{run_dir}: {what} and no train_data_step*.jsonl found", stacklevel=4)
     return run, files
 
 

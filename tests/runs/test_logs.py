@@ -169,6 +169,12 @@ def test_broken_jsonl_lines_and_missing_fields_warn(tmp_path):
 def test_empty_and_missing_dirs(tmp_path):
     run = read_run(tmp_path)
     assert run.scalars == {} and any("no TensorBoard events" in m for m in run.warnings)
+    (tmp_path / "events.out.tfevents.1").write_bytes(b"not events")  # corrupt: said, not absent
+    with pytest.warns(UserWarning):
+        run = read_run(tmp_path)
+    assert any("truncated or corrupt events file" in m for m in run.warnings), run.warnings
+    assert any("no scalars read from its 1 TensorBoard events file(s)" in m for m in run.warnings)
+    assert not any("no TensorBoard events" in m for m in run.warnings)
     with pytest.raises(FileNotFoundError, match="run directory not found"):
         read_run(tmp_path / "nope")
 
