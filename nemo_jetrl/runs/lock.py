@@ -72,6 +72,7 @@ class RunDirLock:
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self._held: list[tuple[Path, int]] = []
+        self._made: list[Path] = []  # directories `acquire` created
 
     def acquire(
         self, dirs: Sequence[tuple[str, Path]], *, log: Callable[[str], None] = print
@@ -80,13 +81,15 @@ class RunDirLock:
         seen: set[Path] = set()
         try:
             for key, d in dirs:
+                missing = [p for p in (Path(d), *Path(d).parents) if not p.exists()]
                 make_dir(key, Path(d))
+                self._made.extend(missing)
                 real = Path(d).resolve()
                 if real not in seen:
                     seen.add(real)
                     self._lock_one(key, real, log)
         except BaseException:
-            self.release()
+            self.abandon()
             raise
         return self
 
@@ -134,6 +137,15 @@ class RunDirLock:
             with contextlib.suppress(OSError):  # first: a waiter re-checks the inode
                 os.unlink(path)
             os.close(fd)
+
+    def abandon(self) -> None:
+        """`release`, then remove the directories `acquire` created that are still empty: a
+        run refused before any work leaves nothing behind (idempotent)."""
+        self.release()
+        made, self._made = sorted(self._made, key=lambda p: len(p.parts), reverse=True), []
+        for d in made:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there
+                d.rmdir()
 
     def __enter__(self) -> RunDirLock:
         return self

@@ -140,7 +140,7 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
     lock = RunDirLock(uuid.uuid4().hex[:12]).acquire(dirs, log=log)
     earlier = [] if resume else _earlier_run_files(Path(rs.log_dir))
     if earlier:
-        lock.release()
+        lock.abandon()  # the directories it made go too
         raise UserError(
             f"logger.log_dir {rs.log_dir} already holds an earlier run ({', '.join(earlier)}): a "
             "fresh run would replace its config.yaml and train data and mix its TensorBoard "
@@ -153,7 +153,7 @@ def _own_run_dirs(rs: RunSettings, *, resume: bool, log) -> RunDirLock:
         log(msg)
     old = ckpt.list_checkpoints(ckpt_dir)  # a damaged one is an earlier run's too
     if old and not resume:
-        lock.release()
+        lock.abandon()  # the directories it made go too
         raise UserError(
             f"checkpointing.checkpoint_dir {ckpt_dir} already holds checkpoints of an earlier "
             f"run ({', '.join(d.name for _, d in old)}): pass --resume to continue it, or "
