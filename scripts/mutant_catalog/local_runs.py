@@ -192,4 +192,11 @@ MUTANTS = [
         "            self.rollout_source = dict(weights)",
         ("tests/runs/test_faults_stale_rollout.py",),
     ),
+    Mutant(  # session 39 found: `jetrl train ... logger.log_dir=.` refused left ./checkpoints
+        "a run refused at its directories leaves the ones it made",
+        "nemo_jetrl/runs/lock.py",
+        "                d.rmdir()",
+        "                pass",
+        ("tests/runs/test_run_dir_refusals.py",),
+    ),
 ]
