@@ -146,7 +146,8 @@ def grpo_loss(
         generation_logprobs: [B, T] rollout engine logprobs (the IS correction's base).
         advantages: [B] (per response, e.g. from `group_advantages`) or [B, T].
         token_mask: [B, T] 1 for response tokens that count.
-        sample_mask: optional [B]; 0 drops a response.
+        sample_mask: optional [B]; 0 drops a response (None: every response kept, an empty one
+            too: it counts as a sequence adding 0, as NeMo-RL counts it).
         reference_logprobs: [B, T] reference-policy logprobs; required when
             config.reference_policy_kl_penalty != 0.
         config: loss settings (defaults: NeMo-RL's).
@@ -268,9 +269,12 @@ def _aggregator(
     Only ``use`` tokens add to the sums; every valid (``mask``) token counts in the means."""
     maskf, usef = mask.to(dt), use.to(dt)
     n_tok = float(mask.sum())
-    seq_ok = (
-        mask.any(-1) if sample_mask is None else kept_samples(sample_mask, len(mask), mask.device)
-    )
+    # every response counts as a sequence unless its sample_mask drops it (NeMo-RL's
+    # global_valid_seqs = sum(sample_mask)), an empty one too: it adds 0 to the mean
+    if sample_mask is None:
+        seq_ok = torch.ones(len(mask), dtype=torch.bool, device=mask.device)
+    else:
+        seq_ok = kept_samples(sample_mask, len(mask), mask.device)
     n_seq = float(seq_ok.sum())
     tok_den = float(global_valid_tokens) if global_valid_tokens is not None else max(n_tok, 1.0)
     seq_den = float(global_valid_seqs) if global_valid_seqs is not None else max(n_seq, 1.0)

@@ -29,4 +29,11 @@ MUTANTS = [
         "    ones = torch.ones((batch, 0), dtype=torch.bool, device=device)",
         T_DEN,
     ),
+    Mutant(  # session 40 review: with token_level_loss false, None left empty responses out
+        "no sample mask drops the empty responses from the sequence mean",
+        "nemo_jetrl/rl/loss.py",
+        "        seq_ok = torch.ones(len(mask), dtype=torch.bool, device=mask.device)",
+        "        seq_ok = mask.any(-1)",
+        ("tests/rl/test_loss_denominators.py",),
+    ),
 ]

@@ -88,3 +88,21 @@ def test_zero_length_responses_with_a_sample_mask():
         kw = {"ratio_max": 2.0, "ratio_min": 0.5} if mode == "seq-mask-tis" else {}
         res = importance_weights(z, z, z, sm, config=CorrectionConfig.for_mode(mode, **kw))
         assert res.weights.shape == (2, 0)
+
+
+@pytest.mark.parametrize("token_level_loss", [True, False])
+def test_no_sample_mask_keeps_every_response_an_empty_one_too(token_level_loss):
+    """``sample_mask=None`` is every response kept (the docstring; NeMo-RL's global_valid_seqs
+    = sum(sample_mask)): an empty response counts as a sequence adding 0 (found by review: with
+    ``token_level_loss: false`` None left it out, 0.1652 where all-ones and NeMo-RL give 0.1416)."""
+    cfg = GRPOLossConfig.from_loss_fn_cfg(
+        {"reference_policy_kl_penalty": 0.0, "token_level_loss": token_level_loss}
+    )
+    curr = torch.tensor([[-1.0, -0.5], [-2.0, -0.1], [-0.3, -0.7]], dtype=torch.float64)
+    prev, adv = curr - 0.05, torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    tm = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    out = {}
+    for key, sm in (("none", None), ("ones", torch.ones(3, dtype=torch.float64))):
+        loss, m = grpo_loss(curr, prev, prev.clone(), adv, tm, sm, config=cfg)
+        out[key] = (loss.item(), m["train/num_valid_samples"])
+    assert out["none"] == out["ones"] and out["ones"][1] == 3.0, out

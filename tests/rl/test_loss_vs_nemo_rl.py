@@ -53,6 +53,18 @@ NEMO_RL_CASES = {
         "sequence_level_importance_ratios": True,
         "token_level_loss": False,
     },
+    # gaps a review found (session 40): the sequence mean without GSPO (an empty response
+    # counts as a sequence), with the KL penalty, GSPO with truncation, a dual clip that bites
+    "seq_mean": {"token_level_loss": False},
+    "seq_mean_kl": {"token_level_loss": False, "reference_policy_kl_penalty": 0.05},
+    "gspo_tis": {
+        "use_importance_sampling_correction": True,
+        "sequence_level_importance_ratios": True,
+        "token_level_loss": False,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.05,
+    },
+    "dual_clip_bites": {"ratio_clip_c": 1.1},
 }
 
 
@@ -64,6 +76,7 @@ def _random_batch(seed: int, b: int = 6, t: int = 9):
     ref = prev + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
     tm = (torch.rand(b, t, generator=g) > 0.25).to(torch.float64)
     tm[:, 0] = 0
+    tm[3] = 0  # an empty response its sample_mask keeps
     sm = torch.ones(b, dtype=torch.float64)
     sm[1] = 0
     adv = torch.randn(b, generator=g, dtype=torch.float64)
@@ -108,7 +121,9 @@ def check_against_nemo_rl(lf, name: str, overrides: dict) -> None:
     torch.testing.assert_close(ours_curr.grad, theirs_curr.grad, rtol=1e-6, atol=1e-9)
     for key in ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
                 "sampling_importance_ratio", "is_oob_ratio", "probs_ratio", "probs_ratio_clamped",
-                "probs_ratio_min", "probs_ratio_max", "kl_penalty", "num_valid_samples"):  # fmt: skip
+                "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min",
+                "probs_ratio_clamped_max", "approx_entropy", "kl_penalty",
+                "num_valid_samples"):  # fmt: skip
         if key not in t_m:
             continue
         if key == "sampling_importance_ratio" and cfg_dict.get("sequence_level_importance_ratios"):
