@@ -38,6 +38,7 @@ rc=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=20 \
     -n "$workers" --dist loadfile \
     tests/vllm_patch tests/backends/test_local_vllm.py tests/backends/test_local_vllm_moe.py \
-    tests/backends/test_local_vllm_seq_len.py "$@" || rc=$?
+    tests/backends/test_local_vllm_seq_len.py \
+    tests/runs/test_faults_stale_rollout_vllm.py "$@" || rc=$?
 echo "[test_vllm] finished in $(( $(date +%s) - start )) s"
 exit $rc

@@ -34,6 +34,7 @@ TIER_PATHS = (
     "tests/backends/test_local_vllm.py",
     "tests/backends/test_local_vllm_moe.py",
     "tests/backends/test_local_vllm_seq_len.py",
+    "tests/runs/test_faults_stale_rollout_vllm.py",
 )
 
 
