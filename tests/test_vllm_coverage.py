@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import vllm_coverage
 from conftest import REPO
-from vllm_coverage import check_map, decide
+from vllm_coverage import check_map, decide, untiered_vllm_tests
 
 _DUMP = """
 import json, os
@@ -115,3 +115,29 @@ def test_planted_gaps_are_reported(records, monkeypatch):
         "are not scripts/test.sh's default" in p
         for p in check_map(records, ("0.32",), tier_paths(), REPO)
     )
+
+
+def test_every_vllm_marked_test_runs_in_some_tier(tmp_path):
+    """A test marked vllm outside the vLLM tier's paths, with no NeMo-RL or GPU mark, is skipped
+    by the default suite (no vLLM there) and collected by no tier: CI never runs it (how
+    tests/runs/test_faults_stale_rollout_vllm.py sat out session 40's CI runs)."""
+    assert untiered_vllm_tests(REPO, tier_paths()) == []
+    planted = tmp_path / "tests" / "runs" / "test_planted.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text(
+        "import pytest\n"
+        "pytestmark = [pytest.mark.vllm, pytest.mark.vllm_versions('0.32', why='x')]\n"
+        "def test_a(): pass\n"
+        "@pytest.mark.gpu\ndef test_on_gpu(): pass\n"
+        "class TestB:\n    @pytest.mark.nemo_rl\n    def test_c(self): pass\n"
+        "    def test_d(self): pass\n"
+    )
+    (tmp_path / "tests" / "test_fn.py").write_text(
+        "import pytest\n@pytest.mark.vllm\ndef test_e(): pass\ndef test_f(): pass\n"
+    )
+    assert untiered_vllm_tests(tmp_path, tier_paths()) == [
+        "tests/runs/test_planted.py::test_a",
+        "tests/runs/test_planted.py::TestB::test_d",
+        "tests/test_fn.py::test_e",
+    ]
+    assert untiered_vllm_tests(tmp_path, ("tests/runs", "tests/test_fn.py")) == []

@@ -20,7 +20,9 @@ module take precedence over this map. ``JETRL_VLLM_ALL_VERSIONS=1`` runs everyth
 
 from __future__ import annotations
 
+import ast
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,4 +211,52 @@ def check_map(
         found = decide(r["nodeid"], set(r["markers"]), tuple(lines) if lines else None)
         if found is not None and not set(found[0]) & set(ci_lines):
             out.append(f"{r['nodeid']}: deselected on every line CI runs ({found[2]})")
+    return out
+
+
+# Marks under which a vllm-marked test runs outside the vLLM tier: the NeMo-RL tiers
+# (scripts/test_nemo_rl.sh collects all of tests/ by these) and the GPU image (gpu).
+RUN_ELSEWHERE = {"nemo_rl", "vllm_in_nemo_rl", "gpu"}
+
+
+def _mark_names(node: ast.expr) -> set[str]:
+    """Names of the pytest marks in a decorator or a ``pytestmark`` value."""
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return set().union(*(_mark_names(e) for e in node.elts)) if node.elts else set()
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "pytest.mark":
+        return {node.attr}
+    return set()
+
+
+def _untiered(body: list[ast.stmt], marks: set[str], prefix: str) -> Iterator[str]:
+    """Names of the tests in ``body`` marked vllm with no mark of RUN_ELSEWHERE."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own = marks.union(*(_mark_names(d) for d in node.decorator_list))
+            if isinstance(node, ast.ClassDef):
+                yield from _untiered(node.body, own, f"{prefix}{node.name}::")
+            elif node.name.startswith("test") and "vllm" in own and not own & RUN_ELSEWHERE:
+                yield f"{prefix}{node.name}"
+
+
+def untiered_vllm_tests(repo: Path, tier_paths: tuple[str, ...]) -> list[str]:
+    """Tests marked ``vllm`` that no tier collects: outside ``tier_paths`` and without a mark
+    another tier runs (a module that only the default suite sees skips them for want of vLLM,
+    and CI never runs them)."""
+    out = []
+    for path in sorted((repo / "tests").rglob("test_*.py")):
+        rel = path.relative_to(repo).as_posix()
+        if rel.startswith(tier_paths):
+            continue
+        tree = ast.parse(path.read_text(), filename=rel)
+        module_marks: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+            ):
+                module_marks |= _mark_names(node.value)
+
+        out += [f"{rel}::{name}" for name in _untiered(tree.body, module_marks, "")]
     return out
