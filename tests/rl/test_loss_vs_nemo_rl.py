@@ -65,6 +65,13 @@ NEMO_RL_CASES = {
         "truncated_importance_sampling_ratio": 1.05,
     },
     "dual_clip_bites": {"ratio_clip_c": 1.1},
+    # tis clamps to [ratio_min, ratio] where ratio_min is set (0 otherwise): both sides bite here
+    "tis_ratio_min": {
+        "use_importance_sampling_correction": True,
+        "truncated_importance_sampling_type": "tis",
+        "truncated_importance_sampling_ratio": 1.03,
+        "truncated_importance_sampling_ratio_min": 0.97,
+    },
 }
 
 
