@@ -21,6 +21,7 @@ from nemo_jetrl.kvcache.quant import (
     fake_quantize_kv,
     fake_quantize_kv_ste,
     quantize_kv,
+    rollout_cache_kernel,
 )
 from nemo_jetrl.kvcache.scales import KVScales
 from nemo_jetrl.kvcache.settings import CalibrationSettings
@@ -39,6 +40,7 @@ __all__ = [
     "masked_amax",
     "quantize_kv",
     "reduce_samples",
+    "rollout_cache_kernel",
     "scale_from_amax",
     "scales_from_amax",
     "select_sequences",

@@ -51,6 +51,22 @@ _E5M2_MIN_NORMAL = 2.0**-14
 _E5M2_SUBNORMAL_STEP = 2.0**-16
 
 
+def rollout_cache_kernel(engine: str, platform: str = "cpu") -> Kernel:
+    """The cache writer the trainer's fake quantization must mirror for a rollout ``engine``
+    ("vllm" or our own "hf" rollout) on vLLM ``platform`` ("cpu" or "cuda").
+
+    A vLLM CPU engine truncates (``cpu``); its CUDA engines and our HF rollout round to nearest
+    (``cuda``: the HF rollout and the trainer apply the same function, so either would match;
+    ``cuda`` is idempotent, so it is the one used there).
+    """
+    if engine not in ("vllm", "hf") or platform not in KERNELS:
+        raise ValueError(
+            f"rollout engine {engine!r} on {platform!r}: use engine 'vllm' or 'hf', platform "
+            f"one of {KERNELS}"
+        )
+    return "cpu" if engine == "vllm" and platform == "cpu" else "cuda"
+
+
 def _check_kernel(kernel: str) -> None:
     if kernel not in KERNELS:
         raise ValueError(

@@ -235,6 +235,17 @@ MUTANTS = [
         "v = torch.clamp(x32 * torch.reciprocal(s), -f.fmax, f.fmax)",
         T_KVQ,
     ),
+    Mutant(
+        "trainer KV rounds as CUDA under vLLM's CPU engine (the cache writer it serves ignored)",
+        "nemo_jetrl/kvcache/quant.py",
+        'return "cpu" if engine == "vllm" and platform == "cpu" else "cuda"',
+        'return "cuda"',
+        (
+            *T_KVQ,
+            "tests/backends/test_local_kv_padding.py",
+            "tests/backends/test_rehearsal_kv_unit.py",
+        ),
+    ),
     # ---- flow/: the on-policy verdict
     Mutant(
         "flow KV scale source comparison flipped",

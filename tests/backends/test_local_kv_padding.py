@@ -79,3 +79,27 @@ def test_the_outlier_would_move_the_scales_if_counted() -> None:
     outlier = _scales("none", pad_id=OUTLIER)
     for t in ("k", "v"):
         assert outlier[0][t] > 10 * plain[0][t], t
+
+
+@pytest.mark.parametrize(("engine", "kernel"), [("vllm", "cpu"), ("hf", "cuda")])
+def test_the_trainer_writes_kv_as_the_rollout_engine_does(engine, kernel):
+    """`LocalRun._attach_kv_cache`: with the vLLM engine (vLLM's CPU build, whose cache writer
+    truncates) the trainer's on-policy K/V and the rollout model's cache use the CPU writer;
+    with our HF rollout both sides use the same rounding writer."""
+    from types import SimpleNamespace
+
+    from nemo_jetrl.backends.local.setup import LocalRun
+    from nemo_jetrl.recipe import Recipe
+
+    run = SimpleNamespace(
+        recipe=Recipe.preset("jetrl_kv"),
+        local=SimpleNamespace(rollout_engine=engine),
+        rollout_model=_model(),
+    )
+    LocalRun._attach_kv_cache(run, _model())
+    try:
+        assert set(run.kv.handles) == {"rollout", "train"}
+        assert {h.state.kernel for h in run.kv.handles.values()} == {kernel}
+        assert run.kv.handles["train"].state.quantize  # on-policy KV: the trainer quantizes
+    finally:
+        run.kv.detach()

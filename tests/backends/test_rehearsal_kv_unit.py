@@ -197,3 +197,22 @@ def test_the_refit_hook_lands_kv_scales_in_float32_parameters():
             assert isinstance(param, torch.nn.Parameter) and param.dtype == torch.float32
             param.data.copy_(sent[names.vllm_scale_name(i, t)].reshape(()))  # vLLM's loader
             assert float(param) == float(sent[names.vllm_scale_name(i, t)])
+
+
+def test_the_trainer_writes_kv_as_vllms_cpu_cache_does(stand_in):
+    """The rehearsal's rollout is vLLM's CPU engine, whose cache writer truncates
+    (tests/vllm_patch/test_vllm_kv_cpu_ops.py: its bytes are quantize_kv(kernel="cpu")); the
+    trainer's on-policy K/V must be those bytes, not the CUDA writer's rounding."""
+    cpu = kv.CpuKV(stand_in, _recipe())
+    try:
+        ids = torch.randint(0, 128, (2, 8))
+        cpu.calibrate(stand_in, ids, torch.tensor([8, 8]), micro_batch_size=2, include_q=False)
+        (handle,) = cpu.controller.handles.values()
+        assert handle.state.kernel == "cpu" and handle.state.quantize
+        # the two writers differ on this input (1.97 with scale 1: CPU 1.875, CUDA 2.0)
+        from nemo_jetrl.kvcache import fake_quantize_kv
+
+        x = torch.tensor([1.97])
+        assert float(fake_quantize_kv(x, 1.0, kernel=handle.state.kernel)) == 1.875
+    finally:
+        cpu.controller.detach()

@@ -232,3 +232,14 @@ def test_scales_never_read_a_tensor_back_to_the_host() -> None:
     assert "_local_scalar_dense" not in ops.names and "_assert_async" in ops.names, ops.names
     with pytest.raises(ValueError, match="finite positive"):  # a CPU tensor: checked at once
         scale_tensor(torch.tensor(float("nan")))
+
+
+def test_the_trainer_mirrors_the_rollouts_cache_writer() -> None:
+    from nemo_jetrl.kvcache import rollout_cache_kernel
+
+    assert rollout_cache_kernel("vllm", "cpu") == "cpu"  # vLLM's CPU writer truncates
+    assert rollout_cache_kernel("vllm", "cuda") == "cuda"
+    assert rollout_cache_kernel("hf") == rollout_cache_kernel("hf", "cuda") == "cuda"
+    for bad in (("sglang", "cpu"), ("vllm", "rocm")):
+        with pytest.raises(ValueError, match="rollout engine"):
+            rollout_cache_kernel(*bad)

@@ -302,10 +302,15 @@ class LocalRun(RunStep, RunCheckpointing):
         self.kv = None
         if not self.recipe.kv_fp8:
             return
-        from nemo_jetrl.kvcache import CalibrationSettings
+        from nemo_jetrl.kvcache import CalibrationSettings, rollout_cache_kernel
         from nemo_jetrl.kvcache.hf import KVCacheController
 
-        self.kv = KVCacheController(CalibrationSettings.from_recipe(self.recipe.kv_calibration))
+        # the local vLLM engine is vLLM's CPU build: its cache writer truncates, and the trainer's
+        # K/V must carry the bytes it stores
+        self.kv = KVCacheController(
+            CalibrationSettings.from_recipe(self.recipe.kv_calibration),
+            kernel=rollout_cache_kernel(self.local.rollout_engine, "cpu"),
+        )
         self.kv.attach(self.rollout_model, role="rollout")
         self.kv.attach(train_model, role="train", onpolicy=self.recipe.onpolicy_kv)
 

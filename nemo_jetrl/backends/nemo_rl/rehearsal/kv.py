@@ -62,11 +62,15 @@ class CpuKV:
     """The training model's FP8 KV: attached at construction, recalibrated on request."""
 
     def __init__(self, model: torch.nn.Module, recipe: Any) -> None:
-        from nemo_jetrl.kvcache import CalibrationSettings
+        from nemo_jetrl.kvcache import CalibrationSettings, rollout_cache_kernel
         from nemo_jetrl.kvcache.hf import KVCacheController
 
         self.recipe = recipe
-        self.controller = KVCacheController(CalibrationSettings.from_recipe(recipe.kv_calibration))
+        # the rehearsal's rollout is vLLM's CPU engine: K/V as its cache writer stores them
+        self.controller = KVCacheController(
+            CalibrationSettings.from_recipe(recipe.kv_calibration),
+            kernel=rollout_cache_kernel("vllm", "cpu"),
+        )
         self.controller.attach(model, role="train", onpolicy=recipe.onpolicy_kv)
         self.vllm_scales: dict[str, float] | None = None  # the last calibration, vLLM names
 
