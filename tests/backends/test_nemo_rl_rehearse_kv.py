@@ -64,9 +64,9 @@ def test_nemo_rls_fp8_kv_config_aligned_to_jetrl_kv_rehearses_where_vllm_runs_fp
         assert kv_line in out, out[-5000:]
     # ready for the CPU path, and it says a GPU launch refuses the FP8 KV cache (jetrl there)
     assert "a GPU launch refuses it before Ray (docs/kvcache.md): submit recipe jetrl" in out
-    # token_mult_prob_error close to 1 (assert_ready): the CPU policy is float32 with
-    # fake-quantized KV, vLLM's engine block-FP8 with its CPU cache writer (truncating,
-    # kvcache/quant.py)
+    # token_mult_prob_error close to 1 (assert_ready): the CPU policy is float32 with its KV
+    # fake-quantized as vLLM's CPU cache writer stores it (truncating, kvcache/quant.py), the
+    # engine block-FP8 with vLLM's own attention
 
 
 # -- the CPU policy's KV duties, without Ray -------------------------------------------------
