@@ -117,7 +117,7 @@ class KVCacheController:
         cache = ctl.rollout_cache()     # pass as past_key_values= to generate()
         ...                             # score, update
         res = ctl.calibrate(train_model, ids, attention_mask, response_mask)   # after the update
-        log("timing/kv_calibration", res.seconds)
+        log("timing/train/kv_calibration", res.seconds)
 
     `calibrate` installs the new scales on every attached model at once, so the next rollout and
     the next trainer forward use the same scales (the refit ships them together with the weights).

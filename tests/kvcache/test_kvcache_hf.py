@@ -359,3 +359,21 @@ def test_scale_names() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert KVScales.from_dict(sc.to_dict()).to_vllm() == sc.to_vllm()
+
+
+def test_the_local_extra_asks_for_the_transformers_fp8_kv_needs() -> None:
+    """`pip install nemo-jetrl[local]` must not admit a transformers that `jetrl_kv` refuses
+    at run time (the extra said >=4.45 while the attention hooks need 4.48)."""
+    import re
+
+    import tomllib
+    from conftest import REPO
+
+    from nemo_jetrl.kvcache.hf_attention import MIN_TRANSFORMERS
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    (req,) = [r for r in extras["local"] if r.startswith("transformers")]
+    floor = tuple(int(x) for x in re.fullmatch(r"transformers>=([0-9.]+)", req)[1].split("."))
+    assert floor >= MIN_TRANSFORMERS, req

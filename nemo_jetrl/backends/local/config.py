@@ -115,7 +115,8 @@ class LocalSettings:
     """What samples the rollouts: "hf" (the HF model with `Fp8InferenceLinear` layers, in this
     process) or "vllm" (a real vLLM CPU engine under the nemo_jetrl patch, refit every step
     through the guarded path with the parity check on; needs the .venv-vllm environment from
-    scripts/setup_vllm_env.sh; recipes bf16 and jetrl, bfloat16 dtype)."""
+    scripts/setup_vllm_env.sh; recipes bf16 and jetrl, jetrl_kv where vLLM runs an FP8 KV cache on
+    this CPU, bfloat16 dtype)."""
     device: str = "cpu"
     """Where the models, the rollout, the trainer, the invariant ops and the metrics run: "cpu",
     "cuda" or "cuda:N" (``jetrl train/demo --device``). A CUDA device this machine lacks is
