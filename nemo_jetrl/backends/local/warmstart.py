@@ -34,6 +34,7 @@ from nemo_jetrl.backends.local.task import (
     encode_targets,
     sample_problems,
 )
+from nemo_jetrl.config.run_keys import path_problem
 
 CACHE_VERSION = 2  # bump when the warm-start procedure changes
 
@@ -146,11 +147,26 @@ def load_or_train(
         except Exception as exc:  # a corrupt cache entry is retrained, never trusted
             log(f"warm start cache {path} unreadable ({exc}); retraining")
     t0 = time.perf_counter()
-    log(f"warm start: {ws.steps} supervised steps (cached afterwards in {path.parent})")
+    # a cache that cannot be written costs the next run a retrain, never this run its weights:
+    # said before training, and a failed write is a warning
+    unwritable = path_problem(path.parent)
+    where = f"not cached: {unwritable[0]}" if unwritable else f"cached afterwards in {path.parent}"
+    log(f"warm start: {ws.steps} supervised steps ({where})")
     weights = train_warmstart(model_config, tokenizer, task, ws, seed, log=log)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(weights, str(tmp), metadata={"key": key})
-    tmp.replace(path)
+    if unwritable is None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(tmp), metadata={"key": key})
+            tmp.replace(path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            unwritable = (str(exc), False)
+    if unwritable is not None:
+        log(
+            f"warning: the warm start was not cached ({unwritable[0]}); this run goes on with "
+            "its weights. Set jetrl.local.cache_dir (or $JETRL_CACHE_DIR) to a writable "
+            "directory so the next run loads it"
+        )
     log(f"warm start done in {time.perf_counter() - t0:.1f}s")
     return weights, path, False
