@@ -270,8 +270,16 @@ def apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
                 ConfigIssue(key, f"override {text!r}: key already set; use {key}=... to change it")
             )
             continue
+        problem = _mapping_value_problem(cfg, op, key, value)
+        if problem:
+            issues.append(ConfigIssue(key, f"override {text!r}: {problem}"))
+            continue
+        # a mapping merges into the mapping it names, as Hydra (NeMo-RL's overrides) does;
+        # anything else replaces (a list for a section: the validator names the key)
+        node = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+        merge = isinstance(value, dict) and isinstance(node, DictConfig)
         try:
-            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+            OmegaConf.update(cfg, key, value, merge=merge, force_add=True)
         except OmegaConfBaseException as exc:
             issues.append(ConfigIssue(key, f"override {text!r} failed: {exc}"))
     if issues:
@@ -290,6 +298,28 @@ def setting_override(has_key: Callable[[str], bool], key: str, value: str) -> st
     config whose `key_presence` is ``has_key``: ``key=value`` when it has the key,
     ``+key=value`` when it does not."""
     return f"{'' if has_key(key) else '+'}{key}={value}"
+
+
+def _mapping_value_problem(cfg: DictConfig, op: str, key: str, value: Any) -> str | None:
+    """Why a mapping value cannot be merged into ``key``: a YAML key such as ``a:1`` (no space
+    after the colon: Hydra reads ``{a:1}`` as a: 1, YAML as a key "a:1"), or, for ``key=``, a
+    key a section it merges into lacks (Hydra refuses it too; ``+``/``++`` add it). A null
+    or scalar in the config is replaced whole."""
+    if not isinstance(value, dict):
+        return None
+    stack = [(key, value)]
+    while stack:
+        where, node = stack.pop()
+        for k, v in node.items():
+            if isinstance(k, str) and ":" in k and v is None:
+                a, _, b = k.partition(":")
+                return f"write {{{a}: {b}}} with a space after the colon (read as a key {k!r})"
+            into = OmegaConf.select(cfg, where, throw_on_resolution_failure=False)
+            if op == "set" and isinstance(into, DictConfig) and not _exists(cfg, f"{where}.{k}"):
+                return f"{where}.{k} is not in config; use +{where}.{k}=... to add it"
+            if isinstance(v, dict):
+                stack.append((f"{where}.{k}", v))
+    return None
 
 
 def _exists(cfg: DictConfig, key: str) -> bool:
