@@ -38,6 +38,20 @@ MUTANTS = [
         '    return f"{key}={value}"',
         ("tests/commands/test_check_fix_overrides.py",),
     ),
+    Mutant(  # review, session 41: grpo={max_num_steps: 2} dropped grpo's other keys
+        "a mapping override replaces its section instead of merging",
+        "nemo_jetrl/config/load.py",
+        "        merge = isinstance(value, dict) and isinstance(node, DictConfig)",
+        "        merge = False",
+        ("tests/config/test_override_mappings.py",),
+    ),
+    Mutant(  # review, session 41: an unwritable warm-start cache crashed after training
+        "a failed warm-start cache write raises",
+        "nemo_jetrl/backends/local/warmstart.py",
+        "            unwritable = (str(exc), False)",
+        "            raise",
+        ("tests/backends/test_local_warmstart_cache.py",),
+    ),
     Mutant(  # user walk: check's Qwen3.5 list fix was refused by check itself
         "the list fix keeps part of Megatron's fused in_proj",
         "nemo_jetrl/config/layer_lists.py",
