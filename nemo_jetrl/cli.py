@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in _command_modules():
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _parser=p)  # _parser: a usage error shows its usage
     return parser
 
 
@@ -56,16 +56,35 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     ``overrides`` positional (``nargs="*"``) with the empty list at ``CONFIG`` and leaves
     ``train CFG --backend nemo-rl k=v``'s ``k=v`` unrecognized. Leftovers that are not options
     are appended to ``overrides`` in their order (they all come after the ones argparse took);
-    anything else is still an error. ``parse_intermixed_args`` is not used: it refuses
-    subparsers.
+    anything else is still an error, said by the subcommand's parser (its usage, ``jetrl
+    train: error: unrecognized arguments: --steps 3``), not the top-level one's.
+    ``parse_intermixed_args`` is not used: it refuses subparsers.
     """
     args, extras = parser.parse_known_args(argv)
     if extras:
         stray = [e for e in extras if e.startswith("-")]
         if stray or not isinstance(getattr(args, "overrides", None), list):
-            parser.error("unrecognized arguments: " + " ".join(extras))
+            sub = getattr(args, "_parser", parser)
+            hint = _near_option(stray, sub)
+            if not hint and stray and isinstance(getattr(args, "overrides", None), list):
+                hint = " (set a config key as a KEY=VALUE override, not as an option)"
+            sub.error("unrecognized arguments: " + " ".join(extras) + hint)
         args.overrides = [*args.overrides, *extras]
     return args
+
+
+def _near_option(stray: list[str], parser: argparse.ArgumentParser) -> str:
+    """`` (did you mean: --jsn -> --json?)`` for options a typo away from one ``parser``
+    takes; "" when none is."""
+    import difflib
+
+    known = list(parser._option_string_actions)  # argparse keeps no public list of them
+    near = [
+        f"{s.split('=')[0]} -> {m[0]}"
+        for s in stray
+        if (m := difflib.get_close_matches(s.split("=")[0], known, n=1, cutoff=0.75))
+    ]
+    return f" (did you mean: {', '.join(near)}?)" if near else ""
 
 
 #: exit code when stdout's reader closed the pipe early (128 + SIGPIPE).

@@ -2,7 +2,8 @@
 
 `UserError` is printed by the ``jetrl`` console script without a traceback (exit code 2);
 `MissingDependencyError` names the optional dependency and how to install it
-(`nemo_jetrl._optional.require` raises it). `cwd_hint`: where a relative path was looked for.
+(`nemo_jetrl._optional.require` raises it). `cwd_hint`: where a relative path was looked for;
+`together`: several problems as one error.
 """
 
 from __future__ import annotations
@@ -23,3 +24,12 @@ def cwd_hint(path: str | Path) -> str:
     NeMo-RL's, are read from the working directory, not from the YAML file's); else ""."""
     p = Path(path).expanduser()
     return "" if p.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+
+
+def together(problems: list[str], done: str = "nothing run") -> UserError:
+    """One `UserError` for every problem found (one alone as it is; several listed, a problem
+    of several lines indented under its dash); ``done``: what was left undone."""
+    if len(problems) == 1:
+        return UserError(problems[0])
+    items = ["  - " + p.replace("\n", "\n    ") for p in problems]
+    return UserError(f"{len(problems)} problems, {done}:\n" + "\n".join(items))

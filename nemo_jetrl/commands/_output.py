@@ -37,6 +37,18 @@ def check_output_dir(path: Path, option: str, for_file: Path | None = None) -> N
         raise UserError(f"{named}: not writable by this user; choose another")
 
 
+def output_dir_problem(path: Path, option: str) -> str | None:
+    """`check_output_dir`'s refusal as a message, None when ``path`` will do; a regular file at
+    ``path`` itself is said as such. For a command that reports every problem at once."""
+    if path.exists() and not path.is_dir():
+        return f"{option} {path}: is a regular file, not a directory; choose another {option}"
+    try:
+        check_output_dir(path, option)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 def make_output_dir(path: Path, option: str, for_file: Path | None = None) -> None:
     """`check_output_dir`, then create ``path`` (and its parents) and write a file in it."""
     check_output_dir(path, option, for_file)

@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from nemo_jetrl.recipe import PRESET_NAMES
 
     parser.add_argument("config", help="NeMo-RL-shaped YAML")
-    parser.add_argument("overrides", nargs="*", help="key=value, +key=value, ++key=value, ~key")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="key=value, +key=value, ++key=value, ~key"
+    )
     parser.add_argument("-o", "--output", required=True, help="where to write the aligned YAML")
     parser.add_argument(
         "--kv",
@@ -63,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jetrl.arch.linear import VISION_WORD
     from nemo_jetrl.commands._align_moe import load_source, moe_align_updates, router_bf16_words
     from nemo_jetrl.commands._align_unaligned import in_proj_note, unaligned_target_words
-    from nemo_jetrl.commands._output import check_output_dir
     from nemo_jetrl.commands.check import report
     from nemo_jetrl.config import (
         merge_updates,
@@ -73,19 +74,14 @@ def run(args: argparse.Namespace) -> int:
     )
     from nemo_jetrl.config.layer_lists import shared_bf16_words
     from nemo_jetrl.config.schema import FP8_PARAM
-    from nemo_jetrl.errors import UserError
+    from nemo_jetrl.errors import UserError, together
     from nemo_jetrl.flow.megatron_layout import megatron_block_words
     from nemo_jetrl.flow.mxfp8 import align_notes
     from nemo_jetrl.flow.vllm_bf16 import vllm_bf16_words
     from nemo_jetrl.recipe import Recipe, matching_preset
 
     out = Path(args.output)
-    if out.is_dir():
-        raise UserError(f"-o {out} is a directory; give the file to write")
-    _refuse_input_file(out, args.config)  # before --force: it would overwrite what it reads
-    if out.exists() and not args.force:
-        raise UserError(f"{out} exists; pass --force to overwrite it")
-    check_output_dir(out.parent, "-o", for_file=out)  # before any work; created when written
+    flagged = _flag_problems(args, out)  # before any work; -o is created when written
     overrides, mirrored, untiled, untiled_notes = list(args.overrides), None, [], []
     try:
         before = load_source(args.config, overrides)  # cfg + recipe; checked below
@@ -101,15 +97,12 @@ def run(args: argparse.Namespace) -> int:
             before = load_source(args.config, [*overrides, *retry]) if retry else None
         except UserError:
             before = None
-        if before is None:
-            raise exc from None
+        if before is None:  # the flags' problems and the config's, together
+            raise together([*flagged, str(exc)], "nothing written") if flagged else exc from None
         mirrored = None if untiled else mirrored
         overrides += retry
-    if args.recipe and args.kv:
-        raise UserError(
-            f"--kv {args.kv} with --recipe {args.recipe}: the preset says what the KV cache is "
-            "(jetrl_kv: FP8 with on-policy KV; the others BF16); drop one of them"
-        )
+    if flagged:
+        raise together(flagged, "nothing written")
     if args.recipe:
         target = Recipe.preset(args.recipe)
     else:
@@ -212,6 +205,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {line}", file=sys.stdout)
     print(file=sys.stdout)
     return report(after, str(out), sys.stdout)
+
+
+def _flag_problems(args: argparse.Namespace, out: Path) -> list[str]:
+    """What is wrong with the flags (``-o``, ``--recipe`` with ``--kv``), all of it; the output
+    path's first problem only (the later ones follow from it)."""
+    from nemo_jetrl.commands._output import check_output_dir
+    from nemo_jetrl.errors import UserError
+
+    found = []
+    if args.recipe and args.kv:
+        found.append(
+            f"--kv {args.kv} with --recipe {args.recipe}: the preset says what the KV cache is "
+            "(jetrl_kv: FP8 with on-policy KV; the others BF16); drop one of them"
+        )
+
+    def output() -> None:
+        if out.is_dir():
+            raise UserError(f"-o {out} is a directory; give the file to write")
+        _refuse_input_file(out, args.config)  # before --force: it would overwrite what it reads
+        if out.exists() and not args.force:
+            raise UserError(f"{out} exists; pass --force to overwrite it")
+        check_output_dir(out.parent, "-o", for_file=out)
+
+    try:
+        output()
+    except UserError as exc:
+        found.append(str(exc))
+    return found
 
 
 def _refuse_input_file(out: Path, config: str) -> None:

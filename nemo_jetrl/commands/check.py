@@ -27,7 +27,10 @@ EXIT_INVALID = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="NeMo-RL-shaped YAML (defaults: inheritance supported)")
     parser.add_argument(
-        "overrides", nargs="*", help="key=value, +key=value (add), ++key=value, ~key (delete)"
+        "overrides",
+        nargs="*",
+        default=[],  # optional: without a default argparse lists it as required
+        help="key=value, +key=value (add), ++key=value, ~key (delete)",
     )
     parser.add_argument(
         "--backward", action="store_true", help="also print the training backward precisions"
@@ -212,7 +215,7 @@ def _print_mismatches(c: Checked, out: TextIO, *, edges: bool) -> None:
     """Each mismatch: where, the precision pairs, why, keys and fix (and its edges with
     ``--edges``). A fix line holds overrides to paste after ``jetrl check CONFIG`` as they are
     (`flow.fixes`: ``+key=`` where the config lacks the key); ``or:`` the alternative."""
-    from nemo_jetrl.config.load import key_presence
+    from nemo_jetrl.config.overrides import key_presence
     from nemo_jetrl.flow.fixes import fix_options, shell_line
 
     for k, m in enumerate(c.check.mismatches, 1):
@@ -245,7 +248,7 @@ def summary(c: Checked) -> dict[str, Any]:
     """The check as plain data (what --json prints). A mismatch's ``fixes`` are the report's
     (connectors ``or ``/``and `` kept), each setting as the config's override (`flow.fixes`);
     ``fix_options``: the alternatives, each a list of override arguments to pass together."""
-    from nemo_jetrl.config.load import key_presence
+    from nemo_jetrl.config.overrides import key_presence
     from nemo_jetrl.flow.fixes import fix_options, pasteable_fixes
     from nemo_jetrl.flow.groups import group_verdicts, routing_note
 

@@ -5,12 +5,16 @@ recompute missing mismatch metrics), labels each by the recipe / ``jetrl.run_nam
 hyperparameters name, joins a job resumed across ``exp_NNN`` directories into one run
 (``runs/resume.py``), prints a table per run and metric (last, mean, median, max, steps
 covered), and writes summary.json / summary.csv and one PNG per metric into OUT.
-Refused (exit 2) before anything is read: a RUN_DIR that is missing or is not a run directory
-(no TensorBoard events or train_data_step*.jsonl under it), an OUT that is a file or cannot be
-created, and a run directory holding the events of several runs (``--allow-mixed`` compares it,
-labelled). Refused (exit 2) after reading and before anything is written: a ``--metric`` that no
-run has (named, with the tags close to it; one that only some runs lack is a row), and runs that
-have none of the default metrics.
+Refused (exit 2) before anything is read, every such problem at once: a RUN_DIR that is
+missing, a file, or not a run directory (no TensorBoard events or train_data_step*.jsonl under
+it), a run directory holding the events of several runs (``--allow-mixed`` compares it,
+labelled), an OUT that is a file or cannot be created, is a compared run directory or lies
+inside one, or holds a file this compare would write (an earlier compare's: ``--force``
+overwrites them). Refused (exit 2) after reading and before anything is written: a run from whose
+files (events, train_data jsonl) not one metric could be read (the run and those files named; a
+run with some metrics keeps its read warnings), a ``--metric`` that no run has (named, with the
+tags close to it; one that only some runs lack is a row), and runs that have none of the default
+metrics.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite the summary files and plots an earlier compare wrote into OUT",
+    )
+    parser.add_argument(
         "--allow-mixed",
         action="store_true",
         help="compare a run directory holding events of several runs (labelled "
@@ -76,19 +85,24 @@ def run(args: argparse.Namespace) -> int:
     from nemo_jetrl.runs.logs import RunDataWarning
     from nemo_jetrl.runs.report import DEFAULT_METRICS, compare_runs, write_outputs
 
-    check_run_dirs(args.run_dirs)
-    check_out_dir(Path(args.out))  # probed, created only once the runs and metrics are checked
-    if not args.allow_mixed:
-        check_single_runs(args.run_dirs)
     named = [m.strip() for arg in (args.metric or []) for m in arg.split(",") if m.strip()]
     metrics = named or list(DEFAULT_METRICS)
     formats = ("json", "csv") if args.format == "both" else (args.format,)
+    out = Path(args.out)
+    written = output_files(out, metrics, formats, plots=not args.no_plots)
+    problems = run_dir_problems(args.run_dirs)
+    if not args.allow_mixed:
+        problems += mixed_run_problems(args.run_dirs)
+    # -o is probed here, created only once the runs and metrics are checked
+    problems += out_dir_problems(out, args.run_dirs, written, force=args.force)
+    if problems:  # every problem with the paths at once
+        raise UserError("; ".join(problems))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RunDataWarning)  # printed below, once
             res = compare_runs(args.run_dirs, None, metrics=metrics, recompute=args.recompute)
         unreadable = [why for r in res.runs if (why := unreadable_run(r))]
-        if unreadable:  # nothing read from its events: its files are damaged, not metric-less
+        if unreadable:  # not one metric read from its files: damaged, not metric-less
             raise UserError("; ".join(unreadable))
         # checked before anything is written: a metric asked for by name that no run has is
         # almost surely a typo (one some runs lack is a row); the defaults only all together
@@ -115,42 +129,88 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_run_dirs(run_dirs: list[str]) -> None:
+def run_dir_problems(run_dirs: list[str]) -> list[str]:
     """Each RUN_DIR must exist and be a run directory (TensorBoard events anywhere under it or
     ``train_data_step*.jsonl`` in it), said first, before ``-o`` is created or a run read."""
-    from nemo_jetrl.errors import UserError
-
-    missing = [d for d in run_dirs if not Path(d).is_dir()]
+    problems = []
+    missing = [d for d in run_dirs if not Path(d).exists()]
     if missing:
-        raise UserError("run directory not found: " + ", ".join(missing))
-    not_runs = [why for d in run_dirs if (why := not_a_run_dir(d))]
-    if not_runs:
-        raise UserError("; ".join(not_runs))
+        problems.append("run directory not found: " + ", ".join(missing))
+    problems += [
+        f"{d}: is a file, not a run directory; pass the directory the run logged into (its "
+        "logger.log_dir)"
+        for d in run_dirs
+        if Path(d).exists() and not Path(d).is_dir()
+    ]
+    problems += [why for d in run_dirs if Path(d).is_dir() and (why := not_a_run_dir(d))]
+    return problems
 
 
-def check_out_dir(out: Path) -> None:
-    """``-o`` must be a directory this process can create and write into: probed before any run
-    is read, created (`make_output_dir`) only once nothing is refused. An existing directory is
-    reused: its summary files and plots are replaced."""
+def output_files(out: Path, metrics: Sequence[str], formats: Sequence[str], plots: bool) -> list:
+    """The files `write_outputs` may write into ``out``: the summaries and a PNG per metric."""
+    from nemo_jetrl.runs.report import plot_path
+
+    return [
+        *(out / f"summary.{f}" for f in formats),
+        *(plot_path(out, m) for m in metrics if plots),
+    ]
+
+
+def out_dir_problems(
+    out: Path, run_dirs: list[str], written: Sequence[Path], *, force: bool = False
+) -> list[str]:
+    """Why ``-o`` cannot take this compare's output: an existing file, a compared run directory
+    or a directory inside one (its own logs would get our summary), already holding ``written``
+    (an earlier compare's output, lost silently before `--force`), a path of ``written`` that
+    is not a file (no `--force` writes over a directory), or a directory this process cannot
+    create and write into. Probed only: created (`make_output_dir`) once nothing is refused."""
     from nemo_jetrl.commands._output import check_output_dir
     from nemo_jetrl.errors import UserError
 
     if out.exists() and not out.is_dir():
-        raise UserError(f"-o {out}: is an existing file, not a directory; choose another -o")
-    check_output_dir(out, "-o")
+        return [f"-o {out}: is an existing file, not a directory; choose another -o"]
+    problems = []
+    where = out.resolve()
+    for d in run_dirs:
+        run = Path(d).resolve()
+        if Path(d).is_dir() and (where == run or run in where.parents):
+            what = "is" if where == run else "lies inside"
+            problems.append(
+                f"-o {out}: {what} the run directory {d} being compared; choose an -o outside "
+                "the compared runs"
+            )
+    blocked = [str(f) for f in written if f.exists() and not f.is_file()]
+    if blocked:
+        problems.append(
+            f"-o {out}: {', '.join(blocked)} {'is' if len(blocked) == 1 else 'are'} not a file "
+            "(this compare writes a file there); move it away, or choose another -o"
+        )
+    taken = [] if force else [str(f) for f in written if f.is_file()]
+    if taken:
+        them = "them" if len(taken) > 1 else "it"
+        problems.append(
+            f"-o {out}: {', '.join(taken)} exist{'s' if len(taken) == 1 else ''} (an earlier "
+            f"compare's output); pass --force to overwrite {them}, or choose another -o"
+        )
+    try:
+        check_output_dir(out, "-o")
+    except UserError as exc:
+        problems.append(str(exc))
+    return problems
 
 
-def check_single_runs(run_dirs: list[str]) -> None:
-    """Refuse run directories that hold events of several runs (see ``--allow-mixed``)."""
-    from nemo_jetrl.errors import UserError
+def mixed_run_problems(run_dirs: list[str]) -> list[str]:
+    """The run directories that hold events of several runs (see ``--allow-mixed``), as one
+    problem ([] when none does)."""
     from nemo_jetrl.runs.logs import mixed_runs_message, run_ids
 
-    mixed = [(d, ids) for d in run_dirs if len(ids := run_ids(d)) > 1]
-    if mixed:
-        raise UserError(
-            "; ".join(f"{d}: {mixed_runs_message(ids)}" for d, ids in mixed)
-            + ". Pass --allow-mixed to compare them anyway (labelled '[mixed: N runs]')"
-        )
+    mixed = [(d, ids) for d in run_dirs if Path(d).is_dir() and len(ids := run_ids(d)) > 1]
+    if not mixed:
+        return []
+    return [
+        "; ".join(f"{d}: {mixed_runs_message(ids)}" for d, ids in mixed)
+        + ". Pass --allow-mixed to compare them anyway (labelled '[mixed: N runs]')"
+    ]
 
 
 def not_a_run_dir(run_dir: str | Path) -> str | None:
@@ -176,17 +236,26 @@ def not_a_run_dir(run_dir: str | Path) -> str | None:
 
 
 def unreadable_run(run: RunData) -> str | None:
-    """Why nothing was read from ``run`` (its read warnings naming its events files) when not
-    one scalar came from them and it has no train data to fall back on, else None."""
-    from nemo_jetrl.runs.logs import find_event_files
+    """Why no metric could be read from ``run``: not one scalar came from its files (TensorBoard
+    events, or train_data jsonl to recompute from) and its read warnings name some of them
+    (truncated, corrupt, not recomputable); None when it has a metric or nothing was said about
+    its files (events with hparams only: the metric checks say it)."""
+    from nemo_jetrl.runs.logs import find_event_files, train_data_files
 
-    if run.scalars or run.train_data_steps:
+    if run.scalars:
         return None
-    files = [str(f) for f in find_event_files(run.path)]
-    said = [w for w in run.warnings if any(f in w for f in files)]
-    if not said:  # events without scalars (hparams only): the metric checks below say it
+    dirs = run.parts or (run.path,)
+    kinds = {
+        "TensorBoard events": [str(f) for d in dirs for f in find_event_files(d)],
+        "train_data_step*.jsonl": [str(f) for d in dirs for f in train_data_files(d).values()],
+    }
+    said = {k: [w for w in run.warnings if any(f in w for f in fs)] for k, fs in kinds.items()}
+    if not any(said.values()):
         return None
-    return f"{run.path}: its TensorBoard events could not be read: " + "; ".join(said)
+    what = " and ".join(k for k, w in said.items() if w)
+    return f"{run.path}: its {what} could not be read, so it has no metric: " + "; ".join(
+        dict.fromkeys(w for ws in said.values() for w in ws)
+    )
 
 
 def metrics_no_run_has(summaries: Sequence[MetricSummary]) -> list[str]:

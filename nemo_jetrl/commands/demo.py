@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     """Every option and every run's config checked first (all problems in one exit 2), then the
     runs; Ctrl-C stops them all (exit 130, one line: what finished, what was cut)."""
     from nemo_jetrl.commands._demo_runs import Interrupted, claim_run_dirs
-    from nemo_jetrl.errors import UserError
+    from nemo_jetrl.commands._output import output_dir_problem
+    from nemo_jetrl.errors import UserError, together
     from nemo_jetrl.runs.lock import RunDirLock
 
     problems = _option_problems(args)
@@ -175,15 +176,13 @@ def run(args: argparse.Namespace) -> int:
         except UserError as exc:
             problems.append(str(exc))
     plan = _study_plan if args.study == "length" else _demo_plan
-    runs, config_problems = plan(args, out, overrides, problems)
+    # A bad --out is said once, before any config is built (each run's log dir lies under it).
+    out_problem = output_dir_problem(out, "--out")
+    problems += [out_problem] if out_problem else []
+    runs, config_problems = plan(args, out, overrides, problems, build=not out_problem)
     problems += [p for p in dict.fromkeys(config_problems) if p not in problems]
     if problems:
-        raise UserError(
-            problems[0]
-            if len(problems) == 1
-            else f"{len(problems)} problems, nothing run:\n"
-            + "\n".join(f"  - {p}" for p in problems)
-        )
+        raise together(problems)
     # One demo per --out: it replaces its old runs there, so a second demo must not run beside it.
     lock = RunDirLock(f"demo-{os.getpid()}").acquire([("--out", out)])
     try:
@@ -279,8 +278,9 @@ def _valid(n: int | None) -> int | None:
     return n if n is not None and n >= 1 else None
 
 
-def _demo_plan(args, out: Path, overrides: list[str], problems: list[str]):
-    """Every run of the comparison as a `Job`, and every problem of their configs."""
+def _demo_plan(args, out: Path, overrides: list[str], problems: list[str], build: bool = True):
+    """Every run of the comparison as a `Job`, and every problem of their configs (``build``
+    False: none built, for a bad --out)."""
     from nemo_jetrl.commands._demo_runs import Job, checked_config
     from nemo_jetrl.commands._demo_stats import derive_seeds
 
@@ -288,7 +288,7 @@ def _demo_plan(args, out: Path, overrides: list[str], problems: list[str]):
     seeds = derive_seeds(args.seed, args.n_seeds) if ok else None
     args.derived_seeds = seeds
     jobs, found = [], []
-    for k, seed in enumerate(seeds.grpo if seeds else ()):
+    for k, seed in enumerate(seeds.grpo if seeds and build else ()):
         for recipe in [r for r in args.recipe_list if k < MISMATCH_SEEDS or r not in MISMATCH_ONLY]:
             run_dir = out / "runs" / recipe / f"seed-{seed}"
             keys = [f"grpo.seed={seed}", f"jetrl.local.warmstart.seed={seeds.warmstart}"]
@@ -299,7 +299,9 @@ def _demo_plan(args, out: Path, overrides: list[str], problems: list[str]):
     return jobs, found
 
 
-def _study_plan(args, out: Path, overrides: list[str], problems: list[str]):
+def _study_plan(args, out: Path, overrides: list[str], problems: list[str], build: bool = True):
+    """The study's runs and their configs' problems (``build`` False: --lengths and --seeds
+    checked, no config built, for a bad --out)."""
     from nemo_jetrl.commands._demo_study import study_runs
 
     try:
@@ -311,7 +313,7 @@ def _study_plan(args, out: Path, overrides: list[str], problems: list[str]):
     if not lengths or not seeds or min(lengths) < 1 or min(seeds) < 0:
         problems.append("--lengths needs integers >= 1 and --seeds integers >= 0")
         return [], []
-    return study_runs(out, lengths, seeds, overrides, recipe_config)
+    return study_runs(out, lengths, seeds, overrides, recipe_config) if build else ([], [])
 
 
 def _demo(args: argparse.Namespace, out: Path, overrides: list[str], jobs: list) -> int:

@@ -14,7 +14,9 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="NeMo-RL-shaped YAML (as for jetrl train)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides (as for jetrl train)")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="key=value overrides (as for jetrl train)"
+    )
     parser.add_argument(
         "--workdir",
         default=None,

@@ -10,19 +10,21 @@ For every golden input it quantizes with ``nemo_jetrl.fp8`` and compares, bit fo
   emulation of vLLM's own quantizers (``nemo_jetrl.fp8.vllm_native``) reproduces ``vllm.*``.
 
 Exit status 0 only when every TE case is bit-exact, the UE8M0 agreement holds outside the
-expected exceptions and the vLLM emulation is bit-exact; 1 otherwise; 2 for user errors.
+expected exceptions and the vLLM emulation is bit-exact; 1 otherwise; 2 for user errors,
+damaged golden files among them (`_selfcheck_golden.read_golden` validates every tensor the
+checks read before any quantization, so damaged data is never reported as a FAIL).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
+from nemo_jetrl.commands._selfcheck_golden import TE_FILE, VLLM_FILE, read_golden, vllm_block
+
 NAME = "selfcheck"
 HELP = "quantize the golden vectors and check bit-exactness against TE and vLLM"
-TE_FILE, VLLM_FILE = "te_golden_seed0.safetensors", "vllm_golden_seed0.safetensors"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,8 +116,8 @@ def _vllm_rows(te: dict, vl: dict, vl_cases: dict, out: dict) -> None:
 
     for case, meta in vl_cases.items():
         x, ue8m0 = te[f"input.{meta['input']}"], meta["ue8m0"]
-        group = "QuantFP8" in meta["source"]
-        block = (1, 128) if group else (128, 128)
+        block = vllm_block(meta["source"])  # read_golden checked it names one
+        group = block == (1, 128)
         wq, ws = vl[f"{case}.q"], vl[f"{case}.scale"]
         native = (quantize_group_native if group else per_block_cast_native)(x, ue8m0=ue8m0)
         out["vllm_native"].append(
@@ -141,57 +143,6 @@ def _vllm_rows(te: dict, vl: dict, vl_cases: dict, out: dict) -> None:
             "floored_blocks": int(floored.sum()),
         }
         out["vllm_ue8m0"].append(row)
-
-
-# what each golden case's JSON entry holds; the tensors it names must be in the safetensors
-TE_META, VLLM_META = ("input", "block", "pow2", "eps"), ("input", "ue8m0", "source")
-
-
-def read_golden(golden: Path) -> tuple[dict, dict, dict, dict]:
-    """The golden tensors (TE's, vLLM's) and cases (TE's, vLLM's); a damaged file is a
-    UserError naming it and what is wrong (exit 2: not a bit-exactness verdict)."""
-    from nemo_jetrl.errors import UserError
-
-    def damaged(path: Path, what: str) -> UserError:
-        return UserError(f"golden file {path}: {what}; restore it (from shared/golden or git)")
-
-    def tensors(name: str) -> dict:
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(golden / name))
-        except Exception as exc:  # SafetensorError, OSError: truncated, not safetensors
-            raise damaged(golden / name, f"cannot be read as safetensors ({exc})") from None
-
-    def cases(name: str, keys: tuple[str, ...], inner: str | None) -> dict:
-        path = golden / name.replace(".safetensors", ".json")
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:  # missing, unreadable, not JSON (or not UTF-8)
-            raise damaged(path, f"cannot be read as JSON ({exc})") from None
-        if inner is not None:
-            data = data.get(inner) if isinstance(data, dict) else None
-        if not isinstance(data, dict) or not data:
-            where = f"a non-empty {inner!r} mapping" if inner else "a non-empty mapping"
-            raise damaged(path, f"holds no cases (expected {where} of case -> metadata)")
-        for case, meta in data.items():
-            lacks = [k for k in keys if not isinstance(meta, dict) or k not in meta]
-            if lacks:
-                raise damaged(path, f"case {case!r} lacks {', '.join(lacks)}")
-        return data
-
-    te, vl = tensors(TE_FILE), tensors(VLLM_FILE)
-    te_cases, vl_cases = cases(TE_FILE, TE_META, "cases"), cases(VLLM_FILE, VLLM_META, None)
-    needed = [
-        *((TE_FILE, te, k) for c, m in te_cases.items()
-          for k in (f"input.{m['input']}", f"{c}.q", f"{c}.scale_inv")),
-        *((TE_FILE, te, f"input.{m['input']}") for m in vl_cases.values()),
-        *((VLLM_FILE, vl, k) for c in vl_cases for k in (f"{c}.q", f"{c}.scale")),
-    ]  # fmt: skip
-    for name, held, key in needed:
-        if key not in held:
-            raise damaged(golden / name, f"has no tensor {key!r}, which its JSON's cases name")
-    return te, vl, te_cases, vl_cases
 
 
 def run_checks(golden: Path) -> dict:

@@ -17,7 +17,11 @@ HELP = "Run GRPO from a NeMo-RL-shaped config (local CPU backend or NeMo-RL)."
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="NeMo-RL-shaped YAML config")
     parser.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (Hydra style)"
+        "overrides",
+        nargs="*",
+        default=[],  # optional: without a default argparse lists it as required
+        metavar="KEY=VALUE",
+        help="config overrides (Hydra style)",
     )
     parser.add_argument(
         "--backend",
@@ -42,19 +46,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def device_overrides(args: argparse.Namespace) -> list[str]:
     """The config overrides with ``--device`` as ``jetrl.local.device`` (last, so it wins)."""
-    extra = [f"++jetrl.local.device={args.device}"] if args.device else []
+    extra = [_device_override(args.device)] if args.device else []
     return [*args.overrides, *extra]
 
 
-def requested_device_issues(args: argparse.Namespace) -> list:
+def _device_override(device: str) -> str:
+    return f"++jetrl.local.device={device}"
+
+
+def name_device_flag(issues: list, device: str | None) -> list:
+    """``issues`` with the flag the user typed named where the validator names the override
+    ``--device`` became (``(set by override '++jetrl.local.device=gpu')``: no such override was
+    typed): ``(set by --device gpu)``."""
+    from dataclasses import replace
+
+    if not device:
+        return list(issues)
+    said = f" (set by override {_device_override(device)!r})"  # config's `_name_overrides`
+    return [
+        replace(i, message=i.message.removesuffix(said) + f" (set by --device {device})")
+        if i.message.endswith(said)
+        else i
+        for i in issues
+    ]
+
+
+def requested_device_issues(args: argparse.Namespace, issues: list) -> list:
     """The problem this machine has with the requested device (``--device``, else the config's
-    ``jetrl.local.device``), to report beside the config's other errors when the validator
-    failed (`resolve_run` reports it when the config is otherwise valid)."""
+    ``jetrl.local.device``), to report beside the config's other errors (``issues``) when the
+    validator failed (`resolve_run` reports it when the config is otherwise valid). A malformed
+    ``--device`` the validator did not reach (the file is missing) is named here."""
     from nemo_jetrl.backends.local.config import is_device_name
-    from nemo_jetrl.backends.local.device import device_issues
-    from nemo_jetrl.config import load_config, settings_of
+    from nemo_jetrl.backends.local.device import KEY, device_issues, malformed_flag
+    from nemo_jetrl.config import ConfigIssue, load_config, settings_of
 
     device = args.device
+    if device is not None and not is_device_name(device):
+        return (
+            [] if any(i.path == KEY for i in issues) else [ConfigIssue(KEY, malformed_flag(device))]
+        )
     if device is None:
         try:  # the config as given; an unreadable one has no device to add
             device = settings_of(load_config(args.config, list(args.overrides))).local.device
@@ -62,6 +92,20 @@ def requested_device_issues(args: argparse.Namespace) -> list:
             return []
     ok = isinstance(device, str) and is_device_name(device)
     return device_issues(device) if ok else []
+
+
+def requested_engine_issues(args: argparse.Namespace) -> list:
+    """The problem this environment has with the config's ``jetrl.local.rollout_engine`` (vLLM
+    not importable), to report beside the config's other errors when the validator failed
+    (`resolve_run` reports it when the config is otherwise valid)."""
+    from nemo_jetrl.config.load import value_as_given
+
+    engine = value_as_given(args.config, list(args.overrides), "jetrl.local.rollout_engine")
+    if engine != "vllm":  # an unreadable config has no engine to add: the validator names it
+        return []
+    from nemo_jetrl.backends.local.vllm_rollout import vllm_importable
+
+    return vllm_importable()
 
 
 def _not_a_local_config(checked) -> str:
@@ -116,8 +160,10 @@ def _run_local(args: argparse.Namespace) -> int:
         # The one validation (every key, every problem at once), before any work starts.
         try:
             checked = check_config(args.config, device_overrides(args), run=True)
-        except ConfigError as exc:  # a missing --device GPU is named with the other errors
-            raise ConfigError([*exc.issues, *requested_device_issues(args)], exc.source) from None
+        except ConfigError as exc:  # a missing GPU or vLLM is named with the other errors
+            more = [*requested_device_issues(args, exc.issues), *requested_engine_issues(args)]
+            issues = [*name_device_flag(exc.issues, args.device), *more]
+            raise ConfigError(issues, exc.source) from None
         not_local = _not_a_local_config(checked)
         if not_local and args.backend == "auto":  # a cluster config on a machine without NeMo-RL
             raise UserError(

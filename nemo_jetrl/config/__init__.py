@@ -28,13 +28,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from nemo_jetrl.config.load import (
-    ConfigError,
-    ConfigIssue,
-    apply_overrides,
-    load_config,
-    parse_override,
-)
+from nemo_jetrl.config.issues import ConfigError, ConfigIssue
+from nemo_jetrl.config.load import load_config
+from nemo_jetrl.config.overrides import apply_overrides, override_syntax_issues, parse_override
 from nemo_jetrl.config.reader import arch_from_config
 from nemo_jetrl.config.sections import NO_SECTIONS, BackendSection, SectionProviders
 from nemo_jetrl.config.settings import Settings, settings_of
@@ -113,7 +109,12 @@ def load_valid_config(
     if isinstance(cfg, DictConfig):
         conf, source = cfg, None
     else:
-        conf, source = load_config(cfg), str(cfg)
+        try:
+            conf, source = load_config(cfg), str(cfg)
+        except ConfigError as exc:  # the overrides' syntax is named with the file's problems
+            raise ConfigError(
+                [*exc.issues, *override_syntax_issues(overrides)], exc.source
+            ) from None
     bad_overrides: list[ConfigIssue] = []
     try:
         apply_overrides(conf, list(overrides))  # good overrides apply even when some fail

@@ -123,6 +123,9 @@ class JetrlSection(OurSection):
     )
     """path to a HuggingFace config.json describing the model (default: the built-in description
     matching policy.model_name)"""
+    not_typos: words("a list of dotted keys, e.g. [grpo.max_num_step]") = None  # type: ignore[valid-type]
+    """keys one typo from a NeMo-RL key jetrl reads that are meant as written (a NeMo-RL key
+    jetrl does not know yet): not refused at a run's launch nor warned about"""
     local: any_section() = None  # type: ignore[valid-type]
     """settings of the embedded CPU backend; validated by that backend's own schema"""
 

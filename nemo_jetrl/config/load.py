@@ -1,4 +1,4 @@
-"""Loading NeMo-RL-shaped YAML: `defaults:` inheritance and Hydra-style overrides.
+"""Loading NeMo-RL-shaped YAML: `defaults:` inheritance, then Hydra-style overrides.
 
 The rules are NeMo-RL's, so that its users' files work unchanged:
 
@@ -6,79 +6,26 @@ The rules are NeMo-RL's, so that its users' files work unchanged:
   (absolute paths allowed). Parents load depth-first with their own defaults; later parents and
   then the child win. A mapping marked ``_override_: true`` replaces the parent's mapping instead
   of merging into it. ``${...}`` interpolations resolve against the merged result.
-- Overrides are Hydra-style strings: ``a.b=value`` changes an existing key, ``+a.b=value`` adds a
-  key that does not exist yet, ``++a.b=value`` sets it either way, ``~a.b`` deletes it. Values are
-  parsed like Hydra's (YAML, but only ``true``/``false`` are booleans; ``'1'`` is a string).
+- Overrides (`nemo_jetrl.config.overrides`) are Hydra-style strings, applied after the load.
 
-Every problem becomes a `ConfigIssue`; `ConfigError` carries all of them at once.
+Every problem becomes a `ConfigIssue`; `ConfigError` carries all of them at once
+(`nemo_jetrl.config.issues`).
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from .issues import ConfigError, ConfigIssue
 from .merge import merge_parts
-
-_MISSING = object()
-
-
-@dataclass(frozen=True)
-class ConfigIssue:
-    """One problem found in a config."""
-
-    path: str
-    """Full dotted key path, e.g. "policy.generation.vllm_cfg.kv_cache_dtype"."""
-
-    message: str
-    """What is wrong and what to change, in plain words."""
-
-    allowed: tuple[Any, ...] = ()
-    """The values the key accepts, when it is an enumeration."""
-
-    level: Literal["error", "warning", "note"] = "error"
-    """Severity: "error" makes the config invalid; "warning" and "note" are advice."""
-
-    def __str__(self) -> str:
-        allowed = ""
-        if self.allowed:
-            allowed = " (allowed: " + ", ".join(_fmt(a) for a in self.allowed) + ")"
-        return f"{self.path}: {self.message}{allowed}"
-
-
-class ConfigError(ValueError):
-    """A config with one or more errors; str() lists every one of them."""
-
-    def __init__(self, issues: Sequence[ConfigIssue], source: str | None = None) -> None:
-        self.issues = list(issues)
-        self.source = source
-        errors = [i for i in self.issues if i.level == "error"] or self.issues
-        head = f"{len(errors)} problem{'s' if len(errors) != 1 else ''} in config"
-        head += f" {source}" if source else ""
-        # Notes say how the config was read (e.g. which model a placeholder name stands for).
-        notes = [i for i in self.issues if i.level == "note" and i not in errors]
-        super().__init__(
-            head
-            + ":\n"
-            + "\n".join([*(f"  - {i}" for i in errors), *(f"  note: {i}" for i in notes)])
-        )
-
-
-def _fmt(v: Any) -> str:
-    return "null" if v is None else str(v)
-
-
-# ---------------------------------------------------------------------------------------------
-# loading
-
+from .overrides import apply_overrides, override_syntax_issues
 
 # A file's config with its ``defaults:`` merged in, as plain containers, by resolved path. A walk
 # over a NeMo-RL tree's examples (the NeMo-RL tier's config checks, scripts/nemo_rl_config_table.py,
@@ -130,13 +77,19 @@ def _inherited(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[Path, by
             raise ConfigError(
                 [ConfigIssue("defaults", "must be a file path or a list of file paths")], str(path)
             )
-        parts = []
+        parts, bad = [], []
         for parent in defaults:
             ppath = Path(str(parent))
             ppath = ppath if ppath.is_absolute() else path.parent / ppath
-            parent_cfg, parent_read = _inherited(ppath, (*chain, path))
+            try:
+                parent_cfg, parent_read = _inherited(ppath, (*chain, path))
+            except ConfigError as exc:  # every bad parent is named, not only the first
+                bad.append(exc)
+                continue
             read.update(parent_read)
             parts.append(parent_cfg)
+        if bad:
+            raise ConfigError([i for e in bad for i in e.issues], bad[0].source)
         cfg = merge_parts([*parts, cfg])
     if len(_INHERITED) >= _INHERITED_MAX:
         _INHERITED.clear()
@@ -202,144 +155,6 @@ def unresolvable(cfg: DictConfig) -> list[ConfigIssue]:
     return issues
 
 
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """Split one override into (op, key, value); op is "set", "add", "force" or "delete"."""
-    s = text.strip()
-    if s.startswith("~"):
-        key, _, value = s[1:].partition("=")
-        return "delete", key.strip(), (_parse_value(value) if value else _MISSING)
-    op = "set"
-    if s.startswith("++"):
-        op, s = "force", s[2:]
-    elif s.startswith("+"):
-        op, s = "add", s[1:]
-    key, eq, value = s.partition("=")
-    if not eq or not key.strip():
-        raise ValueError(f"override {text!r} is not key=value, +key=value, ++key=value or ~key")
-    return op, key.strip(), _parse_value(value)
-
-
-def _parse_value(value: str) -> Any:
-    """Parse like Hydra: YAML values, but only true/false are booleans (`yes`/`on` stay
-    strings); `${...}` interpolations are kept as text."""
-    if value.strip() == "":
-        return ""
-    if value.strip().lower() in ("yes", "no", "on", "off", "y", "n"):
-        return value.strip()
-    try:
-        node = OmegaConf.create("v: " + value)
-    except (yaml.YAMLError, OmegaConfBaseException):
-        return value
-    return OmegaConf.to_container(node, resolve=False)["v"]  # type: ignore[index]
-
-
-def apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
-    """Apply Hydra-style overrides in order; every bad override is reported together."""
-    issues: list[ConfigIssue] = []
-    for text in overrides:
-        try:
-            op, key, value = parse_override(text)
-        except ValueError as exc:
-            issues.append(ConfigIssue("<override>", str(exc)))
-            continue
-        if "${" in key:
-            msg = f"override {text!r}: a key name cannot hold an interpolation; put it in the value"
-            issues.append(ConfigIssue(key, msg))
-            continue
-        exists = _exists(cfg, key)
-        if op == "delete":
-            if not exists:
-                issues.append(ConfigIssue(key, f"override {text!r}: cannot delete, key not set"))
-                continue
-            parent, _, leaf = key.rpartition(".")
-            node = OmegaConf.select(cfg, parent) if parent else cfg
-            node.pop(leaf)
-            continue
-        if op == "set" and not exists:
-            near = _near_keys(cfg, key)
-            hint = f"; did you mean {', '.join(near)}?" if near else ""
-            issues.append(
-                ConfigIssue(
-                    key,
-                    f"override {text!r}: key not in config; use +{key}=... to add it{hint}",
-                )
-            )
-            continue
-        if op == "add" and exists:
-            issues.append(
-                ConfigIssue(key, f"override {text!r}: key already set; use {key}=... to change it")
-            )
-            continue
-        problem = _mapping_value_problem(cfg, op, key, value)
-        if problem:
-            issues.append(ConfigIssue(key, f"override {text!r}: {problem}"))
-            continue
-        # a mapping merges into the mapping it names, as Hydra (NeMo-RL's overrides) does;
-        # anything else replaces (a list for a section: the validator names the key)
-        node = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
-        merge = isinstance(value, dict) and isinstance(node, DictConfig)
-        try:
-            OmegaConf.update(cfg, key, value, merge=merge, force_add=True)
-        except OmegaConfBaseException as exc:
-            issues.append(ConfigIssue(key, f"override {text!r} failed: {exc}"))
-    if issues:
-        raise ConfigError(issues, "overrides")
-    return cfg
-
-
-def key_presence(cfg: DictConfig) -> Callable[[str], bool]:
-    """Whether ``cfg`` has a dotted key: what `setting_override` asks (the flow's fixes take
-    this, not the tree)."""
-    return lambda key: _exists(cfg, key)
-
-
-def setting_override(has_key: Callable[[str], bool], key: str, value: str) -> str:
-    """The override `apply_overrides` accepts for setting ``key`` to ``value`` (its text) in a
-    config whose `key_presence` is ``has_key``: ``key=value`` when it has the key,
-    ``+key=value`` when it does not."""
-    return f"{'' if has_key(key) else '+'}{key}={value}"
-
-
-def _mapping_value_problem(cfg: DictConfig, op: str, key: str, value: Any) -> str | None:
-    """Why a mapping value cannot be merged into ``key``: a YAML key such as ``a:1`` (no space
-    after the colon: Hydra reads ``{a:1}`` as a: 1, YAML as a key "a:1"), or, for ``key=``, a
-    key a section it merges into lacks (Hydra refuses it too; ``+``/``++`` add it). A null
-    or scalar in the config is replaced whole."""
-    if not isinstance(value, dict):
-        return None
-    stack = [(key, value)]
-    while stack:
-        where, node = stack.pop()
-        for k, v in node.items():
-            if isinstance(k, str) and ":" in k and v is None:
-                a, _, b = k.partition(":")
-                return f"write {{{a}: {b}}} with a space after the colon (read as a key {k!r})"
-            into = OmegaConf.select(cfg, where, throw_on_resolution_failure=False)
-            if op == "set" and isinstance(into, DictConfig) and not _exists(cfg, f"{where}.{k}"):
-                return f"{where}.{k} is not in config; use +{where}.{k}=... to add it"
-            if isinstance(v, dict):
-                stack.append((f"{where}.{k}", v))
-    return None
-
-
-def _exists(cfg: DictConfig, key: str) -> bool:
-    node: Any = cfg
-    for part in key.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
-            return False
-        node = node._get_node(part)
-    return True
-
-
-def _near_keys(cfg: DictConfig, key: str) -> list[str]:
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
-    if not isinstance(node, DictConfig):
-        return []
-    prefix = f"{parent}." if parent else ""
-    return [prefix + k for k in difflib.get_close_matches(leaf, [str(k) for k in node], n=3)]
-
-
 def merged_container(path: str | Path) -> dict:
     """The file's config with its ``defaults:`` merged in, as plain containers: interpolations
     unresolved, no overrides, nothing validated. A walk that skips most files (NeMo-RL's
@@ -364,8 +179,21 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     from nemo_jetrl.config.resolvers import register_resolvers
 
     register_resolvers()
-    cfg, _ = _inherited(Path(path), ())
+    try:
+        cfg, _ = _inherited(Path(path), ())
+    except ConfigError as exc:  # a malformed override is named with the file's problems
+        raise ConfigError([*exc.issues, *override_syntax_issues(overrides)], exc.source) from None
     return apply_overrides(OmegaConf.create(cfg), overrides)
+
+
+def value_as_given(path: str | Path, overrides: Sequence[str], key: str) -> Any:
+    """The value of the dotted ``key`` in the config as given (file, ``defaults:``, overrides),
+    unvalidated; None when absent or when the config cannot be read (its loader names why).
+    For a command that adds an environment's problem to the config's own errors."""
+    try:
+        return OmegaConf.select(load_config(path, overrides), key, default=None)
+    except Exception:  # unreadable YAML, a bad override, an unresolvable leaf: validated later
+        return None
 
 
 def config_yaml(config: Any, *, recipe: str | None = None) -> str:

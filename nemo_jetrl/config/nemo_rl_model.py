@@ -150,10 +150,19 @@ class RouterReplay(NemoSection):
     enabled: flag(null=True) = None  # type: ignore[valid-type]
 
 
+_PRECISION = (
+    "the training dtype, one of the allowed values; FP8 is not a dtype here: FP8 training is "
+    f"{S.FP8_ENABLED}, an FP8 rollout {S.VLLM_PRECISION}, and jetrl.recipe (e.g. jetrl) sets "
+    "both (`jetrl align`)"
+)
+
+
 class Policy(NemoSection):
     """``policy``."""
 
     model_name: text("a HF model name or directory", null=True) = None  # type: ignore[valid-type]
+    precision: choice(*S.POLICY_PRECISIONS, None, what=_PRECISION) = None  # type: ignore[valid-type]
+    """The training dtype (NeMo-RL's workers fail at setup on another; FP8 is jetrl.recipe's)."""
     max_grad_norm: number("a finite number > 0, or null", Field(gt=0), null=True) = None  # type: ignore[valid-type]
     train_global_batch_size: RESPONSES = None  # type: ignore[valid-type]
     """Responses per optimizer step (NeMo-RL: a GRPO step of N responses takes N / this)."""

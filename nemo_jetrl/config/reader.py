@@ -16,8 +16,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_jetrl.config import schema as S
+from nemo_jetrl.config.issues import ConfigError, ConfigIssue
 from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY, read_kws
-from nemo_jetrl.config.load import ConfigError, ConfigIssue, _exists
+from nemo_jetrl.config.overrides import _exists
 from nemo_jetrl.config.sections import NO_SECTIONS, BackendSection, SectionProviders
 from nemo_jetrl.recipe import Recipe, matching_preset
 from nemo_jetrl.recipe_parts import (

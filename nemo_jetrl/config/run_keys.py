@@ -11,7 +11,7 @@ same parse, plus the rules across keys below). `path_problem` is the rule for di
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from nemo_jetrl.config.nemo_rl_model import (
     RunConfig,
     value_at,
 )
-from nemo_jetrl.config.typed import near_misses, parse, plain
+from nemo_jetrl.config.typed import near_misses, parse, parse_leaves, plain
 
 # `RunSettings` field -> the NeMo-RL key it reads.
 RUN_FIELDS: dict[str, str] = {
@@ -91,9 +91,11 @@ def _across_keys(out: dict[str, Any], issues: list[ConfigIssue]) -> None:
 
 
 def read_run_keys(cfg: DictConfig, issues: list[ConfigIssue]) -> dict[str, Any]:
-    """``{field: value}`` of every run key the config sets, when the config is valid; every
-    problem goes to ``issues``."""
-    model, found = parse_run_config(cfg)
+    """``{field: value}`` of every run key the config sets that parses; every problem goes to
+    ``issues`` (the rules across keys read the keys that parsed, so they are named with the
+    keys' own problems). A caller that runs needs ``issues`` empty; `failed_fields` names the
+    fields left out for a problem of their own."""
+    model, found = parse_leaves(RunConfig, plain(cfg))
     issues.extend(found)
     if model is None:
         return {}
@@ -107,6 +109,23 @@ def read_run_keys(cfg: DictConfig, issues: list[ConfigIssue]) -> dict[str, Any]:
         out["val_period"] = 0  # NeMo-RL's "never" (val_period <= 0)
     _across_keys(out, issues)
     return out
+
+
+def failed_fields(cfg: DictConfig, keys: Mapping[str, Any]) -> frozenset[str]:
+    """The `RUN_FIELDS` the config gives that `read_run_keys` left out of ``keys`` (their value
+    did not parse): a rule reading one of them would read a default the user did not give."""
+    return frozenset(
+        name for name, key in RUN_FIELDS.items() if name not in keys and _given(cfg, key)
+    )
+
+
+def _given(cfg: DictConfig, key: str) -> bool:
+    """Whether the config sets ``key`` to something: a value that cannot be resolved
+    (``${nope}``) is given, and failed."""
+    try:
+        return OmegaConf.select(cfg, key, default=None) is not None
+    except OmegaConfBaseException:
+        return True
 
 
 def path_problem(path: str | os.PathLike[str]) -> tuple[str, bool] | None:
@@ -246,10 +265,27 @@ def check_run_keys(cfg: DictConfig, *, run: bool = False) -> list[ConfigIssue]:
             )
         )
     read_run_keys(cfg, issues)
-    # a typo of a key we read: its value would silently not be read; where the local backend
-    # reads these keys itself (no NeMo-RL behind it), an error
-    local = isinstance(_select(cfg, "jetrl.local"), Mapping)
-    typos = near_misses(RunConfig, OmegaConf.to_container(cfg, resolve=False))
-    issues.extend(replace(i, level="error") if local else i for i in typos)
+    issues.extend(_typo_issues(cfg, run=run))
     check_run_paths(cfg, issues, run=run)
     return issues
+
+
+def _typo_issues(cfg: DictConfig, *, run: bool) -> list[ConfigIssue]:
+    """A typo of a key we read: its value would silently not be read (NeMo-RL ignores it too).
+    An error where a run starts (``run``) or the local backend reads the keys itself; a warning
+    for `jetrl check` of a cluster config. ``jetrl.not_typos`` names keys meant as written."""
+    meant = _select(cfg, "jetrl.not_typos")
+    meant = (
+        {str(k) for k in meant}
+        if isinstance(meant, Sequence) and not isinstance(meant, str)
+        else set()
+    )
+    typos = [
+        i
+        for i in near_misses(RunConfig, OmegaConf.to_container(cfg, resolve=False))
+        if i.path not in meant
+    ]
+    if not (run or isinstance(_select(cfg, "jetrl.local"), Mapping)):
+        return typos
+    escape = "; if it is meant as written (a NeMo-RL key jetrl does not know), list it in jetrl.not_typos"
+    return [replace(i, level="error", message=i.message + escape) for i in typos]

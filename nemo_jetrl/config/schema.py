@@ -102,6 +102,9 @@ QUANT_CFG_KEYS = ("policy.quant_cfg", "policy.generation.quant_cfg")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("blockwise", "mxfp8", "tensorwise", "delayed")
 VLLM_PRECISIONS = ("bfloat16", "float16", "float32", "fp8")
+# policy.precision: the training dtype; NeMo-RL's policy workers map these three to torch dtypes
+# (models/megatron/setup.py, automodel/setup.py) and fail at setup on any other.
+POLICY_PRECISIONS = ("bfloat16", "float16", "float32")
 VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3")
 ENV_FLAG_VALUES = ("0", "1")
 KL_TYPES = ("k1", "k2", "k3")  # loss_fn.reference_policy_kl_type: Schulman's KL estimators

@@ -35,8 +35,12 @@ class BackendSection:
     validate_with_run: Callable[[Any, Mapping[str, Any], Settings], list[ConfigIssue]] | None = None
     """Problems of the section and the NeMo-RL run keys together, which the backend's own door
     refuses too (the local backend's sequence lengths), given the section, the run keys as
-    `nemo_jetrl.config.run_keys.read_run_keys` types them (``{field: value}``; called only when
-    they parse without a problem) and the `Settings`; None: there are none."""
+    `nemo_jetrl.config.run_keys.read_run_keys` types them (``{field: value}``) and the
+    `Settings`; None: there are none. Called when none of the keys it reads failed to parse
+    (then it is named with their problems, not after them)."""
+
+    with_run_reads: frozenset[str] = frozenset()
+    """The run keys (`RUN_FIELDS` names) `validate_with_run` reads; empty: every run key."""
 
 
 SectionProviders = Mapping[str, Callable[[], BackendSection]]

@@ -82,9 +82,9 @@ def number(what: str, *constraints: Any, null: bool = False) -> Any:
     return rule(float | None if null else float, _nullable(what, null), *constraints)
 
 
-def choice(*values: Any) -> Any:
-    """One of ``values``; the issue lists them (`ConfigIssue.allowed`)."""
-    return rule(Literal[values], "one of the allowed values", allowed=values)  # type: ignore[valid-type]
+def choice(*values: Any, what: str = "one of the allowed values") -> Any:
+    """One of ``values``; the issue lists them (`ConfigIssue.allowed`) after ``what``."""
+    return rule(Literal[values], what, allowed=values)  # type: ignore[valid-type]
 
 
 def text(what: str = "a string", null: bool = False, non_empty: bool = False) -> Any:
@@ -198,8 +198,9 @@ def near_misses(model: type[BaseModel], data: Any, prefix: str = "") -> list[Con
     """Keys of ``data`` (a config's mapping, read by ``model``) that no section of ours knows
     (NeMo-RL's other keys pass) but are a typo away from a key we read (one edit for a name of 5
     letters or fewer, else two): the value is then silently not the one read
-    (``grpo.max_num_step=2`` ran 16 steps). Warnings; values are not looked at. No such key is in
-    any GRPO config of ours or of NeMo-RL v0.7.0 or main (tests/config/test_key_typos.py)."""
+    (``grpo.max_num_step=2`` ran 16 steps). Warnings (`run_keys` makes them errors where a run
+    starts); values are not looked at. No such key is in any GRPO config of ours or of NeMo-RL
+    v0.7.0 or main (tests/config/test_key_typos.py)."""
     if not isinstance(data, Mapping):
         return []
     out: list[ConfigIssue] = []
@@ -242,6 +243,37 @@ def parse_rest(model: type[M], data: Any, prefix: str = "") -> tuple[M | None, l
     bad = {str(e["loc"][0]) for e in _errors(model, data) if e["loc"]}
     rest, _ = parse(model, {k: v for k, v in data.items() if str(k) not in bad}, prefix)
     return rest, issues
+
+
+def parse_leaves(model: type[M], data: Any, prefix: str = "") -> tuple[M | None, list[ConfigIssue]]:
+    """`parse_rest` at the finest grain: each failing key is left out where it lies (a nested
+    key alone, not its whole section), so that the rules across keys read every key that
+    parsed; where that still fails to parse, `parse_rest`'s sections."""
+    parsed, issues = parse(model, data, prefix)
+    if parsed is not None or not issues or not isinstance(data, Mapping):
+        return parsed, issues
+    rest = _copy(data)
+    for err in _errors(model, data):
+        _drop(rest, err["loc"])
+    parsed, _ = parse(model, rest, prefix)
+    return (parsed if parsed is not None else parse_rest(model, data, prefix)[0]), issues
+
+
+def _copy(data: Mapping[Any, Any]) -> dict[Any, Any]:
+    return {k: _copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def _drop(data: dict[Any, Any], loc: Sequence[Any]) -> None:
+    """Remove the deepest mapping key along ``loc`` (a list item or a union's branch in ``loc``
+    takes its whole key with it)."""
+    node, last = data, None
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            break
+        last = (node, part)
+        node = node[part]
+    if last is not None:
+        del last[0][last[1]]
 
 
 def _errors(model: type[BaseModel], data: Any) -> list[Any]:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.jetrl_model import default_of
-from nemo_jetrl.config.load import _MISSING, _exists
+from nemo_jetrl.config.overrides import _MISSING, _exists
 from nemo_jetrl.config.reader import _Reader
 from nemo_jetrl.recipe import PRESET_NAMES, Recipe
 

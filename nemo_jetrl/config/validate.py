@@ -20,7 +20,7 @@ from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.layer_lists import ROLLOUT_KEY, TRAIN_KEY, bf16_words_for, check_layer_lists
 from nemo_jetrl.config.load import ConfigError, ConfigIssue, unresolvable
 from nemo_jetrl.config.reader import _arch, _Reader, arch_from_config, read_recipe
-from nemo_jetrl.config.run_keys import check_run_keys, read_run_keys
+from nemo_jetrl.config.run_keys import RUN_FIELDS, check_run_keys, failed_fields, read_run_keys
 from nemo_jetrl.config.sections import NO_SECTIONS, SectionProviders
 from nemo_jetrl.config.settings import settings_of
 from nemo_jetrl.fp8.spec import BLOCK, linear_dims_problem
@@ -63,9 +63,8 @@ def _check_local(r: _Reader) -> None:
     settings = settings_of(r.cfg)
     r.issues.extend(section.validate_run(settings))
     if section.validate_with_run is not None:  # the section with the typed run keys
-        found: list[ConfigIssue] = []
-        keys = read_run_keys(r.cfg, found)
-        if not found:  # a run key's own problem is `check_run_keys`' to name
+        keys = read_run_keys(r.cfg, [])  # a run key's own problem is `check_run_keys`' to name
+        if not failed_fields(r.cfg, keys) & (section.with_run_reads or RUN_FIELDS.keys()):
             r.issues.extend(section.validate_with_run(r.cfg.jetrl.local, keys, settings))
 
 

@@ -2,9 +2,9 @@
 
 `Mismatch.fixes` holds config-free ``key=value`` suggestions: alternatives start with ``"or "``,
 ``"and "`` joins settings that go together, text that is no ``key=value`` stays as it is. Against
-a loaded config (its `config.load.key_presence`, ``has_key``) they become overrides
+a loaded config (its `config.overrides.key_presence`, ``has_key``) they become overrides
 `apply_overrides` accepts as given: ``key=value`` when the config has the key, ``+key=value``
-when it does not (`config.load.setting_override`: NeMo-RL's
+when it does not (`config.overrides.setting_override`: NeMo-RL's
 upstream configs have no ``jetrl:`` section, so ``jetrl.vllm_patch=true`` must be added there);
 a list value is written ``[a,b]``, one shell word once quoted (`shell_line`).
 
@@ -24,7 +24,7 @@ from typing import Any
 from nemo_jetrl.arch.linear import VISION_WORD
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.layer_lists import shared_bf16_words
-from nemo_jetrl.config.load import parse_override, setting_override
+from nemo_jetrl.config.overrides import parse_override, setting_override
 
 _CONNECTORS = ("or ", "and ")
 _PLAIN_WORD = re.compile(r"[A-Za-z0-9_./-]+")

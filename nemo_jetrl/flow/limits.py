@@ -32,7 +32,7 @@ from typing import Any
 
 from nemo_jetrl.config import Settings
 from nemo_jetrl.config import schema as S
-from nemo_jetrl.config.load import setting_override
+from nemo_jetrl.config.overrides import setting_override
 from nemo_jetrl.config.settings import SamplerKeys
 
 ASYNC_KEY, AGE_KEY, IN_FLIGHT_KEY = S.ASYNC_ENABLED, S.ASYNC_AGE, S.ASYNC_IN_FLIGHT

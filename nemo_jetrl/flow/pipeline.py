@@ -23,7 +23,7 @@ from nemo_jetrl.config import (
     Settings,
     load_valid_config,
 )
-from nemo_jetrl.config.load import key_presence, setting_override
+from nemo_jetrl.config.overrides import key_presence, setting_override
 from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
 from nemo_jetrl.flow.fixes import fix_text

@@ -289,6 +289,11 @@ def _slug(tag: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", tag).strip("_") or "metric"
 
 
+def plot_path(out_dir: Path, metric: str) -> Path:
+    """Where `write_outputs` puts ``metric``'s PNG in ``out_dir``."""
+    return out_dir / f"{_slug(canonical_metric(metric))}.png"
+
+
 def plot_metric(runs: Sequence[RunData], metric: str, path: str | Path) -> Path | None:
     """PNG of one metric against step, one labelled line per run that has it; None if none has."""
     require("matplotlib", feature="jetrl compare plots")
@@ -382,7 +387,7 @@ def write_outputs(
         result.files.append(write_csv(out / "summary.csv", result.summaries))
     if plots:
         for metric in result.metrics:
-            p = plot_metric(result.runs, metric, out / f"{_slug(canonical_metric(metric))}.png")
+            p = plot_metric(result.runs, metric, plot_path(out, metric))
             if p is None:
                 msgs.append(f"no run has {metric!r}: no plot")
             else:

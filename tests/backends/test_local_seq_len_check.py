@@ -107,7 +107,8 @@ def test_a_cluster_config_check_loads_no_local_backend():
 
 def test_the_hook_gets_the_typed_run_keys_only_when_they_parse():
     """config/ hands the section hook the run keys typed (`read_run_keys`), never the tree; a run
-    key's own problem is the validator's to name, and the hook is not called then."""
+    key's own problem is the validator's to name, and a hook reading every run key (no
+    ``with_run_reads``) is not called then."""
     from nemo_jetrl.config import BackendSection, errors, load_config, validate
 
     seen = []

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from nemo_jetrl.cli import main
 from nemo_jetrl.config import load_config
-from nemo_jetrl.config.load import key_presence, parse_override
+from nemo_jetrl.config.overrides import key_presence, parse_override
 from nemo_jetrl.flow.fixes import fix_options, pasteable_fixes, shell_line
 
 LLM = "examples/configs/recipes/llm"

@@ -37,6 +37,50 @@ def test_unknown_options_and_stray_words_are_still_refused(capsys):
     assert e.value.code == 2
 
 
+def test_an_unknown_option_shows_the_subcommands_usage_and_names_it(capsys):
+    """`jetrl train CFG --steps 3`: train's usage and error, naming --steps, not `jetrl`'s."""
+    for argv in (["train", "c.yaml", "--steps", "3"], ["train", "c.yaml", "k=v", "--bogus"]):
+        with pytest.raises(SystemExit) as e:
+            parse(build_parser(), argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("usage: jetrl train "), err
+        flag = " ".join(argv[2:]).removeprefix("k=v ")
+        assert f"jetrl train: error: unrecognized arguments: {flag} (set a config key" in err
+        assert "COMMAND" not in err
+    with pytest.raises(SystemExit):  # no subcommand: the top level's
+        parse(build_parser(), ["--bogus"])
+    assert "jetrl: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_a_typo_of_a_real_option_names_that_option_not_overrides(capsys):
+    """`jetrl check CFG --jsn`: did you mean --json (review, session 43: the KEY=VALUE hint was
+    given for any unknown option); a config key typed as an option keeps that hint."""
+    with pytest.raises(SystemExit) as e:
+        parse(build_parser(), ["check", "c.yaml", "--jsn"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "(did you mean: --jsn -> --json?)" in err, err
+    assert "KEY=VALUE" not in err, err
+    with pytest.raises(SystemExit):
+        parse(build_parser(), ["check", "c.yaml", "--grpo.seed=3"])
+    err = capsys.readouterr().err
+    assert "(set a config key as a KEY=VALUE override" in err and "did you mean" not in err, err
+
+
+@pytest.mark.parametrize("command", ["align", "check", "rehearse", "train"])
+def test_overrides_are_optional_in_every_command_that_takes_them(capsys, command):
+    """`jetrl check` alone names the config as required, not the optional overrides."""
+    with pytest.raises(SystemExit) as e:
+        parse(build_parser(), [command])
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
+    assert e.value.code == 2 and "the following arguments are required: " in line, err
+    required = line.split("required: ")[1].split(", ")
+    assert required[0] in ("config", "CONFIG") and "overrides" not in required, line
+    assert "KEY=VALUE" not in required, line
+    argv = [command, "c.yaml"] + (["-o", "x.yaml"] if command == "align" else [])
+    assert parse(build_parser(), argv).overrides == []
+
+
 def test_train_with_overrides_after_backend_runs_the_backend(monkeypatch):
     """The whole CLI: the failing pattern reaches the nemo-rl backend with both overrides."""
     from nemo_jetrl.backends.nemo_rl import launch
@@ -61,7 +105,8 @@ from nemo_jetrl.cli import parse
 p = argparse.ArgumentParser(prog="jetrl")
 sub = p.add_subparsers(dest="command")
 t = sub.add_parser("train")
-t.add_argument("config"); t.add_argument("overrides", nargs="*"); t.add_argument("--backend")
+t.add_argument("config"); t.add_argument("overrides", nargs="*", default=[])
+t.add_argument("--backend")
 argv = ["train", "c.yaml", "--backend", "nemo-rl", "k=v"]
 try:
     plain = p.parse_known_args(argv)[1] == []

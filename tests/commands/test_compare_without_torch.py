@@ -151,11 +151,15 @@ def test_recompute_without_torch_warns_or_is_refused_when_asked_for(tmp_path):
     assert len(warn) == 1, proc.stderr
     assert "train/token_mult_prob_error" in warn[0] and "--recompute never" in warn[0]
 
-    proc, rep = compare_without_torch(tmp_path, run.name, "-o", "cmp", "--recompute", "never")
+    proc, rep = compare_without_torch(
+        tmp_path, run.name, "-o", "cmp", "--recompute", "never", "--force"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert rep["torch_imports_tried"] == [] and "needs torch" not in proc.stderr
 
-    proc, rep = compare_without_torch(tmp_path, run.name, "-o", "cmp", "--recompute", "always")
+    proc, rep = compare_without_torch(
+        tmp_path, run.name, "-o", "cmp", "--recompute", "always", "--force"
+    )
     assert proc.returncode == 2 and rep["rc"] == 2
     assert "Traceback" not in proc.stderr
     assert "jetrl compare: error:" in proc.stderr and "'torch'" in proc.stderr

@@ -95,6 +95,44 @@ def test_refuses_what_no_demo_made_where_a_run_goes(capsys, tmp_path):
     assert all(f.read_text() == "mine" for f in files)
 
 
+@pytest.mark.parametrize("study", [False, True])
+def test_an_out_that_is_a_file_is_said_once_before_any_config_is_built(
+    capsys, tmp_path, monkeypatch, study
+):
+    """`--out afile`: one problem naming --out and the file, with the other options' problems,
+    not one logger.log_dir problem per run after every config was checked (~27 s)."""
+    from nemo_jetrl.commands import _demo_runs, _demo_study
+
+    def no_config(*_a, **_k):
+        raise AssertionError("a run's config was built for an --out that cannot hold it")
+
+    monkeypatch.setattr(_demo_runs, "checked_config", no_config)
+    monkeypatch.setattr(_demo_study, "study_runs", no_config)
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    mode = ["--study", "length", "--lengths", "0"] if study else ["--n-seeds", "3", "--jobs", "0"]
+    code = main(["demo", "--out", str(afile), *_tiny(tmp_path, study), *mode])
+    err = capsys.readouterr().err
+    assert code == 2 and afile.read_text() == "mine"
+    other = (
+        "--lengths needs integers >= 1 and --seeds integers >= 0"
+        if study
+        else "--jobs must be >= 1"
+    )
+    head, *lines = err.splitlines()
+    assert head == "jetrl demo: error: 2 problems, nothing run:", err
+    assert sorted(lines) == sorted([
+        f"  - {other}",
+        f"  - --out {afile}: is a regular file, not a directory; choose another --out",
+    ]), err  # fmt: skip
+    # under a file: said once too, naming the file that blocks it
+    code = main(["demo", "--out", str(afile / "sub"), *_tiny(tmp_path), "--n-seeds", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.splitlines() == [
+        f"jetrl demo: error: --out {afile / 'sub'}: cannot be created, {afile} is a regular file"
+    ], err
+
+
 def test_claim_replaces_only_what_a_demo_made(tmp_path):
     from nemo_jetrl.commands._demo_runs import DEMO_MARK, claim_run_dirs
 

@@ -56,3 +56,18 @@ def test_a_workdir_holding_an_earlier_rehearsal_is_refused(tmp_path, capsys):
         assert "needs it importable here" in _rehearse(work, capsys)
         assert "needs it importable here" in _rehearse(tmp_path / "new" / "w", capsys)
         assert not (tmp_path / "new").exists()
+
+
+def test_a_bad_workdir_is_named_with_the_configs_problems(tmp_path, capsys):
+    """Session 41's review: the config's errors hid a --workdir that is a file (and the other
+    way round); now both, before any work."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    argv = ["rehearse", str(CONFIG), "grpo.max_num_steps=abc", "--workdir", str(f)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "2 problems, nothing run" in err, err
+    assert f"--workdir {f}: cannot be created" in err and "grpo.max_num_steps: got 'abc'" in err
+    assert main(["rehearse", str(CONFIG), "grpo.max_num_steps=abc"]) == 2  # control: no workdir
+    err = capsys.readouterr().err
+    assert "grpo.max_num_steps: got 'abc'" in err and "--workdir" not in err, err

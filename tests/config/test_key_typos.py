@@ -2,8 +2,9 @@
 schema unchecked (we are never stricter than NeMo-RL on them), so ``grpo.max_num_step=2`` was
 accepted and the run took grpo.max_num_steps' 16 steps (review, session 39). A key one typo from
 one we read (two for names longer than 5 letters) is named: an error where the local backend
-reads the keys itself (a ``jetrl.local`` section), a warning elsewhere (also printed at
-``jetrl train``'s start). No GRPO config of ours or of NeMo-RL's two trees holds such a key."""
+reads the keys itself (a ``jetrl.local`` section) and where a run starts (``train``,
+``rehearse``), a warning for ``jetrl check`` of a cluster config; ``jetrl.not_typos`` lists keys
+meant as written. No GRPO config of ours or of NeMo-RL's two trees holds such a key."""
 
 from __future__ import annotations
 
@@ -76,3 +77,29 @@ def test_typo_distance(a, b, n):
     from nemo_jetrl.config.typed import _typos
 
     assert _typos(a, b) == n
+
+
+def test_a_cluster_launch_refuses_it_and_jetrl_not_typos_lets_a_meant_key_pass(cli, tmp_path):
+    """At `jetrl train --backend nemo-rl` and `jetrl rehearse` (``run=True``) the typo would cost
+    a cluster job run on the wrong value: an error there, naming the escape for a NeMo-RL key we
+    do not know; `jetrl check` of the same config warns (control above)."""
+    from nemo_jetrl.backends.nemo_rl.launch import prepare
+    from nemo_jetrl.errors import UserError
+
+    cluster = REPO / "examples/configs/qwen3_8b_base/jetrl.yaml"
+    with pytest.raises(UserError) as err:
+        prepare(str(cluster), ["++grpo.max_num_step=2"])
+    msg = str(err.value)
+    assert "grpo.max_num_step: unknown key, one typo from grpo.max_num_steps" in msg, msg
+    assert "list it in jetrl.not_typos" in msg, msg
+    code, out = cli("rehearse", cluster, "++grpo.max_num_step=2", "--workdir", tmp_path / "w")
+    assert code == 2 and "grpo.max_num_step: unknown key, one typo" in out, out
+    meant = ["++grpo.max_num_step=2", "++jetrl.not_typos=[grpo.max_num_step]"]
+    prepare(str(cluster), meant)  # listed: the launch goes on
+    code, out = cli("check", str(cluster), *meant)
+    assert code == 0 and "one typo" not in out, out
+    local = REPO / "examples/configs/local/jetrl.yaml"  # the local backend: the same escape
+    code, out = cli("check", str(local), *meant)
+    assert code == 0 and "one typo" not in out, out
+    code, out = cli("check", str(local), "++grpo.max_num_step=2", "++jetrl.not_typos=[grpo.x]")
+    assert code == 2 and "one typo" in out, out  # another key listed: still refused

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from nemo_jetrl.config.load import ConfigError, apply_overrides
+from nemo_jetrl.config.issues import ConfigError
+from nemo_jetrl.config.overrides import apply_overrides
 
 BASE = {"grpo": {"max_num_steps": 16, "seed": 3, "env": None, "sub": {"a": 1, "b": 2}}}
 MERGED = {  # override -> the config after it (NeMo-RL's result too)

@@ -25,3 +25,18 @@ def test_a_relative_model_config_not_found_is_named_once_with_where_it_was_looke
     monkeypatch.chdir(REPO)  # control: from the repository root the shipped config checks
     code, out = cli("check", str(MOE))
     assert code == 0, out
+
+
+def test_a_tokenizer_directory_is_named_as_one_with_the_file_to_give(cli, tmp_path):
+    """A HF tokenizer directory given as jetrl.local.tokenizer read "file not found" (bad-input
+    review, session 41), though it is there: now it says it is a directory and names the
+    tokenizer.json inside when there is one."""
+    local = REPO / "examples/configs/local/jetrl.yaml"
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    code, out = cli("check", local, f"jetrl.local.tokenizer={tok}")
+    assert code == 2 and "is a directory, not a tokenizers JSON file, with no tokenizer" in out, out
+    assert "not found" not in out, out
+    (tok / "tokenizer.json").write_text("{}")
+    code, out = cli("check", local, f"jetrl.local.tokenizer={tok}")
+    assert code == 2 and f"use '{tok / 'tokenizer.json'}'" in out, out

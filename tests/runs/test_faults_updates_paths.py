@@ -218,7 +218,9 @@ def test_compare_refuses_or_labels_a_dir_with_two_runs(tmp_path, capsys):
     assert main(["compare", str(run), "-o", str(out), "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert "2 different runs (aaa, bbb)" in err and "--allow-mixed" in err
-    assert main(["compare", str(run), "-o", str(out), "--no-plots", "--allow-mixed"]) == 0
+    assert (
+        main(["compare", str(run), "-o", str(out), "--no-plots", "--allow-mixed", "--force"]) == 0
+    )
     assert "bf16 [mixed: 2 runs]" in capsys.readouterr().out
 
 

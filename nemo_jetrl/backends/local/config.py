@@ -234,6 +234,10 @@ def _json_file_problem(p: str | None, model_config: bool) -> str | None:
     f = Path(p).expanduser()
     if not f.is_file() and model_config:  # the architecture check names it (once)
         return None
+    if f.is_dir():  # a HF tokenizer directory: the local backend reads its tokenizer.json
+        inside = f / "tokenizer.json"
+        hint = f"; use {str(inside)!r}" if inside.is_file() else ", with no tokenizer.json in it"
+        return f"{p!r} is a directory, not a tokenizers JSON file{hint}"
     if not f.is_file():
         return f"file {p!r} not found{cwd_hint(f)}"
     if model_config:  # read by the model's architecture check, which reports what is unreadable

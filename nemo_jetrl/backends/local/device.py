@@ -62,14 +62,21 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
+def malformed_flag(device: str) -> str:
+    """What is wrong with a ``--device`` value of the wrong form."""
+    from nemo_jetrl.backends.local.config import DEVICE_FORM
+
+    return f"--device {device!r}: expected {DEVICE_FORM} ({KEY})"
+
+
 def check_device_flag(device: str) -> None:
     """``--device`` of a command that starts runs later (`jetrl demo`): `UserError` (exit 2)
     before any work when its form is wrong or this machine lacks it."""
-    from nemo_jetrl.backends.local.config import DEVICE_FORM, is_device_name
+    from nemo_jetrl.backends.local.config import is_device_name
     from nemo_jetrl.errors import UserError
 
     if not is_device_name(device):
-        raise UserError(f"--device {device!r}: expected {DEVICE_FORM} ({KEY})")
+        raise UserError(malformed_flag(device))
     issues = device_issues(device)
     if issues:
         raise UserError(f"--device: {issues[0]}")

@@ -132,6 +132,13 @@ class SequenceLengths:
         return self.longest_prompt + self.max_new_tokens
 
 
+MEASURE_READS = frozenset(
+    {"max_num_steps", "seed", "num_prompts_per_step", "max_new_tokens", "max_total_sequence_length"}
+)
+"""The run keys (`RunSettings` fields) `measure` reads: a config whose value of one failed to
+parse is not measured (it would measure a default the user did not give)."""
+
+
 def measure(
     run: RunSettings, local: LocalSettings
 ) -> tuple[SequenceLengths | None, list[ConfigIssue]]:

@@ -44,7 +44,12 @@ from nemo_jetrl.backends.local.refit import export_weights
 from nemo_jetrl.backends.local.resume import RunCheckpointing
 from nemo_jetrl.backends.local.routing import RoutingController
 from nemo_jetrl.backends.local.run_identity import tokenizer_path
-from nemo_jetrl.backends.local.seq_len import SequenceLengths, data_generator, measure
+from nemo_jetrl.backends.local.seq_len import (
+    MEASURE_READS,
+    SequenceLengths,
+    data_generator,
+    measure,
+)
 from nemo_jetrl.backends.local.step import RunStep
 from nemo_jetrl.backends.local.task import validation_problems
 from nemo_jetrl.backends.local.tokenizer import load_tokenizer
@@ -76,8 +81,8 @@ def check_issues(section: Any, keys: Mapping[str, Any], settings: Settings) -> l
     (`SECTION.validate_with_run`): the sequence lengths (`seq_len.measure`), same keys and text.
     ``keys``: the run keys as `read_run_keys` typed them; nothing when either side does not
     parse (the validator names why, and the door stops there too)."""
+    run = RunSettings(**keys)  # not from_keys: the optimizer's problem must not hide this rule
     try:
-        run = RunSettings.from_keys(keys, [], settings)
         local = LocalSettings.from_cfg(section)
     except ConfigError:
         return []
@@ -91,6 +96,7 @@ SECTION = BackendSection(
     validate_run=validate_local_run,
     model_config=local_model_config,
     validate_with_run=check_issues,
+    with_run_reads=MEASURE_READS,
 )
 """This backend's hooks for ``jetrl.local`` (`nemo_jetrl.config.sections`)."""
 

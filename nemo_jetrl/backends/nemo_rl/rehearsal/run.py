@@ -233,10 +233,11 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
     UserError (exit 2) for a bad config, as ``jetrl check``."""
     from nemo_jetrl.backends.nemo_rl import launch
     from nemo_jetrl.backends.nemo_rl.rehearsal import model as tiny
+    from nemo_jetrl.backends.nemo_rl.rehearsal.workdir import prepared_in
     from nemo_jetrl.commands._output import make_output_dir
 
     start = time.monotonic()
-    prepared = launch.prepare(config, overrides)
+    prepared = prepared_in(workdir, lambda: launch.prepare(config, overrides))
     plan = prepared.plan
     name = (plan.master_config.get("policy") or {}).get("model_name")
     arch = prepared.arch
@@ -248,7 +249,6 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
         )
     from nemo_jetrl.backends.nemo_rl.rehearsal.families import family_refusal
     from nemo_jetrl.backends.nemo_rl.rehearsal.hybrid import text_config
-    from nemo_jetrl.backends.nemo_rl.rehearsal.workdir import check_workdir
 
     generation = (plan.master_config.get("policy") or {}).get("generation") or {}
     ignored = (generation.get("vllm_cfg") or {}).get("quantization_ignored_layer_kws") or ()
@@ -259,7 +259,6 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
         tiny.tiny_config(arch, tiny.BLOCK)  # its family has a stand-in (before any work)
     except tiny.UnsupportedFamily as exc:
         raise _user_error(str(exc)) from None
-    check_workdir(workdir)  # writable, no earlier rehearsal's checkpoint: before any work
     missing = launch.missing_dependencies()
     if missing:
         raise _user_error(

@@ -5,7 +5,11 @@ earlier rehearsal's checkpoint (NeMo-RL's `CheckpointManager` resumes from the n
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 CHECKPOINTS = "checkpoints"  # under the workdir: `run.rehearsal_keys`' checkpointing.checkpoint_dir
 _STEP = re.compile(r"step_\d+")  # NeMo-RL's get_latest_checkpoint_path's pattern
@@ -29,3 +33,22 @@ def check_workdir(workdir: str | None) -> None:
             "would resume from it and rehearse no step; pass a new --workdir (or none: a fresh "
             f"temporary directory), or remove {ckpt}"
         )
+
+
+def prepared_in(workdir: str | None, prepare: Callable[[], T]) -> T:
+    """``prepare()`` (the launch's config check) with ``--workdir`` checked first: the
+    workdir's problem and the config's are named together (exit 2), before any work."""
+    from nemo_jetrl.errors import UserError, together
+
+    try:
+        check_workdir(workdir)
+        flagged: list[str] = []
+    except UserError as exc:
+        flagged = [str(exc)]
+    try:
+        prepared = prepare()
+    except UserError as exc:
+        raise together([*flagged, str(exc)]) from None
+    if flagged:
+        raise together(flagged)
+    return prepared
