@@ -98,7 +98,10 @@ print(version('triton'))" 2>/dev/null) && link_from "triton==$triton" "$REPO/.ve
         else
             WHEELHOUSE="${JETRL_WHEEL_CACHE:-$REPO/.cache/wheels}/${TORCH_SPEC/==/-}"
             mkdir -p "$WHEELHOUSE"
-            pip_retry "$VENV/bin/python" download -q --no-cache-dir -c "$CONSTRAINTS" -d "$WHEELHOUSE" "$TORCH_SPEC"
+            # The lock applies here too: the install below reads this wheelhouse only (--no-index),
+            # so torch's requirements must be downloaded at the locked versions (an unlocked
+            # download took filelock 4.3.2 the day after the lock said 4.3.1: ResolutionImpossible).
+            pip_retry "$VENV/bin/python" download -q --no-cache-dir -c "$CONSTRAINTS" -c "$LOCK" -d "$WHEELHOUSE" "$TORCH_SPEC"
             "${PIP[@]}" --no-cache-dir --no-index --find-links "$WHEELHOUSE" "$TORCH_SPEC"
             if [ "${CI:-}" = "true" ] && [ -z "${JETRL_WHEEL_CACHE:-}" ]; then  # the clone's own
                 echo "[setup_vllm_env] CI=true: deleting the wheelhouse $WHEELHOUSE ($(du -sh "$WHEELHOUSE" | cut -f1))"

@@ -103,11 +103,27 @@ disk_check() {  # a warning up front when the disk cannot hold what the run will
 setup_failed() {  # LOG: why a tier's environment is missing, for its summary line. A full disk is
   # named (with what is free now): one CI run lost three tiers' environments to it, each reported
   # only as "environment setup failed", the cause 40 lines up in the log's tail (docs/ci_times.md).
+  # pip's resolver conflict is named too (CI's report keeps the summary, not the setup log: one
+  # run lost both NeMo-RL tiers to a lock pin its wheelhouse lacked, said only as "setup failed").
+  local why
   if grep -q "No space left on device" "$1" 2>/dev/null; then
     echo "environment setup failed: no space left on device ($(disk_free_gib) GiB free now; log: $1)"
+  elif why=$(_setup_error "$1") && [ -n "$why" ]; then
+    echo "environment setup failed: $why (log: $1)"
   else
     echo "environment setup failed (log: $1)"
   fi
+}
+
+_setup_error() {  # LOG: pip's last conflict ("torch 2.11.0 depends on filelock; The user requested
+  # (constraint) filelock==4.3.1"), else the last ERROR/error line, on one line, at most 300 chars
+  awk '
+    /^The conflict is caused by:/ { grab = 1; conflict = ""; next }
+    grab && /^[[:space:]]*$/ { grab = 0; if (conflict != "") last = conflict; next }
+    grab { sub(/^[[:space:]]+/, ""); conflict = conflict (conflict == "" ? "" : "; ") $0; next }
+    /^(ERROR|error|Error)[: ]/ && !/ResolutionImpossible: for help/ && !/^ERROR: Cannot install/ { err = $0 }
+    END { print (last != "" ? "pip conflict: " last : err) }
+  ' "$1" 2>/dev/null | cut -c1-300
 }
 
 not_run() {  # NAME WHY: a tier that could not start fails the run; the others still run

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -74,13 +75,50 @@ def test_the_default_lock_fits_every_requirement_of_ours():
 
 
 def test_the_lock_is_in_effect_where_this_suite_runs():
-    """Every locked package this interpreter has is at the locked version (the default suite
-    runs in .venv, which scripts/setup_env.sh builds against default.txt)."""
+    """Every locked package installed in this interpreter's environment is at the locked version
+    (the default suite runs in .venv, which scripts/setup_env.sh builds against default.txt).
+    Only the environment's own site-packages are read: a directory another test or the machine
+    puts on sys.path ('' is whatever directory a test is in) is not what setup_env.sh built. CI once
+    found a packaging 26.3 on sys.path where setup_env.sh had installed the locked 26.4; the
+    message now says where an off-lock distribution lies."""
     pins = _pins(LOCKS / "default.txt")
+    site = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    assert all(Path(d).is_relative_to(sys.prefix) for d in site), (site, sys.prefix)
     off = {}
-    for dist in metadata.distributions():
+    for dist in metadata.distributions(path=site):
         name = canonicalize_name(dist.metadata["Name"])
         if name in pins and dist.version != pins[name]:
-            off[name] = (dist.version, pins[name])
-    assert not off, f"installed vs locked: {off}; rebuild .venv or rewrite the lock"
+            off[name] = (dist.version, pins[name], str(dist.locate_file("")))
+    assert not off, (
+        f"installed vs locked (version, lock, where): {off}; rebuild .venv or rewrite the lock"
+    )
     assert metadata.version("pytest") == pins["pytest"]  # the lock names what runs this test
+
+
+def _pip_calls(script: Path) -> list[str]:
+    """Every pip install/download command of a setup script, continuation lines joined."""
+    text = script.read_text().replace("\\\n", " ")
+    calls = []
+    for line in text.splitlines():
+        code = line.split("#", 1)[0] if not line.lstrip().startswith("#") else ""
+        if re.search(r"pip_retry\s.*\s(install|download)\s|\"\$\{PIP\[@\]\}\"", code):
+            calls.append(code.strip())
+    return calls
+
+
+def test_every_pip_call_that_resolves_dependencies_reads_the_lock():
+    """A download or install that pulls in dependencies without the lock takes whatever PyPI has
+    today: the vLLM 0.20 wheelhouse download once took filelock 4.3.2 while the lock said 4.3.1,
+    and the --no-index install from it then had no candidate (every NeMo-RL tier lost its env)."""
+    setup_vllm = (REPO / "scripts/setup_vllm_env.sh").read_text()
+    assert re.search(
+        r'^PIP=\(pip_retry "\$VENV/bin/python" install .*-c "\$LOCK"\)', setup_vllm, re.M
+    )
+    checked = 0
+    for name in ("setup_env.sh", "setup_vllm_env.sh", "setup_nemo_rl_env.sh"):
+        for call in _pip_calls(REPO / "scripts" / name):
+            checked += 1
+            if "--no-deps" in call:
+                continue  # one named, pinned package, nothing resolved
+            assert '-c "$LOCK"' in call or '"${PIP[@]}"' in call, f"{name}: {call}"
+    assert checked >= 12, checked

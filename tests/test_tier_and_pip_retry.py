@@ -198,3 +198,38 @@ def test_pip_retry_refuses_bad_settings_before_running_pip(
     assert done.returncode == 2
     assert calls == []  # pip never ran
     assert "JETRL_PIP_ATTEMPTS" in done.stderr and "JETRL_PIP_RETRY_WAIT_S" in done.stderr
+
+
+def _setup_failed(log: Path) -> str:
+    p = subprocess.run(
+        ["bash", "-c", 'set -euo pipefail; source scripts/tier.sh; setup_failed "$0"', str(log)],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+def test_a_failed_setup_is_named_by_pips_conflict_or_its_last_error(tmp_path: Path) -> None:
+    """CI's report keeps the summary line, not the setup log: the cause must be in the line."""
+    log = tmp_path / "setup.log"
+    conflict = (
+        "Processing ./torch-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl\n"
+        "ERROR: Cannot install torch==2.11.0 because these package versions have conflicting"
+        " dependencies.\n\nThe conflict is caused by:\n    torch 2.11.0 depends on filelock\n"
+        "    The user requested (constraint) filelock==4.3.1\n\nTo fix this you could try to:\n"
+        "ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/\n"
+    )
+    log.write_text(conflict * 3)  # pip_retry's three attempts: named once
+    assert _setup_failed(log) == (
+        "environment setup failed: pip conflict: torch 2.11.0 depends on filelock; The user"
+        f" requested (constraint) filelock==4.3.1 (log: {log})"
+    )
+    log.write_text("Collecting foo\nERROR: No matching distribution found for foo==9\nbye\n")
+    assert _setup_failed(log) == (
+        f"environment setup failed: ERROR: No matching distribution found for foo==9 (log: {log})"
+    )
+    log.write_text("[setup_vllm_env] sanity: import vllm failed\n")
+    assert _setup_failed(log) == f"environment setup failed (log: {log})"
+    assert _setup_failed(tmp_path / "none.log") == (
+        f"environment setup failed (log: {tmp_path / 'none.log'})"
+    )

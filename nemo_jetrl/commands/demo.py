@@ -28,6 +28,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # omegaconf is imported lazily: `jetrl --help` stays fast
+    from omegaconf import DictConfig
 
 NAME = "demo"
 HELP = "Run bf16 / fp8_rollout / jetrl / jetrl_kv on the local CPU backend and compare them."
@@ -132,7 +136,7 @@ def base_config_path() -> Path:
     return Path(__file__).resolve().parents[1] / "backends" / "local" / "assets" / "local_base.yaml"
 
 
-def recipe_config(recipe: str, out: Path, overrides: list[str]):
+def recipe_config(recipe: str, out: Path, overrides: list[str]) -> DictConfig:
     """The full config of one demo run (base + recipe keys + overrides; the log dir defaults to
     ``OUT/runs/<recipe>``, a ``logger.log_dir=`` among ``overrides`` replaces it)."""
     from nemo_jetrl.config import (
