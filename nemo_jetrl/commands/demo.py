@@ -28,10 +28,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # omegaconf is imported lazily: `jetrl --help` stays fast
-    from omegaconf import DictConfig
 
 NAME = "demo"
 HELP = "Run bf16 / fp8_rollout / jetrl / jetrl_kv on the local CPU backend and compare them."
@@ -136,9 +132,11 @@ def base_config_path() -> Path:
     return Path(__file__).resolve().parents[1] / "backends" / "local" / "assets" / "local_base.yaml"
 
 
-def recipe_config(recipe: str, out: Path, overrides: list[str]) -> DictConfig:
+def recipe_config(recipe: str, out: Path, overrides: list[str]):
     """The full config of one demo run (base + recipe keys + overrides; the log dir defaults to
-    ``OUT/runs/<recipe>``, a ``logger.log_dir=`` among ``overrides`` replaces it)."""
+    ``OUT/runs/<recipe>``, a ``logger.log_dir=`` among ``overrides`` replaces it). Returns the
+    raw config tree, for the local backend's door; unhinted because modules below the door do not
+    name the raw tree's types (the ratchet in tests/config/test_settings_door.py)."""
     from nemo_jetrl.config import (
         apply_overrides,
         load_config,
