@@ -77,10 +77,11 @@ def test_the_default_lock_fits_every_requirement_of_ours():
 def test_the_lock_is_in_effect_where_this_suite_runs():
     """Every locked package installed in this interpreter's environment is at the locked version
     (the default suite runs in .venv, which scripts/setup_env.sh builds against default.txt).
-    Only the environment's own site-packages are read: a directory another test or the machine
-    puts on sys.path ('' is whatever directory a test is in) is not what setup_env.sh built. CI once
-    found a packaging 26.3 on sys.path where setup_env.sh had installed the locked 26.4; the
-    message now says where an off-lock distribution lies."""
+    Only the environment's own site-packages are read: importing setuptools appends its
+    ``setuptools/_vendor`` to sys.path, whose vendored ``packaging-26.3.dist-info`` CI's run once
+    reported as off-lock beside .venv's locked 26.4 (a test on that worker had imported it)."""
+    import setuptools  # noqa: F401  (as some test before this one may: the vendored dists join sys.path)
+
     pins = _pins(LOCKS / "default.txt")
     site = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
     assert all(Path(d).is_relative_to(sys.prefix) for d in site), (site, sys.prefix)
