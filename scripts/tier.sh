@@ -116,12 +116,15 @@ setup_failed() {  # LOG: why a tier's environment is missing, for its summary li
 }
 
 _setup_error() {  # LOG: pip's last conflict ("torch 2.11.0 depends on filelock; The user requested
-  # (constraint) filelock==4.3.1"), else the last ERROR/error line, on one line, at most 300 chars
+  # (constraint) filelock==4.3.1"), else the last ERROR/error line or Python exception (a setup
+  # script's sanity import: "ValueError: Either a revision or a version must be specified" lost a
+  # tier once, said only as "setup failed"), on one line, at most 300 chars
   awk '
     /^The conflict is caused by:/ { grab = 1; conflict = ""; next }
     grab && /^[[:space:]]*$/ { grab = 0; if (conflict != "") last = conflict; next }
     grab { sub(/^[[:space:]]+/, ""); conflict = conflict (conflict == "" ? "" : "; ") $0; next }
     /^(ERROR|error|Error)[: ]/ && !/ResolutionImpossible: for help/ && !/^ERROR: Cannot install/ { err = $0 }
+    /^[A-Za-z_][A-Za-z0-9_.]*(Error|Exception): / { err = $0 }
     END { print (last != "" ? "pip conflict: " last : err) }
   ' "$1" 2>/dev/null | cut -c1-300
 }

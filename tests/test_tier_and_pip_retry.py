@@ -228,6 +228,20 @@ def test_a_failed_setup_is_named_by_pips_conflict_or_its_last_error(tmp_path: Pa
     assert _setup_failed(log) == (
         f"environment setup failed: ERROR: No matching distribution found for foo==9 (log: {log})"
     )
+    traceback = (  # a setup script's sanity import: the exception is named, not the frames
+        "Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\n"
+        "    raise ValueError('x')\nValueError: Either a revision or a version must be specified\n"
+        "[setup_nemo_rl_env] sanity import failed\n"
+    )
+    log.write_text("ERROR: pip warned before\n" + traceback)
+    assert _setup_failed(log) == (
+        "environment setup failed: ValueError: Either a revision or a version must be specified"
+        f" (log: {log})"
+    )
+    log.write_text(traceback.replace("ValueError", "importlib.metadata.PackageNotFoundError"))
+    assert _setup_failed(log).startswith(
+        "environment setup failed: importlib.metadata.PackageNotFoundError: Either a revision"
+    )
     log.write_text("[setup_vllm_env] sanity: import vllm failed\n")
     assert _setup_failed(log) == f"environment setup failed (log: {log})"
     assert _setup_failed(tmp_path / "none.log") == (
