@@ -229,7 +229,7 @@ def test_a_failed_setup_is_named_by_pips_conflict_or_its_last_error(tmp_path: Pa
         f"environment setup failed: ERROR: No matching distribution found for foo==9 (log: {log})"
     )
     traceback = (  # a setup script's sanity import: the exception is named, not the frames
-        "Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\n"
+        'Traceback (most recent call last):\n  File "<string>", line 1, in <module>\n'
         "    raise ValueError('x')\nValueError: Either a revision or a version must be specified\n"
         "[setup_nemo_rl_env] sanity import failed\n"
     )
