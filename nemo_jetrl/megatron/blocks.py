@@ -32,9 +32,10 @@ dims and ``tensor_model_parallel_size``), leaving out linears the training side 
 name in every FP8 layer (``jetrl.train_bf16_layer_kws``; routed and shared experts cannot be).
 Not judged from a TransformerConfig alone: which HF weights a gated delta net's in_proj is
 (Qwen3.5's or Qwen3-Next's: no config field says). `flow.megatron_layout` passes that as
-``hf_in_proj_split``; without it (the policy worker's real config) in_proj is named only where
-both splits give training blocks the rollout does not have, and left unjudged where they differ
-(at TP 1 Qwen3.5's b and a rows share a block, Qwen3-Next's are all of in_proj_ba's one block).
+``hf_in_proj_split`` from the HF config, and the policy worker (its real config) from the
+driver's (`with_hf_split`); without it in_proj is named only where both splits give training
+blocks the rollout does not have, and left unjudged where they differ (at TP 1 Qwen3.5's b and
+a rows share a block, Qwen3-Next's are all of in_proj_ba's one block).
 """
 
 from __future__ import annotations
@@ -275,6 +276,23 @@ def _fix(found: list[Found], train: SideRecipe) -> str:
         ways.append(f"set {keys} so each rank's rows and columns are multiples of 128")
     ways.append("train this model in BF16")
     return ", or ".join(ways)
+
+
+class _WithHfSplit:
+    """``config`` as `block_layout_problems` reads it, with `HF_SPLIT_FIELD` added (the live
+    model's TransformerConfig is read, never written)."""
+
+    def __init__(self, config: Any, split: bool) -> None:
+        self._config, self._split = config, split
+
+    def __getattr__(self, name: str) -> Any:
+        return self._split if name == HF_SPLIT_FIELD else getattr(self._config, name)
+
+
+def with_hf_split(config: Any, split: bool | None) -> Any:
+    """``config`` told which HF weights a gated delta net's in_proj is (`HF_SPLIT_FIELD`; the
+    policy worker has it from the driver, `policy_env.hf_in_proj_split`); None: as it is."""
+    return config if split is None else _WithHfSplit(config, split)
 
 
 def block_layout_problems(config: Any, train: SideRecipe) -> list[str]:

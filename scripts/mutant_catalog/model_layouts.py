@@ -77,4 +77,19 @@ MUTANTS = [
         "            if set(idx) <= set(range(lo, lo + BLOCK)):",
         ("tests/megatron/test_megatron_blocks_hybrid.py",),
     ),
+    Mutant(  # session 46: the policy worker judged in_proj only where both HF splits agree
+        "the launch does not tell the policy workers the model's HF in_proj split",
+        "nemo_jetrl/backends/nemo_rl/launch.py",
+        "    split = None if hybrid is None else hybrid.split_proj",
+        "    split = None",
+        ("tests/backends/test_nemo_rl_backend.py",),
+    ),
+    Mutant(
+        "the policy worker judges its built model without the HF split it was told",
+        "nemo_jetrl/backends/nemo_rl/worker.py",
+        "                why = block_layout_problem(with_hf_split(config, split), recipe.train)",
+        "                why = block_layout_problem(config, recipe.train)",
+        ("tests/backends/test_nemo_rl_worker_glue.py",),
+        env="nemo_rl",
+    ),
 ]

@@ -233,6 +233,52 @@ def test_a_model_built_with_other_bf16_edge_layers_is_refused_by_the_worker(
             setattr(cfg, k, v)
 
 
+def test_the_worker_judges_in_proj_with_the_hf_split_the_driver_read(
+    worker_cls, model, tmp_path, monkeypatch
+):
+    """A gated delta net's in_proj at TP 1: Qwen3.5's b and a rows share one of TE's blocks,
+    Qwen3-Next's do not, and the built TransformerConfig does not say which the checkpoint is.
+    The driver does (`NEMO_JETRL_HF_IN_PROJ_SPLIT`, test_nemo_rl_backend.py): told "1" the
+    worker refuses the model, told "0" it builds it, not told it builds it (unjudged,
+    tests/megatron/test_megatron_blocks_hybrid.py). The gated delta net's fields are set on the
+    real model's config (its layers are the GPT's: only the judgement reads them)."""
+    from nemo_jetrl.backends.nemo_rl.policy_env import HF_IN_PROJ_SPLIT_ENV
+
+    cls, _ = worker_cls
+    bridge = _bridge(tmp_path)
+    cfg = model.config
+    gdn = {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": [1] + [0] * (cfg.num_layers - 1),
+        "linear_num_key_heads": 2, "linear_key_head_dim": 128,
+        "linear_num_value_heads": 4, "linear_value_head_dim": 128,
+    }  # fmt: skip
+    saved = {k: getattr(cfg, k, None) for k in gdn}
+    try:
+        for k, v in gdn.items():
+            setattr(cfg, k, v)
+        monkeypatch.setenv(HF_IN_PROJ_SPLIT_ENV, "1")
+        with _CudaOnCpu(), pytest.raises(RuntimeError, match="training blocks are not") as ei:
+            cls(_cfg(), model=model, bridge=bridge)
+        msg = str(ei.value)
+        assert (
+            "self_attention.in_proj (linear_attn.in_proj_qkv/in_proj_z/in_proj_b/in_proj_a)" in msg
+        )
+        assert "in_proj_b rows 0-3 + in_proj_a rows 0-3" in msg, msg
+        for told in ("0", None):  # Qwen3-Next's split fits at TP 1; unknown: not judged
+            if told is None:
+                monkeypatch.delenv(HF_IN_PROJ_SPLIT_ENV)
+            else:
+                monkeypatch.setenv(HF_IN_PROJ_SPLIT_ENV, told)
+            with _CudaOnCpu():
+                w = cls(_cfg(), model=model, bridge=bridge)
+            w._jetrl_kv.restore()
+            w._jetrl_bf16.restore()
+    finally:
+        for k, v in saved.items():
+            setattr(cfg, k, v)
+
+
 def test_the_worker_judges_bf16_words_over_every_rank(worker_cls, model, tmp_path, monkeypatch):
     """Under pipeline parallelism a stage may lack what a BF16 word names (Moonlight's dense
     layer 0 lives on stage 0 only): every other stage refused it at init. The worker hands

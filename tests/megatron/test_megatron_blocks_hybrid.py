@@ -16,7 +16,12 @@ import pytest
 import torch
 from megatron_shims import te_block_dequant as _deq
 
-from nemo_jetrl.megatron.blocks import HF_SPLIT_FIELD, block_layout_problem, block_layout_problems
+from nemo_jetrl.megatron.blocks import (
+    HF_SPLIT_FIELD,
+    block_layout_problem,
+    block_layout_problems,
+    with_hf_split,
+)
 from nemo_jetrl.recipe import Recipe
 
 pytestmark = pytest.mark.megatron
@@ -230,12 +235,23 @@ def test_gdn_in_proj_blocks_are_named_exactly_where_they_differ(split, tp, nk, h
 
 
 def test_without_the_hf_split_in_proj_is_judged_only_where_both_splits_agree():
-    """The policy worker's real config does not say which HF split the checkpoint has: at TP 1
-    Qwen3.5's is cut and Qwen3-Next's is not (unjudged), at TP 2 both are (named)."""
-    assert not [p for p in block_layout_problems(_gdn(1, 2, 128, 4, 128), JETRL.train)]
+    """A real TransformerConfig does not say which HF split the checkpoint has: at TP 1
+    Qwen3.5's is cut and Qwen3-Next's is not (unjudged), at TP 2 both are (named). The policy
+    worker is told the split by the driver (`with_hf_split`; an unknown model: none)."""
+    tp1 = _gdn(1, 2, 128, 4, 128)
+    assert not [p for p in block_layout_problems(tp1, JETRL.train)]
     found = block_layout_problems(_gdn(2, 2, 128, 4, 128), JETRL.train)
     assert len(found) == 1 and found[0].startswith("self_attention.in_proj (linear_attn.in_proj_*)")
     assert "Qwen3.5's HF split" in found[0] and "Qwen3-Next's HF split" in found[0]
+    # the worker's view, told the split: Qwen3.5's TP-1 cut is named, Qwen3-Next's fit is not
+    found = block_layout_problems(with_hf_split(tp1, True), JETRL.train)
+    assert len(found) == 1 and found[0].startswith(
+        "self_attention.in_proj (linear_attn.in_proj_qkv/in_proj_z/in_proj_b/in_proj_a)"
+    )
+    assert "in_proj_b rows 0-3 + in_proj_a rows 0-3" in found[0], found[0]
+    assert block_layout_problems(with_hf_split(tp1, False), JETRL.train) == []
+    assert with_hf_split(tp1, None) is tp1
+    assert not hasattr(tp1, HF_SPLIT_FIELD)  # the live model's config is read, not written
 
 
 def test_out_proj_and_each_mixer_in_its_own_layers():

@@ -142,7 +142,12 @@ def _translate(checked: Any, tree: TreeFacts | None) -> NemoRlPlan:
 
     container = OmegaConf.to_container(checked.cfg, resolve=True)
     assert isinstance(container, dict)
-    return translate(container, checked.recipe, num_layers=checked.arch.num_layers, tree=tree)
+    hybrid = None if checked.arch_note else checked.arch.hybrid  # a note: generic layers
+    split = None if hybrid is None else hybrid.split_proj
+    return translate(
+        container, checked.recipe, num_layers=checked.arch.num_layers, tree=tree,
+        hf_in_proj_split=split,
+    )  # fmt: skip
 
 
 def launch_problems(checked: Any, tree: TreeFacts) -> list[tuple[str, str]]:

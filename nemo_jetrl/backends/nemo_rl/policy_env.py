@@ -8,6 +8,10 @@ starts; our worker class (`worker.py`) reads them back:
 - ``NEMO_JETRL_ALLOW_OFF_POLICY``: "1" where ``jetrl.allow_off_policy`` is true; the worker then
   warns about, rather than stops, a built model whose training forward is not the rollout's (as
   `jetrl check`'s gate lets such a run start).
+- ``NEMO_JETRL_HF_IN_PROJ_SPLIT``: "1" for Qwen3.5's gated delta net in_proj (HF's in_proj_qkv/z/b/a),
+  "0" for Qwen3-Next's (in_proj_qkvz/ba), unset for a model without one or not read: Megatron's
+  ``TransformerConfig`` does not say which, and where the two differ the worker's block check
+  (`megatron.blocks`) can judge in_proj only with it.
 
 Plain Python (no NeMo-RL import).
 """
@@ -22,6 +26,7 @@ from nemo_jetrl.recipe import Recipe
 
 RECIPE_ENV = "NEMO_JETRL_RECIPE"
 ALLOW_OFF_POLICY_ENV = "NEMO_JETRL_ALLOW_OFF_POLICY"
+HF_IN_PROJ_SPLIT_ENV = "NEMO_JETRL_HF_IN_PROJ_SPLIT"
 
 
 def recipe_to_json(recipe: Recipe) -> str:
@@ -40,6 +45,20 @@ def recipe_from_json(text: str) -> Recipe:
 def off_policy_allowed(env: Mapping[str, str]) -> bool:
     """Inside a policy worker: whether the run was launched with ``jetrl.allow_off_policy``."""
     return env.get(ALLOW_OFF_POLICY_ENV) == "1"
+
+
+def hf_in_proj_split(env: Mapping[str, str]) -> bool | None:
+    """Inside a policy worker: which HF weights the gated delta net's in_proj is (True: Qwen3.5's
+    split, False: Qwen3-Next's, None: not said)."""
+    text = env.get(HF_IN_PROJ_SPLIT_ENV)
+    if text is None:
+        return None
+    if text not in ("0", "1"):
+        raise RuntimeError(
+            f"{HF_IN_PROJ_SPLIT_ENV}={text!r} in this worker: the translation sets '1' (Qwen3.5) "
+            f"or '0' (Qwen3-Next); remove it from policy.megatron_cfg.env_vars"
+        )
+    return text == "1"
 
 
 def check_policy_env(env: Mapping[str, str]) -> Recipe:

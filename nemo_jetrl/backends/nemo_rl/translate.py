@@ -52,7 +52,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_jetrl.backends.nemo_rl.policy_env import ALLOW_OFF_POLICY_ENV, RECIPE_ENV, recipe_to_json
+from nemo_jetrl.backends.nemo_rl.policy_env import (
+    ALLOW_OFF_POLICY_ENV,
+    HF_IN_PROJ_SPLIT_ENV,
+    RECIPE_ENV,
+    recipe_to_json,
+)
 from nemo_jetrl.backends.nemo_rl.refit_rules import PP_KEY, TRANSPORT_KEY, refit_problems
 from nemo_jetrl.backends.nemo_rl.tree_rules import TreeFacts, tree_problems
 from nemo_jetrl.megatron.config import (
@@ -143,13 +148,15 @@ def translate(
     *,
     num_layers: int,
     tree: TreeFacts | None = None,
+    hf_in_proj_split: bool | None = None,
 ) -> NemoRlPlan:
     """NeMo-RL master config and worker setup for ``recipe``; TranslationError lists all problems.
 
     ``config`` is the resolved config as plain containers (``OmegaConf.to_container``);
     ``num_layers`` the model's decoder layer count; ``tree`` what the NeMo-RL tree the run
-    imports does (`tree_rules.read_tree`; None: unknown, its rules are skipped). The input is
-    not modified.
+    imports does (`tree_rules.read_tree`; None: unknown, its rules are skipped);
+    ``hf_in_proj_split`` the model's gated delta net split (`arch.hybrid.HybridSpec.split_proj`;
+    None: none or not read), passed to the policy workers. The input is not modified.
     """
     cfg = copy.deepcopy(dict(config))
     cfg.pop("jetrl", None)  # ours; NeMo-RL gets only the run's identity (below)
@@ -176,6 +183,8 @@ def translate(
     policy_env = {RECIPE_ENV: recipe_to_json(recipe), **settings.env_vars}
     if _get(config, "jetrl.allow_off_policy", False) is True:
         policy_env[ALLOW_OFF_POLICY_ENV] = "1"
+    if hf_in_proj_split is not None:
+        policy_env[HF_IN_PROJ_SPLIT_ENV] = "1" if hf_in_proj_split else "0"
     _merge_env(cfg, "policy.megatron_cfg.env_vars", policy_env)
 
     from nemo_jetrl.config import vllm_cfg_for

@@ -93,12 +93,16 @@ def make_worker_class() -> type:
         calibration_micro_batches,
         refit_kv_scales,
     )
-    from nemo_jetrl.backends.nemo_rl.policy_env import check_policy_env, off_policy_allowed
+    from nemo_jetrl.backends.nemo_rl.policy_env import (
+        check_policy_env,
+        hf_in_proj_split,
+        off_policy_allowed,
+    )
     from nemo_jetrl.build_info import driver_code_problem
     from nemo_jetrl.kvcache import CalibrationSettings, KVScales
     from nemo_jetrl.megatron.attention import attach_megatron_kv, calibrate_megatron
     from nemo_jetrl.megatron.bf16_names import keep_bf16_by_name, refuse_with_ranks
-    from nemo_jetrl.megatron.blocks import block_layout_problem
+    from nemo_jetrl.megatron.blocks import block_layout_problem, with_hf_split
     from nemo_jetrl.megatron.config import built_bf16_edges_problem, ensure_te_scale_env
 
     get_model_config = require("megatron.core.utils", feature="the policy worker").get_model_config
@@ -109,6 +113,7 @@ def make_worker_class() -> type:
             if problem:
                 raise RuntimeError(problem)
             recipe = check_policy_env(os.environ)
+            split = hf_in_proj_split(os.environ)  # before the model is built: a bad value stops
             if recipe.train.fp8_linears and recipe.train.scaling == "blockwise":
                 ensure_te_scale_env(recipe.train.pow2_weight_scales)
             self._jetrl_recipe = recipe
@@ -118,7 +123,7 @@ def make_worker_class() -> type:
             config = get_model_config(self.model)
             why = built_bf16_edges_problem(config, recipe.train)
             if not why and recipe.rollout.fp8_linears:  # the real config, TP sizes included
-                why = block_layout_problem(config, recipe.train)
+                why = block_layout_problem(with_hf_split(config, split), recipe.train)
             if why and off_policy_allowed(os.environ):  # the user accepted an off-policy run
                 print(f"nemo_jetrl: warning: running OFF-POLICY (jetrl.allow_off_policy): {why}",
                       file=sys.stderr, flush=True)  # fmt: skip
