@@ -18,6 +18,7 @@ from mutant_catalog import (
     check_cli,
     ci,
     cluster,
+    cluster_launch,
     core,
     engines,
     gpu,
@@ -30,6 +31,7 @@ CONTROLS = core.CONTROLS
 MUTANTS = [
     *core.MUTANTS,
     *cluster.MUTANTS,
+    *cluster_launch.MUTANTS,
     *engines.MUTANTS,
     *audit.MUTANTS,
     *gpu.MUTANTS,
