@@ -27,7 +27,7 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/worker.py",
         "            elif why:\n                raise RuntimeError(",
         "            elif False:\n                raise RuntimeError(",
-        ("tests/backends/test_nemo_rl_worker_glue.py",),
+        ("tests/backends/test_nemo_rl_worker_checks.py",),
         env="nemo_rl",
     ),
     Mutant(
@@ -325,7 +325,7 @@ MUTANTS = [
         "            if why and off_policy_allowed(os.environ):",
         "            if why and False:",
         (
-            "tests/backends/test_nemo_rl_worker_glue.py::"
+            "tests/backends/test_nemo_rl_worker_checks.py::"
             "test_a_run_that_allows_off_policy_builds_the_model_with_a_warning",
         ),
         env="nemo_rl",

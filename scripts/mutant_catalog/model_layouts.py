@@ -89,7 +89,7 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/worker.py",
         "                why = block_layout_problem(with_hf_split(config, split), recipe.train)",
         "                why = block_layout_problem(config, recipe.train)",
-        ("tests/backends/test_nemo_rl_worker_glue.py",),
+        ("tests/backends/test_nemo_rl_worker_checks.py",),
         env="nemo_rl",
     ),
 ]

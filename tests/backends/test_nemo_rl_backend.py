@@ -176,7 +176,7 @@ def test_allow_off_policy_reaches_the_policy_workers_env():
     """The policy worker stops a built model whose training forward is not the rollout's unless
     the run was launched with jetrl.allow_off_policy, which only the translation can tell it
     (`jetrl check`'s gate lets such a run start; the worker then warns:
-    test_nemo_rl_worker_glue.py)."""
+    test_nemo_rl_worker_checks.py)."""
     env = nr.prepare(str(QWEN / "jetrl.yaml")).plan.master_config["policy"]["megatron_cfg"]
     assert pe.ALLOW_OFF_POLICY_ENV not in env["env_vars"]
     assert not pe.off_policy_allowed(env["env_vars"])

@@ -33,7 +33,8 @@ called with no scales, ships the bridge's exported weights followed by exactly t
 (scripts/mutants.py, "worker ..."): no lengths passed, lengths of other rows, ``by_lengths``
 off (``got == want``); the iterator override not installed, the calibration not kept for the
 refit (the shipped-scales assertion). If the real class does not import, the test errors; it
-never skips.
+never skips. The worker's checks of the built model use these fixtures too:
+test_nemo_rl_worker_checks.py.
 """
 
 from __future__ import annotations
@@ -212,73 +213,6 @@ def test_calibration_masks_padding_by_lengths_and_refit_ships_it(worker_cls, mod
             list(w._iter_params_with_optional_kv_scales(kv_scales=caller))
 
 
-def test_a_model_built_with_other_bf16_edge_layers_is_refused_by_the_worker(
-    worker_cls, model, tmp_path
-):
-    """Megatron-Bridge's Nemotron-H provider sets first_last_layers_bf16 itself (NeMo-RL's
-    fp8_cfg never resets it): the worker refuses the model NeMo-RL built, before any step."""
-    cls, _ = worker_cls
-    bridge = _bridge(tmp_path)
-    cfg = model.config
-    saved = {k: getattr(cfg, k) for k in ("fp8", "first_last_layers_bf16")}
-    try:
-        cfg.fp8, cfg.first_last_layers_bf16 = "e4m3", True  # as the provider leaves them
-        with _CudaOnCpu(), pytest.raises(RuntimeError, match=r"built with 1 first and 1 last"):
-            cls(_cfg(), model=model, bridge=bridge)
-        cfg.first_last_layers_bf16 = False  # the control: what the recipe trains
-        with _CudaOnCpu():
-            cls(_cfg(), model=model, bridge=bridge)
-    finally:
-        for k, v in saved.items():
-            setattr(cfg, k, v)
-
-
-def test_the_worker_judges_in_proj_with_the_hf_split_the_driver_read(
-    worker_cls, model, tmp_path, monkeypatch
-):
-    """A gated delta net's in_proj at TP 1: Qwen3.5's b and a rows share one of TE's blocks,
-    Qwen3-Next's do not, and the built TransformerConfig does not say which the checkpoint is.
-    The driver does (`NEMO_JETRL_HF_IN_PROJ_SPLIT`, test_nemo_rl_backend.py): told "1" the
-    worker refuses the model, told "0" it builds it, not told it builds it (unjudged,
-    tests/megatron/test_megatron_blocks_hybrid.py). The gated delta net's fields are set on the
-    real model's config (its layers are the GPT's: only the judgement reads them)."""
-    from nemo_jetrl.backends.nemo_rl.policy_env import HF_IN_PROJ_SPLIT_ENV
-
-    cls, _ = worker_cls
-    bridge = _bridge(tmp_path)
-    cfg = model.config
-    gdn = {
-        "experimental_attention_variant": "gated_delta_net",
-        "linear_attention_freq": [1] + [0] * (cfg.num_layers - 1),
-        "linear_num_key_heads": 2, "linear_key_head_dim": 128,
-        "linear_num_value_heads": 4, "linear_value_head_dim": 128,
-    }  # fmt: skip
-    saved = {k: getattr(cfg, k, None) for k in gdn}
-    try:
-        for k, v in gdn.items():
-            setattr(cfg, k, v)
-        monkeypatch.setenv(HF_IN_PROJ_SPLIT_ENV, "1")
-        with _CudaOnCpu(), pytest.raises(RuntimeError, match="training blocks are not") as ei:
-            cls(_cfg(), model=model, bridge=bridge)
-        msg = str(ei.value)
-        assert (
-            "self_attention.in_proj (linear_attn.in_proj_qkv/in_proj_z/in_proj_b/in_proj_a)" in msg
-        )
-        assert "in_proj_b rows 0-3 + in_proj_a rows 0-3" in msg, msg
-        for told in ("0", None):  # Qwen3-Next's split fits at TP 1; unknown: not judged
-            if told is None:
-                monkeypatch.delenv(HF_IN_PROJ_SPLIT_ENV)
-            else:
-                monkeypatch.setenv(HF_IN_PROJ_SPLIT_ENV, told)
-            with _CudaOnCpu():
-                w = cls(_cfg(), model=model, bridge=bridge)
-            w._jetrl_kv.restore()
-            w._jetrl_bf16.restore()
-    finally:
-        for k, v in saved.items():
-            setattr(cfg, k, v)
-
-
 def test_the_worker_judges_bf16_words_over_every_rank(worker_cls, model, tmp_path, monkeypatch):
     """Under pipeline parallelism a stage may lack what a BF16 word names (Moonlight's dense
     layer 0 lives on stage 0 only): every other stage refused it at init. The worker hands
@@ -385,42 +319,4 @@ def test_the_reference_policy_logprobs_keep_the_kv_bf16(worker_cls, model, tmp_p
             raise RuntimeError("inside")
         assert kv.state.quantize
     kv.restore()
-    w._jetrl_bf16.restore()
-
-
-def test_the_worker_refuses_a_model_whose_training_blocks_are_not_the_rollouts(worker_cls):
-    """Megatron's fused linear_qkv at head_dim 64 (the shims' default): TE's 128-row blocks hold
-    a group's K and V rows, the rollout quantizes k_proj and v_proj apart. NeMo-RL's real worker
-    class, built with our subclass, stops before any step, naming the linear and the fix
-    (megatron/blocks.py; `jetrl check` says it before launch: tests/flow/test_megatron_layout.py)."""
-    from megatron_shims import build_gpt, megatron_cpu
-
-    cls, _ = worker_cls
-    with megatron_cpu(), _CudaOnCpu():
-        model = build_gpt().eval()
-        with pytest.raises(RuntimeError, match="training blocks are not the rollout's") as ei:
-            cls(_cfg(), model=model, bridge=None)
-    assert "self_attention.linear_qkv" in str(ei.value) and "head_dim=64" in str(ei.value)
-    assert "jetrl.allow_off_policy=true" in str(ei.value)  # how to run it knowingly
-
-
-def test_a_run_that_allows_off_policy_builds_the_model_with_a_warning(
-    worker_cls, monkeypatch, capfd
-):
-    """The same model, launched with jetrl.allow_off_policy (the translation sets the worker's
-    env: test_nemo_rl_backend.py): `jetrl check`'s gate let the run start, so the worker does
-    not stop it; it says why the run is off-policy, and its KV hooks are attached."""
-    from megatron_shims import build_gpt, megatron_cpu
-
-    from nemo_jetrl.backends.nemo_rl.policy_env import ALLOW_OFF_POLICY_ENV
-
-    cls, _ = worker_cls
-    monkeypatch.setenv(ALLOW_OFF_POLICY_ENV, "1")
-    with megatron_cpu(), _CudaOnCpu():
-        w = cls(_cfg(), model=build_gpt().eval(), bridge=None)
-    err = capfd.readouterr().err
-    assert "warning: running OFF-POLICY (jetrl.allow_off_policy)" in err
-    assert "self_attention.linear_qkv" in err
-    assert w._jetrl_kv.layers  # the build went on past the check
-    w._jetrl_kv.restore()
     w._jetrl_bf16.restore()
