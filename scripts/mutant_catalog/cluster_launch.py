@@ -336,7 +336,7 @@ MUTANTS = [
         '    if _get(config, "jetrl.allow_off_policy", False) is True:',
         "    if False:",
         (
-            "tests/backends/test_nemo_rl_backend.py::"
+            "tests/backends/test_nemo_rl_policy_env.py::"
             "test_allow_off_policy_reaches_the_policy_workers_env",
         ),
     ),

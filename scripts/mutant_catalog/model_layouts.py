@@ -82,7 +82,7 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/launch.py",
         "    split = None if hybrid is None else hybrid.split_proj",
         "    split = None",
-        ("tests/backends/test_nemo_rl_backend.py",),
+        ("tests/backends/test_nemo_rl_policy_env.py",),
     ),
     Mutant(
         "the policy worker judges its built model without the HF split it was told",

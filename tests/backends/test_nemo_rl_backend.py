@@ -1,27 +1,24 @@
-"""The NeMo-RL backend on CPU: validation, off-policy refusal, translation, worker plumbing,
-metrics wrapper. The end-to-end run is the `nemo_rl` + `gpu` test at the bottom (Docker image)."""
+"""The NeMo-RL backend on CPU: validation, off-policy refusal, translation, launch refusals. The
+end-to-end run is the `nemo_rl` + `gpu` test (Docker image). What the policy workers' env
+carries: test_nemo_rl_policy_env.py; the metrics wrapper: test_nemo_rl_metrics_wrapper.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import pickle
 import sys
 import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from nemo_jetrl.backends.nemo_rl import launch as nr
-from nemo_jetrl.backends.nemo_rl import metrics as nm
 from nemo_jetrl.backends.nemo_rl import policy_env as pe
 from nemo_jetrl.backends.nemo_rl import translate as nt
 from nemo_jetrl.backends.nemo_rl.engine_check import ENTRY_POINTS
 from nemo_jetrl.errors import UserError
 from nemo_jetrl.recipe import Recipe
-from nemo_jetrl.rl.metrics import mismatch_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
@@ -172,76 +169,6 @@ def test_policy_worker_registration_is_reverted():
         pass
 
 
-def test_allow_off_policy_reaches_the_policy_workers_env():
-    """The policy worker stops a built model whose training forward is not the rollout's unless
-    the run was launched with jetrl.allow_off_policy, which only the translation can tell it
-    (`jetrl check`'s gate lets such a run start; the worker then warns:
-    test_nemo_rl_worker_checks.py)."""
-    env = nr.prepare(str(QWEN / "jetrl.yaml")).plan.master_config["policy"]["megatron_cfg"]
-    assert pe.ALLOW_OFF_POLICY_ENV not in env["env_vars"]
-    assert not pe.off_policy_allowed(env["env_vars"])
-    p = nr.prepare(str(QWEN / "jetrl.yaml"), ["jetrl.allow_off_policy=true"])
-    env = p.plan.master_config["policy"]["megatron_cfg"]["env_vars"]
-    assert env[pe.ALLOW_OFF_POLICY_ENV] == "1" and pe.off_policy_allowed(env)
-    assert dict(p.plan.workers.policy_env)[pe.ALLOW_OFF_POLICY_ENV] == "1"
-
-
-def test_the_gated_delta_net_split_reaches_the_policy_workers_env(tmp_path):
-    """Megatron's TransformerConfig does not say whether in_proj holds Qwen3.5's or Qwen3-Next's
-    HF weights, and where the two differ the worker's block check needs it (tests/megatron/
-    test_megatron_blocks_hybrid.py): only the driver, which read the HF config, can tell it."""
-    kept = [  # in_proj BF16 on both sides: Qwen3.5 on-policy, so the launch goes on
-        f"+{k}=[visual,linear_attn.in_proj]"
-        for k in (
-            "jetrl.train_bf16_layer_kws",
-            "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
-        )
-    ]
-    qwen35 = ["policy.model_name=Qwen/Qwen3.5-9B-Base", *kept]
-    env = nr.prepare(str(QWEN / "jetrl.yaml"), qwen35).plan.workers.policy_env
-    assert env[pe.HF_IN_PROJ_SPLIT_ENV] == "1" and pe.hf_in_proj_split(env) is True
-    next_cfg = tmp_path / "config.json"  # a small Qwen3-Next: in_proj fits at TP 1
-    next_cfg.write_text(json.dumps({
-        "model_type": "qwen3_next", "hidden_size": 1024, "intermediate_size": 2048,
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "head_dim": 128, "vocab_size": 1024, "linear_num_key_heads": 4,
-        "linear_num_value_heads": 8, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "num_experts": 8,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 256,
-        "shared_expert_intermediate_size": 256, "decoder_sparse_step": 1,
-    }))  # fmt: skip
-    tp1 = [f"+jetrl.model_config={next_cfg}", "policy.megatron_cfg.tensor_model_parallel_size=1"]
-    env = nr.prepare(str(QWEN / "jetrl.yaml"), tp1).plan.workers.policy_env
-    assert env[pe.HF_IN_PROJ_SPLIT_ENV] == "0" and pe.hf_in_proj_split(env) is False
-    env = nr.prepare(str(QWEN / "jetrl.yaml")).plan.workers.policy_env  # Qwen3-8B: no in_proj
-    assert pe.HF_IN_PROJ_SPLIT_ENV not in env and pe.hf_in_proj_split(env) is None
-    with pytest.raises(RuntimeError, match="NEMO_JETRL_HF_IN_PROJ_SPLIT='yes' in this worker"):
-        pe.hf_in_proj_split({pe.HF_IN_PROJ_SPLIT_ENV: "yes"})
-
-
-def test_worker_env_check():
-    recipe = Recipe.preset("jetrl")
-    env = {nt.RECIPE_ENV: nt.recipe_to_json(recipe), "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
-    assert pe.check_policy_env(env) == recipe
-    with pytest.raises(RuntimeError, match="needs '0'"):
-        pe.check_policy_env({**env, "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"})
-    with pytest.raises(RuntimeError, match="NEMO_JETRL_RECIPE is not set"):
-        pe.check_policy_env({})
-
-
-def test_worker_class_needs_nemo_rl(monkeypatch):
-    from nemo_jetrl.backends.nemo_rl import worker as nemo_rl_worker
-    from nemo_jetrl.errors import MissingDependencyError
-
-    monkeypatch.setitem(sys.modules, "nemo_rl", None)
-    nemo_rl_worker.make_worker_class.cache_clear()
-    with pytest.raises(MissingDependencyError, match="Docker image"):
-        nemo_rl_worker.JetrlMegatronPolicyWorker  # noqa: B018
-    nemo_rl_worker.make_worker_class.cache_clear()
-    with pytest.raises(AttributeError):
-        nemo_rl_worker.NoSuchThing  # noqa: B018
-
-
 def test_vllm_preflight_refuses_unsupported_version():
     def fake_run(version):
         out = json.dumps({"vllm": version, "plugins": dict(ENTRY_POINTS)})
@@ -326,74 +253,6 @@ def test_example_launcher_refuses_off_policy(capsys):
     assert "OFF-POLICY" in capsys.readouterr().err
 
 
-def _batch(seed, b=3, t=9):
-    g = torch.Generator().manual_seed(seed)
-    gen = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
-    prev = gen + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.2
-    mask = (torch.rand(b, t, generator=g) > 0.3).float()
-    mask[:, 0] = 1.0
-    return {
-        "generation_logprobs": gen,
-        "prev_logprobs": prev,
-        "token_mask": mask,
-        "sample_mask": torch.tensor([1.0, 1.0, 0.0][:b]),
-    }
-
-
-class _FakePG:
-    """Stands in for NeMo-RL's ClippedPGLossFn (its attributes and call signature)."""
-
-    input_type = "LOGPROB"
-    loss_type = "TOKEN_LEVEL"
-
-    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
-        return next_token_logprobs.sum() * 0 + 1.5, {"loss": 1.5, "token_mult_prob_error": 1.0}
-
-
-def test_loss_wrapper_sums_to_step_token_means():
-    parts = [_batch(1), _batch(2)]
-    ratio_bounds = (0.5, 1.5)
-    whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-    vm = (whole["token_mask"][:, 1:] * whole["sample_mask"][:, None]).sum()
-    wrapped = pickle.loads(pickle.dumps(nm.MismatchMetricsLoss(_FakePG(), ratio_bounds)))
-    assert wrapped.input_type == "LOGPROB" and wrapped.loss_type == "TOKEN_LEVEL"
-    summed: dict[str, float] = {}
-    for p in parts:
-        loss, m = wrapped(
-            next_token_logprobs=torch.zeros(3, 8),
-            data=p,
-            global_valid_seqs=torch.tensor(4.0),
-            global_valid_toks=vm,
-        )
-        assert loss.item() == 1.5 and m["loss"] == 1.5
-        for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
-            summed[k] = summed.get(k, 0.0) + m[k]
-    ref = mismatch_metrics(
-        whole["generation_logprobs"][:, 1:],
-        whole["prev_logprobs"][:, 1:],
-        whole["token_mask"][:, 1:],
-        whole["sample_mask"],
-        ratio_bounds=ratio_bounds,
-    )
-    logged = nm.usable_token_means(summed)  # what the logger proxy hands NeMo-RL's logger
-    for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
-        assert logged[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
-    assert logged["jetrl/mismatch/num_valid_tokens"] == float(vm)
-
-
-def test_logger_proxy_moves_our_tags_out_of_train_prefix():
-    calls = []
-    inner = types.SimpleNamespace(
-        log_metrics=lambda m, step, prefix="", *a, **k: calls.append((dict(m), step, prefix)),
-        log_dir="/x",
-    )
-    proxy = nm.JetrlLoggerProxy(inner)
-    proxy.log_metrics({"loss": 1.0, "jetrl/mismatch/k1_kl": 0.1}, 3, prefix="train")
-    assert calls == [({"loss": 1.0}, 3, "train"), ({"jetrl/mismatch/k1_kl": 0.1}, 3, "")]
-    assert proxy.log_dir == "/x"
-
-
-# The GPU end-to-end run's settings (one GPU): the NeMo-RL tier drives grpo.setup with them too.
 E2E_OVERRIDES = (
     "policy.model_name=Qwen/Qwen3-0.6B",
     "grpo.max_num_steps=2",

@@ -2,11 +2,15 @@
 reference (`nemo_jetrl.rl.metrics.mismatch_metrics`, float64) on the same tokens: with
 ``loss_fn.force_on_policy_ratio`` (NeMo-RL zeroes ``prev_logprobs``), with a token whose
 log-ratio is unusable, and with the ratio bounds every backend shares. The last test runs
-NeMo-RL's real ClippedPGLossFn inside the wrapper (marker ``nemo_rl``)."""
+NeMo-RL's real ClippedPGLossFn inside the wrapper (marker ``nemo_rl``). Also: the wrapper's
+micro-batch sums give the step's token means, and the logger proxy moves our tags out of
+NeMo-RL's ``train/`` prefix."""
 
 from __future__ import annotations
 
 import math
+import pickle
+import types
 
 import pytest
 import torch
@@ -165,3 +169,73 @@ def test_nemo_rls_own_loss_with_force_on_policy_ratio():
         parts.append((BatchedDataDict(data), curr))
     got = step(nm.MismatchMetricsLoss(ClippedPGLossFn(cfg)), parts)
     close(got, offline(parts, None))
+
+
+def _batch(seed, b=3, t=9):
+    g = torch.Generator().manual_seed(seed)
+    gen = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    prev = gen + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.2
+    mask = (torch.rand(b, t, generator=g) > 0.3).float()
+    mask[:, 0] = 1.0
+    return {
+        "generation_logprobs": gen,
+        "prev_logprobs": prev,
+        "token_mask": mask,
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0][:b]),
+    }
+
+
+class _FakePG:
+    """Stands in for NeMo-RL's ClippedPGLossFn (its attributes and call signature)."""
+
+    input_type = "LOGPROB"
+    loss_type = "TOKEN_LEVEL"
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
+        return next_token_logprobs.sum() * 0 + 1.5, {"loss": 1.5, "token_mult_prob_error": 1.0}
+
+
+def test_loss_wrapper_sums_to_step_token_means():
+    parts = [_batch(1), _batch(2)]
+    ratio_bounds = (0.5, 1.5)
+    whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    vm = (whole["token_mask"][:, 1:] * whole["sample_mask"][:, None]).sum()
+    wrapped = pickle.loads(pickle.dumps(nm.MismatchMetricsLoss(_FakePG(), ratio_bounds)))
+    assert wrapped.input_type == "LOGPROB" and wrapped.loss_type == "TOKEN_LEVEL"
+    summed: dict[str, float] = {}
+    for p in parts:
+        loss, m = wrapped(
+            next_token_logprobs=torch.zeros(3, 8),
+            data=p,
+            global_valid_seqs=torch.tensor(4.0),
+            global_valid_toks=vm,
+        )
+        assert loss.item() == 1.5 and m["loss"] == 1.5
+        for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
+            summed[k] = summed.get(k, 0.0) + m[k]
+    ref = mismatch_metrics(
+        whole["generation_logprobs"][:, 1:],
+        whole["prev_logprobs"][:, 1:],
+        whole["token_mask"][:, 1:],
+        whole["sample_mask"],
+        ratio_bounds=ratio_bounds,
+    )
+    logged = nm.usable_token_means(summed)  # what the logger proxy hands NeMo-RL's logger
+    for k in nm.ADDITIVE_MEANS + nm.TOKEN_COUNTS:
+        assert logged[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-12), k
+    assert logged["jetrl/mismatch/num_valid_tokens"] == float(vm)
+
+
+def test_logger_proxy_moves_our_tags_out_of_train_prefix():
+    calls = []
+    inner = types.SimpleNamespace(
+        log_metrics=lambda m, step, prefix="", *a, **k: calls.append((dict(m), step, prefix)),
+        log_dir="/x",
+    )
+    proxy = nm.JetrlLoggerProxy(inner)
+    proxy.log_metrics({"loss": 1.0, "jetrl/mismatch/k1_kl": 0.1}, 3, prefix="train")
+    assert calls == [({"loss": 1.0}, 3, "train"), ({"jetrl/mismatch/k1_kl": 0.1}, 3, "")]
+    assert proxy.log_dir == "/x"
+
+
+# The GPU end-to-end run's settings (one GPU): the NeMo-RL tier drives grpo.setup with them too.

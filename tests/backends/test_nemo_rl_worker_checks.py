@@ -43,7 +43,7 @@ def test_the_worker_judges_in_proj_with_the_hf_split_the_driver_read(
 ):
     """A gated delta net's in_proj at TP 1: Qwen3.5's b and a rows share one of TE's blocks,
     Qwen3-Next's do not, and the built TransformerConfig does not say which the checkpoint is.
-    The driver does (`NEMO_JETRL_HF_IN_PROJ_SPLIT`, test_nemo_rl_backend.py): told "1" the
+    The driver does (`NEMO_JETRL_HF_IN_PROJ_SPLIT`, test_nemo_rl_policy_env.py): told "1" the
     worker refuses the model, told "0" it builds it, not told it builds it (unjudged,
     tests/megatron/test_megatron_blocks_hybrid.py). The gated delta net's fields are set on the
     real model's config (its layers are the GPT's: only the judgement reads them)."""
@@ -104,7 +104,7 @@ def test_a_run_that_allows_off_policy_builds_the_model_with_a_warning(
     worker_cls, monkeypatch, capfd
 ):
     """The same model, launched with jetrl.allow_off_policy (the translation sets the worker's
-    env: test_nemo_rl_backend.py): `jetrl check`'s gate let the run start, so the worker does
+    env: test_nemo_rl_policy_env.py): `jetrl check`'s gate let the run start, so the worker does
     not stop it; it says why the run is off-policy, and its KV hooks are attached."""
     from megatron_shims import build_gpt, megatron_cpu
 
