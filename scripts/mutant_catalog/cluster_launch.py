@@ -230,7 +230,7 @@ MUTANTS = [
         "if ((py_rc == 2)); then",
         "if ((py_rc == 99)); then",
         (
-            "tests/backends/test_slurm_launch.py::"
+            "tests/backends/test_slurm_submission.py::"
             "test_what_jetrl_train_would_refuse_at_the_jobs_start_is_never_submitted",
         ),
     ),
@@ -240,7 +240,7 @@ MUTANTS = [
         "    common = [p for p in first if all(p in o for o in others)]",
         "    common = []",
         (
-            "tests/backends/test_slurm_launch.py::"
+            "tests/backends/test_slurm_submission.py::"
             "test_submission_refuses_what_both_trees_refuse_and_notes_the_rest",
         ),
     ),
@@ -264,7 +264,7 @@ MUTANTS = [
         "        if _job_machine_only(exc):\n            raise",
         "        if False:\n            raise",
         (
-            "tests/backends/test_slurm_launch.py::"
+            "tests/backends/test_slurm_submission.py::"
             "test_submission_refuses_what_both_trees_refuse_and_notes_the_rest",
         ),
     ),
@@ -281,7 +281,7 @@ MUTANTS = [
         "  gym_nodes=$cfg_gym\n",
         "  gym_nodes=0\n",
         (
-            "tests/backends/test_slurm_launch.py::"
+            "tests/backends/test_slurm_submission.py::"
             "test_nemo_gym_gpu_nodes_are_asked_of_slurm_on_top_of_the_runs",
         ),
     ),
@@ -291,7 +291,7 @@ MUTANTS = [
         '  if ! [[ "${!v}" =~ ^[1-9][0-9]*$ ]]; then',
         "  if false; then",
         (
-            "tests/backends/test_slurm_launch.py::"
+            "tests/backends/test_slurm_submission.py::"
             "test_a_node_or_gpu_count_that_is_not_a_whole_number_is_refused_naming_it",
         ),
     ),
@@ -315,7 +315,7 @@ MUTANTS = [
         '  if [[ "$raysub_gpus" =~ ^[0-9]+$ ]] && ((raysub_gpus != GPUS_PER_NODE)); then',
         "  if false; then",
         (
-            "tests/backends/test_slurm_launch.py::"
+            "tests/backends/test_slurm_submission.py::"
             "test_gpus_per_node_other_than_the_partitions_is_refused_before_the_queue",
         ),
     ),
