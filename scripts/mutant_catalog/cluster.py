@@ -17,7 +17,10 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/driver.py",
         'environ["PYTHONPATH"] = venvs.with_pythonpath(here, overlay)["PYTHONPATH"]',
         "pass",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(  # Python's max semantics: a rank's NaN amax replaced by the other ranks' value
         "KV calibration merge across ranks drops a NaN",

@@ -13,14 +13,20 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/driver.py",
         "    if rebuild or unbuilt or lacking:",
         "    if rebuild or unbuilt:",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(
         "the vLLM preflight of a venv without nemo_jetrl runs without the overlay",
         "nemo_jetrl/backends/nemo_rl/launch.py",
         "    env = None if overlay is None else {**os.environ, **with_pythonpath({}, overlay)}",
         "    env = None",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(  # found by review: Nemotron-H's provider keeps the edge layers BF16 in training
         "the worker lets a model built with other BF16 edge layers train",
@@ -77,14 +83,20 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/launch.py",
         '    if fp8_kv and found.get("device") != "cpu":',
         "    if False:",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(
         "the launch preflight is not told the recipe's KV cache is FP8",
         "nemo_jetrl/backends/nemo_rl/launch.py",
         "        preflight_vllm_patch, pinned=nemo_rl_pinned_vllm(nemo_rl_dir), fp8_kv=plan.recipe.kv_fp8",
         "        preflight_vllm_patch, pinned=nemo_rl_pinned_vllm(nemo_rl_dir), fp8_kv=False",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(  # the nemo-rl line said on-policy above a launch refusal
         "jetrl check's nemo-rl line hides that the launch refuses the config",
@@ -194,7 +206,10 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/driver.py",
         '        except Exception as exc:\n            print(\n                f"jetrl: vLLM generation',
         '        except ZeroDivisionError as exc:\n            print(\n                f"jetrl: vLLM generation',
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(  # review: NeMo-RL's colocated trainer sizes its refit buffers from free GPU memory
         "the refit's rollback copy ignores where the launch asked for it",
@@ -249,14 +264,20 @@ MUTANTS = [
         "nemo_jetrl/backends/nemo_rl/venvs.py",
         '    return VLLM_ASYNC_WORKER if vllm_cfg.get("async_engine") else VLLM_WORKER',
         "    return VLLM_WORKER",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(  # review: bare metal builds the venv under our class's name, never the stock one
         "the venv NeMo-RL built for our worker class is not reused",
         "nemo_jetrl/backends/nemo_rl/venvs.py",
         "    if ours.is_file() and not (base / our_fqn).is_symlink() and not rebuild:",
         "    if False:",
-        ("tests/backends/test_nemo_rl_launch_prep.py",),
+        (
+            "tests/backends/test_nemo_rl_launch_prep.py",
+            "tests/backends/test_nemo_rl_launch_venvs.py",
+        ),
     ),
     Mutant(  # review: a defaults file inside the image was refused on the login node
         "a config only the job's machine can read is refused at submission",
