@@ -8,6 +8,7 @@ from mutation_check import Mutant
 
 LOCAL = "nemo_jetrl/backends/local/"
 T_RUN_DIRS = "tests/runs/test_faults_run_dirs.py::"
+T_RESUME = "tests/runs/test_faults_resume.py::"
 MUTANTS = [
     Mutant(  # review: NeMo-RL's GPU monitor logs ray/* against seconds since the launch
         "compare reads ray/* GPU-monitor seconds as a resumed directory's first step",
@@ -21,7 +22,7 @@ MUTANTS = [
         LOCAL + "loop.py",
         "                run_id, purge = _restart_of(rs, lock.run_id, write)",
         "                pass",
-        (T_RUN_DIRS + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",),
+        (T_RESUME + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",),
     ),
     Mutant(  # the killed run's train data of purged steps were recomputed by readers
         "a resumed run leaves the killed run's train data of the purged steps in place",
@@ -29,7 +30,7 @@ MUTANTS = [
         "    stale = [p for step, p in train_data_files(run_dir).items() if step >= first]",
         "    stale = []",
         (
-            T_RUN_DIRS + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",
+            T_RESUME + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",
             T_RUN_DIRS + "test_kill_during_save_then_resume_matches_uninterrupted_run",
         ),
     ),
@@ -47,7 +48,7 @@ MUTANTS = [
         "            pass",
         (
             "tests/backends/test_local_resume_rules.py",
-            T_RUN_DIRS + "test_resume_takes_the_configs_learning_rate_and_refuses_another_recipe",
+            T_RESUME + "test_resume_takes_the_configs_learning_rate_and_refuses_another_recipe",
         ),
     ),
     Mutant(  # review: validation measured the policy of one update earlier
@@ -92,14 +93,14 @@ MUTANTS = [
         LOCAL + "loop.py",
         "    if len(ids) == 1 and (why := _not_restartable(rs)):",
         "    if False and (why := _not_restartable(rs)):",
-        (T_RUN_DIRS + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",),
+        (T_RESUME + "test_resume_without_a_checkpoint_restarts_the_run_it_finds",),
     ),
     Mutant(  # diff review: a refused validation refit was counted twice across a resume
         "validation's refused refit is counted when it is made",
         LOCAL + "step.py",
         "self.do_refit(hooks or Hooks(), count=False)",
         "self.do_refit(hooks or Hooks(), count=True)",
-        (T_RUN_DIRS + "test_a_refused_validation_refit_counts_once_across_a_resume",),
+        (T_RESUME + "test_a_refused_validation_refit_counts_once_across_a_resume",),
     ),
     Mutant(  # diff review: torch.cuda.set_device refuses a device without an index
         "plain 'cuda' is handed to set_device",

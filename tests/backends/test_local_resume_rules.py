@@ -1,7 +1,7 @@
 """What a local ``--resume`` takes from the checkpoint and what from the config: the recipe must
 be the one that wrote it (compared field by field: two non-preset recipes are both named
 "custom"), the optimizer's settings are the config's (a resubmission that lowers the learning
-rate gets it). Runs end to end: tests/runs/test_faults_run_dirs.py."""
+rate gets it). Runs end to end: tests/runs/test_faults_resume.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 weights (undone, nothing non-finite saved), a log or checkpoint dir under a regular file,
 ``compare -o`` / ``align -o`` onto a file or an unwritable path, mixed runs in one directory,
 secrets in config.yaml. Sizes are the shared tiny configs (tests/local_configs.py). One run per
-directory, ``kill -9`` during a save, torn checkpoints: tests/runs/test_faults_run_dirs.py.
+directory, ``kill -9`` during a save: tests/runs/test_faults_run_dirs.py; torn checkpoints and
+other resumes: test_faults_resume.py.
 """
 
 from __future__ import annotations
