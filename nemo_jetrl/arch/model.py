@@ -30,6 +30,7 @@ from nemo_jetrl.arch.keys import Keys
 from nemo_jetrl.arch.linear import VISION_WORD, ArchError, Linear
 from nemo_jetrl.arch.mla import MlaSpec, read_mla
 from nemo_jetrl.arch.moe import MoeSpec, read_moe
+from nemo_jetrl.arch.state_space import refuse_state_space
 from nemo_jetrl.errors import cwd_hint
 
 # model_type families (transformers' names; "_text" variants are Qwen3.5's decoder configs).
@@ -145,8 +146,10 @@ class ModelArch:
     def from_hf_config(config: Mapping[str, Any], name: str | None = None) -> ModelArch:
         """From the keys of a HuggingFace config.json: dense decoders (Llama, Qwen2/3), MoE
         (Qwen2/3-MoE, Mixtral, DeepSeek-V3/Moonlight), hybrid (Qwen3-Next, Qwen3.5 with its
-        vision tower). Every problem is reported together, naming its key."""
+        vision tower). Every problem is reported together, naming its key. A model with
+        state-space layers (Nemotron-H) raises `StateSpaceArch`."""
         label = str(name or config.get("_name_or_path") or config.get("model_type", "model"))
+        refuse_state_space(config, label)  # one mixer per layer: no transformer reading fits
         text, prefix, vision, vk = config, "model", None, None
         if isinstance(config.get("text_config"), Mapping):
             # Multimodal layout (Qwen3.5): decoder under text_config, tower under vision_config.
@@ -250,7 +253,8 @@ class ModelArch:
         try:
             return ModelArch.from_hf_config(data, name=data.get("_name_or_path") or str(p))
         except (ArchError, TypeError, ValueError) as exc:
-            raise ArchError(f"model config {p}: {exc}", key) from None
+            kind = type(exc) if isinstance(exc, ArchError) else ArchError  # StateSpaceArch stays
+            raise kind(f"model config {p}: {exc}", key) from None
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF config keys (enough for transformers' Auto*.from_config with model_type): the

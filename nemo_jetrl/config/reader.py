@@ -181,8 +181,10 @@ def _safe_count(v: Any) -> int:
 
 
 def _arch(r: _Reader) -> tuple[Any, bool]:
-    """(ModelArch or None, ok); a bad jetrl.model_config is recorded as an error."""
-    from nemo_jetrl.arch import ArchError, ModelArch, resolve_arch
+    """(ModelArch or None, ok); a bad jetrl.model_config is recorded as an error. A model with
+    state-space layers (`arch.state_space`) is None: the check notes its generic stand-in for
+    BF16 (`flow.pipeline`), and `flow.support` refuses it with FP8."""
+    from nemo_jetrl.arch import ArchError, ModelArch, StateSpaceArch, resolve_arch
 
     model, path = r.get(S.MODEL_NAME, None), r.get("jetrl.model_config", None)
     key = "jetrl.model_config"
@@ -193,6 +195,11 @@ def _arch(r: _Reader) -> tuple[Any, bool]:
         if path:
             return ModelArch.from_json(path, key=key), True
         return resolve_arch(model if isinstance(model, str) else None, None), True
+    except StateSpaceArch as exc:
+        if key != "jetrl.model_config":  # the local backend builds its model from arch
+            r.error(key, str(exc))
+            return None, False
+        return None, True
     except ArchError as exc:
         r.error(exc.key or key, str(exc))
         return None, False

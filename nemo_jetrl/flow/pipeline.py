@@ -28,7 +28,7 @@ from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
 from nemo_jetrl.flow.fixes import fix_text
 from nemo_jetrl.flow.limits import VerdictLimit, verdict_limits
-from nemo_jetrl.flow.support import unsupported_issues
+from nemo_jetrl.flow.support import state_space_model, unsupported_issues
 from nemo_jetrl.recipe import Recipe
 
 
@@ -126,6 +126,12 @@ def check_config(
             f"model {settings.model.name!r} has no built-in description: checked with {n} generic aligned "
             f"layers (for exact layers and shapes pass its config.json: {given})"
         )
+        ssm = state_space_model(settings)
+        if ssm is not None:  # BF16 on both sides here: FP8 was refused above
+            note = (
+                f"model with state-space layers ({ssm[1]}), which nemo_jetrl does not describe: "
+                f"checked with {n} generic aligned layers (BF16 on both sides: nothing to align)"
+            )
     check = check_on_policy(arch, recipe)
     backends = backend_verdicts(settings, check, arch)
     return Checked(

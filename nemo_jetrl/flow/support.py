@@ -23,14 +23,20 @@ Which vLLM releases run the experts kernel (0.20, 0.25.1, 0.32) is a per-backend
 (`flow.backend`). Per-name BF16 lists (``quantization_ignored_layer_kws``) are part of the recipe
 (`nemo_jetrl.config.layer_lists`); a word naming something outside the flow is refused there.
 Only configs with FP8 on some side are refused (a BF16 MoE run has nothing to align).
+
+A model with state-space (Mamba) layers (`nemo_jetrl.arch.state_space`: Nemotron-H, Nemotron
+Nano v2, Nemotron 3) is refused with FP8 whatever else it has (its MoE layers too): its
+config.json says so, or its name when no config.json is given.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
+from nemo_jetrl.arch.state_space import MAMBA_LAYERS, name_is_state_space, state_space_evidence
 from nemo_jetrl.config import ConfigIssue, Settings
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.recipe import Recipe
@@ -59,21 +65,48 @@ def moe_evidence(settings: Settings, arch: Any = None) -> list[str]:
     for key, v in settings.moe.megatron_experts:  # Megatron's expert keys: > 1 means experts
         if isinstance(v, int) and not isinstance(v, bool) and v > 1:
             found.append(f"{key}={v}")
-    path = settings.model.config
-    if isinstance(path, str):
-        try:
-            with open(path) as f:
-                hf = json.load(f)
-        except (OSError, ValueError):
-            hf = {}  # an unreadable file is reported by the architecture reader
-        for k in _HF_EXPERT_KEYS:
-            if isinstance(hf.get(k), int) and hf[k] > 1:
-                found.append(f"jetrl.model_config {k}={hf[k]}")
+    key, hf = _model_json(settings)  # a model directory is read by `arch` itself
+    for k in _HF_EXPERT_KEYS if key == "jetrl.model_config" else ():
+        if isinstance(hf.get(k), int) and hf[k] > 1:
+            found.append(f"{key} {k}={hf[k]}")
     name = settings.model.name
     # A known description settles it; the name is only a hint for models arch cannot describe.
     if arch is None and isinstance(name, str) and _MOE_NAME.search(name):
         found.append(f"{S.MODEL_NAME}={name!r} (a mixture-of-experts family)")
     return found
+
+
+def _model_json(settings: Settings) -> tuple[str, dict]:
+    """(key, config.json) of ``jetrl.model_config``, else of a local model directory named by
+    ``policy.model_name`` ({} when there is none or it cannot be read: an unreadable file is
+    reported by the architecture reader)."""
+    key, path = "jetrl.model_config", settings.model.config
+    if not isinstance(path, str):
+        key, name = S.MODEL_NAME, settings.model.name
+        path = str(Path(name) / "config.json") if isinstance(name, str) and name else None
+        if path is None or not Path(path).is_file():
+            return key, {}
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return key, {}
+    return key, hf if isinstance(hf, dict) else {}
+
+
+def state_space_model(settings: Settings, arch: Any = None) -> tuple[str, str] | None:
+    """(key, "key=value" evidence) when the config's model has state-space layers (None: it
+    has none, or a description says what it has)."""
+    if arch is not None:
+        return None
+    key, hf = _model_json(settings)
+    found = state_space_evidence(hf)
+    if found is not None:
+        return key, f"{key} {found}"
+    name = settings.model.name
+    if name_is_state_space(name):
+        return S.MODEL_NAME, f"{S.MODEL_NAME}={name!r} (a Mamba hybrid family)"
+    return None
 
 
 _VLLM_TP, _VLLM_EP = S.VLLM_TP, S.VLLM_EP
@@ -133,6 +166,18 @@ def unsupported_issues(settings: Settings, recipe: Recipe, arch: Any = None) -> 
     model's description, when known."""
     if not (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):
         return []
+    ssm = state_space_model(settings, arch)
+    if ssm is not None:  # no layer of it is described: its MoE layers add nothing to say
+        return [
+            ConfigIssue(
+                ssm[0],
+                f"model with state-space layers ({ssm[1]}) with FP8: nemo_jetrl does not "
+                f"describe its {MAMBA_LAYERS}, so no verdict on it can be proven (on NeMo-RL, "
+                "Megatron-Bridge's Nemotron-H provider also keeps its first and last layer BF16 "
+                f"in training). Run it in BF16 ({S.VLLM_PRECISION}=bfloat16, {S.FP8_ENABLED}=false, "
+                f"{S.VLLM_KV_DTYPE}=auto)",
+            )
+        ]
     evidence = moe_evidence(settings, arch)
     if not evidence:
         return []

@@ -161,8 +161,7 @@ def built_bf16_edges_problem(config: Any, train: SideRecipe) -> str | None:
         "e.g. Nemotron-H's), where the recipe trains "
         f"{train.bf16_first_layers} and {train.bf16_last_layers}: those layers' training forward "
         "would not be the rollout's. NeMo-RL's fp8_cfg has no key to change it: train this "
-        "model in BF16 (policy.megatron_cfg.fp8_cfg.enabled=false, with a BF16 rollout) or use "
-        "the local backend"
+        "model in BF16 (policy.megatron_cfg.fp8_cfg.enabled=false, with a BF16 rollout)"
     )
 
 

@@ -26,6 +26,8 @@ ENV_PLACEHOLDERS = {"HF_HOME": "/tmp/hf_home", "PERSISTENT_CACHE": "/tmp/persist
 MOE_NAME = re.compile(r"\d+(\.\d+)?b-a\d+(\.\d+)?b|deepseek-v3|minimax|gpt-oss|mixtral", re.I)
 # Hybrid linear/full-attention models with a vision tower.
 HYBRID_NAME = re.compile(r"qwen3\.5", re.I)
+# Nemotron-H models (Mamba layers): Nemotron 3 (Nano, Super, Omni) and 3.5, Nemotron Nano v2.
+STATE_SPACE_NAME = re.compile(r"nemotron-3|nemotron-nano-\d+b-v2", re.I)
 
 
 def set_env_placeholders(monkeypatch) -> None:
@@ -94,6 +96,9 @@ class Expected:
     lag_key: str | None = None
     """The single-controller sampler's window key (``async_rl.sampler.*``), None for the legacy
     ``grpo.async_grpo`` lag."""
+
+    state_space: bool = False
+    """A model with Mamba layers (Nemotron-H) with FP8 on some side: refused as such by name."""
 
     @property
     def fp8(self) -> bool:
@@ -165,4 +170,5 @@ def classify(cfg: dict) -> Expected:
         fp8 and bool(HYBRID_NAME.search(name)),
         quant,
         lag_key,
+        fp8 and bool(STATE_SPACE_NAME.search(name)),
     )

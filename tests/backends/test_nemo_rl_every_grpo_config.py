@@ -6,7 +6,8 @@ classification computed independently from NeMo-RL's own resolved config
 (tests/backends/nemo_rl_grpo_configs.py). No config gets ON-POLICY unless it is BF16 on both
 sides with no policy lag; FP8, MXFP8 and ModelOpt configs never do; async GRPO has its lag named
 (main's single-controller configs by their ``async_rl.sampler`` window).
-FP8 mixture-of-experts and hybrid (Qwen3.5) configs are refused by name today: asserted, counted.
+FP8 mixture-of-experts and hybrid (Qwen3.5) configs are refused by name today, FP8 Nemotron-H
+(Mamba layers) configs as state-space models: asserted, counted.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def _verdict(text: str) -> str:
 def _expect(exp, code: int, out: str, err: str) -> str:
     """Assert the check output against the classification; returns the outcome's label."""
     verdict = _verdict(out)
+    if exp.state_space:  # Nemotron-H: no layer of it is described, whatever its MoE layers
+        assert code == 2 and "\n  - policy.model_name: model with state-space layers" in err, err
+        return "state-space refused"
     if exp.moe or exp.hybrid:
         kind = "moe" if exp.moe else "hybrid"
         if code == 2:  # refused by name: the error names a YAML key, no traceback
