@@ -46,6 +46,17 @@ _QK_NORM = (
 _OUTPUT_GATE = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 _MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 _QWEN2_BIAS = ("qwen2", "qwen2_moe")  # q/k/v biased by default, o_proj never
+# The model types whose transformers model `from_hf_config` reproduces weight for weight
+# (tests/arch/test_arch_hf.py builds each one and compares every parameter). Any other type is
+# read as a Llama-style decoder, which may not be its layout: with transformers 5.24, phi3 fuses
+# qkv_proj and gate_up_proj, starcoder2's MLP is c_fc/c_proj, arcee's and apertus' up/down only.
+COMPARED_TYPES = frozenset(
+    {
+        *("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"),
+        *("granite", "qwen2_moe", "qwen3_moe", "mixtral", "minimax_m2", "deepseek_v2"),
+        *("deepseek_v3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -277,6 +288,20 @@ class ModelArch:
         }
 
     # -- linears -------------------------------------------------------------------------------
+
+    def layout_not_compared(self) -> str | None:
+        """Why this model's layers may not be the ones read (a config.json of a model type
+        outside `COMPARED_TYPES`); None for a compared type or a description built field by
+        field."""
+        if self.hf_config is None or self.model_type in COMPARED_TYPES:
+            return None
+        return (
+            f"model_type {self.model_type!r} has not been compared with transformers' model: its "
+            "layers are read as a Llama-style decoder's (self_attn.{q,k,v,o}_proj, "
+            "mlp.{gate,up,down}_proj, or the MoE keys' experts), which may not be its own (phi3 "
+            "fuses qkv_proj and gate_up_proj, starcoder2's MLP is c_fc/c_proj): the verdict's "
+            "per-layer rows and per-name lists hold only if they are"
+        )
 
     @property
     def family(self) -> str:

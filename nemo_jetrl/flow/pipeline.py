@@ -23,6 +23,7 @@ from nemo_jetrl.config import (
     Settings,
     load_valid_config,
 )
+from nemo_jetrl.config import schema as S
 from nemo_jetrl.config.overrides import key_presence, setting_override
 from nemo_jetrl.flow.backend import BackendVerdict, backend_verdicts
 from nemo_jetrl.flow.check import FlowCheck, check_on_policy, generic_layers_for
@@ -132,6 +133,11 @@ def check_config(
                 f"model with state-space layers ({ssm[1]}), which nemo_jetrl does not describe: "
                 f"checked with {n} generic aligned layers (BF16 on both sides: nothing to align)"
             )
+    issues = valid.issues
+    unread = arch.layout_not_compared()
+    if unread and (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):
+        key = "jetrl.model_config" if settings.model.config else S.MODEL_NAME
+        issues = (*issues, ConfigIssue(key, unread, (), "warning"))
     check = check_on_policy(arch, recipe)
     backends = backend_verdicts(settings, check, arch)
     return Checked(
@@ -139,7 +145,7 @@ def check_config(
         recipe,
         arch,
         note,
-        valid.issues,
+        issues,
         check,
         settings,
         backends,

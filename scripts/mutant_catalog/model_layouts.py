@@ -127,4 +127,18 @@ MUTANTS = [
         "        if True:",
         ("tests/arch/test_arch_state_space.py",),
     ),
+    Mutant(  # session 47: phi3/starcoder2 config.json files were read as Llama, silently
+        "an FP8 check of a model type never compared with transformers says nothing",
+        "nemo_jetrl/flow/pipeline.py",
+        "    if unread and (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):",
+        "    if False:",
+        ("tests/arch/test_arch_compared_types.py",),
+    ),
+    Mutant(  # session 47: the list of compared types is itself compared
+        "a model type whose layers read wrong is listed as compared",
+        "nemo_jetrl/arch/model.py",
+        '        *("granite", "qwen2_moe",',
+        '        *("granite", "phi3", "qwen2_moe",',
+        ("tests/arch/test_arch_compared_types.py",),
+    ),
 ]
