@@ -47,9 +47,10 @@ _OUTPUT_GATE = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5
 _MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 _QWEN2_BIAS = ("qwen2", "qwen2_moe")  # q/k/v biased by default, o_proj never
 # The model types whose transformers model `from_hf_config` reproduces weight for weight
-# (tests/arch/test_arch_hf.py builds each one and compares every parameter). Any other type is
-# read as a Llama-style decoder, which may not be its layout: with transformers 5.24, phi3 fuses
-# qkv_proj and gate_up_proj, starcoder2's MLP is c_fc/c_proj, arcee's and apertus' up/down only.
+# (tests/arch/test_arch_compared_types.py builds each one and compares every parameter). Any
+# other type is read as a Llama-style decoder, which may not be its layout: with transformers
+# 5.24, phi3 fuses qkv_proj and gate_up_proj, starcoder2's MLP is c_fc/c_proj, arcee's and
+# apertus' MLP is up/down only.
 COMPARED_TYPES = frozenset(
     {
         *("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"),
