@@ -114,3 +114,19 @@ def test_a_model_or_family_without_a_stand_in_is_named_before_any_work(tmp_path,
     assert main(["rehearse", *moe, "jetrl.allow_off_policy=true"]) == 2
     assert "mixture of experts" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_bf16_model_with_mamba_layers_is_named_not_sent_for_a_config_json(tmp_path, capsys):
+    """A BF16 Nemotron config passes the check on the stand-in; its rehearsal has no stand-in and
+    must not ask for the config.json that arch refuses to read (session 47)."""
+    from pathlib import Path
+
+    from nemo_jetrl.cli import main
+
+    repo = Path(__file__).resolve().parents[2]
+    bf16 = repo / "examples" / "configs" / "qwen3_8b_base" / "bf16.yaml"
+    nano = "policy.model_name=nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+    assert main(["rehearse", str(bf16), nano, "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "(a Mamba hybrid family) has state-space (Mamba) layers" in err, err
+    assert "jetrl.model_config=PATH" not in err and not (tmp_path / "w").exists()

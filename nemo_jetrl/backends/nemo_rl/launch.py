@@ -96,6 +96,8 @@ class Prepared:
     arch: Any = None
     """The model's `ModelArch` as the config check read it (built-in or ``jetrl.model_config``);
     None when it had none and checked generic layers."""
+    state_space: str | None = None
+    """With no ``arch``: the evidence that the model has Mamba layers (`flow.support`), if so."""
 
 
 def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
@@ -104,6 +106,7 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
 
     from nemo_jetrl.config import ConfigError
     from nemo_jetrl.flow.pipeline import check_config, off_policy_refusal, run_notes
+    from nemo_jetrl.flow.support import state_space_model
 
     source = str(cfg) if not isinstance(cfg, DictConfig) else "<config>"
     try:
@@ -134,7 +137,10 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
     except TranslationError as exc:
         raise _user_error(str(exc)) from None
     described = None if checked.arch_note else arch  # a note: generic layers stood in
-    return Prepared(plan=plan, source=source, warnings=tuple(notes), arch=described)
+    ssm = state_space_model(checked.settings) if described is None else None
+    return Prepared(
+        plan, source, warnings=tuple(notes), arch=described, state_space=ssm[1] if ssm else None
+    )
 
 
 def _translate(checked: Any, tree: TreeFacts | None) -> NemoRlPlan:

@@ -267,3 +267,20 @@ def family_refusal(
         f"stand-in: `jetrl align {config} {swap} -o OUT.yaml` then `jetrl rehearse OUT.yaml`"
         f"{why_swap}"
     )
+
+
+def undescribed(name: Any, state_space: str | None) -> str:
+    """Why ``jetrl rehearse`` has no stand-in for a model nemo_jetrl does not describe
+    (``state_space``: the evidence of Mamba layers, `launch.Prepared.state_space`)."""
+    if state_space:  # a config.json would not help: `arch` refuses to read it
+        return (
+            f"{state_space} has state-space (Mamba) layers, which nemo_jetrl does not describe, "
+            'so the rehearsal cannot build a stand-in of its family (docs/configs.md, "Models '
+            'with state-space layers"). Nothing was started. Rehearse a config of the same '
+            "recipe with a dense or Qwen3-MoE model"
+        )
+    return (
+        f"policy.model_name={name!r} is not a model nemo_jetrl knows, so the rehearsal cannot "
+        "build a stand-in of its family: pass ++jetrl.model_config=PATH to the model's HF "
+        "config.json"
+    )

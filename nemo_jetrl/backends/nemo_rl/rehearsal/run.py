@@ -241,13 +241,10 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
     plan = prepared.plan
     name = (plan.master_config.get("policy") or {}).get("model_name")
     arch = prepared.arch
+    from nemo_jetrl.backends.nemo_rl.rehearsal.families import family_refusal, undescribed
+
     if arch is None:
-        raise _user_error(
-            f"policy.model_name={name!r} is not a model nemo_jetrl knows, so the rehearsal "
-            "cannot build a stand-in of its family: pass ++jetrl.model_config=PATH to the model's "
-            "HF config.json"
-        )
-    from nemo_jetrl.backends.nemo_rl.rehearsal.families import family_refusal
+        raise _user_error(undescribed(name, prepared.state_space))
     from nemo_jetrl.backends.nemo_rl.rehearsal.hybrid import text_config
 
     generation = (plan.master_config.get("policy") or {}).get("generation") or {}
