@@ -186,5 +186,6 @@ def read_moe(keys: Keys, model_type: str, num_layers: int) -> MoeSpec | None:
         dense = set(keys.int_list("mlp_only_layers", num_layers))
         step = keys.int("decoder_sparse_step", 1)
         layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        shared = keys.int("shared_expert_intermediate_size", 0, minimum=0)
+        if model_type != "qwen3_moe":  # transformers' Qwen3-MoE builds none, whatever the key
+            shared = keys.int("shared_expert_intermediate_size", 0, minimum=0)
     return MoeSpec(num, top_k, size, layers, shared, shared_module, routing)

@@ -148,4 +148,11 @@ MUTANTS = [
         "    if False:",
         ("tests/backends/test_rehearsal_unit.py",),
     ),
+    Mutant(  # session 47: a qwen3_moe config.json with the key got shared experts it has not
+        "Qwen3-MoE reads a shared expert transformers does not build",
+        "nemo_jetrl/arch/moe.py",
+        '        if model_type != "qwen3_moe":  # transformers\' Qwen3-MoE builds none, whatever the key',
+        "        if True:",
+        ("tests/arch/test_arch_compared_types.py",),
+    ),
 ]

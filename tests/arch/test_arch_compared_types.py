@@ -120,6 +120,14 @@ def test_types_outside_the_list_are_read_wrong_and_flagged(model_type, missed, i
     assert not [i for i in bf16.issues if "has not been compared" in i.message]  # nothing to align
 
 
+def test_qwen3_moe_has_no_shared_expert_whatever_its_config_json_says():
+    # transformers' Qwen3-MoE ignores shared_expert_intermediate_size; Qwen2-MoE builds one
+    arch = assert_matches_real(_tiny_qwen3_moe(shared_expert_intermediate_size=128))
+    assert arch.moe.shared_size == 0
+    qwen2 = assert_matches_real(_tiny("qwen2_moe"))
+    assert qwen2.moe.shared_size == 128
+
+
 def test_builtins_and_described_models_carry_no_warning():
     c = check_config(str(E2E))
     assert c.arch.model_type == "llama" and not [i for i in c.issues if "compared" in i.message]
