@@ -123,10 +123,17 @@ def resolve_arch(model_name: str | None, model_config: str | None = None) -> Mod
     arch = builtin_arch(PLACEHOLDER_MODELS.get(model_name, model_name))
     if arch is not None:
         return arch
-    p = Path(str(model_name))
-    if (p / "config.json").is_file():
-        return ModelArch.from_json(p)
-    return None
+    path = model_dir_config(model_name)
+    return ModelArch.from_json(path.parent) if path is not None else None
+
+
+def model_dir_config(model_name: object) -> Path | None:
+    """The config.json of a local checkpoint directory named by ``model_name`` (NeMo-RL's
+    policy.model_name may be a path), or None when it names none."""
+    if not isinstance(model_name, str) or not model_name:
+        return None
+    path = Path(model_name, "config.json")
+    return path if path.is_file() else None
 
 
 def generic_arch(num_layers: int) -> ModelArch:

@@ -80,13 +80,12 @@ def state_space_evidence(config: Mapping[str, Any]) -> str | None:
         for key in STATE_SPACE_KEYS:
             if part.get(key) is not None:
                 value = part[key]
-                shown = (
-                    f"{value[:24]!r}..."
-                    if isinstance(value, str) and len(value) > 24
-                    else repr(value)
-                )
                 if isinstance(value, list):
                     shown = f"[{len(value)} layer types]"
+                elif isinstance(value, str) and len(value) > 24:
+                    shown = f"{value[:24]!r}..."
+                else:
+                    shown = repr(value)
                 return f"{key}={shown}"
     return None
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -199,13 +198,12 @@ def _check_arch(r: _Reader, recipe: Recipe) -> None:
         return
     if arch is None:
         from nemo_jetrl.arch import generic_arch
+        from nemo_jetrl.arch.builtins import model_dir_config
         from nemo_jetrl.arch.state_space import name_is_state_space
 
         check_layer_lists(r, recipe, generic_arch(256))  # Llama-shaped names, up to 256 layers
         name = r.get(S.MODEL_NAME, None)
-        read = r.get("jetrl.model_config", None) or (
-            isinstance(name, str) and name and Path(name, "config.json").is_file()
-        )
+        read = r.get("jetrl.model_config", None) or model_dir_config(name)
         if read or name_is_state_space(name):  # a config.json read, or a name: state-space
             return  # noted by the check's stand-in (`flow.pipeline`) or refused (`flow.support`)
         r.note(

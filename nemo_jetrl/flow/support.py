@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
+from nemo_jetrl.arch.builtins import model_dir_config
 from nemo_jetrl.arch.state_space import MAMBA_LAYERS, name_is_state_space, state_space_evidence
 from nemo_jetrl.config import ConfigIssue, Settings
 from nemo_jetrl.config import schema as S
@@ -82,10 +82,10 @@ def _model_json(settings: Settings) -> tuple[str, dict]:
     reported by the architecture reader)."""
     key, path = "jetrl.model_config", settings.model.config
     if not isinstance(path, str):
-        key, name = S.MODEL_NAME, settings.model.name
-        path = str(Path(name) / "config.json") if isinstance(name, str) and name else None
-        if path is None or not Path(path).is_file():
+        key, found = S.MODEL_NAME, model_dir_config(settings.model.name)
+        if found is None:
             return key, {}
+        path = str(found)
     try:
         with open(path) as f:
             hf = json.load(f)
