@@ -3,7 +3,8 @@
 - `linear`: `Linear` (one linear, with its group) and `ArchError`;
 - `model`: `ModelArch`, read from a HuggingFace config.json;
 - `builtins`: descriptions of the models NeMo-RL's configs name, `resolve_arch`;
-- `state_space`: models with Mamba layers (Nemotron-H), recognised and refused (`StateSpaceArch`).
+- `mamba`: Nemotron-H, one mixer per layer (Mamba-2, attention, MLP or experts);
+- `state_space`: the other models with Mamba layers, recognised and refused (`StateSpaceArch`).
 """
 
 from nemo_jetrl.arch.builtins import BUILTIN_ARCHS, builtin_arch, generic_arch, resolve_arch

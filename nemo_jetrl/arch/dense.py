@@ -7,7 +7,8 @@ and hybrid families) have these shapes, weights [out_features, in_features]:
     k_proj, v_proj [kv_heads*head_dim, hidden]           o_proj [hidden, heads*head_dim]
     gate_proj, up_proj [intermediate, hidden]            down_proj [hidden, intermediate]
 
-Qwen3-Next / Qwen3.5 attention has an output gate: q_proj yields query and gate together, so
+Nemotron-H's MLP is up/down only (squared ReLU, no gate). Qwen3-Next / Qwen3.5 attention has an
+output gate: q_proj yields query and gate together, so
 its output is twice heads*head_dim.
 """
 
@@ -26,9 +27,11 @@ def attention_linears(
     qkv_bias: bool = False,
     o_bias: bool = False,
     output_gate: bool = False,
+    module: str = "self_attn",
 ) -> list[Linear]:
-    """q/k/v/o of full attention in layer ``layer`` (``q_width`` = heads * head_dim)."""
-    p = f"{prefix}.layers.{layer}.self_attn"
+    """q/k/v/o of full attention in layer ``layer`` (``q_width`` = heads * head_dim), under
+    ``module`` (Nemotron-H: "mixer")."""
+    p = f"{prefix}.layers.{layer}.{module}"
     q_out = 2 * q_width if output_gate else q_width
     return [
         Linear(f"{p}.q_proj", "q_proj", layer, hidden, q_out, qkv_bias),
@@ -39,11 +42,20 @@ def attention_linears(
 
 
 def mlp_linears(
-    module: str, layer: int, hidden: int, intermediate: int, group: str = "mlp"
+    module: str,
+    layer: int,
+    hidden: int,
+    intermediate: int,
+    group: str = "mlp",
+    *,
+    gated: bool = True,
+    bias: bool = False,
 ) -> list[Linear]:
-    """gate/up/down of a gated MLP at ``module`` (e.g. "model.layers.3.mlp")."""
+    """gate/up/down of a gated MLP at ``module`` (e.g. "model.layers.3.mlp"); up/down only
+    when not ``gated`` (Nemotron-H's squared-ReLU MLP)."""
+    gate = [Linear(f"{module}.gate_proj", "gate_proj", layer, hidden, intermediate, bias, group)]
     return [
-        Linear(f"{module}.gate_proj", "gate_proj", layer, hidden, intermediate, group=group),
-        Linear(f"{module}.up_proj", "up_proj", layer, hidden, intermediate, group=group),
-        Linear(f"{module}.down_proj", "down_proj", layer, intermediate, hidden, group=group),
+        *(gate if gated else []),
+        Linear(f"{module}.up_proj", "up_proj", layer, hidden, intermediate, bias, group),
+        Linear(f"{module}.down_proj", "down_proj", layer, intermediate, hidden, bias, group),
     ]

@@ -9,6 +9,8 @@ A linear belongs to one *group*, the row `jetrl check` gives a verdict for:
     router          the MoE router `mlp.gate`: BF16/FP32 on both sides, never FP8
     shared_experts  experts every token passes through (`shared_expert(s)`, `shared_expert_gate`)
     linear_attn     gated linear attention (Qwen3-Next / Qwen3.5 `linear_attn.*`)
+    mamba           Nemotron-H's Mamba-2 mixers (`mixer.in_proj`, `conv1d`, `out_proj`)
+    moe_latent      projections into and out of the experts' latent space (Nemotron 3 Super)
     vision          the vision tower (`visual`): BF16 in training; BF16 in the rollout when
                     its per-name list names "visual" (vLLM quantizes it otherwise)
     embed_tokens, lm_head   always BF16
@@ -35,8 +37,10 @@ GROUPS = (
     "embed_tokens",
     "attn",
     "linear_attn",
+    "mamba",
     "mlp",
     "router",
+    "moe_latent",
     "experts",
     "shared_experts",
     "vision",

@@ -7,6 +7,7 @@ weight blocks tile it exactly). `ModelArch.from_hf_config` turns the keys of a m
 
 - token mixer: full attention (`dense.attention_linears`; DeepSeek's latent attention,
   `mla`), or gated linear attention on the hybrid family's linear layers (`hybrid`);
+  Nemotron-H has one mixer per layer instead, Mamba-2, attention, MLP or experts (`mamba`);
 - MLP: dense (`dense.mlp_linears`) or, on an MoE model's MoE layers, router + experts +
   shared experts (`moe`);
 - outside the decoder: embeddings, ``lm_head`` (always BF16) and a vision tower (`hybrid`,
@@ -28,6 +29,7 @@ from nemo_jetrl.arch.dense import attention_linears, mlp_linears
 from nemo_jetrl.arch.hybrid import HybridSpec, VisionSpec, read_hybrid, read_vision
 from nemo_jetrl.arch.keys import Keys
 from nemo_jetrl.arch.linear import VISION_WORD, ArchError, Linear
+from nemo_jetrl.arch.mamba import MambaSpec, is_nemotron_h, nemotron_h_fields
 from nemo_jetrl.arch.mla import MlaSpec, read_mla
 from nemo_jetrl.arch.moe import MoeSpec, read_moe
 from nemo_jetrl.arch.state_space import refuse_state_space
@@ -115,6 +117,9 @@ class ModelArch:
     hybrid: HybridSpec | None = None
     """Linear-attention layers (`hybrid`), or None when every layer has full attention."""
 
+    mamba: MambaSpec | None = None
+    """Nemotron-H's per-layer mixers (`mamba`), or None for attention + MLP in every layer."""
+
     vision: VisionSpec | None = None
     """The vision tower of a multimodal checkpoint (BF16 on both sides), or None."""
 
@@ -158,10 +163,12 @@ class ModelArch:
     def from_hf_config(config: Mapping[str, Any], name: str | None = None) -> ModelArch:
         """From the keys of a HuggingFace config.json: dense decoders (Llama, Qwen2/3), MoE
         (Qwen2/3-MoE, Mixtral, DeepSeek-V3/Moonlight), hybrid (Qwen3-Next, Qwen3.5 with its
-        vision tower). Every problem is reported together, naming its key. A model with
-        state-space layers (Nemotron-H) raises `StateSpaceArch`."""
+        vision tower), Nemotron-H. Every problem is reported together, naming its key. Other
+        models with state-space layers (Jamba, Falcon-H1, ...) raise `StateSpaceArch`."""
         label = str(name or config.get("_name_or_path") or config.get("model_type", "model"))
-        refuse_state_space(config, label)  # one mixer per layer: no transformer reading fits
+        if is_nemotron_h(config):  # one mixer per layer, counted by its pattern
+            return ModelArch(name=label, hf_config=config, **nemotron_h_fields(Keys(config, label)))
+        refuse_state_space(config, label)  # no transformer reading fits their layers
         text, prefix, vision, vk = config, "model", None, None
         if isinstance(config.get("text_config"), Mapping):
             # Multimodal layout (Qwen3.5): decoder under text_config, tower under vision_config.
@@ -273,7 +280,7 @@ class ModelArch:
         config.json it was read from, else the dense keys of its fields."""
         if self.hf_config is not None:
             return dict(self.hf_config)
-        if self.moe or self.mla or self.hybrid or self.vision:
+        if self.moe or self.mla or self.hybrid or self.vision or self.mamba:
             raise ValueError(f"{self.name}: built field by field; no config.json to return")
         return {
             "model_type": self.model_type,
@@ -306,15 +313,20 @@ class ModelArch:
 
     @property
     def family(self) -> str:
-        """ "dense", "moe", "hybrid" or "hybrid-moe" (what `jetrl check` prints)."""
-        parts = [x for x, on in (("hybrid", self.hybrid), ("moe", self.moe)) if on]
+        """ "dense", "moe", "hybrid", "hybrid-moe", "mamba" or "mamba-moe" (what `jetrl check`
+        prints)."""
+        kinds = (("hybrid", self.hybrid), ("mamba", self.mamba), ("moe", self.moe))
+        parts = [x for x, on in kinds if on]
         return "-".join(parts) or "dense"
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.moe_layers
 
     def kv_layers(self) -> list[int]:
-        """Layers with a KV cache (full attention; linear attention keeps a recurrent state)."""
+        """Layers with a KV cache (full attention; linear attention and Mamba keep a recurrent
+        state, MLP layers nothing)."""
+        if self.mamba is not None:
+            return self.mamba.layers_of("*")
         h = self.hybrid
         return [i for i in range(self.num_layers) if h is None or not h.is_linear(i)]
 
@@ -323,6 +335,8 @@ class ModelArch:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range for {self.name} ({self.num_layers})")
         h, p = self.hidden_size, self.prefix
+        if self.mamba is not None:  # one mixer per layer
+            return self.mamba.layer_linears(self, layer)
         if self.hybrid is not None and self.hybrid.is_linear(layer):
             out = self.hybrid.linears(p, layer, h)
         elif self.mla is not None:

@@ -3,6 +3,7 @@
 An MoE layer's MLP (`mlp.`) holds, as transformers 5 stores them (weights [E, out, in]):
 
     experts.gate_up_proj [E, 2*I, hidden]   experts.down_proj [E, hidden, I]   (I: one expert)
+    experts.up_proj [E, I, hidden], no gate  (Nemotron-H: `mamba`, with optional latent projections)
     gate (the router) [E, hidden]           BF16/FP32 on both sides, never FP8
     shared_expert.{gate,up,down}_proj + shared_expert_gate [1, hidden]   (Qwen2-MoE, Qwen3-Next)
     shared_experts.{gate,up,down}_proj, width n_shared_experts * I       (DeepSeek-V3)
@@ -74,35 +75,61 @@ class MoeSpec:
     DeepSeek's grouped top-k with a scaling factor (V3: sigmoid scores and a correction bias),
     MiniMax-M2's sigmoid scores with a bias."""
 
+    gated: bool = True
+    """Experts are gate_up/down (SwiGLU); False: up/down only (Nemotron-H, squared ReLU), as
+    are its shared experts."""
+
+    latent_size: int = 0
+    """Tokens enter the experts projected to this width (`fc1_latent_proj`, and back with
+    `fc2_latent_proj`: Nemotron 3 Super); 0: the experts read the hidden state."""
+
+    bias: bool = False
+    """Shared experts and latent projections have biases (Nemotron-H's `mlp_bias`)."""
+
     def block_linears(self, module: str, layer: int, hidden: int) -> list[Linear]:
         """The MoE block at ``module`` (e.g. "model.layers.3.mlp"), in execution order."""
-        e, i = self.num_experts, self.expert_size
+        e, i, width = self.num_experts, self.expert_size, self.latent_size or hidden
+        up, up_out = ("gate_up_proj", 2 * i) if self.gated else ("up_proj", i)
         out = [
+            Linear(f"{module}.gate", "gate", layer, hidden, e, group="router", bf16_why=ROUTER_BF16)
+        ]
+        latent = [
             Linear(
-                f"{module}.gate", "gate", layer, hidden, e, group="router", bf16_why=ROUTER_BF16
-            ),
-            Linear(
-                f"{module}.experts.gate_up_proj",
-                "gate_up_proj",
+                f"{module}.{kind}_latent_proj",
+                f"{kind}_latent_proj",
                 layer,
-                hidden,
-                2 * i,
-                group="experts",
-                experts=e,
-            ),
+                k,
+                n,
+                self.bias,
+                LATENT,
+            )
+            for kind, k, n in (("fc1", hidden, width), ("fc2", width, hidden))
+        ]
+        out += latent[:1] if self.latent_size else []
+        out += [
+            Linear(f"{module}.experts.{up}", up, layer, width, up_out, group="experts", experts=e),
             Linear(
                 f"{module}.experts.down_proj",
                 "down_proj",
                 layer,
                 i,
-                hidden,
+                width,
                 group="experts",
                 experts=e,
             ),
         ]
+        out += latent[1:] if self.latent_size else []
         if self.shared_size:
             shared = f"{module}.{self.shared_module}"
-            out += mlp_linears(shared, layer, hidden, self.shared_size, group="shared_experts")
+            out += mlp_linears(
+                shared,
+                layer,
+                hidden,
+                self.shared_size,
+                group="shared_experts",
+                gated=self.gated,
+                bias=self.bias,
+            )
             if self.shared_module == "shared_expert":
                 out.append(
                     Linear(
@@ -118,6 +145,10 @@ class MoeSpec:
         return out
 
 
+LATENT = "moe_latent"
+"""The group of Nemotron 3 Super's dense projections into and out of the experts' latent space."""
+
+
 def per_expert_linears(fused: Linear, mixtral: bool = False) -> list[Linear]:
     """One fused expert tensor as the per-expert linears of a hub checkpoint / vLLM's loader:
     gate_up_proj -> experts.{e}.gate_proj and .up_proj; down_proj -> experts.{e}.down_proj
@@ -129,6 +160,8 @@ def per_expert_linears(fused: Linear, mixtral: bool = False) -> list[Linear]:
     if fused.kind == "gate_up_proj":
         n = fused.out_features // 2
         parts = [("gate_proj", fused.in_features, n), ("up_proj", fused.in_features, n)]
+    elif fused.kind == "up_proj":  # non-gated experts (Nemotron-H)
+        parts = [("up_proj", fused.in_features, fused.out_features)]
     else:
         parts = [("down_proj", fused.in_features, fused.out_features)]
     return [

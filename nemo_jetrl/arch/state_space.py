@@ -1,18 +1,19 @@
 """Models with state-space (Mamba) layers: recognised by name or config.json, never read as a
 transformer.
 
-Nemotron-H (``model_type`` ``nemotron_h``: Nemotron-H 4B/8B/47B/56B, Nemotron Nano 9B/12B v2,
-Nemotron 3 Nano/Super) stacks one mixer per layer, chosen by a pattern (``hybrid_override_pattern``
-"M-M-M*-...", or transformers 5's ``layers_block_type``): ``M`` a Mamba-2 mixer, ``*`` attention,
-``-`` a squared-ReLU MLP (up, down), ``E`` a mixture of experts. A Mamba-2 mixer's GEMMs are
-``in_proj`` (z, x, B, C and dt fused: ``2*d_inner + 2*n_groups*d_state + n_heads`` rows) and
-``out_proj``, around a depthwise ``conv1d`` and the scan. Read as a dense decoder (attention and a
-gated MLP in every layer), the flow would judge linears the model does not have, miss those it
-has, and give Mamba layers a KV cache. nemo_jetrl does not describe these layers yet, so:
+Nemotron-H (``model_type`` ``nemotron_h``: Nemotron-H 8B/47B/56B, Nemotron Nano 9B/12B v2,
+Nemotron 3 Nano/Super) stacks one mixer per layer, chosen by a pattern: Mamba-2, attention, a
+squared-ReLU MLP or experts. `arch.mamba` describes it, compared weight for weight with
+transformers' NemotronH. The other families (Jamba, Falcon-H1, Zamba, Bamba, Granite 4.0-H,
+plain Mamba) are not described: read as a dense decoder, the flow would judge linears the model
+does not have, miss those it has, and give Mamba layers a KV cache. So:
 
-- `ModelArch.from_hf_config` refuses such a config (`StateSpaceArch`), naming the evidence;
-- with FP8 on some side, `jetrl check` refuses the run by name, exit 2 (`flow.support`);
-- in BF16 on both sides the check runs on a generic stand-in and says why (nothing to align).
+- `ModelArch.from_hf_config` refuses their config.json (`StateSpaceArch`), naming the evidence;
+- with FP8 on some side, `jetrl check` refuses any state-space model by name, exit 2
+  (`flow.support`): nemo_jetrl has not matched vLLM's Mamba-2 mixer with Megatron's, described
+  or not;
+- in BF16 on both sides the check runs on Nemotron-H's own layers when its config.json is
+  read, else on a generic stand-in, and says why (nothing to align).
 
 One more fact for NeMo-RL: Megatron-Bridge's Nemotron-H providers set ``first_last_layers_bf16``
 (Megatron's default counts: one layer at each end), which NeMo-RL's ``fp8_cfg`` cannot reset, so
@@ -61,10 +62,11 @@ STATE_SPACE_NAME = re.compile(
     re.IGNORECASE,
 )
 MAMBA_LAYERS = "Mamba mixers (in_proj, conv1d, out_proj) in a per-layer pattern"
+MAMBA_MIXER = "Mamba-2 mixers (in_proj's tensor-parallel split, conv1d, the scan)"
 
 
 class StateSpaceArch(ArchError):
-    """A config.json of a model with state-space layers, which `ModelArch` does not describe."""
+    """A config.json of a state-space model `ModelArch` does not describe (not Nemotron-H)."""
 
 
 def state_space_evidence(config: Mapping[str, Any]) -> str | None:

@@ -181,9 +181,9 @@ def _safe_count(v: Any) -> int:
 
 
 def _arch(r: _Reader) -> tuple[Any, bool]:
-    """(ModelArch or None, ok); a bad jetrl.model_config is recorded as an error. A model with
-    state-space layers (`arch.state_space`) is None: the check notes its generic stand-in for
-    BF16 (`flow.pipeline`), and `flow.support` refuses it with FP8."""
+    """(ModelArch or None, ok); a bad jetrl.model_config is recorded as an error. A
+    state-space model other than Nemotron-H (`arch.state_space`) is None: the check notes its
+    generic stand-in for BF16 (`flow.pipeline`); `flow.support` refuses any with FP8."""
     from nemo_jetrl.arch import ArchError, ModelArch, StateSpaceArch, resolve_arch
 
     model, path = r.get(S.MODEL_NAME, None), r.get("jetrl.model_config", None)

@@ -36,7 +36,12 @@ import re
 from typing import Any
 
 from nemo_jetrl.arch.builtins import model_dir_config
-from nemo_jetrl.arch.state_space import MAMBA_LAYERS, name_is_state_space, state_space_evidence
+from nemo_jetrl.arch.state_space import (
+    MAMBA_LAYERS,
+    MAMBA_MIXER,
+    name_is_state_space,
+    state_space_evidence,
+)
 from nemo_jetrl.config import ConfigIssue, Settings
 from nemo_jetrl.config import schema as S
 from nemo_jetrl.recipe import Recipe
@@ -95,10 +100,18 @@ def _model_json(settings: Settings) -> tuple[str, dict]:
 
 
 def state_space_model(settings: Settings, arch: Any = None) -> tuple[str, str] | None:
-    """(key, "key=value" evidence) when the config's model has state-space layers (None: it
-    has none, or a description says what it has)."""
+    """(key, "key=value" evidence) when the config's model has state-space layers: Nemotron-H
+    described by ``arch`` (its layers counted), else evidence in its config.json or name (None:
+    it has none, or a description of another family says what it has)."""
     if arch is not None:
-        return None
+        mamba = getattr(arch, "mamba", None)
+        if mamba is None:
+            return None
+        key = "jetrl.model_config" if settings.model.config else S.MODEL_NAME
+        n = {c: mamba.pattern.count(c) for c in "M*-E"}
+        kinds = [(n["M"], "Mamba-2"), (n["*"], "attention"), (n["-"], "MLP"), (n["E"], "MoE")]
+        counted = ", ".join(f"{k} {what}" for k, what in kinds if k)
+        return key, f"{key} model_type={arch.model_type!r}: {arch.num_layers} layers, {counted}"
     key, hf = _model_json(settings)
     found = state_space_evidence(hf)
     if found is not None:
@@ -167,15 +180,20 @@ def unsupported_issues(settings: Settings, recipe: Recipe, arch: Any = None) -> 
     if not (recipe.train.fp8_linears or recipe.rollout.fp8_linears or recipe.kv_fp8):
         return []
     ssm = state_space_model(settings, arch)
-    if ssm is not None:  # no layer of it is described: its MoE layers add nothing to say
+    if ssm is not None:  # its MoE layers add nothing to say
+        gap = (
+            f"nemo_jetrl reads its layers but has not matched the rollout's and the trainer's "
+            f"{MAMBA_MIXER} (vLLM's MambaMixer2, Megatron's MambaMixer)"
+            if arch is not None
+            else f"nemo_jetrl does not describe its {MAMBA_LAYERS}"
+        )
         return [
             ConfigIssue(
                 ssm[0],
-                f"model with state-space layers ({ssm[1]}) with FP8: nemo_jetrl does not "
-                f"describe its {MAMBA_LAYERS}, so no verdict on it can be proven (on NeMo-RL, "
-                "Megatron-Bridge's Nemotron-H provider also keeps its first and last layer BF16 "
-                f"in training). Run it in BF16 ({S.VLLM_PRECISION}=bfloat16, {S.FP8_ENABLED}=false, "
-                f"{S.VLLM_KV_DTYPE}=auto)",
+                f"model with state-space layers ({ssm[1]}) with FP8: {gap}, so no verdict on it "
+                "can be proven (on NeMo-RL, Megatron-Bridge's Nemotron-H provider also keeps its "
+                "first and last layer BF16 in training). Run it in BF16 "
+                f"({S.VLLM_PRECISION}=bfloat16, {S.FP8_ENABLED}=false, {S.VLLM_KV_DTYPE}=auto)",
             )
         ]
     evidence = moe_evidence(settings, arch)

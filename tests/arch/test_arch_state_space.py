@@ -1,5 +1,6 @@
 """Models with state-space (Mamba) layers: never read as a transformer, refused with FP8 by name
-(exit 2, naming the key), checked on a stand-in in BF16 (arch/state_space.py, flow/support.py).
+(exit 2, naming the key), checked in BF16 on Nemotron-H's own layers (`arch.mamba`) or on a
+stand-in (arch/state_space.py, flow/support.py).
 
 Before this rule a Nemotron-H config.json was read as a dense decoder with attention and MoE in
 every layer (`model.layers.0.mlp.experts.down_proj`), and a Nemotron Nano v2 name got a generic
@@ -49,13 +50,20 @@ def nemotron_h_json(tmp_path_factory) -> Path:
     return path
 
 
-def test_a_nemotron_h_config_json_is_refused_not_read_as_a_transformer(nemotron_h_json):
+def test_a_nemotron_h_config_json_is_read_as_its_mixers_others_are_refused(nemotron_h_json):
     data = json.loads(nemotron_h_json.read_text())
     assert data["model_type"] == "nemotron_h" and len(data["layers_block_type"]) == 6
-    with pytest.raises(StateSpaceArch, match=r"model_type='nemotron_h'\) has state-space layers"):
-        ModelArch.from_hf_config(data)
+    arch = ModelArch.from_json(nemotron_h_json)  # one mixer per layer (tests/arch/...nemotron_h)
+    assert arch.mamba is not None and arch.mamba.pattern == "ME*-ME"
+    assert not [x for x in arch.linears() if ".mlp." in x.name or ".self_attn." in x.name]
+    jamba = {**data, "model_type": "jamba"}
+    with pytest.raises(StateSpaceArch, match=r"model_type='jamba'\) has state-space layers"):
+        ModelArch.from_hf_config(jamba)
+    path = nemotron_h_json.parent / "jamba" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(jamba))
     with pytest.raises(StateSpaceArch, match=r"model config .*config\.json: config of") as exc:
-        ModelArch.from_json(nemotron_h_json)
+        ModelArch.from_json(path)
     assert isinstance(exc.value, ArchError) and exc.value.key == "jetrl.model_config"
 
 
@@ -149,24 +157,35 @@ def test_fp8_on_a_state_space_name_is_refused_naming_the_model_key():
     assert "with FP8" in roll.message
 
 
+COUNTED = "model_type='nemotron_h': 6 layers, 2 Mamba-2, 1 attention, 1 MLP, 2 MoE) with FP8"
+
+
 def test_fp8_with_a_state_space_config_json_is_refused_naming_that_key(nemotron_h_json):
     (only,) = _refused(f"+jetrl.model_config={nemotron_h_json}")
     assert only.path == "jetrl.model_config"
-    assert "(jetrl.model_config model_type='nemotron_h') with FP8" in only.message
+    assert f"(jetrl.model_config {COUNTED}" in only.message
+    assert "has not matched the rollout's and the trainer's Mamba-2 mixers" in only.message
+    # the described layers' words are checked as any model's: self_attn names nothing here
+    words = "+jetrl.train_bf16_layer_kws=[self_attn.q_proj]"
+    with pytest.raises(ConfigError, match=r"names like model\.layers\.0\.mixer\.in_proj"):
+        check_config(str(E2E), [f"+jetrl.model_config={nemotron_h_json}", words])
 
 
-def test_bf16_on_a_state_space_model_is_checked_on_a_stand_in_and_says_so(nemotron_h_json):
-    for extra in (
-        [f"+jetrl.model_config={nemotron_h_json}"],
-        ["policy.model_name=nvidia/NVIDIA-Nemotron-Nano-12B-v2"],
-    ):
-        c = check_config(str(E2E), [*BF16, *extra])
-        assert c.on_policy and c.arch.name == "<generic aligned model>"
-        assert (
-            c.arch_note.startswith("model with state-space layers (")
-            and "nothing to align" in c.arch_note
-        )
-        assert not [i for i in c.issues if "no built-in description" in i.message], c.issues
+def test_bf16_on_a_state_space_model_is_checked_on_its_layers_or_a_stand_in(nemotron_h_json):
+    c = check_config(str(E2E), [*BF16, f"+jetrl.model_config={nemotron_h_json}"])
+    assert c.on_policy and c.arch.mamba is not None and c.arch_note is None
+    groups = {e.group for e in c.check.rollout.edges}
+    assert {"mamba", "attn", "mlp", "experts"} <= groups and "linear_attn" not in groups
+    assert sorted({e.layer for e in c.check.rollout.edges if e.group == "kv"}) == [2]
+    (local,) = [b for b in c.backends if b.backend == "local"]
+    assert not local.runs and "Mamba-2 layers" in local.reason  # no local verdict
+    c = check_config(str(E2E), [*BF16, "policy.model_name=nvidia/NVIDIA-Nemotron-Nano-12B-v2"])
+    assert c.on_policy and c.arch.name == "<generic aligned model>"
+    assert (
+        c.arch_note.startswith("model with state-space layers (")
+        and "nothing to align" in c.arch_note
+    )
+    assert not [i for i in c.issues if "no built-in description" in i.message], c.issues
 
 
 def test_jetrl_check_and_align_exit_2_writing_nothing(tmp_path, capsys, nemotron_h_json):
@@ -177,7 +196,8 @@ def test_jetrl_check_and_align_exit_2_writing_nothing(tmp_path, capsys, nemotron
         "invalid config" in err and "\n  - policy.model_name: model with state-space layers" in err
     )
     out = tmp_path / "aligned.yaml"
-    assert jetrl(["align", str(E2E), "-o", str(out), f"+jetrl.model_config={nemotron_h_json}"]) == 2
+    given = f"+jetrl.model_config={nemotron_h_json}"
+    assert jetrl(["align", str(E2E), "-o", str(out), given]) == 2
     err = capsys.readouterr().err
     assert "\n  - jetrl.model_config: model with state-space layers" in err and not out.exists()
     assert jetrl(["check", str(E2E), *BF16, name]) == 0
@@ -187,13 +207,27 @@ def test_jetrl_check_and_align_exit_2_writing_nothing(tmp_path, capsys, nemotron
 def test_the_local_backend_refuses_a_state_space_model_it_would_build(tmp_path, nemotron_h_json):
     # never a generic stand-in where the model is built: one error, naming the local key
     issues = refused_issues(tmp_path, f"jetrl.local.model_config={nemotron_h_json}")
-    assert "'nemotron_h'" in issues.get("jetrl.local.model_config", ""), issues
+    message = issues.get("jetrl.local.model_config", "")
+    assert "model_type 'nemotron_h'" in message and "not supported by the local" in message
+    jamba = tmp_path / "jamba.json"
+    jamba.write_text(json.dumps({**json.loads(nemotron_h_json.read_text()), "model_type": "jamba"}))
+    issues = refused_issues(tmp_path, f"jetrl.local.model_config={jamba}")
+    assert "'jamba'" in issues.get("jetrl.local.model_config", ""), issues
 
 
 def test_a_local_model_directory_with_state_space_layers_is_refused_with_fp8(nemotron_h_json):
     # policy.model_name may be a checkpoint directory: its config.json is the evidence
     (only,) = _refused(f"policy.model_name={nemotron_h_json.parent}")
     assert only.path == "policy.model_name"
-    assert "(policy.model_name model_type='nemotron_h') with FP8" in only.message
+    assert f"(policy.model_name {COUNTED}" in only.message
     c = check_config(str(E2E), [*BF16, f"policy.model_name={nemotron_h_json.parent}"])
+    assert c.on_policy and c.arch.mamba is not None and c.arch_note is None
+    # a family arch does not describe (Jamba): its directory's config.json is the evidence
+    jamba = nemotron_h_json.parent / "jamba-dir" / "config.json"
+    jamba.parent.mkdir(exist_ok=True)
+    jamba.write_text(json.dumps({**json.loads(nemotron_h_json.read_text()), "model_type": "jamba"}))
+    (only,) = _refused(f"policy.model_name={jamba.parent}")
+    assert "(policy.model_name model_type='jamba') with FP8" in only.message
+    assert "does not describe its Mamba mixers" in only.message
+    c = check_config(str(E2E), [*BF16, f"policy.model_name={jamba.parent}"])
     assert c.on_policy and "state-space layers (policy.model_name model_type=" in c.arch_note

@@ -128,5 +128,16 @@ def test_a_bf16_model_with_mamba_layers_is_named_not_sent_for_a_config_json(tmp_
     nano = "policy.model_name=nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
     assert main(["rehearse", str(bf16), nano, "--workdir", str(tmp_path / "w")]) == 2
     err = capsys.readouterr().err
-    assert "(a Mamba hybrid family) has state-space (Mamba) layers" in err, err
+    assert "(a Mamba hybrid family)) has state-space (Mamba) layers" in err, err
     assert "jetrl.model_config=PATH" not in err and not (tmp_path / "w").exists()
+    # its config.json is read (arch.mamba) and still has no stand-in: named by its layers
+    cfg = tmp_path / "config.json"
+    layers = {"hybrid_override_pattern": "M*-M", "mamba_num_heads": 8, "mamba_head_dim": 32}
+    mamba = {**layers, "n_groups": 2, "ssm_state_size": 16, "intermediate_size": 512}
+    dims = {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "vocab_size": 512}
+    cfg.write_text(json.dumps({"model_type": "nemotron_h", **dims, **mamba}))
+    given = f"+jetrl.model_config={cfg}"
+    assert main(["rehearse", str(bf16), given, "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "4 layers, 2 Mamba-2, 1 attention, 1 MLP) has state-space (Mamba) layers" in err, err
+    assert not (tmp_path / "w").exists()

@@ -17,6 +17,10 @@ LOCAL_MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 def local_moe_problem(arch: Any) -> str | None:
     """Why the local backend does not run ``arch`` (a `ModelArch`), or None (dense, or an MoE
     family it runs)."""
+    if getattr(arch, "mamba", None) is not None:
+        return (
+            f"{arch.name} has Mamba-2 layers (Nemotron-H); the local backend builds no Mamba mixer"
+        )
     moe = getattr(arch, "moe", None)
     if arch is None or moe is None:
         return None

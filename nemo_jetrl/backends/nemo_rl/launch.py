@@ -137,7 +137,7 @@ def prepare(cfg: Any, overrides: Sequence[str] = ()) -> Prepared:
     except TranslationError as exc:
         raise _user_error(str(exc)) from None
     described = None if checked.arch_note else arch  # a note: generic layers stood in
-    ssm = state_space_model(checked.settings) if described is None else None
+    ssm = state_space_model(checked.settings, described)  # Mamba layers: nothing to rehearse
     return Prepared(
         plan, source, warnings=tuple(notes), arch=described, state_space=ssm[1] if ssm else None
     )

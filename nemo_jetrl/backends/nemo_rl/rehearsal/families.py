@@ -272,12 +272,12 @@ def family_refusal(
 def undescribed(name: Any, state_space: str | None) -> str:
     """Why ``jetrl rehearse`` has no stand-in for a model nemo_jetrl does not describe
     (``state_space``: the evidence of Mamba layers, `launch.Prepared.state_space`)."""
-    if state_space:  # a config.json would not help: `arch` refuses to read it
+    if state_space:  # a config.json would not help: no stand-in serves Mamba layers here
         return (
-            f"{state_space} has state-space (Mamba) layers, which nemo_jetrl does not describe, "
-            'so the rehearsal cannot build a stand-in of its family (docs/configs.md, "Models '
-            'with state-space layers"). Nothing was started. Rehearse a config of the same '
-            "recipe with a dense or Qwen3-MoE model"
+            f"the model ({state_space}) has state-space (Mamba) layers, so the rehearsal cannot build a "
+            "stand-in of its family (vLLM's CPU build has no Mamba-2 scan; docs/configs.md, "
+            '"Models with state-space layers"). Nothing was started. Rehearse a config of the '
+            "same recipe with a dense or Qwen3-MoE model"
         )
     return (
         f"policy.model_name={name!r} is not a model nemo_jetrl knows, so the rehearsal cannot "

@@ -243,7 +243,7 @@ def rehearse(config: str, overrides: Sequence[str] = (), workdir: str | None = N
     arch = prepared.arch
     from nemo_jetrl.backends.nemo_rl.rehearsal.families import family_refusal, undescribed
 
-    if arch is None:
+    if arch is None or prepared.state_space:
         raise _user_error(undescribed(name, prepared.state_space))
     from nemo_jetrl.backends.nemo_rl.rehearsal.hybrid import text_config
 

@@ -1,0 +1,153 @@
+"""Nemotron-H (`arch.mamba`) against transformers 5's real NemotronH, weight for weight: every
+parameter of each tiny model is one of arch's linears with the same name and shape, or excluded
+by a stated rule (norms, the Mamba mixer's per-head vectors, the embedding lookup); the sizes
+of Nemotron 3 Nano are checked against the figures its model card states."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_arch_hf import _arch_params
+
+from nemo_jetrl.arch import ArchError, ModelArch
+from nemo_jetrl.arch.moe import per_expert_linears
+
+transformers = pytest.importorskip("transformers")
+
+# Not linears: norms (the mixer's gated norm, each layer's norm, norm_f), the Mamba mixer's
+# per-head vectors (dt_bias, A_log, D) and the token embedding (a lookup).
+EXCLUDED = re.compile(r"norm(_f)?\.weight$|\.(dt_bias|A_log|D)$|embeddings\.weight$")
+
+
+def _tiny(**kw) -> dict:
+    """Every mixer kind: Mamba, MLP, attention, experts (with shared experts)."""
+    return {
+        "model_type": "nemotron_h",
+        "hidden_size": 256,
+        "vocab_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "n_groups": 2,
+        "ssm_state_size": 16,
+        "intermediate_size": 384,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "moe_shared_expert_intermediate_size": 256,
+        "hybrid_override_pattern": "M-*EME",
+        **kw,
+    }
+
+
+def _real(cfg: dict) -> dict[str, tuple[int, ...]]:
+    kw = dict(cfg)
+    config = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
+    with torch.device("cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return {
+        n: tuple(p.shape)
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if not EXCLUDED.search(n)
+    }
+
+
+def _compare(cfg: dict) -> ModelArch:
+    arch = ModelArch.from_hf_config(cfg, name="t")
+    real, ours = _real(cfg), _arch_params(arch)
+    assert set(real) - set(ours) == set(), "real parameters arch does not list"
+    assert set(ours) - set(real) == set(), "arch linears the model does not have"
+    assert real == ours
+    return arch
+
+
+def test_every_mixer_kind_matches_the_real_model():
+    arch = _compare(_tiny())
+    assert arch.family == "mamba-moe"
+    assert arch.num_layers == 6 and arch.kv_layers() == [2]  # one attention layer
+    assert arch.moe is not None and arch.moe.moe_layers == {3, 5}
+    in_proj = arch.layer_linears(0)[0]
+    # z and x (8 heads x 32), B and C (2 groups x 16 states each), dt (8 heads)
+    assert (in_proj.name, in_proj.out_features) == ("model.layers.0.mixer.in_proj", 584)
+    assert [lin.kind for lin in arch.layer_linears(1)] == ["up_proj", "down_proj"]
+    assert {lin.group for lin in arch.layer_linears(4)} == {"mamba"}
+    assert arch.layer_linears(0)[1].bf16_why is not None  # conv1d: never FP8
+
+
+def test_layers_block_type_and_biases():
+    words = ["linear_attention", "full_attention", "mlp", "linear_attention"]
+    cfg = _tiny(use_bias=True, mlp_bias=True, use_conv_bias=False, layers_block_type=words)
+    del cfg["hybrid_override_pattern"]
+    arch = _compare(cfg)
+    assert arch.family == "mamba" and arch.moe is None
+    assert arch.mamba is not None and arch.mamba.pattern == "M*-M"
+
+
+def test_latent_experts_of_nemotron_3_super():
+    arch = _compare(_tiny(moe_latent_size=128))
+    kinds = [lin.kind for lin in arch.layer_linears(3)]
+    assert kinds[:4] == ["gate", "fc1_latent_proj", "up_proj", "down_proj"]
+    up = arch.layer_linears(3)[2]
+    assert (up.experts, up.out_features, up.in_features) == (4, 128, 128)  # reads the latent
+    assert [x.name for x in per_expert_linears(up)][:2] == [
+        "model.layers.3.mixer.experts.0.up_proj",
+        "model.layers.3.mixer.experts.1.up_proj",
+    ]
+
+
+def test_older_spellings_of_the_pattern_words():
+    cfg = _tiny(layers_block_type=["mamba", "attention", "mlp", "moe"])
+    del cfg["hybrid_override_pattern"]
+    assert ModelArch.from_hf_config(cfg).mamba.pattern == "M*-E"
+
+
+# Nemotron 3 Nano 30B-A3B's config.json (the hub's, the figures the model card states: 52
+# layers, 23 Mamba-2, 23 MoE, 6 attention; 128 routed experts, top-6, one shared expert).
+NANO3 = {
+    "model_type": "nemotron_h",
+    "hidden_size": 2688,
+    "vocab_size": 131072,
+    "num_hidden_layers": 52,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "intermediate_size": 1856,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+}
+
+
+def test_nemotron_3_nano_sizes():
+    arch = ModelArch.from_hf_config(NANO3)
+    counts = {c: arch.mamba.pattern.count(c) for c in "ME*"}
+    assert counts == {"M": 23, "E": 23, "*": 6}
+    in_proj = arch.layer_linears(0)[0]
+    # 2*4096 + 2*8*128 + 64 = 10304 rows: 80.5 blocks of 128, a partial last block
+    assert (in_proj.out_features, in_proj.in_features, in_proj.aligned) == (10304, 2688, False)
+    total = arch.num_params()
+    assert 31.0e9 < total < 32.5e9, total  # the card: 31.6B total
+
+
+def test_bad_patterns_name_the_key():
+    with pytest.raises(ArchError, match="hybrid_override_pattern='MX'"):
+        ModelArch.from_hf_config(_tiny(hybrid_override_pattern="MX"))
+    with pytest.raises(ArchError, match="no attention layer"):
+        ModelArch.from_hf_config(_tiny(hybrid_override_pattern="M-M"))
+    with pytest.raises(ArchError, match="num_hidden_layers=7 but the pattern has 6"):
+        ModelArch.from_hf_config(_tiny(num_hidden_layers=7))
+    with pytest.raises(ArchError, match="mamba_num_heads is missing"):
+        cfg = _tiny()
+        del cfg["mamba_num_heads"]
+        ModelArch.from_hf_config(cfg)
