@@ -1,4 +1,5 @@
-"""config.json numbers of the MoE, hybrid and large dense models NeMo-RL's GRPO configs name.
+"""config.json numbers of the MoE, hybrid, Nemotron-H and large dense models NeMo-RL's GRPO
+configs name.
 
 Each entry holds the keys `ModelArch.from_hf_config` reads, with the values of the model's
 public config.json on the HuggingFace hub (no network here: written from those files and
@@ -201,6 +202,36 @@ MINIMAX_M2 = {
     "tie_word_embeddings": False,
 }
 
+# nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B(-Base)-BF16: 52 layers by its hybrid_override_pattern
+# (23 Mamba-2, 23 MoE, 6 attention), 128 non-gated experts of 1856, top-6, one shared expert of
+# 3712 (its config.json, as quoted alike by several public repositories; transformers 5.24's
+# NemotronHConfig defaults follow another checkpoint and could not cross-check it; the 31.6B
+# total its model card states is what `ModelArch.num_params` gives).
+NEMOTRON3_NANO_30B_A3B = {
+    "model_type": "nemotron_h",
+    "hidden_size": 2688,
+    "num_hidden_layers": 52,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "intermediate_size": 1856,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712,
+    "vocab_size": 131072,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
+
 CATALOG: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
     "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B,
@@ -217,5 +248,7 @@ CATALOG: dict[str, dict[str, Any]] = {
     "MiniMaxAI/MiniMax-M2": MINIMAX_M2,
     "MiniMaxAI/MiniMax-M2.5": MINIMAX_M2,
     "MiniMaxAI/MiniMax-M2.7": MINIMAX_M2,
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": NEMOTRON3_NANO_30B_A3B,
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16": NEMOTRON3_NANO_30B_A3B,
 }
 """HF repo id -> config.json keys."""

@@ -62,7 +62,10 @@ STATE_SPACE_NAME = re.compile(
     re.IGNORECASE,
 )
 MAMBA_LAYERS = "Mamba mixers (in_proj, conv1d, out_proj) in a per-layer pattern"
-MAMBA_MIXER = "Mamba-2 mixers (in_proj's tensor-parallel split, conv1d, the scan)"
+MAMBA_MIXER = (
+    "Mamba-2 mixers (vLLM's MambaMixer2 and Megatron's MambaMixer: in_proj's tensor-parallel "
+    "split, the scan)"
+)
 
 
 class StateSpaceArch(ArchError):

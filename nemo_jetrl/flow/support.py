@@ -183,7 +183,7 @@ def unsupported_issues(settings: Settings, recipe: Recipe, arch: Any = None) -> 
     if ssm is not None:  # its MoE layers add nothing to say
         gap = (
             f"nemo_jetrl reads its layers but has not matched the rollout's and the trainer's "
-            f"{MAMBA_MIXER} (vLLM's MambaMixer2, Megatron's MambaMixer)"
+            f"{MAMBA_MIXER}"
             if arch is not None
             else f"nemo_jetrl does not describe its {MAMBA_LAYERS}"
         )

@@ -205,6 +205,13 @@ MUTANTS = [
         ("tests/arch/test_arch_state_space.py",),
     ),
     Mutant(
+        "FP8 on Nemotron 3 Nano is sent to align for its 1856-wide experts",
+        "nemo_jetrl/config/validate.py",
+        "    if arch.mamba is None:  # FP8 on Nemotron-H is refused whole",
+        "    if True:  # FP8 on Nemotron-H is refused whole",
+        ("tests/arch/test_arch_state_space.py",),
+    ),
+    Mutant(
         "a described Nemotron-H is rehearsed",
         "nemo_jetrl/backends/nemo_rl/rehearsal/run.py",
         "    if arch is None or prepared.state_space:",

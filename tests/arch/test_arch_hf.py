@@ -18,10 +18,11 @@ from nemo_jetrl.arch import BUILTIN_ARCHS, ModelArch
 
 transformers = pytest.importorskip("transformers")
 
-# Not linears, by rule: RMS/LayerNorm weights and biases, linear attention's per-head vectors,
-# token embeddings (arch lists lm_head; the embedding is a lookup, BF16 by construction).
+# Not linears, by rule: RMS/LayerNorm weights and biases, linear attention's and Mamba-2's
+# per-head vectors, token embeddings (arch lists lm_head; the embedding is a lookup, BF16 by construction).
 EXCLUDED = re.compile(
-    r"(norm\d?|layernorm|q_norm|k_norm)\.(weight|bias)$|\.dt_bias$|\.A_log$|embed_tokens\.weight$"
+    r"(norm\d?|norm_f|layernorm|q_norm|k_norm)\.(weight|bias)$|\.dt_bias$|\.A_log$|\.mixer\.D$|"
+    r"(embed_tokens|embeddings)\.weight$"
 )
 
 # Parameter counts of the public checkpoints (model cards).

@@ -151,3 +151,27 @@ def test_bad_patterns_name_the_key():
         cfg = _tiny()
         del cfg["mamba_num_heads"]
         ModelArch.from_hf_config(cfg)
+
+
+def test_nemo_rl_configs_name_nemotron_3_nano_and_get_its_layers():
+    from pathlib import Path
+
+    from nemo_jetrl.arch import builtin_arch
+    from nemo_jetrl.flow.pipeline import check_config
+
+    for name in (
+        "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+        "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16",
+    ):
+        arch = builtin_arch(name)
+        assert arch is not None and arch.linears() == ModelArch.from_hf_config(NANO3).linears()
+    e2e = Path(__file__).resolve().parents[2] / "examples" / "configs" / "nemo_rl_fp8_e2e.yaml"
+    bf16 = [
+        "policy.generation.vllm_cfg.precision=bfloat16",
+        "policy.megatron_cfg.fp8_cfg.enabled=false",
+        f"policy.model_name={name}",
+    ]
+    c = check_config(str(e2e), bf16)
+    assert c.on_policy and c.arch_note is None and c.arch.family == "mamba-moe"
+    kv = sorted({e.layer for e in c.check.rollout.edges if e.group == "kv"})
+    assert kv == [5, 12, 19, 26, 33, 42]  # the six attention layers of its pattern

@@ -128,6 +128,10 @@ def test_a_bf16_model_with_mamba_layers_is_named_not_sent_for_a_config_json(tmp_
     nano = "policy.model_name=nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
     assert main(["rehearse", str(bf16), nano, "--workdir", str(tmp_path / "w")]) == 2
     err = capsys.readouterr().err
+    assert "52 layers, 23 Mamba-2, 6 attention, 23 MoE) has state-space (Mamba)" in err, err
+    v2 = "policy.model_name=nvidia/NVIDIA-Nemotron-Nano-12B-v2"  # not built in: by its name
+    assert main(["rehearse", str(bf16), v2, "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
     assert "(a Mamba hybrid family)) has state-space (Mamba) layers" in err, err
     assert "jetrl.model_config=PATH" not in err and not (tmp_path / "w").exists()
     # its config.json is read (arch.mamba) and still has no stand-in: named by its layers
