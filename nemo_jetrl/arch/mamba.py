@@ -26,6 +26,7 @@ weight for weight with its NemotronH (hub checkpoints say ``backbone.`` for ``mo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,12 @@ class MambaSpec:
     def layers_of(self, char: str) -> list[int]:
         return [i for i, c in enumerate(self.pattern) if c == char]
 
+    def counted(self) -> str:
+        """ "52 layers, 23 Mamba-2, 6 attention, 23 MoE": what the pattern holds."""
+        kinds = ((MAMBA, "Mamba-2"), (ATTENTION, "attention"), (MLP, "MLP"), (MOE, "MoE"))
+        parts = [f"{self.pattern.count(c)} {what}" for c, what in kinds if c in self.pattern]
+        return ", ".join([f"{len(self.pattern)} layers", *parts])
+
     def mixer_linears(self, prefix: str, layer: int, hidden: int) -> list[Linear]:
         """A Mamba-2 mixer's in_proj, conv1d and out_proj, in execution order."""
         p, b = f"{prefix}.layers.{layer}.{MIXER}", self.proj_bias
@@ -134,7 +141,8 @@ class MambaSpec:
 
 
 def is_nemotron_h(config: Any) -> bool:
-    return isinstance(config, dict) and config.get("model_type") in NEMOTRON_H_TYPES
+    """A config.json `nemotron_h_fields` reads (not the other state-space families)."""
+    return isinstance(config, Mapping) and config.get("model_type") in NEMOTRON_H_TYPES
 
 
 def _pattern(keys: Keys) -> str:

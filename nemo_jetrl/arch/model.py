@@ -29,7 +29,7 @@ from nemo_jetrl.arch.dense import attention_linears, mlp_linears
 from nemo_jetrl.arch.hybrid import HybridSpec, VisionSpec, read_hybrid, read_vision
 from nemo_jetrl.arch.keys import Keys
 from nemo_jetrl.arch.linear import VISION_WORD, ArchError, Linear
-from nemo_jetrl.arch.mamba import MambaSpec, is_nemotron_h, nemotron_h_fields
+from nemo_jetrl.arch.mamba import ATTENTION, MambaSpec, is_nemotron_h, nemotron_h_fields
 from nemo_jetrl.arch.mla import MlaSpec, read_mla
 from nemo_jetrl.arch.moe import MoeSpec, read_moe
 from nemo_jetrl.arch.state_space import refuse_state_space
@@ -326,7 +326,7 @@ class ModelArch:
         """Layers with a KV cache (full attention; linear attention and Mamba keep a recurrent
         state, MLP layers nothing)."""
         if self.mamba is not None:
-            return self.mamba.layers_of("*")
+            return self.mamba.layers_of(ATTENTION)
         h = self.hybrid
         return [i for i in range(self.num_layers) if h is None or not h.is_linear(i)]
 

@@ -48,6 +48,10 @@ SHARED_GATE_BF16 = (
 )
 
 
+LATENT = "moe_latent"
+"""The group of Nemotron 3 Super's dense projections into and out of the experts' latent space."""
+
+
 @dataclass(frozen=True)
 class MoeSpec:
     """The MoE part of a model description."""
@@ -90,23 +94,17 @@ class MoeSpec:
         """The MoE block at ``module`` (e.g. "model.layers.3.mlp"), in execution order."""
         e, i, width = self.num_experts, self.expert_size, self.latent_size or hidden
         up, up_out = ("gate_up_proj", 2 * i) if self.gated else ("up_proj", i)
+
+        def latent(kind: str, k_in: int, n_out: int) -> list[Linear]:
+            name = f"{kind}_latent_proj"  # dense, around the experts (Nemotron 3 Super)
+            lin = Linear(f"{module}.{name}", name, layer, k_in, n_out, self.bias, LATENT)
+            return [lin] if self.latent_size else []
+
         out = [
-            Linear(f"{module}.gate", "gate", layer, hidden, e, group="router", bf16_why=ROUTER_BF16)
-        ]
-        latent = [
             Linear(
-                f"{module}.{kind}_latent_proj",
-                f"{kind}_latent_proj",
-                layer,
-                k,
-                n,
-                self.bias,
-                LATENT,
-            )
-            for kind, k, n in (("fc1", hidden, width), ("fc2", width, hidden))
-        ]
-        out += latent[:1] if self.latent_size else []
-        out += [
+                f"{module}.gate", "gate", layer, hidden, e, group="router", bf16_why=ROUTER_BF16
+            ),
+            *latent("fc1", hidden, width),
             Linear(f"{module}.experts.{up}", up, layer, width, up_out, group="experts", experts=e),
             Linear(
                 f"{module}.experts.down_proj",
@@ -117,8 +115,8 @@ class MoeSpec:
                 group="experts",
                 experts=e,
             ),
+            *latent("fc2", width, hidden),
         ]
-        out += latent[1:] if self.latent_size else []
         if self.shared_size:
             shared = f"{module}.{self.shared_module}"
             out += mlp_linears(
@@ -143,10 +141,6 @@ class MoeSpec:
                     )
                 )
         return out
-
-
-LATENT = "moe_latent"
-"""The group of Nemotron 3 Super's dense projections into and out of the experts' latent space."""
 
 
 def per_expert_linears(fused: Linear, mixtral: bool = False) -> list[Linear]:

@@ -108,10 +108,7 @@ def state_space_model(settings: Settings, arch: Any = None) -> tuple[str, str] |
         if mamba is None:
             return None
         key = "jetrl.model_config" if settings.model.config else S.MODEL_NAME
-        n = {c: mamba.pattern.count(c) for c in "M*-E"}
-        kinds = [(n["M"], "Mamba-2"), (n["*"], "attention"), (n["-"], "MLP"), (n["E"], "MoE")]
-        counted = ", ".join(f"{k} {what}" for k, what in kinds if k)
-        return key, f"{key} model_type={arch.model_type!r}: {arch.num_layers} layers, {counted}"
+        return key, f"{key} model_type={arch.model_type!r}: {mamba.counted()}"
     key, hf = _model_json(settings)
     found = state_space_evidence(hf)
     if found is not None:

@@ -179,7 +179,7 @@ MUTANTS = [
     Mutant(
         "Mamba and MLP layers of Nemotron-H get a KV cache",
         "nemo_jetrl/arch/model.py",
-        '            return self.mamba.layers_of("*")',
+        "            return self.mamba.layers_of(ATTENTION)",
         "            return list(range(self.num_layers))",
         ("tests/arch/test_arch_nemotron_h.py", "tests/arch/test_arch_state_space.py"),
     ),
