@@ -232,6 +232,27 @@ NEMOTRON3_NANO_30B_A3B = {
     "tie_word_embeddings": False,
 }
 
+# nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16: 88 layers (40 Mamba-2, 40 MoE, 8 attention),
+# 512 non-gated experts of 2688 reading a 1024-wide latent space, top-22, one shared expert of
+# 5376 (its config.json as a public repository quotes it; the counts and sizes agree with a
+# second, and the 120.7B total `ModelArch.num_params` gives with the card's 120B). Its one
+# multi-token-prediction layer (num_nextn_predict_layers) is not part of the policy's forward.
+NEMOTRON3_SUPER_120B_A12B = {
+    **NEMOTRON3_NANO_30B_A3B,
+    "hidden_size": 4096,
+    "num_hidden_layers": 88,
+    "hybrid_override_pattern": (
+        "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+    ),
+    "mamba_num_heads": 128,
+    "intermediate_size": 2688,
+    "n_routed_experts": 512,
+    "num_experts_per_tok": 22,
+    "moe_intermediate_size": 2688,
+    "moe_latent_size": 1024,
+    "moe_shared_expert_intermediate_size": 5376,
+}
+
 CATALOG: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-30B-A3B": QWEN3_30B_A3B,
     "Qwen/Qwen3-30B-A3B-Base": QWEN3_30B_A3B,
@@ -250,5 +271,6 @@ CATALOG: dict[str, dict[str, Any]] = {
     "MiniMaxAI/MiniMax-M2.7": MINIMAX_M2,
     "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": NEMOTRON3_NANO_30B_A3B,
     "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16": NEMOTRON3_NANO_30B_A3B,
+    "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16": NEMOTRON3_SUPER_120B_A12B,
 }
 """HF repo id -> config.json keys."""

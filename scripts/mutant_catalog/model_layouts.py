@@ -212,6 +212,13 @@ MUTANTS = [
         ("tests/arch/test_arch_state_space.py",),
     ),
     Mutant(
+        "Nemotron 3 Super's experts lose their latent space",
+        "nemo_jetrl/arch/catalog.py",
+        '    "moe_latent_size": 1024,',
+        '    "moe_latent_size": 0,',
+        ("tests/arch/test_arch_nemotron_h.py",),
+    ),
+    Mutant(
         "a described Nemotron-H is rehearsed",
         "nemo_jetrl/backends/nemo_rl/rehearsal/run.py",
         "    if arch is None or prepared.state_space:",

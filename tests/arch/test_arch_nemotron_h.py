@@ -175,3 +175,21 @@ def test_nemo_rl_configs_name_nemotron_3_nano_and_get_its_layers():
     assert c.on_policy and c.arch_note is None and c.arch.family == "mamba-moe"
     kv = sorted({e.layer for e in c.check.rollout.edges if e.group == "kv"})
     assert kv == [5, 12, 19, 26, 33, 42]  # the six attention layers of its pattern
+
+
+def test_nemotron_3_super_reads_its_latent_experts():
+    from nemo_jetrl.arch import builtin_arch
+
+    arch = builtin_arch("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    assert arch is not None and arch.num_layers == 88
+    assert {c: arch.mamba.pattern.count(c) for c in "ME*"} == {"M": 40, "E": 40, "*": 8}
+    assert 120.0e9 < arch.num_params() < 121.0e9  # the card: 120B total
+    moe = next(i for i in range(88) if arch.is_moe_layer(i))
+    by_kind = {x.kind: x for x in arch.layer_linears(moe)}
+    assert (by_kind["fc1_latent_proj"].in_features, by_kind["fc1_latent_proj"].out_features) == (
+        4096,
+        1024,
+    )
+    (up,) = [x for x in arch.layer_linears(moe) if x.kind == "up_proj" and x.experts]
+    assert (up.experts, up.out_features, up.in_features) == (512, 2688, 1024)
+    assert by_kind["fc1_latent_proj"].group == "moe_latent"
