@@ -57,7 +57,7 @@ COMPARED_TYPES = frozenset(
     {
         *("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"),
         *("granite", "qwen2_moe", "qwen3_moe", "mixtral", "minimax_m2", "deepseek_v2"),
-        *("deepseek_v3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"),
+        *("deepseek_v3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"),
     }
 )
 

@@ -53,6 +53,21 @@ def _tiny(model_type: str) -> dict:
         return _tiny_minimax_m2()
     if model_type == "mixtral":
         return {"model_type": "mixtral", **DENSE, "num_local_experts": 3, "num_experts_per_tok": 2}
+    if model_type == "nemotron_h":  # every mixer kind (tests/arch/test_arch_nemotron_h.py)
+        return {
+            "model_type": model_type,
+            **DENSE,
+            "num_hidden_layers": 4,
+            "hybrid_override_pattern": "M*-E",
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 32,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 128,
+            "moe_shared_expert_intermediate_size": 128,
+        }
     if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         moe = MOE if "moe" in model_type or model_type == "qwen3_next" else {}
         extra = {"shared_expert_intermediate_size": 128} if moe else {}
@@ -67,6 +82,7 @@ TYPES = (
         "minimax_m2",
         "mistral",
         "mixtral",
+        "nemotron_h",
         "olmo2",
         "qwen2",
         "qwen2_moe",
