@@ -4,8 +4,9 @@
 rollout actually runs can add a difference the recipe does not show:
 
 - local (embedded CPU backend): the recipe is what runs; the flow verdict holds, for the models
-  it runs: an MoE family it does not run (`backends.local.families`: MiniMax-M2, DeepSeek-V3,
-  Qwen3.5-MoE, shared experts) gets "not run" (no verdict; `jetrl train --backend local` refuses).
+  it runs: a family it does not run (`backends.local.families`: the MoE families MiniMax-M2,
+  DeepSeek-V3, Qwen3.5-MoE and shared experts, and Nemotron-H's Mamba-2 layers) gets "not run"
+  (no verdict; `jetrl train --backend local` refuses).
 - NeMo-RL (v0.7.0 and main): at every refit NeMo-RL streams BF16 weights to its vLLM worker,
   which quantizes them with its own code (``cast_tensor_to_fp8_blockwise``, ``x / (amax/448)``),
   unless our refit hook (``jetrl.refit_hook``, default on with ``jetrl.vllm_patch``) quantizes
@@ -167,9 +168,9 @@ def backend_verdicts(
 ) -> tuple[BackendVerdict, ...]:
     """The verdict on every backend: local, then each NeMo-RL tree (``arch``: the model
     checked, for what the local backend runs)."""
-    from nemo_jetrl.backends.local.families import local_moe_problem
+    from nemo_jetrl.backends.local.families import local_family_problem
 
-    problem = local_moe_problem(arch)
+    problem = local_family_problem(arch)
     if problem is not None:
         where = settings.model.chosen_by
         local = BackendVerdict("local", False, f"{problem} ({where}); no local verdict", runs=False)

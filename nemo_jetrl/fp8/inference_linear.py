@@ -73,6 +73,7 @@ class Fp8InferenceLinear(nn.Module):
         quantizer: Quantizer = "jetrl",
         bias_dtype: torch.dtype = torch.bfloat16,
         name: str = "Fp8InferenceLinear",
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         check_fp8_dims(in_features, out_features, name)
@@ -86,9 +87,11 @@ class Fp8InferenceLinear(nn.Module):
         self.name = name
         nb, kb = -(-out_features // 128), -(-in_features // 128)
         fp8 = self.config.forward_format.dtype
-        self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=fp8))
-        self.register_buffer("weight_scale_inv", torch.ones(nb, kb, dtype=torch.float32))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype) if bias else None)
+        dev = {"device": device}
+        self.register_buffer("weight_fp8", torch.zeros(out_features, in_features, dtype=fp8, **dev))
+        self.register_buffer("weight_scale_inv", torch.ones(nb, kb, dtype=torch.float32, **dev))
+        bias_buf = torch.zeros(out_features, dtype=bias_dtype, **dev) if bias else None
+        self.register_buffer("bias", bias_buf)
         # The model dtype: dequantized weights must be finite in it (checked on every load).
         self.compute_dtype = bias_dtype
         self.loaded = False
@@ -102,12 +105,13 @@ class Fp8InferenceLinear(nn.Module):
         quantizer: Quantizer = "jetrl",
         name: str = "linear",
     ) -> Fp8InferenceLinear:
-        """A rollout layer holding ``linear``'s weight quantized now (and a copy of its bias)."""
+        """A rollout layer holding ``linear``'s weight quantized now (and a copy of its bias), on
+        ``linear``'s device (as `Fp8BlockLinear.from_linear`: both sides of a CUDA model on CUDA)."""
         has_bias = linear.bias is not None
         bias_dtype = linear.bias.dtype if has_bias else linear.weight.dtype
         layer = cls(
-            linear.in_features, linear.out_features, has_bias,
-            config=config, quantizer=quantizer, bias_dtype=bias_dtype, name=name,
+            linear.in_features, linear.out_features, has_bias, config=config,
+            quantizer=quantizer, bias_dtype=bias_dtype, name=name, device=linear.weight.device,
         )  # fmt: skip
         layer.load_weight(linear.weight.detach(), None if not has_bias else linear.bias.detach())
         return layer
@@ -198,6 +202,12 @@ class Fp8InferenceLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"{self.name}: input last dim {x.shape[-1]} != in_features {self.in_features}"
+            )
+        if x.device != self.weight_fp8.device:
+            # else a Triton kernel fails deep in its launcher ("cpu tensor?") naming no layer
+            raise ValueError(
+                f"{self.name}: input on {x.device}, weight on {self.weight_fp8.device}; move the "
+                f"layer with .to({str(x.device)!r}) (or build it from a linear on that device)"
             )
         x2 = x.reshape(-1, self.in_features)
         qx = _quantize_activation(x2, self.config, self.quantizer, f"{self.name}.input")

@@ -60,12 +60,12 @@ class RowcolTile:
         return tiles if not self.programs_per_sm else min(tiles, sm_count * self.programs_per_sm)
 
 
-ROWCOL_TILE = RowcolTile(warps=8, chunk=32, stages=2)
-"""The launch `quantize_rowcol_triton` uses. Whole tiles in registers (chunk 128) moved 36% of a
-bf16 copy's bandwidth on the H200 (run 7, 8 warps; 16 no better): 249 registers a thread at 8
-warps (ptxas 3.6, sm_90a) leave one program per SM and nothing to overlap its load with. 32-row
-chunks take 122 registers (two programs per SM) and pipeline their loads (cp.async); not yet
-timed on a GPU (the sweep's candidates, `bench_quantizer_bandwidth.py --sweep-tiles`)."""
+ROWCOL_TILE = RowcolTile(warps=8, chunk=128, stages=1)
+"""The launch `quantize_rowcol_triton` uses: whole tiles in registers, 8 warps. On the H200
+(8192 x 4096, run 8's sweep) it moved 34% of a bf16 copy's bandwidth (36% in run 7), 32-row
+chunks pipelined at 2 stages 24% (122 registers, two programs per SM, and still slower), 16
+warps 28%: the fused kernel stays below two passes (`two_passes/fused` ~0.69), the gap issue 48
+names."""
 
 
 def quantize_rowcol_reference(

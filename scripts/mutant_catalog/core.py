@@ -357,6 +357,20 @@ MUTANTS = [
         ("tests/fp8/test_fp8_graphed.py::test_a_graphs_flags_are_pending_again_after_each_replay",),
     ),
     Mutant(
+        "rollout FP8 linear built from a CUDA linear keeps its buffers on the CPU (run 8's crash)",
+        "nemo_jetrl/fp8/inference_linear.py",
+        "name=name, device=linear.weight.device,",
+        "name=name, device=None,",
+        ("tests/fp8/test_fp8_linear.py::test_inference_linear_is_built_on_its_linears_device",),
+    ),
+    Mutant(
+        "rollout FP8 linear runs an input on another device than its weight (no error naming it)",
+        "nemo_jetrl/fp8/inference_linear.py",
+        "        if x.device != self.weight_fp8.device:",
+        "        if False:",
+        ("tests/fp8/test_fp8_linear.py::test_inference_linear_is_built_on_its_linears_device",),
+    ),
+    Mutant(
         "rollout FP8 linear's quantizer not handed its device flag (a NaN input never reported)",
         "nemo_jetrl/fp8/inference_linear.py",
         "check_finite=not deferred, nonfinite_flag=flag,",

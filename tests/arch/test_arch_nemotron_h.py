@@ -5,20 +5,13 @@ of Nemotron 3 Nano are checked against the figures its model card states."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
-import torch
-from test_arch_hf import _arch_params
+from test_arch_hf import assert_matches_real
 
 from nemo_jetrl.arch import ArchError, ModelArch
 from nemo_jetrl.arch.moe import per_expert_linears
 
 transformers = pytest.importorskip("transformers")
-
-# Not linears: norms (the mixer's gated norm, each layer's norm, norm_f), the Mamba mixer's
-# per-head vectors (dt_bias, A_log, D) and the token embedding (a lookup).
-EXCLUDED = re.compile(r"norm(_f)?\.weight$|\.(dt_bias|A_log|D)$|embeddings\.weight$")
 
 
 def _tiny(**kw) -> dict:
@@ -44,29 +37,8 @@ def _tiny(**kw) -> dict:
     }
 
 
-def _real(cfg: dict) -> dict[str, tuple[int, ...]]:
-    kw = dict(cfg)
-    config = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
-    with torch.device("cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return {
-        n: tuple(p.shape)
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if not EXCLUDED.search(n)
-    }
-
-
-def _compare(cfg: dict) -> ModelArch:
-    arch = ModelArch.from_hf_config(cfg, name="t")
-    real, ours = _real(cfg), _arch_params(arch)
-    assert set(real) - set(ours) == set(), "real parameters arch does not list"
-    assert set(ours) - set(real) == set(), "arch linears the model does not have"
-    assert real == ours
-    return arch
-
-
 def test_every_mixer_kind_matches_the_real_model():
-    arch = _compare(_tiny())
+    arch = assert_matches_real(_tiny())
     assert arch.family == "mamba-moe"
     assert arch.num_layers == 6 and arch.kv_layers() == [2]  # one attention layer
     assert arch.moe is not None and arch.moe.moe_layers == {3, 5}
@@ -82,13 +54,13 @@ def test_layers_block_type_and_biases():
     words = ["linear_attention", "full_attention", "mlp", "linear_attention"]
     cfg = _tiny(use_bias=True, mlp_bias=True, use_conv_bias=False, layers_block_type=words)
     del cfg["hybrid_override_pattern"]
-    arch = _compare(cfg)
+    arch = assert_matches_real(cfg)
     assert arch.family == "mamba" and arch.moe is None
     assert arch.mamba is not None and arch.mamba.pattern == "M*-M"
 
 
 def test_latent_experts_of_nemotron_3_super():
-    arch = _compare(_tiny(moe_latent_size=128))
+    arch = assert_matches_real(_tiny(moe_latent_size=128))
     kinds = [lin.kind for lin in arch.layer_linears(3)]
     assert kinds[:4] == ["gate", "fc1_latent_proj", "up_proj", "down_proj"]
     up = arch.layer_linears(3)[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from nemo_jetrl.arch import builtin_arch
-from nemo_jetrl.backends.local.families import local_moe_problem
+from nemo_jetrl.backends.local.families import local_family_problem
 
 EX = Path(__file__).resolve().parents[2] / "examples" / "configs"
 CFG = EX / "qwen3_8b_base" / "jetrl.yaml"
@@ -51,9 +51,9 @@ def test_models_it_runs_keep_their_verdict(cli, model):
 
 def test_shared_experts_are_not_run_even_in_a_family_it_runs():
     qwen3_moe = builtin_arch("Qwen/Qwen3-30B-A3B")
-    assert local_moe_problem(qwen3_moe) is None
+    assert local_family_problem(qwen3_moe) is None
     shared = dataclasses.replace(qwen3_moe, moe=dataclasses.replace(qwen3_moe.moe, shared_size=512))
-    assert "shared experts" in local_moe_problem(shared)
+    assert "shared experts" in local_family_problem(shared)
 
 
 def test_train_on_the_local_backend_refuses_before_any_work(cli, tmp_path):

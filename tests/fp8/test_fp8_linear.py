@@ -194,6 +194,24 @@ def test_inference_linear_input_errors():
         Fp8InferenceLinear(128, 128, quantizer="te")  # type: ignore[arg-type]
 
 
+def test_inference_linear_is_built_on_its_linears_device(monkeypatch):
+    """H200 run 8: ``from_linear`` of a CUDA linear built CPU buffers, and the first forward
+    failed inside Triton's launcher ("Pointer argument (at 1) cannot be accessed from Triton (cpu
+    tensor?)"). The layer now lives where the linear does (the meta device stands in for CUDA
+    here: nothing is quantized on it), and a forward on another device names the layer."""
+    layer = Fp8InferenceLinear(128, 256, name="blk.qkv", device="meta")
+    assert {b.device.type for b in layer.buffers()} == {"meta"}
+    loaded = []
+    monkeypatch.setattr(Fp8InferenceLinear, "load_weight", lambda self, w, b=None: loaded.append(w))
+    meta = Fp8InferenceLinear.from_linear(nn.Linear(128, 256, device="meta"), name="blk.qkv")
+    assert {b.device.type for b in meta.buffers()} == {"meta"} and loaded[0].is_meta
+    monkeypatch.undo()
+    cpu = Fp8InferenceLinear.from_linear(nn.Linear(128, 256, dtype=torch.bfloat16), name="blk.o")
+    assert {b.device.type for b in cpu.buffers()} == {"cpu"}
+    with pytest.raises(ValueError, match=r"blk\.o: input on meta, weight on cpu; move the layer"):
+        cpu(torch.zeros(3, 128, dtype=torch.bfloat16, device="meta"))
+
+
 def test_config_validation_collects_errors():
     with pytest.raises(ValueError, match=r"fmt='e5m2'.*eps=-1"):
         Fp8LinearConfig(fmt="e5m2", eps=-1)

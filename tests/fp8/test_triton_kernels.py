@@ -125,6 +125,28 @@ def test_random_ragged_bit_exact(dtype, fmt, pow2, block):
     assert_same(got, want, f"{dtype} {fmt} pow2={pow2} {block}")
 
 
+# 128x1 launches: the GPU's whole tile (run 8's fastest), a 32-row chunked tile at 2 stages, and a
+# 16-row one at 3 (the sweep's other shapes); a tile is a speed choice and must change no bit.
+COLUMN_TILES = [(128, 64, 4), (128, 64, 4, 32, 2), (128, 64, 4, 16, 3)]
+
+
+@pytest.mark.parametrize("tile", COLUMN_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("transpose", [False, True])
+def test_128x1_tiles_give_the_same_bits(monkeypatch, tile, transpose):
+    from nemo_jetrl.fp8 import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_tile", lambda mode: tile if mode == 2 else (16, 128, 4))
+    x = _random_input((200, 330), torch.bfloat16, seed=7)
+    want = quantize_blockwise(x, (128, 1), fmt="e4m3", pow2_scales=False)
+    got = _triton(x.to(DEVICE), (128, 1), pow2_scales=False, transpose=transpose)
+    if transpose:  # [K, M] data, 1x128 blocks along M: the trainer's WGrad operand
+        t = want.t()
+        assert torch.equal(fp8_bits(got.data.cpu()), fp8_bits(t.data.contiguous()))
+        assert torch.equal(got.scale_inv.cpu().view(torch.int32), t.scale_inv.view(torch.int32))
+    else:
+        assert_same(got, want, f"128x1 tile {tile}")
+
+
 def test_every_fp8_rounding_boundary_matches_torch_cast():
     """All midpoints between adjacent FP8 values (and their fp32 neighbours) round like torch."""
     for f in (E4M3, E5M2):

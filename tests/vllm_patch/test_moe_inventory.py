@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from nemo_jetrl.fp8 import experts, finite_flags, triton_grouped, triton_kernels
 from nemo_jetrl.fp8.quantize import quantize_reference
+from nemo_jetrl.fp8.triton_launch import interpreting
 from nemo_jetrl.vllm_patch.experts import experts_forward
 from nemo_jetrl.vllm_patch.kernel import ensure_ops
 
@@ -122,4 +123,7 @@ def test_one_moe_layer_quantizes_tokens_once_fuses_silu_and_combines_without_ato
     real = {k: v for k, v in rec.ops.items() if k not in ("view", "detach", "_to_copy")}
     assert real == {"sort": 2, "floor_divide": 1, "index": 1, "arange": 1, "searchsorted": 1,
                     "new_empty": 1, "empty": 7}, real  # fmt: skip
-    assert sum(rec.ops.values()) == 40, dict(rec.ops)  # with the views and the casts
+    # With the views and the casts: 30 where the kernels are compiled (H200, run 8); Triton's CPU
+    # interpreter adds 10: its GEMMs read FP8 codes through value tables (numpy has no FP8 type:
+    # 4 uint8 views, 4 detaches) and store fp32, rounded to bf16 after (2 casts; `triton_grouped`).
+    assert sum(rec.ops.values()) == (40 if interpreting() else 30), dict(rec.ops)

@@ -14,7 +14,7 @@ from typing import Any
 LOCAL_MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
-def local_moe_problem(arch: Any) -> str | None:
+def local_family_problem(arch: Any) -> str | None:
     """Why the local backend does not run ``arch`` (a `ModelArch`), or None (dense, or an MoE
     family it runs)."""
     if getattr(arch, "mamba", None) is not None:

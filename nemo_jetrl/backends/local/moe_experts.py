@@ -111,7 +111,7 @@ class Experts(nn.Module):
             for e in range(w.shape[0]):
                 layer = Fp8InferenceLinear(
                     w.shape[2], w.shape[1], False, config=cfg, quantizer=quantizer,
-                    bias_dtype=w.dtype, name=f"{name}.{which}.{e}",
+                    bias_dtype=w.dtype, name=f"{name}.{which}.{e}", device=w.device,
                 )  # fmt: skip
                 layer.load_weight(w[e].detach())
                 layers.append(layer)

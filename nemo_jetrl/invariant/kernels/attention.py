@@ -88,10 +88,11 @@ def attention_smem_bytes(
 def attention_stages(head_dim: int, itemsize: int) -> int:
     """The pipeline depth for ``head_dim`` and operands of ``itemsize`` bytes: `ATTN_STAGES`
     where `attention_smem_bytes` fits `SMEM_LIMIT_BYTES`, else 1 (fp32 operands at head_dim
-    256). Stages change when a tile's loads are issued and how the loop is laid out, not the
-    arithmetic, as the kernel launches without fp fusion (`NO_FMA`). With fusion, LLVM fused
-    different mul/add pairs into fmas at 1 and 2 stages (bf16, head_dim 64: 36 and 34 fma in the
-    sm_90 PTX) and an H200 gave other bits at each (GPU results run 7).
+    256). The count is part of the compiled kernel: on an H200 1 and 2 stages give other bits
+    (bf16 at head_dim 64/128/256, fp32 at 128; GPU results runs 7 and 8), with fp fusion (LLVM
+    fused other mul/add pairs into fmas at each depth) and still without it (`NO_FMA`, run 8).
+    So it depends on the head dim and operand size alone, never on the batch: a decode step
+    and a prefill, trainer and rollout, launch the same kernel.
     Tiles stay fixed: ``BN`` is part of a row's order and ``BM`` picks the MMA instruction."""
     fits = attention_smem_bytes(head_dim, itemsize, ATTN_STAGES) <= SMEM_LIMIT_BYTES
     return ATTN_STAGES if fits else 1
@@ -113,7 +114,8 @@ def attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """fp32 ``softmax(q k^T * scaling + mask) v``, ``[B, H, Tq, D]`` (no grad). ``num_stages``
-    None: `attention_stages` (a tuning knob only, it changes no bit)."""
+    None: `attention_stages`, what every caller uses (another count is another kernel, with
+    its own bits: tests and benchmarks only)."""
     _check(q, k, v)
     if not (q.dtype == k.dtype == v.dtype):  # widen all to fp32: exact
         q, k, v = q.float(), k.float(), v.float()
@@ -144,8 +146,8 @@ def attention(
 @functools.cache
 def _meta(has_mask: bool, bm: int, bn: int, bd: int, ieee: bool, ordered: bool, stages: int):  # type: ignore[no-untyped-def]
     """The kernel's constexprs and options, built once per setting (`triton_launch.launch`
-    calls the compiled launcher directly after the first launch). Fusion off (`NO_FMA`): the
-    bits follow the source at every pipeline depth (read `attention_stages`)."""
+    calls the compiled launcher directly after the first launch). Fusion off (`NO_FMA`): every
+    fp32 add/sub/mul rounded as written (the stage count still matters: `attention_stages`)."""
     return frozen_meta(HAS_MASK=has_mask, BM=bm, BN=bn, BD=bd, IEEE=ieee, ORDERED=ordered,
                        num_warps=ATTN_WARPS, num_stages=stages, **NO_FTZ, **NO_FMA)  # fmt: skip
 
