@@ -89,10 +89,13 @@ def attention_stages(head_dim: int, itemsize: int) -> int:
     """The pipeline depth for ``head_dim`` and operands of ``itemsize`` bytes: `ATTN_STAGES`
     where `attention_smem_bytes` fits `SMEM_LIMIT_BYTES`, else 1 (fp32 operands at head_dim
     256). The count is part of the compiled kernel: on an H200 1 and 2 stages give other bits
-    (bf16 at head_dim 64/128/256, fp32 at 128; GPU results runs 7 and 8), with fp fusion (LLVM
-    fused other mul/add pairs into fmas at each depth) and still without it (`NO_FMA`, run 8).
-    So it depends on the head dim and operand size alone, never on the batch: a decode step
-    and a prefill, trainer and rollout, launch the same kernel.
+    (bf16 at head_dim 64/128/256, fp32 at 128; GPU results runs 7 and 8), fp fusion on or off
+    (`NO_FMA`). Why, in the sm_90 TTGIR (Triton 3.6, bf16, head_dim 64): at 2 stages the
+    softmax's row sum ``tl.sum(p, axis=1)`` reduces in the wgmma accumulator's layout (8
+    shuffles in the PTX), at 1 stage after a conversion to a blocked layout (388 butterfly
+    shuffles): another summation order. So the count depends on the head dim and operand size
+    alone, never on the batch: a decode step and a prefill, trainer and rollout, launch the
+    same kernel.
     Tiles stay fixed: ``BN`` is part of a row's order and ``BM`` picks the MMA instruction."""
     fits = attention_smem_bytes(head_dim, itemsize, ATTN_STAGES) <= SMEM_LIMIT_BYTES
     return ATTN_STAGES if fits else 1
