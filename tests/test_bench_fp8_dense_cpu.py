@@ -205,9 +205,9 @@ def test_quantizer_tile_sweep_checks_bits(bench, monkeypatch):
     blocks = ["1x128", "128x128", "128x1", "128x1 transposed", "rowwise+columnwise"]
     assert list(dict.fromkeys(r["block"] for r in rows)) == blocks
     # the interpreter's tiles (64 and 128 rows: fewer Python programs; only 128x128's is a GPU
-    # candidate) and the fused kernel's default launch (32-row chunks, pipelined)
+    # candidate) and the fused kernel's default launch (whole tiles at 8 warps: run 8's fastest)
     defaults = [(r["block"], r["tile"]) for r in rows if r["default"]]
-    fused = "(warps 8, chunk 32, programs/SM 0, stages 2)"
+    fused = "(warps 8, chunk 128, programs/SM 0, stages 1)"
     assert defaults == [("128x128", "(128, 128, 4)"), ("rowwise+columnwise", fused)]
     assert triton_kernels._tile is default_tile
     assert rowcol_quantize.ROWCOL_TILE is default_rowcol
