@@ -126,8 +126,29 @@ def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
     assert text.count("exactly on-policy: MET") == 4
     assert text.count("phases (s): ") == len(module.RECIPES) and "host CPU " in text
     assert "cost of exactness (qwen3-0.6b-shaped): jetrl step " in text
+    assert "not resolved (1 timed steps" in text  # --steps 1: one step cannot resolve a cost
     with pytest.raises(ValueError, match="the suffixes are @fp32, @splitk, @fast"):
         module.run_recipe("jetrl@e8m0", None, module.build_parser().parse_args([]), tmp_path)
+
+
+def test_cost_of_exactness_is_resolved_only_by_timed_steps_that_do_not_overlap(bench):
+    """Run 8 printed a 1.16x cost from one timed step a recipe, where two exact recipes' single
+    steps differed by 1.6x: the line now says whether 3+ timed steps a recipe separate it."""
+    module = bench("bench_local_grpo")
+
+    def row(recipe, lo, hi, steps=5):  # type: ignore[no-untyped-def]
+        mid = (lo + hi) / 2
+        return {"model": "m", "recipe": recipe, "step_s": mid, "step_range_s": [lo, hi],
+                "tokens_per_s": 100 / mid, "steps": steps}  # fmt: skip
+
+    (apart,) = module.exactness_cost([row("jetrl", 1.2, 1.3), row("jetrl@fast", 1.0, 1.1)])
+    assert apart.endswith("timed steps 1.200-1.300 s vs 1.000-1.100 s: resolved"), apart
+    assert "1.19x the step time" in apart  # 1.25 / 1.05
+    (overlap,) = module.exactness_cost([row("jetrl", 1.05, 1.3), row("jetrl@fast", 1.0, 1.1)])
+    assert overlap.endswith("not resolved (3 timed steps, ranges overlap)"), overlap
+    one = module.exactness_cost([row("jetrl", 3.67, 3.67, 3), row("jetrl@fast", 3.1, 3.1, 3)])
+    assert one[0].endswith("not resolved (1 timed steps, ranges apart)"), one
+    assert module.exactness_cost([row("jetrl", 1.0, 1.1)]) == []  # no jetrl@fast: no line
 
 
 def test_local_grpo_reports_a_failed_or_off_policy_run_and_runs_the_rest(

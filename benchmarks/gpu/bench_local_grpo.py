@@ -190,7 +190,7 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     cfg = recipe_config(preset, work, [f"logger.log_dir={run_dir}", *keys])
     timer = OpsTimer(device)
     profiled = n  # the last step is the instrumented one; timed: the steps between
-    timed_steps = list(range(2, n)) if n >= 3 else [n]
+    timed_steps = _timed_steps(n)
 
     def after_step(step: int, _s: dict) -> None:
         timer.on = step + 1 == profiled  # instrument the next step when it is the last
@@ -207,7 +207,8 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     h = {int(r["step"]): r for r in res.history}
     tmpe = max(r["train/token_mult_prob_error"] for r in res.history)
     kl = max(abs(r["train/gen_kl_error"]) for r in res.history)
-    st = statistics.median(h[s]["timing/train/total_step_time"] for s in timed_steps)
+    times = [h[s]["timing/train/total_step_time"] for s in timed_steps]
+    st = statistics.median(times)
     toks = statistics.median(
         h[s]["jetrl/local/mean_response_tokens"] * args.prompts * args.generations
         for s in timed_steps
@@ -226,7 +227,8 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     )
     return {
         "recipe": recipe, "tmpe_max": tmpe, "gen_kl_max": kl, "exact_every_step": exact,
-        "mismatch": tmpe - 1.0, "step_s": st, "tokens_per_s": toks / st,
+        "mismatch": tmpe - 1.0, "step_s": st, "step_range_s": [min(times), max(times)],
+        "tokens_per_s": toks / st,
         "invariant_ops_share": timer.seconds / last if last > 0 else float("nan"), "steps": n,
         "phases_s": phases, "cpu_s": cpu,
     }  # fmt: skip
@@ -246,10 +248,16 @@ def _verdict(row: dict) -> str:
     return "MET" if row["exact_every_step"] else "NOT MET"
 
 
+MIN_TIMED_STEPS = 3  # the fewest timed steps whose spread can resolve a cost
+
+
 def exactness_cost(rows: list[dict]) -> list[str]:
     """Per model with both runs: jetrl's step time over jetrl@fast's (the batch-invariant ops'
     cost; the field's anchors: ~1.1x veRL's zero-diff W8A8 preview, ~1.01x Megatron-LM's tuned
-    BF16 batch-invariant inference)."""
+    BF16 batch-invariant inference), and whether the timed steps resolve it: each recipe's
+    slowest and fastest timed step, "resolved" only when their ranges do not overlap over at
+    least `MIN_TIMED_STEPS` steps each (run 8 printed 1.16x from one step a recipe, where two
+    exact recipes' single steps differed by 1.6x)."""
     lines = []
     by = {(r["model"], r["recipe"]): r for r in rows if "step_s" in r}
     for (model, recipe), fast in by.items():
@@ -257,12 +265,30 @@ def exactness_cost(rows: list[dict]) -> list[str]:
         if recipe != "jetrl@fast" or exact is None:
             continue
         ratio = exact["step_s"] / fast["step_s"]
+        (e_lo, e_hi), (f_lo, f_hi) = exact["step_range_s"], fast["step_range_s"]
+        timed = min(_timed(exact), _timed(fast))
+        apart = e_lo > f_hi or e_hi < f_lo
+        verdict = (
+            "resolved" if apart and timed >= MIN_TIMED_STEPS
+            else f"not resolved ({timed} timed steps, ranges {'apart' if apart else 'overlap'})"
+        )  # fmt: skip
         lines.append(
             f"cost of exactness ({model}): jetrl step {exact['step_s']:.3f} s, without the "
             f"invariant ops {fast['step_s']:.3f} s: {ratio:.2f}x the step time, tokens/s "
-            f"{exact['tokens_per_s']:.1f} vs {fast['tokens_per_s']:.1f}"
+            f"{exact['tokens_per_s']:.1f} vs {fast['tokens_per_s']:.1f}; timed steps "
+            f"{e_lo:.3f}-{e_hi:.3f} s vs {f_lo:.3f}-{f_hi:.3f} s: {verdict}"
         )
     return lines
+
+
+def _timed_steps(n: int) -> list[int]:
+    """The steps a run of ``n`` times: after the first (compiles, warms up), before the last
+    (instrumented); with fewer than 3 steps, the last."""
+    return list(range(2, n)) if n >= 3 else [n]
+
+
+def _timed(row: dict) -> int:
+    return len(_timed_steps(row["steps"]))
 
 
 def _write(path: str | None, rows: list[dict]) -> None:
