@@ -52,9 +52,10 @@ def test_fp8_linear_times_the_packages_own_layer(bench):
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
-def test_fp8_linear_times_the_two_pass_rowcol_layer(bench, monkeypatch):
-    """``two_pass/fused``: a layer planned with JETRL_FP8_ROWCOL=two_pass (the variable set for
-    its first call only), 'n/a' where the layer has no Triton rowcol kernel (the CPU path)."""
+def test_fp8_linear_times_both_rowcol_modes(bench, monkeypatch):
+    """``two_pass/fused``: a layer planned with JETRL_FP8_ROWCOL=two_pass over one planned with
+    ``fused`` (the variable set for each first call only), 'n/a' where the layer has no Triton
+    rowcol step (the CPU path)."""
     import os
 
     import nemo_jetrl.fp8.linear as lin_mod
@@ -64,7 +65,9 @@ def test_fp8_linear_times_the_two_pass_rowcol_layer(bench, monkeypatch):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(128, 256, generator=g).bfloat16(), torch.randn(128, 256, generator=g)
     dy = torch.randn(128, 128, generator=g).bfloat16()
-    assert module.two_pass_step(w.bfloat16(), x, dy, True) is None  # the CPU path
+    modes = {m: module.rowcol_step(w.bfloat16(), x, dy, True, m) for m in module.ROWCOL_MODES}
+    assert modes == {"two_pass": None, "fused": None}  # the CPU path
+    assert module.rowcol_ratio(modes, bench=None) == "n/a"
     if not triton_kernels.interpreting():
         return
     monkeypatch.setattr(finite_flags, "sync_free", lambda t: True)  # the CUDA path, emulated
@@ -72,9 +75,21 @@ def test_fp8_linear_times_the_two_pass_rowcol_layer(bench, monkeypatch):
     monkeypatch.setattr(dispatch, "_fast", lambda x, backend: True)
     monkeypatch.setattr(lin_mod, "quant_backend", lambda x, backend=None: "triton")
     monkeypatch.setenv("JETRL_FP8_GEMM_BACKEND", "reference")
-    run = module.two_pass_step(w.bfloat16(), x, dy, True)
-    assert run is not None and "JETRL_FP8_ROWCOL" not in os.environ
-    run()
+    monkeypatch.delenv("JETRL_FP8_ROWCOL", raising=False)
+    modes = {m: module.rowcol_step(w.bfloat16(), x, dy, True, m) for m in module.ROWCOL_MODES}
+    assert None not in modes.values() and "JETRL_FP8_ROWCOL" not in os.environ
+    assert module.default_rowcol() == "two_pass"
+    timed = []
+
+    def bench_fn(run):  # type: ignore[no-untyped-def]
+        run()
+        timed.append(run)
+        return {"two_pass": 2.0, "fused": 4.0}[next(k for k, v in modes.items() if v is run)]
+
+    assert module.rowcol_ratio(modes, bench_fn) == 0.5 and timed == list(modes.values())
+    with module.rowcol_mode("fused"):
+        assert module.default_rowcol() == "fused"
+    assert "JETRL_FP8_ROWCOL" not in os.environ
     finite_flags._FLAGS.clear()
 
 

@@ -11,8 +11,9 @@ fused as vLLM and Megatron run them, gate/up fused), at ``--tokens`` tokens per 
 * FP8 in CUDA graphs (``graphed_*``): the same layer captured by `nemo_jetrl.fp8.graph_linear`
   for the fixed micro-batch shape (the weight quantized in every replay, gradients copied out;
   ``graphed_host_ms`` is its host enqueue), beside torch's BF16 linear captured the same way;
-  ``graphed_speedup`` is eager BF16 over graphed FP8; ``graphed_two_pass/fused`` the same layer
-  planned with ``JETRL_FP8_ROWCOL=two_pass`` over the default, both graphed (GPU time alone).
+  ``graphed_speedup`` is eager BF16 over graphed FP8; ``graphed_two_pass/fused`` the layer
+  planned with ``JETRL_FP8_ROWCOL=two_pass`` over the same with ``fused``, both graphed (GPU
+  time alone); ``two_pass/fused`` the same eager.
 * TE FP8 (if transformer_engine imports): ``te.Linear`` under ``fp8_autocast`` with
   ``Float8BlockScaling``, the training-side reference.
 * Serving: the vLLM kernel's forward as the patch registers it
@@ -41,6 +42,8 @@ Usage: python benchmarks/gpu/bench_fp8_linear.py [--tokens 8192] [--iters 20]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from functools import partial
 
@@ -52,6 +55,14 @@ MODELS = ("meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B-Base")
 TARGET_TOKENS = 8192
 TARGET_SPEEDUP = 1.3
 TARGET_LAUNCHES = 12
+ROWCOL_MODES = ("two_pass", "fused")  # `linear_plan.ENV_ROWCOL`'s values, each timed
+
+
+def rowcol_ratio(modes: dict, bench) -> float | str:  # type: ignore[no-untyped-def]
+    """Two passes' step time over the fused kernel's ('n/a' without a Triton rowcol step)."""
+    if any(run is None for run in modes.values()):
+        return "n/a"
+    return bench(modes["two_pass"]) / bench(modes["fused"])
 
 
 def layer_shapes(model: str) -> list[tuple[str, int, int]]:
@@ -120,42 +131,57 @@ def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return run
 
 
-def graphed_layers(w: torch.Tensor, x: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
-    """(`Fp8BlockLinear`, the same planned with ``JETRL_FP8_ROWCOL=two_pass``, torch's BF16
-    ``nn.Linear``), each holding ``w`` and captured in CUDA graphs for ``x``'s shape by
-    `fp8.graph_linear` (the fixed micro-batch option): with the host out of the way, the rowcol
-    choice is the GPU's time alone (the quantizer step: two passes took 0.75-0.78 of the fused
-    kernel's time at 8192 tokens on the H200, run 7)."""
-    import os
-
-    from nemo_jetrl.fp8 import graph_linear
+@contextlib.contextmanager
+def rowcol_mode(mode: str):  # type: ignore[no-untyped-def]
+    """``JETRL_FP8_ROWCOL=mode`` while a layer plans (its first call), then as it was."""
     from nemo_jetrl.fp8.linear_plan import ENV_ROWCOL
+
+    saved = os.environ.get(ENV_ROWCOL)
+    os.environ[ENV_ROWCOL] = mode
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV_ROWCOL) if saved is None else os.environ.__setitem__(ENV_ROWCOL, saved)
+
+
+def default_rowcol() -> str:
+    """The rowcol mode a layer plans with here (``$JETRL_FP8_ROWCOL`` or the package default)."""
+    from nemo_jetrl.fp8.linear_plan import rowcol_two_pass
+
+    return "two_pass" if rowcol_two_pass() else "fused"
+
+
+def graphed_layers(w: torch.Tensor, x: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
+    """({rowcol mode: `Fp8BlockLinear` planned with it}, torch's BF16 ``nn.Linear``), each
+    holding ``w`` and captured in CUDA graphs for ``x``'s shape by `fp8.graph_linear` (the fixed
+    micro-batch option): with the host out of the way, the rowcol choice is the GPU's time
+    alone (the quantizer step: two passes took 0.75-0.78 of the fused kernel's time at 8192
+    tokens on the H200, run 7)."""
+    from nemo_jetrl.fp8 import graph_linear
 
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         lin.weight.copy_(w)
     sample = x.detach().requires_grad_(True)
-    fused = graph_linear(fp8_layer(w, pow2), sample)
-    saved = os.environ.get(ENV_ROWCOL)
-    os.environ[ENV_ROWCOL] = "two_pass"
-    try:  # read when the layer plans: its first call, the capture's warm-up
-        two_pass = graph_linear(fp8_layer(w, pow2), sample)
-    finally:
-        os.environ.pop(ENV_ROWCOL) if saved is None else os.environ.__setitem__(ENV_ROWCOL, saved)
-    return fused, two_pass, graph_linear(lin, sample)
+    fp8 = {}
+    for mode in ROWCOL_MODES:
+        with rowcol_mode(mode):  # read when the layer plans: its first call, the warm-up
+            fp8[mode] = graph_linear(fp8_layer(w, pow2), sample)
+    return fp8, graph_linear(lin, sample)
 
 
 def graphed_figures(w, x, dy, pow2: bool, bf16_ms: float, bench) -> dict:  # type: ignore[no-untyped-def]
-    """The ``graphed_*`` columns; never run on a GPU before, so a failure there is its row's
-    text (printed) and the other figures of the run still come back."""
+    """The ``graphed_*`` columns (``graphed_ms``: the layer in this run's rowcol mode); a
+    failure there is its row's text (printed) and the other figures of the run still come back."""
     try:
-        fused, two_pass, bf16_graphed = graphed_layers(w, x, pow2)
-        ms = bench(fwd_bwd(fused, x, dy))
+        fp8, bf16_graphed = graphed_layers(w, x, pow2)
+        ms = {mode: bench(fwd_bwd(layer, x, dy)) for mode, layer in fp8.items()}
+        default = default_rowcol()
         return {
-            "graphed_ms": ms, "graphed_speedup": bf16_ms / ms,
+            "graphed_ms": ms[default], "graphed_speedup": bf16_ms / ms[default],
             "bf16_graphed_ms": bench(fwd_bwd(bf16_graphed, x, dy)),
-            "graphed_host_ms": _common.host_enqueue_ms(fwd_bwd(fused, x, dy)),
-            "graphed_two_pass/fused": bench(fwd_bwd(two_pass, x, dy)) / ms,
+            "graphed_host_ms": _common.host_enqueue_ms(fwd_bwd(fp8[default], x, dy)),
+            "graphed_two_pass/fused": ms["two_pass"] / ms["fused"],
         }  # fmt: skip
     except Exception as exc:  # the eager figures are the run's first business
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
@@ -165,23 +191,16 @@ def graphed_figures(w, x, dy, pow2: bool, bf16_ms: float, bench) -> dict:  # typ
         return dict.fromkeys(keys, "failed")
 
 
-def two_pass_step(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
-    """`fwd_bwd` of a layer planned with ``JETRL_FP8_ROWCOL=two_pass`` (x and dy quantized by the
-    1x128 and the transposed 128x1 kernels in turn, not the fused one: the same bits)."""
-    import os
-
-    from nemo_jetrl.fp8.linear_plan import ENV_ROWCOL
-
+def rowcol_step(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, pow2: bool, mode: str):  # type: ignore[no-untyped-def]
+    """`fwd_bwd` of a layer planned with ``JETRL_FP8_ROWCOL=mode`` (``two_pass``: x and dy
+    quantized by the 1x128 and the transposed 128x1 kernels in turn; ``fused``: by the rowcol
+    kernel; the same bits). None where the layer has no Triton rowcol step (the CPU path)."""
     layer = fp8_layer(w, pow2)
     run = fwd_bwd(layer, x, dy)
-    saved = os.environ.get(ENV_ROWCOL)
-    os.environ[ENV_ROWCOL] = "two_pass"
-    try:
+    with rowcol_mode(mode):
         run()  # the layer plans on its first call, reading the variable
-    finally:
-        os.environ.pop(ENV_ROWCOL) if saved is None else os.environ.__setitem__(ENV_ROWCOL, saved)
-    # None where the layer does not quantize with Triton (no rowcol kernel to replace)
-    return run if layer.fp8_state.plan.two_pass_rowcol else None
+    plan = layer.fp8_state.plan
+    return run if plan.fused_rowcol and plan.two_pass_rowcol == (mode == "two_pass") else None
 
 
 def quant_only(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
@@ -254,7 +273,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             layer = fp8_layer(w, args.pow2)
             bf16 = bench(fwd_bwd(bf16_lin, x, dy))
             fp8 = bench(fwd_bwd(layer, x, dy))
-            two_pass = two_pass_step(w, x, dy, args.pow2)
+            modes = {mode: rowcol_step(w, x, dy, args.pow2, mode) for mode in ROWCOL_MODES}
             fp8_new_w = bench(new_weight_each_step(layer, fwd_bwd(layer, x, dy)))
             quant = bench(quant_only(layer, x, dy))
             host = _common.host_enqueue_ms(fwd_bwd(layer, x, dy))
@@ -281,7 +300,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "fp8_ms": fp8,
                     "speedup": bf16 / fp8,
                     "fp8_new_w_ms": fp8_new_w,
-                    "two_pass/fused": bench(two_pass) / fp8 if two_pass else "n/a",
+                    "two_pass/fused": rowcol_ratio(modes, bench),
                     "quant_share": quant / fp8,
                     "host_ms": host,
                     "gpu_ms": gpu,

@@ -23,6 +23,14 @@ from nemo_jetrl.fp8.gemm_backends import plan_gemm
 
 ENV_WEIGHT_CACHE = "JETRL_FP8_WEIGHT_CACHE"
 ENV_ROWCOL = "JETRL_FP8_ROWCOL"
+ROWCOL_DEFAULT = "two_pass"
+"""How x and dy get their 1x128 and transposed 128x1 codes when ``JETRL_FP8_ROWCOL`` is unset:
+``two_pass`` (the 1x128 kernel, then the transposed 128x1 one) or ``fused`` (one kernel reading
+each 128 x 128 tile once). Speed only: the same bits. Two passes were faster on every GPU
+measurement: kernels alone at 8192 x 4096, 0.884 of the fused time on the H100 (h100_run6) and
+0.75-0.78 on the H200 (run 7); run 8's sweep with both at their best tiles, 32.9 + 41.9 us
+against 107.7 us (0.69); whole fwd+bwd steps in CUDA graphs, 0.910-0.985 on all 8 Llama/Qwen3
+shapes (run 8, `bench_fp8_linear`'s ``graphed_two_pass/fused``)."""
 # GEMM backends handed MN-major activation scales by the quantizer: cuBLASLt reads only that
 # layout (`gemm_backends._scaled_mm` copies compact scales into it per call; at M % 4 == 0 the
 # quantizer's padded layout is exactly that copy). DeepGEMM keeps the compact scales it was
@@ -64,10 +72,9 @@ class LinearPlan:
     grad_kw: dict
     """The same for dy (the grad format: E5M2 under ``hybrid``)."""
     two_pass_rowcol: bool = False
-    """``JETRL_FP8_ROWCOL=two_pass``: the 1x128 and the 128x1 (transposed) kernels one after the
-    other instead of the fused one (same codes and scales; on the H100 the fused kernel took
-    1/0.884 of the two passes' GPU time alone, results/h100_run6: the end-to-end choice is the
-    GPU call's to measure, `bench_fp8_linear.py`)."""
+    """With `fused_rowcol`: the 1x128 and the 128x1 (transposed) Triton kernels one after the
+    other (`ROWCOL_DEFAULT`, ``JETRL_FP8_ROWCOL=two_pass``) instead of the fused one
+    (``JETRL_FP8_ROWCOL=fused``): the same codes and scales, one more launch a tensor."""
 
 
 def plan_key(
@@ -79,8 +86,9 @@ def plan_key(
 
 
 def rowcol_two_pass() -> bool:
-    """``$JETRL_FP8_ROWCOL``: ``fused`` (default) or ``two_pass`` (read when a layer plans)."""
-    value = os.environ.get(ENV_ROWCOL, "fused").strip().lower()
+    """``$JETRL_FP8_ROWCOL``: ``two_pass`` or ``fused`` (unset: `ROWCOL_DEFAULT`; read when a
+    layer plans)."""
+    value = os.environ.get(ENV_ROWCOL, ROWCOL_DEFAULT).strip().lower()
     if value not in ("fused", "two_pass"):
         raise ValueError(f"environment variable {ENV_ROWCOL} is {value!r}; use fused or two_pass")
     return value == "two_pass"

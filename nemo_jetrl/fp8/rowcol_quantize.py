@@ -64,8 +64,9 @@ ROWCOL_TILE = RowcolTile(warps=8, chunk=128, stages=1)
 """The launch `quantize_rowcol_triton` uses: whole tiles in registers, 8 warps. On the H200
 (8192 x 4096, run 8's sweep) it moved 34% of a bf16 copy's bandwidth (36% in run 7), 32-row
 chunks pipelined at 2 stages 24% (122 registers, two programs per SM, and still slower), 16
-warps 28%. Two separate passes took 0.66-0.70 of the chunked launch's time (run 8): about even
-with this one, and both far from a copy's bandwidth (issue 48's quantizer gap)."""
+warps 28%. Two separate passes at their own fastest tiles took 32.9 + 41.9 us against this
+launch's 107.7 us, so the training linear runs two passes unless ``JETRL_FP8_ROWCOL=fused``
+(`linear_plan.ROWCOL_DEFAULT`)."""
 
 
 def quantize_rowcol_reference(

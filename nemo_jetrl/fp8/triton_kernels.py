@@ -101,8 +101,9 @@ def _scale_buffer(
         return torch.empty(mb, kb, dtype=torch.float32, device=device)
     if layout == "mn_major":
         pad = -(-mb // 4) * 4
-        # zero padding (as layouts.py writes it); the kernel fills the [kb, mb] part
-        alloc = torch.empty if kernel_pads else torch.zeros
+        # zero padding (as layouts.py writes it); the kernel fills the [kb, mb] part, which is
+        # all of it at mb % 4 == 0 (a fill kernel there would write what the kernel overwrites)
+        alloc = torch.empty if kernel_pads or pad == mb else torch.zeros
         return alloc(kb, pad, dtype=torch.float32, device=device)[:, :mb].t()
     raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
 

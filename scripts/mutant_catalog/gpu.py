@@ -324,3 +324,35 @@ MUTANTS += [
         ("tests/fp8/test_split_gemm.py::test_weight_through_a_tma_descriptor_gives_the_same_bits",),
     ),
 ]
+
+# ---- the training linear's rowcol mode (two passes measured faster, `linear_plan.ROWCOL_DEFAULT`)
+# and the MN-major scale buffer a quantizer pass fills whole at M % 4 == 0 (no fill kernel)
+MUTANTS += [
+    Mutant(
+        "the training linear's rowcol default back to the fused kernel (measured slower on GPUs)",
+        "nemo_jetrl/fp8/linear_plan.py",
+        'ROWCOL_DEFAULT = "two_pass"\n',
+        'ROWCOL_DEFAULT = "fused"\n',
+        (
+            "tests/fp8/test_fp8_linear_plan.py::test_two_pass_rowcol_gives_the_fused_kernels_step"
+            "_bits[compact]",
+        ),
+    ),
+    Mutant(
+        "MN-major scale buffers zero-filled at M % 4 == 0 too (a fill kernel per quantization)",
+        "nemo_jetrl/fp8/triton_kernels.py",
+        "alloc = torch.empty if kernel_pads or pad == mb else torch.zeros",
+        "alloc = torch.empty if kernel_pads else torch.zeros",
+        (
+            "tests/fp8/test_linear_host_budget.py::test_one_forward_and_backward_stay_within_the"
+            "_host_budget[two_pass]",
+        ),
+    ),
+    Mutant(
+        "MN-major scale buffers never zero-filled (the padding rows hold garbage at M % 4 != 0)",
+        "nemo_jetrl/fp8/triton_kernels.py",
+        "alloc = torch.empty if kernel_pads or pad == mb else torch.zeros",
+        "alloc = torch.empty",
+        ("tests/fp8/test_fp8_golden_tails.py::test_triton_kernel_bit_exact",),
+    ),
+]

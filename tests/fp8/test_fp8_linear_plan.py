@@ -204,9 +204,10 @@ def test_a_scaled_mm_plan_hands_cublaslt_its_layouts_without_per_call_copies(
 
 @pytest.mark.parametrize("layout", ["compact", "mn_major"])
 def test_two_pass_rowcol_gives_the_fused_kernels_step_bits(cuda_path, monkeypatch, layout):
-    """``JETRL_FP8_ROWCOL=two_pass`` (the 1x128 then the transposed 128x1 Triton kernel, for the
-    GPU call to time against the fused one) gives the fused kernel's step bit for bit, in both
-    scale layouts; a bad value is refused by name when the layer plans."""
+    """``JETRL_FP8_ROWCOL=two_pass`` (the 1x128 then the transposed 128x1 Triton kernel) gives
+    the fused kernel's (``fused``) step bit for bit, in both scale layouts; unset, it is the
+    default (`linear_plan.ROWCOL_DEFAULT`, measured faster on GPUs); a bad value is refused by
+    name when the layer plans."""
     from nemo_jetrl.fp8 import linear_plan
 
     monkeypatch.setenv(gemm_backends.ENV_GEMM_BACKEND, "reference")
@@ -218,6 +219,7 @@ def test_two_pass_rowcol_gives_the_fused_kernels_step_bits(cuda_path, monkeypatc
     monkeypatch.setattr(
         linear, "quantize_rowcol_triton", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
+    monkeypatch.setenv(linear_plan.ENV_ROWCOL, "fused")
     fused = _layer()
     want = [_step(fused).detach(), _step.last_dx, fused.weight.grad, fused.bias.grad]
     assert fused.fp8_state.plan.x_layout == layout and calls == [1, 1]  # x, then dy
@@ -227,6 +229,10 @@ def test_two_pass_rowcol_gives_the_fused_kernels_step_bits(cuda_path, monkeypatc
     assert layer.fp8_state.plan.two_pass_rowcol and calls == [1, 1]  # the fused kernel not again
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    monkeypatch.delenv(linear_plan.ENV_ROWCOL)
+    layer = _layer()
+    _step(layer)
+    assert layer.fp8_state.plan.two_pass_rowcol and calls == [1, 1]  # the default: two passes
     monkeypatch.setenv(linear_plan.ENV_ROWCOL, "both")
     with pytest.raises(ValueError, match="JETRL_FP8_ROWCOL is 'both'; use fused or two_pass"):
         _step(_layer())
