@@ -114,7 +114,7 @@ def test_local_grpo_runs_every_recipe_on_cpu(bench, tmp_path, capsys):
         assert rows[r]["gen_kl_max"] == 0.0
     assert rows["fp8_rollout"]["mismatch"] > 0 and rows["fp8_rollout"]["exactly_on_policy"] == "-"
     for name, row in rows.items():
-        assert row["step_s"] > 0 and row["tokens_per_s"] > 0
+        assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["timed_steps"] == 1
         # the step's phases under NeMo-RL's names, within the step's wall time, and its CPU time
         phases = row["phases_s"]
         assert {"generation", "policy_training", "prepare_for_generation"} <= set(phases), name
@@ -136,17 +136,17 @@ def test_cost_of_exactness_is_resolved_only_by_timed_steps_that_do_not_overlap(b
     steps differed by 1.6x: the line now says whether 3+ timed steps a recipe separate it."""
     module = bench("bench_local_grpo")
 
-    def row(recipe, lo, hi, steps=5):  # type: ignore[no-untyped-def]
+    def row(recipe, lo, hi, timed=3):  # type: ignore[no-untyped-def]
         mid = (lo + hi) / 2
         return {"model": "m", "recipe": recipe, "step_s": mid, "step_range_s": [lo, hi],
-                "tokens_per_s": 100 / mid, "steps": steps}  # fmt: skip
+                "tokens_per_s": 100 / mid, "timed_steps": timed}  # fmt: skip
 
     (apart,) = module.exactness_cost([row("jetrl", 1.2, 1.3), row("jetrl@fast", 1.0, 1.1)])
     assert apart.endswith("timed steps 1.200-1.300 s vs 1.000-1.100 s: resolved"), apart
     assert "1.19x the step time" in apart  # 1.25 / 1.05
     (overlap,) = module.exactness_cost([row("jetrl", 1.05, 1.3), row("jetrl@fast", 1.0, 1.1)])
     assert overlap.endswith("not resolved (3 timed steps, ranges overlap)"), overlap
-    one = module.exactness_cost([row("jetrl", 3.67, 3.67, 3), row("jetrl@fast", 3.1, 3.1, 3)])
+    one = module.exactness_cost([row("jetrl", 3.67, 3.67, 1), row("jetrl@fast", 3.1, 3.1, 5)])
     assert one[0].endswith("not resolved (1 timed steps, ranges apart)"), one
     assert module.exactness_cost([row("jetrl", 1.0, 1.1)]) == []  # no jetrl@fast: no line
 

@@ -230,7 +230,7 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
         "mismatch": tmpe - 1.0, "step_s": st, "step_range_s": [min(times), max(times)],
         "tokens_per_s": toks / st,
         "invariant_ops_share": timer.seconds / last if last > 0 else float("nan"), "steps": n,
-        "phases_s": phases, "cpu_s": cpu,
+        "timed_steps": len(times), "phases_s": phases, "cpu_s": cpu,
     }  # fmt: skip
 
 
@@ -266,7 +266,7 @@ def exactness_cost(rows: list[dict]) -> list[str]:
             continue
         ratio = exact["step_s"] / fast["step_s"]
         (e_lo, e_hi), (f_lo, f_hi) = exact["step_range_s"], fast["step_range_s"]
-        timed = min(_timed(exact), _timed(fast))
+        timed = min(exact["timed_steps"], fast["timed_steps"])
         apart = e_lo > f_hi or e_hi < f_lo
         verdict = (
             "resolved" if apart and timed >= MIN_TIMED_STEPS
@@ -285,10 +285,6 @@ def _timed_steps(n: int) -> list[int]:
     """The steps a run of ``n`` times: after the first (compiles, warms up), before the last
     (instrumented); with fewer than 3 steps, the last."""
     return list(range(2, n)) if n >= 3 else [n]
-
-
-def _timed(row: dict) -> int:
-    return len(_timed_steps(row["steps"]))
 
 
 def _write(path: str | None, rows: list[dict]) -> None:
