@@ -110,9 +110,17 @@ def load_mutants(path: Path = REPO / "scripts" / "mutants.py") -> list[Mutant]:
     return [*mod.CONTROLS, *mod.MUTANTS]
 
 
-def module_name(rel: str) -> str:  # scripts/ are imported from that folder, by their own name
+# Folders whose files are imported by their own name, that folder on sys.path (the scripts; the
+# benchmarks through tests/gpu_bench_fixtures.py's `bench` fixture).
+FLAT_IMPORT_DIRS = ("scripts/", "benchmarks/gpu/")
+
+
+def module_name(rel: str) -> str:
+    """The name ``rel`` (a repository path) is imported by in the tests."""
     name = rel.removesuffix(".py").removesuffix("/__init__")
-    return name.removeprefix("scripts/") if name.startswith("scripts/") else name.replace("/", ".")
+    for folder in FLAT_IMPORT_DIRS:
+        name = name.removeprefix(folder)
+    return name.replace("/", ".")
 
 
 def mutate_text(text: str, m: Mutant) -> str:

@@ -71,10 +71,12 @@ def test_the_planted_no_op_is_equivalent_not_killed() -> None:
     assert mc.is_noop(text, mc.mutate_text(text, noop))
     with pytest.raises(ValueError, match="occurs 0 times"):
         mc.mutate_text("x = 1\n", noop)
-    # a shell script compares as text; scripts/ are imported by their own name
+    # a shell script compares as text; scripts/ and benchmarks/gpu/ are imported by their own name
     assert mc.is_noop("a=1\n", "a=1\n", python=False) and not mc.is_noop("a=1", "a=2", False)
     assert mc.module_name("scripts/census_cache.py") == "census_cache"
     assert mc.module_name("nemo_jetrl/fp8/__init__.py") == "nemo_jetrl.fp8"
+    assert mc.module_name("benchmarks/gpu/bench_local_grpo.py") == "bench_local_grpo"
+    assert mc.module_name("scripts/mutant_catalog/gpu.py") == "mutant_catalog.gpu"
 
 
 MOD = "def clip(x, lo, hi):\n    return min(max(x, lo), hi)\n\n\ndef pad(n):\n    return n + 1\n"
