@@ -360,6 +360,7 @@ MUTANTS += [
 # ---- the benchmarks' verdicts (imported by name from benchmarks/gpu/, `bench` fixture)
 T_DENSE = "tests/test_bench_fp8_dense_cpu.py::"
 T_SCRIPTS = "tests/test_bench_scripts_cpu.py::"
+T_TARGETS = "tests/fp8/test_fp8_linear_bench_targets.py::"
 MUTANTS += [
     Mutant(
         "cost of exactness: overlapping timed-step ranges called apart",
@@ -394,13 +395,13 @@ MUTANTS += [
         "benchmarks/gpu/bench_fp8_linear.py",
         'lambda r: r["host_ms"] < r["gpu_ms"],',
         'lambda r: r["host_ms"] <= r["gpu_ms"],',
-        (T_DENSE + "test_fp8_linear_targets_say_met_not_met_or_not_measured",),
+        (T_TARGETS + "test_each_target_names_the_rows_short_of_it",),
     ),
     Mutant(
         "the linear targets judged on whatever rows ran (a partial run MET)",
         "benchmarks/gpu/bench_fp8_linear.py",
         "if not want <= got:",
         "if not got:",
-        (T_DENSE + "test_fp8_linear_targets_say_met_not_met_or_not_measured",),
+        (T_TARGETS + "test_partial_runs_are_not_measured",),
     ),
 ]

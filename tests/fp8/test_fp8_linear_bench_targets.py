@@ -49,6 +49,10 @@ def test_each_target_names_the_rows_short_of_it(bench):
     assert "in CUDA graphs (graph_linear) fwd+bwd >= 1.3x BF16" in lines[3]
     assert "Llama-3.1-8B o_proj 1.20x (1.04x for BF16 graphed itself)" in lines[3]
     assert "qkv_proj" not in " ".join(lines)
+    # host time equal to the GPU's is not below it: the GPU would wait
+    even = bench.target_summary(_rows(bench, down_proj={"host_ms": 1.0, "gpu_ms": 1.0}))[1]
+    assert even.endswith("NOT MET (Llama-3.1-8B down_proj host 1.00 ms vs GPU 1.00 ms; "
+                         "Qwen3-8B-Base down_proj host 1.00 ms vs GPU 1.00 ms)"), even  # fmt: skip
 
 
 def test_partial_runs_are_not_measured(bench):
