@@ -49,6 +49,7 @@ def ptxas_usage(ptx: str | None) -> tuple[int | None, int | None]:
     import hashlib
     import subprocess
     import tempfile
+    import threading
 
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -70,7 +71,9 @@ def ptxas_usage(ptx: str | None) -> tuple[int | None, int | None]:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     usage = (int(regs[1]) if regs else None), (int(spills[1]) + int(spills[2]) if spills else 0)
     kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = kept.with_suffix(f".{os.getpid()}.tmp")  # concurrent censuses: whole files only
+    # whole files only, for concurrent censuses and for this one's ptxas threads: two kernels
+    # with the same PTX ran ptxas at once here and shared one temporary file (FileNotFoundError)
+    tmp = kept.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(usage))
     os.replace(tmp, kept)
     return usage

@@ -375,3 +375,20 @@ def test_ptxas_usage_is_kept_per_ptx_text_and_read_back(tmp_path, monkeypatch):
         f.write_text("[201, 64]")
     assert usage(_TINY_PTX.replace("VALUE", "7")) == (201, 64) and len(runs) == 2
     assert usage(None) == (None, None)
+
+
+def test_ptxas_usage_of_one_text_on_many_threads_at_once(tmp_path, monkeypatch):
+    """The census runs ptxas on a thread pool, and two kernels can share one PTX text: threads
+    that run it at once each keep a whole file (they shared one temporary name, and the second
+    `os.replace` raised FileNotFoundError on a cold cache)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    census = _census_module()
+    for attempt in range(6):  # a cold cache each time: the threads race to write one answer
+        kept = tmp_path / f"kept{attempt}"
+        monkeypatch.setenv(census.sm90_ptx.PTXAS_CACHE_VAR, str(kept))
+        with ThreadPoolExecutor(8) as pool:
+            texts = [_TINY_PTX.replace("VALUE", "5")] * 8
+            got = list(pool.map(census.sm90_ptx.ptxas_usage, texts))
+        assert len(set(got)) == 1 and got[0][0] is not None and got[0][0] > 0, got
+        assert [f.suffix for f in kept.iterdir()] == [".json"]

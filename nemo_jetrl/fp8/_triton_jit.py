@@ -55,13 +55,18 @@ def quantize_kernel(
     IN_BF16: tl.constexpr,
     CHUNK: tl.constexpr,
     STAGES: tl.constexpr,
+    TRANS: tl.constexpr = False,
 ):
     # One program quantizes a TM x TK tile made of whole blocks:
     # MODE 0: TM rows x 128 (one 1x128 block per row); 1: one 128x128 block;
-    # 2: 128 x TK (one 128x1 block per column; `_quantize_cols`, CHUNK and STAGES its own).
-    # Rows M..M_OUT-1 (M_OUT >= M: a GEMM's row padding, mode 0 only) are stored as the
+    # 2: 128 x TK (one 128x1 block per column; `_quantize_cols`, CHUNK, STAGES and TRANS its
+    # own). Rows M..M_OUT-1 (M_OUT >= M: a GEMM's row padding, mode 0 only) are stored as the
     # quantized zero rows they load as: codes 0, scale 1.
-    if MODE == 2:
+    if MODE == 2 and TRANS:
+        _quantize_cols_transposed(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm,
+                                  sqk, ssm, ssk, WRITE_T, FLAG, TM, TK, FMAX, MAXV, EPS, POW2,
+                                  MANT, BIAS, NATIVE, FP8, IN_BF16)  # fmt: skip
+    elif MODE == 2:
         _quantize_cols(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, sqk, ssm, ssk,
                        WRITE_T, FLAG, TM, TK, CHUNK, STAGES, FMAX, MAXV, EPS, POW2, MANT, BIAS,
                        NATIVE, FP8, IN_BF16)  # fmt: skip
@@ -146,6 +151,35 @@ def _quantize_cols(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, s
             x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
             q = quantize_values(to_fp32(x, IN_BF16), scale[None, :], FMAX, MANT, BIAS, NATIVE, FP8)
             _store_cols(q_ptr, qt_ptr, q, rows, cols, mask, M, sqm, sqk, WRITE_T)
+    tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cmask)
+    flag_non_finite(flag_ptr, sinv, FLAG)
+
+
+@triton.jit
+def _quantize_cols_transposed(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, sqk,
+                              ssm, ssk, WRITE_T: tl.constexpr, FLAG: tl.constexpr,
+                              TM: tl.constexpr, TK: tl.constexpr, FMAX: tl.constexpr,
+                              MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                              MANT: tl.constexpr, BIAS: tl.constexpr, NATIVE: tl.constexpr,
+                              FP8: tl.constexpr, IN_BF16: tl.constexpr):  # fmt: skip
+    # MODE 2 with TRANS: the 128 x TK tile is transposed as it arrives (the raw 16-bit input:
+    # one shared-memory round trip of 2 bytes an element) into TK rows of 128, so each 128x1
+    # block is a row quantized as the 1x128 kernel quantizes one (a reduction inside a warp,
+    # no cross-warp amax), and the [K, M] output (the trainer's WGrad operand) is stored row by
+    # row, contiguous. The same values, amax and rounding as `_quantize_cols`: the same bits.
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    cols = pid_k.to(tl.int64) * TK + tl.arange(0, TK)
+    rows = pid_m.to(tl.int64) * TM + tl.arange(0, TM)
+    cmask = cols < K
+    mask = (rows < M)[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+    q, sinv = quantize_blocks(to_fp32(tl.trans(x), IN_BF16), ROWS, FMAX, MAXV, EPS, POW2, MANT,
+                              BIAS, NATIVE, FP8)  # fmt: skip
+    tmask = cmask[:, None] & (rows < M)[None, :]  # built directly: no transpose of an i1
+    tl.store(q_ptr + cols[:, None] * sqk + rows[None, :] * sqm, q, mask=tmask)
+    if WRITE_T:  # the same codes again as a contiguous [K, M]
+        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], q, mask=tmask)
     tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cmask)
     flag_non_finite(flag_ptr, sinv, FLAG)
 

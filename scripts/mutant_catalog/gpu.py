@@ -405,3 +405,21 @@ MUTANTS += [
         (T_TARGETS + "test_partial_runs_are_not_measured",),
     ),
 ]
+
+# ---- the census's ptxas answers kept by whole files from its thread pool
+MUTANTS += [
+    Mutant(
+        "ptxas answers written through one temporary name per process (threads collide)",
+        "scripts/sm90_ptx.py",
+        'tmp = kept.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")',
+        'tmp = kept.with_suffix(f".{os.getpid()}.tmp")',
+        ("tests/test_sm90_census.py::test_ptxas_usage_of_one_text_on_many_threads_at_once",),
+    ),
+    Mutant(
+        "128x1 transposed-first tile: rows past M load as a huge value (it sets the amax)",
+        "nemo_jetrl/fp8/_triton_jit.py",
+        "mask=mask, other=0.0)\n    q, sinv = quantize_blocks(to_fp32(tl.trans(x)",
+        "mask=mask, other=32512)\n    q, sinv = quantize_blocks(to_fp32(tl.trans(x)",
+        ("tests/fp8/test_triton_kernels.py::test_128x1_tiles_give_the_same_bits",),
+    ),
+]

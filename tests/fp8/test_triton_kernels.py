@@ -125,9 +125,11 @@ def test_random_ragged_bit_exact(dtype, fmt, pow2, block):
     assert_same(got, want, f"{dtype} {fmt} pow2={pow2} {block}")
 
 
-# 128x1 launches: the GPU's whole tile (run 8's fastest), a 32-row chunked tile at 2 stages, and a
-# 16-row one at 3 (the sweep's other shapes); a tile is a speed choice and must change no bit.
-COLUMN_TILES = [(128, 64, 4), (128, 64, 4, 32, 2), (128, 64, 4, 16, 3)]
+# 128x1 launches: the GPU's whole tile (run 8's fastest), a 32-row chunked tile at 2 stages, a
+# 16-row one at 3, and whole tiles transposed as they arrive (TRANS; the sweep's other shapes): a
+# tile is a speed choice and must change no bit.
+COLUMN_TILES = [(128, 64, 4), (128, 64, 4, 32, 2), (128, 64, 4, 16, 3), (128, 64, 4, 128, 1, True),
+                (128, 128, 8, 128, 1, True)]  # fmt: skip
 
 
 @pytest.mark.parametrize("tile", COLUMN_TILES, ids=lambda t: "x".join(map(str, t)))
