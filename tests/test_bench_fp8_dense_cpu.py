@@ -61,7 +61,8 @@ def test_fp8_linear_times_both_rowcol_modes(bench, monkeypatch):
     import nemo_jetrl.fp8.linear as lin_mod
     from nemo_jetrl.fp8 import dispatch, finite_flags, triton_kernels
 
-    module = bench("bench_fp8_linear")
+    module = bench("_fp8_linear_layers")  # bench_fp8_linear's rowcol step and ratio
+    assert bench("bench_fp8_linear").rowcol_step is module.rowcol_step
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(128, 256, generator=g).bfloat16(), torch.randn(128, 256, generator=g)
     dy = torch.randn(128, 128, generator=g).bfloat16()

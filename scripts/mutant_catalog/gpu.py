@@ -385,7 +385,7 @@ MUTANTS += [
     ),
     Mutant(
         "two_pass/fused inverted (the fused kernel's time over the two passes')",
-        "benchmarks/gpu/bench_fp8_linear.py",
+        "benchmarks/gpu/_fp8_linear_layers.py",
         'return bench(modes["two_pass"]) / bench(modes["fused"])',
         'return bench(modes["fused"]) / bench(modes["two_pass"])',
         (T_DENSE + "test_fp8_linear_times_both_rowcol_modes",),
