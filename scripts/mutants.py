@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutant_catalog import (
     audit,
+    benchmarks,
     check_cli,
     ci,
     cluster,
@@ -35,6 +36,7 @@ MUTANTS = [
     *engines.MUTANTS,
     *audit.MUTANTS,
     *gpu.MUTANTS,
+    *benchmarks.MUTANTS,
     *ci.MUTANTS,
     *local_runs.MUTANTS,
     *check_cli.MUTANTS,

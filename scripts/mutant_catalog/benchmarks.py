@@ -1,0 +1,54 @@
+"""The benchmark scripts' verdicts (benchmarks/gpu/, imported by name through the tests' `bench`
+fixture): what they call MET, NOT MET or resolved from the rows a GPU run measures."""
+
+from __future__ import annotations
+
+from mutation_check import Mutant
+
+T_DENSE = "tests/test_bench_fp8_dense_cpu.py::"
+T_SCRIPTS = "tests/test_bench_scripts_cpu.py::"
+T_TARGETS = "tests/fp8/test_fp8_linear_bench_targets.py::"
+MUTANTS = [
+    Mutant(
+        "cost of exactness: overlapping timed-step ranges called apart",
+        "benchmarks/gpu/bench_local_grpo.py",
+        "apart = e_lo > f_hi or e_hi < f_lo",
+        "apart = e_lo >= f_lo or e_hi < f_lo",
+        (T_SCRIPTS + "test_cost_of_exactness_is_resolved_only_by_timed_steps_that_do_not_overlap",),
+    ),
+    Mutant(
+        "cost of exactness resolved from one timed step a recipe",
+        "benchmarks/gpu/bench_local_grpo.py",
+        "MIN_TIMED_STEPS = 3 ",
+        "MIN_TIMED_STEPS = 1 ",
+        (T_SCRIPTS + "test_cost_of_exactness_is_resolved_only_by_timed_steps_that_do_not_overlap",),
+    ),
+    Mutant(
+        "an exact recipe off on some step still called exactly on-policy",
+        "benchmarks/gpu/bench_local_grpo.py",
+        'return "MET" if row["exact_every_step"] else "NOT MET"',
+        'return "MET"',
+        (T_SCRIPTS + "test_local_grpo_reports_a_failed_or_off_policy_run_and_runs_the_rest",),
+    ),
+    Mutant(
+        "two_pass/fused inverted (the fused kernel's time over the two passes')",
+        "benchmarks/gpu/_fp8_linear_layers.py",
+        'return bench(modes["two_pass"]) / bench(modes["fused"])',
+        'return bench(modes["fused"]) / bench(modes["two_pass"])',
+        (T_DENSE + "test_fp8_linear_times_both_rowcol_modes",),
+    ),
+    Mutant(
+        "the host target met at host time equal to the GPU's",
+        "benchmarks/gpu/bench_fp8_linear.py",
+        'lambda r: r["host_ms"] < r["gpu_ms"],',
+        'lambda r: r["host_ms"] <= r["gpu_ms"],',
+        (T_TARGETS + "test_each_target_names_the_rows_short_of_it",),
+    ),
+    Mutant(
+        "the linear targets judged on whatever rows ran (a partial run MET)",
+        "benchmarks/gpu/bench_fp8_linear.py",
+        "if not want <= got:",
+        "if not got:",
+        (T_TARGETS + "test_partial_runs_are_not_measured",),
+    ),
+]
