@@ -162,11 +162,12 @@ def _quantize_cols_transposed(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, 
                               MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
                               MANT: tl.constexpr, BIAS: tl.constexpr, NATIVE: tl.constexpr,
                               FP8: tl.constexpr, IN_BF16: tl.constexpr):  # fmt: skip
-    # MODE 2 with TRANS: the 128 x TK tile is transposed as it arrives (the raw 16-bit input:
-    # one shared-memory round trip of 2 bytes an element) into TK rows of 128, so each 128x1
-    # block is a row quantized as the 1x128 kernel quantizes one (a reduction inside a warp,
-    # no cross-warp amax), and the [K, M] output (the trainer's WGrad operand) is stored row by
-    # row, contiguous. The same values, amax and rounding as `_quantize_cols`: the same bits.
+    # MODE 2 with TRANS: the 128 x TK tile is transposed as it arrives into TK rows of 128, so
+    # each 128x1 block is a row quantized as the 1x128 kernel quantizes one, and the [K, M]
+    # output (the trainer's WGrad operand) is stored row by row, contiguous. Where the layout
+    # conversion lands is the compiler's choice: for the [K, M] output Triton 3.6 moves it to
+    # the FP8 codes, as for `_quantize_cols` (docs/gpu_fast_path.md). The same values, amax and
+    # rounding as `_quantize_cols`: the same bits.
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
     cols = pid_k.to(tl.int64) * TK + tl.arange(0, TK)
