@@ -177,6 +177,9 @@ def compile_all(calls: list[dict]) -> list[dict]:
                 row["shared"] = found["shared"]
                 row["mma"] = None if ptx is None else sorted(set(sm90_ptx.MMA.findall(ptx)))
                 row["arith"] = None if ptx is None else dict(Counter(sm90_ptx.ARITH.findall(ptx)))
+                row["shared_byte_accesses"] = (
+                    None if ptx is None else len(sm90_ptx.SHARED_BYTE_ACCESS.findall(ptx))
+                )
                 row["byte_accesses"] = (
                     None if ptx is None else len(sm90_ptx.BYTE_ACCESS.findall(ptx))
                 )
@@ -234,6 +237,9 @@ def problems(rows: list[dict]) -> list[str]:
             )
         if r.get("byte_accesses"):
             out.append(f"{r['byte_accesses']} global loads/stores of one or two bytes: {where}")
+        if r["consts"].get("PACK") and r.get("shared_byte_accesses"):
+            out.append(f"{r['shared_byte_accesses']} shared-memory byte accesses in a packed-word "
+                       f"kernel: {where}")  # fmt: skip
         loose = sm90_ptx.unrounded(r["arith"])
         if r["kernel"] in UNFUSED and (r["options"].get("enable_fp_fusion", True) or loose):
             out.append(f"fusable arithmetic (enable_fp_fusion not False, or {loose} add/sub/mul "

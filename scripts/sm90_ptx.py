@@ -28,6 +28,13 @@ BYTE_ACCESS = re.compile(
     r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.global(?:\.(?!v\d)[a-zA-Z][\w:]*)*(?:\.v2)?\.[bsu]8\b", re.M
 )
 
+# A shared-memory load or store of one byte: a layout conversion of FP8 codes moved a byte at a
+# time (the 128x1 quantizer's transposed output, 64 a thread at (128, 64, 4) on Triton 3.6); the
+# packed-word kernels (`_triton_jit._quantize_cols_packed`) must have none.
+SHARED_BYTE_ACCESS = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.shared(?:\.(?!v\d)[a-zA-Z][\w:]*)*(?:\.v\d)?\.[bsu]8\b", re.M
+)
+
 # cp.async: a load Triton's pipeliner issues ahead of its use into shared memory (num_stages > 1);
 # a loop's loads without it wait for memory in every iteration.
 ASYNC_COPY = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.c[ag]\.shared", re.M)

@@ -267,6 +267,11 @@ def test_the_checks_fail_on_planted_rows():
     assert census.sm90_ptx.unrounded({"sub.f32": 3, "mul.ftz.f32": 2, "sub.rz.f32": 5}) == 5
     bytewise = dict(ok, kernel="quantize_tokens_kernel", byte_accesses=32)
     assert "32 global loads/stores of one or two bytes" in census.problems([bytewise])[0]
+    # the packed-word 128x1 kernel moves words through shared memory; the others may move bytes
+    packed = dict(ok, kernel="quantize_kernel", consts={"MODE": 2, "PACK": True},
+                  shared_byte_accesses=64)  # fmt: skip
+    assert "64 shared-memory byte accesses in a packed-word kernel" in census.problems([packed])[0]
+    assert census.problems([dict(packed, consts={"MODE": 2, "PACK": False})]) == []
 
 
 def census_triton():
@@ -288,6 +293,11 @@ def test_byte_accesses_are_counted_in_ptx():
     found = census.sm90_ptx.BYTE_ACCESS
     assert [bool(found.search(t)) for t in narrow + wide] == [True] * 4 + [False] * 4
     assert len(found.findall("\n".join(narrow + wide))) == 4
+    shared = census.sm90_ptx.SHARED_BYTE_ACCESS  # as Triton 3.6 writes the 128x1 transpose
+    lines = ("\tst.shared.b8 [%r5+1024], %rs3;", "\t@%p1 ld.shared.b8 %rs1, [%r1];",
+             "\tst.shared.b32 [%r5], %r7;", "\tst.shared.v4.b32 [%r2], {%r1, %r2, %r3, %r4};",
+             "\tst.global.b8 [%rd1], %rs1;")  # fmt: skip
+    assert [bool(shared.search(t)) for t in lines] == [True, True, False, False, False]
 
 
 @pytest.mark.slow

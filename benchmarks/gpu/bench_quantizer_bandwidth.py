@@ -65,15 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
 # census compiles them all): 1x128 at (64, 128, 4) spilled 8 bytes and the fused kernel at 4
 # warps 992 bytes at 255 registers (ptxas 3.6 for sm_90a), so those two are not candidates.
 # 128x1: (TM, TK, warps) hold the 128 x TK tile whole; (..., CHUNK, STAGES) read it CHUNK rows at
-# a time, pipelined; (..., 128, 1, True) transpose the whole tile as it arrives and quantize its
-# rows (`triton_kernels._tile`; new since run 8).
+# a time, pipelined; (..., 128, 1, True) pack the transposed output four tokens a word before
+# the transpose (`triton_kernels._tile`; new since run 8, the trainer's layout only).
 _COLUMNWISE = ((128, 32, 4), (128, 64, 4), (128, 64, 4, 32, 2), (128, 128, 8, 32, 2),
-               (128, 64, 4, 16, 3), (128, 64, 4, 128, 1, True), (128, 128, 8, 128, 1, True))  # fmt: skip
+               (128, 64, 4, 16, 3))  # fmt: skip
+_PACKED = ((128, 64, 4, 128, 1, True), (128, 128, 8, 128, 1, True))
 TILE_CANDIDATES = {
     ((1, 128), False): ((16, 128, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8)),
     ((128, 128), False): ((128, 128, 4), (128, 128, 8)),
     ((128, 1), False): _COLUMNWISE,
-    ((128, 1), True): _COLUMNWISE,  # WGrad's operand, [K, M] (JETRL_FP8_ROWCOL=two_pass)
+    ((128, 1), True): _COLUMNWISE + _PACKED,  # WGrad's operand, [K, M] (the two-pass rowcol)
 }
 # Fused rowcol launches, (warps, chunk, programs_per_sm, stages) (`rowcol_quantize.RowcolTile`);
 # registers a thread (ptxas 3.6 for sm_90a): (8, 128) 249 (one program per SM; 36% of a copy on

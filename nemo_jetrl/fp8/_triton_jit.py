@@ -55,17 +55,17 @@ def quantize_kernel(
     IN_BF16: tl.constexpr,
     CHUNK: tl.constexpr,
     STAGES: tl.constexpr,
-    TRANS: tl.constexpr = False,
+    PACK: tl.constexpr = False,
 ):
     # One program quantizes a TM x TK tile made of whole blocks:
     # MODE 0: TM rows x 128 (one 1x128 block per row); 1: one 128x128 block;
-    # 2: 128 x TK (one 128x1 block per column; `_quantize_cols`, CHUNK, STAGES and TRANS its
+    # 2: 128 x TK (one 128x1 block per column; `_quantize_cols`, CHUNK, STAGES and PACK its
     # own). Rows M..M_OUT-1 (M_OUT >= M: a GEMM's row padding, mode 0 only) are stored as the
     # quantized zero rows they load as: codes 0, scale 1.
-    if MODE == 2 and TRANS:
-        _quantize_cols_transposed(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm,
-                                  sqk, ssm, ssk, WRITE_T, FLAG, TM, TK, FMAX, MAXV, EPS, POW2,
-                                  MANT, BIAS, NATIVE, FP8, IN_BF16)  # fmt: skip
+    if MODE == 2 and PACK:
+        _quantize_cols_packed(x_ptr, q_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqk, ssm, ssk, FLAG,
+                              TM, TK, FMAX, MAXV, EPS, POW2, MANT, BIAS, NATIVE, FP8,
+                              IN_BF16)  # fmt: skip
     elif MODE == 2:
         _quantize_cols(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, sqk, ssm, ssk,
                        WRITE_T, FLAG, TM, TK, CHUNK, STAGES, FMAX, MAXV, EPS, POW2, MANT, BIAS,
@@ -156,31 +156,35 @@ def _quantize_cols(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, s
 
 
 @triton.jit
-def _quantize_cols_transposed(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, sqk,
-                              ssm, ssk, WRITE_T: tl.constexpr, FLAG: tl.constexpr,
-                              TM: tl.constexpr, TK: tl.constexpr, FMAX: tl.constexpr,
-                              MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-                              MANT: tl.constexpr, BIAS: tl.constexpr, NATIVE: tl.constexpr,
-                              FP8: tl.constexpr, IN_BF16: tl.constexpr):  # fmt: skip
-    # MODE 2 with TRANS: the 128 x TK tile is transposed as it arrives into TK rows of 128, so
-    # each 128x1 block is a row quantized as the 1x128 kernel quantizes one, and the [K, M]
-    # output (the trainer's WGrad operand) is stored row by row, contiguous. Where the layout
-    # conversion lands is the compiler's choice: for the [K, M] output Triton 3.6 moves it to
-    # the FP8 codes, as for `_quantize_cols` (docs/gpu_fast_path.md). The same values, amax and
-    # rounding as `_quantize_cols`: the same bits.
+def _quantize_cols_packed(x_ptr, q_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqk, ssm, ssk,
+                          FLAG: tl.constexpr, TM: tl.constexpr, TK: tl.constexpr,
+                          FMAX: tl.constexpr, MAXV: tl.constexpr, EPS: tl.constexpr,
+                          POW2: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+                          NATIVE: tl.constexpr, FP8: tl.constexpr, IN_BF16: tl.constexpr):  # fmt: skip
+    # MODE 2 with PACK, the transposed [K, M] output only (M % 4 == 0; q_ptr its int32 words,
+    # sqk words a row): the columns quantized as in `_quantize_cols`, then each thread packs
+    # four tokens' codes of a column into one word before the transpose, so the layout change
+    # to [K, M] moves 32-bit words, not single bytes (the compiler moved `_quantize_cols`'s to
+    # the FP8 codes: 64 `st.shared.b8` a thread on sm_90). Tile row i is token r(i) =
+    # 4 (i % 16) + (i // 16) % 4 + 64 (i // 64): the rows one thread holds (16 apart in a
+    # 128-row tile loaded along K) are then 4 consecutive tokens. TM must be 128. The amax is a
+    # max over the same values, the codes the same: the same bits.
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
+    i = tl.arange(0, TM)
+    rows = pid_m.to(tl.int64) * TM + 4 * (i % 16) + (i // 16) % 4 + 64 * (i // 64)
     cols = pid_k.to(tl.int64) * TK + tl.arange(0, TK)
-    rows = pid_m.to(tl.int64) * TM + tl.arange(0, TM)
     cmask = cols < K
     mask = (rows < M)[:, None] & cmask[None, :]
     x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
-    q, sinv = quantize_blocks(to_fp32(tl.trans(x), IN_BF16), ROWS, FMAX, MAXV, EPS, POW2, MANT,
-                              BIAS, NATIVE, FP8)  # fmt: skip
-    tmask = cmask[:, None] & (rows < M)[None, :]  # built directly: no transpose of an i1
-    tl.store(q_ptr + cols[:, None] * sqk + rows[None, :] * sqm, q, mask=tmask)
-    if WRITE_T:  # the same codes again as a contiguous [K, M]
-        tl.store(qt_ptr + cols[:, None] * M + rows[None, :], q, mask=tmask)
+    q, sinv = quantize_blocks(to_fp32(x, IN_BF16), COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS,
+                              NATIVE, FP8)  # fmt: skip
+    q4 = tl.reshape(q.to(tl.int32), [2, 4, 16, TK])  # [i // 64, (i // 16) % 4, i % 16, col]
+    words = tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :, None, None], axis=1)  # disjoint bytes
+    word = pid_m.to(tl.int64) * (TM // 4) + 16 * tl.arange(0, 2)[:, None, None]
+    word = word + tl.arange(0, 16)[None, :, None]  # tokens 4 word .. 4 word + 3
+    wmask = (word < sqk) & cmask[None, None, :]  # sqk = M // 4: 4 words' mask provably equal
+    tl.store(q_ptr + cols[None, None, :] * sqk + word, words, mask=wmask)
     tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cmask)
     flag_non_finite(flag_ptr, sinv, FLAG)
 

@@ -133,11 +133,11 @@ def _raise_like_reference(x, block, f, pow2_scales, eps, name) -> None:
 
 @functools.cache
 def _tile(mode: int) -> tuple[int, ...]:
-    """(TM, TK, num_warps[, CHUNK, STAGES[, TRANS]]) per mode; bigger tiles under the interpreter
+    """(TM, TK, num_warps[, CHUNK, STAGES[, PACK]]) per mode; bigger tiles under the interpreter
     (fewer Python programs). CHUNK and STAGES (128x1 only; default TM and 1): the rows a program
-    loads at a time and its pipeline depth (`_triton_jit._quantize_cols`); TRANS (128x1 whole
-    tiles; default False): transpose the tile as it arrives and quantize its rows
-    (`_triton_jit._quantize_cols_transposed`). Decided once per process
+    loads at a time and its pipeline depth (`_triton_jit._quantize_cols`); PACK (128x1 whole
+    tiles, transposed output at M % 4 == 0; default False): four tokens' codes packed into a
+    word before the transpose (`_triton_jit._quantize_cols_packed`). Decided once per process
     (Triton fixes interpreter-or-compiler when it defines a kernel). Speed only: no tile changes
     a bit (`bench_quantizer_bandwidth.py --sweep-tiles` times the candidates on a GPU and checks
     each one's bits). 128x1 on the H200 (run 8, 8192 x 4096): the whole (128, 64, 4) tile 58% of
@@ -224,7 +224,8 @@ def quantize_blockwise_triton(
     mb, kb = -(-m // bm), -(-k // bk)
     mode = _MODE[block]
     tm, tk, warps, *more = _tile(mode)
-    chunk, stages, trans = (*more, *(tm, 1, False)[len(more) :])
+    chunk, stages, pack = (*more, *(tm, 1, False)[len(more) :])
+    pack = bool(pack) and transpose and m % 4 == 0  # words of 4 tokens (`_quantize_cols_packed`)
     if transpose:
         data_t = torch.empty(k, m, dtype=f.dtype, device=x.device)
         q_u8 = data_t.view(torch.uint8)
@@ -248,8 +249,10 @@ def quantize_blockwise_triton(
         write_t = transposed_copy is not None
         meta = launch_meta(f.name, x.dtype, native, eps, bool(pow2_scales), flag, warps,
                            MODE=mode, WRITE_T=write_t, TM=tm, TK=tk, CHUNK=chunk,
-                           STAGES=stages, TRANS=trans)  # fmt: skip
+                           STAGES=stages, PACK=pack)  # fmt: skip
         xs = x2.stride()
+        if pack:  # the [K, M] codes as int32 words, M // 4 a row
+            q_u8, sqk = data_t.view(torch.int32), m // 4
         args = (_bits_if_bf16(x2), q_u8, transposed_copy.view(torch.uint8) if write_t else q_u8,
                 s_view, nonfinite_flag if flag else s_view, m, m_out, k, xs[0], xs[1],
                 sqm, sqk, ssm, ssk)  # fmt: skip

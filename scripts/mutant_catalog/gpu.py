@@ -367,10 +367,26 @@ MUTANTS += [
         ("tests/test_sm90_census.py::test_ptxas_usage_of_one_text_on_many_threads_at_once",),
     ),
     Mutant(
-        "128x1 transposed-first tile: rows past M load as a huge value (it sets the amax)",
+        "128x1 packed words: rows past M load as a huge value (it sets the amax)",
         "nemo_jetrl/fp8/_triton_jit.py",
-        "mask=mask, other=0.0)\n    q, sinv = quantize_blocks(to_fp32(tl.trans(x)",
-        "mask=mask, other=32512)\n    q, sinv = quantize_blocks(to_fp32(tl.trans(x)",
+        "mask=mask, other=0.0)\n    q, sinv = quantize_blocks(to_fp32(x, IN_BF16), COLS, FMAX, MAXV, "
+        "EPS, POW2, MANT, BIAS,\n                              NATIVE, FP8)  # fmt: skip\n    q4",
+        "mask=mask, other=32512)\n    q, sinv = quantize_blocks(to_fp32(x, IN_BF16), COLS, FMAX, MAXV, "
+        "EPS, POW2, MANT, BIAS,\n                              NATIVE, FP8)  # fmt: skip\n    q4",
+        ("tests/fp8/test_triton_kernels.py::test_128x1_tiles_give_the_same_bits",),
+    ),
+    Mutant(
+        "128x1 packed words: the four tokens' bytes in reverse order",
+        "nemo_jetrl/fp8/_triton_jit.py",
+        "words = tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :, None, None], axis=1)",
+        "words = tl.sum(q4 << ((3 - tl.arange(0, 4)) * 8)[None, :, None, None], axis=1)",
+        ("tests/fp8/test_triton_kernels.py::test_128x1_tiles_give_the_same_bits",),
+    ),
+    Mutant(
+        "128x1 packed words: tile row i read as token i (the words hold tokens 16 apart)",
+        "nemo_jetrl/fp8/_triton_jit.py",
+        "rows = pid_m.to(tl.int64) * TM + 4 * (i % 16) + (i // 16) % 4 + 64 * (i // 64)",
+        "rows = pid_m.to(tl.int64) * TM + i",
         ("tests/fp8/test_triton_kernels.py::test_128x1_tiles_give_the_same_bits",),
     ),
 ]

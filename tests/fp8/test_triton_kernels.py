@@ -126,8 +126,8 @@ def test_random_ragged_bit_exact(dtype, fmt, pow2, block):
 
 
 # 128x1 launches: the GPU's whole tile (run 8's fastest), a 32-row chunked tile at 2 stages, a
-# 16-row one at 3, and whole tiles transposed as they arrive (TRANS; the sweep's other shapes): a
-# tile is a speed choice and must change no bit.
+# 16-row one at 3, and whole tiles whose transposed output is packed four tokens a word (PACK;
+# the sweep's other shapes): a tile is a speed choice and must change no bit.
 COLUMN_TILES = [(128, 64, 4), (128, 64, 4, 32, 2), (128, 64, 4, 16, 3), (128, 64, 4, 128, 1, True),
                 (128, 128, 8, 128, 1, True)]  # fmt: skip
 
@@ -138,12 +138,14 @@ def test_128x1_tiles_give_the_same_bits(monkeypatch, tile, transpose):
     from nemo_jetrl.fp8 import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "_tile", lambda mode: tile if mode == 2 else (16, 128, 4))
-    x = _random_input((200, 330), torch.bfloat16, seed=7)
-    want = quantize_blockwise(x, (128, 1), fmt="e4m3", pow2_scales=False)
-    got = _triton(x.to(DEVICE), (128, 1), pow2_scales=False, transpose=transpose)
-    # transposed: [K, M] data, 1x128 blocks along M (the trainer's WGrad operand)
-    assert_same(got, want.t() if transpose else want, f"128x1 tile {tile}")
-    assert got.data.is_contiguous() and got.block == ((1, 128) if transpose else (128, 1))
+    # 200 tokens: words of 4 where PACK applies; 203: PACK falls back to the byte layout
+    for m in (200, 203):
+        x = _random_input((m, 330), torch.bfloat16, seed=7)
+        want = quantize_blockwise(x, (128, 1), fmt="e4m3", pow2_scales=False)
+        got = _triton(x.to(DEVICE), (128, 1), pow2_scales=False, transpose=transpose)
+        # transposed: [K, M] data, 1x128 blocks along M (the trainer's WGrad operand)
+        assert_same(got, want.t() if transpose else want, f"128x1 tile {tile}, {m} tokens")
+        assert got.data.is_contiguous() and got.block == ((1, 128) if transpose else (128, 1))
 
 
 def test_every_fp8_rounding_boundary_matches_torch_cast():
