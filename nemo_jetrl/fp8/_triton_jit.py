@@ -130,10 +130,8 @@ def _quantize_cols(x_ptr, q_ptr, qt_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqm, s
     cmask = cols < K
     if CHUNK == TM:
         rows = pid_m.to(tl.int64) * TM + tl.arange(0, TM)
-        mask = (rows < M)[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
-        q, sinv = quantize_blocks(to_fp32(x, IN_BF16), COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS,
-                                  NATIVE, FP8)  # fmt: skip
+        q, sinv, mask = _quantize_col_tile(x_ptr, rows, cols, cmask, M, sxm, sxk, FMAX, MAXV,
+                                           EPS, POW2, MANT, BIAS, NATIVE, FP8, IN_BF16)  # fmt: skip
         _store_cols(q_ptr, qt_ptr, q, rows, cols, mask, M, sqm, sqk, WRITE_T)
     else:
         amax = tl.zeros([TK], dtype=tl.int32)
@@ -167,18 +165,17 @@ def _quantize_cols_packed(x_ptr, q_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqk, ss
     # to [K, M] moves 32-bit words, not single bytes (the compiler moved `_quantize_cols`'s to
     # the FP8 codes: 64 `st.shared.b8` a thread on sm_90). Tile row i is token r(i) =
     # 4 (i % 16) + (i // 16) % 4 + 64 (i // 64): the rows one thread holds (16 apart in a
-    # 128-row tile loaded along K) are then 4 consecutive tokens. TM must be 128. The amax is a
-    # max over the same values, the codes the same: the same bits.
+    # 128-row tile loaded along K) are then 4 consecutive tokens. The amax is a max over the
+    # same values, the codes the same: the same bits.
+    tl.static_assert(TM == 128, "the packed 128x1 tile's token permutation is 2 x 4 x 16 rows")
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
     i = tl.arange(0, TM)
     rows = pid_m.to(tl.int64) * TM + 4 * (i % 16) + (i // 16) % 4 + 64 * (i // 64)
     cols = pid_k.to(tl.int64) * TK + tl.arange(0, TK)
     cmask = cols < K
-    mask = (rows < M)[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
-    q, sinv = quantize_blocks(to_fp32(x, IN_BF16), COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS,
-                              NATIVE, FP8)  # fmt: skip
+    q, sinv, _ = _quantize_col_tile(x_ptr, rows, cols, cmask, M, sxm, sxk, FMAX, MAXV, EPS, POW2,
+                                    MANT, BIAS, NATIVE, FP8, IN_BF16)  # fmt: skip
     q4 = tl.reshape(q.to(tl.int32), [2, 4, 16, TK])  # [i // 64, (i // 16) % 4, i % 16, col]
     words = tl.sum(q4 << (tl.arange(0, 4) * 8)[None, :, None, None], axis=1)  # disjoint bytes
     word = pid_m.to(tl.int64) * (TM // 4) + 16 * tl.arange(0, 2)[:, None, None]
@@ -187,6 +184,20 @@ def _quantize_cols_packed(x_ptr, q_ptr, s_ptr, flag_ptr, M, K, sxm, sxk, sqk, ss
     tl.store(q_ptr + cols[None, None, :] * sqk + word, words, mask=wmask)
     tl.store(s_ptr + pid_m * ssm + cols * ssk, sinv, mask=cmask)
     flag_non_finite(flag_ptr, sinv, FLAG)
+
+
+@triton.jit
+def _quantize_col_tile(x_ptr, rows, cols, cmask, M, sxm, sxk, FMAX: tl.constexpr,
+                       MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                       MANT: tl.constexpr, BIAS: tl.constexpr, NATIVE: tl.constexpr,
+                       FP8: tl.constexpr, IN_BF16: tl.constexpr):  # fmt: skip
+    # Rows ``rows`` (in any order: a column's amax is a max) x columns ``cols`` read once and
+    # quantized as 128x1 blocks, one per column: (codes, scale_inv per column, the load mask).
+    mask = (rows < M)[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+    q, sinv = quantize_blocks(to_fp32(x, IN_BF16), COLS, FMAX, MAXV, EPS, POW2, MANT, BIAS,
+                              NATIVE, FP8)  # fmt: skip
+    return q, sinv, mask
 
 
 @triton.jit

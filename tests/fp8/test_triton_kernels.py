@@ -148,6 +148,17 @@ def test_128x1_tiles_give_the_same_bits(monkeypatch, tile, transpose):
         assert got.data.is_contiguous() and got.block == ((1, 128) if transpose else (128, 1))
 
 
+def test_a_packed_128x1_tile_must_be_128_tokens_tall(monkeypatch):
+    # the packed kernel's token permutation is 2 x 4 x 16 rows: another height would write
+    # codes to the wrong tokens, so it is refused when the kernel compiles
+    from nemo_jetrl.fp8 import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_tile", lambda mode: (64, 64, 4, 64, 1, True))
+    x = _random_input((200, 330), torch.bfloat16, seed=7)
+    with pytest.raises(Exception, match="2 x 4 x 16"):
+        _triton(x.to(DEVICE), (128, 1), pow2_scales=False, transpose=True)
+
+
 def test_every_fp8_rounding_boundary_matches_torch_cast():
     """All midpoints between adjacent FP8 values (and their fp32 neighbours) round like torch."""
     for f in (E4M3, E5M2):
