@@ -185,6 +185,9 @@ def compile_all(calls: list[dict]) -> list[dict]:
                 )
                 row["async_copies"] = None if ptx is None else len(sm90_ptx.ASYNC_COPY.findall(ptx))
                 row["tma_copies"] = None if ptx is None else len(sm90_ptx.TMA_COPY.findall(ptx))
+                row["l2_prefetches"] = (
+                    None if ptx is None else len(sm90_ptx.L2_PREFETCH.findall(ptx))
+                )
                 row["ptx"] = ptx  # ptxas -v below, all kernels at once
         row["workloads"].add(call["workload"])
         for n, a in ints.items():

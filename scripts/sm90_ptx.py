@@ -41,6 +41,9 @@ ASYNC_COPY = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.c[ag]\.shared", re.M)
 # cp.async.bulk.tensor: a TMA copy (a tensor descriptor's block into shared memory, one thread
 # issuing it for the whole block).
 TMA_COPY = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.bulk\.tensor", re.M)
+# cp.async.bulk.prefetch.L2: a bulk prefetch into L2 (a hint; the split-K kernel's
+# SPLIT_PREFETCH variant issues one per weight row, from inline assembly).
+L2_PREFETCH = re.compile(r"cp\.async\.bulk\.prefetch\.L2\.global")
 
 
 # ptxas -v's answers, one small file per (ptxas binary, PTX text): a census over a warm Triton

@@ -123,11 +123,11 @@ plan() {
   step bench_serving_fp32 "$(lim SERVING_FP32 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
   # (pow2: not in JETRL_PART=48's ~290 s: run 7 measured it, no pow2-only code changed since)
-  step bench_serving_pow2 "$(lim SERVING_POW2 48 30 0)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_pow2 "$(lim SERVING_POW2 48 20 0)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
   # the split-K kernel's launch variants at the decode sizes (point 2: the default to set; the
   # census compiles them): fused quantization at every M, deeper K-loop pipelines
-  step bench_serving_sweep "$(lim SERVING_SWEEP 48 15 15)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_sweep "$(lim SERVING_SWEEP 48 25 25)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 10 --tokens 1 8 32 64 --backends split-sweep \
     --json "$work/json/bench_serving_sweep.json"
   step bench_moe_layer "$(lim MOE 48 30 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \

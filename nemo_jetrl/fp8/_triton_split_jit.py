@@ -85,10 +85,12 @@ def split_gemm_kernel(
     SPLIT: tl.constexpr, FUSED: tl.constexpr, IN_BF16: tl.constexpr, FMAX: tl.constexpr,
     MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr,
     BIAS: tl.constexpr, NATIVE_CAST: tl.constexpr, DOT: tl.constexpr, FP8_A: tl.constexpr,
-    FP8_B: tl.constexpr, TMA_W: tl.constexpr,
+    FP8_B: tl.constexpr, TMA_W: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # Program (w, t[, c]): weight rows [w*BW, +BW) x tokens [t*BT, +BT).
     # TMA_W: b_ptr is a TMA descriptor over the weight (the same codes, loaded by the TMA unit).
+    # PREFETCH (split mode, contiguous 1-byte codes, K % 16 == 0): the program's whole weight
+    # chunk is asked of L2 first (`_prefetch_rows_l2`); nothing else changes.
     # SPLIT: chunk c = program_id(2) only, its partial stored to ws[c]; the tile's last program
     # to finish adds the S partials in chunk order (`_fold_last`). Else every chunk here, folded
     # left to right in registers.
@@ -98,6 +100,9 @@ def split_gemm_kernel(
         c0 = tl.program_id(2)
     else:
         c0 = 0
+    if PREFETCH:
+        k_lo = c0 * CHUNK * 128
+        _prefetch_rows_l2(b_ptr, rw, N, sbn, k_lo, tl.minimum(K - k_lo, CHUNK * 128))
     total = _chunk_sum(x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, rw, rt, c0,
                        M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk, ssbn, ssbk, CHUNK,
                        B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV, EPS, POW2, MANT, BIAS,
@@ -116,6 +121,22 @@ def split_gemm_kernel(
                                 ssbn, ssbk, CHUNK, B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV,
                                 EPS, POW2, MANT, BIAS, NATIVE_CAST, DOT, FP8_A, FP8_B, TMA_W)  # fmt: skip
         tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefetch_rows_l2(b_ptr, rw, N, sbn, k_lo, nbytes):
+    # One bulk L2 prefetch per weight row: bytes [k_lo, k_lo + nbytes) of each row the program
+    # reads (a decode program's chunk: 64 rows x 1 KB), so the whole chunk is in flight from HBM
+    # at once instead of the K loop's few stages; the loop's loads then hit L2. A hint only
+    # (nothing is written); rows past N ask for nothing. Sizes and addresses are multiples of 16
+    # (the host's condition). Hopper's instruction: not run by the interpreter.
+    size = tl.where(rw < N, nbytes, 0).to(tl.int32)
+    addr = (b_ptr + tl.where(rw < N, rw, 0) * sbn + k_lo).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -77,6 +77,13 @@ SPLIT_TMA = False
 shared memory; fewer load instructions than cp.async's 16 bytes a lane) instead of pointer loads.
 The same codes either way: speed only, `bench_serving_kernel.py --backends
 triton_splitk:a:a:3:tma` times it on a GPU. A descriptor launches through Triton's own path."""
+SPLIT_PREFETCH = False
+"""In split mode, each program first asks L2 for its whole weight chunk (64 rows x 1 KB, one
+``cp.async.bulk.prefetch.L2`` a row), so the chunk's bytes are requested from HBM at once rather
+than a K-loop stage at a time; the loop then reads them from L2. A hint: the same codes and bits
+(run 8 measured the split kernel at 1.80-1.86 TB/s at M <= 8 where BF16 streams 2.63-2.76).
+Compiled programs only (not the interpreter, not with `SPLIT_TMA`): speed only,
+`bench_serving_kernel.py --backends triton_splitk:a:a:3:pf` times it on a GPU."""
 COUNTERS = 1 << 16
 """Split-mode tile counters per device (int32, `prepare`); a tile is ``ceil(N / 64)`` x token
 tiles, and split mode has one token tile (M <= 64) unless forced."""
@@ -145,7 +152,7 @@ _UNFUSED = (("IN_BF16", False), ("FMAX", 0.0), ("MAXV", 0.0), ("EPS", 0.0), ("PO
 @functools.cache
 def _meta(
     b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[str, str], stages: int,
-    tma: bool,
+    tma: bool, prefetch: bool = False,
 ):  # fmt: skip
     """The kernel's constexprs and launch options for one configuration, built once."""
     jit = _kernel()
@@ -154,7 +161,7 @@ def _meta(
         CHUNK=CHUNK_TILES, B_ROWS=b_rows, BW=WEIGHT_ROWS * plan.warpgroups, BT=plan.token_tile,
         SPLIT=plan.split, FUSED=quant is not _UNFUSED, DOT=dot, FP8_A=fp8[fmts[0]],
         FP8_B=fp8[fmts[1]], **dict(quant), num_warps=4 * plan.warpgroups,
-        num_stages=stages, TMA_W=tma, **NO_FTZ,
+        num_stages=stages, TMA_W=tma, PREFETCH=prefetch, **NO_FTZ,
     )  # fmt: skip
 
 
@@ -220,7 +227,10 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
     ws = torch.empty(s if plan.split else 0, m, n, dtype=torch.float32, device=dev)
     grid = (-(-n // (WEIGHT_ROWS * plan.warpgroups)), -(-m // bt), s if plan.split else 1)
     cnt = _counters(dev, grid[0] * grid[1]) if plan.split else ws
-    tma = SPLIT_TMA and qb.is_contiguous() and qb.data_ptr() % 16 == 0 and k % 16 == 0
+    aligned = qb.is_contiguous() and qb.data_ptr() % 16 == 0 and k % 16 == 0
+    tma = SPLIT_TMA and aligned
+    # the prefetch's byte addresses need 1-byte codes (the FP8 dot's operands)
+    prefetch = SPLIT_PREFETCH and plan.split and native and aligned and not (tma or interpreting())
     wb = _weight_descriptor(qb, WEIGHT_ROWS * plan.warpgroups) if tma else qb
     args = (
         xa, qdat, sa, wb, sb, lut_a, lut_b, ws, cnt, out, m, n, k, kb, s,
@@ -228,7 +238,7 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
         m * n, n, out.stride(0), out.stride(1),
     )  # fmt: skip
     stages = (SPLIT_STAGES or pipeline_stages(True)) if native else pipeline_stages(False)
-    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt), stages, tma)
+    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt), stages, tma, prefetch)
     if tma:  # descriptors: through Triton's own launch path
         jit.split_gemm_kernel[grid](*args, **meta)
     else:

@@ -325,6 +325,24 @@ MUTANTS += [
     ),
 ]
 
+# ---- the split-K kernel's L2 prefetch variant (`triton_split.SPLIT_PREFETCH`), compiled for sm_90
+MUTANTS += [
+    Mutant(
+        "split-K L2 prefetch also in the fold-in-registers mode (prefill; a decode variant)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "prefetch = SPLIT_PREFETCH and plan.split and native",
+        "prefetch = SPLIT_PREFETCH and native",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
+    ),
+    Mutant(
+        "split-K L2 prefetch never reaches the kernel (the variant a no-op)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "TMA_W=tma, PREFETCH=prefetch,",
+        "TMA_W=tma, PREFETCH=False,",
+        (T_SPLIT + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",),
+    ),
+]
+
 # ---- the training linear's rowcol mode (two passes measured faster, `linear_plan.ROWCOL_DEFAULT`)
 # and the MN-major scale buffer a quantizer pass fills whole at M % 4 == 0 (no fill kernel)
 MUTANTS += [

@@ -295,7 +295,10 @@ def compile_sm90(kernel, args, meta):
                 mma_sync=len(re.findall(r"mma\.sync", ptx)),
                 cp_async=len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)),
                 a_from_registers=bool(re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{", ptx)),
-                split=consts.get("SPLIT"), **fold_protocol(ptx))
+                split=consts.get("SPLIT"), prefetch=consts.get("PREFETCH"),
+                l2_prefetches=len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)),
+                prefetch_first=0 <= ptx.find("cp.async.bulk.prefetch") < ptx.find("cp.async.cg"),
+                **fold_protocol(ptx))
 
 def fold_protocol(ptx):
     # split mode's handshake: partials stored, a barrier, then one acq_rel count at gpu scope;
@@ -312,6 +315,9 @@ triton_split.split_linear(x[:1], w, pow2_scales=True)               # split, fus
 triton_split.split_gemm(quantize_blockwise(x[:64], (1, 128)), w)    # split
 triton_split.split_gemm(quantize_blockwise(x, (1, 128)), w)         # fold in registers
 triton_gemm.block_fp8_gemm_triton(quantize_blockwise(x[:1], (1, 128)), w)  # the triton backend
+triton_split.SPLIT_PREFETCH = True  # the sweep's L2-prefetch variant: split mode only
+triton_split.split_linear(x[:1], w, pow2_scales=True)
+triton_split.split_gemm(quantize_blockwise(x, (1, 128)), w)
 print(json.dumps([compile_sm90(*c) for c in calls]))
 """
 
@@ -332,13 +338,21 @@ def test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads()
     want = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"  # the triton backend, M = 1
     assert dense["wgmma"] == [want] and dense["cp_async"] > 0 and not dense["a_from_registers"]
     # decode: one warpgroup on 64 weight rows; above 64 tokens two, each on its own 64 rows
+    # (the last two: `SPLIT_PREFETCH` set, which only split mode takes)
     assert [(c["bt"], c["fused"], c["bw"], c["warps"]) for c in gemms] == [
-        (16, True, 64, 4), (64, False, 64, 4), (64, False, 128, 8)
+        (16, True, 64, 4), (64, False, 64, 4), (64, False, 128, 8), (16, True, 64, 4),
+        (64, False, 128, 8)
     ]  # fmt: skip
     assert {c["kernel"] for c in compiled} == {"split_gemm_kernel", "block_fp8_gemm_kernel"}
     # one launch in split mode: the tile's last program folds after the handshake
     assert [(c["split"], c["counts"], c["barrier_first"]) for c in gemms] == [
-        (True, 1, True), (True, 1, True), (False, 0, False)
+        (True, 1, True), (True, 1, True), (False, 0, False), (True, 1, True), (False, 0, False)
+    ]  # fmt: skip
+    # the L2 prefetch: issued before the K loop's first copy, in the split program it was asked
+    # of, nowhere else (a bulk prefetch per row: 64 rows, at least one instruction)
+    assert [(c["prefetch"], c["l2_prefetches"] > 0, c["prefetch_first"]) for c in gemms] == [
+        (False, False, False), (False, False, False), (False, False, False), (True, True, True),
+        (False, False, False)
     ]  # fmt: skip
     assert all(c["l2_loads"] > 0 for c in gemms if c["split"])
     for c in gemms:
@@ -372,6 +386,24 @@ def test_gpu_every_row_at_every_batch_size_equals_the_trainers_forward(name, pow
         )
         bad = (got != want[:m]).any(dim=1).nonzero().flatten().tolist()
         assert not bad, f"{name} M={m}: rows {bad[:8]} differ from the trainer's forward"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "down"])
+def test_gpu_the_l2_prefetch_variant_gives_the_same_bits(monkeypatch, name):
+    """`SPLIT_PREFETCH` (a sweep variant; the interpreter cannot run its inline assembly) at the
+    decode sizes, fused and unfused quantization, both scale modes: the default's bits."""
+    n, k = QWEN3_8B[name]
+    for pow2 in (True, False):
+        x, qx, qw = _operands(64, n, k, pow2=pow2, seed=13, device="cuda")
+        for m in (1, 8, 17, 64):
+            monkeypatch.setattr(triton_split, "SPLIT_PREFETCH", False)
+            want = [triton_split.split_linear(x[:m], qw, pow2_scales=pow2),
+                    triton_split.split_gemm(_rows(qx, m), qw)]  # fmt: skip
+            monkeypatch.setattr(triton_split, "SPLIT_PREFETCH", True)
+            got = [triton_split.split_linear(x[:m], qw, pow2_scales=pow2),
+                   triton_split.split_gemm(_rows(qx, m), qw)]  # fmt: skip
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (name, m, pow2)
 
 
 @pytest.mark.gpu
