@@ -207,6 +207,28 @@ def test_quantizer_targets_say_met_or_not_met(bench):
     assert module.targets(rows)[4].endswith("NOT MET")
 
 
+def test_the_rowcol_pair_is_graded_on_the_training_linears_mode(bench, monkeypatch):
+    """The rowwise+columnwise target grades what `Fp8BlockLinear` runs: two passes by default
+    (run 8 measured them faster than the fused kernel), the fused kernel under
+    JETRL_FP8_ROWCOL=fused; the other's share is kept beside it."""
+    module = bench("bench_quantizer_bandwidth")
+    m, k = 8192, 4096
+    moved = 2 * m * k + 2 * m * k + (m * 32 + k * 64) * 4  # bf16 x once, two FP8 copies, scales
+    monkeypatch.delenv("JETRL_FP8_ROWCOL", raising=False)
+    args = (module.TARGET_SHAPE, "e4m3", True, m, k, 2)
+    two = module._rowcol_row(*args, 0.1, 0.08, 0.04, 3000.0)  # fused 100 us, two passes 80 us
+    assert two["rowcol_mode"] == "two_pass" and two["triton_us"] == pytest.approx(80.0)
+    assert two["of_copy_bw"] == pytest.approx(moved / 0.08 / 1e6 / 3000.0)
+    assert two["fused_of_copy_bw"] == pytest.approx(moved / 0.1 / 1e6 / 3000.0)
+    assert two["two_passes/fused"] == pytest.approx(0.8)
+    line = module.targets([two])[3]
+    assert "two_pass (the training linear's mode)" in line and line.endswith("NOT MET")
+    monkeypatch.setenv("JETRL_FP8_ROWCOL", "fused")
+    fused = module._rowcol_row(*args, 0.1, 0.08, 0.04, 3000.0)
+    assert fused["rowcol_mode"] == "fused" and fused["triton_us"] == pytest.approx(100.0)
+    assert fused["of_copy_bw"] == pytest.approx(fused["fused_of_copy_bw"])
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
 def test_quantizer_tile_sweep_checks_bits(bench, monkeypatch):
     """--sweep-tiles on a small input in Triton's interpreter (timing stubbed: no GPU): every

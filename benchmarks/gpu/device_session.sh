@@ -126,7 +126,8 @@ plan() {
   step bench_serving_pow2 "$(lim SERVING_POW2 48 20 0)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_pow2.json"
   # the split-K kernel's launch variants at the decode sizes (point 2: the default to set; the
-  # census compiles them): fused quantization at every M, deeper K-loop pipelines
+  # census compiles them): fused quantization at every M and at none, K-loop pipelines of 4
+  # and 2 stages, TMA weight loads, the weight chunk prefetched into L2
   step bench_serving_sweep "$(lim SERVING_SWEEP 48 25 25)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 10 --tokens 1 8 32 64 --backends split-sweep \
     --json "$work/json/bench_serving_sweep.json"

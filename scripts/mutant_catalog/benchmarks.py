@@ -38,6 +38,13 @@ MUTANTS = [
         (T_DENSE + "test_fp8_linear_times_both_rowcol_modes",),
     ),
     Mutant(
+        "the rowcol target graded on the fused kernel whatever mode the training linear runs",
+        "benchmarks/gpu/bench_quantizer_bandwidth.py",
+        't_ms = two_ms if mode == "two_pass" else fused_ms',
+        "t_ms = fused_ms",
+        (T_DENSE + "test_the_rowcol_pair_is_graded_on_the_training_linears_mode",),
+    ),
+    Mutant(
         "the host target met at host time equal to the GPU's",
         "benchmarks/gpu/bench_fp8_linear.py",
         'lambda r: r["host_ms"] < r["gpu_ms"],',
