@@ -26,6 +26,7 @@ from mutant_catalog import (
     local_runs,
     model_layouts,
     rl_loss,
+    split_gemm,
 )
 
 CONTROLS = core.CONTROLS
@@ -36,6 +37,7 @@ MUTANTS = [
     *engines.MUTANTS,
     *audit.MUTANTS,
     *gpu.MUTANTS,
+    *split_gemm.MUTANTS,
     *benchmarks.MUTANTS,
     *ci.MUTANTS,
     *local_runs.MUTANTS,

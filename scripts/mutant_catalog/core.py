@@ -393,6 +393,6 @@ MUTANTS = [
         "scripts/sm90_ptx.py",
         "hashlib.sha256((ident + ptx).encode())",
         "hashlib.sha256(ident.encode())",
-        ("tests/test_sm90_census.py::test_ptxas_usage_is_kept_per_ptx_text_and_read_back",),
+        ("tests/test_sm90_ptx.py::test_ptxas_usage_is_kept_per_ptx_text_and_read_back",),
     ),
 ]
