@@ -35,6 +35,9 @@ def test_host_target_is_met_only_where_fwd_plus_bwd_enqueue_beats_the_gpu(profil
     with_control = dict(rows[1], bf16_host_ms=0.25)  # the control, where it was measured
     assert profile_host.target_lines([with_control])[0].endswith(
         "vs GPU 0.700 ms; torch's BF16 linear on this host 0.250 ms)")  # fmt: skip
+    both = dict(with_control, triton_gemm_host_ms=0.45)  # the layer on Triton GEMMs
+    assert profile_host.target_lines([both])[0].endswith(
+        "torch's BF16 linear on this host 0.250 ms; on Triton GEMMs (no cuBLASLt call) 0.450 ms)")  # fmt: skip
     other = [_row(r["layer"], 0.1, 0.1, 1.0, m=1024) for r in rows]
     assert profile_host.target_lines(other) == [
         "target: Fp8BlockLinear host enqueue (fwd + bwd) < GPU time at 8192 tokens, Qwen3-8B "
@@ -66,3 +69,32 @@ def test_python_calls_counts_the_calls_made(profile_host, monkeypatch):
 
     calls, _every = profile_host.python_calls(three)
     assert calls == 4  # three() and 3 x abs_value
+
+
+def test_the_triton_gemm_host_is_the_same_layer_planned_on_the_triton_backend(
+    profile_host, monkeypatch
+):
+    """`triton_gemm_host_ms`: the layer is built, planned and timed while
+    JETRL_FP8_GEMM_BACKEND=triton (forward and backward each behind the sleep), and the
+    variable is as it was after (stubs for the layer and the timing: no GPU here)."""
+    import os
+
+    monkeypatch.setenv("JETRL_FP8_GEMM_BACKEND", "scaled_mm")
+    seen = []
+
+    def calls(w, x, dy, pow2):  # type: ignore[no-untyped-def]
+        seen.append(("plan", os.environ["JETRL_FP8_GEMM_BACKEND"], pow2))
+        return None, "fwd", "bwd"
+
+    def timed(prepare, iters):  # type: ignore[no-untyped-def]
+        seen.append((prepare, os.environ["JETRL_FP8_GEMM_BACKEND"], iters))
+        return {"fwd": 0.5, "bwd": 0.25}[prepare]
+
+    monkeypatch.setattr(profile_host, "_fp8_calls", calls)
+    monkeypatch.setattr(profile_host, "_behind_sleep_ms", timed)
+    args = profile_host.build_parser().parse_args(["--iters", "7", "--no-pow2"])
+    assert args.triton_gemm is True
+    assert profile_host.triton_gemm_host_ms(None, None, None, args) == 0.75
+    assert seen == [("plan", "triton", False), ("fwd", "triton", 7), ("bwd", "triton", 7)]
+    assert os.environ["JETRL_FP8_GEMM_BACKEND"] == "scaled_mm"
+    assert profile_host.build_parser().parse_args(["--no-triton-gemm"]).triton_gemm is False

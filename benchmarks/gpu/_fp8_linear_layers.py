@@ -44,16 +44,28 @@ def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
 
 
 @contextlib.contextmanager
+def env_setting(var: str, value: str):  # type: ignore[no-untyped-def]
+    """``$var=value`` while a layer plans (its first call), then as it was."""
+    saved = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(var) if saved is None else os.environ.__setitem__(var, saved)
+
+
 def rowcol_mode(mode: str):  # type: ignore[no-untyped-def]
     """``JETRL_FP8_ROWCOL=mode`` while a layer plans (its first call), then as it was."""
     from nemo_jetrl.fp8.linear_plan import ENV_ROWCOL
 
-    saved = os.environ.get(ENV_ROWCOL)
-    os.environ[ENV_ROWCOL] = mode
-    try:
-        yield
-    finally:
-        os.environ.pop(ENV_ROWCOL) if saved is None else os.environ.__setitem__(ENV_ROWCOL, saved)
+    return env_setting(ENV_ROWCOL, mode)
+
+
+def gemm_backend(name: str):  # type: ignore[no-untyped-def]
+    """``JETRL_FP8_GEMM_BACKEND=name`` while a layer plans its GEMMs, then as it was."""
+    from nemo_jetrl.fp8.gemm_backends import ENV_GEMM_BACKEND
+
+    return env_setting(ENV_GEMM_BACKEND, name)
 
 
 def default_rowcol() -> str:

@@ -10,6 +10,10 @@ thread. For each of Qwen3-8B's four linears (qkv, o, gate_up, down) at ``--token
   timed backward runs before the sleep);
 * ``bf16_host_ms``: the control, torch's own BF16 ``nn.Linear`` fwd + bwd at the same shape
   enqueued the same way (what this host's Python, torch and driver cost without FP8);
+* ``triton_gemm_host_ms``: the same FP8 layer fwd + bwd with every GEMM on our Triton GEMM
+  (``JETRL_FP8_GEMM_BACKEND=triton``: launched directly, no cuBLASLt descriptors or algorithm
+  heuristic per call), the experiment that splits cuBLASLt's host cost (``host_ms`` minus it)
+  from ours (`--no-triton-gemm` skips it);
 * ``gpu_ms`` and ``launches``: summed device time and device activities of one fwd+bwd (CUDA
   profiler, as bench_fp8_linear);
 * ``frames_fwd`` / ``frames_bwd``: Python calls per forward / backward on every thread
@@ -38,6 +42,7 @@ from collections import Counter
 
 import _common
 import torch
+from _fp8_linear_layers import gemm_backend
 from bench_fp8_linear import fp8_layer, layer_shapes
 
 MODEL = "Qwen/Qwen3-8B-Base"  # Qwen3-8B's linear shapes (the base and the chat model share them)
@@ -52,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ops", type=int, default=12, help="torch.profiler rows per shape (0: none)")
     ap.add_argument("--cprofile", action="store_true", help="add cProfile tables (one shape)")
     ap.add_argument("--pow2", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--triton-gemm", action=argparse.BooleanOptionalAction, default=True,
+        help="also time the layer's host with every GEMM on the triton backend",
+    )  # fmt: skip
     return ap
 
 
@@ -131,13 +140,10 @@ def bf16_control_ms(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, iters: i
     return _behind_sleep_ms(lambda: lambda: ref(x), iters) + _behind_sleep_ms(backward, iters)
 
 
-def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
-    """One shape's row (see the module docstring)."""
-    m = args.tokens
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    layer = fp8_layer(w, args.pow2)
+def _fp8_calls(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, pow2: bool):  # type: ignore[no-untyped-def]
+    """(one fwd+bwd step, a forward's preparer, a backward's preparer) of an `Fp8BlockLinear`
+    holding ``w``, planned, compiled and its FP8 weight cached by 3 steps."""
+    layer = fp8_layer(w, pow2)
 
     def step() -> None:
         layer.zero_grad(set_to_none=True)
@@ -157,9 +163,27 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
         y = layer(x)
         return lambda: y.backward(dy)
 
+    return step, forward, backward
+
+
+def triton_gemm_host_ms(w: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, args) -> float:  # type: ignore[no-untyped-def]
+    """Host fwd + bwd of the same layer planned with every GEMM on the ``triton`` backend."""
+    with gemm_backend("triton"):
+        _, forward, backward = _fp8_calls(w, x, dy, args.pow2)
+        return _behind_sleep_ms(forward, args.iters) + _behind_sleep_ms(backward, args.iters)
+
+
+def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
+    """One shape's row (see the module docstring)."""
+    m = args.tokens
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    step, forward, backward = _fp8_calls(w, x, dy, args.pow2)
     host_fwd = _behind_sleep_ms(forward, args.iters)
     host_bwd = _behind_sleep_ms(backward, args.iters)
     bf16_host = bf16_control_ms(w, x, dy, args.iters)
+    triton_host = triton_gemm_host_ms(w, x, dy, args) if args.triton_gemm else None
     gpu, launches = _common.device_activity(step)
     frames_fwd, every = python_calls(forward())
     frames_bwd, _ = python_calls(backward())
@@ -177,6 +201,7 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
         "host_bwd_ms": host_bwd,
         "host_ms": host_fwd + host_bwd,
         "bf16_host_ms": bf16_host,
+        "triton_gemm_host_ms": triton_host,
         "gpu_ms": gpu,
         "launches": launches,
         "frames_fwd": frames_fwd,
@@ -186,7 +211,7 @@ def measure(name: str, n: int, k: int, args: argparse.Namespace) -> dict:
 
 
 COLUMNS = ("layer", "M", "N", "K", "host_fwd_ms", "host_bwd_ms", "host_ms", "bf16_host_ms",
-           "gpu_ms", "launches",
+           "triton_gemm_host_ms", "gpu_ms", "launches",
            "frames_fwd", "frames_bwd", "all_threads")  # fmt: skip
 
 
@@ -200,8 +225,9 @@ def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for r in at:
         verdict = "MET" if r["host_ms"] < r["gpu_ms"] else "NOT MET"
-        control = r.get("bf16_host_ms")
+        control, tri = r.get("bf16_host_ms"), r.get("triton_gemm_host_ms")
         ctl = "" if control is None else f"; torch's BF16 linear on this host {control:.3f} ms"
+        ctl += "" if tri is None else f"; on Triton GEMMs (no cuBLASLt call) {tri:.3f} ms"
         lines.append(
             f"{lead}, Qwen3-8B {r['layer']}: {verdict} (host {r['host_ms']:.3f} ms = fwd "
             f"{r['host_fwd_ms']:.3f} + bwd {r['host_bwd_ms']:.3f} vs GPU {r['gpu_ms']:.3f} ms"
