@@ -120,7 +120,7 @@ plan() {
   # serving kernel on cuBLASLt (auto) and on split-K, against one BF16 time per M.
   step kernel_tests "$(lim KERNEL_TESTS 48 45 60)" env JETRL_GPU_TESTS="${kernel_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=40 bash scripts/gpu_check.sh -rfE --durations=5 -k gpu
-  step bench_serving_fp32 "$(lim SERVING_FP32 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_fp32 "$(lim SERVING_FP32 48 30 15)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
   # (pow2: not in JETRL_PART=48's ~290 s: run 7 measured it, no pow2-only code changed since)
   step bench_serving_pow2 "$(lim SERVING_POW2 48 20 0)" "$py" benchmarks/gpu/bench_serving_kernel.py \
@@ -136,7 +136,7 @@ plan() {
   step bench_fp8_linear "$(lim LINEAR 48 45 35)" "$py" benchmarks/gpu/bench_fp8_linear.py --iters 10
   # host enqueue vs GPU time per Qwen3-8B shape (point 5), on the kernels bench_fp8_linear compiled,
   # beside torch's BF16 linear and the same layer on Triton GEMMs (no cuBLASLt call per GEMM)
-  step profile_host "$(lim PROFILE_HOST 48 25 35)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
+  step profile_host "$(lim PROFILE_HOST 48 25 30)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
   # which kernel takes the time where a target is missed (MoE prefill, decode, the linear)
   step profile_kernels "$(lim PROFILE_KERNELS 48 0 25)" "$py" benchmarks/gpu/profile_kernels.py \
