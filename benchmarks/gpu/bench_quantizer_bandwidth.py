@@ -5,10 +5,10 @@ is a plain copy of the input (read + write of the same bytes). For each shape, b
 scale mode this prints the kernel time, the copy time, their ratio, and the achieved bandwidth
 of both; on the activation shapes the rowwise 1x128 + columnwise 128x1 pair graded on the mode
 the training linear runs (``rowcol_mode``: two passes by default, or the fused `rowcol_quantize`
-kernel, one read and two FP8 outputs), the fused kernel's share beside it; the software encode (``native_cast=False``) against the
-default hardware cast; the torch reference (eager ops) for contrast; and the fused RMSNorm + 1x128
-kernel against an unfused torch RMSNorm followed by our 1x128 kernel. All numbers come from one
-run.
+kernel, one read and two FP8 outputs), the fused kernel's share beside it; the software encode
+(``native_cast=False``) against the default hardware cast; the torch reference (eager ops) for
+contrast; and the fused RMSNorm + 1x128 kernel against an unfused torch RMSNorm followed by our
+1x128 kernel. All numbers come from one run.
 
 Issue 35's quantizer targets are printed at the end as MET / NOT MET (bf16 input only):
 * 8192x4096: every block shape (1x128, 128x128, 128x1, rowwise+columnwise) moves its bytes at
