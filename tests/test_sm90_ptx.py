@@ -29,6 +29,20 @@ def test_byte_accesses_are_counted_in_ptx():
     assert [bool(shared.search(t)) for t in lines] == [True, True, False, False, False]
 
 
+def test_l2_prefetches_are_counted_in_ptx():
+    """The census's count of bulk L2 prefetches (the split-K `SPLIT_PREFETCH` variant's inline
+    assembly, as Triton 3.6 prints it) against lines that only look alike."""
+    lines = ("\t{ .reg .pred p; setp.ne.u32 p, %r21, 0; @p cp.async.bulk.prefetch.L2.global "
+             "[%rd35], %r21; mov.u32 %r20, 0; }",
+             "\tcp.async.bulk.prefetch.L2.global [%rd1], 1024;",
+             "\tcp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+             "[%r1], [%rd2, {%r3, %r4}], [%r5];",
+             "\tprefetch.global.L2 [%rd7];", "\tcp.async.cg.shared.global [ %r9 + 0 ], [ %rd9 + 0 ], 16;")  # fmt: skip
+    found = sm90_ptx.L2_PREFETCH
+    assert [bool(found.search(t)) for t in lines] == [True, True, False, False, False]
+    assert len(found.findall("\n".join(lines))) == 2
+
+
 _TINY_PTX = """.version 8.0
 .target sm_90a
 .address_size 64
