@@ -9,7 +9,6 @@ so the tensors are never read and their values do not matter.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -128,19 +127,16 @@ def training_linear() -> None:
     """`Fp8BlockLinear` forward and backward at 8192 tokens of Qwen3-8B on the ``triton`` GEMM
     backend (cuBLASLt, the default, is no Triton kernel), both rowcol modes."""
     from nemo_jetrl.fp8 import Fp8BlockLinear, Fp8LinearConfig
+    from nemo_jetrl.fp8.gemm_backends import ENV_GEMM_BACKEND
+    from nemo_jetrl.fp8.linear_plan import ENV_ROWCOL
 
-    os.environ["JETRL_FP8_GEMM_BACKEND"] = "triton"
-    try:
-        for rowcol in ("fused", "two_pass"):
-            os.environ["JETRL_FP8_ROWCOL"] = rowcol
+    for rowcol in ("fused", "two_pass"):
+        with _bench("_common").environ({ENV_GEMM_BACKEND: "triton", ENV_ROWCOL: rowcol}):
             for n, k in QWEN3_8B.values():
                 layer = Fp8BlockLinear(k, n, bias=False, dtype=torch.bfloat16,
                                        config=Fp8LinearConfig(pow2_scales=True))  # fmt: skip
                 x = torch.empty(8192, k, dtype=torch.bfloat16, requires_grad=True)
                 layer(x).backward(torch.empty(8192, n, dtype=torch.bfloat16))
-    finally:
-        os.environ.pop("JETRL_FP8_GEMM_BACKEND")
-        os.environ.pop("JETRL_FP8_ROWCOL")
 
 
 def _routed_experts(model: str, tokens: int) -> None:
@@ -180,14 +176,11 @@ def experts_tiles() -> None:
     from nemo_jetrl.fp8.grouped_tiles import ENV_ROWS_TILE
 
     bench = _bench("bench_moe_layer")
-    try:
-        for tile in bench.SWEEP_TILES:
-            os.environ[ENV_ROWS_TILE] = tile
+    for tile in bench.SWEEP_TILES:
+        with _bench("_common").environ({ENV_ROWS_TILE: tile}):
             for model in bench.PREFILL_MODELS:
                 for tokens in bench.PREFILL_TOKENS:
                     _routed_experts(model, tokens)
-    finally:
-        os.environ.pop(ENV_ROWS_TILE, None)
 
 
 def experts_training() -> None:

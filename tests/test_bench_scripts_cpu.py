@@ -9,6 +9,7 @@ test_bench_moe_layer_cpu.py.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,6 +56,18 @@ def test_timing_helper_flushes_l2_and_can_replay_a_graph(bench):
     params = inspect.signature(common.bench_ms).parameters
     assert params["flush_l2"].default is True and params["graph"].default is False
     assert common._L2_FLUSH_BYTES >= 2 * 60 * 2**20  # twice an H200's L2
+
+
+def test_environ_sets_and_unsets_for_the_block_and_restores_after_a_raise(bench, monkeypatch):
+    """The one helper the scripts and the census set knobs with (a layer reads them when it
+    plans): a value set, None unset, each back to its value or to unset, also on an error."""
+    common = bench("_common")
+    monkeypatch.setenv("JETRL_T_KEEP", "old")
+    monkeypatch.delenv("JETRL_T_NEW", raising=False)
+    with pytest.raises(RuntimeError), common.environ({"JETRL_T_KEEP": None, "JETRL_T_NEW": "1"}):
+        assert "JETRL_T_KEEP" not in os.environ and os.environ["JETRL_T_NEW"] == "1"
+        raise RuntimeError("inside")
+    assert os.environ["JETRL_T_KEEP"] == "old" and "JETRL_T_NEW" not in os.environ
 
 
 def test_vllm_setups_build_engine_kwargs(bench):

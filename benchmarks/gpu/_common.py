@@ -1,5 +1,6 @@
 """Shared helpers of the GPU benchmarks: CUDA check, CUDA-event timing (L2 flushed, optional CUDA
-graph), host enqueue time and device activity per call, table printing.
+graph), host enqueue time and device activity per call, table printing, environment variables set
+for a block.
 
 The benchmark scripts import this as ``_common`` (their own directory is on ``sys.path`` when run
 as ``python benchmarks/gpu/<script>.py``).
@@ -7,10 +8,12 @@ as ``python benchmarks/gpu/<script>.py``).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -25,6 +28,27 @@ def require_cuda(script: str) -> None:
             file=sys.stderr,
         )
         raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Environment variables set (a value) or unset (None) inside the block, each restored after
+    to what it was (its value, or unset), whatever the block raised. The library reads its knobs
+    (``JETRL_FP8_*``) when a layer plans, so a benchmark sets them around the first call."""
+    saved = {k: os.environ.get(k) for k in values}
+
+    def apply(pairs: Mapping[str, str | None]) -> None:
+        for k, v in pairs.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    try:
+        apply(values)
+        yield
+    finally:
+        apply(saved)
 
 
 _L2_FLUSH_BYTES = 256 << 20  # > 2x the L2 of an H100 (50 MB) / H200 (60 MB)

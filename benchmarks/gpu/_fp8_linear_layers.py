@@ -5,9 +5,6 @@ graphs by `fp8.graph_linear`, beside torch's BF16 linear captured the same way."
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import _common
 import torch
 
@@ -43,29 +40,18 @@ def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return run
 
 
-@contextlib.contextmanager
-def env_setting(var: str, value: str):  # type: ignore[no-untyped-def]
-    """``$var=value`` while a layer plans (its first call), then as it was."""
-    saved = os.environ.get(var)
-    os.environ[var] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(var) if saved is None else os.environ.__setitem__(var, saved)
-
-
 def rowcol_mode(mode: str):  # type: ignore[no-untyped-def]
     """``JETRL_FP8_ROWCOL=mode`` while a layer plans (its first call), then as it was."""
     from nemo_jetrl.fp8.linear_plan import ENV_ROWCOL
 
-    return env_setting(ENV_ROWCOL, mode)
+    return _common.environ({ENV_ROWCOL: mode})
 
 
 def gemm_backend(name: str):  # type: ignore[no-untyped-def]
     """``JETRL_FP8_GEMM_BACKEND=name`` while a layer plans its GEMMs, then as it was."""
     from nemo_jetrl.fp8.gemm_backends import ENV_GEMM_BACKEND
 
-    return env_setting(ENV_GEMM_BACKEND, name)
+    return _common.environ({ENV_GEMM_BACKEND: name})
 
 
 def default_rowcol() -> str:

@@ -33,10 +33,8 @@ run, so a lease that times out keeps what finished).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -44,6 +42,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _common
 import torch
 
 # "RECIPE@fp32": the preset with TE's exact FP32 block scales on both sides instead of pow2 (the
@@ -147,19 +146,6 @@ class OpsTimer:
             setattr(self.ops, n, f)
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str | None]):
-    """Environment variables set (a value) or unset (None) inside the block, restored after."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
 def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
     from nemo_jetrl.backends.local.loop import Hooks, resolve_run, run_local
     from nemo_jetrl.commands.demo import recipe_config
@@ -197,7 +183,7 @@ def run_recipe(recipe: str, model: str | None, args, work: Path) -> dict:
 
     timer.on = profiled == 1
     backend = {"JETRL_FP8_GEMM_BACKEND": "triton_splitk" if "splitk" in parts else None}
-    with timer, _environ(backend):
+    with timer, _common.environ(backend):
         res = run_local(
             resolve_run(cfg),
             progress=False,
@@ -296,9 +282,7 @@ def _write(path: str | None, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.device.startswith("cuda"):
-        from _common import require_cuda
-
-        require_cuda("bench_local_grpo.py")
+        _common.require_cuda("bench_local_grpo.py")
     if args.tiny:
         args.prompts, args.generations = min(args.prompts, 2), min(args.generations, 2)
     recipes = [r for r in args.recipes.split(",") if r]

@@ -47,8 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated GEMM backends to time; triton_splitk:SPLIT:FUSED[:STAGES[:tma|pf]] "
         "(SPLIT and FUSED each 0, 1 or a(uto)) forces the split-K kernel's launch mode, fused "
         "quantization, K-loop pipeline depth and TMA or L2-prefetched weight loads at every M; "
-        "'split-sweep': "
-        "the variants in SPLIT_SWEEP",
+        "'split-sweep': the variants in SPLIT_SWEEP",
     )
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU test
     ap.add_argument("--json", default=None, help="also write the rows to this file")
