@@ -119,10 +119,15 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
     outs, modes = [], []
 
     def timed(fn, **kw):
+        if fn.__name__.endswith("_layer"):  # the layer timing: `test_serving_kernel_times_...`
+            layer_modes.append((triton_split.SPLIT_MAX_M, triton_split.SPLIT_PREFETCH))
+            return 2.0 if fn.__name__ == "bf16_layer" else 1.0
         outs.append(fn())
         modes.append((triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES,
                       triton_split.SPLIT_TMA, triton_split.SPLIT_PREFETCH))  # fmt: skip
         return 2.0 if fn.__name__ == "bf16" else 1.0
+
+    layer_modes = []
 
     monkeypatch.setattr(module._common, "bench_ms", timed)
     backends = "auto,triton_splitk,triton_splitk:0:1,triton_splitk:a:1:4:tma,triton_splitk:a:0:2:pf"
@@ -141,6 +146,11 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
     for r in rows:
         assert r["speedup"] == 2.0 and r["fp8_TBps"] == 136 * 1300 / 1.0 / 1e9
         assert r["bf16_TBps"] == 2 * 136 * 1300 / 2.0 / 1e9 and r["target"] in ("MET", "-")
+        # no L2 size on CPU: the layer is timed but not graded (its weights may sit in L2)
+        assert r["layer_speedup"] == 2.0 and r["layer_target"] == "-"
+    # one BF16 layer per M, then each backend's layer inside its own modes
+    assert layer_modes == [(64, False), (64, False), (64, False), (0, False), (64, False),
+                           (64, True)] * 2  # fmt: skip
     bad_modes = ("scaled_mm:1:1", "triton_splitk:1:2", "triton_splitk:a:a:0", "triton_splitk:a:a:x",
                  "triton_splitk:a:a:3:tmx", "triton_splitk:a:a:3:tma:1", "triton_splitk:a:a:3:pf:1",
                  "triton_splitk:a:a:3:tma:pf")  # fmt: skip
@@ -188,6 +198,64 @@ def test_serving_kernel_keeps_the_other_rows_when_one_variant_fails(bench, monke
     assert out.count("# M=1 ") == 3
     with pytest.raises(SystemExit, match="modes are"):  # a bad argument still stops the run
         module.run(module.build_parser().parse_args([*argv[:4], "--backends", "triton_splitk:9"]))
+
+
+def test_serving_kernel_times_the_linears_as_one_layer_where_their_weights_are_cold(
+    bench, monkeypatch, capsys
+):
+    """The layer timing: every linear's FP8 (and BF16) call back to back in one CUDA graph with
+    no L2 flush, graded only where the FP8 weights are at least 3x the GPU's L2 (each replay then
+    reads them from HBM); ``--no-layer`` leaves it out (timing stubbed; no kernel runs)."""
+    module = bench("bench_serving_kernel")
+    import bench_fp8_linear
+
+    shapes = [("qkv", 384, 256), ("o", 256, 128)]
+    monkeypatch.setattr(bench_fp8_linear, "layer_shapes", lambda model: shapes)
+    order = []
+
+    def fns(x, ws, pow2, plain=None):
+        (w,) = ws
+
+        def bf16():
+            order.append(("bf16", tuple(w.shape)))
+
+        def fp8():
+            order.append(("fp8", tuple(w.shape)))
+
+        return bf16, fp8, "reference"
+
+    calls = []
+
+    def timed(fn, **kw):
+        del order[:]
+        fn()
+        calls.append((fn.__name__, kw.get("graph", False), kw.get("flush_l2", True), list(order)))
+        return {"bf16": 3.0, "fp8": 2.0, "bf16_layer": 5.0, "fp8_layer": 2.5}[fn.__name__]
+
+    monkeypatch.setattr(module, "serving_fns", fns)
+    monkeypatch.setattr(module._common, "bench_ms", timed)
+    weight_bytes = 384 * 256 + 256 * 128
+    argv = ["--device", "cpu", "--tokens", "1", "256", "--backends", "auto"]
+    for l2, graded in ((weight_bytes // 3, True), (weight_bytes // 3 + 1, False), (None, False)):
+        monkeypatch.setattr(module._common, "l2_bytes", lambda dev, l2=l2: l2)
+        calls.clear()
+        rows = module.run(module.build_parser().parse_args(argv))
+        layers = [c for c in calls if c[0].endswith("_layer")]
+        both = [("bf16", (384, 256)), ("bf16", (256, 128))]
+        assert layers == [("bf16_layer", True, False, both),
+                          ("fp8_layer", True, False, [("fp8", s) for _, s in both])] * 2  # fmt: skip
+        assert all(c[1] and c[2] for c in calls if c not in layers)  # per linear: flushed graphs
+        for r in rows:
+            assert r["speedup"] == 6.0 / 4.0 and r["layer_speedup"] == 2.0
+            assert r["layer_bf16_ms"] == 5.0 and r["layer_fp8_ms"] == 2.5
+            assert r["layer_fp8_TBps"] == weight_bytes / 2.5 / 1e9
+        want = ["MET", "MET"] if graded else ["-", "-"]
+        assert [r["layer_target"] for r in rows] == want, l2
+    out = capsys.readouterr().out
+    assert "# M=1 reference: 1.500x BF16, MET; one layer: 2.000x, MET" in out
+    calls.clear()
+    rows = module.run(module.build_parser().parse_args([*argv, "--no-layer"]))
+    assert not any(c[0].endswith("_layer") for c in calls) and "layer_speedup" not in rows[0]
 
 
 def test_quantizer_targets_say_met_or_not_met(bench):

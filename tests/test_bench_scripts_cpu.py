@@ -56,6 +56,7 @@ def test_timing_helper_flushes_l2_and_can_replay_a_graph(bench):
     params = inspect.signature(common.bench_ms).parameters
     assert params["flush_l2"].default is True and params["graph"].default is False
     assert common._L2_FLUSH_BYTES >= 2 * 60 * 2**20  # twice an H200's L2
+    assert common.l2_bytes("cpu") is None  # a CPU has no L2 size to grade a layer timing on
 
 
 def test_environ_sets_and_unsets_for_the_block_and_restores_after_a_raise(bench, monkeypatch):

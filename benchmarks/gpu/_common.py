@@ -54,6 +54,15 @@ def environ(values: Mapping[str, str | None]) -> Iterator[None]:
 _L2_FLUSH_BYTES = 256 << 20  # > 2x the L2 of an H100 (50 MB) / H200 (60 MB)
 
 
+def l2_bytes(device: str | torch.device) -> int | None:
+    """The L2 cache size of a CUDA ``device`` in bytes (None elsewhere, or where torch does not
+    say)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", None) or None
+
+
 _LEAD_CYCLES = 500_000  # ~0.3 ms at Hopper's ~1.7 GHz SM clock
 
 

@@ -117,10 +117,12 @@ plan() {
   # Issue 48: FP8 that pays (H100 runs 4-6: 11-25 s each with a cold Triton cache). The GPU tests
   # of the kernels changed since the last run first (the split-K GEMM: rows = the trainer's
   # forward at M = 1..8192; the quantizers' row-chunked launches: every finite bf16), then the
-  # serving kernel on cuBLASLt (auto) and on split-K, against one BF16 time per M.
+  # serving kernel on cuBLASLt (auto) and on split-K, against one BF16 time per M, each linear
+  # after an L2 flush and the four as one decode layer (its `layer_*` columns; run 8 took 11 s
+  # without the layer).
   step kernel_tests "$(lim KERNEL_TESTS 48 45 60)" env JETRL_GPU_TESTS="${kernel_tests[*]}" \
     JETRL_GPU_BENCH=0 JETRL_TEST_TIMEOUT=40 bash scripts/gpu_check.sh -rfE --durations=5 -k gpu
-  step bench_serving_fp32 "$(lim SERVING_FP32 48 30 15)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_fp32 "$(lim SERVING_FP32 48 30 20)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 20 --backends auto,triton_splitk --json "$work/json/bench_serving_fp32.json"
   # (pow2: not in JETRL_PART=48's ~290 s: run 7 measured it, no pow2-only code changed since)
   step bench_serving_pow2 "$(lim SERVING_POW2 48 20 0)" "$py" benchmarks/gpu/bench_serving_kernel.py \
@@ -139,7 +141,7 @@ plan() {
   step profile_host "$(lim PROFILE_HOST 48 25 30)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
   # which kernel takes the time where a target is missed (MoE prefill, decode, the linear)
-  step profile_kernels "$(lim PROFILE_KERNELS 48 0 25)" "$py" benchmarks/gpu/profile_kernels.py \
+  step profile_kernels "$(lim PROFILE_KERNELS 48 0 20)" "$py" benchmarks/gpu/profile_kernels.py \
     --steps 5 --top 10
   # then the tile sweep (point 4: the tiles to make the defaults; the census cache holds them)
   step bench_quantizer "$(lim QUANT 48 35 35)" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \

@@ -58,4 +58,24 @@ MUTANTS = [
         "if not got:",
         (T_TARGETS + "test_partial_runs_are_not_measured",),
     ),
+    Mutant(
+        "the layer timed after an L2 flush (its write-back cost, which no decode step pays)",
+        "benchmarks/gpu/bench_serving_kernel.py",
+        "graph=True, flush_l2=False)",
+        "graph=True, flush_l2=True)",
+        (
+            T_DENSE
+            + "test_serving_kernel_times_the_linears_as_one_layer_where_their_weights_are_cold",
+        ),
+    ),
+    Mutant(
+        "the layer graded where its weights may stay in L2",
+        "benchmarks/gpu/bench_serving_kernel.py",
+        "return l2 is not None and weight_bytes >= LAYER_COLD_L2 * l2",
+        "return l2 is None or weight_bytes >= l2",
+        (
+            T_DENSE
+            + "test_serving_kernel_times_the_linears_as_one_layer_where_their_weights_are_cold",
+        ),
+    ),
 ]
