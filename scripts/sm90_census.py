@@ -99,6 +99,7 @@ _OPTIONS = (
     "maxnreg",
     "enable_reflect_ftz",
     "enable_fp_fusion",
+    "launch_pdl",
 )
 
 
@@ -188,6 +189,7 @@ def compile_all(calls: list[dict]) -> list[dict]:
                 row["l2_prefetches"] = (
                     None if ptx is None else len(sm90_ptx.L2_PREFETCH.findall(ptx))
                 )
+                row["pdl_waits"] = None if ptx is None else len(sm90_ptx.PDL_WAIT.findall(ptx))
                 row["ptx"] = ptx  # ptxas -v below, all kernels at once
         row["workloads"].add(call["workload"])
         for n, a in ints.items():

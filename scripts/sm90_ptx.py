@@ -44,6 +44,9 @@ TMA_COPY = re.compile(r"^\s*(?:@!?%p\d+\s+)?cp\.async\.bulk\.tensor", re.M)
 # cp.async.bulk.prefetch.L2: a bulk prefetch into L2 (a hint; the split-K kernel's
 # SPLIT_PREFETCH variant issues one per weight row, from inline assembly).
 L2_PREFETCH = re.compile(r"cp\.async\.bulk\.prefetch\.L2\.global")
+# griddepcontrol.wait: where a programmatic dependent launch waits for the kernel before it (the
+# split-K kernel's SPLIT_PDL variant, from Triton's gdc_wait).
+PDL_WAIT = re.compile(r"griddepcontrol\.wait")
 
 
 # ptxas -v's answers, one small file per (ptxas binary, PTX text): a census over a warm Triton

@@ -41,6 +41,7 @@ def pretend_h100() -> None:
         if triton_gemm.native_dot(fmts, (9, 0))
         else triton_split._kernel().DOT_EMULATED.value
     )
+    triton_split._pdl_capable = lambda device: True  # sm_90: programmatic dependent launch
     caps = gemm_backends.DeviceCaps(cuda=True, sm=(9, 0), scaled_mm=True, triton=True)
     gemm_backends.device_caps = lambda device: caps  # no DeepGEMM (the GPU image has none)
     triton_kernels.native_cast_default = lambda device_index: True

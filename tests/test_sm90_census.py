@@ -169,11 +169,11 @@ def test_the_measured_instructions_of_the_gpu_paths(census):
     assert {r["consts"]["BT"] for r in split} == {16, 32, 64}
     assert all(r["spill_bytes"] == 0 and r["registers"] <= 255 for r in split), split
     # with the GPU call's launch variants (`bench_serving_kernel.SPLIT_SWEEP`): a deeper and a
-    # shallower pipeline, the quantization fused at every decode size and at none, the weight
+    # shallower pipeline, the quantization fused at the default sizes and at none, the weight
     # through TMA descriptors (the TMA unit's bulk copies, fewer registers: 56 against 74 at
     # M <= 16 with Triton 3.6), the weight chunk prefetched into L2 (split mode: every decode tile)
     assert {r["options"]["num_stages"] for r in split} == {2, 3, 4}
-    assert {r["consts"]["BT"] for r in split if r["consts"]["FUSED"]} == {16, 32, 64}
+    assert {r["consts"]["BT"] for r in split if r["consts"]["FUSED"]} == {16}  # FUSE_MAX_M
     assert {r["consts"]["BT"] for r in split if not r["consts"]["FUSED"]} == {16, 32, 64}
     tma = [r for r in split if r["consts"]["TMA_W"]]
     assert {r["consts"]["BT"] for r in tma} == {16, 32, 64} and all(r["tma_copies"] for r in tma)
@@ -182,6 +182,15 @@ def test_the_measured_instructions_of_the_gpu_paths(census):
     assert {r["consts"]["BT"] for r in pf} == {16, 32, 64} and all(r["consts"]["SPLIT"] for r in pf)
     assert all(r["l2_prefetches"] for r in pf), pf
     assert not any(r.get("l2_prefetches") for r in rows if r not in pf)
+    # launched as programmatic dependent launches (alone and after the prefetch): the launch
+    # option and the kernel's wait for the kernel before it, together, nowhere else
+    pdl = [r for r in split if r["consts"].get("PDL")]
+    assert {r["consts"]["BT"] for r in pdl} == {16, 32, 64}
+    assert {bool(r["consts"].get("PREFETCH")) for r in pdl} == {True, False}
+    assert all(r["options"].get("launch_pdl") and r["pdl_waits"] for r in pdl), pdl
+    assert not any(
+        r.get("pdl_waits") or r["options"].get("launch_pdl") for r in rows if r not in pdl
+    )
     # the fused rowcol quantizer (2026-11-30, both Tritons): a whole 128 x 128 tile in registers
     # at 8 warps takes 249 (3.6) / 255 (3.9) registers a thread, one program per SM, its load not
     # pipelined; 32-row chunks take at most 128 (two programs per SM: 2 x 256 x 128 = the SM's

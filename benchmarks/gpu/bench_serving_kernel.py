@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backends",
         default="auto",
-        help="comma-separated GEMM backends to time; triton_splitk:SPLIT:FUSED[:STAGES[:tma|pf]] "
-        "(SPLIT and FUSED each 0, 1 or a(uto)) forces the split-K kernel's launch mode, fused "
-        "quantization, K-loop pipeline depth and TMA or L2-prefetched weight loads at every M; "
+        help="comma-separated GEMM backends to time; triton_splitk:SPLIT:FUSED[:STAGES[:LOADS]] "
+        "(SPLIT and FUSED each 0, 1 or a(uto); LOADS tma, pf, pdl or pf+pdl) forces the split-K "
+        "kernel's launch mode, fused quantization, K-loop pipeline depth and TMA, L2-prefetched "
+        "or programmatic-dependent weight loads at every M; "
         "'split-sweep': the variants in SPLIT_SWEEP",
     )
     ap.add_argument(
@@ -113,20 +114,30 @@ def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backen
     return bf16, fp8, plan.backend
 
 
+LOAD_VARIANTS = {
+    "tma": ("SPLIT_TMA",),
+    "pf": ("SPLIT_PREFETCH",),
+    "pdl": ("SPLIT_PDL",),
+    "pf+pdl": ("SPLIT_PREFETCH", "SPLIT_PDL"),
+}
+"""The split-K kernel's weight-load variants by name (the fourth mode), each the knobs it sets."""
 # The split-K kernel's launch variants the GPU call times at the decode sizes (device_session.sh
-# part 48): the default, quantization fused at every M (a launch fewer at 32 and 64 tokens) and
-# at none (run 8: fusing cost 10% at 32 tokens and 40% at 64, each program quantizing its
-# chunk again; unmeasured at 1 and 8), a deeper and a shallower K-loop pipeline (run 8: 4 stages
-# slower than 3 at M <= 8), the weight through TMA descriptors, and the weight chunk prefetched
-# into L2 (`triton_split.SPLIT_PREFETCH`). Speed only: each gives the default's bits.
+# part 48): the default, quantization unfused at every M (run 8: fusing cost 10% at 32 tokens
+# and 40% at 64, each program quantizing its chunk again; unmeasured at 1 and 8; fused at every
+# M, measured there, is left out), a deeper and a shallower K-loop pipeline (run 8: 4 stages
+# slower than 3 at M <= 8, faster at 32), the weight through TMA descriptors, the weight chunk
+# prefetched into L2 (`triton_split.SPLIT_PREFETCH`), and launched as a programmatic dependent
+# launch (`SPLIT_PDL`: its start overlaps the previous kernel's end, which the layer timing
+# shows), alone and after the prefetch. Speed only: each gives the default's bits.
 SPLIT_SWEEP = (
     "triton_splitk",
-    "triton_splitk:a:1",
     "triton_splitk:a:0",
     "triton_splitk:a:a:4",
     "triton_splitk:a:a:2",
     "triton_splitk:a:a:3:tma",
     "triton_splitk:a:a:3:pf",
+    "triton_splitk:a:a:3:pdl",
+    "triton_splitk:a:a:3:pf+pdl",
 )
 
 
@@ -137,12 +148,13 @@ def backend_names(backends: str) -> list[str]:
 
 @contextlib.contextmanager
 def splitk_modes(name: str):
-    """``triton_splitk:S:F[:STAGES[:tma|pf]]``: the split-K kernel with split mode S and fused
+    """``triton_splitk:S:F[:STAGES[:LOADS]]``: the split-K kernel with split mode S and fused
     quantization F (1: at every M, 0: at none, a: the default thresholds), the K loop's
-    pipeline depth (`triton_split.SPLIT_STAGES`) and the weight loaded through TMA descriptors
-    (`triton_split.SPLIT_TMA`) or prefetched into L2 (`triton_split.SPLIT_PREFETCH`), set for
-    the block and restored after (the bits do not depend on them). Yields the backend name
-    without the modes."""
+    pipeline depth (`triton_split.SPLIT_STAGES`) and LOADS one of `LOAD_VARIANTS`: the weight
+    through TMA descriptors (`triton_split.SPLIT_TMA`), prefetched into L2
+    (`triton_split.SPLIT_PREFETCH`), launched as a programmatic dependent launch
+    (`triton_split.SPLIT_PDL`), or prefetched and dependent; set for the block and restored
+    after (the bits do not depend on them). Yields the backend name without the modes."""
     backend, *modes = name.split(":")
     if not modes:
         yield backend
@@ -150,23 +162,31 @@ def splitk_modes(name: str):
     from nemo_jetrl.fp8 import triton_split
 
     stages = modes[2] if len(modes) >= 3 else None
-    tma, pf = modes[3:] == ["tma"], modes[3:] == ["pf"]
-    ok = backend == "triton_splitk" and len(modes) in (2, 3) + ((4,) if tma or pf else ())
+    loads = LOAD_VARIANTS.get(modes[3], ()) if len(modes) == 4 else ()
+    ok = backend == "triton_splitk" and len(modes) in (2, 3) + ((4,) if loads else ())
     if not (ok and set(modes[:2]) <= {"0", "1", "a"}) or (
         stages is not None and not (stages.isdigit() and 1 <= int(stages) <= 8)
     ):
         raise SystemExit(
-            f"--backends: {name!r}: modes are triton_splitk:SPLIT:FUSED[:STAGES[:tma|pf]], "
-            f"SPLIT and FUSED each 0, 1 or a, STAGES 1 to 8"
+            f"--backends: {name!r}: modes are triton_splitk:SPLIT:FUSED[:STAGES[:LOADS]], "
+            f"SPLIT and FUSED each 0, 1 or a, STAGES 1 to 8, LOADS one of "
+            f"{', '.join(LOAD_VARIANTS)}"
         )
-    knobs = ("SPLIT_MAX_M", "FUSE_MAX_M", "SPLIT_STAGES", "SPLIT_TMA", "SPLIT_PREFETCH")
+    knobs = (
+        "SPLIT_MAX_M",
+        "FUSE_MAX_M",
+        "SPLIT_STAGES",
+        "SPLIT_TMA",
+        "SPLIT_PREFETCH",
+        "SPLIT_PDL",
+    )
     saved = {k: getattr(triton_split, k) for k in knobs}
     big = {"1": 1 << 30, "0": 0}
     triton_split.SPLIT_MAX_M = big.get(modes[0], saved["SPLIT_MAX_M"])
     triton_split.FUSE_MAX_M = big.get(modes[1], saved["FUSE_MAX_M"])
     triton_split.SPLIT_STAGES = int(stages) if stages else saved["SPLIT_STAGES"]
-    triton_split.SPLIT_TMA = tma or saved["SPLIT_TMA"]
-    triton_split.SPLIT_PREFETCH = pf or saved["SPLIT_PREFETCH"]
+    for knob in loads:
+        setattr(triton_split, knob, True)
     try:
         yield backend
     finally:

@@ -9,6 +9,11 @@ token wastes no MMA rows and the instruction never changes with M.
 import triton
 import triton.language as tl
 
+try:  # griddepcontrol (programmatic dependent launch): Triton 3.6 and 3.9 have it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: `triton_split.SPLIT_PDL` is refused on the host
+    gdc_launch_dependents = gdc_wait = None
+
 from nemo_jetrl.fp8._triton_common import ROWS, _operand, quantize_blocks, to_fp32
 
 # DOT modes: the FP8 types on tensor cores; exact fp32 values from tables in TF32 (GPUs without
@@ -86,11 +91,16 @@ def split_gemm_kernel(
     MAXV: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr, MANT: tl.constexpr,
     BIAS: tl.constexpr, NATIVE_CAST: tl.constexpr, DOT: tl.constexpr, FP8_A: tl.constexpr,
     FP8_B: tl.constexpr, TMA_W: tl.constexpr, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Program (w, t[, c]): weight rows [w*BW, +BW) x tokens [t*BT, +BT).
     # TMA_W: b_ptr is a TMA descriptor over the weight (the same codes, loaded by the TMA unit).
     # PREFETCH (split mode, contiguous 1-byte codes, K % 16 == 0): the program's whole weight
     # chunk is asked of L2 first (`_prefetch_rows_l2`); nothing else changes.
+    # PDL (launched as a programmatic dependent launch, sm_90+): the program may start while the
+    # kernel before it on the stream finishes, so nothing before `gdc_wait` reads what an
+    # earlier kernel writes or writes at all (only the weight prefetch, a hint, runs there);
+    # once its sums are done it lets the next such launch start (`gdc_launch_dependents`).
     # SPLIT: chunk c = program_id(2) only, its partial stored to ws[c]; the tile's last program
     # to finish adds the S partials in chunk order (`_fold_last`). Else every chunk here, folded
     # left to right in registers.
@@ -103,6 +113,8 @@ def split_gemm_kernel(
     if PREFETCH:
         k_lo = c0 * CHUNK * 128
         _prefetch_rows_l2(b_ptr, rw, N, sbn, k_lo, tl.minimum(K - k_lo, CHUNK * 128))
+    if PDL:
+        gdc_wait()
     total = _chunk_sum(x_ptr, a_ptr, sa_ptr, b_ptr, sb_ptr, lut_a_ptr, lut_b_ptr, rw, rt, c0,
                        M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk, ssbn, ssbk, CHUNK,
                        B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV, EPS, POW2, MANT, BIAS,
@@ -110,6 +122,8 @@ def split_gemm_kernel(
     mask = (rt[None, :] < M) & (rw[:, None] < N)
     dst = c_ptr + rt[None, :] * scm + rw[:, None] * scn
     if SPLIT:
+        if PDL:
+            gdc_launch_dependents()
         part = ws_ptr + rt[None, :] * swm + rw[:, None]
         tl.store(part + c0.to(tl.int64) * sws, total, mask=mask)
         _fold_last(part, cnt_ptr, dst, mask, S, sws)
@@ -120,6 +134,8 @@ def split_gemm_kernel(
                                 rt, c, M, N, K, KB, sxm, sxk, sam, sak, ssam, ssak, sbn, sbk,
                                 ssbn, ssbk, CHUNK, B_ROWS, BW, BT, FUSED, IN_BF16, FMAX, MAXV,
                                 EPS, POW2, MANT, BIAS, NATIVE_CAST, DOT, FP8_A, FP8_B, TMA_W)  # fmt: skip
+        if PDL:
+            gdc_launch_dependents()
         tl.store(dst, total.to(c_ptr.dtype.element_ty), mask=mask)
 
 

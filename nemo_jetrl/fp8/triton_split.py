@@ -84,6 +84,13 @@ than a K-loop stage at a time; the loop then reads them from L2. A hint: the sam
 (run 8 measured the split kernel at 1.80-1.86 TB/s at M <= 8 where BF16 streams 2.63-2.76).
 Compiled programs only (not the interpreter, not with `SPLIT_TMA`): speed only,
 `bench_serving_kernel.py --backends triton_splitk:a:a:3:pf` times it on a GPU."""
+SPLIT_PDL = False
+"""Launch the GEMM as a programmatic dependent launch (Hopper's PDL: ``launch_pdl``): its
+programs may start while the kernel before it on the stream drains, doing nothing but the
+weight prefetch (`SPLIT_PREFETCH`) until that kernel's writes are visible (``griddepcontrol.wait``,
+before any activation load or store); each program lets the next PDL launch start once its sums
+are done. The same bits. sm_90 and later, compiled programs only (not the interpreter): speed
+only, `bench_serving_kernel.py --backends triton_splitk:a:a:3:pdl` (or ``pf+pdl``) times it."""
 COUNTERS = 1 << 16
 """Split-mode tile counters per device (int32, `prepare`); a tile is ``ceil(N / 64)`` x token
 tiles, and split mode has one token tile (M <= 64) unless forced."""
@@ -152,7 +159,7 @@ _UNFUSED = (("IN_BF16", False), ("FMAX", 0.0), ("MAXV", 0.0), ("EPS", 0.0), ("PO
 @functools.cache
 def _meta(
     b_rows: int, plan: SplitLaunch, quant: tuple, dot: int, fmts: tuple[str, str], stages: int,
-    tma: bool, prefetch: bool = False,
+    tma: bool, prefetch: bool = False, pdl: bool = False,
 ):  # fmt: skip
     """The kernel's constexprs and launch options for one configuration, built once."""
     jit = _kernel()
@@ -161,8 +168,31 @@ def _meta(
         CHUNK=CHUNK_TILES, B_ROWS=b_rows, BW=WEIGHT_ROWS * plan.warpgroups, BT=plan.token_tile,
         SPLIT=plan.split, FUSED=quant is not _UNFUSED, DOT=dot, FP8_A=fp8[fmts[0]],
         FP8_B=fp8[fmts[1]], **dict(quant), num_warps=4 * plan.warpgroups,
-        num_stages=stages, TMA_W=tma, PREFETCH=prefetch, **NO_FTZ,
+        num_stages=stages, TMA_W=tma, PREFETCH=prefetch, PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}), **NO_FTZ,
     )  # fmt: skip
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    """Whether ``device`` runs programmatic dependent launches (``griddepcontrol``: sm_90+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _pdl(device: torch.device) -> bool:
+    """`SPLIT_PDL` for a launch on ``device``: off under the interpreter (no inline assembly;
+    the bits do not depend on it), refused where it cannot run rather than timed as the default."""
+    if not SPLIT_PDL or interpreting():
+        return False
+    if not _pdl_capable(device) or _kernel().gdc_wait is None:
+        import triton
+
+        raise RuntimeError(
+            f"split_gemm: SPLIT_PDL needs a GPU of sm_90 or later and a Triton with "
+            f"griddepcontrol (3.6 and 3.9 have it); got {device} and Triton {triton.__version__}: "
+            f"set triton_split.SPLIT_PDL = False"
+        )
+    return True
 
 
 _COUNTER_BUFFERS: dict[torch.device, torch.Tensor] = {}
@@ -231,6 +261,7 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
     tma = SPLIT_TMA and aligned
     # the prefetch's byte addresses need 1-byte codes (the FP8 dot's operands)
     prefetch = SPLIT_PREFETCH and plan.split and native and aligned and not (tma or interpreting())
+    pdl = _pdl(dev)
     wb = _weight_descriptor(qb, WEIGHT_ROWS * plan.warpgroups) if tma else qb
     args = (
         xa, qdat, sa, wb, sb, lut_a, lut_b, ws, cnt, out, m, n, k, kb, s,
@@ -238,7 +269,7 @@ def _launch(x, qa, b: BlockQuantized, out_dtype, quant: tuple, a_fmt: str, plan:
         m * n, n, out.stride(0), out.stride(1),
     )  # fmt: skip
     stages = (SPLIT_STAGES or pipeline_stages(True)) if native else pipeline_stages(False)
-    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt), stages, tma, prefetch)
+    meta = _meta(b.block[0], plan, quant, dot, (a_fmt, b.fmt), stages, tma, prefetch, pdl)
     if tma:  # descriptors: through Triton's own launch path
         jit.split_gemm_kernel[grid](*args, **meta)
     else:

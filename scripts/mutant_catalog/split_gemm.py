@@ -1,5 +1,6 @@
 """Mutants of the ``triton_splitk`` GEMM (`triton_split`, `_triton_split_jit`): its fixed order,
-fused quantizer, MMA instruction, one-launch fold and launch variants (TMA, L2 prefetch)."""
+fused quantizer, MMA instruction, one-launch fold and launch variants (TMA, L2 prefetch,
+programmatic dependent launch)."""
 
 from __future__ import annotations
 
@@ -109,5 +110,34 @@ MUTANTS += [
             T_SPLIT_SM90
             + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",
         ),
+    ),
+    Mutant(
+        # (a mutant of _triton_split_jit itself is killed only by the subprocess compile test,
+        # which the harness cannot attribute: the host's flag stands in for the kernel's wait)
+        "split-K launched as a dependent launch by a kernel without its wait (reads outputs early)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "PREFETCH=prefetch, PDL=pdl,",
+        "PREFETCH=prefetch, PDL=False,",
+        (
+            T_SPLIT_SM90
+            + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",
+        ),
+    ),
+    Mutant(
+        "split-K dependent-launch variant never launched as one (the variant a no-op)",
+        "nemo_jetrl/fp8/triton_split.py",
+        '**({"launch_pdl": True} if pdl else {}),',
+        "",
+        (
+            T_SPLIT_SM90
+            + "test_every_mode_compiles_for_sm90_to_one_wgmma_family_with_pipelined_loads",
+        ),
+    ),
+    Mutant(
+        "split-K dependent launch taken on a GPU before sm_90 (griddepcontrol cannot run)",
+        "nemo_jetrl/fp8/triton_split.py",
+        "    if not _pdl_capable(device) or _kernel().gdc_wait is None:",
+        "    if _kernel().gdc_wait is None:",
+        (T_SPLIT + "test_dependent_launches_are_refused_where_they_cannot_run",),
     ),
 ]

@@ -221,6 +221,22 @@ def test_refuses_operands_by_name():
         triton_split.split_linear(torch.zeros(2, 256, dtype=torch.int32), qw, pow2_scales=True)
 
 
+def test_dependent_launches_are_refused_where_they_cannot_run(monkeypatch):
+    """`SPLIT_PDL` set: off under the interpreter (its inline assembly cannot run there; the bits
+    do not depend on it), and on a device without griddepcontrol (before sm_90) refused naming
+    the knob, rather than timed as the default under the variant's name."""
+    monkeypatch.setattr(triton_split, "SPLIT_PDL", True)
+    monkeypatch.setattr(triton_split, "interpreting", lambda: True)
+    assert triton_split._pdl(torch.device("cpu")) is False
+    monkeypatch.setattr(triton_split, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_split, "_pdl_capable", lambda device: device.index == 1)
+    with pytest.raises(RuntimeError, match=r"SPLIT_PDL needs a GPU of sm_90 or later.*cuda:0"):
+        triton_split._pdl(torch.device("cuda", 0))
+    assert triton_split._pdl(torch.device("cuda", 1)) is True
+    monkeypatch.setattr(triton_split, "SPLIT_PDL", False)
+    assert triton_split._pdl(torch.device("cuda", 0)) is False
+
+
 # ------------------------------------------------------------------- as a planned backend
 
 
@@ -299,8 +315,8 @@ def _to_cpu(q):
 def test_gpu_the_l2_prefetch_variant_gives_the_same_bits(monkeypatch, name):
     """`SPLIT_PREFETCH` (a sweep variant; the interpreter cannot run its inline assembly) at the
     decode sizes, fused and unfused quantization, FP32 scales (the sweep's mode, whose kernels
-    the carried census cache holds): the default's bits. Last in this module: a fault in the
-    prefetch would poison the process's CUDA context for the tests after it."""
+    the carried census cache holds): the default's bits. Last in this module with the PDL test:
+    a fault in either variant would poison the process's CUDA context for the tests after it."""
     n, k = QWEN3_8B[name]
     x, qx, qw = _operands(64, n, k, pow2=False, seed=13, device="cuda")
     for m in (1, 17, 64):
@@ -311,3 +327,36 @@ def test_gpu_the_l2_prefetch_variant_gives_the_same_bits(monkeypatch, name):
         got = [triton_split.split_linear(x[:m], qw, pow2_scales=False),
                triton_split.split_gemm(_rows(qx, m), qw)]  # fmt: skip
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (name, m)
+
+
+@pytest.mark.gpu
+def test_gpu_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
+    """`SPLIT_PDL` (a sweep variant: a programmatic dependent launch whose programs may start
+    while the kernel before drains, and wait for its writes before any load): four GEMMs in a
+    chain, each reading the output the one before wrote, at the decode sizes (fused and
+    unfused quantization, split mode), FP32 scales, eager and replayed from a CUDA graph, give
+    the bits of the same chain launched plainly. A wait after a load would read a previous
+    output (a race: it shows as other bits on some replay)."""
+    g = torch.Generator("cuda").manual_seed(14)
+    raw = [(torch.randn(4096, 4096, generator=g, device="cuda") * 0.02).to(BF16) for _ in range(4)]
+    ws = [quantize_blockwise(w, (128, 128), pow2_scales=False) for w in raw]
+    x = torch.randn(64, 4096, generator=g, device="cuda").to(BF16)
+
+    def chain(h):
+        for w in ws:
+            h = triton_split.split_linear(h, w, pow2_scales=False)
+        return h
+
+    for m in (1, 17, 64):
+        monkeypatch.setattr(triton_split, "SPLIT_PDL", False)
+        want = chain(x[:m])
+        assert bool(want.isfinite().all()) and float(want.abs().max()) > 0
+        monkeypatch.setattr(triton_split, "SPLIT_PDL", True)
+        assert torch.equal(chain(x[:m]), want), m
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain(x[:m])
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), m
