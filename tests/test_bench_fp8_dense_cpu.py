@@ -123,27 +123,31 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
             layer_modes.append((triton_split.SPLIT_MAX_M, triton_split.SPLIT_PREFETCH))
             return 2.0 if fn.__name__ == "bf16_layer" else 1.0
         outs.append(fn())
-        modes.append((triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES,
-                      triton_split.SPLIT_TMA, triton_split.SPLIT_PREFETCH, triton_split.SPLIT_PDL))  # fmt: skip
+        modes.append(knobs())
         return 2.0 if fn.__name__ == "bf16" else 1.0
 
     layer_modes = []
 
+    def knobs():
+        return (triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES,
+                triton_split.SPLIT_TMA, triton_split.SPLIT_PREFETCH, triton_split.SPLIT_PDL,
+                triton_split.DECODE_WARPGROUPS)  # fmt: skip
+
     monkeypatch.setattr(module._common, "bench_ms", timed)
     backends = ("auto,triton_splitk,triton_splitk:0:1,triton_splitk:a:1:4:tma,triton_splitk:a:0:2:pf,"
-                "triton_splitk:a:a:3:pf+pdl")  # fmt: skip
+                "triton_splitk:a:a:3:pf+pdl,triton_splitk:a:a:3:wg2")  # fmt: skip
     argv = ["--device", "cpu", "--tokens", "1", "3", "--backends", backends, "--no-pow2"]
     rows = module.run(module.build_parser().parse_args(argv))
     names = ["reference", "triton_splitk", "triton_splitk:0:1", "triton_splitk:a:1:4:tma",
-             "triton_splitk:a:0:2:pf", "triton_splitk:a:a:3:pf+pdl"]  # fmt: skip
+             "triton_splitk:a:0:2:pf", "triton_splitk:a:a:3:pf+pdl", "triton_splitk:a:a:3:wg2"]  # fmt: skip
     assert [(r["M"], r["backend"]) for r in rows] == [(m, b) for m in (1, 3) for b in names]
-    assert [tuple(o[0].shape) for o in outs] == [(1, 136)] * 7 + [(3, 136)] * 7
-    default = (triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES,
-               triton_split.SPLIT_TMA, triton_split.SPLIT_PREFETCH, triton_split.SPLIT_PDL)  # fmt: skip
-    forced = [(0, 1 << 30, None, False, False, False), (64, 1 << 30, 4, True, False, False),
-              (64, 0, 2, False, True, False), (64, 16, 3, False, True, True)]  # fmt: skip
+    assert [tuple(o[0].shape) for o in outs] == [(1, 136)] * 8 + [(3, 136)] * 8
+    default = knobs()
+    forced = [(0, 1 << 30, None, False, False, False, 1), (64, 1 << 30, 4, True, False, False, 1),
+              (64, 0, 2, False, True, False, 1), (64, 16, 3, False, True, True, 1),
+              (64, 16, 3, False, False, False, 2)]  # fmt: skip
     assert modes == [default, default, default, *forced] * 2
-    assert default == (64, 16, None, False, False, False)
+    assert default == (64, 16, None, False, False, False, 1)
     for r in rows:
         assert r["speedup"] == 2.0 and r["fp8_TBps"] == 136 * 1300 / 1.0 / 1e9
         assert r["bf16_TBps"] == 2 * 136 * 1300 / 2.0 / 1e9 and r["target"] in ("MET", "-")
@@ -151,11 +155,11 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
         assert r["layer_speedup"] == 2.0 and r["layer_target"] == "-"
     # one BF16 layer per M, then each backend's layer inside its own modes
     assert layer_modes == [(64, False), (64, False), (64, False), (0, False), (64, False),
-                           (64, True), (64, True)] * 2  # fmt: skip
+                           (64, True), (64, True), (64, False)] * 2  # fmt: skip
     bad_modes = ("scaled_mm:1:1", "triton_splitk:1:2", "triton_splitk:a:a:0", "triton_splitk:a:a:x",
                  "triton_splitk:a:a:3:tmx", "triton_splitk:a:a:3:tma:1", "triton_splitk:a:a:3:pf:1",
                  "triton_splitk:a:a:3:tma:pf", "triton_splitk:a:a:3:pdl+pf",
-                 "triton_splitk:a:a:3:tma+pdl", "triton_splitk:a:a:pdl")  # fmt: skip
+                 "triton_splitk:a:a:3:tma+pdl", "triton_splitk:a:a:pdl", "triton_splitk:a:a:3:wg3")  # fmt: skip
     for bad in bad_modes:
         with pytest.raises(SystemExit, match="modes are triton_splitk:SPLIT:FUSED"):
             module.run(module.build_parser().parse_args([*argv[:5], "--backends", bad]))
@@ -163,9 +167,7 @@ def test_serving_kernel_times_each_backend_against_one_bf16_time(bench, monkeypa
     for name in module.SPLIT_SWEEP:
         with module.splitk_modes(name) as plain:
             assert plain == "triton_splitk"
-        after = (triton_split.SPLIT_MAX_M, triton_split.FUSE_MAX_M, triton_split.SPLIT_STAGES,
-                 triton_split.SPLIT_TMA, triton_split.SPLIT_PREFETCH, triton_split.SPLIT_PDL)  # fmt: skip
-        assert after == default, name
+        assert knobs() == default, name
     assert module.backend_names("auto,split-sweep") == ["auto", *module.SPLIT_SWEEP]
 
 

@@ -182,6 +182,10 @@ def test_the_measured_instructions_of_the_gpu_paths(census):
     assert {r["consts"]["BT"] for r in pf} == {16, 32, 64} and all(r["consts"]["SPLIT"] for r in pf)
     assert all(r["l2_prefetches"] for r in pf), pf
     assert not any(r.get("l2_prefetches") for r in rows if r not in pf)
+    # two warpgroups a decode program (128 weight rows in split mode, the sweep's `wg2`)
+    wg2 = [r for r in split if r["consts"]["SPLIT"] and r["consts"]["BW"] == 128]
+    assert {r["consts"]["BT"] for r in wg2} == {16, 32, 64}
+    assert all(r["options"]["num_warps"] == 8 for r in wg2), wg2
     # launched as programmatic dependent launches (alone and after the prefetch): the launch
     # option and the kernel's wait for the kernel before it, together, nowhere else
     pdl = [r for r in split if r["consts"].get("PDL")]

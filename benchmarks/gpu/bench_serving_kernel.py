@@ -59,11 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backends",
         default="auto",
-        help="comma-separated GEMM backends to time; triton_splitk:SPLIT:FUSED[:STAGES[:LOADS]] "
-        "(SPLIT and FUSED each 0, 1 or a(uto); LOADS tma, pf, pdl or pf+pdl) forces the split-K "
-        "kernel's launch mode, fused quantization, K-loop pipeline depth and TMA, L2-prefetched "
-        "or programmatic-dependent weight loads at every M; "
-        "'split-sweep': the variants in SPLIT_SWEEP",
+        help="comma-separated GEMM backends to time; triton_splitk:SPLIT:FUSED[:STAGES[:VARIANT]] "
+        "(SPLIT and FUSED each 0, 1 or a(uto); VARIANT tma, pf, pdl, pf+pdl or wg2) forces the "
+        "split-K kernel's launch mode, fused quantization, K-loop pipeline depth and TMA, "
+        "L2-prefetched or programmatic-dependent weight loads or two-warpgroup decode programs "
+        "at every M; 'split-sweep': the variants in SPLIT_SWEEP",
     )
     ap.add_argument(
         "--layer",
@@ -114,13 +114,15 @@ def serving_fns(x: torch.Tensor, weights: list[torch.Tensor], pow2: bool, backen
     return bf16, fp8, plan.backend
 
 
-LOAD_VARIANTS = {
-    "tma": ("SPLIT_TMA",),
-    "pf": ("SPLIT_PREFETCH",),
-    "pdl": ("SPLIT_PDL",),
-    "pf+pdl": ("SPLIT_PREFETCH", "SPLIT_PDL"),
+VARIANTS = {
+    "tma": {"SPLIT_TMA": True},
+    "pf": {"SPLIT_PREFETCH": True},
+    "pdl": {"SPLIT_PDL": True},
+    "pf+pdl": {"SPLIT_PREFETCH": True, "SPLIT_PDL": True},
+    "wg2": {"DECODE_WARPGROUPS": 2},
 }
-"""The split-K kernel's weight-load variants by name (the fourth mode), each the knobs it sets."""
+"""The split-K kernel's launch variants by name (the fourth mode), each the `triton_split` knobs
+it sets."""
 # The split-K kernel's launch variants the GPU call times at the decode sizes (device_session.sh
 # part 48): the default, quantization unfused at every M (run 8: fusing cost 10% at 32 tokens
 # and 40% at 64, each program quantizing its chunk again; unmeasured at 1 and 8; fused at every
@@ -128,7 +130,9 @@ LOAD_VARIANTS = {
 # slower than 3 at M <= 8, faster at 32), the weight through TMA descriptors, the weight chunk
 # prefetched into L2 (`triton_split.SPLIT_PREFETCH`), and launched as a programmatic dependent
 # launch (`SPLIT_PDL`: its start overlaps the previous kernel's end, which the layer timing
-# shows), alone and after the prefetch. Speed only: each gives the default's bits.
+# shows), alone and after the prefetch, and programs of 128 weight rows at the decode sizes
+# (`DECODE_WARPGROUPS`: each token chunk read by half as many programs, for M = 32 and 64, where
+# run 8 had split-K at 1.04-1.18x). Speed only: each gives the default's bits.
 SPLIT_SWEEP = (
     "triton_splitk",
     "triton_splitk:a:0",
@@ -138,6 +142,7 @@ SPLIT_SWEEP = (
     "triton_splitk:a:a:3:pf",
     "triton_splitk:a:a:3:pdl",
     "triton_splitk:a:a:3:pf+pdl",
+    "triton_splitk:a:a:3:wg2",
 )
 
 
@@ -148,13 +153,14 @@ def backend_names(backends: str) -> list[str]:
 
 @contextlib.contextmanager
 def splitk_modes(name: str):
-    """``triton_splitk:S:F[:STAGES[:LOADS]]``: the split-K kernel with split mode S and fused
+    """``triton_splitk:S:F[:STAGES[:VARIANT]]``: the split-K kernel with split mode S and fused
     quantization F (1: at every M, 0: at none, a: the default thresholds), the K loop's
-    pipeline depth (`triton_split.SPLIT_STAGES`) and LOADS one of `LOAD_VARIANTS`: the weight
+    pipeline depth (`triton_split.SPLIT_STAGES`) and VARIANT one of `VARIANTS`: the weight
     through TMA descriptors (`triton_split.SPLIT_TMA`), prefetched into L2
     (`triton_split.SPLIT_PREFETCH`), launched as a programmatic dependent launch
-    (`triton_split.SPLIT_PDL`), or prefetched and dependent; set for the block and restored
-    after (the bits do not depend on them). Yields the backend name without the modes."""
+    (`triton_split.SPLIT_PDL`), prefetched and dependent, or two warpgroups a decode program
+    (`triton_split.DECODE_WARPGROUPS`); set for the block and restored after (the bits do not
+    depend on them). Yields the backend name without the modes."""
     backend, *modes = name.split(":")
     if not modes:
         yield backend
@@ -162,31 +168,29 @@ def splitk_modes(name: str):
     from nemo_jetrl.fp8 import triton_split
 
     stages = modes[2] if len(modes) >= 3 else None
-    loads = LOAD_VARIANTS.get(modes[3], ()) if len(modes) == 4 else ()
-    ok = backend == "triton_splitk" and len(modes) in (2, 3) + ((4,) if loads else ())
+    variant = VARIANTS.get(modes[3], {}) if len(modes) == 4 else {}
+    ok = backend == "triton_splitk" and len(modes) in (2, 3) + ((4,) if variant else ())
     if not (ok and set(modes[:2]) <= {"0", "1", "a"}) or (
         stages is not None and not (stages.isdigit() and 1 <= int(stages) <= 8)
     ):
         raise SystemExit(
-            f"--backends: {name!r}: modes are triton_splitk:SPLIT:FUSED[:STAGES[:LOADS]], "
-            f"SPLIT and FUSED each 0, 1 or a, STAGES 1 to 8, LOADS one of "
-            f"{', '.join(LOAD_VARIANTS)}"
+            f"--backends: {name!r}: modes are triton_splitk:SPLIT:FUSED[:STAGES[:VARIANT]], "
+            f"SPLIT and FUSED each 0, 1 or a, STAGES 1 to 8, VARIANT one of "
+            f"{', '.join(VARIANTS)}"
         )
-    knobs = (
+    knobs = {
         "SPLIT_MAX_M",
         "FUSE_MAX_M",
         "SPLIT_STAGES",
-        "SPLIT_TMA",
-        "SPLIT_PREFETCH",
-        "SPLIT_PDL",
-    )
+        *(k for v in VARIANTS.values() for k in v),
+    }
     saved = {k: getattr(triton_split, k) for k in knobs}
     big = {"1": 1 << 30, "0": 0}
     triton_split.SPLIT_MAX_M = big.get(modes[0], saved["SPLIT_MAX_M"])
     triton_split.FUSE_MAX_M = big.get(modes[1], saved["FUSE_MAX_M"])
     triton_split.SPLIT_STAGES = int(stages) if stages else saved["SPLIT_STAGES"]
-    for knob in loads:
-        setattr(triton_split, knob, True)
+    for knob, value in variant.items():
+        setattr(triton_split, knob, value)
     try:
         yield backend
     finally:

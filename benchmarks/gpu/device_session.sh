@@ -130,7 +130,7 @@ plan() {
   # the split-K kernel's launch variants at the decode sizes (point 2: the default to set; the
   # census compiles them): fused quantization at every M and at none, K-loop pipelines of 4
   # and 2 stages, TMA weight loads, the weight chunk prefetched into L2
-  step bench_serving_sweep "$(lim SERVING_SWEEP 48 25 25)" "$py" benchmarks/gpu/bench_serving_kernel.py \
+  step bench_serving_sweep "$(lim SERVING_SWEEP 48 25 30)" "$py" benchmarks/gpu/bench_serving_kernel.py \
     --no-pow2 --iters 10 --tokens 1 8 32 64 --backends split-sweep \
     --json "$work/json/bench_serving_sweep.json"
   step bench_moe_layer "$(lim MOE 48 30 20)" "$py" benchmarks/gpu/bench_moe_layer.py --iters 20 \
@@ -141,7 +141,7 @@ plan() {
   step profile_host "$(lim PROFILE_HOST 48 25 30)" "$py" benchmarks/gpu/profile_host.py --iters 10 \
     --ops 8
   # which kernel takes the time where a target is missed (MoE prefill, decode, the linear)
-  step profile_kernels "$(lim PROFILE_KERNELS 48 0 20)" "$py" benchmarks/gpu/profile_kernels.py \
+  step profile_kernels "$(lim PROFILE_KERNELS 48 0 15)" "$py" benchmarks/gpu/profile_kernels.py \
     --steps 5 --top 10
   # then the tile sweep (point 4: the tiles to make the defaults; the census cache holds them)
   step bench_quantizer "$(lim QUANT 48 35 35)" "$py" benchmarks/gpu/bench_quantizer_bandwidth.py \

@@ -62,6 +62,11 @@ A decode program has one warpgroup (4 warps); above `SPLIT_MAX_M` tokens a progr
 `PREFILL_WARPGROUPS` of them, each running the same wgmma on its own 64 rows."""
 PREFILL_WARPGROUPS = 2
 """Warpgroups per program above the decode sizes (128 weight rows: 8 warps)."""
+DECODE_WARPGROUPS = 1
+"""Warpgroups per program at the decode sizes (M <= `SPLIT_MAX_M`). 2 gives each program 128
+weight rows, so each token chunk is read by half as many programs (at M = 32, 64 the activation
+tiles are 2-4 KB a K step beside the weight's 8), over half as many programs: speed only,
+`bench_serving_kernel.py --backends triton_splitk:a:a:3:wg2` times it on a GPU."""
 PREFILL_TOKEN_TILE = 64
 """Tokens per program above `SPLIT_MAX_M`. The order keeps three fp32 tiles live (the tile dot,
 the chunk's sum, the fold), all in registers at 128 x 64: ptxas for sm_90a gives 248 registers
@@ -123,7 +128,8 @@ def launch_for(m: int, k: int) -> SplitLaunch:
     chunks = split_count(k)
     split = chunks > 1 and m <= SPLIT_MAX_M
     tile = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else PREFILL_TOKEN_TILE
-    return SplitLaunch(split, tile, chunks, 1 if m <= SPLIT_MAX_M else PREFILL_WARPGROUPS)
+    warpgroups = DECODE_WARPGROUPS if m <= SPLIT_MAX_M else PREFILL_WARPGROUPS
+    return SplitLaunch(split, tile, chunks, warpgroups)
 
 
 def _check(label: str, a_block, b: BlockQuantized, a_shape, out_dtype: torch.dtype) -> None:

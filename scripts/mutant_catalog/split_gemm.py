@@ -140,4 +140,11 @@ MUTANTS += [
         "    if _kernel().gdc_wait is None:",
         (T_SPLIT + "test_dependent_launches_are_refused_where_they_cannot_run",),
     ),
+    Mutant(
+        "split-K decode programs keep one warpgroup whatever DECODE_WARPGROUPS says",
+        "nemo_jetrl/fp8/triton_split.py",
+        "warpgroups = DECODE_WARPGROUPS if m <= SPLIT_MAX_M else PREFILL_WARPGROUPS",
+        "warpgroups = 1 if m <= SPLIT_MAX_M else PREFILL_WARPGROUPS",
+        (T_SPLIT + "test_two_warpgroups_at_the_decode_sizes_give_the_same_bits",),
+    ),
 ]

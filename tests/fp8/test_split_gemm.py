@@ -159,6 +159,31 @@ def test_split_mode_is_one_launch_whose_last_program_folds_and_rezeroes_its_coun
     assert not torch.equal(got[:, :64], want[:, :64]) and torch.equal(got[:, 64:], want[:, 64:])
 
 
+@interpreter_bits
+def test_two_warpgroups_at_the_decode_sizes_give_the_same_bits(monkeypatch):
+    """`DECODE_WARPGROUPS = 2` (a sweep variant): split-mode programs of 128 weight rows, half as
+    many (200 rows: 2 tiles, the second partial), give the default's bits, fused quantization
+    included; above `SPLIT_MAX_M` the prefill's two warpgroups are unchanged."""
+    x, qx, qw = _operands(5, 200, 2500, pow2=False, seed=6)
+    want = split_order_matmul(qx, qw, out_dtype=FP32)
+    fused = triton_split.split_linear(x, qw, pow2_scales=False, out_dtype=FP32)
+    launched = []
+    real = triton_split.launch
+
+    def counting(kernel, grid, args, meta):  # type: ignore[no-untyped-def]
+        launched.append((tuple(grid), meta["BW"], meta["num_warps"]))
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(triton_split, "launch", counting)
+    monkeypatch.setattr(triton_split, "DECODE_WARPGROUPS", 2)
+    assert torch.equal(triton_split.split_gemm(qx, qw, out_dtype=FP32), want)
+    assert torch.equal(triton_split.split_linear(x, qw, pow2_scales=False, out_dtype=FP32), fused)
+    assert launched == [((2, 1, 3), 128, 8)] * 2
+    assert triton_split.launch_for(65, 4096).warpgroups == triton_split.PREFILL_WARPGROUPS == 2
+    monkeypatch.setattr(triton_split, "PREFILL_WARPGROUPS", 1)
+    assert triton_split.launch_for(64, 4096).warpgroups == 2  # the decode knob, not prefill's
+
+
 def test_the_tile_counters_are_made_when_the_backend_is_planned(monkeypatch):
     """Planning ``triton_splitk`` makes the device's counters (zeros), so a CUDA graph captured
     later finds them made (inside a capture they would be recorded unzeroed: refused on a GPU)."""
