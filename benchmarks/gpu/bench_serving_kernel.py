@@ -23,8 +23,10 @@ Two timings of the same kernels (``--layer``, on by default), each with its rati
 * one layer (``layer_speedup``): the four linears back to back in one CUDA graph, as a decode
   layer runs them, with no flush: their weights are over 3x L2 (`LAYER_COLD_L2`), so every
   replay still reads each linear's weights from HBM (the others evicted them), and L2 holds
-  clean weight lines as in serving. Graded only where that holds (`layer_cold`). ``--backends`` times several GEMM backends in one run against
-the same BF16 times (``auto``: what the layer plans; ``triton_splitk``: the split-K kernel).
+  clean weight lines as in serving. Graded only where that holds (`layer_cold`).
+
+``--backends`` times several GEMM backends in one run against the same BF16 times (``auto``:
+what the layer plans; ``triton_splitk``: the split-K kernel).
 
 Usage: python benchmarks/gpu/bench_serving_kernel.py [--tokens 1 8 32 64 256 8192] [--iters 50]
          [--pow2 | --no-pow2] [--backends auto,triton_splitk] [--no-layer] [--json FILE]
