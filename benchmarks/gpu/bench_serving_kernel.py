@@ -16,14 +16,16 @@ and >= 1.3x at M = 256 and 8192.
 Two timings of the same kernels (``--layer``, on by default), each with its ratio and verdict:
 
 * per linear (runs 4-8's protocol; ``speedup``): each linear its own graph, timed after a write
-  over a buffer larger than L2. That write leaves L2 full of dirty lines, so the timed kernel
-  also pays their write-back to HBM as it evicts them, up to an L2's worth of bytes per linear:
-  a cost no decode step has (its L2 holds the previous linear's weights, clean), and one that
-  weighs more on the side that reads fewer bytes (FP8);
+  over a buffer larger than L2. That write leaves L2 full of dirty lines; unless L2 writes them
+  back while the GPU idles before the call (the timing cannot tell), the timed kernel pays that
+  write-back to HBM as it evicts them, up to an L2's worth of bytes per linear: a cost no decode
+  step has (its L2 holds the previous linear's weights, clean), and one that weighs more on the
+  side that reads fewer bytes (FP8);
 * one layer (``layer_speedup``): the four linears back to back in one CUDA graph, as a decode
   layer runs them, with no flush: their weights are over 3x L2 (`LAYER_COLD_L2`), so every
   replay still reads each linear's weights from HBM (the others evicted them), and L2 holds
-  clean weight lines as in serving. Graded only where that holds (`layer_cold`).
+  clean weight lines as in serving; a launch can overlap the one before (`SPLIT_PDL`). Graded
+  only where the weights are that large (`layer_cold`).
 
 ``--backends`` times several GEMM backends in one run against the same BF16 times (``auto``:
 what the layer plans; ``triton_splitk``: the split-K kernel).
