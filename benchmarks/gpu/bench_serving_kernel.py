@@ -143,10 +143,10 @@ SPLIT_SWEEP = (
     "triton_splitk:a:a:4",
     "triton_splitk:a:a:2",
     "triton_splitk:a:a:3:tma",
-    "triton_splitk:a:a:3:pf",
-    "triton_splitk:a:a:3:pdl",
-    "triton_splitk:a:a:3:pf+pdl",
     "triton_splitk:a:a:3:wg2",
+    "triton_splitk:a:a:3:pf",  # last at each M: the variants with instructions of their own
+    "triton_splitk:a:a:3:pdl",  # (griddepcontrol, the bulk prefetch), never run on a GPU yet
+    "triton_splitk:a:a:3:pf+pdl",
 )
 
 
