@@ -64,9 +64,9 @@ PREFILL_WARPGROUPS = 2
 """Warpgroups per program above the decode sizes (128 weight rows: 8 warps)."""
 DECODE_WARPGROUPS = 1
 """Warpgroups per program at the decode sizes (M <= `SPLIT_MAX_M`). 2 gives each program 128
-weight rows, so each token chunk is read by half as many programs (at M = 32, 64 the activation
-tiles are 2-4 KB a K step beside the weight's 8), over half as many programs: speed only,
-`bench_serving_kernel.py --backends triton_splitk:a:a:3:wg2` times it on a GPU."""
+weight rows, so each token chunk is read by half as many programs (a K step's token tile is
+4 KB at M = 32 and 8 KB at 64, beside 8 KB of weight for 64 rows), over half as many programs:
+speed only, `bench_serving_kernel.py --backends triton_splitk:a:a:3:wg2` times it on a GPU."""
 PREFILL_TOKEN_TILE = 64
 """Tokens per program above `SPLIT_MAX_M`. The order keeps three fp32 tiles live (the tile dot,
 the chunk's sum, the fold), all in registers at 128 x 64: ptxas for sm_90a gives 248 registers
